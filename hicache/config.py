@@ -1,0 +1,65 @@
+"""Configuration of the cache hierarchy: a frozen dataclass passed in, never a global."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Policy = Literal["cost", "always", "never"]
+WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
+TransferBackend = Literal["auto", "triton", "torch"]
+StorageBackend = Literal["file", "redis"]
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    enable: bool = False
+    # L2 capacity: ratio x L1 pages, or an absolute size (wins when given)
+    host_ratio: float = 2.0
+    host_size_gb: float | None = None
+    # L3 capacity: ratio x L2 pages, or an absolute size (wins when given); 0 disables L3
+    storage_ratio: float = 2.0
+    storage_size_gb: float | None = None
+    storage_path: str | None = None
+    storage_backend: StorageBackend = "file"
+    storage_url: str | None = None
+    storage_checksum: bool = True
+    io_workers: int = 4
+    policy: Policy = "cost"
+    write_policy: WritePolicy = "write_through"
+    transfer_backend: TransferBackend = "auto"
+    prefetch: bool = True  # False: blocking restores (--disable-hicache-prefetch)
+    # cost-model priors
+    recompute_us_per_token: float = 50.0
+    host_bandwidth_gib_s: float = 12.0
+    storage_bandwidth_gib_s: float = 3.0
+    cost_margin: float = 1.0
+    # model identity salt for content-addressed (shared) storage keys
+    model_id: str = "unknown"
+
+    def __post_init__(self) -> None:
+        if self.host_ratio < 0 or self.storage_ratio < 0:
+            raise ValueError("hicache ratios must be >= 0")
+        if self.io_workers < 1:
+            raise ValueError("--hicache-io-workers must be >= 1")
+        if self.policy not in ("cost", "always", "never"):
+            raise ValueError(f"unknown --hicache-policy {self.policy!r}")
+        if self.write_policy not in ("write_through", "write_through_selective", "write_back"):
+            raise ValueError(f"unknown --hicache-write-policy {self.write_policy!r}")
+        if self.transfer_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"unknown --hicache-transfer-backend {self.transfer_backend!r}")
+        if self.storage_backend not in ("file", "redis"):
+            raise ValueError(f"unknown --hicache-storage-backend {self.storage_backend!r}")
+        if self.storage_backend == "redis" and self.enable and not self.storage_url:
+            raise ValueError("--hicache-storage-backend redis needs --hicache-storage-url redis://HOST:PORT/DB")
+        if self.cost_margin <= 0:
+            raise ValueError("--hicache-cost-margin must be > 0")
+
+    def host_pages(self, l1_pages: int, bytes_per_page: int) -> int:
+        if self.host_size_gb is not None:
+            return int(self.host_size_gb * (1 << 30)) // bytes_per_page
+        return int(l1_pages * self.host_ratio)
+
+    def storage_pages(self, host_pages: int, bytes_per_page: int) -> int:
+        if self.storage_size_gb is not None:
+            return int(self.storage_size_gb * (1 << 30)) // bytes_per_page
+        return int(host_pages * self.storage_ratio)

@@ -1,0 +1,1 @@
+"""Page gather/scatter kernels (Triton) with torch references and a backend chooser."""

@@ -1,0 +1,1 @@
+"""The serving side: Qwen3 model, paged attention, requests, batching and the asyncio loop."""

@@ -1,0 +1,109 @@
+"""Engine configuration (frozen dataclass) and the command-line flags that build it."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields, replace
+
+from hicache.config import HiCacheConfig
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"  # a preset name (tiny, qwen3-0.6b, qwen3-4b, qwen3-8b) or a checkpoint directory
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 on cuda, float32 on cpu) | float32 | bfloat16 | float16
+    seed: int = 0
+    page_size: int = 0  # 0: 16 on cuda, 4 on cpu
+    num_pages: int = 0  # L1 pages; 0: sized from max_total_tokens
+    max_total_tokens: int = 8192  # L1 capacity in tokens when num_pages == 0
+    max_prefill_tokens: int = 2048  # token budget of one prefill batch (chunked prefill above it)
+    max_running_requests: int = 64
+    max_prompt_tokens: int = 0  # 0: no limit beyond what the pool can ever hold
+    max_new_tokens_limit: int = 4096
+    enable_prefix_cache: bool = True
+    cuda_graphs: bool = True  # capture small decode batches on cuda
+    log_json: str | None = None
+    hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
+
+    def with_hicache(self, **changes) -> "EngineConfig":
+        return replace(self, hicache=replace(self.hicache, **changes))
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default="tiny", help="preset (tiny, qwen3-0.6b, qwen3-4b, qwen3-8b) or checkpoint dir")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--page-size", type=int, default=0, help="tokens per page (default 16 on cuda, 4 on cpu)")
+    g.add_argument("--num-pages", type=int, default=0, help="L1 pages (default: from --max-total-tokens)")
+    g.add_argument("--max-total-tokens", type=int, default=8192)
+    g.add_argument("--max-prefill-tokens", type=int, default=2048)
+    g.add_argument("--max-running-requests", type=int, default=64)
+    g.add_argument("--max-prompt-tokens", type=int, default=0)
+    g.add_argument("--disable-prefix-cache", action="store_true")
+    g.add_argument("--disable-cuda-graphs", action="store_true")
+    g.add_argument("--log-json", default=None, help="write structured JSON-lines events to this file")
+    h = parser.add_argument_group("hicache")
+    h.add_argument("--enable-hicache", action="store_true")
+    h.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 pages = ratio x L1 pages")
+    h.add_argument("--hicache-size-gb", type=float, default=None, help="L2 size in GiB (wins over the ratio)")
+    h.add_argument("--hicache-storage-path", default=None)
+    h.add_argument("--hicache-storage-ratio", type=float, default=2.0, help="L3 pages = ratio x L2 pages")
+    h.add_argument("--hicache-storage-size-gb", type=float, default=None)
+    h.add_argument("--hicache-storage-backend", default="file", choices=["file", "redis"])
+    h.add_argument("--hicache-storage-url", default=None, help="redis://HOST:PORT/DB for the redis backend")
+    h.add_argument("--hicache-disable-checksum", action="store_true", help="skip per-page L3 checksums")
+    h.add_argument("--hicache-io-workers", type=int, default=4)
+    h.add_argument("--hicache-policy", default="cost", choices=["cost", "always", "never"])
+    h.add_argument("--hicache-write-policy", default="write_through",
+                   choices=["write_through", "write_through_selective", "write_back"])
+    h.add_argument("--hicache-transfer-backend", default="auto", choices=["auto", "triton", "torch"])
+    h.add_argument("--disable-hicache-prefetch", action="store_true")
+    h.add_argument("--hicache-recompute-us-per-token", type=float, default=50.0)
+    h.add_argument("--hicache-host-bandwidth-gib-s", type=float, default=12.0)
+    h.add_argument("--hicache-storage-bandwidth-gib-s", type=float, default=3.0)
+    h.add_argument("--hicache-cost-margin", type=float, default=1.0)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    hc = HiCacheConfig(
+        enable=args.enable_hicache,
+        host_ratio=args.hicache_ratio,
+        host_size_gb=args.hicache_size_gb,
+        storage_ratio=args.hicache_storage_ratio,
+        storage_size_gb=args.hicache_storage_size_gb,
+        storage_path=args.hicache_storage_path,
+        storage_backend=args.hicache_storage_backend,
+        storage_url=args.hicache_storage_url,
+        storage_checksum=not args.hicache_disable_checksum,
+        io_workers=args.hicache_io_workers,
+        policy=args.hicache_policy,
+        write_policy=args.hicache_write_policy,
+        transfer_backend=args.hicache_transfer_backend,
+        prefetch=not args.disable_hicache_prefetch,
+        recompute_us_per_token=args.hicache_recompute_us_per_token,
+        host_bandwidth_gib_s=args.hicache_host_bandwidth_gib_s,
+        storage_bandwidth_gib_s=args.hicache_storage_bandwidth_gib_s,
+        cost_margin=args.hicache_cost_margin,
+    )
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        max_total_tokens=args.max_total_tokens,
+        max_prefill_tokens=args.max_prefill_tokens,
+        max_running_requests=args.max_running_requests,
+        max_prompt_tokens=args.max_prompt_tokens,
+        enable_prefix_cache=not args.disable_prefix_cache,
+        cuda_graphs=not args.disable_cuda_graphs,
+        log_json=args.log_json,
+        hicache=hc,
+    )
+
+
+def config_fields() -> list[str]:
+    return [f.name for f in fields(EngineConfig)]
