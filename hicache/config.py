@@ -24,6 +24,7 @@ class HiCacheConfig:
     storage_url: str | None = None
     storage_checksum: bool = True
     io_workers: int = 4
+    io_timeout_s: float = 30.0  # an L3 read slower than this fails its restore (the request recomputes)
     policy: Policy = "cost"
     write_policy: WritePolicy = "write_through"
     transfer_backend: TransferBackend = "auto"

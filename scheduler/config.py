@@ -22,6 +22,7 @@ class EngineConfig:
     max_new_tokens_limit: int = 4096
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True  # capture small decode batches on cuda
+    cpu_threads: int = 1  # torch intra-op threads on the CPU (tiny shapes run fastest on one)
     log_json: str | None = None
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
 
@@ -43,6 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt-tokens", type=int, default=0)
     g.add_argument("--disable-prefix-cache", action="store_true")
     g.add_argument("--disable-cuda-graphs", action="store_true")
+    g.add_argument("--cpu-threads", type=int, default=1, help="torch threads when running on the CPU")
     g.add_argument("--log-json", default=None, help="write structured JSON-lines events to this file")
     h = parser.add_argument_group("hicache")
     h.add_argument("--enable-hicache", action="store_true")
@@ -100,6 +102,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_prompt_tokens=args.max_prompt_tokens,
         enable_prefix_cache=not args.disable_prefix_cache,
         cuda_graphs=not args.disable_cuda_graphs,
+        cpu_threads=args.cpu_threads,
         log_json=args.log_json,
         hicache=hc,
     )

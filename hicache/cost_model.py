@@ -1,0 +1,246 @@
+"""Online cost model: restore a lower-tier hit, or recompute it? (DESIGN.md section 7)
+
+Every direction is a `LinearCost`: `seconds = fixed_s + size * slope`, learned from the last 32
+samples. Sizes are bytes for transfers and tokens for recompute; slopes are s/byte and s/token.
+
+Samples must be *recurring* time only: enqueue + queue wait + service (DMA/kernel or file I/O) +
+completion. One-time costs (first pinned-workspace allocation, Triton compilation, file creation)
+must not be observed: they would inflate the fixed cost of every future decision.
+
+Recompute is charged at its *marginal* cost `num_tokens * slope`: whether a hit is restored or
+recomputed, the uncached tail still runs one forward, so the learned fixed cost of a prefill is paid
+either way and is not a saving of a restore. (It is still learned and reported in `state()`.)
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+from hicache.config import HiCacheConfig, Policy
+
+GIB_BYTES = 1 << 30
+WINDOW_SAMPLES = 32
+EWMA_ALPHA = 0.2
+TRANSFER_DIRECTIONS = ("h2d", "d2h", "s2h", "h2s")
+
+
+class LinearCost:
+    """`seconds = fixed_s + size * slope`, fitted over a window of recent (size, seconds) samples.
+
+    Regime "prior": no samples yet, slope = prior, fixed_s = 0.
+    Regime "fixed_only": the sizes in the window barely differ (max - min <= max(1, 5% of max)), so
+    slope and intercept cannot both be identified: keep the prior slope and move fixed_s by EWMA
+    (alpha 0.2) towards each new sample's residual max(0, seconds - size * prior_slope).
+    Regime "least_squares": fit both, constrained to fixed_s >= 0 and slope >= 0. A negative slope
+    falls back to (fixed_s = max(0, mean seconds), slope = 0); a negative intercept to a line through
+    the origin (fixed_s = 0, slope = sum(x*y) / sum(x*x)).
+    """
+
+    def __init__(self, prior_slope: float, *, window_samples: int = WINDOW_SAMPLES,
+                 ewma_alpha: float = EWMA_ALPHA) -> None:
+        if not (math.isfinite(prior_slope) and prior_slope >= 0):
+            raise ValueError(f"prior slope must be finite and >= 0, got {prior_slope}")
+        if window_samples < 1 or not 0 < ewma_alpha <= 1:
+            raise ValueError("window_samples must be >= 1 and 0 < ewma_alpha <= 1")
+        self.prior_slope = prior_slope
+        self.ewma_alpha = ewma_alpha
+        self.fixed_s = 0.0
+        self.slope = prior_slope
+        self.regime = "prior"
+        self._samples: deque[tuple[float, float]] = deque(maxlen=window_samples)
+
+    def observe(self, size: float, seconds: float) -> None:
+        if not (math.isfinite(size) and math.isfinite(seconds)) or size < 0 or seconds < 0:
+            raise ValueError(f"cost sample must be finite and >= 0, got size={size} seconds={seconds}")
+        self._samples.append((float(size), float(seconds)))
+        sizes = [x for x, _ in self._samples]
+        largest = max(sizes)
+        if largest - min(sizes) <= max(1.0, 0.05 * largest):
+            self._observe_fixed_only(size, seconds)
+        else:
+            self._fit_least_squares()
+
+    def _observe_fixed_only(self, size: float, seconds: float) -> None:
+        self.regime = "fixed_only"
+        self.slope = self.prior_slope
+        residual_s = max(0.0, seconds - size * self.slope)
+        self.fixed_s += self.ewma_alpha * (residual_s - self.fixed_s)
+
+    def _fit_least_squares(self) -> None:
+        self.regime = "least_squares"
+        n = len(self._samples)
+        mean_x = sum(x for x, _ in self._samples) / n
+        mean_y = sum(y for _, y in self._samples) / n
+        sxx = sum((x - mean_x) ** 2 for x, _ in self._samples)
+        sxy = sum((x - mean_x) * (y - mean_y) for x, y in self._samples)
+        slope = sxy / sxx  # sxx > 0: the spread exceeded the fixed-only threshold
+        fixed_s = mean_y - slope * mean_x
+        if slope < 0:
+            self.fixed_s, self.slope = max(0.0, mean_y), 0.0
+        elif fixed_s < 0:
+            sum_xy = sum(x * y for x, y in self._samples)
+            sum_xx = sum(x * x for x, _ in self._samples)
+            self.fixed_s, self.slope = 0.0, max(0.0, sum_xy / sum_xx)
+        else:
+            self.fixed_s, self.slope = fixed_s, slope
+
+    def predict(self, size: float) -> float:
+        """Seconds for one operation of `size` units (fixed cost included)."""
+        return self.fixed_s + size * self.slope
+
+    @property
+    def num_samples(self) -> int:
+        return len(self._samples)
+
+    def state(self) -> dict:
+        return {"fixed_s": self.fixed_s, "slope": self.slope, "prior_slope": self.prior_slope,
+                "samples": len(self._samples), "regime": self.regime}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a hit comes from. tier "l1": use only the L1 hit and recompute the rest; "l2"/"l3":
+    restore `restore_tokens` (= that tier's matched length - l1 matched length) from that tier."""
+
+    tier: str
+    restore_tokens: int
+    benefit_s: float
+    costs: dict
+
+
+def _seconds_per_byte(bandwidth_gib_s: float, name: str) -> float:
+    if not bandwidth_gib_s > 0:
+        raise ValueError(f"{name} must be > 0, got {bandwidth_gib_s}")
+    return 1.0 / (bandwidth_gib_s * GIB_BYTES)
+
+
+class CostModel:
+    """Per-direction linear costs plus the restore-vs-recompute decision and write admission.
+
+    Directions: "h2d", "d2h" (priors from host_bandwidth_gib_s), "s2h" (storage read), "h2s"
+    (storage write; priors from storage_bandwidth_gib_s), each in s/byte, and "recompute" in s/token
+    (prior recompute_us_per_token). Reads and writes of storage are learned separately.
+    """
+
+    def __init__(self, config: HiCacheConfig, bytes_per_token: int) -> None:
+        if bytes_per_token < 1:
+            raise ValueError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
+        if not config.recompute_us_per_token >= 0:
+            raise ValueError("recompute_us_per_token must be >= 0")
+        self.bytes_per_token = bytes_per_token
+        self.margin = config.cost_margin
+        host_s_per_byte = _seconds_per_byte(config.host_bandwidth_gib_s, "host_bandwidth_gib_s")
+        storage_s_per_byte = _seconds_per_byte(config.storage_bandwidth_gib_s, "storage_bandwidth_gib_s")
+        self.directions: dict[str, LinearCost] = {
+            "h2d": LinearCost(host_s_per_byte),
+            "d2h": LinearCost(host_s_per_byte),
+            "s2h": LinearCost(storage_s_per_byte),
+            "h2s": LinearCost(storage_s_per_byte),
+            "recompute": LinearCost(config.recompute_us_per_token * 1e-6),
+        }
+
+    # -- learning -------------------------------------------------------------------------------
+    def observe_transfer(self, direction: str, num_bytes: int, seconds: float) -> None:
+        """One transfer's recurring time (enqueue + queue wait + service + completion). Never pass
+        one-time costs such as a first pinned-workspace allocation."""
+        if direction not in TRANSFER_DIRECTIONS:
+            raise ValueError(f"unknown transfer direction {direction!r}; expected one of {TRANSFER_DIRECTIONS}")
+        self.directions[direction].observe(num_bytes, seconds)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """One prefill forward over `num_tokens` uncached tokens."""
+        self.directions["recompute"].observe(num_tokens, seconds)
+
+    # -- costs ----------------------------------------------------------------------------------
+    def _transfer_s(self, direction: str, num_tokens: int) -> float:
+        if num_tokens <= 0:
+            return 0.0  # nothing moves, no operation, no fixed cost
+        return self.directions[direction].predict(num_tokens * self.bytes_per_token)
+
+    def restore_cost_s(self, tier: str, num_tokens: int) -> float:
+        """Seconds to bring `num_tokens` into L1 from `tier`: L2 = H2D; L3 = S2H + H2D."""
+        if tier == "l2":
+            return self._transfer_s("h2d", num_tokens)
+        if tier == "l3":
+            return self._transfer_s("s2h", num_tokens) + self._transfer_s("h2d", num_tokens)
+        raise ValueError(f"restore tier must be 'l2' or 'l3', got {tier!r}")
+
+    def recompute_cost_s(self, num_tokens: int) -> float:
+        """Marginal seconds of prefilling `num_tokens` more tokens (see the module docstring)."""
+        return max(0, num_tokens) * self.directions["recompute"].slope
+
+    # -- decisions ------------------------------------------------------------------------------
+    def decide(self, l1_tokens: int, l2_tokens: int, l3_tokens: int, policy: Policy = "cost") -> Decision:
+        """Pick the source of a prefix hit from cumulative matched lengths per tier.
+
+        An L2/L3 hit only counts beyond l1_tokens. An L3 restore whose first part is already in L2
+        reads only the part beyond max(l1, l2) from storage, then moves all of it host->device.
+        """
+        if min(l1_tokens, l2_tokens, l3_tokens) < 0:
+            raise ValueError("matched lengths must be >= 0")
+        if policy not in ("cost", "always", "never"):
+            raise ValueError(f"unknown policy {policy!r}")
+        restore_tokens = {"l2": max(0, l2_tokens - l1_tokens), "l3": max(0, l3_tokens - l1_tokens)}
+        if l3_tokens <= l2_tokens:
+            restore_tokens["l3"] = 0  # L2 holds at least as much and is faster: no L3 candidate
+        costs: dict[str, float] = {}
+        benefit_s = {"l1": 0.0}
+        for tier in ("l2", "l3"):
+            n = restore_tokens[tier]
+            if n == 0:
+                continue
+            if tier == "l2":
+                restore_s = self._transfer_s("h2d", n)
+            else:
+                restore_s = (self._transfer_s("s2h", l3_tokens - max(l1_tokens, l2_tokens))
+                             + self._transfer_s("h2d", n))
+            recompute_s = self.recompute_cost_s(n)
+            benefit_s[tier] = recompute_s - self.margin * restore_s
+            costs[f"{tier}_restore_s"] = restore_s
+            costs[f"{tier}_recompute_s"] = recompute_s
+            costs[f"{tier}_benefit_s"] = benefit_s[tier]
+
+        if policy == "never":
+            tier = "l1"
+        elif policy == "always":
+            # the longest hit wins; on a tie the faster (shallower) tier
+            tier = max(("l2", "l3"), key=lambda t: (restore_tokens[t], t == "l2"))
+            if restore_tokens[tier] == 0:
+                tier = "l1"
+        else:
+            tier = "l1"
+            for candidate in ("l2", "l3"):  # strict > keeps the faster tier on a tie
+                if benefit_s.get(candidate, 0.0) > max(0.0, benefit_s[tier]):
+                    tier = candidate
+        return Decision(tier=tier, restore_tokens=restore_tokens.get(tier, 0),
+                        benefit_s=benefit_s.get(tier, 0.0), costs=costs)
+
+    def worth_writing(self, tier: str, num_tokens: int) -> bool:
+        """Admission for a backup into `tier` ("l2" or "l3") of `num_tokens` tokens.
+
+        False when a restore from that tier can never beat recompute, even with zero fixed cost
+        (so a later, longer hit would not amortise it either): margin * slope-only restore cost of
+        num_tokens >= recompute cost of num_tokens, with the current slope estimates.
+        """
+        if tier not in ("l2", "l3"):
+            raise ValueError(f"write tier must be 'l2' or 'l3', got {tier!r}")
+        if num_tokens <= 0:
+            return False
+        num_bytes = num_tokens * self.bytes_per_token
+        restore_s = num_bytes * self.directions["h2d"].slope
+        if tier == "l3":
+            restore_s += num_bytes * self.directions["s2h"].slope
+        return self.margin * restore_s < self.recompute_cost_s(num_tokens)
+
+    def state(self) -> dict:
+        """For status(): every direction's fit, plus effective GiB/s of the transfer slopes."""
+        directions = {}
+        for name, cost in self.directions.items():
+            entry = cost.state()
+            if name in TRANSFER_DIRECTIONS:
+                entry["gib_s"] = 1.0 / (cost.slope * GIB_BYTES) if cost.slope > 0 else None
+            else:
+                entry["us_per_token"] = cost.slope * 1e6
+            directions[name] = entry
+        return {"bytes_per_token": self.bytes_per_token, "margin": self.margin, "directions": directions}

@@ -1,0 +1,210 @@
+"""The cache manager: one tree over the tiers that exist, their pools and allocators, the L3 store,
+the transfer engine, the cost model and the live operations. Knows nothing of requests or models:
+callers hand it token ids and L1 pages.
+
+Contract (what callers may rely on):
+  - `match()` never changes residency; it may split nodes. Lock a handle before reading its pages
+    across an await; an unlocked handle may be evicted by the next allocation.
+  - `alloc_l1()` evicts unlocked L1 leaves (LRU) to make room; it never evicts a locked node.
+  - `insert_l1()` publishes a caller's private pages; pages the tree already had come back freed.
+  - Operations (backup / restore / prefetch) lock their sources and keep their destinations private
+    until the copy completed; see hicache/operations.py.
+  - `check_integrity()` verifies the tree, every allocator and every live operation's locks.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Sequence
+
+import structlog
+import torch
+
+from hicache.allocator import PageAllocator
+from hicache.config import HiCacheConfig
+from hicache.cost_model import CostModel, Decision
+from hicache.faults import FaultInjector
+from hicache.geometry import KVGeometry
+from hicache.metrics import Metrics
+from hicache.operations import OpRunner
+from hicache.pools import DevicePool, HostPool
+from hicache.radix import MatchResult, Node, RadixTree, Tier
+from hicache.transfer import TransferEngine
+from kernels.chooser import choose_backends
+
+log = structlog.get_logger("hicache.manager")
+
+
+class CacheManager:
+    def __init__(self, geometry: KVGeometry, l1_pages: int, device: torch.device | str,
+                 config: HiCacheConfig | None = None, faults: FaultInjector | None = None) -> None:
+        self.geometry = geometry
+        self.page_size = geometry.page_size
+        self.config = config or HiCacheConfig()
+        self.faults = faults
+        self.metrics = Metrics()
+        self.l1 = DevicePool(geometry, l1_pages, torch.device(device))
+        allocators: dict[Tier, PageAllocator] = {Tier.L1: self.l1.allocator}
+        self.l2: HostPool | None = None
+        self.store = None
+        self.transfer: TransferEngine | None = None
+        self.backends = None
+        cfg = self.config
+        if cfg.enable:
+            host_pages = cfg.host_pages(l1_pages, geometry.bytes_per_page)
+            if host_pages < 1:
+                raise ValueError("hicache: L2 would hold no page; raise --hicache-ratio / --hicache-size-gb")
+            self.l2 = HostPool(geometry, host_pages, pin=self.l1.device.type == "cuda")
+            allocators[Tier.L2] = self.l2.allocator
+            storage_pages = cfg.storage_pages(host_pages, geometry.bytes_per_page)
+            if storage_pages > 0:
+                self.store = self._open_store(storage_pages)
+                allocators[Tier.L3] = PageAllocator(storage_pages, "l3")
+            self.backends = choose_backends(self.l1.kv, cfg.transfer_backend)
+            self.transfer = TransferEngine(self.l1, self.l2, self.backends, faults)
+        self.tree = RadixTree(self.page_size, allocators)
+        self.tree.on_evict = self._on_evict
+        self.cost = CostModel(cfg, geometry.bytes_per_token)
+        self.runner = OpRunner(self)
+        self.wakeup: Callable[[], None] = lambda: None  # the engine's loop sets this
+
+    def _open_store(self, storage_pages: int):
+        cfg = self.config
+        if cfg.storage_backend == "redis":
+            from hicache.storage_redis import RedisStore
+            return RedisStore(self.geometry, storage_pages, cfg.storage_url, model_id=cfg.model_id,
+                              checksum=cfg.storage_checksum, faults=self.faults)
+        from hicache.storage import FileStore
+        return FileStore(self.geometry, storage_pages, path=cfg.storage_path, io_workers=cfg.io_workers,
+                         checksum=cfg.storage_checksum, faults=self.faults)
+
+    # -- tiers ---------------------------------------------------------------------------------
+    @property
+    def has_l2(self) -> bool:
+        return self.l2 is not None
+
+    @property
+    def has_l3(self) -> bool:
+        return self.store is not None
+
+    def allocator(self, tier: Tier) -> PageAllocator:
+        return self.tree.allocators[tier]
+
+    def _on_evict(self, tier: Tier, node: Node, pages: list[int]) -> None:
+        self.metrics.evictions_pages[tier.label] += len(pages)
+        if tier is Tier.L3 and self.store is not None:
+            self.store.invalidate(pages)
+
+    # -- matching and L1 pages for requests ----------------------------------------------------
+    def match(self, tokens: Sequence[int]) -> MatchResult:
+        return self.tree.match(tokens, include_storage=self.has_l3)
+
+    def lock(self, node: Node | None, tier: Tier = Tier.L1) -> None:
+        self.tree.lock(node, tier)
+
+    def unlock(self, node: Node | None, tier: Tier = Tier.L1) -> None:
+        self.tree.unlock(node, tier)
+
+    def new_claim(self, label: str, tier: Tier = Tier.L1) -> int:
+        return self.allocator(tier).new_claim(label)
+
+    def release_claim(self, claim: int, tier: Tier = Tier.L1) -> int:
+        """Free every page still private to `claim` and forget it; returns the pages freed."""
+        alloc = self.allocator(tier)
+        pages = alloc.pages_of(claim)
+        alloc.free(pages, claim)
+        alloc.close_claim(claim)
+        return len(pages)
+
+    def available_l1_pages(self) -> int:
+        return self.l1.allocator.num_free + self.tree.evictable_pages(Tier.L1)
+
+    def alloc_pages(self, tier: Tier, num_pages: int, claim: int) -> list[int] | None:
+        """Private pages of `tier`, evicting that tier's unlocked LRU leaves when needed."""
+        alloc = self.allocator(tier)
+        if alloc.num_free < num_pages:
+            keep = self.runner.write_back_keep if (tier is Tier.L1 and self.has_l2) else None
+            self.tree.evict(tier, num_pages - alloc.num_free, keep=keep)
+        return alloc.alloc(num_pages, claim)
+
+    def alloc_l1(self, num_pages: int, claim: int) -> list[int] | None:
+        return self.alloc_pages(Tier.L1, num_pages, claim)
+
+    def insert_l1(self, tokens: Sequence[int], pages: Sequence[int], claim: int, start_tokens: int) -> None:
+        """Publish a request's private pages for tokens[start_tokens:] (page aligned); duplicates of
+        what L1 already holds stay private to the caller (its page table still points at them)."""
+        if len(tokens) <= start_tokens:
+            return
+        self.tree.insert(tokens, Tier.L1, pages, claim, start_tokens=start_tokens)
+        if self.has_l2 and self.config.write_policy == "write_through":
+            self.runner.start_backup(tokens)
+
+    def note_hit(self, tokens: Sequence[int], match: MatchResult) -> None:
+        """A request reused this prefix: count hits (write_through_selective backs up on the second)."""
+        for node in match.path:
+            node.hits += 1
+        if (self.has_l2 and self.config.write_policy == "write_through_selective"
+                and match.lengths[Tier.L1] and match.handles[Tier.L1].hits >= 2):
+            self.runner.start_backup(tuple(tokens[: match.lengths[Tier.L1]]))
+
+    # -- restore decisions ---------------------------------------------------------------------
+    def decide(self, match: MatchResult) -> Decision:
+        l1, l2, l3 = match.lengths
+        policy = self.config.policy if self.has_l2 else "never"
+        decision = self.cost.decide(l1, l2 if self.has_l2 else 0, l3 if self.has_l3 else 0, policy)
+        if decision.tier == "l1" and max(l2, l3) > l1 and policy != "never":
+            self.metrics.policy_skips["restore"] += 1
+        return decision
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens > 0:
+            self.cost.observe_prefill(num_tokens, seconds)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def pending_ops(self) -> int:
+        return len(self.runner.live)
+
+    async def drain(self, cancel: bool = False) -> None:
+        await self.runner.drain(cancel=cancel)
+
+    async def close(self) -> None:
+        await self.runner.drain(cancel=True)
+        if self.transfer is not None:
+            self.transfer.close()
+        if self.store is not None:
+            closer = getattr(self.store, "aclose", None)
+            if closer is not None:
+                await closer()
+            else:
+                self.store.close()
+
+    # -- observability -------------------------------------------------------------------------
+    def tier_status(self, tier: Tier) -> dict | None:
+        if tier not in self.tree.allocators:
+            return None
+        alloc = self.allocator(tier)
+        evictable = self.tree.evictable_pages(tier)
+        resident = self.tree.num_resident_pages[tier]
+        return {"capacity_pages": alloc.num_pages, "free_pages": alloc.num_free,
+                "resident_pages": resident, "evictable_pages": evictable,
+                "protected_pages": resident - evictable, "private_pages": alloc.num_private(),
+                "capacity_bytes": alloc.num_pages * self.geometry.bytes_per_page}
+
+    def status(self) -> dict:
+        return {
+            "enabled": self.config.enable,
+            "geometry": self.geometry.describe(),
+            "tiers": {t.label: self.tier_status(t) for t in (Tier.L1, Tier.L2, Tier.L3)},
+            "pending": self.runner.pending_counts(),
+            "transfer_backends": None if self.backends is None else {
+                "gather": self.backends.gather, "scatter": self.backends.scatter,
+                "reason": self.backends.reason, "timings_us": self.backends.timings_us},
+            "storage": None if self.store is None else self.store.stats(),
+            "cost_model": self.cost.state(),
+            "policy": self.config.policy, "write_policy": self.config.write_policy,
+            "metrics": self.metrics.as_dict(),
+        }
+
+    def check_integrity(self) -> None:
+        self.tree.check_integrity()
+        self.runner.check_integrity()

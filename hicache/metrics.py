@@ -1,0 +1,78 @@
+"""Counters and per-direction transfer statistics of the hierarchy (DESIGN.md section 9)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
+
+
+@dataclass
+class DirectionStats:
+    num_bytes: int = 0
+    count: int = 0
+    recurring_s: float = 0.0     # enqueue + queue wait + service + completion (no one-time setup)
+    enqueue_s: float = 0.0
+    setup_s: float = 0.0         # workspace allocation
+    queue_wait_s: float = 0.0
+    service_s: float = 0.0
+    end_to_end_s: float = 0.0
+    extents: int = 0             # L3 only: I/O calls after coalescing
+
+    def add(self, num_bytes: int, *, enqueue_s=0.0, setup_s=0.0, queue_wait_s=0.0, service_s=0.0,
+            end_to_end_s=0.0, extents=0) -> None:
+        self.num_bytes += num_bytes
+        self.count += 1
+        self.enqueue_s += enqueue_s
+        self.setup_s += setup_s
+        self.queue_wait_s += queue_wait_s
+        self.service_s += service_s
+        self.end_to_end_s += end_to_end_s
+        self.recurring_s += max(0.0, end_to_end_s - setup_s)
+        self.extents += extents
+
+    @property
+    def gib_s(self) -> float:
+        return self.num_bytes / (1 << 30) / self.recurring_s if self.recurring_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        return {"bytes": self.num_bytes, "count": self.count, "recurring_s": self.recurring_s,
+                "gib_s": self.gib_s, "enqueue_s": self.enqueue_s, "setup_s": self.setup_s,
+                "queue_wait_s": self.queue_wait_s, "service_s": self.service_s,
+                "end_to_end_s": self.end_to_end_s, "extents": self.extents}
+
+
+@dataclass
+class Metrics:
+    hit_tokens: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
+    recomputed_tokens: int = 0
+    evictions_pages: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
+    promotions: int = 0            # L3 -> L2 publications
+    backups_started: int = 0
+    backups_done: int = 0
+    restores_started: int = 0
+    restores_done: int = 0
+    fallbacks: int = 0             # restores that failed or were vetoed: the request recomputed
+    failures: dict[str, int] = field(default_factory=dict)  # by kind: eio, short, checksum, transfer ...
+    cancellations: int = 0
+    policy_skips: dict[str, int] = field(default_factory=lambda: {"restore": 0, "write_l2": 0, "write_l3": 0})
+    restore_s: float = 0.0
+    restore_overlapped_s: float = 0.0  # restore time during which a decode batch ran
+    storage_missing_pages: int = 0     # shared L3: pages that vanished before they were read
+    directions: dict[str, DirectionStats] = field(
+        default_factory=lambda: {d: DirectionStats() for d in DIRECTIONS})
+
+    def count_failure(self, kind: str) -> None:
+        self.failures[kind] = self.failures.get(kind, 0) + 1
+
+    def as_dict(self) -> dict:
+        return {
+            "hit_tokens": dict(self.hit_tokens), "recomputed_tokens": self.recomputed_tokens,
+            "evictions_pages": dict(self.evictions_pages), "promotions": self.promotions,
+            "backups_started": self.backups_started, "backups_done": self.backups_done,
+            "restores_started": self.restores_started, "restores_done": self.restores_done,
+            "fallbacks": self.fallbacks, "failures": dict(self.failures),
+            "cancellations": self.cancellations, "policy_skips": dict(self.policy_skips),
+            "restore_s": self.restore_s, "restore_overlapped_s": self.restore_overlapped_s,
+            "storage_missing_pages": self.storage_missing_pages,
+            "directions": {d: s.as_dict() for d, s in self.directions.items()},
+        }

@@ -1,0 +1,404 @@
+"""Drivers of backup, restore and prefetch operations.
+
+The state machines themselves are data (hicache/ops.py); this module does what each Action says and
+awaits the copy each pending state waits for:
+  START_x   lock the step's source in its tier, reserve private destination pages, enqueue the copy;
+  PUBLISH_x only after the copy completed: hand the destination pages to the tree, unlock the source;
+  RELEASE   after FAIL / CANCEL: free only still-private pages, unlock what the op holds.
+A copy that was enqueued cannot be recalled, so awaiting it is shielded from cancellation, and an
+operation that gives up early (a read past its deadline) keeps its private pages until the copy has
+settled. All bookkeeping runs on the loop thread; only copies and file I/O run elsewhere.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import structlog
+
+from hicache.ops import Op, OpEvent, OpKind, OpState, apply, new_op
+from hicache.radix import Node, Tier
+from hicache.storage import StorageError
+
+if TYPE_CHECKING:
+    from hicache.manager import CacheManager
+
+log = structlog.get_logger("hicache.ops")
+
+_TIER_OF = {"l1": Tier.L1, "l2": Tier.L2, "l3": Tier.L3}
+
+
+class OpRunner:
+    def __init__(self, mgr: "CacheManager") -> None:
+        self.mgr = mgr
+        self.live: dict[int, Op] = {}
+        self._tasks: dict[int, asyncio.Task] = {}
+        self._settling: set[asyncio.Task] = set()
+        self._ids = itertools.count(1)
+        self._backing_up: set[tuple[int, ...]] = set()
+
+    # -- shared helpers ------------------------------------------------------------------------
+    def _new(self, kind: OpKind, num_pages: int, request_id: str | None) -> Op:
+        op = new_op(next(self._ids), kind, num_pages=num_pages,
+                    num_bytes=num_pages * self.mgr.geometry.bytes_per_page, request_id=request_id)
+        op.payload.update(locks=[], claims={}, cancel=False)
+        return op
+
+    def _lock(self, op: Op, node: Node | None, tier: Tier) -> None:
+        if node is None:
+            return
+        self.mgr.tree.lock(node, tier)
+        op.payload["locks"].append((node, tier))
+
+    def _unlock_all(self, op: Op) -> None:
+        for node, tier in reversed(op.payload["locks"]):
+            self.mgr.tree.unlock(node, tier)
+        op.payload["locks"].clear()
+
+    def _claim(self, op: Op, tier: Tier) -> int:
+        claim = self.mgr.allocator(tier).new_claim(f"op{op.op_id}:{op.kind.value}")
+        op.payload["claims"][tier] = claim
+        return claim
+
+    def _close_claim(self, op: Op, tier: Tier) -> None:
+        claim = op.payload["claims"].pop(tier, None)
+        if claim is not None:
+            pages = self.mgr.release_claim(claim, tier)
+            if tier is Tier.L3 and pages and self.mgr.store is not None:
+                pass  # slots never written by this op hold nothing valid already
+
+    def _publish(self, op: Op, tokens: Sequence[int], tier: Tier, pages: list[int], start: int) -> None:
+        claim = op.payload["claims"][tier]
+        dups = self.mgr.tree.insert(tokens, tier, pages, claim, start_tokens=start)
+        if dups and tier is Tier.L3 and self.mgr.store is not None:
+            self.mgr.store.invalidate(dups)
+        self._close_claim(op, tier)  # frees duplicates; the op no longer owns the published pages
+
+    def _release(self, op: Op) -> None:
+        self._unlock_all(op)
+        for tier in list(op.payload["claims"]):
+            self._close_claim(op, tier)
+
+    def _register(self, op: Op, coro) -> Op:
+        self.live[op.op_id] = op
+        task = asyncio.get_running_loop().create_task(self._guard(op, coro))
+        self._tasks[op.op_id] = task
+        return op
+
+    async def _guard(self, op: Op, coro) -> None:
+        try:
+            await coro
+        except Exception as exc:  # a bug in a driver must not leak pages or hang a request
+            log.exception("op_driver_error", op_id=op.op_id)
+            if not op.done:
+                self._fail(op, f"driver error: {exc!r}", "driver")
+        finally:
+            self.live.pop(op.op_id, None)
+            self._tasks.pop(op.op_id, None)
+            self.mgr.wakeup()
+
+    def _fail(self, op: Op, error: str, kind: str) -> None:
+        apply(op, OpEvent.FAIL, error=error)
+        self._release(op)
+        self.mgr.metrics.count_failure(kind)
+        if op.kind is not OpKind.BACKUP:
+            self.mgr.metrics.fallbacks += 1
+
+    def _cancelled(self, op: Op) -> bool:
+        if op.payload["cancel"] and not op.done:
+            apply(op, OpEvent.CANCEL, error="cancelled")
+            self._release(op)
+            self.mgr.metrics.cancellations += 1
+            return True
+        return False
+
+    def cancel(self, op: Op | None) -> None:
+        """Ask an op to stop at its next step; enqueued copies still settle before pages are freed."""
+        if op is not None and not op.done:
+            op.payload["cancel"] = True
+
+    async def _wait_transfer(self, op: Op, tr, direction: str) -> None:
+        mgr = self.mgr
+        await asyncio.shield(mgr.transfer.wait(tr))
+        stats = mgr.metrics.directions[direction]
+        e2e_s = tr.end_to_end_ns / 1e9
+        stats.add(tr.num_bytes, enqueue_s=tr.enqueue_ns / 1e9, setup_s=tr.setup_ns / 1e9,
+                  queue_wait_s=tr.queue_wait_ns / 1e9, service_s=tr.service_ns / 1e9, end_to_end_s=e2e_s)
+        mgr.cost.observe_transfer(direction, tr.num_bytes, max(0.0, e2e_s - tr.setup_ns / 1e9))
+
+    async def _wait_io(self, op: Op, future, direction: str, deadline_s: float | None = None) -> None:
+        """Await an L3 read/write. Past the deadline the op fails now, but its private pages stay
+        reserved until the I/O settles (a late read must not land in reused pages)."""
+        t0 = time.monotonic_ns()
+        fut = asyncio.wrap_future(future)
+        try:
+            if deadline_s is None:
+                result = await asyncio.shield(fut)
+            else:
+                result = await asyncio.wait_for(asyncio.shield(fut), deadline_s)
+        except asyncio.TimeoutError:
+            raise StorageError("timeout", f"{direction} slower than its {deadline_s:.3f} s deadline") from None
+        stats = self.mgr.metrics.directions[direction]
+        e2e_s = (time.monotonic_ns() - t0) / 1e9
+        stats.add(result.num_bytes, queue_wait_s=result.queue_wait_ns / 1e9,
+                  service_s=result.service_ns / 1e9, end_to_end_s=e2e_s, extents=result.num_extents)
+        self.mgr.cost.observe_transfer(direction, result.num_bytes,
+                                       (result.queue_wait_ns + result.service_ns) / 1e9)
+
+    def _settle_then_release(self, op: Op, future) -> None:
+        """Hold the op's private pages until its abandoned I/O finished, then free them."""
+        claims = dict(op.payload["claims"])
+        op.payload["claims"].clear()
+        self._unlock_all(op)
+
+        async def settle():
+            try:
+                await asyncio.wrap_future(future)
+            except Exception:
+                pass
+            for tier, claim in claims.items():
+                self.mgr.release_claim(claim, tier)
+            self.mgr.wakeup()
+
+        task = asyncio.get_running_loop().create_task(settle())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    def _storage_failed(self, op: Op, exc: StorageError, future=None) -> None:
+        if exc.kind == "timeout" and future is not None:
+            apply(op, OpEvent.FAIL, error=str(exc))
+            self._settle_then_release(op, future)
+            self.mgr.metrics.count_failure("timeout")
+            self.mgr.metrics.fallbacks += 1
+            return
+        self._fail(op, str(exc), exc.kind)
+        if exc.bad_slots:
+            self.mgr.metrics.storage_missing_pages += len(exc.bad_slots)
+            self._drop_l3_slots(set(exc.bad_slots))
+
+    def _drop_l3_slots(self, bad: set[int]) -> None:
+        """Corrupt or vanished L3 pages lose their residency (and everything below them)."""
+        for node in list(self.mgr.tree.iter_nodes()):
+            pages = node.pages[Tier.L3]
+            if pages is not None and bad.intersection(pages) and node.locks[Tier.L3] == 0:
+                if node.parent is not None:  # still in the tree
+                    self.mgr.tree.drop(node, Tier.L3)
+
+    def _io_deadline_s(self, num_bytes: int) -> float:
+        return max(self.mgr.config.io_timeout_s, 4 * self.mgr.cost.directions["s2h"].predict(num_bytes))
+
+    # -- backup: L1 -> L2 (-> L3) --------------------------------------------------------------
+    def write_back_keep(self, node: Node) -> bool:
+        """Eviction veto for write_back: an L1 leaf not yet in L2 is backed up first."""
+        if self.mgr.config.write_policy != "write_back" or node.pages[Tier.L2] is not None:
+            return False
+        tokens: list[int] = []
+        n = node
+        while n is not None and n is not self.mgr.tree.root:
+            tokens[:0] = n.key
+            n = n.parent
+        return self.start_backup(tuple(tokens)) is not None
+
+    def start_backup(self, tokens: Sequence[int], request_id: str | None = None) -> Op | None:
+        mgr, ps = self.mgr, self.mgr.page_size
+        tokens = tuple(tokens[: len(tokens) - len(tokens) % ps])
+        if tokens in self._backing_up or not tokens:
+            return None
+        m = mgr.tree.match(tokens, include_storage=mgr.has_l3, touch=False)
+        n1, n2 = m.lengths[Tier.L1], m.lengths[Tier.L2]
+        if n1 <= n2:
+            return None
+        if not mgr.cost.worth_writing("l2", n1):
+            mgr.metrics.policy_skips["write_l2"] += 1
+            return None
+        op = self._new(OpKind.BACKUP, (n1 - n2) // ps, request_id)
+        claim = self._claim(op, Tier.L2)
+        host_pages = mgr.alloc_pages(Tier.L2, (n1 - n2) // ps, claim)
+        if host_pages is None:  # L2 full of locked pages: skip, never wait
+            self._release(op)
+            mgr.metrics.policy_skips["write_l2"] += 1
+            return None
+        self._lock(op, m.handles[Tier.L1], Tier.L1)
+        self._lock(op, m.handles[Tier.L2], Tier.L2)
+        apply(op, OpEvent.START)
+        tr = mgr.transfer.d2h(m.pages[Tier.L1][n2 // ps: n1 // ps], host_pages)
+        mgr.metrics.backups_started += 1
+        key = tokens[:n1]
+        self._backing_up.add(key)
+        return self._register(op, self._drive_backup(op, key, n2, tr, host_pages))
+
+    async def _drive_backup(self, op: Op, tokens: tuple[int, ...], start: int, tr, host_pages) -> None:
+        mgr, ps = self.mgr, self.mgr.page_size
+        try:
+            try:
+                await self._wait_transfer(op, tr, "d2h")
+            except Exception as exc:
+                self._fail(op, str(exc), "transfer")
+                return
+            if self._cancelled(op):
+                return
+            apply(op, OpEvent.D2H_DONE)
+            self._publish(op, tokens, Tier.L2, host_pages, start)
+            self._unlock_all(op)
+            n = len(tokens)
+            if not mgr.has_l3 or not mgr.cost.worth_writing("l3", n):
+                if mgr.has_l3:
+                    mgr.metrics.policy_skips["write_l3"] += 1
+                apply(op, OpEvent.SKIP_L3)
+                mgr.metrics.backups_done += 1
+                return
+            m = mgr.tree.match(tokens, include_storage=True, touch=False)
+            n2, n3 = m.lengths[Tier.L2], m.lengths[Tier.L3]
+            if n3 >= n2:
+                apply(op, OpEvent.SKIP_L3)
+                mgr.metrics.backups_done += 1
+                return
+            claim = self._claim(op, Tier.L3)
+            slots = mgr.alloc_pages(Tier.L3, (n2 - n3) // ps, claim)
+            if slots is None:
+                self._close_claim(op, Tier.L3)
+                mgr.metrics.policy_skips["write_l3"] += 1
+                apply(op, OpEvent.SKIP_L3)
+                mgr.metrics.backups_done += 1
+                return
+            self._lock(op, m.handles[Tier.L2], Tier.L2)
+            self._lock(op, m.handles[Tier.L3], Tier.L3)
+            apply(op, OpEvent.START)
+            future = mgr.store.write_pages(mgr.l2.page_buffer, m.pages[Tier.L2][n3 // ps: n2 // ps], slots)
+            try:
+                await self._wait_io(op, future, "h2s")
+            except StorageError as exc:
+                self._storage_failed(op, exc)
+                return
+            if self._cancelled(op):
+                return
+            apply(op, OpEvent.H2S_DONE)
+            self._publish(op, tokens[:n2], Tier.L3, slots, n3)
+            self._unlock_all(op)
+            mgr.metrics.backups_done += 1
+        finally:
+            self._backing_up.discard(tokens)
+
+    # -- restores ------------------------------------------------------------------------------
+    def start_restore(self, tokens: Sequence[int], match, tier: str, request_id: str | None) -> Op | None:
+        """Restore tokens[l1_len : tier_len] into L1 (through L2 for an L3 hit). None when the
+        needed pages cannot be had right now (the caller recomputes)."""
+        mgr, ps = self.mgr, self.mgr.page_size
+        l1, l2, l3 = match.lengths
+        if tier == "l2":
+            op = self._new(OpKind.RESTORE_L2, (l2 - l1) // ps, request_id)
+            self._lock(op, match.handles[Tier.L1], Tier.L1)
+            if not self._start_h2d(op, tuple(tokens[:l2]), match, l1):
+                self._release(op)
+                return None
+            mgr.metrics.restores_started += 1
+            return self._register(op, self._drive_restore(op, tuple(tokens[:l2])))
+        kind = OpKind.RESTORE_L3 if tier == "l3" else OpKind.PREFETCH_L3
+        op = self._new(kind, (l3 - min(l1, l2)) // ps, request_id)
+        self._lock(op, match.handles[Tier.L1], Tier.L1)
+        future = self._start_s2h(op, match)
+        if future is None:
+            self._release(op)
+            return None
+        mgr.metrics.restores_started += kind is OpKind.RESTORE_L3
+        return self._register(op, self._drive_restore(op, tuple(tokens[:l3]), future, l2))
+
+    def _start_s2h(self, op: Op, match):
+        mgr, ps = self.mgr, self.mgr.page_size
+        l2, l3 = match.lengths[Tier.L2], match.lengths[Tier.L3]
+        claim = self._claim(op, Tier.L2)
+        host_pages = mgr.alloc_pages(Tier.L2, (l3 - l2) // ps, claim)
+        if host_pages is None:
+            return None
+        self._lock(op, match.handles[Tier.L3], Tier.L3)
+        self._lock(op, match.handles[Tier.L2], Tier.L2)
+        apply(op, OpEvent.START)
+        op.payload["host_pages"] = host_pages
+        return mgr.store.read_pages(match.pages[Tier.L3][l2 // ps: l3 // ps], mgr.l2.page_buffer, host_pages)
+
+    def _start_h2d(self, op: Op, tokens: tuple[int, ...], match, l1_start: int) -> bool:
+        mgr, ps = self.mgr, self.mgr.page_size
+        end = len(tokens)
+        self._lock(op, match.handles[Tier.L2], Tier.L2)
+        claim = self._claim(op, Tier.L1)
+        l1_pages = mgr.alloc_pages(Tier.L1, (end - l1_start) // ps, claim)
+        if l1_pages is None:
+            return False
+        apply(op, OpEvent.START)
+        host_pages = match.pages[Tier.L2][l1_start // ps: end // ps]
+        op.payload.update(l1_pages=l1_pages, l1_start=l1_start,
+                          transfer=mgr.transfer.h2d(host_pages, l1_pages))
+        return True
+
+    async def _drive_restore(self, op: Op, tokens: tuple[int, ...], future=None, l2_start: int = 0) -> None:
+        mgr = self.mgr
+        t0 = time.monotonic_ns()
+        if future is not None:  # S2H_PENDING
+            try:
+                await self._wait_io(op, future, "s2h", self._io_deadline_s(op.num_bytes))
+            except StorageError as exc:
+                self._storage_failed(op, exc, future)
+                return
+            if self._cancelled(op):
+                return
+            apply(op, OpEvent.S2H_DONE)
+            self._publish(op, tokens, Tier.L2, op.payload.pop("host_pages"), l2_start)
+            self._unlock_all_but_l1(op)
+            mgr.metrics.promotions += 1
+            if op.kind is OpKind.PREFETCH_L3:
+                self._unlock_all(op)
+                return
+            match = mgr.tree.match(tokens, include_storage=False)
+            l1_start = match.lengths[Tier.L1]
+            if match.lengths[Tier.L2] < len(tokens) or not self._start_h2d(op, tokens, match, l1_start):
+                self._fail(op, "no L1 pages for the H2D step", "no_pages")
+                return
+        try:  # H2D_PENDING
+            await self._wait_transfer(op, op.payload.pop("transfer"), "h2d")
+        except Exception as exc:
+            self._fail(op, str(exc), "transfer")
+            return
+        if self._cancelled(op):
+            return
+        apply(op, OpEvent.H2D_DONE)
+        self._publish(op, tokens, Tier.L1, op.payload.pop("l1_pages"), op.payload["l1_start"])
+        self._unlock_all(op)
+        mgr.metrics.restores_done += 1
+        mgr.metrics.restore_s += (time.monotonic_ns() - t0) / 1e9
+
+    def _unlock_all_but_l1(self, op: Op) -> None:
+        keep = [(n, t) for n, t in op.payload["locks"] if t is Tier.L1]
+        for node, tier in reversed(op.payload["locks"]):
+            if tier is not Tier.L1:
+                self.mgr.tree.unlock(node, tier)
+        op.payload["locks"] = keep
+
+    # -- lifecycle and integrity ---------------------------------------------------------------
+    def pending_counts(self) -> dict:
+        counts = {"backups": 0, "restores": 0, "prefetches": 0, "settling": len(self._settling)}
+        for op in self.live.values():
+            key = {OpKind.BACKUP: "backups", OpKind.PREFETCH_L3: "prefetches"}.get(op.kind, "restores")
+            counts[key] += 1
+        return counts
+
+    async def wait_op(self, op: Op) -> None:
+        task = self._tasks.get(op.op_id)
+        if task is not None:
+            await asyncio.shield(task)
+
+    async def drain(self, cancel: bool = False) -> None:
+        if cancel:
+            for op in self.live.values():
+                self.cancel(op)
+        while self._tasks or self._settling:
+            await asyncio.gather(*list(self._tasks.values()), *list(self._settling), return_exceptions=True)
+
+    def check_integrity(self) -> None:
+        """Invariant 2: every live op's sources are locked and still in the tree."""
+        for op in self.live.values():
+            for node, tier in op.payload["locks"]:
+                if node.locks[tier] <= 0 or node.pages[tier] is None:
+                    raise AssertionError(f"op {op.op_id}: source {node} not locked/resident in {tier.name}")

@@ -1,0 +1,44 @@
+"""The memory of each tier: the L1 device pool (attention's layout) and the L2 page-major host pool."""
+from __future__ import annotations
+
+import torch
+
+from hicache.allocator import PageAllocator
+from hicache.geometry import KVGeometry
+
+
+class DevicePool:
+    """L1: `kv` is [2, layer, page, token_in_page, kv_head, head_dim] on the compute device."""
+
+    def __init__(self, geometry: KVGeometry, num_pages: int, device: torch.device) -> None:
+        self.geometry = geometry
+        self.num_pages = num_pages
+        self.device = torch.device(device)
+        self.kv = torch.zeros(geometry.l1_shape(num_pages), dtype=geometry.dtype, device=self.device)
+        self.allocator = PageAllocator(num_pages, "l1")
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_pages * self.geometry.bytes_per_page
+
+
+class HostPool:
+    """L2: `page_buffer` is page-major [page, 2, layer, token_in_page, kv_head, head_dim], pinned when
+    CUDA is present, so one page is one contiguous run of bytes across all layers."""
+
+    def __init__(self, geometry: KVGeometry, num_pages: int, pin: bool) -> None:
+        self.geometry = geometry
+        self.num_pages = num_pages
+        self.page_buffer = torch.zeros(geometry.page_major_shape(num_pages), dtype=geometry.dtype,
+                                       pin_memory=pin)
+        self.pinned = pin
+        self.allocator = PageAllocator(num_pages, "l2")
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        """The same memory viewed in L1 order: [2, layer, page, token_in_page, kv_head, head_dim]."""
+        return self.page_buffer.permute(1, 2, 0, 3, 4, 5)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_pages * self.geometry.bytes_per_page

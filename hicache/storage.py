@@ -1,0 +1,457 @@
+"""L3: one local file of fixed page slots (DESIGN.md sections 3, 5 and 12).
+
+Slot s lives at byte offset s * bytes_per_page and holds the same bytes as one page-major L2 page.
+This class only moves bytes: which slot holds what is decided by the cache tree and its allocator.
+
+I/O goes straight between the file and the caller's CPU tensor through memoryviews (os.preadv /
+os.pwritev, no copies), one syscall per extent (a run where both host pages and slots are
+consecutive), on a bounded thread pool, never on the caller's thread. Each operation returns a
+concurrent.futures.Future resolving to an IoResult or raising StorageError; a failed operation never
+returns garbage: short transfers, I/O errors and (when enabled) checksum mismatches all fail it.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import errno
+import os
+import stat
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import xxhash
+
+from .faults import Fault, FaultInjector
+from .geometry import KVGeometry
+
+# An extent is split into pieces of at least this many bytes so that one large transfer can use
+# several worker threads (cold buffered reads scale with threads, DESIGN.md section 10).
+MIN_SPLIT_BYTES = 1 << 20
+_READ_ERROR_FAULTS = ((Fault.EIO_READ, errno.EIO),)
+_WRITE_ERROR_FAULTS = ((Fault.EIO_WRITE, errno.EIO), (Fault.ENOSPC_WRITE, errno.ENOSPC))
+
+
+class StorageError(Exception):
+    """An L3 operation failed. `kind` is one of KINDS; `bad_slots` names slots whose checksum failed
+    (or that hold no valid page) so the caller can drop their residency."""
+
+    KINDS = frozenset({"eio", "short", "enospc", "checksum", "timeout", "closed"})
+
+    def __init__(self, kind: str, message: str, *, bad_slots: Sequence[int] = (), errno_: int | None = None):
+        if kind not in self.KINDS:
+            raise ValueError(f"unknown StorageError kind {kind!r}")
+        super().__init__(f"[{kind}] {message}")
+        self.kind = kind
+        self.bad_slots: tuple[int, ...] = tuple(int(s) for s in bad_slots)
+        self.errno = errno_
+
+
+class IoResult(NamedTuple):
+    num_bytes: int
+    num_extents: int
+    queue_wait_ns: int  # submit -> start of the first worker
+    service_ns: int  # start of the first worker -> end of the last
+
+
+def coalesce_extents(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, end) index ranges over which both src and dst pages increase by exactly 1."""
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"page lists differ in length: {len(src_pages)} vs {len(dst_pages)}")
+    n = len(src_pages)
+    if n == 0:
+        return []
+    src = np.asarray(src_pages, dtype=np.int64)
+    dst = np.asarray(dst_pages, dtype=np.int64)
+    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+    bounds = [0, *breaks.tolist(), n]
+    return [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def _error_from_oserror(exc: OSError, what: str) -> StorageError:
+    kind = "enospc" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "eio"
+    return StorageError(kind, f"{what}: {exc.strerror or exc}", errno_=exc.errno)
+
+
+def _release_file(fd: int, temp_path: str | None) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    if temp_path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp_path)
+
+
+def _check_free_space(fd: int, path: str, needed_bytes: int, occupied_bytes: int) -> None:
+    st = os.fstatvfs(fd)
+    available_bytes = st.f_bavail * st.f_frsize + occupied_bytes  # the file's own blocks are reusable
+    if needed_bytes > available_bytes:
+        raise ValueError(
+            f"L3 storage file {path!r} needs {needed_bytes} bytes ({needed_bytes / 2**30:.2f} GiB) but only "
+            f"{available_bytes} bytes ({available_bytes / 2**30:.2f} GiB) are available on its filesystem; "
+            f"lower --hicache-storage-size-gb / --hicache-storage-ratio or choose another path")
+
+
+def _check_existing(path: str, st: os.stat_result) -> None:
+    why = ("it is a symbolic link" if stat.S_ISLNK(st.st_mode)
+           else "it exists and is not a regular file" if not stat.S_ISREG(st.st_mode)
+           else f"it is owned by uid {st.st_uid}, not by this process (uid {os.geteuid()})"
+           if st.st_uid != os.geteuid() else None)
+    if why is not None:
+        raise ValueError(f"refusing L3 storage path {path!r}: {why}")
+
+
+def _open_path(path: str, size_bytes: int) -> int:
+    """Open (create) a user-given store path safely, truncated and sized; returns the fd."""
+    with contextlib.suppress(FileNotFoundError):
+        _check_existing(path, os.lstat(path))
+    flags, created = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, False
+    try:
+        try:
+            fd, created = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
+        except FileExistsError:
+            fd = os.open(path, flags)
+    except OSError as exc:
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        raise ValueError(f"refusing L3 storage path {path!r}: {why}") from exc
+    try:
+        st = os.fstat(fd)  # re-check what was really opened (the path may have changed meanwhile)
+        _check_existing(path, st)
+        _check_free_space(fd, path, size_bytes, st.st_blocks * 512)
+        os.ftruncate(fd, 0)  # old content is meaningless: the metadata lives in this process
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, size_bytes)
+    except BaseException:
+        _release_file(fd, path if created else None)
+        raise
+    return fd
+
+
+def _done_future(result: IoResult | None = None, error: BaseException | None = None) -> cf.Future:
+    future: cf.Future = cf.Future()
+    future.set_exception(error) if error is not None else future.set_result(result)
+    return future
+
+
+class _Op:
+    """One read or write: its tasks report here; the last one resolves the future."""
+
+    def __init__(self, store: FileStore, is_read: bool, buffer_ref: torch.Tensor, view: memoryview,
+                 slots: np.ndarray, num_tasks: int, num_extents: int, expected: np.ndarray | None,
+                 gens: np.ndarray | None) -> None:
+        self.store, self.is_read, self.slots, self.num_extents = store, is_read, slots, num_extents
+        self.buffer_ref, self.view = buffer_ref, view  # keep the caller's memory alive while workers use it
+        self.expected = expected  # read: checksums to verify against, by op index
+        self.gens = gens  # write: slot generations at submit; published only if unchanged
+        self.hashes = np.zeros(len(slots), dtype=np.uint64) if (not is_read and store.checksum) else None
+        self.future: cf.Future = cf.Future()
+        self.future.set_running_or_notify_cancel()  # I/O cannot be abandoned midway: no cancel
+        self.submit_ns = time.monotonic_ns()
+        self._lock = threading.Lock()
+        self._tasks_left = num_tasks
+        self._first_start_ns: int | None = None
+        self._last_end_ns = 0
+        self._error: BaseException | None = None
+        self._bad_slots: list[int] = []
+
+    def started(self, now_ns: int) -> None:
+        with self._lock:
+            if self._first_start_ns is None or now_ns < self._first_start_ns:
+                self._first_start_ns = now_ns
+
+    def task_done(self, error: BaseException | None, bad_slots: list[int], end_ns: int) -> None:
+        with self._lock:
+            self._tasks_left -= 1
+            if error is not None and self._error is None:
+                self._error = error
+            self._bad_slots.extend(bad_slots)
+            self._last_end_ns = max(self._last_end_ns, end_ns)
+            if self._tasks_left > 0:
+                return
+        self._finish()
+
+    def _finish(self) -> None:
+        self.view = None  # type: ignore[assignment]
+        self.buffer_ref = None  # type: ignore[assignment]
+        if self._error is not None:
+            self.future.set_exception(self._error)
+            return
+        if self._bad_slots:
+            bad = sorted(self._bad_slots)
+            self.future.set_exception(StorageError(
+                "checksum", f"checksum mismatch in L3 slots {bad}", bad_slots=bad))
+            return
+        if not self.is_read:
+            self.store._publish(self.slots, self.gens, self.hashes)
+        first = self._first_start_ns if self._first_start_ns is not None else self.submit_ns
+        self.future.set_result(IoResult(
+            num_bytes=len(self.slots) * self.store.bytes_per_page,
+            num_extents=self.num_extents,
+            queue_wait_ns=max(0, first - self.submit_ns),
+            service_ns=max(0, self._last_end_ns - first),
+        ))
+
+
+class FileStore:
+    """A file of `num_slots` page slots with asynchronous, coalesced, checksummed page I/O."""
+
+    def __init__(self, geometry: KVGeometry, num_slots: int, path: str | None = None, io_workers: int = 4,
+                 checksum: bool = True, faults: FaultInjector | None = None) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if io_workers < 1:
+            raise ValueError(f"io_workers must be >= 1, got {io_workers}")
+        self.geometry, self.num_slots, self.io_workers = geometry, int(num_slots), int(io_workers)
+        self.bytes_per_page = geometry.bytes_per_page
+        self.size_bytes = self.num_slots * self.bytes_per_page
+        self.checksum, self.faults, self.is_temp = bool(checksum), faults, path is None
+        if path is None:
+            fd, self.path = tempfile.mkstemp(prefix="hicache-l3-", suffix=".kv")
+            try:
+                _check_free_space(fd, self.path, self.size_bytes, 0)
+                os.ftruncate(fd, self.size_bytes)
+            except BaseException:
+                _release_file(fd, self.path)
+                raise
+        else:
+            self.path = os.path.abspath(os.fspath(path))
+            fd = _open_path(self.path, self.size_bytes)
+        self._fd = fd
+        self._finalizer = weakref.finalize(self, _release_file, fd, self.path if self.is_temp else None)
+        self._checksums = np.zeros(self.num_slots, dtype=np.uint64)
+        self._valid = np.zeros(self.num_slots, dtype=bool)  # written and not invalidated since
+        self._gens = np.zeros(self.num_slots, dtype=np.uint64)
+        self._meta_lock = threading.Lock()  # guards the three per-slot arrays
+        self._state_lock = threading.Lock()  # guards closing, submission order and task counters
+        self._closed = False
+        self._active_tasks = self._peak_active_tasks = 0
+        self._pool = cf.ThreadPoolExecutor(max_workers=self.io_workers, thread_name_prefix="hicache-l3-io")
+
+    # ---- public API ------------------------------------------------------------------------------
+    def offset(self, slot: int) -> int:
+        return slot * self.bytes_per_page
+
+    def write_pages(self, host_buffer: torch.Tensor, host_pages: Sequence[int], slots: Sequence[int]) -> cf.Future:
+        """Write host_buffer[host_pages[i]] into slot slots[i]; resolves to IoResult."""
+        return self._submit(False, host_buffer, host_pages, slots)
+
+    def read_pages(self, slots: Sequence[int], host_buffer: torch.Tensor, host_pages: Sequence[int]) -> cf.Future:
+        """Read slot slots[i] into host_buffer[host_pages[i]]; resolves to IoResult."""
+        return self._submit(True, host_buffer, host_pages, slots)
+
+    def invalidate(self, slots: Sequence[int]) -> None:
+        """Forget what the slots hold (the tree freed them); an in-flight write will not publish."""
+        idx = self._slot_array(slots)
+        with self._meta_lock:
+            self._gens[idx] += np.uint64(1)
+            self._valid[idx] = False
+
+    def exists(self, slots: Sequence[int]) -> list[bool]:
+        """Whether each slot holds a completed, not invalidated write."""
+        idx = self._slot_array(slots)
+        with self._meta_lock:
+            return self._valid[idx].tolist()
+
+    def drop_page_cache(self) -> bool:
+        """fsync and evict the file from the OS page cache (cold-read benchmarks); False if not allowed."""
+        self._check_open()
+        if not hasattr(os, "posix_fadvise"):
+            return False
+        try:
+            os.fsync(self._fd)
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            return False
+        return True
+
+    def close(self, cancel_queued: bool = False) -> None:
+        """Wait for in-flight I/O (queued operations too, unless cancel_queued: those fail with
+        StorageError('closed')), then close the file; a temp file is removed, a path is kept."""
+        with self._state_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=cancel_queued)
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stats(self) -> dict:
+        with self._state_lock:
+            peak, active = self._peak_active_tasks, self._active_tasks
+        with self._meta_lock:
+            valid_slots = int(self._valid.sum())
+        return {"path": self.path, "num_slots": self.num_slots, "bytes_per_page": self.bytes_per_page,
+                "is_temp": self.is_temp, "size_bytes": self.size_bytes, "io_workers": self.io_workers,
+                "checksum": self.checksum, "closed": self._closed, "valid_slots": valid_slots,
+                "active_tasks": active, "peak_active_tasks": peak}
+
+    def __enter__(self) -> FileStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- submission ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StorageError("closed", f"L3 store {self.path!r} is closed")
+
+    def _slot_array(self, slots: Sequence[int]) -> np.ndarray:
+        idx = np.asarray(slots, dtype=np.int64).reshape(-1)
+        if idx.size and (idx.min() < 0 or idx.max() >= self.num_slots):
+            raise ValueError(f"slot out of range [0, {self.num_slots}): {idx[(idx < 0) | (idx >= self.num_slots)][:8].tolist()}")
+        return idx
+
+    def _byte_view(self, host_buffer: torch.Tensor) -> tuple[memoryview, int]:
+        if not isinstance(host_buffer, torch.Tensor):
+            raise TypeError(f"host_buffer must be a torch.Tensor, got {type(host_buffer).__name__}")
+        if host_buffer.device.type != "cpu" or not host_buffer.is_contiguous() or host_buffer.dim() == 0:
+            raise ValueError("host_buffer must be a contiguous CPU tensor with pages on dim 0")
+        num_pages = host_buffer.shape[0]
+        flat = host_buffer.detach()
+        if flat.dtype != torch.uint8:
+            flat = flat.view(torch.uint8)
+        flat = flat.reshape(-1)
+        if flat.numel() != num_pages * self.bytes_per_page:
+            raise ValueError(f"host_buffer holds {flat.numel()} bytes for {num_pages} pages; "
+                             f"store pages are {self.bytes_per_page} bytes")
+        return memoryview(flat.numpy()).cast("B"), num_pages
+
+    def _submit(self, is_read: bool, host_buffer: torch.Tensor, host_pages: Sequence[int],
+                slots: Sequence[int]) -> cf.Future:
+        self._check_open()
+        slot_arr = self._slot_array(slots)
+        host_arr = np.asarray(host_pages, dtype=np.int64).reshape(-1)
+        if len(host_arr) != len(slot_arr):
+            raise ValueError(f"{len(host_arr)} host pages but {len(slot_arr)} slots")
+        if len(slot_arr) == 0:
+            return _done_future(IoResult(0, 0, 0, 0))
+        view, num_host_pages = self._byte_view(host_buffer)
+        if host_arr.min() < 0 or host_arr.max() >= num_host_pages:
+            raise ValueError(f"host page out of range [0, {num_host_pages})")
+        dest = host_arr if is_read else slot_arr
+        if len(np.unique(dest)) != len(dest):
+            raise ValueError(f"duplicate destination {'host pages' if is_read else 'slots'} in one operation")
+        extents = coalesce_extents(host_arr, slot_arr)
+        groups = self._plan_tasks(extents, host_arr, slot_arr)
+        expected = gens = None
+        with self._meta_lock:
+            if is_read and self.checksum:
+                invalid = slot_arr[~self._valid[slot_arr]]
+                if invalid.size:
+                    return _done_future(error=StorageError(
+                        "checksum", f"L3 slots {invalid.tolist()} hold no valid page", bad_slots=invalid.tolist()))
+                expected = self._checksums[slot_arr].copy()
+            if not is_read:
+                self._gens[slot_arr] += np.uint64(1)
+                self._valid[slot_arr] = False
+                gens = self._gens[slot_arr].copy()
+        op = _Op(self, is_read, host_buffer, view, slot_arr, len(groups), len(extents), expected, gens)
+        with self._state_lock:
+            if self._closed:
+                raise StorageError("closed", f"L3 store {self.path!r} is closed")
+            for pieces in groups:
+                inner = self._pool.submit(self._run_task, op, pieces)
+                inner.add_done_callback(lambda f, op=op: f.cancelled() and op.task_done(
+                    StorageError("closed", "L3 store closed before the operation ran"), [], time.monotonic_ns()))
+        return op.future
+
+    def _plan_tasks(self, extents: list[tuple[int, int]], host_arr: np.ndarray,
+                    slot_arr: np.ndarray) -> list[list[tuple[int, int, int, int]]]:
+        """Pieces (op_index, host_page, slot, num_pages) grouped into at most io_workers tasks;
+        large extents are split at page boundaries so one big transfer uses several threads."""
+        total_pages = len(slot_arr)
+        min_split_pages = -(-MIN_SPLIT_BYTES // self.bytes_per_page)
+        max_piece_pages = max(-(-total_pages // self.io_workers), min_split_pages, 1)
+        pieces = []
+        for start, end in extents:
+            for s in range(start, end, max_piece_pages):
+                n = min(end, s + max_piece_pages) - s
+                pieces.append((s, int(host_arr[s]), int(slot_arr[s]), n))
+        num_tasks = min(self.io_workers, len(pieces))
+        target_pages = -(-total_pages // num_tasks)
+        groups: list[list[tuple[int, int, int, int]]] = []
+        current: list[tuple[int, int, int, int]] = []
+        current_pages = 0
+        for piece in pieces:
+            current.append(piece)
+            current_pages += piece[3]
+            if current_pages >= target_pages and len(groups) < num_tasks - 1:
+                groups.append(current)
+                current, current_pages = [], 0
+        if current:
+            groups.append(current)
+        return groups
+
+    def _publish(self, slots: np.ndarray, gens: np.ndarray, hashes: np.ndarray | None) -> None:
+        with self._meta_lock:
+            fresh = self._gens[slots] == gens
+            idx = slots[fresh]
+            if hashes is not None:
+                self._checksums[idx] = hashes[fresh]
+            self._valid[idx] = True
+
+    # ---- worker side -----------------------------------------------------------------------------
+    def _run_task(self, op: _Op, pieces: list[tuple[int, int, int, int]]) -> None:
+        op.started(time.monotonic_ns())
+        with self._state_lock:
+            self._active_tasks += 1
+            self._peak_active_tasks = max(self._peak_active_tasks, self._active_tasks)
+        error: BaseException | None = None
+        bad_slots: list[int] = []
+        try:
+            self._do_pieces(op, pieces, bad_slots)
+        except OSError as exc:
+            error = _error_from_oserror(exc, f"L3 {'read' if op.is_read else 'write'} of {self.path!r}")
+        except BaseException as exc:  # StorageError, or a bug: report it through the future
+            error = exc
+        finally:
+            with self._state_lock:
+                self._active_tasks -= 1
+        op.task_done(error, bad_slots, time.monotonic_ns())
+
+    def _do_pieces(self, op: _Op, pieces: list[tuple[int, int, int, int]], bad_slots: list[int]) -> None:
+        bpp, faults, is_read = self.bytes_per_page, self.faults, op.is_read
+        if is_read and faults is not None and faults.should_fire(Fault.SLOW_READ):
+            time.sleep(faults.delay_s(Fault.SLOW_READ))
+        for op_index, host_page, slot, n in pieces:
+            view = op.view[host_page * bpp:(host_page + n) * bpp]
+            if op.hashes is not None:  # write: hash the bytes being written, off the event loop
+                for k in range(n):
+                    op.hashes[op_index + k] = xxhash.xxh3_64_intdigest(view[k * bpp:(k + 1) * bpp])
+            short = False
+            if faults is not None:
+                errors = _READ_ERROR_FAULTS if is_read else _WRITE_ERROR_FAULTS
+                for fault, code in errors:
+                    if faults.should_fire(fault):
+                        raise OSError(code, f"injected {fault.value}")
+                short = faults.should_fire(Fault.SHORT_READ if is_read else Fault.SHORT_WRITE)
+            self._transfer_all(is_read, view, self.offset(slot), short, slot, n)
+            if op.expected is not None:  # read: verify after the bytes landed
+                for k in range(n):
+                    if xxhash.xxh3_64_intdigest(view[k * bpp:(k + 1) * bpp]) != int(op.expected[op_index + k]):
+                        bad_slots.append(slot + k)
+
+    def _transfer_all(self, is_read: bool, view: memoryview, offset_bytes: int, short: bool, slot: int,
+                      num_pages: int) -> None:
+        """Loop one extent's syscall over partial transfers; 0 before completion fails it.
+        `short` (fault injection) makes the first call move half the extent and the next report 0."""
+        syscall = os.preadv if is_read else os.pwritev
+        total_bytes, done_bytes = len(view), 0
+        while done_bytes < total_bytes:
+            if short and done_bytes:
+                moved = 0
+            else:
+                end = done_bytes + max(1, (total_bytes - done_bytes) // 2) if short else total_bytes
+                moved = syscall(self._fd, [view[done_bytes:end]], offset_bytes + done_bytes)
+            if moved == 0:
+                raise StorageError("short", f"short {'read' if is_read else 'write'} of L3 slots [{slot}, "
+                                            f"{slot + num_pages}) in {self.path!r}: {done_bytes} of {total_bytes} bytes")
+            done_bytes += moved

@@ -1,0 +1,213 @@
+"""Device <-> host page transfers: one gather kernel + one DMA (D2H), one DMA + one scatter (H2D).
+
+D2H:  L1 pages --gather kernel--> packed device workspace [n, 2, L, S, H, D]
+      --one async DMA--> L2 pages directly when they are consecutive, else a pinned workspace
+      followed by one CPU index copy into the L2 pool (at completion, off the loop thread).
+H2D:  mirror: (CPU index gather only when L2 pages are fragmented) --one DMA--> device workspace
+      --scatter kernel--> arbitrary L1 pages.
+Work runs on a private CUDA stream that first waits on the caller's stream (the page-index tensors
+and the KV being copied are produced there). Completion is a `Transfer` whose `wait()` awaits the
+CUDA event from a worker thread (`Event.synchronize` releases the GIL), so the loop never spins.
+On the CPU every copy is synchronous and transfers are complete when enqueued.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from hicache.faults import Fault, FaultInjector
+from hicache.geometry import KVGeometry
+from hicache.pools import DevicePool, HostPool
+from kernels.chooser import ChosenBackends
+from kernels.page_copy import gather_pages, scatter_pages
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+def is_consecutive(pages: list[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(pages, pages[1:]))
+
+
+@dataclass(eq=False)
+class Workspace:
+    num_pages: int
+    device: torch.Tensor                # [num_pages, 2, L, S, H, D] on the compute device
+    host: torch.Tensor | None = None    # same shape, pinned; allocated lazily (fragmented paths only)
+    busy: bool = False
+
+
+@dataclass(eq=False)
+class Transfer:
+    direction: str
+    num_pages: int
+    num_bytes: int
+    enqueue_ns: int
+    setup_ns: int
+    started_ns: int
+    event: object = None                # torch.cuda.Event or None when already complete
+    start_event: object = None
+    finish: object = None               # callable run after completion (CPU index copy), off-loop
+    workspace: Workspace | None = None
+    keepalive: list = field(default_factory=list)
+    fail: bool = False                  # fault injection: completion raises
+    done_ns: int = 0
+    service_ns: int = 0
+
+    @property
+    def end_to_end_ns(self) -> int:
+        return self.done_ns - self.started_ns
+
+    @property
+    def queue_wait_ns(self) -> int:
+        rest = self.end_to_end_ns - self.enqueue_ns - self.setup_ns - self.service_ns
+        return max(0, rest)
+
+
+class TransferEngine:
+    def __init__(self, l1: DevicePool, l2: HostPool, backends: ChosenBackends,
+                 faults: FaultInjector | None = None) -> None:
+        self.l1, self.l2 = l1, l2
+        self.geometry: KVGeometry = l1.geometry
+        self.backends = backends
+        self.faults = faults
+        self.cuda = l1.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device=l1.device) if self.cuda else None
+        self._workspaces: list[Workspace] = []
+        self._waiter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-cuda-wait")
+
+    # -- workspaces ----------------------------------------------------------------------------
+    def _acquire(self, num_pages: int, needs_host: bool) -> tuple[Workspace, int]:
+        """Best-fit reuse; the pinned half is allocated lazily, only for fragmented transfers."""
+        t0 = time.monotonic_ns()
+        free = [w for w in self._workspaces if not w.busy and w.num_pages >= num_pages]
+        free.sort(key=lambda w: (w.num_pages, w.host is None))
+        if free:
+            ws = free[0]
+        else:
+            shape = self.geometry.page_major_shape(num_pages)
+            ws = Workspace(num_pages, torch.empty(shape, dtype=self.geometry.dtype, device=self.l1.device))
+            self._workspaces.append(ws)
+        if needs_host and ws.host is None:
+            ws.host = torch.empty(self.geometry.page_major_shape(ws.num_pages), dtype=self.geometry.dtype,
+                                  pin_memory=self.cuda)
+        ws.busy = True
+        return ws, time.monotonic_ns() - t0
+
+    def _release(self, ws: Workspace | None) -> None:
+        """Keep at most one idle workspace: the largest (preferring one with its pinned half)."""
+        if ws is None:
+            return
+        ws.busy = False
+        idle = [w for w in self._workspaces if not w.busy]
+        if len(idle) > 1:
+            keep = max(idle, key=lambda w: (w.num_pages, w.host is not None))
+            self._workspaces = [w for w in self._workspaces if w.busy or w is keep]
+
+    # -- enqueue -------------------------------------------------------------------------------
+    def _index(self, pages: list[int]) -> torch.Tensor:
+        return torch.tensor(pages, dtype=torch.int64, device=self.l1.device)  # [n]
+
+    def d2h(self, l1_pages: list[int], host_pages: list[int]) -> Transfer:
+        return self._enqueue("d2h", l1_pages, host_pages)
+
+    def h2d(self, host_pages: list[int], l1_pages: list[int]) -> Transfer:
+        return self._enqueue("h2d", l1_pages, host_pages)
+
+    def _enqueue(self, direction: str, l1_pages: list[int], host_pages: list[int]) -> Transfer:
+        if len(l1_pages) != len(host_pages) or not l1_pages:
+            raise TransferError(f"{direction}: {len(l1_pages)} L1 pages vs {len(host_pages)} host pages")
+        t0 = time.monotonic_ns()
+        n = len(l1_pages)
+        host_consecutive = is_consecutive(host_pages)
+        ws, setup_ns = self._acquire(n, needs_host=not host_consecutive)
+        idx = self._index(l1_pages)  # produced on the caller's stream
+        packed = ws.device[:n]       # [n, 2, L, S, H, D]
+        host_dst = (self.l2.page_buffer[host_pages[0]: host_pages[0] + n] if host_consecutive
+                    else ws.host[:n])
+        host_idx = None if host_consecutive else torch.tensor(host_pages, dtype=torch.int64)
+        finish = None
+        tr = Transfer(direction, n, n * self.geometry.bytes_per_page, 0, setup_ns, t0, workspace=ws,
+                      keepalive=[idx])
+        if direction == "h2d" and not host_consecutive:
+            torch.index_select(self.l2.page_buffer, 0, host_idx, out=ws.host[:n])  # host gather
+        ctx = torch.cuda.stream(self.stream) if self.cuda else _null()
+        if self.cuda:
+            self.stream.wait_stream(torch.cuda.current_stream(self.l1.device))
+            tr.start_event = torch.cuda.Event(enable_timing=True)
+            tr.event = torch.cuda.Event(enable_timing=True)
+        with ctx:
+            if self.cuda:
+                tr.start_event.record(self.stream)
+            if direction == "d2h":
+                gather_pages(self.l1.kv, idx, packed, self.backends.gather)
+                host_dst.copy_(packed, non_blocking=self.cuda)
+                if not host_consecutive:
+                    def finish(dst=self.l2.page_buffer, src=ws.host[:n], index=host_idx):
+                        dst.index_copy_(0, index, src)
+            else:
+                packed.copy_(host_dst, non_blocking=self.cuda)
+                scatter_pages(packed, idx, self.l1.kv, self.backends.scatter)
+            if self.cuda:
+                tr.event.record(self.stream)
+                idx.record_stream(self.stream)
+        tr.finish = finish
+        if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
+            tr.fail = True
+        tr.enqueue_ns = time.monotonic_ns() - t0 - setup_ns
+        return tr
+
+    # -- completion ----------------------------------------------------------------------------
+    def _complete_blocking(self, tr: Transfer) -> None:
+        if tr.event is not None:
+            tr.event.synchronize()
+            tr.service_ns = int(tr.start_event.elapsed_time(tr.event) * 1e6)
+        if tr.finish is not None:
+            tr.finish()
+        tr.done_ns = time.monotonic_ns()
+        if tr.service_ns == 0:
+            tr.service_ns = tr.done_ns - tr.started_ns - tr.setup_ns
+
+    async def wait(self, tr: Transfer) -> Transfer:
+        """Await completion without spinning the loop; raises TransferError on an injected fault."""
+        try:
+            if tr.event is None and tr.finish is None:
+                self._complete_blocking(tr)
+            else:
+                await asyncio.get_running_loop().run_in_executor(self._waiter, self._complete_blocking, tr)
+        finally:
+            self._release(tr.workspace)
+            tr.workspace = None
+            tr.keepalive.clear()
+        if tr.fail:
+            raise TransferError(f"{tr.direction}: injected transfer failure")
+        return tr
+
+    def wait_blocking(self, tr: Transfer) -> Transfer:
+        try:
+            self._complete_blocking(tr)
+        finally:
+            self._release(tr.workspace)
+            tr.workspace = None
+        if tr.fail:
+            raise TransferError(f"{tr.direction}: injected transfer failure")
+        return tr
+
+    def close(self) -> None:
+        if self.cuda:
+            self.stream.synchronize()
+        self._waiter.shutdown(wait=True)
+        self._workspaces.clear()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,255 @@
+"""Admission and batch formation: which requests run next, where their prefix comes from (L1 hit,
+restore from L2/L3, or recompute), and the page bookkeeping of each request.
+
+Page rules for a request (page aligned throughout):
+  pages[: locked_len / S]  tree-owned prefix, protected by an L1 lock on `locked_node`;
+  pages[locked_len / S :]  private to the request's claim until published by `insert_l1`.
+Admission reserves every page the request can still need (prompt + max_tokens), so a running request
+never waits for memory and nothing is preempted.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from hicache.radix import Tier
+from scheduler.request import Request, RequestState, TokenEvent
+from scheduler.runner import BatchInput
+
+if TYPE_CHECKING:
+    from scheduler.engine import Engine
+
+log = structlog.get_logger("scheduler.engine")
+
+
+class Admission:
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self.cache = engine.cache
+        self.page_size = engine.page_size
+        self.reserved_pages = 0
+
+    # -- prefixes ------------------------------------------------------------------------------
+    def _reusable(self, req: Request) -> list[int]:
+        """Tokens whose KV may come from the cache: the prompt minus its last token (which must be
+        computed to produce the first output), page aligned by the tree."""
+        return req.prompt[:-1] if self.engine.config.enable_prefix_cache else []
+
+    def maybe_prefetch(self, req: Request) -> None:
+        """Start an L3 -> L2 promotion as soon as a request is queued."""
+        cache = self.cache
+        if not (cache.has_l3 and cache.config.prefetch and cache.config.policy != "never"):
+            return
+        tokens = self._reusable(req)
+        m = cache.tree.match(tokens, include_storage=True, touch=False)
+        l1, l2, l3 = m.lengths
+        if l3 <= max(l1, l2) or cache.decide(m).tier != "l3":
+            return
+        req.prefetch_op = cache.runner.start_restore(tokens, m, "prefetch", req.rid)
+
+    def settle_parked(self) -> None:
+        """Parked requests whose restore (or prefetch) ended go back to the head of the queue."""
+        for req in list(self.engine.parked):
+            op = req.restore_op or req.prefetch_op
+            if op is not None and not op.done:
+                continue
+            self.engine.parked.remove(req)
+            if op is req.restore_op and op is not None and not op.succeeded:
+                req.restore_failed = True
+                req.hit_tokens[req.restore_tier] = 0
+                req.restore_tier = "none"
+            req.restore_op = req.prefetch_op = None
+            req.state = RequestState.WAITING
+            self.engine.waiting.appendleft(req)
+
+    def _park(self, req: Request, op) -> None:
+        req.state = RequestState.PARKED
+        self.engine.waiting.remove(req)
+        self.engine.parked.append(req)
+        self.engine._event(req, "parked", restore_tier=req.restore_tier)
+
+    async def _try_restore(self, req: Request, m) -> bool:
+        """Start a restore if the cost model says so; True when the request is parked on it."""
+        cache = self.cache
+        if not cache.has_l2 or getattr(req, "restore_failed", False):
+            return False
+        decision = cache.decide(m)
+        if decision.tier not in ("l2", "l3"):
+            return False
+        op = cache.runner.start_restore(self._reusable(req), m, decision.tier, req.rid)
+        if op is None:
+            cache.metrics.fallbacks += 1
+            return False
+        req.restore_op, req.restore_tier = op, decision.tier
+        req.hit_tokens[decision.tier] = decision.restore_tokens
+        self._park(req, op)
+        if not cache.config.prefetch:  # blocking restore: the whole loop waits for it
+            await cache.runner.wait_op(op)
+        return True
+
+    # -- prefill -------------------------------------------------------------------------------
+    async def prefill_batch(self):
+        eng = self.engine
+        budget = eng.config.max_prefill_tokens
+        reqs, chunks = [], []
+        binput = BatchInput([], [], [], [], [], [], [], is_decode=False)
+        for req in [r for r in eng.running if r.state is RequestState.PREFILL]:
+            if budget <= 0:
+                break
+            chunk = self._add_chunk(req, budget, binput)
+            if chunk:
+                reqs.append(req), chunks.append(chunk)
+                budget -= chunk
+        for req in list(eng.waiting):
+            if budget <= 0 or len(eng.running) >= eng.config.max_running_requests or eng._stopping:
+                break
+            if req.prefetch_op is not None and not req.prefetch_op.done:
+                self._park(req, req.prefetch_op)
+                continue
+            admitted = await self._admit(req)
+            if admitted is None:
+                continue  # parked on a restore
+            if not admitted:
+                break  # not enough memory: keep FIFO order
+            chunk = self._add_chunk(req, budget, binput)
+            reqs.append(req), chunks.append(chunk)
+            budget -= chunk
+        if not reqs:
+            return None
+        return reqs, chunks, binput
+
+    async def _admit(self, req: Request) -> bool | None:
+        eng, cache, ps = self.engine, self.cache, self.page_size
+        tokens = self._reusable(req)
+        m = cache.match(tokens)
+        if req.restore_tier == "none":
+            if await self._try_restore(req, m):
+                return None
+            req.hit_tokens["l1"] = m.lengths[Tier.L1]
+        else:
+            req.hit_tokens["l1"] = max(0, m.lengths[Tier.L1] - req.hit_tokens[req.restore_tier])
+        l1_len = m.lengths[Tier.L1]
+        cache.lock(m.handles[Tier.L1])
+        need = -(-(len(req.prompt) + req.params.max_tokens) // ps) - l1_len // ps
+        if need > cache.available_l1_pages() - self.reserved_pages:
+            cache.unlock(m.handles[Tier.L1])
+            return False
+        cache.note_hit(tokens, m)
+        eng.waiting.remove(req)
+        req.claim = cache.new_claim(req.rid)
+        req.pages = list(m.pages[Tier.L1])
+        req.cached_len = req.locked_len = l1_len
+        req.locked_node = m.handles[Tier.L1]
+        req.reserved_pages = need
+        self.reserved_pages += need
+        req.state = RequestState.PREFILL
+        eng.running.append(req)
+        cache.metrics.hit_tokens["l1"] += req.hit_tokens["l1"]
+        for tier in ("l2", "l3"):
+            cache.metrics.hit_tokens[tier] += req.hit_tokens[tier] if req.restore_tier == tier else 0
+        cache.metrics.recomputed_tokens += len(req.prompt) - l1_len
+        eng._event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
+                   hit_l2=req.hit_tokens["l2"], hit_l3=req.hit_tokens["l3"], restore_tier=req.restore_tier,
+                   restore_tokens=req.hit_tokens.get(req.restore_tier, 0))
+        return True
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Make req.pages cover `num_tokens` tokens (from its reservation)."""
+        missing = -(-num_tokens // self.page_size) - len(req.pages)
+        if missing <= 0:
+            return True
+        pages = self.cache.alloc_l1(missing, req.claim)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        req.reserved_pages -= missing
+        self.reserved_pages -= missing
+        return True
+
+    def _add_chunk(self, req: Request, budget: int, binput: BatchInput) -> int:
+        chunk = min(len(req.prompt) - req.cached_len, budget)
+        if chunk <= 0 or not self._grow(req, req.cached_len + chunk):
+            return 0
+        self._append(binput, req, req.prompt[req.cached_len: req.cached_len + chunk], req.cached_len)
+        return chunk
+
+    @staticmethod
+    def _append(binput: BatchInput, req: Request, new_tokens: list[int], prefix_len: int) -> None:
+        binput.input_ids.extend(new_tokens)
+        binput.prefix_lens.append(prefix_len)
+        binput.new_lens.append(len(new_tokens))
+        binput.page_tables.append(req.pages)
+        binput.temperatures.append(float(req.params.temperature))
+        binput.top_ps.append(float(req.params.top_p))
+        binput.generators.append(req.generator)
+
+    # -- decode --------------------------------------------------------------------------------
+    def decode_batch(self):
+        eng = self.engine
+        reqs = [r for r in eng.running if r.state is RequestState.DECODE]
+        if not reqs:
+            return None
+        binput = BatchInput([], [], [], [], [], [], [], is_decode=True)
+        for req in reqs:
+            pos = len(req.prompt) + len(req.output) - 1
+            if not self._grow(req, pos + 1):
+                raise RuntimeError(f"{req.rid}: no page within its reservation (accounting bug)")
+            self._append(binput, req, [req.output[-1]], pos)
+        return reqs, [1] * len(reqs), binput
+
+    # -- after a step --------------------------------------------------------------------------
+    def after_step(self, req: Request, chunk: int, token: int) -> None:
+        eng = self.engine
+        if req.state.done:
+            return
+        if req.state is RequestState.PREFILL:
+            req.cached_len += chunk
+            if req.cached_len < len(req.prompt):
+                return  # more chunks to go; the sampled token is meaningless
+            eng._event(req, "prefill_end")
+            self._publish(req, req.prompt)
+            req.state = RequestState.DECODE
+            req.first_token_s = time.perf_counter()
+            eng._event(req, "first_token")
+        else:
+            req.cached_len += 1
+        req.output.append(int(token))
+        req.emit(TokenEvent(req.rid, int(token), len(req.output) - 1))
+        p = req.params
+        if int(token) in p.stop_token_ids or (not p.ignore_eos and eng.model_config.eos_token_id == int(token)):
+            eng.finish(req, RequestState.FINISHED, "stop")
+        elif len(req.output) >= p.max_tokens:
+            eng.finish(req, RequestState.FINISHED, "length")
+
+    def _publish(self, req: Request, tokens: list[int]) -> None:
+        """Insert the request's full pages of `tokens` into the tree and move its lock down."""
+        if not self.engine.config.enable_prefix_cache:
+            return
+        ps = self.page_size
+        aligned = min(len(tokens), req.cached_len)
+        aligned -= aligned % ps
+        if aligned <= req.locked_len:
+            return
+        cache = self.cache
+        cache.insert_l1(tokens[:aligned], req.pages[req.locked_len // ps: aligned // ps], req.claim,
+                        start_tokens=req.locked_len)
+        m = cache.tree.match(tokens[:aligned], include_storage=False)
+        cache.lock(m.handles[Tier.L1])
+        cache.unlock(req.locked_node)
+        req.locked_node, req.locked_len = m.handles[Tier.L1], m.lengths[Tier.L1]
+
+    def release(self, req: Request, publish: bool) -> None:
+        """End of a request: publish its computed pages (when it finished), free the rest."""
+        if req.claim is None:
+            return
+        if publish:
+            # KV exists for every token but the last generated one
+            self._publish(req, (req.prompt + req.output)[: req.cached_len])
+        self.cache.unlock(req.locked_node)
+        req.locked_node = None
+        self.cache.release_claim(req.claim)
+        req.claim = None
+        self.reserved_pages -= req.reserved_pages
+        req.reserved_pages = 0

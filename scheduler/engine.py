@@ -1,0 +1,309 @@
+"""The serving engine: one asyncio loop that admits requests, restores or recomputes their prefixes,
+and runs prefill and decode batches over the paged L1 pool.
+
+    tick:  settle aborts and parked restores  ->  form a batch (prefill first, else decode)
+           ->  launch it on the device  ->  await its tokens (restores and I/O progress meanwhile)
+           ->  post-process: stream tokens, publish prefixes, finish requests
+
+In-process API: `await engine.start()`, `async for ev in engine.submit(prompt, params)`,
+`await engine.abort(rid)`, `engine.status()`, `await engine.shutdown()`; and the synchronous
+`Engine(...).generate(prompts, params)` for batches.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
+
+import structlog
+import torch
+
+from hicache.faults import FaultInjector
+from hicache.manager import CacheManager
+from hicache.radix import Tier
+from scheduler.admission import Admission
+from scheduler.config import EngineConfig
+from scheduler.logs import configure_logging
+from scheduler.model import load_model
+from scheduler.request import (GenerationResult, Request, RequestError, RequestState, SamplingParams,
+                               TokenEvent)
+from scheduler.runner import BatchInput, ModelRunner
+
+log = structlog.get_logger("scheduler.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    name = config.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available")
+    dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return device, dtype
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, faults: FaultInjector | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.log_json or not structlog.is_configured():
+            configure_logging(config.log_json)
+        self.device, self.dtype = resolve_device(config)
+        if self.device.type == "cpu" and config.cpu_threads > 0:
+            torch.set_num_threads(config.cpu_threads)
+        self.model, self.model_config, self.model_id = load_model(config.model, self.device, self.dtype, config.seed)
+        page_size = config.page_size or (16 if self.device.type == "cuda" else 4)
+        geometry = self.model_config.kv_geometry(page_size, self.dtype)
+        num_pages = config.num_pages or -(-config.max_total_tokens // page_size)
+        hc = replace(config.hicache, model_id=self.model_id)
+        self.cache = CacheManager(geometry, num_pages, self.device, hc, faults=faults)
+        self.cache.wakeup = self._wake_soon
+        self.page_size = page_size
+        self.runner = ModelRunner(self.model, self.cache.l1.kv, page_size, self.device)
+        self.admission = Admission(self)
+        self.waiting: deque[Request] = deque()
+        self.parked: list[Request] = []
+        self.running: list[Request] = []      # admitted: PREFILL (chunked) or DECODE
+        self.requests: dict[str, Request] = {}
+        self._aborts: set[str] = set()
+        self._wake: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._stopping = False
+        self._batch_id = 0
+        self.stats = {"batches": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
+                      "failed": 0}
+
+    # -- public API ----------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        pool_tokens = self.cache.l1.num_pages * self.page_size
+        limit = self.config.max_prompt_tokens or pool_tokens
+        return min(limit, pool_tokens)
+
+    def validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
+            raise RequestError("prompt must be a non-empty list of token ids")
+        for t in prompt:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise RequestError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        params.validate(self.config.max_new_tokens_limit)
+        if len(prompt) > self.max_prompt_tokens:
+            raise RequestError(f"prompt of {len(prompt)} tokens exceeds the limit of {self.max_prompt_tokens}")
+        need_pages = -(-(len(prompt) + params.max_tokens) // self.page_size)
+        if need_pages > self.cache.l1.num_pages:
+            raise RequestError(
+                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) needs {need_pages} pages; the L1 "
+                f"pool holds {self.cache.l1.num_pages} pages of {self.page_size} tokens")
+
+    async def start(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._wake = asyncio.Event()
+            self._stopping = False
+            self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
+                    rid: str | None = None) -> Request:
+        """Queue a request (raises RequestError on bad input; nothing else is affected)."""
+        if self._stopping:
+            raise RequestError("the engine is shutting down")
+        params = params or SamplingParams()
+        self.validate(prompt, params)
+        req = Request(prompt=list(prompt), params=params, **({"rid": rid} if rid else {}))
+        if req.rid in self.requests:
+            raise RequestError(f"duplicate request id {req.rid!r}")
+        if params.seed is not None:
+            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        req.queue = asyncio.Queue()
+        self.requests[req.rid] = req
+        self.waiting.append(req)
+        self._event(req, "queued", prompt_tokens=len(req.prompt))
+        self.admission.maybe_prefetch(req)
+        self._wake_soon()
+        return req
+
+    async def submit(self, prompt: Sequence[int], params: SamplingParams | None = None,
+                     rid: str | None = None) -> AsyncIterator[TokenEvent]:
+        """Stream a request's tokens; the last event has finished=True. Closing the iterator early
+        (a client went away) aborts the request and frees its pages."""
+        await self.start()
+        req = self.add_request(prompt, params, rid)
+        try:
+            while True:
+                ev = await req.queue.get()
+                yield ev
+                if ev.finished:
+                    return
+        finally:
+            if not req.state.done:
+                await self.abort(req.rid)
+
+    async def generate_async(self, prompts: Sequence[Sequence[int]],
+                             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
+        await self.start()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        reqs: list[Request | GenerationResult] = []
+        for prompt, p in zip(prompts, plist):
+            try:
+                reqs.append(self.add_request(prompt, p))
+            except RequestError as exc:
+                reqs.append(GenerationResult(rid="", prompt_tokens=len(prompt) if hasattr(prompt, "__len__") else 0,
+                                             output_ids=[], finish_reason="error", error=str(exc),
+                                             cached_tokens={}, ttft_s=None, latency_s=None))
+        out = []
+        for r in reqs:
+            if isinstance(r, Request):
+                while not r.state.done:
+                    ev = await r.queue.get()
+                    if ev.finished:
+                        break
+                out.append(r.result())
+            else:
+                out.append(r)
+        return out
+
+    def generate(self, prompts, params=None) -> list[GenerationResult]:
+        """Synchronous batch generation on a private uvloop loop."""
+        import uvloop
+
+        async def run():
+            try:
+                return await self.generate_async(prompts, params)
+            finally:
+                await self.stop_loop()
+        return uvloop.run(run())
+
+    async def abort(self, rid: str) -> bool:
+        req = self.requests.get(rid)
+        if req is None or req.state.done:
+            return False
+        self._aborts.add(rid)
+        self._wake_soon()
+        if self._loop_task is None or self._loop_task.done():
+            self._settle_aborts()
+        return True
+
+    async def stop_loop(self) -> None:
+        """Stop the loop task after in-flight operations drain (requests stay as they are)."""
+        if self._loop_task is not None:
+            self._stopping = True
+            self._wake_soon()
+            await self._loop_task
+            self._loop_task = None
+            self._stopping = False
+        await self.cache.drain()
+
+    async def shutdown(self, grace_s: float = 0.0) -> None:
+        """Stop admitting; let running requests finish within `grace_s`, abort the rest, drain every
+        transfer and close the tiers (a temporary L3 file is removed)."""
+        self._stopping = True
+        deadline = time.monotonic() + grace_s
+        while (self.running or self.waiting or self.parked) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        for rid in list(self.requests):
+            if not self.requests[rid].state.done:
+                self._aborts.add(rid)
+        self._wake_soon()
+        if self._loop_task is not None:
+            await self._loop_task
+            self._loop_task = None
+        self._settle_aborts()
+        await self.cache.close()
+        self.runner.close()
+
+    def status(self) -> dict:
+        s = self.cache.status()
+        s["engine"] = {"model": self.config.model, "model_id": self.model_id, "device": str(self.device),
+                       "dtype": str(self.dtype).removeprefix("torch."), "page_size": self.page_size,
+                       "waiting": len(self.waiting), "parked": len(self.parked), "running": len(self.running),
+                       **self.stats}
+        return s
+
+    def metrics(self) -> dict:
+        return self.cache.metrics.as_dict()
+
+    def check_integrity(self) -> None:
+        self.cache.check_integrity()
+
+    # -- loop ----------------------------------------------------------------------------------
+    def _wake_soon(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _event(self, req: Request, state: str, **fields) -> None:
+        log.info("request", rid=req.rid, state=state, **fields)
+
+    async def _loop(self) -> None:
+        while True:
+            self._wake.clear()
+            self._settle_aborts()
+            if self._stopping and not (self.running or self.waiting or self.parked):
+                return
+            self.admission.settle_parked()
+            if self._stopping and not self.running and not self.waiting and self.parked:
+                await self._wake.wait()
+                continue
+            batch = await self.admission.prefill_batch()
+            if batch is None:
+                batch = self.admission.decode_batch()
+            if batch is None:
+                if not (self._aborts or self._wake.is_set()):
+                    await self._wake.wait()
+                continue
+            await self._run(batch)
+
+    async def _run(self, work) -> None:
+        reqs, chunks, binput = work
+        self._batch_id += 1
+        start_ns = time.monotonic_ns()
+        restoring = self.cache.pending_ops() > 0
+        handle = self.runner.launch(binput)
+        next_ids = await self.runner.collect(handle)
+        end_ns = time.monotonic_ns()
+        kind = "decode" if binput.is_decode else "prefill"
+        log.info("batch", batch_id=self._batch_id, kind=kind, num_seqs=len(reqs),
+                 num_tokens=len(binput.input_ids), start_ns=start_ns, end_ns=end_ns)
+        self.stats["batches"] += 1
+        if binput.is_decode:
+            self.stats["decode_tokens"] += len(reqs)
+            if restoring:
+                self.cache.metrics.restore_overlapped_s += (end_ns - start_ns) / 1e9
+        else:
+            self.stats["prefill_tokens"] += len(binput.input_ids)
+            if len(reqs) == 1:
+                self.cache.observe_prefill(len(binput.input_ids), (end_ns - start_ns) / 1e9)
+        for req, chunk, token in zip(reqs, chunks, next_ids):
+            self.admission.after_step(req, chunk, token)
+
+    # -- finishing -----------------------------------------------------------------------------
+    def _settle_aborts(self) -> None:
+        for rid in list(self._aborts):
+            self._aborts.discard(rid)
+            req = self.requests.get(rid)
+            if req is not None and not req.state.done:
+                self.finish(req, RequestState.ABORTED, "abort")
+
+    def finish(self, req: Request, state: RequestState, reason: str, error: str | None = None) -> None:
+        """Publish what the request computed, free its private pages, release its locks."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.parked:
+            self.parked.remove(req)
+        for op in (req.restore_op, req.prefetch_op):
+            self.cache.runner.cancel(op)
+        self.admission.release(req, publish=state is RequestState.FINISHED)
+        req.state, req.finish_reason, req.error = state, reason, error
+        req.finish_s = time.perf_counter()
+        self.stats[{"finished": "finished", "aborted": "aborted", "failed": "failed"}[state.value]] += 1
+        self._event(req, state.value, output_tokens=len(req.output), reason=reason, error=error)
+        req.emit(TokenEvent(req.rid, None, len(req.output), finished=True, finish_reason=reason, error=error))
+        self.requests.pop(req.rid, None)

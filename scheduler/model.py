@@ -1,0 +1,186 @@
+"""Qwen3 in plain torch: RMSNorm, q/k-norm, RoPE, GQA attention over the paged L1 pool, SwiGLU MLP.
+
+Projections are fused internally (qkv_proj = [q; k; v], gate_up_proj = [gate; up]); scheduler/loader.py
+maps the HF tensor names onto slices of them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from scheduler.attention import AttentionBatch, paged_attention, write_kv
+from scheduler.presets import PRESETS, ModelConfig
+
+# attention callable of one layer: (layer, q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D]) -> [T,Hq,D]
+AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.cfg = cfg
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(cfg.q_size, h, bias=False)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        # x: [T, H]; cos, sin: [T, 1, D]
+        cfg, tokens = self.cfg, x.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(x))  # [T, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = self.q_norm(q.view(tokens, cfg.num_heads, cfg.head_dim))  # [T, Hq, D]
+        k = self.k_norm(k.view(tokens, cfg.num_kv_heads, cfg.head_dim))  # [T, Hkv, D]
+        v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        o = attn(self.index, q, k, v)  # [T, Hq, D]
+        x = x + self.o_proj(o.reshape(tokens, cfg.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)  # [T, I] each
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        self._rope: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def empty(cls, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> "Qwen3Model":
+        """Allocated on `device` in `dtype`, uninitialised (no CPU staging, no default init pass)."""
+        with torch.device("meta"):
+            model = cls(cfg).to(dtype)  # meta: no memory, no init
+        return model.to_empty(device=device).eval().requires_grad_(False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [V, H]
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def rope_tables(self, max_positions: int, device: torch.device,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin: [N >= max_positions, D], cached per (device, dtype).
+
+        Sized to max_position_embeddings on first use (a few MiB), so it grows only past that; a CUDA
+        graph runner should call this with its largest position before capturing.
+        """
+        key = (torch.device(device), dtype)
+        cached = self._rope.get(key)
+        if cached is not None and cached[0].shape[0] >= max_positions:
+            return cached
+        size = max(max_positions, self.cfg.max_position_embeddings, 2 * (cached[0].shape[0] if cached else 0))
+        d = self.cfg.head_dim
+        inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+        freqs = torch.outer(torch.arange(size, dtype=torch.float32, device=device), inv_freq)  # [N, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [N, D]
+        self._rope[key] = (emb.cos().to(dtype), emb.sin().to(dtype))
+        return self._rope[key]
+
+    def _run_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, max_positions: int,
+                    attn: AttnFn) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.rope_tables(max_positions, x.device, x.dtype)
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # [T, 1, D]
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [B, H] -> float32 logits [B, V]
+        return F.linear(self.norm(x), self.lm_head_weight).float()
+
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor) -> torch.Tensor:
+        """input_ids: [T] (new tokens, batch order) -> float32 logits [B, V] of each sequence's last new token.
+
+        Writes the new tokens' K/V into kv_pool [2, L, P, S, Hkv, D] at batch.out_slots.
+        """
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            write_kv(kv_pool, layer, k, v, batch.out_slots)
+            return paged_attention(q, kv_pool, layer, batch, self.scale)
+
+        max_positions = max(p + n for p, n in zip(batch.prefix_lens, batch.new_lens))
+        x = self._run_layers(input_ids, batch.positions, max_positions, attn)  # [T, H]
+        if not batch.is_decode:  # decode: every row is a last row already
+            x = x.index_select(0, batch.last_rows)  # [B, H]
+        return self._logits(x)
+
+    def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Reference: one sequence, no cache, plain causal SDPA. input_ids: [N] -> float32 logits [N, V]."""
+        def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, v))  # [1, H, N, D]
+            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale, enable_gqa=True)
+            return out[0].transpose(0, 1)  # [N, Hq, D]
+
+        n = input_ids.shape[0]
+        positions = torch.arange(n, device=input_ids.device)
+        return self._logits(self._run_layers(input_ids, positions, n, attn))
+
+
+@torch.no_grad()
+def init_random_weights(model: Qwen3Model, seed: int) -> Qwen3Model:
+    """Seeded random weights, drawn on the model's device in its dtype.
+
+    Projections ~ N(0, 1/fan_in) so activations keep unit scale; norms = 1. Embeddings ~ N(0, 1/hidden):
+    small against the blocks' outputs, so the residual stream is not dominated by the input token
+    (with tied embeddings a dominant token embedding makes greedy decoding repeat its input); the
+    first layer's RMSNorm restores their scale, so no token information is lost.
+    """
+    device = model.embed_tokens.weight.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:  # embedding [V, H] or nn.Linear weight [out, in]: std 1/sqrt(shape[1]) for both
+            param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=gen)
+    return model
+
+
+def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
+               seed: int) -> tuple[Qwen3Model, ModelConfig, str]:
+    """A preset (seeded random weights) or a checkpoint directory -> (model, config, model identity).
+
+    Identity: "<preset>:seed<seed>:<device type>" (random draws differ between CPU and CUDA generators)
+    or "ckpt:<digest of config.json and the safetensors names/sizes>".
+    """
+    import os
+
+    device = torch.device(device)
+    if name_or_path in PRESETS:
+        cfg = PRESETS[name_or_path]
+        model = init_random_weights(Qwen3Model.empty(cfg, device, dtype), seed)
+        return model, cfg, f"{name_or_path}:seed{seed}:{device.type}"
+    if os.path.isdir(name_or_path):
+        from scheduler.loader import load_checkpoint  # loader imports this module
+
+        return load_checkpoint(name_or_path, device, dtype)
+    raise ValueError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")

@@ -1,0 +1,141 @@
+"""Qwen3 model shapes: a frozen ModelConfig, built from a HF config.json or taken from a preset.
+
+Presets carry the real shapes of Qwen3-0.6B / 4B / 8B (weights are seeded random: nothing can be
+downloaded here, and restore-vs-recompute costs depend only on shapes) plus `tiny` for CPU tests.
+Random-weight presets have `eos_token_id=None` on purpose: a random model would hit a real EOS id at
+an arbitrary step, so generations run to their max_new_tokens and lengths stay predictable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hicache.geometry import KVGeometry
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_id: int | None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:  # elements of one token's queries
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:  # elements of one token's keys (or values)
+        return self.num_kv_heads * self.head_dim
+
+    def kv_geometry(self, page_size: int, dtype: torch.dtype) -> KVGeometry:
+        return KVGeometry(self.num_layers, self.num_kv_heads, self.head_dim, page_size, dtype)
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return self.kv_geometry(1, dtype).bytes_per_token
+
+    def num_params(self) -> int:
+        h, q, kv, i = self.hidden_size, self.q_size, self.kv_size, self.intermediate_size
+        per_layer = h * (q + 2 * kv) + q * h + 2 * self.head_dim + 2 * h + 3 * h * i
+        heads = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + heads + h
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        """Build from a HF Qwen3 config.json dict; missing optional keys take HF's defaults."""
+        model_type = cfg.get("model_type")
+        if model_type not in (None, "qwen3"):
+            raise ValueError(f"only the Qwen3 architecture is supported, config.json says model_type={model_type!r}")
+        if cfg.get("rope_scaling"):
+            raise ValueError(f"rope_scaling is not supported, config.json has {cfg['rope_scaling']!r}")
+
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise ValueError(f"config.json lacks required key {key!r}")
+            return cfg[key]
+
+        num_heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        eos = cfg.get("eos_token_id")
+        if isinstance(eos, (list, tuple)):
+            eos = eos[0] if eos else None
+        return cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+            eos_token_id=None if eos is None else int(eos),
+        )
+
+    def to_hf_config(self) -> dict[str, Any]:
+        """The config.json dict a HF Qwen3 checkpoint of these shapes would carry."""
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "eos_token_id": self.eos_token_id,
+            "hidden_act": "silu",
+            "attention_bias": False,
+        }
+
+
+def _qwen3(hidden: int, inter: int, layers: int, heads: int, tied: bool) -> ModelConfig:
+    return ModelConfig(vocab_size=151936, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
+                       num_heads=heads, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=tied, max_position_embeddings=40960,
+                       eos_token_id=None)  # random weights: never stop early (module docstring)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "qwen3-0.6b": _qwen3(hidden=1024, inter=3072, layers=28, heads=16, tied=True),
+    "qwen3-4b": _qwen3(hidden=2560, inter=9728, layers=36, heads=32, tied=True),
+    "qwen3-8b": _qwen3(hidden=4096, inter=12288, layers=36, heads=32, tied=False),
+    "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16, rope_theta=10000.0, rms_norm_eps=1e-6,
+                        tie_word_embeddings=False, max_position_embeddings=4096, eos_token_id=None),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}") from None

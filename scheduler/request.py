@@ -1,0 +1,124 @@
+"""Requests, sampling parameters and their lifecycle states."""
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+
+class RequestError(ValueError):
+    """Bad input for one request: reported to that request, never raised into the loop."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, max_new_tokens_limit: int) -> None:
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens > max_new_tokens_limit:
+            raise RequestError(f"max_tokens {self.max_tokens} exceeds the limit {max_new_tokens_limit}")
+        if not 0.0 <= float(self.temperature) <= 100.0:
+            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"      # queued, no pages yet
+    PARKED = "parked"        # waiting for a restore from L2/L3 to land in L1
+    PREFILL = "prefill"      # admitted; prompt (partly) computed
+    DECODE = "decode"        # generating
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+    @property
+    def done(self) -> bool:
+        return self in (RequestState.FINISHED, RequestState.ABORTED, RequestState.FAILED)
+
+
+@dataclass
+class TokenEvent:
+    """One streamed item: a generated token, or the end of the request."""
+    rid: str
+    token_id: int | None
+    index: int
+    finished: bool = False
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
+    error: str | None = None
+
+
+@dataclass
+class GenerationResult:
+    rid: str
+    prompt_tokens: int
+    output_ids: list[int]
+    finish_reason: str
+    error: str | None
+    cached_tokens: dict[str, int]
+    ttft_s: float | None
+    latency_s: float | None
+
+
+_rid_counter = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    rid: str = field(default_factory=lambda: f"req-{next(_rid_counter)}")
+    state: RequestState = RequestState.WAITING
+    output: list[int] = field(default_factory=list)
+    # KV bookkeeping (L1). pages[i] holds tokens [i*page_size, (i+1)*page_size).
+    claim: int | None = None
+    pages: list[int] = field(default_factory=list)
+    cached_len: int = 0          # tokens whose KV is in L1 and may be read
+    locked_node: object = None   # tree node locked in L1 (protects the shared prefix we read)
+    locked_len: int = 0          # tokens covered by locked_node's path
+    reserved_pages: int = 0      # pages this request may still need (admission reservation)
+    hit_tokens: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
+    restore_tier: str = "none"
+    restore_op: object = None
+    restore_failed: bool = False  # a restore failed: this request recomputes, never retries
+    prefetch_op: object = None
+    finish_reason: str | None = None
+    error: str | None = None
+    generator: object = None     # torch.Generator for seeded sampling
+    queue: asyncio.Queue | None = None
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens whose KV exists or is being computed: prompt + generated, minus the newest token."""
+        return len(self.prompt) + max(0, len(self.output) - 1)
+
+    def emit(self, event: TokenEvent) -> None:
+        if self.queue is not None:
+            self.queue.put_nowait(event)
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(
+            rid=self.rid, prompt_tokens=len(self.prompt), output_ids=list(self.output),
+            finish_reason=self.finish_reason or "", error=self.error, cached_tokens=dict(self.hit_tokens),
+            ttft_s=None if self.first_token_s is None else self.first_token_s - self.arrival_s,
+            latency_s=None if self.finish_s is None else self.finish_s - self.arrival_s)

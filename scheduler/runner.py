@@ -1,0 +1,60 @@
+"""Runs one batch on the model: builds the attention metadata, runs the forward over the paged L1
+pool, samples, and hands back token ids when the device is done (awaited off the loop thread)."""
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.attention import AttentionBatch
+from scheduler.model import Qwen3Model
+from scheduler.sampling import sample
+
+
+@dataclass
+class BatchInput:
+    input_ids: list[int]          # new tokens of all sequences, batch order
+    prefix_lens: list[int]
+    new_lens: list[int]
+    page_tables: list[list[int]]
+    temperatures: list[float]
+    top_ps: list[float]
+    generators: list[torch.Generator | None]
+    is_decode: bool
+
+
+class ModelRunner:
+    def __init__(self, model: Qwen3Model, kv_pool: torch.Tensor, page_size: int, device: torch.device) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.page_size = page_size
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-cuda-wait")
+
+    @torch.inference_mode()
+    def launch(self, batch: BatchInput):
+        """Enqueue forward + sampling; returns a handle for `collect`. On CUDA nothing blocks here."""
+        attn = AttentionBatch.build(batch.prefix_lens, batch.new_lens, batch.page_tables, self.page_size,
+                                    self.device, batch.is_decode)
+        ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        logits = self.model(ids, attn, self.kv_pool)  # [B, V]
+        next_ids = sample(logits, batch.temperatures, batch.top_ps, batch.generators)  # [B]
+        if not self.cuda:
+            return next_ids, None
+        host = torch.empty(next_ids.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(next_ids, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
+    async def collect(self, handle) -> list[int]:
+        host, event = handle
+        if event is not None:
+            await asyncio.get_running_loop().run_in_executor(self._waiter, event.synchronize)
+        return host.tolist()
+
+    def close(self) -> None:
+        self._waiter.shutdown(wait=True)

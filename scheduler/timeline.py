@@ -1,0 +1,470 @@
+"""A timeline of requests, batches and cache transfers, rebuilt from the engine's JSON-lines event log.
+
+Every log line is a JSON object with "event" and "ts_ns" (time.monotonic_ns()). Events read here:
+  request    rid, state in REQUEST_STATES; prefill_start adds prompt_tokens, hit_l1/hit_l2/hit_l3
+             (tokens), restore_tier ("none"|"l2"|"l3"), restore_tokens; finished adds output_tokens.
+  batch      batch_id, kind ("prefill"|"decode"), num_seqs, num_tokens, start_ns, end_ns (once, at end).
+  op         op_id, kind in OP_KINDS, from_state, to_state, bytes, pages, request_id, error: one per
+             state transition; the first carries the op's initial state (L1_PRIVATE, L2, L3) as
+             from_state. An op has ended when its last to_state is in OP_END_STATES.
+  occupancy  tier ("l1"|"l2"|"l3"), used_pages, capacity_pages.
+Other events, lines that are not JSON and known events with missing fields are skipped and counted.
+
+Outputs: plain / rich tables, Chrome trace-event JSON (Perfetto, chrome://tracing) and a Gantt PNG.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+REQUEST_STATES = ("queued", "parked", "prefill_start", "prefill_end", "first_token", "finished", "aborted", "failed")
+REQUEST_END_STATES = frozenset({"finished", "aborted", "failed"})
+OP_KINDS = ("backup", "restore_l2", "restore_l3", "prefetch_l3")
+OP_END_STATES = frozenset({"L1_L2_L3", "L1_L2", "L2_L3", "FAILED", "CANCELLED"})  # when an op's last state
+TIERS = ("l1", "l2", "l3")
+# Chrome trace processes (one track group each).
+PID_SCHEDULER, PID_REQUESTS, PID_TRANSFERS, PID_OCCUPANCY = 1, 2, 3, 4
+# Name of the slice a request spends in after each state.
+_REQUEST_PHASE = {"queued": "queued", "parked": "parked (restore)", "prefill_start": "prefill",
+                  "prefill_end": "prefilled", "first_token": "decode"}
+
+
+@dataclass
+class RequestSpan:
+    rid: str
+    states: list[tuple[str, int]] = field(default_factory=list)  # (state, ts_ns) in log order
+    prompt_tokens: int | None = None
+    hit_tokens: dict[str, int] = field(default_factory=dict)  # tier -> tokens, from prefill_start
+    restore_tier: str | None = None
+    restore_tokens: int | None = None
+    output_tokens: int | None = None
+
+    def first_ns(self, state: str, after_ns: int | None = None) -> int | None:
+        return next((t for s, t in self.states if s == state and (after_ns is None or t >= after_ns)), None)
+
+    def last_ns(self, state: str) -> int | None:
+        return next((t for s, t in reversed(self.states) if s == state), None)
+
+    @property
+    def arrival_ns(self) -> int:
+        return self.states[0][1]
+
+    @property
+    def end_ns(self) -> int | None:
+        return self.states[-1][1] if self.states[-1][0] in REQUEST_END_STATES else None
+
+    @property
+    def final_state(self) -> str:
+        return self.states[-1][0] if self.end_ns is not None else "running"
+
+    def _between_ns(self, a: int | None, b: int | None) -> int | None:
+        return None if a is None or b is None else b - a
+
+    @property
+    def queue_wait_ns(self) -> int | None:
+        return self._between_ns(self.first_ns("queued"), self.first_ns("prefill_start"))
+
+    @property
+    def restore_wait_ns(self) -> int | None:
+        parked_ns = self.first_ns("parked")
+        return self._between_ns(parked_ns, None if parked_ns is None else self.first_ns("prefill_start", parked_ns))
+
+    @property
+    def prefill_ns(self) -> int | None:  # first prefill_start to last prefill_end (chunked prefill)
+        return self._between_ns(self.first_ns("prefill_start"), self.last_ns("prefill_end"))
+
+    @property
+    def first_token_ns(self) -> int | None:  # from arrival
+        return self._between_ns(self.arrival_ns, self.first_ns("first_token"))
+
+    @property
+    def finish_ns(self) -> int | None:  # from arrival
+        return self._between_ns(self.arrival_ns, self.end_ns)
+
+
+@dataclass
+class OpSpan:
+    op_id: int
+    kind: str
+    initial_state: str
+    request_id: str | None = None
+    transitions: list[tuple[str, int]] = field(default_factory=list)  # (to_state, ts_ns)
+    num_bytes: int | None = None
+    num_pages: int | None = None
+    error: str | None = None
+
+    @property
+    def start_ns(self) -> int:
+        return self.transitions[0][1]
+
+    @property
+    def ended(self) -> bool:
+        return self.transitions[-1][0] in OP_END_STATES
+
+    @property
+    def outcome(self) -> str:
+        last = self.transitions[-1][0]
+        return {"FAILED": "failed", "CANCELLED": "cancelled"}.get(last, "ok" if self.ended else "incomplete")
+
+    def state_spans(self, open_end_ns: int) -> list[tuple[str, int, int]]:
+        """(state, start_ns, end_ns) for each state the op sat in; the end state has no span, and the
+        last state of an op that never ended runs to `open_end_ns`."""
+        spans = [(s, t, self.transitions[i + 1][1]) for i, (s, t) in enumerate(self.transitions[:-1])]
+        if not self.ended:
+            s, t = self.transitions[-1]
+            spans.append((s, t, max(t, open_end_ns)))
+        return spans
+
+    def end_ns(self, open_end_ns: int) -> int:
+        return self.transitions[-1][1] if self.ended else max(self.transitions[-1][1], open_end_ns)
+
+
+@dataclass(frozen=True)
+class BatchSpan:
+    batch_id: int
+    kind: str
+    num_seqs: int
+    num_tokens: int
+    start_ns: int
+    end_ns: int
+
+
+@dataclass(frozen=True)
+class OccupancySample:
+    ts_ns: int
+    used_pages: int
+    capacity_pages: int
+
+
+@dataclass
+class Timeline:
+    requests: dict[str, RequestSpan] = field(default_factory=dict)  # in arrival order
+    ops: dict[int, OpSpan] = field(default_factory=dict)  # in start order
+    batches: list[BatchSpan] = field(default_factory=list)  # by start_ns
+    occupancy: dict[str, list[OccupancySample]] = field(default_factory=dict)  # tier -> samples in time order
+    base_ns: int = 0  # earliest timestamp seen: time zero of every output
+    last_ns: int = 0  # latest timestamp seen: where unfinished spans are closed
+    num_unknown_events: int = 0
+    num_malformed_events: int = 0
+    num_bad_lines: int = 0
+
+    def rel_ms(self, ts_ns: int) -> float:
+        return (ts_ns - self.base_ns) / 1e6
+
+
+def read_events(path: str | Path, *, bad_lines: list[int] | None = None) -> list[dict]:
+    """The JSON objects of a log, in file order. Lines that are not JSON objects are skipped; their
+    1-based numbers are appended to `bad_lines` when given."""
+    events: list[dict] = []
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                obj = None
+            if isinstance(obj, dict):
+                events.append(obj)
+            elif bad_lines is not None:
+                bad_lines.append(line_no)
+    return events
+
+
+def _int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _opt_int(x: object) -> int | None:
+    return x if _int(x) else None
+
+
+def _add_request(tl: Timeline, e: dict) -> bool:
+    rid, state = e.get("rid"), e.get("state")
+    if not isinstance(rid, str) or state not in REQUEST_STATES:
+        return False
+    req = tl.requests.setdefault(rid, RequestSpan(rid))
+    req.states.append((state, e["ts_ns"]))
+    if state == "prefill_start" and req.prompt_tokens is None:
+        req.prompt_tokens = _opt_int(e.get("prompt_tokens"))
+        req.hit_tokens = {t: e[f"hit_{t}"] for t in TIERS if _int(e.get(f"hit_{t}"))}
+        req.restore_tier = e.get("restore_tier") if isinstance(e.get("restore_tier"), str) else None
+        req.restore_tokens = _opt_int(e.get("restore_tokens"))
+    elif state == "finished":
+        req.output_tokens = _opt_int(e.get("output_tokens"))
+    return True
+
+
+def _add_op(tl: Timeline, e: dict) -> bool:
+    op_id, kind, frm, to = e.get("op_id"), e.get("kind"), e.get("from_state"), e.get("to_state")
+    if not _int(op_id) or kind not in OP_KINDS or not isinstance(frm, str) or not isinstance(to, str):
+        return False
+    op = tl.ops.setdefault(op_id, OpSpan(op_id, kind, initial_state=frm))
+    op.transitions.append((to, e["ts_ns"]))
+    op.request_id = op.request_id or (e.get("request_id") if isinstance(e.get("request_id"), str) else None)
+    op.num_bytes = _opt_int(e.get("bytes")) if _int(e.get("bytes")) else op.num_bytes
+    op.num_pages = _opt_int(e.get("pages")) if _int(e.get("pages")) else op.num_pages
+    op.error = str(e["error"]) if e.get("error") is not None else op.error
+    return True
+
+
+def _add_batch(tl: Timeline, e: dict) -> bool:
+    vals = [e.get(k) for k in ("batch_id", "num_seqs", "num_tokens", "start_ns", "end_ns")]
+    if not all(_int(v) for v in vals) or not isinstance(e.get("kind"), str) or vals[4] < vals[3]:
+        return False
+    tl.batches.append(BatchSpan(vals[0], e["kind"], vals[1], vals[2], vals[3], vals[4]))
+    return True
+
+
+def _add_occupancy(tl: Timeline, e: dict) -> bool:
+    tier, used, cap = e.get("tier"), e.get("used_pages"), e.get("capacity_pages")
+    if not isinstance(tier, str) or not _int(used) or not _int(cap):
+        return False
+    tl.occupancy.setdefault(tier, []).append(OccupancySample(e["ts_ns"], used, cap))
+    return True
+
+
+_HANDLERS = {"request": _add_request, "op": _add_op, "batch": _add_batch, "occupancy": _add_occupancy}
+
+
+def build_timeline(events: list[dict], *, num_bad_lines: int = 0) -> Timeline:
+    """Groups events by request, op, batch and tier. Events are taken in ts_ns order (stable)."""
+    tl = Timeline(num_bad_lines=num_bad_lines)
+    known = []
+    for e in events:
+        handler = _HANDLERS.get(e.get("event"))
+        if handler is None:
+            tl.num_unknown_events += 1
+        elif not _int(e.get("ts_ns")):
+            tl.num_malformed_events += 1
+        else:
+            known.append((handler, e))
+    known.sort(key=lambda he: he[1]["ts_ns"])
+    stamps = []  # of accepted events only
+    for handler, e in known:
+        if handler(tl, e):
+            stamps.append(e["ts_ns"])
+        else:
+            tl.num_malformed_events += 1
+    tl.batches.sort(key=lambda b: (b.start_ns, b.batch_id))
+    stamps += [t for b in tl.batches for t in (b.start_ns, b.end_ns)]
+    if stamps:
+        tl.base_ns, tl.last_ns = min(stamps), max(stamps)
+    tl.requests = dict(sorted(tl.requests.items(), key=lambda kv: kv[1].arrival_ns))
+    tl.ops = dict(sorted(tl.ops.items(), key=lambda kv: (kv[1].start_ns, kv[0])))
+    return tl
+
+
+# ---------------------------------------------------------------- tables
+
+def _fmt_ms(ns: int | None) -> str:
+    return "-" if ns is None else f"{ns / 1e6:.2f}"
+
+
+REQUEST_COLUMNS = ("rid", "arrival_ms", "queue_ms", "restore", "restore_ms", "prefill_ms",
+                   "first_token_ms", "finish_ms", "output_tokens", "state")
+OP_COLUMNS = ("op", "kind", "request", "states (ms in each)", "bytes", "outcome")
+
+
+def request_rows(tl: Timeline) -> list[tuple[str, ...]]:
+    return [(r.rid, f"{tl.rel_ms(r.arrival_ns):.2f}", _fmt_ms(r.queue_wait_ns), r.restore_tier or "-",
+             _fmt_ms(r.restore_wait_ns), _fmt_ms(r.prefill_ns), _fmt_ms(r.first_token_ns), _fmt_ms(r.finish_ns),
+             "-" if r.output_tokens is None else str(r.output_tokens), r.final_state)
+            for r in tl.requests.values()]
+
+
+def op_rows(tl: Timeline) -> list[tuple[str, ...]]:
+    rows = []
+    for op in tl.ops.values():
+        parts = [op.initial_state] + [f"{s} {_fmt_ms(b - a)}" for s, a, b in op.state_spans(tl.last_ns)]
+        if op.ended:
+            parts.append(op.transitions[-1][0])
+        outcome = op.outcome + (f": {op.error}" if op.error else "")
+        rows.append((str(op.op_id), op.kind, op.request_id or "-", " > ".join(parts),
+                     "-" if op.num_bytes is None else str(op.num_bytes), outcome))
+    return rows
+
+
+def summary_line(tl: Timeline) -> str:
+    kinds = sorted({b.kind for b in tl.batches})
+    per_kind = ", ".join(f"{sum(b.kind == k for b in tl.batches)} {k}" for k in kinds) or "0"
+    return (f"{len(tl.requests)} requests, {len(tl.ops)} ops, batches: {per_kind}; span "
+            f"{tl.rel_ms(tl.last_ns):.2f} ms; skipped: {tl.num_bad_lines} non-JSON lines, "
+            f"{tl.num_unknown_events} unknown events, {tl.num_malformed_events} malformed events")
+
+
+def _plain_table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def format_tables(tl: Timeline) -> str:
+    """Plain-text request and operation tables."""
+    return "\n\n".join([summary_line(tl), _plain_table("Requests", REQUEST_COLUMNS, request_rows(tl)),
+                        _plain_table("Operations", OP_COLUMNS, op_rows(tl))]) + "\n"
+
+
+def print_tables(tl: Timeline, file: TextIO = sys.stdout) -> None:
+    """Rich tables on a terminal, `format_tables` text otherwise."""
+    if not file.isatty():
+        file.write(format_tables(tl))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=file)
+    console.print(summary_line(tl))
+    tables = (("Requests", REQUEST_COLUMNS, request_rows(tl)), ("Operations", OP_COLUMNS, op_rows(tl)))
+    for title, header, rows in tables:
+        table = Table(title=title)
+        for h in header:
+            table.add_column(h, overflow="fold")
+        for r in rows:
+            table.add_row(*r)
+        console.print(table)
+
+
+# ---------------------------------------------------------------- chrome trace
+
+def _async_slices(name: str, cat: str, slice_id: object, pid: int, tid: int, start_us: float, end_us: float,
+                  nested: list[tuple[str, float, float]], args_b: dict, args_e: dict) -> list[dict]:
+    common = {"cat": cat, "id": slice_id, "pid": pid, "tid": tid}
+    out = [{"name": name, "ph": "b", "ts": start_us, "args": args_b, **common}]
+    for sub, a, b in nested:
+        out += [{"name": sub, "ph": "b", "ts": a, **common}, {"name": sub, "ph": "e", "ts": b, **common}]
+    out.append({"name": name, "ph": "e", "ts": end_us, "args": args_e, **common})
+    return out
+
+
+def to_chrome(tl: Timeline) -> dict:
+    """Chrome trace-event JSON: batches are "X" slices on pid 1 tid 1; requests (cat "request") and
+    ops (cat = op kind, id = op id) are async "b"/"e" slices with one nested slice per state;
+    occupancy is one "C" counter per tier. Timestamps in µs from the first event."""
+    us = lambda ns: (ns - tl.base_ns) / 1e3  # noqa: E731
+    meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "ts": 0, "args": {"name": name}}
+            for pid, name in ((PID_SCHEDULER, "scheduler"), (PID_REQUESTS, "requests"),
+                              (PID_TRANSFERS, "transfers"), (PID_OCCUPANCY, "occupancy"))]
+    meta.append({"name": "thread_name", "ph": "M", "pid": PID_SCHEDULER, "tid": 1, "ts": 0,
+                 "args": {"name": "batches"}})
+    ev: list[dict] = []
+    for b in tl.batches:
+        ev.append({"name": f"{b.kind} #{b.batch_id}", "cat": "batch", "ph": "X", "pid": PID_SCHEDULER, "tid": 1,
+                   "ts": us(b.start_ns), "dur": (b.end_ns - b.start_ns) / 1e3,
+                   "args": {"batch_id": b.batch_id, "num_seqs": b.num_seqs, "num_tokens": b.num_tokens}})
+    for r in tl.requests.values():
+        end_ns = r.end_ns if r.end_ns is not None else max(tl.last_ns, r.states[-1][1])
+        nxt = [t for _, t in r.states[1:]] + [end_ns]
+        nested = [(_REQUEST_PHASE[s], us(t), us(n)) for (s, t), n in zip(r.states, nxt) if s in _REQUEST_PHASE]
+        args_b = {"prompt_tokens": r.prompt_tokens, "restore_tier": r.restore_tier, "restore_tokens": r.restore_tokens,
+                  **{f"hit_{t}_tokens": n for t, n in r.hit_tokens.items()}}
+        args_e = {"final_state": r.final_state, "output_tokens": r.output_tokens}
+        if r.end_ns is None:
+            args_e["incomplete"] = True
+        ev += _async_slices(f"request {r.rid}", "request", r.rid, PID_REQUESTS, 1, us(r.arrival_ns), us(end_ns),
+                            nested, args_b, args_e)
+    for op in tl.ops.values():
+        nested = [(s, us(a), us(b)) for s, a, b in op.state_spans(tl.last_ns)]
+        args_b = {"initial_state": op.initial_state, "request_id": op.request_id, "bytes": op.num_bytes,
+                  "pages": op.num_pages}
+        args_e = {"outcome": op.outcome, "final_state": op.transitions[-1][0], "error": op.error}
+        if not op.ended:
+            args_e["incomplete"] = True
+        ev += _async_slices(f"{op.kind} op {op.op_id}", op.kind, op.op_id, PID_TRANSFERS, 1, us(op.start_ns),
+                            us(op.end_ns(tl.last_ns)), nested, args_b, args_e)
+    for tier, samples in tl.occupancy.items():
+        for s in samples:
+            ev.append({"name": f"{tier} pages", "ph": "C", "pid": PID_OCCUPANCY, "tid": 0, "ts": us(s.ts_ns),
+                       "args": {"used_pages": s.used_pages, "free_pages": max(0, s.capacity_pages - s.used_pages)}})
+    ev.sort(key=lambda e: e["ts"])  # stable: a slice's "e" stays before the next "b" at the same ts
+    return {"traceEvents": meta + ev, "displayTimeUnit": "ms",
+            "otherData": {"base_monotonic_ns": tl.base_ns, "source": "hicache structured log"}}
+
+
+def write_chrome(tl: Timeline, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(to_chrome(tl)))
+
+
+# ---------------------------------------------------------------- png
+
+def _pack_lanes(spans: list[tuple[float, float]]) -> list[int]:
+    """Greedy interval packing: a lane index for each (start, end), spans given in start order."""
+    lane_ends: list[float] = []
+    lanes = []
+    for a, b in spans:
+        lane = next((i for i, end in enumerate(lane_ends) if end <= a), None)
+        if lane is None:
+            lane = len(lane_ends)
+            lane_ends.append(b)
+        lane_ends[lane] = b
+        lanes.append(lane)
+    return lanes
+
+
+def render_png(tl: Timeline, path: str | Path, *, max_request_rows: int = 40) -> None:
+    """A Gantt chart (requests by phase, batches, transfers by state) over per-tier occupancy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.collections import PolyCollection
+
+    rows: list[tuple[str, list[tuple[float, float, str]]]] = []  # (label, [(start_ms, width_ms, color_key)])
+    ms = tl.rel_ms
+    reqs = list(tl.requests.values())
+    req_spans = []
+    for r in reqs:
+        end = r.end_ns if r.end_ns is not None else tl.last_ns
+        nxt = [t for _, t in r.states[1:]] + [end]
+        req_spans.append([(ms(t), (n - t) / 1e6, _REQUEST_PHASE[s]) for (s, t), n in zip(r.states, nxt)
+                          if s in _REQUEST_PHASE])
+    if len(reqs) <= max_request_rows:
+        rows += [(f"req {r.rid}", spans) for r, spans in zip(reqs, req_spans)]
+    else:
+        lanes = _pack_lanes([(ms(r.arrival_ns), ms(r.end_ns or tl.last_ns)) for r in reqs])
+        for lane in range(max(lanes) + 1):
+            rows.append((f"requests {lane}", [s for l, sp in zip(lanes, req_spans) if l == lane for s in sp]))
+    for kind in sorted({b.kind for b in tl.batches}):
+        rows.append((f"batch {kind}", [(ms(b.start_ns), (b.end_ns - b.start_ns) / 1e6, f"batch {kind}")
+                                       for b in tl.batches if b.kind == kind]))
+    ops = list(tl.ops.values())
+    op_lanes = _pack_lanes([(ms(o.start_ns), ms(o.end_ns(tl.last_ns))) for o in ops])
+    for lane in range(max(op_lanes, default=-1) + 1):
+        rows.append((f"transfers {lane}", [(ms(a), (b - a) / 1e6, s) for o, l in zip(ops, op_lanes) if l == lane
+                                           for s, a, b in o.state_spans(tl.last_ns)]))
+    keys = list(dict.fromkeys(k for _, spans in rows for *_, k in spans))
+    cmap = plt.get_cmap("tab20")
+    colors = {k: cmap(i % 20) for i, k in enumerate(keys)}
+    fig, (ax, ax_occ) = plt.subplots(2, 1, figsize=(14, min(60, 3 + 0.3 * len(rows))), sharex=True,
+                                     gridspec_kw={"height_ratios": [max(3, len(rows)), 3]})
+    min_width_ms = max(tl.rel_ms(tl.last_ns), 1e-3) / 2000  # keep instant spans visible
+    boxes, box_colors = [], []  # one PolyCollection: thousands of broken_barh calls take minutes
+    for y, (_, spans) in enumerate(rows):
+        for start, width, key in spans:
+            x0, x1 = start, start + max(width, min_width_ms)
+            boxes.append([(x0, y - 0.4), (x1, y - 0.4), (x1, y + 0.4), (x0, y + 0.4)])
+            box_colors.append(colors[key])
+    ax.add_collection(PolyCollection(boxes, facecolors=box_colors, edgecolors="none"))
+    ax.set_xlim(0, max(tl.rel_ms(tl.last_ns), 1e-3) * 1.01)
+    ax.set_ylim(-0.6, len(rows) - 0.4)
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=7)
+    ax.invert_yaxis()
+    if keys:
+        ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in keys], labels=keys,
+                  fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(summary_line(tl), fontsize=8)
+    for tier, samples in sorted(tl.occupancy.items()):
+        fractions = [s.used_pages / max(1, s.capacity_pages) for s in samples]
+        ax_occ.step([ms(s.ts_ns) for s in samples] + [ms(tl.last_ns)], fractions + fractions[-1:],
+                    where="post", label=tier)  # the last level holds to the end
+    ax_occ.set_ylabel("used / capacity")
+    ax_occ.set_xlabel("ms since first event")
+    if tl.occupancy:
+        ax_occ.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,237 @@
+"""The online cost model: regimes of the linear fit, and the restore / recompute / admission choices."""
+from __future__ import annotations
+
+import pytest
+
+from hicache.config import HiCacheConfig
+from hicache.cost_model import GIB_BYTES, CostModel, LinearCost
+
+BYTES_PER_TOKEN = 147_456  # Qwen3-4B/8B KV geometry, bf16
+MIB = 1 << 20
+
+
+def approx(x: float) -> object:
+    return pytest.approx(x, rel=1e-9, abs=1e-15)
+
+
+# -- LinearCost ------------------------------------------------------------------------------------
+def test_prior_before_samples() -> None:
+    cost = LinearCost(2e-9)
+    assert cost.predict(1000) == approx(2e-6)
+    assert cost.state() == {"fixed_s": 0.0, "slope": 2e-9, "prior_slope": 2e-9, "samples": 0, "regime": "prior"}
+
+
+def test_regime_fixed_only_keeps_prior_slope_and_ewma_fixed() -> None:
+    cost = LinearCost(1e-9)
+    size, residual_s = 1_000_000, 0.004
+    expected_fixed_s = 0.0
+    for _ in range(10):
+        cost.observe(size, size * 1e-9 + residual_s)
+        expected_fixed_s += 0.2 * (residual_s - expected_fixed_s)
+        assert cost.slope == 1e-9
+        assert cost.fixed_s == approx(expected_fixed_s)
+    assert cost.regime == "fixed_only"
+    assert 0 < cost.fixed_s < residual_s
+    for _ in range(60):
+        cost.observe(size, size * 1e-9 + residual_s)
+    assert cost.fixed_s == pytest.approx(residual_s, rel=1e-4)
+
+
+def test_regime_fixed_only_with_sizes_within_five_percent() -> None:
+    cost = LinearCost(1e-9)
+    for size in (1_000_000, 1_020_000, 1_040_000, 990_000):
+        cost.observe(size, 0.5)  # far slower than the prior: only the fixed cost may absorb it
+    assert cost.regime == "fixed_only" and cost.slope == 1e-9
+
+
+def test_regime_fixed_only_negative_residual_clamps_to_zero() -> None:
+    cost = LinearCost(1e-6)
+    for _ in range(5):
+        cost.observe(1000, 1e-4)  # faster than the prior slope predicts: residual < 0
+    assert cost.fixed_s == 0.0 and cost.slope == 1e-6
+
+
+def test_regime_least_squares_recovers_exact_line() -> None:
+    cost = LinearCost(1e-9)
+    fixed_s, slope = 0.003, 5e-10
+    for size in (10 * MIB, 200 * MIB, 10 * MIB, 200 * MIB, 50 * MIB):
+        cost.observe(size, fixed_s + size * slope)
+    assert cost.regime == "least_squares"
+    assert cost.fixed_s == pytest.approx(fixed_s, rel=1e-6)
+    assert cost.slope == pytest.approx(slope, rel=1e-6)
+    assert cost.predict(100 * MIB) == pytest.approx(fixed_s + 100 * MIB * slope, rel=1e-6)
+
+
+def test_negative_slope_falls_back_to_mean() -> None:
+    cost = LinearCost(1e-9)
+    cost.observe(100, 0.3)
+    cost.observe(1000, 0.1)
+    assert cost.regime == "least_squares"
+    assert cost.slope == 0.0 and cost.fixed_s == approx(0.2)
+
+
+def test_negative_intercept_falls_back_to_line_through_origin() -> None:
+    cost = LinearCost(1.0)
+    samples = [(100.0, 0.5), (1000.0, 9.0)]  # the free fit has intercept < 0
+    for size, seconds in samples:
+        cost.observe(size, seconds)
+    expected_slope = sum(x * y for x, y in samples) / sum(x * x for x, _ in samples)
+    assert cost.fixed_s == 0.0
+    assert cost.slope == approx(expected_slope)
+
+
+def test_window_of_32_forgets_old_samples() -> None:
+    cost = LinearCost(1e-9)
+    for size in (1 * MIB, 100 * MIB) * 16:  # 32 samples of a slow line
+        cost.observe(size, 0.01 + size * 1e-8)
+    assert cost.slope == pytest.approx(1e-8, rel=1e-6)
+    for size in (1 * MIB, 100 * MIB) * 16:  # 32 samples of a fast line replace them all
+        cost.observe(size, 0.002 + size * 2e-10)
+    assert cost.num_samples == 32
+    assert cost.slope == pytest.approx(2e-10, rel=1e-6)
+    assert cost.fixed_s == pytest.approx(0.002, rel=1e-6)
+
+
+def test_rejects_bad_samples() -> None:
+    cost = LinearCost(1e-9)
+    for size, seconds in ((-1, 0.1), (1, -0.1), (1, float("nan"))):
+        with pytest.raises(ValueError):
+            cost.observe(size, seconds)
+    assert cost.num_samples == 0
+
+
+# -- CostModel -------------------------------------------------------------------------------------
+def model(**overrides: object) -> CostModel:
+    return CostModel(HiCacheConfig(**overrides), BYTES_PER_TOKEN)
+
+
+def test_priors_in_seconds_per_byte_and_token() -> None:
+    cm = model(host_bandwidth_gib_s=10.0, storage_bandwidth_gib_s=2.0, recompute_us_per_token=40.0)
+    assert cm.directions["h2d"].slope == approx(1 / (10 * GIB_BYTES))
+    assert cm.directions["s2h"].slope == approx(1 / (2 * GIB_BYTES))
+    assert cm.recompute_cost_s(1000) == approx(0.04)
+    n = 3500
+    assert cm.restore_cost_s("l2", n) == approx(n * BYTES_PER_TOKEN / (10 * GIB_BYTES))
+    l3_s_per_byte = 1 / (10 * GIB_BYTES) + 1 / (2 * GIB_BYTES)
+    assert cm.restore_cost_s("l3", n) == approx(n * BYTES_PER_TOKEN * l3_s_per_byte)
+    state = cm.state()
+    assert state["directions"]["h2d"]["gib_s"] == pytest.approx(10.0)
+    assert state["directions"]["recompute"]["us_per_token"] == pytest.approx(40.0)
+
+
+def test_skip_l3_when_recompute_is_cheaper() -> None:
+    # the reference machine: storage ~2 GiB/s, recompute 25 us/token -> a cold L3 restore loses
+    cm = model(host_bandwidth_gib_s=50.0, storage_bandwidth_gib_s=2.0, recompute_us_per_token=25.0)
+    decision = cm.decide(0, 0, 3500, "cost")
+    assert decision.tier == "l1" and decision.restore_tokens == 0 and decision.benefit_s == 0.0
+    assert decision.costs["l3_benefit_s"] < 0
+    # the same hit in L2 (fast host link) is restored
+    decision = cm.decide(0, 3500, 3500, "cost")
+    assert decision.tier == "l2" and decision.restore_tokens == 3500 and decision.benefit_s > 0
+
+
+def test_l3_restore_chosen_on_fast_storage() -> None:
+    cm = model(host_bandwidth_gib_s=50.0, storage_bandwidth_gib_s=40.0, recompute_us_per_token=50.0)
+    decision = cm.decide(512, 1024, 4096, "cost")
+    assert decision.tier == "l3" and decision.restore_tokens == 4096 - 512
+    # S2H only for the part beyond L2, H2D for everything beyond L1
+    s2h = cm.directions["s2h"].predict((4096 - 1024) * BYTES_PER_TOKEN)
+    h2d = cm.directions["h2d"].predict((4096 - 512) * BYTES_PER_TOKEN)
+    assert decision.costs["l3_restore_s"] == approx(s2h + h2d)
+
+
+def test_hits_only_count_beyond_l1() -> None:
+    cm = model()
+    decision = cm.decide(2048, 1024, 2048, "cost")
+    assert decision.tier == "l1" and decision.costs == {}
+    assert cm.decide(2048, 2048, 2048, "always").tier == "l1"
+
+
+def test_margin_makes_restore_harder() -> None:
+    n = 1000
+    cm = model(host_bandwidth_gib_s=12.0, recompute_us_per_token=100.0)
+    ratio = cm.recompute_cost_s(n) / cm.restore_cost_s("l2", n)
+    assert cm.decide(0, n, 0).tier == "l2"
+    stricter = model(host_bandwidth_gib_s=12.0, recompute_us_per_token=100.0, cost_margin=ratio * 1.01)
+    assert stricter.decide(0, n, 0).tier == "l1"
+
+
+def test_crossover_learned_from_two_sizes() -> None:
+    """A large fixed H2D cost: short hits are recomputed, long hits restored."""
+    cm = model(host_bandwidth_gib_s=12.0, recompute_us_per_token=25.0)
+    fixed_s, slope = 0.020, 1 / (20 * GIB_BYTES)
+    for num_tokens in (64, 8192) * 8:
+        num_bytes = num_tokens * BYTES_PER_TOKEN
+        cm.observe_transfer("h2d", num_bytes, fixed_s + num_bytes * slope)
+    assert cm.directions["h2d"].fixed_s == pytest.approx(fixed_s, rel=1e-6)
+    # crossover where 25e-6 * n = fixed + n * b * slope
+    crossover = fixed_s / (25e-6 - BYTES_PER_TOKEN * slope)
+    assert 500 < crossover < 5000
+    assert cm.decide(0, int(crossover * 0.8), 0).tier == "l1"
+    assert cm.decide(0, int(crossover * 1.2), 0).tier == "l2"
+    # before learning, the prior (no fixed cost, 12 GiB/s) restores the short hit
+    prior = model(host_bandwidth_gib_s=12.0, recompute_us_per_token=25.0)
+    assert prior.decide(0, int(crossover * 0.8), 0).tier == "l2"
+
+
+def test_recompute_learned_from_prefills() -> None:
+    cm = model(recompute_us_per_token=50.0)
+    for num_tokens in (100, 4000) * 4:
+        cm.observe_prefill(num_tokens, 0.005 + num_tokens * 20e-6)
+    assert cm.directions["recompute"].slope == pytest.approx(20e-6, rel=1e-6)
+    assert cm.recompute_cost_s(1000) == pytest.approx(0.020, rel=1e-6)  # marginal: no fixed part
+
+
+def test_write_samples_never_change_s2h() -> None:
+    cm = model()
+    before = cm.directions["s2h"].state()
+    for num_bytes in (MIB, 64 * MIB, 3 * MIB) * 20:
+        cm.observe_transfer("h2s", num_bytes, 0.05 + num_bytes * 1e-8)
+    assert cm.directions["s2h"].state() == before
+    assert cm.directions["h2s"].regime == "least_squares"
+    assert cm.restore_cost_s("l3", 1000) == model().restore_cost_s("l3", 1000)
+
+
+def test_unknown_direction_rejected() -> None:
+    with pytest.raises(ValueError):
+        model().observe_transfer("recompute", 10, 0.1)
+
+
+def test_worth_writing() -> None:
+    slow = model(host_bandwidth_gib_s=50.0, storage_bandwidth_gib_s=1.4, recompute_us_per_token=25.0)
+    assert slow.worth_writing("l2", 3500)
+    assert not slow.worth_writing("l3", 3500)
+    fast = model(host_bandwidth_gib_s=50.0, storage_bandwidth_gib_s=40.0, recompute_us_per_token=25.0)
+    assert fast.worth_writing("l3", 3500)
+    assert not fast.worth_writing("l3", 0)
+
+
+def test_worth_writing_ignores_fixed_cost_but_follows_learned_slope() -> None:
+    cm = model(host_bandwidth_gib_s=50.0, storage_bandwidth_gib_s=40.0, recompute_us_per_token=25.0)
+    for num_bytes in (MIB, 256 * MIB) * 4:  # huge fixed read cost, fast slope: still worth writing
+        cm.observe_transfer("s2h", num_bytes, 1.0 + num_bytes / (40 * GIB_BYTES))
+    assert cm.worth_writing("l3", 64)
+    for num_bytes in (MIB, 256 * MIB) * 16:  # reads measured at 1 GiB/s: never worth it
+        cm.observe_transfer("s2h", num_bytes, num_bytes / GIB_BYTES)
+    assert not cm.worth_writing("l3", 1 << 20)
+
+
+def test_policy_never_and_always() -> None:
+    cm = model(host_bandwidth_gib_s=0.01, storage_bandwidth_gib_s=0.01)  # restores hopeless
+    assert cm.decide(0, 1024, 4096, "cost").tier == "l1"
+    assert cm.decide(0, 1024, 4096, "never").tier == "l1"
+    always = cm.decide(0, 1024, 4096, "always")
+    assert always.tier == "l3" and always.restore_tokens == 4096 and always.benefit_s < 0
+    assert cm.decide(256, 1024, 1024, "always").tier == "l2"  # tie: the faster tier
+    assert cm.decide(256, 2048, 1024, "always").tier == "l2"
+    assert cm.decide(0, 0, 0, "always").tier == "l1"
+    fast = model(recompute_us_per_token=1000.0)
+    assert fast.decide(0, 1024, 4096, "never").tier == "l1"
+    with pytest.raises(ValueError):
+        cm.decide(0, 0, 0, "sometimes")  # type: ignore[arg-type]
+
+
+def test_equal_benefit_prefers_l2() -> None:
+    cm = model()
+    decision = cm.decide(0, 2048, 2048, "cost")  # L3 is no candidate when L2 holds as much
+    assert decision.tier == "l2" and "l3_benefit_s" not in decision.costs

@@ -1,0 +1,285 @@
+"""Timeline reconstruction from the structured event log: tables, Chrome trace JSON, PNG."""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import structlog
+
+from scheduler.timeline import (
+    OP_END_STATES,
+    build_timeline,
+    format_tables,
+    print_tables,
+    read_events,
+    render_png,
+    to_chrome,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+T0_NS = 5_000_000_000  # an arbitrary monotonic origin
+MS = 1_000_000
+
+
+def req(t_ms: float, rid: str, state: str, **kw) -> dict:
+    return {"event": "request", "ts_ns": T0_NS + int(t_ms * MS), "rid": rid, "state": state, **kw}
+
+
+def op(t_ms: float, op_id: int, kind: str, frm: str, to: str, *, request_id=None, error=None) -> dict:
+    return {"event": "op", "ts_ns": T0_NS + int(t_ms * MS), "op_id": op_id, "kind": kind, "from_state": frm,
+            "to_state": to, "bytes": 4096, "pages": 2, "request_id": request_id, "error": error}
+
+
+def batch(t_end_ms: float, batch_id: int, kind: str, start_ms: float, num_seqs: int = 1) -> dict:
+    return {"event": "batch", "ts_ns": T0_NS + int(t_end_ms * MS), "batch_id": batch_id, "kind": kind,
+            "num_seqs": num_seqs, "num_tokens": 8 * num_seqs, "start_ns": T0_NS + int(start_ms * MS),
+            "end_ns": T0_NS + int(t_end_ms * MS)}
+
+
+def occ(t_ms: float, tier: str, used: int, cap: int) -> dict:
+    return {"event": "occupancy", "ts_ns": T0_NS + int(t_ms * MS), "tier": tier, "used_pages": used,
+            "capacity_pages": cap}
+
+
+PREFILL_HITS = dict(prompt_tokens=64, hit_l1=0, hit_l2=0, hit_l3=0, restore_tier="none", restore_tokens=0)
+
+EVENTS = [
+    req(0, "r1", "queued"),
+    occ(0, "l1", 0, 100), occ(0, "l2", 0, 200), occ(0, "l3", 0, 1000),
+    req(1, "r1", "prefill_start", **PREFILL_HITS),
+    req(1.5, "r2", "queued"),
+    req(2, "r2", "parked"),
+    op(2, 2, "restore_l2", "L2", "H2D_PENDING", request_id="r2"),
+    batch(3, 1, "prefill", start_ms=1),
+    req(3, "r1", "prefill_end"),
+    req(3, "r1", "first_token"),
+    op(3, 1, "backup", "L1_PRIVATE", "D2H_PENDING", request_id="r1"),
+    occ(3, "l1", 16, 100),
+    req(3.2, "r3", "queued"),
+    op(4, 2, "restore_l2", "H2D_PENDING", "L1_L2", request_id="r2"),
+    req(4.5, "r2", "prefill_start", prompt_tokens=64, hit_l1=0, hit_l2=32, hit_l3=0, restore_tier="l2",
+        restore_tokens=32),
+    op(5, 1, "backup", "D2H_PENDING", "L1_L2"),
+    op(5, 1, "backup", "L1_L2", "H2S_PENDING"),
+    batch(5, 2, "decode", start_ms=3),
+    op(5.5, 3, "restore_l3", "L3", "S2H_PENDING", request_id="r3"),
+    batch(6, 3, "prefill", start_ms=5, num_seqs=1),
+    req(6, "r2", "prefill_end"),
+    req(6, "r2", "first_token"),
+    op(6.5, 3, "restore_l3", "S2H_PENDING", "FAILED", request_id="r3", error="OSError: short read"),
+    req(6.6, "r3", "aborted"),
+    req(7, "r4", "queued"),
+    op(7, 4, "backup", "L1_PRIVATE", "D2H_PENDING"),  # never ends
+    op(8, 1, "backup", "H2S_PENDING", "L1_L2_L3"),
+    occ(8, "l2", 20, 200), occ(8, "l3", 8, 1000),
+    batch(9, 4, "decode", start_ms=6, num_seqs=2),
+    req(9, "r1", "finished", output_tokens=7),
+    req(9, "r2", "finished", output_tokens=5),
+    req(9.5, "r4", "prefill_start", **PREFILL_HITS),  # never finishes
+    {"event": "hello", "ts_ns": T0_NS + 10 * MS},  # unknown event
+    {"event": "request", "ts_ns": T0_NS + 10 * MS, "state": "queued"},  # malformed: no rid
+    {"event": "op", "op_id": 9, "kind": "backup"},  # malformed: no ts_ns
+]
+LAST_MS = 9.5
+
+
+def write_log(path: Path, events=EVENTS, garbage=True) -> Path:
+    lines = [json.dumps(e) for e in events]
+    if garbage:
+        lines.insert(3, "this is not json")
+        lines.insert(7, "[1, 2, 3]")
+        lines.append('{"event": "request", "rid": "r9"')  # truncated last line
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def load(tmp_path: Path):
+    bad: list[int] = []
+    events = read_events(write_log(tmp_path / "log.jsonl"), bad_lines=bad)
+    return build_timeline(events, num_bad_lines=len(bad)), bad
+
+
+def test_build_timeline(tmp_path):
+    tl, bad = load(tmp_path)
+    assert bad == [4, 8, len(EVENTS) + 3]
+    assert (tl.num_bad_lines, tl.num_unknown_events, tl.num_malformed_events) == (3, 1, 2)
+    assert list(tl.requests) == ["r1", "r2", "r3", "r4"]
+    r1, r2, r3, r4 = tl.requests.values()
+    assert r1.queue_wait_ns == 1 * MS and r1.prefill_ns == 2 * MS and r1.first_token_ns == 3 * MS
+    assert r1.finish_ns == 9 * MS and r1.output_tokens == 7 and r1.final_state == "finished"
+    assert r2.restore_tier == "l2" and r2.restore_wait_ns == int(2.5 * MS) and r2.hit_tokens["l2"] == 32
+    assert r3.final_state == "aborted" and r3.queue_wait_ns is None
+    assert r4.final_state == "running" and r4.end_ns is None
+    assert [o.outcome for o in tl.ops.values()] == ["ok", "ok", "failed", "incomplete"]
+    assert tl.ops[3].error == "OSError: short read" and tl.ops[1].request_id == "r1"
+    assert [s for s, _, _ in tl.ops[1].state_spans(tl.last_ns)] == ["D2H_PENDING", "L1_L2", "H2S_PENDING"]
+    assert [b.batch_id for b in tl.batches] == [1, 2, 3, 4]
+    assert sorted(tl.occupancy) == ["l1", "l2", "l3"]
+    assert tl.base_ns == T0_NS and tl.last_ns == T0_NS + int(LAST_MS * MS)
+
+
+def check_chrome(trace: dict) -> None:
+    """Structural checks any Chrome / Perfetto trace from us must pass."""
+    events = json.loads(json.dumps(trace))["traceEvents"]
+    assert all({"ph", "pid", "name"} <= set(e) for e in events)
+    open_slices: dict[tuple, list[dict]] = defaultdict(list)
+    x_ts: dict[tuple, list[float]] = defaultdict(list)
+    for e in sorted((e for e in events if e["ph"] != "M"), key=lambda e: e["ts"]):  # stable, as a viewer sorts
+        assert e["ts"] >= 0
+        if e["ph"] in ("b", "e"):
+            key = (e["pid"], e["cat"], e["id"])
+            if e["ph"] == "b":
+                open_slices[key].append(e)
+            else:
+                assert open_slices[key], f"'e' without 'b': {e}"
+                b = open_slices[key].pop()
+                assert b["name"] == e["name"] and b["ts"] <= e["ts"]
+        elif e["ph"] == "X":
+            assert e["dur"] >= 0
+            x_ts[(e["pid"], e["tid"])].append(e["ts"])
+    assert not any(open_slices.values()), "every 'b' needs its 'e'"
+    for ts in x_ts.values():
+        assert ts == sorted(ts)
+    raw_x = [e["ts"] for e in events if e["ph"] == "X"]
+    assert raw_x == sorted(raw_x)
+
+
+def test_chrome_trace(tmp_path):
+    tl, _ = load(tmp_path)
+    trace = to_chrome(tl)
+    check_chrome(trace)
+    events = trace["traceEvents"]
+    assert min(e["ts"] for e in events if e["ph"] != "M") == 0
+    xs = [e for e in events if e["ph"] == "X"]
+    assert len(xs) == 4 and {(e["pid"], e["tid"]) for e in xs} == {(1, 1)}
+    assert xs[0]["ts"] == 1000.0 and xs[0]["dur"] == 2000.0  # µs
+    def op_slice(e: dict) -> bool:  # the outer slice of an op, not a nested state
+        return e["cat"] != "request" and e["name"] == f"{e['cat']} op {e['id']}"
+
+    op_b = {e["id"]: e for e in events if e["ph"] == "b" and op_slice(e)}
+    assert {i: e["cat"] for i, e in op_b.items()} == {1: "backup", 2: "restore_l2", 3: "restore_l3", 4: "backup"}
+    op_e = {e["id"]: e for e in events if e["ph"] == "e" and op_slice(e)}
+    assert op_e[4]["args"]["incomplete"] is True and op_e[4]["ts"] == LAST_MS * 1000
+    assert op_e[3]["args"]["outcome"] == "failed" and "short read" in op_e[3]["args"]["error"]
+    assert "incomplete" not in op_e[1]["args"] and op_e[1]["ts"] == 8000.0
+    nested_1 = [e["name"] for e in events if e["ph"] == "b" and e["id"] == 1 and e["cat"] == "backup"]
+    assert nested_1 == ["backup op 1", "D2H_PENDING", "L1_L2", "H2S_PENDING"]
+    req_e = {e["id"]: e for e in events if e["ph"] == "e" and e["cat"] == "request" and e["name"].startswith("request")}
+    assert set(req_e) == {"r1", "r2", "r3", "r4"}
+    assert req_e["r4"]["args"]["incomplete"] is True and req_e["r1"]["args"]["final_state"] == "finished"
+    counters = {e["name"] for e in events if e["ph"] == "C"}
+    assert counters == {"l1 pages", "l2 pages", "l3 pages"}
+    assert all(set(e["args"]) == {"used_pages", "free_pages"} for e in events if e["ph"] == "C")
+
+
+def test_png(tmp_path):
+    tl, _ = load(tmp_path)
+    out = tmp_path / "t.png"
+    render_png(tl, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 1000
+
+
+def test_many_requests_pack_into_lanes(tmp_path):
+    events = []
+    for i in range(60):
+        events += [req(i, f"q{i}", "queued"), req(i + 0.5, f"q{i}", "prefill_start", **PREFILL_HITS),
+                   req(i + 2, f"q{i}", "finished", output_tokens=1)]
+    tl = build_timeline(events)
+    out = tmp_path / "many.png"
+    render_png(tl, out)
+    assert out.stat().st_size > 1000
+    check_chrome(to_chrome(tl))
+
+
+def test_empty_log(tmp_path):
+    tl = build_timeline(read_events(write_log(tmp_path / "empty.jsonl", events=[], garbage=False)))
+    check_chrome(to_chrome(tl))
+    assert "0 requests" in format_tables(tl)
+    render_png(tl, tmp_path / "empty.png")
+
+
+def test_tables_mention_every_request_and_op(tmp_path):
+    tl, _ = load(tmp_path)
+    text = format_tables(tl)
+    lines = text.splitlines()
+    for rid, state in (("r1", "finished"), ("r2", "finished"), ("r3", "aborted"), ("r4", "running")):
+        assert any(line.startswith(rid + " ") and line.endswith(state) for line in lines), rid
+    assert "failed: OSError: short read" in text and "incomplete" in text
+    assert "L1_PRIVATE > D2H_PENDING 2.00 > L1_L2 0.00 > H2S_PENDING 3.00 > L1_L2_L3" in text
+    assert "3 non-JSON lines, 1 unknown events, 2 malformed events" in text
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    rich_out = Tty()
+    print_tables(tl, rich_out)
+    assert all(rid in rich_out.getvalue() for rid in ("r1", "r2", "r3", "r4"))
+
+
+def test_cli(tmp_path):
+    log = write_log(tmp_path / "log.jsonl")
+    chrome, png = tmp_path / "out.json", tmp_path / "out.png"
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "timeline.py"), str(log), "--chrome", str(chrome),
+                           "--png", str(png)], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert "r4" in proc.stdout and "Operations" in proc.stdout
+    check_chrome(json.loads(chrome.read_text()))
+    assert png.stat().st_size > 0
+
+
+def add_ts_ns(logger, method_name, event_dict):
+    """The engine's processor: a monotonic timestamp on every event."""
+    event_dict["ts_ns"] = time.monotonic_ns()
+    return event_dict
+
+
+def test_log_written_through_structlog(tmp_path):
+    """Pins the format: events written the way the engine writes them come back as a timeline."""
+    path = tmp_path / "engine.jsonl"
+    with open(path, "w") as fh:
+        log = structlog.wrap_logger(
+            structlog.WriteLogger(fh),
+            processors=[structlog.contextvars.merge_contextvars, add_ts_ns, structlog.processors.JSONRenderer()],
+        )
+        structlog.contextvars.clear_contextvars()
+        try:
+            with structlog.contextvars.bound_contextvars(rid="r1"):
+                log.info("request", state="queued")
+                log.info("request", state="parked")
+            log.info("op", op_id=1, kind="restore_l3", from_state="L3", to_state="S2H_PENDING", bytes=8192, pages=4,
+                     request_id="r1", error=None)
+            log.info("op", op_id=1, kind="restore_l3", from_state="S2H_PENDING", to_state="L2_L3", bytes=8192,
+                     pages=4, request_id="r1", error=None)
+            log.info("op", op_id=2, kind="restore_l2", from_state="L2", to_state="H2D_PENDING", bytes=8192, pages=4,
+                     request_id="r1", error=None)
+            log.info("op", op_id=2, kind="restore_l2", from_state="H2D_PENDING", to_state="L1_L2", bytes=8192,
+                     pages=4, request_id="r1", error=None)
+            log.info("occupancy", tier="l1", used_pages=4, capacity_pages=64)
+            with structlog.contextvars.bound_contextvars(rid="r1"):
+                log.info("request", state="prefill_start", prompt_tokens=40, hit_l1=0, hit_l2=0, hit_l3=16,
+                         restore_tier="l3", restore_tokens=16)
+                start_ns = time.monotonic_ns()
+                log.info("batch", batch_id=0, kind="prefill", num_seqs=1, num_tokens=24, start_ns=start_ns,
+                         end_ns=time.monotonic_ns())
+                log.info("request", state="prefill_end")
+                log.info("request", state="first_token")
+                log.info("request", state="finished", output_tokens=3)
+        finally:
+            structlog.contextvars.clear_contextvars()
+    raw = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all({"event", "ts_ns"} <= set(e) for e in raw)
+    tl = build_timeline(read_events(path))
+    assert (tl.num_unknown_events, tl.num_malformed_events) == (0, 0)
+    r1 = tl.requests["r1"]
+    assert [s for s, _ in r1.states] == ["queued", "parked", "prefill_start", "prefill_end", "first_token", "finished"]
+    assert r1.restore_tier == "l3" and r1.hit_tokens == {"l1": 0, "l2": 0, "l3": 16} and r1.output_tokens == 3
+    assert r1.restore_wait_ns is not None and r1.restore_wait_ns >= 0
+    assert [o.outcome for o in tl.ops.values()] == ["ok", "ok"]
+    assert all(o.transitions[-1][0] in OP_END_STATES for o in tl.ops.values())
+    assert len(tl.batches) == 1 and tl.occupancy["l1"][0].capacity_pages == 64
+    check_chrome(to_chrome(tl))
