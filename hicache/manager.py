@@ -37,13 +37,15 @@ log = structlog.get_logger("hicache.manager")
 
 class CacheManager:
     def __init__(self, geometry: KVGeometry, l1_pages: int, device: torch.device | str,
-                 config: HiCacheConfig | None = None, faults: FaultInjector | None = None) -> None:
+                 config: HiCacheConfig | None = None, faults: FaultInjector | None = None,
+                 simulate: bool = False) -> None:
         self.geometry = geometry
+        self.simulate = simulate
         self.page_size = geometry.page_size
         self.config = config or HiCacheConfig()
         self.faults = faults
         self.metrics = Metrics()
-        self.l1 = DevicePool(geometry, l1_pages, torch.device(device))
+        self.l1 = DevicePool(geometry, l1_pages, torch.device(device), simulate=simulate)
         allocators: dict[Tier, PageAllocator] = {Tier.L1: self.l1.allocator}
         self.l2: HostPool | None = None
         self.store = None
@@ -54,14 +56,18 @@ class CacheManager:
             host_pages = cfg.host_pages(l1_pages, geometry.bytes_per_page)
             if host_pages < 1:
                 raise ValueError("hicache: L2 would hold no page; raise --hicache-ratio / --hicache-size-gb")
-            self.l2 = HostPool(geometry, host_pages, pin=self.l1.device.type == "cuda")
+            self.l2 = HostPool(geometry, host_pages, pin=self.l1.device.type == "cuda", simulate=simulate)
             allocators[Tier.L2] = self.l2.allocator
             storage_pages = cfg.storage_pages(host_pages, geometry.bytes_per_page)
             if storage_pages > 0:
                 self.store = self._open_store(storage_pages)
                 allocators[Tier.L3] = PageAllocator(storage_pages, "l3")
-            self.backends = choose_backends(self.l1.kv, cfg.transfer_backend)
-            self.transfer = TransferEngine(self.l1, self.l2, self.backends, faults)
+            if simulate:
+                from hicache.simulated import NullTransferEngine
+                self.transfer = NullTransferEngine(geometry)
+            else:
+                self.backends = choose_backends(self.l1.kv, cfg.transfer_backend)
+                self.transfer = TransferEngine(self.l1, self.l2, self.backends, faults)
         self.tree = RadixTree(self.page_size, allocators)
         self.tree.on_evict = self._on_evict
         self.cost = CostModel(cfg, geometry.bytes_per_token)
@@ -70,6 +76,9 @@ class CacheManager:
 
     def _open_store(self, storage_pages: int):
         cfg = self.config
+        if self.simulate:
+            from hicache.simulated import NullStore
+            return NullStore(self.geometry, storage_pages)
         if cfg.storage_backend == "redis":
             from hicache.storage_redis import RedisStore
             return RedisStore(self.geometry, storage_pages, cfg.storage_url, model_id=cfg.model_id,
@@ -155,6 +164,28 @@ class CacheManager:
         if decision.tier == "l1" and max(l2, l3) > l1 and policy != "never":
             self.metrics.policy_skips["restore"] += 1
         return decision
+
+    def worth_writing(self, tier: str, num_tokens: int) -> bool:
+        """Write admission: a forced policy decides alone ("always" writes, "never" does not);
+        "cost" writes only where a restore can beat recompute for this length."""
+        if self.config.policy != "cost":
+            return self.config.policy == "always"
+        return self.cost.worth_writing(tier, num_tokens)
+
+    # -- shared (content-addressed) L3 ---------------------------------------------------------
+    def page_keys(self, tokens: Sequence[int], start_tokens: int, end_tokens: int) -> dict:
+        """Extra keyword arguments for store I/O: the content keys of pages [start, end) when the
+        store is content addressed (shared between instances), else nothing."""
+        if not getattr(self.store, "content_addressed", False):
+            return {}
+        return {"keys": self.store.page_keys(tokens, start_tokens, end_tokens)}
+
+    async def refresh_l3_hints(self, tokens: Sequence[int]) -> None:
+        """For a shared store, L3 residency is a hint: ask the store which pages of this prefix exist
+        (batched) and record them in the tree before the request is matched."""
+        refresh = getattr(self.store, "refresh_hints", None)
+        if refresh is not None:
+            await refresh(self, tokens)
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0:

@@ -211,7 +211,7 @@ class OpRunner:
         n1, n2 = m.lengths[Tier.L1], m.lengths[Tier.L2]
         if n1 <= n2:
             return None
-        if not mgr.cost.worth_writing("l2", n1):
+        if not mgr.worth_writing("l2", n1):
             mgr.metrics.policy_skips["write_l2"] += 1
             return None
         op = self._new(OpKind.BACKUP, (n1 - n2) // ps, request_id)
@@ -244,7 +244,7 @@ class OpRunner:
             self._publish(op, tokens, Tier.L2, host_pages, start)
             self._unlock_all(op)
             n = len(tokens)
-            if not mgr.has_l3 or not mgr.cost.worth_writing("l3", n):
+            if not mgr.has_l3 or not mgr.worth_writing("l3", n):
                 if mgr.has_l3:
                     mgr.metrics.policy_skips["write_l3"] += 1
                 apply(op, OpEvent.SKIP_L3)
@@ -267,7 +267,8 @@ class OpRunner:
             self._lock(op, m.handles[Tier.L2], Tier.L2)
             self._lock(op, m.handles[Tier.L3], Tier.L3)
             apply(op, OpEvent.START)
-            future = mgr.store.write_pages(mgr.l2.page_buffer, m.pages[Tier.L2][n3 // ps: n2 // ps], slots)
+            future = mgr.store.write_pages(mgr.l2.page_buffer, m.pages[Tier.L2][n3 // ps: n2 // ps], slots,
+                                           **mgr.page_keys(tokens, n3, n2))
             try:
                 await self._wait_io(op, future, "h2s")
             except StorageError as exc:
@@ -299,14 +300,14 @@ class OpRunner:
         kind = OpKind.RESTORE_L3 if tier == "l3" else OpKind.PREFETCH_L3
         op = self._new(kind, (l3 - min(l1, l2)) // ps, request_id)
         self._lock(op, match.handles[Tier.L1], Tier.L1)
-        future = self._start_s2h(op, match)
+        future = self._start_s2h(op, match, tokens)
         if future is None:
             self._release(op)
             return None
         mgr.metrics.restores_started += kind is OpKind.RESTORE_L3
         return self._register(op, self._drive_restore(op, tuple(tokens[:l3]), future, l2))
 
-    def _start_s2h(self, op: Op, match):
+    def _start_s2h(self, op: Op, match, tokens: Sequence[int]):
         mgr, ps = self.mgr, self.mgr.page_size
         l2, l3 = match.lengths[Tier.L2], match.lengths[Tier.L3]
         claim = self._claim(op, Tier.L2)
@@ -317,7 +318,8 @@ class OpRunner:
         self._lock(op, match.handles[Tier.L2], Tier.L2)
         apply(op, OpEvent.START)
         op.payload["host_pages"] = host_pages
-        return mgr.store.read_pages(match.pages[Tier.L3][l2 // ps: l3 // ps], mgr.l2.page_buffer, host_pages)
+        return mgr.store.read_pages(match.pages[Tier.L3][l2 // ps: l3 // ps], mgr.l2.page_buffer, host_pages,
+                                    **mgr.page_keys(tokens, l2, l3))
 
     def _start_h2d(self, op: Op, tokens: tuple[int, ...], match, l1_start: int) -> bool:
         mgr, ps = self.mgr, self.mgr.page_size

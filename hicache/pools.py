@@ -10,11 +10,12 @@ from hicache.geometry import KVGeometry
 class DevicePool:
     """L1: `kv` is [2, layer, page, token_in_page, kv_head, head_dim] on the compute device."""
 
-    def __init__(self, geometry: KVGeometry, num_pages: int, device: torch.device) -> None:
+    def __init__(self, geometry: KVGeometry, num_pages: int, device: torch.device, simulate: bool = False) -> None:
         self.geometry = geometry
         self.num_pages = num_pages
         self.device = torch.device(device)
-        self.kv = torch.zeros(geometry.l1_shape(num_pages), dtype=geometry.dtype, device=self.device)
+        shape = geometry.l1_shape(0 if simulate else num_pages)  # simulate: bookkeeping only
+        self.kv = torch.zeros(shape, dtype=geometry.dtype, device=self.device)
         self.allocator = PageAllocator(num_pages, "l1")
 
     @property
@@ -26,11 +27,11 @@ class HostPool:
     """L2: `page_buffer` is page-major [page, 2, layer, token_in_page, kv_head, head_dim], pinned when
     CUDA is present, so one page is one contiguous run of bytes across all layers."""
 
-    def __init__(self, geometry: KVGeometry, num_pages: int, pin: bool) -> None:
+    def __init__(self, geometry: KVGeometry, num_pages: int, pin: bool, simulate: bool = False) -> None:
         self.geometry = geometry
         self.num_pages = num_pages
-        self.page_buffer = torch.zeros(geometry.page_major_shape(num_pages), dtype=geometry.dtype,
-                                       pin_memory=pin)
+        shape = geometry.page_major_shape(0 if simulate else num_pages)
+        self.page_buffer = torch.zeros(shape, dtype=geometry.dtype, pin_memory=pin and not simulate)
         self.pinned = pin
         self.allocator = PageAllocator(num_pages, "l2")
 

@@ -9,6 +9,7 @@ never waits for memory and nothing is preempted.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,25 @@ class Admission:
         return req.prompt[:-1] if self.engine.config.enable_prefix_cache else []
 
     def maybe_prefetch(self, req: Request) -> None:
-        """Start an L3 -> L2 promotion as soon as a request is queued."""
+        """Start an L3 -> L2 promotion as soon as a request is queued (for a shared L3, after
+        refreshing the tree's hints of what the store holds; the request waits for that refresh)."""
+        if getattr(self.cache.store, "content_addressed", False):
+            req.hint_task = asyncio.get_running_loop().create_task(self._refresh_then_prefetch(req))
+            return
+        self._prefetch(req)
+
+    async def _refresh_then_prefetch(self, req: Request) -> None:
+        try:
+            await self.cache.refresh_l3_hints(self._reusable(req))
+            if not req.state.done:
+                self._prefetch(req)
+        except Exception as exc:  # a store that cannot answer only costs the hint
+            log.warning("l3_hint_refresh_failed", rid=req.rid, error=repr(exc))
+            self.cache.metrics.count_failure("hint_refresh")
+        finally:
+            self.engine._wake_soon()
+
+    def _prefetch(self, req: Request) -> None:
         cache = self.cache
         if not (cache.has_l3 and cache.config.prefetch and cache.config.policy != "never"):
             return
@@ -105,6 +124,8 @@ class Admission:
         for req in list(eng.waiting):
             if budget <= 0 or len(eng.running) >= eng.config.max_running_requests or eng._stopping:
                 break
+            if req.hint_task is not None and not req.hint_task.done():
+                continue  # its shared-L3 hints are still being fetched
             if req.prefetch_op is not None and not req.prefetch_op.done:
                 self._park(req, req.prefetch_op)
                 continue

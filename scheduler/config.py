@@ -24,6 +24,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture small decode batches on cuda
     cpu_threads: int = 1  # torch intra-op threads on the CPU (tiny shapes run fastest on one)
     log_json: str | None = None
+    simulate: bool = False  # no model, no KV bytes: tree, allocators and cost model only
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
 
     def with_hicache(self, **changes) -> "EngineConfig":

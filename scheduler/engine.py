@@ -12,6 +12,8 @@ In-process API: `await engine.start()`, `async for ev in engine.submit(prompt, p
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -27,9 +29,10 @@ from scheduler.admission import Admission
 from scheduler.config import EngineConfig
 from scheduler.logs import configure_logging
 from scheduler.model import load_model
+from scheduler.presets import PRESETS, ModelConfig
 from scheduler.request import (GenerationResult, Request, RequestError, RequestState, SamplingParams,
                                TokenEvent)
-from scheduler.runner import BatchInput, ModelRunner
+from scheduler.runner import ModelRunner, SimRunner
 
 log = structlog.get_logger("scheduler.engine")
 
@@ -47,6 +50,17 @@ def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
+def model_config_of(name_or_path: str) -> ModelConfig:
+    """The shapes of a preset or of a checkpoint's config.json, without loading weights."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = os.path.join(name_or_path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint dir")
+    with open(path) as f:
+        return ModelConfig.from_hf_config(json.load(f))
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, faults: FaultInjector | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -55,15 +69,21 @@ class Engine:
         self.device, self.dtype = resolve_device(config)
         if self.device.type == "cpu" and config.cpu_threads > 0:
             torch.set_num_threads(config.cpu_threads)
-        self.model, self.model_config, self.model_id = load_model(config.model, self.device, self.dtype, config.seed)
+        if config.simulate:
+            self.model, self.model_config = None, model_config_of(config.model)
+            self.model_id = f"{config.model}:simulated"
+        else:
+            self.model, self.model_config, self.model_id = load_model(config.model, self.device, self.dtype,
+                                                                      config.seed)
         page_size = config.page_size or (16 if self.device.type == "cuda" else 4)
         geometry = self.model_config.kv_geometry(page_size, self.dtype)
         num_pages = config.num_pages or -(-config.max_total_tokens // page_size)
         hc = replace(config.hicache, model_id=self.model_id)
-        self.cache = CacheManager(geometry, num_pages, self.device, hc, faults=faults)
+        self.cache = CacheManager(geometry, num_pages, self.device, hc, faults=faults, simulate=config.simulate)
         self.cache.wakeup = self._wake_soon
         self.page_size = page_size
-        self.runner = ModelRunner(self.model, self.cache.l1.kv, page_size, self.device)
+        self.runner = (SimRunner(self.model_config.vocab_size) if config.simulate
+                       else ModelRunner(self.model, self.cache.l1.kv, page_size, self.device))
         self.admission = Admission(self)
         self.waiting: deque[Request] = deque()
         self.parked: list[Request] = []
@@ -266,11 +286,15 @@ class Engine:
         restoring = self.cache.pending_ops() > 0
         handle = self.runner.launch(binput)
         next_ids = await self.runner.collect(handle)
+        await asyncio.sleep(0)  # on the CPU nothing above yields: let streams and aborts run
         end_ns = time.monotonic_ns()
         kind = "decode" if binput.is_decode else "prefill"
         log.info("batch", batch_id=self._batch_id, kind=kind, num_seqs=len(reqs),
                  num_tokens=len(binput.input_ids), start_ns=start_ns, end_ns=end_ns)
         self.stats["batches"] += 1
+        for tier, alloc in self.cache.tree.allocators.items():
+            log.info("occupancy", tier=tier.label, used_pages=alloc.num_pages - alloc.num_free,
+                     capacity_pages=alloc.num_pages)
         if binput.is_decode:
             self.stats["decode_tokens"] += len(reqs)
             if restoring:

@@ -24,10 +24,19 @@ def configure_logging(log_json_path: str | None) -> None:
             cache_logger_on_first_use=False,
         )
     else:
-        import logging
         structlog.configure(
-            processors=[structlog.processors.add_log_level, add_monotonic_ns,
+            processors=[drop_below_warning, structlog.processors.add_log_level, add_monotonic_ns,
                         structlog.dev.ConsoleRenderer(colors=False)],
-            wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
             cache_logger_on_first_use=False,
         )
+
+
+_QUIET = {"debug", "info"}
+
+
+def drop_below_warning(_logger, method_name: str, event_dict: dict) -> dict:
+    """Without --log-json only warnings and errors are printed. A processor rather than a filtering
+    wrapper, so structlog.testing.capture_logs() (which swaps the processors) still sees everything."""
+    if method_name in _QUIET:
+        raise structlog.DropEvent
+    return event_dict

@@ -95,6 +95,7 @@ class Request:
     restore_op: object = None
     restore_failed: bool = False  # a restore failed: this request recomputes, never retries
     prefetch_op: object = None
+    hint_task: object = None      # shared L3: the existence query that must finish before admission
     finish_reason: str | None = None
     error: str | None = None
     generator: object = None     # torch.Generator for seeded sampling

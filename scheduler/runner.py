@@ -58,3 +58,24 @@ class ModelRunner:
 
     def close(self) -> None:
         self._waiter.shutdown(wait=True)
+
+
+class SimRunner:
+    """`--simulate`: no model and no KV; the next token is a fixed function of the sequence's last
+    token and position, so equal prompts still produce equal continuations."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def launch(self, batch: BatchInput):
+        ids, row = [], 0
+        for prefix, new in zip(batch.prefix_lens, batch.new_lens):
+            row += new
+            ids.append((batch.input_ids[row - 1] * 1000003 + prefix + new) % self.vocab_size)
+        return ids, None
+
+    async def collect(self, handle) -> list[int]:
+        return handle[0]
+
+    def close(self) -> None:
+        pass

@@ -2,11 +2,13 @@
 
 Every log line is a JSON object with "event" and "ts_ns" (time.monotonic_ns()). Events read here:
   request    rid, state in REQUEST_STATES; prefill_start adds prompt_tokens, hit_l1/hit_l2/hit_l3
-             (tokens), restore_tier ("none"|"l2"|"l3"), restore_tokens; finished adds output_tokens.
+             (tokens), restore_tier ("none"|"l2"|"l3"), restore_tokens; parked may add restore_tier;
+             finished / aborted / failed add output_tokens (and the engine's reason, error).
   batch      batch_id, kind ("prefill"|"decode"), num_seqs, num_tokens, start_ns, end_ns (once, at end).
   op         op_id, kind in OP_KINDS, from_state, to_state, bytes, pages, request_id, error: one per
-             state transition; the first carries the op's initial state (L1_PRIVATE, L2, L3) as
-             from_state. An op has ended when its last to_state is in OP_END_STATES.
+             state transition (hicache.ops.apply); the first carries the op's initial state (L1_PRIVATE,
+             L2, L3) as from_state. An op has ended when its last to_state is terminal for its kind
+             (OP_END_STATES[kind], from hicache.ops.TERMINAL: L1_L2 ends a restore_l2, not a backup).
   occupancy  tier ("l1"|"l2"|"l3"), used_pages, capacity_pages.
 Other events, lines that are not JSON and known events with missing fields are skipped and counted.
 
@@ -20,15 +22,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from hicache.ops import TERMINAL, OpKind
+
 REQUEST_STATES = ("queued", "parked", "prefill_start", "prefill_end", "first_token", "finished", "aborted", "failed")
 REQUEST_END_STATES = frozenset({"finished", "aborted", "failed"})
-OP_KINDS = ("backup", "restore_l2", "restore_l3", "prefetch_l3")
-OP_END_STATES = frozenset({"L1_L2_L3", "L1_L2", "L2_L3", "FAILED", "CANCELLED"})  # when an op's last state
+OP_KINDS = tuple(k.value for k in OpKind)  # backup, restore_l2, restore_l3, prefetch_l3
+OP_END_STATES: dict[str, frozenset[str]] = {k.value: frozenset(s.name for s in TERMINAL[k]) for k in OpKind}
 TIERS = ("l1", "l2", "l3")
 # Chrome trace processes (one track group each).
 PID_SCHEDULER, PID_REQUESTS, PID_TRANSFERS, PID_OCCUPANCY = 1, 2, 3, 4
-# Name of the slice a request spends in after each state.
-_REQUEST_PHASE = {"queued": "queued", "parked": "parked (restore)", "prefill_start": "prefill",
+# Name of the phase a request is in after each state.
+REQUEST_PHASES = {"queued": "queued", "parked": "parked (restore)", "prefill_start": "prefill",
                   "prefill_end": "prefilled", "first_token": "decode"}
 
 
@@ -41,6 +45,7 @@ class RequestSpan:
     restore_tier: str | None = None
     restore_tokens: int | None = None
     output_tokens: int | None = None
+    end_reason: str | None = None  # the engine's reason / error on finished, aborted, failed
 
     def first_ns(self, state: str, after_ns: int | None = None) -> int | None:
         return next((t for s, t in self.states if s == state and (after_ns is None or t >= after_ns)), None)
@@ -55,6 +60,15 @@ class RequestSpan:
     @property
     def end_ns(self) -> int | None:
         return self.states[-1][1] if self.states[-1][0] in REQUEST_END_STATES else None
+
+    def close_ns(self, open_end_ns: int) -> int:
+        """Where the request's span ends: its end state, or `open_end_ns` if it never ended."""
+        return self.end_ns if self.end_ns is not None else max(open_end_ns, self.states[-1][1])
+
+    def phase_spans(self, open_end_ns: int) -> list[tuple[str, int, int]]:
+        """(phase, start_ns, end_ns): each state in REQUEST_PHASES lasts until the next state."""
+        ends = [t for _, t in self.states[1:]] + [self.close_ns(open_end_ns)]
+        return [(REQUEST_PHASES[s], t, e) for (s, t), e in zip(self.states, ends) if s in REQUEST_PHASES]
 
     @property
     def final_state(self) -> str:
@@ -102,7 +116,7 @@ class OpSpan:
 
     @property
     def ended(self) -> bool:
-        return self.transitions[-1][0] in OP_END_STATES
+        return self.transitions[-1][0] in OP_END_STATES[self.kind]
 
     @property
     def outcome(self) -> str:
@@ -187,14 +201,19 @@ def _add_request(tl: Timeline, e: dict) -> bool:
     if not isinstance(rid, str) or state not in REQUEST_STATES:
         return False
     req = tl.requests.setdefault(rid, RequestSpan(rid))
+    first_prefill = state == "prefill_start" and req.first_ns("prefill_start") is None
     req.states.append((state, e["ts_ns"]))
-    if state == "prefill_start" and req.prompt_tokens is None:
-        req.prompt_tokens = _opt_int(e.get("prompt_tokens"))
+    req.prompt_tokens = req.prompt_tokens if req.prompt_tokens is not None else _opt_int(e.get("prompt_tokens"))
+    tier = e.get("restore_tier") if isinstance(e.get("restore_tier"), str) else None
+    if first_prefill:  # hits and the tier actually restored (a failed restore says "none")
         req.hit_tokens = {t: e[f"hit_{t}"] for t in TIERS if _int(e.get(f"hit_{t}"))}
-        req.restore_tier = e.get("restore_tier") if isinstance(e.get("restore_tier"), str) else None
-        req.restore_tokens = _opt_int(e.get("restore_tokens"))
-    elif state == "finished":
+        req.restore_tier, req.restore_tokens = tier or req.restore_tier, _opt_int(e.get("restore_tokens"))
+    elif state == "parked" and req.first_ns("prefill_start") is None:
+        req.restore_tier = tier or req.restore_tier
+    elif state in REQUEST_END_STATES:
         req.output_tokens = _opt_int(e.get("output_tokens"))
+        why = [str(e[k]) for k in ("reason", "error") if e.get(k) not in (None, "")]
+        req.end_reason = ": ".join(why) or None
     return True
 
 
@@ -265,14 +284,14 @@ def _fmt_ms(ns: int | None) -> str:
 
 
 REQUEST_COLUMNS = ("rid", "arrival_ms", "queue_ms", "restore", "restore_ms", "prefill_ms",
-                   "first_token_ms", "finish_ms", "output_tokens", "state")
+                   "first_token_ms", "finish_ms", "output_tokens", "state", "reason")
 OP_COLUMNS = ("op", "kind", "request", "states (ms in each)", "bytes", "outcome")
 
 
 def request_rows(tl: Timeline) -> list[tuple[str, ...]]:
     return [(r.rid, f"{tl.rel_ms(r.arrival_ns):.2f}", _fmt_ms(r.queue_wait_ns), r.restore_tier or "-",
              _fmt_ms(r.restore_wait_ns), _fmt_ms(r.prefill_ns), _fmt_ms(r.first_token_ns), _fmt_ms(r.finish_ns),
-             "-" if r.output_tokens is None else str(r.output_tokens), r.final_state)
+             "-" if r.output_tokens is None else str(r.output_tokens), r.final_state, r.end_reason or "")
             for r in tl.requests.values()]
 
 
@@ -357,16 +376,14 @@ def to_chrome(tl: Timeline) -> dict:
                    "ts": us(b.start_ns), "dur": (b.end_ns - b.start_ns) / 1e3,
                    "args": {"batch_id": b.batch_id, "num_seqs": b.num_seqs, "num_tokens": b.num_tokens}})
     for r in tl.requests.values():
-        end_ns = r.end_ns if r.end_ns is not None else max(tl.last_ns, r.states[-1][1])
-        nxt = [t for _, t in r.states[1:]] + [end_ns]
-        nested = [(_REQUEST_PHASE[s], us(t), us(n)) for (s, t), n in zip(r.states, nxt) if s in _REQUEST_PHASE]
+        nested = [(phase, us(a), us(b)) for phase, a, b in r.phase_spans(tl.last_ns)]
         args_b = {"prompt_tokens": r.prompt_tokens, "restore_tier": r.restore_tier, "restore_tokens": r.restore_tokens,
                   **{f"hit_{t}_tokens": n for t, n in r.hit_tokens.items()}}
-        args_e = {"final_state": r.final_state, "output_tokens": r.output_tokens}
+        args_e = {"final_state": r.final_state, "output_tokens": r.output_tokens, "reason": r.end_reason}
         if r.end_ns is None:
             args_e["incomplete"] = True
-        ev += _async_slices(f"request {r.rid}", "request", r.rid, PID_REQUESTS, 1, us(r.arrival_ns), us(end_ns),
-                            nested, args_b, args_e)
+        ev += _async_slices(f"request {r.rid}", "request", r.rid, PID_REQUESTS, 1, us(r.arrival_ns),
+                            us(r.close_ns(tl.last_ns)), nested, args_b, args_e)
     for op in tl.ops.values():
         nested = [(s, us(a), us(b)) for s, a, b in op.state_spans(tl.last_ns)]
         args_b = {"initial_state": op.initial_state, "request_id": op.request_id, "bytes": op.num_bytes,
@@ -416,16 +433,11 @@ def render_png(tl: Timeline, path: str | Path, *, max_request_rows: int = 40) ->
     rows: list[tuple[str, list[tuple[float, float, str]]]] = []  # (label, [(start_ms, width_ms, color_key)])
     ms = tl.rel_ms
     reqs = list(tl.requests.values())
-    req_spans = []
-    for r in reqs:
-        end = r.end_ns if r.end_ns is not None else tl.last_ns
-        nxt = [t for _, t in r.states[1:]] + [end]
-        req_spans.append([(ms(t), (n - t) / 1e6, _REQUEST_PHASE[s]) for (s, t), n in zip(r.states, nxt)
-                          if s in _REQUEST_PHASE])
+    req_spans = [[(ms(a), (b - a) / 1e6, phase) for phase, a, b in r.phase_spans(tl.last_ns)] for r in reqs]
     if len(reqs) <= max_request_rows:
         rows += [(f"req {r.rid}", spans) for r, spans in zip(reqs, req_spans)]
     else:
-        lanes = _pack_lanes([(ms(r.arrival_ns), ms(r.end_ns or tl.last_ns)) for r in reqs])
+        lanes = _pack_lanes([(ms(r.arrival_ns), ms(r.close_ns(tl.last_ns))) for r in reqs])
         for lane in range(max(lanes) + 1):
             rows.append((f"requests {lane}", [s for l, sp in zip(lanes, req_spans) if l == lane for s in sp]))
     for kind in sorted({b.kind for b in tl.batches}):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import structlog
 
+from hicache.ops import OpEvent, OpKind, apply, new_op
+from scheduler.logs import add_monotonic_ns
 from scheduler.timeline import (
     OP_END_STATES,
     build_timeline,
@@ -72,14 +75,19 @@ EVENTS = [
     req(6, "r2", "prefill_end"),
     req(6, "r2", "first_token"),
     op(6.5, 3, "restore_l3", "S2H_PENDING", "FAILED", request_id="r3", error="OSError: short read"),
-    req(6.6, "r3", "aborted"),
+    req(6.6, "r3", "aborted", output_tokens=0, reason="abort", error=None),
+    op(6.7, 5, "backup", "L1_PRIVATE", "D2H_PENDING"),
+    op(6.8, 5, "backup", "D2H_PENDING", "L1_L2"),  # a backup's midpoint: not ended
+    op(6.7, 6, "backup", "L1_PRIVATE", "D2H_PENDING"),
+    op(6.8, 6, "backup", "D2H_PENDING", "L1_L2"),
+    op(6.9, 6, "backup", "L1_L2", "L1_L2_ONLY"),  # skipped L3: ended
     req(7, "r4", "queued"),
     op(7, 4, "backup", "L1_PRIVATE", "D2H_PENDING"),  # never ends
     op(8, 1, "backup", "H2S_PENDING", "L1_L2_L3"),
     occ(8, "l2", 20, 200), occ(8, "l3", 8, 1000),
     batch(9, 4, "decode", start_ms=6, num_seqs=2),
-    req(9, "r1", "finished", output_tokens=7),
-    req(9, "r2", "finished", output_tokens=5),
+    req(9, "r1", "finished", output_tokens=7, reason="length", error=None),
+    req(9, "r2", "finished", output_tokens=5, reason="stop", error=None),
     req(9.5, "r4", "prefill_start", **PREFILL_HITS),  # never finishes
     {"event": "hello", "ts_ns": T0_NS + 10 * MS},  # unknown event
     {"event": "request", "ts_ns": T0_NS + 10 * MS, "state": "queued"},  # malformed: no rid
@@ -115,7 +123,10 @@ def test_build_timeline(tmp_path):
     assert r2.restore_tier == "l2" and r2.restore_wait_ns == int(2.5 * MS) and r2.hit_tokens["l2"] == 32
     assert r3.final_state == "aborted" and r3.queue_wait_ns is None
     assert r4.final_state == "running" and r4.end_ns is None
-    assert [o.outcome for o in tl.ops.values()] == ["ok", "ok", "failed", "incomplete"]
+    assert {i: o.outcome for i, o in tl.ops.items()} == {
+        1: "ok", 2: "ok", 3: "failed", 4: "incomplete", 5: "incomplete", 6: "ok"}
+    assert list(tl.ops) == [2, 1, 3, 5, 6, 4]  # by start
+    assert r1.end_reason == "length" and r3.end_reason == "abort" and r3.output_tokens == 0
     assert tl.ops[3].error == "OSError: short read" and tl.ops[1].request_id == "r1"
     assert [s for s, _, _ in tl.ops[1].state_spans(tl.last_ns)] == ["D2H_PENDING", "L1_L2", "H2S_PENDING"]
     assert [b.batch_id for b in tl.batches] == [1, 2, 3, 4]
@@ -162,9 +173,11 @@ def test_chrome_trace(tmp_path):
         return e["cat"] != "request" and e["name"] == f"{e['cat']} op {e['id']}"
 
     op_b = {e["id"]: e for e in events if e["ph"] == "b" and op_slice(e)}
-    assert {i: e["cat"] for i, e in op_b.items()} == {1: "backup", 2: "restore_l2", 3: "restore_l3", 4: "backup"}
+    assert {i: e["cat"] for i, e in op_b.items()} == {
+        1: "backup", 2: "restore_l2", 3: "restore_l3", 4: "backup", 5: "backup", 6: "backup"}
     op_e = {e["id"]: e for e in events if e["ph"] == "e" and op_slice(e)}
     assert op_e[4]["args"]["incomplete"] is True and op_e[4]["ts"] == LAST_MS * 1000
+    assert op_e[5]["args"]["incomplete"] is True and "incomplete" not in op_e[6]["args"]
     assert op_e[3]["args"]["outcome"] == "failed" and "short read" in op_e[3]["args"]["error"]
     assert "incomplete" not in op_e[1]["args"] and op_e[1]["ts"] == 8000.0
     nested_1 = [e["name"] for e in events if e["ph"] == "b" and e["id"] == 1 and e["cat"] == "backup"]
@@ -208,7 +221,7 @@ def test_tables_mention_every_request_and_op(tmp_path):
     text = format_tables(tl)
     lines = text.splitlines()
     for rid, state in (("r1", "finished"), ("r2", "finished"), ("r3", "aborted"), ("r4", "running")):
-        assert any(line.startswith(rid + " ") and line.endswith(state) for line in lines), rid
+        assert any(line.split()[0] == rid and state in line.split() for line in lines if line.strip()), rid
     assert "failed: OSError: short read" in text and "incomplete" in text
     assert "L1_PRIVATE > D2H_PENDING 2.00 > L1_L2 0.00 > H2S_PENDING 3.00 > L1_L2_L3" in text
     assert "3 non-JSON lines, 1 unknown events, 2 malformed events" in text
@@ -232,33 +245,31 @@ def test_cli(tmp_path):
     assert png.stat().st_size > 0
 
 
-def add_ts_ns(logger, method_name, event_dict):
-    """The engine's processor: a monotonic timestamp on every event."""
-    event_dict["ts_ns"] = time.monotonic_ns()
-    return event_dict
-
-
 def test_log_written_through_structlog(tmp_path):
-    """Pins the format: events written the way the engine writes them come back as a timeline."""
+    """Pins the format: events written the way the engine writes them (its ts_ns processor, structlog
+    JSONRenderer, request events with contextvars, op events from hicache.ops.apply) come back."""
     path = tmp_path / "engine.jsonl"
     with open(path, "w") as fh:
         log = structlog.wrap_logger(
             structlog.WriteLogger(fh),
-            processors=[structlog.contextvars.merge_contextvars, add_ts_ns, structlog.processors.JSONRenderer()],
+            processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+                        add_monotonic_ns, structlog.processors.JSONRenderer()],
+            wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),  # conftest filters globally
         )
         structlog.contextvars.clear_contextvars()
         try:
             with structlog.contextvars.bound_contextvars(rid="r1"):
-                log.info("request", state="queued")
-                log.info("request", state="parked")
-            log.info("op", op_id=1, kind="restore_l3", from_state="L3", to_state="S2H_PENDING", bytes=8192, pages=4,
-                     request_id="r1", error=None)
-            log.info("op", op_id=1, kind="restore_l3", from_state="S2H_PENDING", to_state="L2_L3", bytes=8192,
-                     pages=4, request_id="r1", error=None)
-            log.info("op", op_id=2, kind="restore_l2", from_state="L2", to_state="H2D_PENDING", bytes=8192, pages=4,
-                     request_id="r1", error=None)
-            log.info("op", op_id=2, kind="restore_l2", from_state="H2D_PENDING", to_state="L1_L2", bytes=8192,
-                     pages=4, request_id="r1", error=None)
+                log.info("request", state="queued", prompt_tokens=40)
+                log.info("request", state="parked", restore_tier="l3")
+            restore = new_op(1, OpKind.RESTORE_L3, num_pages=4, num_bytes=8192, request_id="r1")
+            for event in (OpEvent.START, OpEvent.S2H_DONE, OpEvent.START, OpEvent.H2D_DONE):
+                apply(restore, event, logger=log)
+            backup = new_op(2, OpKind.BACKUP, num_pages=4, num_bytes=8192)
+            apply(backup, OpEvent.START, logger=log)
+            apply(backup, OpEvent.FAIL, error="CUDA error", logger=log)
+            stuck = new_op(3, OpKind.BACKUP, num_pages=1, num_bytes=2048)
+            apply(stuck, OpEvent.START, logger=log)
+            apply(stuck, OpEvent.D2H_DONE, logger=log)
             log.info("occupancy", tier="l1", used_pages=4, capacity_pages=64)
             with structlog.contextvars.bound_contextvars(rid="r1"):
                 log.info("request", state="prefill_start", prompt_tokens=40, hit_l1=0, hit_l2=0, hit_l3=16,
@@ -268,7 +279,7 @@ def test_log_written_through_structlog(tmp_path):
                          end_ns=time.monotonic_ns())
                 log.info("request", state="prefill_end")
                 log.info("request", state="first_token")
-                log.info("request", state="finished", output_tokens=3)
+                log.info("request", state="finished", output_tokens=3, reason="length", error=None)
         finally:
             structlog.contextvars.clear_contextvars()
     raw = [json.loads(line) for line in path.read_text().splitlines()]
@@ -278,8 +289,13 @@ def test_log_written_through_structlog(tmp_path):
     r1 = tl.requests["r1"]
     assert [s for s, _ in r1.states] == ["queued", "parked", "prefill_start", "prefill_end", "first_token", "finished"]
     assert r1.restore_tier == "l3" and r1.hit_tokens == {"l1": 0, "l2": 0, "l3": 16} and r1.output_tokens == 3
+    assert r1.prompt_tokens == 40 and r1.end_reason == "length"
     assert r1.restore_wait_ns is not None and r1.restore_wait_ns >= 0
-    assert [o.outcome for o in tl.ops.values()] == ["ok", "ok"]
-    assert all(o.transitions[-1][0] in OP_END_STATES for o in tl.ops.values())
+    ops = tl.ops
+    assert [s for s, _ in ops[1].transitions] == ["S2H_PENDING", "L2_L3", "H2D_PENDING", "L1_L2_L3"]
+    assert ops[1].initial_state == "L3" and ops[1].num_bytes == 8192 and ops[1].request_id == "r1"
+    assert ops[1].transitions[-1][0] in OP_END_STATES["restore_l3"]
+    assert {i: o.outcome for i, o in ops.items()} == {1: "ok", 2: "failed", 3: "incomplete"}
+    assert ops[2].error == "CUDA error"
     assert len(tl.batches) == 1 and tl.occupancy["l1"][0].capacity_pages == 64
     check_chrome(to_chrome(tl))

@@ -1,0 +1,401 @@
+"""Replays a Mooncake request trace against the in-process engine and reports hit tokens per tier,
+recomputed tokens, TTFT, throughput, bytes moved per direction and the cache's integrity.
+
+    python scripts/replay_trace.py                      # bundled sample, CPU, tiny model, 3 tiers
+    python scripts/replay_trace.py --trace T.jsonl --device cuda --model qwen3-8b --num-pages 4096
+    python scripts/replay_trace.py --simulate --model qwen3-8b --l1-tokens 200000 --l3-gib 2000
+
+Every engine flag (scheduler.config.add_engine_args) is accepted. Without --trace the bundled sample
+(data/sample_trace.jsonl) is replayed with small-run defaults: 16 tokens per hash id, the first 200
+requests, outputs clipped to 32 tokens, as fast as possible, one request at a time, and pools small
+enough (L1 4096 tokens, L2 8192, L3 32768) that the working set overflows L1 and L2.
+Capacity flags in tokens or GiB map onto --num-pages / --hicache-size-gb / --hicache-storage-size-gb.
+`--simulate` runs the same scheduler, tree, allocators and cost model with no model and no bytes.
+With --concurrency 1 every request and every cache operation it caused end before the next request
+starts, so a run is deterministic and a simulated run's hits equal a real run's (with a forced policy).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from scheduler.config import EngineConfig, add_engine_args, config_from_args
+from scheduler.trace import TokenSynth, TraceError, TraceProblem, TraceRecord, load_trace, scale_record
+
+SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "data" / "sample_trace.jsonl"
+DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
+TIERS = ("l1", "l2", "l3")
+GIB = 1 << 30
+# Replay options whose default depends on whether the bundled sample or a user's trace is replayed.
+SAMPLE_DEFAULTS = dict(block_tokens=16, max_requests=200, max_output_tokens=32, time_scale=0.0, concurrency=1,
+                       l1_tokens=4096, l2_tokens=8192, l3_tokens=32768)
+TRACE_DEFAULTS = dict(block_tokens=512, max_requests=None, max_output_tokens=None, time_scale=1.0, concurrency=64,
+                      l1_tokens=None, l2_tokens=None, l3_tokens=None)
+
+
+@dataclass(frozen=True)
+class ReplayItem:
+    index: int  # position in the replay (request order)
+    line_no: int  # line in the trace file
+    arrival_s: float  # seconds after the first request, before --time-scale
+    prompt: list[int]
+    output_tokens: int
+
+
+@dataclass
+class Outcome:
+    item: ReplayItem
+    output_ids: list[int]
+    error: str | None = None
+    finish_reason: str | None = None
+    ttft_s: float | None = None
+    latency_s: float | None = None
+
+
+# -- arguments -> configuration -------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="replay_trace.py", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_args(p)
+    # the replay's engine defaults: all tiers on, CPU, 16-token pages (one sample block per page)
+    p.set_defaults(enable_hicache=True, device="cpu", page_size=16)
+    p.add_argument("--disable-hicache", action="store_true", help="turn L2/L3 off (the replay enables them)")
+    r = p.add_argument_group("replay (defaults in [sample | --trace] form where they differ)")
+    r.add_argument("--trace", default=None, help=f"Mooncake JSONL trace [{SAMPLE_TRACE.name}]")
+    r.add_argument("--block-tokens", type=int, default=None, help="tokens per hash id [16 | 512]")
+    r.add_argument("--time-scale", type=float, default=None,
+                   help="arrival-time multiplier, 0 = as fast as possible [0 | 1]")
+    r.add_argument("--max-requests", type=int, default=None, help="replay the first N good records [200 | all]")
+    r.add_argument("--max-input-tokens", type=int, default=None, help="clip prompts to N tokens")
+    r.add_argument("--max-output-tokens", type=int, default=None, help="clip outputs to N tokens [32 | none]")
+    r.add_argument("--concurrency", type=int, default=None,
+                   help="max in-flight requests; 1 also drains cache operations between requests [1 | 64]")
+    r.add_argument("--strict", action="store_true", help="reject a trace with any malformed line")
+    r.add_argument("--json-out", default=None, help="write the summary as JSON here")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--simulate", action="store_true", help="no model, no KV bytes: scheduler + cache bookkeeping")
+    r.add_argument("--compare-no-cache", action="store_true",
+                   help="also replay with every cache off and compare outputs_digest")
+    r.add_argument("--synth-seed", type=int, default=0, help="seed of the hash-id -> token-block synthesis")
+    c = p.add_argument_group("capacities (win over --num-pages / --hicache-*size*; sample: 4096/8192/32768 tokens)")
+    c.add_argument("--l1-tokens", type=int, default=None, help="L1 capacity in tokens")
+    c.add_argument("--l1-gib", type=float, default=None, help="L1 capacity in GiB")
+    c.add_argument("--l2-tokens", type=int, default=None, help="L2 capacity in tokens")
+    c.add_argument("--l2-gib", type=float, default=None, help="L2 capacity in GiB")
+    c.add_argument("--l3-tokens", type=int, default=None, help="L3 capacity in tokens (0: no L3)")
+    c.add_argument("--l3-gib", type=float, default=None, help="L3 capacity in GiB (0: no L3)")
+    return p
+
+
+def _fill_defaults(args: argparse.Namespace) -> None:
+    """Sample defaults without --trace, a user's trace's defaults with it; explicit flags win. An
+    explicit pool size (--num-pages / --hicache-*) or GiB flag turns off the matching sample default."""
+    defaults = SAMPLE_DEFAULTS if args.trace is None else TRACE_DEFAULTS
+    explicit = {"l1_tokens": args.num_pages or args.l1_gib is not None,
+                "l2_tokens": args.hicache_size_gb is not None or args.l2_gib is not None,
+                "l3_tokens": args.hicache_storage_size_gb is not None or args.l3_gib is not None}
+    for key, value in defaults.items():
+        if getattr(args, key) is None and not explicit.get(key, False):
+            setattr(args, key, value)
+    if args.trace is None:
+        args.trace = str(SAMPLE_TRACE)
+    for key in ("block_tokens", "concurrency"):
+        if getattr(args, key) < 1:
+            raise SystemExit(f"replay_trace.py: --{key.replace('_', '-')} must be >= 1")
+    if args.time_scale < 0:
+        raise SystemExit("replay_trace.py: --time-scale must be >= 0")
+
+
+def config_from_replay_args(args: argparse.Namespace) -> EngineConfig:
+    """EngineConfig from the engine flags plus --simulate, --disable-hicache and the capacity flags
+    (tokens -> pages of this geometry; GiB stay GiB, sized exactly as the engine sizes them)."""
+    from scheduler.engine import model_config_of, resolve_device
+
+    if args.disable_hicache:
+        args.enable_hicache = False
+    cfg = dataclasses.replace(config_from_args(args), simulate=args.simulate)
+    if args.simulate and cfg.dtype == "auto":  # the simulated deployment is a GPU one: bf16 KV
+        cfg = dataclasses.replace(cfg, dtype="bfloat16")
+    device, dtype = resolve_device(cfg) if not args.simulate else (None, None)
+    if args.simulate:
+        import torch
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[cfg.dtype]
+    page_size = cfg.page_size or (16 if device is not None and device.type == "cuda" else 4)
+    geometry = model_config_of(cfg.model).kv_geometry(page_size, dtype)
+    bpp = geometry.bytes_per_page
+    if args.l1_tokens is not None or args.l1_gib is not None:
+        pages = (geometry.pages_for_tokens(args.l1_tokens) if args.l1_tokens is not None
+                 else int(args.l1_gib * GIB) // bpp)
+        cfg = dataclasses.replace(cfg, num_pages=max(1, pages))
+    hc = {}
+    for tier, key in (("l2", "host_size_gb"), ("l3", "storage_size_gb")):
+        tokens, gib = getattr(args, f"{tier}_tokens"), getattr(args, f"{tier}_gib")
+        if gib is not None:
+            hc[key] = float(gib)
+        elif tokens is not None:  # pages * bpp / 2^30 is exact in binary floating point
+            hc[key] = geometry.pages_for_tokens(tokens) * bpp / GIB
+    return cfg.with_hicache(**hc) if hc else cfg
+
+
+# -- trace -> requests ----------------------------------------------------------------------------
+def build_items(records: list[TraceRecord], vocab_size: int, block_tokens: int, *, seed: int = 0,
+                max_input_tokens: int | None = None, max_output_tokens: int | None = None) -> list[ReplayItem]:
+    """Scales each record to `block_tokens` per hash id and synthesises its prompt; arrivals are
+    relative to the earliest record, and requests are ordered by arrival (stable)."""
+    synth = TokenSynth(vocab_size, block_tokens, seed)
+    t0_ms = min((r.timestamp_ms for r in records), default=0.0)
+    ordered = sorted(records, key=lambda r: r.timestamp_ms)
+    items = []
+    for i, rec in enumerate(ordered):
+        rec = scale_record(rec, block_tokens)
+        out = rec.output_tokens if max_output_tokens is None else max(1, min(rec.output_tokens, max_output_tokens))
+        items.append(ReplayItem(i, rec.line_no, (rec.timestamp_ms - t0_ms) / 1000.0,
+                                synth.prompt_tokens(rec, max_input_tokens), out))
+    return items
+
+
+# -- running --------------------------------------------------------------------------------------
+async def _one(engine, item: ReplayItem, rid_prefix: str) -> Outcome:
+    from scheduler.request import SamplingParams
+
+    params = SamplingParams(max_tokens=item.output_tokens, temperature=0.0, ignore_eos=True)
+    out = Outcome(item, [])
+    start = time.perf_counter()
+    try:
+        async for ev in engine.submit(item.prompt, params, rid=f"{rid_prefix}{item.index}-line{item.line_no}"):
+            if ev.token_id is not None:
+                if out.ttft_s is None:
+                    out.ttft_s = time.perf_counter() - start
+                out.output_ids.append(ev.token_id)
+            if ev.finished:
+                out.finish_reason, out.error = ev.finish_reason, ev.error
+    except Exception as exc:  # RequestError (bad request) or anything else: this request failed
+        out.error = str(exc) or repr(exc)
+    if out.error is None and out.finish_reason not in ("length", "stop"):
+        out.error = f"finished with reason {out.finish_reason!r}"
+    out.latency_s = time.perf_counter() - start
+    return out
+
+
+async def _dispatch(engine, items: list[ReplayItem], time_scale: float, concurrency: int, rid_prefix: str,
+                    outcomes: list[Outcome | None], on_done) -> None:
+    sem = asyncio.Semaphore(concurrency)
+    tasks: list[asyncio.Task] = []
+    t0 = time.perf_counter()
+
+    async def run(item: ReplayItem) -> None:
+        try:
+            outcomes[item.index] = await _one(engine, item, rid_prefix)
+            on_done(outcomes[item.index])
+        finally:
+            sem.release()
+
+    for item in items:
+        if time_scale > 0:
+            delay = t0 + item.arrival_s * time_scale - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+        await sem.acquire()
+        if concurrency == 1:  # deterministic: the request and every operation it caused end first
+            await run(item)
+            await engine.cache.drain()
+        else:
+            tasks.append(asyncio.get_running_loop().create_task(run(item)))
+    await asyncio.gather(*tasks)
+    await engine.cache.drain()
+
+
+async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_scale: float = 0.0,
+                       concurrency: int = 1, progress: bool = False, rid_prefix: str = "r") -> dict:
+    """Replays `items` on a fresh engine; returns the run's figures (see `summarize`)."""
+    from scheduler.engine import Engine
+
+    engine = Engine(config)
+    outcomes: list[Outcome | None] = [None] * len(items)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=len(items), unit="req", desc="replay", leave=False)
+    on_done = (lambda o: bar.update(1)) if bar is not None else (lambda o: None)
+    crash = None
+    start = time.perf_counter()
+    try:
+        await engine.start()
+        driver = asyncio.get_running_loop().create_task(
+            _dispatch(engine, items, time_scale, concurrency, rid_prefix, outcomes, on_done))
+        loop_task = getattr(engine, "_loop_task", None)
+        watch = {driver} | ({loop_task} if loop_task is not None else set())
+        done, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+        if driver not in done:  # the engine's loop ended under the replay: nothing will finish now
+            exc = loop_task.exception() if not loop_task.cancelled() else None
+            crash = f"engine loop stopped: {exc!r}"
+            driver.cancel()
+            await asyncio.gather(driver, return_exceptions=True)
+        else:
+            driver.result()
+        wall_s = time.perf_counter() - start
+        try:
+            engine.check_integrity()
+            integrity = "passed"
+        except Exception as exc:
+            integrity = f"{type(exc).__name__}: {exc}"
+        metrics = engine.metrics()
+    finally:
+        if bar is not None:
+            bar.close()
+        await engine.shutdown()
+    outcomes = [o if o is not None else Outcome(it, [], error=crash or "not run") for o, it in zip(outcomes, items)]
+    return {"outcomes": outcomes, "metrics": metrics, "integrity": integrity, "wall_s": wall_s,
+            "engine_crash": crash}
+
+
+def replay(config: EngineConfig, items: list[ReplayItem], **kw) -> dict:
+    import uvloop
+    return uvloop.run(replay_async(config, items, **kw))
+
+
+# -- reporting ------------------------------------------------------------------------------------
+def outputs_digest(outcomes: list[Outcome]) -> str:
+    """sha256 over every generated token id in request order (a request's ids, then a separator)."""
+    h = hashlib.sha256()
+    for o in outcomes:
+        h.update(b"".join(int(t).to_bytes(4, "little", signed=True) for t in o.output_ids) + b"\xff" * 4)
+    return h.hexdigest()
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(run: dict, problems: list[TraceProblem], config: EngineConfig, replay_options: dict) -> dict:
+    outcomes, m = run["outcomes"], run["metrics"]
+    ok = [o for o in outcomes if o.error is None]
+    ttft_ms = [o.ttft_s * 1e3 for o in ok if o.ttft_s is not None]
+    wall_s = run["wall_s"]
+    return {
+        "requests": len(outcomes), "completed": len(ok), "failed": len(outcomes) - len(ok),
+        "prompt_tokens": sum(len(o.item.prompt) for o in outcomes),
+        "output_tokens": sum(len(o.output_ids) for o in outcomes),
+        "hit_tokens": {t: int(m["hit_tokens"].get(t, 0)) for t in TIERS},
+        "recomputed_tokens": int(m["recomputed_tokens"]),
+        "ttft_ms": {f"p{q}": _percentile(ttft_ms, q / 100) for q in (50, 90, 99)},
+        "throughput_req_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "wall_s": wall_s,
+        "bytes": {d: int(m["directions"][d]["bytes"]) for d in DIRECTIONS},
+        "integrity": run["integrity"],
+        "outputs_digest": outputs_digest(outcomes),
+        "errors": [{"index": o.item.index, "line": o.item.line_no, "error": o.error} for o in outcomes if o.error],
+        "problems": [{"line": p.line_no, "reason": p.reason} for p in problems],
+        "engine_crash": run["engine_crash"],
+        "config": {"engine": dataclasses.asdict(config), "replay": replay_options},
+        "metrics": m,
+    }
+
+
+def format_summary(s: dict) -> str:
+    def num(x, fmt="{:,}"):
+        return "-" if x is None else fmt.format(x)
+    hits = s["hit_tokens"]
+    prompt = max(1, s["prompt_tokens"])
+    rows = [("requests", f"{s['requests']:,} ({s['completed']:,} completed, {s['failed']:,} failed)"),
+            ("prompt tokens", num(s["prompt_tokens"]))]
+    rows += [(f"hit tokens {t.upper()}", f"{hits[t]:,} ({100 * hits[t] / prompt:.1f}%)") for t in TIERS]
+    rows += [("recomputed tokens", f"{s['recomputed_tokens']:,} ({100 * s['recomputed_tokens'] / prompt:.1f}%)"),
+             ("TTFT p50/p90/p99 ms", " / ".join(num(s["ttft_ms"][k], "{:.1f}") for k in ("p50", "p90", "p99"))),
+             ("throughput", f"{s['throughput_req_s']:.2f} req/s over {s['wall_s']:.1f} s")]
+    rows += [(f"bytes {d.upper()}", f"{s['bytes'][d]:,}") for d in DIRECTIONS]
+    rows += [("integrity", s["integrity"]), ("outputs digest", s["outputs_digest"][:16])]
+    if "compare_no_cache" in s:
+        c = s["compare_no_cache"]
+        rows.append(("no-cache digest", f"{c['outputs_digest'][:16]} ({'match' if c['match'] else 'MISMATCH'})"))
+    if s["problems"]:
+        rows.append(("malformed lines", f"{len(s['problems'])} skipped"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def print_summary(s: dict, file=None) -> None:
+    file = file or sys.stdout
+    try:
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        print(format_summary(s), file=file)
+        return
+    table = Table(title="trace replay", show_header=False)
+    table.add_column(style="bold")
+    table.add_column(justify="right")
+    for line in format_summary(s).splitlines():
+        key, _, value = line.partition("  ")
+        table.add_row(key.strip(), value.strip())
+    Console(file=file, width=100).print(table)
+
+
+# -- entry point ----------------------------------------------------------------------------------
+def run_cli(argv: list[str] | None = None) -> dict:
+    """Parses, replays, prints; returns the summary. Raises SystemExit on bad input or --strict."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _fill_defaults(args)
+    try:
+        config = config_from_replay_args(args)
+    except ValueError as exc:
+        parser.exit(2, f"replay_trace.py: {exc}\n")
+    try:
+        records, problems = load_trace(args.trace, strict=args.strict, max_requests=args.max_requests)
+    except TraceError as exc:
+        parser.exit(2, f"replay_trace.py: --strict: {exc}\n")
+    except OSError as exc:
+        parser.exit(2, f"replay_trace.py: cannot read trace: {exc}\n")
+    for p in problems:
+        print(f"{args.trace}:{p.line_no}: skipped: {p.reason}", file=sys.stderr)
+    if not records:
+        parser.exit(2, f"replay_trace.py: {args.trace}: no usable request\n")
+    from scheduler.engine import model_config_of
+    items = build_items(records, model_config_of(config.model).vocab_size, args.block_tokens,
+                        seed=args.synth_seed, max_input_tokens=args.max_input_tokens,
+                        max_output_tokens=args.max_output_tokens)
+    options = {k: getattr(args, k) for k in ("trace", "block_tokens", "time_scale", "max_requests",
+                                             "max_input_tokens", "max_output_tokens", "concurrency", "strict",
+                                             "simulate", "synth_seed", "l1_tokens", "l1_gib", "l2_tokens",
+                                             "l2_gib", "l3_tokens", "l3_gib")}
+    progress = sys.stdout.isatty() and not args.no_progress
+    kw = dict(time_scale=args.time_scale, concurrency=args.concurrency)
+    summary = summarize(replay(config, items, progress=progress, **kw), problems, config, options)
+    if args.compare_no_cache:
+        if config.log_json:  # keep the baseline's events out of this run's timeline
+            from scheduler.logs import configure_logging
+            configure_logging(None)
+        base_cfg = dataclasses.replace(config.with_hicache(enable=False), enable_prefix_cache=False, log_json=None)
+        base = replay(base_cfg, items, progress=progress, rid_prefix="nocache-", **kw)
+        digest = outputs_digest(base["outcomes"])
+        summary["compare_no_cache"] = {"outputs_digest": digest, "match": digest == summary["outputs_digest"],
+                                       "failed": sum(o.error is not None for o in base["outcomes"]),
+                                       "wall_s": base["wall_s"]}
+    print_summary(summary)
+    for e in summary["errors"][:10]:
+        print(f"request {e['index']} (line {e['line']}) failed: {e['error']}", file=sys.stderr)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    summary = run_cli(argv)
+    if summary["engine_crash"] or summary["integrity"] != "passed":
+        return 1
+    if "compare_no_cache" in summary and not summary["compare_no_cache"]["match"]:
+        return 1
+    return 0

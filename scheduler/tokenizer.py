@@ -1,0 +1,164 @@
+"""Text <-> token ids for the HTTP server.
+
+Two tokenizers, chosen by `load_tokenizer(model, vocab_size)`:
+
+* `HFTokenizer` — a checkpoint directory with a `tokenizer.json` (the `tokenizers` library). When the
+  directory's `tokenizer_config.json` carries a `chat_template` (and jinja2 is importable) the
+  tokenizer can render chat messages; `/v1/chat/completions` is served only then.
+
+* `ByteTokenizer` — the documented fallback for the random-weight presets (tiny, qwen3-*), which ship
+  no vocabulary. Text is encoded as its UTF-8 bytes shifted by `BYTE_OFFSET`:
+
+      id = byte + 3          (ids 0, 1, 2 are reserved and never produced by encode)
+
+  so the 256 byte ids are 3..258 and fit the tiny preset's vocabulary of 512. Decoding is the inverse
+  for ids in [3, 259); runs of bytes are decoded as UTF-8 with invalid sequences replaced by U+FFFD,
+  and every other id (reserved, or >= 259 — a random-weight model emits those freely) is rendered as
+  the placeholder "<id:N>". There are no special tokens, no BOS/EOS and no chat template.
+
+`IncrementalDecoder` turns a stream of ids into text deltas (used by the streaming endpoints): it
+re-decodes a short window of recent ids and holds back text while it ends in an incomplete UTF-8
+character, so the concatenated deltas equal the text of the whole sequence.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+BYTE_OFFSET = 3
+_REPLACEMENT = "\ufffd"
+
+
+class ByteTokenizer:
+    """UTF-8 bytes + BYTE_OFFSET (see the module docstring)."""
+
+    chat_template: str | None = None
+    kind = "bytes"
+
+    def __init__(self, vocab_size: int) -> None:
+        if vocab_size < BYTE_OFFSET + 256:
+            raise ValueError(f"the byte-level tokenizer needs a vocabulary of >= {BYTE_OFFSET + 256} ids, "
+                             f"this model has {vocab_size}")
+        self.vocab_size = vocab_size
+        self.no_chat_reason = "random-weight presets have no tokenizer and no chat template"
+
+    def encode(self, text: str) -> list[int]:
+        return [b + BYTE_OFFSET for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out: list[str] = []
+        run = bytearray()
+        for t in ids:
+            b = int(t) - BYTE_OFFSET
+            if 0 <= b < 256:
+                run.append(b)
+                continue
+            if run:
+                out.append(run.decode("utf-8", errors="replace"))
+                run.clear()
+            out.append(f"<id:{int(t)}>")
+        if run:
+            out.append(run.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        raise ValueError(self.no_chat_reason)
+
+
+class HFTokenizer:
+    """A `tokenizer.json` from a checkpoint directory, with its chat template when it has one."""
+
+    kind = "tokenizer.json"
+
+    def __init__(self, model_dir: str) -> None:
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        self.chat_template: str | None = None
+        self.no_chat_reason = f"{model_dir} has no tokenizer_config.json with a chat_template"
+        self.bos_token = self.eos_token = ""
+        cfg_path = os.path.join(model_dir, "tokenizer_config.json")
+        if os.path.isfile(cfg_path):
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+            self.bos_token, self.eos_token = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
+            template = cfg.get("chat_template")
+            if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+                template = named.get("default") or next(iter(named.values()), None)
+            if isinstance(template, str) and template:
+                try:
+                    self._compiled = _compile_template(template)
+                    self.chat_template = template
+                except ImportError:
+                    self.no_chat_reason = "jinja2 is not installed, so the chat template cannot be rendered"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode([int(t) for t in ids], skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.chat_template is None:
+            raise ValueError(self.no_chat_reason)
+        text = self._compiled.render(messages=messages, add_generation_prompt=True,
+                                     bos_token=self.bos_token, eos_token=self.eos_token)
+        return self.encode(text, add_special_tokens=False)
+
+
+def _token_text(tok) -> str:
+    if isinstance(tok, dict):
+        return str(tok.get("content") or "")
+    return tok or ""
+
+
+def _compile_template(template: str):
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
+def load_tokenizer(model: str, vocab_size: int) -> ByteTokenizer | HFTokenizer | None:
+    """The model directory's tokenizer.json, else the byte-level fallback; None when neither fits
+    (text prompts are then refused with a 400)."""
+    if os.path.isdir(model) and os.path.isfile(os.path.join(model, "tokenizer.json")):
+        return HFTokenizer(model)
+    try:
+        return ByteTokenizer(vocab_size)
+    except ValueError:
+        return None
+
+
+class IncrementalDecoder:
+    """Text deltas of a growing id sequence (a window of the last ids is re-decoded each step)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # window start: ids before it are already text
+        self.read_offset = 0    # ids before it have been emitted
+
+    def feed(self, token_id: int) -> str:
+        self.ids.append(int(token_id))
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
+            delta = new_text[len(prefix_text):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return delta
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is still held back (an incomplete character at the end becomes U+FFFD)."""
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""

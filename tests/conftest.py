@@ -1,0 +1,34 @@
+"""Test setup: Triton kernels run in the interpreter on the CPU, torch uses one thread (the tiny
+shapes run fastest that way on a shared 2-core machine), logs stay quiet unless a test captures them."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import structlog  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
+from scheduler.logs import drop_below_warning  # noqa: E402
+
+# Level filtering is a processor (not a filtering wrapper), so structlog.testing.capture_logs(),
+# which swaps the processor chain, still sees info events.
+structlog.configure(
+    processors=[drop_below_warning, structlog.processors.add_log_level,
+                structlog.dev.ConsoleRenderer(colors=False)],
+    cache_logger_on_first_use=False,
+)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="run the full-size soak and other slow tests")
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    skip_slow = pytest.mark.skip(reason="slow: pass --run-slow")
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(skip_gpu)
+        if "slow" in item.keywords and not config.getoption("--run-slow"):
+            item.add_marker(skip_slow)

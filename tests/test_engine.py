@@ -1,0 +1,137 @@
+"""Engine foundation: prefix reuse never changes greedy outputs; pages never leak; bad input is
+reported per request."""
+import asyncio
+import contextlib
+import random
+
+import pytest
+
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
+from scheduler.request import RequestError, SamplingParams
+
+VOCAB = 512
+
+
+def shared_prefix_prompts(seed=0, num_bases=3, base_len=37, num=9, tail=(1, 12)):
+    rng = random.Random(seed)
+    bases = [[rng.randrange(VOCAB) for _ in range(base_len)] for _ in range(num_bases)]
+    return [bases[i % num_bases] + [rng.randrange(VOCAB) for _ in range(rng.randrange(*tail))]
+            for i in range(num)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Outputs of an engine with no prefix cache and a pool large enough for everything."""
+    cache: dict = {}
+
+    def outputs(prompts, max_tokens):
+        key = (tuple(map(tuple, prompts)), max_tokens)
+        if key not in cache:
+            eng = Engine(EngineConfig(model="tiny", num_pages=1024, page_size=4, enable_prefix_cache=False))
+            cache[key] = [r.output_ids for r in eng.generate(prompts, SamplingParams(max_tokens=max_tokens))]
+        return cache[key]
+    return outputs
+
+
+def assert_whole(engine: Engine):
+    engine.check_integrity()
+    alloc = engine.cache.l1.allocator
+    assert alloc.num_private() == 0, "pages still private after every request ended"
+    assert alloc.num_free + alloc.num_tree() == alloc.num_pages
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_prefix_reuse_gives_identical_outputs(page_size, reference):
+    prompts = shared_prefix_prompts()
+    eng = Engine(EngineConfig(model="tiny", num_pages=4096 // page_size, page_size=page_size))
+    first = eng.generate(prompts, SamplingParams(max_tokens=6))
+    second = eng.generate(prompts, SamplingParams(max_tokens=6))  # everything now in L1
+    ref = reference(prompts, 6)
+    assert [r.output_ids for r in first] == ref
+    assert [r.output_ids for r in second] == ref
+    assert sum(r.cached_tokens["l1"] for r in second) > 0
+    assert_whole(eng)
+
+
+def test_chunked_prefill(reference):
+    prompts = shared_prefix_prompts(seed=1, base_len=50, num=4)
+    eng = Engine(EngineConfig(model="tiny", num_pages=512, page_size=4, max_prefill_tokens=16))
+    out = eng.generate(prompts, SamplingParams(max_tokens=5))
+    assert [r.output_ids for r in out] == reference(prompts, 5)
+    assert eng.stats["batches"] > len(prompts)  # prompts really were split
+    assert_whole(eng)
+
+
+def test_eviction_pressure(reference):
+    prompts = shared_prefix_prompts(seed=2, num_bases=6, base_len=40, num=18)
+    # 24 pages of 4 tokens: far less than the working set (6 prefixes x ~13 pages)
+    eng = Engine(EngineConfig(model="tiny", num_pages=24, page_size=4))
+    out = eng.generate(prompts, SamplingParams(max_tokens=4))
+    assert [r.output_ids for r in out] == reference(prompts, 4)
+    assert eng.cache.metrics.evictions_pages["l1"] > 0
+    assert_whole(eng)
+
+
+def test_sampling_is_seeded():
+    prompts = shared_prefix_prompts(num=2)
+    eng = Engine(EngineConfig(model="tiny", num_pages=256, page_size=4))
+    p = SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=123)
+    a = eng.generate(prompts, p)
+    b = eng.generate(prompts, p)
+    assert [r.output_ids for r in a] == [r.output_ids for r in b]
+    assert_whole(eng)
+
+
+def test_bad_input_is_per_request(reference):
+    eng = Engine(EngineConfig(model="tiny", num_pages=32, page_size=4))
+    good = shared_prefix_prompts(num=1)[0]
+    bad = [[], [1, 2, VOCAB], [1, -3], [5] * (32 * 4 + 1)]
+    out = eng.generate([good] + bad, SamplingParams(max_tokens=3))
+    assert out[0].error is None and out[0].output_ids == reference([good], 3)[0]
+    assert all(r.error and r.finish_reason == "error" for r in out[1:])
+    assert "vocabulary" in out[2].error
+    with pytest.raises(RequestError, match="max_tokens"):
+        eng.validate(good, SamplingParams(max_tokens=0))
+    with pytest.raises(RequestError, match="pool"):
+        eng.validate(good, SamplingParams(max_tokens=32 * 4))
+    assert_whole(eng)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("abort_after_events", [0, 1, 3])
+async def test_abort_at_any_point_leaks_nothing(abort_after_events, reference):
+    prompts = shared_prefix_prompts(seed=3, num=6)
+    eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=4, max_prefill_tokens=24))
+    await eng.start()
+
+    async def consume(i, prompt):
+        got = []
+        async with contextlib.aclosing(eng.submit(prompt, SamplingParams(max_tokens=6))) as stream:
+            async for ev in stream:
+                if i % 2 == 0 and len(got) >= abort_after_events:
+                    break  # closing the stream aborts the request
+                if ev.token_id is not None:
+                    got.append(ev.token_id)
+        return got
+
+    results = await asyncio.gather(*(consume(i, p) for i, p in enumerate(prompts)))
+    await eng.stop_loop()
+    ref = await asyncio.to_thread(reference, prompts, 6)
+    for i, got in enumerate(results):
+        if i % 2:
+            assert got == ref[i]
+        else:
+            assert got == ref[i][: len(got)]
+    assert eng.stats["aborted"] >= 1
+    assert_whole(eng)
+
+
+@pytest.mark.asyncio
+async def test_abort_waiting_request():
+    eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=4))
+    req = eng.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=4))  # loop not started yet
+    assert await eng.abort(req.rid)
+    ev = await req.queue.get()
+    assert ev.finished and ev.finish_reason == "abort"
+    assert_whole(eng)
