@@ -39,9 +39,10 @@ _WRITE_ERROR_FAULTS = ((Fault.EIO_WRITE, errno.EIO), (Fault.ENOSPC_WRITE, errno.
 
 class StorageError(Exception):
     """An L3 operation failed. `kind` is one of KINDS; `bad_slots` names slots whose checksum failed
-    (or that hold no valid page) so the caller can drop their residency."""
+    (or that hold no valid page; kind "missing": a shared store's page vanished) so the caller can
+    drop their residency."""
 
-    KINDS = frozenset({"eio", "short", "enospc", "checksum", "timeout", "closed"})
+    KINDS = frozenset({"eio", "short", "enospc", "checksum", "timeout", "closed", "missing"})
 
     def __init__(self, kind: str, message: str, *, bad_slots: Sequence[int] = (), errno_: int | None = None):
         if kind not in self.KINDS:

@@ -8,9 +8,16 @@ carries the generated `token_ids` next to the text.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import enum
+import json
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from scheduler.request import SamplingParams
 
 Float = Annotated[float, Field(strict=True)]  # accepts JSON numbers (ints too), never strings
 TokenIds = list[StrictInt]
@@ -221,3 +228,134 @@ def validation_error(exc: ValidationError | Any) -> APIError:
 
 def _is_type_tag(part: str) -> bool:
     return part in ("str", "int", "float", "bool", "none") or "[" in part or part.startswith(("constrained-", "function-"))
+
+
+def response_body(chat: bool, rid: str, created: int, model: str, text: str, finish_reason: str,
+                  token_ids: list[int], usage: Usage) -> dict:
+    common = dict(id=rid, created=created, model=model, usage=usage)
+    if chat:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason, token_ids=token_ids)
+        return ChatCompletionResponse(choices=[choice], **common).model_dump()
+    choice = CompletionChoice(text=text, finish_reason=finish_reason, token_ids=token_ids)
+    return CompletionResponse(choices=[choice], **common).model_dump()
+
+
+def stream_chunk(chat: bool, rid: str, created: int, model: str, text: str, token_ids: list[int],
+                 finish_reason: str | None, first: bool, usage: Usage | None | Literal[False]) -> dict:
+    """One SSE chunk; `usage` False leaves the key out (no stream_options.include_usage), None is
+    the null that OpenAI puts in every chunk but the last."""
+    choice: dict = {"index": 0, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+    if chat:
+        choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+    else:
+        choice["text"] = text
+    chunk = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+             "model": model, "choices": [choice]}
+    if usage is not False:
+        chunk["usage"] = None if usage is None else usage.model_dump()
+    return chunk
+
+
+async def read_json_body(request, max_bytes: int) -> dict:
+    """The body of a starlette request as a JSON object; 413 past `max_bytes` (checked from
+    Content-Length before reading and again while reading), 400 when it is not a JSON object."""
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise APIError(400, "invalid Content-Length header", code="invalid_header")
+        if int(length) > max_bytes:
+            raise APIError(413, f"request body of {int(length)} bytes exceeds the limit of {max_bytes} bytes "
+                                f"(--max-body-bytes)", code="body_too_large")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes (--max-body-bytes)",
+                           code="body_too_large")
+    try:
+        obj = json.loads(bytes(body))
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    return obj
+
+
+# -- body -> engine input ------------------------------------------------------------------------------
+def parse_request(body: dict, chat: bool, *, tokenizer, served_names: set[str], model_name: str, vocab_size: int,
+                  prompt_limit: int, max_tokens_limit: int, default_max_tokens: int = 16,
+                  ) -> tuple[CompletionRequest | ChatCompletionRequest, list[int], SamplingParams]:
+    """Validate a decoded JSON body: (the request model, prompt token ids, sampling parameters).
+    Raises APIError (400 / 404) naming the field or limit."""
+    try:
+        req = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    req.check_unsupported()
+    if req.model not in (None, "") and req.model not in served_names:
+        raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
+                       param="model", code="model_not_found")
+    param = "messages" if chat else "prompt"
+    if chat:
+        try:
+            ids = tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
+        except Exception as exc:  # a template may reject a conversation (raise_exception)
+            raise APIError(400, f"the chat template rejected the messages: {exc}", param=param,
+                           code="invalid_messages") from None
+    elif isinstance(req.prompt, str):
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids",
+                           param=param, code="invalid_value")
+        ids = tokenizer.encode(req.prompt)
+    else:
+        ids = list(req.prompt)
+    if not ids:
+        raise APIError(400, "the prompt is empty", param=param, code="invalid_value")
+    if len(ids) > prompt_limit:
+        raise APIError(400, f"prompt of {len(ids)} tokens exceeds the limit of {prompt_limit} tokens "
+                            f"(--max-prompt-tokens)", param=param, code="prompt_too_long")
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab_size})", param=param,
+                           code="invalid_token_id")
+    return req, ids, _sampling(req, max_tokens_limit, default_max_tokens)
+
+
+def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: int) -> SamplingParams:
+    name, max_tokens = "max_tokens", req.max_tokens
+    if getattr(req, "max_completion_tokens", None) is not None:
+        name, max_tokens = "max_completion_tokens", req.max_completion_tokens
+    max_tokens = default_max_tokens if max_tokens is None else max_tokens
+    if max_tokens < 1:
+        raise APIError(400, f"'{name}' must be >= 1, got {max_tokens}", param=name, code="invalid_value")
+    if max_tokens > max_tokens_limit:
+        raise APIError(400, f"'{name}' of {max_tokens} exceeds the limit of {max_tokens_limit} "
+                            f"(--max-tokens-limit)", param=name, code="max_tokens_too_large")
+    if req.temperature is not None and not 0.0 <= req.temperature <= 100.0:
+        raise APIError(400, f"'temperature' must be in [0, 100], got {req.temperature}", param="temperature",
+                       code="invalid_value")
+    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
+        raise APIError(400, f"'top_p' must be in (0, 1], got {req.top_p}", param="top_p", code="invalid_value")
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0 if req.temperature is None else req.temperature,
+                          top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
+                          stop_token_ids=req.stop_ids(), ignore_eos=req.ignore_eos)
+
+
+def jsonable(x: Any) -> Any:
+    """A JSON-safe copy: non-finite floats -> null, tuples/sets -> lists, enums/scalars unwrapped."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple, set, frozenset)):
+        return [jsonable(v) for v in x]
+    if x is None or isinstance(x, (bool, int, str)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, enum.Enum):
+        return jsonable(x.value)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return jsonable(dataclasses.asdict(x))
+    if callable(getattr(x, "item", None)):
+        with contextlib.suppress(Exception):
+            return jsonable(x.item())
+    return str(x)

@@ -18,6 +18,7 @@ class EngineConfig:
     max_total_tokens: int = 8192  # L1 capacity in tokens when num_pages == 0
     max_prefill_tokens: int = 2048  # token budget of one prefill batch (chunked prefill above it)
     max_running_requests: int = 64
+    max_context_tokens: int = 16384  # longest sequence a captured decode graph serves (longer: eager)
     max_prompt_tokens: int = 0  # 0: no limit beyond what the pool can ever hold
     max_new_tokens_limit: int = 4096
     enable_prefix_cache: bool = True

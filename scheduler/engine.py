@@ -84,6 +84,8 @@ class Engine:
         self.page_size = page_size
         self.runner = (SimRunner(self.model_config.vocab_size) if config.simulate
                        else ModelRunner(self.model, self.cache.l1.kv, page_size, self.device))
+        if self.device.type == "cuda" and config.cuda_graphs and not config.simulate:
+            self._capture_graphs()
         self.admission = Admission(self)
         self.waiting: deque[Request] = deque()
         self.parked: list[Request] = []
@@ -96,6 +98,17 @@ class Engine:
         self._batch_id = 0
         self.stats = {"batches": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
                       "failed": 0}
+
+    def _capture_graphs(self) -> None:
+        from scheduler.cuda_graphs import DecodeGraphs
+        alloc = self.cache.l1.allocator
+        claim = alloc.new_claim("cuda-graph-scratch")  # one page padding rows may scribble on
+        scratch = alloc.alloc(1, claim)[0]
+        max_pages = min(self.cache.l1.num_pages, -(-self.config.max_context_tokens // self.page_size))
+        graphs = DecodeGraphs(self.model, self.cache.l1.kv, self.page_size, max_pages, scratch,
+                              max_batch=min(self.config.max_running_requests, 64))
+        graphs.capture()
+        self.runner.enable_graphs(graphs)
 
     # -- public API ----------------------------------------------------------------------------
     @property

@@ -8,7 +8,7 @@ recomputed tokens, TTFT, throughput, bytes moved per direction and the cache's i
 Every engine flag (scheduler.config.add_engine_args) is accepted. Without --trace the bundled sample
 (data/sample_trace.jsonl) is replayed with small-run defaults: 16 tokens per hash id, the first 200
 requests, outputs clipped to 32 tokens, as fast as possible, one request at a time, and pools small
-enough (L1 4096 tokens, L2 8192, L3 32768) that the working set overflows L1 and L2.
+enough (L1 4096 tokens, L2 24576, L3 65536) that the working set overflows L1 and L2.
 Capacity flags in tokens or GiB map onto --num-pages / --hicache-size-gb / --hicache-storage-size-gb.
 `--simulate` runs the same scheduler, tree, allocators and cost model with no model and no bytes.
 With --concurrency 1 every request and every cache operation it caused end before the next request
@@ -35,7 +35,7 @@ TIERS = ("l1", "l2", "l3")
 GIB = 1 << 30
 # Replay options whose default depends on whether the bundled sample or a user's trace is replayed.
 SAMPLE_DEFAULTS = dict(block_tokens=16, max_requests=200, max_output_tokens=32, time_scale=0.0, concurrency=1,
-                       l1_tokens=4096, l2_tokens=8192, l3_tokens=32768)
+                       l1_tokens=4096, l2_tokens=24576, l3_tokens=65536)
 TRACE_DEFAULTS = dict(block_tokens=512, max_requests=None, max_output_tokens=None, time_scale=1.0, concurrency=64,
                       l1_tokens=None, l2_tokens=None, l3_tokens=None)
 
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--compare-no-cache", action="store_true",
                    help="also replay with every cache off and compare outputs_digest")
     r.add_argument("--synth-seed", type=int, default=0, help="seed of the hash-id -> token-block synthesis")
-    c = p.add_argument_group("capacities (win over --num-pages / --hicache-*size*; sample: 4096/8192/32768 tokens)")
+    c = p.add_argument_group("capacities (win over --num-pages / --hicache-*size*; sample: 4096/24576/65536 tokens)")
     c.add_argument("--l1-tokens", type=int, default=None, help="L1 capacity in tokens")
     c.add_argument("--l1-gib", type=float, default=None, help="L1 capacity in GiB")
     c.add_argument("--l2-tokens", type=int, default=None, help="L2 capacity in tokens")

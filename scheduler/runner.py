@@ -33,14 +33,23 @@ class ModelRunner:
         self.device = device
         self.cuda = device.type == "cuda"
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-cuda-wait")
+        self.graphs = None
+
+    def enable_graphs(self, graphs) -> None:
+        """Small forwards (every sequence adds one token) replay captured CUDA graphs."""
+        self.graphs = graphs
 
     @torch.inference_mode()
     def launch(self, batch: BatchInput):
         """Enqueue forward + sampling; returns a handle for `collect`. On CUDA nothing blocks here."""
-        attn = AttentionBatch.build(batch.prefix_lens, batch.new_lens, batch.page_tables, self.page_size,
-                                    self.device, batch.is_decode)
-        ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        logits = self.model(ids, attn, self.kv_pool)  # [B, V]
+        if (self.graphs is not None and all(n == 1 for n in batch.new_lens)
+                and self.graphs.fits(len(batch.new_lens), batch.page_tables)):
+            logits = self.graphs.run(batch.input_ids, batch.prefix_lens, batch.page_tables)  # [B, V]
+        else:
+            attn = AttentionBatch.build(batch.prefix_lens, batch.new_lens, batch.page_tables, self.page_size,
+                                        self.device, batch.is_decode)
+            ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            logits = self.model(ids, attn, self.kv_pool)  # [B, V]
         next_ids = sample(logits, batch.temperatures, batch.top_ps, batch.generators)  # [B]
         if not self.cuda:
             return next_ids, None

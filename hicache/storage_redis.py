@@ -1,0 +1,447 @@
+"""A shared L3 on Redis: content-addressed KV pages that many serving instances read and write
+(DESIGN.md section 12).
+
+Addressing. A page's Redis key is `hicache:kv:<hex>` with <hex> the chained hash of the token prefix
+through that page, salted with model identity, dtype, page size, KV geometry and rank
+(hicache/page_keys.py). The `slots` the op drivers pass are only local handles from the tree's L3
+allocator (the capacity of this instance's hint table); the key is what addresses the data, so
+`invalidate()` is a no-op: another instance may still use the page, and Redis's own eviction policy
+(maxmemory + allkeys-lru) decides what stays.
+
+Values. `HKV1` magic, payload length (u32), xxh3_64 of the payload (u64), then the page's bytes
+(one page-major L2 page). A read checks all three; a missing key or a bad value fails the operation
+with StorageError("missing" / "checksum", bad_slots=...) so the caller drops the hint and recomputes:
+never a wrong output. Connection errors -> "eio" (and a short back-off during which operations fail
+at once instead of waiting on a dead server); OOM under `noeviction` -> "enospc".
+
+I/O. redis.asyncio on the running loop (a new client when the loop changes: `Engine.generate` runs
+each call on a fresh loop). Each operation is one command per chunk of at most `chunk_bytes`
+(MSET / MGET), so a page list costs one round trip unless it is very large; packing values (hash +
+copy) and unpacking them (verify + copy into the host pages) run on one helper thread when a chunk
+is large, so the loop keeps serving. Operations return asyncio tasks resolving to IoResult.
+
+Hints. `refresh_hints(mgr, tokens)` asks which of the prompt's full pages exist, in one round trip
+(a tiny Lua script that TOUCHes the keys in order and returns how many exist contiguously from the
+first; TOUCH refreshes their LRU age, as a read is likely to follow; a plain pipeline of EXISTS where
+scripting is refused), then publishes local L3 slots for the pages beyond the tree's current L3
+match and drops hints whose pages are gone.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import struct
+import time
+import urllib.parse
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import redis
+import redis.asyncio as aioredis
+import redis.retry
+import structlog
+import torch
+import xxhash
+from redis import exceptions as rexc
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from hicache.faults import Fault, FaultInjector
+from hicache.geometry import KVGeometry
+from hicache.page_keys import PageKeyer, kv_salt
+from hicache.radix import Tier
+from hicache.storage import IoResult, StorageError
+
+if TYPE_CHECKING:
+    from hicache.manager import CacheManager
+
+log = structlog.get_logger("hicache.storage_redis")
+
+KEY_PREFIX = b"hicache:kv:"
+HEADER = struct.Struct("<4sIQ")  # magic, payload bytes, xxh3_64(payload)
+MAGIC = b"HKV1"
+OFFLOAD_BYTES = 1 << 20  # chunks at least this large are packed / unpacked on the helper thread
+# How many keys exist contiguously from the first one (TOUCH also refreshes their LRU age).
+_PREFIX_SCRIPT = """
+for i, k in ipairs(KEYS) do
+  if redis.call('TOUCH', k) == 0 then return i - 1 end
+end
+return #KEYS
+"""
+
+
+def redact_url(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def pack_value(page: memoryview) -> bytes:
+    """One stored value: header + the page's bytes."""
+    return b"".join((HEADER.pack(MAGIC, len(page), xxhash.xxh3_64_intdigest(page)), page))
+
+
+def check_value(value: bytes | None, page_bytes: int, verify: bool) -> str | None:
+    """None when `value` is a valid page of `page_bytes` bytes, else why not ("missing"/"checksum")."""
+    if value is None:
+        return "missing"
+    if len(value) != HEADER.size + page_bytes:
+        return "checksum"
+    magic, length, digest = HEADER.unpack_from(value)
+    if magic != MAGIC or length != page_bytes:
+        return "checksum"
+    if verify and xxhash.xxh3_64_intdigest(memoryview(value)[HEADER.size:]) != digest:
+        return "checksum"
+    return None
+
+
+class RedisStore:
+    """L3 pages in Redis, addressed by content keys; see the module docstring."""
+
+    content_addressed = True
+
+    def __init__(self, geometry: KVGeometry, num_slots: int, url: str | None, model_id: str,
+                 checksum: bool = True, faults: FaultInjector | None = None, *, rank: int = 0,
+                 chunk_bytes: int = 32 << 20, hint_timeout_s: float = 2.0, socket_timeout_s: float = 5.0,
+                 connect_timeout_s: float = 2.0, backoff_s: tuple[float, float] = (0.25, 8.0)) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        if not url:
+            raise ValueError("the redis L3 backend needs a URL (--hicache-storage-url redis://HOST:PORT/DB)")
+        self.geometry, self.num_slots, self.url = geometry, int(num_slots), url
+        self.bytes_per_page = geometry.bytes_per_page
+        self.model_id, self.checksum, self.faults = model_id, bool(checksum), faults
+        self.salt = kv_salt(model_id, geometry, rank=rank)
+        self.keyer = PageKeyer(self.salt, geometry.page_size)
+        self.pages_per_chunk = max(1, min(1024, chunk_bytes // (HEADER.size + self.bytes_per_page)))
+        self.hint_timeout_s, self.backoff_s = hint_timeout_s, backoff_s
+        self._client_kwargs = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
+                                   retry=Retry(NoBackoff(), 1), decode_responses=False)
+        aioredis.from_url(url, **self._client_kwargs)  # validates the URL now (connects lazily)
+        self._redis: aioredis.Redis | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._script_ok = True
+        self._cpu = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-redis-cpu")
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+        self._down_until = 0.0
+        self._consecutive_failures = 0
+        self.counters = {"writes": 0, "reads": 0, "pages_written": 0, "pages_read": 0, "bytes_written": 0,
+                         "bytes_read": 0, "round_trips": 0, "missing_pages": 0, "corrupt_pages": 0,
+                         "hint_queries": 0, "hint_pages_found": 0, "hint_pages_published": 0,
+                         "stale_hints_dropped": 0, "hint_skips": 0}
+        self.errors: dict[str, int] = {}
+        self._probe()
+
+    # ---- connection ------------------------------------------------------------------------------
+    def _probe(self) -> None:
+        """One synchronous PING at start, so a wrong URL shows up in the log (the engine still starts:
+        a store that cannot be reached only costs hits)."""
+        try:
+            with redis.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0,
+                                      retry=redis.retry.Retry(NoBackoff(), 0)) as client:
+                info = client.info("memory")
+            log.info("l3_redis_connected", url=redact_url(self.url), maxmemory=info.get("maxmemory"),
+                     maxmemory_policy=info.get("maxmemory_policy"))
+        except Exception as exc:  # noqa: BLE001 - any failure only means "not reachable now"
+            log.warning("l3_redis_unreachable", url=redact_url(self.url), error=repr(exc))
+
+    def _client(self) -> aioredis.Redis:
+        loop = asyncio.get_running_loop()
+        if self._redis is None or self._loop is not loop:
+            # a client's connections belong to the loop that opened them; an old loop is gone
+            self._redis = aioredis.from_url(self.url, **self._client_kwargs)
+            self._loop, self._script_ok = loop, True
+        return self._redis
+
+    def _check_available(self) -> None:
+        if self._closed:
+            raise StorageError("closed", f"redis L3 {redact_url(self.url)} is closed")
+        wait_s = self._down_until - time.monotonic()
+        if wait_s > 0:
+            raise StorageError("eio", f"redis L3 {redact_url(self.url)} unavailable (retry in {wait_s:.2f} s)")
+
+    def _succeeded(self) -> None:
+        self._consecutive_failures, self._down_until = 0, 0.0
+
+    def _error(self, exc: BaseException, what: str) -> StorageError:
+        """Map a client error to a StorageError, count it, and back off after connection errors."""
+        if isinstance(exc, StorageError):
+            err = exc
+        elif isinstance(exc, rexc.OutOfMemoryError) or (
+                isinstance(exc, rexc.ResponseError) and str(exc).startswith("OOM")):
+            err = StorageError("enospc", f"redis {what}: out of memory (maxmemory with noeviction): {exc}")
+        else:
+            err = StorageError("eio", f"redis {what}: {exc!r}")
+            if isinstance(exc, (rexc.ConnectionError, rexc.TimeoutError, OSError, asyncio.TimeoutError)):
+                self._consecutive_failures += 1
+                lo, hi = self.backoff_s
+                self._down_until = time.monotonic() + min(hi, lo * 2 ** (self._consecutive_failures - 1))
+        self.errors[err.kind] = self.errors.get(err.kind, 0) + 1
+        return err
+
+    # ---- keys ------------------------------------------------------------------------------------
+    def page_keys(self, tokens: Sequence[int], start_tokens: int, end_tokens: int) -> list[bytes]:
+        """Redis keys of the pages covering tokens[start_tokens:end_tokens] (page aligned)."""
+        return [KEY_PREFIX + d.hex().encode() for d in self.keyer.keys(tokens, start_tokens, end_tokens)]
+
+    # ---- page I/O --------------------------------------------------------------------------------
+    def write_pages(self, host_buffer: torch.Tensor, host_pages: Sequence[int], slots: Sequence[int],
+                    keys: Sequence[bytes]) -> asyncio.Future:
+        """Store host_buffer[host_pages[i]] under keys[i]; a task resolving to IoResult."""
+        return self._submit(False, host_buffer, host_pages, slots, keys)
+
+    def read_pages(self, slots: Sequence[int], host_buffer: torch.Tensor, host_pages: Sequence[int],
+                   keys: Sequence[bytes]) -> asyncio.Future:
+        """Load keys[i] into host_buffer[host_pages[i]]; a task resolving to IoResult."""
+        return self._submit(True, host_buffer, host_pages, slots, keys)
+
+    def _submit(self, is_read: bool, host_buffer: torch.Tensor, host_pages: Sequence[int],
+                slots: Sequence[int], keys: Sequence[bytes]) -> asyncio.Future:
+        if self._closed:
+            raise StorageError("closed", f"redis L3 {redact_url(self.url)} is closed")
+        loop = asyncio.get_running_loop()
+        pages = self._page_view(host_buffer)
+        host_arr = np.asarray(host_pages, dtype=np.int64).reshape(-1)
+        slot_arr = np.asarray(slots, dtype=np.int64).reshape(-1)
+        keys = list(keys)
+        if not len(host_arr) == len(slot_arr) == len(keys):
+            raise ValueError(f"{len(host_arr)} host pages, {len(slot_arr)} slots and {len(keys)} keys")
+        if len(host_arr) and (host_arr.min() < 0 or host_arr.max() >= pages.shape[0]):
+            raise ValueError(f"host page out of range [0, {pages.shape[0]})")
+        if len(slot_arr) and (slot_arr.min() < 0 or slot_arr.max() >= self.num_slots):
+            raise ValueError(f"slot out of range [0, {self.num_slots})")
+        if is_read and len(np.unique(host_arr)) != len(host_arr):
+            raise ValueError("duplicate destination host pages in one operation")
+        if not len(keys):
+            done = loop.create_future()
+            done.set_result(IoResult(0, 0, 0, 0))
+            return done
+        coro = (self._read if is_read else self._write)(pages, host_buffer, host_arr, slot_arr, keys,
+                                                        time.monotonic_ns())
+        task = loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _page_view(self, host_buffer: torch.Tensor) -> np.ndarray:
+        """[num_pages, bytes_per_page] uint8 numpy view of the caller's buffer (no copy)."""
+        if not isinstance(host_buffer, torch.Tensor):
+            raise TypeError(f"host_buffer must be a torch.Tensor, got {type(host_buffer).__name__}")
+        if host_buffer.device.type != "cpu" or not host_buffer.is_contiguous() or host_buffer.dim() == 0:
+            raise ValueError("host_buffer must be a contiguous CPU tensor with pages on dim 0")
+        flat = host_buffer.detach()
+        flat = (flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)).reshape(-1)
+        if flat.numel() != host_buffer.shape[0] * self.bytes_per_page:
+            raise ValueError(f"host_buffer holds {flat.numel()} bytes for {host_buffer.shape[0]} pages; "
+                             f"store pages are {self.bytes_per_page} bytes")
+        return flat.numpy().reshape(host_buffer.shape[0], self.bytes_per_page)
+
+    def _chunks(self, n: int):
+        return [(s, min(n, s + self.pages_per_chunk)) for s in range(0, n, self.pages_per_chunk)]
+
+    async def _on_cpu(self, fn, *args):
+        """Run fn on the helper thread when the work is large, inline when it is not."""
+        if len(args[-1]) * self.bytes_per_page >= OFFLOAD_BYTES:
+            return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+        return fn(*args)
+
+    def _pack(self, pages: np.ndarray, host: np.ndarray) -> list[bytes]:
+        return [pack_value(memoryview(pages[h])) for h in host.tolist()]
+
+    def _unpack(self, pages: np.ndarray, values: list, host: np.ndarray) -> list[tuple[int, str]]:
+        """Copy valid values into their host pages; returns (index, why) of the invalid ones."""
+        bad = []
+        for i, (value, h) in enumerate(zip(values, host.tolist())):
+            why = check_value(value, self.bytes_per_page, self.checksum)
+            if why is None:
+                pages[h] = np.frombuffer(value, dtype=np.uint8, offset=HEADER.size)
+            else:
+                bad.append((i, why))
+        return bad
+
+    def _injected(self, is_read: bool) -> StorageError | None:
+        faults = self.faults
+        if faults is None:
+            return None
+        if is_read and faults.should_fire(Fault.EIO_READ):
+            return StorageError("eio", "injected eio_read")
+        if not is_read and faults.should_fire(Fault.EIO_WRITE):
+            return StorageError("eio", "injected eio_write")
+        if not is_read and faults.should_fire(Fault.ENOSPC_WRITE):
+            return StorageError("enospc", "injected enospc_write")
+        return None
+
+    async def _write(self, pages, buffer_ref, host_arr, slot_arr, keys, submit_ns) -> IoResult:
+        self._check_available()
+        injected = self._injected(False)
+        if injected is not None:
+            raise self._error(injected, "write")
+        client = self._client()
+        first_ns, chunks = time.monotonic_ns(), self._chunks(len(keys))
+        try:
+            for lo, hi in chunks:
+                values = await self._on_cpu(self._pack, pages, host_arr[lo:hi])
+                await client.mset(dict(zip(keys[lo:hi], values)))
+                self.counters["round_trips"] += 1
+        except Exception as exc:
+            raise self._error(exc, "write") from exc
+        self._succeeded()
+        num_bytes = len(keys) * self.bytes_per_page
+        self.counters["writes"] += 1
+        self.counters["pages_written"] += len(keys)
+        self.counters["bytes_written"] += num_bytes
+        return IoResult(num_bytes, len(chunks), first_ns - submit_ns, time.monotonic_ns() - first_ns)
+
+    async def _read(self, pages, buffer_ref, host_arr, slot_arr, keys, submit_ns) -> IoResult:
+        self._check_available()
+        faults = self.faults
+        if faults is not None and faults.should_fire(Fault.SLOW_READ):
+            await asyncio.sleep(faults.delay_s(Fault.SLOW_READ))
+        injected = self._injected(True)
+        if injected is not None:
+            raise self._error(injected, "read")
+        client = self._client()
+        first_ns, chunks = time.monotonic_ns(), self._chunks(len(keys))
+        for lo, hi in chunks:
+            try:
+                values = await client.mget(keys[lo:hi])
+            except Exception as exc:
+                raise self._error(exc, "read") from exc
+            self.counters["round_trips"] += 1
+            bad = await self._on_cpu(self._unpack, pages, values, host_arr[lo:hi])
+            if bad:
+                await self._fail_read(client, bad, lo, slot_arr, keys)
+        self._succeeded()
+        num_bytes = len(keys) * self.bytes_per_page
+        self.counters["reads"] += 1
+        self.counters["pages_read"] += len(keys)
+        self.counters["bytes_read"] += num_bytes
+        return IoResult(num_bytes, len(chunks), first_ns - submit_ns, time.monotonic_ns() - first_ns)
+
+    async def _fail_read(self, client, bad: list[tuple[int, str]], lo: int, slot_arr, keys) -> None:
+        missing = [lo + i for i, why in bad if why == "missing"]
+        corrupt = [lo + i for i, why in bad if why != "missing"]
+        self.counters["missing_pages"] += len(missing)
+        self.counters["corrupt_pages"] += len(corrupt)
+        if corrupt:  # a corrupt value helps no one: delete it so a later write can replace it
+            try:
+                await client.delete(*[keys[i] for i in corrupt])
+            except Exception:  # noqa: BLE001 - best effort
+                pass
+        kind = "missing" if missing else "checksum"
+        bad_slots = sorted(int(slot_arr[i]) for i in missing + corrupt)
+        raise self._error(StorageError(kind, f"redis read: {len(missing)} page(s) missing, {len(corrupt)} "
+                                             f"corrupt (L3 slots {bad_slots[:8]})", bad_slots=bad_slots), "read")
+
+    # ---- hints -----------------------------------------------------------------------------------
+    async def count_present(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys` exist contiguously from the first (one round trip)."""
+        self._check_available()
+        client = self._client()
+        try:
+            if self._script_ok:
+                try:
+                    return int(await client.eval(_PREFIX_SCRIPT, len(keys), *keys))
+                except rexc.ResponseError as exc:
+                    if str(exc).startswith("OOM"):
+                        raise
+                    self._script_ok = False  # scripting refused (ACL, disabled): plain EXISTS instead
+                    log.warning("l3_redis_no_scripting", error=str(exc))
+            pipe = client.pipeline(transaction=False)
+            for key in keys:
+                pipe.exists(key)
+            found = await pipe.execute()
+            return next((i for i, n in enumerate(found) if not n), len(keys))
+        except Exception as exc:
+            raise self._error(exc, "existence query") from exc
+
+    async def refresh_hints(self, mgr: "CacheManager", tokens: Sequence[int]) -> None:
+        """Record in mgr's tree which of tokens' full pages Redis holds (see the module docstring)."""
+        ps = self.geometry.page_size
+        end = len(tokens) - len(tokens) % ps
+        if end == 0 or self._closed:
+            return
+        if time.monotonic() < self._down_until:
+            self.counters["hint_skips"] += 1
+            return
+        tokens = tuple(tokens[:end])
+        keys = self.page_keys(tokens, 0, end)
+        self.counters["hint_queries"] += 1
+        try:
+            present = await asyncio.wait_for(self.count_present(keys), self.hint_timeout_s)
+        except asyncio.TimeoutError:
+            raise self._error(asyncio.TimeoutError(), f"existence query slower than {self.hint_timeout_s} s") \
+                from None
+        self._succeeded()
+        self.counters["hint_pages_found"] += present
+        self._publish_hints(mgr, tokens, present * ps)
+
+    def _publish_hints(self, mgr: "CacheManager", tokens: tuple[int, ...], present_tokens: int) -> None:
+        """Synchronous (no await): the tree cannot change under it."""
+        ps, tree = self.geometry.page_size, mgr.tree
+        m = tree.match(tokens, include_storage=True, touch=False)
+        if m.lengths[Tier.L3] > present_tokens:  # hints from the first vanished page on are stale
+            above = tree.match(tokens[:present_tokens], include_storage=True, touch=False)  # splits there
+            parent = above.path[-1] if above.path else tree.root
+            node = parent.children.get(tokens[present_tokens:present_tokens + ps])
+            try:
+                if node is not None:
+                    self.counters["stale_hints_dropped"] += len(tree.drop(node, Tier.L3))
+            except ValueError:
+                pass  # a reader holds it: that read fails and drops the hint itself
+            m = tree.match(tokens, include_storage=True, touch=False)
+        l3_len, handle = m.lengths[Tier.L3], m.handles[Tier.L3]
+        if present_tokens <= l3_len:
+            return
+        claim = mgr.new_claim("l3-hints", Tier.L3)
+        mgr.lock(handle, Tier.L3)  # the prefix the new hints hang from must survive the allocation
+        try:
+            avail = mgr.allocator(Tier.L3).num_free + tree.evictable_pages(Tier.L3)
+            num_pages = min((present_tokens - l3_len) // ps, avail)
+            slots = mgr.alloc_pages(Tier.L3, num_pages, claim) if num_pages > 0 else None
+            if slots is not None:
+                dups = tree.insert(tokens[:l3_len + num_pages * ps], Tier.L3, slots, claim, start_tokens=l3_len)
+                self.counters["hint_pages_published"] += num_pages - len(dups)
+        finally:
+            mgr.unlock(handle, Tier.L3)
+            mgr.release_claim(claim, Tier.L3)  # frees duplicates (everything when nothing was published)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def invalidate(self, slots: Sequence[int]) -> None:
+        """No-op: the slot only leaves this instance's hint table; the page may serve others."""
+
+    async def aclose(self) -> None:
+        """Wait for this loop's in-flight operations, then close the client."""
+        if self._closed:
+            return
+        self._closed = True
+        loop = asyncio.get_running_loop()
+        pending = [t for t in self._tasks if not t.done() and t.get_loop() is loop]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        client, self._redis = self._redis, None
+        if client is not None and self._loop is loop:
+            await client.aclose()
+        self._cpu.shutdown(wait=True)
+
+    def close(self) -> None:
+        """Synchronous close: new operations fail; connections go with their loop."""
+        self._closed = True
+        self._redis = None
+        self._cpu.shutdown(wait=False)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stats(self) -> dict:
+        retry_in_s = max(0.0, self._down_until - time.monotonic())
+        return {"backend": "redis", "url": redact_url(self.url), "num_slots": self.num_slots,
+                "bytes_per_page": self.bytes_per_page, "model_id": self.model_id, "checksum": self.checksum,
+                "closed": self._closed, "available": retry_in_s == 0.0, "retry_in_s": retry_in_s,
+                "in_flight": sum(not t.done() for t in self._tasks), "errors": dict(self.errors),
+                "key_cache": {"hits": self.keyer.hits, "misses": self.keyer.misses}, **self.counters}

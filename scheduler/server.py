@@ -1,0 +1,436 @@
+"""OpenAI-compatible HTTP server (FastAPI on uvicorn + uvloop) in front of one Engine.
+
+    POST /v1/completions        prompt: token ids or text; stream: server-sent events
+    POST /v1/chat/completions   only with a model directory whose tokenizer has a chat template
+    GET  /v1/models   GET /health   GET /metrics (Prometheus)   GET /hicache/status (engine.status())
+
+The engine runs on the server's event loop: the app lifespan starts it and, at shutdown, stops
+admitting (503), lets in-flight requests finish within --shutdown-grace-s, aborts the rest, drains
+transfers and removes a temporary L3 file (Engine.shutdown). A client that disconnects has its
+request aborted and its pages freed. Every refused request gets a JSON error body naming the field or
+limit (api_models.APIError); bad input is always a 4xx.
+
+    python -m scheduler.server --model tiny --enable-hicache --port 8000     (or: hicache-serve ...)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+
+import anyio
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from scheduler.api_models import (APIError, Usage, jsonable, parse_request, read_json_body, response_body,
+                                  stream_chunk, validation_error)
+from scheduler.config import add_engine_args, config_from_args
+from scheduler.engine import Engine
+from scheduler.prom import ServerMetrics
+from scheduler.request import Request as EngineRequest
+from scheduler.request import RequestError
+from scheduler.tokenizer import IncrementalDecoder, load_tokenizer
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_prompt_tokens: int = 0          # 0: the engine's limit (--max-prompt-tokens, else the L1 pool)
+    max_tokens_limit: int = 0           # 0: the engine's max_new_tokens_limit
+    max_concurrent_requests: int = 1024  # generation requests being served at once (429 above)
+    max_body_bytes: int = 2 << 20       # request body (413 above)
+    shutdown_grace_s: float = 10.0      # time in-flight requests get to finish at shutdown
+    default_max_tokens: int = 16
+
+
+class _ServerState:
+    def __init__(self, engine: Engine, limits: ServerLimits, tokenizer) -> None:
+        self.engine, self.limits, self.tokenizer = engine, limits, tokenizer
+        self.metrics = ServerMetrics(engine)
+        self.model_name = engine.config.model
+        self.served_names = {engine.config.model, os.path.basename(engine.config.model.rstrip("/")), engine.model_id}
+        self.in_flight = 0
+        self.draining = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.shutdown_task: asyncio.Task | None = None
+        self.created = int(time.time())
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting (503) and start the engine's shutdown: in-flight requests get the grace
+        period, then are aborted (their streams end with an error event). Safe from a signal handler."""
+        self.draining = True
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._spawn_shutdown)
+
+    def _spawn_shutdown(self) -> asyncio.Task:
+        self.draining = True
+        if self.shutdown_task is None:
+            self.shutdown_task = asyncio.ensure_future(self.engine.shutdown(self.limits.shutdown_grace_s))
+        return self.shutdown_task
+
+    @property
+    def prompt_limit(self) -> int:
+        limit = self.engine.max_prompt_tokens
+        return min(limit, self.limits.max_prompt_tokens) if self.limits.max_prompt_tokens > 0 else limit
+
+    @property
+    def max_tokens_limit(self) -> int:
+        limit = self.engine.config.max_new_tokens_limit
+        return min(limit, self.limits.max_tokens_limit) if self.limits.max_tokens_limit > 0 else limit
+
+
+def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=None) -> FastAPI:
+    limits = limits or ServerLimits()
+    if tokenizer is None:
+        tokenizer = load_tokenizer(engine.config.model, engine.vocab_size)
+    st = _ServerState(engine, limits, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        st.loop = asyncio.get_running_loop()
+        await engine.start()
+        try:
+            yield
+        finally:
+            await st._spawn_shutdown()
+
+    app = FastAPI(title="hicache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.hc = st
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request, exc: RequestValidationError):
+        return await _api_error(_request, validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request, exc: StarletteHTTPException):
+        return await _api_error(_request, APIError(exc.status_code, str(exc.detail), code=f"http_{exc.status_code}",
+                                                   type="invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def _internal(_request, exc: Exception):
+        return await _api_error(_request, APIError(500, f"internal error: {type(exc).__name__}: {exc}",
+                                                   code="internal_error"))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _generate(request, st, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _generate(request, st, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{
+            "id": st.model_name, "object": "model", "created": st.created, "owned_by": "hicache",
+            "root": engine.model_id, "max_model_len": engine.cache.l1.num_pages * engine.page_size}]}
+
+    @app.get("/health")
+    async def health():
+        task = getattr(engine, "_loop_task", None)
+        if task is not None and task.done():
+            raise APIError(503, "the engine loop has stopped", code="engine_stopped")
+        if st.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        return {"status": "ok", "model": st.model_name}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/hicache/status")
+    async def status():
+        s = engine.status()
+        s["server"] = {"in_flight": st.in_flight, "draining": st.draining, "limits": dataclasses.asdict(limits),
+                       "tokenizer": getattr(tokenizer, "kind", None),
+                       "chat_template": getattr(tokenizer, "chat_template", None) is not None}
+        return JSONResponse(jsonable(s))
+
+    return app
+
+
+# -- generation --------------------------------------------------------------------------------------
+class _Slot:
+    """One of --max-concurrent-requests; released exactly once."""
+
+    def __init__(self, st: _ServerState) -> None:
+        if st.in_flight >= st.limits.max_concurrent_requests:
+            raise APIError(429, f"too many concurrent requests (limit {st.limits.max_concurrent_requests}, "
+                                f"--max-concurrent-requests); retry later", code="too_many_requests",
+                           headers={"Retry-After": "1"})
+        self.st = st
+        st.in_flight += 1
+        st.metrics.in_flight.inc()
+
+    def release(self) -> None:
+        if self.st is not None:
+            self.st.in_flight -= 1
+            self.st.metrics.in_flight.dec()
+            self.st = None
+
+
+async def _generate(request: Request, st: _ServerState, chat: bool):
+    arrival = time.perf_counter()
+    try:
+        if st.draining:
+            raise APIError(503, "the server is shutting down and admits no new requests", code="shutting_down")
+        slot = _Slot(st)
+    except APIError:
+        st.metrics.outcome("rejected")
+        raise
+    try:
+        if chat and getattr(st.tokenizer, "chat_template", None) is None:
+            reason = getattr(st.tokenizer, "no_chat_reason", "the model has no tokenizer")
+            raise APIError(400, f"no chat template is available for model {st.model_name!r} ({reason}); "
+                                f"use /v1/completions with a prompt of text or token ids",
+                           code="chat_template_unavailable")
+        body = await read_json_body(request, st.limits.max_body_bytes)
+        api_req, ids, params = parse_request(
+            body, chat, tokenizer=st.tokenizer, served_names=st.served_names, model_name=st.model_name,
+            vocab_size=st.engine.vocab_size, prompt_limit=st.prompt_limit, max_tokens_limit=st.max_tokens_limit,
+            default_max_tokens=st.limits.default_max_tokens)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        try:
+            ereq = st.engine.add_request(ids, params, rid=rid)
+        except RequestError as exc:
+            if st.draining or st.engine._stopping:
+                raise APIError(503, f"the server is shutting down: {exc}", code="shutting_down") from None
+            raise APIError(400, str(exc), param="prompt", code="invalid_request") from None
+    except APIError:
+        slot.release()
+        st.metrics.outcome("rejected")
+        raise
+    except BaseException:
+        slot.release()
+        raise
+    st.metrics.prompt_tokens.inc(len(ids))
+    gen = _Generation(st, ereq, api_req, chat, arrival)
+    if api_req.stream:
+        return _SSEResponse(gen.sse(), gen, slot, media_type="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        return await gen.complete(request)
+    finally:
+        slot.release()
+
+
+async def _abort_quietly(engine: Engine, req: EngineRequest) -> None:
+    if not req.state.done:
+        with anyio.CancelScope(shield=True):
+            await engine.abort(req.rid)
+
+
+class _SSEResponse(StreamingResponse):
+    """A streaming response that always closes its generator, aborts its request and frees its slot,
+    whether it ended, the client went away (starlette cancels the send) or the server stopped."""
+
+    def __init__(self, content, gen: "_Generation", slot: _Slot, **kw) -> None:
+        super().__init__(content, **kw)
+        self._gen, self._slot = gen, slot
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self._gen.close()
+            self._slot.release()
+
+
+class _Generation:
+    """One admitted request: reads its token events and renders them as a response or as SSE."""
+
+    def __init__(self, st: _ServerState, req: EngineRequest, api_req, chat: bool, arrival: float) -> None:
+        self.st, self.req, self.api_req, self.chat, self.arrival = st, req, api_req, chat, arrival
+        self.created = int(time.time())
+        eos = st.engine.model_config.eos_token_id
+        self.stop_ids = set(req.params.stop_token_ids) | ({eos} if eos is not None and not req.params.ignore_eos else set())
+        self.first_token_at: float | None = None
+        self._buf: deque = deque()
+        self._closed = False
+
+    async def _next(self):
+        return self._buf.popleft() if self._buf else await self.req.queue.get()
+
+    async def steps(self):
+        """(token id or None, the finishing event or None); the last token and the end come together."""
+        q = self.req.queue
+        while True:
+            ev = await self._next()
+            if ev.finished:
+                yield None, ev
+                return
+            if self.first_token_at is None:
+                self.first_token_at = time.perf_counter()
+                self.st.metrics.ttft.observe(self.first_token_at - self.arrival)
+            if not self._buf and not q.empty():
+                self._buf.append(q.get_nowait())
+            if self._buf and self._buf[0].finished:
+                yield ev.token_id, self._buf.popleft()
+                return
+            yield ev.token_id, None
+
+    def _shows_text(self, token: int, fin) -> bool:
+        return not (fin is not None and fin.finish_reason == "stop" and token in self.stop_ids)
+
+    def _finish(self, fin) -> None:
+        m = self.st.metrics
+        outcome = {"length": "success", "stop": "success", "abort": "aborted"}.get(fin.finish_reason, "failed")
+        m.outcome(outcome)
+        m.generation_tokens.inc(len(self.req.output))
+        if outcome == "success":
+            m.e2e.observe(time.perf_counter() - self.arrival)
+
+    def _usage(self) -> Usage:
+        return Usage.of(len(self.req.prompt), len(self.req.output), self.req.hit_tokens)
+
+    def _fail(self, fin) -> APIError:
+        if fin.finish_reason == "abort":
+            return APIError(503, "the request was aborted (the server is shutting down or the client went away)",
+                            code="aborted")
+        return APIError(500, f"the engine failed this request: {fin.error}", code="engine_error")
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await _abort_quietly(self.st.engine, self.req)
+
+    async def complete(self, request: Request):
+        watcher = asyncio.ensure_future(self._abort_on_disconnect(request))
+        ids: list[int] = []
+        try:
+            async for token, fin in self.steps():
+                if token is not None:
+                    ids.append(token)
+                if fin is not None:
+                    break
+        finally:
+            watcher.cancel()
+            await self.close()
+        self._finish(fin)
+        if fin.finish_reason not in ("length", "stop"):
+            raise self._fail(fin)
+        shown = ids if not ids or self._shows_text(ids[-1], fin) else ids[:-1]
+        text = self.st.tokenizer.decode(shown) if self.st.tokenizer is not None else ""
+        return JSONResponse(response_body(self.chat, self.req.rid, self.created, self.st.model_name, text,
+                                          fin.finish_reason, ids, self._usage()))
+
+    async def _abort_on_disconnect(self, request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        await _abort_quietly(self.st.engine, self.req)
+
+    def _chunk(self, text: str, token_ids: list[int], fin, first: bool) -> str:
+        opts = self.api_req.stream_options
+        usage = (self._usage() if fin is not None else None) if opts is not None and opts.include_usage else False
+        chunk = stream_chunk(self.chat, self.req.rid, self.created, self.st.model_name, text, token_ids,
+                             None if fin is None else fin.finish_reason, first, usage)
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    async def sse(self):
+        decoder = IncrementalDecoder(self.st.tokenizer) if self.st.tokenizer is not None else None
+        first = True
+        try:
+            async for token, fin in self.steps():
+                text = ""
+                if decoder is not None and token is not None and self._shows_text(token, fin):
+                    text = decoder.feed(token)
+                if fin is not None:
+                    self._finish(fin)
+                    if fin.finish_reason not in ("length", "stop"):
+                        yield f"data: {json.dumps(self._fail(fin).body())}\n\n"
+                        break
+                    if decoder is not None:
+                        text += decoder.flush()
+                yield self._chunk(text, [] if token is None else [token], fin, first)
+                first = False
+            yield "data: [DONE]\n\n"
+        finally:
+            await self.close()
+
+
+# -- command line -----------------------------------------------------------------------------------
+class _Server(uvicorn.Server):
+    """uvicorn's server, told at SIGINT/SIGTERM so admission stops and the engine's grace period
+    starts at once (uvicorn waits for connections a little longer than the grace, so aborted streams
+    can end cleanly); exits 0 after a clean shutdown instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, on_exit) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache-serve", description=__doc__.split("\n\n")[0])
+    add_engine_args(parser)  # includes --max-prompt-tokens
+    s = parser.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000, help="0 picks a free port (the log says which)")
+    s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
+    s.add_argument("--max-concurrent-requests", type=int, default=ServerLimits.max_concurrent_requests)
+    s.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes)
+    s.add_argument("--shutdown-grace-s", type=float, default=ServerLimits.shutdown_grace_s)
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--disable-access-log", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    for name in ("max_tokens_limit", "max_concurrent_requests", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            print(f"hicache-serve: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
+    try:
+        config = replace(config_from_args(args), max_new_tokens_limit=args.max_tokens_limit)
+        engine = Engine(config)
+    except ValueError as exc:
+        print(f"hicache-serve: {exc}", file=sys.stderr)
+        return 2
+    limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
+                          max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
+                          shutdown_grace_s=max(0.0, args.shutdown_grace_s))
+    app = create_app(engine, limits)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", lifespan="on",
+                               log_level=args.log_level, access_log=not args.disable_access_log,
+                               timeout_graceful_shutdown=limits.shutdown_grace_s + 2.0)
+    _Server(uv_config, on_exit=app.state.hc.begin_shutdown).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Engine smoke benchmark: prefill cost per token (paged engine vs a plain dense SDPA forward of the
+same model), decode tokens/s at several batch sizes, and the one-token tail forward over a cached
+prefix against the weight-read floor, with and without CUDA graphs.
+
+    python scripts/bench_engine.py --model qwen3-8b --json            # on the GPU
+    python scripts/bench_engine.py --model tiny --device cpu --quick   # CPU smoke
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from scheduler.config import EngineConfig  # noqa: E402
+from scheduler.engine import Engine  # noqa: E402
+from scheduler.request import SamplingParams  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_read_gib_s(device) -> float:
+    """Device memory read bandwidth from a large copy (bytes read / time)."""
+    if device.type != "cuda":
+        return 0.0
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    sync(device)
+    per = (time.perf_counter() - t) / 10
+    return 2 * src.numel() / per / (1 << 30)  # a copy reads and writes: count both, as a read stream
+
+
+VOCAB_LO = 1
+vocab_hi = 512  # set from the model's vocabulary at start
+
+
+async def ttft(engine: Engine, prompt, n=1) -> float:
+    t = time.perf_counter()
+    async for ev in engine.submit(prompt, SamplingParams(max_tokens=n, ignore_eos=True)):
+        if ev.finished:
+            break
+    return time.perf_counter() - t
+
+
+async def decode_rate(engine: Engine, batch: int, prompt_tokens: int, new_tokens: int, rng) -> float:
+    prompts = [[rng.randrange(VOCAB_LO, vocab_hi) for _ in range(prompt_tokens)] for _ in range(batch)]
+    marks = {}
+
+    async def one(i, p):
+        first = None
+        async for ev in engine.submit(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True)):
+            if first is None:
+                first = time.perf_counter()
+            if ev.finished:
+                marks[i] = (first, time.perf_counter())
+    await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+    start = max(m[0] for m in marks.values())
+    end = max(m[1] for m in marks.values())
+    return batch * (new_tokens - 1) / max(end - start, 1e-9)
+
+
+async def run(args) -> dict:
+    rng = random.Random(0)
+    out: dict = {"model": args.model, "device": args.device, "date": time.strftime("%Y-%m-%d")}
+    results = {}
+    for graphs in ([True, False] if args.device == "cuda" else [False]):
+        cfg = EngineConfig(model=args.model, device=args.device, page_size=args.page_size,
+                           max_total_tokens=args.pool_tokens, max_prefill_tokens=16384, cuda_graphs=graphs,
+                           max_running_requests=64)
+        engine = Engine(cfg)
+        global vocab_hi
+        vocab_hi = engine.vocab_size
+        device = engine.device
+        await engine.start()
+        r: dict = {}
+        if graphs or args.device != "cuda":
+            r["prefill_us_per_token"] = {}
+            r["dense_us_per_token"] = {}
+            for n in args.prefill_tokens:
+                times = []
+                for _ in range(args.repeats):
+                    prompt = [rng.randrange(VOCAB_LO, vocab_hi) for _ in range(n)]
+                    times.append(await ttft(engine, prompt))
+                r["prefill_us_per_token"][n] = statistics.median(times) / n * 1e6
+                ids = torch.tensor(prompt, device=device)
+                with torch.inference_mode():
+                    engine.model.forward_dense(ids)
+                    dense = []
+                    for _ in range(args.repeats):
+                        sync(device)
+                        t = time.perf_counter()
+                        engine.model.forward_dense(ids)
+                        sync(device)
+                        dense.append(time.perf_counter() - t)
+                r["dense_us_per_token"][n] = statistics.median(dense) / n * 1e6
+        cached = [rng.randrange(VOCAB_LO, vocab_hi) for _ in range(args.tail_context)]
+        await ttft(engine, cached + [7])  # now cached in L1
+        tails = [await ttft(engine, cached + [rng.randrange(VOCAB_LO, vocab_hi)]) for _ in range(args.repeats)]
+        r["tail_forward_ms"] = statistics.median(tails) * 1e3
+        r["decode_tok_s"] = {b: await decode_rate(engine, b, args.decode_prompt, args.decode_tokens, rng)
+                             for b in args.decode_batches}
+        engine.check_integrity()
+        r["integrity"] = "passed"
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+        await engine.shutdown()
+        results["graphs" if graphs else "eager"] = r
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    read_gib_s = device_read_gib_s(torch.device(args.device))
+    out["weight_bytes"] = weight_bytes
+    out["device_read_gib_s"] = read_gib_s
+    out["weight_read_floor_ms"] = weight_bytes / (read_gib_s * (1 << 30)) * 1e3 if read_gib_s else None
+    out["results"] = results
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-8b")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--pool-tokens", type=int, default=200_000)
+    ap.add_argument("--prefill-tokens", default="350,1000,3500")
+    ap.add_argument("--decode-batches", default="1,32")
+    ap.add_argument("--decode-prompt", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--tail-context", type=int, default=3500)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.pool_tokens, args.prefill_tokens, args.decode_batches = 4096, "32,64", "1,4"
+        args.decode_prompt, args.decode_tokens, args.tail_context, args.repeats = 16, 4, 64, 2
+    args.prefill_tokens = [int(x) for x in args.prefill_tokens.split(",")]
+    args.decode_batches = [int(x) for x in args.decode_batches.split(",")]
+    out = asyncio.run(run(args))
+    text = json.dumps(out, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    if args.json:
+        print(text)
+    floor = out["weight_read_floor_ms"]
+    print(f"\n{args.model} on {args.device}; weight-read floor {floor and round(floor, 2)} ms")
+    for mode, r in out["results"].items():
+        for n, us in r.get("prefill_us_per_token", {}).items():
+            print(f"  prefill {n:>5} tok: {us:7.1f} us/tok (dense SDPA {r['dense_us_per_token'][n]:7.1f})")
+        print(f"  [{mode}] tail forward over {args.tail_context} cached: {r['tail_forward_ms']:.2f} ms; decode tok/s "
+              + ", ".join(f"b{b}={v:.0f}" for b, v in r["decode_tok_s"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

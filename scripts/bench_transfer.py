@@ -1,0 +1,181 @@
+"""Transfer-engine benchmark: D2H / H2D of whole pages (gather/scatter kernel + one DMA) against a
+plain pinned `copy_` of the same bytes measured in the same run, per backend, consecutive and
+fragmented host pages; an L1 -> L2 -> L3 -> L2 -> L1 round trip checked byte for byte; L3 file
+read/write and checksum throughput.
+
+    python scripts/bench_transfer.py --json                       # GPU, 8B-shaped pages, bf16
+    python scripts/bench_transfer.py --device cpu --quick         # CPU smoke
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import xxhash
+
+from hicache.config import HiCacheConfig
+from hicache.geometry import KVGeometry
+from hicache.manager import CacheManager
+from hicache.pools import DevicePool, HostPool
+from hicache.radix import Tier
+from hicache.storage import FileStore
+from hicache.transfer import TransferEngine
+from kernels.chooser import ChosenBackends
+from scheduler.logs import configure_logging
+
+GIB = 1 << 30
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device, repeats):
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_directions(geometry, device, tokens_list, repeats, backends):
+    pages_max = max(tokens_list) // geometry.page_size
+    l1 = DevicePool(geometry, 2 * pages_max + 8, device)
+    l1.kv.view(torch.uint8).random_()
+    l2 = HostPool(geometry, 2 * pages_max + 8, pin=device.type == "cuda")
+    rows = []
+    for tokens in tokens_list:
+        n = tokens // geometry.page_size
+        nbytes = n * geometry.bytes_per_page
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        d2h_peak = nbytes / timed(lambda: host.copy_(dev, non_blocking=True), device, repeats) / GIB
+        h2d_peak = nbytes / timed(lambda: dev.copy_(host, non_blocking=True), device, repeats) / GIB
+        l1_pages = torch.randperm(l1.num_pages)[:n].tolist()  # random L1 order: the gather does work
+        for backend in backends:
+            engine = TransferEngine(l1, l2, ChosenBackends(backend, backend, {}, "bench"))
+            for layout in ("consecutive", "fragmented"):
+                host_pages = list(range(n)) if layout == "consecutive" else list(range(0, 2 * n, 2))
+
+                def d2h():
+                    engine.wait_blocking(engine.d2h(l1_pages, host_pages))
+
+                def h2d():
+                    engine.wait_blocking(engine.h2d(host_pages, l1_pages))
+                t_d2h, t_h2d = timed(d2h, device, repeats), timed(h2d, device, repeats)
+                rows.append({"tokens": tokens, "bytes": nbytes, "backend": backend, "host_layout": layout,
+                             "d2h_gib_s": nbytes / t_d2h / GIB, "h2d_gib_s": nbytes / t_h2d / GIB,
+                             "pinned_d2h_gib_s": d2h_peak, "pinned_h2d_gib_s": h2d_peak,
+                             "d2h_ratio": nbytes / t_d2h / GIB / d2h_peak,
+                             "h2d_ratio": nbytes / t_h2d / GIB / h2d_peak})
+            engine.close()
+    return rows
+
+
+async def round_trip(geometry, device, tokens, backend) -> bool:
+    n = tokens // geometry.page_size
+    cfg = HiCacheConfig(enable=True, host_ratio=1.0, storage_ratio=2.0, policy="always",
+                        transfer_backend=backend)
+    mgr = CacheManager(geometry, 2 * n, device, cfg)
+    claim = mgr.new_claim("bench")
+    pages = mgr.alloc_l1(n, claim)
+    idx = torch.tensor(pages, device=device)
+    raw = mgr.l1.kv.view(torch.uint8)  # byte view: exact comparison for any dtype
+    original = torch.randint(0, 256, raw[:, :, idx].shape, dtype=torch.uint8, device=device)
+    raw[:, :, idx] = original
+    tokens_ids = list(range(1, tokens + 1))
+    mgr.insert_l1(tokens_ids, pages, claim, 0)  # write-through: D2H then H2S
+    mgr.release_claim(claim)
+    await mgr.drain()
+    mgr.tree.evict(Tier.L1, 10 ** 9)
+    mgr.tree.evict(Tier.L2, 10 ** 9)
+    mgr.l1.kv.zero_()
+    m = mgr.match(tokens_ids)
+    assert m.lengths[Tier.L3] == tokens and m.lengths[Tier.L1] == 0 == m.lengths[Tier.L2]
+    op = mgr.runner.start_restore(tokens_ids, m, "l3", "bench")
+    await mgr.runner.wait_op(op)
+    m = mgr.match(tokens_ids)
+    got = mgr.l1.kv.view(torch.uint8)[:, :, torch.tensor(m.pages[Tier.L1], device=device)]
+    ok = bool(torch.equal(got, original)) and m.lengths[Tier.L1] == tokens
+    mgr.check_integrity()
+    await mgr.close()
+    return ok
+
+
+def bench_storage(geometry, tokens, workers) -> dict:
+    n = tokens // geometry.page_size
+    host = torch.empty(geometry.page_major_shape(n), dtype=geometry.dtype, pin_memory=torch.cuda.is_available())
+    host.view(torch.uint8).random_()
+    out = {}
+    with FileStore(geometry, n, path=os.path.join(tempfile.gettempdir(), "hicache-bench.kv"),
+                   io_workers=workers) as store:
+        t = time.perf_counter()
+        store.write_pages(host, list(range(n)), list(range(n))).result()
+        os.fsync(store._fd)
+        out["write_gib_s"] = host.numel() * host.element_size() / (time.perf_counter() - t) / GIB
+        for cache in ("warm", "cold"):
+            if cache == "cold":
+                out["cold_allowed"] = store.drop_page_cache()
+            t = time.perf_counter()
+            res = store.read_pages(list(range(n)), host, list(range(n))).result()
+            out[f"read_{cache}_gib_s"] = res.num_bytes / (time.perf_counter() - t) / GIB
+    data = host.view(torch.uint8).numpy()
+    t = time.perf_counter()
+    xxhash.xxh3_64_intdigest(data)
+    out["xxh3_gib_s"] = data.nbytes / (time.perf_counter() - t) / GIB
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tokens", default="1000,3504,8000")
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--io-workers", type=int, default=8)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    configure_logging(None)
+    device = torch.device(args.device)
+    if args.quick:
+        geometry = KVGeometry(2, 2, 16, 4, torch.float32)
+        tokens_list, args.repeats = [64, 256], 3
+    else:
+        geometry = KVGeometry(36, 8, 128, 16, torch.bfloat16)  # Qwen3-8B/4B KV geometry
+        tokens_list = [int(x) for x in args.tokens.split(",")]
+    backends = ["triton", "torch"] if device.type == "cuda" else ["torch"]
+    out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+           "date": time.strftime("%Y-%m-%d"), "geometry": geometry.describe()}
+    out["directions"] = bench_directions(geometry, device, tokens_list, args.repeats, backends)
+    out["round_trip_identical"] = {b: asyncio.run(round_trip(geometry, device, tokens_list[0], b)) for b in backends}
+    out["storage"] = bench_storage(geometry, tokens_list[-1] if not args.quick else 256, args.io_workers)
+    text = json.dumps(out, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    if args.json:
+        print(text)
+    print(f"\n{out['device']}: round trip byte-identical {out['round_trip_identical']}; storage {out['storage']}")
+    print(f"{'tokens':>6} {'backend':>7} {'host':>11} {'D2H GiB/s':>10} {'ratio':>6} {'H2D GiB/s':>10} {'ratio':>6}")
+    for r in out["directions"]:
+        print(f"{r['tokens']:>6} {r['backend']:>7} {r['host_layout']:>11} {r['d2h_gib_s']:>10.2f} "
+              f"{r['d2h_ratio']:>6.3f} {r['h2d_gib_s']:>10.2f} {r['h2d_ratio']:>6.3f}")
+    return 0 if all(out["round_trip_identical"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
