@@ -95,6 +95,9 @@ class OpRunner:
             log.exception("op_driver_error", op_id=op.op_id)
             if not op.done:
                 self._fail(op, f"driver error: {exc!r}", "driver")
+            else:  # raised after its last transition: still free what it holds, count it
+                self._release(op)
+                self.mgr.metrics.count_failure("driver")
         finally:
             self.live.pop(op.op_id, None)
             self._tasks.pop(op.op_id, None)
@@ -140,6 +143,9 @@ class OpRunner:
             else:
                 result = await asyncio.wait_for(asyncio.shield(fut), deadline_s)
         except asyncio.TimeoutError:
+            # the settle task awaits the I/O itself; mark this wrapper's late outcome as seen, or a
+            # late failure is reported as "Future exception was never retrieved"
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise StorageError("timeout", f"{direction} slower than its {deadline_s:.3f} s deadline") from None
         stats = self.mgr.metrics.directions[direction]
         e2e_s = (time.monotonic_ns() - t0) / 1e9
@@ -215,14 +221,16 @@ class OpRunner:
             mgr.metrics.policy_skips["write_l2"] += 1
             return None
         op = self._new(OpKind.BACKUP, (n1 - n2) // ps, request_id)
+        # lock the sources first: allocating L2 pages evicts L2 leaves, and the L2 prefix [0, n2)
+        # that the new pages extend must survive it
+        self._lock(op, m.handles[Tier.L1], Tier.L1)
+        self._lock(op, m.handles[Tier.L2], Tier.L2)
         claim = self._claim(op, Tier.L2)
         host_pages = mgr.alloc_pages(Tier.L2, (n1 - n2) // ps, claim)
         if host_pages is None:  # L2 full of locked pages: skip, never wait
             self._release(op)
             mgr.metrics.policy_skips["write_l2"] += 1
             return None
-        self._lock(op, m.handles[Tier.L1], Tier.L1)
-        self._lock(op, m.handles[Tier.L2], Tier.L2)
         apply(op, OpEvent.START)
         tr = mgr.transfer.d2h(m.pages[Tier.L1][n2 // ps: n1 // ps], host_pages)
         mgr.metrics.backups_started += 1
@@ -256,16 +264,16 @@ class OpRunner:
                 apply(op, OpEvent.SKIP_L3)
                 mgr.metrics.backups_done += 1
                 return
+            self._lock(op, m.handles[Tier.L2], Tier.L2)  # before allocating: see start_backup
+            self._lock(op, m.handles[Tier.L3], Tier.L3)
             claim = self._claim(op, Tier.L3)
             slots = mgr.alloc_pages(Tier.L3, (n2 - n3) // ps, claim)
             if slots is None:
-                self._close_claim(op, Tier.L3)
+                self._release(op)
                 mgr.metrics.policy_skips["write_l3"] += 1
                 apply(op, OpEvent.SKIP_L3)
                 mgr.metrics.backups_done += 1
                 return
-            self._lock(op, m.handles[Tier.L2], Tier.L2)
-            self._lock(op, m.handles[Tier.L3], Tier.L3)
             apply(op, OpEvent.START)
             future = mgr.store.write_pages(mgr.l2.page_buffer, m.pages[Tier.L2][n3 // ps: n2 // ps], slots,
                                            **mgr.page_keys(tokens, n3, n2))
@@ -289,6 +297,8 @@ class OpRunner:
         needed pages cannot be had right now (the caller recomputes)."""
         mgr, ps = self.mgr, self.mgr.page_size
         l1, l2, l3 = match.lengths
+        if (l2 <= l1) if tier == "l2" else (l3 <= max(l1, l2)):
+            return None  # nothing to copy (a stale match): zero-page copies are not transfers
         if tier == "l2":
             op = self._new(OpKind.RESTORE_L2, (l2 - l1) // ps, request_id)
             self._lock(op, match.handles[Tier.L1], Tier.L1)
@@ -310,12 +320,12 @@ class OpRunner:
     def _start_s2h(self, op: Op, match, tokens: Sequence[int]):
         mgr, ps = self.mgr, self.mgr.page_size
         l2, l3 = match.lengths[Tier.L2], match.lengths[Tier.L3]
+        self._lock(op, match.handles[Tier.L3], Tier.L3)  # before allocating: see start_backup
+        self._lock(op, match.handles[Tier.L2], Tier.L2)
         claim = self._claim(op, Tier.L2)
         host_pages = mgr.alloc_pages(Tier.L2, (l3 - l2) // ps, claim)
         if host_pages is None:
             return None
-        self._lock(op, match.handles[Tier.L3], Tier.L3)
-        self._lock(op, match.handles[Tier.L2], Tier.L2)
         apply(op, OpEvent.START)
         op.payload["host_pages"] = host_pages
         return mgr.store.read_pages(match.pages[Tier.L3][l2 // ps: l3 // ps], mgr.l2.page_buffer, host_pages,
@@ -332,7 +342,7 @@ class OpRunner:
         apply(op, OpEvent.START)
         host_pages = match.pages[Tier.L2][l1_start // ps: end // ps]
         op.payload.update(l1_pages=l1_pages, l1_start=l1_start,
-                          transfer=mgr.transfer.h2d(host_pages, l1_pages))
+                          transfer=mgr.transfer.h2d(host_pages, l1_pages) if l1_pages else None)
         return True
 
     async def _drive_restore(self, op: Op, tokens: tuple[int, ...], future=None, l2_start: int = 0) -> None:
@@ -355,14 +365,19 @@ class OpRunner:
                 return
             match = mgr.tree.match(tokens, include_storage=False)
             l1_start = match.lengths[Tier.L1]
+            # L1 may have grown meanwhile (another request computed or restored part of it): the
+            # restored pages land after that prefix, so lock it before allocating may evict it
+            self._lock(op, match.handles[Tier.L1], Tier.L1)
             if match.lengths[Tier.L2] < len(tokens) or not self._start_h2d(op, tokens, match, l1_start):
                 self._fail(op, "no L1 pages for the H2D step", "no_pages")
                 return
-        try:  # H2D_PENDING
-            await self._wait_transfer(op, op.payload.pop("transfer"), "h2d")
-        except Exception as exc:
-            self._fail(op, str(exc), "transfer")
-            return
+        transfer = op.payload.pop("transfer")
+        if transfer is not None:  # None: L1 already held everything, nothing to copy
+            try:  # H2D_PENDING
+                await self._wait_transfer(op, transfer, "h2d")
+            except Exception as exc:
+                self._fail(op, str(exc), "transfer")
+                return
         if self._cancelled(op):
             return
         apply(op, OpEvent.H2D_DONE)

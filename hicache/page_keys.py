@@ -13,6 +13,9 @@ would read each other's pages and return wrong outputs.
 
 `PageKeyer` caches the chains of recent token sequences: the hint refresh, the restore and the
 backup of one request all ask for keys of the same prompt (or a prefix / extension of it).
+
+`publish_l3_hints` turns a store's answer "the first n pages of this prompt exist" into L3 residency
+hints in the tree; it is the backend-independent half of a content-addressed store's refresh_hints.
 """
 from __future__ import annotations
 
@@ -21,7 +24,13 @@ import sys
 from array import array
 from collections.abc import Sequence
 
+from typing import TYPE_CHECKING
+
 from hicache.geometry import KVGeometry
+from hicache.radix import Tier
+
+if TYPE_CHECKING:
+    from hicache.manager import CacheManager
 
 KEY_FORMAT = "hicache-kv-v1"
 DIGEST_BYTES = 32
@@ -114,3 +123,42 @@ class PageKeyer:
             self._cache.append((data, chain))
             del self._cache[:-self.cache_entries]
         return chain[first:last]
+
+
+def publish_l3_hints(mgr: "CacheManager", tokens: Sequence[int], present_tokens: int) -> tuple[int, int]:
+    """The shared store holds tokens[:present_tokens] (page aligned, contiguous from the first page):
+    drop the tree's L3 hints from the first vanished page on, and publish local L3 slots for the
+    pages beyond the tree's current L3 match. Synchronous, so the tree cannot change under it.
+    Returns (pages published, stale pages dropped)."""
+    ps, tree = mgr.page_size, mgr.tree
+    tokens = tuple(tokens[: len(tokens) - len(tokens) % ps])
+    if present_tokens % ps or not 0 <= present_tokens <= len(tokens):
+        raise ValueError(f"present_tokens {present_tokens} is not a page-aligned length of the {len(tokens)} tokens")
+    dropped = 0
+    m = tree.match(tokens, include_storage=True, touch=False)
+    if m.lengths[Tier.L3] > present_tokens:  # hints from the first vanished page on are stale
+        above = tree.match(tokens[:present_tokens], include_storage=True, touch=False)  # splits there
+        parent = above.path[-1] if above.path else tree.root
+        node = parent.children.get(tokens[present_tokens:present_tokens + ps])
+        try:
+            dropped = len(tree.drop(node, Tier.L3)) if node is not None else 0
+        except ValueError:
+            pass  # a reader holds it: that read fails and drops the hint itself
+        m = tree.match(tokens, include_storage=True, touch=False)
+    l3_len, handle = m.lengths[Tier.L3], m.handles[Tier.L3]
+    if present_tokens <= l3_len:
+        return 0, dropped
+    published = 0
+    claim = mgr.new_claim("l3-hints", Tier.L3)
+    mgr.lock(handle, Tier.L3)  # the prefix the new hints hang from must survive the allocation
+    try:
+        avail = mgr.allocator(Tier.L3).num_free + tree.evictable_pages(Tier.L3)
+        num_pages = min((present_tokens - l3_len) // ps, avail)
+        slots = mgr.alloc_pages(Tier.L3, num_pages, claim) if num_pages > 0 else None
+        if slots is not None:
+            dups = tree.insert(tokens[:l3_len + num_pages * ps], Tier.L3, slots, claim, start_tokens=l3_len)
+            published = num_pages - len(dups)
+    finally:
+        mgr.unlock(handle, Tier.L3)
+        mgr.release_claim(claim, Tier.L3)  # frees duplicates (everything when nothing was published)
+    return published, dropped

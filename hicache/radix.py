@@ -287,7 +287,8 @@ class RadixTree:
             self.allocators[tier].free_from_tree(pages)
             freed.extend(pages)
         for n in reversed(order):
-            self._maybe_remove(n)
+            if n.parent is not None:  # removing a leaf may already have removed its emptied parent
+                self._maybe_remove(n)
         return freed
 
     def _maybe_remove(self, node: Node) -> None:

@@ -49,7 +49,7 @@ from redis.backoff import NoBackoff
 
 from hicache.faults import Fault, FaultInjector
 from hicache.geometry import KVGeometry
-from hicache.page_keys import PageKeyer, kv_salt
+from hicache.page_keys import PageKeyer, kv_salt, publish_l3_hints
 from hicache.radix import Tier
 from hicache.storage import IoResult, StorageError
 
@@ -123,7 +123,7 @@ class RedisStore:
         aioredis.from_url(url, **self._client_kwargs)  # validates the URL now (connects lazily)
         self._redis: aioredis.Redis | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._script_ok = True
+        self._script_ok, self._prefix_script = True, None
         self._cpu = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-redis-cpu")
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
@@ -132,7 +132,7 @@ class RedisStore:
         self.counters = {"writes": 0, "reads": 0, "pages_written": 0, "pages_read": 0, "bytes_written": 0,
                          "bytes_read": 0, "round_trips": 0, "missing_pages": 0, "corrupt_pages": 0,
                          "hint_queries": 0, "hint_pages_found": 0, "hint_pages_published": 0,
-                         "stale_hints_dropped": 0, "hint_skips": 0}
+                         "stale_hints_dropped": 0, "hint_skips": 0, "hints_not_needed": 0}
         self.errors: dict[str, int] = {}
         self._probe()
 
@@ -154,6 +154,7 @@ class RedisStore:
         if self._redis is None or self._loop is not loop:
             # a client's connections belong to the loop that opened them; an old loop is gone
             self._redis = aioredis.from_url(self.url, **self._client_kwargs)
+            self._prefix_script = self._redis.register_script(_PREFIX_SCRIPT)  # EVALSHA, loads on NOSCRIPT
             self._loop, self._script_ok = loop, True
         return self._redis
 
@@ -175,7 +176,7 @@ class RedisStore:
                 isinstance(exc, rexc.ResponseError) and str(exc).startswith("OOM")):
             err = StorageError("enospc", f"redis {what}: out of memory (maxmemory with noeviction): {exc}")
         else:
-            err = StorageError("eio", f"redis {what}: {exc!r}")
+            err = StorageError("eio", f"redis {what}: {type(exc).__name__}: {exc}")
             if isinstance(exc, (rexc.ConnectionError, rexc.TimeoutError, OSError, asyncio.TimeoutError)):
                 self._consecutive_failures += 1
                 lo, hi = self.backoff_s
@@ -345,7 +346,7 @@ class RedisStore:
         try:
             if self._script_ok:
                 try:
-                    return int(await client.eval(_PREFIX_SCRIPT, len(keys), *keys))
+                    return int(await self._prefix_script(keys=list(keys)))
                 except rexc.ResponseError as exc:
                     if str(exc).startswith("OOM"):
                         raise
@@ -360,15 +361,20 @@ class RedisStore:
             raise self._error(exc, "existence query") from exc
 
     async def refresh_hints(self, mgr: "CacheManager", tokens: Sequence[int]) -> None:
-        """Record in mgr's tree which of tokens' full pages Redis holds (see the module docstring)."""
+        """Record in mgr's tree which of tokens' full pages Redis holds (see the module docstring).
+        No query when L3 cannot help: restores disabled, or L1/L2 already hold every full page."""
         ps = self.geometry.page_size
         end = len(tokens) - len(tokens) % ps
-        if end == 0 or self._closed:
-            return
-        if time.monotonic() < self._down_until:
-            self.counters["hint_skips"] += 1
+        if end == 0 or self._closed or mgr.config.policy == "never":
             return
         tokens = tuple(tokens[:end])
+        local = mgr.tree.match(tokens, include_storage=False, touch=False)
+        if max(local.lengths[Tier.L1], local.lengths[Tier.L2]) >= end:
+            self.counters["hints_not_needed"] += 1
+            return
+        if time.monotonic() < self._down_until:
+            self.counters["hint_skips"] += 1  # backing off a dead server: no hints, no wait
+            return
         keys = self.page_keys(tokens, 0, end)
         self.counters["hint_queries"] += 1
         try:
@@ -378,37 +384,9 @@ class RedisStore:
                 from None
         self._succeeded()
         self.counters["hint_pages_found"] += present
-        self._publish_hints(mgr, tokens, present * ps)
-
-    def _publish_hints(self, mgr: "CacheManager", tokens: tuple[int, ...], present_tokens: int) -> None:
-        """Synchronous (no await): the tree cannot change under it."""
-        ps, tree = self.geometry.page_size, mgr.tree
-        m = tree.match(tokens, include_storage=True, touch=False)
-        if m.lengths[Tier.L3] > present_tokens:  # hints from the first vanished page on are stale
-            above = tree.match(tokens[:present_tokens], include_storage=True, touch=False)  # splits there
-            parent = above.path[-1] if above.path else tree.root
-            node = parent.children.get(tokens[present_tokens:present_tokens + ps])
-            try:
-                if node is not None:
-                    self.counters["stale_hints_dropped"] += len(tree.drop(node, Tier.L3))
-            except ValueError:
-                pass  # a reader holds it: that read fails and drops the hint itself
-            m = tree.match(tokens, include_storage=True, touch=False)
-        l3_len, handle = m.lengths[Tier.L3], m.handles[Tier.L3]
-        if present_tokens <= l3_len:
-            return
-        claim = mgr.new_claim("l3-hints", Tier.L3)
-        mgr.lock(handle, Tier.L3)  # the prefix the new hints hang from must survive the allocation
-        try:
-            avail = mgr.allocator(Tier.L3).num_free + tree.evictable_pages(Tier.L3)
-            num_pages = min((present_tokens - l3_len) // ps, avail)
-            slots = mgr.alloc_pages(Tier.L3, num_pages, claim) if num_pages > 0 else None
-            if slots is not None:
-                dups = tree.insert(tokens[:l3_len + num_pages * ps], Tier.L3, slots, claim, start_tokens=l3_len)
-                self.counters["hint_pages_published"] += num_pages - len(dups)
-        finally:
-            mgr.unlock(handle, Tier.L3)
-            mgr.release_claim(claim, Tier.L3)  # frees duplicates (everything when nothing was published)
+        published, dropped = publish_l3_hints(mgr, tokens, present * ps)
+        self.counters["hint_pages_published"] += published
+        self.counters["stale_hints_dropped"] += dropped
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def invalidate(self, slots: Sequence[int]) -> None:

@@ -67,6 +67,8 @@ class Admission:
         if l3 <= max(l1, l2) or cache.decide(m).tier != "l3":
             return
         req.prefetch_op = cache.runner.start_restore(tokens, m, "prefetch", req.rid)
+        if req.prefetch_op is not None:
+            req.promoted_tokens = l3 - l2  # served from L3 when this request later restores from L2
 
     def settle_parked(self) -> None:
         """Parked requests whose restore (or prefetch) ended go back to the head of the queue."""
@@ -77,8 +79,10 @@ class Admission:
             self.engine.parked.remove(req)
             if op is req.restore_op and op is not None and not op.succeeded:
                 req.restore_failed = True
-                req.hit_tokens[req.restore_tier] = 0
+                req.hit_tokens.update(l2=0, l3=0)
                 req.restore_tier = "none"
+            if op is req.prefetch_op and op is not None and not op.succeeded:
+                req.promoted_tokens = 0
             req.restore_op = req.prefetch_op = None
             req.state = RequestState.WAITING
             self.engine.waiting.appendleft(req)
@@ -97,12 +101,22 @@ class Admission:
         decision = cache.decide(m)
         if decision.tier not in ("l2", "l3"):
             return False
+        # the restore takes L1 pages (and locks the L1 prefix): only out of what no running request
+        # has reserved, or a running request's decode later finds no page (server-test regression)
+        restore_l1_pages = (max(m.lengths[Tier.L2], m.lengths[Tier.L3]) - m.lengths[Tier.L1]) // self.page_size
+        cache.lock(m.handles[Tier.L1])
+        room = cache.available_l1_pages() - self.reserved_pages
+        cache.unlock(m.handles[Tier.L1])
+        if restore_l1_pages > room:
+            return False
         op = cache.runner.start_restore(self._reusable(req), m, decision.tier, req.rid)
         if op is None:
             cache.metrics.fallbacks += 1
             return False
         req.restore_op, req.restore_tier = op, decision.tier
-        req.hit_tokens[decision.tier] = decision.restore_tokens
+        from_l3 = decision.restore_tokens if decision.tier == "l3" else min(req.promoted_tokens,
+                                                                            decision.restore_tokens)
+        req.hit_tokens.update(l3=from_l3, l2=decision.restore_tokens - from_l3)
         self._park(req, op)
         if not cache.config.prefetch:  # blocking restore: the whole loop waits for it
             await cache.runner.wait_op(op)
@@ -150,7 +164,7 @@ class Admission:
                 return None
             req.hit_tokens["l1"] = m.lengths[Tier.L1]
         else:
-            req.hit_tokens["l1"] = max(0, m.lengths[Tier.L1] - req.hit_tokens[req.restore_tier])
+            req.hit_tokens["l1"] = max(0, m.lengths[Tier.L1] - req.hit_tokens["l2"] - req.hit_tokens["l3"])
         l1_len = m.lengths[Tier.L1]
         cache.lock(m.handles[Tier.L1])
         need = -(-(len(req.prompt) + req.params.max_tokens) // ps) - l1_len // ps
@@ -169,11 +183,11 @@ class Admission:
         eng.running.append(req)
         cache.metrics.hit_tokens["l1"] += req.hit_tokens["l1"]
         for tier in ("l2", "l3"):
-            cache.metrics.hit_tokens[tier] += req.hit_tokens[tier] if req.restore_tier == tier else 0
+            cache.metrics.hit_tokens[tier] += req.hit_tokens[tier]
         cache.metrics.recomputed_tokens += len(req.prompt) - l1_len
         eng._event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
                    hit_l2=req.hit_tokens["l2"], hit_l3=req.hit_tokens["l3"], restore_tier=req.restore_tier,
-                   restore_tokens=req.hit_tokens.get(req.restore_tier, 0))
+                   restore_tokens=req.hit_tokens["l2"] + req.hit_tokens["l3"])
         return True
 
     def _grow(self, req: Request, num_tokens: int) -> bool:

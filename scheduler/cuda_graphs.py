@@ -53,28 +53,30 @@ class DecodeGraphs:
                 self.graphs[bs] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
-    def fits(self, batch_size: int, page_tables: list[list[int]]) -> bool:
-        return (bool(self.graphs) and batch_size <= self.batch_sizes[-1]
+    def fits(self, num_rows: int, page_tables: list[list[int]]) -> bool:
+        return (bool(self.graphs) and num_rows <= self.batch_sizes[-1]
                 and max(len(pt) for pt in page_tables) <= self.max_pages)
 
     @torch.inference_mode()
-    def run(self, input_ids: list[int], prefix_lens: list[int], page_tables: list[list[int]]) -> torch.Tensor:
-        """One token per sequence at position prefix_len -> logits [B, V] (a view of a static buffer)."""
-        bs = len(input_ids)
-        graph_bs = next(b for b in self.batch_sizes if b >= bs)
-        ps = self.page_size
-        padded = [pt + [self.scratch_page] * (self.max_pages - len(pt)) for pt in page_tables]
-        slots = [pt[p // ps] * ps + p % ps for pt, p in zip(page_tables, prefix_lens)]
-        pad = graph_bs - bs
-        host = torch.tensor([input_ids + [0] * pad, prefix_lens + [0] * pad,
-                             slots + [self.scratch_page * ps] * pad,
-                             [p + 1 for p in prefix_lens] + [1] * pad], dtype=torch.int64)  # [4, graph_bs]
-        host_pt = torch.tensor(padded + [[self.scratch_page] * self.max_pages] * pad, dtype=torch.int64)
-        host = host.pin_memory()
+    def run(self, input_ids: list[int], positions: list[int], page_tables: list[list[int]]) -> torch.Tensor:
+        """One row per new token: token `input_ids[i]` at `positions[i]` of the sequence whose pages
+        are `page_tables[i]` (rows of one sequence share its table; their K/V are all written before
+        any row attends, so row i seeing keys < position+1 is exactly causal). -> logits [rows, V]."""
+        rows = len(input_ids)
+        graph_bs = next(b for b in self.batch_sizes if b >= rows)
+        ps, pad = self.page_size, graph_bs - rows
+        scratch_slot = self.scratch_page * ps
+        slots = [pt[p // ps] * ps + p % ps for pt, p in zip(page_tables, positions)]
+        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [scratch_slot] * pad,
+                             [p + 1 for p in positions] + [1] * pad], dtype=torch.int64)  # [4, graph_bs]
+        host_pt = torch.full((graph_bs, self.max_pages), self.scratch_page, dtype=torch.int64)
+        for i, pt in enumerate(page_tables):
+            host_pt[i, : len(pt)] = torch.tensor(pt, dtype=torch.int64)
+        host, host_pt = host.pin_memory(), host_pt.pin_memory()
         self.ids[:graph_bs].copy_(host[0], non_blocking=True)
         self.positions[:graph_bs].copy_(host[1], non_blocking=True)
         self.out_slots[:graph_bs].copy_(host[2], non_blocking=True)
         self.seq_lens[:graph_bs].copy_(host[3], non_blocking=True)
-        self.page_tables[:graph_bs].copy_(host_pt.pin_memory(), non_blocking=True)
+        self.page_tables[:graph_bs].copy_(host_pt, non_blocking=True)
         self.graphs[graph_bs].replay()
-        return self.logits[graph_bs][:bs]
+        return self.logits[graph_bs][:rows]

@@ -212,12 +212,21 @@ async def _dispatch(engine, items: list[ReplayItem], time_scale: float, concurre
     await engine.cache.drain()
 
 
+def _freeze_cost_model(engine) -> None:
+    """--simulate moves no bytes and runs no model, so every observed time is ~0: learning from them
+    would make recompute look free (no restore, no backup ever pays off). Keep the configured priors."""
+    engine.cache.observe_prefill = lambda num_tokens, seconds: None
+    engine.cache.cost.observe_transfer = lambda direction, num_bytes, seconds: None
+
+
 async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_scale: float = 0.0,
                        concurrency: int = 1, progress: bool = False, rid_prefix: str = "r") -> dict:
     """Replays `items` on a fresh engine; returns the run's figures (see `summarize`)."""
     from scheduler.engine import Engine
 
     engine = Engine(config)
+    if config.simulate:
+        _freeze_cost_model(engine)
     outcomes: list[Outcome | None] = [None] * len(items)
     bar = None
     if progress:

@@ -95,6 +95,7 @@ class Request:
     restore_op: object = None
     restore_failed: bool = False  # a restore failed: this request recomputes, never retries
     prefetch_op: object = None
+    promoted_tokens: int = 0      # tokens an L3 -> L2 prefetch brought up for this request
     hint_task: object = None      # shared L3: the existence query that must finish before admission
     finish_reason: str | None = None
     error: str | None = None

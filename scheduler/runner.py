@@ -42,9 +42,17 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: BatchInput):
         """Enqueue forward + sampling; returns a handle for `collect`. On CUDA nothing blocks here."""
-        if (self.graphs is not None and all(n == 1 for n in batch.new_lens)
-                and self.graphs.fits(len(batch.new_lens), batch.page_tables)):
-            logits = self.graphs.run(batch.input_ids, batch.prefix_lens, batch.page_tables)  # [B, V]
+        num_rows = len(batch.input_ids)
+        if self.graphs is not None and self.graphs.fits(num_rows, batch.page_tables):
+            # small forward (decode, or a short tail after a restore): one graph row per new token
+            positions, tables, last_rows = [], [], []
+            for prefix, new, pt in zip(batch.prefix_lens, batch.new_lens, batch.page_tables):
+                positions.extend(range(prefix, prefix + new))
+                tables.extend([pt] * new)
+                last_rows.append(len(positions) - 1)
+            logits = self.graphs.run(batch.input_ids, positions, tables)  # [rows, V]
+            if num_rows != len(last_rows):
+                logits = logits[torch.tensor(last_rows, device=logits.device)]  # [B, V]
         else:
             attn = AttentionBatch.build(batch.prefix_lens, batch.new_lens, batch.page_tables, self.page_size,
                                         self.device, batch.is_decode)

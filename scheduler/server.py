@@ -30,6 +30,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
 import anyio
+import structlog
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,8 +43,10 @@ from scheduler.config import add_engine_args, config_from_args
 from scheduler.engine import Engine
 from scheduler.prom import ServerMetrics
 from scheduler.request import Request as EngineRequest
-from scheduler.request import RequestError
+from scheduler.request import RequestError, TokenEvent
 from scheduler.tokenizer import IncrementalDecoder, load_tokenizer
+
+log = structlog.get_logger("scheduler.server")
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class _ServerState:
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.shutdown_task: asyncio.Task | None = None
+        self.engine_error: str | None = None
         self.created = int(time.time())
 
     def begin_shutdown(self) -> None:
@@ -78,8 +82,32 @@ class _ServerState:
     def _spawn_shutdown(self) -> asyncio.Task:
         self.draining = True
         if self.shutdown_task is None:
-            self.shutdown_task = asyncio.ensure_future(self.engine.shutdown(self.limits.shutdown_grace_s))
+            self.shutdown_task = asyncio.ensure_future(self._shutdown())
         return self.shutdown_task
+
+    async def _shutdown(self) -> None:
+        try:
+            await self.engine.shutdown(self.limits.shutdown_grace_s)
+        except Exception:  # the loop had crashed (re-raised here): still close the tiers (temp L3 file)
+            log.exception("engine shutdown failed; closing the cache")
+            await self.engine.cache.close()
+
+    def on_loop_done(self, task: asyncio.Task) -> None:
+        """The engine loop died: fail every waiting request instead of leaving its client hanging."""
+        if task.cancelled() or task.exception() is None:
+            return
+        self.engine_error = f"the engine loop failed: {task.exception()!r}"
+        log.error(self.engine_error)
+        for req in list(self.engine.requests.values()):
+            if not req.state.done:
+                req.emit(TokenEvent(req.rid, None, len(req.output), finished=True, finish_reason="error",
+                                    error=self.engine_error))
+
+    def check_admitting(self) -> None:
+        if self.engine_error:
+            raise APIError(503, self.engine_error, code="engine_failed")
+        if self.draining:
+            raise APIError(503, "the server is shutting down and admits no new requests", code="shutting_down")
 
     @property
     def prompt_limit(self) -> int:
@@ -102,6 +130,9 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     async def lifespan(_app: FastAPI):
         st.loop = asyncio.get_running_loop()
         await engine.start()
+        task = getattr(engine, "_loop_task", None)
+        if task is not None:
+            task.add_done_callback(st.on_loop_done)
         try:
             yield
         finally:
@@ -110,23 +141,17 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     app = FastAPI(title="hicache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hc = st
 
-    @app.exception_handler(APIError)
-    async def _api_error(_request, exc: APIError):
+    async def error_response(_request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, RequestValidationError):  # FastAPI's 422 becomes a 400 naming the field
+            exc = validation_error(exc)
+        elif isinstance(exc, StarletteHTTPException):  # unknown route (404), wrong method (405)
+            exc = APIError(exc.status_code, str(exc.detail), code=f"http_{exc.status_code}", type="invalid_request_error")
+        elif not isinstance(exc, APIError):
+            exc = APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_request, exc: RequestValidationError):
-        return await _api_error(_request, validation_error(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_request, exc: StarletteHTTPException):
-        return await _api_error(_request, APIError(exc.status_code, str(exc.detail), code=f"http_{exc.status_code}",
-                                                   type="invalid_request_error"))
-
-    @app.exception_handler(Exception)
-    async def _internal(_request, exc: Exception):
-        return await _api_error(_request, APIError(500, f"internal error: {type(exc).__name__}: {exc}",
-                                                   code="internal_error"))
+    for exc_type in (APIError, RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(exc_type, error_response)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -144,11 +169,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
 
     @app.get("/health")
     async def health():
-        task = getattr(engine, "_loop_task", None)
-        if task is not None and task.done():
-            raise APIError(503, "the engine loop has stopped", code="engine_stopped")
-        if st.draining:
-            raise APIError(503, "the server is shutting down", code="shutting_down")
+        st.check_admitting()
         return {"status": "ok", "model": st.model_name}
 
     @app.get("/metrics")
@@ -189,8 +210,7 @@ class _Slot:
 async def _generate(request: Request, st: _ServerState, chat: bool):
     arrival = time.perf_counter()
     try:
-        if st.draining:
-            raise APIError(503, "the server is shutting down and admits no new requests", code="shutting_down")
+        st.check_admitting()
         slot = _Slot(st)
     except APIError:
         st.metrics.outcome("rejected")
@@ -234,7 +254,10 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
 async def _abort_quietly(engine: Engine, req: EngineRequest) -> None:
     if not req.state.done:
         with anyio.CancelScope(shield=True):
-            await engine.abort(req.rid)
+            try:
+                await engine.abort(req.rid)
+            except Exception:  # only after the loop crashed; the client has its error already
+                log.exception("abort failed", rid=req.rid)
 
 
 class _SSEResponse(StreamingResponse):
@@ -265,7 +288,7 @@ class _Generation:
         self.stop_ids = set(req.params.stop_token_ids) | ({eos} if eos is not None and not req.params.ignore_eos else set())
         self.first_token_at: float | None = None
         self._buf: deque = deque()
-        self._closed = False
+        self._closed = self._counted = False
 
     async def _next(self):
         return self._buf.popleft() if self._buf else await self.req.queue.get()
@@ -294,6 +317,7 @@ class _Generation:
     def _finish(self, fin) -> None:
         m = self.st.metrics
         outcome = {"length": "success", "stop": "success", "abort": "aborted"}.get(fin.finish_reason, "failed")
+        self._counted = True
         m.outcome(outcome)
         m.generation_tokens.inc(len(self.req.output))
         if outcome == "success":
@@ -309,8 +333,13 @@ class _Generation:
         return APIError(500, f"the engine failed this request: {fin.error}", code="engine_error")
 
     async def close(self) -> None:
+        """Abort the request unless it ended (the client went away, or the server is stopping)."""
         if not self._closed:
             self._closed = True
+            if not self._counted:
+                self._counted = True
+                self.st.metrics.outcome("aborted")
+                self.st.metrics.generation_tokens.inc(len(self.req.output))
             await _abort_quietly(self.st.engine, self.req)
 
     async def complete(self, request: Request):
@@ -321,11 +350,11 @@ class _Generation:
                 if token is not None:
                     ids.append(token)
                 if fin is not None:
+                    self._finish(fin)
                     break
         finally:
             watcher.cancel()
             await self.close()
-        self._finish(fin)
         if fin.finish_reason not in ("length", "stop"):
             raise self._fail(fin)
         shown = ids if not ids or self._shows_text(ids[-1], fin) else ids[:-1]

@@ -8,111 +8,20 @@ a "complete" step runs the loop a few iterations (ops are asyncio tasks, file I/
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
+import gc
 import os
-import time
 
 import pytest
-import structlog
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
-                                 run_state_machine_as_test)
-from structlog.testing import capture_logs
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from hicache.config import HiCacheConfig
 from hicache.faults import Fault, FaultInjector
-from hicache.geometry import KVGeometry
-from hicache.manager import CacheManager
 from hicache.ops import OpState
 from hicache.radix import Tier
-
-TIER_LIST = (Tier.L1, Tier.L2, Tier.L3)
-
-
-# -- helpers -------------------------------------------------------------------------------------
-def make_manager(l1_pages: int = 16, host_pages: int = 32, storage_pages: int = 64, page_size: int = 4,
-                 dtype: torch.dtype = torch.float32, faults: FaultInjector | None = None,
-                 **config) -> CacheManager:
-    """A CPU manager with exact page counts per tier (storage_pages=0: no L3)."""
-    geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_size=page_size, dtype=dtype)
-    gib = 1 << 30
-    config.setdefault("policy", "always")
-    config.setdefault("transfer_backend", "torch")
-    cfg = HiCacheConfig(enable=True, host_size_gb=host_pages * geometry.bytes_per_page / gib,
-                        storage_size_gb=(storage_pages * geometry.bytes_per_page / gib) if storage_pages else None,
-                        storage_ratio=2.0 if storage_pages else 0.0, **config)
-    mgr = CacheManager(geometry, l1_pages, "cpu", cfg, faults=faults)
-    assert mgr.l2.num_pages == host_pages
-    assert (mgr.allocator(Tier.L3).num_pages if mgr.has_l3 else 0) == storage_pages
-    return mgr
-
-
-def write_prefix(mgr: CacheManager, tokens, start: int = 0, seed: int = 0) -> list[int] | None:
-    """Compute (random KV) tokens[start:] into fresh L1 pages and publish them, as a request would.
-    Returns the L1 pages, or None when L1 has no room."""
-    num_pages = (len(tokens) - start) // mgr.page_size
-    claim = mgr.new_claim("writer")
-    pages = mgr.alloc_l1(num_pages, claim)
-    if pages is None:
-        mgr.release_claim(claim)
-        return None
-    gen = torch.Generator().manual_seed(seed)
-    for p in pages:
-        mgr.l1.kv[:, :, p] = torch.randn(mgr.l1.kv[:, :, p].shape, generator=gen).to(mgr.l1.kv.dtype)
-    mgr.insert_l1(tuple(tokens), pages, claim, start)
-    mgr.release_claim(claim)  # duplicates of what L1 already held go back to the free list
-    return pages
-
-
-def l1_bytes(mgr: CacheManager, tokens) -> torch.Tensor:
-    """The KV of `tokens` (fully L1 resident) in page order, as raw bytes."""
-    m = mgr.tree.match(tokens, include_storage=False, touch=False)
-    assert m.lengths[Tier.L1] == len(tokens), m.lengths
-    return mgr.l1.kv[:, :, m.pages[Tier.L1]].contiguous().view(torch.uint8).clone()
-
-
-def assert_whole(mgr: CacheManager) -> None:
-    """Integrity, and no tier holds a private page (call after drain with nothing locked)."""
-    mgr.check_integrity()
-    for tier in TIER_LIST:
-        if tier in mgr.tree.allocators:
-            alloc = mgr.allocator(tier)
-            assert alloc.num_private() == 0, f"{tier.name}: {alloc.num_private()} private pages leaked"
-            assert alloc.num_free + alloc.num_tree() == alloc.num_pages
-    for node in mgr.tree.iter_nodes():
-        if node is not mgr.tree.root:
-            assert node.locks == [0, 0, 0], f"{node} still locked: {node.locks}"
-
-
-def flip_l3_byte(mgr: CacheManager, slot: int, at: int = 5) -> None:
-    offset = slot * mgr.store.bytes_per_page + at
-    with open(mgr.store.path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
-@contextlib.contextmanager
-def capture_op_logs():
-    """capture_logs() with info-level events let through (tests/conftest.py filters below WARNING)."""
-    old = structlog.get_config()["wrapper_class"]
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
-    try:
-        with capture_logs() as logs:
-            yield logs
-    finally:
-        structlog.configure(wrapper_class=old)
-
-
-def toks(*runs: tuple[int, int]) -> tuple[int, ...]:
-    out: list[int] = []
-    for lo, hi in runs:
-        out.extend(range(lo, hi))
-    return tuple(out)
+from hicache_helpers import (TIER_LIST, assert_whole, capture_op_logs, flip_l3_byte, l1_bytes, make_manager,
+                             toks, write_prefix)
 
 
 # -- regression tests (each failed before its fix) -------------------------------------------------
@@ -304,3 +213,225 @@ async def test_checksum_mismatch_drops_a_multi_node_l3_chain():
     assert mgr.metrics.failures == {"checksum": 1} and mgr.metrics.fallbacks == 1
     assert mgr.tree.match(b, touch=False).lengths == [0, 0, 0]  # the corrupt page's residency is gone
     assert_whole(mgr)
+
+
+
+@pytest.mark.asyncio
+async def test_late_failure_of_a_timed_out_read_is_retrieved():
+    """Bug (found by the state machine): an L3 read past its deadline fails the restore at once and
+    a settle task waits for the I/O; when that I/O then failed, the driver's own wrapper future was
+    never awaited again and asyncio reported 'Future exception was never retrieved'."""
+    faults = FaultInjector()
+    mgr = make_manager(faults=faults, io_timeout_s=0.01)
+    b = toks((0, 16))
+    write_prefix(mgr, b)
+    await mgr.drain()
+    mgr.tree.evict(Tier.L1, 100)
+    mgr.tree.evict(Tier.L2, 100)
+    loop = asyncio.get_running_loop()
+    reported: list[dict] = []
+    old_handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        faults.arm(Fault.SLOW_READ, delay_s=0.2)
+        faults.arm(Fault.EIO_READ)
+        op = mgr.runner.start_restore(b, mgr.match(b), "l3", "r")
+        await mgr.drain()
+        gc.collect()
+        await asyncio.sleep(0)
+    finally:
+        loop.set_exception_handler(old_handler)
+    assert op.state is OpState.FAILED and "deadline" in op.error
+    assert faults.fired[Fault.EIO_READ] == 1
+    assert mgr.metrics.failures == {"timeout": 1}
+    assert not [c for c in reported if "never retrieved" in c.get("message", "")], reported
+    assert_whole(mgr)
+
+
+# -- the randomized state machine ----------------------------------------------------------------
+PAGE = 2  # tokens per page in the machine (small pages: many nodes, many splits)
+ALPHABET = 3  # token values: tiny, so random sequences share prefixes often
+FAULTS = [Fault.TRANSFER_RAISE, Fault.EIO_READ, Fault.EIO_WRITE, Fault.SHORT_READ, Fault.SHORT_WRITE,
+          Fault.ENOSPC_WRITE, Fault.SLOW_READ]
+BASES = ((0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2), (0, 1, 2, 2, 1, 0, 0, 0, 1, 1, 2, 2),
+         (1, 1, 0, 0, 2, 2, 1, 0, 2, 1, 0, 2))
+# a few shared bases cut at a random page, plus a random tail: prefixes are shared, nodes split
+sequences = st.builds(
+    lambda base, cut, tail: BASES[base][: cut * PAGE] + tuple(tail[: len(tail) - len(tail) % PAGE]),
+    st.integers(0, len(BASES) - 1), st.integers(0, 6), st.lists(st.integers(0, ALPHABET - 1), max_size=2 * PAGE),
+).filter(len)
+
+
+def page_value(prefix: tuple[int, ...], shape: torch.Size) -> torch.Tensor:
+    """The KV a page holds is a function of the whole prefix through that page (exact in fp32)."""
+    base = float((hash(prefix) % 4093) * 4096)
+    return base + torch.arange(shape.numel(), dtype=torch.float32).view(shape)
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Rules drive a CacheManager the way requests, the admission loop and the I/O layer would."""
+
+    @initialize()
+    def setup(self):
+        self.loop = asyncio.new_event_loop()
+        self.faults = FaultInjector()
+        self.mgr = make_manager(l1_pages=10, host_pages=12, storage_pages=16, page_size=PAGE,
+                                faults=self.faults, io_timeout_s=0.002)
+        self.caller_locks: list[tuple] = []
+        self.known: list[tuple[int, ...]] = []  # sequences computed so far
+        self.ops: list = []  # every op the manager started (backups from inserts included)
+        register = self.mgr.runner._register
+
+        def record(op, coro):
+            self.ops.append(op)
+            return register(op, coro)
+        self.mgr.runner._register = record
+
+    def _call(self, fn, *args):
+        async def go():
+            return fn(*args)
+        return self.loop.run_until_complete(go())
+
+    # -- request-like rules --------------------------------------------------------------------
+    @rule(seq=sequences)
+    def insert_prefix(self, seq):
+        """A request computes seq's uncached tail in private pages and publishes it."""
+        mgr = self.mgr
+
+        def compute():
+            m = mgr.match(seq)
+            handle, start = m.handles[Tier.L1], m.lengths[Tier.L1]
+            mgr.lock(handle)
+            claim = mgr.new_claim("request")
+            try:
+                pages = mgr.alloc_l1((len(seq) - start) // PAGE, claim)
+                if pages is None:
+                    return
+                for i, p in enumerate(pages):
+                    end = start + (i + 1) * PAGE
+                    mgr.l1.kv[:, :, p] = page_value(seq[:end], mgr.l1.kv[:, :, p].shape)
+                mgr.insert_l1(seq, pages, claim, start)
+                self.known.append(seq)
+            finally:
+                mgr.release_claim(claim)
+                mgr.unlock(handle)
+        self._call(compute)
+
+    @rule(seq=sequences)
+    def match(self, seq):
+        m = self.mgr.match(seq)
+        for length in m.lengths:
+            assert length % PAGE == 0 and length <= m.path_tokens <= len(seq)
+
+    @rule(seq=sequences, tier=st.sampled_from(TIER_LIST))
+    def lock(self, seq, tier):
+        handle = self.mgr.match(seq).handles[tier]
+        if handle is not None:
+            self.mgr.lock(handle, tier)
+            self.caller_locks.append((handle, tier))
+
+    @rule(index=st.integers(0, 100))
+    def unlock(self, index):
+        # no preconditions on state anywhere: I/O timing shapes the state, and hypothesis needs
+        # the same draws on a replay
+        if self.caller_locks:
+            handle, tier = self.caller_locks.pop(index % len(self.caller_locks))
+            self.mgr.unlock(handle, tier)
+
+    @rule(tier=st.sampled_from(TIER_LIST), num_pages=st.integers(1, 12))
+    def evict(self, tier, num_pages):
+        self.mgr.tree.evict(tier, num_pages)
+
+    # -- operations ----------------------------------------------------------------------------
+    @rule(seq=sequences)
+    def start_backup(self, seq):
+        self._call(self.mgr.runner.start_backup, seq)
+
+    @rule(index=st.integers(0, 100), tier=st.sampled_from(["l2", "l3", "prefetch"]),
+          evict_first=st.sampled_from([(), (Tier.L1,), (Tier.L1, Tier.L2)]))
+    def start_restore(self, index, tier, evict_first):
+        """A request arrives for a prefix computed earlier (after its upper tiers were evicted,
+        when evict_first says so: restores are rare otherwise)."""
+        if not self.known:
+            return
+        seq = self.known[index % len(self.known)]
+        for t in evict_first:
+            self.mgr.tree.evict(t, self.mgr.allocator(t).num_pages)
+        runner = self.mgr.runner
+        self._call(lambda: runner.start_restore(seq, self.mgr.match(seq), tier, "req"))
+
+    @rule(steps=st.integers(1, 4))
+    def complete(self, steps):
+        """Let the loop run: each pending task advances by (at most) one await."""
+        for _ in range(steps):
+            self.loop.run_until_complete(asyncio.sleep(0))
+
+    @rule()
+    def wait_for_io(self):
+        self.loop.run_until_complete(asyncio.sleep(0.003))
+
+    @rule()
+    def drain(self):
+        """Every pending op runs to its end."""
+        self.loop.run_until_complete(self.mgr.drain())
+
+    @rule(fault=st.sampled_from(FAULTS))
+    def fail(self, fault):
+        self.faults.arm(fault, times=1, delay_s=0.01 if fault is Fault.SLOW_READ else 0.0)
+
+    @rule(seq=sequences)
+    def flip_l3_bit(self, seq):
+        m = self.mgr.match(seq)
+        if m.pages[Tier.L3]:
+            flip_l3_byte(self.mgr, m.pages[Tier.L3][-1])
+
+    @rule(index=st.integers(0, 100))
+    def cancel(self, index):
+        live = list(self.mgr.runner.live.values())
+        if live:
+            self.mgr.runner.cancel(live[index % len(live)])
+
+    # -- checks --------------------------------------------------------------------------------
+    @invariant()
+    def integrity(self):
+        if hasattr(self, "mgr"):
+            self.mgr.check_integrity()
+
+    @invariant()
+    def published_pages_hold_their_prefix(self):
+        """Every L1 / L2 page the tree publishes holds exactly the KV of its prefix."""
+        if not hasattr(self, "mgr"):
+            return
+        mgr = self.mgr
+        stack = [(mgr.tree.root, ())]
+        while stack:
+            node, prefix = stack.pop()
+            full = prefix + node.key
+            for tier, pages in ((Tier.L1, node.pages[Tier.L1]), (Tier.L2, node.pages[Tier.L2])):
+                for i, p in enumerate(pages or ()):
+                    got = mgr.l1.kv[:, :, p] if tier is Tier.L1 else mgr.l2.page_buffer[p]
+                    want = page_value(full[: len(prefix) + (i + 1) * PAGE], got.shape)
+                    assert torch.equal(got, want), f"{tier.name} page {p} of {node} holds other KV"
+            stack.extend((c, full) for c in node.children.values())
+
+    def teardown(self):
+        if not hasattr(self, "mgr"):
+            return
+        mgr = self.mgr
+        try:
+            self.faults.disarm()
+            for handle, tier in self.caller_locks:
+                mgr.unlock(handle, tier)
+            self.loop.run_until_complete(mgr.drain())
+            assert not mgr.runner.live and all(op.done for op in self.ops)
+            self.published_pages_hold_their_prefix()
+            assert_whole(mgr)
+        finally:
+            self.loop.run_until_complete(mgr.close())
+            self.loop.close()
+
+
+def test_manager_state_machine():
+    run_state_machine_as_test(ManagerMachine, settings=settings(
+        max_examples=int(os.environ.get("HICACHE_STATEFUL_EXAMPLES", "60")), stateful_step_count=50,
+        deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))

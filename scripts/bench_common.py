@@ -1,0 +1,314 @@
+"""Shared helpers of the hicache benchmarks (scripts/bench_hicache.py, scripts/bench_hicache_stress.py).
+
+- statistics: percentiles, millisecond summaries, before/after deltas of `engine.metrics()`;
+- engine plumbing: one loaded model shared by several Engines in one process, tier eviction,
+  one timed request, integrity as a string;
+- same-run physical limits: plain pinned H2D / D2H `copy_` of a byte count, and a raw sequential
+  multi-threaded `os.preadv` read of the same bytes from a file next to the L3 file (cold or warm);
+- output: JSON to stdout / a file, human tables to stdout (or stderr when stdout carries JSON).
+
+Not a benchmark itself; imported by the scripts next to it.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # runnable without the editable install
+
+import torch  # noqa: E402
+
+GIB = float(1 << 30)
+DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
+TIERS = ("l1", "l2", "l3")
+
+
+# -- statistics -----------------------------------------------------------------------------------
+def percentile(values, q: float) -> float | None:
+    """Linear-interpolated percentile, q in [0, 100]; None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def median(values) -> float | None:
+    return percentile(values, 50)
+
+
+def ms_summary(seconds, quantiles=(50,)) -> dict:
+    """{p50.., mean, min, max, n} in milliseconds of a list of seconds."""
+    ms = [s * 1e3 for s in seconds]
+    out = {f"p{q}": percentile(ms, q) for q in quantiles}
+    out.update(mean=sum(ms) / len(ms) if ms else None, min=min(ms) if ms else None,
+               max=max(ms) if ms else None, n=len(ms))
+    return out
+
+
+def metrics_delta(after, before):
+    """after - before for every number of a (nested) metrics dict; other values are taken from after."""
+    if isinstance(after, dict):
+        return {k: metrics_delta(v, before.get(k) if isinstance(before, dict) else None) for k, v in after.items()}
+    if isinstance(after, (int, float)) and not isinstance(after, bool) and isinstance(before, (int, float)):
+        return after - before
+    return after
+
+
+def directions_summary(delta: dict) -> dict:
+    """Per direction: bytes, count, recurring seconds and GiB/s over a metrics delta."""
+    out = {}
+    for d in DIRECTIONS:
+        s = delta["directions"][d]
+        rec = s["recurring_s"]
+        out[d] = {"bytes": int(s["bytes"]), "count": int(s["count"]), "recurring_s": rec,
+                  "gib_s": (s["bytes"] / GIB / rec) if rec > 0 else None, "extents": int(s["extents"])}
+    return out
+
+
+def fmt(x, spec: str = "{:.2f}", none: str = "-") -> str:
+    if x is None:
+        return none
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    return spec.format(x)
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n}B"
+
+
+def table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
+
+
+def note(msg: str) -> None:
+    print(f"[bench] {msg}", file=sys.stderr, flush=True)
+
+
+def emit(result, as_json: bool, out_path: str | None, human: str) -> None:
+    """JSON (pure, on stdout) with --json, always to --out when given; the human table last
+    (stderr when stdout carries JSON, else stdout)."""
+    text = json.dumps(result, indent=2, default=str)
+    if out_path:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(text + "\n")
+    if as_json:
+        print(text, flush=True)
+    print(human, file=sys.stderr if as_json else sys.stdout, flush=True)
+
+
+# -- engine plumbing -------------------------------------------------------------------------------
+def default_device(arg: str | None) -> str:
+    if arg:
+        return arg
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_model(arg: str | None, device: str) -> str:
+    return arg or ("qwen3-8b" if device == "cuda" else "tiny")
+
+
+@contextlib.contextmanager
+def shared_model():
+    """While active, every Engine built in this process with the same (model, device, dtype, seed)
+    reuses one loaded model (weights are read-only at inference; each Engine has its own KV pools)."""
+    import scheduler.engine as engine_mod
+
+    original = engine_mod.load_model
+    loaded: dict = {}
+
+    def load(name, device, dtype, seed):
+        key = (name, str(device), str(dtype), seed)
+        if key not in loaded:
+            loaded[key] = original(name, device, dtype, seed)
+        return loaded[key]
+
+    engine_mod.load_model = load
+    try:
+        yield loaded
+    finally:
+        engine_mod.load_model = original
+        loaded.clear()
+
+
+def integrity_of(engine) -> str:
+    try:
+        engine.check_integrity()
+        return "passed"
+    except Exception as exc:  # report, never hide
+        return f"{type(exc).__name__}: {exc}"
+
+
+async def evict(engine, tiers) -> None:
+    """Wait for every pending backup / restore, then empty the given tiers (unlocked pages only;
+    nothing is locked once the engine is idle)."""
+    from hicache.radix import Tier
+
+    await engine.cache.drain()
+    for tier in tiers:
+        t = {"l1": Tier.L1, "l2": Tier.L2, "l3": Tier.L3}[tier]
+        if t in engine.cache.tree.allocators:
+            engine.cache.tree.evict(t, 10**9)
+
+
+async def run_one(engine, prompt: list[int], max_tokens: int = 1):
+    """One greedy request; returns (output ids, seconds submit -> finish, per-tier hit tokens, error)."""
+    from scheduler.request import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    res = (await engine.generate_async([prompt], params))[0]
+    return res.output_ids, time.perf_counter() - t0, dict(res.cached_tokens), res.error
+
+
+async def close_engine(engine) -> None:
+    """Shut the engine down (drains transfers, closes the L3 store); call free_memory() after the
+    caller dropped its last reference."""
+    await engine.shutdown()
+
+
+def free_memory() -> None:
+    """Collect dropped engines (their pools sit in reference cycles) and return cached GPU memory."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class BenchDir:
+    """A private directory on the file system of `base` (default: the current directory) for the L3
+    file and the raw-read probe; removed at close."""
+
+    def __init__(self, storage_path: str | None) -> None:
+        self.user_path = storage_path
+        base = os.path.dirname(os.path.abspath(storage_path)) if storage_path else os.getcwd()
+        self.dir = tempfile.mkdtemp(prefix=".hicache-bench-", dir=base)
+
+    def l3_path(self, tag: str) -> str:
+        return self.user_path or os.path.join(self.dir, f"l3-{tag}.kv")
+
+    def close(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+        if self.user_path:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.user_path)
+
+
+# -- same-run physical limits ----------------------------------------------------------------------
+def copy_limits(num_bytes: int, device: str, repeats: int = 5) -> dict:
+    """Median GiB/s of one plain `copy_` of `num_bytes`: pinned host <-> device on CUDA (H2D, D2H);
+    on the CPU a plain memory copy (what the CPU "transfer" does), reported for both directions."""
+    num_bytes = max(1, int(num_bytes))
+    if device != "cuda":
+        a = torch.ones(num_bytes, dtype=torch.uint8)
+        b = torch.empty_like(a)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            b.copy_(a)
+            if i:
+                times.append(time.perf_counter() - t0)
+        g = num_bytes / GIB / median(times)
+        return {"h2d_gib_s": g, "d2h_gib_s": g, "copy_kind": "cpu memcpy", "bytes": num_bytes}
+    host = torch.ones(num_bytes, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    out = {"copy_kind": "pinned copy_", "bytes": num_bytes}
+    for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
+        times = []
+        for i in range(repeats + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            if i:
+                times.append(start.elapsed_time(end) / 1e3)
+        out[f"{name}_gib_s"] = num_bytes / GIB / median(times)
+    del host, dev
+    torch.cuda.empty_cache()
+    return out
+
+
+def drop_page_cache_fd(fd: int) -> bool:
+    if not hasattr(os, "posix_fadvise"):
+        return False
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        return False
+    return True
+
+
+def file_read_limit(directory: str, num_bytes: int, threads: int, cold: bool, pinned: bool,
+                    repeats: int = 3) -> dict:
+    """Median GiB/s of a raw sequential read of `num_bytes` with `threads` parallel `os.preadv` into one
+    (pinned on CUDA) buffer, from a file written next to the L3 file and dropped from the page cache
+    before each read when `cold`. The probe file is removed afterwards."""
+    num_bytes = max(4096, int(num_bytes))
+    buf = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=pinned)
+    block = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    for o in range(0, num_bytes, block.numel()):  # incompressible content, cheap to make
+        buf[o:o + block.numel()] = block[: num_bytes - o]
+    view = memoryview(buf.numpy()).cast("B")
+    fd, path = tempfile.mkstemp(prefix="read-probe-", suffix=".bin", dir=directory)
+    dropped = None
+    try:
+        done = 0
+        while done < num_bytes:
+            done += os.pwrite(fd, view[done:], done)
+        os.fsync(fd)
+        chunk = -(-num_bytes // threads)
+        chunk += (-chunk) % 4096
+        spans = [(o, min(o + chunk, num_bytes)) for o in range(0, num_bytes, chunk)]
+
+        def read_span(span):
+            lo, hi = span
+            pos = lo
+            while pos < hi:
+                n = os.preadv(fd, [view[pos:hi]], pos)
+                if n <= 0:
+                    raise OSError(f"short read at {pos}")
+                pos += n
+
+        times = []
+        with cf.ThreadPoolExecutor(max_workers=threads) as pool:
+            if not cold:
+                list(pool.map(read_span, spans))  # warm the page cache
+            for _ in range(repeats):
+                if cold:
+                    ok = drop_page_cache_fd(fd)
+                    dropped = ok if dropped is None else (dropped and ok)
+                t0 = time.perf_counter()
+                list(pool.map(read_span, spans))
+                times.append(time.perf_counter() - t0)
+    finally:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return {"file_read_gib_s": num_bytes / GIB / median(times), "threads": threads,
+            "cache": "cold" if cold else "warm", "page_cache_dropped": dropped, "bytes": num_bytes}

@@ -1,0 +1,345 @@
+"""Throughput under rotating prefixes (the reference's stress workload), and decode speed with
+write-through backups running.
+
+Throughput: `--num-prefixes` seeded random prefixes of `--prefix-tokens` tokens rotate; request i is
+prefix (i % num_prefixes) plus a unique one-token suffix, greedy, `--max-tokens` output tokens;
+`--batch-size` requests are in flight at once. L1 (`--num-pages`) holds about two prefixes by
+default, so a rotation never hits L1 and every reuse comes from the tier under test:
+  none  hicache off (plain radix prefix cache in L1: recompute);
+  l2    L2 only (storage ratio 0), L2 sized to hold every prefix (default host ratio);
+  l3    L2 = L1 (host ratio 1) and L3 = 8 x L2 (storage ratio 8), so prefixes live in L3.
+`--tiers none,l2,l3` runs them in sequence in one process (one loaded model, one Engine each) and
+checks that every tier produced the same tokens; a single tier is checked against a recompute
+reference run (hicache off, prefix cache off). Reports req/s, p50/p95/p99 latency, hit tokens per
+tier, recomputed tokens, bytes moved per direction and the integrity check.
+
+Decode (`--decode-batch 32 --decode-tokens 64`): 32 concurrent requests with distinct
+`--prefix-tokens`-token prompts generate 64 tokens each, once with hicache on (`--decode-tier l2`:
+write-through D2H backups of every prefill run during decode; l3 adds H2S file writes) and once with
+hicache off; reports decode tokens/s of each (generated tokens after the first, over the time from
+the last first token to the last finish) and the ratio on / off. Each engine first runs one
+warm-up pass of the same shape.
+
+Examples:
+    python scripts/bench_hicache_stress.py --model tiny --device cpu --tiers none,l2,l3 --requests 24
+    python scripts/bench_hicache_stress.py --tiers none,l2,l3 --policy cost --json --out out/stress.json
+    python scripts/bench_hicache_stress.py --tier l3 --policy always --num-pages 512 --page-size 1 \\
+        --host-ratio 1 --storage-ratio 8
+    python scripts/bench_hicache_stress.py --decode-only --decode-batch 32 --decode-tokens 64
+
+With `--json`, stdout carries only JSON and the human table goes to stderr. Exit status 1 when
+outputs differ or the integrity check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import (BenchDir, close_engine, default_device, default_model, directions_summary,  # noqa: E402
+                          emit, evict, fmt, fmt_bytes, free_memory, integrity_of, median, metrics_delta,
+                          ms_summary, note, shared_model, table)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="preset or checkpoint dir (default qwen3-8b on cuda, tiny on cpu)")
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"])
+    p.add_argument("--tier", default=None, choices=["none", "l2", "l3"], help="one tier (same as --tiers X)")
+    p.add_argument("--tiers", default="none,l2,l3", help="comma list run in sequence")
+    p.add_argument("--policy", default="cost", choices=["always", "cost"])
+    p.add_argument("--num-prefixes", type=int, default=8)
+    p.add_argument("--prefix-tokens", type=int, default=350)
+    p.add_argument("--requests", type=int, default=80)
+    p.add_argument("--batch-size", type=int, default=1, help="requests in flight at once")
+    p.add_argument("--max-tokens", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=8, help="warm-up requests on other prefixes (then all tiers emptied)")
+    p.add_argument("--num-pages", type=int, default=0, help="L1 pages (default: about two prefixes)")
+    p.add_argument("--page-size", type=int, default=0, help="tokens per page (default: the engine's)")
+    p.add_argument("--host-ratio", type=float, default=None, help="default: l2 all prefixes fit, l3 1.0")
+    p.add_argument("--storage-ratio", type=float, default=8.0, help="L3 = ratio x L2 pages (l3 tier)")
+    p.add_argument("--io-workers", type=int, default=4)
+    p.add_argument("--disable-checksum", action="store_true")
+    p.add_argument("--disable-cuda-graphs", action="store_true")
+    p.add_argument("--storage-path", default=None,
+                   help="L3 file, truncated at start and removed at exit (default: a temp file under the cwd)")
+    p.add_argument("--decode-batch", type=int, default=0, help="also run the decode comparison with this batch")
+    p.add_argument("--decode-tokens", type=int, default=64)
+    p.add_argument("--decode-tier", default="l2", choices=["l2", "l3"])
+    p.add_argument("--decode-repeats", type=int, default=3, help="measured passes per engine (median)")
+    p.add_argument("--decode-only", action="store_true", help="skip the throughput runs")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-json", default=None)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.device = default_device(args.device)
+    args.model = default_model(args.model, args.device)
+    args.tier_list = [args.tier] if args.tier else [t.strip() for t in args.tiers.split(",") if t.strip()]
+    if any(t not in ("none", "l2", "l3") for t in args.tier_list):
+        p.error(f"--tiers takes none, l2, l3; got {args.tiers!r}")
+    if args.decode_only and not args.decode_batch:
+        args.decode_batch = 32
+    return args
+
+
+def page_size_of(args) -> int:
+    return args.page_size or (16 if args.device == "cuda" else 4)
+
+
+def engine_config(args, tier: str, num_pages: int, host_ratio: float, storage_path: str | None,
+                  prefix_cache: bool = True):
+    from scheduler.config import EngineConfig
+
+    cfg = EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=page_size_of(args),
+                       num_pages=num_pages, enable_prefix_cache=prefix_cache,
+                       cuda_graphs=not args.disable_cuda_graphs, log_json=args.log_json)
+    return cfg.with_hicache(
+        enable=tier not in ("none", "reference"), policy=args.policy, host_ratio=host_ratio,
+        storage_ratio=args.storage_ratio if tier == "l3" else 0.0, storage_path=storage_path if tier == "l3" else None,
+        io_workers=args.io_workers, storage_checksum=not args.disable_checksum)
+
+
+async def timed(engine, prompt: list[int], max_tokens: int) -> dict:
+    """Stream one greedy request: output ids, first-token and finish times (perf_counter)."""
+    from scheduler.request import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rec = {"ids": [], "start": time.perf_counter(), "first": None, "end": None, "error": None}
+    try:
+        async for ev in engine.submit(prompt, params):
+            if ev.token_id is not None:
+                if rec["first"] is None:
+                    rec["first"] = time.perf_counter()
+                    rec["pending_backups"] = engine.cache.runner.pending_counts()["backups"]
+                rec["ids"].append(ev.token_id)
+            if ev.finished:
+                rec["error"] = ev.error
+    except Exception as exc:  # a rejected request is a failed request, not a crashed benchmark
+        rec["error"] = repr(exc)
+    rec["end"] = time.perf_counter()
+    return rec
+
+
+async def run_batch(engine, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list[dict]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(p):
+        async with sem:
+            return await timed(engine, p, max_tokens)
+    return await asyncio.gather(*(one(p) for p in prompts))
+
+
+def rotating_prompts(args, vocab: int, salt: int, count: int) -> list[list[int]]:
+    rng = random.Random(args.seed * 7919 + salt)
+    prefixes = [[rng.randrange(vocab) for _ in range(args.prefix_tokens)] for _ in range(args.num_prefixes)]
+    suffixes = rng.sample(range(vocab), min(count, vocab)) if count <= vocab else [rng.randrange(vocab)
+                                                                                      for _ in range(count)]
+    return [prefixes[i % args.num_prefixes] + [suffixes[i]] for i in range(count)]
+
+
+async def throughput(args, tier: str, prompts, warm, bdir: BenchDir) -> dict:
+    from scheduler.engine import Engine
+
+    ps = page_size_of(args)
+    prefix_pages = -(-(args.prefix_tokens + 1 + args.max_tokens) // ps)
+    num_pages = args.num_pages or 2 * prefix_pages + 2
+    host_ratio = args.host_ratio
+    if host_ratio is None:
+        host_ratio = (args.num_prefixes + 1) * prefix_pages / num_pages if tier == "l2" else 1.0
+    eng = Engine(engine_config(args, tier, num_pages, host_ratio, bdir.l3_path(tier),
+                               prefix_cache=tier != "reference"))
+    try:
+        await eng.start()
+        if warm:
+            await run_batch(eng, warm, args.max_tokens, args.batch_size)
+            await evict(eng, ("l1", "l2", "l3"))
+        before = eng.metrics()
+        t0 = time.perf_counter()
+        recs = await run_batch(eng, prompts, args.max_tokens, args.batch_size)
+        wall = time.perf_counter() - t0
+        await eng.cache.drain()
+        delta = metrics_delta(eng.metrics(), before)
+        integrity = integrity_of(eng)
+        tiers = {t: s["capacity_pages"] for t, s in eng.status()["tiers"].items() if s}
+        bpt = eng.cache.geometry.bytes_per_token
+    finally:
+        await close_engine(eng)
+    del eng
+    free_memory()
+    ok = [r for r in recs if r["error"] is None]
+    dirs = directions_summary(delta)
+    return {
+        "tier": tier, "policy": args.policy if tier in ("l2", "l3") else None,
+        "num_pages": num_pages, "host_ratio": host_ratio if tier in ("l2", "l3") else None,
+        "capacity_pages": tiers, "requests": len(recs), "completed": len(ok), "wall_s": wall,
+        "req_s": len(ok) / wall if wall > 0 else None,
+        "latency_ms": ms_summary([r["end"] - r["start"] for r in ok], quantiles=(50, 95, 99)),
+        "hit_tokens": {t: int(v) for t, v in delta["hit_tokens"].items()},
+        "recomputed_tokens": int(delta["recomputed_tokens"]),
+        "tokens_read_from_l3": dirs["s2h"]["bytes"] // bpt,  # L3 hits admitted after a prefetch count as L2
+        "bytes": {d: dirs[d]["bytes"] for d in dirs}, "gib_s": {d: dirs[d]["gib_s"] for d in dirs},
+        "restores_done": int(delta["restores_done"]), "backups_done": int(delta["backups_done"]),
+        "fallbacks": int(delta["fallbacks"]),
+        "policy_skips": {k: int(v) for k, v in delta["policy_skips"].items()},
+        "integrity": integrity, "errors": [r["error"] for r in recs if r["error"]][:5],
+        "_outputs": [r["ids"] for r in recs],
+    }
+
+
+def decode_pass(recs: list[dict], wall: float) -> dict:
+    """Decode window of one pass: from the last first token to the last finish."""
+    ok = [r for r in recs if r["error"] is None and r["first"] is not None]
+    if not ok:
+        return {"decode_tok_s": None, "total_tok_s": None, "window_s": 0.0, "pending_backups": None}
+    last = max(ok, key=lambda r: r["first"])
+    window = max(r["end"] for r in ok) - last["first"]
+    tokens = sum(len(r["ids"]) - 1 for r in ok)
+    return {"decode_tok_s": tokens / window if window > 0 else None, "window_s": window,
+            "total_tok_s": sum(len(r["ids"]) for r in ok) / wall if wall > 0 else None,
+            "pending_backups": last["pending_backups"], "decode_tokens": tokens, "completed": len(ok)}
+
+
+async def decode_run(args, tier: str, vocab: int, bdir: BenchDir) -> dict:
+    """One engine: a warm-up pass, then `--decode-repeats` passes of distinct prompts (all tiers
+    emptied before each, so every pass backs its prefills up again); median decode tokens/s."""
+    from scheduler.engine import Engine
+
+    ps, n = page_size_of(args), args.decode_batch
+    per_req = -(-(args.prefix_tokens + 1 + args.decode_tokens) // ps)
+    num_pages = args.num_pages or n * per_req + 16
+    cfg = engine_config(args, tier, num_pages, args.host_ratio or 1.0, bdir.l3_path(f"decode-{tier}"))
+    eng = Engine(cfg.with_hicache(storage_ratio=1.0 if tier == "l3" else 0.0))  # L3 = L2: holds every prompt
+
+    def prompts(salt):
+        rng = random.Random(args.seed * 104729 + salt)
+        return [[rng.randrange(vocab) for _ in range(args.prefix_tokens + 1)] for _ in range(n)]
+    passes, outputs, errors = [], [], []
+    try:
+        await eng.start()
+        await run_batch(eng, prompts(1), args.decode_tokens, n)  # warm-up: same shapes, other prompts
+        await evict(eng, ("l1", "l2", "l3"))
+        before = eng.metrics()
+        for rep in range(args.decode_repeats):
+            t0 = time.perf_counter()
+            recs = await run_batch(eng, prompts(2 + rep), args.decode_tokens, n)
+            passes.append(decode_pass(recs, time.perf_counter() - t0))
+            outputs.append([r["ids"] for r in recs])
+            errors += [r["error"] for r in recs if r["error"]]
+            await evict(eng, ("l1", "l2", "l3"))
+        delta = metrics_delta(eng.metrics(), before)
+        integrity = integrity_of(eng)
+    finally:
+        await close_engine(eng)
+    del eng
+    free_memory()
+    med = lambda key: median([p[key] for p in passes if p[key] is not None])  # noqa: E731
+    return {"tier": tier, "num_pages": num_pages, "repeats": args.decode_repeats,
+            "decode_tok_s": med("decode_tok_s"), "total_tok_s": med("total_tok_s"),
+            "decode_tok_s_passes": [p["decode_tok_s"] for p in passes],
+            "completed": sum(p.get("completed", 0) for p in passes),
+            "bytes": {d: s["bytes"] for d, s in directions_summary(delta).items()},
+            "backups_done": int(delta["backups_done"]),
+            "backups_pending_at_decode_start": max((p["pending_backups"] or 0) for p in passes) if passes else None,
+            "integrity": integrity, "errors": errors[:5], "_outputs": outputs}
+
+
+async def amain(args) -> dict:
+    from scheduler.engine import model_config_of
+
+    vocab = model_config_of(args.model).vocab_size
+    out: dict = {"model": args.model, "device": args.device, "policy": args.policy,
+                 "workload": {k: getattr(args, k) for k in ("num_prefixes", "prefix_tokens", "requests", "batch_size",
+                                                             "max_tokens", "warmup", "page_size")}}
+    out["workload"]["page_size"] = page_size_of(args)
+    bdir = BenchDir(args.storage_path)
+    try:
+        with shared_model():
+            if not args.decode_only:
+                prompts = rotating_prompts(args, vocab, 1, args.requests)
+                warm = rotating_prompts(args, vocab, 2, args.warmup) if args.warmup else []
+                runs = []
+                order = list(args.tier_list) + ([] if "none" in args.tier_list else ["reference"])
+                for tier in order:
+                    note(f"throughput: tier {tier} ...")
+                    runs.append(await throughput(args, tier, prompts, warm, bdir))
+                base = next(r for r in runs if r["tier"] in ("none", "reference"))
+                for r in runs:
+                    r["outputs_match"] = r["_outputs"] == base["_outputs"] and not r["errors"]
+                    r["mismatched_requests"] = [i for i, (a, b) in enumerate(zip(r["_outputs"], base["_outputs"]))
+                                                if a != b][:20]
+                    r["speedup_vs_none"] = (r["req_s"] / base["req_s"]) if base["req_s"] and r["req_s"] else None
+                out["baseline"] = base["tier"]
+                out["tiers"] = [r for r in runs if r["tier"] != "reference"]
+                if base["tier"] == "reference":
+                    out["reference"] = {k: base[k] for k in ("req_s", "integrity", "errors")}
+                out["outputs_match"] = all(r["outputs_match"] for r in runs)
+                by_tier = {r["tier"]: r["_outputs"] for r in runs}
+                if "l2" in by_tier and "l3" in by_tier:  # same restored KV, same tail kernels: must agree
+                    out["restore_tiers_agree"] = by_tier["l2"] == by_tier["l3"]
+                out["integrity"] = next((f"{r['tier']}: {r['integrity']}" for r in runs
+                                         if r["integrity"] != "passed"), "passed")
+            if args.decode_batch:
+                note(f"decode: batch {args.decode_batch} x {args.decode_tokens} tokens, hicache on "
+                     f"({args.decode_tier}) and off ...")
+                on = await decode_run(args, args.decode_tier, vocab, bdir)
+                off = await decode_run(args, "none", vocab, bdir)
+                match = on["_outputs"] == off["_outputs"] and not on["errors"] and not off["errors"]
+                out["decode"] = {"batch": args.decode_batch, "tokens": args.decode_tokens,
+                                 "prompt_tokens": args.prefix_tokens + 1, "hicache_on": on, "hicache_off": off,
+                                 "ratio_on_off": (on["decode_tok_s"] / off["decode_tok_s"])
+                                 if on["decode_tok_s"] and off["decode_tok_s"] else None,
+                                 "outputs_match": match}
+                out["outputs_match"] = out.get("outputs_match", True) and match
+                bad = next((f"decode {r['tier']}: {r['integrity']}" for r in (on, off) if r["integrity"] != "passed"),
+                           None)
+                out["integrity"] = bad if bad and out.get("integrity", "passed") == "passed" else \
+                    out.get("integrity", "passed")
+    finally:
+        bdir.close()
+    for r in out.get("tiers", []) + ([out["decode"]["hicache_on"], out["decode"]["hicache_off"]]
+                                     if "decode" in out else []):
+        r.pop("_outputs", None)
+    return out
+
+
+def human(out: dict) -> str:
+    parts = []
+    if "tiers" in out:
+        rows = [[r["tier"], r["policy"] or "-", fmt(r["req_s"]), fmt(r["speedup_vs_none"]),
+                 fmt(r["latency_ms"]["p50"]), fmt(r["latency_ms"]["p95"]), fmt(r["latency_ms"]["p99"]),
+                 "/".join(str(r["hit_tokens"][t]) for t in ("l1", "l2", "l3")), str(r["recomputed_tokens"]),
+                 "/".join(fmt_bytes(r["bytes"][d]) for d in ("d2h", "h2d", "h2s", "s2h")),
+                 fmt(r["outputs_match"]), "ok" if r["integrity"] == "passed" else "FAIL"] for r in out["tiers"]]
+        parts.append(table(["tier", "policy", "req/s", f"x {out['baseline']}", "p50 ms", "p95 ms", "p99 ms",
+                            "hit l1/l2/l3", "recomputed", "moved d2h/h2d/h2s/s2h", "match", "integrity"], rows))
+    if "decode" in out:
+        d = out["decode"]
+        rows = [[name, r["tier"], fmt(r["decode_tok_s"], "{:.1f}"), fmt(r["total_tok_s"], "{:.1f}"),
+                 fmt_bytes(r["bytes"]["d2h"]), str(r["backups_pending_at_decode_start"]), str(r["backups_done"]),
+                 "ok" if r["integrity"] == "passed" else "FAIL"]
+                for name, r in (("hicache on", d["hicache_on"]), ("hicache off", d["hicache_off"]))]
+        headers = ["decode", "tier", "decode tok/s", "total tok/s", "d2h", "pending@decode", "backups", "integrity"]
+        parts.append(table(headers, rows)
+                     + f"\ndecode tok/s on/off: {fmt(d['ratio_on_off'], '{:.3f}')}  outputs match: "
+                       f"{fmt(d['outputs_match'])}")
+    return "\n\n".join(parts)
+
+
+def main(argv=None) -> int:
+    import uvloop
+
+    args = parse_args(argv)
+    out = uvloop.run(amain(args))
+    emit(out, args.json, args.out, human(out))
+    return 0 if out.get("outputs_match") and out.get("integrity") == "passed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""Helpers shared by the cache-hierarchy reliability tests (test_stateful_manager, test_hierarchy,
+test_faults, test_soak): small CPU managers with exact tier sizes, a request-like writer, whole-pool
+checks, an L3 bit flip, and log capture that lets info-level op events through."""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import structlog
+import torch
+from structlog.testing import capture_logs
+
+from hicache.config import HiCacheConfig
+from hicache.faults import FaultInjector
+from hicache.geometry import KVGeometry
+from hicache.manager import CacheManager
+from hicache.radix import Tier
+
+TIER_LIST = (Tier.L1, Tier.L2, Tier.L3)
+
+
+def make_manager(l1_pages: int = 16, host_pages: int = 32, storage_pages: int = 64, page_size: int = 4,
+                 dtype: torch.dtype = torch.float32, faults: FaultInjector | None = None,
+                 **config) -> CacheManager:
+    """A CPU manager with exact page counts per tier (storage_pages=0: no L3)."""
+    geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_size=page_size, dtype=dtype)
+    gib = 1 << 30
+    config.setdefault("policy", "always")
+    config.setdefault("transfer_backend", "torch")
+    cfg = HiCacheConfig(enable=True, host_size_gb=host_pages * geometry.bytes_per_page / gib,
+                        storage_size_gb=(storage_pages * geometry.bytes_per_page / gib) if storage_pages else None,
+                        storage_ratio=2.0 if storage_pages else 0.0, **config)
+    mgr = CacheManager(geometry, l1_pages, "cpu", cfg, faults=faults)
+    assert mgr.l2.num_pages == host_pages
+    assert (mgr.allocator(Tier.L3).num_pages if mgr.has_l3 else 0) == storage_pages
+    return mgr
+
+
+def write_prefix(mgr: CacheManager, tokens, start: int = 0, seed: int = 0) -> list[int] | None:
+    """Compute (random KV) tokens[start:] into fresh L1 pages and publish them, as a request would.
+    Returns the L1 pages, or None when L1 has no room."""
+    num_pages = (len(tokens) - start) // mgr.page_size
+    claim = mgr.new_claim("writer")
+    pages = mgr.alloc_l1(num_pages, claim)
+    if pages is None:
+        mgr.release_claim(claim)
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    for p in pages:
+        mgr.l1.kv[:, :, p] = torch.randn(mgr.l1.kv[:, :, p].shape, generator=gen).to(mgr.l1.kv.dtype)
+    mgr.insert_l1(tuple(tokens), pages, claim, start)
+    mgr.release_claim(claim)  # duplicates of what L1 already held go back to the free list
+    return pages
+
+
+def l1_bytes(mgr: CacheManager, tokens) -> torch.Tensor:
+    """The KV of `tokens` (fully L1 resident) in page order, as raw bytes."""
+    m = mgr.tree.match(tokens, include_storage=False, touch=False)
+    assert m.lengths[Tier.L1] == len(tokens), m.lengths
+    return mgr.l1.kv[:, :, m.pages[Tier.L1]].contiguous().view(torch.uint8).clone()
+
+
+def assert_whole(mgr: CacheManager) -> None:
+    """Integrity, and no tier holds a private page (call after drain with nothing locked)."""
+    mgr.check_integrity()
+    for tier in TIER_LIST:
+        if tier in mgr.tree.allocators:
+            alloc = mgr.allocator(tier)
+            assert alloc.num_private() == 0, f"{tier.name}: {alloc.num_private()} private pages leaked"
+            assert alloc.num_free + alloc.num_tree() == alloc.num_pages
+    for node in mgr.tree.iter_nodes():
+        if node is not mgr.tree.root:
+            assert node.locks == [0, 0, 0], f"{node} still locked: {node.locks}"
+
+
+def flip_l3_byte(mgr: CacheManager, slot: int, at: int = 5) -> None:
+    offset = slot * mgr.store.bytes_per_page + at
+    with open(mgr.store.path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@contextlib.contextmanager
+def capture_op_logs():
+    """capture_logs() with info-level events let through (tests/conftest.py filters below WARNING)."""
+    old = structlog.get_config()["wrapper_class"]
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    try:
+        with capture_logs() as logs:
+            yield logs
+    finally:
+        structlog.configure(wrapper_class=old)
+
+
+def toks(*runs: tuple[int, int]) -> tuple[int, ...]:
+    out: list[int] = []
+    for lo, hi in runs:
+        out.extend(range(lo, hi))
+    return tuple(out)
+
+
+def op_transitions(logs: list[dict], kind: str | None = None) -> dict[int, list[str]]:
+    """From captured logs: op id -> [initial state, every state it entered], in order."""
+    out: dict[int, list[str]] = {}
+    for e in logs:
+        if e.get("event") == "op" and (kind is None or e["kind"] == kind):
+            out.setdefault(e["op_id"], [e["from_state"]]).append(e["to_state"])
+    return out

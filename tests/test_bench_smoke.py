@@ -1,0 +1,133 @@
+"""Smoke tests of the benchmark scripts on the CPU (tiny model, tiny sizes): they run end to end,
+their JSON carries the documented keys, every output equals recompute and the integrity check passes.
+The scripts' main(argv) is called in-process (no second interpreter start-up)."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+CPU = ["--model", "tiny", "--device", "cpu"]
+
+
+def load(name: str):
+    if str(SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(SCRIPTS))
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def latency():
+    return load("bench_hicache")
+
+
+@pytest.fixture(scope="module")
+def stress():
+    return load("bench_hicache_stress")
+
+
+LATENCY_KEYS = {"outputs_match", "integrity", "latency_ms", "hit_tokens", "floor_ms", "ratio_to_floor", "gib_s",
+                "tier", "policy", "model", "prefix_tokens", "restore_ms", "l3_extents", "limits", "decisions"}
+
+
+def check_latency(r: dict, tier: str, iterations: int) -> None:
+    assert LATENCY_KEYS <= set(r), LATENCY_KEYS - set(r)
+    assert r["outputs_match"] is True, r["notes"]
+    assert r["integrity"] == "passed"
+    assert r["tier"] == tier and r["model"] == "tiny"
+    assert {"p50", "mean"} <= set(r["latency_ms"]) and r["latency_ms"]["p50"] > 0
+    assert set(r["hit_tokens"]) == {"l1", "l2", "l3"}
+    assert set(r["gib_s"]) == {"d2h", "h2d", "h2s", "s2h"}
+    assert {"h2d_gib_s", "d2h_gib_s", "file_read_gib_s", "tail_forward_ms"} <= set(r["limits"])
+    assert r["limits"]["tail_forward_ms"] > 0
+    assert {"sources", "policy_skips"} <= set(r["decisions"])
+    if tier != "none":  # --policy always: every measured request restored from the forced tier
+        assert r["decisions"]["sources"][tier] == iterations
+        assert r["floor_ms"] > 0 and r["ratio_to_floor"] > 0
+        assert r["restore_ms"] > 0 and r["gib_s"]["h2d"] > 0
+    else:
+        assert r["floor_ms"] is None and r["decisions"]["sources"]["recompute"] == iterations
+
+
+def test_latency_l2_sweep_with_recompute(latency, tmp_path):
+    out = tmp_path / "l2.json"
+    rc = latency.main(CPU + ["--tier", "l2", "--policy", "always", "--prefix-tokens", "33,64", "--iterations", "4",
+                             "--warmup-alternations", "1", "--compare-recompute", "--out", str(out),
+                             "--storage-path", str(tmp_path / "l3.kv")])
+    assert rc == 0
+    results = json.loads(out.read_text())
+    assert [r["prefix_tokens"] for r in results] == [33, 64]
+    for r in results:
+        check_latency(r, "l2", 4)
+        assert r["hit_tokens"]["l2"] == 4 * r["reusable_tokens"]
+        assert r["speedup_vs_recompute"] > 0 and r["recompute"]["outputs_match"] is True
+        assert r["outputs_match_l1_hit"] is True and r["mismatches_vs_recompute"] == 0
+    assert results[0]["tail_tokens"] == 33 - 32 + 1  # page size 4 on the CPU
+
+
+def test_latency_l3_cold_json_stdout(latency, tmp_path, capsys):
+    path = tmp_path / "l3.kv"
+    rc = latency.main(CPU + ["--tier", "l3", "--policy", "always", "--prefix-tokens", "64", "--iterations", "4",
+                             "--warmup-alternations", "1", "--storage-cache", "cold", "--storage-path", str(path),
+                             "--json"])
+    assert rc == 0
+    r = json.loads(capsys.readouterr().out)  # --json: stdout is pure JSON
+    check_latency(r, "l3", 4)
+    assert r["hit_tokens_by_source"]["l3"] == 4 * 64
+    assert r["l3_extents"] >= 1 and r["limits"]["file_read_gib_s"] > 0 and r["gib_s"]["s2h"] > 0
+    assert r["storage_cache"] == "cold"
+    assert not path.exists()  # the benchmark's L3 file is removed
+
+
+def test_latency_none(latency, tmp_path):
+    out = tmp_path / "none.json"
+    assert latency.main(CPU + ["--tier", "none", "--prefix-tokens", "40", "--iterations", "2",
+                               "--warmup-alternations", "0", "--out", str(out),
+                               "--storage-path", str(tmp_path / "l3.kv")]) == 0
+    check_latency(json.loads(out.read_text()), "none", 2)
+
+
+STRESS_KEYS = {"tier", "req_s", "latency_ms", "hit_tokens", "recomputed_tokens", "bytes", "integrity",
+               "outputs_match"}
+
+
+def test_stress_tiers_and_decode(stress, tmp_path):
+    out = tmp_path / "stress.json"
+    rc = stress.main(CPU + ["--tiers", "none,l2,l3", "--policy", "always", "--num-prefixes", "4",
+                            "--prefix-tokens", "48", "--requests", "16", "--warmup", "2",
+                            "--decode-batch", "4", "--decode-tokens", "6", "--decode-repeats", "2", "--json",
+                            "--out", str(out), "--storage-path", str(tmp_path / "l3.kv")])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["outputs_match"] is True and res["integrity"] == "passed"
+    assert res["baseline"] == "none" and res["restore_tiers_agree"] is True
+    tiers = {r["tier"]: r for r in res["tiers"]}
+    assert set(tiers) == {"none", "l2", "l3"}
+    for r in tiers.values():
+        assert STRESS_KEYS <= set(r), STRESS_KEYS - set(r)
+        assert {"p50", "p95", "p99"} <= set(r["latency_ms"])
+        assert r["completed"] == 16 and r["req_s"] > 0 and r["outputs_match"] is True
+        assert set(r["bytes"]) == {"d2h", "h2d", "h2s", "s2h"}
+    assert tiers["none"]["bytes"]["d2h"] == 0
+    assert tiers["l2"]["hit_tokens"]["l2"] > 0 and tiers["l2"]["bytes"]["h2d"] > 0
+    assert tiers["l3"]["tokens_read_from_l3"] > 0 and tiers["l3"]["bytes"]["h2s"] > 0
+    d = res["decode"]
+    assert d["outputs_match"] is True and d["ratio_on_off"] > 0
+    assert d["hicache_on"]["decode_tok_s"] > 0 and d["hicache_off"]["decode_tok_s"] > 0
+    assert d["hicache_on"]["bytes"]["d2h"] > 0 and d["hicache_off"]["bytes"]["d2h"] == 0
+
+
+def test_stress_single_tier_checks_against_reference(stress, tmp_path):
+    out = tmp_path / "one.json"
+    rc = stress.main(CPU + ["--tier", "l2", "--num-prefixes", "3", "--prefix-tokens", "32", "--requests", "9",
+                            "--warmup", "0", "--batch-size", "3", "--out", str(out),
+                            "--storage-path", str(tmp_path / "l3.kv")])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["baseline"] == "reference" and [r["tier"] for r in res["tiers"]] == ["l2"]
+    assert res["outputs_match"] is True and res["integrity"] == "passed"

@@ -1,0 +1,450 @@
+"""The fault matrix, through the real Engine (tiny preset, CPU, all three tiers).
+
+Each cell (fault, state) injects one fault while an operation is in (or has just passed) one state of
+the backup or restore machine, and checks: the request still completes with the output of a plain
+recompute (an engine without any cache); the failure is counted (metrics "failures" / "fallbacks" /
+"cancellations") and logged (an op event into FAILED or CANCELLED, whose from_state is the targeted
+state); integrity holds; after every request ended and the cache drained no tier holds a private page.
+docs/reliability.md has the table of cells with their observed behaviour.
+
+Holding an op in a state: an L3 read is held with SLOW_READ (a worker sleeps before reading); a
+device/host copy or an L3 write is held by a gate that keeps its completion back until the test
+releases it (on the GPU such copies really are in flight for a while; on the CPU they complete
+when enqueued, so without the gate nothing could ever land "while pending").
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import random
+import threading
+
+import pytest
+
+from hicache.faults import Fault, FaultInjector
+from hicache.ops import OpState
+from hicache.radix import Tier
+from hicache_helpers import assert_whole, capture_op_logs, flip_l3_byte
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
+from scheduler.request import RequestError, SamplingParams
+
+VOCAB = 512
+PAGE = 4
+MAX_TOKENS = 4
+_rng = random.Random(7)
+PROMPT = [_rng.randrange(VOCAB) for _ in range(6 * PAGE + 1)]  # 24 reusable tokens: 6 pages
+OTHER = [_rng.randrange(VOCAB) for _ in range(3 * PAGE + 2)]
+REUSABLE = len(PROMPT) - 1
+PARAMS = SamplingParams(max_tokens=MAX_TOKENS)
+
+
+# -- references and engines ----------------------------------------------------------------------
+_REFERENCE: dict = {}
+
+
+async def reference(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """Greedy output of an engine without any cache (no prefix reuse, no hierarchy)."""
+    key = (tuple(prompt), max_tokens)
+    if key not in _REFERENCE:
+        eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=256, page_size=PAGE,
+                                  enable_prefix_cache=False))
+        out = await eng.generate_async([prompt], SamplingParams(max_tokens=max_tokens))
+        await eng.shutdown()
+        _REFERENCE[key] = out[0].output_ids
+    return _REFERENCE[key]
+
+
+def make_engine(faults: FaultInjector | None = None, num_pages: int = 48, **hicache) -> Engine:
+    hicache.setdefault("transfer_backend", "torch")
+    config = EngineConfig(model="tiny", device="cpu", num_pages=num_pages, page_size=PAGE).with_hicache(
+        enable=True, policy="always", **hicache)
+    return Engine(config, faults=faults or FaultInjector())
+
+
+async def run_one(eng: Engine, prompt: list[int] = PROMPT, max_tokens: int = MAX_TOKENS):
+    out = await eng.generate_async([prompt], SamplingParams(max_tokens=max_tokens))
+    return out[0]
+
+
+async def finish(eng: Engine) -> None:
+    """End of a test: every request ended, the cache drained -> every tier whole, then close."""
+    await eng.stop_loop()
+    await eng.cache.drain()
+    assert not eng.requests
+    assert_whole(eng.cache)
+    await eng.shutdown()
+
+
+def only_in_l3(eng: Engine, tokens) -> None:
+    """Evict the prefix from L1 and L2 (engine idle): only L3 holds it."""
+    eng.cache.tree.evict(Tier.L1, eng.cache.l1.num_pages)
+    eng.cache.tree.evict(Tier.L2, eng.cache.l2.num_pages)
+    assert eng.cache.tree.match(tokens, touch=False).lengths == [0, 0, len(tokens)]
+
+
+def op_paths(logs: list[dict]) -> list[tuple[str, list[str]]]:
+    """(kind, states entered) per op, in the order the ops first logged."""
+    paths: dict[int, tuple[str, list[str]]] = {}
+    for e in logs:
+        if e.get("event") == "op":
+            paths.setdefault(e["op_id"], (e["kind"], [e["from_state"]]))[1].append(e["to_state"])
+    return list(paths.values())
+
+
+def ended(logs: list[dict], end: str) -> list[dict]:
+    """Op events into FAILED / CANCELLED."""
+    return [e for e in logs if e.get("event") == "op" and e["to_state"] == end]
+
+
+async def until(predicate, timeout_s: float = 10.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.001)
+
+
+def live_in(eng: Engine, state: OpState):
+    return [op for op in eng.cache.runner.live.values() if op.state is state]
+
+
+class TransferGate:
+    """Holds back the completion of device<->host copies of one direction until released."""
+
+    def __init__(self, eng: Engine, direction: str) -> None:
+        self.direction, self.release = direction, asyncio.Event()
+        transfer = eng.cache.transfer
+        self._wait = transfer.wait
+        transfer.wait = self.wait
+
+    async def wait(self, tr):
+        if tr.direction == self.direction:
+            await self.release.wait()
+        return await self._wait(tr)
+
+
+class WriteGate:
+    """Holds back the completion of L3 writes (the bytes are written; the future resolves later)."""
+
+    def __init__(self, eng: Engine) -> None:
+        self.gate = threading.Event()
+        store = eng.cache.store
+        self._write = store.write_pages
+        store.write_pages = self.write_pages
+
+    def write_pages(self, *args, **kwargs):
+        inner, outer = self._write(*args, **kwargs), cf.Future()
+
+        def relay():
+            self.gate.wait()
+            try:
+                outer.set_result(inner.result())
+            except BaseException as exc:
+                outer.set_exception(exc)
+        threading.Thread(target=relay, daemon=True).start()
+        return outer
+
+    def release(self) -> None:
+        self.gate.set()
+
+
+# -- the matrix ----------------------------------------------------------------------------------
+FAULT_KIND = {"eio_write": "eio", "short_write": "short", "enospc_write": "enospc", "eio_read": "eio",
+              "short_read": "short", "slow_read": "timeout", "bit_flip": "checksum",
+              "transfer_raise": "transfer"}
+ARM = {"eio_write": Fault.EIO_WRITE, "short_write": Fault.SHORT_WRITE, "enospc_write": Fault.ENOSPC_WRITE,
+       "eio_read": Fault.EIO_READ, "short_read": Fault.SHORT_READ, "slow_read": Fault.SLOW_READ,
+       "transfer_raise": Fault.TRANSFER_RAISE}
+
+BACKUP_CELLS = [
+    ("transfer_raise", "D2H_PENDING"),
+    ("eio_write", "H2S_PENDING"), ("short_write", "H2S_PENDING"), ("enospc_write", "H2S_PENDING"),
+    # the published state between: L2 pages published after D2H survive the H2S failure and serve
+    ("eio_write", "L1_L2"), ("short_write", "L1_L2"), ("enospc_write", "L1_L2"),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fault,state", BACKUP_CELLS, ids=[f"{f}@{s}" for f, s in BACKUP_CELLS])
+async def test_backup_fault(fault, state):
+    faults = FaultInjector()
+    eng = make_engine(faults)
+    await eng.start()
+    want = await reference(PROMPT, 1)
+    # the first copy / write is the backup of this request's prompt; with one output token the
+    # request publishes nothing more when it finishes, so that backup is the only op
+    faults.arm(ARM[fault])
+    with capture_op_logs() as logs:
+        first = await run_one(eng, max_tokens=1)
+        await eng.cache.drain()
+    assert first.output_ids == want and first.error is None
+    failed = ended(logs, "FAILED")
+    assert len(failed) == 1 and failed[0]["kind"] == "backup"
+    pending = "D2H_PENDING" if state == "D2H_PENDING" else "H2S_PENDING"
+    assert failed[0]["from_state"] == pending  # the op really was in that state when the fault struck
+    [(_, path)] = op_paths(logs)
+    metrics = eng.metrics()
+    assert metrics["failures"] == {FAULT_KIND[fault]: 1} and metrics["fallbacks"] == 0  # no request fell back
+    tokens = PROMPT[:REUSABLE]
+    m = eng.cache.tree.match(tokens, touch=False)
+    if state == "D2H_PENDING":
+        assert path == ["L1_PRIVATE", "D2H_PENDING", "FAILED"]
+        assert m.lengths == [REUSABLE, 0, 0]  # nothing was published below L1
+    else:
+        assert path == ["L1_PRIVATE", "D2H_PENDING", "L1_L2", "H2S_PENDING", "FAILED"]
+        assert m.lengths == [REUSABLE, REUSABLE, 0]  # L2 was published before the write failed
+    eng.check_integrity()
+
+    if state == "L1_L2":  # the published L2 pages are whole: an L2 restore serves the prompt
+        eng.cache.tree.evict(Tier.L1, eng.cache.l1.num_pages)
+        with capture_op_logs() as logs:
+            again = await run_one(eng, max_tokens=1)
+        assert again.output_ids == want and again.cached_tokens["l2"] == REUSABLE
+        assert ("restore_l2", ["L2", "H2D_PENDING", "L1_L2"]) in op_paths(logs)
+    else:
+        again = await run_one(eng, max_tokens=1)
+        assert again.output_ids == want and again.cached_tokens["l1"] == REUSABLE
+    await finish(eng)
+
+
+RESTORE_CELLS = [
+    (fault, "S2H_PENDING", mode) for fault in ("eio_read", "short_read", "slow_read", "bit_flip")
+    for mode in ("prefetch", "blocking")
+] + [
+    ("transfer_raise", "H2D_PENDING", "prefetch"), ("transfer_raise", "H2D_PENDING", "blocking"),
+    # the published state between: promoted L2 pages survive the H2D failure and serve a retry
+    ("transfer_raise", "L2_L3", "prefetch"), ("transfer_raise", "L2_L3", "blocking"),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("fault,state,mode", RESTORE_CELLS, ids=[f"{f}@{s}-{m}" for f, s, m in RESTORE_CELLS])
+async def test_restore_fault(fault, state, mode):
+    """mode "prefetch": the default engine path (an L3 hit is promoted by a PREFETCH_L3 op when the
+    request is queued, then restored from L2 by RESTORE_L2); "blocking" (--disable-hicache-prefetch):
+    one RESTORE_L3 op runs L3 -> S2H_PENDING -> L2_L3 -> H2D_PENDING -> L1_L2_L3."""
+    faults = FaultInjector()
+    eng = make_engine(faults, prefetch=(mode == "prefetch"), io_timeout_s=0.05)
+    await eng.start()
+    want = await reference(PROMPT)
+    tokens = PROMPT[:REUSABLE]
+    assert (await run_one(eng)).output_ids == want
+    await eng.cache.drain()
+    only_in_l3(eng, tokens)
+    flipped_page = None
+    if fault == "bit_flip":
+        flipped_page = 3
+        flip_l3_byte(eng.cache, eng.cache.tree.match(tokens, touch=False).pages[Tier.L3][flipped_page])
+    else:
+        faults.arm(ARM[fault], delay_s=0.3 if fault == "slow_read" else 0.0)
+
+    with capture_op_logs() as logs:
+        result = await run_one(eng)
+        await eng.cache.drain()
+    assert result.output_ids == want and result.error is None
+    failed = ended(logs, "FAILED")
+    assert len(failed) == 1, op_paths(logs)
+    pending = "H2D_PENDING" if state in ("H2D_PENDING", "L2_L3") else "S2H_PENDING"
+    assert failed[0]["from_state"] == pending
+    assert failed[0]["kind"] == {("prefetch", "S2H_PENDING"): "prefetch_l3",
+                                 ("prefetch", "H2D_PENDING"): "restore_l2"}.get((mode, pending), "restore_l3")
+    metrics = eng.metrics()
+    assert metrics["failures"] == {FAULT_KIND[fault]: 1} and metrics["fallbacks"] >= 1
+    paths = op_paths(logs)
+    if state in ("H2D_PENDING", "L2_L3"):  # the promotion happened, then the copy to L1 failed
+        if mode == "prefetch":
+            assert ("prefetch_l3", ["L3", "S2H_PENDING", "L2_L3"]) in paths
+        else:
+            assert ("restore_l3", ["L3", "S2H_PENDING", "L2_L3", "H2D_PENDING", "FAILED"]) in paths
+        assert result.cached_tokens["l1"] == 0  # the request recomputed its prefix
+    eng.check_integrity()
+    m = eng.cache.tree.match(tokens, touch=False)
+    if fault == "bit_flip":  # the corrupt page lost its L3 residency and the request recomputed
+        assert m.lengths[Tier.L3] <= flipped_page * PAGE
+        assert result.cached_tokens == {"l1": 0, "l2": 0, "l3": 0}
+        assert metrics["recomputed_tokens"] >= 2 * len(PROMPT)
+    if state == "L2_L3":  # promoted pages stayed published: after L1 loses it, L2 serves it whole
+        assert m.lengths[Tier.L2] == REUSABLE
+        eng.cache.tree.evict(Tier.L1, eng.cache.l1.num_pages)
+        with capture_op_logs() as logs:
+            again = await run_one(eng)
+        assert again.output_ids == want and again.cached_tokens["l2"] == REUSABLE
+        assert ("restore_l2", ["L2", "H2D_PENDING", "L1_L2"]) in op_paths(logs)
+    await finish(eng)
+
+
+# -- cancellation cells --------------------------------------------------------------------------
+@pytest.mark.asyncio
+@pytest.mark.parametrize("state", ["S2H_PENDING", "H2D_PENDING"])
+async def test_abort_cancels_a_pending_restore(state):
+    """engine.abort while the request's restore is pending: the op ends CANCELLED once its copy
+    settled, its private pages are freed, and the same prompt later completes normally."""
+    faults = FaultInjector()
+    eng = make_engine(faults)
+    await eng.start()
+    want = await reference(PROMPT)
+    tokens = PROMPT[:REUSABLE]
+    await run_one(eng)
+    await eng.cache.drain()
+    only_in_l3(eng, tokens)
+    gate = None
+    if state == "S2H_PENDING":
+        faults.arm(Fault.SLOW_READ, delay_s=0.3)
+    else:
+        gate = TransferGate(eng, "h2d")
+    with capture_op_logs() as logs:
+        task = asyncio.create_task(run_one(eng))
+        await until(lambda: live_in(eng, OpState[state]))
+        [op] = live_in(eng, OpState[state])
+        assert await eng.abort(op.request_id)
+        if gate is not None:
+            await until(lambda: op.payload["cancel"])
+            gate.release.set()
+        result = await task
+        await eng.cache.drain()
+    assert result.finish_reason == "abort" and result.output_ids == []
+    [cancelled] = ended(logs, "CANCELLED")
+    assert cancelled["from_state"] == state and cancelled["op_id"] == op.op_id
+    assert eng.metrics()["cancellations"] == 1
+    assert_whole(eng.cache)
+    assert (await run_one(eng)).output_ids == want
+    await finish(eng)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("state", ["D2H_PENDING", "H2S_PENDING"])
+async def test_shutdown_cancels_a_pending_backup(state):
+    """Backups belong to no request (an abort does not stop them); process-level cancellation is
+    shutdown, which cancels pending ops and waits for their copies to settle before freeing."""
+    eng = make_engine()
+    await eng.start()
+    want = await reference(PROMPT)
+    if state == "D2H_PENDING":
+        gate = TransferGate(eng, "d2h")
+        release = gate.release.set
+    else:
+        gate = WriteGate(eng)
+        release = gate.release
+    with capture_op_logs() as logs:
+        result = await run_one(eng)
+        await until(lambda: live_in(eng, OpState[state]))
+        [op] = live_in(eng, OpState[state])
+        closing = asyncio.create_task(eng.shutdown())
+        await until(lambda: op.payload["cancel"])
+        release()
+        await closing
+    assert result.output_ids == want
+    [cancelled] = ended(logs, "CANCELLED")
+    assert cancelled["from_state"] == state and cancelled["kind"] == "backup"
+    assert eng.metrics()["cancellations"] == 1
+    assert_whole(eng.cache)
+    m = eng.cache.tree.match(PROMPT[:REUSABLE], touch=False)
+    assert m.lengths == ([REUSABLE, 0, 0] if state == "D2H_PENDING" else [REUSABLE, REUSABLE, 0])
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("state,mode", [("D2H_PENDING", "prefetch"), ("H2S_PENDING", "prefetch"),
+                                        ("S2H_PENDING", "prefetch"), ("H2D_PENDING", "prefetch"),
+                                        ("S2H_PENDING", "blocking"), ("H2D_PENDING", "blocking")])
+async def test_abort_during_each_pending_state_keeps_accounting_whole(state, mode):
+    """Abort every request while an op is held in `state`: once copies settle, every tier's
+    owned + free pages are its capacity, nothing is private, and the engine serves on correctly."""
+    faults = FaultInjector()
+    eng = make_engine(faults, prefetch=(mode == "prefetch"))
+    await eng.start()
+    want = await reference(PROMPT)
+    tokens = PROMPT[:REUSABLE]
+    release = None
+    if state in ("S2H_PENDING", "H2D_PENDING"):
+        await run_one(eng)
+        await eng.cache.drain()
+        only_in_l3(eng, tokens)
+        if state == "S2H_PENDING":
+            faults.arm(Fault.SLOW_READ, delay_s=0.3)
+        else:
+            release = TransferGate(eng, "h2d").release.set
+    elif state == "D2H_PENDING":
+        release = TransferGate(eng, "d2h").release.set
+    else:
+        release = WriteGate(eng).release
+    long_params = SamplingParams(max_tokens=64)
+    tasks = [asyncio.create_task(eng.generate_async([p], long_params)) for p in (PROMPT, OTHER)]
+    await until(lambda: live_in(eng, OpState[state]))
+    for rid in list(eng.requests):
+        await eng.abort(rid)
+    if release is not None:
+        release()
+    results = [r for t in tasks for r in await t]
+    assert all(r.finish_reason in ("abort", "length") for r in results)
+    assert any(r.finish_reason == "abort" for r in results)
+    await eng.cache.drain()
+    for r in results:  # an aborted request's partial output is a prefix of the recompute
+        assert r.output_ids == (await reference(PROMPT if r.prompt_tokens == len(PROMPT) else OTHER,
+                                                64))[: len(r.output_ids)]
+    assert_whole(eng.cache)
+    assert (await run_one(eng)).output_ids == want
+    await finish(eng)
+
+
+# -- a parked restore does not block decode ------------------------------------------------------
+@pytest.mark.asyncio
+async def test_parked_restore_does_not_block_decode():
+    faults = FaultInjector()
+    eng = make_engine(faults, num_pages=96)
+    await eng.start()
+    tokens = PROMPT[:REUSABLE]
+    await run_one(eng)
+    await eng.cache.drain()
+    only_in_l3(eng, tokens)
+    assert eng.metrics()["restore_overlapped_s"] == 0.0  # backups alone are not restores
+    faults.arm(Fault.SLOW_READ, delay_s=0.3)
+    with capture_op_logs() as logs:
+        decoding = asyncio.create_task(run_one(eng, OTHER, max_tokens=300))
+        await until(lambda: any(e.get("event") == "batch" and e["kind"] == "decode" for e in logs))
+        restoring = await run_one(eng)
+        other = await decoding
+    assert restoring.output_ids == await reference(PROMPT)
+    assert restoring.cached_tokens["l3"] == REUSABLE
+    assert other.output_ids == await reference(OTHER, 300)
+    [promotion] = [e for e in logs if e.get("event") == "op" and e["to_state"] == "L2_L3"]
+    [start] = [e for e in logs if e.get("event") == "op" and e["op_id"] == promotion["op_id"]
+               and e["to_state"] == "S2H_PENDING"]
+    decode_during = [e for e in logs if e.get("event") == "batch" and e["kind"] == "decode"
+                     and start["ts_ns"] < e["start_ns"] and e["end_ns"] < promotion["ts_ns"]]
+    assert len(decode_during) >= 5, "decode stalled while the L3 read was pending"
+    assert eng.metrics()["restore_overlapped_s"] > 0
+    await finish(eng)
+
+
+# -- bad input -----------------------------------------------------------------------------------
+BAD_INPUTS = {
+    "empty_prompt": ([], PARAMS, "non-empty"),
+    "out_of_vocab": ([1, 2, VOCAB], PARAMS, "vocabulary"),
+    "negative_id": ([1, -1, 2], PARAMS, "vocabulary"),
+    "not_int": ([1, 2.0, 3], PARAMS, "vocabulary"),
+    "max_tokens_zero": ([1, 2, 3], SamplingParams(max_tokens=0), "max_tokens"),
+    "max_tokens_negative": ([1, 2, 3], SamplingParams(max_tokens=-3), "max_tokens"),
+    "longer_than_pool": (list(range(48 * PAGE + 1)), PARAMS, "exceeds"),
+    "prompt_plus_output_exceed_pool": (list(range(40 * PAGE)), SamplingParams(max_tokens=9 * PAGE), "pool"),
+}
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+async def test_bad_input_fails_only_its_request(case):
+    prompt, params, message = BAD_INPUTS[case]
+    eng = make_engine()
+    await eng.start()
+    good = asyncio.create_task(run_one(eng, PROMPT, max_tokens=16))
+    await asyncio.sleep(0)
+    with pytest.raises(RequestError, match=message):
+        eng.add_request(prompt, params)
+    with pytest.raises(RequestError, match=message):
+        async for _ in eng.submit(prompt, params):
+            pass
+    [bad] = await eng.generate_async([prompt], params)
+    assert bad.finish_reason == "error" and message in bad.error and bad.output_ids == []
+    assert (await good).output_ids == await reference(PROMPT, 16)
+    await finish(eng)
