@@ -27,6 +27,7 @@ from hicache.faults import FaultInjector
 from hicache.geometry import KVGeometry
 from hicache.metrics import Metrics
 from hicache.operations import OpRunner
+from hicache.ops import OpKind
 from hicache.pools import DevicePool, HostPool
 from hicache.radix import MatchResult, Node, RadixTree, Tier
 from hicache.transfer import TransferEngine
@@ -194,6 +195,10 @@ class CacheManager:
     # -- lifecycle -----------------------------------------------------------------------------
     def pending_ops(self) -> int:
         return len(self.runner.live)
+
+    def pending_restores(self) -> int:
+        """Live restores and prefetches (what a parked request waits for); backups excluded."""
+        return sum(op.kind is not OpKind.BACKUP for op in self.runner.live.values())
 
     async def drain(self, cancel: bool = False) -> None:
         await self.runner.drain(cancel=cancel)

@@ -119,7 +119,7 @@ class RedisStore:
         self.pages_per_chunk = max(1, min(1024, chunk_bytes // (HEADER.size + self.bytes_per_page)))
         self.hint_timeout_s, self.backoff_s = hint_timeout_s, backoff_s
         self._client_kwargs = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
-                                   retry=Retry(NoBackoff(), 1), decode_responses=False)
+                                   retry=Retry(NoBackoff(), 1), decode_responses=False, socket_read_size=1 << 20)
         aioredis.from_url(url, **self._client_kwargs)  # validates the URL now (connects lazily)
         self._redis: aioredis.Redis | None = None
         self._loop: asyncio.AbstractEventLoop | None = None

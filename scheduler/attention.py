@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from kernels.decode_attention import decode_attention_triton
+
 
 @dataclass
 class _PrefillPlan:
@@ -163,6 +165,9 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, batch: A
     """q: [T, Hq, D] (the new tokens, batch order) -> [T, Hq, D]. The new K/V must already be written."""
     kv_layer = kv_pool[:, layer]  # [2, P, S, Hkv, D]
     if batch.is_decode:
+        if q.is_cuda:  # paged flash-decoding: reads K/V through the page table, no gather copy
+            return decode_attention_triton(q, kv_pool[0, layer], kv_pool[1, layer], batch.page_tables,
+                                           batch.seq_lens, scale)
         return decode_attention(q, kv_layer, batch.page_tables, batch.seq_lens, scale)
     _, _, page_size, num_kv_heads, head_dim = kv_layer.shape
     plan = batch.plan(page_size)

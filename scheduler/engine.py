@@ -296,7 +296,7 @@ class Engine:
         reqs, chunks, binput = work
         self._batch_id += 1
         start_ns = time.monotonic_ns()
-        restoring = self.cache.pending_ops() > 0
+        restoring = self.cache.pending_restores() > 0  # backups in flight are not restores
         handle = self.runner.launch(binput)
         next_ids = await self.runner.collect(handle)
         await asyncio.sleep(0)  # on the CPU nothing above yields: let streams and aborts run

@@ -226,11 +226,15 @@ async def test_restore_fault(fault, state, mode):
     request is queued, then restored from L2 by RESTORE_L2); "blocking" (--disable-hicache-prefetch):
     one RESTORE_L3 op runs L3 -> S2H_PENDING -> L2_L3 -> H2D_PENDING -> L1_L2_L3."""
     faults = FaultInjector()
-    eng = make_engine(faults, prefetch=(mode == "prefetch"), io_timeout_s=0.05)
+    # bit flip: with selective write-through the request's recompute does not write the prefix
+    # back, so the test can see the corrupt page's residency gone afterwards
+    eng = make_engine(faults, prefetch=(mode == "prefetch"), io_timeout_s=0.05,
+                      write_policy="write_through_selective" if fault == "bit_flip" else "write_through")
     await eng.start()
     want = await reference(PROMPT)
     tokens = PROMPT[:REUSABLE]
     assert (await run_one(eng)).output_ids == want
+    eng.cache.runner.start_backup(tokens)  # (a no-op under write_through: already backed up)
     await eng.cache.drain()
     only_in_l3(eng, tokens)
     flipped_page = None
@@ -320,7 +324,7 @@ async def test_shutdown_cancels_a_pending_backup(state):
     shutdown, which cancels pending ops and waits for their copies to settle before freeing."""
     eng = make_engine()
     await eng.start()
-    want = await reference(PROMPT)
+    want = await reference(PROMPT, 1)
     if state == "D2H_PENDING":
         gate = TransferGate(eng, "d2h")
         release = gate.release.set
@@ -328,7 +332,7 @@ async def test_shutdown_cancels_a_pending_backup(state):
         gate = WriteGate(eng)
         release = gate.release
     with capture_op_logs() as logs:
-        result = await run_one(eng)
+        result = await run_one(eng, max_tokens=1)  # one output token: one backup, at prefill end
         await until(lambda: live_in(eng, OpState[state]))
         [op] = live_in(eng, OpState[state])
         closing = asyncio.create_task(eng.shutdown())

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device run: install the carried wheels, then run the named steps, each under its own timeout,
+# writing logs and JSON into $OUT. Usage: bash scripts/gpu_session.sh STEP [STEP ...]
+set -u
+export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="/tmp/site:$PWD"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  >/dev/null 2>&1 || echo "wheel install failed"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+step() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; \
+         echo "rc=$?"; tail -n 25 "$OUT/$name.log"; }
+for s in "$@"; do
+  case $s in
+    info) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; df -h . | tail -1 ;;
+    tests) step tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py tests/test_decode_attention.py ;;
+    transfer) step transfer 200 python3 scripts/bench_transfer.py --out "$OUT/transfer.json" ;;
+    engine) step engine 300 python3 scripts/bench_engine.py --model qwen3-8b --out "$OUT/engine.json" ;;
+    latency_l2) step latency_l2 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000,2000,3500,8000 --compare-recompute --json --out "$OUT/latency_l2.json" ;;
+    latency_l3) step latency_l3 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500 --storage-cache cold --json --out "$OUT/latency_l3.json" ;;
+    stress) step stress 400 python3 scripts/bench_hicache_stress.py --model qwen3-8b --json --out "$OUT/stress.json" ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
