@@ -7,6 +7,7 @@ write their K/V into a private scratch page and attend to it only, so padding ne
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from scheduler.attention import AttentionBatch
@@ -28,7 +29,11 @@ class DecodeGraphs:
         self.out_slots = torch.full((n,), scratch_page * page_size, **i64)  # [B]
         self.page_tables = torch.full((n, max_pages_per_seq), scratch_page, **i64)  # [B, M]
         self.seq_lens = torch.ones(n, **i64)                              # [B]
+        # pinned staging, filled on the host each step (no per-step pinned allocation)
+        self.host_rows = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)  # ids, pos, slot, len
+        self.host_tables = torch.full((n, max_pages_per_seq), scratch_page, dtype=torch.int64, pin_memory=True)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._staged: torch.cuda.Event | None = None
         self.logits: dict[int, torch.Tensor] = {}
 
     def _batch(self, bs: int) -> AttentionBatch:
@@ -64,19 +69,32 @@ class DecodeGraphs:
         any row attends, so row i seeing keys < position+1 is exactly causal). -> logits [rows, V]."""
         rows = len(input_ids)
         graph_bs = next(b for b in self.batch_sizes if b >= rows)
-        ps, pad = self.page_size, graph_bs - rows
-        scratch_slot = self.scratch_page * ps
-        slots = [pt[p // ps] * ps + p % ps for pt, p in zip(page_tables, positions)]
-        host = torch.tensor([input_ids + [0] * pad, positions + [0] * pad, slots + [scratch_slot] * pad,
-                             [p + 1 for p in positions] + [1] * pad], dtype=torch.int64)  # [4, graph_bs]
-        host_pt = torch.full((graph_bs, self.max_pages), self.scratch_page, dtype=torch.int64)
+        ps = self.page_size
+        # the previous step's copies out of the staging buffers must be done before we refill them
+        if self._staged is not None:
+            self._staged.synchronize()
+        host = self.host_rows.numpy()  # [4, n]
+        tables = self.host_tables.numpy()  # [n, M]
+        pos = np.asarray(positions, dtype=np.int64)
+        host[0, :rows] = input_ids
+        host[1, :rows] = pos
+        host[3, :rows] = pos + 1
+        width = 0
         for i, pt in enumerate(page_tables):
-            host_pt[i, : len(pt)] = torch.tensor(pt, dtype=torch.int64)
-        host, host_pt = host.pin_memory(), host_pt.pin_memory()
-        self.ids[:graph_bs].copy_(host[0], non_blocking=True)
-        self.positions[:graph_bs].copy_(host[1], non_blocking=True)
-        self.out_slots[:graph_bs].copy_(host[2], non_blocking=True)
-        self.seq_lens[:graph_bs].copy_(host[3], non_blocking=True)
-        self.page_tables[:graph_bs].copy_(host_pt, non_blocking=True)
+            if i == 0 or pt is not page_tables[i - 1]:
+                row = np.asarray(pt, dtype=np.int64)
+            tables[i, : len(pt)] = row
+            width = max(width, len(pt))
+        host[2, :rows] = tables[np.arange(rows), pos // ps] * ps + pos % ps
+        host[:, rows:graph_bs] = np.array([[0], [0], [self.scratch_page * ps], [1]])
+        tables[rows:graph_bs, :width] = self.scratch_page
+        self.ids[:graph_bs].copy_(self.host_rows[0, :graph_bs], non_blocking=True)
+        self.positions[:graph_bs].copy_(self.host_rows[1, :graph_bs], non_blocking=True)
+        self.out_slots[:graph_bs].copy_(self.host_rows[2, :graph_bs], non_blocking=True)
+        self.seq_lens[:graph_bs].copy_(self.host_rows[3, :graph_bs], non_blocking=True)
+        # only columns that can be < seq_len are read; stale columns beyond a row's length are masked
+        self.page_tables[:graph_bs, :width].copy_(self.host_tables[:graph_bs, :width], non_blocking=True)
         self.graphs[graph_bs].replay()
+        self._staged = torch.cuda.Event()
+        self._staged.record()
         return self.logits[graph_bs][:rows]

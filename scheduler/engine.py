@@ -124,9 +124,10 @@ class Engine:
     def validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
         if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
             raise RequestError("prompt must be a non-empty list of token ids")
-        for t in prompt:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise RequestError(f"token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        vocab = self.vocab_size
+        if not all(type(t) is int for t in prompt) or min(prompt) < 0 or max(prompt) >= vocab:
+            bad = next(t for t in prompt if type(t) is not int or not 0 <= t < vocab)
+            raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
         params.validate(self.config.max_new_tokens_limit)
         if len(prompt) > self.max_prompt_tokens:
             raise RequestError(f"prompt of {len(prompt)} tokens exceeds the limit of {self.max_prompt_tokens}")

@@ -7,9 +7,8 @@ recomputed tokens, TTFT, throughput, bytes moved per direction and the cache's i
 
 Every engine flag (scheduler.config.add_engine_args) is accepted. Without --trace the bundled sample
 (data/sample_trace.jsonl) is replayed with small-run defaults: 16 tokens per hash id, the first 200
-requests, outputs clipped to 32 tokens, as fast as possible, one request at a time with blocking
-restores, and pools small enough (L1 4096 tokens, L2 24576, L3 65536) that the working set
-overflows L1 and L2.
+requests, outputs clipped to 32 tokens, as fast as possible, one request at a time, and pools small
+enough (L1 4096 tokens, L2 24576, L3 65536) that the working set overflows L1 and L2.
 Capacity flags in tokens or GiB map onto --num-pages / --hicache-size-gb / --hicache-storage-size-gb.
 `--simulate` runs the same scheduler, tree, allocators and cost model with no model and no bytes.
 With --concurrency 1 every request and every cache operation it caused end before the next request
@@ -84,8 +83,6 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--simulate", action="store_true", help="no model, no KV bytes: scheduler + cache bookkeeping")
     r.add_argument("--compare-no-cache", action="store_true",
                    help="also replay with every cache off and compare outputs_digest")
-    r.add_argument("--hicache-prefetch", action="store_true",
-                   help="keep async L3 prefetch on for the sample run (it uses blocking restores)")
     r.add_argument("--synth-seed", type=int, default=0, help="seed of the hash-id -> token-block synthesis")
     c = p.add_argument_group("capacities (win over --num-pages / --hicache-*size*; sample: 4096/24576/65536 tokens)")
     c.add_argument("--l1-tokens", type=int, default=None, help="L1 capacity in tokens")
@@ -109,9 +106,6 @@ def _fill_defaults(args: argparse.Namespace) -> None:
             setattr(args, key, value)
     if args.trace is None:
         args.trace = str(SAMPLE_TRACE)
-        # one request at a time leaves nothing for an async prefetch to overlap with, and the engine
-        # books a prefetched L3 hit as an L2 hit: blocking restores report L3 hits as L3 hits
-        args.disable_hicache_prefetch = args.disable_hicache_prefetch or not args.hicache_prefetch
     for key in ("block_tokens", "concurrency"):
         if getattr(args, key) < 1:
             raise SystemExit(f"replay_trace.py: --{key.replace('_', '-')} must be >= 1")

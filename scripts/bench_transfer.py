@@ -87,6 +87,7 @@ def bench_directions(geometry, device, tokens_list, repeats, backends):
 
 async def round_trip(geometry, device, tokens, backend) -> bool:
     n = tokens // geometry.page_size
+    tokens = n * geometry.page_size  # whole pages
     cfg = HiCacheConfig(enable=True, host_ratio=1.0, storage_ratio=2.0, policy="always",
                         transfer_backend=backend)
     mgr = CacheManager(geometry, 2 * n, device, cfg)

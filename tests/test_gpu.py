@@ -36,9 +36,11 @@ def test_graphs_equal_eager():
 
 @pytest.mark.parametrize("tier", ["l2", "l3"])
 def test_restores_equal_recompute_on_gpu(tier):
-    ps = prompts(n=12, base=64) * 2
+    rng = random.Random(1)
+    bases = [[rng.randrange(512) for _ in range(64)] for _ in range(4)]  # L1 holds about two
+    ps = [bases[i % 4] + [rng.randrange(512)] for i in range(16)]
     base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=12, page_size=16,
-                        max_running_requests=2)
+                        max_running_requests=1)
     ref, _ = run(EngineConfig(**{**base.__dict__, "num_pages": 1024, "enable_prefix_cache": False}), ps)
     cfg = base.with_hicache(enable=True, policy="always", host_ratio=4.0 if tier == "l2" else 1.0,
                             storage_ratio=0.0 if tier == "l2" else 8.0)

@@ -1,0 +1,124 @@
+"""Load a local HF Qwen3 checkpoint directory (config.json + *.safetensors) into Qwen3Model.
+
+HF tensor names map onto views of the model's (partly fused) parameters: q/k/v_proj are row slices of
+qkv_proj, gate/up_proj row slices of gate_up_proj. The same map exports a model under HF names.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from scheduler.model import Qwen3Model
+from scheduler.presets import ModelConfig
+
+# tensors some checkpoints carry that carry no weights we need
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded into Qwen3Model (names, shapes, files)."""
+
+
+def hf_param_map(model: Qwen3Model) -> dict[str, torch.Tensor]:
+    """HF name -> a view into the model parameter that holds it (writes through to the model)."""
+    cfg = model.cfg
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": model.embed_tokens.weight,
+                                    "model.norm.weight": model.norm.weight}
+    if model.lm_head is not None:
+        out["lm_head.weight"] = model.lm_head.weight
+    q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        qkv = layer.qkv_proj.weight  # [q + 2 kv, H]
+        gate_up = layer.gate_up_proj.weight  # [2 I, H]
+        out.update({
+            p + "self_attn.q_proj.weight": qkv[:q],
+            p + "self_attn.k_proj.weight": qkv[q:q + kv],
+            p + "self_attn.v_proj.weight": qkv[q + kv:],
+            p + "self_attn.o_proj.weight": layer.o_proj.weight,
+            p + "self_attn.q_norm.weight": layer.q_norm.weight,
+            p + "self_attn.k_norm.weight": layer.k_norm.weight,
+            p + "mlp.gate_proj.weight": gate_up[:inter],
+            p + "mlp.up_proj.weight": gate_up[inter:],
+            p + "mlp.down_proj.weight": layer.down_proj.weight,
+            p + "input_layernorm.weight": layer.input_layernorm.weight,
+            p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+        })
+    return out
+
+
+def export_hf_state_dict(model: Qwen3Model) -> dict[str, torch.Tensor]:
+    """The model's weights under HF names, as contiguous CPU tensors (for writing a checkpoint)."""
+    return {name: t.detach().to("cpu").contiguous().clone() for name, t in hf_param_map(model).items()}
+
+
+def _files(path: Path) -> tuple[Path, list[Path]]:
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a directory")
+    config = path / "config.json"
+    if not config.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} has no config.json")
+    shards = sorted(path.glob("*.safetensors"))
+    if not shards:
+        raise CheckpointError(f"checkpoint {str(path)!r} has no *.safetensors file")
+    return config, shards
+
+
+def checkpoint_identity(path: str | Path) -> str:
+    """"ckpt:" + digest of config.json's bytes and the safetensors file names and sizes."""
+    config, shards = _files(Path(path))
+    h = hashlib.sha256(config.read_bytes())
+    for shard in shards:
+        h.update(f"\0{shard.name}\0{shard.stat().st_size}".encode())
+    return "ckpt:" + h.hexdigest()[:16]
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+@torch.no_grad()
+def load_checkpoint(path: str | Path, device: torch.device | str,
+                    dtype: torch.dtype) -> tuple[Qwen3Model, ModelConfig, str]:
+    """-> (model on `device` in `dtype`, its config, identity). Raises CheckpointError on any mismatch."""
+    path = Path(path)
+    config_file, shards = _files(path)
+    try:
+        cfg = ModelConfig.from_hf_config(json.loads(config_file.read_text()))
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{config_file}: {e}") from e
+    model = Qwen3Model.empty(cfg, device, dtype)  # uninitialised: every tensor must come from the files
+    targets = hf_param_map(model)
+    loaded: dict[str, Path] = {}
+    unexpected: list[str] = []
+    for shard in shards:
+        with safe_open(str(shard), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue  # tied: the head is the embedding, as in HF
+                if name not in targets:
+                    unexpected.append(f"{name} ({shard.name})")
+                    continue
+                if name in loaded:
+                    raise CheckpointError(f"tensor {name} appears in both {loaded[name].name} and {shard.name}")
+                tensor = f.get_tensor(name)
+                target = targets[name]
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise CheckpointError(f"tensor {name} in {shard.name} has shape {tuple(tensor.shape)}, "
+                                          f"config.json implies {tuple(target.shape)}")
+                target.copy_(tensor)  # casts to dtype, moves to device
+                loaded[name] = shard
+    if unexpected:
+        raise CheckpointError(f"checkpoint {str(path)!r} has unexpected tensors: {_names(unexpected)}")
+    missing = [name for name in targets if name not in loaded]
+    if missing:
+        hint = " (config.json says tie_word_embeddings=false)" if missing == ["lm_head.weight"] else ""
+        raise CheckpointError(f"checkpoint {str(path)!r} lacks tensors{hint}: {_names(missing)}")
+    return model, cfg, checkpoint_identity(path)
