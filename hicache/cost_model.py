@@ -141,16 +141,21 @@ class CostModel:
         }
 
     # -- learning -------------------------------------------------------------------------------
+    # Off in simulations: nothing is timed there, so learning would make recompute look free.
+    learning: bool = True
+
     def observe_transfer(self, direction: str, num_bytes: int, seconds: float) -> None:
         """One transfer's recurring time (enqueue + queue wait + service + completion). Never pass
         one-time costs such as a first pinned-workspace allocation."""
         if direction not in TRANSFER_DIRECTIONS:
             raise ValueError(f"unknown transfer direction {direction!r}; expected one of {TRANSFER_DIRECTIONS}")
-        self.directions[direction].observe(num_bytes, seconds)
+        if self.learning:
+            self.directions[direction].observe(num_bytes, seconds)
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """One prefill forward over `num_tokens` uncached tokens."""
-        self.directions["recompute"].observe(num_tokens, seconds)
+        if self.learning:
+            self.directions["recompute"].observe(num_tokens, seconds)
 
     # -- costs ----------------------------------------------------------------------------------
     def _transfer_s(self, direction: str, num_tokens: int) -> float:

@@ -72,6 +72,7 @@ class CacheManager:
         self.tree = RadixTree(self.page_size, allocators)
         self.tree.on_evict = self._on_evict
         self.cost = CostModel(cfg, geometry.bytes_per_token)
+        self.cost.learning = not simulate  # simulated copies take no time: keep the priors
         self.runner = OpRunner(self)
         self.wakeup: Callable[[], None] = lambda: None  # the engine's loop sets this
 

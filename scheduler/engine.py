@@ -245,12 +245,14 @@ class Engine:
             if not self.requests[rid].state.done:
                 self._aborts.add(rid)
         self._wake_soon()
-        if self._loop_task is not None:
-            await self._loop_task
+        try:
+            if self._loop_task is not None:
+                await self._loop_task  # re-raises a loop crash, after which we still clean up
+        finally:
             self._loop_task = None
-        self._settle_aborts()
-        await self.cache.close()
-        self.runner.close()
+            self._settle_aborts()
+            await self.cache.close()
+            self.runner.close()
 
     def status(self) -> dict:
         s = self.cache.status()

@@ -33,11 +33,14 @@ SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "data" / "sample_trace.json
 DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
 TIERS = ("l1", "l2", "l3")
 GIB = 1 << 30
+REPLAY_OPTIONS = ("trace", "block_tokens", "time_scale", "max_requests", "max_input_tokens", "max_output_tokens",
+                  "concurrency", "strict", "simulate", "synth_seed", "l1_tokens", "l1_gib", "l2_tokens", "l2_gib",
+                  "l3_tokens", "l3_gib")
 # Replay options whose default depends on whether the bundled sample or a user's trace is replayed.
-SAMPLE_DEFAULTS = dict(block_tokens=16, max_requests=200, max_output_tokens=32, time_scale=0.0, concurrency=1,
-                       l1_tokens=4096, l2_tokens=24576, l3_tokens=65536)
-TRACE_DEFAULTS = dict(block_tokens=512, max_requests=None, max_output_tokens=None, time_scale=1.0, concurrency=64,
-                      l1_tokens=None, l2_tokens=None, l3_tokens=None)
+SAMPLE_DEFAULTS = dict(device="cpu", block_tokens=16, max_requests=200, max_output_tokens=32, time_scale=0.0,
+                       concurrency=1, l1_tokens=4096, l2_tokens=24576, l3_tokens=65536)
+TRACE_DEFAULTS = dict(device="auto", block_tokens=512, max_requests=None, max_output_tokens=None, time_scale=1.0,
+                      concurrency=64, l1_tokens=None, l2_tokens=None, l3_tokens=None)
 
 
 @dataclass(frozen=True)
@@ -55,17 +58,23 @@ class Outcome:
     output_ids: list[int]
     error: str | None = None
     finish_reason: str | None = None
-    ttft_s: float | None = None
-    latency_s: float | None = None
+    ttft_s: float | None = None  # submission to first token
 
 
 # -- arguments -> configuration -------------------------------------------------------------------
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False):  # no default, a flag, or one that depends on --trace
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="replay_trace.py", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog="replay_trace.py", description=__doc__, formatter_class=_HelpFormatter)
     add_engine_args(p)
-    # the replay's engine defaults: all tiers on, CPU, 16-token pages (one sample block per page)
-    p.set_defaults(enable_hicache=True, device="cpu", page_size=16)
+    # the replay's engine defaults: all tiers on, 16-token pages (one sample block per page); the
+    # device is the CPU for the sample and auto for --trace
+    p.set_defaults(enable_hicache=True, device=None, page_size=16)
     p.add_argument("--disable-hicache", action="store_true", help="turn L2/L3 off (the replay enables them)")
     r = p.add_argument_group("replay (defaults in [sample | --trace] form where they differ)")
     r.add_argument("--trace", default=None, help=f"Mooncake JSONL trace [{SAMPLE_TRACE.name}]")
@@ -96,11 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _fill_defaults(args: argparse.Namespace) -> None:
     """Sample defaults without --trace, a user's trace's defaults with it; explicit flags win. An
-    explicit pool size (--num-pages / --hicache-*) or GiB flag turns off the matching sample default."""
+    explicit pool size (--num-pages, --max-total-tokens, --hicache-*) or GiB flag turns off the
+    matching sample capacity."""
     defaults = SAMPLE_DEFAULTS if args.trace is None else TRACE_DEFAULTS
-    explicit = {"l1_tokens": args.num_pages or args.l1_gib is not None,
-                "l2_tokens": args.hicache_size_gb is not None or args.l2_gib is not None,
-                "l3_tokens": args.hicache_storage_size_gb is not None or args.l3_gib is not None}
+    engine_defaults = vars(build_parser().parse_args([]))
+    changed = lambda *keys: any(getattr(args, k) != engine_defaults[k] for k in keys)  # noqa: E731
+    explicit = {"l1_tokens": changed("num_pages", "max_total_tokens", "l1_gib"),
+                "l2_tokens": changed("hicache_size_gb", "hicache_ratio", "l2_gib"),
+                "l3_tokens": changed("hicache_storage_size_gb", "hicache_storage_ratio", "l3_gib")}
     for key, value in defaults.items():
         if getattr(args, key) is None and not explicit.get(key, False):
             setattr(args, key, value)
@@ -123,11 +135,8 @@ def config_from_replay_args(args: argparse.Namespace) -> EngineConfig:
     cfg = dataclasses.replace(config_from_args(args), simulate=args.simulate)
     if args.simulate and cfg.dtype == "auto":  # the simulated deployment is a GPU one: bf16 KV
         cfg = dataclasses.replace(cfg, dtype="bfloat16")
-    device, dtype = resolve_device(cfg) if not args.simulate else (None, None)
-    if args.simulate:
-        import torch
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[cfg.dtype]
-    page_size = cfg.page_size or (16 if device is not None and device.type == "cuda" else 4)
+    device, dtype = resolve_device(cfg)
+    page_size = cfg.page_size or (16 if device.type == "cuda" else 4)  # the engine's default
     geometry = model_config_of(cfg.model).kv_geometry(page_size, dtype)
     bpp = geometry.bytes_per_page
     if args.l1_tokens is not None or args.l1_gib is not None:
@@ -180,7 +189,6 @@ async def _one(engine, item: ReplayItem, rid_prefix: str) -> Outcome:
         out.error = str(exc) or repr(exc)
     if out.error is None and out.finish_reason not in ("length", "stop"):
         out.error = f"finished with reason {out.finish_reason!r}"
-    out.latency_s = time.perf_counter() - start
     return out
 
 
@@ -212,21 +220,12 @@ async def _dispatch(engine, items: list[ReplayItem], time_scale: float, concurre
     await engine.cache.drain()
 
 
-def _freeze_cost_model(engine) -> None:
-    """--simulate moves no bytes and runs no model, so every observed time is ~0: learning from them
-    would make recompute look free (no restore, no backup ever pays off). Keep the configured priors."""
-    engine.cache.observe_prefill = lambda num_tokens, seconds: None
-    engine.cache.cost.observe_transfer = lambda direction, num_bytes, seconds: None
-
-
 async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_scale: float = 0.0,
                        concurrency: int = 1, progress: bool = False, rid_prefix: str = "r") -> dict:
     """Replays `items` on a fresh engine; returns the run's figures (see `summarize`)."""
     from scheduler.engine import Engine
 
     engine = Engine(config)
-    if config.simulate:
-        _freeze_cost_model(engine)
     outcomes: list[Outcome | None] = [None] * len(items)
     bar = None
     if progress:
@@ -259,7 +258,12 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
     finally:
         if bar is not None:
             bar.close()
-        await engine.shutdown()
+        try:
+            await engine.shutdown()
+        except Exception as exc:  # a crashed loop re-raises here, before the tiers are closed
+            crash = crash or f"engine shutdown failed: {exc!r}"
+            await engine.cache.close()
+            engine.runner.close()
     outcomes = [o if o is not None else Outcome(it, [], error=crash or "not run") for o, it in zip(outcomes, items)]
     return {"outcomes": outcomes, "metrics": metrics, "integrity": integrity, "wall_s": wall_s,
             "engine_crash": crash}
@@ -376,13 +380,13 @@ def run_cli(argv: list[str] | None = None) -> dict:
     items = build_items(records, model_config_of(config.model).vocab_size, args.block_tokens,
                         seed=args.synth_seed, max_input_tokens=args.max_input_tokens,
                         max_output_tokens=args.max_output_tokens)
-    options = {k: getattr(args, k) for k in ("trace", "block_tokens", "time_scale", "max_requests",
-                                             "max_input_tokens", "max_output_tokens", "concurrency", "strict",
-                                             "simulate", "synth_seed", "l1_tokens", "l1_gib", "l2_tokens",
-                                             "l2_gib", "l3_tokens", "l3_gib")}
+    options = {k: getattr(args, k) for k in REPLAY_OPTIONS}
     progress = sys.stdout.isatty() and not args.no_progress
     kw = dict(time_scale=args.time_scale, concurrency=args.concurrency)
-    summary = summarize(replay(config, items, progress=progress, **kw), problems, config, options)
+    try:
+        summary = summarize(replay(config, items, progress=progress, **kw), problems, config, options)
+    except ValueError as exc:  # a configuration the engine refuses (e.g. an L2 of zero pages)
+        parser.exit(2, f"replay_trace.py: {exc}\n")
     if args.compare_no_cache:
         if config.log_json:  # keep the baseline's events out of this run's timeline
             from scheduler.logs import configure_logging
@@ -397,6 +401,7 @@ def run_cli(argv: list[str] | None = None) -> dict:
     for e in summary["errors"][:10]:
         print(f"request {e['index']} (line {e['line']}) failed: {e['error']}", file=sys.stderr)
     if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
 
