@@ -149,8 +149,9 @@ class Admission:
             if not admitted:
                 break  # not enough memory: keep FIFO order
             chunk = self._add_chunk(req, budget, binput)
-            reqs.append(req), chunks.append(chunk)
-            budget -= chunk
+            if chunk:  # else no page yet (e.g. write_back evictions wait for backups): next tick
+                reqs.append(req), chunks.append(chunk)
+                budget -= chunk
         if not reqs:
             return None
         return reqs, chunks, binput
@@ -227,12 +228,21 @@ class Admission:
         if not reqs:
             return None
         binput = BatchInput([], [], [], [], [], [], [], is_decode=True)
+        ready = []
         for req in reqs:
             pos = len(req.prompt) + len(req.output) - 1
             if not self._grow(req, pos + 1):
-                raise RuntimeError(f"{req.rid}: no page within its reservation (accounting bug)")
+                # reserved pages exist but cannot be had yet: write_back is backing up the LRU
+                # leaves it must evict; their completion wakes the loop. Without pending
+                # operations nothing would ever free them: fail this request, not the loop.
+                if self.cache.pending_ops() == 0:
+                    eng.finish(req, RequestState.FAILED, "error", "no KV page available (accounting)")
+                continue
             self._append(binput, req, [req.output[-1]], pos)
-        return reqs, [1] * len(reqs), binput
+            ready.append(req)
+        if not ready:
+            return None
+        return ready, [1] * len(ready), binput
 
     # -- after a step --------------------------------------------------------------------------
     def after_step(self, req: Request, chunk: int, token: int) -> None:

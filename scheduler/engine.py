@@ -277,6 +277,17 @@ class Engine:
         log.info("request", rid=req.rid, state=state, **fields)
 
     async def _loop(self) -> None:
+        try:
+            await self._ticks()
+        except Exception as exc:
+            # a bug must not leave clients waiting forever: fail every live request, then re-raise
+            log.exception("engine_loop_crashed")
+            for req in list(self.requests.values()):
+                if not req.state.done:
+                    self.finish(req, RequestState.FAILED, "error", f"engine loop crashed: {exc!r}")
+            raise
+
+    async def _ticks(self) -> None:
         while True:
             self._wake.clear()
             self._settle_aborts()

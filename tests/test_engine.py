@@ -135,3 +135,27 @@ async def test_abort_waiting_request():
     ev = await req.queue.get()
     assert ev.finished and ev.finish_reason == "abort"
     assert_whole(eng)
+
+
+def test_loop_crash_fails_requests_instead_of_hanging(monkeypatch):
+    """Regression: a bug inside the loop used to kill its task silently and leave clients waiting."""
+    eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=4))
+
+    def broken():
+        raise RuntimeError("injected scheduler bug")
+    monkeypatch.setattr(eng.admission, "decode_batch", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        eng.generate([[1, 2, 3, 4, 5]], SamplingParams(max_tokens=4))
+    assert eng.stats["failed"] == 1
+
+
+def test_write_back_waits_for_backups_instead_of_failing(reference):
+    """Regression: with write_back, evictions wait for backups; a decode step that cannot get its
+    reserved page yet must wait (it used to raise and kill the loop)."""
+    prompts = shared_prefix_prompts(seed=4, num_bases=6, base_len=40, num=12)
+    eng = Engine(EngineConfig(model="tiny", num_pages=40, page_size=4).with_hicache(
+        enable=True, write_policy="write_back", policy="always", storage_ratio=0.0))
+    out = eng.generate(prompts, SamplingParams(max_tokens=4))
+    assert [r.output_ids for r in out] == reference(prompts, 4)
+    assert all(r.error is None for r in out)
+    eng.check_integrity()
