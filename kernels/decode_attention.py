@@ -69,13 +69,13 @@ if triton is not None:
             kv_off = (slot * num_kv_heads + h)[:, None] * D + dims[None, :]  # [N, D]
             k = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
             v = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k)) * scale  # [G, N]
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, N], exact fp32
             scores = tl.where(ok[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             alpha = tl.exp(m - m_new)
             p = tl.exp(scores - m_new[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m = m_new
         base = (b * num_kv_heads + h) * SPLITS + split
         tl.store(part_o_ptr + (base * GROUP_PAD + rows)[:, None] * D + dims[None, :], acc)

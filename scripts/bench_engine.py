@@ -100,12 +100,12 @@ async def run(args) -> dict:
                 r["prefill_us_per_token"][n] = statistics.median(times) / n * 1e6
                 ids = torch.tensor(prompt, device=device)
                 with torch.inference_mode():
-                    engine.model.forward_dense(ids)
+                    engine.model.forward_dense(ids, last_only=True)
                     dense = []
                     for _ in range(args.repeats):
                         sync(device)
                         t = time.perf_counter()
-                        engine.model.forward_dense(ids)
+                        engine.model.forward_dense(ids, last_only=True)
                         sync(device)
                         dense.append(time.perf_counter() - t)
                 r["dense_us_per_token"][n] = statistics.median(dense) / n * 1e6
