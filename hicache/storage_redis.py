@@ -310,10 +310,10 @@ class RedisStore:
         for lo, hi in chunks:
             try:
                 values = await client.mget(keys[lo:hi])
+                self.counters["round_trips"] += 1
+                bad = await self._on_cpu(self._unpack, pages, values, host_arr[lo:hi])
             except Exception as exc:
                 raise self._error(exc, "read") from exc
-            self.counters["round_trips"] += 1
-            bad = await self._on_cpu(self._unpack, pages, values, host_arr[lo:hi])
             if bad:
                 await self._fail_read(client, bad, lo, slot_arr, keys)
         self._succeeded()

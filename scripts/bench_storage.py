@@ -84,7 +84,8 @@ async def bench_one(backend: str, shape: str, args, url: str | None) -> dict:
     geometry = SHAPES[shape]
     num_pages, op_pages = args.pages, min(args.op_pages, args.pages)
     store = open_store(backend, geometry, num_pages, url)
-    src = torch.randn(geometry.page_major_shape(num_pages), generator=torch.Generator().manual_seed(0)).to(geometry.dtype)
+    gen = torch.Generator().manual_seed(0)
+    src = torch.randn(geometry.page_major_shape(num_pages), generator=gen).to(geometry.dtype)
     dst = torch.zeros_like(src)
     tokens = list(range(num_pages * geometry.page_size))
     ops = [list(range(s, min(num_pages, s + op_pages))) for s in range(0, num_pages, op_pages)]

@@ -27,8 +27,14 @@ from scheduler.engine import Engine
 from scheduler.request import SamplingParams
 
 REDIS_SERVER = shutil.which("redis-server")
-needs_redis = pytest.mark.skipif(REDIS_SERVER is None, reason="no redis-server binary on PATH "
-                                 "(apt-get install redis-server; .ci/run installs it)")
+_SKIP_NO_SERVER = pytest.mark.skipif(REDIS_SERVER is None, reason="no redis-server binary on PATH "
+                                     "(apt-get install redis-server; .ci/run installs it)")
+
+
+def needs_redis(test):
+    return pytest.mark.redis(_SKIP_NO_SERVER(test))
+
+
 redis = pytest.importorskip("redis")
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=16, page_size=4, dtype=torch.float32)

@@ -128,7 +128,8 @@ def test_timeline_of_a_replay_is_a_valid_chrome_trace_and_png(real_run, tmp_path
         else:
             assert e["ph"] in ("M", "C"), e
     assert all(n == 0 for n in open_slices.values())
-    assert {e["cat"] for e in events if e["ph"] == "b"} >= {"request", "backup", "restore_l2", "restore_l3"}
+    cats = {e["cat"] for e in events if e["ph"] == "b"}
+    assert cats >= {"request", "backup", "restore_l2"} and cats & {"restore_l3", "prefetch_l3"}, cats
     png = tmp_path / "timeline.png"
     render_png(tl, png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -170,6 +171,24 @@ def test_bad_requests_fail_and_the_run_continues(tmp_path):
     assert (s["requests"], s["completed"], s["failed"]) == (3, 2, 1)
     assert s["errors"][0]["line"] == 2 and "exceeds" in s["errors"][0]["error"]
     assert s["integrity"] == "passed" and s["hit_tokens"]["l1"] > 0
+
+
+def test_engine_crash_fails_the_remaining_requests(monkeypatch):
+    from scheduler import runner
+    launch, calls = runner.SimRunner.launch, []
+
+    def failing_launch(self, batch):
+        calls.append(1)
+        if len(calls) == 30:
+            raise RuntimeError("injected crash")
+        return launch(self, batch)
+
+    monkeypatch.setattr(runner.SimRunner, "launch", failing_launch)
+    args = ["--simulate", "--no-progress", "--max-requests", "20"]
+    s = run_cli(args)
+    assert "injected crash" in s["engine_crash"] and s["completed"] + s["failed"] == 20 and s["failed"] >= 1
+    calls.clear()
+    assert main(args) == 1
 
 
 def test_no_argument_defaults():
