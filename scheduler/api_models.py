@@ -3,8 +3,10 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": "..."}}
 
 Request models are strict: unknown fields and wrong JSON types are errors (400), never coerced.
-Token ids are what this engine speaks: `stop` / `stop_token_ids` are token ids, and every choice
-carries the generated `token_ids` next to the text.
+Token ids are what this engine speaks: `stop` / `stop_token_ids` are token ids (the stop token is in
+`token_ids` but its text is left out), and every choice carries the generated `token_ids` next to
+the text. `read_json_body` (size limits, JSON) and `parse_request` (validation, limits, prompt ids,
+SamplingParams) turn an HTTP body into engine input; `response_body` / `stream_chunk` render results.
 """
 from __future__ import annotations
 
@@ -227,7 +229,8 @@ def validation_error(exc: ValidationError | Any) -> APIError:
 
 
 def _is_type_tag(part: str) -> bool:
-    return part in ("str", "int", "float", "bool", "none") or "[" in part or part.startswith(("constrained-", "function-"))
+    return (part in ("str", "int", "float", "bool", "none") or "[" in part
+            or part.startswith(("constrained-", "function-")))
 
 
 def response_body(chat: bool, rid: str, created: int, model: str, text: str, finish_reason: str,

@@ -43,7 +43,7 @@ from scheduler.config import add_engine_args, config_from_args
 from scheduler.engine import Engine
 from scheduler.prom import ServerMetrics
 from scheduler.request import Request as EngineRequest
-from scheduler.request import RequestError, TokenEvent
+from scheduler.request import RequestError
 from scheduler.tokenizer import IncrementalDecoder, load_tokenizer
 
 log = structlog.get_logger("scheduler.server")
@@ -88,20 +88,13 @@ class _ServerState:
     async def _shutdown(self) -> None:
         try:
             await self.engine.shutdown(self.limits.shutdown_grace_s)
-        except Exception:  # the loop had crashed (re-raised here): still close the tiers (temp L3 file)
-            log.exception("engine shutdown failed; closing the cache")
-            await self.engine.cache.close()
+        except Exception:  # a crashed loop re-raises here; Engine.shutdown has still cleaned up
+            log.exception("engine_shutdown_after_loop_crash")
 
     def on_loop_done(self, task: asyncio.Task) -> None:
-        """The engine loop died: fail every waiting request instead of leaving its client hanging."""
-        if task.cancelled() or task.exception() is None:
-            return
-        self.engine_error = f"the engine loop failed: {task.exception()!r}"
-        log.error(self.engine_error)
-        for req in list(self.engine.requests.values()):
-            if not req.state.done:
-                req.emit(TokenEvent(req.rid, None, len(req.output), finished=True, finish_reason="error",
-                                    error=self.engine_error))
+        """The engine loop died (it fails its live requests itself): refuse new ones, fail /health."""
+        if not task.cancelled() and task.exception() is not None:
+            self.engine_error = f"the engine loop failed: {task.exception()!r}"
 
     def check_admitting(self) -> None:
         if self.engine_error:
@@ -145,7 +138,8 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         if isinstance(exc, RequestValidationError):  # FastAPI's 422 becomes a 400 naming the field
             exc = validation_error(exc)
         elif isinstance(exc, StarletteHTTPException):  # unknown route (404), wrong method (405)
-            exc = APIError(exc.status_code, str(exc.detail), code=f"http_{exc.status_code}", type="invalid_request_error")
+            exc = APIError(exc.status_code, str(exc.detail), code=f"http_{exc.status_code}",
+                           type="invalid_request_error")
         elif not isinstance(exc, APIError):
             exc = APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -285,7 +279,9 @@ class _Generation:
         self.st, self.req, self.api_req, self.chat, self.arrival = st, req, api_req, chat, arrival
         self.created = int(time.time())
         eos = st.engine.model_config.eos_token_id
-        self.stop_ids = set(req.params.stop_token_ids) | ({eos} if eos is not None and not req.params.ignore_eos else set())
+        self.stop_ids = set(req.params.stop_token_ids)
+        if eos is not None and not req.params.ignore_eos:
+            self.stop_ids.add(eos)
         self.first_token_at: float | None = None
         self._buf: deque = deque()
         self._closed = self._counted = False
