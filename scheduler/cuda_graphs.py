@@ -79,21 +79,19 @@ class DecodeGraphs:
         host[0, :rows] = input_ids
         host[1, :rows] = pos
         host[3, :rows] = pos + 1
-        width = 0
         for i, pt in enumerate(page_tables):
             if i == 0 or pt is not page_tables[i - 1]:
                 row = np.asarray(pt, dtype=np.int64)
             tables[i, : len(pt)] = row
-            width = max(width, len(pt))
         host[2, :rows] = tables[np.arange(rows), pos // ps] * ps + pos % ps
         host[:, rows:graph_bs] = np.array([[0], [0], [self.scratch_page * ps], [1]])
-        tables[rows:graph_bs, :width] = self.scratch_page
+        tables[rows:graph_bs, 0] = self.scratch_page
         self.ids[:graph_bs].copy_(self.host_rows[0, :graph_bs], non_blocking=True)
         self.positions[:graph_bs].copy_(self.host_rows[1, :graph_bs], non_blocking=True)
         self.out_slots[:graph_bs].copy_(self.host_rows[2, :graph_bs], non_blocking=True)
         self.seq_lens[:graph_bs].copy_(self.host_rows[3, :graph_bs], non_blocking=True)
-        # only columns that can be < seq_len are read; stale columns beyond a row's length are masked
-        self.page_tables[:graph_bs, :width].copy_(self.host_tables[:graph_bs, :width], non_blocking=True)
+        # whole rows: one contiguous pinned -> device copy (stale columns past a row's length are masked)
+        self.page_tables[:graph_bs].copy_(self.host_tables[:graph_bs], non_blocking=True)
         self.graphs[graph_bs].replay()
         self._staged = torch.cuda.Event()
         self._staged.record()

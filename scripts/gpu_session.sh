@@ -23,6 +23,8 @@ for s in "$@"; do
     latency_l3w_nock) step latency_l3w_nock 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500,8000 --storage-cache warm --io-workers 8 --disable-checksum --json --out "$OUT/latency_l3w_nock.json" ;;
     bisect) for v in "" "--disable-cuda-graphs" "--transfer-backend torch" "--page-size 1"; do
               step "bisect${v// /_}" 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000 --iterations 8 $v --json; done ;;
+    bisect2) step bisect2_default 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000 --iterations 8 --json
+             CUDA_LAUNCH_BLOCKING=1 step bisect2_blocking 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000 --iterations 8 --json ;;
     stress_l3) step stress_l3 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tier l3 --policy always --json --out "$OUT/stress_l3.json" ;;
     *) echo "unknown step $s" ;;
   esac
