@@ -69,7 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disable-prefetch", action="store_true", help="blocking restores")
     p.add_argument("--transfer-backend", default="auto", choices=["auto", "triton", "torch"])
     p.add_argument("--max-prefill-tokens", type=int, default=0, help="default: the whole prompt in one batch")
-    p.add_argument("--disable-cuda-graphs", action="store_true")
+    p.add_argument("--enable-cuda-graphs", action="store_true")
     p.add_argument("--compare-recompute", action="store_true", help="also measure --tier none in this run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None)
@@ -101,7 +101,7 @@ def build_config(args, tier: str, prefix_tokens: int, storage_path: str | None):
     num_pages = args.num_pages or need + max(2, need // 2)
     cfg = EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=ps, num_pages=num_pages,
                        max_prefill_tokens=args.max_prefill_tokens or max(2048, prefix_tokens + 1),
-                       cuda_graphs=not args.disable_cuda_graphs, log_json=args.log_json)
+                       cuda_graphs=args.enable_cuda_graphs, log_json=args.log_json)
     return cfg.with_hicache(
         enable=tier != "none", policy=args.policy, host_ratio=args.host_ratio,
         storage_ratio=args.storage_ratio if tier == "l3" else 0.0,

@@ -66,7 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--storage-ratio", type=float, default=8.0, help="L3 = ratio x L2 pages (l3 tier)")
     p.add_argument("--io-workers", type=int, default=4)
     p.add_argument("--disable-checksum", action="store_true")
-    p.add_argument("--disable-cuda-graphs", action="store_true")
+    p.add_argument("--enable-cuda-graphs", action="store_true")
     p.add_argument("--storage-path", default=None,
                    help="L3 file, truncated at start and removed at exit (default: a temp file under the cwd)")
     p.add_argument("--decode-batch", type=int, default=0, help="also run the decode comparison with this batch")
@@ -99,7 +99,7 @@ def engine_config(args, tier: str, num_pages: int, host_ratio: float, storage_pa
 
     cfg = EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=page_size_of(args),
                        num_pages=num_pages, enable_prefix_cache=prefix_cache,
-                       cuda_graphs=not args.disable_cuda_graphs, log_json=args.log_json)
+                       cuda_graphs=args.enable_cuda_graphs, log_json=args.log_json)
     return cfg.with_hicache(
         enable=tier not in ("none", "reference"), policy=args.policy, host_ratio=host_ratio,
         storage_ratio=args.storage_ratio if tier == "l3" else 0.0, storage_path=storage_path if tier == "l3" else None,

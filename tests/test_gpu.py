@@ -26,7 +26,8 @@ def run(cfg, ps, max_tokens=8):
 
 
 def test_graphs_equal_eager():
-    base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=512, page_size=16)
+    base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=512, page_size=16,
+                        cuda_graphs=True)
     ps = prompts()
     eager, _ = run(EngineConfig(**{**base.__dict__, "cuda_graphs": False}), ps)
     graphs, eng = run(base, ps)
