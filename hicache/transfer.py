@@ -78,6 +78,10 @@ class TransferEngine:
         self.faults = faults
         self.cuda = l1.device.type == "cuda"
         self.stream = torch.cuda.Stream(device=l1.device) if self.cuda else None
+        self.copy_stream = torch.cuda.Stream(device=l1.device) if self.cuda else None
+        # pipelining chunk: at most 32 MiB, and small enough that even a 1000-token transfer has
+        # several chunks in flight
+        self.chunk_pages = max(1, (32 << 20) // self.geometry.bytes_per_page)
         self._workspaces: list[Workspace] = []
         self._waiter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-cuda-wait")
 
@@ -141,26 +145,61 @@ class TransferEngine:
             self.stream.wait_stream(torch.cuda.current_stream(self.l1.device))
             tr.start_event = torch.cuda.Event(enable_timing=True)
             tr.event = torch.cuda.Event(enable_timing=True)
-        with ctx:
-            if self.cuda:
-                tr.start_event.record(self.stream)
-            if direction == "d2h":
-                gather_pages(self.l1.kv, idx, packed, self.backends.gather)
-                host_dst.copy_(packed, non_blocking=self.cuda)
-                if not host_consecutive:
-                    def finish(dst=self.l2.page_buffer, src=ws.host[:n], index=host_idx):
-                        dst.index_copy_(0, index, src)
-            else:
-                packed.copy_(host_dst, non_blocking=self.cuda)
-                scatter_pages(packed, idx, self.l1.kv, self.backends.scatter)
-            if self.cuda:
-                tr.event.record(self.stream)
-                idx.record_stream(self.stream)
+        if self.cuda and n >= 8:
+            self._pipelined(direction, idx, packed, host_dst, tr)
+        else:
+            with ctx:
+                if self.cuda:
+                    tr.start_event.record(self.stream)
+                if direction == "d2h":
+                    gather_pages(self.l1.kv, idx, packed, self.backends.gather)
+                    host_dst.copy_(packed, non_blocking=self.cuda)
+                else:
+                    packed.copy_(host_dst, non_blocking=self.cuda)
+                    scatter_pages(packed, idx, self.l1.kv, self.backends.scatter)
+                if self.cuda:
+                    tr.event.record(self.stream)
+                    idx.record_stream(self.stream)
+        if direction == "d2h" and not host_consecutive:
+            def finish(dst=self.l2.page_buffer, src=ws.host[:n], index=host_idx):
+                dst.index_copy_(0, index, src)  # one CPU index copy into fragmented L2 pages
         tr.finish = finish
         if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
             tr.fail = True
         tr.enqueue_ns = time.monotonic_ns() - t0 - setup_ns
         return tr
+
+    def _pipelined(self, direction: str, idx: torch.Tensor, packed: torch.Tensor, host: torch.Tensor,
+                   tr: Transfer) -> None:
+        """Chunked: the kernel of chunk i+1 runs on the SMs while the copy engine moves chunk i, so
+        a transfer costs its DMA plus one chunk's kernel rather than the sum of both."""
+        kernel_stream, copy_stream = self.stream, self.copy_stream
+        copy_stream.wait_stream(kernel_stream)  # kernel_stream already waited on the caller
+        tr.start_event.record(kernel_stream)
+        n = len(idx)
+        step = max(1, min(self.chunk_pages, -(-n // 8)))  # >= 8 chunks: little of a kernel is exposed
+        last = kernel_stream
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            ready = torch.cuda.Event()
+            if direction == "d2h":  # gather on the SMs, then DMA the chunk out
+                with torch.cuda.stream(kernel_stream):
+                    gather_pages(self.l1.kv, idx[lo:hi], packed[lo:hi], self.backends.gather)
+                    ready.record(kernel_stream)
+                copy_stream.wait_event(ready)
+                with torch.cuda.stream(copy_stream):
+                    host[lo:hi].copy_(packed[lo:hi], non_blocking=True)
+                last = copy_stream
+            else:  # DMA the chunk in, then scatter it on the SMs
+                with torch.cuda.stream(copy_stream):
+                    packed[lo:hi].copy_(host[lo:hi], non_blocking=True)
+                    ready.record(copy_stream)
+                kernel_stream.wait_event(ready)
+                with torch.cuda.stream(kernel_stream):
+                    scatter_pages(packed[lo:hi], idx[lo:hi], self.l1.kv, self.backends.scatter)
+                last = kernel_stream
+        tr.event.record(last)
+        idx.record_stream(kernel_stream)
 
     # -- completion ----------------------------------------------------------------------------
     def _complete_blocking(self, tr: Transfer) -> None:

@@ -15,6 +15,7 @@ for s in "$@"; do
     transfer) step transfer 200 python3 scripts/bench_transfer.py --out "$OUT/transfer.json" ;;
     engine) step engine 300 python3 scripts/bench_engine.py --model qwen3-8b --out "$OUT/engine.json" ;;
     latency_l2) step latency_l2 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,2000,3500,8000 --compare-recompute --enable-cuda-graphs --json --out "$OUT/latency_l2.json" ;;
+    latency_eager) step latency_eager 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,3500,8000 --compare-recompute --json --out "$OUT/latency_eager.json" ;;
     latency_l3) step latency_l3 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500,8000 --storage-cache cold --io-workers 8 --enable-cuda-graphs --json --out "$OUT/latency_l3.json" ;;
     latency_l3w) step latency_l3w 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500,8000 --storage-cache warm --io-workers 8 --enable-cuda-graphs --json --out "$OUT/latency_l3w.json" ;;
     latency_4b) step latency_4b 300 python3 scripts/bench_hicache.py --model qwen3-4b --tier l2 --prefix-tokens 350,1000,2000,3500,8000 --compare-recompute --enable-cuda-graphs --json --out "$OUT/latency_4b.json" ;;
