@@ -366,7 +366,7 @@ class OpRunner:
             match = mgr.tree.match(tokens, include_storage=False)
             l1_start = match.lengths[Tier.L1]
             # L1 may have grown meanwhile (another request computed or restored part of it): the
-            # restored pages land after that prefix, so lock it before allocating may evict it
+            # restored pages land after that prefix, so lock it: allocating may evict it
             self._lock(op, match.handles[Tier.L1], Tier.L1)
             if match.lengths[Tier.L2] < len(tokens) or not self._start_h2d(op, tokens, match, l1_start):
                 self._fail(op, "no L1 pages for the H2D step", "no_pages")

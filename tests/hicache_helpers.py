@@ -61,8 +61,10 @@ def l1_bytes(mgr: CacheManager, tokens) -> torch.Tensor:
 
 
 def assert_whole(mgr: CacheManager) -> None:
-    """Integrity, and no tier holds a private page (call after drain with nothing locked)."""
+    """Integrity, no op driver crashed, and no tier holds a private page (call after drain with
+    nothing locked)."""
     mgr.check_integrity()
+    assert "driver" not in mgr.metrics.failures, "an op driver raised (see the op_driver_error log)"
     for tier in TIER_LIST:
         if tier in mgr.tree.allocators:
             alloc = mgr.allocator(tier)

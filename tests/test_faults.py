@@ -228,7 +228,7 @@ async def test_restore_fault(fault, state, mode):
     faults = FaultInjector()
     # bit flip: with selective write-through the request's recompute does not write the prefix
     # back, so the test can see the corrupt page's residency gone afterwards
-    eng = make_engine(faults, prefetch=(mode == "prefetch"), io_timeout_s=0.05,
+    eng = make_engine(faults, prefetch=(mode == "prefetch"), io_timeout_s=0.1,
                       write_policy="write_through_selective" if fault == "bit_flip" else "write_through")
     await eng.start()
     want = await reference(PROMPT)
@@ -242,7 +242,7 @@ async def test_restore_fault(fault, state, mode):
         flipped_page = 3
         flip_l3_byte(eng.cache, eng.cache.tree.match(tokens, touch=False).pages[Tier.L3][flipped_page])
     else:
-        faults.arm(ARM[fault], delay_s=0.3 if fault == "slow_read" else 0.0)
+        faults.arm(ARM[fault], delay_s=0.4 if fault == "slow_read" else 0.0)
 
     with capture_op_logs() as logs:
         result = await run_one(eng)

@@ -83,7 +83,7 @@ async def soak(num_requests: int, seed: int = 0, concurrency: int = 12) -> dict:
                     reason = ev.finish_reason
                 else:
                     tokens.append(ev.token_id)
-            results[i] = (tokens, reason)
+            results[i] = (tokens, reason, req)
             if rng.random() < 0.05 and eng.cache.has_l3:  # corrupt a random published L3 page
                 slots_l3 = eng.cache.tree.tree_pages(Tier.L3)
                 if slots_l3:
@@ -100,13 +100,15 @@ async def soak(num_requests: int, seed: int = 0, concurrency: int = 12) -> dict:
 
     want = await reference([p for p, _, _ in requests])
     num_aborted = 0
-    for (prompt, max_tokens, _), (tokens, reason) in zip(requests, results):
+    for i, ((prompt, max_tokens, _), (tokens, reason, req)) in enumerate(zip(requests, results)):
         expected = want[tuple(prompt)][:max_tokens]
+        why = (f"request {i}: {reason} {tokens} != {expected}; prompt {len(prompt)} tokens, hits "
+               f"{req.hit_tokens}, restore {req.restore_tier}, restore_failed {req.restore_failed}")
         if reason == "abort":
             num_aborted += 1
-            assert tokens == expected[: len(tokens)]
+            assert tokens == expected[: len(tokens)], why
         else:
-            assert reason == "length" and tokens == expected
+            assert reason == "length" and tokens == expected, why
     metrics = eng.metrics()
     await eng.shutdown()
     return {"elapsed_s": elapsed_s, "aborted": num_aborted, "fired": faults.fired, "metrics": metrics}
@@ -122,8 +124,8 @@ def check_report(report: dict, num_requests: int) -> None:
 
 @pytest.mark.asyncio
 async def test_soak_ci():
-    report = await soak(250, seed=1)
-    check_report(report, 250)
+    report = await soak(300, seed=1)
+    check_report(report, 300)
 
 
 @pytest.mark.slow

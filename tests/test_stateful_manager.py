@@ -126,6 +126,34 @@ async def test_l3_restore_locks_the_l1_prefix_it_lands_after():
     assert_whole(mgr)
 
 
+
+@pytest.mark.asyncio
+async def test_guard_releases_an_op_whose_publication_raised():
+    """Bug: _guard released an op only when the driver raised before a terminal state; an exception
+    from publishing (after H2D_DONE) left its private L1 pages and its locks held forever."""
+    mgr = make_manager()
+    b = toks((0, 16))
+    write_prefix(mgr, b)
+    await mgr.drain()
+    mgr.tree.evict(Tier.L1, 100)
+    insert = mgr.tree.insert
+
+    def broken_insert(tokens, tier, *args, **kwargs):
+        if tier is Tier.L1:
+            raise RuntimeError("injected publication bug")
+        return insert(tokens, tier, *args, **kwargs)
+    mgr.tree.insert = broken_insert
+    with capture_op_logs() as logs:
+        op = mgr.runner.start_restore(b, mgr.match(b), "l2", "r")
+        await mgr.drain()
+    mgr.tree.insert = insert
+    assert op.state is OpState.L1_L2  # the transition happened; its publication did not
+    assert [e["event"] for e in logs if e["event"] == "op_driver_error"] == ["op_driver_error"]
+    assert mgr.metrics.failures == {"driver": 1}
+    mgr.metrics.failures.clear()  # assert_whole rejects driver failures
+    assert_whole(mgr)
+
+
 @pytest.mark.asyncio
 async def test_l3_restore_whose_read_lands_after_l1_was_filled():
     """Bug: a restore whose S2H landed after another restore of the same prefix had published it
@@ -348,15 +376,18 @@ class ManagerMachine(RuleBasedStateMachine):
         self._call(self.mgr.runner.start_backup, seq)
 
     @rule(index=st.integers(0, 100), tier=st.sampled_from(["l2", "l3", "prefetch"]),
-          evict_first=st.sampled_from([(), (Tier.L1,), (Tier.L1, Tier.L2)]))
-    def start_restore(self, index, tier, evict_first):
+          evict_first=st.sampled_from([(), (Tier.L1,), (Tier.L1, Tier.L2)]),
+          fault=st.sampled_from([None, None, None, Fault.TRANSFER_RAISE, Fault.EIO_READ, Fault.SLOW_READ]))
+    def start_restore(self, index, tier, evict_first, fault):
         """A request arrives for a prefix computed earlier (after its upper tiers were evicted,
-        when evict_first says so: restores are rare otherwise)."""
+        when evict_first says so: restores are rare otherwise), maybe with a fault armed for it."""
         if not self.known:
             return
         seq = self.known[index % len(self.known)]
         for t in evict_first:
             self.mgr.tree.evict(t, self.mgr.allocator(t).num_pages)
+        if fault is not None:
+            self.fail(fault)
         runner = self.mgr.runner
         self._call(lambda: runner.start_restore(seq, self.mgr.match(seq), tier, "req"))
 
@@ -396,6 +427,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def integrity(self):
         if hasattr(self, "mgr"):
             self.mgr.check_integrity()
+            assert "driver" not in self.mgr.metrics.failures  # _guard caught a driver exception
 
     @invariant()
     def published_pages_hold_their_prefix(self):
@@ -433,5 +465,5 @@ class ManagerMachine(RuleBasedStateMachine):
 
 def test_manager_state_machine():
     run_state_machine_as_test(ManagerMachine, settings=settings(
-        max_examples=int(os.environ.get("HICACHE_STATEFUL_EXAMPLES", "60")), stateful_step_count=50,
+        max_examples=int(os.environ.get("HICACHE_STATEFUL_EXAMPLES", "150")), stateful_step_count=50,
         deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
