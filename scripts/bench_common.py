@@ -115,6 +115,15 @@ def emit(result, as_json: bool, out_path: str | None, human: str) -> None:
 
 
 # -- engine plumbing -------------------------------------------------------------------------------
+def add_common_args(p) -> None:
+    """Flags both benchmarks take: engine mode, seed and output."""
+    p.add_argument("--enable-cuda-graphs", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-json", default=None)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None)
+
+
 def default_device(arg: str | None) -> str:
     if arg:
         return arg

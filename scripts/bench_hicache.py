@@ -40,7 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import (GIB, BenchDir, close_engine, copy_limits, default_device, default_model,  # noqa: E402
+from bench_common import (GIB, BenchDir, add_common_args, close_engine, copy_limits, default_device, default_model,  # noqa: E402
                           directions_summary, emit, evict, file_read_limit, fmt, free_memory, integrity_of,
                           median, metrics_delta, ms_summary, note, run_one, shared_model, table)
 
@@ -69,12 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disable-prefetch", action="store_true", help="blocking restores")
     p.add_argument("--transfer-backend", default="auto", choices=["auto", "triton", "torch"])
     p.add_argument("--max-prefill-tokens", type=int, default=0, help="default: the whole prompt in one batch")
-    p.add_argument("--enable-cuda-graphs", action="store_true")
     p.add_argument("--compare-recompute", action="store_true", help="also measure --tier none in this run")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-json", default=None)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default=None)
+    add_common_args(p)
     args = p.parse_args(argv)
     args.device = default_device(args.device)
     args.model = default_model(args.model, args.device)

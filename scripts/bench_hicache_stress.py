@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import (BenchDir, close_engine, default_device, default_model, directions_summary,  # noqa: E402
+from bench_common import (BenchDir, add_common_args, close_engine, default_device, default_model, directions_summary,  # noqa: E402
                           emit, evict, fmt, fmt_bytes, free_memory, integrity_of, median, metrics_delta,
                           ms_summary, note, shared_model, table)
 
@@ -66,7 +66,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--storage-ratio", type=float, default=8.0, help="L3 = ratio x L2 pages (l3 tier)")
     p.add_argument("--io-workers", type=int, default=4)
     p.add_argument("--disable-checksum", action="store_true")
-    p.add_argument("--enable-cuda-graphs", action="store_true")
     p.add_argument("--storage-path", default=None,
                    help="L3 file, truncated at start and removed at exit (default: a temp file under the cwd)")
     p.add_argument("--decode-batch", type=int, default=0, help="also run the decode comparison with this batch")
@@ -74,10 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-tier", default="l2", choices=["l2", "l3"])
     p.add_argument("--decode-repeats", type=int, default=3, help="measured passes per engine (median)")
     p.add_argument("--decode-only", action="store_true", help="skip the throughput runs")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log-json", default=None)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default=None)
+    add_common_args(p)
     args = p.parse_args(argv)
     args.device = default_device(args.device)
     args.model = default_model(args.model, args.device)
