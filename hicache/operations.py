@@ -66,9 +66,9 @@ class OpRunner:
     def _close_claim(self, op: Op, tier: Tier) -> None:
         claim = op.payload["claims"].pop(tier, None)
         if claim is not None:
-            pages = self.mgr.release_claim(claim, tier)
-            if tier is Tier.L3 and pages and self.mgr.store is not None:
-                pass  # slots never written by this op hold nothing valid already
+            # L3 slots freed here hold nothing readable: a write invalidates its slots when submitted
+            # and validates them only on success; duplicates were invalidated in _publish
+            self.mgr.release_claim(claim, tier)
 
     def _publish(self, op: Op, tokens: Sequence[int], tier: Tier, pages: list[int], start: int) -> None:
         claim = op.payload["claims"][tier]
