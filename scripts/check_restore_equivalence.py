@@ -28,7 +28,7 @@ async def run(args) -> int:
     eng = Engine(EngineConfig(model=args.model, device=args.device, page_size=args.page_size,
                               num_pages=args.num_pages, max_prefill_tokens=16384,
                               cuda_graphs=args.enable_cuda_graphs).with_hicache(
-        enable=True, policy="always", host_ratio=4.0, storage_ratio=0.0))
+        enable=True, policy="always", host_ratio=args.host_ratio, storage_ratio=args.storage_ratio))
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(1, eng.vocab_size) for _ in range(args.prefix_tokens + 1)] for _ in range(2)]
 
@@ -54,13 +54,13 @@ async def run(args) -> int:
     for i in range(args.iterations):
         eng.cache.tree.evict(Tier.L1, 10 ** 9)
         token, cached = await first_token(prompts[i % 2])
-        restored += cached["l2"] > 0
+        restored += cached["l2"] + cached["l3"] > 0
         ok_tokens += token == l1[i % 2]
         ok_kv += bool(torch.equal(prefix_kv(prompts[i % 2]), kv[i % 2]))
     eng.check_integrity()
     await eng.stop_loop()
     print(f"{args.model} graphs={args.enable_cuda_graphs} prefix={args.prefix_tokens}: recompute first tokens "
-          f"{ref}, L1-hit {l1}; {restored}/{args.iterations} restored from L2; restored KV byte-identical "
+          f"{ref}, L1-hit {l1}; {restored}/{args.iterations} restored from L2/L3; restored KV byte-identical "
           f"{ok_kv}/{args.iterations}; first token == L1-hit {ok_tokens}/{args.iterations}")
     return 0 if ok_tokens == ok_kv == args.iterations else 1
 
@@ -74,6 +74,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-pages", type=int, default=0)
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--host-ratio", type=float, default=4.0)
+    ap.add_argument("--storage-ratio", type=float, default=0.0, help="> 0 keeps an L3 (write-through, prefetch)")
     ap.add_argument("--enable-cuda-graphs", action="store_true")
     args = ap.parse_args(argv)
     if not args.num_pages:
