@@ -30,8 +30,23 @@ class TransferError(RuntimeError):
     pass
 
 
+# L2 destinations split in at most this many consecutive runs move with one DMA per run; more
+# fragmented ones go through a pinned workspace and one CPU index copy.
+MAX_DMA_RUNS = 8
+
+
 def is_consecutive(pages: list[int]) -> bool:
     return all(b == a + 1 for a, b in zip(pages, pages[1:]))
+
+
+def host_runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """Consecutive runs of host pages as (first index, end index, first page)."""
+    runs, first = [], 0
+    for i in range(1, len(pages) + 1):
+        if i == len(pages) or pages[i] != pages[i - 1] + 1:
+            runs.append((first, i, pages[first]))
+            first = i
+    return runs
 
 
 @dataclass(eq=False)
@@ -128,39 +143,46 @@ class TransferEngine:
             raise TransferError(f"{direction}: {len(l1_pages)} L1 pages vs {len(host_pages)} host pages")
         t0 = time.monotonic_ns()
         n = len(l1_pages)
-        host_consecutive = is_consecutive(host_pages)
-        ws, setup_ns = self._acquire(n, needs_host=not host_consecutive)
+        runs = host_runs(host_pages)  # [(first index, end index, first host page)]
+        host_consecutive = len(runs) == 1
+        few_runs = 1 < len(runs) <= MAX_DMA_RUNS  # one DMA per run, straight into/out of the L2 pool
+        cpu_gather = not host_consecutive and not few_runs
+        ws, setup_ns = self._acquire(n, needs_host=cpu_gather)
         idx = self._index(l1_pages)  # produced on the caller's stream
         packed = ws.device[:n]       # [n, 2, L, S, H, D]
         host_dst = (self.l2.page_buffer[host_pages[0]: host_pages[0] + n] if host_consecutive
-                    else ws.host[:n])
-        host_idx = None if host_consecutive else torch.tensor(host_pages, dtype=torch.int64)
+                    else ws.host[:n] if cpu_gather else None)
+        host_idx = torch.tensor(host_pages, dtype=torch.int64) if cpu_gather else None
         finish = None
         tr = Transfer(direction, n, n * self.geometry.bytes_per_page, 0, setup_ns, t0, workspace=ws,
                       keepalive=[idx])
-        if direction == "h2d" and not host_consecutive:
+        if direction == "h2d" and cpu_gather:
             torch.index_select(self.l2.page_buffer, 0, host_idx, out=ws.host[:n])  # host gather
         ctx = torch.cuda.stream(self.stream) if self.cuda else _null()
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.l1.device))
             tr.start_event = torch.cuda.Event(enable_timing=True)
             tr.event = torch.cuda.Event(enable_timing=True)
-        if self.cuda and n >= 8:
+        if self.cuda and n >= 8 and not few_runs:
             self._pipelined(direction, idx, packed, host_dst, tr)
         else:
             with ctx:
                 if self.cuda:
                     tr.start_event.record(self.stream)
+                pairs = ([(packed, host_dst)] if not few_runs else
+                         [(packed[i0:i1], self.l2.page_buffer[h0: h0 + i1 - i0]) for i0, i1, h0 in runs])
                 if direction == "d2h":
                     gather_pages(self.l1.kv, idx, packed, self.backends.gather)
-                    host_dst.copy_(packed, non_blocking=self.cuda)
+                    for dev, host in pairs:
+                        host.copy_(dev, non_blocking=self.cuda)
                 else:
-                    packed.copy_(host_dst, non_blocking=self.cuda)
+                    for dev, host in pairs:
+                        dev.copy_(host, non_blocking=self.cuda)
                     scatter_pages(packed, idx, self.l1.kv, self.backends.scatter)
                 if self.cuda:
                     tr.event.record(self.stream)
                     idx.record_stream(self.stream)
-        if direction == "d2h" and not host_consecutive:
+        if direction == "d2h" and cpu_gather:
             def finish(dst=self.l2.page_buffer, src=ws.host[:n], index=host_idx):
                 dst.index_copy_(0, index, src)  # one CPU index copy into fragmented L2 pages
         tr.finish = finish
