@@ -34,6 +34,9 @@ class HiCacheConfig:
     host_bandwidth_gib_s: float = 12.0
     storage_bandwidth_gib_s: float = 3.0
     cost_margin: float = 1.0
+    # cost policy: until this many storage reads were timed, L3 writes are admitted and L3 hits restored
+    # whatever the prior says, so the model learns this machine's storage speed (0: the prior decides)
+    storage_explore_reads: int = 2
     # model identity salt for content-addressed (shared) storage keys
     model_id: str = "unknown"
 
@@ -52,6 +55,8 @@ class HiCacheConfig:
             raise ValueError(f"unknown --hicache-storage-backend {self.storage_backend!r}")
         if self.storage_backend == "redis" and self.enable and not self.storage_url:
             raise ValueError("--hicache-storage-backend redis needs --hicache-storage-url redis://HOST:PORT/DB")
+        if self.storage_explore_reads < 0:
+            raise ValueError("--hicache-storage-explore-reads must be >= 0")
         if self.cost_margin <= 0:
             raise ValueError("--hicache-cost-margin must be > 0")
 

@@ -30,8 +30,12 @@ class LinearCost:
 
     Regime "prior": no samples yet, slope = prior, fixed_s = 0.
     Regime "fixed_only": the sizes in the window barely differ (max - min <= max(1, 5% of max)), so
-    slope and intercept cannot both be identified: keep the prior slope and move fixed_s by EWMA
-    (alpha 0.2) towards each new sample's residual max(0, seconds - size * prior_slope).
+    slope and intercept cannot both be identified. A sample slower than the prior predicts keeps the
+    prior slope and moves fixed_s by EWMA (alpha 0.2) towards the excess, seconds - size * prior
+    (DESIGN.md section 7). A faster one means the prior is pessimistic: fixed_s moves towards 0 and
+    the slope towards seconds / size, outright on the regime's first sample (an optimistic estimate
+    gets re-measured as it is used; a pessimistic one would stop the very restores that could
+    correct it), by EWMA after that.
     Regime "least_squares": fit both, constrained to fixed_s >= 0 and slope >= 0. A negative slope
     falls back to (fixed_s = max(0, mean seconds), slope = 0); a negative intercept to a line through
     the origin (fixed_s = 0, slope = sum(x*y) / sum(x*x)).
@@ -62,10 +66,14 @@ class LinearCost:
             self._fit_least_squares()
 
     def _observe_fixed_only(self, size: float, seconds: float) -> None:
+        first = self.regime != "fixed_only"
         self.regime = "fixed_only"
-        self.slope = self.prior_slope
-        residual_s = max(0.0, seconds - size * self.slope)
-        self.fixed_s += self.ewma_alpha * (residual_s - self.fixed_s)
+        if seconds >= size * self.prior_slope:
+            target_slope, target_fixed_s, alpha = self.prior_slope, seconds - size * self.prior_slope, self.ewma_alpha
+        else:  # size > 0 here (0 * prior <= seconds)
+            target_slope, target_fixed_s, alpha = seconds / size, 0.0, 1.0 if first else self.ewma_alpha
+        self.slope += alpha * (target_slope - self.slope)
+        self.fixed_s += alpha * (target_fixed_s - self.fixed_s)
 
     def _fit_least_squares(self) -> None:
         self.regime = "least_squares"
@@ -124,6 +132,7 @@ class CostModel:
     """
 
     def __init__(self, config: HiCacheConfig, bytes_per_token: int) -> None:
+        self.explore_reads = config.storage_explore_reads
         if bytes_per_token < 1:
             raise ValueError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
         if not config.recompute_us_per_token >= 0:
@@ -156,6 +165,11 @@ class CostModel:
         """One prefill forward over `num_tokens` uncached tokens."""
         if self.learning:
             self.directions["recompute"].observe(num_tokens, seconds)
+
+    @property
+    def exploring_storage(self) -> bool:
+        """Too few timed storage reads to trust the storage estimate yet (cost policy explores)."""
+        return self.learning and self.directions["s2h"].num_samples < self.explore_reads
 
     # -- costs ----------------------------------------------------------------------------------
     def _transfer_s(self, direction: str, num_tokens: int) -> float:
@@ -213,6 +227,9 @@ class CostModel:
             tier = max(("l2", "l3"), key=lambda t: (restore_tokens[t], t == "l2"))
             if restore_tokens[tier] == 0:
                 tier = "l1"
+        elif restore_tokens["l3"] and self.exploring_storage:
+            tier = "l3"  # learn what a storage read really costs here (see storage_explore_reads)
+            costs["explore"] = 1.0
         else:
             tier = "l1"
             for candidate in ("l2", "l3"):  # strict > keeps the faster tier on a tie
@@ -226,12 +243,16 @@ class CostModel:
 
         False when a restore from that tier can never beat recompute, even with zero fixed cost
         (so a later, longer hit would not amortise it either): margin * slope-only restore cost of
-        num_tokens >= recompute cost of num_tokens, with the current slope estimates.
+        num_tokens >= recompute cost of num_tokens, with the current slope estimates. While the
+        storage speed is still being explored, L3 writes are admitted (something must be read back
+        to time it).
         """
         if tier not in ("l2", "l3"):
             raise ValueError(f"write tier must be 'l2' or 'l3', got {tier!r}")
         if num_tokens <= 0:
             return False
+        if tier == "l3" and self.exploring_storage:
+            return True
         num_bytes = num_tokens * self.bytes_per_token
         restore_s = num_bytes * self.directions["h2d"].slope
         if tier == "l3":

@@ -31,6 +31,12 @@ log = structlog.get_logger("hicache.ops")
 _TIER_OF = {"l1": Tier.L1, "l2": Tier.L2, "l3": Tier.L3}
 
 
+# An enqueue of a few kernels and DMAs takes well under a millisecond; one this slow included a Triton
+# JIT compile (a new specialisation of the gather/scatter kernels), which the cost model must not learn
+# as a recurring cost (a single stall would make every later restore look too slow to be tried again).
+JIT_ENQUEUE_NS = 20_000_000
+
+
 class OpRunner:
     def __init__(self, mgr: "CacheManager") -> None:
         self.mgr = mgr
@@ -130,7 +136,8 @@ class OpRunner:
         e2e_s = tr.end_to_end_ns / 1e9
         stats.add(tr.num_bytes, enqueue_s=tr.enqueue_ns / 1e9, setup_s=tr.setup_ns / 1e9,
                   queue_wait_s=tr.queue_wait_ns / 1e9, service_s=tr.service_ns / 1e9, end_to_end_s=e2e_s)
-        mgr.cost.observe_transfer(direction, tr.num_bytes, max(0.0, e2e_s - tr.setup_ns / 1e9))
+        if tr.enqueue_ns < JIT_ENQUEUE_NS:  # a slower enqueue compiled a kernel: a one-time cost
+            mgr.cost.observe_transfer(direction, tr.num_bytes, max(0.0, e2e_s - tr.setup_ns / 1e9))
 
     async def _wait_io(self, op: Op, future, direction: str, deadline_s: float | None = None) -> None:
         """Await an L3 read/write. Past the deadline the op fails now, but its private pages stay

@@ -33,6 +33,7 @@ from .geometry import KVGeometry
 # An extent is split into pieces of at least this many bytes so that one large transfer can use
 # several worker threads (cold buffered reads scale with threads, DESIGN.md section 10).
 MIN_SPLIT_BYTES = 1 << 20
+VERIFY_CHUNK_BYTES = 8 << 20  # a read hands its checksum work on in pieces of about this size
 _READ_ERROR_FAULTS = ((Fault.EIO_READ, errno.EIO),)
 _WRITE_ERROR_FAULTS = ((Fault.EIO_WRITE, errno.EIO), (Fault.ENOSPC_WRITE, errno.ENOSPC))
 
@@ -231,6 +232,10 @@ class FileStore:
         self._closed = False
         self._active_tasks = self._peak_active_tasks = 0
         self._pool = cf.ThreadPoolExecutor(max_workers=self.io_workers, thread_name_prefix="hicache-l3-io")
+        # read verification runs beside the reads: an I/O thread hands each landed piece's checksums to
+        # this pool and reads on, so hashing overlaps the next preadv instead of following it
+        self._verify_pool = (cf.ThreadPoolExecutor(max_workers=self.io_workers, thread_name_prefix="hicache-l3-verify")
+                             if self.checksum else None)
 
     # ---- public API ------------------------------------------------------------------------------
     def offset(self, slot: int) -> int:
@@ -277,6 +282,8 @@ class FileStore:
                 return
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=cancel_queued)
+        if self._verify_pool is not None:
+            self._verify_pool.shutdown(wait=True)
         self._finalizer()
 
     @property
@@ -422,23 +429,37 @@ class FileStore:
         bpp, faults, is_read = self.bytes_per_page, self.faults, op.is_read
         if is_read and faults is not None and faults.should_fire(Fault.SLOW_READ):
             time.sleep(faults.delay_s(Fault.SLOW_READ))
-        for op_index, host_page, slot, n in pieces:
-            view = op.view[host_page * bpp:(host_page + n) * bpp]
-            if op.hashes is not None:  # write: hash the bytes being written, off the event loop
-                for k in range(n):
-                    op.hashes[op_index + k] = xxhash.xxh3_64_intdigest(view[k * bpp:(k + 1) * bpp])
-            short = False
-            if faults is not None:
-                errors = _READ_ERROR_FAULTS if is_read else _WRITE_ERROR_FAULTS
-                for fault, code in errors:
-                    if faults.should_fire(fault):
-                        raise OSError(code, f"injected {fault.value}")
-                short = faults.should_fire(Fault.SHORT_READ if is_read else Fault.SHORT_WRITE)
-            self._transfer_all(is_read, view, self.offset(slot), short, slot, n)
-            if op.expected is not None:  # read: verify after the bytes landed
-                for k in range(n):
-                    if xxhash.xxh3_64_intdigest(view[k * bpp:(k + 1) * bpp]) != int(op.expected[op_index + k]):
-                        bad_slots.append(slot + k)
+        verifying: list[cf.Future] = []
+        step_pages = max(1, VERIFY_CHUNK_BYTES // bpp) if op.expected is not None else 1 << 62
+        try:
+            for op_index, host_page, slot, n in pieces:
+                view = op.view[host_page * bpp:(host_page + n) * bpp]
+                if op.hashes is not None:  # write: hash the bytes being written, off the event loop
+                    for k in range(n):
+                        op.hashes[op_index + k] = xxhash.xxh3_64_intdigest(view[k * bpp:(k + 1) * bpp])
+                short = False
+                if faults is not None:
+                    errors = _READ_ERROR_FAULTS if is_read else _WRITE_ERROR_FAULTS
+                    for fault, code in errors:
+                        if faults.should_fire(fault):
+                            raise OSError(code, f"injected {fault.value}")
+                    short = faults.should_fire(Fault.SHORT_READ if is_read else Fault.SHORT_WRITE)
+                for k0 in range(0, n, step_pages):  # one piece, or (verified reads) sub-pieces
+                    k1 = min(n, k0 + step_pages)
+                    self._transfer_all(is_read, view[k0 * bpp:k1 * bpp], self.offset(slot + k0), short,
+                                       slot + k0, k1 - k0)
+                    if op.expected is not None:  # read: verify once the bytes landed, beside the next read
+                        verifying.append(self._verify_pool.submit(
+                            self._verify, view[k0 * bpp:k1 * bpp], op.expected[op_index + k0:op_index + k1],
+                            slot + k0))
+        finally:
+            for f in verifying:  # always settle: the host buffer must not be reused under a hash
+                bad_slots.extend(f.result())
+
+    def _verify(self, view: memoryview, expected: np.ndarray, first_slot: int) -> list[int]:
+        bpp = self.bytes_per_page
+        return [first_slot + k for k in range(len(expected))
+                if xxhash.xxh3_64_intdigest(view[k * bpp:(k + 1) * bpp]) != int(expected[k])]
 
     def _transfer_all(self, is_read: bool, view: memoryview, offset_bytes: int, short: bool, slot: int,
                       num_pages: int) -> None:

@@ -1,13 +1,19 @@
-"""Paged decode attention: one new query token per sequence attends to its K/V read straight from
+"""Paged decode attention: a few new query tokens per sequence attend to their K/V read straight from
 the paged L1 pool through the page table (no gather copy), split over the sequence (flash-decoding)
 so that even batch 1 fills the GPU; a second kernel merges the splits. Shapes are static given the
 batch size, so a decode step can be captured in a CUDA graph.
 
-  q:           [B, Hq, D]
+`rows_per_seq` (R) query tokens of one sequence share one program per (sequence, KV head, split): each
+K/V block is loaded once for all R x G query rows (G = query heads per KV head), and every row sees
+keys below its own length (causal). R = 1 is plain decode; R > 1 is the short tail left to compute
+after a restore (a prefix that is not page-aligned), which would otherwise read the whole KV once per
+token.
+
+  q:           [B * R, Hq, D]
   k_layer:     [P, S, Hkv, D]   (kv_pool[0, layer]; v_layer likewise)
   page_tables: [B, max_pages] int64
-  seq_lens:    [B] int64        (keys per sequence, the new token included)
-  out:         [B, Hq, D]
+  seq_lens:    [B * R] int64    (keys each row sees, itself included; padding rows: any value >= 1)
+  out:         [B * R, Hq, D]
 """
 from __future__ import annotations
 
@@ -19,12 +25,14 @@ try:
 except ImportError:  # pragma: no cover - triton is a dependency; guard for odd installs
     triton = None
 
-NUM_SPLITS = 16
+NUM_SPLITS = 16  # default splits of the sequence (flash-decoding); see decode_attention_triton
 BLOCK_N = 32
 
 
-def decode_attention_torch(q, k_layer, v_layer, page_tables, seq_lens, scale: float) -> torch.Tensor:
-    """Reference: gather every sequence's pages, mask past seq_len, softmax attention."""
+def decode_attention_torch(q, k_layer, v_layer, page_tables, seq_lens, scale: float,
+                           rows_per_seq: int = 1) -> torch.Tensor:
+    """Reference: gather every row's pages, mask past its seq_len, softmax attention."""
+    page_tables = page_tables.repeat_interleave(rows_per_seq, dim=0)  # [B * R, M]
     b, hq, d = q.shape
     _, s, hkv, _ = k_layer.shape
     max_tokens = page_tables.shape[1] * s
@@ -43,89 +51,121 @@ if triton is not None:
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, len_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
                       scale, max_pages, num_kv_heads, num_q_heads,
-                      PAGE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
-                      BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+                      PAGE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, M_PAD: tl.constexpr,
+                      D: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, TENSOR_CORES: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
-        seq_len = tl.load(len_ptr + b).to(tl.int64)
+        rows = tl.arange(0, M_PAD)  # query row r = token (r // GROUP) of this sequence, head h*GROUP + r % GROUP
+        row_ok = rows < ROWS * GROUP
+        token_row = b * ROWS + rows // GROUP  # row of q / seq_lens
+        row_len = tl.load(len_ptr + token_row, mask=row_ok, other=0).to(tl.int64)  # [M]
+        seq_len = tl.max(row_len, axis=0)
+        row_len = tl.where(row_ok, row_len, seq_len)  # padding rows: q = 0, see every key (finite)
         per_split = tl.cdiv(tl.cdiv(seq_len, SPLITS), BLOCK) * BLOCK
         start = split * per_split
         end = tl.minimum(start + per_split, seq_len)
-        rows = tl.arange(0, GROUP_PAD)
-        row_ok = rows < GROUP
         dims = tl.arange(0, D)
-        q_heads = h * GROUP + rows
-        q = tl.load(q_ptr + (b * num_q_heads + q_heads)[:, None] * D + dims[None, :],
-                    mask=row_ok[:, None], other=0.0).to(tl.float32)  # [G, D]
-        m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        q_off = (token_row * num_q_heads + h * GROUP + rows % GROUP)[:, None] * D + dims[None, :]
+        q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)  # [M, D]
+        if not TENSOR_CORES:
+            q = q.to(tl.float32)
+        m = tl.full([M_PAD], float("-inf"), tl.float32)
+        l = tl.zeros([M_PAD], tl.float32)
+        acc = tl.zeros([M_PAD, D], tl.float32)
         for n0 in range(start, end, BLOCK):
             n = n0 + tl.arange(0, BLOCK)
             ok = n < end
             page = tl.load(pt_ptr + b * max_pages + n // PAGE, mask=ok, other=0)
             slot = page.to(tl.int64) * PAGE + n % PAGE
             kv_off = (slot * num_kv_heads + h)[:, None] * D + dims[None, :]  # [N, D]
-            k = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0.0).to(tl.float32)
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [G, N], exact fp32
-            scores = tl.where(ok[None, :], scores, float("-inf"))
+            k = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0)
+            v = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0.0)
+            if TENSOR_CORES:  # 16-bit inputs: exact products, float32 accumulation
+                scores = tl.dot(q, tl.trans(k)) * scale  # [M, N]
+            else:  # float32 inputs: exact fp32 (no TF32)
+                k, v = k.to(tl.float32), v.to(tl.float32)
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            scores = tl.where(ok[None, :] & (n[None, :] < row_len[:, None]), scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(scores - m_new[:, None])
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no visible key yet
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
             l = l * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            if TENSOR_CORES:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m = m_new
         base = (b * num_kv_heads + h) * SPLITS + split
-        tl.store(part_o_ptr + (base * GROUP_PAD + rows)[:, None] * D + dims[None, :], acc)
-        tl.store(part_m_ptr + base * GROUP_PAD + rows, m)
-        tl.store(part_l_ptr + base * GROUP_PAD + rows, l)
+        tl.store(part_o_ptr + (base * M_PAD + rows)[:, None] * D + dims[None, :], acc)
+        tl.store(part_m_ptr + base * M_PAD + rows, m)
+        tl.store(part_l_ptr + base * M_PAD + rows, l)
 
     @triton.jit
     def _merge_kernel(part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, num_kv_heads, num_q_heads,
-                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr):
+                      GROUP: tl.constexpr, ROWS: tl.constexpr, M_PAD: tl.constexpr, RB: tl.constexpr, D: tl.constexpr,
+                      SPLITS: tl.constexpr):
+        """One program per (sequence, KV head, block of RB query rows): real rows only."""
         b = tl.program_id(0)
         h = tl.program_id(1)
-        rows = tl.arange(0, GROUP_PAD)
+        rows = tl.program_id(2) * RB + tl.arange(0, RB)
+        row_ok = rows < ROWS * GROUP
         dims = tl.arange(0, D)
         splits = tl.arange(0, SPLITS)
         base = (b * num_kv_heads + h) * SPLITS + splits  # [SPLITS]
-        m = tl.load(part_m_ptr + base[:, None] * GROUP_PAD + rows[None, :])  # [SPLITS, G]
-        l = tl.load(part_l_ptr + base[:, None] * GROUP_PAD + rows[None, :])
-        m_max = tl.max(m, axis=0)  # [G]
+        ml_off = base[:, None] * M_PAD + rows[None, :]  # [SPLITS, RB]
+        m = tl.load(part_m_ptr + ml_off, mask=row_ok[None, :], other=float("-inf"))
+        l = tl.load(part_l_ptr + ml_off, mask=row_ok[None, :], other=0.0)
+        m_max = tl.max(m, axis=0)  # [RB]
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # padding rows: no NaN from -inf - -inf
         w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_max[None, :]))  # empty splits weigh 0
-        denom = tl.sum(l * w, axis=0)  # [G]
-        acc = tl.zeros([GROUP_PAD, D], tl.float32)
+        denom = tl.sum(l * w, axis=0)  # [RB]
+        acc = tl.zeros([RB, D], tl.float32)
         for s in range(SPLITS):
-            o = tl.load(part_o_ptr + ((b * num_kv_heads + h) * SPLITS + s) * GROUP_PAD * D
-                        + rows[:, None] * D + dims[None, :])  # [G, D]
-            ws = tl.sum(tl.where(splits[:, None] == s, w, 0.0), axis=0)  # [G]
+            o = tl.load(part_o_ptr + ((b * num_kv_heads + h) * SPLITS + s) * M_PAD * D
+                        + rows[:, None] * D + dims[None, :], mask=row_ok[:, None], other=0.0)  # [RB, D]
+            ws = tl.sum(tl.where(splits[:, None] == s, w, 0.0), axis=0)  # [RB]
             acc += o * ws[:, None]
-        out = acc / denom[:, None]
-        row_ok = rows < GROUP
-        tl.store(out_ptr + (b * num_q_heads + h * GROUP + rows)[:, None] * D + dims[None, :],
+        out = acc / tl.where(row_ok, denom, 1.0)[:, None]
+        token_row = b * ROWS + rows // GROUP
+        tl.store(out_ptr + (token_row * num_q_heads + h * GROUP + rows % GROUP)[:, None] * D + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: float,
-                            workspace: dict | None = None) -> torch.Tensor:
-    b, hq, d = q.shape
+                            rows_per_seq: int = 1, tensor_cores: bool | None = None, block: int | None = None,
+                            num_warps: int | None = None, splits: int | None = None) -> torch.Tensor:
+    """tensor_cores (default: for 16-bit inputs) runs both dots on tensor cores with float32
+    accumulation, the probabilities rounded to the input dtype for the second; float32 inputs use
+    exact fp32 dots. block / num_warps / splits override the tuned defaults (benchmarks)."""
+    rows, hq, d = q.shape
+    b = page_tables.shape[0]
+    if rows != b * rows_per_seq or seq_lens.shape[0] != rows:
+        raise ValueError(f"q has {rows} rows, page_tables {b} sequences x {rows_per_seq} rows, "
+                         f"seq_lens {seq_lens.shape[0]}")
     _, page, hkv, _ = k_layer.shape
     group = hq // hkv
-    group_pad = max(16, triton.next_power_of_2(group))
-    ws = workspace if workspace is not None else {}
-    key = (b, hkv, group_pad, d, q.device)
-    if ws.get("key") != key:  # reused across layers and graph replays
-        ws["key"] = key
-        ws["o"] = torch.empty((b, hkv, NUM_SPLITS, group_pad, d), dtype=torch.float32, device=q.device)
-        ws["m"] = torch.empty((b, hkv, NUM_SPLITS, group_pad), dtype=torch.float32, device=q.device)
-        ws["l"] = torch.empty((b, hkv, NUM_SPLITS, group_pad), dtype=torch.float32, device=q.device)
+    m_pad = max(16, triton.next_power_of_2(group * rows_per_seq))
+    # tuned on the H200 at the 8B shape (scripts/bench_kernels.py, docs/benchmarks.md): one query row
+    # per sequence and few programs -> 16 splits of 64-key blocks, 8 warps; many sequences -> 8 splits;
+    # multi-row tails -> 16 splits of 32-key blocks, 4 warps
+    few_programs = rows_per_seq == 1 and b * hkv <= 32
+    num_splits = splits or (NUM_SPLITS if rows_per_seq > 1 or b * hkv < 128 else NUM_SPLITS // 2)
+    block = block or (64 if few_programs else BLOCK_N)
+    num_warps = num_warps or (8 if few_programs else 4)
+    part_o = torch.empty((b, hkv, num_splits, m_pad, d), dtype=torch.float32, device=q.device)
+    part_m = torch.empty((b, hkv, num_splits, m_pad), dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
     out = torch.empty_like(q)
-    _split_kernel[(b, hkv, NUM_SPLITS)](
-        q, k_layer, v_layer, page_tables, seq_lens, ws["o"], ws["m"], ws["l"], scale,
-        page_tables.shape[1], hkv, hq, PAGE=page, GROUP=group, GROUP_PAD=group_pad, D=d,
-        BLOCK=BLOCK_N, SPLITS=NUM_SPLITS)
-    _merge_kernel[(b, hkv)](ws["o"], ws["m"], ws["l"], out, hkv, hq, GROUP=group, GROUP_PAD=group_pad,
-                            D=d, SPLITS=NUM_SPLITS)
+    if tensor_cores is None:
+        tensor_cores = q.dtype in (torch.bfloat16, torch.float16) and q.is_cuda
+    _split_kernel[(b, hkv, num_splits)](
+        q, k_layer, v_layer, page_tables, seq_lens, part_o, part_m, part_l, scale,
+        page_tables.shape[1], hkv, hq, PAGE=page, GROUP=group, ROWS=rows_per_seq, M_PAD=m_pad, D=d,
+        BLOCK=block, SPLITS=num_splits, TENSOR_CORES=tensor_cores, num_warps=num_warps)
+    real_rows = group * rows_per_seq
+    rb = min(16, triton.next_power_of_2(real_rows))
+    _merge_kernel[(b, hkv, triton.cdiv(real_rows, rb))](part_o, part_m, part_l, out, hkv, hq, GROUP=group,
+                                                        ROWS=rows_per_seq, M_PAD=m_pad, RB=rb, D=d, SPLITS=num_splits)
     return out

@@ -44,6 +44,9 @@ class AttentionBatch:
     out_slots: torch.Tensor  # [T] int64: page * S + offset of each new token, T = sum(new_lens)
     positions: torch.Tensor  # [T] int64: position of each new token in its sequence
     last_rows: torch.Tensor | None = None  # [B] int64: row in T of each sequence's last new token
+    # decode only: R query rows per sequence (a captured short tail; rows B*R, seq_lens per row [B*R],
+    # page_tables per sequence [B, max_pages]); 1 = plain decode
+    rows_per_seq: int = 1
     _plan: _PrefillPlan | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -167,8 +170,9 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, batch: A
     if batch.is_decode:
         if q.is_cuda:  # paged flash-decoding: reads K/V through the page table, no gather copy
             return decode_attention_triton(q, kv_pool[0, layer], kv_pool[1, layer], batch.page_tables,
-                                           batch.seq_lens, scale)
-        return decode_attention(q, kv_layer, batch.page_tables, batch.seq_lens, scale)
+                                           batch.seq_lens, scale, batch.rows_per_seq)
+        return decode_attention(q, kv_layer, batch.page_tables.repeat_interleave(batch.rows_per_seq, dim=0),
+                                batch.seq_lens, scale)
     _, _, page_size, num_kv_heads, head_dim = kv_layer.shape
     plan = batch.plan(page_size)
     out = torch.empty_like(q) if len(plan.seqs) != 1 or plan.single_rows is not None else None

@@ -25,7 +25,7 @@ class EngineConfig:
     # capture small forwards (decode, short tails) in CUDA graphs. Opt-in: on the H200 in bf16 a
     # restored prefix's tail forward through the graph path did not always reproduce the L1-hit
     # output (docs/benchmarks.md); the eager path matched recompute exactly.
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True  # CUDA only: small forwards replay captured graphs
     cpu_threads: int = 1  # torch intra-op threads on the CPU (tiny shapes run fastest on one)
     log_json: str | None = None
     simulate: bool = False  # no model, no KV bytes: tree, allocators and cost model only
@@ -48,8 +48,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=64)
     g.add_argument("--max-prompt-tokens", type=int, default=0)
     g.add_argument("--disable-prefix-cache", action="store_true")
-    g.add_argument("--enable-cuda-graphs", action="store_true",
-                   help="capture small forwards in CUDA graphs (faster; see docs/benchmarks.md)")
+    g.add_argument("--disable-cuda-graphs", action="store_true",
+                   help="run small forwards eagerly instead of replaying captured CUDA graphs (CUDA only)")
+    g.add_argument("--enable-cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # the default; kept
     g.add_argument("--cpu-threads", type=int, default=1, help="torch threads when running on the CPU")
     g.add_argument("--log-json", default=None, help="write structured JSON-lines events to this file")
     h = parser.add_argument_group("hicache")
@@ -72,6 +73,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--hicache-host-bandwidth-gib-s", type=float, default=12.0)
     h.add_argument("--hicache-storage-bandwidth-gib-s", type=float, default=3.0)
     h.add_argument("--hicache-cost-margin", type=float, default=1.0)
+    h.add_argument("--hicache-storage-explore-reads", type=int, default=2,
+                   help="cost policy: L3 reads to time before the learned storage speed decides (0: the prior)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -94,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         host_bandwidth_gib_s=args.hicache_host_bandwidth_gib_s,
         storage_bandwidth_gib_s=args.hicache_storage_bandwidth_gib_s,
         cost_margin=args.hicache_cost_margin,
+        storage_explore_reads=args.hicache_storage_explore_reads,
     )
     return EngineConfig(
         model=args.model,
@@ -107,7 +111,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_running_requests=args.max_running_requests,
         max_prompt_tokens=args.max_prompt_tokens,
         enable_prefix_cache=not args.disable_prefix_cache,
-        cuda_graphs=args.enable_cuda_graphs,
+        cuda_graphs=not args.disable_cuda_graphs,
         cpu_threads=args.cpu_threads,
         log_json=args.log_json,
         hicache=hc,

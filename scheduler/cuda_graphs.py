@@ -1,9 +1,14 @@
-"""CUDA graphs for small forwards: decode batches and the one-token tail that follows a restore.
+"""CUDA graphs for small forwards: decode batches and the short tail that follows a restore.
 
 An eager 1-token forward of an 8B-shaped model is launch-bound (~9 ms against a ~3.5 ms weight-read
-floor on an H200), which would eat a restore's gain. Each batch size in `batch_sizes` is captured once
-with static input buffers; a step copies its inputs into them and replays. Rows beyond the real batch
-write their K/V into a private scratch page and attend to it only, so padding never touches live KV.
+floor on an H200), which would eat a restore's gain. Each shape is captured once with static input
+buffers; a step copies its inputs into them and replays. Two families of shapes (B sequences x R rows):
+  - decode: R = 1, B in DECODE_SIZES;
+  - tail: R = TAIL_ROWS, B in TAIL_SIZES. A restored prefix that is not page-aligned leaves up to a
+    page of tokens to compute; the attention kernel reads each K/V block once for all R rows of a
+    sequence (kernels/decode_attention.py), where R one-row sequences would read the whole KV R times.
+Rows beyond a sequence's new tokens, and sequences beyond the real batch, write their K/V into a
+private scratch page and are discarded, so padding never touches live KV.
 """
 from __future__ import annotations
 
@@ -13,6 +18,10 @@ import torch
 from scheduler.attention import AttentionBatch
 from scheduler.model import Qwen3Model
 
+DECODE_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+TAIL_ROWS = 16
+TAIL_SIZES = (1, 2, 4)
+
 
 class DecodeGraphs:
     def __init__(self, model: Qwen3Model, kv_pool: torch.Tensor, page_size: int, max_pages_per_seq: int,
@@ -20,79 +29,89 @@ class DecodeGraphs:
         self.model, self.kv_pool, self.page_size = model, kv_pool, page_size
         self.device = kv_pool.device
         self.max_pages = max_pages_per_seq
-        self.scratch_page = scratch_page
-        self.batch_sizes = [b for b in (1, 2, 4, 8, 16, 32, 48, 64, 96, 128) if b <= max_batch]
-        n = self.batch_sizes[-1]
+        self.scratch_slot = scratch_page * page_size
+        self.shapes = [(b, 1) for b in DECODE_SIZES if b <= max_batch]
+        self.shapes += [(b, TAIL_ROWS) for b in TAIL_SIZES if b * TAIL_ROWS <= max(64, max_batch)]
+        rows = max(b * r for b, r in self.shapes)
+        seqs = max(b for b, _ in self.shapes)
         i64 = dict(dtype=torch.int64, device=self.device)
-        self.ids = torch.zeros(n, **i64)                                  # [B]
-        self.positions = torch.zeros(n, **i64)                            # [B]
-        self.out_slots = torch.full((n,), scratch_page * page_size, **i64)  # [B]
-        self.page_tables = torch.full((n, max_pages_per_seq), scratch_page, **i64)  # [B, M]
-        self.seq_lens = torch.ones(n, **i64)                              # [B]
+        self.rows = torch.zeros((4, rows), **i64)  # ids, positions, out slots, seq lens   [4, N]
+        self.page_tables = torch.full((seqs, max_pages_per_seq), scratch_page, **i64)  # [B, M]
         # pinned staging, filled on the host each step (no per-step pinned allocation)
-        self.host_rows = torch.zeros((4, n), dtype=torch.int64, pin_memory=True)  # ids, pos, slot, len
-        self.host_tables = torch.full((n, max_pages_per_seq), scratch_page, dtype=torch.int64, pin_memory=True)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.host_rows = torch.zeros((4, rows), dtype=torch.int64, pin_memory=True)
+        self.host_tables = torch.full((seqs, max_pages_per_seq), scratch_page, dtype=torch.int64,
+                                      pin_memory=True)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self._staged: torch.cuda.Event | None = None
-        self.logits: dict[int, torch.Tensor] = {}
 
-    def _batch(self, bs: int) -> AttentionBatch:
-        return AttentionBatch(is_decode=True, prefix_lens=[0] * bs, new_lens=[1] * bs,
-                              page_tables=self.page_tables[:bs], seq_lens=self.seq_lens[:bs],
-                              out_slots=self.out_slots[:bs], positions=self.positions[:bs])
+    def _batch(self, seqs: int, rows_per_seq: int) -> AttentionBatch:
+        n = seqs * rows_per_seq
+        return AttentionBatch(is_decode=True, prefix_lens=[0] * n, new_lens=[1] * n,
+                              page_tables=self.page_tables[:seqs], seq_lens=self.rows[3, :n],
+                              out_slots=self.rows[2, :n], positions=self.rows[1, :n], rows_per_seq=rows_per_seq)
 
     @torch.inference_mode()
     def capture(self) -> None:
         self.model.rope_tables(self.max_pages * self.page_size + 1, self.device, self.kv_pool.dtype)
+        self.rows[2].fill_(self.scratch_slot)
+        self.rows[3].fill_(1)
         pool = None
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for bs in reversed(self.batch_sizes):  # largest first: smaller graphs reuse its memory
+            for shape in sorted(self.shapes, key=lambda s: -s[0] * s[1]):  # largest first: the rest reuse its memory
+                ids = self.rows[0, :shape[0] * shape[1]]
                 for _ in range(2):  # warm up (Triton compiles, cuBLAS picks kernels)
-                    self.model(self.ids[:bs], self._batch(bs), self.kv_pool)
+                    self.model(ids, self._batch(*shape), self.kv_pool)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.logits[bs] = self.model(self.ids[:bs], self._batch(bs), self.kv_pool)  # [bs, V]
+                    self.logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool)  # [B * R, V]
                 pool = graph.pool()
-                self.graphs[bs] = graph
+                self.graphs[shape] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
-    def fits(self, num_rows: int, page_tables: list[list[int]]) -> bool:
-        return (bool(self.graphs) and num_rows <= self.batch_sizes[-1]
-                and max(len(pt) for pt in page_tables) <= self.max_pages)
+    def shape_for(self, new_lens: list[int], page_tables: list[list[int]]) -> tuple[int, int] | None:
+        """The captured (sequences, rows per sequence) that fits this batch, or None (run eagerly)."""
+        if not self.graphs or max(len(pt) for pt in page_tables) > self.max_pages:
+            return None
+        rows = 1 if max(new_lens) == 1 else TAIL_ROWS if max(new_lens) <= TAIL_ROWS else None
+        return next((s for s in self.shapes if s[1] == rows and s[0] >= len(new_lens)), None)
 
     @torch.inference_mode()
-    def run(self, input_ids: list[int], positions: list[int], page_tables: list[list[int]]) -> torch.Tensor:
-        """One row per new token: token `input_ids[i]` at `positions[i]` of the sequence whose pages
-        are `page_tables[i]` (rows of one sequence share its table; their K/V are all written before
-        any row attends, so row i seeing keys < position+1 is exactly causal). -> logits [rows, V]."""
-        rows = len(input_ids)
-        graph_bs = next(b for b in self.batch_sizes if b >= rows)
+    def run(self, shape: tuple[int, int], input_ids: list[int], prefix_lens: list[int], new_lens: list[int],
+            page_tables: list[list[int]]) -> torch.Tensor:
+        """Sequence b adds tokens input_ids[sum(new_lens[:b]) : ...] at positions prefix_lens[b] + t; its
+        K/V are all written before any row attends, each row seeing keys up to itself (causal).
+        -> logits of each sequence's last new token [B, V]."""
+        seqs, per = shape
+        n = seqs * per
         ps = self.page_size
         # the previous step's copies out of the staging buffers must be done before we refill them
         if self._staged is not None:
             self._staged.synchronize()
-        host = self.host_rows.numpy()  # [4, n]
-        tables = self.host_tables.numpy()  # [n, M]
-        pos = np.asarray(positions, dtype=np.int64)
-        host[0, :rows] = input_ids
-        host[1, :rows] = pos
-        host[3, :rows] = pos + 1
-        for i, pt in enumerate(page_tables):
-            if i == 0 or pt is not page_tables[i - 1]:
-                row = np.asarray(pt, dtype=np.int64)
-            tables[i, : len(pt)] = row
-        host[2, :rows] = tables[np.arange(rows), pos // ps] * ps + pos % ps
-        host[:, rows:graph_bs] = np.array([[0], [0], [self.scratch_page * ps], [1]])
-        tables[rows:graph_bs, 0] = self.scratch_page
-        self.ids[:graph_bs].copy_(self.host_rows[0, :graph_bs], non_blocking=True)
-        self.positions[:graph_bs].copy_(self.host_rows[1, :graph_bs], non_blocking=True)
-        self.out_slots[:graph_bs].copy_(self.host_rows[2, :graph_bs], non_blocking=True)
-        self.seq_lens[:graph_bs].copy_(self.host_rows[3, :graph_bs], non_blocking=True)
-        # whole rows: one contiguous pinned -> device copy (stale columns past a row's length are masked)
-        self.page_tables[:graph_bs].copy_(self.host_tables[:graph_bs], non_blocking=True)
-        self.graphs[graph_bs].replay()
+        host = self.host_rows.numpy()  # [4, N]
+        tables = self.host_tables.numpy()  # [B, M]
+        host[:, :n] = np.array([[0], [0], [self.scratch_slot], [1]])  # padding rows
+        tables[:seqs, 0] = self.scratch_slot // ps
+        last_rows, token = [], 0
+        for b, (prefix, new, pt) in enumerate(zip(prefix_lens, new_lens, page_tables)):
+            tables[b, :len(pt)] = pt
+            pos = np.arange(prefix, prefix + new, dtype=np.int64)
+            r = slice(b * per, b * per + new)
+            host[0, r] = input_ids[token:token + new]
+            host[1, r] = pos
+            host[2, r] = tables[b, pos // ps] * ps + pos % ps
+            host[3, r] = pos + 1
+            token += new
+            last_rows.append(b * per + new - 1)
+        self.rows.copy_(self.host_rows, non_blocking=True)  # [4, N]: one contiguous copy (2 KiB at N = 64)
+        # whole table rows: one contiguous pinned -> device copy (stale columns past a length are masked)
+        self.page_tables[:seqs].copy_(self.host_tables[:seqs], non_blocking=True)
+        self.graphs[shape].replay()
         self._staged = torch.cuda.Event()
         self._staged.record()
-        return self.logits[graph_bs][:rows]
+        logits = self.logits[shape]  # [B * R, V]
+        if per == 1:
+            return logits[:len(new_lens)]
+        return logits[torch.tensor(last_rows, dtype=torch.int64).to(logits.device, non_blocking=True)]

@@ -125,7 +125,7 @@ class Engine:
         if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
             raise RequestError("prompt must be a non-empty list of token ids")
         vocab = self.vocab_size
-        if not all(type(t) is int for t in prompt) or min(prompt) < 0 or max(prompt) >= vocab:
+        if set(map(type, prompt)) != {int} or min(prompt) < 0 or max(prompt) >= vocab:  # C-speed scans
             bad = next(t for t in prompt if type(t) is not int or not 0 <= t < vocab)
             raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
         params.validate(self.config.max_new_tokens_limit)

@@ -12,11 +12,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import fused_ops
 from scheduler.attention import AttentionBatch, paged_attention, write_kv
 from scheduler.presets import PRESETS, ModelConfig
 
 # attention callable of one layer: (layer, q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D]) -> [T,Hq,D]
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# fused path: K/V are already in the pool; (layer, q [T,Hq,D]) -> [T,Hq,D]
+FusedAttnFn = Callable[[int, torch.Tensor], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -27,11 +30,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class DecoderLayer(nn.Module):
@@ -57,12 +55,30 @@ class DecoderLayer(nn.Module):
         q = self.q_norm(q.view(tokens, cfg.num_heads, cfg.head_dim))  # [T, Hq, D]
         k = self.k_norm(k.view(tokens, cfg.num_kv_heads, cfg.head_dim))  # [T, Hkv, D]
         v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q = q * cos + fused_ops.rotate_half(q) * sin
+        k = k * cos + fused_ops.rotate_half(k) * sin
         o = attn(self.index, q, k, v)  # [T, Hq, D]
         x = x + self.o_proj(o.reshape(tokens, cfg.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)  # [T, I] each
         return x + self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                      batch: AttentionBatch, kv_pool: torch.Tensor,
+                      attn: FusedAttnFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same layer in 7 kernels + 2 for attention: h is the previous layer's un-added output (the
+        embeddings for layer 0), residual the stream before it (None for layer 0); h, residual: [T, H].
+        Returns this layer's (un-added MLP output, residual stream)."""
+        cfg = self.cfg
+        normed, residual = fused_ops.add_rms_norm_triton(h, residual, self.input_layernorm.weight, cfg.rms_norm_eps)
+        qkv = self.qkv_proj(normed)  # [T, (Hq + 2 Hkv) * D]
+        q = fused_ops.qk_norm_rope_kv_triton(
+            qkv, self.q_norm.weight, self.k_norm.weight, cfg.rms_norm_eps, rope[0], rope[1], batch.positions,
+            kv_pool[0, self.index], kv_pool[1, self.index], batch.out_slots, cfg.num_heads,
+            cfg.num_kv_heads)  # [T, Hq, D]; K/V stored at out_slots
+        o = attn(self.index, q)  # [T, Hq, D]
+        normed, residual = fused_ops.add_rms_norm_triton(self.o_proj(o.reshape(h.shape[0], cfg.q_size)), residual,
+                                                         self.post_attention_layernorm.weight, cfg.rms_norm_eps)
+        return self.down_proj(fused_ops.silu_mul_triton(self.gate_up_proj(normed))), residual
 
 
 class Qwen3Model(nn.Module):
@@ -74,6 +90,9 @@ class Qwen3Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
+        # fused Triton kernels for norms / RoPE / K/V writes / SiLU (kernels/fused_ops.py); set by
+        # load_model for CUDA, settable for tests (the CPU runs them under TRITON_INTERPRET=1)
+        self.fused = False
         self._rope: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -129,10 +148,27 @@ class Qwen3Model(nn.Module):
             return paged_attention(q, kv_pool, layer, batch, self.scale)
 
         max_positions = max(p + n for p, n in zip(batch.prefix_lens, batch.new_lens))
+        if self.fused:
+            return self._forward_fused(input_ids, batch, kv_pool, max_positions)
         x = self._run_layers(input_ids, batch.positions, max_positions, attn)  # [T, H]
         if not batch.is_decode:  # decode: every row is a last row already
             x = x.index_select(0, batch.last_rows)  # [B, H]
         return self._logits(x)
+
+    def _forward_fused(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
+                       max_positions: int) -> torch.Tensor:
+        def attn(layer: int, q: torch.Tensor) -> torch.Tensor:
+            return paged_attention(q, kv_pool, layer, batch, self.scale)
+
+        h = self.embed_tokens(input_ids)  # [T, H]
+        rope = self.rope_tables(max_positions, h.device, h.dtype)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer.forward_fused(h, residual, rope, batch, kv_pool, attn)
+        if not batch.is_decode:
+            h, residual = h.index_select(0, batch.last_rows), residual.index_select(0, batch.last_rows)  # [B, H]
+        x, _ = fused_ops.add_rms_norm_triton(h, residual, self.norm.weight, self.cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head_weight).float()  # [B, V]
 
     def forward_dense(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Reference: one sequence, no cache, plain causal SDPA. input_ids: [N] -> float32 logits [N, V]
@@ -190,9 +226,12 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
     if name_or_path in PRESETS:
         cfg = PRESETS[name_or_path]
         model = init_random_weights(Qwen3Model.empty(cfg, device, dtype), seed)
-        return model, cfg, f"{name_or_path}:seed{seed}:{device.type}"
-    if os.path.isdir(name_or_path):
+        identity = f"{name_or_path}:seed{seed}:{device.type}"
+    elif os.path.isdir(name_or_path):
         from scheduler.loader import load_checkpoint  # loader imports this module
 
-        return load_checkpoint(name_or_path, device, dtype)
-    raise ValueError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+        model, cfg, identity = load_checkpoint(name_or_path, device, dtype)
+    else:
+        raise ValueError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    model.fused = device.type == "cuda" and fused_ops.triton is not None and cfg.head_dim & (cfg.head_dim - 1) == 0
+    return model, cfg, identity

@@ -42,17 +42,10 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: BatchInput):
         """Enqueue forward + sampling; returns a handle for `collect`. On CUDA nothing blocks here."""
-        num_rows = len(batch.input_ids)
-        if self.graphs is not None and self.graphs.fits(num_rows, batch.page_tables):
-            # small forward (decode, or a short tail after a restore): one graph row per new token
-            positions, tables, last_rows = [], [], []
-            for prefix, new, pt in zip(batch.prefix_lens, batch.new_lens, batch.page_tables):
-                positions.extend(range(prefix, prefix + new))
-                tables.extend([pt] * new)
-                last_rows.append(len(positions) - 1)
-            logits = self.graphs.run(batch.input_ids, positions, tables)  # [rows, V]
-            if num_rows != len(last_rows):
-                logits = logits[torch.tensor(last_rows, device=logits.device)]  # [B, V]
+        shape = self.graphs.shape_for(batch.new_lens, batch.page_tables) if self.graphs is not None else None
+        if shape is not None:  # small forward (decode, or a short tail after a restore): replay a graph
+            logits = self.graphs.run(shape, batch.input_ids, batch.prefix_lens, batch.new_lens,
+                                     batch.page_tables)  # [B, V]
         else:
             attn = AttentionBatch.build(batch.prefix_lens, batch.new_lens, batch.page_tables, self.page_size,
                                         self.device, batch.is_decode)

@@ -11,6 +11,7 @@ Not a benchmark itself; imported by the scripts next to it.
 """
 from __future__ import annotations
 
+import argparse
 import concurrent.futures as cf
 import contextlib
 import json
@@ -117,7 +118,8 @@ def emit(result, as_json: bool, out_path: str | None, human: str) -> None:
 # -- engine plumbing -------------------------------------------------------------------------------
 def add_common_args(p) -> None:
     """Flags both benchmarks take: engine mode, seed and output."""
-    p.add_argument("--enable-cuda-graphs", action="store_true")
+    p.add_argument("--disable-cuda-graphs", action="store_true", help="eager small forwards (CUDA)")
+    p.add_argument("--enable-cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # the default; kept
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None)
     p.add_argument("--json", action="store_true")

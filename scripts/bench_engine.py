@@ -75,6 +75,59 @@ async def decode_rate(engine: Engine, batch: int, prompt_tokens: int, new_tokens
     return batch * (new_tokens - 1) / max(end - start, 1e-9)
 
 
+async def profile_tail(engine: Engine, cached: list[int], rng) -> dict:
+    """Where a tail request's time goes: device busy time (sum of kernel and copy durations) against
+    the request's wall time, and the top kernels, from torch.profiler over 3 requests."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(3):
+            await ttft(engine, cached + [rng.randrange(VOCAB_LO, vocab_hi)])
+        wall = (time.perf_counter() - t) / 3
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events) / 3
+    import cProfile
+    import io
+    import pstats
+
+    cpu = cProfile.Profile()  # the loop thread's Python time per request
+    cpu.enable()
+    for _ in range(5):
+        await ttft(engine, cached + [rng.randrange(VOCAB_LO, vocab_hi)])
+    cpu.disable()
+    text = io.StringIO()
+    pstats.Stats(cpu, stream=text).sort_stats("tottime").print_stats(18)
+    print("tail request, loop-thread Python (cProfile, 5 requests):")
+    print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:4000])
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:12]
+    print(f"tail request profile: wall {wall * 1e3:.2f} ms, device busy {device_us / 1e3:.2f} ms per request")
+    for e in top:
+        print(f"  {e.self_device_time_total / 3 / 1e3:7.3f} ms  {e.count // 3:5d} x  {e.key[:90]}")
+    return {"wall_ms": wall * 1e3, "device_busy_ms": device_us / 1e3,
+            "top_kernels": [{"name": e.key[:120], "ms": e.self_device_time_total / 3 / 1e3, "calls": e.count // 3}
+                            for e in top]}
+
+
+async def profile_decode(engine: Engine, batch: int, rng) -> dict:
+    """Top device kernels and busy time of a decode run (batch x 512-token prompts, 16 new tokens)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        await decode_rate(engine, batch, 512, 16, rng)
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:10]
+    busy = sum(e.self_device_time_total for e in events) / 1e3
+    print(f"decode b{batch} profile: wall {wall * 1e3:.1f} ms, device busy {busy:.1f} ms")
+    for e in top:
+        print(f"  {e.self_device_time_total / 1e3:8.3f} ms  {e.count:5d} x  {e.key[:90]}")
+    return {"wall_ms": wall * 1e3, "device_busy_ms": busy,
+            "top_kernels": [{"name": e.key[:120], "ms": e.self_device_time_total / 1e3, "calls": e.count}
+                            for e in top]}
+
+
 async def run(args) -> dict:
     rng = random.Random(0)
     out: dict = {"model": args.model, "device": args.device, "date": time.strftime("%Y-%m-%d")}
@@ -113,6 +166,9 @@ async def run(args) -> dict:
         await ttft(engine, cached + [7])  # now cached in L1
         tails = [await ttft(engine, cached + [rng.randrange(VOCAB_LO, vocab_hi)]) for _ in range(args.repeats)]
         r["tail_forward_ms"] = statistics.median(tails) * 1e3
+        if args.profile and device.type == "cuda":
+            r["tail_profile"] = await profile_tail(engine, cached, rng)
+            r["decode_profile"] = await profile_decode(engine, 32, rng)
         # the forward alone (no request bookkeeping): one new token over the cached prefix
         m = engine.cache.match(cached)
         pages = list(m.pages[0]) + [m.pages[0][-1]]
@@ -156,6 +212,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tail-context", type=int, default=3500)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of the tail request (CUDA)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args(argv)

@@ -97,7 +97,7 @@ def build_config(args, tier: str, prefix_tokens: int, storage_path: str | None):
     num_pages = args.num_pages or need + max(2, need // 2)
     cfg = EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=ps, num_pages=num_pages,
                        max_prefill_tokens=args.max_prefill_tokens or max(2048, prefix_tokens + 1),
-                       cuda_graphs=args.enable_cuda_graphs, log_json=args.log_json)
+                       cuda_graphs=not args.disable_cuda_graphs, log_json=args.log_json)
     return cfg.with_hicache(
         enable=tier != "none", policy=args.policy, host_ratio=args.host_ratio,
         storage_ratio=args.storage_ratio if tier == "l3" else 0.0,
@@ -136,20 +136,21 @@ async def measure(args, tier: str, prefix_tokens: int, prompts, bdir: BenchDir) 
 
     if 2 * reusable // ps <= eng.cache.l1.num_pages:
         notes.append("L1 holds both prefixes (--num-pages); explicit eviction still forces the tier")
-    outputs_ok, l1_ok, mismatches, errors = True, True, 0, []
+    outputs_ok, l1_ok, mismatches, errors, mismatch_details = True, True, 0, [], []
     try:
         await eng.start()
         # reference: every tier emptied before each request -> pure recompute on this engine
         # and the same prompt again right after, its prefix an L1 hit: the output of the tail forward
         # over bit-identical KV, which a restore must reproduce exactly (recompute may differ in bf16)
-        refs, refs_l1, ref_lat = [], [], []
+        refs, refs_l1, ref_lat, refs_l1_cached = [], [], [], []
         for p in prompts:
             await evict(eng, ("l1", "l2", "l3"))
             ids, lat, _, err = await run_one(eng, p)
             refs.append(ids)
             ref_lat.append(lat)
-            ids, _, _, err2 = await run_one(eng, p)
+            ids, _, l1_cached, err2 = await run_one(eng, p)
             refs_l1.append(ids)
+            refs_l1_cached.append(l1_cached)
             errors += [e for e in (err, err2) if e]
         check("reference")
         cold = tier == "l3" and args.storage_cache == "cold"
@@ -170,7 +171,12 @@ async def measure(args, tier: str, prefix_tokens: int, prompts, bdir: BenchDir) 
             mismatches += ids != refs[i % 2]
             errors.extend([err] if err else [])
             d = metrics_delta(eng.metrics(), m0)
-            return lat, source_of(d, cached, reusable), int(d["directions"]["h2d"]["bytes"]) // bpt
+            src = source_of(d, cached, reusable)
+            if ids != refs_l1[i % 2] and len(mismatch_details) < 6:
+                mismatch_details.append({"iteration": i, "prompt": i % 2, "source": src, "cached": cached,
+                                         "output": ids, "recompute": refs[i % 2], "l1_hit": refs_l1[i % 2],
+                                         "l1_hit_cached": refs_l1_cached[i % 2]})
+            return lat, src, int(d["directions"]["h2d"]["bytes"]) // bpt
 
         for i in range(2 * args.warmup_alternations):
             await forced(i)
@@ -245,7 +251,7 @@ async def measure(args, tier: str, prefix_tokens: int, prompts, bdir: BenchDir) 
         "storage_cache": args.storage_cache if tier == "l3" else None,
         "storage_checksum": not args.disable_checksum if tier == "l3" else None,
         "outputs_match": bool(outputs_ok), "outputs_match_l1_hit": bool(l1_ok),
-        "mismatches_vs_recompute": int(mismatches), "integrity": integrity,
+        "mismatches_vs_recompute": int(mismatches), "mismatch_details": mismatch_details, "integrity": integrity,
         "latency_ms": lat_ms, "latencies_ms": [x * 1e3 for x in lats],
         "reference_recompute_ms": min(ref_lat) * 1e3,  # the faster of the two reference requests
         "restore_ms": (delta["restore_s"] / delta["restores_done"] * 1e3) if delta["restores_done"] else None,

@@ -7,7 +7,9 @@ prefix (i % num_prefixes) plus a unique one-token suffix, greedy, `--max-tokens`
 default, so a rotation never hits L1 and every reuse comes from the tier under test:
   none  hicache off (plain radix prefix cache in L1: recompute);
   l2    L2 only (storage ratio 0), L2 sized to hold every prefix (default host ratio);
-  l3    L2 = L1 (host ratio 1) and L3 = 8 x L2 (storage ratio 8), so prefixes live in L3.
+  l3    L2 = L1 (host ratio 1) and L3 = 8 x L2 (storage ratio 8), so prefixes live in L3;
+  l2small  L2 only, with the l3 tier's L2 (host ratio 1): what the same host memory does without a
+        storage tier, the baseline that a warm L3 must beat.
 `--tiers none,l2,l3` runs them in sequence in one process (one loaded model, one Engine each) and
 checks that every tier produced the same tokens; a single tier is checked against a recompute
 reference run (hicache off, prefix cache off). Reports req/s, p50/p95/p99 latency, hit tokens per
@@ -51,7 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="preset or checkpoint dir (default qwen3-8b on cuda, tiny on cpu)")
     p.add_argument("--device", default=None, choices=["cuda", "cpu"])
-    p.add_argument("--tier", default=None, choices=["none", "l2", "l3"], help="one tier (same as --tiers X)")
+    p.add_argument("--tier", default=None, choices=["none", "l2", "l2small", "l3"],
+                   help="one tier (same as --tiers X)")
     p.add_argument("--tiers", default="none,l2,l3", help="comma list run in sequence")
     p.add_argument("--policy", default="cost", choices=["always", "cost"])
     p.add_argument("--num-prefixes", type=int, default=8)
@@ -78,8 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.device = default_device(args.device)
     args.model = default_model(args.model, args.device)
     args.tier_list = [args.tier] if args.tier else [t.strip() for t in args.tiers.split(",") if t.strip()]
-    if any(t not in ("none", "l2", "l3") for t in args.tier_list):
-        p.error(f"--tiers takes none, l2, l3; got {args.tiers!r}")
+    if any(t not in ("none", "l2", "l2small", "l3") for t in args.tier_list):
+        p.error(f"--tiers takes none, l2, l2small, l3; got {args.tiers!r}")
     if args.decode_only and not args.decode_batch:
         args.decode_batch = 32
     return args
@@ -95,7 +98,7 @@ def engine_config(args, tier: str, num_pages: int, host_ratio: float, storage_pa
 
     cfg = EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=page_size_of(args),
                        num_pages=num_pages, enable_prefix_cache=prefix_cache,
-                       cuda_graphs=args.enable_cuda_graphs, log_json=args.log_json)
+                       cuda_graphs=not args.disable_cuda_graphs, log_json=args.log_json)
     return cfg.with_hicache(
         enable=tier not in ("none", "reference"), policy=args.policy, host_ratio=host_ratio,
         storage_ratio=args.storage_ratio if tier == "l3" else 0.0, storage_path=storage_path if tier == "l3" else None,
@@ -140,7 +143,11 @@ def rotating_prompts(args, vocab: int, salt: int, count: int) -> list[list[int]]
     return [prefixes[i % args.num_prefixes] + [suffixes[i]] for i in range(count)]
 
 
-async def throughput(args, tier: str, prompts, warm, bdir: BenchDir) -> dict:
+async def throughput(args, tier: str, prompts, warm, bdir: BenchDir, reference: list | None = None) -> dict:
+    """One engine over the workload. With `reference` (the recompute outputs), every request whose
+    output differs is run twice more on the same engine, the second time with its prefix in L1: a
+    restore must reproduce that L1-hit output exactly (same KV, same kernels), while in bf16 a full
+    recompute may round differently where the logits are nearly tied."""
     from scheduler.engine import Engine
 
     ps = page_size_of(args)
@@ -162,6 +169,13 @@ async def throughput(args, tier: str, prompts, warm, bdir: BenchDir) -> dict:
         wall = time.perf_counter() - t0
         await eng.cache.drain()
         delta = metrics_delta(eng.metrics(), before)
+        l1_checks = []
+        for i, (rec, ref) in enumerate(zip(recs, reference or [])):
+            if rec["error"] is None and rec["ids"] != ref and len(l1_checks) < 10:
+                await timed(eng, prompts[i], args.max_tokens)  # its prefix is now in L1
+                again = await timed(eng, prompts[i], args.max_tokens)
+                l1_checks.append({"request": i, "output": rec["ids"], "recompute": ref, "l1_hit": again["ids"],
+                                  "equals_l1_hit": again["ids"] == rec["ids"]})
         integrity = integrity_of(eng)
         tiers = {t: s["capacity_pages"] for t, s in eng.status()["tiers"].items() if s}
         bpt = eng.cache.geometry.bytes_per_token
@@ -172,8 +186,8 @@ async def throughput(args, tier: str, prompts, warm, bdir: BenchDir) -> dict:
     ok = [r for r in recs if r["error"] is None]
     dirs = directions_summary(delta)
     return {
-        "tier": tier, "policy": args.policy if tier in ("l2", "l3") else None,
-        "num_pages": num_pages, "host_ratio": host_ratio if tier in ("l2", "l3") else None,
+        "tier": tier, "policy": args.policy if tier in ("l2", "l2small", "l3") else None,
+        "num_pages": num_pages, "host_ratio": host_ratio if tier in ("l2", "l2small", "l3") else None,
         "capacity_pages": tiers, "requests": len(recs), "completed": len(ok), "wall_s": wall,
         "req_s": len(ok) / wall if wall > 0 else None,
         "latency_ms": ms_summary([r["end"] - r["start"] for r in ok], quantiles=(50, 95, 99)),
@@ -182,7 +196,8 @@ async def throughput(args, tier: str, prompts, warm, bdir: BenchDir) -> dict:
         "tokens_read_from_l3": dirs["s2h"]["bytes"] // bpt,  # L3 hits admitted after a prefetch count as L2
         "bytes": {d: dirs[d]["bytes"] for d in dirs}, "gib_s": {d: dirs[d]["gib_s"] for d in dirs},
         "restores_done": int(delta["restores_done"]), "backups_done": int(delta["backups_done"]),
-        "fallbacks": int(delta["fallbacks"]),
+        "fallbacks": int(delta["fallbacks"]), "failures": dict(delta.get("failures", {})),
+        "differs_from_recompute": l1_checks,
         "policy_skips": {k: int(v) for k, v in delta["policy_skips"].items()},
         "integrity": integrity, "errors": [r["error"] for r in recs if r["error"]][:5],
         "_outputs": [r["ids"] for r in recs],
@@ -261,13 +276,18 @@ async def amain(args) -> dict:
                 prompts = rotating_prompts(args, vocab, 1, args.requests)
                 warm = rotating_prompts(args, vocab, 2, args.warmup) if args.warmup else []
                 runs = []
-                order = list(args.tier_list) + ([] if "none" in args.tier_list else ["reference"])
+                base_tier = "none" if "none" in args.tier_list else "reference"
+                order = [base_tier] + [t for t in args.tier_list if t != "none"]
                 for tier in order:
                     note(f"throughput: tier {tier} ...")
-                    runs.append(await throughput(args, tier, prompts, warm, bdir))
-                base = next(r for r in runs if r["tier"] in ("none", "reference"))
+                    runs.append(await throughput(args, tier, prompts, warm, bdir,
+                                                 runs[0]["_outputs"] if runs else None))
+                base = runs[0]
                 for r in runs:
-                    r["outputs_match"] = r["_outputs"] == base["_outputs"] and not r["errors"]
+                    # a request may differ from recompute only where it equals its own L1-hit output
+                    r["outputs_match"] = (not r["errors"] and all(c["equals_l1_hit"] for c in r["differs_from_recompute"])
+                                          and sum(a != b for a, b in zip(r["_outputs"], base["_outputs"]))
+                                          == len(r["differs_from_recompute"]))
                     r["mismatched_requests"] = [i for i, (a, b) in enumerate(zip(r["_outputs"], base["_outputs"]))
                                                 if a != b][:20]
                     r["speedup_vs_none"] = (r["req_s"] / base["req_s"]) if base["req_s"] and r["req_s"] else None
@@ -276,9 +296,6 @@ async def amain(args) -> dict:
                 if base["tier"] == "reference":
                     out["reference"] = {k: base[k] for k in ("req_s", "integrity", "errors")}
                 out["outputs_match"] = all(r["outputs_match"] for r in runs)
-                by_tier = {r["tier"]: r["_outputs"] for r in runs}
-                if "l2" in by_tier and "l3" in by_tier:  # same restored KV, same tail kernels: must agree
-                    out["restore_tiers_agree"] = by_tier["l2"] == by_tier["l3"]
                 out["integrity"] = next((f"{r['tier']}: {r['integrity']}" for r in runs
                                          if r["integrity"] != "passed"), "passed")
             if args.decode_batch:

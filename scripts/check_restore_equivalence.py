@@ -6,7 +6,7 @@ KV is byte-identical to the KV the recompute wrote and that every restored reque
 equals the L1-hit request's (same KV, same kernels). Recompute may differ from both in bf16: a full
 prefill and a short tail over cached KV round differently, and random weights have near-tied logits.
 
-    python3 scripts/check_restore_equivalence.py --model qwen3-8b --prefix-tokens 1000 --enable-cuda-graphs
+    python3 scripts/check_restore_equivalence.py --model qwen3-8b --prefix-tokens 1000
     python3 scripts/check_restore_equivalence.py --model tiny --device cpu --prefix-tokens 64   # CPU smoke
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ from scheduler.request import SamplingParams
 async def run(args) -> int:
     eng = Engine(EngineConfig(model=args.model, device=args.device, page_size=args.page_size,
                               num_pages=args.num_pages, max_prefill_tokens=16384,
-                              cuda_graphs=args.enable_cuda_graphs).with_hicache(
+                              cuda_graphs=not args.disable_cuda_graphs).with_hicache(
         enable=True, policy="always", host_ratio=args.host_ratio, storage_ratio=args.storage_ratio))
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(1, eng.vocab_size) for _ in range(args.prefix_tokens + 1)] for _ in range(2)]
@@ -59,7 +59,7 @@ async def run(args) -> int:
         ok_kv += bool(torch.equal(prefix_kv(prompts[i % 2]), kv[i % 2]))
     eng.check_integrity()
     await eng.stop_loop()
-    print(f"{args.model} graphs={args.enable_cuda_graphs} prefix={args.prefix_tokens}: recompute first tokens "
+    print(f"{args.model} graphs={not args.disable_cuda_graphs} prefix={args.prefix_tokens}: recompute first tokens "
           f"{ref}, L1-hit {l1}; {restored}/{args.iterations} restored from L2/L3; restored KV byte-identical "
           f"{ok_kv}/{args.iterations}; first token == L1-hit {ok_tokens}/{args.iterations}")
     return 0 if ok_tokens == ok_kv == args.iterations else 1
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--host-ratio", type=float, default=4.0)
     ap.add_argument("--storage-ratio", type=float, default=0.0, help="> 0 keeps an L3 (write-through, prefetch)")
-    ap.add_argument("--enable-cuda-graphs", action="store_true")
+    ap.add_argument("--disable-cuda-graphs", action="store_true")
     args = ap.parse_args(argv)
     if not args.num_pages:
         args.num_pages = 3 * (-(-(args.prefix_tokens + 2) // args.page_size)) // 2  # ~1.5 prompts

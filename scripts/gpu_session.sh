@@ -7,25 +7,26 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   >/dev/null 2>&1 || echo "wheel install failed"
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 step() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; \
-         echo "rc=$?"; tail -n 25 "$OUT/$name.log"; }
+         echo "rc=$?"; tail -n 60 "$OUT/$name.log"; }
 for s in "$@"; do
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; df -h . | tail -1 ;;
     tests) step tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+    kernels) step kernels 200 python3 scripts/bench_kernels.py --out "$OUT/kernels.json" ;;
     transfer) step transfer 200 python3 scripts/bench_transfer.py --out "$OUT/transfer.json" ;;
-    engine) step engine 300 python3 scripts/bench_engine.py --model qwen3-8b --out "$OUT/engine.json" ;;
-    latency_l2) step latency_l2 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,2000,3500,8000 --compare-recompute --enable-cuda-graphs --json --out "$OUT/latency_l2.json" ;;
-    latency_eager) step latency_eager 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,3500,8000 --compare-recompute --json --out "$OUT/latency_eager.json" ;;
-    latency_l3) step latency_l3 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500,8000 --storage-cache cold --io-workers 8 --enable-cuda-graphs --json --out "$OUT/latency_l3.json" ;;
-    latency_l3w) step latency_l3w 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500,8000 --storage-cache warm --io-workers 8 --enable-cuda-graphs --json --out "$OUT/latency_l3w.json" ;;
-    latency_4b) step latency_4b 300 python3 scripts/bench_hicache.py --model qwen3-4b --tier l2 --prefix-tokens 350,1000,2000,3500,8000 --compare-recompute --enable-cuda-graphs --json --out "$OUT/latency_4b.json" ;;
-    stress) step stress 400 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2,l3 --policy cost --decode-batch 32 --decode-tokens 64 --enable-cuda-graphs --json --out "$OUT/stress.json" ;;
-    latency_1000) step latency_1000 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000,3500 --iterations 12 --enable-cuda-graphs --json --out "$OUT/latency_1000.json" ;;
-    latency_l3w_nock) step latency_l3w_nock 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500,8000 --storage-cache warm --io-workers 8 --disable-checksum --enable-cuda-graphs --json --out "$OUT/latency_l3w_nock.json" ;;
-    bisect) for v in "--enable-cuda-graphs" "" "--enable-cuda-graphs --transfer-backend torch" "--enable-cuda-graphs --page-size 1"; do
+    engine) step engine 300 python3 scripts/bench_engine.py --model qwen3-8b --profile --out "$OUT/engine.json" ;;
+    latency_l2) step latency_l2 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,2000,3500,8000 --compare-recompute --json --out "$OUT/latency_l2.json" ;;
+    latency_eager) step latency_eager 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,3500,8000 --compare-recompute --disable-cuda-graphs --json --out "$OUT/latency_eager.json" ;;
+    latency_l3) step latency_l3 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500,8000 --storage-cache cold --io-workers 8 --json --out "$OUT/latency_l3.json" ;;
+    latency_l3w) step latency_l3w 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500,8000 --storage-cache warm --io-workers 8 --json --out "$OUT/latency_l3w.json" ;;
+    latency_4b) step latency_4b 300 python3 scripts/bench_hicache.py --model qwen3-4b --tier l2 --prefix-tokens 350,1000,2000,3500,8000 --compare-recompute --json --out "$OUT/latency_4b.json" ;;
+    stress) step stress 400 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2,l2small,l3 --policy cost --decode-batch 32 --decode-tokens 64 --json --out "$OUT/stress.json" ;;
+    latency_1000) step latency_1000 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000,3500 --iterations 12 --json --out "$OUT/latency_1000.json" ;;
+    latency_l3w_nock) step latency_l3w_nock 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500,8000 --storage-cache warm --io-workers 8 --disable-checksum --json --out "$OUT/latency_l3w_nock.json" ;;
+    bisect) for v in "" "--disable-cuda-graphs" "--transfer-backend torch" "--page-size 1"; do
               step "bisect${v// /_}" 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000 --iterations 8 $v --json; done ;;
-    bisect2) CUDA_LAUNCH_BLOCKING=1 step bisect2_blocking 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000 --iterations 8 --enable-cuda-graphs --json ;;
-    stress_l3) step stress_l3 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tier l3 --policy always --enable-cuda-graphs --json --out "$OUT/stress_l3.json" ;;
+    bisect2) CUDA_LAUNCH_BLOCKING=1 step bisect2_blocking 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000 --iterations 8 --json ;;
+    stress_l3) step stress_l3 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tier l3 --policy always --json --out "$OUT/stress_l3.json" ;;
     *) echo "unknown step $s" ;;
   esac
 done

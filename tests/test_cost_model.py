@@ -44,11 +44,18 @@ def test_regime_fixed_only_with_sizes_within_five_percent() -> None:
     assert cost.regime == "fixed_only" and cost.slope == 1e-9
 
 
-def test_regime_fixed_only_negative_residual_clamps_to_zero() -> None:
+def test_regime_fixed_only_faster_than_prior_lowers_slope() -> None:
+    """A pessimistic prior must not survive measurements: one size, faster than the prior predicts."""
     cost = LinearCost(1e-6)
-    for _ in range(5):
-        cost.observe(1000, 1e-4)  # faster than the prior slope predicts: residual < 0
-    assert cost.fixed_s == 0.0 and cost.slope == 1e-6
+    cost.observe(1000, 1e-4)  # 10x faster than the prior
+    assert cost.fixed_s == 0.0 and cost.slope == approx(1e-7)
+    assert cost.predict(1000) == approx(1e-4)
+    cost.observe(1000, 2e-3)  # slower than the prior: the slope moves back by EWMA, fixed grows
+    assert cost.slope == approx(1e-7 + 0.2 * (1e-6 - 1e-7))
+    assert cost.fixed_s == approx(0.2 * (2e-3 - 1e-3))
+    cost.observe(1000, 5e-4)  # faster again, not the first sample: EWMA both ways
+    assert cost.slope == approx(2.8e-7 + 0.2 * (5e-7 - 2.8e-7))
+    assert cost.fixed_s == approx(2e-4 * 0.8)
 
 
 def test_regime_least_squares_recovers_exact_line() -> None:
@@ -102,6 +109,8 @@ def test_rejects_bad_samples() -> None:
 
 # -- CostModel -------------------------------------------------------------------------------------
 def model(**overrides: object) -> CostModel:
+    """Decisions from the priors alone unless a test asks for storage exploration."""
+    overrides.setdefault("storage_explore_reads", 0)
     return CostModel(HiCacheConfig(**overrides), BYTES_PER_TOKEN)
 
 
@@ -235,3 +244,23 @@ def test_equal_benefit_prefers_l2() -> None:
     cm = model()
     decision = cm.decide(0, 2048, 2048, "cost")  # L3 is no candidate when L2 holds as much
     assert decision.tier == "l2" and "l3_benefit_s" not in decision.costs
+
+
+def test_storage_exploration_then_learned_speed() -> None:
+    """A pessimistic storage prior: the first reads are explored (L3 written and restored), then the
+    measured speed decides: fast storage keeps being used, slow storage is dropped."""
+    n = 350
+    for measured_gib_s, used_after in ((20.0, True), (0.5, False)):
+        cm = model(host_bandwidth_gib_s=50.0, storage_bandwidth_gib_s=1.0, recompute_us_per_token=25.0,
+                   storage_explore_reads=2)
+        assert cm.exploring_storage and cm.worth_writing("l3", n)
+        decision = cm.decide(0, 0, n, "cost")
+        assert decision.tier == "l3" and decision.costs["explore"] == 1.0
+        for _ in range(2):
+            cm.observe_transfer("s2h", n * BYTES_PER_TOKEN, n * BYTES_PER_TOKEN / (measured_gib_s * GIB_BYTES))
+        assert not cm.exploring_storage
+        assert cm.worth_writing("l3", n) is used_after
+        assert (cm.decide(0, 0, n, "cost").tier == "l3") is used_after
+    sim = model(storage_explore_reads=2)
+    sim.learning = False  # simulations time nothing: no exploration either
+    assert not sim.exploring_storage

@@ -23,3 +23,38 @@ def test_triton_decode_matches_reference(page_size, hq, hkv):
     ref = decode_attention_torch(q, k, v, page_tables, seq_lens, 0.25)
     got = decode_attention_triton(q, k, v, page_tables, seq_lens, 0.25)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows_per_seq,hq,hkv,tensor_cores", [(2, 4, 2, False), (5, 8, 2, False), (16, 4, 1, False),
+                                                               (5, 8, 2, True)])
+def test_triton_multi_row_matches_reference(rows_per_seq, hq, hkv, tensor_cores):
+    """R query tokens per sequence (the tail after a restore): causal per row, padding rows finite."""
+    torch.manual_seed(1)
+    d, page_size, pages, b = 16, 4, 48, 3
+    k = torch.randn(pages, page_size, hkv, d)
+    v = torch.randn(pages, page_size, hkv, d)
+    max_pages = pages // b
+    page_tables = torch.randperm(pages)[: b * max_pages].reshape(b, max_pages).to(torch.int64)
+    prefixes = [0, 9, max_pages * page_size - rows_per_seq]
+    lens = []
+    for prefix in prefixes:
+        real = rows_per_seq - 1 if prefix == 9 else rows_per_seq  # sequence 1 has one padding row
+        lens += [prefix + t + 1 for t in range(real)] + [1] * (rows_per_seq - real)
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+    q = torch.randn(b * rows_per_seq, hq, d)
+    ref = decode_attention_torch(q, k, v, page_tables, seq_lens, 0.25, rows_per_seq)
+    got = decode_attention_triton(q, k, v, page_tables, seq_lens, 0.25, rows_per_seq, tensor_cores=tensor_cores)
+    tol = 2e-3 if tensor_cores else 1e-5  # tensor cores: the interpreter may emulate TF32 rounding
+    torch.testing.assert_close(got, ref, rtol=tol * 10, atol=tol)
+    # one row at a time through the one-row kernel gives the same answer
+    for r in (0, rows_per_seq - 1, 2 * rows_per_seq - 2, b * rows_per_seq - 1):
+        one = decode_attention_triton(q[r:r + 1], k, v, page_tables[r // rows_per_seq:r // rows_per_seq + 1],
+                                      seq_lens[r:r + 1], 0.25, tensor_cores=tensor_cores)
+        torch.testing.assert_close(got[r:r + 1], one, rtol=tol, atol=tol)
+
+
+def test_rows_mismatch_is_an_error():
+    q = torch.zeros(3, 4, 16)
+    with pytest.raises(ValueError, match="rows"):
+        decode_attention_triton(q, torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16),
+                                torch.zeros(2, 2, dtype=torch.int64), torch.ones(3, dtype=torch.int64), 0.25, 2)

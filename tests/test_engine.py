@@ -159,3 +159,24 @@ def test_write_back_waits_for_backups_instead_of_failing(reference):
     assert [r.output_ids for r in out] == reference(prompts, 4)
     assert all(r.error is None for r in out)
     eng.check_integrity()
+
+
+def test_cuda_graphs_flag_defaults_on():
+    """CUDA graphs are the default (CUDA only; the CPU ignores them); --disable-cuda-graphs turns
+    them off and the old --enable-cuda-graphs is still accepted."""
+    import argparse
+
+    from scheduler.config import add_engine_args, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args([])).cuda_graphs is True
+    assert config_from_args(parser.parse_args(["--disable-cuda-graphs"])).cuda_graphs is False
+    assert config_from_args(parser.parse_args(["--enable-cuda-graphs"])).cuda_graphs is True
+
+
+def test_validate_names_the_bad_token():
+    eng = Engine(EngineConfig(model="tiny", num_pages=32, page_size=4))
+    for prompt, bad in (([1, 2, 512], "512"), ([1, True, 3], "True"), ([1, 2.0], "2.0"), ([-1], "-1")):
+        with pytest.raises(RequestError, match=bad):
+            eng.validate(prompt, SamplingParams(max_tokens=1))

@@ -75,13 +75,29 @@ def test_outputs_identical_and_forced_tier_hits(tier, policy, recompute_outputs)
 def test_cost_policy_skips_slow_storage(recompute_outputs):
     """Storage far slower than recompute: the cost policy neither restores from L3 nor writes it."""
     prompts, ref = recompute_outputs
-    eng = make("l3", "cost", storage_bandwidth_gib_s=1e-6, recompute_us_per_token=1.0)
+    eng = make("l3", "cost", storage_bandwidth_gib_s=1e-6, recompute_us_per_token=1.0, storage_explore_reads=0)
     out = run_sequential(eng, prompts)
     assert [r.output_ids for r in out] == ref
     m = eng.metrics()
     assert m["hit_tokens"]["l3"] == 0
     assert m["policy_skips"]["write_l3"] > 0
     assert m["directions"]["h2s"]["bytes"] == 0
+    assert_whole(eng)
+
+
+def test_cost_policy_explores_storage_then_uses_it(recompute_outputs):
+    """The same hopeless storage prior as above, with one exploration read: L3 is written and read
+    back once, and the measured read speed (the page cache) replaces the prior's 1e-6 GiB/s; later
+    decisions follow the learned costs."""
+    prompts, ref = recompute_outputs
+    eng = make("l3", "cost", storage_bandwidth_gib_s=1e-6, recompute_us_per_token=1.0, storage_explore_reads=1)
+    out = run_sequential(eng, prompts)
+    assert [r.output_ids for r in out] == ref
+    m = eng.metrics()
+    s2h = eng.cache.cost.directions["s2h"]
+    assert s2h.num_samples >= 1 and s2h.slope < s2h.prior_slope / 1000
+    assert m["hit_tokens"]["l3"] > 0 and m["directions"]["h2s"]["bytes"] > 0
+    assert not eng.cache.cost.exploring_storage
     assert_whole(eng)
 
 
@@ -134,3 +150,22 @@ def test_status_reports_every_tier():
     assert set(st["metrics"]["directions"]) == {"d2h", "h2d", "h2s", "s2h"}
     assert "directions" in st["cost_model"]
     assert st["pending"]["restores"] == 0
+
+
+def test_jit_compile_stalls_are_not_learned(recompute_outputs, monkeypatch):
+    """A transfer whose enqueue compiled a kernel is not a cost sample: one such stall once made the
+    cost policy skip every later L2 restore (the model never re-measured). Regression for that."""
+    import hicache.operations as operations
+
+    prompts, ref = recompute_outputs
+    eng = make("l2", "always")
+    run_sequential(eng, prompts)
+    assert eng.cache.cost.directions["h2d"].num_samples > 0  # enqueues here take microseconds
+    monkeypatch.setattr(operations, "JIT_ENQUEUE_NS", 0)  # every enqueue now counts as a compile
+    eng = make("l2", "always")
+    out = run_sequential(eng, prompts)
+    assert [r.output_ids for r in out] == ref
+    assert eng.metrics()["hit_tokens"]["l2"] > 0
+    assert eng.cache.cost.directions["h2d"].num_samples == 0
+    assert eng.cache.cost.directions["d2h"].num_samples == 0
+    assert_whole(eng)

@@ -1,0 +1,136 @@
+"""Micro-benchmark of the small-forward kernels at the 8B shape (Qwen3-8B: 32 query heads, 8 KV heads,
+head dim 128, hidden 4096, intermediate 12288, bf16, page 16): the paged decode/tail attention in its
+variants (splits, block, warps; timed inside a CUDA graph) and the fused element-wise kernels against
+the torch ops they replace. Checks each against its torch reference; prints one table.
+
+    python scripts/bench_kernels.py --json --out out/kernels.json     # on the GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from kernels import fused_ops  # noqa: E402
+from kernels.decode_attention import decode_attention_torch, decode_attention_triton  # noqa: E402
+
+
+def time_us(fn, reps: int = 20) -> float:
+    """Device time of one call: `reps` calls captured in one CUDA graph (no launch overhead, as in
+    the engine's graphs), replayed 5 times; the median replay / reps."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    times = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return sorted(times)[len(times) // 2]
+
+
+def attention_rows(dev, dtype) -> list[dict]:
+    hq, hkv, d, page = 32, 8, 128, 16
+    rows = []
+    for seqs, per, ctx in [(1, 1, 1000), (1, 1, 3500), (1, 1, 8000), (32, 1, 576), (1, 16, 1000), (1, 16, 3500),
+                           (1, 16, 8000)]:
+        pages_each = -(-(ctx + per) // page)
+        num_pages = seqs * pages_each + 1
+        k = torch.randn(num_pages, page, hkv, d, device=dev, dtype=dtype)
+        v = torch.randn_like(k)
+        tables = torch.randperm(num_pages - 1, device=dev)[: seqs * pages_each].view(seqs, pages_each)
+        lens = torch.tensor([ctx + t + 1 for _ in range(seqs) for t in range(per)], device=dev)
+        q = torch.randn(seqs * per, hq, d, device=dev, dtype=dtype)
+        ref = decode_attention_torch(q, k, v, tables, lens, d ** -0.5, per).float()
+        kv_bytes = seqs * (ctx + per) * hkv * d * 2 * k.element_size()
+        for splits in (8, 16, 32, 64):
+            for block in (32, 64):
+                for warps in (4, 8):
+                    def fn():
+                        return decode_attention_triton(q, k, v, tables, lens, d ** -0.5, per, block=block,
+                                                       num_warps=warps, splits=splits)
+                    err = (fn().float() - ref).abs().max().item()
+                    us = time_us(fn)
+                    rows.append({"seqs": seqs, "rows_per_seq": per, "context": ctx, "splits": splits,
+                                 "block": block, "warps": warps, "us": us, "max_err": err,
+                                 "kv_gib_s": kv_bytes / us / 1e3 / 1.073741824})
+    return rows
+
+
+def fused_rows(dev, dtype) -> list[dict]:
+    h, inter, hq, hkv, d = 4096, 12288, 32, 8, 128
+    out = []
+    for t in (1, 16, 32):
+        x, r = torch.randn(t, h, device=dev, dtype=dtype), torch.randn(t, h, device=dev, dtype=dtype)
+        w = torch.randn(h, device=dev, dtype=dtype)
+        gu = torch.randn(t, 2 * inter, device=dev, dtype=dtype)
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, device=dev, dtype=dtype)
+        qw, kw = torch.randn(d, device=dev, dtype=dtype), torch.randn(d, device=dev, dtype=dtype)
+        ang = torch.randn(8192, d // 2, device=dev)
+        cos, sin = torch.cat([ang.cos()] * 2, -1).to(dtype), torch.cat([ang.sin()] * 2, -1).to(dtype)
+        pos = torch.randint(0, 8192, (t,), device=dev)
+        slots = torch.randperm(4096, device=dev)[:t]
+        kc, vc = (torch.zeros(256, 16, hkv, d, device=dev, dtype=dtype) for _ in range(2))
+        cases = {
+            "add_rms_norm": (lambda: fused_ops.add_rms_norm_triton(x, r, w, 1e-6),
+                             lambda: fused_ops.add_rms_norm_torch(x, r, w, 1e-6)),
+            "qk_norm_rope_kv": (lambda: fused_ops.qk_norm_rope_kv_triton(qkv, qw, kw, 1e-6, cos, sin, pos, kc, vc,
+                                                                         slots, hq, hkv),
+                                lambda: fused_ops.qk_norm_rope_kv_torch(qkv, qw, kw, 1e-6, cos, sin, pos, kc, vc,
+                                                                        slots, hq, hkv)),
+            "silu_mul": (lambda: fused_ops.silu_mul_triton(gu), lambda: fused_ops.silu_mul_torch(gu)),
+        }
+        for name, (fused, ref) in cases.items():
+            a, b = fused(), ref()
+            a, b = (a[0], b[0]) if isinstance(a, tuple) else (a, b)
+            out.append({"kernel": name, "tokens": t, "fused_us": time_us(fused), "torch_us": time_us(ref),
+                        "max_err": (a.float() - b.float()).abs().max().item()})
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels needs CUDA", file=sys.stderr)
+        return 2
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    res = {"device": torch.cuda.get_device_name(), "attention": attention_rows(dev, dtype),
+           "fused": fused_rows(dev, dtype)}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    if args.json:
+        print(json.dumps(res))
+    print("seqs x rows  ctx  splits block warps      us   KV GiB/s  max err   (best per shape marked *)")
+    best = {}
+    for r in res["attention"]:
+        key = (r["seqs"], r["rows_per_seq"], r["context"])
+        best[key] = min(best.get(key, 1e18), r["us"])
+    for r in res["attention"]:
+        star = "*" if r["us"] == best[(r["seqs"], r["rows_per_seq"], r["context"])] else " "
+        print(f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {r['splits']:6d} {r['block']:5d} "
+              f"{r['warps']:5d} {r['us']:8.1f} {r['kv_gib_s']:9.0f} {r['max_err']:9.2e} {star}")
+    print("kernel            tokens  fused us  torch us  max err")
+    for r in res["fused"]:
+        print(f"{r['kernel']:17s} {r['tokens']:6d} {r['fused_us']:9.1f} {r['torch_us']:9.1f} {r['max_err']:8.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
