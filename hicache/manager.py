@@ -13,8 +13,6 @@ Contract (what callers may rely on):
 """
 from __future__ import annotations
 
-import asyncio
-import os
 from collections.abc import Callable, Sequence
 
 import structlog

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from hicache.ops import Op, OpEvent, OpKind, OpState, apply, new_op
+from hicache.ops import Op, OpEvent, OpKind, apply, new_op
 from hicache.radix import Node, Tier
 from hicache.storage import StorageError
 

@@ -35,10 +35,10 @@ class DecodeGraphs:
         rows = max(b * r for b, r in self.shapes)
         seqs = max(b for b, _ in self.shapes)
         i64 = dict(dtype=torch.int64, device=self.device)
-        self.rows = torch.zeros((4, rows), **i64)  # ids, positions, out slots, seq lens   [4, N]
+        self.rows = torch.zeros((5, rows), **i64)  # ids, positions, out slots, seq lens, last rows  [5, N]
         self.page_tables = torch.full((seqs, max_pages_per_seq), scratch_page, **i64)  # [B, M]
         # pinned staging, filled on the host each step (no per-step pinned allocation)
-        self.host_rows = torch.zeros((4, rows), dtype=torch.int64, pin_memory=True)
+        self.host_rows = torch.zeros((5, rows), dtype=torch.int64, pin_memory=True)
         self.host_tables = torch.full((seqs, max_pages_per_seq), scratch_page, dtype=torch.int64,
                                       pin_memory=True)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -85,27 +85,13 @@ class DecodeGraphs:
         K/V are all written before any row attends, each row seeing keys up to itself (causal).
         -> logits of each sequence's last new token [B, V]."""
         seqs, per = shape
-        n = seqs * per
         ps = self.page_size
         # the previous step's copies out of the staging buffers must be done before we refill them
         if self._staged is not None:
             self._staged.synchronize()
-        host = self.host_rows.numpy()  # [4, N]
-        tables = self.host_tables.numpy()  # [B, M]
-        host[:, :n] = np.array([[0], [0], [self.scratch_slot], [1]])  # padding rows
-        tables[:seqs, 0] = self.scratch_slot // ps
-        last_rows, token = [], 0
-        for b, (prefix, new, pt) in enumerate(zip(prefix_lens, new_lens, page_tables)):
-            tables[b, :len(pt)] = pt
-            pos = np.arange(prefix, prefix + new, dtype=np.int64)
-            r = slice(b * per, b * per + new)
-            host[0, r] = input_ids[token:token + new]
-            host[1, r] = pos
-            host[2, r] = tables[b, pos // ps] * ps + pos % ps
-            host[3, r] = pos + 1
-            token += new
-            last_rows.append(b * per + new - 1)
-        self.rows.copy_(self.host_rows, non_blocking=True)  # [4, N]: one contiguous copy (2 KiB at N = 64)
+        fill_staging(self.host_rows.numpy(), self.host_tables.numpy(), shape, input_ids, prefix_lens, new_lens,
+                     page_tables, ps, self.scratch_slot)
+        self.rows.copy_(self.host_rows, non_blocking=True)  # [5, N]: one contiguous copy (2.5 KiB at N = 64)
         # whole table rows: one contiguous pinned -> device copy (stale columns past a length are masked)
         self.page_tables[:seqs].copy_(self.host_tables[:seqs], non_blocking=True)
         self.graphs[shape].replay()
@@ -114,4 +100,36 @@ class DecodeGraphs:
         logits = self.logits[shape]  # [B * R, V]
         if per == 1:
             return logits[:len(new_lens)]
-        return logits[torch.tensor(last_rows, dtype=torch.int64).to(logits.device, non_blocking=True)]
+        return logits.index_select(0, self.rows[4, :len(new_lens)])  # [B, V]
+
+
+def fill_staging(host: np.ndarray, tables: np.ndarray, shape: tuple[int, int], input_ids: list[int],
+                 prefix_lens: list[int], new_lens: list[int], page_tables: list[list[int]], page_size: int,
+                 scratch_slot: int) -> None:
+    """Host side of a graph step. host [5, N]: ids, positions, out slots, seq lens (keys each row
+    sees) and, in row 4, the row of each sequence's last new token; tables [B, M] page tables.
+    Padding rows write to `scratch_slot` and see one key."""
+    seqs, per = shape
+    n = seqs * per
+    ps = page_size
+    host[:4, :n] = np.array([[0], [0], [scratch_slot], [1]])  # padding rows
+    tables[:seqs, 0] = scratch_slot // ps
+    for b, pt in enumerate(page_tables):
+        tables[b, :len(pt)] = pt
+    if per == 1:  # decode: one row per sequence, vectorised
+        pos = np.asarray(prefix_lens, dtype=np.int64)
+        b = np.arange(len(pos))
+        host[0, :len(pos)], host[1, :len(pos)], host[4, :len(pos)] = input_ids, pos, b
+        host[2, :len(pos)] = tables[b, pos // ps] * ps + pos % ps
+        host[3, :len(pos)] = pos + 1
+        return
+    token = 0
+    for b, (prefix, new) in enumerate(zip(prefix_lens, new_lens)):
+        pos = np.arange(prefix, prefix + new, dtype=np.int64)
+        r = slice(b * per, b * per + new)
+        host[0, r] = input_ids[token:token + new]
+        host[1, r] = pos
+        host[2, r] = tables[b, pos // ps] * ps + pos % ps
+        host[3, r] = pos + 1
+        token += new
+        host[4, b] = b * per + new - 1

@@ -24,7 +24,6 @@ import torch
 
 from hicache.faults import FaultInjector
 from hicache.manager import CacheManager
-from hicache.radix import Tier
 from scheduler.admission import Admission
 from scheduler.config import EngineConfig
 from scheduler.logs import configure_logging

@@ -51,6 +51,22 @@ def timed(fn, device, repeats):
     return statistics.median(times)
 
 
+def event_timed(fn, device, repeats) -> float:
+    """Median device time (CUDA events around fn on the current stream) in seconds; CPU: wall time."""
+    if device.type != "cuda":
+        return timed(fn, device, repeats)
+    fn()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
 def bench_directions(geometry, device, tokens_list, repeats, backends):
     pages_max = max(tokens_list) // geometry.page_size
     l1 = DevicePool(geometry, 2 * pages_max + 8, device)
@@ -64,23 +80,32 @@ def bench_directions(geometry, device, tokens_list, repeats, backends):
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         d2h_peak = nbytes / timed(lambda: host.copy_(dev, non_blocking=True), device, repeats) / GIB
         h2d_peak = nbytes / timed(lambda: dev.copy_(host, non_blocking=True), device, repeats) / GIB
+        # device-side time of the same copies (no launch or completion latency), for the service ratio
+        d2h_dev_peak = nbytes / event_timed(lambda: host.copy_(dev, non_blocking=True), device, repeats) / GIB
+        h2d_dev_peak = nbytes / event_timed(lambda: dev.copy_(host, non_blocking=True), device, repeats) / GIB
         l1_pages = torch.randperm(l1.num_pages)[:n].tolist()  # random L1 order: the gather does work
         for backend in backends:
             engine = TransferEngine(l1, l2, ChosenBackends(backend, backend, {}, "bench"))
             for layout in ("consecutive", "fragmented"):
                 host_pages = list(range(n)) if layout == "consecutive" else list(range(0, 2 * n, 2))
 
+                service = {"d2h": [], "h2d": []}  # device time: first kernel/DMA start -> last one done
+
                 def d2h():
-                    engine.wait_blocking(engine.d2h(l1_pages, host_pages))
+                    service["d2h"].append(engine.wait_blocking(engine.d2h(l1_pages, host_pages)).service_ns)
 
                 def h2d():
-                    engine.wait_blocking(engine.h2d(host_pages, l1_pages))
+                    service["h2d"].append(engine.wait_blocking(engine.h2d(host_pages, l1_pages)).service_ns)
                 t_d2h, t_h2d = timed(d2h, device, repeats), timed(h2d, device, repeats)
+                s_d2h, s_h2d = (statistics.median(service[d][1:]) / 1e9 for d in ("d2h", "h2d"))
                 rows.append({"tokens": tokens, "bytes": nbytes, "backend": backend, "host_layout": layout,
                              "d2h_gib_s": nbytes / t_d2h / GIB, "h2d_gib_s": nbytes / t_h2d / GIB,
                              "pinned_d2h_gib_s": d2h_peak, "pinned_h2d_gib_s": h2d_peak,
                              "d2h_ratio": nbytes / t_d2h / GIB / d2h_peak,
-                             "h2d_ratio": nbytes / t_h2d / GIB / h2d_peak})
+                             "h2d_ratio": nbytes / t_h2d / GIB / h2d_peak,
+                             # device-side: the engine's kernels + DMAs vs the bare DMA, both by CUDA events
+                             "d2h_service_ratio": (nbytes / s_d2h / GIB / d2h_dev_peak) if s_d2h else None,
+                             "h2d_service_ratio": (nbytes / s_h2d / GIB / h2d_dev_peak) if s_h2d else None})
             engine.close()
     return rows
 
@@ -171,10 +196,12 @@ def main(argv=None) -> int:
     if args.json:
         print(text)
     print(f"\n{out['device']}: round trip byte-identical {out['round_trip_identical']}; storage {out['storage']}")
-    print(f"{'tokens':>6} {'backend':>7} {'host':>11} {'D2H GiB/s':>10} {'ratio':>6} {'H2D GiB/s':>10} {'ratio':>6}")
+    print(f"{'tokens':>6} {'backend':>7} {'host':>11} {'D2H GiB/s':>10} {'ratio':>6} {'H2D GiB/s':>10} {'ratio':>6}"
+          f"  device-time ratio D2H/H2D")
     for r in out["directions"]:
+        dev = "/".join(f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("d2h_service_ratio", "h2d_service_ratio"))
         print(f"{r['tokens']:>6} {r['backend']:>7} {r['host_layout']:>11} {r['d2h_gib_s']:>10.2f} "
-              f"{r['d2h_ratio']:>6.3f} {r['h2d_gib_s']:>10.2f} {r['h2d_ratio']:>6.3f}")
+              f"{r['d2h_ratio']:>6.3f} {r['h2d_gib_s']:>10.2f} {r['h2d_ratio']:>6.3f}  {dev}")
     return 0 if all(out["round_trip_identical"].values()) else 1
 
 

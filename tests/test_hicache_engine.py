@@ -4,7 +4,6 @@ import random
 
 import pytest
 
-from hicache.radix import Tier
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams

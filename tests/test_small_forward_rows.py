@@ -28,3 +28,59 @@ def test_rows_equal_prefill():
                               positions=torch.tensor(positions))
         got = model(torch.tensor(new), rows, kv)  # [rows, V]
     torch.testing.assert_close(got[-1:], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_graph_staging_rows_equal_prefill():
+    """The host staging of a tail graph (B sequences x 16 rows, padding rows on a scratch page) fed
+    through the model as one decode batch gives each sequence's prefill logits and touches no live
+    page but its own (the CUDA graph replays exactly this batch)."""
+    import numpy as np
+
+    from scheduler.cuda_graphs import TAIL_ROWS, fill_staging
+
+    eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=4))
+    model, kv, ps = eng.model, eng.cache.l1.kv, 4
+    torch.manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (19, 26)]
+    tables = [list(range(10, 17)), list(range(30, 37))]
+    prefixes = [16, 20]
+    scratch = 60
+    with torch.inference_mode():
+        for p, t, pre in zip(prompts, tables, prefixes):
+            model(torch.tensor(p[:pre]), AttentionBatch.build([0], [pre], [t], ps, "cpu", False), kv)
+        saved = kv.clone()
+        refs = [model(torch.tensor(p[pre:]), AttentionBatch.build([pre], [len(p) - pre], [t], ps, "cpu", False), kv)
+                for p, t, pre in zip(prompts, tables, prefixes)]
+        expected_kv = kv.clone()
+        kv.copy_(saved)
+        shape = (4, TAIL_ROWS)  # 2 real sequences, 2 padding ones
+        host = np.zeros((5, shape[0] * shape[1]), dtype=np.int64)
+        host_tables = np.full((shape[0], 8), scratch, dtype=np.int64)
+        new_ids = [t for p, pre in zip(prompts, prefixes) for t in p[pre:]]
+        fill_staging(host, host_tables, shape, new_ids, prefixes, [len(p) - pre for p, pre in zip(prompts, prefixes)],
+                     tables, ps, scratch * ps)
+        n = shape[0] * shape[1]
+        rows = torch.from_numpy(host)
+        batch = AttentionBatch(is_decode=True, prefix_lens=[0] * n, new_lens=[1] * n,
+                               page_tables=torch.from_numpy(host_tables), seq_lens=rows[3], out_slots=rows[2],
+                               positions=rows[1], rows_per_seq=TAIL_ROWS)
+        logits = model(rows[0], batch, kv)  # [n, V]
+        got = logits.index_select(0, rows[4, :2])
+    for i, ref in enumerate(refs):
+        torch.testing.assert_close(got[i:i + 1], ref, rtol=1e-5, atol=1e-5)
+    live = torch.ones(kv.shape[2], dtype=torch.bool)
+    live[scratch] = False
+    torch.testing.assert_close(kv[:, :, live], expected_kv[:, :, live], rtol=1e-6, atol=1e-6)
+
+
+def test_graph_staging_decode_rows():
+    import numpy as np
+
+    from scheduler.cuda_graphs import fill_staging
+
+    host = np.full((5, 4), -7, dtype=np.int64)
+    tables = np.full((4, 3), -7, dtype=np.int64)
+    fill_staging(host, tables, (4, 1), [11, 12], [5, 8], [1, 1], [[3, 9], [4, 6, 2]], 4, 40)
+    assert host[:, :2].tolist() == [[11, 12], [5, 8], [9 * 4 + 1, 2 * 4 + 0], [6, 9], [0, 1]]
+    assert host[:4, 2:].tolist() == [[0, 0], [0, 0], [40, 40], [1, 1]]  # padding rows: scratch slot, 1 key
+    assert tables[2:, 0].tolist() == [10, 10]
