@@ -244,6 +244,24 @@ class Admission:
             return None
         return ready, [1] * len(ready), binput
 
+    def chain_decode_batch(self, reqs: list[Request]):
+        """The decode step after the one in flight for `reqs` (whose tokens are not back yet): the
+        requests that will surely still run then (not finished, not at their last token by length),
+        each one position further. Input ids are left to the runner (taken on the device). None when
+        nothing can be chained."""
+        if self.engine.waiting:
+            return None  # prefill first: go back to the loop
+        nxt = [r for r in reqs if r.state is RequestState.DECODE and len(r.output) + 2 <= r.params.max_tokens]
+        if not nxt:
+            return None
+        binput = BatchInput([], [], [], [], [], [], [], is_decode=True)
+        for req in nxt:
+            pos = len(req.prompt) + len(req.output)  # the in-flight step's token goes here
+            if not self._grow(req, pos + 1):
+                return None
+            self._append(binput, req, [0], pos)  # placeholder id: the runner takes the real one on the device
+        return nxt, [1] * len(nxt), binput
+
     # -- after a step --------------------------------------------------------------------------
     def after_step(self, req: Request, chunk: int, token: int) -> None:
         eng = self.engine

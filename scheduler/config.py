@@ -22,10 +22,8 @@ class EngineConfig:
     max_prompt_tokens: int = 0  # 0: no limit beyond what the pool can ever hold
     max_new_tokens_limit: int = 4096
     enable_prefix_cache: bool = True
-    # capture small forwards (decode, short tails) in CUDA graphs. Opt-in: on the H200 in bf16 a
-    # restored prefix's tail forward through the graph path did not always reproduce the L1-hit
-    # output (docs/benchmarks.md); the eager path matched recompute exactly.
-    cuda_graphs: bool = True  # CUDA only: small forwards replay captured graphs
+    cuda_graphs: bool = True  # CUDA only: small forwards (decode, short tails) replay captured graphs
+    overlap_schedule: bool = True  # decode step N+1 is enqueued before step N's tokens are back
     cpu_threads: int = 1  # torch intra-op threads on the CPU (tiny shapes run fastest on one)
     log_json: str | None = None
     simulate: bool = False  # no model, no KV bytes: tree, allocators and cost model only
@@ -51,6 +49,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-cuda-graphs", action="store_true",
                    help="run small forwards eagerly instead of replaying captured CUDA graphs (CUDA only)")
     g.add_argument("--enable-cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # the default; kept
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="wait for each decode step's tokens before preparing the next")
     g.add_argument("--cpu-threads", type=int, default=1, help="torch threads when running on the CPU")
     g.add_argument("--log-json", default=None, help="write structured JSON-lines events to this file")
     h = parser.add_argument_group("hicache")
@@ -112,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_prompt_tokens=args.max_prompt_tokens,
         enable_prefix_cache=not args.disable_prefix_cache,
         cuda_graphs=not args.disable_cuda_graphs,
+        overlap_schedule=not args.disable_overlap_schedule,
         cpu_threads=args.cpu_threads,
         log_json=args.log_json,
         hicache=hc,

@@ -38,12 +38,13 @@ class DecodeGraphs:
         self.rows = torch.zeros((5, rows), **i64)  # ids, positions, out slots, seq lens, last rows  [5, N]
         self.page_tables = torch.full((seqs, max_pages_per_seq), scratch_page, **i64)  # [B, M]
         # pinned staging, filled on the host each step (no per-step pinned allocation)
-        self.host_rows = torch.zeros((5, rows), dtype=torch.int64, pin_memory=True)
-        self.host_tables = torch.full((seqs, max_pages_per_seq), scratch_page, dtype=torch.int64,
+        self.host_rows = torch.zeros((2, 5, rows), dtype=torch.int64, pin_memory=True)  # double-buffered
+        self.host_tables = torch.full((2, seqs, max_pages_per_seq), scratch_page, dtype=torch.int64,
                                       pin_memory=True)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
-        self._staged: torch.cuda.Event | None = None
+        self._staged: list[torch.cuda.Event | None] = [None, None]
+        self._step = 0
 
     def _batch(self, seqs: int, rows_per_seq: int) -> AttentionBatch:
         n = seqs * rows_per_seq
@@ -80,23 +81,31 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, shape: tuple[int, int], input_ids: list[int], prefix_lens: list[int], new_lens: list[int],
-            page_tables: list[list[int]]) -> torch.Tensor:
+            page_tables: list[list[int]], ids_device: torch.Tensor | None = None) -> torch.Tensor:
         """Sequence b adds tokens input_ids[sum(new_lens[:b]) : ...] at positions prefix_lens[b] + t; its
         K/V are all written before any row attends, each row seeing keys up to itself (causal).
-        -> logits of each sequence's last new token [B, V]."""
+        ids_device [B] (decode only): the input ids already on the device (a chained step), copied
+        over the staged ones on the stream. -> logits of each sequence's last new token [B, V]."""
         seqs, per = shape
         ps = self.page_size
-        # the previous step's copies out of the staging buffers must be done before we refill them
-        if self._staged is not None:
-            self._staged.synchronize()
-        fill_staging(self.host_rows.numpy(), self.host_tables.numpy(), shape, input_ids, prefix_lens, new_lens,
+        # two staging buffers alternate; the copies out of this one (two steps ago) must be done before
+        # it is refilled. Those copies ran after the step before them, so a chained step never waits
+        # for the step in flight.
+        k = self._step % 2
+        self._step += 1
+        host_rows, host_tables = self.host_rows[k], self.host_tables[k]
+        if self._staged[k] is not None:
+            self._staged[k].synchronize()
+        fill_staging(host_rows.numpy(), host_tables.numpy(), shape, input_ids, prefix_lens, new_lens,
                      page_tables, ps, self.scratch_slot)
-        self.rows.copy_(self.host_rows, non_blocking=True)  # [5, N]: one contiguous copy (2.5 KiB at N = 64)
+        self.rows.copy_(host_rows, non_blocking=True)  # [5, N]: one contiguous copy (2.5 KiB at N = 64)
         # whole table rows: one contiguous pinned -> device copy (stale columns past a length are masked)
-        self.page_tables[:seqs].copy_(self.host_tables[:seqs], non_blocking=True)
+        self.page_tables[:seqs].copy_(host_tables[:seqs], non_blocking=True)
+        self._staged[k] = torch.cuda.Event()
+        self._staged[k].record()
+        if ids_device is not None:
+            self.rows[0, :len(ids_device)].copy_(ids_device)  # device to device, after the staged ids
         self.graphs[shape].replay()
-        self._staged = torch.cuda.Event()
-        self._staged.record()
         logits = self.logits[shape]  # [B * R, V]
         if per == 1:
             return logits[:len(new_lens)]

@@ -96,7 +96,7 @@ class Engine:
         self._stopping = False
         self._batch_id = 0
         self.stats = {"batches": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
-                      "failed": 0}
+                      "failed": 0, "chained_steps": 0}
 
     def _capture_graphs(self) -> None:
         from scheduler.cuda_graphs import DecodeGraphs
@@ -306,13 +306,41 @@ class Engine:
             await self._run(batch)
 
     async def _run(self, work) -> None:
+        if work[2].is_decode and self.config.overlap_schedule:
+            await self._run_decode_chain(work)
+            return
+        start_ns, restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
+        next_ids = await self.runner.collect(self.runner.launch(work[2]))
+        await asyncio.sleep(0)  # on the CPU nothing above yields: let streams and aborts run
+        self._after_batch(work, next_ids, start_ns, restoring)
+
+    async def _run_decode_chain(self, work) -> None:
+        """Decode with overlap scheduling: while step N runs on the device, step N+1 of the requests
+        that will surely continue is enqueued with its input ids taken from step N's sampled ids on
+        the device; only then are N's tokens awaited and processed. A request that ends at step N (a
+        stop token, an abort) has its step N+1 result discarded (after_step ignores finished
+        requests). The chain ends when anything else wants the loop: a new or returning request, an
+        abort, a finished operation (the wake event), or a request that needs a page it cannot get."""
+        start_ns, restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
+        handle = self.runner.launch(work[2])
+        while True:
+            nxt = None if self._wake.is_set() or self._stopping else self.admission.chain_decode_batch(work[0])
+            next_handle = None
+            if nxt is not None:
+                rows = [work[0].index(r) for r in nxt[0]]
+                next_handle, next_start_ns = self.runner.launch(nxt[2], chain=(handle, rows)), time.monotonic_ns()
+                self.stats["chained_steps"] += 1
+            next_ids = await self.runner.collect(handle)
+            await asyncio.sleep(0)
+            self._after_batch(work, next_ids, start_ns, restoring)
+            self._settle_aborts()
+            if nxt is None:
+                return
+            work, handle, start_ns = nxt, next_handle, next_start_ns
+
+    def _after_batch(self, work, next_ids: list[int], start_ns: int, restoring: bool) -> None:
         reqs, chunks, binput = work
         self._batch_id += 1
-        start_ns = time.monotonic_ns()
-        restoring = self.cache.pending_restores() > 0  # backups in flight are not restores
-        handle = self.runner.launch(binput)
-        next_ids = await self.runner.collect(handle)
-        await asyncio.sleep(0)  # on the CPU nothing above yields: let streams and aborts run
         end_ns = time.monotonic_ns()
         kind = "decode" if binput.is_decode else "prefill"
         log.info("batch", batch_id=self._batch_id, kind=kind, num_seqs=len(reqs),

@@ -40,28 +40,38 @@ class ModelRunner:
         self.graphs = graphs
 
     @torch.inference_mode()
-    def launch(self, batch: BatchInput):
-        """Enqueue forward + sampling; returns a handle for `collect`. On CUDA nothing blocks here."""
+    def launch(self, batch: BatchInput, chain=None):
+        """Enqueue forward + sampling; returns a handle for `collect`. On CUDA nothing blocks here.
+
+        chain = (handle of a launched step, rows): this decode step's input ids are that step's
+        sampled ids at `rows`, taken on the device (batch.input_ids is ignored), so the step can be
+        enqueued before the previous one's tokens reach the host."""
+        ids_dev = None
+        if chain is not None:
+            prev_ids, rows = chain[0][2], chain[1]
+            ids_dev = prev_ids if rows == list(range(len(prev_ids))) else \
+                prev_ids.index_select(0, torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True))
         shape = self.graphs.shape_for(batch.new_lens, batch.page_tables) if self.graphs is not None else None
         if shape is not None:  # small forward (decode, or a short tail after a restore): replay a graph
             logits = self.graphs.run(shape, batch.input_ids, batch.prefix_lens, batch.new_lens,
-                                     batch.page_tables)  # [B, V]
+                                     batch.page_tables, ids_dev)  # [B, V]
         else:
             attn = AttentionBatch.build(batch.prefix_lens, batch.new_lens, batch.page_tables, self.page_size,
                                         self.device, batch.is_decode)
-            ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            ids = ids_dev if ids_dev is not None else \
+                torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
             logits = self.model(ids, attn, self.kv_pool)  # [B, V]
         next_ids = sample(logits, batch.temperatures, batch.top_ps, batch.generators)  # [B]
         if not self.cuda:
-            return next_ids, None
+            return next_ids, None, next_ids
         host = torch.empty(next_ids.shape, dtype=torch.int64, pin_memory=True)
         host.copy_(next_ids, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return host, event
+        return host, event, next_ids
 
     async def collect(self, handle) -> list[int]:
-        host, event = handle
+        host, event, _ = handle
         if event is not None:
             await asyncio.get_running_loop().run_in_executor(self._waiter, event.synchronize)
         return host.tolist()
@@ -77,12 +87,13 @@ class SimRunner:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def launch(self, batch: BatchInput):
+    def launch(self, batch: BatchInput, chain=None):
+        inputs = batch.input_ids if chain is None else [chain[0][0][r] for r in chain[1]]
         ids, row = [], 0
         for prefix, new in zip(batch.prefix_lens, batch.new_lens):
             row += new
-            ids.append((batch.input_ids[row - 1] * 1000003 + prefix + new) % self.vocab_size)
-        return ids, None
+            ids.append((inputs[row - 1] * 1000003 + prefix + new) % self.vocab_size)
+        return ids, None, ids
 
     async def collect(self, handle) -> list[int]:
         return handle[0]

@@ -177,11 +177,11 @@ def test_engine_crash_fails_the_remaining_requests(monkeypatch):
     from scheduler import runner
     launch, calls = runner.SimRunner.launch, []
 
-    def failing_launch(self, batch):
+    def failing_launch(self, batch, chain=None):
         calls.append(1)
         if len(calls) == 30:
             raise RuntimeError("injected crash")
-        return launch(self, batch)
+        return launch(self, batch, chain)
 
     monkeypatch.setattr(runner.SimRunner, "launch", failing_launch)
     args = ["--simulate", "--no-progress", "--max-requests", "20"]
