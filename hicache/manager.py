@@ -28,6 +28,7 @@ from hicache.operations import OpRunner
 from hicache.ops import OpKind
 from hicache.pools import DevicePool, HostPool
 from hicache.radix import MatchResult, Node, RadixTree, Tier
+from hicache.reuse import TierReuse
 from hicache.transfer import TransferEngine
 from kernels.chooser import choose_backends
 
@@ -44,6 +45,7 @@ class CacheManager:
         self.config = config or HiCacheConfig()
         self.faults = faults
         self.metrics = Metrics()
+        self.reuse = {Tier.L2: TierReuse(), Tier.L3: TierReuse()}  # write admission by observed reuse
         self.l1 = DevicePool(geometry, l1_pages, torch.device(device), simulate=simulate)
         allocators: dict[Tier, PageAllocator] = {Tier.L1: self.l1.allocator}
         self.l2: HostPool | None = None
@@ -101,6 +103,8 @@ class CacheManager:
 
     def _on_evict(self, tier: Tier, node: Node, pages: list[int]) -> None:
         self.metrics.evictions_pages[tier.label] += len(pages)
+        if tier in self.reuse:
+            self.reuse[tier].on_evicted(len(pages))
         if tier is Tier.L3 and self.store is not None:
             self.store.invalidate(pages)
 
@@ -167,10 +171,23 @@ class CacheManager:
 
     def worth_writing(self, tier: str, num_tokens: int) -> bool:
         """Write admission: a forced policy decides alone ("always" writes, "never" does not);
-        "cost" writes only where a restore can beat recompute for this length."""
+        "cost" writes only where a restore can beat recompute for this length and (hicache/reuse.py)
+        where what is written there gets read back before it is evicted."""
         if self.config.policy != "cost":
             return self.config.policy == "always"
         return self.cost.worth_writing(tier, num_tokens)
+
+    def l3_write_pays_off(self) -> bool:
+        """Cost policy: L3 writes go on while L3 gets read back (or has not evicted enough to tell)."""
+        return self.config.policy != "cost" or self.reuse[Tier.L3].admit()
+
+    def backup_pays_off(self, num_tokens: int) -> bool:
+        """Cost policy: is an L1 -> L2 backup of this prefix worth its traffic? Yes while L2 gets read
+        back, or while it feeds an L3 worth writing that gets read back; otherwise only as a probe."""
+        if self.config.policy != "cost":
+            return True
+        l3_wants_it = self.has_l3 and self.cost.worth_writing("l3", num_tokens) and self.reuse[Tier.L3].productive
+        return l3_wants_it or self.reuse[Tier.L2].admit()
 
     # -- shared (content-addressed) L3 ---------------------------------------------------------
     def page_keys(self, tokens: Sequence[int], start_tokens: int, end_tokens: int) -> dict:

@@ -224,7 +224,7 @@ class OpRunner:
         n1, n2 = m.lengths[Tier.L1], m.lengths[Tier.L2]
         if n1 <= n2:
             return None
-        if not mgr.worth_writing("l2", n1):
+        if not mgr.worth_writing("l2", n1) or not mgr.backup_pays_off(n1):
             mgr.metrics.policy_skips["write_l2"] += 1
             return None
         op = self._new(OpKind.BACKUP, (n1 - n2) // ps, request_id)
@@ -259,7 +259,7 @@ class OpRunner:
             self._publish(op, tokens, Tier.L2, host_pages, start)
             self._unlock_all(op)
             n = len(tokens)
-            if not mgr.has_l3 or not mgr.worth_writing("l3", n):
+            if not mgr.has_l3 or not mgr.worth_writing("l3", n) or not mgr.l3_write_pays_off():
                 if mgr.has_l3:
                     mgr.metrics.policy_skips["write_l3"] += 1
                 apply(op, OpEvent.SKIP_L3)
@@ -367,6 +367,7 @@ class OpRunner:
             self._publish(op, tokens, Tier.L2, op.payload.pop("host_pages"), l2_start)
             self._unlock_all_but_l1(op)
             mgr.metrics.promotions += 1
+            mgr.reuse[Tier.L3].on_read(op.num_pages)
             if op.kind is OpKind.PREFETCH_L3:
                 self._unlock_all(op)
                 return
@@ -388,7 +389,10 @@ class OpRunner:
         if self._cancelled(op):
             return
         apply(op, OpEvent.H2D_DONE)
-        self._publish(op, tokens, Tier.L1, op.payload.pop("l1_pages"), op.payload["l1_start"])
+        l1_pages = op.payload.pop("l1_pages")
+        if op.kind is OpKind.RESTORE_L2:
+            mgr.reuse[Tier.L2].on_read(len(l1_pages))
+        self._publish(op, tokens, Tier.L1, l1_pages, op.payload["l1_start"])
         self._unlock_all(op)
         mgr.metrics.restores_done += 1
         mgr.metrics.restore_s += (time.monotonic_ns() - t0) / 1e9

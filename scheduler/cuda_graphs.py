@@ -21,6 +21,7 @@ from scheduler.model import Qwen3Model
 DECODE_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
 TAIL_ROWS = 16
 TAIL_SIZES = (1, 2, 4)
+PREFILL_BUCKETS = tuple(range(64, 513, 64))  # fresh one-sequence prefills, padded up to these lengths
 
 
 class DecodeGraphs:
@@ -45,12 +46,29 @@ class DecodeGraphs:
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self._staged: list[torch.cuda.Event | None] = [None, None]
         self._step = 0
+        # fresh prefills of one sequence (no cached prefix), padded to a bucket: a short prefill is
+        # otherwise host-bound (~400 eager launches for ~9 ms of GPU work at 350 tokens, 8B)
+        self.prefill_buckets = [b for b in PREFILL_BUCKETS if -(-b // page_size) <= max_pages_per_seq]
+        longest = max(self.prefill_buckets, default=0)
+        self.p_rows = torch.zeros((4, max(longest, 1)), **i64)  # ids, positions, out slots, last row  [4, L]
+        self.p_table = torch.full((1, max(-(-longest // page_size), 1)), scratch_page, **i64)  # [1, L / S]
+        self.host_p_rows = torch.zeros_like(self.p_rows, device="cpu").pin_memory()
+        self.host_p_table = torch.full_like(self.p_table, scratch_page, device="cpu").pin_memory()
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prefill_logits: dict[int, torch.Tensor] = {}
+        self._p_staged: torch.cuda.Event | None = None
 
     def _batch(self, seqs: int, rows_per_seq: int) -> AttentionBatch:
         n = seqs * rows_per_seq
         return AttentionBatch(is_decode=True, prefix_lens=[0] * n, new_lens=[1] * n,
                               page_tables=self.page_tables[:seqs], seq_lens=self.rows[3, :n],
                               out_slots=self.rows[2, :n], positions=self.rows[1, :n], rows_per_seq=rows_per_seq)
+
+    def _prefill_batch(self, length: int) -> AttentionBatch:
+        return AttentionBatch(is_decode=False, prefix_lens=[0], new_lens=[length],
+                              page_tables=self.p_table[:, :-(-length // self.page_size)],
+                              seq_lens=self.p_rows[3, :1], out_slots=self.p_rows[2, :length],
+                              positions=self.p_rows[1, :length], last_rows=self.p_rows[3, :1])
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -70,7 +88,42 @@ class DecodeGraphs:
                     self.logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool)  # [B * R, V]
                 pool = graph.pool()
                 self.graphs[shape] = graph
+            self.p_rows[1].copy_(torch.arange(self.p_rows.shape[1]))
+            self.p_rows[2].fill_(self.scratch_slot)
+            for length in sorted(self.prefill_buckets, reverse=True):
+                ids = self.p_rows[0, :length]
+                self.p_rows[3, 0] = length - 1
+                for _ in range(2):
+                    self.model(ids, self._prefill_batch(length), self.kv_pool)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.prefill_logits[length] = self.model(ids, self._prefill_batch(length), self.kv_pool)  # [1, V]
+                pool = graph.pool()
+                self.prefill_graphs[length] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def prefill_bucket(self, prefix_lens: list[int], new_lens: list[int]) -> int | None:
+        """The captured length a fresh one-sequence prefill pads to, or None (tails and batches of
+        several sequences use the other graphs or run eagerly)."""
+        if len(new_lens) != 1 or prefix_lens[0] != 0 or new_lens[0] <= TAIL_ROWS:
+            return None
+        return next((b for b in self.prefill_buckets if b >= new_lens[0]), None)
+
+    @torch.inference_mode()
+    def run_prefill(self, length: int, input_ids: list[int], page_table: list[int]) -> torch.Tensor:
+        """A fresh prefill of len(input_ids) tokens padded to `length` rows: padding rows come after
+        every real one (so causal attention keeps them out of the real rows), write their K/V into
+        the scratch page and are discarded. -> logits of the last real token [1, V]."""
+        if self._p_staged is not None:
+            self._p_staged.synchronize()
+        fill_prefill_staging(self.host_p_rows.numpy(), self.host_p_table.numpy(), length, input_ids, page_table,
+                             self.page_size, self.scratch_slot)
+        self.p_rows.copy_(self.host_p_rows, non_blocking=True)
+        self.p_table.copy_(self.host_p_table, non_blocking=True)
+        self._p_staged = torch.cuda.Event()
+        self._p_staged.record()
+        self.prefill_graphs[length].replay()
+        return self.prefill_logits[length]
 
     def shape_for(self, new_lens: list[int], page_tables: list[list[int]]) -> tuple[int, int] | None:
         """The captured (sequences, rows per sequence) that fits this batch, or None (run eagerly)."""
@@ -142,3 +195,20 @@ def fill_staging(host: np.ndarray, tables: np.ndarray, shape: tuple[int, int], i
         host[3, r] = pos + 1
         token += new
         host[4, b] = b * per + new - 1
+
+
+def fill_prefill_staging(host: np.ndarray, table: np.ndarray, length: int, input_ids: list[int],
+                         page_table: list[int], page_size: int, scratch_slot: int) -> None:
+    """Host side of a fresh-prefill graph. host [4, L]: ids, positions, out slots, and the last real
+    row in host[3, 0]; table [1, L / S]: the sequence's pages, then the scratch page."""
+    n, ps = len(input_ids), page_size
+    host[0, :length] = 0
+    host[0, :n] = input_ids
+    host[1, :length] = np.arange(length)
+    pages = np.full(table.shape[1], scratch_slot // ps, dtype=np.int64)
+    pages[:len(page_table)] = page_table
+    table[0] = pages
+    pos = np.arange(n)
+    host[2, :length] = scratch_slot
+    host[2, :n] = pages[pos // ps] * ps + pos % ps
+    host[3, 0] = n - 1

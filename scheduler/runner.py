@@ -52,7 +52,11 @@ class ModelRunner:
             ids_dev = prev_ids if rows == list(range(len(prev_ids))) else \
                 prev_ids.index_select(0, torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True))
         shape = self.graphs.shape_for(batch.new_lens, batch.page_tables) if self.graphs is not None else None
-        if shape is not None:  # small forward (decode, or a short tail after a restore): replay a graph
+        bucket = (self.graphs.prefill_bucket(batch.prefix_lens, batch.new_lens)
+                  if self.graphs is not None and shape is None else None)
+        if bucket is not None:  # a fresh short prefill: replay the graph of its padded length
+            logits = self.graphs.run_prefill(bucket, batch.input_ids, batch.page_tables[0])  # [1, V]
+        elif shape is not None:  # small forward (decode, or a short tail after a restore): replay a graph
             logits = self.graphs.run(shape, batch.input_ids, batch.prefix_lens, batch.new_lens,
                                      batch.page_tables, ids_dev)  # [B, V]
         else:

@@ -16,8 +16,9 @@ reference run (hicache off, prefix cache off). Reports req/s, p50/p95/p99 latenc
 tier, recomputed tokens, bytes moved per direction and the integrity check.
 
 Decode (`--decode-batch 32 --decode-tokens 64`): 32 concurrent requests with distinct
-`--prefix-tokens`-token prompts generate 64 tokens each, once with hicache on (`--decode-tier l2`:
-write-through D2H backups of every prefill run during decode; l3 adds H2S file writes) and once with
+`--prefix-tokens`-token prompts generate 64 tokens each, once with hicache on (`--decode-tier l2`,
+policy always: write-through D2H backups of every prefill run during decode; l3 adds H2S file
+writes) and once with
 hicache off; reports decode tokens/s of each (generated tokens after the first, over the time from
 the last first token to the last finish) and the ratio on / off. Each engine first runs one
 warm-up pass of the same shape.
@@ -226,7 +227,9 @@ async def decode_run(args, tier: str, vocab: int, bdir: BenchDir) -> dict:
     per_req = -(-(args.prefix_tokens + 1 + args.decode_tokens) // ps)
     num_pages = args.num_pages or n * per_req + 16
     cfg = engine_config(args, tier, num_pages, args.host_ratio or 1.0, bdir.l3_path(f"decode-{tier}"))
-    eng = Engine(cfg.with_hicache(storage_ratio=1.0 if tier == "l3" else 0.0))  # L3 = L2: holds every prompt
+    # L3 = L2: holds every prompt. policy "always": every prefill is backed up, whatever the cost
+    # policy's reuse admission would conclude from the passes' explicit evictions
+    eng = Engine(cfg.with_hicache(storage_ratio=1.0 if tier == "l3" else 0.0, policy="always"))
 
     def prompts(salt):
         rng = random.Random(args.seed * 104729 + salt)

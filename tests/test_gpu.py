@@ -75,3 +75,15 @@ def test_tail_graph_equals_eager():
     graphs, eng = run(cfg, [base] + ps)
     assert any(s[1] > 1 for s in eng.runner.graphs.graphs)
     assert graphs == eager
+
+
+def test_prefill_graphs_equal_eager():
+    """Fresh one-sequence prefills of 17..512 tokens replay a graph padded to 64-token buckets."""
+    rng = random.Random(9)
+    ps = [[rng.randrange(512) for _ in range(n)] for n in (17, 63, 64, 65, 300, 512, 513)]
+    cfg = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=512, page_size=16,
+                       cuda_graphs=True, max_running_requests=1, enable_prefix_cache=False)
+    eager, _ = run(EngineConfig(**{**cfg.__dict__, "cuda_graphs": False}), ps)
+    graphs, eng = run(cfg, ps)
+    assert eng.runner.graphs.prefill_graphs
+    assert graphs == eager

@@ -84,3 +84,37 @@ def test_graph_staging_decode_rows():
     assert host[:, :2].tolist() == [[11, 12], [5, 8], [9 * 4 + 1, 2 * 4 + 0], [6, 9], [0, 1]]
     assert host[:4, 2:].tolist() == [[0, 0], [0, 0], [40, 40], [1, 1]]  # padding rows: scratch slot, 1 key
     assert tables[2:, 0].tolist() == [10, 10]
+
+
+def test_prefill_graph_staging_equals_prefill():
+    """A fresh prefill padded to its graph bucket (padding rows after the real ones, K/V to the
+    scratch page) gives the plain prefill's logits and the same K/V in the sequence's pages."""
+    import numpy as np
+
+    from scheduler.cuda_graphs import fill_prefill_staging
+
+    for fused in (False, True):
+        eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=4))
+        model, kv, ps = eng.model, eng.cache.l1.kv, 4
+        model.fused = fused
+        torch.manual_seed(2)
+        prompt = torch.randint(0, 512, (37,)).tolist()
+        pages = list(range(20, 30))  # 40 slots for 37 tokens
+        scratch, length = 60, 64
+        with torch.inference_mode():
+            ref = model(torch.tensor(prompt), AttentionBatch.build([0], [37], [pages], ps, "cpu", False), kv)
+            expected = kv.clone()
+            kv.zero_()
+            host = np.zeros((4, length), dtype=np.int64)
+            table = np.zeros((1, length // ps), dtype=np.int64)
+            fill_prefill_staging(host, table, length, prompt, pages, ps, scratch * ps)
+            rows, t = torch.from_numpy(host), torch.from_numpy(table)
+            batch = AttentionBatch(is_decode=False, prefix_lens=[0], new_lens=[length], page_tables=t,
+                                   seq_lens=rows[3, :1], out_slots=rows[2], positions=rows[1], last_rows=rows[3, :1])
+            got = model(rows[0], batch, kv)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        live = torch.ones(kv.shape[2], dtype=torch.bool)
+        live[scratch] = False
+        torch.testing.assert_close(kv[:, :, live], expected[:, :, live], rtol=1e-6, atol=1e-6)
+        assert table[0, :10].tolist() == pages and (table[0, 10:] == scratch).all()
+        model.fused = False
