@@ -1,14 +1,18 @@
-"""CUDA graphs for small forwards: decode batches and the short tail that follows a restore.
+"""CUDA graphs for small forwards: decode batches, the short tail that follows a restore, and short
+fresh prefills.
 
-An eager 1-token forward of an 8B-shaped model is launch-bound (~9 ms against a ~3.5 ms weight-read
-floor on an H200), which would eat a restore's gain. Each shape is captured once with static input
-buffers; a step copies its inputs into them and replays. Two families of shapes (B sequences x R rows):
-  - decode: R = 1, B in DECODE_SIZES;
-  - tail: R = TAIL_ROWS, B in TAIL_SIZES. A restored prefix that is not page-aligned leaves up to a
-    page of tokens to compute; the attention kernel reads each K/V block once for all R rows of a
-    sequence (kernels/decode_attention.py), where R one-row sequences would read the whole KV R times.
-Rows beyond a sequence's new tokens, and sequences beyond the real batch, write their K/V into a
-private scratch page and are discarded, so padding never touches live KV.
+An eager forward of an 8B-shaped model over a few tokens is launch-bound (~400 kernel launches: 25–40
+ms against a 4.4 ms weight-read floor on an H200), which would eat a restore's gain. Each shape is
+captured once with static input buffers; a step copies its inputs into them and replays. Families:
+  - decode (B sequences x 1 row), B in DECODE_SIZES;
+  - tail (B sequences x TAIL_ROWS rows), B in TAIL_SIZES. A restored prefix that is not page-aligned
+    leaves up to a page of tokens to compute; the attention kernel reads each K/V block once for all
+    rows of a sequence (kernels/decode_attention.py), where one-row sequences would read it per row;
+  - prefill (one sequence, no cached prefix, padded to a PREFILL_BUCKETS length).
+Padding (rows beyond a sequence's new tokens, sequences beyond the real batch, rows beyond a prefill)
+writes its K/V into a private scratch page and is discarded, so it never touches live KV. Decode
+staging is double-buffered so that a chained step (overlap scheduling) never waits for the one in
+flight.
 """
 from __future__ import annotations
 
