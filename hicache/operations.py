@@ -91,8 +91,22 @@ class OpRunner:
     def _register(self, op: Op, coro) -> Op:
         self.live[op.op_id] = op
         task = asyncio.get_running_loop().create_task(self._guard(op, coro))
+        task.add_done_callback(lambda t: self._on_task_cancelled(op, coro) if t.cancelled() else None)
         self._tasks[op.op_id] = task
         return op
+
+    def _on_task_cancelled(self, op: Op, coro) -> None:
+        """The driver's task itself was cancelled (not op.cancel(), which the driver honours at its
+        next step), possibly before it ever ran: end the op and free its pages once the copy it was
+        waiting on has settled."""
+        coro.close()  # no-op if it ran; otherwise it never will
+        if not op.done:
+            apply(op, OpEvent.CANCEL, error="driver task cancelled")
+            self.mgr.metrics.cancellations += 1
+        self._settle_then_release(op, op.payload.pop("inflight", None))
+        self.live.pop(op.op_id, None)
+        self._tasks.pop(op.op_id, None)
+        self.mgr.wakeup()
 
     async def _guard(self, op: Op, coro) -> None:
         try:
@@ -131,7 +145,12 @@ class OpRunner:
 
     async def _wait_transfer(self, op: Op, tr, direction: str) -> None:
         mgr = self.mgr
-        await asyncio.shield(mgr.transfer.wait(tr))
+        inner = op.payload["inflight"] = asyncio.ensure_future(mgr.transfer.wait(tr))
+        try:
+            await asyncio.shield(inner)
+        finally:
+            if not asyncio.current_task().cancelling():  # cancelled: the task's callback settles it
+                op.payload.pop("inflight", None)
         stats = mgr.metrics.directions[direction]
         e2e_s = tr.end_to_end_ns / 1e9
         stats.add(tr.num_bytes, enqueue_s=tr.enqueue_ns / 1e9, setup_s=tr.setup_ns / 1e9,
@@ -143,7 +162,7 @@ class OpRunner:
         """Await an L3 read/write. Past the deadline the op fails now, but its private pages stay
         reserved until the I/O settles (a late read must not land in reused pages)."""
         t0 = time.monotonic_ns()
-        fut = asyncio.wrap_future(future)
+        fut = op.payload["inflight"] = asyncio.wrap_future(future)
         try:
             if deadline_s is None:
                 result = await asyncio.shield(fut)
@@ -154,6 +173,9 @@ class OpRunner:
             # late failure is reported as "Future exception was never retrieved"
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise StorageError("timeout", f"{direction} slower than its {deadline_s:.3f} s deadline") from None
+        finally:
+            if not asyncio.current_task().cancelling():
+                op.payload.pop("inflight", None)
         stats = self.mgr.metrics.directions[direction]
         e2e_s = (time.monotonic_ns() - t0) / 1e9
         stats.add(result.num_bytes, queue_wait_s=result.queue_wait_ns / 1e9,
@@ -162,15 +184,17 @@ class OpRunner:
                                        (result.queue_wait_ns + result.service_ns) / 1e9)
 
     def _settle_then_release(self, op: Op, future) -> None:
-        """Hold the op's private pages until its abandoned I/O finished, then free them."""
+        """Hold the op's private pages until its abandoned I/O or copy finished (a concurrent or an
+        asyncio future; None: nothing in flight), then free them."""
         claims = dict(op.payload["claims"])
         op.payload["claims"].clear()
         self._unlock_all(op)
 
         async def settle():
             try:
-                await asyncio.wrap_future(future)
-            except Exception:
+                if future is not None:
+                    await (future if isinstance(future, asyncio.Future) else asyncio.wrap_future(future))
+            except BaseException:
                 pass
             for tier, claim in claims.items():
                 self.mgr.release_claim(claim, tier)

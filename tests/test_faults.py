@@ -452,3 +452,33 @@ async def test_bad_input_fails_only_its_request(case):
     assert bad.finish_reason == "error" and message in bad.error and bad.output_ids == []
     assert (await good).output_ids == await reference(PROMPT, 16)
     await finish(eng)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("when", ["before_it_runs", "while_reading"])
+async def test_cancelled_driver_task_keeps_accounting_whole(when):
+    """Regression: cancelling an op's asyncio task (not op.cancel()) used to leave its private pages
+    claimed forever. Now the op ends CANCELLED and its pages are freed once its read has settled."""
+    from hicache_helpers import make_manager, toks, write_prefix
+
+    faults = FaultInjector()
+    mgr = make_manager(l1_pages=16, host_pages=32, storage_pages=64, faults=faults)
+    tokens = toks((1, 33))  # 32 tokens, 8 pages
+    write_prefix(mgr, tokens)
+    await mgr.drain()
+    mgr.tree.evict(Tier.L1, 10 ** 9)
+    mgr.tree.evict(Tier.L2, 10 ** 9)
+    m = mgr.match(tokens)
+    assert m.lengths[Tier.L3] == 32
+    faults.arm(Fault.SLOW_READ, delay_s=0.3)
+    op = mgr.runner.start_restore(tokens, m, "l3", "req")
+    task = mgr.runner._tasks[op.op_id]
+    if when == "while_reading":
+        await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert op.state is OpState.CANCELLED and mgr.metrics.cancellations == 1
+    await mgr.drain()  # waits for the abandoned read to settle, then frees the pages
+    assert_whole(mgr)
+    await mgr.close()
