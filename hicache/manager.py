@@ -170,9 +170,9 @@ class CacheManager:
         return decision
 
     def worth_writing(self, tier: str, num_tokens: int) -> bool:
-        """Write admission: a forced policy decides alone ("always" writes, "never" does not);
-        "cost" writes only where a restore can beat recompute for this length and (hicache/reuse.py)
-        where what is written there gets read back before it is evicted."""
+        """Write admission by cost: a forced policy decides alone ("always" writes, "never" does not);
+        "cost" writes only where a restore can beat recompute for this length. Whether writes to a
+        tier get read back at all is the other gate: backup_pays_off / l3_write_pays_off."""
         if self.config.policy != "cost":
             return self.config.policy == "always"
         return self.cost.worth_writing(tier, num_tokens)

@@ -328,7 +328,8 @@ class Engine:
             next_handle = None
             if nxt is not None:
                 rows = [work[0].index(r) for r in nxt[0]]
-                next_handle, next_start_ns = self.runner.launch(nxt[2], chain=(handle, rows)), time.monotonic_ns()
+                next_start_ns, next_restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
+                next_handle = self.runner.launch(nxt[2], chain=(handle, rows))
                 self.stats["chained_steps"] += 1
             next_ids = await self.runner.collect(handle)
             await asyncio.sleep(0)
@@ -336,7 +337,7 @@ class Engine:
             self._settle_aborts()
             if nxt is None:
                 return
-            work, handle, start_ns = nxt, next_handle, next_start_ns
+            work, handle, start_ns, restoring = nxt, next_handle, next_start_ns, next_restoring
 
     def _after_batch(self, work, next_ids: list[int], start_ns: int, restoring: bool) -> None:
         reqs, chunks, binput = work
