@@ -323,9 +323,14 @@ class OpRunner:
             self._backing_up.discard(tokens)
 
     # -- restores ------------------------------------------------------------------------------
-    def start_restore(self, tokens: Sequence[int], match, tier: str, request_id: str | None) -> Op | None:
+    def start_restore(self, tokens: Sequence[int], match, tier: str, request_id: str | None,
+                      layerwise: bool = False) -> Op | None:
         """Restore tokens[l1_len : tier_len] into L1 (through L2 for an L3 hit). None when the
-        needed pages cannot be had right now (the caller recomputes)."""
+        needed pages cannot be had right now (the caller recomputes).
+
+        layerwise (L2 restores): copy in layer order with one event per layer where the transfer
+        engine can (then op.payload["layerwise"] is True and op.payload["l1_pages"] are the pages
+        being filled), so the caller may enqueue a forward that waits on those events right away."""
         mgr, ps = self.mgr, self.mgr.page_size
         l1, l2, l3 = match.lengths
         if (l2 <= l1) if tier == "l2" else (l3 <= max(l1, l2)):
@@ -333,7 +338,7 @@ class OpRunner:
         if tier == "l2":
             op = self._new(OpKind.RESTORE_L2, (l2 - l1) // ps, request_id)
             self._lock(op, match.handles[Tier.L1], Tier.L1)
-            if not self._start_h2d(op, tuple(tokens[:l2]), match, l1):
+            if not self._start_h2d(op, tuple(tokens[:l2]), match, l1, layerwise):
                 self._release(op)
                 return None
             mgr.metrics.restores_started += 1
@@ -362,7 +367,7 @@ class OpRunner:
         return mgr.store.read_pages(match.pages[Tier.L3][l2 // ps: l3 // ps], mgr.l2.page_buffer, host_pages,
                                     **mgr.page_keys(tokens, l2, l3))
 
-    def _start_h2d(self, op: Op, tokens: tuple[int, ...], match, l1_start: int) -> bool:
+    def _start_h2d(self, op: Op, tokens: tuple[int, ...], match, l1_start: int, layerwise: bool = False) -> bool:
         mgr, ps = self.mgr, self.mgr.page_size
         end = len(tokens)
         self._lock(op, match.handles[Tier.L2], Tier.L2)
@@ -372,8 +377,11 @@ class OpRunner:
             return False
         apply(op, OpEvent.START)
         host_pages = match.pages[Tier.L2][l1_start // ps: end // ps]
-        op.payload.update(l1_pages=l1_pages, l1_start=l1_start,
-                          transfer=mgr.transfer.h2d(host_pages, l1_pages) if l1_pages else None)
+        transfer = mgr.transfer.h2d_layerwise(host_pages, l1_pages) if layerwise and l1_pages else None
+        op.payload["layerwise"] = transfer is not None
+        if transfer is None and l1_pages:
+            transfer = mgr.transfer.h2d(host_pages, l1_pages)
+        op.payload.update(l1_pages=l1_pages, l1_start=l1_start, l1_end=end, transfer=transfer)
         return True
 
     async def _drive_restore(self, op: Op, tokens: tuple[int, ...], future=None, l2_start: int = 0) -> None:

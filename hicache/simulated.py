@@ -12,6 +12,8 @@ from hicache.transfer import Transfer
 
 
 class NullTransferEngine:
+    layerwise = True
+
     def __init__(self, geometry: KVGeometry) -> None:
         self.geometry = geometry
 
@@ -23,6 +25,9 @@ class NullTransferEngine:
         return self._done("d2h", l1_pages)
 
     def h2d(self, host_pages: list[int], l1_pages: list[int]) -> Transfer:
+        return self._done("h2d", l1_pages)
+
+    def h2d_layerwise(self, host_pages: list[int], l1_pages: list[int]) -> Transfer:
         return self._done("h2d", l1_pages)
 
     async def wait(self, tr: Transfer) -> Transfer:

@@ -21,6 +21,7 @@ import torch
 
 from hicache.faults import Fault, FaultInjector
 from hicache.geometry import KVGeometry
+from hicache.layer_copy import layer_plan, run_layer_cpu, run_layer_cuda
 from hicache.pools import DevicePool, HostPool
 from kernels.chooser import ChosenBackends
 from kernels.page_copy import gather_pages, scatter_pages
@@ -99,6 +100,18 @@ class TransferEngine:
         self.chunk_pages = max(1, (32 << 20) // self.geometry.bytes_per_page)
         self._workspaces: list[Workspace] = []
         self._waiter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-cuda-wait")
+        # layer-ordered restores (h2d_layerwise): one event per layer, recorded on copy_stream after
+        # that layer's DMAs; a forward over the restored pages waits on them layer by layer. They
+        # exist (recorded once) before any graph captures a wait on them.
+        self.layer_events: list | None = None
+        self.layerwise = not self.cuda
+        if self.cuda:
+            from kernels import cuda_rt
+            self.layerwise = cuda_rt.available() and l2.pinned
+            if self.layerwise:
+                self.layer_events = [torch.cuda.Event() for _ in range(self.geometry.num_layers)]
+                for ev in self.layer_events:
+                    ev.record(self.copy_stream)
 
     # -- workspaces ----------------------------------------------------------------------------
     def _acquire(self, num_pages: int, needs_host: bool) -> tuple[Workspace, int]:
@@ -137,6 +150,37 @@ class TransferEngine:
 
     def h2d(self, host_pages: list[int], l1_pages: list[int]) -> Transfer:
         return self._enqueue("h2d", l1_pages, host_pages)
+
+    def h2d_layerwise(self, host_pages: list[int], l1_pages: list[int]) -> Transfer | None:
+        """L2 -> L1 in layer order, straight into the L1 pages (2-D DMAs, no staging, no kernel);
+        `layer_events[l]` is recorded once layer l has landed. None when this machine cannot or the
+        pages are too fragmented: the caller uses h2d(). A forward that reads these pages must
+        wait on layer_events and be enqueued before any later layer-ordered transfer."""
+        if not self.layerwise or not l1_pages:
+            return None
+        t0 = time.monotonic_ns()
+        plan = layer_plan(self.geometry, self.l1.num_pages, l1_pages, host_pages)
+        if plan is None:
+            return None
+        n = len(l1_pages)
+        tr = Transfer("h2d", n, n * self.geometry.bytes_per_page, 0, 0, t0)
+        if self.cuda:
+            stream = self.copy_stream
+            stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # no earlier reader of these pages
+            tr.start_event = torch.cuda.Event(enable_timing=True)
+            tr.event = torch.cuda.Event(enable_timing=True)
+            tr.start_event.record(stream)
+            for copies, ready in zip(plan, self.layer_events):
+                run_layer_cuda(copies, self.l1.kv, self.l2.page_buffer, stream)
+                ready.record(stream)
+            tr.event.record(stream)
+        else:
+            for copies in plan:
+                run_layer_cpu(copies, self.l1.kv, self.l2.page_buffer)
+        if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
+            tr.fail = True
+        tr.enqueue_ns = time.monotonic_ns() - t0
+        return tr
 
     def _enqueue(self, direction: str, l1_pages: list[int], host_pages: list[int]) -> Transfer:
         if len(l1_pages) != len(host_pages) or not l1_pages:

@@ -93,34 +93,130 @@ class Admission:
         self.engine.parked.append(req)
         self.engine._event(req, "parked", restore_tier=req.restore_tier)
 
-    async def _try_restore(self, req: Request, m) -> bool:
-        """Start a restore if the cost model says so; True when the request is parked on it."""
-        cache = self.cache
+    async def _try_restore(self, req: Request, m, alone: bool, budget: int) -> str | None:
+        """Start a restore if the cost model says so. Returns "parked" (the request waits for it),
+        "overlapped" (admitted now: its tail forward runs behind the layer-ordered copy) or None."""
+        cache, ps = self.cache, self.page_size
         if not cache.has_l2 or getattr(req, "restore_failed", False):
-            return False
+            return None
         decision = cache.decide(m)
         if decision.tier not in ("l2", "l3"):
-            return False
+            return None
         # the restore takes L1 pages (and locks the L1 prefix): only out of what no running request
         # has reserved, or a running request's decode later finds no page (server-test regression)
-        restore_l1_pages = (max(m.lengths[Tier.L2], m.lengths[Tier.L3]) - m.lengths[Tier.L1]) // self.page_size
+        end = max(m.lengths[Tier.L2], m.lengths[Tier.L3])
+        restore_l1_pages = (end - m.lengths[Tier.L1]) // ps
         cache.lock(m.handles[Tier.L1])
         room = cache.available_l1_pages() - self.reserved_pages
         cache.unlock(m.handles[Tier.L1])
         if restore_l1_pages > room:
-            return False
-        op = cache.runner.start_restore(self._reusable(req), m, decision.tier, req.rid)
+            return None
+        # overlap: an L2 restore of a request that runs alone in this batch, whose tail is one
+        # forward and whose every page can be reserved now (its forward starts before the copy ends)
+        overlap = (alone and decision.tier == "l2" and self.engine.config.restore_overlap
+                   and getattr(cache.transfer, "layerwise", False) and len(req.prompt) - end <= budget
+                   and restore_l1_pages + self._pages_after(req, end) <= room)
+        op = cache.runner.start_restore(self._reusable(req), m, decision.tier, req.rid, layerwise=overlap)
         if op is None:
             cache.metrics.fallbacks += 1
-            return False
+            return None
         req.restore_op, req.restore_tier = op, decision.tier
         from_l3 = decision.restore_tokens if decision.tier == "l3" else min(req.promoted_tokens,
                                                                             decision.restore_tokens)
         req.hit_tokens.update(l3=from_l3, l2=decision.restore_tokens - from_l3)
+        if op.payload.get("layerwise"):
+            self._admit_overlapped(req, m, op)
+            return "overlapped"
         self._park(req, op)
         if not cache.config.prefetch:  # blocking restore: the whole loop waits for it
             await cache.runner.wait_op(op)
-        return True
+        return "parked"
+
+    def _pages_after(self, req: Request, cached_tokens: int) -> int:
+        """Pages the request still needs once `cached_tokens` of its prompt are in L1."""
+        return -(-(len(req.prompt) + req.params.max_tokens) // self.page_size) - cached_tokens // self.page_size
+
+    # -- restores overlapped with the tail forward ---------------------------------------------
+    def _admit_overlapped(self, req: Request, m, op) -> None:
+        """Admit a request whose prefix is still landing: its page table takes the restore's pages
+        (private to the op until it publishes them) and its forward waits layer by layer on the
+        device. Until `adopt_restored` its lock stays on the L1 hit it had before the restore."""
+        eng, cache = self.engine, self.cache
+        end = op.payload["l1_end"]
+        cache.lock(m.handles[Tier.L1])
+        cache.note_hit(self._reusable(req), m)
+        eng.waiting.remove(req)
+        req.claim = cache.new_claim(req.rid)
+        req.pages = list(m.pages[Tier.L1]) + list(op.payload["l1_pages"])
+        req.locked_len, req.locked_node = m.lengths[Tier.L1], m.handles[Tier.L1]
+        req.cached_len = end
+        req.hit_tokens["l1"] = m.lengths[Tier.L1]
+        req.reserved_pages = self._pages_after(req, end)
+        self.reserved_pages += req.reserved_pages
+        req.overlap_op = op
+        eng.stats["restore_overlaps"] += 1
+        req.state = RequestState.PREFILL
+        eng.running.append(req)
+        eng._event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
+                   hit_l2=req.hit_tokens["l2"], hit_l3=req.hit_tokens["l3"], restore_tier=req.restore_tier,
+                   restore_tokens=req.hit_tokens["l2"] + req.hit_tokens["l3"], restore_overlap=True)
+
+    def after_overlapped_forward(self, work, next_ids: list[int]):
+        """The forward that ran behind a layer-ordered restore is done (so are its copies, on the
+        device). Its output counts only once the op has published the pages: now if it has, else
+        held in the request and applied by `settle_overlaps` (the loop never waits for an op).
+        Returns the (work, next_ids) to post-process now."""
+        [req], [chunk], binput = work
+        if req.overlap_op is not None and not req.overlap_op.done:
+            req.overlap_result = (chunk, next_ids[0])
+            return ([], [], binput), []
+        if not self.adopt_restored(req):
+            return ([], [], binput), []
+        return work, next_ids
+
+    def settle_overlaps(self) -> None:
+        """Requests whose overlapped restore ended since their forward: keep or discard its output."""
+        for req in [r for r in self.engine.running if r.overlap_op is not None and r.overlap_op.done]:
+            result, req.overlap_result = req.overlap_result, None
+            if self.adopt_restored(req) and result is not None:
+                self.after_step(req, *result)
+
+    def adopt_restored(self, req: Request) -> bool:
+        """The restore ended: move the request's lock onto the published prefix (its pages must be
+        the ones the forward read) and count the hit; else put the request back in the queue."""
+        op, req.overlap_op = req.overlap_op, None
+        if op is None:
+            return True
+        if req.state.done:  # aborted meanwhile: finish() already released everything
+            return False
+        req.restore_op = None
+        cache, ps, end = self.cache, self.page_size, op.payload["l1_end"]
+        if op.succeeded:
+            m = cache.tree.match(self._reusable(req)[:end], include_storage=False)
+            # another request may have published the same prefix first: the op's pages were then
+            # duplicates (freed), and this forward read pages the tree does not hold
+            if m.lengths[Tier.L1] == end and list(m.pages[Tier.L1]) == req.pages[: end // ps]:
+                cache.lock(m.handles[Tier.L1])
+                cache.unlock(req.locked_node)
+                req.locked_node, req.locked_len = m.handles[Tier.L1], end
+                for tier in ("l1", "l2", "l3"):
+                    cache.metrics.hit_tokens[tier] += req.hit_tokens[tier]
+                cache.metrics.recomputed_tokens += len(req.prompt) - end
+                return True
+        self._rewind(req, failed=not op.succeeded)
+        return False
+
+    def _rewind(self, req: Request, failed: bool) -> None:
+        eng = self.engine
+        eng.running.remove(req)
+        self.release(req, publish=False)
+        req.pages, req.cached_len, req.locked_len, req.overlap_result = [], 0, 0, None
+        req.restore_failed = req.restore_failed or failed
+        req.hit_tokens.update(l1=0, l2=0, l3=0)
+        req.restore_tier = "none"
+        req.state = RequestState.WAITING
+        eng.waiting.appendleft(req)
+        eng._event(req, "restore_overlap_discarded", restore_failed=failed)
 
     # -- prefill -------------------------------------------------------------------------------
     async def prefill_batch(self):
@@ -131,6 +227,8 @@ class Admission:
         for req in [r for r in eng.running if r.state is RequestState.PREFILL]:
             if budget <= 0:
                 break
+            if req.overlap_op is not None:  # restore still landing (settle_overlaps takes it from there)
+                continue
             chunk = self._add_chunk(req, budget, binput)
             if chunk:
                 reqs.append(req), chunks.append(chunk)
@@ -143,7 +241,7 @@ class Admission:
             if req.prefetch_op is not None and not req.prefetch_op.done:
                 self._park(req, req.prefetch_op)
                 continue
-            admitted = await self._admit(req)
+            admitted = await self._admit(req, alone=not reqs, budget=budget)
             if admitted is None:
                 continue  # parked on a restore
             if not admitted:
@@ -152,17 +250,23 @@ class Admission:
             if chunk:  # else no page yet (e.g. write_back evictions wait for backups): next tick
                 reqs.append(req), chunks.append(chunk)
                 budget -= chunk
+            if req.overlap_op is not None:  # runs alone, right now, waiting on the copy layer by layer
+                binput.wait_restore = bool(chunk)
+                break
         if not reqs:
             return None
         return reqs, chunks, binput
 
-    async def _admit(self, req: Request) -> bool | None:
+    async def _admit(self, req: Request, alone: bool = False, budget: int = 0) -> bool | None:
         eng, cache, ps = self.engine, self.cache, self.page_size
         tokens = self._reusable(req)
         m = cache.match(tokens)
         if req.restore_tier == "none":
-            if await self._try_restore(req, m):
+            started = await self._try_restore(req, m, alone, budget)
+            if started == "parked":
                 return None
+            if started == "overlapped":
+                return True
             req.hit_tokens["l1"] = m.lengths[Tier.L1]
         else:
             req.hit_tokens["l1"] = max(0, m.lengths[Tier.L1] - req.hit_tokens["l2"] - req.hit_tokens["l3"])

@@ -24,6 +24,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True  # CUDA only: small forwards (decode, short tails) replay captured graphs
     overlap_schedule: bool = True  # decode step N+1 is enqueued before step N's tokens are back
+    restore_overlap: bool = True  # an L2 restore lands layer by layer while its tail's forward runs
     cpu_threads: int = 1  # torch intra-op threads on the CPU (tiny shapes run fastest on one)
     log_json: str | None = None
     simulate: bool = False  # no model, no KV bytes: tree, allocators and cost model only
@@ -51,6 +52,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # the default; kept
     g.add_argument("--disable-overlap-schedule", action="store_true",
                    help="wait for each decode step's tokens before preparing the next")
+    g.add_argument("--disable-restore-overlap", action="store_true",
+                   help="finish an L2 restore before the forward over its tail starts (no layer-by-layer overlap)")
     g.add_argument("--cpu-threads", type=int, default=1, help="torch threads when running on the CPU")
     g.add_argument("--log-json", default=None, help="write structured JSON-lines events to this file")
     h = parser.add_argument_group("hicache")
@@ -113,6 +116,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_prefix_cache=not args.disable_prefix_cache,
         cuda_graphs=not args.disable_cuda_graphs,
         overlap_schedule=not args.disable_overlap_schedule,
+        restore_overlap=not args.disable_restore_overlap,
         cpu_threads=args.cpu_threads,
         log_json=args.log_json,
         hicache=hc,

@@ -8,7 +8,11 @@ captured once with static input buffers; a step copies its inputs into them and 
   - tail (B sequences x TAIL_ROWS rows), B in TAIL_SIZES. A restored prefix that is not page-aligned
     leaves up to a page of tokens to compute; the attention kernel reads each K/V block once for all
     rows of a sequence (kernels/decode_attention.py), where one-row sequences would read it per row;
-  - prefill (one sequence, no cached prefix, padded to a PREFILL_BUCKETS length).
+  - prefill (one sequence, no cached prefix, padded to a PREFILL_BUCKETS length);
+  - restore (one sequence, 1 or TAIL_ROWS rows) when the transfer engine copies restores in layer
+    order: the same forward with an event-wait node before each layer's attention, on the transfer
+    engine's per-layer events, so the tail runs while later layers of its prefix are still crossing
+    PCIe (hicache/layer_copy.py). Replayed only right after such a transfer was enqueued.
 Padding (rows beyond a sequence's new tokens, sequences beyond the real batch, rows beyond a prefill)
 writes its K/V into a private scratch page and is discarded, so it never touches live KV. Decode
 staging is double-buffered so that a chained step (overlap scheduling) never waits for the one in
@@ -30,8 +34,11 @@ PREFILL_BUCKETS = tuple(range(64, 513, 64))  # fresh one-sequence prefills, padd
 
 class DecodeGraphs:
     def __init__(self, model: Qwen3Model, kv_pool: torch.Tensor, page_size: int, max_pages_per_seq: int,
-                 scratch_page: int, max_batch: int = 32) -> None:
+                 scratch_page: int, max_batch: int = 32, layer_events: list | None = None) -> None:
         self.model, self.kv_pool, self.page_size = model, kv_pool, page_size
+        self.layer_events = layer_events
+        self.restore_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.restore_logits: dict[tuple[int, int], torch.Tensor] = {}
         self.device = kv_pool.device
         self.max_pages = max_pages_per_seq
         self.scratch_slot = scratch_page * page_size
@@ -92,6 +99,21 @@ class DecodeGraphs:
                     self.logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool)  # [B * R, V]
                 pool = graph.pool()
                 self.graphs[shape] = graph
+            if self.layer_events is not None:
+                from kernels.cuda_rt import wait_event
+                events = self.layer_events
+
+                def wait_layer(layer: int) -> None:
+                    wait_event(events[layer])
+                for shape in [s for s in self.shapes if s[0] == 1]:  # (1, 1) and (1, TAIL_ROWS)
+                    ids = self.rows[0, :shape[1]]
+                    self.model(ids, self._batch(*shape), self.kv_pool, wait_layer)  # warm-up
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self.restore_logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool,
+                                                                wait_layer)  # [R, V]
+                    pool = graph.pool()
+                    self.restore_graphs[shape] = graph
             self.p_rows[1].copy_(torch.arange(self.p_rows.shape[1]))
             self.p_rows[2].fill_(self.scratch_slot)
             for length in sorted(self.prefill_buckets, reverse=True):
@@ -136,13 +158,18 @@ class DecodeGraphs:
         rows = 1 if max(new_lens) == 1 else TAIL_ROWS if max(new_lens) <= TAIL_ROWS else None
         return next((s for s in self.shapes if s[1] == rows and s[0] >= len(new_lens)), None)
 
+    def has_restore_graph(self, shape: tuple[int, int] | None) -> bool:
+        return shape in self.restore_graphs
+
     @torch.inference_mode()
     def run(self, shape: tuple[int, int], input_ids: list[int], prefix_lens: list[int], new_lens: list[int],
-            page_tables: list[list[int]], ids_device: torch.Tensor | None = None) -> torch.Tensor:
+            page_tables: list[list[int]], ids_device: torch.Tensor | None = None,
+            wait_restore: bool = False) -> torch.Tensor:
         """Sequence b adds tokens input_ids[sum(new_lens[:b]) : ...] at positions prefix_lens[b] + t; its
         K/V are all written before any row attends, each row seeing keys up to itself (causal).
         ids_device [B] (decode only): the input ids already on the device (a chained step), copied
-        over the staged ones on the stream. -> logits of each sequence's last new token [B, V]."""
+        over the staged ones on the stream. wait_restore: replay the variant that waits for each
+        layer of a layer-ordered restore. -> logits of each sequence's last new token [B, V]."""
         seqs, per = shape
         ps = self.page_size
         # two staging buffers alternate; the copies out of this one (two steps ago) must be done before
@@ -162,8 +189,12 @@ class DecodeGraphs:
         self._staged[k].record()
         if ids_device is not None:
             self.rows[0, :len(ids_device)].copy_(ids_device)  # device to device, after the staged ids
-        self.graphs[shape].replay()
-        logits = self.logits[shape]  # [B * R, V]
+        if wait_restore:
+            self.restore_graphs[shape].replay()
+            logits = self.restore_logits[shape]  # [R, V]
+        else:
+            self.graphs[shape].replay()
+            logits = self.logits[shape]  # [B * R, V]
         if per == 1:
             return logits[:len(new_lens)]
         return logits.index_select(0, self.rows[4, :len(new_lens)])  # [B, V]

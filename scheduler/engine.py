@@ -83,6 +83,9 @@ class Engine:
         self.page_size = page_size
         self.runner = (SimRunner(self.model_config.vocab_size) if config.simulate
                        else ModelRunner(self.model, self.cache.l1.kv, page_size, self.device))
+        transfer = self.cache.transfer
+        if config.restore_overlap and not config.simulate and transfer is not None and transfer.layerwise:
+            self.runner.layer_events = transfer.layer_events  # None on the CPU: copies are synchronous
         if self.device.type == "cuda" and config.cuda_graphs and not config.simulate:
             self._capture_graphs()
         self.admission = Admission(self)
@@ -96,7 +99,7 @@ class Engine:
         self._stopping = False
         self._batch_id = 0
         self.stats = {"batches": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
-                      "failed": 0, "chained_steps": 0}
+                      "failed": 0, "chained_steps": 0, "restore_overlaps": 0}
 
     def _capture_graphs(self) -> None:
         from scheduler.cuda_graphs import DecodeGraphs
@@ -105,7 +108,8 @@ class Engine:
         scratch = alloc.alloc(1, claim)[0]
         max_pages = min(self.cache.l1.num_pages, -(-self.config.max_context_tokens // self.page_size))
         graphs = DecodeGraphs(self.model, self.cache.l1.kv, self.page_size, max_pages, scratch,
-                              max_batch=min(self.config.max_running_requests, 64))
+                              max_batch=min(self.config.max_running_requests, 64),
+                              layer_events=self.runner.layer_events)
         graphs.capture()
         self.runner.enable_graphs(graphs)
 
@@ -293,6 +297,7 @@ class Engine:
             if self._stopping and not (self.running or self.waiting or self.parked):
                 return
             self.admission.settle_parked()
+            self.admission.settle_overlaps()
             if self._stopping and not self.running and not self.waiting and self.parked:
                 await self._wake.wait()
                 continue
@@ -312,6 +317,8 @@ class Engine:
         start_ns, restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
         next_ids = await self.runner.collect(self.runner.launch(work[2]))
         await asyncio.sleep(0)  # on the CPU nothing above yields: let streams and aborts run
+        if work[2].wait_restore:
+            work, next_ids = self.admission.after_overlapped_forward(work, next_ids)
         self._after_batch(work, next_ids, start_ns, restoring)
 
     async def _run_decode_chain(self, work) -> None:
@@ -356,7 +363,7 @@ class Engine:
                 self.cache.metrics.restore_overlapped_s += (end_ns - start_ns) / 1e9
         else:
             self.stats["prefill_tokens"] += len(binput.input_ids)
-            if len(reqs) == 1:
+            if len(reqs) == 1 and not binput.wait_restore:  # (that one also waited for a copy)
                 self.cache.observe_prefill(len(binput.input_ids), (end_ns - start_ns) / 1e9)
         for req, chunk, token in zip(reqs, chunks, next_ids):
             self.admission.after_step(req, chunk, token)

@@ -138,26 +138,33 @@ class Qwen3Model(nn.Module):
         # x: [B, H] -> float32 logits [B, V]
         return F.linear(self.norm(x), self.lm_head_weight).float()
 
-    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
+                wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """input_ids: [T] (new tokens, batch order) -> float32 logits [B, V] of each sequence's last new token.
 
         Writes the new tokens' K/V into kv_pool [2, L, P, S, Hkv, D] at batch.out_slots.
+        wait_layer(l) runs before layer l reads cached K/V: a prefix still being restored layer by
+        layer (hicache/layer_copy.py) makes the stream wait for that layer's copy there.
         """
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             write_kv(kv_pool, layer, k, v, batch.out_slots)
+            if wait_layer is not None:
+                wait_layer(layer)
             return paged_attention(q, kv_pool, layer, batch, self.scale)
 
         max_positions = max(p + n for p, n in zip(batch.prefix_lens, batch.new_lens))
         if self.fused:
-            return self._forward_fused(input_ids, batch, kv_pool, max_positions)
+            return self._forward_fused(input_ids, batch, kv_pool, max_positions, wait_layer)
         x = self._run_layers(input_ids, batch.positions, max_positions, attn)  # [T, H]
         if not batch.is_decode:  # decode: every row is a last row already
             x = x.index_select(0, batch.last_rows)  # [B, H]
         return self._logits(x)
 
     def _forward_fused(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
-                       max_positions: int) -> torch.Tensor:
+                       max_positions: int, wait_layer: Callable[[int], None] | None) -> torch.Tensor:
         def attn(layer: int, q: torch.Tensor) -> torch.Tensor:
+            if wait_layer is not None:
+                wait_layer(layer)
             return paged_attention(q, kv_pool, layer, batch, self.scale)
 
         h = self.embed_tokens(input_ids)  # [T, H]

@@ -94,6 +94,8 @@ class Request:
     restore_tier: str = "none"
     restore_op: object = None
     restore_failed: bool = False  # a restore failed: this request recomputes, never retries
+    overlap_op: object = None     # an L2 restore its tail forward runs behind (layer by layer), until settled
+    overlap_result: object = None  # (chunk, token) of that forward, held until the restore has published
     prefetch_op: object = None
     promoted_tokens: int = 0      # tokens an L3 -> L2 prefetch brought up for this request
     hint_task: object = None      # shared L3: the existence query that must finish before admission

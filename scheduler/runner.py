@@ -23,6 +23,7 @@ class BatchInput:
     top_ps: list[float]
     generators: list[torch.Generator | None]
     is_decode: bool
+    wait_restore: bool = False    # the one sequence's prefix is still landing layer by layer (layer events)
 
 
 class ModelRunner:
@@ -34,6 +35,7 @@ class ModelRunner:
         self.cuda = device.type == "cuda"
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-cuda-wait")
         self.graphs = None
+        self.layer_events: list | None = None  # the transfer engine's, for layer-ordered restores
 
     def enable_graphs(self, graphs) -> None:
         """Small forwards (every sequence adds one token) replay captured CUDA graphs."""
@@ -52,19 +54,21 @@ class ModelRunner:
             ids_dev = prev_ids if rows == list(range(len(prev_ids))) else \
                 prev_ids.index_select(0, torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True))
         shape = self.graphs.shape_for(batch.new_lens, batch.page_tables) if self.graphs is not None else None
+        if shape is not None and batch.wait_restore and not self.graphs.has_restore_graph(shape):
+            shape = None  # no graph of this shape waits for a restore: run eagerly with the waits
         bucket = (self.graphs.prefill_bucket(batch.prefix_lens, batch.new_lens)
                   if self.graphs is not None and shape is None else None)
         if bucket is not None:  # a fresh short prefill: replay the graph of its padded length
             logits = self.graphs.run_prefill(bucket, batch.input_ids, batch.page_tables[0])  # [1, V]
         elif shape is not None:  # small forward (decode, or a short tail after a restore): replay a graph
             logits = self.graphs.run(shape, batch.input_ids, batch.prefix_lens, batch.new_lens,
-                                     batch.page_tables, ids_dev)  # [B, V]
+                                     batch.page_tables, ids_dev, wait_restore=batch.wait_restore)  # [B, V]
         else:
             attn = AttentionBatch.build(batch.prefix_lens, batch.new_lens, batch.page_tables, self.page_size,
                                         self.device, batch.is_decode)
             ids = ids_dev if ids_dev is not None else \
                 torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-            logits = self.model(ids, attn, self.kv_pool)  # [B, V]
+            logits = self.model(ids, attn, self.kv_pool, self._wait_layer if batch.wait_restore else None)  # [B, V]
         next_ids = sample(logits, batch.temperatures, batch.top_ps, batch.generators)  # [B]
         if not self.cuda:
             return next_ids, None, next_ids
@@ -73,6 +77,10 @@ class ModelRunner:
         event = torch.cuda.Event()
         event.record()
         return host, event, next_ids
+
+    def _wait_layer(self, layer: int) -> None:
+        if self.layer_events is not None:  # CUDA; on the CPU every copy finished when enqueued
+            torch.cuda.current_stream(self.device).wait_event(self.layer_events[layer])
 
     async def collect(self, handle) -> list[int]:
         host, event, _ = handle

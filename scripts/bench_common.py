@@ -120,6 +120,8 @@ def add_common_args(p) -> None:
     """Flags both benchmarks take: engine mode, seed and output."""
     p.add_argument("--disable-cuda-graphs", action="store_true", help="eager small forwards (CUDA)")
     p.add_argument("--enable-cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # the default; kept
+    p.add_argument("--disable-restore-overlap", action="store_true",
+                   help="finish each L2 restore before its tail forward starts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None)
     p.add_argument("--json", action="store_true")

@@ -97,7 +97,8 @@ def build_config(args, tier: str, prefix_tokens: int, storage_path: str | None):
     num_pages = args.num_pages or need + max(2, need // 2)
     cfg = EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=ps, num_pages=num_pages,
                        max_prefill_tokens=args.max_prefill_tokens or max(2048, prefix_tokens + 1),
-                       cuda_graphs=not args.disable_cuda_graphs, log_json=args.log_json)
+                       cuda_graphs=not args.disable_cuda_graphs, log_json=args.log_json,
+                       restore_overlap=not args.disable_restore_overlap)
     return cfg.with_hicache(
         enable=tier != "none", policy=args.policy, host_ratio=args.host_ratio,
         storage_ratio=args.storage_ratio if tier == "l3" else 0.0,

@@ -99,7 +99,8 @@ def engine_config(args, tier: str, num_pages: int, host_ratio: float, storage_pa
 
     cfg = EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=page_size_of(args),
                        num_pages=num_pages, enable_prefix_cache=prefix_cache,
-                       cuda_graphs=not args.disable_cuda_graphs, log_json=args.log_json)
+                       cuda_graphs=not args.disable_cuda_graphs, log_json=args.log_json,
+                       restore_overlap=not args.disable_restore_overlap)
     return cfg.with_hicache(
         enable=tier not in ("none", "reference"), policy=args.policy, host_ratio=host_ratio,
         storage_ratio=args.storage_ratio if tier == "l3" else 0.0, storage_path=storage_path if tier == "l3" else None,

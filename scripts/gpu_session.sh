@@ -11,11 +11,12 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@
 for s in "$@"; do
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; df -h . | tail -1 ;;
-    tests) step tests 240 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+    tests) step tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
     kernels) step kernels 200 python3 scripts/bench_kernels.py --out "$OUT/kernels.json" ;;
     transfer) step transfer 200 python3 scripts/bench_transfer.py --out "$OUT/transfer.json" ;;
     engine) step engine 300 python3 scripts/bench_engine.py --model qwen3-8b --profile --out "$OUT/engine.json" ;;
     latency_l2) step latency_l2 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,2000,3500,8000 --compare-recompute --json --out "$OUT/latency_l2.json" ;;
+    latency_noovl) step latency_noovl 240 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,3500 --disable-restore-overlap --json --out "$OUT/latency_noovl.json" ;;
     latency_eager) step latency_eager 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,3500,8000 --compare-recompute --disable-cuda-graphs --json --out "$OUT/latency_eager.json" ;;
     latency_l3) step latency_l3 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500,8000 --storage-cache cold --io-workers 8 --json --out "$OUT/latency_l3.json" ;;
     latency_l3w) step latency_l3w 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500,8000 --storage-cache warm --io-workers 8 --json --out "$OUT/latency_l3w.json" ;;

@@ -35,20 +35,71 @@ def test_graphs_equal_eager():
     assert graphs == eager
 
 
-@pytest.mark.parametrize("tier", ["l2", "l3"])
-def test_restores_equal_recompute_on_gpu(tier):
+@pytest.mark.parametrize("tier,overlap,graphs", [("l2", True, True), ("l2", True, False), ("l2", False, True),
+                                                  ("l3", True, True)])
+def test_restores_equal_recompute_on_gpu(tier, overlap, graphs):
     rng = random.Random(1)
     bases = [[rng.randrange(512) for _ in range(64)] for _ in range(4)]  # L1 holds about two
-    ps = [bases[i % 4] + [rng.randrange(512)] for i in range(16)]
+    ps = [bases[i % 4] + [rng.randrange(512) for _ in range(1 + i % 3)] for i in range(16)]
     base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=12, page_size=16,
-                        max_running_requests=1)
+                        max_running_requests=1, restore_overlap=overlap, cuda_graphs=graphs)
     ref, _ = run(EngineConfig(**{**base.__dict__, "num_pages": 1024, "enable_prefix_cache": False}), ps)
     cfg = base.with_hicache(enable=True, policy="always", host_ratio=4.0 if tier == "l2" else 1.0,
                             storage_ratio=0.0 if tier == "l2" else 8.0)
     out, eng = run(cfg, ps)
     assert out == ref
     assert eng.metrics()["hit_tokens"][tier] > 0
-    assert torch.cuda.is_available()
+    assert (eng.stats["restore_overlaps"] > 0) == overlap  # an L3 hit is prefetched to L2, then restored from there
+
+
+@pytest.mark.parametrize("captured", [True, False])
+def test_layer_events_hold_each_layer_until_its_copy_landed(captured):
+    """A layer-ordered restore of 288 MiB (several ms over PCIe) and, right behind it, work that
+    reads each layer after waiting on that layer's event (inside a captured graph: external
+    event-wait nodes; or eagerly): every layer it reads is the restored data, none the zeros
+    that were there before."""
+    from hicache.geometry import KVGeometry
+    from hicache.pools import DevicePool, HostPool
+    from hicache.transfer import TransferEngine
+    from kernels.chooser import choose_backends
+    from kernels.cuda_rt import wait_event
+
+    geo = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
+    n = 128
+    l1 = DevicePool(geo, n + 8, torch.device("cuda"))
+    l2 = HostPool(geo, n, pin=True)
+    l2.page_buffer.view(torch.int16).random_(1, 1000)  # no zero anywhere
+    te = TransferEngine(l1, l2, choose_backends(l1.kv, "torch"))
+    assert te.layerwise
+    l1_pages, host_pages = list(range(4, 4 + n)), list(range(n))
+    idx = torch.tensor(l1_pages, device="cuda")
+    seen = torch.empty((geo.num_layers, 2, n, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
+
+    def read_layers():
+        for layer in range(geo.num_layers):
+            wait_event(te.layer_events[layer])
+            seen[layer].copy_(l1.kv[:, layer].index_select(1, idx))
+
+    graph = None
+    if captured:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            read_layers()  # warm-up
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            read_layers()
+    for _ in range(3):
+        l1.kv.zero_()
+        seen.zero_()
+        tr = te.h2d_layerwise(host_pages, l1_pages)
+        graph.replay() if captured else read_layers()
+        torch.cuda.synchronize()
+        te.wait_blocking(tr)
+        want = l2.buffer[:, :, :n].permute(1, 0, 2, 3, 4, 5).cuda()  # [L, 2, n, S, H, D]
+        assert torch.equal(seen, want)
+    te.close()
 
 
 def test_fused_kernels_equal_plain_torch():

@@ -1,0 +1,95 @@
+"""Layer-ordered L2 -> L1 copies: layer 0's K/V of every page lands first, then layer 1's, and so on,
+each layer followed by its own CUDA event, so a forward over the restored prefix can run layer l as
+soon as layer l has landed instead of after the whole prefix.
+
+L2 is page-major ([page, 2, layer, S, H, D]): the K (or V) slab of layer l of a page is `slab_bytes`
+at offset (kv * L + l) * slab_bytes inside that page. L1 is [2, layer, page, S, H, D]: for pages
+consecutive in L1, slab (kv, l) of those pages is one contiguous run. So for a run of pages that is
+consecutive in both tiers, one layer's K (or V) of the whole run is a single 2-D DMA:
+
+    height = pages in the run, width = slab_bytes,
+    source pitch = bytes_per_page (one row per L2 page), destination pitch = slab_bytes (packed).
+
+A restore of one run is 2 DMAs per layer; more fragmented page lists are left to the one-DMA path
+(hicache/transfer.py), and so are machines without the 2-D copy (kernels/cuda_rt.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hicache.geometry import KVGeometry
+
+# page lists split in more runs than this take the classic path (one DMA + one scatter kernel)
+MAX_LAYER_RUNS = 8
+
+
+@dataclass(frozen=True)
+class Copy2D:
+    dst_offset_bytes: int   # into the L1 pool
+    src_offset_bytes: int   # into the L2 page buffer
+    width_bytes: int        # one slab
+    height: int             # pages
+    src_pitch_bytes: int
+    dst_pitch_bytes: int
+
+
+def page_runs(l1_pages: list[int], host_pages: list[int]) -> list[tuple[int, int]]:
+    """[start, end) index ranges over which both page lists go up by one."""
+    runs, first = [], 0
+    for i in range(1, len(l1_pages) + 1):
+        if i == len(l1_pages) or l1_pages[i] != l1_pages[i - 1] + 1 or host_pages[i] != host_pages[i - 1] + 1:
+            runs.append((first, i))
+            first = i
+    return runs
+
+
+def layer_plan(geometry: KVGeometry, l1_num_pages: int, l1_pages: list[int],
+               host_pages: list[int]) -> list[list[Copy2D]] | None:
+    """The copies of each layer, in layer order (K runs, then V runs); None when the pages split in
+    more than MAX_LAYER_RUNS runs."""
+    if len(l1_pages) != len(host_pages) or not l1_pages:
+        raise ValueError(f"layer_plan: {len(l1_pages)} L1 pages vs {len(host_pages)} host pages")
+    runs = page_runs(l1_pages, host_pages)
+    if len(runs) > MAX_LAYER_RUNS:
+        return None
+    layers, slab = geometry.num_layers, geometry.slab_elements * geometry.itemsize
+    page_bytes = geometry.bytes_per_page
+    plan = []
+    for layer in range(layers):
+        copies = []
+        for kv in (0, 1):
+            slab_index = kv * layers + layer
+            for i0, i1 in runs:
+                copies.append(Copy2D(dst_offset_bytes=(slab_index * l1_num_pages + l1_pages[i0]) * slab,
+                                     src_offset_bytes=host_pages[i0] * page_bytes + slab_index * slab,
+                                     width_bytes=slab, height=i1 - i0, src_pitch_bytes=page_bytes,
+                                     dst_pitch_bytes=slab))
+        plan.append(copies)
+    return plan
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError("layer copies need contiguous pools")
+    return t.reshape(-1).view(torch.uint8)
+
+
+def run_layer_cpu(copies: list[Copy2D], l1_kv: torch.Tensor, page_buffer: torch.Tensor) -> None:
+    """Execute one layer's copies with strided torch copies (CPU pools; the same plan as the DMAs)."""
+    dst, src = _bytes(l1_kv), _bytes(page_buffer)
+    for c in copies:
+        d = dst.as_strided((c.height, c.width_bytes), (c.dst_pitch_bytes, 1), c.dst_offset_bytes)
+        d.copy_(src.as_strided((c.height, c.width_bytes), (c.src_pitch_bytes, 1), c.src_offset_bytes))
+
+
+def run_layer_cuda(copies: list[Copy2D], l1_kv: torch.Tensor, page_buffer: torch.Tensor,
+                   stream: torch.cuda.Stream) -> None:
+    """Enqueue one layer's copies as 2-D DMAs from the pinned L2 buffer on `stream`."""
+    from kernels.cuda_rt import memcpy_2d_async
+
+    dst, src = l1_kv.data_ptr(), page_buffer.data_ptr()
+    for c in copies:
+        memcpy_2d_async(dst + c.dst_offset_bytes, c.dst_pitch_bytes, src + c.src_offset_bytes, c.src_pitch_bytes,
+                        c.width_bytes, c.height, stream)
