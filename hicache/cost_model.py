@@ -189,6 +189,17 @@ class CostModel:
         """Marginal seconds of prefilling `num_tokens` more tokens (see the module docstring)."""
         return max(0, num_tokens) * self.directions["recompute"].slope
 
+    def break_even_read_fraction(self) -> float:
+        """How much of what is backed up to L2 must be read back for the backups to pay: the D2H
+        cost per token over what restoring a token saves (recompute's marginal cost minus the H2D).
+        1.0 when a restore saves nothing; never below 1 %. (H200, 8B: ~3 / (28 - 3) = 12 %.)"""
+        per_token = self.bytes_per_token
+        write_s = self.directions["d2h"].slope * per_token
+        saving_s = self.directions["recompute"].slope - self.directions["h2d"].slope * per_token
+        if saving_s <= 0:
+            return 1.0
+        return min(1.0, max(0.01, write_s / saving_s))
+
     # -- decisions ------------------------------------------------------------------------------
     def decide(self, l1_tokens: int, l2_tokens: int, l3_tokens: int, policy: Policy = "cost") -> Decision:
         """Pick the source of a prefix hit from cumulative matched lengths per tier.

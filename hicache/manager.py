@@ -46,6 +46,7 @@ class CacheManager:
         self.faults = faults
         self.metrics = Metrics()
         self.reuse = {Tier.L2: TierReuse(), Tier.L3: TierReuse()}  # write admission by observed reuse
+        self._flushing = False
         self.l1 = DevicePool(geometry, l1_pages, torch.device(device), simulate=simulate)
         allocators: dict[Tier, PageAllocator] = {Tier.L1: self.l1.allocator}
         self.l2: HostPool | None = None
@@ -103,10 +104,19 @@ class CacheManager:
 
     def _on_evict(self, tier: Tier, node: Node, pages: list[int]) -> None:
         self.metrics.evictions_pages[tier.label] += len(pages)
-        if tier in self.reuse:
+        if tier in self.reuse and not self._flushing:
             self.reuse[tier].on_evicted(len(pages))
         if tier is Tier.L3 and self.store is not None:
             self.store.invalidate(pages)
+
+    def flush(self, tier: Tier) -> int:
+        """Evict every unlocked page of `tier` (an operator's flush, a benchmark's reset). Says
+        nothing about the workload, so write admission does not count it. Returns pages freed."""
+        self._flushing = True
+        try:
+            return self.tree.evict(tier, self.allocator(tier).num_pages)
+        finally:
+            self._flushing = False
 
     # -- matching and L1 pages for requests ----------------------------------------------------
     def match(self, tokens: Sequence[int]) -> MatchResult:
@@ -187,7 +197,14 @@ class CacheManager:
         if self.config.policy != "cost":
             return True
         l3_wants_it = self.has_l3 and self.cost.worth_writing("l3", num_tokens) and self.reuse[Tier.L3].productive
-        return l3_wants_it or self.reuse[Tier.L2].admit()
+        if l3_wants_it:
+            return True
+        l2 = self.reuse[Tier.L2]
+        # a backup's D2H competes with the GPU's own work: it pays once enough of what is written
+        # is read back to save more recompute than the writes cost (L3 writes run on I/O threads
+        # beside the GPU and keep the fixed 1 % floor)
+        l2.min_read_fraction = self.cost.break_even_read_fraction()
+        return l2.admit()
 
     # -- shared (content-addressed) L3 ---------------------------------------------------------
     def page_keys(self, tokens: Sequence[int], start_tokens: int, end_tokens: int) -> dict:

@@ -5,8 +5,11 @@ D2H:  L1 pages --gather kernel--> packed device workspace [n, 2, L, S, H, D]
       followed by one CPU index copy into the L2 pool (at completion, off the loop thread).
 H2D:  mirror: (CPU index gather only when L2 pages are fragmented) --one DMA--> device workspace
       --scatter kernel--> arbitrary L1 pages.
-Work runs on a private CUDA stream that first waits on the caller's stream (the page-index tensors
-and the KV being copied are produced there). Completion is a `Transfer` whose `wait()` awaits the
+H2D, layer-ordered (h2d_layerwise, hicache/layer_copy.py): 2-D DMAs straight into consecutive L1
+      pages, layer by layer, one event per layer, for a forward that runs behind the copy.
+Work runs on private CUDA streams, kernels and DMAs one stream each per direction (PCIe is full
+duplex: a backup never queues a restore), that first wait on the caller's stream (the page-index
+tensors and the KV being copied are produced there). Completion is a `Transfer` whose `wait()` awaits the
 CUDA event from a worker thread (`Event.synchronize` releases the GIL), so the loop never spins.
 On the CPU every copy is synchronous and transfers are complete when enqueued.
 """
@@ -93,14 +96,18 @@ class TransferEngine:
         self.backends = backends
         self.faults = faults
         self.cuda = l1.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=l1.device) if self.cuda else None
-        self.copy_stream = torch.cuda.Stream(device=l1.device) if self.cuda else None
+        # kernels (gather / scatter) and DMAs each get one stream per direction: PCIe is full
+        # duplex, and a backup's D2H must not queue a restore's H2D behind it (streams are in order)
+        self.kernel_streams = ({d: torch.cuda.Stream(device=l1.device) for d in ("d2h", "h2d")} if self.cuda
+                               else None)
+        self.copy_streams = ({d: torch.cuda.Stream(device=l1.device) for d in ("d2h", "h2d")} if self.cuda
+                             else None)
         # pipelining chunk: at most 32 MiB, and small enough that even a 1000-token transfer has
         # several chunks in flight
         self.chunk_pages = max(1, (32 << 20) // self.geometry.bytes_per_page)
         self._workspaces: list[Workspace] = []
         self._waiter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-cuda-wait")
-        # layer-ordered restores (h2d_layerwise): one event per layer, recorded on copy_stream after
+        # layer-ordered restores (h2d_layerwise): one event per layer, recorded on the H2D stream after
         # that layer's DMAs; a forward over the restored pages waits on them layer by layer. They
         # exist (recorded once) before any graph captures a wait on them.
         self.layer_events: list | None = None
@@ -111,7 +118,7 @@ class TransferEngine:
             if self.layerwise:
                 self.layer_events = [torch.cuda.Event() for _ in range(self.geometry.num_layers)]
                 for ev in self.layer_events:
-                    ev.record(self.copy_stream)
+                    ev.record(self.copy_streams["h2d"])
 
     # -- workspaces ----------------------------------------------------------------------------
     def _acquire(self, num_pages: int, needs_host: bool) -> tuple[Workspace, int]:
@@ -143,7 +150,10 @@ class TransferEngine:
 
     # -- enqueue -------------------------------------------------------------------------------
     def _index(self, pages: list[int]) -> torch.Tensor:
-        return torch.tensor(pages, dtype=torch.int64, device=self.l1.device)  # [n]
+        # pinned + non_blocking: a blocking copy would synchronize the caller's stream, stalling the
+        # host behind whatever forward is in flight there (the caching host allocator keeps the
+        # pinned source until the copy ran; the transfer streams wait on the caller's stream)
+        return torch.tensor(pages, dtype=torch.int64, pin_memory=self.cuda).to(self.l1.device, non_blocking=True)
 
     def d2h(self, l1_pages: list[int], host_pages: list[int]) -> Transfer:
         return self._enqueue("d2h", l1_pages, host_pages)
@@ -165,7 +175,7 @@ class TransferEngine:
         n = len(l1_pages)
         tr = Transfer("h2d", n, n * self.geometry.bytes_per_page, 0, 0, t0)
         if self.cuda:
-            stream = self.copy_stream
+            stream = self.copy_streams["h2d"]
             stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # no earlier reader of these pages
             tr.start_event = torch.cuda.Event(enable_timing=True)
             tr.event = torch.cuda.Event(enable_timing=True)
@@ -202,9 +212,10 @@ class TransferEngine:
                       keepalive=[idx])
         if direction == "h2d" and cpu_gather:
             torch.index_select(self.l2.page_buffer, 0, host_idx, out=ws.host[:n])  # host gather
-        ctx = torch.cuda.stream(self.stream) if self.cuda else _null()
+        stream = self.kernel_streams[direction] if self.cuda else None
+        ctx = torch.cuda.stream(stream) if self.cuda else _null()
         if self.cuda:
-            self.stream.wait_stream(torch.cuda.current_stream(self.l1.device))
+            stream.wait_stream(torch.cuda.current_stream(self.l1.device))
             tr.start_event = torch.cuda.Event(enable_timing=True)
             tr.event = torch.cuda.Event(enable_timing=True)
         if self.cuda and n >= 8 and not few_runs:
@@ -212,7 +223,7 @@ class TransferEngine:
         else:
             with ctx:
                 if self.cuda:
-                    tr.start_event.record(self.stream)
+                    tr.start_event.record(stream)
                 pairs = ([(packed, host_dst)] if not few_runs else
                          [(packed[i0:i1], self.l2.page_buffer[h0: h0 + i1 - i0]) for i0, i1, h0 in runs])
                 if direction == "d2h":
@@ -224,8 +235,8 @@ class TransferEngine:
                         dev.copy_(host, non_blocking=self.cuda)
                     scatter_pages(packed, idx, self.l1.kv, self.backends.scatter)
                 if self.cuda:
-                    tr.event.record(self.stream)
-                    idx.record_stream(self.stream)
+                    tr.event.record(stream)
+                    idx.record_stream(stream)
         if direction == "d2h" and cpu_gather:
             def finish(dst=self.l2.page_buffer, src=ws.host[:n], index=host_idx):
                 dst.index_copy_(0, index, src)  # one CPU index copy into fragmented L2 pages
@@ -239,7 +250,7 @@ class TransferEngine:
                    tr: Transfer) -> None:
         """Chunked: the kernel of chunk i+1 runs on the SMs while the copy engine moves chunk i, so
         a transfer costs its DMA plus one chunk's kernel rather than the sum of both."""
-        kernel_stream, copy_stream = self.stream, self.copy_stream
+        kernel_stream, copy_stream = self.kernel_streams[direction], self.copy_streams[direction]
         copy_stream.wait_stream(kernel_stream)  # kernel_stream already waited on the caller
         tr.start_event.record(kernel_stream)
         n = len(idx)
@@ -305,7 +316,8 @@ class TransferEngine:
 
     def close(self) -> None:
         if self.cuda:
-            self.stream.synchronize()
+            for stream in (*self.kernel_streams.values(), *self.copy_streams.values()):
+                stream.synchronize()
         self._waiter.shutdown(wait=True)
         self._workspaces.clear()
 

@@ -363,7 +363,10 @@ class Engine:
                 self.cache.metrics.restore_overlapped_s += (end_ns - start_ns) / 1e9
         else:
             self.stats["prefill_tokens"] += len(binput.input_ids)
-            if len(reqs) == 1 and not binput.wait_restore:  # (that one also waited for a copy)
+            # one forward over an uncached tail, also behind an overlapped restore (then it is what
+            # a restore's tail really costs, copy included): these samples give the recompute model
+            # its intercept, without which a full prefill's fixed cost would count as a restore's saving
+            if len(binput.new_lens) == 1:  # (binput: reqs is empty while such a restore is unsettled)
                 self.cache.observe_prefill(len(binput.input_ids), (end_ns - start_ns) / 1e9)
         for req, chunk, token in zip(reqs, chunks, next_ids):
             self.admission.after_step(req, chunk, token)

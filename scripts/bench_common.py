@@ -178,7 +178,7 @@ async def evict(engine, tiers) -> None:
     for tier in tiers:
         t = {"l1": Tier.L1, "l2": Tier.L2, "l3": Tier.L3}[tier]
         if t in engine.cache.tree.allocators:
-            engine.cache.tree.evict(t, 10**9)
+            engine.cache.flush(t)  # a reset, not workload: write admission does not learn from it
 
 
 async def run_one(engine, prompt: list[int], max_tokens: int = 1):

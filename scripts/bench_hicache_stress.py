@@ -228,8 +228,8 @@ async def decode_run(args, tier: str, vocab: int, bdir: BenchDir) -> dict:
     per_req = -(-(args.prefix_tokens + 1 + args.decode_tokens) // ps)
     num_pages = args.num_pages or n * per_req + 16
     cfg = engine_config(args, tier, num_pages, args.host_ratio or 1.0, bdir.l3_path(f"decode-{tier}"))
-    # L3 = L2: holds every prompt. policy "always": every prefill is backed up, whatever the cost
-    # policy's reuse admission would conclude from the passes' explicit evictions
+    # L3 = L2: holds every prompt. policy "always": every prefill is backed up (the traffic under
+    # test), whatever the cost policy's reuse admission would conclude from this write-only pattern
     eng = Engine(cfg.with_hicache(storage_ratio=1.0 if tier == "l3" else 0.0, policy="always"))
 
     def prompts(salt):

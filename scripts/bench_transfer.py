@@ -90,12 +90,17 @@ def bench_directions(geometry, device, tokens_list, repeats, backends):
                 host_pages = list(range(n)) if layout == "consecutive" else list(range(0, 2 * n, 2))
 
                 service = {"d2h": [], "h2d": []}  # device time: first kernel/DMA start -> last one done
+                enqueue = {"d2h": [], "h2d": []}  # host time to enqueue (workspace, indices, launches)
 
                 def d2h():
-                    service["d2h"].append(engine.wait_blocking(engine.d2h(l1_pages, host_pages)).service_ns)
+                    tr = engine.wait_blocking(engine.d2h(l1_pages, host_pages))
+                    service["d2h"].append(tr.service_ns)
+                    enqueue["d2h"].append(tr.enqueue_ns + tr.setup_ns)
 
                 def h2d():
-                    service["h2d"].append(engine.wait_blocking(engine.h2d(host_pages, l1_pages)).service_ns)
+                    tr = engine.wait_blocking(engine.h2d(host_pages, l1_pages))
+                    service["h2d"].append(tr.service_ns)
+                    enqueue["h2d"].append(tr.enqueue_ns + tr.setup_ns)
                 t_d2h, t_h2d = timed(d2h, device, repeats), timed(h2d, device, repeats)
                 s_d2h, s_h2d = (statistics.median(service[d][1:]) / 1e9 for d in ("d2h", "h2d"))
                 rows.append({"tokens": tokens, "bytes": nbytes, "backend": backend, "host_layout": layout,
@@ -105,7 +110,11 @@ def bench_directions(geometry, device, tokens_list, repeats, backends):
                              "h2d_ratio": nbytes / t_h2d / GIB / h2d_peak,
                              # device-side: the engine's kernels + DMAs vs the bare DMA, both by CUDA events
                              "d2h_service_ratio": (nbytes / s_d2h / GIB / d2h_dev_peak) if s_d2h else None,
-                             "h2d_service_ratio": (nbytes / s_h2d / GIB / h2d_dev_peak) if s_h2d else None})
+                             "h2d_service_ratio": (nbytes / s_h2d / GIB / h2d_dev_peak) if s_h2d else None,
+                             "d2h_enqueue_us": statistics.median(enqueue["d2h"][1:]) / 1e3,
+                             "h2d_enqueue_us": statistics.median(enqueue["h2d"][1:]) / 1e3,
+                             "d2h_wall_us": t_d2h * 1e6, "h2d_wall_us": t_h2d * 1e6,
+                             "d2h_service_us": s_d2h * 1e6, "h2d_service_us": s_h2d * 1e6})
             engine.close()
     return rows
 
@@ -236,7 +245,9 @@ def main(argv=None) -> int:
     for r in out["directions"]:
         dev = "/".join(f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("d2h_service_ratio", "h2d_service_ratio"))
         print(f"{r['tokens']:>6} {r['backend']:>7} {r['host_layout']:>11} {r['d2h_gib_s']:>10.2f} "
-              f"{r['d2h_ratio']:>6.3f} {r['h2d_gib_s']:>10.2f} {r['h2d_ratio']:>6.3f}  {dev}")
+              f"{r['d2h_ratio']:>6.3f} {r['h2d_gib_s']:>10.2f} {r['h2d_ratio']:>6.3f}  {dev}  enqueue us "
+              f"{r['d2h_enqueue_us']:.0f}/{r['h2d_enqueue_us']:.0f}  wall us {r['d2h_wall_us']:.0f}/{r['h2d_wall_us']:.0f}"
+              f"  device us {r['d2h_service_us']:.0f}/{r['h2d_service_us']:.0f}")
     for r in out["layerwise_h2d"]:
         print(f"{r['tokens']:>6} layer-ordered H2D {r['h2d_gib_s']:>7.2f} GiB/s  ratio {r['h2d_ratio']:.3f}  device "
               f"{r['h2d_service_ratio'] or 0:.3f}  identical {r['identical']}")

@@ -195,3 +195,24 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
     while not predicate():
         assert loop.time() < deadline, "condition not reached in time"
         await asyncio.sleep(0.001)
+
+
+@pytest.mark.asyncio
+async def test_overlapped_tail_forwards_teach_the_recompute_intercept():
+    """Regression (GPU stress run 14): overlapped tails were not observed, the recompute model saw
+    only full prefills of one length, charged their whole time per token, and counted a forward's
+    fixed cost as a restore's saving: it kept restoring from an L3 slower than recompute (0.84x)."""
+    eng = make_engine()
+    await eng.start()
+    await run_one(eng)
+    await eng.cache.drain()
+    _evict_l1(eng, PROMPT[:REUSABLE])
+    gate = TransferGate(eng, "h2d")  # the op settles after the forward: the sample must not need it
+    task = asyncio.create_task(run_one(eng))
+    await _until(lambda: any(r.overlap_result is not None for r in eng.running))
+    sizes = [size for size, _ in eng.cache.cost.directions["recompute"]._samples]
+    gate.release.set()
+    await task
+    assert eng.stats["restore_overlaps"] == 1
+    assert len(PROMPT) - REUSABLE in sizes and len(PROMPT) in sizes
+    await finish(eng)

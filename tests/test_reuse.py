@@ -75,3 +75,31 @@ def test_backup_admission_follows_reuse():
         enable=True, policy="always", host_ratio=1.0))
     forced.cache.reuse[Tier.L2].on_evicted(1000)
     assert forced.cache.backup_pays_off(64)  # forced policies decide alone
+
+
+def test_flush_is_not_evidence_against_writing():
+    """Regression (GPU stress run 13): the benchmark emptied every tier after its warm-up, the
+    evictions counted as pages written and never read, and the cost policy declined 22 of the
+    L2 tier's 30 backups, so requests recomputed prefixes a large L2 would have held."""
+    eng = Engine(EngineConfig(model="tiny", num_pages=28, page_size=4).with_hicache(
+        enable=True, policy="cost", host_ratio=4.0))
+    run_sequential(eng, workload(seed=6, num_prefixes=4, rounds=1))
+    freed = eng.cache.flush(Tier.L2)
+    assert freed > 0 and eng.metrics()["evictions_pages"]["l2"] == freed
+    assert eng.cache.reuse[Tier.L2].evicted_pages == 0
+    assert all(eng.cache.backup_pays_off(64) for _ in range(16))
+    eng.cache.check_integrity()
+
+
+def test_break_even_read_fraction_weighs_writes_against_savings():
+    from hicache.config import HiCacheConfig
+    from hicache.cost_model import CostModel
+
+    per_token = 147456  # 8B shape, bf16
+    cm = CostModel(HiCacheConfig(host_bandwidth_gib_s=12.0, recompute_us_per_token=50.0), per_token)
+    write_s = per_token / (12.0 * (1 << 30))
+    assert cm.break_even_read_fraction() == pytest.approx(write_s / (50e-6 - write_s))
+    slow = CostModel(HiCacheConfig(host_bandwidth_gib_s=0.5, recompute_us_per_token=50.0), per_token)
+    assert slow.break_even_read_fraction() == 1.0  # a restore saves nothing: only full reuse pays
+    fast = CostModel(HiCacheConfig(host_bandwidth_gib_s=1e6, recompute_us_per_token=50.0), per_token)
+    assert fast.break_even_read_fraction() == 0.01  # the floor
