@@ -201,11 +201,15 @@ class CostModel:
         return min(1.0, max(0.01, write_s / saving_s))
 
     # -- decisions ------------------------------------------------------------------------------
-    def decide(self, l1_tokens: int, l2_tokens: int, l3_tokens: int, policy: Policy = "cost") -> Decision:
+    def decide(self, l1_tokens: int, l2_tokens: int, l3_tokens: int, policy: Policy = "cost",
+               overlap_h2d: bool = False) -> Decision:
         """Pick the source of a prefix hit from cumulative matched lengths per tier.
 
         An L2/L3 hit only counts beyond l1_tokens. An L3 restore whose first part is already in L2
         reads only the part beyond max(l1, l2) from storage, then moves all of it host->device.
+        overlap_h2d: an L2 restore would land layer by layer under the tail's forward, so its H2D
+        costs only what exceeds one forward (the recompute intercept, learned from tail forwards
+        that include such copies; counting the H2D in full would charge it twice).
         """
         if min(l1_tokens, l2_tokens, l3_tokens) < 0:
             raise ValueError("matched lengths must be >= 0")
@@ -222,6 +226,8 @@ class CostModel:
                 continue
             if tier == "l2":
                 restore_s = self._transfer_s("h2d", n)
+                if overlap_h2d:
+                    restore_s = max(0.0, restore_s - self.directions["recompute"].fixed_s)
             else:
                 restore_s = (self._transfer_s("s2h", l3_tokens - max(l1_tokens, l2_tokens))
                              + self._transfer_s("h2d", n))

@@ -171,10 +171,11 @@ class CacheManager:
             self.runner.start_backup(tuple(tokens[: match.lengths[Tier.L1]]))
 
     # -- restore decisions ---------------------------------------------------------------------
-    def decide(self, match: MatchResult) -> Decision:
+    def decide(self, match: MatchResult, overlap_h2d: bool = False) -> Decision:
+        """overlap_h2d: the caller would run the tail forward behind a layer-ordered L2 restore."""
         l1, l2, l3 = match.lengths
         policy = self.config.policy if self.has_l2 else "never"
-        decision = self.cost.decide(l1, l2 if self.has_l2 else 0, l3 if self.has_l3 else 0, policy)
+        decision = self.cost.decide(l1, l2 if self.has_l2 else 0, l3 if self.has_l3 else 0, policy, overlap_h2d)
         if decision.tier == "l1" and max(l2, l3) > l1 and policy != "never":
             self.metrics.policy_skips["restore"] += 1
         return decision

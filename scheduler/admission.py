@@ -99,7 +99,12 @@ class Admission:
         cache, ps = self.cache, self.page_size
         if not cache.has_l2 or getattr(req, "restore_failed", False):
             return None
-        decision = cache.decide(m)
+        # overlap: an L2 restore of a request that runs alone in this batch and whose tail is one
+        # forward (and, below, whose every page can be reserved now: its forward starts before the
+        # copy ends) lands layer by layer under that forward
+        may_overlap = (alone and self.engine.config.restore_overlap and getattr(cache.transfer, "layerwise", False)
+                       and len(req.prompt) - m.lengths[Tier.L2] <= budget)
+        decision = cache.decide(m, overlap_h2d=may_overlap)
         if decision.tier not in ("l2", "l3"):
             return None
         # the restore takes L1 pages (and locks the L1 prefix): only out of what no running request
@@ -111,11 +116,7 @@ class Admission:
         cache.unlock(m.handles[Tier.L1])
         if restore_l1_pages > room:
             return None
-        # overlap: an L2 restore of a request that runs alone in this batch, whose tail is one
-        # forward and whose every page can be reserved now (its forward starts before the copy ends)
-        overlap = (alone and decision.tier == "l2" and self.engine.config.restore_overlap
-                   and getattr(cache.transfer, "layerwise", False) and len(req.prompt) - end <= budget
-                   and restore_l1_pages + self._pages_after(req, end) <= room)
+        overlap = may_overlap and decision.tier == "l2" and restore_l1_pages + self._pages_after(req, end) <= room
         op = cache.runner.start_restore(self._reusable(req), m, decision.tier, req.rid, layerwise=overlap)
         if op is None:
             cache.metrics.fallbacks += 1

@@ -264,3 +264,22 @@ def test_storage_exploration_then_learned_speed() -> None:
     sim = model(storage_explore_reads=2)
     sim.learning = False  # simulations time nothing: no exploration either
     assert not sim.exploring_storage
+
+
+def test_overlapped_h2d_is_charged_only_beyond_one_forward() -> None:
+    """Regression (GPU stress run 15): the recompute intercept is learned from tail forwards that
+    ran behind their layer-ordered H2D, so charging that H2D again made every short L2 restore
+    look unprofitable (1.31x -> 1.02x). Behind a forward it costs only what exceeds the forward."""
+    cm = model(host_bandwidth_gib_s=48.0, recompute_us_per_token=50.0)
+    for _ in range(4):  # one forward: 7.5 ms over 15 tokens, 10.5 ms over 351 (H200, 8B shape)
+        cm.observe_prefill(15, 7.5e-3)
+        cm.observe_prefill(351, 10.5e-3)
+    assert cm.directions["recompute"].fixed_s == pytest.approx(7.366e-3, rel=1e-3)
+    serial = cm.decide(0, 336, 0, "cost")
+    overlapped = cm.decide(0, 336, 0, "cost", overlap_h2d=True)
+    assert serial.costs["l2_restore_s"] == approx(cm.restore_cost_s("l2", 336))
+    assert overlapped.costs["l2_restore_s"] == 0.0 and overlapped.tier == "l2"
+    # a long restore is still charged for the part the forward cannot hide
+    long = cm.decide(0, 8000, 0, "cost", overlap_h2d=True)
+    assert long.costs["l2_restore_s"] == approx(cm.restore_cost_s("l2", 8000) - cm.directions["recompute"].fixed_s)
+    assert cm.decide(0, 0, 336, "cost", overlap_h2d=True).costs.get("l3_restore_s", 1.0) > 0  # L3: no credit
