@@ -138,3 +138,30 @@ def test_prefill_graphs_equal_eager():
     graphs, eng = run(cfg, ps)
     assert eng.runner.graphs.prefill_graphs
     assert graphs == eager
+
+
+def _compiled_variants(kernel) -> int:
+    caches = getattr(kernel, "device_caches", None)
+    if caches is None:
+        return sum(len(c) for c in getattr(kernel, "cache", {}).values())
+    return sum(len(v[0] if isinstance(v, tuple) else v) for v in caches.values())
+
+
+def test_page_copy_compiles_once_for_every_chunk():
+    """Transfers are cut in chunks of any length starting at any page: after the first launch no
+    chunk may compile another kernel variant (a mid-serving compile stalls a restore ~0.1 s)."""
+    from kernels.page_copy import _page_copy_kernel, gather_pages_triton, scatter_pages_triton
+
+    pool = torch.randn((2, 4, 40, 16, 8, 128), device="cuda").to(torch.bfloat16)
+    idx = torch.randperm(40, device="cuda")
+    packed = torch.empty((40, 2, 4, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
+    gather_pages_triton(pool, idx[:2], packed[:2])
+    scatter_pages_triton(packed[:2], idx[:2], pool)
+    before = _compiled_variants(_page_copy_kernel)
+    for lo, hi in [(1, 4), (3, 16), (5, 6), (7, 40), (0, 33)]:
+        gather_pages_triton(pool, idx[lo:hi], packed[lo:hi])
+        scatter_pages_triton(packed[lo:hi], idx[lo:hi], pool)
+    small = torch.randn((2, 4, 7, 16, 8, 128), device="cuda").to(torch.bfloat16)  # another pool size
+    gather_pages_triton(small, idx[:3] % 7, packed[:3])
+    torch.cuda.synchronize()
+    assert _compiled_variants(_page_copy_kernel) == before
