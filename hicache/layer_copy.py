@@ -11,8 +11,7 @@ consecutive in both tiers, one layer's K (or V) of the whole run is a single 2-D
     source pitch = bytes_per_page (one row per L2 page), destination pitch = slab_bytes (packed).
 
 A restore of one run is 2 DMAs per layer; more fragmented page lists are left to the one-DMA path
-(hicache/transfer.py), and so are machines without the 2-D copy (kernels/cuda_rt.py). Backups run
-the same plan backwards (L1 -> L2): copy engines only, so a backup takes no SM time from decode.
+(hicache/transfer.py), and so are machines without the 2-D copy (kernels/cuda_rt.py).
 """
 from __future__ import annotations
 
@@ -77,27 +76,20 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-def run_layer_cpu(copies: list[Copy2D], l1_kv: torch.Tensor, page_buffer: torch.Tensor,
-                  direction: str = "h2d") -> None:
-    """Execute one layer's copies with strided torch copies (CPU pools; the same plan as the DMAs).
-    "d2h" runs the plan backwards: L1 -> L2, as a backup does."""
-    l1, l2 = _bytes(l1_kv), _bytes(page_buffer)
+def run_layer_cpu(copies: list[Copy2D], l1_kv: torch.Tensor, page_buffer: torch.Tensor) -> None:
+    """Execute one layer's copies with strided torch copies (CPU pools; the same plan as the DMAs)."""
+    dst, src = _bytes(l1_kv), _bytes(page_buffer)
     for c in copies:
-        in_l1 = l1.as_strided((c.height, c.width_bytes), (c.dst_pitch_bytes, 1), c.dst_offset_bytes)
-        in_l2 = l2.as_strided((c.height, c.width_bytes), (c.src_pitch_bytes, 1), c.src_offset_bytes)
-        (in_l1.copy_(in_l2) if direction == "h2d" else in_l2.copy_(in_l1))
+        d = dst.as_strided((c.height, c.width_bytes), (c.dst_pitch_bytes, 1), c.dst_offset_bytes)
+        d.copy_(src.as_strided((c.height, c.width_bytes), (c.src_pitch_bytes, 1), c.src_offset_bytes))
 
 
 def run_layer_cuda(copies: list[Copy2D], l1_kv: torch.Tensor, page_buffer: torch.Tensor,
-                   stream: torch.cuda.Stream, direction: str = "h2d") -> None:
-    """Enqueue one layer's copies as 2-D DMAs on `stream`, pinned L2 -> L1 ("h2d") or back ("d2h")."""
+                   stream: torch.cuda.Stream) -> None:
+    """Enqueue one layer's copies as 2-D DMAs from the pinned L2 buffer on `stream`."""
     from kernels.cuda_rt import memcpy_2d_async
 
-    l1, l2 = l1_kv.data_ptr(), page_buffer.data_ptr()
+    dst, src = l1_kv.data_ptr(), page_buffer.data_ptr()
     for c in copies:
-        if direction == "h2d":
-            memcpy_2d_async(l1 + c.dst_offset_bytes, c.dst_pitch_bytes, l2 + c.src_offset_bytes, c.src_pitch_bytes,
-                            c.width_bytes, c.height, stream, "h2d")
-        else:
-            memcpy_2d_async(l2 + c.src_offset_bytes, c.src_pitch_bytes, l1 + c.dst_offset_bytes, c.dst_pitch_bytes,
-                            c.width_bytes, c.height, stream, "d2h")
+        memcpy_2d_async(dst + c.dst_offset_bytes, c.dst_pitch_bytes, src + c.src_offset_bytes, c.src_pitch_bytes,
+                        c.width_bytes, c.height, stream)

@@ -150,16 +150,17 @@ class TransferEngine:
 
     # -- enqueue -------------------------------------------------------------------------------
     def _index(self, pages: list[int]) -> torch.Tensor:
-        # pinned + non_blocking: a blocking copy would synchronize the caller's stream, stalling the
-        # host behind whatever forward is in flight there (the caching host allocator keeps the
-        # pinned source until the copy ran; the transfer streams wait on the caller's stream)
-        return torch.tensor(pages, dtype=torch.int64, pin_memory=self.cuda).to(self.l1.device, non_blocking=True)
+        # non_blocking: a blocking copy synchronizes the caller's stream, stalling the host behind
+        # whatever forward is in flight there. A small pageable async H2D is staged by the driver
+        # before the call returns, without a device sync (pinning it cost ~0.3 ms per transfer in
+        # GPU run 18); the transfer streams wait on the caller's stream, which orders the copy
+        return torch.tensor(pages, dtype=torch.int64).to(self.l1.device, non_blocking=True)  # [n]
 
     def d2h(self, l1_pages: list[int], host_pages: list[int]) -> Transfer:
-        """L1 -> L2. Pages in few consecutive runs go by 2-D DMAs straight from L1 into the L2
-        pages (copy engines only: a backup takes no SM time from the forwards beside it)."""
-        direct = self._direct("d2h", l1_pages, host_pages) if l1_pages else None
-        return direct if direct is not None else self._enqueue("d2h", l1_pages, host_pages)
+        """L1 -> L2 (gather + DMA, pipelined). Running the layer plan backwards (2-D DMAs straight
+        from L1, no gather) was measured and dropped: batch-32 decode beside such backups fell to
+        0.82 of hicache off, against 0.95-0.97 with the gather (GPU run 18, docs/benchmarks.md)."""
+        return self._enqueue("d2h", l1_pages, host_pages)
 
     def h2d(self, host_pages: list[int], l1_pages: list[int]) -> Transfer:
         return self._enqueue("h2d", l1_pages, host_pages)
@@ -169,39 +170,29 @@ class TransferEngine:
         `layer_events[l]` is recorded once layer l has landed. None when this machine cannot or the
         pages are too fragmented: the caller uses h2d(). A forward that reads these pages must
         wait on layer_events and be enqueued before any later layer-ordered transfer."""
-        if not l1_pages:
-            return None
-        return self._direct("h2d", l1_pages, host_pages, self.layer_events)
-
-    def _direct(self, direction: str, l1_pages: list[int], host_pages: list[int],
-                layer_events: list | None = None) -> Transfer | None:
-        """Layer-ordered 2-D DMAs between L1 and L2 pages, no workspace and no kernel (None when
-        the pages split in too many runs or this machine has no 2-D copy)."""
-        if not self.layerwise:
+        if not self.layerwise or not l1_pages:
             return None
         if len(l1_pages) != len(host_pages):
-            raise TransferError(f"{direction}: {len(l1_pages)} L1 pages vs {len(host_pages)} host pages")
+            raise TransferError(f"h2d: {len(l1_pages)} L1 pages vs {len(host_pages)} host pages")
         t0 = time.monotonic_ns()
         plan = layer_plan(self.geometry, self.l1.num_pages, l1_pages, host_pages)
         if plan is None:
             return None
         n = len(l1_pages)
-        tr = Transfer(direction, n, n * self.geometry.bytes_per_page, 0, 0, t0)
+        tr = Transfer("h2d", n, n * self.geometry.bytes_per_page, 0, 0, t0)
         if self.cuda:
-            stream = self.copy_streams[direction]
-            # the caller's stream produced what a D2H reads, and last read what an H2D overwrites
-            stream.wait_stream(torch.cuda.current_stream(self.l1.device))
+            stream = self.copy_streams["h2d"]
+            stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # its last reader of these pages
             tr.start_event = torch.cuda.Event(enable_timing=True)
             tr.event = torch.cuda.Event(enable_timing=True)
             tr.start_event.record(stream)
-            for layer, copies in enumerate(plan):
-                run_layer_cuda(copies, self.l1.kv, self.l2.page_buffer, stream, direction)
-                if layer_events is not None:
-                    layer_events[layer].record(stream)
+            for copies, ready in zip(plan, self.layer_events):
+                run_layer_cuda(copies, self.l1.kv, self.l2.page_buffer, stream)
+                ready.record(stream)
             tr.event.record(stream)
         else:
             for copies in plan:
-                run_layer_cpu(copies, self.l1.kv, self.l2.page_buffer, direction)
+                run_layer_cpu(copies, self.l1.kv, self.l2.page_buffer)
         if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
             tr.fail = True
         tr.enqueue_ns = time.monotonic_ns() - t0

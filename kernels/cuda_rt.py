@@ -1,8 +1,8 @@
 """The two CUDA runtime calls torch does not expose, bound with ctypes to the libcudart torch loaded:
 
   memcpy_2d_async   cudaMemcpy2DAsync: `height` rows of `width` bytes, each row at its own pitch on
-                    either side, in one DMA. Moves one layer's slab of a run of pages between
-                    the page-major L2 and L1 without a gather or scatter (no SM time).
+                    either side, in one DMA. Moves one layer's slab of a run of pages out of
+                    the page-major L2 into L1 without a host gather or a scatter kernel.
   wait_event        cudaStreamWaitEvent; while the stream is being captured into a CUDA graph it
                     passes cudaEventWaitExternal, so the graph gets an event-wait node on an event
                     recorded outside it (each replay waits for that event's latest record).
@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-_KINDS = {"h2d": 1, "d2h": 2}  # cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost
+_HOST_TO_DEVICE = 1        # cudaMemcpyHostToDevice
 _WAIT_EXTERNAL = 0x01      # cudaEventWaitExternal
 
 
@@ -58,11 +58,11 @@ def _check(code: int, what: str) -> None:
 
 
 def memcpy_2d_async(dst_ptr: int, dst_pitch_bytes: int, src_ptr: int, src_pitch_bytes: int, width_bytes: int,
-                    height: int, stream: torch.cuda.Stream, direction: str = "h2d") -> None:
-    """Copy of `height` rows of `width_bytes` between pinned host and device memory ("h2d" or
-    "d2h"), enqueued on `stream`; the copy engine does it, no SM is used."""
+                    height: int, stream: torch.cuda.Stream) -> None:
+    """Pinned host -> device copy of `height` rows of `width_bytes`, enqueued on `stream` (a copy
+    engine does it, no SM is used)."""
     _check(_lib().cudaMemcpy2DAsync(dst_ptr, dst_pitch_bytes, src_ptr, src_pitch_bytes, width_bytes, height,
-                                    _KINDS[direction], stream.cuda_stream), "cudaMemcpy2DAsync")
+                                    _HOST_TO_DEVICE, stream.cuda_stream), "cudaMemcpy2DAsync")
 
 
 def wait_event(event: torch.cuda.Event) -> None:

@@ -43,19 +43,3 @@ def test_round_trip_is_exact_for_every_host_layout(layout):
     assert any(w.host is not None for w in engine._workspaces) == needs_host_workspace
     engine.close()
 
-
-def test_backup_of_page_runs_goes_straight_from_l1_to_l2():
-    """L1 pages in a few runs are backed up by the layer plan (2-D DMAs on the GPU: no gather
-    kernel, no workspace) and land exactly where the gather path would put them."""
-    l1 = DevicePool(GEOM, 32, torch.device("cpu"))
-    l1.kv.view(torch.int16).random_(-30000, 30000)
-    src = [3, 4, 5, 6, 17, 18, 19, 28]
-    host_pages = [40, 41, 42, 43, 44, 45, 50, 51]
-    by_gather, direct = HostPool(GEOM, 64, pin=False), HostPool(GEOM, 64, pin=False)
-    engine = TransferEngine(l1, direct, ChosenBackends("torch", "torch", {}, "test"))
-    engine.wait_blocking(engine.d2h(src, host_pages))
-    assert engine._workspaces == []  # no packed workspace: nothing was gathered
-    classic = TransferEngine(l1, by_gather, ChosenBackends("torch", "torch", {}, "test"))
-    classic.wait_blocking(classic._enqueue("d2h", src, host_pages))
-    assert torch.equal(direct.page_buffer.view(torch.int16), by_gather.page_buffer.view(torch.int16))
-    engine.close(), classic.close()
