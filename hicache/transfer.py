@@ -3,8 +3,7 @@
 D2H:  L1 pages --gather kernel--> packed device workspace [n, 2, L, S, H, D]
       --one async DMA--> L2 pages directly when they are consecutive, else a pinned workspace
       followed by one CPU index copy into the L2 pool (at completion, off the loop thread).
-      A backup is background work: one gather launch, then its DMA in ~8 MiB pieces (a decode
-      step's tiny D2H of sampled ids never waits behind a whole backup).
+      A backup is background work: one gather launch and one DMA, not chunks (few host launches).
 H2D:  mirror: (CPU index gather only when L2 pages are fragmented) --one DMA--> device workspace
       --scatter kernel--> arbitrary L1 pages; chunked so the scatter of one chunk overlaps the DMA
       of the next (a restore is latency).
@@ -40,7 +39,6 @@ class TransferError(RuntimeError):
 # L2 destinations split in at most this many consecutive runs move with one DMA per run; more
 # fragmented ones go through a pinned workspace and one CPU index copy.
 MAX_DMA_RUNS = 8
-BACKUP_DMA_BYTES = 8 << 20
 
 
 def is_consecutive(pages: list[int]) -> bool:
@@ -109,10 +107,6 @@ class TransferEngine:
         # pipelining chunk: at most 32 MiB, and small enough that even a 1000-token transfer has
         # several chunks in flight
         self.chunk_pages = max(1, (32 << 20) // self.geometry.bytes_per_page)
-        # a backup's DMA goes in pieces: a decode step's few-byte D2H of sampled ids shares the copy
-        # engine and would otherwise queue behind a whole backup (one 50 MiB DMA: batch-32 decode
-        # beside backups fell to 0.938 of hicache off in GPU run 20; ~8 MiB pieces: 0.95-0.97)
-        self.backup_dma_pages = max(1, BACKUP_DMA_BYTES // self.geometry.bytes_per_page)
         self._workspaces: list[Workspace] = []
         self._waiter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-cuda-wait")
         # layer-ordered restores (h2d_layerwise): one event per layer, recorded on the H2D stream after
@@ -232,8 +226,9 @@ class TransferEngine:
             stream.wait_stream(torch.cuda.current_stream(self.l1.device))
             tr.start_event = torch.cuda.Event(enable_timing=True)
             tr.event = torch.cuda.Event(enable_timing=True)
-        # restores are latency: pipeline them (DMA and scatter chunks interleaved). A backup is one
-        # gather launch, then its DMA in pieces of at most BACKUP_DMA_BYTES
+        # restores are latency: pipeline them; backups are background: one gather and one DMA cost
+        # the loop thread ~10x fewer launches (8 chunked launches per backup stalled batch-32
+        # decode behind the 32 backups of a prefill: 0.945-0.969 of hicache off in GPU runs 2-7)
         if self.cuda and direction == "h2d" and n >= 8 and not few_runs:
             self._pipelined(idx, packed, host_dst, tr)
         else:
@@ -244,10 +239,8 @@ class TransferEngine:
                          [(packed[i0:i1], self.l2.page_buffer[h0: h0 + i1 - i0]) for i0, i1, h0 in runs])
                 if direction == "d2h":
                     gather_pages(self.l1.kv, idx, packed, self.backends.gather)
-                    step = self.backup_dma_pages
                     for dev, host in pairs:
-                        for lo in range(0, len(dev), step):
-                            host[lo: lo + step].copy_(dev[lo: lo + step], non_blocking=self.cuda)
+                        host.copy_(dev, non_blocking=self.cuda)
                 else:
                     for dev, host in pairs:
                         dev.copy_(host, non_blocking=self.cuda)

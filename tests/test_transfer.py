@@ -31,7 +31,6 @@ def test_round_trip_is_exact_for_every_host_layout(layout):
     l2 = HostPool(GEOM, 64, pin=False)
     l1.kv.view(torch.int16).random_(-30000, 30000)
     engine = TransferEngine(l1, l2, ChosenBackends("torch", "torch", {}, "test"))
-    engine.backup_dma_pages = 5  # a backup's DMA in pieces (12 pages: 5 + 5 + 2)
     src = random.Random(1).sample(range(32), n)
     original = l1.kv[:, :, src].clone()
     engine.wait_blocking(engine.d2h(src, host_pages))
