@@ -3,10 +3,8 @@
 D2H:  L1 pages --gather kernel--> packed device workspace [n, 2, L, S, H, D]
       --one async DMA--> L2 pages directly when they are consecutive, else a pinned workspace
       followed by one CPU index copy into the L2 pool (at completion, off the loop thread).
-      A backup is background work: one gather launch and one DMA, not chunks (few host launches).
 H2D:  mirror: (CPU index gather only when L2 pages are fragmented) --one DMA--> device workspace
-      --scatter kernel--> arbitrary L1 pages; chunked so the scatter of one chunk overlaps the DMA
-      of the next (a restore is latency).
+      --scatter kernel--> arbitrary L1 pages.
 H2D, layer-ordered (h2d_layerwise, hicache/layer_copy.py): 2-D DMAs straight into consecutive L1
       pages, layer by layer, one event per layer, for a forward that runs behind the copy.
 Work runs on private CUDA streams, kernels and DMAs one stream each per direction (PCIe is full
@@ -226,11 +224,8 @@ class TransferEngine:
             stream.wait_stream(torch.cuda.current_stream(self.l1.device))
             tr.start_event = torch.cuda.Event(enable_timing=True)
             tr.event = torch.cuda.Event(enable_timing=True)
-        # restores are latency: pipeline them; backups are background: one gather and one DMA cost
-        # the loop thread ~10x fewer launches (8 chunked launches per backup stalled batch-32
-        # decode behind the 32 backups of a prefill: 0.945-0.969 of hicache off in GPU runs 2-7)
-        if self.cuda and direction == "h2d" and n >= 8 and not few_runs:
-            self._pipelined(idx, packed, host_dst, tr)
+        if self.cuda and n >= 8 and not few_runs:
+            self._pipelined(direction, idx, packed, host_dst, tr)
         else:
             with ctx:
                 if self.cuda:
@@ -257,24 +252,35 @@ class TransferEngine:
         tr.enqueue_ns = time.monotonic_ns() - t0 - setup_ns
         return tr
 
-    def _pipelined(self, idx: torch.Tensor, packed: torch.Tensor, host: torch.Tensor, tr: Transfer) -> None:
-        """H2D in chunks: the scatter of chunk i runs on the SMs while the copy engine moves chunk
-        i+1, so a restore costs its DMA plus one chunk's kernel rather than the sum of both."""
-        kernel_stream, copy_stream = self.kernel_streams["h2d"], self.copy_streams["h2d"]
+    def _pipelined(self, direction: str, idx: torch.Tensor, packed: torch.Tensor, host: torch.Tensor,
+                   tr: Transfer) -> None:
+        """Chunked: the kernel of chunk i+1 runs on the SMs while the copy engine moves chunk i, so
+        a transfer costs its DMA plus one chunk's kernel rather than the sum of both."""
+        kernel_stream, copy_stream = self.kernel_streams[direction], self.copy_streams[direction]
         copy_stream.wait_stream(kernel_stream)  # kernel_stream already waited on the caller
         tr.start_event.record(kernel_stream)
         n = len(idx)
         step = max(1, min(self.chunk_pages, -(-n // 8)))  # >= 8 chunks: little of a kernel is exposed
+        last = kernel_stream
         for lo in range(0, n, step):
             hi = min(n, lo + step)
             ready = torch.cuda.Event()
-            with torch.cuda.stream(copy_stream):  # DMA the chunk in, then scatter it on the SMs
-                packed[lo:hi].copy_(host[lo:hi], non_blocking=True)
-                ready.record(copy_stream)
-            kernel_stream.wait_event(ready)
-            with torch.cuda.stream(kernel_stream):
-                scatter_pages(packed[lo:hi], idx[lo:hi], self.l1.kv, self.backends.scatter)
-        last = kernel_stream
+            if direction == "d2h":  # gather on the SMs, then DMA the chunk out
+                with torch.cuda.stream(kernel_stream):
+                    gather_pages(self.l1.kv, idx[lo:hi], packed[lo:hi], self.backends.gather)
+                    ready.record(kernel_stream)
+                copy_stream.wait_event(ready)
+                with torch.cuda.stream(copy_stream):
+                    host[lo:hi].copy_(packed[lo:hi], non_blocking=True)
+                last = copy_stream
+            else:  # DMA the chunk in, then scatter it on the SMs
+                with torch.cuda.stream(copy_stream):
+                    packed[lo:hi].copy_(host[lo:hi], non_blocking=True)
+                    ready.record(copy_stream)
+                kernel_stream.wait_event(ready)
+                with torch.cuda.stream(kernel_stream):
+                    scatter_pages(packed[lo:hi], idx[lo:hi], self.l1.kv, self.backends.scatter)
+                last = kernel_stream
         tr.event.record(last)
         idx.record_stream(kernel_stream)
 
