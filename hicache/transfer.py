@@ -152,14 +152,14 @@ class TransferEngine:
     def _index(self, pages: list[int]) -> torch.Tensor:
         # non_blocking: a blocking copy synchronizes the caller's stream, stalling the host behind
         # whatever forward is in flight there. A small pageable async H2D is staged by the driver
-        # before the call returns, without a device sync (pinning it cost ~0.3 ms per transfer in
-        # GPU run 18); the transfer streams wait on the caller's stream, which orders the copy
+        # before the call returns, without a device sync; the transfer streams wait on the
+        # caller's stream, which orders the copy
         return torch.tensor(pages, dtype=torch.int64).to(self.l1.device, non_blocking=True)  # [n]
 
     def d2h(self, l1_pages: list[int], host_pages: list[int]) -> Transfer:
         """L1 -> L2 (gather + DMA, pipelined). Running the layer plan backwards (2-D DMAs straight
         from L1, no gather) was measured and dropped: batch-32 decode beside such backups fell to
-        0.82 of hicache off, against 0.95-0.97 with the gather (GPU run 18, docs/benchmarks.md)."""
+        0.82 of hicache off (session 3 run 6), against 0.945-0.969 with this path (docs/benchmarks.md)."""
         return self._enqueue("d2h", l1_pages, host_pages)
 
     def h2d(self, host_pages: list[int], l1_pages: list[int]) -> Transfer:

@@ -104,7 +104,7 @@ if triton is not None:
 
     # no specialisation on the chunk's length, the pool's size or the index slice's alignment: a
     # transfer chunk of a new length (or starting at an odd page) would otherwise compile a new
-    # variant in the middle of serving (~0.1 s: the outlier of GPU stress run 16)
+    # variant in the middle of serving (~0.1 s: the L3 outlier of session 3 stress run 5)
     @triton.jit(do_not_specialize=["page_ids_ptr", "num_rows", "pool_pages"])
     def _page_copy_kernel(l1_ptr, packed_ptr, page_ids_ptr, num_rows, pool_pages,
                           TWO_L: tl.constexpr, SLAB: tl.constexpr, BLOCK: tl.constexpr,

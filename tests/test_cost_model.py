@@ -267,7 +267,7 @@ def test_storage_exploration_then_learned_speed() -> None:
 
 
 def test_overlapped_h2d_is_charged_only_beyond_one_forward() -> None:
-    """Regression (GPU stress run 15): the recompute intercept is learned from tail forwards that
+    """Regression (session 3 GPU stress run 4): the recompute intercept is learned from tail forwards that
     ran behind their layer-ordered H2D, so charging that H2D again made every short L2 restore
     look unprofitable (1.31x -> 1.02x). Behind a forward it costs only what exceeds the forward."""
     cm = model(host_bandwidth_gib_s=48.0, recompute_us_per_token=50.0)

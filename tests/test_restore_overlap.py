@@ -199,7 +199,7 @@ async def _until(predicate, timeout_s: float = 10.0) -> None:
 
 @pytest.mark.asyncio
 async def test_overlapped_tail_forwards_teach_the_recompute_intercept():
-    """Regression (GPU stress run 14): overlapped tails were not observed, the recompute model saw
+    """Regression (session 3 GPU stress run 3): overlapped tails were not observed, the recompute model saw
     only full prefills of one length, charged their whole time per token, and counted a forward's
     fixed cost as a restore's saving: it kept restoring from an L3 slower than recompute (0.84x)."""
     eng = make_engine()

@@ -78,7 +78,7 @@ def test_backup_admission_follows_reuse():
 
 
 def test_flush_is_not_evidence_against_writing():
-    """Regression (GPU stress run 13): the benchmark emptied every tier after its warm-up, the
+    """Regression (session 3 GPU stress run 2): the benchmark emptied every tier after its warm-up, the
     evictions counted as pages written and never read, and the cost policy declined 22 of the
     L2 tier's 30 backups, so requests recomputed prefixes a large L2 would have held."""
     eng = Engine(EngineConfig(model="tiny", num_pages=28, page_size=4).with_hicache(
