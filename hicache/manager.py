@@ -75,7 +75,10 @@ class CacheManager:
         self.cost = CostModel(cfg, geometry.bytes_per_token)
         self.cost.learning = not simulate  # simulated copies take no time: keep the priors
         self.runner = OpRunner(self)
-        self.wakeup: Callable[[], None] = lambda: None  # the engine's loop sets this
+        # the engine's loop sets these: wakeup ends a decode chain (a request may be runnable),
+        # wakeup_idle only wakes a loop that has nothing to run (see OpRunner._wake)
+        self.wakeup: Callable[[], None] = lambda: None
+        self.wakeup_idle: Callable[[], None] = lambda: None
 
     def _open_store(self, storage_pages: int):
         cfg = self.config

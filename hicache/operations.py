@@ -106,7 +106,18 @@ class OpRunner:
         self._settle_then_release(op, op.payload.pop("inflight", None))
         self.live.pop(op.op_id, None)
         self._tasks.pop(op.op_id, None)
-        self.mgr.wakeup()
+        self._wake(op)
+
+    def _wake(self, op: Op) -> None:
+        """An op ended (or its pages were freed): wake the engine's loop. Restores and prefetches
+        may unblock a parked request: `wakeup` (ends a decode chain, so the request is admitted
+        next). A write-through backup unblocks no request at once, only an idle loop waiting for
+        its L1 lock to go: `wakeup_idle` (one finished backup per decode step ended every chain
+        and cost batch-32 decode its overlap). Under write_back, evictions wait for backups."""
+        if op.kind is OpKind.BACKUP and self.mgr.config.write_policy != "write_back":
+            self.mgr.wakeup_idle()
+        else:
+            self.mgr.wakeup()
 
     async def _guard(self, op: Op, coro) -> None:
         try:
@@ -121,7 +132,7 @@ class OpRunner:
         finally:
             self.live.pop(op.op_id, None)
             self._tasks.pop(op.op_id, None)
-            self.mgr.wakeup()
+            self._wake(op)
 
     def _fail(self, op: Op, error: str, kind: str) -> None:
         apply(op, OpEvent.FAIL, error=error)
@@ -198,7 +209,7 @@ class OpRunner:
                 pass
             for tier, claim in claims.items():
                 self.mgr.release_claim(claim, tier)
-            self.mgr.wakeup()
+            self._wake(op)
 
         task = asyncio.get_running_loop().create_task(settle())
         self._settling.add(task)

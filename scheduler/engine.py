@@ -80,6 +80,7 @@ class Engine:
         hc = replace(config.hicache, model_id=self.model_id)
         self.cache = CacheManager(geometry, num_pages, self.device, hc, faults=faults, simulate=config.simulate)
         self.cache.wakeup = self._wake_soon
+        self.cache.wakeup_idle = self._wake_idle
         self.page_size = page_size
         self.runner = (SimRunner(self.model_config.vocab_size) if config.simulate
                        else ModelRunner(self.model, self.cache.l1.kv, page_size, self.device))
@@ -95,6 +96,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self._aborts: set[str] = set()
         self._wake: asyncio.Event | None = None
+        self._end_chain = False  # set by _wake_soon, not by _wake_idle: a decode chain stops for it
         self._loop_task: asyncio.Task | None = None
         self._stopping = False
         self._batch_id = 0
@@ -273,6 +275,14 @@ class Engine:
 
     # -- loop ----------------------------------------------------------------------------------
     def _wake_soon(self) -> None:
+        """Something may be runnable (a request, an abort, a finished restore): the next tick
+        re-plans, and a decode chain in progress stops to let it."""
+        self._end_chain = True
+        if self._wake is not None:
+            self._wake.set()
+
+    def _wake_idle(self) -> None:
+        """Wake a loop that is waiting with nothing to run; a decode chain goes on."""
         if self._wake is not None:
             self._wake.set()
 
@@ -293,6 +303,7 @@ class Engine:
     async def _ticks(self) -> None:
         while True:
             self._wake.clear()
+            self._end_chain = False
             self._settle_aborts()
             if self._stopping and not (self.running or self.waiting or self.parked):
                 return
@@ -327,11 +338,12 @@ class Engine:
         the device; only then are N's tokens awaited and processed. A request that ends at step N (a
         stop token, an abort) has its step N+1 result discarded (after_step ignores finished
         requests). The chain ends when anything else wants the loop: a new or returning request, an
-        abort, a finished operation (the wake event), or a request that needs a page it cannot get."""
+        abort, a finished restore (`_wake_soon`; a finished write-through backup makes nothing
+        runnable and does not end it), or a request that needs a page it cannot get."""
         start_ns, restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
         handle = self.runner.launch(work[2])
         while True:
-            nxt = None if self._wake.is_set() or self._stopping else self.admission.chain_decode_batch(work[0])
+            nxt = None if self._end_chain or self._stopping else self.admission.chain_decode_batch(work[0])
             next_handle = None
             if nxt is not None:
                 rows = [work[0].index(r) for r in nxt[0]]

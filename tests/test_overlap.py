@@ -95,3 +95,18 @@ def test_flag_turns_overlap_off():
     eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=4, overlap_schedule=False))
     eng.generate(prompts(n=2), SamplingParams(max_tokens=6))
     assert eng.stats["chained_steps"] == 0
+
+
+@pytest.mark.asyncio
+async def test_finished_backups_do_not_end_a_decode_chain():
+    """Regression (session 3 GPU stress runs): every finished write-through backup woke the loop
+    and ended the decode chain in flight, so batch-32 decode beside backups lost its overlap on
+    the steps where one finished (0.94 of hicache off). Backups now wake only an idle loop."""
+    ps = prompts(n=6)
+    params = [SamplingParams(max_tokens=16, ignore_eos=True)] * 6
+    base = EngineConfig(model="tiny", num_pages=96, page_size=4)
+    _, off = await run_all(base, ps, params)
+    _, on = await run_all(base.with_hicache(enable=True, policy="always", host_ratio=2.0), ps, params)
+    assert on.metrics()["backups_done"] > 0
+    assert on.stats["chained_steps"] == off.stats["chained_steps"] > 0
+    assert_whole(on)
