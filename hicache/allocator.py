@@ -6,9 +6,16 @@ Every page of a tier is in exactly one of three states, recorded in `owner`:
   claim id  private to one claim (a running request, or a transfer's destination before publish).
 So "tree-owned + free + private = capacity" holds by construction, and `check()` can verify it against
 the tree and the set of live claims. Ownership moves only through the methods below.
+
+Cost: every operation is proportional to the pages it moves (plus a log of the number of free
+runs), never to the tier's size: the free set is kept as runs (a sorted list of (length, start) for
+best fit, and start/end maps for merging neighbours on free) and each claim knows its pages. At a
+million pages a fragmented allocation used to scan the whole owner table (~20 ms a call); the
+owner table remains the referee that `check()` compares everything against.
 """
 from __future__ import annotations
 
+from bisect import bisect_left, insort
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -31,53 +38,89 @@ class PageAllocator:
         self.num_free = num_pages
         self._next_claim = 0
         self.claim_labels: dict[int, str] = {}
+        self._held: dict[int, set[int]] = {}       # claim -> its private pages
+        self._runs: list[tuple[int, int]] = []     # free runs as (length, start), sorted
+        self._run_at: dict[int, int] = {}          # free run start -> length
+        self._run_ending: dict[int, int] = {}      # free run end (exclusive) -> start
+        if num_pages:
+            self._add_run(0, num_pages)
+
+    # -- free runs ------------------------------------------------------------------------------
+    def _add_run(self, start: int, length: int) -> None:
+        insort(self._runs, (length, start))
+        self._run_at[start] = length
+        self._run_ending[start + length] = start
+
+    def _remove_run(self, start: int) -> int:
+        length = self._run_at.pop(start)
+        del self._run_ending[start + length]
+        del self._runs[bisect_left(self._runs, (length, start))]
+        return length
+
+    def _take(self, start: int, take: int) -> None:
+        """Take the first `take` pages of the free run at `start`."""
+        length = self._remove_run(start)
+        if length > take:
+            self._add_run(start + take, length - take)
+
+    def _release_runs(self, pages: np.ndarray) -> None:
+        """Pages (sorted, distinct) become free: add them as runs, merged with free neighbours."""
+        breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+        for run in np.split(pages, breaks):
+            start, end = int(run[0]), int(run[-1]) + 1
+            if start in self._run_ending:
+                left = self._run_ending[start]
+                self._remove_run(left)
+                start = left
+            if end in self._run_at:
+                end += self._remove_run(end)
+            self._add_run(start, end - start)
 
     # -- claims -------------------------------------------------------------------------------
     def new_claim(self, label: str) -> int:
         claim = self._next_claim
         self._next_claim += 1
         self.claim_labels[claim] = label
+        self._held[claim] = set()
         return claim
 
     def close_claim(self, claim: int) -> None:
         """Forget a claim; it must hold no pages any more."""
-        held = int(np.count_nonzero(self.owner == claim))
+        held = len(self._held.get(claim, ()))
         if held:
             raise AllocatorError(f"{self.name}: claim {self.claim_labels.get(claim)} closed holding {held} pages")
         self.claim_labels.pop(claim, None)
+        self._held.pop(claim, None)
 
     # -- allocation ---------------------------------------------------------------------------
     def alloc(self, num_pages: int, claim: int) -> list[int] | None:
-        """Private pages for `claim`, one consecutive run when one exists (best fit), else the
-        fewest runs (longest first). None when not enough pages are free."""
+        """Private pages for `claim`, one consecutive run when one exists (best fit: the shortest
+        run that holds them, the lowest on a tie), else the fewest runs (longest first). None when
+        not enough pages are free."""
         if num_pages <= 0:
             return []
         if claim not in self.claim_labels:
             raise AllocatorError(f"{self.name}: unknown claim {claim}")
         if num_pages > self.num_free:
             return None
-        free_idx = np.flatnonzero(self.owner == FREE)
-        breaks = np.flatnonzero(np.diff(free_idx) != 1) + 1
-        starts = np.concatenate(([0], breaks))
-        ends = np.concatenate((breaks, [len(free_idx)]))
-        lengths = ends - starts
-        fits = np.flatnonzero(lengths >= num_pages)
-        if len(fits):
-            best = fits[np.argmin(lengths[fits])]
-            pages = free_idx[starts[best]: starts[best] + num_pages]
+        i = bisect_left(self._runs, (num_pages, -1))
+        if i < len(self._runs):
+            start = self._runs[i][1]
+            self._take(start, num_pages)
+            pages = list(range(start, start + num_pages))
         else:
-            chosen: list[np.ndarray] = []
-            remaining = num_pages
-            for run in np.argsort(-lengths, kind="stable"):
-                take = min(remaining, int(lengths[run]))
-                chosen.append(free_idx[starts[run]: starts[run] + take])
+            pages, remaining = [], num_pages
+            while remaining:
+                length, start = self._runs[-1]  # no run holds them all: whole runs, longest first
+                take = min(remaining, length)
+                self._take(start, take)
+                pages.extend(range(start, start + take))
                 remaining -= take
-                if remaining == 0:
-                    break
-            pages = np.sort(np.concatenate(chosen))
+            pages.sort()
         self.owner[pages] = claim
+        self._held[claim].update(pages)
         self.num_free -= num_pages
-        return pages.tolist()
+        return pages
 
     def free(self, pages: Sequence[int], claim: int) -> None:
         """Return private pages of `claim` to the free set."""
@@ -100,10 +143,10 @@ class PageAllocator:
     def _move(self, pages: Sequence[int], expect: int, to: int) -> None:
         if len(pages) == 0:
             return
-        idx = np.asarray(pages, dtype=np.int64)
-        if idx.min() < 0 or idx.max() >= self.num_pages:
+        idx = np.sort(np.asarray(pages, dtype=np.int64))
+        if idx[0] < 0 or idx[-1] >= self.num_pages:
             raise AllocatorError(f"{self.name}: page index out of range")
-        if len(np.unique(idx)) != len(idx):
+        if len(idx) > 1 and not (idx[1:] != idx[:-1]).all():
             raise AllocatorError(f"{self.name}: duplicate pages in one call")
         wrong = idx[self.owner[idx] != expect]
         if len(wrong):
@@ -111,13 +154,20 @@ class PageAllocator:
                 f"{self.name}: pages {wrong[:8].tolist()} owned by {self.owner[wrong[:8]].tolist()}, "
                 f"expected {expect}")
         self.owner[idx] = to
+        listed = idx.tolist()
+        if expect >= 0:
+            self._held[expect].difference_update(listed)
+        if to >= 0:
+            self._held[to].update(listed)
+        elif to == FREE:
+            self._release_runs(idx)
 
     # -- inspection ---------------------------------------------------------------------------
     def pages_of(self, claim: int) -> list[int]:
-        return np.flatnonzero(self.owner == claim).tolist()
+        return sorted(self._held.get(claim, ()))
 
     def num_private(self) -> int:
-        return int(np.count_nonzero(self.owner >= 0))
+        return sum(len(pages) for pages in self._held.values())
 
     def num_tree(self) -> int:
         return int(np.count_nonzero(self.owner == TREE))
@@ -143,3 +193,13 @@ class PageAllocator:
         total = len(owned) + self.num_free + self.num_private()
         if total != self.num_pages:
             raise AssertionError(f"{self.name}: owned+free+private = {total} != capacity {self.num_pages}")
+        # the indexes agree with the owner table: free runs are exactly the maximal FREE runs, and
+        # each claim's set is exactly its pages
+        free = np.flatnonzero(self.owner == FREE)
+        breaks = np.flatnonzero(np.diff(free) != 1) + 1
+        want = sorted((len(r), int(r[0])) for r in np.split(free, breaks) if len(r))
+        if want != self._runs or len(self._run_at) != len(self._runs):
+            raise AssertionError(f"{self.name}: free-run index disagrees with the owner table")
+        for claim, pages in self._held.items():
+            if sorted(pages) != np.flatnonzero(self.owner == claim).tolist():
+                raise AssertionError(f"{self.name}: claim {self.claim_labels.get(claim)} index disagrees")
