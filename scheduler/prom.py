@@ -6,7 +6,8 @@ Two kinds:
 * read from the engine at scrape time by `EngineCollector` (engine.metrics() / engine.status()):
   hit tokens per tier, recomputed tokens, evictions, restores / backups / fallbacks, bytes, count,
   seconds and GiB/s per transfer direction (d2h, h2d, h2s, s2h), pending operations, pool
-  occupancy per tier (used / capacity pages and the page states), engine queue lengths.
+  occupancy per tier (used / capacity pages and the page states), engine queue lengths, overlapped
+  decode steps and restores.
 
 Scrapes run on the event loop (the /metrics handler is async), so they read a consistent snapshot.
 """
@@ -92,6 +93,11 @@ class EngineCollector(Collector):
         yield counter("hicache_engine_batches", "batches run", eng.get("batches", 0))
         yield counter("hicache_engine_tokens", "tokens computed by kind",
                       {"prefill": eng.get("prefill_tokens", 0), "decode": eng.get("decode_tokens", 0)}, ["kind"])
+        yield counter("hicache_engine_overlapped_steps", "work overlapped with the device by kind: decode steps "
+                      "enqueued before the previous step's tokens were back, restores whose tail forward ran "
+                      "behind the layer-ordered copy",
+                      {"decode_chain": eng.get("chained_steps", 0), "restore": eng.get("restore_overlaps", 0)},
+                      ["kind"])
 
 
 class ServerMetrics:

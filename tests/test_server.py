@@ -281,6 +281,8 @@ def test_metrics_parse_and_move(srv, client):
         cap = after[("hicache_pool_capacity_pages", (("tier", tier),))]
         assert cap > 0 and 0 <= after[("hicache_pool_used_pages", (("tier", tier),))] <= cap
     assert any(k[0] == "hicache_pending_operations" for k in after)
+    assert delta("hicache_engine_overlapped_steps_total", kind="decode_chain") >= 1  # 3 tokens: chained steps
+    assert ("hicache_engine_overlapped_steps_total", (("kind", "restore"),)) in after
 
 
 # -- concurrency, disconnects, no leaks ------------------------------------------------------------------
