@@ -63,11 +63,14 @@ class PageAllocator:
         if length > take:
             self._add_run(start + take, length - take)
 
-    def _release_runs(self, pages: np.ndarray) -> None:
+    def _release_runs(self, pages: list[int]) -> None:
         """Pages (sorted, distinct) become free: add them as runs, merged with free neighbours."""
-        breaks = np.flatnonzero(np.diff(pages) != 1) + 1
-        for run in np.split(pages, breaks):
-            start, end = int(run[0]), int(run[-1]) + 1
+        first = 0
+        for i in range(1, len(pages) + 1):
+            if i < len(pages) and pages[i] == pages[i - 1] + 1:
+                continue
+            start, end = pages[first], pages[i - 1] + 1
+            first = i
             if start in self._run_ending:
                 left = self._run_ending[start]
                 self._remove_run(left)
@@ -143,24 +146,24 @@ class PageAllocator:
     def _move(self, pages: Sequence[int], expect: int, to: int) -> None:
         if len(pages) == 0:
             return
-        idx = np.sort(np.asarray(pages, dtype=np.int64))
-        if idx[0] < 0 or idx[-1] >= self.num_pages:
+        listed = sorted(int(p) for p in pages)
+        if listed[0] < 0 or listed[-1] >= self.num_pages:
             raise AllocatorError(f"{self.name}: page index out of range")
-        if len(idx) > 1 and not (idx[1:] != idx[:-1]).all():
+        if any(a == b for a, b in zip(listed, listed[1:])):
             raise AllocatorError(f"{self.name}: duplicate pages in one call")
+        idx = np.array(listed, dtype=np.int64)
         wrong = idx[self.owner[idx] != expect]
         if len(wrong):
             raise AllocatorError(
                 f"{self.name}: pages {wrong[:8].tolist()} owned by {self.owner[wrong[:8]].tolist()}, "
                 f"expected {expect}")
         self.owner[idx] = to
-        listed = idx.tolist()
         if expect >= 0:
             self._held[expect].difference_update(listed)
         if to >= 0:
             self._held[to].update(listed)
         elif to == FREE:
-            self._release_runs(idx)
+            self._release_runs(listed)
 
     # -- inspection ---------------------------------------------------------------------------
     def pages_of(self, claim: int) -> list[int]:

@@ -28,7 +28,7 @@ class KVGeometry:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def slab_elements(self) -> int:
