@@ -45,6 +45,9 @@ class OpRunner:
         self._settling: set[asyncio.Task] = set()
         self._ids = itertools.count(1)
         self._backing_up: set[tuple[int, ...]] = set()
+        # a backup asked for while one of its prefixes is being backed up waits for it, so no page
+        # is copied (D2H) or written (H2S) twice: in-flight key -> the longest tokens waiting on it
+        self._deferred: dict[tuple[int, ...], tuple[int, ...]] = {}
 
     # -- shared helpers ------------------------------------------------------------------------
     def _new(self, kind: OpKind, num_pages: int, request_id: str | None) -> Op:
@@ -248,13 +251,21 @@ class OpRunner:
         while n is not None and n is not self.mgr.tree.root:
             tokens[:0] = n.key
             n = n.parent
-        return self.start_backup(tuple(tokens)) is not None
+        key = tuple(tokens)
+        # kept while a backup of it runs, or waits for the one of its prefix (start_backup defers it)
+        return self.start_backup(key) is not None or key in self._deferred.values()
 
     def start_backup(self, tokens: Sequence[int], request_id: str | None = None) -> Op | None:
         mgr, ps = self.mgr, self.mgr.page_size
         tokens = tuple(tokens[: len(tokens) - len(tokens) % ps])
         if tokens in self._backing_up or not tokens:
             return None
+        for key in self._backing_up:
+            if tokens[:len(key)] == key or key[:len(tokens)] == tokens:
+                if len(tokens) > len(key):  # extends an in-flight backup: start when it ends
+                    waiting = self._deferred.get(key, ())
+                    self._deferred[key] = tokens if len(tokens) > len(waiting) else waiting
+                return None  # (a prefix of one in flight is covered by it)
         m = mgr.tree.match(tokens, include_storage=mgr.has_l3, touch=False)
         n1, n2 = m.lengths[Tier.L1], m.lengths[Tier.L2]
         if n1 <= n2:
@@ -332,6 +343,9 @@ class OpRunner:
             mgr.metrics.backups_done += 1
         finally:
             self._backing_up.discard(tokens)
+            later = self._deferred.pop(tokens, None)
+            if later is not None and op.succeeded:  # (a failed or cancelled one drops it)
+                self.start_backup(later)
 
     # -- restores ------------------------------------------------------------------------------
     def start_restore(self, tokens: Sequence[int], match, tier: str, request_id: str | None,
