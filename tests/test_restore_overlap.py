@@ -23,13 +23,18 @@ from hicache.radix import Tier
 from hicache_helpers import assert_whole, capture_op_logs
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
-from scheduler.request import SamplingParams
-from test_faults import OTHER, PAGE, PROMPT, REUSABLE, TransferGate, finish, make_engine, reference, run_one
+from test_faults import (OTHER, PAGE, PROMPT, REUSABLE, TransferGate, finish, make_engine, reference, run_one,
+                         until)
 
 
-def _evict_l1(eng: Engine, tokens) -> None:
+async def _prefix_only_in_l2(eng: Engine):
+    """Serve PROMPT once (its prefix is backed up to L2), then empty L1: the next request restores.
+    Returns that first result."""
+    first = await run_one(eng)
+    await eng.cache.drain()
     eng.cache.tree.evict(Tier.L1, eng.cache.l1.num_pages)
-    assert eng.cache.tree.match(tokens, touch=False).lengths[:2] == [0, len(tokens)]
+    assert eng.cache.tree.match(PROMPT[:REUSABLE], touch=False).lengths[:2] == [0, REUSABLE]
+    return first
 
 
 # -- the copy plan -----------------------------------------------------------------------------
@@ -79,9 +84,7 @@ async def test_overlapped_restore_equals_recompute_and_keeps_accounting_whole():
     eng = make_engine()
     await eng.start()
     want = await reference(PROMPT)
-    assert (await run_one(eng)).output_ids == want
-    await eng.cache.drain()
-    _evict_l1(eng, PROMPT[:REUSABLE])
+    assert (await _prefix_only_in_l2(eng)).output_ids == want
     with capture_op_logs() as logs:
         result = await run_one(eng)
     assert result.output_ids == want
@@ -102,9 +105,7 @@ async def test_restore_overlap_can_be_disabled():
     eng = Engine(config)
     await eng.start()
     want = await reference(PROMPT)
-    await run_one(eng)
-    await eng.cache.drain()
-    _evict_l1(eng, PROMPT[:REUSABLE])
+    await _prefix_only_in_l2(eng)
     result = await run_one(eng)
     assert result.output_ids == want and result.cached_tokens["l2"] == REUSABLE
     assert eng.stats["restore_overlaps"] == 0
@@ -117,9 +118,7 @@ async def test_failed_overlapped_restore_discards_the_forward_and_recomputes():
     eng = make_engine(faults)
     await eng.start()
     want = await reference(PROMPT)
-    await run_one(eng)
-    await eng.cache.drain()
-    _evict_l1(eng, PROMPT[:REUSABLE])
+    await _prefix_only_in_l2(eng)
     faults.arm(Fault.TRANSFER_RAISE)
     with capture_op_logs() as logs:
         result = await run_one(eng)
@@ -141,17 +140,15 @@ async def test_abort_while_the_overlapped_restore_is_pending():
     eng = make_engine()
     await eng.start()
     want = await reference(PROMPT)
-    await run_one(eng)
-    await eng.cache.drain()
-    _evict_l1(eng, PROMPT[:REUSABLE])
+    await _prefix_only_in_l2(eng)
     gate = TransferGate(eng, "h2d")
     task = asyncio.create_task(run_one(eng))
-    await _until(lambda: any(r.overlap_result is not None for r in eng.running))
+    await until(lambda: any(r.overlap_result is not None for r in eng.running))
     [req] = eng.running
     op = req.overlap_op
     assert op.state is OpState.H2D_PENDING
     assert await eng.abort(req.rid)
-    await _until(lambda: op.payload["cancel"])
+    await until(lambda: op.payload["cancel"])
     gate.release.set()
     result = await task
     assert result.finish_reason == "abort" and result.output_ids == []
@@ -170,13 +167,11 @@ async def test_two_overlapped_restores_of_one_prefix_race_to_publish():
     eng = make_engine(num_pages=64)
     await eng.start()
     want = await reference(PROMPT)
-    await run_one(eng)
-    await eng.cache.drain()
-    _evict_l1(eng, PROMPT[:REUSABLE])
+    await _prefix_only_in_l2(eng)
     gate = TransferGate(eng, "h2d")
     with capture_op_logs() as logs:
         tasks = [asyncio.create_task(run_one(eng)) for _ in range(2)]
-        await _until(lambda: sum(r.overlap_result is not None for r in eng.running) == 2)
+        await until(lambda: sum(r.overlap_result is not None for r in eng.running) == 2)
         gate.release.set()
         results = await asyncio.gather(*tasks)
     assert [r.output_ids for r in results] == [want, want]
@@ -189,14 +184,6 @@ async def test_two_overlapped_restores_of_one_prefix_race_to_publish():
     await finish(eng)
 
 
-async def _until(predicate, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.001)
-
-
 @pytest.mark.asyncio
 async def test_overlapped_tail_forwards_teach_the_recompute_intercept():
     """Regression (session 3 GPU stress run 3): overlapped tails were not observed, the recompute model saw
@@ -204,12 +191,10 @@ async def test_overlapped_tail_forwards_teach_the_recompute_intercept():
     fixed cost as a restore's saving: it kept restoring from an L3 slower than recompute (0.84x)."""
     eng = make_engine()
     await eng.start()
-    await run_one(eng)
-    await eng.cache.drain()
-    _evict_l1(eng, PROMPT[:REUSABLE])
+    await _prefix_only_in_l2(eng)
     gate = TransferGate(eng, "h2d")  # the op settles after the forward: the sample must not need it
     task = asyncio.create_task(run_one(eng))
-    await _until(lambda: any(r.overlap_result is not None for r in eng.running))
+    await until(lambda: any(r.overlap_result is not None for r in eng.running))
     sizes = [size for size, _ in eng.cache.cost.directions["recompute"]._samples]
     gate.release.set()
     await task
