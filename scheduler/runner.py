@@ -80,7 +80,8 @@ class ModelRunner:
 
     def _wait_layer(self, layer: int) -> None:
         if self.layer_events is not None:  # CUDA; on the CPU every copy finished when enqueued
-            torch.cuda.current_stream(self.device).wait_event(self.layer_events[layer])
+            from kernels.cuda_rt import wait_event  # the same wait the restore graphs capture
+            wait_event(self.layer_events[layer])
 
     async def collect(self, handle) -> list[int]:
         host, event, _ = handle

@@ -67,6 +67,17 @@ def event_timed(fn, device, repeats) -> float:
     return statistics.median(times)
 
 
+def pinned_copy_gib_s(nbytes, device, repeats) -> dict[str, float]:
+    """The reference every ratio is taken against: a plain pinned `copy_` of `nbytes` each way,
+    timed on the wall (launch to completion) and on the device (CUDA events around the copy)."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    d2h, h2d = (lambda: host.copy_(dev, non_blocking=True)), (lambda: dev.copy_(host, non_blocking=True))
+    return {"d2h": nbytes / timed(d2h, device, repeats) / GIB, "h2d": nbytes / timed(h2d, device, repeats) / GIB,
+            "d2h_device": nbytes / event_timed(d2h, device, repeats) / GIB,
+            "h2d_device": nbytes / event_timed(h2d, device, repeats) / GIB}
+
+
 def bench_directions(geometry, device, tokens_list, repeats, backends):
     pages_max = max(tokens_list) // geometry.page_size
     l1 = DevicePool(geometry, 2 * pages_max + 8, device)
@@ -76,13 +87,8 @@ def bench_directions(geometry, device, tokens_list, repeats, backends):
     for tokens in tokens_list:
         n = tokens // geometry.page_size
         nbytes = n * geometry.bytes_per_page
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        d2h_peak = nbytes / timed(lambda: host.copy_(dev, non_blocking=True), device, repeats) / GIB
-        h2d_peak = nbytes / timed(lambda: dev.copy_(host, non_blocking=True), device, repeats) / GIB
-        # device-side time of the same copies (no launch or completion latency), for the service ratio
-        d2h_dev_peak = nbytes / event_timed(lambda: host.copy_(dev, non_blocking=True), device, repeats) / GIB
-        h2d_dev_peak = nbytes / event_timed(lambda: dev.copy_(host, non_blocking=True), device, repeats) / GIB
+        ref = pinned_copy_gib_s(nbytes, device, repeats)
+        d2h_peak, h2d_peak, d2h_dev_peak, h2d_dev_peak = ref["d2h"], ref["h2d"], ref["d2h_device"], ref["h2d_device"]
         l1_pages = torch.randperm(l1.num_pages)[:n].tolist()  # random L1 order: the gather does work
         for backend in backends:
             engine = TransferEngine(l1, l2, ChosenBackends(backend, backend, {}, "bench"))
@@ -188,10 +194,8 @@ def bench_layerwise(geometry, device, tokens_list, repeats):
     for tokens in tokens_list:
         n = tokens // geometry.page_size
         nbytes = n * geometry.bytes_per_page
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        peak = nbytes / timed(lambda: dev.copy_(host, non_blocking=True), device, repeats) / GIB
-        dev_peak = nbytes / event_timed(lambda: dev.copy_(host, non_blocking=True), device, repeats) / GIB
+        ref = pinned_copy_gib_s(nbytes, device, repeats)
+        peak, dev_peak = ref["h2d"], ref["h2d_device"]
         service = []
         l1_pages, host_pages = list(range(4, 4 + n)), list(range(n))
 
