@@ -483,28 +483,3 @@ async def test_cancelled_driver_task_keeps_accounting_whole(when):
     assert_whole(mgr)
     await mgr.close()
 
-
-@pytest.mark.asyncio
-async def test_backup_extending_one_in_flight_copies_each_page_once():
-    """A request publishes its prompt (backup 1 in flight) and then a longer sequence sharing it
-    (backup 2): backup 2 waits for backup 1 and copies only the pages beyond it, so the prefix
-    crosses PCIe (and reaches L3) once, not twice."""
-    eng = make_engine(num_pages=64)
-    await eng.start()
-    cache = eng.cache
-    gate = TransferGate(eng, "d2h")
-    short, long_ = tuple(PROMPT[:4 * PAGE]), tuple(PROMPT[:6 * PAGE])
-    claim = cache.new_claim("test")
-    pages = cache.alloc_l1(6, claim)
-    cache.insert_l1(short, pages[:4], claim, 0)  # publishing starts backup 1 (held by the gate)
-    await until(lambda: len(cache.runner.live) == 1)
-    cache.insert_l1(long_, pages[4:], claim, 4 * PAGE)  # backup 2 is deferred behind it
-    assert cache.runner.start_backup(short[:2 * PAGE]) is None  # a prefix of one in flight: covered
-    assert len(cache.runner.live) == 1
-    gate.release.set()
-    await cache.drain()
-    d2h = eng.metrics()["directions"]["d2h"]["bytes"]
-    assert d2h == 6 * cache.geometry.bytes_per_page  # 4 + 2 pages, none twice
-    assert cache.tree.match(long_, include_storage=True, touch=False).lengths == [6 * PAGE] * 3
-    cache.release_claim(claim)
-    await finish(eng)
