@@ -84,12 +84,10 @@ def run_layer_cpu(copies: list[Copy2D], l1_kv: torch.Tensor, page_buffer: torch.
         d.copy_(src.as_strided((c.height, c.width_bytes), (c.src_pitch_bytes, 1), c.src_offset_bytes))
 
 
-def run_layer_cuda(copies: list[Copy2D], l1_kv: torch.Tensor, page_buffer: torch.Tensor,
-                   stream: torch.cuda.Stream) -> None:
-    """Enqueue one layer's copies as 2-D DMAs from the pinned L2 buffer on `stream`."""
+def run_layer_cuda(copies: list[Copy2D], l1_ptr: int, l2_ptr: int, stream: torch.cuda.Stream) -> None:
+    """Enqueue one layer's copies as 2-D DMAs from the pinned L2 buffer (at address l2_ptr) into
+    the L1 pool (at l1_ptr) on `stream`."""
     from kernels.cuda_rt import memcpy_2d_async
 
-    dst, src = l1_kv.data_ptr(), page_buffer.data_ptr()
-    for c in copies:
-        memcpy_2d_async(dst + c.dst_offset_bytes, c.dst_pitch_bytes, src + c.src_offset_bytes, c.src_pitch_bytes,
-                        c.width_bytes, c.height, stream)
+    memcpy_2d_async([(l1_ptr + c.dst_offset_bytes, c.dst_pitch_bytes, l2_ptr + c.src_offset_bytes,
+                      c.src_pitch_bytes, c.width_bytes, c.height) for c in copies], stream)

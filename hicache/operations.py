@@ -353,9 +353,9 @@ class OpRunner:
         """Restore tokens[l1_len : tier_len] into L1 (through L2 for an L3 hit). None when the
         needed pages cannot be had right now (the caller recomputes).
 
-        layerwise (L2 restores): copy in layer order with one event per layer where the transfer
-        engine can (then op.payload["layerwise"] is True and op.payload["l1_pages"] are the pages
-        being filled), so the caller may enqueue a forward that waits on those events right away."""
+        layerwise (L2 restores): copy in layer order where the transfer engine can (then
+        op.payload["layerwise"] is True, op.payload["l1_pages"] are the pages being filled and
+        op.payload["transfer"] is the copy, whose layer flags a forward may wait for right away)."""
         mgr, ps = self.mgr, self.mgr.page_size
         l1, l2, l3 = match.lengths
         if (l2 <= l1) if tier == "l2" else (l3 <= max(l1, l2)):

@@ -27,6 +27,7 @@ from hicache.geometry import KVGeometry
 from hicache.layer_copy import layer_plan, run_layer_cpu, run_layer_cuda
 from hicache.pools import DevicePool, HostPool
 from kernels.chooser import ChosenBackends
+from kernels.layer_flags import LayerFlags
 from kernels.page_copy import gather_pages, scatter_pages
 
 
@@ -77,6 +78,8 @@ class Transfer:
     fail: bool = False                  # fault injection: completion raises
     done_ns: int = 0
     service_ns: int = 0
+    epoch: int = 0                      # h2d_layerwise on CUDA: the value its layer flags reach
+    error: str | None = None            # why `fail` (default: an injected failure)
 
     @property
     def end_to_end_ns(self) -> int:
@@ -107,18 +110,16 @@ class TransferEngine:
         self.chunk_pages = max(1, (32 << 20) // self.geometry.bytes_per_page)
         self._workspaces: list[Workspace] = []
         self._waiter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-cuda-wait")
-        # layer-ordered restores (h2d_layerwise): one event per layer, recorded on the H2D stream after
-        # that layer's DMAs; a forward over the restored pages waits on them layer by layer. They
-        # exist (recorded once) before any graph captures a wait on them.
-        self.layer_events: list | None = None
+        # layer-ordered restores (h2d_layerwise): the H2D stream sets layer l's flag to the
+        # restore's epoch right after that layer's DMAs; a forward over the restored pages waits
+        # for the flags layer by layer, on the device (kernels/layer_flags.py)
+        self.layer_flags: LayerFlags | None = None
         self.layerwise = not self.cuda
         if self.cuda:
             from kernels import cuda_rt
             self.layerwise = cuda_rt.available() and l2.pinned
             if self.layerwise:
-                self.layer_events = [torch.cuda.Event() for _ in range(self.geometry.num_layers)]
-                for ev in self.layer_events:
-                    ev.record(self.copy_streams["h2d"])
+                self.layer_flags = LayerFlags(self.geometry.num_layers, l1.device)
 
     # -- workspaces ----------------------------------------------------------------------------
     def _acquire(self, num_pages: int, needs_host: bool) -> tuple[Workspace, int]:
@@ -167,9 +168,11 @@ class TransferEngine:
 
     def h2d_layerwise(self, host_pages: list[int], l1_pages: list[int]) -> Transfer | None:
         """L2 -> L1 in layer order, straight into the L1 pages (2-D DMAs, no staging, no kernel);
-        `layer_events[l]` is recorded once layer l has landed. None when this machine cannot or the
-        pages are too fragmented: the caller uses h2d(). A forward that reads these pages must
-        wait on layer_events and be enqueued before any later layer-ordered transfer."""
+        on CUDA `layer_flags.flags[l]` reaches the transfer's `epoch` once layer l has landed. None
+        when this machine cannot or the pages are too fragmented: the caller uses h2d(). A forward
+        that reads these pages waits for each layer's flag to reach that epoch, and is launched
+        after this returns: a wait kernel spinning on copies enqueued after it was seen to stall
+        the copies on the H200 (streams promise no forward progress to each other)."""
         if not self.layerwise or not l1_pages:
             return None
         if len(l1_pages) != len(host_pages):
@@ -180,23 +183,39 @@ class TransferEngine:
             return None
         n = len(l1_pages)
         tr = Transfer("h2d", n, n * self.geometry.bytes_per_page, 0, 0, t0)
+        if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
+            tr.fail = True
+        self._enqueue_layers(tr, plan)
+        tr.enqueue_ns = time.monotonic_ns() - t0
+        return tr
+
+    def _enqueue_layers(self, tr: Transfer, plan) -> None:
+        """The copies of a layer-ordered transfer (on the CPU: done when this returns). A copy that
+        cannot be enqueued fails the transfer, not the caller; every flag is still written, so no
+        forward ever waits for it."""
+        stream, flags = (self.copy_streams["h2d"], self.layer_flags) if self.cuda else (None, None)
         if self.cuda:
-            stream = self.copy_streams["h2d"]
+            tr.epoch = flags.next_epoch()
             stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # its last reader of these pages
             tr.start_event = torch.cuda.Event(enable_timing=True)
             tr.event = torch.cuda.Event(enable_timing=True)
             tr.start_event.record(stream)
-            for copies, ready in zip(plan, self.layer_events):
-                run_layer_cuda(copies, self.l1.kv, self.l2.page_buffer, stream)
-                ready.record(stream)
-            tr.event.record(stream)
-        else:
+        landed = 0
+        l1_ptr, l2_ptr = self.l1.kv.data_ptr(), self.l2.page_buffer.data_ptr()
+        try:
             for copies in plan:
-                run_layer_cpu(copies, self.l1.kv, self.l2.page_buffer)
-        if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
-            tr.fail = True
-        tr.enqueue_ns = time.monotonic_ns() - t0
-        return tr
+                if self.cuda:
+                    run_layer_cuda(copies, l1_ptr, l2_ptr, stream)
+                    flags.signal(stream, landed, tr.epoch)
+                else:
+                    run_layer_cpu(copies, self.l1.kv, self.l2.page_buffer)
+                landed += 1
+        except Exception as exc:
+            tr.fail, tr.error = True, f"h2d: layer {landed} not copied: {exc!r}"
+            for layer in range(landed, len(plan) if self.cuda else 0):
+                flags.signal(stream, layer, tr.epoch)
+        if self.cuda:
+            tr.event.record(stream)
 
     def _enqueue(self, direction: str, l1_pages: list[int], host_pages: list[int]) -> Transfer:
         if len(l1_pages) != len(host_pages) or not l1_pages:
@@ -296,7 +315,7 @@ class TransferEngine:
             tr.service_ns = tr.done_ns - tr.started_ns - tr.setup_ns
 
     async def wait(self, tr: Transfer) -> Transfer:
-        """Await completion without spinning the loop; raises TransferError on an injected fault."""
+        """Await completion without spinning the loop; raises TransferError on a failed transfer."""
         try:
             if tr.event is None and tr.finish is None:
                 self._complete_blocking(tr)
@@ -307,7 +326,7 @@ class TransferEngine:
             tr.workspace = None
             tr.keepalive.clear()
         if tr.fail:
-            raise TransferError(f"{tr.direction}: injected transfer failure")
+            raise TransferError(tr.error or f"{tr.direction}: injected transfer failure")
         return tr
 
     def wait_blocking(self, tr: Transfer) -> Transfer:
@@ -317,7 +336,7 @@ class TransferEngine:
             self._release(tr.workspace)
             tr.workspace = None
         if tr.fail:
-            raise TransferError(f"{tr.direction}: injected transfer failure")
+            raise TransferError(tr.error or f"{tr.direction}: injected transfer failure")
         return tr
 
     def close(self) -> None:

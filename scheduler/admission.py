@@ -168,10 +168,16 @@ class Admission:
         held in the request and applied by `settle_overlaps` (the loop never waits for an op).
         Returns the (work, next_ids) to post-process now."""
         [req], [chunk], binput = work
+        # a layer wait that gave up (kernels/layer_flags.py) means this forward may have read KV
+        # that had not landed: its output is dropped and the tail runs again once the op is done
+        result = (chunk, next_ids[0])
+        if self.engine.runner.restore_wait_timed_out():
+            self.engine.stats["restore_waits_timed_out"] += 1
+            result = None
         if req.overlap_op is not None and not req.overlap_op.done:
-            req.overlap_result = (chunk, next_ids[0])
+            req.overlap_result = result
             return ([], [], binput), []
-        if not self.adopt_restored(req):
+        if not self.adopt_restored(req) or result is None:
             return ([], [], binput), []
         return work, next_ids
 
@@ -253,6 +259,7 @@ class Admission:
                 budget -= chunk
             if req.overlap_op is not None:  # runs alone, right now, waiting on the copy layer by layer
                 binput.wait_restore = bool(chunk)
+                binput.restore_epoch = req.overlap_op.payload["transfer"].epoch
                 break
         if not reqs:
             return None

@@ -10,9 +10,10 @@ captured once with static input buffers; a step copies its inputs into them and 
     rows of a sequence (kernels/decode_attention.py), where one-row sequences would read it per row;
   - prefill (one sequence, no cached prefix, padded to a PREFILL_BUCKETS length);
   - restore (one sequence, 1 or TAIL_ROWS rows) when the transfer engine copies restores in layer
-    order: the same forward with an event-wait node before each layer's attention, on the transfer
-    engine's per-layer events, so the tail runs while later layers of its prefix are still crossing
-    PCIe (hicache/layer_copy.py). Replayed only right after such a transfer was enqueued.
+    order: the same forward with a wait kernel before each layer's attention, on the transfer
+    engine's layer flags (kernels/layer_flags.py), so the tail runs while later layers of its
+    prefix are still crossing PCIe (hicache/layer_copy.py). The epoch it waits for is staged with
+    the other inputs.
 Padding (rows beyond a sequence's new tokens, sequences beyond the real batch, rows beyond a prefill)
 writes its K/V into a private scratch page and is discarded, so it never touches live KV. Decode
 staging is double-buffered so that a chained step (overlap scheduling) never waits for the one in
@@ -34,9 +35,9 @@ PREFILL_BUCKETS = tuple(range(64, 513, 64))  # fresh one-sequence prefills, padd
 
 class DecodeGraphs:
     def __init__(self, model: Qwen3Model, kv_pool: torch.Tensor, page_size: int, max_pages_per_seq: int,
-                 scratch_page: int, max_batch: int = 32, layer_events: list | None = None) -> None:
+                 scratch_page: int, max_batch: int = 32, layer_flags=None) -> None:
         self.model, self.kv_pool, self.page_size = model, kv_pool, page_size
-        self.layer_events = layer_events
+        self.layer_flags = layer_flags
         self.restore_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.restore_logits: dict[tuple[int, int], torch.Tensor] = {}
         self.device = kv_pool.device
@@ -47,10 +48,11 @@ class DecodeGraphs:
         rows = max(b * r for b, r in self.shapes)
         seqs = max(b for b, _ in self.shapes)
         i64 = dict(dtype=torch.int64, device=self.device)
-        self.rows = torch.zeros((5, rows), **i64)  # ids, positions, out slots, seq lens, last rows  [5, N]
+        # ids, positions, out slots, seq lens, last rows, and in [5, 0] a restore's epoch  [6, N]
+        self.rows = torch.zeros((6, rows), **i64)
         self.page_tables = torch.full((seqs, max_pages_per_seq), scratch_page, **i64)  # [B, M]
         # pinned staging, filled on the host each step (no per-step pinned allocation)
-        self.host_rows = torch.zeros((2, 5, rows), dtype=torch.int64, pin_memory=True)  # double-buffered
+        self.host_rows = torch.zeros((2, 6, rows), dtype=torch.int64, pin_memory=True)  # double-buffered
         self.host_tables = torch.full((2, seqs, max_pages_per_seq), scratch_page, dtype=torch.int64,
                                       pin_memory=True)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -99,12 +101,11 @@ class DecodeGraphs:
                     self.logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool)  # [B * R, V]
                 pool = graph.pool()
                 self.graphs[shape] = graph
-            if self.layer_events is not None:
-                from kernels.cuda_rt import wait_event
-                events = self.layer_events
+            if self.layer_flags is not None:
+                flags, epoch = self.layer_flags, self.rows[5, :1]
 
                 def wait_layer(layer: int) -> None:
-                    wait_event(events[layer])
+                    flags.wait(layer, epoch)
                 for shape in [s for s in self.shapes if s[0] == 1]:  # (1, 1) and (1, TAIL_ROWS)
                     ids = self.rows[0, :shape[1]]
                     self.model(ids, self._batch(*shape), self.kv_pool, wait_layer)  # warm-up
@@ -164,12 +165,13 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, shape: tuple[int, int], input_ids: list[int], prefix_lens: list[int], new_lens: list[int],
             page_tables: list[list[int]], ids_device: torch.Tensor | None = None,
-            wait_restore: bool = False) -> torch.Tensor:
+            wait_restore: bool = False, restore_epoch: int = 0) -> torch.Tensor:
         """Sequence b adds tokens input_ids[sum(new_lens[:b]) : ...] at positions prefix_lens[b] + t; its
         K/V are all written before any row attends, each row seeing keys up to itself (causal).
         ids_device [B] (decode only): the input ids already on the device (a chained step), copied
         over the staged ones on the stream. wait_restore: replay the variant that waits for each
-        layer of a layer-ordered restore. -> logits of each sequence's last new token [B, V]."""
+        layer of a layer-ordered restore, up to `restore_epoch` of the layer flags. -> logits of
+        each sequence's last new token [B, V]."""
         seqs, per = shape
         ps = self.page_size
         # two staging buffers alternate; the copies out of this one (two steps ago) must be done before
@@ -180,9 +182,11 @@ class DecodeGraphs:
         host_rows, host_tables = self.host_rows[k], self.host_tables[k]
         if self._staged[k] is not None:
             self._staged[k].synchronize()
-        fill_staging(host_rows.numpy(), host_tables.numpy(), shape, input_ids, prefix_lens, new_lens,
-                     page_tables, ps, self.scratch_slot)
-        self.rows.copy_(host_rows, non_blocking=True)  # [5, N]: one contiguous copy (2.5 KiB at N = 64)
+        host = host_rows.numpy()
+        fill_staging(host, host_tables.numpy(), shape, input_ids, prefix_lens, new_lens, page_tables, ps,
+                     self.scratch_slot)
+        host[5, 0] = restore_epoch
+        self.rows.copy_(host_rows, non_blocking=True)  # [6, N]: one contiguous copy (3 KiB at N = 64)
         # whole table rows: one contiguous pinned -> device copy (stale columns past a length are masked)
         self.page_tables[:seqs].copy_(host_tables[:seqs], non_blocking=True)
         self._staged[k] = torch.cuda.Event()

@@ -86,7 +86,7 @@ class Engine:
                        else ModelRunner(self.model, self.cache.l1.kv, page_size, self.device))
         transfer = self.cache.transfer
         if config.restore_overlap and not config.simulate and transfer is not None and transfer.layerwise:
-            self.runner.layer_events = transfer.layer_events  # None on the CPU: copies are synchronous
+            self.runner.layer_flags = transfer.layer_flags  # None on the CPU: copies are synchronous
         if self.device.type == "cuda" and config.cuda_graphs and not config.simulate:
             self._capture_graphs()
         self.admission = Admission(self)
@@ -101,7 +101,8 @@ class Engine:
         self._stopping = False
         self._batch_id = 0
         self.stats = {"batches": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
-                      "failed": 0, "chained_steps": 0, "restore_overlaps": 0}
+                      "failed": 0, "chained_steps": 0, "restore_overlaps": 0,
+                      "restore_waits_timed_out": 0}
 
     def _capture_graphs(self) -> None:
         from scheduler.cuda_graphs import DecodeGraphs
@@ -111,7 +112,7 @@ class Engine:
         max_pages = min(self.cache.l1.num_pages, -(-self.config.max_context_tokens // self.page_size))
         graphs = DecodeGraphs(self.model, self.cache.l1.kv, self.page_size, max_pages, scratch,
                               max_batch=min(self.config.max_running_requests, 64),
-                              layer_events=self.runner.layer_events)
+                              layer_flags=self.runner.layer_flags)
         graphs.capture()
         self.runner.enable_graphs(graphs)
 

@@ -23,7 +23,8 @@ class BatchInput:
     top_ps: list[float]
     generators: list[torch.Generator | None]
     is_decode: bool
-    wait_restore: bool = False    # the one sequence's prefix is still landing layer by layer (layer events)
+    wait_restore: bool = False    # the one sequence's prefix is still landing layer by layer (layer flags)
+    restore_epoch: int = 0        # ... up to this epoch of the transfer engine's layer flags (CUDA)
 
 
 class ModelRunner:
@@ -35,7 +36,7 @@ class ModelRunner:
         self.cuda = device.type == "cuda"
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-cuda-wait")
         self.graphs = None
-        self.layer_events: list | None = None  # the transfer engine's, for layer-ordered restores
+        self.layer_flags = None  # the transfer engine's LayerFlags, for layer-ordered restores (CUDA)
 
     def enable_graphs(self, graphs) -> None:
         """Small forwards (every sequence adds one token) replay captured CUDA graphs."""
@@ -62,13 +63,18 @@ class ModelRunner:
             logits = self.graphs.run_prefill(bucket, batch.input_ids, batch.page_tables[0])  # [1, V]
         elif shape is not None:  # small forward (decode, or a short tail after a restore): replay a graph
             logits = self.graphs.run(shape, batch.input_ids, batch.prefix_lens, batch.new_lens,
-                                     batch.page_tables, ids_dev, wait_restore=batch.wait_restore)  # [B, V]
+                                     batch.page_tables, ids_dev, wait_restore=batch.wait_restore,
+                                     restore_epoch=batch.restore_epoch)  # [B, V]
         else:
             attn = AttentionBatch.build(batch.prefix_lens, batch.new_lens, batch.page_tables, self.page_size,
                                         self.device, batch.is_decode)
             ids = ids_dev if ids_dev is not None else \
                 torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-            logits = self.model(ids, attn, self.kv_pool, self._wait_layer if batch.wait_restore else None)  # [B, V]
+            wait_layer = None
+            if batch.wait_restore and self.layer_flags is not None:  # CUDA; on the CPU copies are synchronous
+                self.layer_flags.expected.fill_(batch.restore_epoch)
+                wait_layer = self.layer_flags.wait
+            logits = self.model(ids, attn, self.kv_pool, wait_layer)  # [B, V]
         next_ids = sample(logits, batch.temperatures, batch.top_ps, batch.generators)  # [B]
         if not self.cuda:
             return next_ids, None, next_ids
@@ -78,10 +84,10 @@ class ModelRunner:
         event.record()
         return host, event, next_ids
 
-    def _wait_layer(self, layer: int) -> None:
-        if self.layer_events is not None:  # CUDA; on the CPU every copy finished when enqueued
-            from kernels.cuda_rt import wait_event  # the same wait the restore graphs capture
-            wait_event(self.layer_events[layer])
+    def restore_wait_timed_out(self) -> bool:
+        """After a forward that waited for a layer-ordered restore: whether a layer wait gave up
+        (then that forward read KV that had not landed and must be discarded)."""
+        return self.layer_flags is not None and self.layer_flags.timed_out()
 
     async def collect(self, handle) -> list[int]:
         host, event, _ = handle
@@ -110,6 +116,9 @@ class SimRunner:
 
     async def collect(self, handle) -> list[int]:
         return handle[0]
+
+    def restore_wait_timed_out(self) -> bool:
+        return False
 
     def close(self) -> None:
         pass

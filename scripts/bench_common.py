@@ -99,6 +99,29 @@ def table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
+@contextlib.contextmanager
+def host_profile(label: str, into: dict, top: int = 25):
+    """cProfile of the code inside (the loop thread's Python, where a request's host time goes):
+    prints the top `top` functions by own time to stderr and stores them in `into["host_profile"]`
+    as [{"function", "calls", "own_ms", "cum_ms"}]."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        stats = pstats.Stats(prof).stats  # {(file, line, name): (prim_calls, calls, own_s, cum_s, callers)}
+        rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+        into["host_profile"] = [{"function": f"{Path(f).name}:{line}({name})", "calls": c, "own_ms": own * 1e3,
+                                 "cum_ms": cum * 1e3} for (f, line, name), (_, c, own, cum, _) in rows]
+        note(f"host profile, {label} (own ms, calls, function):")
+        for r in into["host_profile"]:
+            note(f"  {r['own_ms']:9.2f} {r['calls']:7d}  {r['function']}")
+
+
 def note(msg: str) -> None:
     print(f"[bench] {msg}", file=sys.stderr, flush=True)
 

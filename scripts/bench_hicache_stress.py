@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import random
 import sys
 import time
@@ -45,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import (BenchDir, add_common_args, close_engine, default_device, default_model, directions_summary,  # noqa: E402
-                          emit, evict, fmt, fmt_bytes, free_memory, integrity_of, median, metrics_delta,
+                          emit, evict, fmt, fmt_bytes, free_memory, host_profile, integrity_of, median, metrics_delta,
                           ms_summary, note, shared_model, table)
 
 
@@ -77,6 +78,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-tier", default="l2", choices=["l2", "l3"])
     p.add_argument("--decode-repeats", type=int, default=3, help="measured passes per engine (median)")
     p.add_argument("--decode-only", action="store_true", help="skip the throughput runs")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="after the measured requests, 4 more under torch.profiler: DIR/<tier>.json.gz chrome trace")
+    p.add_argument("--profile", action="store_true",
+                   help="cProfile the measured requests of each tier (host time per function, to stderr and JSON)")
     add_common_args(p)
     args = p.parse_args(argv)
     args.device = default_device(args.device)
@@ -166,11 +171,15 @@ async def throughput(args, tier: str, prompts, warm, bdir: BenchDir, reference: 
             await run_batch(eng, warm, args.max_tokens, args.batch_size)
             await evict(eng, ("l1", "l2", "l3"))
         before = eng.metrics()
-        t0 = time.perf_counter()
-        recs = await run_batch(eng, prompts, args.max_tokens, args.batch_size)
-        wall = time.perf_counter() - t0
+        prof: dict = {}
+        with host_profile(tier, prof) if args.profile else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            recs = await run_batch(eng, prompts, args.max_tokens, args.batch_size)
+            wall = time.perf_counter() - t0
         await eng.cache.drain()
         delta = metrics_delta(eng.metrics(), before)
+        if args.trace:
+            await trace_requests(eng, prompts[:4], args, Path(args.trace) / f"{tier}.json.gz")
         l1_checks = []
         for i, (rec, ref) in enumerate(zip(recs, reference or [])):
             if rec["error"] is None and rec["ids"] != ref and len(l1_checks) < 10:
@@ -202,8 +211,28 @@ async def throughput(args, tier: str, prompts, warm, bdir: BenchDir, reference: 
         "differs_from_recompute": l1_checks,
         "policy_skips": {k: int(v) for k, v in delta["policy_skips"].items()},
         "integrity": integrity, "errors": [r["error"] for r in recs if r["error"]][:5],
-        "_outputs": [r["ids"] for r in recs],
+        "_outputs": [r["ids"] for r in recs], **prof,
     }
+
+
+async def trace_requests(eng, prompts, args, path: Path) -> None:
+    """A chrome trace (CPU ops, CUDA runtime calls, kernels and copies) of a few more requests of the
+    workload, one at a time: where a request's wall time goes between host and device."""
+    import gzip
+
+    from torch.profiler import ProfilerActivity, profile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=acts, with_stack=True) as prof:
+        for p in prompts:
+            await timed(eng, p, args.max_tokens)
+    raw = path.with_suffix("")
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as f, gzip.open(path, "wb") as g:
+        g.write(f.read())
+    raw.unlink()
+    note(f"trace of {len(prompts)} requests: {path}")
 
 
 def decode_pass(recs: list[dict], wall: float) -> dict:

@@ -50,19 +50,19 @@ def test_restores_equal_recompute_on_gpu(tier, overlap, graphs):
     assert out == ref
     assert eng.metrics()["hit_tokens"][tier] > 0
     assert (eng.stats["restore_overlaps"] > 0) == overlap  # an L3 hit is prefetched to L2, then restored from there
+    assert eng.stats["restore_waits_timed_out"] == 0  # every layer wait saw its copy land
 
 
 @pytest.mark.parametrize("captured", [True, False])
-def test_layer_events_hold_each_layer_until_its_copy_landed(captured):
+def test_layer_flags_hold_each_layer_until_its_copy_landed(captured):
     """A layer-ordered restore of 288 MiB (several ms over PCIe) and, right behind it, work that
-    reads each layer after waiting on that layer's event (inside a captured graph: external
-    event-wait nodes; or eagerly): every layer it reads is the restored data, none the zeros
-    that were there before."""
+    reads each layer after waiting for that layer's flag (inside a captured graph, with the epoch
+    staged in a device tensor; or eagerly): every layer it reads is the restored data, none the
+    zeros that were there before, and no wait gives up."""
     from hicache.geometry import KVGeometry
     from hicache.pools import DevicePool, HostPool
     from hicache.transfer import TransferEngine
     from kernels.chooser import choose_backends
-    from kernels.cuda_rt import wait_event
 
     geo = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
     n = 128
@@ -71,13 +71,15 @@ def test_layer_events_hold_each_layer_until_its_copy_landed(captured):
     l2.page_buffer.view(torch.int16).random_(1, 1000)  # no zero anywhere
     te = TransferEngine(l1, l2, choose_backends(l1.kv, "torch"))
     assert te.layerwise
+    flags = te.layer_flags
     l1_pages, host_pages = list(range(4, 4 + n)), list(range(n))
     idx = torch.tensor(l1_pages, device="cuda")
     seen = torch.empty((geo.num_layers, 2, n, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
+    staged = torch.zeros(1, dtype=torch.int64, device="cuda")
 
     def read_layers():
         for layer in range(geo.num_layers):
-            wait_event(te.layer_events[layer])
+            flags.wait(layer, staged)
             seen[layer].copy_(l1.kv[:, layer].index_select(1, idx))
 
     graph = None
@@ -94,12 +96,28 @@ def test_layer_events_hold_each_layer_until_its_copy_landed(captured):
         l1.kv.zero_()
         seen.zero_()
         tr = te.h2d_layerwise(host_pages, l1_pages)
+        staged.fill_(tr.epoch)
         graph.replay() if captured else read_layers()
         torch.cuda.synchronize()
         te.wait_blocking(tr)
         want = l2.buffer[:, :, :n].permute(1, 0, 2, 3, 4, 5).cuda()  # [L, 2, n, S, H, D]
         assert torch.equal(seen, want)
+        assert not flags.timed_out()
     te.close()
+
+
+def test_layer_wait_gives_up_on_a_flag_never_written():
+    """A wait for an epoch no copy will write returns after its spins and reports it."""
+    from kernels.layer_flags import LayerFlags
+
+    flags = LayerFlags(2, torch.device("cuda"), max_spins=1000)
+    flags.signal(torch.cuda.current_stream(), 0, 5)
+    flags.expected.fill_(5)
+    flags.wait(0)
+    assert not flags.timed_out()
+    flags.expected.fill_(6)
+    flags.wait(1)
+    assert flags.timed_out()
 
 
 def test_fused_kernels_equal_plain_torch():

@@ -78,6 +78,24 @@ def test_layer_plan_is_in_layer_order_and_refuses_fragmented_pages():
         layer_plan(geo, 64, [1, 2], [1])
 
 
+# -- the device-side layer wait (Triton interpreter on the CPU) ----------------------------------
+def test_layer_wait_passes_landed_layers_and_gives_up_on_missing_ones():
+    from kernels.layer_flags import LayerFlags
+
+    flags = LayerFlags(4, torch.device("cpu"), max_spins=20)
+    flags.flags.copy_(torch.tensor([3, 2, 0, 7], dtype=torch.int32))  # epochs the copy stream wrote
+    flags.expected.fill_(2)
+    seen = []
+    for layer in range(4):
+        flags.wait(layer)
+        seen.append(flags.timed_out())
+    assert seen == [False, False, True, False]  # only layer 2 (epoch 0 < 2) never landed
+    assert not flags.timed_out()  # reading the status clears it
+    staged = torch.tensor([8])  # a graph's own staged epoch instead of `expected`
+    flags.wait(3, staged)
+    assert flags.timed_out()
+
+
 # -- through the engine ------------------------------------------------------------------------
 @pytest.mark.asyncio
 async def test_overlapped_restore_equals_recompute_and_keeps_accounting_whole():
@@ -130,6 +148,58 @@ async def test_failed_overlapped_restore_discards_the_forward_and_recomputes():
     await eng.cache.drain()
     assert_whole(eng.cache)
     assert (await run_one(eng)).output_ids == want
+    await finish(eng)
+
+
+@pytest.mark.asyncio
+async def test_forward_whose_layer_wait_gave_up_is_discarded_and_rerun():
+    """A layer wait that gave up (a flag never reached its epoch) means the tail forward may have
+    read KV that had not landed: its output is dropped and the tail runs again on the restored
+    pages; the request still gets the recompute output and keeps its L2 hit."""
+    eng = make_engine()
+    await eng.start()
+    want = await reference(PROMPT)
+    await _prefix_only_in_l2(eng)
+    gave_up = iter([True])
+    eng.runner.restore_wait_timed_out = lambda: next(gave_up, False)
+    batches = eng.stats["batches"]
+    result = await run_one(eng)
+    assert result.output_ids == want
+    assert eng.stats["restore_overlaps"] == 1 and result.cached_tokens["l2"] == REUSABLE
+    assert next(gave_up, None) is None  # the wait was consulted
+    assert eng.stats["restore_waits_timed_out"] == 1
+    assert eng.stats["batches"] - batches == 1 + len(want)  # the discarded tail, its rerun, decode
+    await eng.cache.drain()
+    assert_whole(eng.cache)
+    await finish(eng)
+
+
+@pytest.mark.asyncio
+async def test_layer_copy_that_cannot_be_enqueued_fails_the_restore_not_the_loop(monkeypatch):
+    """A layer copy that raises while being enqueued fails the transfer (every flag is still
+    written, so the tail forward never waits for it): the forward is discarded and recomputed."""
+    import hicache.transfer as transfer_mod
+
+    eng = make_engine()
+    await eng.start()
+    want = await reference(PROMPT)
+    await _prefix_only_in_l2(eng)
+    real, calls = transfer_mod.run_layer_cpu, []
+
+    def fail_on_second_layer(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("DMA refused")
+        real(*args)
+    monkeypatch.setattr(transfer_mod, "run_layer_cpu", fail_on_second_layer)
+    with capture_op_logs() as logs:
+        result = await run_one(eng)
+    monkeypatch.setattr(transfer_mod, "run_layer_cpu", real)
+    assert result.output_ids == want and result.cached_tokens["l2"] == 0
+    assert eng.stats["restore_overlaps"] == 1
+    assert any(e.get("state") == "restore_overlap_discarded" for e in logs)
+    await eng.cache.drain()
+    assert_whole(eng.cache)
     await finish(eng)
 
 

@@ -43,3 +43,36 @@ def test_round_trip_is_exact_for_every_host_layout(layout):
     assert any(w.host is not None for w in engine._workspaces) == needs_host_workspace
     engine.close()
 
+
+
+def _same(a, b) -> bool:
+    """Bit-equal (random bits include NaNs)."""
+    return torch.equal(a.contiguous().view(torch.int16), b.contiguous().view(torch.int16))
+
+
+def _engine_with_random_l2():
+    l1 = DevicePool(GEOM, 32, torch.device("cpu"))
+    l2 = HostPool(GEOM, 64, pin=False)
+    l2.page_buffer.view(torch.int16).random_(-30000, 30000)
+    return l1, l2, TransferEngine(l1, l2, ChosenBackends("torch", "torch", {}, "test"))
+
+
+def test_a_layer_copy_that_raises_fails_the_transfer_not_the_caller(monkeypatch):
+    import hicache.transfer as transfer_mod
+    from hicache.transfer import TransferError
+
+    l1, l2, engine = _engine_with_random_l2()
+    calls = []
+
+    def copy_twice_then_raise(*args):
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("DMA refused")
+        run_layer_cpu(*args)
+
+    from hicache.layer_copy import run_layer_cpu
+    monkeypatch.setattr(transfer_mod, "run_layer_cpu", copy_twice_then_raise)
+    tr = engine.h2d_layerwise([7, 8], [0, 1])  # does not raise
+    with pytest.raises(TransferError, match="layer 1 not copied"):
+        engine.wait_blocking(tr)
+    engine.close()

@@ -1,0 +1,117 @@
+"""Layer-ready flags: how a forward waits, on the device, for the layers of a restore that is still
+crossing PCIe (hicache/layer_copy.py), without CUDA events.
+
+The copy stream writes `flags[l] = epoch` right behind layer l's DMAs (a stream memory operation:
+cuStreamWriteValue32, which fences the writes before it; cuMemsetD32Async where stream memory
+operations are off). The forward runs `wait(l)` before layer l's attention: one tiny kernel that
+spins on a volatile load until `flags[l] >= expected` (a device scalar filled with the restore's
+epoch before the forward). Epochs only grow, so a later restore's write never releases an earlier
+forward too soon: stream order puts it behind the earlier restore's copies.
+
+Why not event-wait nodes: a captured graph with 36 external event waits cost ~17 us of device time
+per wait (the graph runs in segments) and ~0.3 ms more host time per launch on the H200 (session 4
+trace, docs/benchmarks.md); a spin kernel costs one small kernel.
+
+Every flag write of a restore is enqueued before the forward that waits for it is launched.
+Launching the forward first (to hide the ~0.5 ms of copy enqueueing under it) was tried on the H200
+and dropped: the first such restore of a process saw its copies stall behind the spinning forward
+until the waits gave up (CUDA promises streams no forward progress to each other).
+
+A wait gives up after `max_spins` loads (~0.2 s; only a bug can get there) and sets `status` to 1;
+later waits of the same forward then pass at once, and the caller discards that forward.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency
+    triton = None
+
+MAX_SPINS = 1 << 20  # ~0.16 us per volatile load on the H200: ~0.2 s
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["layer", "max_spins"])
+    def _wait_kernel(flags_ptr, expected_ptr, status_ptr, layer, max_spins):
+        want = tl.load(expected_ptr).to(tl.int32)
+        seen = tl.load(flags_ptr + layer, volatile=True)
+        spins = 0
+        if tl.load(status_ptr, volatile=True) != 0:  # an earlier layer gave up: the output is void anyway
+            spins = max_spins
+        while (seen < want) & (spins < max_spins):
+            seen = tl.load(flags_ptr + layer, volatile=True)
+            spins += 1
+        if seen < want:
+            tl.store(status_ptr, 1)
+
+
+@functools.lru_cache(maxsize=1)
+def _driver():
+    """libcuda's stream write (or memset) entry point, or None."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    for name in ("cuStreamWriteValue32_v2", "cuStreamWriteValue32"):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+            break
+    memset = lib.cuMemsetD32Async
+    memset.restype = ctypes.c_int
+    memset.argtypes = [ctypes.c_uint64, ctypes.c_uint, ctypes.c_size_t, ctypes.c_void_p]
+    return fn, memset
+
+
+class LayerFlags:
+    """flags [L] int32 (device), status [1] int32 (device), expected [1] int64 (device, the eager
+    forwards' epoch; a captured graph reads its own staged copy)."""
+
+    def __init__(self, num_layers: int, device: torch.device, max_spins: int = MAX_SPINS) -> None:
+        self.flags = torch.zeros(num_layers, dtype=torch.int32, device=device)
+        self.status = torch.zeros(1, dtype=torch.int32, device=device)
+        self.expected = torch.zeros(1, dtype=torch.int64, device=device)
+        self.max_spins = max_spins
+        self.epoch = 0
+        self._write, self._base = None, self.flags.data_ptr()
+        if self.flags.is_cuda:
+            write, memset = _driver()
+            self._write, self._memset = write, memset
+
+    def next_epoch(self) -> int:
+        self.epoch += 1
+        return self.epoch
+
+    def signal(self, stream: torch.cuda.Stream, layer: int, epoch: int) -> None:
+        """In `stream`'s order, after what is already on it: flags[layer] = epoch."""
+        addr = self._base + 4 * layer
+        if self._write is not None:
+            code = self._write(stream.cuda_stream, addr, epoch, 0)  # 0: fenced write
+            if code == 0:
+                return
+            self._write = None  # stream memory operations are off on this machine: memset from now on
+        code = self._memset(addr, epoch, 1, stream.cuda_stream)
+        if code != 0:
+            raise RuntimeError(f"cuMemsetD32Async failed with CUDA error {code}")
+
+    def wait(self, layer: int, expected: torch.Tensor | None = None) -> None:
+        """The current stream waits until flags[layer] >= expected (default: self.expected);
+        capturable into a CUDA graph."""
+        _wait_kernel[(1,)](self.flags, self.expected if expected is None else expected, self.status, layer,
+                           self.max_spins, num_warps=1)
+
+    def timed_out(self) -> bool:
+        """Whether a wait gave up since the last call (synchronises with the current stream)."""
+        if not bool(self.status.item()):
+            return False
+        self.status.zero_()
+        return True
