@@ -146,12 +146,12 @@ class PageAllocator:
     def _move(self, pages: Sequence[int], expect: int, to: int) -> None:
         if len(pages) == 0:
             return
-        listed = sorted(int(p) for p in pages)
+        listed = sorted(map(int, pages))
         if listed[0] < 0 or listed[-1] >= self.num_pages:
             raise AllocatorError(f"{self.name}: page index out of range")
-        if any(a == b for a, b in zip(listed, listed[1:])):
+        if len(set(listed)) != len(listed):
             raise AllocatorError(f"{self.name}: duplicate pages in one call")
-        idx = np.array(listed, dtype=np.int64)
+        idx = np.fromiter(listed, dtype=np.int64, count=len(listed))
         wrong = idx[self.owner[idx] != expect]
         if len(wrong):
             raise AllocatorError(

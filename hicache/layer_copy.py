@@ -1,6 +1,6 @@
 """Layer-ordered L2 -> L1 copies: layer 0's K/V of every page lands first, then layer 1's, and so on,
-each layer followed by its own CUDA event, so a forward over the restored prefix can run layer l as
-soon as layer l has landed instead of after the whole prefix.
+each layer followed by its flag (kernels/layer_flags.py), so a forward over the restored prefix can
+run layer l as soon as layer l has landed instead of after the whole prefix.
 
 L2 is page-major ([page, 2, layer, S, H, D]): the K (or V) slab of layer l of a page is `slab_bytes`
 at offset (kv * L + l) * slab_bytes inside that page. L1 is [2, layer, page, S, H, D]: for pages
@@ -15,7 +15,7 @@ A restore of one run is 2 DMAs per layer; more fragmented page lists are left to
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -25,14 +25,14 @@ from hicache.geometry import KVGeometry
 MAX_LAYER_RUNS = 8
 
 
-@dataclass(frozen=True)
-class Copy2D:
+class Copy2D(NamedTuple):
+    """One 2-D DMA, its fields in cudaMemcpy2DAsync's order (a restore plans ~70 of them)."""
     dst_offset_bytes: int   # into the L1 pool
+    dst_pitch_bytes: int
     src_offset_bytes: int   # into the L2 page buffer
+    src_pitch_bytes: int
     width_bytes: int        # one slab
     height: int             # pages
-    src_pitch_bytes: int
-    dst_pitch_bytes: int
 
 
 def page_runs(l1_pages: list[int], host_pages: list[int]) -> list[tuple[int, int]]:
@@ -56,18 +56,12 @@ def layer_plan(geometry: KVGeometry, l1_num_pages: int, l1_pages: list[int],
         return None
     layers, slab = geometry.num_layers, geometry.slab_elements * geometry.itemsize
     page_bytes = geometry.bytes_per_page
-    plan = []
-    for layer in range(layers):
-        copies = []
-        for kv in (0, 1):
-            slab_index = kv * layers + layer
-            for i0, i1 in runs:
-                copies.append(Copy2D(dst_offset_bytes=(slab_index * l1_num_pages + l1_pages[i0]) * slab,
-                                     src_offset_bytes=host_pages[i0] * page_bytes + slab_index * slab,
-                                     width_bytes=slab, height=i1 - i0, src_pitch_bytes=page_bytes,
-                                     dst_pitch_bytes=slab))
-        plan.append(copies)
-    return plan
+    # per run: (L1 offset of its first page in slab 0, L2 offset of its first page, height)
+    bases = [(l1_pages[i0] * slab, host_pages[i0] * page_bytes, i1 - i0) for i0, i1 in runs]
+    l1_slab_stride = l1_num_pages * slab  # L1 bytes from slab (kv, l) to the next
+    return [[Copy2D(dst + s * l1_slab_stride, slab, src + s * slab, page_bytes, slab, height)
+             for s in (layer, layers + layer) for dst, src, height in bases]  # K runs, then V runs
+            for layer in range(layers)]
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -89,5 +83,5 @@ def run_layer_cuda(copies: list[Copy2D], l1_ptr: int, l2_ptr: int, stream: torch
     the L1 pool (at l1_ptr) on `stream`."""
     from kernels.cuda_rt import memcpy_2d_async
 
-    memcpy_2d_async([(l1_ptr + c.dst_offset_bytes, c.dst_pitch_bytes, l2_ptr + c.src_offset_bytes,
-                      c.src_pitch_bytes, c.width_bytes, c.height) for c in copies], stream)
+    memcpy_2d_async([(l1_ptr + dst, dst_pitch, l2_ptr + src, src_pitch, width, height)
+                     for dst, dst_pitch, src, src_pitch, width, height in copies], stream)

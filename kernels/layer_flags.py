@@ -79,6 +79,8 @@ class LayerFlags:
     def __init__(self, num_layers: int, device: torch.device, max_spins: int = MAX_SPINS) -> None:
         self.flags = torch.zeros(num_layers, dtype=torch.int32, device=device)
         self.status = torch.zeros(1, dtype=torch.int32, device=device)
+        # host mirror of `status`, filled in stream order behind a forward (no extra sync to read it)
+        self.status_host = torch.zeros(1, dtype=torch.int32, pin_memory=self.status.is_cuda)
         self.expected = torch.zeros(1, dtype=torch.int64, device=device)
         self.max_spins = max_spins
         self.epoch = 0
@@ -109,9 +111,22 @@ class LayerFlags:
         _wait_kernel[(1,)](self.flags, self.expected if expected is None else expected, self.status, layer,
                            self.max_spins, num_warps=1)
 
-    def timed_out(self) -> bool:
-        """Whether a wait gave up since the last call (synchronises with the current stream)."""
-        if not bool(self.status.item()):
+    def stage_status(self) -> None:
+        """Enqueue the copy of `status` into `status_host` on the current stream (behind the waits)."""
+        self.status_host.copy_(self.status, non_blocking=self.status.is_cuda)
+
+    def staged_timed_out(self) -> bool:
+        """Whether a wait gave up, from the staged copy (the caller has synchronised past
+        `stage_status`); clears the status for the next forward."""
+        if not self.status_host[0]:
             return False
         self.status.zero_()
+        self.status_host.zero_()
         return True
+
+    def timed_out(self) -> bool:
+        """Whether a wait gave up since the last call (synchronises with the current stream)."""
+        self.stage_status()
+        if self.status.is_cuda:
+            torch.cuda.current_stream(self.status.device).synchronize()
+        return self.staged_timed_out()

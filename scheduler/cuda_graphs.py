@@ -48,13 +48,18 @@ class DecodeGraphs:
         rows = max(b * r for b, r in self.shapes)
         seqs = max(b for b, _ in self.shapes)
         i64 = dict(dtype=torch.int64, device=self.device)
-        # ids, positions, out slots, seq lens, last rows, and in [5, 0] a restore's epoch  [6, N]
-        self.rows = torch.zeros((6, rows), **i64)
-        self.page_tables = torch.full((seqs, max_pages_per_seq), scratch_page, **i64)  # [B, M]
-        # pinned staging, filled on the host each step (no per-step pinned allocation)
-        self.host_rows = torch.zeros((2, 6, rows), dtype=torch.int64, pin_memory=True)  # double-buffered
-        self.host_tables = torch.full((2, seqs, max_pages_per_seq), scratch_page, dtype=torch.int64,
-                                      pin_memory=True)
+        # one device buffer, so a step's inputs cross in one copy: rows [6, N] (ids, positions, out
+        # slots, seq lens, last rows, and in [5, 0] a restore's epoch), then page tables [B, M]
+        self._rows_len = 6 * rows
+        staging = torch.full((self._rows_len + seqs * max_pages_per_seq,), scratch_page, **i64)
+        self.rows = staging[:self._rows_len].view(6, rows).zero_()
+        self.page_tables = staging[self._rows_len:].view(seqs, max_pages_per_seq)
+        self._staging = staging
+        # pinned twins, filled on the host each step (double-buffered; no per-step pinned allocation)
+        self._host_staging = torch.stack([staging.cpu()] * 2).pin_memory()
+        self.host_rows = self._host_staging[:, :self._rows_len].view(2, 6, rows)
+        self.host_tables = self._host_staging[:, self._rows_len:].view(2, seqs, max_pages_per_seq)
+        self._events = [torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event()]  # reused: staged x2, prefill
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self._staged: list[torch.cuda.Event | None] = [None, None]
@@ -147,7 +152,7 @@ class DecodeGraphs:
                              self.page_size, self.scratch_slot)
         self.p_rows.copy_(self.host_p_rows, non_blocking=True)
         self.p_table.copy_(self.host_p_table, non_blocking=True)
-        self._p_staged = torch.cuda.Event()
+        self._p_staged = self._events[2]
         self._p_staged.record()
         self.prefill_graphs[length].replay()
         return self.prefill_logits[length]
@@ -186,10 +191,11 @@ class DecodeGraphs:
         fill_staging(host, host_tables.numpy(), shape, input_ids, prefix_lens, new_lens, page_tables, ps,
                      self.scratch_slot)
         host[5, 0] = restore_epoch
-        self.rows.copy_(host_rows, non_blocking=True)  # [6, N]: one contiguous copy (3 KiB at N = 64)
-        # whole table rows: one contiguous pinned -> device copy (stale columns past a length are masked)
-        self.page_tables[:seqs].copy_(host_tables[:seqs], non_blocking=True)
-        self._staged[k] = torch.cuda.Event()
+        # rows and whole table rows of the batch: one contiguous pinned -> device copy (stale columns
+        # past a length are masked)
+        used = self._rows_len + seqs * self.page_tables.shape[1]
+        self._staging[:used].copy_(self._host_staging[k, :used], non_blocking=True)
+        self._staged[k] = self._events[k]
         self._staged[k].record()
         if ids_device is not None:
             self.rows[0, :len(ids_device)].copy_(ids_device)  # device to device, after the staged ids

@@ -28,6 +28,8 @@ class BatchInput:
 
 
 class ModelRunner:
+    OUT_RING = 4  # pinned output buffers reused round-robin (see __init__)
+
     def __init__(self, model: Qwen3Model, kv_pool: torch.Tensor, page_size: int, device: torch.device) -> None:
         self.model = model
         self.kv_pool = kv_pool
@@ -37,6 +39,11 @@ class ModelRunner:
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-cuda-wait")
         self.graphs = None
         self.layer_flags = None  # the transfer engine's LayerFlags, for layer-ordered restores (CUDA)
+        # where sampled ids land on the host: a ring of pinned buffers and events reused round-robin
+        # (at most two steps are in flight, in a decode chain); a fresh pinned tensor and event per
+        # step cost ~30 us of host time
+        self._out_ring: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        self._out_next = 0
 
     def enable_graphs(self, graphs) -> None:
         """Small forwards (every sequence adds one token) replay captured CUDA graphs."""
@@ -78,16 +85,26 @@ class ModelRunner:
         next_ids = sample(logits, batch.temperatures, batch.top_ps, batch.generators)  # [B]
         if not self.cuda:
             return next_ids, None, next_ids
-        host = torch.empty(next_ids.shape, dtype=torch.int64, pin_memory=True)
+        if batch.wait_restore and self.layer_flags is not None:
+            self.layer_flags.stage_status()  # read after this step's event: restore_wait_timed_out
+        host, event = self._out_slot(len(next_ids))
         host.copy_(next_ids, non_blocking=True)
-        event = torch.cuda.Event()
         event.record()
         return host, event, next_ids
 
+    def _out_slot(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        if not self._out_ring or self._out_ring[0][0].numel() < n:
+            size = max(n, 256)
+            self._out_ring = [(torch.empty(size, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+                              for _ in range(self.OUT_RING)]
+        buf, event = self._out_ring[self._out_next % self.OUT_RING]
+        self._out_next += 1
+        return buf[:n], event
+
     def restore_wait_timed_out(self) -> bool:
-        """After a forward that waited for a layer-ordered restore: whether a layer wait gave up
-        (then that forward read KV that had not landed and must be discarded)."""
-        return self.layer_flags is not None and self.layer_flags.timed_out()
+        """After collecting a forward that waited for a layer-ordered restore: whether a layer wait
+        gave up (then that forward read KV that had not landed and must be discarded)."""
+        return self.layer_flags is not None and self.layer_flags.staged_timed_out()
 
     async def collect(self, handle) -> list[int]:
         host, event, _ = handle

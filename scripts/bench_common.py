@@ -114,12 +114,22 @@ def host_profile(label: str, into: dict, top: int = 25):
     finally:
         prof.disable()
         stats = pstats.Stats(prof).stats  # {(file, line, name): (prim_calls, calls, own_s, cum_s, callers)}
-        rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
-        into["host_profile"] = [{"function": f"{Path(f).name}:{line}({name})", "calls": c, "own_ms": own * 1e3,
-                                 "cum_ms": cum * 1e3} for (f, line, name), (_, c, own, cum, _) in rows]
+
+        def rows(key):
+            return [{"function": f"{Path(f).name}:{line}({name})", "calls": c, "own_ms": own * 1e3, "cum_ms": cum * 1e3}
+                    for (f, line, name), (_, c, own, cum, _) in sorted(stats.items(), key=key)[:top]]
+        into["host_profile"] = rows(lambda kv: -kv[1][2])
+        # the project's own functions by inclusive time: which stage of a request the time is in
+        ours = {k: v for k, v in stats.items() if any(d in k[0] for d in ("/scheduler/", "/hicache/", "/kernels/"))}
+        into["host_profile_stages"] = [{"function": f"{Path(f).name}:{line}({name})", "calls": c, "cum_ms": cum * 1e3}
+                                       for (f, line, name), (_, c, _, cum, _) in
+                                       sorted(ours.items(), key=lambda kv: -kv[1][3])[:2 * top]]
         note(f"host profile, {label} (own ms, calls, function):")
         for r in into["host_profile"]:
             note(f"  {r['own_ms']:9.2f} {r['calls']:7d}  {r['function']}")
+        note(f"host profile, {label}, project functions by inclusive time (cum ms, calls, function):")
+        for r in into["host_profile_stages"]:
+            note(f"  {r['cum_ms']:9.2f} {r['calls']:7d}  {r['function']}")
 
 
 def note(msg: str) -> None:
