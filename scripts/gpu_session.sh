@@ -29,6 +29,7 @@ for s in "$@"; do
     bisect2) CUDA_LAUNCH_BLOCKING=1 step bisect2_blocking 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000 --iterations 8 --json ;;
     stress_l3) step stress_l3 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tier l3 --policy always --json --out "$OUT/stress_l3.json" ;;
     stress_prof) step stress_prof 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --profile --trace "$OUT/trace" --json --out "$OUT/stress_prof.json" ;;
+    stages) step stages 200 python3 scripts/profile_stages.py --model qwen3-8b ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -133,3 +133,28 @@ def test_stress_single_tier_checks_against_reference(stress, tmp_path):
     res = json.loads(out.read_text())
     assert res["baseline"] == "reference" and [r["tier"] for r in res["tiers"]] == ["l2"]
     assert res["outputs_match"] is True and res["integrity"] == "passed"
+
+
+def test_stress_profile_and_trace(stress, tmp_path):
+    """--profile stores the loop's host time per function; --trace writes a chrome trace per tier."""
+    out = tmp_path / "p.json"
+    rc = stress.main(CPU + ["--tiers", "none,l2", "--num-prefixes", "2", "--prefix-tokens", "32", "--requests", "4",
+                            "--warmup", "0", "--profile", "--trace", str(tmp_path / "trace"), "--json",
+                            "--out", str(out)])
+    assert rc == 0
+    l2 = {r["tier"]: r for r in json.loads(out.read_text())["tiers"]}["l2"]
+    assert l2["host_profile"] and {"function", "calls", "own_ms", "cum_ms"} <= set(l2["host_profile"][0])
+    assert any("Admission" in r["function"] or "admission.py" in r["function"] for r in l2["host_profile_stages"])
+    assert (tmp_path / "trace" / "l2.json.gz").stat().st_size > 0
+
+
+def test_profile_stages_times_each_stage_and_restores_the_engine(capsys):
+    from scheduler.admission import Admission
+
+    before = Admission.__dict__["prefill_batch"]
+    mod = load("profile_stages")
+    assert mod.main(CPU + ["--num-prefixes", "2", "--prefix-tokens", "32", "--requests", "4", "--warmup", "0"]) == 0
+    printed = capsys.readouterr().out
+    assert "Admission.prefill_batch" in printed and "ModelRunner.launch" in printed
+    assert Admission.__dict__["prefill_batch"] is before  # the timers are gone again
+

@@ -1,0 +1,114 @@
+"""Where an L2-hit request's host time goes, stage by stage: the stress workload
+(scripts/bench_hicache_stress.py, tiers none and l2) with wall-clock timers around the engine's
+stages (admission, restore enqueue, graph staging and launch, waiting for the device, the
+bookkeeping after a step, finishing). Plain timers, not cProfile: they cost ~1 us per call, so the
+figures are what the request really spends. Prints per-request milliseconds and per-call
+microseconds of each stage, measured over the l2 tier only.
+
+    python3 scripts/profile_stages.py --model qwen3-8b            # on the GPU
+    python3 scripts/profile_stages.py --model tiny --device cpu --requests 24
+Other arguments are passed to bench_hicache_stress.py.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_hicache_stress as stress  # noqa: E402
+
+# (module, class, method): the stages of a request, in order
+STAGES = [
+    ("scheduler.engine", "Engine", "add_request"),
+    ("scheduler.admission", "Admission", "prefill_batch"),
+    ("scheduler.admission", "Admission", "_try_restore"),
+    ("hicache.transfer", "TransferEngine", "h2d_layerwise"),
+    ("scheduler.runner", "ModelRunner", "launch"),
+    ("scheduler.cuda_graphs", "DecodeGraphs", "run"),
+    ("scheduler.runner", "ModelRunner", "collect"),
+    ("scheduler.admission", "Admission", "after_overlapped_forward"),
+    ("scheduler.engine", "Engine", "_after_batch"),
+    ("scheduler.admission", "Admission", "after_step"),
+    ("scheduler.engine", "Engine", "finish"),
+]
+
+totals: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])  # label -> [calls, ns]
+measuring = False
+
+
+def timed(label: str, fn):
+    def account(t0: int) -> None:
+        if measuring:
+            totals[label][0] += 1
+            totals[label][1] += time.perf_counter_ns() - t0
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def wrapper(*args, **kwargs):
+            t0 = time.perf_counter_ns()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                account(t0)
+    else:
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                account(t0)
+    return wrapper
+
+
+def install():
+    """Wrap every stage; returns the function that puts the originals back."""
+    import importlib
+
+    originals = []
+    for module_name, cls_name, name in STAGES:
+        owner = getattr(importlib.import_module(module_name), cls_name)
+        originals.append((owner, name, owner.__dict__[name]))
+        setattr(owner, name, timed(f"{cls_name}.{name}", getattr(owner, name)))
+
+    def restore() -> None:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+    return restore
+
+
+def main(argv=None) -> int:
+    global measuring
+    totals.clear()
+    restore = install()
+    throughput = stress.throughput
+
+    async def measured(args, tier, *rest, **kwargs):
+        global measuring
+        measuring = tier == "l2"
+        result = await throughput(args, tier, *rest, **kwargs)
+        if measuring:
+            n = result["requests"]
+            print(f"l2 tier: {n} requests, p50 {result['latency_ms']['p50']:.2f} ms, {result['req_s']:.1f} req/s")
+            print(f"  {'stage':40s} {'calls':>6s} {'ms/request':>11s} {'us/call':>9s}")
+            for label, (calls, ns) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+                print(f"  {label:40s} {calls:6d} {ns / 1e6 / n:11.3f} {ns / 1e3 / max(calls, 1):9.1f}")
+        measuring = False
+        return result
+
+    stress.throughput = measured
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return stress.main(["--tiers", "none,l2"] + argv)
+    finally:
+        stress.throughput = throughput
+        restore()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
