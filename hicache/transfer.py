@@ -110,9 +110,11 @@ class TransferEngine:
         self.chunk_pages = max(1, (32 << 20) // self.geometry.bytes_per_page)
         self._workspaces: list[Workspace] = []
         self._waiter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-cuda-wait")
-        # layer-ordered restores (h2d_layerwise): the H2D stream sets layer l's flag to the
-        # restore's epoch right after that layer's DMAs; a forward over the restored pages waits
-        # for the flags layer by layer, on the device (kernels/layer_flags.py)
+        # layer-ordered restores (h2d_layerwise) have a copy stream of their own: a forward waits on
+        # the device for them (kernels/layer_flags.py) and must not also wait for a parked restore's
+        # classic H2D queued ahead of them. Behind each layer's DMAs the stream sets that layer's
+        # flag to the restore's epoch.
+        self.layer_stream = torch.cuda.Stream(device=l1.device) if self.cuda else None
         self.layer_flags: LayerFlags | None = None
         self.layerwise = not self.cuda
         if self.cuda:
@@ -193,7 +195,7 @@ class TransferEngine:
         """The copies of a layer-ordered transfer (on the CPU: done when this returns). A copy that
         cannot be enqueued fails the transfer, not the caller; every flag is still written, so no
         forward ever waits for it."""
-        stream, flags = (self.copy_streams["h2d"], self.layer_flags) if self.cuda else (None, None)
+        stream, flags = self.layer_stream, self.layer_flags
         if self.cuda:
             tr.epoch = flags.next_epoch()
             stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # its last reader of these pages
@@ -341,7 +343,7 @@ class TransferEngine:
 
     def close(self) -> None:
         if self.cuda:
-            for stream in (*self.kernel_streams.values(), *self.copy_streams.values()):
+            for stream in (*self.kernel_streams.values(), *self.copy_streams.values(), self.layer_stream):
                 stream.synchronize()
         self._waiter.shutdown(wait=True)
         self._workspaces.clear()

@@ -17,8 +17,10 @@ Launching the forward first (to hide the ~0.5 ms of copy enqueueing under it) wa
 and dropped: the first such restore of a process saw its copies stall behind the spinning forward
 until the waits gave up (CUDA promises streams no forward progress to each other).
 
-A wait gives up after `max_spins` loads (~0.2 s; only a bug can get there) and sets `status` to 1;
-later waits of the same forward then pass at once, and the caller discards that forward.
+A wait gives up after `max_spins` loads (~1.3 s; only a bug can get there: the copies have a
+stream of their own and are enqueued first, and even 128 K tokens of an 8B model land in 0.4 s)
+and sets `status` to 1; later waits of the same forward then pass at once, and the caller
+discards that forward.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ try:
 except ImportError:  # pragma: no cover - triton is a dependency
     triton = None
 
-MAX_SPINS = 1 << 20  # ~0.16 us per volatile load on the H200: ~0.2 s
+MAX_SPINS = 1 << 23  # ~0.16 us per volatile load on the H200: ~1.3 s
 
 
 if triton is not None:
