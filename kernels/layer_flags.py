@@ -55,7 +55,7 @@ if triton is not None:
 
 @functools.lru_cache(maxsize=1)
 def _driver():
-    """libcuda's stream write (or memset) entry point, or None."""
+    """(cuStreamWriteValue32 or None, cuMemsetD32Async) from libcuda, or None without it."""
     if not torch.cuda.is_available():
         return None
     try:
@@ -86,10 +86,12 @@ class LayerFlags:
         self.expected = torch.zeros(1, dtype=torch.int64, device=device)
         self.max_spins = max_spins
         self.epoch = 0
-        self._write, self._base = None, self.flags.data_ptr()
-        if self.flags.is_cuda:
-            write, memset = _driver()
-            self._write, self._memset = write, memset
+        self._write, self._memset, self._base = None, None, self.flags.data_ptr()
+        if self.flags.is_cuda:  # on the CPU the copies are synchronous: nothing to signal
+            driver = _driver()
+            if driver is None:
+                raise RuntimeError("layer flags need libcuda.so.1 (cuStreamWriteValue32 / cuMemsetD32Async)")
+            self._write, self._memset = driver
 
     def next_epoch(self) -> int:
         self.epoch += 1

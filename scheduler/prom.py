@@ -98,6 +98,9 @@ class EngineCollector(Collector):
                       "behind the layer-ordered copy",
                       {"decode_chain": eng.get("chained_steps", 0), "restore": eng.get("restore_overlaps", 0)},
                       ["kind"])
+        yield counter("hicache_engine_restore_waits_timed_out", "forwards whose wait for a layer-ordered "
+                      "restore gave up on the device (output discarded, tail run again)",
+                      eng.get("restore_waits_timed_out", 0))
 
 
 class ServerMetrics:

@@ -283,6 +283,7 @@ def test_metrics_parse_and_move(srv, client):
     assert any(k[0] == "hicache_pending_operations" for k in after)
     assert delta("hicache_engine_overlapped_steps_total", kind="decode_chain") >= 1  # 3 tokens: chained steps
     assert ("hicache_engine_overlapped_steps_total", (("kind", "restore"),)) in after
+    assert ("hicache_engine_restore_waits_timed_out_total", ()) in after
 
 
 # -- concurrency, disconnects, no leaks ------------------------------------------------------------------
