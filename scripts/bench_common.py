@@ -244,6 +244,24 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def device_read_gib_s(device) -> float:
+    """Device memory read bandwidth from a large copy (bytes read / time); 0.0 off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 0.0
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src)
+    torch.cuda.synchronize(device)
+    per = (time.perf_counter() - t) / 10
+    return 2 * src.numel() / per / (1 << 30)  # a copy reads and writes: count both, as a read stream
+
+
 class BenchDir:
     """A private directory on the file system of `base` (default: the current directory) for the L3
     file and the raw-read probe; removed at close."""

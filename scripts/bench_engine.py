@@ -18,6 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
+from bench_common import device_read_gib_s  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
@@ -27,23 +28,6 @@ from scheduler.runner import BatchInput  # noqa: E402
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def device_read_gib_s(device) -> float:
-    """Device memory read bandwidth from a large copy (bytes read / time)."""
-    if device.type != "cuda":
-        return 0.0
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(10):
-        dst.copy_(src)
-    sync(device)
-    per = (time.perf_counter() - t) / 10
-    return 2 * src.numel() / per / (1 << 30)  # a copy reads and writes: count both, as a read stream
 
 
 VOCAB_LO = 1

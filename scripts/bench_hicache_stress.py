@@ -45,9 +45,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import (BenchDir, add_common_args, close_engine, default_device, default_model, directions_summary,  # noqa: E402
-                          emit, evict, fmt, fmt_bytes, free_memory, host_profile, integrity_of, median, metrics_delta,
-                          ms_summary, note, shared_model, table)
+from bench_common import (BenchDir, add_common_args, close_engine, default_device, default_model,  # noqa: E402
+                          device_read_gib_s, directions_summary, emit, evict, fmt, fmt_bytes, free_memory,
+                          host_profile, integrity_of, median, metrics_delta, ms_summary, note, shared_model, table)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -215,6 +215,26 @@ async def throughput(args, tier: str, prompts, warm, bdir: BenchDir, reference: 
     }
 
 
+def hit_bound(args, base: dict, loaded: dict) -> dict:
+    """What no tier can beat on this workload, from this run's own numbers: each prefix's first use
+    recomputes in every tier (cold), and every later request still runs one forward over its
+    uncached tail, which reads every weight once. The ceiling assumes zero host time and that
+    forward at the weight-read floor (weight bytes / device read bandwidth, measured here);
+    `hit_ms_for_2x` is what each hit request may cost for 2x the baseline."""
+    cold = min(args.num_prefixes, args.requests)
+    hits = args.requests - cold
+    wall_ms = base["wall_s"] * 1e3
+    cold_ms = cold * wall_ms / base["requests"]  # the baseline's mean request
+    model = next(iter(loaded.values()))[0]
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    read_gib_s = device_read_gib_s(args.device)
+    floor_ms = weight_bytes / (read_gib_s * (1 << 30)) * 1e3 if read_gib_s else None
+    need_ms = (wall_ms / 2 - cold_ms) / hits if hits else None
+    return {"cold_requests": cold, "hit_requests": hits, "weight_read_floor_ms": floor_ms,
+            "ceiling_vs_baseline": wall_ms / (cold_ms + hits * floor_ms) if floor_ms else None,
+            "hit_ms_for_2x": need_ms, "hit_ms_for_2x_vs_floor": need_ms / floor_ms if floor_ms and need_ms else None}
+
+
 async def trace_requests(eng, prompts, args, path: Path) -> None:
     """A chrome trace (CPU ops, CUDA runtime calls, kernels and copies) of a few more requests of the
     workload, one at a time: where a request's wall time goes between host and device."""
@@ -304,7 +324,7 @@ async def amain(args) -> dict:
     out["workload"]["page_size"] = page_size_of(args)
     bdir = BenchDir(args.storage_path)
     try:
-        with shared_model():
+        with shared_model() as loaded:
             if not args.decode_only:
                 prompts = rotating_prompts(args, vocab, 1, args.requests)
                 warm = rotating_prompts(args, vocab, 2, args.warmup) if args.warmup else []
@@ -325,6 +345,8 @@ async def amain(args) -> dict:
                                                 if a != b][:20]
                     r["speedup_vs_none"] = (r["req_s"] / base["req_s"]) if base["req_s"] and r["req_s"] else None
                 out["baseline"] = base["tier"]
+                if base["tier"] == "none":
+                    out["bound"] = hit_bound(args, base, loaded)
                 out["tiers"] = [r for r in runs if r["tier"] != "reference"]
                 if base["tier"] == "reference":
                     out["reference"] = {k: base[k] for k in ("req_s", "integrity", "errors")}
@@ -365,6 +387,13 @@ def human(out: dict) -> str:
                  fmt(r["outputs_match"]), "ok" if r["integrity"] == "passed" else "FAIL"] for r in out["tiers"]]
         parts.append(table(["tier", "policy", "req/s", f"x {out['baseline']}", "p50 ms", "p95 ms", "p99 ms",
                             "hit l1/l2/l3", "recomputed", "moved d2h/h2d/h2s/s2h", "match", "integrity"], rows))
+    if out.get("bound"):
+        b = out["bound"]
+        parts.append(f"bound: {b['cold_requests']} cold requests recompute in every tier; 2x {out['baseline']} "
+                     f"needs each of the {b['hit_requests']} others <= {fmt(b['hit_ms_for_2x'])} ms"
+                     + (f" ({fmt(b['hit_ms_for_2x_vs_floor'])} x the {fmt(b['weight_read_floor_ms'])} ms weight-read "
+                        f"floor of its one forward); ceiling with zero host time {fmt(b['ceiling_vs_baseline'])}x"
+                        if b["weight_read_floor_ms"] else ""))
     if "decode" in out:
         d = out["decode"]
         rows = [[name, r["tier"], fmt(r["decode_tok_s"], "{:.1f}"), fmt(r["total_tok_s"], "{:.1f}"),

@@ -106,6 +106,9 @@ def test_stress_tiers_and_decode(stress, tmp_path):
     res = json.loads(out.read_text())
     assert res["outputs_match"] is True and res["integrity"] == "passed"
     assert res["baseline"] == "none"
+    bound = res["bound"]  # 4 prefixes: their first uses recompute in every tier, the other 12 may hit
+    assert (bound["cold_requests"], bound["hit_requests"]) == (4, 12)
+    assert bound["hit_ms_for_2x"] is not None and bound["ceiling_vs_baseline"] is None  # no device floor on the CPU
     tiers = {r["tier"]: r for r in res["tiers"]}
     assert set(tiers) == {"none", "l2", "l2small", "l3"}
     assert all(r["differs_from_recompute"] == [] for r in tiers.values())  # float32: exact
