@@ -100,6 +100,7 @@ class Engine:
         self._loop_task: asyncio.Task | None = None
         self._stopping = False
         self._batch_id = 0
+        self._occupancy_logged: dict = {}  # tier -> used pages in its last occupancy event
         self.stats = {"batches": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
                       "failed": 0, "chained_steps": 0, "restore_overlaps": 0,
                       "restore_waits_timed_out": 0}
@@ -367,9 +368,11 @@ class Engine:
         log.info("batch", batch_id=self._batch_id, kind=kind, num_seqs=len(reqs),
                  num_tokens=len(binput.input_ids), start_ns=start_ns, end_ns=end_ns)
         self.stats["batches"] += 1
-        for tier, alloc in self.cache.tree.allocators.items():
-            log.info("occupancy", tier=tier.label, used_pages=alloc.num_pages - alloc.num_free,
-                     capacity_pages=alloc.num_pages)
+        for tier, alloc in self.cache.tree.allocators.items():  # a counter: logged when it moves
+            used = alloc.num_pages - alloc.num_free
+            if self._occupancy_logged.get(tier) != used:
+                self._occupancy_logged[tier] = used
+                log.info("occupancy", tier=tier.label, used_pages=used, capacity_pages=alloc.num_pages)
         if binput.is_decode:
             self.stats["decode_tokens"] += len(reqs)
             if restoring:

@@ -180,3 +180,17 @@ def test_validate_names_the_bad_token():
     for prompt, bad in (([1, 2, 512], "512"), ([1, True, 3], "True"), ([1, 2.0], "2.0"), ([-1], "-1")):
         with pytest.raises(RequestError, match=bad):
             eng.validate(prompt, SamplingParams(max_tokens=1))
+
+
+def test_occupancy_is_logged_when_it_moves():
+    """Occupancy is a counter for the timeline: one event per tier when its used pages change, not
+    one per batch (decode steps that take no new page log none)."""
+    from hicache_helpers import capture_op_logs
+
+    eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=16))
+    with capture_op_logs() as logs:
+        eng.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=8))  # 12 tokens: one page throughout
+    batches = [e for e in logs if e.get("event") == "batch"]
+    used = [e["used_pages"] for e in logs if e.get("event") == "occupancy" and e["tier"] == "l1"]
+    assert len(batches) == 8 and used and len(used) < len(batches)
+    assert all(a != b for a, b in zip(used, used[1:]))
