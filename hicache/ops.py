@@ -39,6 +39,8 @@ from typing import Any, Mapping
 
 import structlog
 
+from hicache.log_gate import info_enabled
+
 
 class OpKind(enum.Enum):
     BACKUP = "backup"            # L1 -> L2 (-> L3), write-through
@@ -221,6 +223,8 @@ def apply(op: Op, event: OpEvent, *, now_ns: int | None = None, error: str | Non
         op.error = error or "failed"
     elif error is not None:
         op.error = error
+    if logger is None and event is not OpEvent.FAIL and not info_enabled():
+        return action  # nothing would receive the event (hicache/log_gate.py)
     fields: dict[str, Any] = dict(
         op_id=op.op_id, kind=op.kind.value, op_event=event.name, from_state=from_state.name,
         to_state=next_state.name, action=action.name, bytes=op.num_bytes, pages=op.num_pages,

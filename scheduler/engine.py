@@ -26,7 +26,7 @@ from hicache.faults import FaultInjector
 from hicache.manager import CacheManager
 from scheduler.admission import Admission
 from scheduler.config import EngineConfig
-from scheduler.logs import configure_logging
+from scheduler.logs import configure_logging, info_enabled
 from scheduler.model import load_model
 from scheduler.presets import PRESETS, ModelConfig
 from scheduler.request import (GenerationResult, Request, RequestError, RequestState, SamplingParams,
@@ -289,7 +289,8 @@ class Engine:
             self._wake.set()
 
     def _event(self, req: Request, state: str, **fields) -> None:
-        log.info("request", rid=req.rid, state=state, **fields)
+        if info_enabled():
+            log.info("request", rid=req.rid, state=state, **fields)
 
     async def _loop(self) -> None:
         try:
@@ -364,15 +365,16 @@ class Engine:
         reqs, chunks, binput = work
         self._batch_id += 1
         end_ns = time.monotonic_ns()
-        kind = "decode" if binput.is_decode else "prefill"
-        log.info("batch", batch_id=self._batch_id, kind=kind, num_seqs=len(reqs),
-                 num_tokens=len(binput.input_ids), start_ns=start_ns, end_ns=end_ns)
         self.stats["batches"] += 1
-        for tier, alloc in self.cache.tree.allocators.items():  # a counter: logged when it moves
-            used = alloc.num_pages - alloc.num_free
-            if self._occupancy_logged.get(tier) != used:
-                self._occupancy_logged[tier] = used
-                log.info("occupancy", tier=tier.label, used_pages=used, capacity_pages=alloc.num_pages)
+        if info_enabled():
+            kind = "decode" if binput.is_decode else "prefill"
+            log.info("batch", batch_id=self._batch_id, kind=kind, num_seqs=len(reqs),
+                     num_tokens=len(binput.input_ids), start_ns=start_ns, end_ns=end_ns)
+            for tier, alloc in self.cache.tree.allocators.items():  # a counter: logged when it moves
+                used = alloc.num_pages - alloc.num_free
+                if self._occupancy_logged.get(tier) != used:
+                    self._occupancy_logged[tier] = used
+                    log.info("occupancy", tier=tier.label, used_pages=used, capacity_pages=alloc.num_pages)
         if binput.is_decode:
             self.stats["decode_tokens"] += len(reqs)
             if restoring:

@@ -6,6 +6,8 @@ import time
 
 import structlog
 
+from hicache.log_gate import drop_below_warning, info_enabled  # noqa: F401  (re-exported)
+
 
 def add_monotonic_ns(_logger, _name, event_dict: dict) -> dict:
     event_dict.setdefault("ts_ns", time.monotonic_ns())
@@ -29,14 +31,3 @@ def configure_logging(log_json_path: str | None) -> None:
                         structlog.dev.ConsoleRenderer(colors=False)],
             cache_logger_on_first_use=False,
         )
-
-
-_QUIET = {"debug", "info"}
-
-
-def drop_below_warning(_logger, method_name: str, event_dict: dict) -> dict:
-    """Without --log-json only warnings and errors are printed. A processor rather than a filtering
-    wrapper, so structlog.testing.capture_logs() (which swaps the processors) still sees everything."""
-    if method_name in _QUIET:
-        raise structlog.DropEvent
-    return event_dict

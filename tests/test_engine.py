@@ -194,3 +194,31 @@ def test_occupancy_is_logged_when_it_moves():
     used = [e["used_pages"] for e in logs if e.get("event") == "occupancy" and e["tier"] == "l1"]
     assert len(batches) == 8 and used and len(used) < len(batches)
     assert all(a != b for a, b in zip(used, used[1:]))
+
+
+def test_quiet_logging_skips_events_but_capture_and_json_still_get_them(tmp_path):
+    """The loop skips building per-step events only when nothing would receive them; capture_logs()
+    sees them even after the quiet configuration was installed, and a JSON log gets every one."""
+    import json
+
+    import structlog
+    from structlog.testing import capture_logs
+
+    from scheduler.logs import configure_logging, info_enabled
+
+    saved = structlog.get_config()
+    try:
+        configure_logging(None)
+        assert not info_enabled()
+        with capture_logs() as logs:
+            assert info_enabled()
+            Engine(EngineConfig(model="tiny", num_pages=64, page_size=16)).generate(
+                [[5, 6, 7]], SamplingParams(max_tokens=2))
+        assert {"queued", "prefill_start", "finished"} <= {e.get("state") for e in logs}
+        path = tmp_path / "log.jsonl"
+        Engine(EngineConfig(model="tiny", num_pages=64, page_size=16, log_json=str(path))).generate(
+            [[5, 6, 7]], SamplingParams(max_tokens=2))
+        events = [json.loads(line)["event"] for line in path.read_text().splitlines()]
+        assert events.count("batch") == 2 and "request" in events and "occupancy" in events
+    finally:
+        structlog.configure(**saved)

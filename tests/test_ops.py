@@ -198,3 +198,17 @@ def test_mermaid_mentions_every_state_and_edge(kind: OpKind) -> None:
             assert f"{state.name} -->|{event.name}" in diagram
     nodes = {line.split("[")[0].split("(")[0].strip() for line in diagram.splitlines()[2:] if "-->" not in line}
     assert nodes == {s.name for s in states_of(kind)}
+
+
+def test_transitions_build_no_event_when_nothing_receives_it(monkeypatch) -> None:
+    """Under the quiet configuration (tests/conftest.py) a transition builds no info event; a
+    failure still logs its warning, and under capture_logs every transition is seen."""
+    called = []
+    monkeypatch.setattr(structlog, "get_logger", lambda *a: called.append(a) or structlog.PrintLogger())
+    op = make(K.RESTORE_L2)
+    apply(op, E.START)
+    assert called == [] and op.state is S.H2D_PENDING  # the state machine moved all the same
+    monkeypatch.undo()
+    with capture_logs() as logs:
+        apply(op, E.FAIL, error="boom")
+    assert [(e["event"], e["log_level"], e.get("error")) for e in logs] == [("op", "warning", "boom")]
