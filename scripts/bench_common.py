@@ -115,15 +115,14 @@ def host_profile(label: str, into: dict, top: int = 25):
         prof.disable()
         stats = pstats.Stats(prof).stats  # {(file, line, name): (prim_calls, calls, own_s, cum_s, callers)}
 
-        def rows(key):
+        def rows(items, column: int, count: int):
+            """The `count` largest by own (column 2) or inclusive (column 3) time."""
             return [{"function": f"{Path(f).name}:{line}({name})", "calls": c, "own_ms": own * 1e3, "cum_ms": cum * 1e3}
-                    for (f, line, name), (_, c, own, cum, _) in sorted(stats.items(), key=key)[:top]]
-        into["host_profile"] = rows(lambda kv: -kv[1][2])
+                    for (f, line, name), (_, c, own, cum, _) in sorted(items, key=lambda kv: -kv[1][column])[:count]]
+        into["host_profile"] = rows(stats.items(), 2, top)
         # the project's own functions by inclusive time: which stage of a request the time is in
-        ours = {k: v for k, v in stats.items() if any(d in k[0] for d in ("/scheduler/", "/hicache/", "/kernels/"))}
-        into["host_profile_stages"] = [{"function": f"{Path(f).name}:{line}({name})", "calls": c, "cum_ms": cum * 1e3}
-                                       for (f, line, name), (_, c, _, cum, _) in
-                                       sorted(ours.items(), key=lambda kv: -kv[1][3])[:2 * top]]
+        ours = [kv for kv in stats.items() if any(d in kv[0][0] for d in ("/scheduler/", "/hicache/", "/kernels/"))]
+        into["host_profile_stages"] = rows(ours, 3, 2 * top)
         note(f"host profile, {label} (own ms, calls, function):")
         for r in into["host_profile"]:
             note(f"  {r['own_ms']:9.2f} {r['calls']:7d}  {r['function']}")

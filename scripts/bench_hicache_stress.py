@@ -238,8 +238,6 @@ def hit_bound(args, base: dict, loaded: dict) -> dict:
 async def trace_requests(eng, prompts, args, path: Path) -> None:
     """A chrome trace (CPU ops, CUDA runtime calls, kernels and copies) of a few more requests of the
     workload, one at a time: where a request's wall time goes between host and device."""
-    import gzip
-
     from torch.profiler import ProfilerActivity, profile
 
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -247,11 +245,7 @@ async def trace_requests(eng, prompts, args, path: Path) -> None:
     with profile(activities=acts, with_stack=True) as prof:
         for p in prompts:
             await timed(eng, p, args.max_tokens)
-    raw = path.with_suffix("")
-    prof.export_chrome_trace(str(raw))
-    with open(raw, "rb") as f, gzip.open(path, "wb") as g:
-        g.write(f.read())
-    raw.unlink()
+    prof.export_chrome_trace(str(path))  # torch gzips a path ending in .gz
     note(f"trace of {len(prompts)} requests: {path}")
 
 
