@@ -28,6 +28,12 @@ class HiCacheConfig:
     policy: Policy = "cost"
     write_policy: WritePolicy = "write_through"
     transfer_backend: TransferBackend = "auto"
+    # layer-ordered L2 restores of at most this many tokens go by the copy kernel that reads pinned L2
+    # over PCIe (kernels/host_copy.py: one launch) instead of the copy engine (2 DMAs + a flag write per
+    # layer); fragmented ones always do; 0: only fragmented ones. 1024: on the H200 the kernel's
+    # ~0.6 ms less host time per restore won up to 1,000 tokens (stress L2 1.42x -> 1.48-1.52x), and
+    # its lower bandwidth lost at 2,000 (docs/benchmarks.md, session 5)
+    kernel_restore_max_tokens: int = 1024
     prefetch: bool = True  # False: blocking restores (--disable-hicache-prefetch)
     # cost-model priors
     recompute_us_per_token: float = 50.0
@@ -57,6 +63,8 @@ class HiCacheConfig:
             raise ValueError("--hicache-storage-backend redis needs --hicache-storage-url redis://HOST:PORT/DB")
         if self.storage_explore_reads < 0:
             raise ValueError("--hicache-storage-explore-reads must be >= 0")
+        if self.kernel_restore_max_tokens < 0:
+            raise ValueError("--hicache-kernel-restore-max-tokens must be >= 0")
         if self.cost_margin <= 0:
             raise ValueError("--hicache-cost-margin must be > 0")
 

@@ -69,7 +69,8 @@ class CacheManager:
                 self.transfer = NullTransferEngine(geometry)
             else:
                 self.backends = choose_backends(self.l1.kv, cfg.transfer_backend)
-                self.transfer = TransferEngine(self.l1, self.l2, self.backends, faults)
+                self.transfer = TransferEngine(self.l1, self.l2, self.backends, faults,
+                                               kernel_max_pages=cfg.kernel_restore_max_tokens // self.page_size)
         self.tree = RadixTree(self.page_size, allocators)
         self.tree.on_evict = self._on_evict
         self.cost = CostModel(cfg, geometry.bytes_per_token)

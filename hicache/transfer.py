@@ -5,8 +5,12 @@ D2H:  L1 pages --gather kernel--> packed device workspace [n, 2, L, S, H, D]
       followed by one CPU index copy into the L2 pool (at completion, off the loop thread).
 H2D:  mirror: (CPU index gather only when L2 pages are fragmented) --one DMA--> device workspace
       --scatter kernel--> arbitrary L1 pages.
-H2D, layer-ordered (h2d_layerwise, hicache/layer_copy.py): 2-D DMAs straight into consecutive L1
-      pages, layer by layer, one event per layer, for a forward that runs behind the copy.
+H2D, layer-ordered (h2d_layerwise, hicache/layer_copy.py): 2-D DMAs straight into the L1 pages,
+      layer by layer, each layer followed by its flag (kernels/layer_flags.py), for a forward that
+      runs behind the copy.
+Fragmented L2 pages (more runs than the DMA plans take), either direction, layer-ordered or not: one
+      copy kernel that reaches the pinned L2 pages over PCIe (kernels/host_copy.py) instead of a CPU
+      gather (H2D) or a workspace and a CPU index copy at completion (D2H).
 Work runs on private CUDA streams, kernels and DMAs one stream each per direction (PCIe is full
 duplex: a backup never queues a restore), that first wait on the caller's stream (the page-index
 tensors and the KV being copied are produced there). Completion is a `Transfer` whose `wait()` awaits the
@@ -16,6 +20,7 @@ On the CPU every copy is synchronous and transfers are complete when enqueued.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,8 +32,9 @@ from hicache.geometry import KVGeometry
 from hicache.layer_copy import layer_plan, run_layer_cpu, run_layer_cuda
 from hicache.pools import DevicePool, HostPool
 from kernels.chooser import ChosenBackends
+from kernels import host_copy
 from kernels.layer_flags import LayerFlags
-from kernels.page_copy import gather_pages, scatter_pages
+from kernels.page_copy import gather_pages, scatter_pages, triton_available
 
 
 class TransferError(RuntimeError):
@@ -93,7 +99,7 @@ class Transfer:
 
 class TransferEngine:
     def __init__(self, l1: DevicePool, l2: HostPool, backends: ChosenBackends,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None, kernel_max_pages: int = 0) -> None:
         self.l1, self.l2 = l1, l2
         self.geometry: KVGeometry = l1.geometry
         self.backends = backends
@@ -105,8 +111,10 @@ class TransferEngine:
                                else None)
         self.copy_streams = ({d: torch.cuda.Stream(device=l1.device) for d in ("d2h", "h2d")} if self.cuda
                              else None)
-        # pipelining chunk: at most 32 MiB, and small enough that even a 1000-token transfer has
-        # several chunks in flight
+        # pipelining chunk: 32 MiB. The first chunk's gather (D2H) or the last one's scatter (H2D),
+        # ~20 us on the H200, is all the kernel time left exposed; each chunk costs the loop thread
+        # 0.1-0.2 ms to enqueue (a launch, an event, a wait, a DMA), so smaller chunks buy a few us
+        # of device time with a lot of host time (8 chunks per 1,000-token D2H: 0.7-1.6 ms on the H200 host)
         self.chunk_pages = max(1, (32 << 20) // self.geometry.bytes_per_page)
         self._workspaces: list[Workspace] = []
         self._waiter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-cuda-wait")
@@ -122,6 +130,18 @@ class TransferEngine:
             self.layerwise = cuda_rt.available() and l2.pinned
             if self.layerwise:
                 self.layer_flags = LayerFlags(self.geometry.num_layers, l1.device)
+        # fragmented restores: the copy kernel reads pinned L2 over PCIe. Its per-layer counts
+        # belong to the stream it runs on (stream order keeps two launches apart); the classic
+        # path's flags are its own (only the layer stream writes layer_flags, in epoch order)
+        self.host_reads = self.cuda and l2.pinned and triton_available()
+        self.kernel_max_pages = kernel_max_pages  # layer-ordered restores this short take the kernel too
+        if self.host_reads:
+            zeros = functools.partial(torch.zeros, self.geometry.num_layers, dtype=torch.int32, device=l1.device)
+            self._counts = {"layer": zeros(), "h2d": zeros()}
+            self._h2d_flags = zeros()
+            self._h2d_epoch = 0
+            self.host_copy = host_copy.HostCopy(l2.page_buffer, l1.kv)
+            self.host_copy.warm_up(self._counts["h2d"], self._h2d_flags)
 
     # -- workspaces ----------------------------------------------------------------------------
     def _acquire(self, num_pages: int, needs_host: bool) -> tuple[Workspace, int]:
@@ -169,9 +189,10 @@ class TransferEngine:
         return self._enqueue("h2d", l1_pages, host_pages)
 
     def h2d_layerwise(self, host_pages: list[int], l1_pages: list[int]) -> Transfer | None:
-        """L2 -> L1 in layer order, straight into the L1 pages (2-D DMAs, no staging, no kernel);
-        on CUDA `layer_flags.flags[l]` reaches the transfer's `epoch` once layer l has landed. None
-        when this machine cannot or the pages are too fragmented: the caller uses h2d(). A forward
+        """L2 -> L1 in layer order, straight into the L1 pages (2-D DMAs, no staging; pages split in
+        more runs than the DMA plan takes: one copy kernel reading pinned L2); on CUDA
+        `layer_flags.flags[l]` reaches the transfer's `epoch` once layer l has landed. None when this
+        machine cannot (or, without the kernel, the pages are too fragmented): the caller uses h2d(). A forward
         that reads these pages waits for each layer's flag to reach that epoch, and is launched
         after this returns: a wait kernel spinning on copies enqueued after it was seen to stall
         the copies on the H200 (streams promise no forward progress to each other)."""
@@ -180,14 +201,19 @@ class TransferEngine:
         if len(l1_pages) != len(host_pages):
             raise TransferError(f"h2d: {len(l1_pages)} L1 pages vs {len(host_pages)} host pages")
         t0 = time.monotonic_ns()
-        plan = layer_plan(self.geometry, self.l1.num_pages, l1_pages, host_pages)
-        if plan is None:
-            return None
         n = len(l1_pages)
+        short = self.host_reads and n <= self.kernel_max_pages
+        plan = None if short else layer_plan(self.geometry, self.l1.num_pages, l1_pages, host_pages)
+        if plan is None and not self.host_reads:
+            return None
         tr = Transfer("h2d", n, n * self.geometry.bytes_per_page, 0, 0, t0)
         if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
             tr.fail = True
-        self._enqueue_layers(tr, plan)
+        if plan is None:
+            tr.epoch = self.layer_flags.next_epoch()
+            self._host_read(tr, "layer", self.layer_stream, host_pages, l1_pages, self.layer_flags)
+        else:
+            self._enqueue_layers(tr, plan)
         tr.enqueue_ns = time.monotonic_ns() - t0
         return tr
 
@@ -219,6 +245,29 @@ class TransferEngine:
         if self.cuda:
             tr.event.record(stream)
 
+    def _host_read(self, tr: Transfer, counts: str, stream: torch.cuda.Stream, host_pages: list[int],
+                   l1_pages: list[int], flags: LayerFlags | None) -> None:
+        """One copy kernel on `stream`: the L2 pages, read over PCIe, into the L1 pages, layer by
+        layer; layer l's flag reaches tr.epoch once it has landed. A launch that fails fails the
+        transfer, not the caller, with every flag still written."""
+        tr.start_event = torch.cuda.Event(enable_timing=True)
+        tr.event = torch.cuda.Event(enable_timing=True)
+        stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # the last reader of these L1 pages
+        tr.start_event.record(stream)
+        target = flags.flags if flags is not None else self._h2d_flags
+        try:
+            with torch.cuda.stream(stream):
+                pages = torch.tensor([host_pages, l1_pages], dtype=torch.int32).to(self.l1.device,
+                                                                                 non_blocking=True)  # [2, n]
+                tr.keepalive.append(pages)
+                self.host_copy.h2d_layers(pages, self._counts[counts], target, tr.epoch)
+        except Exception as exc:
+            tr.fail, tr.error = True, f"h2d: copy kernel not launched: {exc!r}"
+            if flags is not None:
+                for layer in range(self.geometry.num_layers):
+                    flags.signal(stream, layer, tr.epoch)
+        tr.event.record(stream)
+
     def _enqueue(self, direction: str, l1_pages: list[int], host_pages: list[int]) -> Transfer:
         if len(l1_pages) != len(host_pages) or not l1_pages:
             raise TransferError(f"{direction}: {len(l1_pages)} L1 pages vs {len(host_pages)} host pages")
@@ -228,6 +277,8 @@ class TransferEngine:
         host_consecutive = len(runs) == 1
         few_runs = 1 < len(runs) <= MAX_DMA_RUNS  # one DMA per run, straight into/out of the L2 pool
         cpu_gather = not host_consecutive and not few_runs
+        if cpu_gather and self.host_reads:
+            return self._kernel_transfer(direction, l1_pages, host_pages, t0)
         ws, setup_ns = self._acquire(n, needs_host=cpu_gather)
         idx = self._index(l1_pages)  # produced on the caller's stream
         packed = ws.device[:n]       # [n, 2, L, S, H, D]
@@ -273,6 +324,33 @@ class TransferEngine:
         tr.enqueue_ns = time.monotonic_ns() - t0 - setup_ns
         return tr
 
+    def _kernel_transfer(self, direction: str, l1_pages: list[int], host_pages: list[int], t0: int) -> Transfer:
+        """Fragmented L2 pages <-> L1 by a copy kernel that reaches pinned L2 over PCIe: no
+        workspace, no CPU gather or index copy. H2D on the H2D copy stream (flags of its own, no
+        reader waits on them); D2H on the D2H kernel stream."""
+        n = len(l1_pages)
+        tr = Transfer(direction, n, n * self.geometry.bytes_per_page, 0, 0, t0)
+        if direction == "h2d":
+            self._h2d_epoch += 1
+            tr.epoch = self._h2d_epoch
+            self._host_read(tr, "h2d", self.copy_streams["h2d"], host_pages, l1_pages, None)
+        else:
+            stream = self.kernel_streams["d2h"]
+            tr.start_event = torch.cuda.Event(enable_timing=True)
+            tr.event = torch.cuda.Event(enable_timing=True)
+            stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # the KV being copied is made there
+            tr.start_event.record(stream)
+            with torch.cuda.stream(stream):
+                pages = torch.tensor([host_pages, l1_pages], dtype=torch.int32).to(self.l1.device,
+                                                                                 non_blocking=True)  # [2, n]
+                tr.keepalive.append(pages)
+                self.host_copy.d2h_pages(pages)
+            tr.event.record(stream)
+        if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
+            tr.fail = True
+        tr.enqueue_ns = time.monotonic_ns() - t0
+        return tr
+
     def _pipelined(self, direction: str, idx: torch.Tensor, packed: torch.Tensor, host: torch.Tensor,
                    tr: Transfer) -> None:
         """Chunked: the kernel of chunk i+1 runs on the SMs while the copy engine moves chunk i, so
@@ -281,7 +359,7 @@ class TransferEngine:
         copy_stream.wait_stream(kernel_stream)  # kernel_stream already waited on the caller
         tr.start_event.record(kernel_stream)
         n = len(idx)
-        step = max(1, min(self.chunk_pages, -(-n // 8)))  # >= 8 chunks: little of a kernel is exposed
+        step = self.chunk_pages
         last = kernel_stream
         for lo in range(0, n, step):
             hi = min(n, lo + step)

@@ -72,6 +72,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    choices=["write_through", "write_through_selective", "write_back"])
     h.add_argument("--hicache-transfer-backend", default="auto", choices=["auto", "triton", "torch"])
     h.add_argument("--disable-hicache-prefetch", action="store_true")
+    h.add_argument("--hicache-kernel-restore-max-tokens", type=int, default=HiCacheConfig.kernel_restore_max_tokens,
+                   help="layer-ordered L2 restores up to this many tokens use the copy kernel, not the copy engine")
     h.add_argument("--hicache-recompute-us-per-token", type=float, default=50.0)
     h.add_argument("--hicache-host-bandwidth-gib-s", type=float, default=12.0)
     h.add_argument("--hicache-storage-bandwidth-gib-s", type=float, default=3.0)
@@ -95,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         policy=args.hicache_policy,
         write_policy=args.hicache_write_policy,
         transfer_backend=args.hicache_transfer_backend,
+        kernel_restore_max_tokens=args.hicache_kernel_restore_max_tokens,
         prefetch=not args.disable_hicache_prefetch,
         recompute_us_per_token=args.hicache_recompute_us_per_token,
         host_bandwidth_gib_s=args.hicache_host_bandwidth_gib_s,

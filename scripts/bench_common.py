@@ -148,16 +148,31 @@ def emit(result, as_json: bool, out_path: str | None, human: str) -> None:
 
 
 # -- engine plumbing -------------------------------------------------------------------------------
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def add_common_args(p) -> None:
     """Flags both benchmarks take: engine mode, seed and output."""
     p.add_argument("--disable-cuda-graphs", action="store_true", help="eager small forwards (CUDA)")
     p.add_argument("--enable-cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # the default; kept
     p.add_argument("--disable-restore-overlap", action="store_true",
                    help="finish each L2 restore before its tail forward starts")
+    p.add_argument("--kernel-restore-max-tokens", type=non_negative_int, default=None,
+                   help="layer-ordered restores up to this many tokens by the copy kernel (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None)
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None)
+
+
+def kernel_restore_args(args) -> dict:
+    """with_hicache() changes for --kernel-restore-max-tokens (none when it was not given)."""
+    n = getattr(args, "kernel_restore_max_tokens", None)
+    return {} if n is None else {"kernel_restore_max_tokens": n}
 
 
 def default_device(arg: str | None) -> str:

@@ -30,6 +30,9 @@ for s in "$@"; do
     stress_l3) step stress_l3 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tier l3 --policy always --json --out "$OUT/stress_l3.json" ;;
     stress_prof) step stress_prof 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --profile --trace "$OUT/trace" --json --out "$OUT/stress_prof.json" ;;
     stages) step stages 200 python3 scripts/profile_stages.py --model qwen3-8b ;;
+    stress_ab) i=0; for k in 0 1024 0 1024; do i=$((i+1)); step "stress_ab${i}_k$k" 200 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --kernel-restore-max-tokens $k; done ;;
+    latency_k) step latency_k 240 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,2000 --kernel-restore-max-tokens 2048 --json --out "$OUT/latency_k.json" ;;
+    layer_copy) step layer_copy 200 python3 scripts/bench_layer_copy.py --model qwen3-8b --out "$OUT/layer_copy.json" ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -35,9 +35,11 @@ def test_graphs_equal_eager():
     assert graphs == eager
 
 
-@pytest.mark.parametrize("tier,overlap,graphs", [("l2", True, True), ("l2", True, False), ("l2", False, True),
-                                                  ("l3", True, True)])
-def test_restores_equal_recompute_on_gpu(tier, overlap, graphs):
+@pytest.mark.parametrize("tier,overlap,graphs,kernel_tokens", [
+    ("l2", True, True, 1024), ("l2", True, True, 0), ("l2", True, False, 1024), ("l2", False, True, 1024),
+    ("l3", True, True, 1024)])
+def test_restores_equal_recompute_on_gpu(tier, overlap, graphs, kernel_tokens):
+    """kernel_tokens: restores up to this long by the copy kernel (the default), 0: by 2-D DMAs."""
     rng = random.Random(1)
     bases = [[rng.randrange(512) for _ in range(64)] for _ in range(4)]  # L1 holds about two
     ps = [bases[i % 4] + [rng.randrange(512) for _ in range(1 + i % 3)] for i in range(16)]
@@ -45,7 +47,7 @@ def test_restores_equal_recompute_on_gpu(tier, overlap, graphs):
                         max_running_requests=1, restore_overlap=overlap, cuda_graphs=graphs)
     ref, _ = run(EngineConfig(**{**base.__dict__, "num_pages": 1024, "enable_prefix_cache": False}), ps)
     cfg = base.with_hicache(enable=True, policy="always", host_ratio=4.0 if tier == "l2" else 1.0,
-                            storage_ratio=0.0 if tier == "l2" else 8.0)
+                            storage_ratio=0.0 if tier == "l2" else 8.0, kernel_restore_max_tokens=kernel_tokens)
     out, eng = run(cfg, ps)
     assert out == ref
     assert eng.metrics()["hit_tokens"][tier] > 0
@@ -53,13 +55,15 @@ def test_restores_equal_recompute_on_gpu(tier, overlap, graphs):
     assert eng.stats["restore_waits_timed_out"] == 0  # every layer wait saw its copy land
 
 
-@pytest.mark.parametrize("captured", [True, False])
-def test_layer_flags_hold_each_layer_until_its_copy_landed(captured):
+@pytest.mark.parametrize("captured,fragmented", [(True, False), (False, False), (True, True), (False, True)])
+def test_layer_flags_hold_each_layer_until_its_copy_landed(captured, fragmented):
     """A layer-ordered restore of 288 MiB (several ms over PCIe) and, right behind it, work that
     reads each layer after waiting for that layer's flag (inside a captured graph, with the epoch
     staged in a device tensor; or eagerly): every layer it reads is the restored data, none the
-    zeros that were there before, and no wait gives up."""
+    zeros that were there before, and no wait gives up. Fragmented: pages in random order on both
+    sides, too many runs for the 2-D DMA plan, so the copy kernel reading pinned L2 moves them."""
     from hicache.geometry import KVGeometry
+    from hicache.layer_copy import layer_plan
     from hicache.pools import DevicePool, HostPool
     from hicache.transfer import TransferEngine
     from kernels.chooser import choose_backends
@@ -73,6 +77,10 @@ def test_layer_flags_hold_each_layer_until_its_copy_landed(captured):
     assert te.layerwise
     flags = te.layer_flags
     l1_pages, host_pages = list(range(4, 4 + n)), list(range(n))
+    if fragmented:
+        rng = random.Random(2)
+        l1_pages, host_pages = rng.sample(range(n + 8), n), rng.sample(range(n), n)
+    assert (layer_plan(geo, n + 8, l1_pages, host_pages) is None) == fragmented
     idx = torch.tensor(l1_pages, device="cuda")
     seen = torch.empty((geo.num_layers, 2, n, 16, 8, 128), dtype=torch.bfloat16, device="cuda")
     staged = torch.zeros(1, dtype=torch.int64, device="cuda")
@@ -100,9 +108,69 @@ def test_layer_flags_hold_each_layer_until_its_copy_landed(captured):
         graph.replay() if captured else read_layers()
         torch.cuda.synchronize()
         te.wait_blocking(tr)
-        want = l2.buffer[:, :, :n].permute(1, 0, 2, 3, 4, 5).cuda()  # [L, 2, n, S, H, D]
+        want = l2.buffer[:, :, host_pages].permute(1, 0, 2, 3, 4, 5).cuda()  # [L, 2, n, S, H, D]
         assert torch.equal(seen, want)
         assert not flags.timed_out()
+    te.close()
+
+
+def test_fragmented_transfers_reach_pinned_l2_with_the_copy_kernels():
+    """A plain (not layer-ordered) H2D of host pages in random order takes the copy kernel, not a
+    CPU gather, and lands byte for byte; twice in a row (the kernel's counts reset). A D2H into
+    host pages in random order writes them straight (no workspace), byte for byte."""
+    from hicache.geometry import KVGeometry
+    from hicache.pools import DevicePool, HostPool
+    from hicache.transfer import TransferEngine
+    from kernels.chooser import choose_backends
+
+    geo = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+    l1 = DevicePool(geo, 80, torch.device("cuda"))
+    l2 = HostPool(geo, 64, pin=True)
+    l2.page_buffer.view(torch.int16).random_(1, 1000)
+    te = TransferEngine(l1, l2, choose_backends(l1.kv, "torch"))
+    assert te.host_reads
+    rng = random.Random(3)
+    for _ in range(2):
+        l1.kv.zero_()
+        host_pages, l1_pages = rng.sample(range(64), 40), rng.sample(range(80), 40)
+        tr = te.h2d(host_pages, l1_pages)
+        assert tr.workspace is None  # no staging: the kernel reads L2 directly
+        te.wait_blocking(tr)
+        assert torch.equal(l1.kv[:, :, l1_pages].cpu(), l2.buffer[:, :, host_pages])
+        untouched = sorted(set(range(80)) - set(l1_pages))
+        assert not l1.kv[:, :, untouched].any()
+    l1.kv.view(torch.int16).random_(1, 1000)
+    l2.page_buffer.zero_()
+    host_pages, l1_pages = rng.sample(range(64), 40), rng.sample(range(80), 40)
+    tr = te.d2h(l1_pages, host_pages)
+    assert tr.workspace is None and tr.finish is None
+    te.wait_blocking(tr)
+    assert torch.equal(l2.buffer[:, :, host_pages], l1.kv[:, :, l1_pages].cpu())
+    assert not l2.page_buffer[sorted(set(range(64)) - set(host_pages))].any()
+    te.close()
+
+
+def test_a_copy_kernel_that_cannot_launch_fails_the_transfer_with_every_flag_written(monkeypatch):
+    """A short restore goes by the copy kernel; if its launch raises, the transfer fails (not the
+    caller) and every layer flag still reaches the epoch, so no forward waits for it."""
+    from hicache.geometry import KVGeometry
+    from hicache.pools import DevicePool, HostPool
+    from hicache.transfer import TransferEngine, TransferError
+    from kernels import host_copy
+    from kernels.chooser import choose_backends
+
+    geo = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+    l1, l2 = DevicePool(geo, 16, torch.device("cuda")), HostPool(geo, 16, pin=True)
+    te = TransferEngine(l1, l2, choose_backends(l1.kv, "torch"), kernel_max_pages=8)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("launch failed")
+    monkeypatch.setattr(host_copy.HostCopy, "h2d_layers", broken)
+    tr = te.h2d_layerwise([0, 1, 2], [5, 6, 7])
+    assert tr is not None and tr.fail
+    with pytest.raises(TransferError, match="copy kernel not launched"):
+        te.wait_blocking(tr)
+    assert te.layer_flags.flags.tolist() == [tr.epoch] * 4
     te.close()
 
 

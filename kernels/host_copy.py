@@ -1,0 +1,161 @@
+"""Copy kernels that reach pinned L2 straight over PCIe (the pinned buffer is mapped into the device's
+address space): `HostCopy.h2d_layers` moves a restore into L1 pages layer by layer and sets each
+layer's flag (kernels/layer_flags.py) as soon as that layer has landed; `HostCopy.d2h_pages` writes
+L1 pages into scattered L2 pages (a backup into a fragmented L2). One launch each, whatever the
+length or fragmentation of the page list.
+
+Where they are used (hicache/transfer.py): restores of at most --hicache-kernel-restore-max-tokens
+(the 2 DMAs + 1 flag write per layer of the 2-D DMA plan cost the loop 0.4-0.9 ms before the forward
+may launch; this launch ~0.1 ms), and page lists in more runs than the DMA plans take, which used a
+CPU gather on the loop thread (7-41 ms for 1,000-8,000 tokens) or a CPU index copy at completion,
+at 10-19 GiB/s; the kernels move 44-48 GiB/s. Longer restores keep the copy engine: 0.97-0.98 of
+the pinned copy's bandwidth against the kernel's 0.91-0.92, and no SMs taken from the model, whose
+GEMMs ran ~6 % slower beside this kernel (H200, docs/benchmarks.md, session 5).
+
+Work is layer-major: item = (layer, K/V, page, chunk of a slab); program p takes items p, p + G,
+p + 2G, ... so all programs work on layer 0 first, then layer 1, and so on. After its chunk is
+stored a program bumps the layer's count (acq_rel); the program that brings it to the layer's
+item count resets it and releases `flags[layer] = epoch`. Stream order on the copy stream keeps
+two restores' counts apart.
+
+Layouts: L2 page-major [page, 2, L, S, H, D] (slab (kv, l) of a page at (kv * L + l) * SLAB);
+L1 [2, L, page, S, H, D] (slab (kv, l) of page p at ((kv * L + l) * pool_pages + p) * SLAB).
+Both are copied as raw words (any dtype).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency
+    triton = None
+
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
+MAX_BLOCK_BYTES = 16 << 10   # one item: at most 16 KiB of a slab
+NUM_WARPS = 4
+# programs per launch: on the H200, 16 reached the same 0.91-0.92 of the pinned copy as 32-132 from
+# 1,000 tokens (8: 0.70-0.80) and slowed a stream of small-M GEMMs beside it the least (+6 % while
+# it ran, against +10 % at 32 and +32 % at 132; scripts/bench_layer_copy.py, docs/benchmarks.md)
+PROGRAMS = 16
+
+
+if triton is not None:
+    @triton.jit
+    def _item_offsets(pages_ptr, num_pages, i, slab, chunk, pool_pages, NUM_LAYERS: tl.constexpr,
+                      SLAB: tl.constexpr, BLOCK: tl.constexpr):
+        """Word offsets of chunk `chunk` of slab `slab` (= kv * L + layer) of listed page i: in the
+        L2 page buffer and in the L1 pool."""
+        host_page = tl.load(pages_ptr + i).to(tl.int64)
+        l1_page = tl.load(pages_ptr + num_pages + i).to(tl.int64)
+        host = (host_page * (2 * NUM_LAYERS) + slab) * SLAB + chunk * BLOCK
+        dev = (slab * pool_pages + l1_page) * SLAB + chunk * BLOCK
+        return host, dev
+
+    @triton.jit(do_not_specialize=["epoch", "num_pages", "pool_pages"])
+    def _h2d_layers_kernel(src_ptr, dst_ptr, pages_ptr, counts_ptr, flags_ptr, epoch, num_pages, pool_pages,
+                           NUM_LAYERS: tl.constexpr, SLAB: tl.constexpr, BLOCK: tl.constexpr):
+        # pages_ptr: [2, num_pages] int32 (row 0 L2 pages, row 1 L1 pages)
+        CHUNKS: tl.constexpr = SLAB // BLOCK
+        per_kv = num_pages * CHUNKS
+        per_layer = 2 * per_kv
+        offs = tl.arange(0, BLOCK)
+        for item in range(tl.program_id(0), NUM_LAYERS * per_layer, tl.num_programs(0)):
+            layer = item // per_layer
+            rest = item - layer * per_layer
+            kv = rest // per_kv
+            rest = rest - kv * per_kv
+            i = rest // CHUNKS
+            chunk = rest - i * CHUNKS
+            host, dev = _item_offsets(pages_ptr, num_pages, i, kv * NUM_LAYERS + layer, chunk, pool_pages,
+                                      NUM_LAYERS, SLAB, BLOCK)
+            tl.store(dst_ptr + dev + offs, tl.load(src_ptr + host + offs))
+            tl.debug_barrier()  # every thread's stores precede the release below
+            done = tl.atomic_add(counts_ptr + layer, 1, sem="acq_rel")
+            if done == per_layer - 1:  # the layer's last item: reset the count, publish the flag
+                tl.store(counts_ptr + layer, 0)
+                tl.atomic_xchg(flags_ptr + layer, epoch, sem="release")
+
+    @triton.jit(do_not_specialize=["num_pages", "pool_pages"])
+    def _d2h_pages_kernel(src_ptr, dst_ptr, pages_ptr, num_pages, pool_pages,
+                          NUM_LAYERS: tl.constexpr, SLAB: tl.constexpr, BLOCK: tl.constexpr):
+        # pages_ptr: [2, num_pages] int32 (row 0 L2 pages, row 1 L1 pages); page-major items, so
+        # each L2 page is written front to back
+        CHUNKS: tl.constexpr = SLAB // BLOCK
+        per_page = 2 * NUM_LAYERS * CHUNKS
+        offs = tl.arange(0, BLOCK)
+        for item in range(tl.program_id(0), num_pages * per_page, tl.num_programs(0)):
+            i = item // per_page
+            rest = item - i * per_page
+            slab = rest // CHUNKS
+            chunk = rest - slab * CHUNKS
+            host, dev = _item_offsets(pages_ptr, num_pages, i, slab, chunk, pool_pages, NUM_LAYERS, SLAB, BLOCK)
+            tl.store(dst_ptr + host + offs, tl.load(src_ptr + dev + offs))
+else:  # pragma: no cover
+    _h2d_layers_kernel = _d2h_pages_kernel = None
+
+
+def plan_words(slab_bytes: int) -> tuple[torch.dtype, int, int]:
+    """(word dtype, words per slab, words per item): the widest word that divides a slab, and the
+    largest power-of-two share of the slab up to MAX_BLOCK_BYTES."""
+    word = next(w for w in _WORDS if slab_bytes % w.itemsize == 0)
+    slab_words = slab_bytes // word.itemsize
+    block = slab_words & -slab_words  # largest power of two dividing it
+    while block * word.itemsize > MAX_BLOCK_BYTES:
+        block //= 2
+    return word, slab_words, block
+
+
+def _flat_words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError("host_copy needs contiguous pools")
+    return t.reshape(-1).view(torch.uint8).view(word)
+
+
+class HostCopy:
+    """The copy kernels bound to one L1 pool and one L2 page buffer: shapes checked, word views and
+    item size worked out once (a restore's launch then does no more than the launch).
+
+    page_buffer: [P2, 2, L, S, H, D] pinned host (or any memory the device can read);
+    l1_kv: [2, L, P1, S, H, D] on the device; `pages` arguments: [2, n] int32 on the device
+    (row 0 L2 pages, row 1 L1 pages)."""
+
+    def __init__(self, page_buffer: torch.Tensor, l1_kv: torch.Tensor, programs: int = PROGRAMS) -> None:
+        if _h2d_layers_kernel is None:
+            raise RuntimeError("triton is not importable")
+        if page_buffer.shape[1:] != (2,) + tuple(l1_kv.shape[1:2]) + tuple(l1_kv.shape[3:]):
+            raise ValueError(f"L2 page shape {tuple(page_buffer.shape[1:])} does not match L1 {tuple(l1_kv.shape)}")
+        word, slab_words, self.block = plan_words(l1_kv[0, 0, 0].numel() * l1_kv.element_size())
+        self.host, self.dev = _flat_words(page_buffer, word), _flat_words(l1_kv, word)
+        self.num_layers, self.pool_pages = l1_kv.shape[1], l1_kv.shape[2]
+        self.items_per_page = 2 * self.num_layers * (slab_words // self.block)
+        self.programs = programs
+        self._meta = dict(NUM_LAYERS=self.num_layers, SLAB=slab_words, BLOCK=self.block, num_warps=NUM_WARPS)
+
+    def _grid(self, pages: torch.Tensor) -> tuple[int, ...]:
+        if pages.dim() != 2 or pages.shape[0] != 2 or pages.dtype != torch.int32:
+            raise ValueError(f"pages must be [2, n] int32, got {tuple(pages.shape)} {pages.dtype}")
+        return (max(1, min(self.programs, pages.shape[1] * self.items_per_page)),)
+
+    def h2d_layers(self, pages: torch.Tensor, counts: torch.Tensor, flags: torch.Tensor, epoch: int) -> None:
+        """Copy every layer of the listed pages from L2 into L1 on the current stream and set
+        flags[l] = epoch behind layer l (counts: [L] int32 zeros, owned by the caller's stream)."""
+        grid = self._grid(pages)
+        if pages.shape[1]:
+            _h2d_layers_kernel[grid](self.host, self.dev, pages, counts, flags, epoch, pages.shape[1],
+                                     self.pool_pages, **self._meta)
+
+    def d2h_pages(self, pages: torch.Tensor) -> None:
+        """Write the listed L1 pages into their L2 pages (written over PCIe) on the current stream: no
+        gather into a workspace, no CPU copy into fragmented L2 pages."""
+        grid = self._grid(pages)
+        if pages.shape[1]:
+            _d2h_pages_kernel[grid](self.dev, self.host, pages, pages.shape[1], self.pool_pages, **self._meta)
+
+    def warm_up(self, counts: torch.Tensor, flags: torch.Tensor) -> None:
+        """Compile both kernels now (launches over zero pages: nothing is read or written), not in
+        the middle of serving the first transfer that needs them."""
+        pages = torch.zeros((2, 1), dtype=torch.int32, device=self.dev.device)
+        _h2d_layers_kernel[(1,)](self.host, self.dev, pages, counts, flags, 0, 0, self.pool_pages, **self._meta)
+        _d2h_pages_kernel[(1,)](self.dev, self.host, pages, 0, self.pool_pages, **self._meta)
