@@ -22,6 +22,8 @@ import torch
 try:
     import triton
     import triton.language as tl
+
+    from kernels.layer_flags import spin_wait
 except ImportError:  # pragma: no cover - triton is a dependency; guard for odd installs
     triton = None
 
@@ -48,14 +50,18 @@ def decode_attention_torch(q, k_layer, v_layer, page_tables, seq_lens, scale: fl
 
 
 if triton is not None:
-    @triton.jit
+    @triton.jit(do_not_specialize=["layer", "max_spins"])
     def _split_kernel(q_ptr, k_ptr, v_ptr, pt_ptr, len_ptr, part_o_ptr, part_m_ptr, part_l_ptr,
+                      flags_ptr, expected_ptr, status_ptr, layer, max_spins,
                       scale, max_pages, num_kv_heads, num_q_heads,
                       PAGE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, M_PAD: tl.constexpr,
-                      D: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, TENSOR_CORES: tl.constexpr):
+                      D: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, TENSOR_CORES: tl.constexpr,
+                      WAIT: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
+        if WAIT:  # the layer's K/V may still be crossing PCIe: spin on its flag
+            spin_wait(flags_ptr, expected_ptr, status_ptr, layer, max_spins)
         rows = tl.arange(0, M_PAD)  # query row r = token (r // GROUP) of this sequence, head h*GROUP + r % GROUP
         row_ok = rows < ROWS * GROUP
         token_row = b * ROWS + rows // GROUP  # row of q / seq_lens
@@ -135,10 +141,13 @@ if triton is not None:
 
 def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: float,
                             rows_per_seq: int = 1, tensor_cores: bool | None = None, block: int | None = None,
-                            num_warps: int | None = None, splits: int | None = None) -> torch.Tensor:
+                            num_warps: int | None = None, splits: int | None = None,
+                            wait: tuple | None = None) -> torch.Tensor:
     """tensor_cores (default: for 16-bit inputs) runs both dots on tensor cores with float32
     accumulation, the probabilities rounded to the input dtype for the second; float32 inputs use
-    exact fp32 dots. block / num_warps / splits override the tuned defaults (benchmarks)."""
+    exact fp32 dots. block / num_warps / splits override the tuned defaults (benchmarks).
+    wait = (flags, expected, status, layer, max_spins): every program first waits, on the device,
+    for that layer of a layer-ordered restore (kernels/layer_flags.py): no wait kernel before it."""
     rows, hq, d = q.shape
     b = page_tables.shape[0]
     if rows != b * rows_per_seq or seq_lens.shape[0] != rows:
@@ -160,10 +169,12 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
     out = torch.empty_like(q)
     if tensor_cores is None:
         tensor_cores = q.dtype in (torch.bfloat16, torch.float16) and q.is_cuda
+    flags, expected, status, layer, max_spins = wait if wait is not None else (part_m, part_m, part_m, 0, 0)
     _split_kernel[(b, hkv, num_splits)](
-        q, k_layer, v_layer, page_tables, seq_lens, part_o, part_m, part_l, scale,
-        page_tables.shape[1], hkv, hq, PAGE=page, GROUP=group, ROWS=rows_per_seq, M_PAD=m_pad, D=d,
-        BLOCK=block, SPLITS=num_splits, TENSOR_CORES=tensor_cores, num_warps=num_warps)
+        q, k_layer, v_layer, page_tables, seq_lens, part_o, part_m, part_l, flags, expected, status, layer,
+        max_spins, scale, page_tables.shape[1], hkv, hq, PAGE=page, GROUP=group, ROWS=rows_per_seq, M_PAD=m_pad,
+        D=d, BLOCK=block, SPLITS=num_splits, TENSOR_CORES=tensor_cores, WAIT=wait is not None,
+        num_warps=num_warps)
     real_rows = group * rows_per_seq
     rb = min(16, triton.next_power_of_2(real_rows))
     _merge_kernel[(b, hkv, triton.cdiv(real_rows, rb))](part_o, part_m, part_l, out, hkv, hq, GROUP=group,

@@ -3,10 +3,12 @@ crossing PCIe (hicache/layer_copy.py), without CUDA events.
 
 The copy stream writes `flags[l] = epoch` right behind layer l's DMAs (a stream memory operation:
 cuStreamWriteValue32, which fences the writes before it; cuMemsetD32Async where stream memory
-operations are off). The forward runs `wait(l)` before layer l's attention: one tiny kernel that
-spins on a volatile load until `flags[l] >= expected` (a device scalar filled with the restore's
-epoch before the forward). Epochs only grow, so a later restore's write never releases an earlier
-forward too soon: stream order puts it behind the earlier restore's copies.
+operations are off), or the copy kernel (kernels/host_copy.py) releases it when layer l's last
+chunk is stored. The forward waits before layer l's attention until `flags[l] >= expected` (a device
+scalar holding the restore's epoch): `spin_wait`, a volatile-load loop that the paged attention
+kernel runs first in each program (`LayerWait.kernel_args`), or one tiny kernel before any other
+attention (`LayerWait(l)` / `wait(l)`). Epochs only grow, so a later restore's write never releases
+an earlier forward too soon: stream order puts it behind the earlier restore's copies.
 
 Why not event-wait nodes: a captured graph with 36 external event waits cost ~17 us of device time
 per wait (the graph runs in segments) and ~0.3 ms more host time per launch on the H200 (session 4
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -39,8 +42,10 @@ MAX_SPINS = 1 << 23  # ~0.16 us per volatile load on the H200: ~1.3 s
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["layer", "max_spins"])
-    def _wait_kernel(flags_ptr, expected_ptr, status_ptr, layer, max_spins):
+    @triton.jit
+    def spin_wait(flags_ptr, expected_ptr, status_ptr, layer, max_spins):
+        """Device side of a wait, for any kernel to call first: spin until flags[layer] >= expected,
+        or give up after max_spins loads and set status (passing at once once status is set)."""
         want = tl.load(expected_ptr).to(tl.int32)
         seen = tl.load(flags_ptr + layer, volatile=True)
         spins = 0
@@ -51,6 +56,10 @@ if triton is not None:
             spins += 1
         if seen < want:
             tl.store(status_ptr, 1)
+
+    @triton.jit(do_not_specialize=["layer", "max_spins"])
+    def _wait_kernel(flags_ptr, expected_ptr, status_ptr, layer, max_spins):
+        spin_wait(flags_ptr, expected_ptr, status_ptr, layer, max_spins)
 
 
 @functools.lru_cache(maxsize=1)
@@ -134,3 +143,20 @@ class LayerFlags:
         if self.status.is_cuda:
             torch.cuda.current_stream(self.status.device).synchronize()
         return self.staged_timed_out()
+
+
+@dataclass(frozen=True)
+class LayerWait:
+    """What a forward waits for: `flags` reaching the epoch in `expected` (a device scalar: a graph's
+    staged input, or flags.expected eagerly). Called with a layer it enqueues the wait kernel;
+    `kernel_args(layer)` hands the same wait to a kernel that spins on it itself (the paged
+    decode attention, kernels/decode_attention.py: one kernel less per layer)."""
+    flags: LayerFlags
+    expected: torch.Tensor
+
+    def __call__(self, layer: int) -> None:
+        self.flags.wait(layer, self.expected)
+
+    def kernel_args(self, layer: int) -> tuple:
+        f = self.flags
+        return f.flags, self.expected, f.status, layer, f.max_spins

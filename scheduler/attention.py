@@ -164,13 +164,18 @@ def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: 
 
 
 def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, batch: AttentionBatch,
-                    scale: float) -> torch.Tensor:
-    """q: [T, Hq, D] (the new tokens, batch order) -> [T, Hq, D]. The new K/V must already be written."""
+                    scale: float, wait=None) -> torch.Tensor:
+    """q: [T, Hq, D] (the new tokens, batch order) -> [T, Hq, D]. The new K/V must already be written.
+    wait (kernels/layer_flags.LayerWait): first wait for this layer of a restore still landing; the
+    paged decode kernel spins on it itself, other paths run the wait kernel before."""
     kv_layer = kv_pool[:, layer]  # [2, P, S, Hkv, D]
+    if batch.is_decode and q.is_cuda:  # paged flash-decoding: reads K/V through the page table, no gather
+        return decode_attention_triton(q, kv_pool[0, layer], kv_pool[1, layer], batch.page_tables,
+                                       batch.seq_lens, scale, batch.rows_per_seq,
+                                       wait=wait.kernel_args(layer) if wait is not None else None)
+    if wait is not None:
+        wait(layer)
     if batch.is_decode:
-        if q.is_cuda:  # paged flash-decoding: reads K/V through the page table, no gather copy
-            return decode_attention_triton(q, kv_pool[0, layer], kv_pool[1, layer], batch.page_tables,
-                                           batch.seq_lens, scale, batch.rows_per_seq)
         return decode_attention(q, kv_layer, batch.page_tables.repeat_interleave(batch.rows_per_seq, dim=0),
                                 batch.seq_lens, scale)
     _, _, page_size, num_kv_heads, head_dim = kv_layer.shape

@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch
 from scheduler.model import Qwen3Model
 
@@ -107,10 +108,7 @@ class DecodeGraphs:
                 pool = graph.pool()
                 self.graphs[shape] = graph
             if self.layer_flags is not None:
-                flags, epoch = self.layer_flags, self.rows[5, :1]
-
-                def wait_layer(layer: int) -> None:
-                    flags.wait(layer, epoch)
+                wait_layer = LayerWait(self.layer_flags, self.rows[5, :1])  # the staged epoch
                 for shape in [s for s in self.shapes if s[0] == 1]:  # (1, 1) and (1, TAIL_ROWS)
                     ids = self.rows[0, :shape[1]]
                     self.model(ids, self._batch(*shape), self.kv_pool, wait_layer)  # warm-up

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import fused_ops
+from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch, paged_attention, write_kv
 from scheduler.presets import PRESETS, ModelConfig
 
@@ -139,18 +140,16 @@ class Qwen3Model(nn.Module):
         return F.linear(self.norm(x), self.lm_head_weight).float()
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
-                wait_layer: Callable[[int], None] | None = None) -> torch.Tensor:
+                wait_layer: LayerWait | None = None) -> torch.Tensor:
         """input_ids: [T] (new tokens, batch order) -> float32 logits [B, V] of each sequence's last new token.
 
         Writes the new tokens' K/V into kv_pool [2, L, P, S, Hkv, D] at batch.out_slots.
-        wait_layer(l) runs before layer l reads cached K/V: a prefix still being restored layer by
-        layer (hicache/layer_copy.py) makes the stream wait for that layer's copy there.
+        wait_layer: layer l's attention first waits, on the device, for layer l of a prefix still
+        being restored layer by layer (hicache/layer_copy.py, kernels/layer_flags.py).
         """
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             write_kv(kv_pool, layer, k, v, batch.out_slots)
-            if wait_layer is not None:
-                wait_layer(layer)
-            return paged_attention(q, kv_pool, layer, batch, self.scale)
+            return paged_attention(q, kv_pool, layer, batch, self.scale, wait_layer)
 
         max_positions = max(p + n for p, n in zip(batch.prefix_lens, batch.new_lens))
         if self.fused:
@@ -161,11 +160,9 @@ class Qwen3Model(nn.Module):
         return self._logits(x)
 
     def _forward_fused(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
-                       max_positions: int, wait_layer: Callable[[int], None] | None) -> torch.Tensor:
+                       max_positions: int, wait_layer: LayerWait | None) -> torch.Tensor:
         def attn(layer: int, q: torch.Tensor) -> torch.Tensor:
-            if wait_layer is not None:
-                wait_layer(layer)
-            return paged_attention(q, kv_pool, layer, batch, self.scale)
+            return paged_attention(q, kv_pool, layer, batch, self.scale, wait_layer)
 
         h = self.embed_tokens(input_ids)  # [T, H]
         rope = self.rope_tables(max_positions, h.device, h.dtype)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch
 from scheduler.model import Qwen3Model
 from scheduler.sampling import sample
@@ -80,7 +81,7 @@ class ModelRunner:
             wait_layer = None
             if batch.wait_restore and self.layer_flags is not None:  # CUDA; on the CPU copies are synchronous
                 self.layer_flags.expected.fill_(batch.restore_epoch)
-                wait_layer = self.layer_flags.wait
+                wait_layer = LayerWait(self.layer_flags, self.layer_flags.expected)
             logits = self.model(ids, attn, self.kv_pool, wait_layer)  # [B, V]
         next_ids = sample(logits, batch.temperatures, batch.top_ps, batch.generators)  # [B]
         if not self.cuda:

@@ -58,3 +58,20 @@ def test_rows_mismatch_is_an_error():
     with pytest.raises(ValueError, match="rows"):
         decode_attention_triton(q, torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16),
                                 torch.zeros(2, 2, dtype=torch.int64), torch.ones(3, dtype=torch.int64), 0.25, 2)
+
+
+def test_attention_waits_for_its_layer_flag_first():
+    """wait=(flags, expected, status, layer, spins): a landed layer passes (same output, status
+    clear); a flag that never reaches the epoch gives up after its spins and sets status."""
+    torch.manual_seed(3)
+    d, page_size, pages = 16, 4, 16
+    k, v = torch.randn(pages, page_size, 2, d), torch.randn(pages, page_size, 2, d)
+    tables, lens, q = torch.arange(16).reshape(2, 8), torch.tensor([20, 31]), torch.randn(2, 4, d)
+    plain = decode_attention_triton(q, k, v, tables, lens, 0.25)
+    flags, status = torch.tensor([5, 3], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    expected = torch.tensor([5])
+    landed = decode_attention_triton(q, k, v, tables, lens, 0.25, wait=(flags, expected, status, 0, 50))
+    torch.testing.assert_close(landed, plain)
+    assert status.item() == 0
+    decode_attention_triton(q, k, v, tables, lens, 0.25, wait=(flags, expected, status, 1, 50))
+    assert status.item() == 1
