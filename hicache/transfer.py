@@ -31,8 +31,8 @@ from hicache.faults import Fault, FaultInjector
 from hicache.geometry import KVGeometry
 from hicache.layer_copy import layer_plan, run_layer_cpu, run_layer_cuda
 from hicache.pools import DevicePool, HostPool
-from kernels.chooser import ChosenBackends
 from kernels import host_copy
+from kernels.chooser import ChosenBackends
 from kernels.layer_flags import LayerFlags
 from kernels.page_copy import gather_pages, scatter_pages, triton_available
 
@@ -130,9 +130,10 @@ class TransferEngine:
             self.layerwise = cuda_rt.available() and l2.pinned
             if self.layerwise:
                 self.layer_flags = LayerFlags(self.geometry.num_layers, l1.device)
-        # fragmented restores: the copy kernel reads pinned L2 over PCIe. Its per-layer counts
-        # belong to the stream it runs on (stream order keeps two launches apart); the classic
-        # path's flags are its own (only the layer stream writes layer_flags, in epoch order)
+        # short or fragmented restores, fragmented backups: copy kernels that reach pinned L2 over
+        # PCIe. The restore kernel's per-layer counts belong to the stream it runs on (stream order
+        # keeps two launches apart); the classic H2D path's flags are its own (only the layer
+        # stream writes layer_flags, in epoch order)
         self.host_reads = self.cuda and l2.pinned and triton_available()
         self.kernel_max_pages = kernel_max_pages  # layer-ordered restores this short take the kernel too
         if self.host_reads:
@@ -210,8 +211,11 @@ class TransferEngine:
         if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
             tr.fail = True
         if plan is None:
-            tr.epoch = self.layer_flags.next_epoch()
-            self._host_read(tr, "layer", self.layer_stream, host_pages, l1_pages, self.layer_flags)
+            flags = self.layer_flags
+            tr.epoch = flags.next_epoch()
+            self._copy_kernel(tr, self.layer_stream, host_pages, l1_pages, flags,
+                              lambda pages: self.host_copy.h2d_layers(pages, self._counts["layer"], flags.flags,
+                                                                      tr.epoch))
         else:
             self._enqueue_layers(tr, plan)
         tr.enqueue_ns = time.monotonic_ns() - t0
@@ -245,27 +249,27 @@ class TransferEngine:
         if self.cuda:
             tr.event.record(stream)
 
-    def _host_read(self, tr: Transfer, counts: str, stream: torch.cuda.Stream, host_pages: list[int],
-                   l1_pages: list[int], flags: LayerFlags | None) -> None:
-        """One copy kernel on `stream`: the L2 pages, read over PCIe, into the L1 pages, layer by
-        layer; layer l's flag reaches tr.epoch once it has landed. A launch that fails fails the
-        transfer, not the caller, with every flag still written."""
+    def _copy_kernel(self, tr: Transfer, stream: torch.cuda.Stream, host_pages: list[int], l1_pages: list[int],
+                     flags: LayerFlags | None, launch) -> None:
+        """`launch(pages)` of a copy kernel (kernels/host_copy.py) on `stream`, timed by the
+        transfer's events; pages [2, n] int32 on the device. The stream first waits for the caller's
+        (where the L1 pages were last read, or the KV being backed up was written). A launch that
+        raises fails the transfer, not the caller; `flags` (a layer-ordered restore's) are then
+        all written anyway, so no forward waits for them."""
         tr.start_event = torch.cuda.Event(enable_timing=True)
         tr.event = torch.cuda.Event(enable_timing=True)
-        stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # the last reader of these L1 pages
+        stream.wait_stream(torch.cuda.current_stream(self.l1.device))
         tr.start_event.record(stream)
-        target = flags.flags if flags is not None else self._h2d_flags
         try:
             with torch.cuda.stream(stream):
                 pages = torch.tensor([host_pages, l1_pages], dtype=torch.int32).to(self.l1.device,
                                                                                  non_blocking=True)  # [2, n]
                 tr.keepalive.append(pages)
-                self.host_copy.h2d_layers(pages, self._counts[counts], target, tr.epoch)
+                launch(pages)
         except Exception as exc:
-            tr.fail, tr.error = True, f"h2d: copy kernel not launched: {exc!r}"
-            if flags is not None:
-                for layer in range(self.geometry.num_layers):
-                    flags.signal(stream, layer, tr.epoch)
+            tr.fail, tr.error = True, f"{tr.direction}: copy kernel not launched: {exc!r}"
+            for layer in range(self.geometry.num_layers if flags is not None else 0):
+                flags.signal(stream, layer, tr.epoch)
         tr.event.record(stream)
 
     def _enqueue(self, direction: str, l1_pages: list[int], host_pages: list[int]) -> Transfer:
@@ -332,20 +336,12 @@ class TransferEngine:
         tr = Transfer(direction, n, n * self.geometry.bytes_per_page, 0, 0, t0)
         if direction == "h2d":
             self._h2d_epoch += 1
-            tr.epoch = self._h2d_epoch
-            self._host_read(tr, "h2d", self.copy_streams["h2d"], host_pages, l1_pages, None)
+            tr.epoch = epoch = self._h2d_epoch
+            self._copy_kernel(tr, self.copy_streams["h2d"], host_pages, l1_pages, None,
+                              lambda pages: self.host_copy.h2d_layers(pages, self._counts["h2d"], self._h2d_flags,
+                                                                      epoch))
         else:
-            stream = self.kernel_streams["d2h"]
-            tr.start_event = torch.cuda.Event(enable_timing=True)
-            tr.event = torch.cuda.Event(enable_timing=True)
-            stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # the KV being copied is made there
-            tr.start_event.record(stream)
-            with torch.cuda.stream(stream):
-                pages = torch.tensor([host_pages, l1_pages], dtype=torch.int32).to(self.l1.device,
-                                                                                 non_blocking=True)  # [2, n]
-                tr.keepalive.append(pages)
-                self.host_copy.d2h_pages(pages)
-            tr.event.record(stream)
+            self._copy_kernel(tr, self.kernel_streams["d2h"], host_pages, l1_pages, None, self.host_copy.d2h_pages)
         if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
             tr.fail = True
         tr.enqueue_ns = time.monotonic_ns() - t0
