@@ -289,7 +289,6 @@ class TransferEngine:
         host_dst = (self.l2.page_buffer[host_pages[0]: host_pages[0] + n] if host_consecutive
                     else ws.host[:n] if cpu_gather else None)
         host_idx = torch.tensor(host_pages, dtype=torch.int64) if cpu_gather else None
-        finish = None
         tr = Transfer(direction, n, n * self.geometry.bytes_per_page, 0, setup_ns, t0, workspace=ws,
                       keepalive=[idx])
         if direction == "h2d" and cpu_gather:
@@ -319,10 +318,8 @@ class TransferEngine:
                 if self.cuda:
                     tr.event.record(stream)
                     idx.record_stream(stream)
-        if direction == "d2h" and cpu_gather:
-            def finish(dst=self.l2.page_buffer, src=ws.host[:n], index=host_idx):
-                dst.index_copy_(0, index, src)  # one CPU index copy into fragmented L2 pages
-        tr.finish = finish
+        if direction == "d2h" and cpu_gather:  # one CPU index copy into fragmented L2 pages, off the loop
+            tr.finish = functools.partial(self.l2.page_buffer.index_copy_, 0, host_idx, ws.host[:n])
         if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
             tr.fail = True
         tr.enqueue_ns = time.monotonic_ns() - t0 - setup_ns

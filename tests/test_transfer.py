@@ -1,5 +1,6 @@
 """Transfer engine on the CPU: every host layout (one run, a few runs, scattered) moves the exact
-bytes, and only scattered destinations need the pinned workspace and a CPU index copy."""
+bytes, and only scattered destinations need the pinned workspace and a CPU index copy (on CUDA with a
+pinned L2 the copy kernels of kernels/host_copy.py take those instead: tests/test_gpu.py)."""
 import random
 
 import pytest
