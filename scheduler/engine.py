@@ -113,7 +113,7 @@ class Engine:
         max_pages = min(self.cache.l1.num_pages, -(-self.config.max_context_tokens // self.page_size))
         graphs = DecodeGraphs(self.model, self.cache.l1.kv, self.page_size, max_pages, scratch,
                               max_batch=min(self.config.max_running_requests, 64),
-                              layer_flags=self.runner.layer_flags)
+                              layer_flags=self.runner.layer_flags, pieces=self.config.cuda_graph_pieces)
         graphs.capture()
         self.runner.enable_graphs(graphs)
 

@@ -5,6 +5,7 @@ maps the HF tensor names onto slices of them.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -161,18 +162,44 @@ class Qwen3Model(nn.Module):
 
     def _forward_fused(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
                        max_positions: int, wait_layer: LayerWait | None) -> torch.Tensor:
+        (piece,) = self._fused_pieces(input_ids, batch, kv_pool, wait_layer, 1, max_positions)
+        return piece(None)
+
+    def forward_pieces(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
+                       wait_layer: LayerWait | None = None, pieces: int = 1) -> list[Callable]:
+        """forward() cut into `pieces` runs of whole layers (`layer_spans`; fused path only, else one
+        piece), for CUDA graphs captured piece by piece: while the device runs one piece the host
+        launches the next, so only the first piece's launch delays the device. Each piece takes the
+        state the one before it returned (None for the first, which embeds input_ids) and returns
+        (h, residual) [T, H] each, or, for the last, the logits [B, V]. Chained in order they
+        compute forward()."""
+        if not self.fused:
+            return [lambda _: self.forward(input_ids, batch, kv_pool, wait_layer)]
+        max_positions = max(p + n for p, n in zip(batch.prefix_lens, batch.new_lens))
+        return self._fused_pieces(input_ids, batch, kv_pool, wait_layer, pieces, max_positions)
+
+    def _fused_pieces(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
+                      wait_layer: LayerWait | None, pieces: int, max_positions: int) -> list[Callable]:
+        weight = self.embed_tokens.weight
+        rope = self.rope_tables(max_positions, weight.device, weight.dtype)
+
         def attn(layer: int, q: torch.Tensor) -> torch.Tensor:
             return paged_attention(q, kv_pool, layer, batch, self.scale, wait_layer)
 
-        h = self.embed_tokens(input_ids)  # [T, H]
-        rope = self.rope_tables(max_positions, h.device, h.dtype)
-        residual = None
-        for layer in self.layers:
-            h, residual = layer.forward_fused(h, residual, rope, batch, kv_pool, attn)
-        if not batch.is_decode:
-            h, residual = h.index_select(0, batch.last_rows), residual.index_select(0, batch.last_rows)  # [B, H]
-        x, _ = fused_ops.add_rms_norm_triton(h, residual, self.norm.weight, self.cfg.rms_norm_eps)
-        return F.linear(x, self.lm_head_weight).float()  # [B, V]
+        def piece(first: int, last: int, state):
+            if first == 0:
+                state = self.embed_tokens(input_ids), None  # [T, H]
+            h, residual = state
+            for layer in self.layers[first:last]:
+                h, residual = layer.forward_fused(h, residual, rope, batch, kv_pool, attn)
+            if last < len(self.layers):
+                return h, residual
+            if not batch.is_decode:
+                h, residual = h.index_select(0, batch.last_rows), residual.index_select(0, batch.last_rows)  # [B, H]
+            x, _ = fused_ops.add_rms_norm_triton(h, residual, self.norm.weight, self.cfg.rms_norm_eps)
+            return F.linear(x, self.lm_head_weight).float()  # [B, V]
+
+        return [functools.partial(piece, first, last) for first, last in layer_spans(len(self.layers), pieces)]
 
     def forward_dense(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Reference: one sequence, no cache, plain causal SDPA. input_ids: [N] -> float32 logits [N, V]
@@ -186,6 +213,24 @@ class Qwen3Model(nn.Module):
         positions = torch.arange(n, device=input_ids.device)
         x = self._run_layers(input_ids, positions, n, attn)  # [N, H]
         return self._logits(x[-1:] if last_only else x)
+
+
+def layer_spans(num_layers: int, pieces: int) -> list[tuple[int, int]]:
+    """[first, last) layers of each piece of a forward cut into `pieces` (at most one per layer),
+    growing about 3x from one piece to the next (36 layers in 4: 1, 3, 8, 24): the host launches a
+    piece in a small fraction of the time the device takes to run the one before it, so the first
+    piece is kept short: its launch is the only one the device waits for."""
+    if pieces < 1:
+        raise ValueError(f"pieces must be >= 1, got {pieces}")
+    pieces = min(pieces, num_layers)
+    weights = [3 ** i for i in range(pieces)]
+    bounds, acc = [0], 0
+    for i, w in enumerate(weights[:-1]):
+        acc += w
+        # at least one layer per piece, and room for one in each piece still to come
+        bounds.append(min(max(bounds[-1] + 1, round(num_layers * acc / sum(weights))), num_layers - (pieces - 1 - i)))
+    bounds.append(num_layers)
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 @torch.no_grad()

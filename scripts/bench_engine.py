@@ -18,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from bench_common import device_read_gib_s  # noqa: E402
+from bench_common import device_read_gib_s, positive_int  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
@@ -116,10 +116,15 @@ async def run(args) -> dict:
     rng = random.Random(0)
     out: dict = {"model": args.model, "device": args.device, "date": time.strftime("%Y-%m-%d")}
     results = {}
-    for graphs in ([True, False] if args.device == "cuda" else [False]):
+    # (mode, CUDA graphs, pieces per graph): graphs with each --cuda-graph-pieces value, then eager
+    modes = [("eager", False, 1)]
+    if args.device == "cuda":
+        graph_modes = [("graphs" if p == 1 else f"graphs_p{p}", True, p) for p in args.cuda_graph_pieces]
+        modes = graph_modes + ([] if args.skip_eager else modes)
+    for mode, graphs, pieces in modes:
         cfg = EngineConfig(model=args.model, device=args.device, page_size=args.page_size,
                            max_total_tokens=args.pool_tokens, max_prefill_tokens=16384, cuda_graphs=graphs,
-                           max_running_requests=64)
+                           cuda_graph_pieces=pieces, max_running_requests=64)
         engine = Engine(cfg)
         global vocab_hi
         vocab_hi = engine.vocab_size
@@ -158,20 +163,23 @@ async def run(args) -> dict:
         pages = list(m.pages[0]) + [m.pages[0][-1]]
         pos = m.lengths[0] - 1  # rewrite the last cached slot's K/V with itself: harmless
         binput = BatchInput([cached[pos]], [pos], [1], [pages], [0.0], [1.0], [None], is_decode=False)
-        fwd = []
+        fwd, launch = [], []
         for _ in range(args.repeats + 2):
             sync(device)
             t = time.perf_counter()
-            await engine.runner.collect(engine.runner.launch(binput))
+            handle = engine.runner.launch(binput)
+            launch.append(time.perf_counter() - t)
+            await engine.runner.collect(handle)
             fwd.append(time.perf_counter() - t)
         r["forward_1tok_ms"] = statistics.median(fwd[2:]) * 1e3
+        r["launch_1tok_ms"] = statistics.median(launch[2:]) * 1e3  # host time until launch() returns
         r["decode_tok_s"] = {b: await decode_rate(engine, b, args.decode_prompt, args.decode_tokens, rng)
                              for b in args.decode_batches}
         engine.check_integrity()
         r["integrity"] = "passed"
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         await engine.shutdown()
-        results["graphs" if graphs else "eager"] = r
+        results[mode] = r
         del engine
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -197,9 +205,13 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of the tail request (CUDA)")
+    ap.add_argument("--cuda-graph-pieces", default="1",
+                    help="comma list: run the graphs mode once per value (CUDA graphs per captured forward)")
+    ap.add_argument("--skip-eager", action="store_true", help="CUDA: leave out the eager mode")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    args.cuda_graph_pieces = [positive_int(x) for x in args.cuda_graph_pieces.split(",")]
     if args.quick:
         args.pool_tokens, args.prefill_tokens, args.decode_batches = 4096, "32,64", "1,4"
         args.decode_prompt, args.decode_tokens, args.tail_context, args.repeats = 16, 4, 64, 2
@@ -218,7 +230,7 @@ def main(argv=None) -> int:
         for n, us in r.get("prefill_us_per_token", {}).items():
             print(f"  prefill {n:>5} tok: {us:7.1f} us/tok (dense SDPA {r['dense_us_per_token'][n]:7.1f})")
         print(f"  [{mode}] tail request over {args.tail_context} cached: {r['tail_forward_ms']:.2f} ms "
-              f"(forward alone {r['forward_1tok_ms']:.2f} ms); decode tok/s "
+              f"(forward alone {r['forward_1tok_ms']:.2f} ms, launch {r['launch_1tok_ms']:.2f}); decode tok/s "
               + ", ".join(f"b{b}={v:.0f}" for b, v in r["decode_tok_s"].items()))
     return 0
 

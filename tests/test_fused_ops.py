@@ -9,7 +9,7 @@ import torch  # noqa: E402
 
 from kernels import fused_ops  # noqa: E402
 from scheduler.attention import AttentionBatch  # noqa: E402
-from scheduler.model import Qwen3Model, init_random_weights  # noqa: E402
+from scheduler.model import Qwen3Model, init_random_weights, layer_spans  # noqa: E402
 from scheduler.presets import PRESETS  # noqa: E402
 
 
@@ -79,3 +79,55 @@ def test_fused_model_equals_plain_model():
         close(logits[1], logits[0], 1e-4)
         close(pools[1], pools[0], 1e-5)
     model.fused = False
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 5, 36])
+def test_layer_spans_cover_every_layer_once_shortest_first(num_layers):
+    for pieces in range(1, num_layers + 3):
+        spans = layer_spans(num_layers, pieces)
+        assert len(spans) == min(pieces, num_layers)
+        assert spans[0][0] == 0 and spans[-1][1] == num_layers
+        assert all(a < b for a, b in spans) and all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
+        assert spans[0][1] - spans[0][0] == min(b - a for a, b in spans)  # the launch the device waits for
+    with pytest.raises(ValueError, match="pieces"):
+        layer_spans(num_layers, 0)
+
+
+@pytest.mark.parametrize("pieces", [1, 2, 3])
+def test_forward_pieces_chained_equal_forward(pieces):
+    """What each CUDA graph piece runs (scheduler/cuda_graphs.ForwardGraph), chained on the CPU: the
+    same logits and the same K/V as one forward, for a prefill with a cached prefix and a decode."""
+    cfg = PRESETS["tiny"]
+    model = init_random_weights(Qwen3Model.empty(cfg, "cpu", torch.float32), seed=0)
+    model.fused = True
+    page_size = 4
+    pools = [torch.zeros(cfg.kv_geometry(page_size, torch.float32).l1_shape(16)) for _ in range(2)]
+    tables = [[3, 7, 1, 9], [2, 5, 11, 0]]
+    ids = torch.randint(0, cfg.vocab_size, (14,), generator=torch.Generator().manual_seed(1))
+    try:
+        for prefix, new, is_decode, step_ids in [([0, 0], [6, 5], False, ids[:11]),
+                                                 ([6, 5], [1, 1], True, ids[11:13])]:
+            batch = AttentionBatch.build(prefix, new, tables, page_size, "cpu", is_decode)
+            whole = model(step_ids, batch, pools[0])
+            parts = model.forward_pieces(step_ids, batch, pools[1], pieces=pieces)
+            assert len(parts) == min(pieces, cfg.num_layers)
+            state = None
+            for part in parts:
+                state = part(state)
+            close(state, whole, 1e-6)
+            close(pools[1], pools[0], 1e-6)
+    finally:
+        model.fused = False
+
+
+def test_graph_pieces_are_validated_and_reach_the_config():
+    import argparse
+
+    from scheduler.config import EngineConfig, add_engine_args, config_from_args
+
+    with pytest.raises(ValueError, match="cuda_graph_pieces"):
+        EngineConfig(cuda_graph_pieces=0)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args(["--cuda-graph-pieces", "4"])).cuda_graph_pieces == 4
+    assert config_from_args(parser.parse_args([])).cuda_graph_pieces == EngineConfig.cuda_graph_pieces
