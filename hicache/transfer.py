@@ -126,9 +126,11 @@ class TransferEngine:
         # 0.1-0.2 ms to enqueue (a launch, an event, a wait, a DMA), so smaller chunks buy a few us
         # of device time with a lot of host time (8 chunks per 1,000-token D2H: 0.7-1.6 ms on the H200 host)
         self.chunk_pages = max(1, (32 << 20) // self.geometry.bytes_per_page)
-        # ... except the exposed chunk (a D2H's first, an H2D's last): ~4 MiB, so only a few us of
-        # kernel time stand before the first DMA or after the last one
-        self.ramp_pages = max(1, (4 << 20) // self.geometry.bytes_per_page)
+        # ... except the exposed chunk (a D2H's first, an H2D's last): ~8 MiB, so only a few us of
+        # kernel time stand before the first DMA or after the last one, while a D2H's first DMA
+        # (~0.15 ms) still lasts until the loop has enqueued the next chunk (0.1-0.13 ms on the H200
+        # host; with one 2.25 MiB page the copy engine sat idle waiting for it: device ratio 0.93)
+        self.ramp_pages = max(1, (8 << 20) // self.geometry.bytes_per_page)
         self._workspaces: list[Workspace] = []
         self._waiter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-cuda-wait")
         # layer-ordered restores (h2d_layerwise) have a copy stream of their own: a forward waits on

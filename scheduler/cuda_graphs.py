@@ -21,6 +21,8 @@ flight.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -118,12 +120,15 @@ class DecodeGraphs:
                               seq_lens=self.p_rows[3, :1], out_slots=self.p_rows[2, :length],
                               positions=self.p_rows[1, :length], last_rows=self.p_rows[3, :1])
 
-    def _capture(self, ids: torch.Tensor, batch: AttentionBatch, pool, stream: torch.cuda.Stream,
+    def _capture(self, ids: torch.Tensor, make_batch, pool, stream: torch.cuda.Stream,
                  wait_layer: LayerWait | None = None, warm_ups: int = 2) -> ForwardGraph:
+        """make_batch() -> a fresh AttentionBatch over the static buffers for every run: a prefill
+        batch caches its plan (page list, row indices) on first use, and the captured plan must be
+        built inside the capture, from the buffers, not once before it from their values then."""
         for _ in range(warm_ups):  # Triton compiles, cuBLAS picks its kernels
-            self.model(ids, batch, self.kv_pool, wait_layer)
-        return ForwardGraph.capture(self.model.forward_pieces(ids, batch, self.kv_pool, wait_layer, self.pieces),
-                                    pool, stream)
+            self.model(ids, make_batch(), self.kv_pool, wait_layer)
+        pieces = self.model.forward_pieces(ids, make_batch(), self.kv_pool, wait_layer, self.pieces)
+        return ForwardGraph.capture(pieces, pool, stream)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -136,21 +141,22 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for shape in sorted(self.shapes, key=lambda s: -s[0] * s[1]):  # largest first: the rest reuse its memory
                 ids = self.rows[0, :shape[0] * shape[1]]
-                self.graphs[shape] = self._capture(ids, self._batch(*shape), pool, stream)  # logits [B * R, V]
+                batch = functools.partial(self._batch, *shape)
+                self.graphs[shape] = self._capture(ids, batch, pool, stream)  # logits [B * R, V]
                 pool = self.graphs[shape].pool
             if self.layer_flags is not None:
                 wait_layer = LayerWait(self.layer_flags, self.rows[5, :1])  # the staged epoch
                 for shape in [s for s in self.shapes if s[0] == 1]:  # (1, 1) and (1, TAIL_ROWS)
-                    ids = self.rows[0, :shape[1]]
-                    self.restore_graphs[shape] = self._capture(ids, self._batch(*shape), pool, stream, wait_layer,
+                    ids, batch = self.rows[0, :shape[1]], functools.partial(self._batch, *shape)
+                    self.restore_graphs[shape] = self._capture(ids, batch, pool, stream, wait_layer,
                                                                warm_ups=1)  # logits [R, V]
                     pool = self.restore_graphs[shape].pool
             self.p_rows[1].copy_(torch.arange(self.p_rows.shape[1]))
             self.p_rows[2].fill_(self.scratch_slot)
             for length in sorted(self.prefill_buckets, reverse=True):
                 self.p_rows[3, 0] = length - 1
-                self.prefill_graphs[length] = self._capture(self.p_rows[0, :length], self._prefill_batch(length),
-                                                            pool, stream)  # logits [1, V]
+                ids, batch = self.p_rows[0, :length], functools.partial(self._prefill_batch, length)
+                self.prefill_graphs[length] = self._capture(ids, batch, pool, stream)  # logits [1, V]
                 pool = self.prefill_graphs[length].pool
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
