@@ -42,6 +42,83 @@ def time_us(fn, reps: int = 20) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def time_calls_us(calls, replays: int = 5) -> float:
+    """Device time per call of a list of distinct calls (e.g. over different weights, so none is
+    served from the L2 cache), captured in one CUDA graph; the median replay / len(calls)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls[:2]:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(calls))
+    return sorted(times)[len(times) // 2]
+
+
+# the 8B layer's projections: (name, N rows of the weight, K, norm folded in, SwiGLU)
+SKINNY_SHAPES = [("qkv", 6144, 4096, True, False), ("o_proj", 4096, 4096, False, False),
+                 ("gate_up", 2 * 12288, 4096, True, True), ("down", 4096, 12288, False, False)]
+SKINNY_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+                  for bn in (16, 32, 64) for bk in (128, 256) for w in (4,) for st in (3, 4, 5)]
+
+
+def skinny_rows(dev, dtype, rows_list=(1, 16), configs=SKINNY_CONFIGS) -> list[dict]:
+    """Each projection of the 8B layer at 1 and 16 rows: cuBLAS plus the separate norm / SiLU
+    kernels (as the fused layer runs today) against kernels/skinny_gemm.py per block config, over
+    enough weight copies (>= 1 GiB) that every call streams its weight from HBM."""
+    from kernels import skinny_gemm
+
+    out = []
+    for name, n, k, norm, swiglu in SKINNY_SHAPES:
+        wbytes = n * k * 2
+        copies = max(4, -(-(1 << 30) // wbytes))
+        weights = [torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5 for _ in range(copies)]
+        g = torch.rand(k, device=dev, dtype=dtype) + 0.5
+        for m in rows_list:
+            h, res = (torch.randn(m, k, device=dev, dtype=dtype) for _ in range(2))
+
+            def ref(w):
+                x = fused_ops.add_rms_norm_triton(h, res, g, 1e-6)[0] if norm else h
+                y = torch.nn.functional.linear(x, w)
+                return fused_ops.silu_mul_triton(y) if swiglu else y
+
+            def fused(w, **cfg):
+                if norm:
+                    return skinny_gemm.norm_linear(h, res, g, w, 1e-6, swiglu=swiglu, **cfg)[0]
+                return skinny_gemm.linear(h, w, **cfg)
+
+            want = ref(weights[0]).float()
+            ref_us = time_calls_us([lambda w=w: ref(w) for w in weights])
+            row = {"proj": name, "rows": m, "n": n, "k": k, "weight_mib": wbytes / 2 ** 20, "cublas_us": ref_us,
+                   "cublas_gib_s": wbytes / ref_us / 1e-6 / 2 ** 30, "configs": []}
+            for cfg in configs:
+                try:
+                    got = fused(weights[0], **cfg).float()
+                    err = ((got - want).norm() / want.norm()).item()
+                    us = time_calls_us([lambda w=w: fused(w, **cfg) for w in weights])
+                except Exception as exc:  # a config that does not compile (shared memory) is skipped
+                    row["configs"].append({**cfg, "error": repr(exc)[:200]})
+                    continue
+                row["configs"].append({**cfg, "us": us, "gib_s": wbytes / us / 1e-6 / 2 ** 30, "rel_err": err})
+            ok = [c for c in row["configs"] if "us" in c]
+            row["best"] = min(ok, key=lambda c: c["us"]) if ok else None
+            out.append(row)
+        del weights
+        torch.cuda.empty_cache()
+    return out
+
+
 def attention_rows(dev, dtype) -> list[dict]:
     hq, hkv, d, page = 32, 8, 128, 16
     rows = []
@@ -103,6 +180,7 @@ def fused_rows(dev, dtype) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--skinny", action="store_true", help="only the small-M projections (kernels/skinny_gemm.py)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -110,13 +188,24 @@ def main(argv=None) -> int:
         print("bench_kernels needs CUDA", file=sys.stderr)
         return 2
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    res = {"device": torch.cuda.get_device_name(), "attention": attention_rows(dev, dtype),
-           "fused": fused_rows(dev, dtype)}
+    if args.skinny:
+        res = {"device": torch.cuda.get_device_name(), "skinny": skinny_rows(dev, dtype)}
+    else:
+        res = {"device": torch.cuda.get_device_name(), "attention": attention_rows(dev, dtype),
+               "fused": fused_rows(dev, dtype), "skinny": skinny_rows(dev, dtype, configs=[{}])}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
     if args.json:
         print(json.dumps(res))
+    print("projection rows  weight MiB  cuBLAS us (GiB/s)  skinny best us (GiB/s)  config  rel err")
+    for r in res["skinny"]:
+        b = r["best"] or {}
+        cfg = "/".join(str(b.get(key, "-")) for key in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
+        print(f"{r['proj']:10s} {r['rows']:4d} {r['weight_mib']:11.0f} {r['cublas_us']:9.1f} ({r['cublas_gib_s']:5.0f})"
+              f" {b.get('us', float('nan')):14.1f} ({b.get('gib_s', float('nan')):5.0f})  {cfg}  {b.get('rel_err', float('nan')):.1e}")
+    if args.skinny:
+        return 0
     print("seqs x rows  ctx  splits block warps      us   KV GiB/s  max err   (best per shape marked *)")
     best = {}
     for r in res["attention"]:

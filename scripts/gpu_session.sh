@@ -34,6 +34,7 @@ for s in "$@"; do
     latency_k) step latency_k 240 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,2000 --kernel-restore-max-tokens 2048 --json --out "$OUT/latency_k.json" ;;
     engine_pieces) step engine_pieces 400 python3 scripts/bench_engine.py --model qwen3-8b --cuda-graph-pieces 1,4,2 --skip-eager --prefill-tokens 350,1000 --out "$OUT/engine_pieces.json" ;;
     stress_pieces) i=0; for k in 1 4 1 4; do i=$((i+1)); step "stress_pieces${i}_p$k" 200 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --cuda-graph-pieces $k; done ;;
+    skinny) step skinny 400 python3 scripts/bench_kernels.py --skinny --out "$OUT/skinny.json" ;;
     layer_copy) step layer_copy 200 python3 scripts/bench_layer_copy.py --model qwen3-8b --out "$OUT/layer_copy.json" ;;
     *) echo "unknown step $s" ;;
   esac
