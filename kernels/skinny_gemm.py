@@ -45,7 +45,7 @@ if triton is not None:
         row_ok, col_ok = rows < M, cols < N
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        ss = tl.zeros([BLOCK_M], tl.float32)
+        sq = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # squares, reduced once after the loop
         for k0 in range(0, K, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
@@ -58,7 +58,7 @@ if triton is not None:
                     if pid == 0:
                         tl.store(sum_ptr + x_off, x, mask=xm)
                 xf = x.to(tl.float32)
-                ss += tl.sum(xf * xf, axis=1)
+                sq += xf * xf
                 g = tl.load(g_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
                 x = (xf * g[None, :]).to(w_ptr.dtype.element_ty)
             wm = col_ok[:, None] & k_ok[None, :]
@@ -74,7 +74,7 @@ if triton is not None:
                 else:
                     acc_up += tl.dot(x, tl.trans(wu))
         if NORM:
-            inv = 1.0 / tl.sqrt(ss / K + eps)
+            inv = 1.0 / tl.sqrt(tl.sum(sq, axis=1) / K + eps)
             acc = acc * inv[:, None]
             acc_up = acc_up * inv[:, None]
         if SWIGLU:

@@ -70,7 +70,7 @@ def time_calls_us(calls, replays: int = 5) -> float:
 SKINNY_SHAPES = [("qkv", 6144, 4096, True, False), ("o_proj", 4096, 4096, False, False),
                  ("gate_up", 2 * 12288, 4096, True, True), ("down", 4096, 12288, False, False)]
 SKINNY_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
-                  for bn in (16, 32, 64) for bk in (128, 256) for w in (4,) for st in (3, 4, 5)]
+                  for bn in (16, 32, 64) for bk in (128, 256) for w in (4, 8) for st in (4, 5)]
 
 
 def skinny_rows(dev, dtype, rows_list=(1, 16), configs=SKINNY_CONFIGS) -> list[dict]:
@@ -113,6 +113,10 @@ def skinny_rows(dev, dtype, rows_list=(1, 16), configs=SKINNY_CONFIGS) -> list[d
                 row["configs"].append({**cfg, "us": us, "gib_s": wbytes / us / 1e-6 / 2 ** 30, "rel_err": err})
             ok = [c for c in row["configs"] if "us" in c]
             row["best"] = min(ok, key=lambda c: c["us"]) if ok else None
+            if norm and ok:  # the same without the residual add (and its store): what that costs
+                cfg = {key: row["best"][key] for key in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+                row["best_no_residual_us"] = time_calls_us(
+                    [lambda w=w: skinny_gemm.norm_linear(h, None, g, w, 1e-6, swiglu=swiglu, **cfg) for w in weights])
             out.append(row)
         del weights
         torch.cuda.empty_cache()
@@ -203,7 +207,8 @@ def main(argv=None) -> int:
         b = r["best"] or {}
         cfg = "/".join(str(b.get(key, "-")) for key in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
         print(f"{r['proj']:10s} {r['rows']:4d} {r['weight_mib']:11.0f} {r['cublas_us']:9.1f} ({r['cublas_gib_s']:5.0f})"
-              f" {b.get('us', float('nan')):14.1f} ({b.get('gib_s', float('nan')):5.0f})  {cfg}  {b.get('rel_err', float('nan')):.1e}")
+              f" {b.get('us', float('nan')):14.1f} ({b.get('gib_s', float('nan')):5.0f})  {cfg}  {b.get('rel_err', float('nan')):.1e}"
+              f"  no residual {r.get('best_no_residual_us', float('nan')):.1f}")
     if args.skinny:
         return 0
     print("seqs x rows  ctx  splits block warps      us   KV GiB/s  max err   (best per shape marked *)")
