@@ -23,9 +23,9 @@ class EngineConfig:
     max_new_tokens_limit: int = 4096
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True  # CUDA only: small forwards (decode, short tails) replay captured graphs
-    # graphs per captured forward, over runs of whole layers (scheduler/model.layer_spans): the
-    # device starts on the first while the host launches the rest
-    cuda_graph_pieces: int = 1
+    # projections of forwards of at most 16 rows on CUDA: "triton" (kernels/skinny_gemm.py, SiLU x up
+    # folded into gate_up) or "cublas" (torch.nn.functional.linear + a SiLU kernel)
+    small_gemm: str = "triton"
     overlap_schedule: bool = True  # decode step N+1 is enqueued before step N's tokens are back
     restore_overlap: bool = True  # an L2 restore lands layer by layer while its tail's forward runs
     cpu_threads: int = 1  # torch intra-op threads on the CPU (tiny shapes run fastest on one)
@@ -34,8 +34,8 @@ class EngineConfig:
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
 
     def __post_init__(self) -> None:
-        if self.cuda_graph_pieces < 1:
-            raise ValueError(f"cuda_graph_pieces must be >= 1, got {self.cuda_graph_pieces}")
+        if self.small_gemm not in ("triton", "cublas"):
+            raise ValueError(f"small_gemm must be 'triton' or 'cublas', got {self.small_gemm!r}")
 
     def with_hicache(self, **changes) -> "EngineConfig":
         return replace(self, hicache=replace(self.hicache, **changes))
@@ -57,9 +57,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-cuda-graphs", action="store_true",
                    help="run small forwards eagerly instead of replaying captured CUDA graphs (CUDA only)")
     g.add_argument("--enable-cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # the default; kept
-    g.add_argument("--cuda-graph-pieces", type=int, default=EngineConfig.cuda_graph_pieces,
-                   help="CUDA graphs per captured forward (runs of whole layers): the device starts on the "
-                        "first while the host launches the rest")
+    g.add_argument("--small-gemm", default=EngineConfig.small_gemm, choices=["triton", "cublas"],
+                   help="projections of forwards of at most 16 rows (decode, a restore's tail) on CUDA")
     g.add_argument("--disable-overlap-schedule", action="store_true",
                    help="wait for each decode step's tokens before preparing the next")
     g.add_argument("--disable-restore-overlap", action="store_true",
@@ -128,7 +127,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_prompt_tokens=args.max_prompt_tokens,
         enable_prefix_cache=not args.disable_prefix_cache,
         cuda_graphs=not args.disable_cuda_graphs,
-        cuda_graph_pieces=args.cuda_graph_pieces,
+        small_gemm=args.small_gemm,
         overlap_schedule=not args.disable_overlap_schedule,
         restore_overlap=not args.disable_restore_overlap,
         cpu_threads=args.cpu_threads,

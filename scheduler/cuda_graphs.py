@@ -21,8 +21,6 @@ flight.
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
@@ -36,44 +34,13 @@ TAIL_SIZES = (1, 2, 4)
 PREFILL_BUCKETS = tuple(range(64, 513, 64))  # fresh one-sequence prefills, padded up to these lengths
 
 
-class ForwardGraph:
-    """One captured forward: a graph per piece of its layers (Qwen3Model.forward_pieces), replayed
-    in order, and the logits tensor its last piece writes."""
-
-    def __init__(self, graphs: list[torch.cuda.CUDAGraph], logits: torch.Tensor) -> None:
-        self.graphs, self.logits = graphs, logits
-
-    def replay(self) -> torch.Tensor:
-        for graph in self.graphs:
-            graph.replay()
-        return self.logits
-
-    @classmethod
-    def capture(cls, pieces: list, pool, stream: torch.cuda.Stream) -> "ForwardGraph":
-        """Each piece in a graph of its own, all from one memory pool (`pool`: a graph's pool()
-        handle, or None for a new one): a piece's output stays referenced until the next piece has
-        been captured reading it, so no capture in between reuses that memory."""
-        graphs, state = [], None
-        for piece in pieces:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                state = piece(state)
-            pool = graph.pool()
-            graphs.append(graph)
-        return cls(graphs, state)
-
-    @property
-    def pool(self):
-        return self.graphs[-1].pool()
-
-
 class DecodeGraphs:
     def __init__(self, model: Qwen3Model, kv_pool: torch.Tensor, page_size: int, max_pages_per_seq: int,
-                 scratch_page: int, max_batch: int = 32, layer_flags=None, pieces: int = 1) -> None:
+                 scratch_page: int, max_batch: int = 32, layer_flags=None) -> None:
         self.model, self.kv_pool, self.page_size = model, kv_pool, page_size
         self.layer_flags = layer_flags
-        self.pieces = pieces  # graphs per forward (Qwen3Model.layer_spans): the host launches piece i+1 while i runs
-        self.restore_graphs: dict[tuple[int, int], ForwardGraph] = {}
+        self.restore_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.restore_logits: dict[tuple[int, int], torch.Tensor] = {}
         self.device = kv_pool.device
         self.max_pages = max_pages_per_seq
         self.scratch_slot = scratch_page * page_size
@@ -94,7 +61,8 @@ class DecodeGraphs:
         self.host_rows = self._host_staging[:, :self._rows_len].view(2, 6, rows)
         self.host_tables = self._host_staging[:, self._rows_len:].view(2, seqs, max_pages_per_seq)
         self._events = [torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event()]  # reused: staged x2, prefill
-        self.graphs: dict[tuple[int, int], ForwardGraph] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self._staged: list[torch.cuda.Event | None] = [None, None]
         self._step = 0
         # fresh prefills of one sequence (no cached prefix), padded to a bucket: a short prefill is
@@ -105,7 +73,8 @@ class DecodeGraphs:
         self.p_table = torch.full((1, max(-(-longest // page_size), 1)), scratch_page, **i64)  # [1, L / S]
         self.host_p_rows = torch.zeros_like(self.p_rows, device="cpu").pin_memory()
         self.host_p_table = torch.full_like(self.p_table, scratch_page, device="cpu").pin_memory()
-        self.prefill_graphs: dict[int, ForwardGraph] = {}
+        self.prefill_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.prefill_logits: dict[int, torch.Tensor] = {}
         self._p_staged: torch.cuda.Event | None = None
 
     def _batch(self, seqs: int, rows_per_seq: int) -> AttentionBatch:
@@ -120,16 +89,6 @@ class DecodeGraphs:
                               seq_lens=self.p_rows[3, :1], out_slots=self.p_rows[2, :length],
                               positions=self.p_rows[1, :length], last_rows=self.p_rows[3, :1])
 
-    def _capture(self, ids: torch.Tensor, make_batch, pool, stream: torch.cuda.Stream,
-                 wait_layer: LayerWait | None = None, warm_ups: int = 2) -> ForwardGraph:
-        """make_batch() -> a fresh AttentionBatch over the static buffers for every run: a prefill
-        batch caches its plan (page list, row indices) on first use, and the captured plan must be
-        built inside the capture, from the buffers, not once before it from their values then."""
-        for _ in range(warm_ups):  # Triton compiles, cuBLAS picks its kernels
-            self.model(ids, make_batch(), self.kv_pool, wait_layer)
-        pieces = self.model.forward_pieces(ids, make_batch(), self.kv_pool, wait_layer, self.pieces)
-        return ForwardGraph.capture(pieces, pool, stream)
-
     @torch.inference_mode()
     def capture(self) -> None:
         self.model.rope_tables(self.max_pages * self.page_size + 1, self.device, self.kv_pool.dtype)
@@ -141,23 +100,36 @@ class DecodeGraphs:
         with torch.cuda.stream(stream):
             for shape in sorted(self.shapes, key=lambda s: -s[0] * s[1]):  # largest first: the rest reuse its memory
                 ids = self.rows[0, :shape[0] * shape[1]]
-                batch = functools.partial(self._batch, *shape)
-                self.graphs[shape] = self._capture(ids, batch, pool, stream)  # logits [B * R, V]
-                pool = self.graphs[shape].pool
+                for _ in range(2):  # warm up (Triton compiles, cuBLAS picks kernels)
+                    self.model(ids, self._batch(*shape), self.kv_pool)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool)  # [B * R, V]
+                pool = graph.pool()
+                self.graphs[shape] = graph
             if self.layer_flags is not None:
                 wait_layer = LayerWait(self.layer_flags, self.rows[5, :1])  # the staged epoch
                 for shape in [s for s in self.shapes if s[0] == 1]:  # (1, 1) and (1, TAIL_ROWS)
-                    ids, batch = self.rows[0, :shape[1]], functools.partial(self._batch, *shape)
-                    self.restore_graphs[shape] = self._capture(ids, batch, pool, stream, wait_layer,
-                                                               warm_ups=1)  # logits [R, V]
-                    pool = self.restore_graphs[shape].pool
+                    ids = self.rows[0, :shape[1]]
+                    self.model(ids, self._batch(*shape), self.kv_pool, wait_layer)  # warm-up
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                        self.restore_logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool,
+                                                                wait_layer)  # [R, V]
+                    pool = graph.pool()
+                    self.restore_graphs[shape] = graph
             self.p_rows[1].copy_(torch.arange(self.p_rows.shape[1]))
             self.p_rows[2].fill_(self.scratch_slot)
             for length in sorted(self.prefill_buckets, reverse=True):
+                ids = self.p_rows[0, :length]
                 self.p_rows[3, 0] = length - 1
-                ids, batch = self.p_rows[0, :length], functools.partial(self._prefill_batch, length)
-                self.prefill_graphs[length] = self._capture(ids, batch, pool, stream)  # logits [1, V]
-                pool = self.prefill_graphs[length].pool
+                for _ in range(2):
+                    self.model(ids, self._prefill_batch(length), self.kv_pool)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.prefill_logits[length] = self.model(ids, self._prefill_batch(length), self.kv_pool)  # [1, V]
+                pool = graph.pool()
+                self.prefill_graphs[length] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
     def prefill_bucket(self, prefix_lens: list[int], new_lens: list[int]) -> int | None:
@@ -180,7 +152,8 @@ class DecodeGraphs:
         self.p_table.copy_(self.host_p_table, non_blocking=True)
         self._p_staged = self._events[2]
         self._p_staged.record()
-        return self.prefill_graphs[length].replay()  # [1, V]
+        self.prefill_graphs[length].replay()
+        return self.prefill_logits[length]
 
     def shape_for(self, new_lens: list[int], page_tables: list[list[int]]) -> tuple[int, int] | None:
         """The captured (sequences, rows per sequence) that fits this batch, or None (run eagerly)."""
@@ -224,7 +197,12 @@ class DecodeGraphs:
         self._staged[k].record()
         if ids_device is not None:
             self.rows[0, :len(ids_device)].copy_(ids_device)  # device to device, after the staged ids
-        logits = (self.restore_graphs if wait_restore else self.graphs)[shape].replay()  # [B * R, V]
+        if wait_restore:
+            self.restore_graphs[shape].replay()
+            logits = self.restore_logits[shape]  # [R, V]
+        else:
+            self.graphs[shape].replay()
+            logits = self.logits[shape]  # [B * R, V]
         if per == 1:
             return logits[:len(new_lens)]
         return logits.index_select(0, self.rows[4, :len(new_lens)])  # [B, V]

@@ -74,6 +74,7 @@ class Engine:
         else:
             self.model, self.model_config, self.model_id = load_model(config.model, self.device, self.dtype,
                                                                       config.seed)
+            self.model.skinny = self.model.fused and config.small_gemm == "triton"
         page_size = config.page_size or (16 if self.device.type == "cuda" else 4)
         geometry = self.model_config.kv_geometry(page_size, self.dtype)
         num_pages = config.num_pages or -(-config.max_total_tokens // page_size)
@@ -113,7 +114,7 @@ class Engine:
         max_pages = min(self.cache.l1.num_pages, -(-self.config.max_context_tokens // self.page_size))
         graphs = DecodeGraphs(self.model, self.cache.l1.kv, self.page_size, max_pages, scratch,
                               max_batch=min(self.config.max_running_requests, 64),
-                              layer_flags=self.runner.layer_flags, pieces=self.config.cuda_graph_pieces)
+                              layer_flags=self.runner.layer_flags)
         graphs.capture()
         self.runner.enable_graphs(graphs)
 

@@ -5,7 +5,6 @@ maps the HF tensor names onto slices of them.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable
 
@@ -13,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import fused_ops
+from kernels import fused_ops, skinny_gemm
 from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch, paged_attention, write_kv
 from scheduler.presets import PRESETS, ModelConfig
@@ -65,22 +64,30 @@ class DecoderLayer(nn.Module):
         return x + self.down_proj(F.silu(gate) * up)
 
     def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
-                      batch: AttentionBatch, kv_pool: torch.Tensor,
-                      attn: FusedAttnFn) -> tuple[torch.Tensor, torch.Tensor]:
+                      batch: AttentionBatch, kv_pool: torch.Tensor, attn: FusedAttnFn,
+                      skinny: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Same layer in 7 kernels + 2 for attention: h is the previous layer's un-added output (the
         embeddings for layer 0), residual the stream before it (None for layer 0); h, residual: [T, H].
+        skinny (T <= 16): the projections are kernels/skinny_gemm.py, SiLU x up inside gate_up's (6 + 2).
         Returns this layer's (un-added MLP output, residual stream)."""
         cfg = self.cfg
+
+        def proj(linear: nn.Linear, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+            if skinny:
+                return skinny_gemm.linear(x, linear.weight, swiglu=swiglu)
+            return fused_ops.silu_mul_triton(linear(x)) if swiglu else linear(x)
+
         normed, residual = fused_ops.add_rms_norm_triton(h, residual, self.input_layernorm.weight, cfg.rms_norm_eps)
-        qkv = self.qkv_proj(normed)  # [T, (Hq + 2 Hkv) * D]
+        qkv = proj(self.qkv_proj, normed)  # [T, (Hq + 2 Hkv) * D]
         q = fused_ops.qk_norm_rope_kv_triton(
             qkv, self.q_norm.weight, self.k_norm.weight, cfg.rms_norm_eps, rope[0], rope[1], batch.positions,
             kv_pool[0, self.index], kv_pool[1, self.index], batch.out_slots, cfg.num_heads,
             cfg.num_kv_heads)  # [T, Hq, D]; K/V stored at out_slots
         o = attn(self.index, q)  # [T, Hq, D]
-        normed, residual = fused_ops.add_rms_norm_triton(self.o_proj(o.reshape(h.shape[0], cfg.q_size)), residual,
-                                                         self.post_attention_layernorm.weight, cfg.rms_norm_eps)
-        return self.down_proj(fused_ops.silu_mul_triton(self.gate_up_proj(normed))), residual
+        normed, residual = fused_ops.add_rms_norm_triton(proj(self.o_proj, o.reshape(h.shape[0], cfg.q_size)),
+                                                         residual, self.post_attention_layernorm.weight,
+                                                         cfg.rms_norm_eps)
+        return proj(self.down_proj, proj(self.gate_up_proj, normed, swiglu=True)), residual  # [T, H]
 
 
 class Qwen3Model(nn.Module):
@@ -95,6 +102,9 @@ class Qwen3Model(nn.Module):
         # fused Triton kernels for norms / RoPE / K/V writes / SiLU (kernels/fused_ops.py); set by
         # load_model for CUDA, settable for tests (the CPU runs them under TRITON_INTERPRET=1)
         self.fused = False
+        # fused path, at most skinny_gemm.BLOCK_M rows: projections by kernels/skinny_gemm.py instead
+        # of cuBLAS (set by load_model from EngineConfig.small_gemm)
+        self.skinny = False
         self._rope: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -162,44 +172,19 @@ class Qwen3Model(nn.Module):
 
     def _forward_fused(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
                        max_positions: int, wait_layer: LayerWait | None) -> torch.Tensor:
-        (piece,) = self._fused_pieces(input_ids, batch, kv_pool, wait_layer, 1, max_positions)
-        return piece(None)
-
-    def forward_pieces(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
-                       wait_layer: LayerWait | None = None, pieces: int = 1) -> list[Callable]:
-        """forward() cut into `pieces` runs of whole layers (`layer_spans`; fused path only, else one
-        piece), for CUDA graphs captured piece by piece: while the device runs one piece the host
-        launches the next, so only the first piece's launch delays the device. Each piece takes the
-        state the one before it returned (None for the first, which embeds input_ids) and returns
-        (h, residual) [T, H] each, or, for the last, the logits [B, V]. Chained in order they
-        compute forward()."""
-        if not self.fused:
-            return [lambda _: self.forward(input_ids, batch, kv_pool, wait_layer)]
-        max_positions = max(p + n for p, n in zip(batch.prefix_lens, batch.new_lens))
-        return self._fused_pieces(input_ids, batch, kv_pool, wait_layer, pieces, max_positions)
-
-    def _fused_pieces(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
-                      wait_layer: LayerWait | None, pieces: int, max_positions: int) -> list[Callable]:
-        weight = self.embed_tokens.weight
-        rope = self.rope_tables(max_positions, weight.device, weight.dtype)
-
         def attn(layer: int, q: torch.Tensor) -> torch.Tensor:
             return paged_attention(q, kv_pool, layer, batch, self.scale, wait_layer)
 
-        def piece(first: int, last: int, state):
-            if first == 0:
-                state = self.embed_tokens(input_ids), None  # [T, H]
-            h, residual = state
-            for layer in self.layers[first:last]:
-                h, residual = layer.forward_fused(h, residual, rope, batch, kv_pool, attn)
-            if last < len(self.layers):
-                return h, residual
-            if not batch.is_decode:
-                h, residual = h.index_select(0, batch.last_rows), residual.index_select(0, batch.last_rows)  # [B, H]
-            x, _ = fused_ops.add_rms_norm_triton(h, residual, self.norm.weight, self.cfg.rms_norm_eps)
-            return F.linear(x, self.lm_head_weight).float()  # [B, V]
-
-        return [functools.partial(piece, first, last) for first, last in layer_spans(len(self.layers), pieces)]
+        h = self.embed_tokens(input_ids)  # [T, H]
+        rope = self.rope_tables(max_positions, h.device, h.dtype)
+        skinny = self.skinny and h.shape[0] <= skinny_gemm.BLOCK_M
+        residual = None
+        for layer in self.layers:
+            h, residual = layer.forward_fused(h, residual, rope, batch, kv_pool, attn, skinny)
+        if not batch.is_decode:
+            h, residual = h.index_select(0, batch.last_rows), residual.index_select(0, batch.last_rows)  # [B, H]
+        x, _ = fused_ops.add_rms_norm_triton(h, residual, self.norm.weight, self.cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head_weight).float()  # [B, V]
 
     def forward_dense(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Reference: one sequence, no cache, plain causal SDPA. input_ids: [N] -> float32 logits [N, V]
@@ -213,24 +198,6 @@ class Qwen3Model(nn.Module):
         positions = torch.arange(n, device=input_ids.device)
         x = self._run_layers(input_ids, positions, n, attn)  # [N, H]
         return self._logits(x[-1:] if last_only else x)
-
-
-def layer_spans(num_layers: int, pieces: int) -> list[tuple[int, int]]:
-    """[first, last) layers of each piece of a forward cut into `pieces` (at most one per layer),
-    growing about 3x from one piece to the next (36 layers in 4: 1, 3, 8, 24): the host launches a
-    piece in a small fraction of the time the device takes to run the one before it, so the first
-    piece is kept short: its launch is the only one the device waits for."""
-    if pieces < 1:
-        raise ValueError(f"pieces must be >= 1, got {pieces}")
-    pieces = min(pieces, num_layers)
-    weights = [3 ** i for i in range(pieces)]
-    bounds, acc = [0], 0
-    for i, w in enumerate(weights[:-1]):
-        acc += w
-        # at least one layer per piece, and room for one in each piece still to come
-        bounds.append(min(max(bounds[-1] + 1, round(num_layers * acc / sum(weights))), num_layers - (pieces - 1 - i)))
-    bounds.append(num_layers)
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 @torch.no_grad()

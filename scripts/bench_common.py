@@ -155,13 +155,6 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def add_common_args(p) -> None:
     """Flags both benchmarks take: engine mode, seed and output."""
     p.add_argument("--disable-cuda-graphs", action="store_true", help="eager small forwards (CUDA)")
@@ -170,8 +163,8 @@ def add_common_args(p) -> None:
                    help="finish each L2 restore before its tail forward starts")
     p.add_argument("--kernel-restore-max-tokens", type=non_negative_int, default=None,
                    help="layer-ordered restores up to this many tokens by the copy kernel (default: the engine's)")
-    p.add_argument("--cuda-graph-pieces", type=positive_int, default=None,
-                   help="CUDA graphs per captured forward (default: the engine's)")
+    p.add_argument("--small-gemm", default=None, choices=["triton", "cublas"],
+                   help="projections of forwards of at most 16 rows (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None)
     p.add_argument("--json", action="store_true")
@@ -184,10 +177,10 @@ def kernel_restore_args(args) -> dict:
     return {} if n is None else {"kernel_restore_max_tokens": n}
 
 
-def graph_pieces_args(args) -> dict:
-    """EngineConfig fields for --cuda-graph-pieces (none when it was not given)."""
-    n = getattr(args, "cuda_graph_pieces", None)
-    return {} if n is None else {"cuda_graph_pieces": n}
+def small_gemm_args(args) -> dict:
+    """EngineConfig fields for --small-gemm (none when it was not given)."""
+    backend = getattr(args, "small_gemm", None)
+    return {} if backend is None else {"small_gemm": backend}
 
 
 def default_device(arg: str | None) -> str:

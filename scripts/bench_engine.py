@@ -18,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from bench_common import device_read_gib_s, positive_int  # noqa: E402
+from bench_common import device_read_gib_s  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
@@ -116,15 +116,15 @@ async def run(args) -> dict:
     rng = random.Random(0)
     out: dict = {"model": args.model, "device": args.device, "date": time.strftime("%Y-%m-%d")}
     results = {}
-    # (mode, CUDA graphs, pieces per graph): graphs with each --cuda-graph-pieces value, then eager
-    modes = [("eager", False, 1)]
+    # (mode, CUDA graphs, small-forward projections): graphs with each --small-gemm backend, then eager
+    modes = [("eager", False, args.small_gemm[0])]
     if args.device == "cuda":
-        graph_modes = [("graphs" if p == 1 else f"graphs_p{p}", True, p) for p in args.cuda_graph_pieces]
+        graph_modes = [("graphs" if i == 0 else f"graphs_{b}", True, b) for i, b in enumerate(args.small_gemm)]
         modes = graph_modes + ([] if args.skip_eager else modes)
-    for mode, graphs, pieces in modes:
+    for mode, graphs, small_gemm in modes:
         cfg = EngineConfig(model=args.model, device=args.device, page_size=args.page_size,
                            max_total_tokens=args.pool_tokens, max_prefill_tokens=16384, cuda_graphs=graphs,
-                           cuda_graph_pieces=pieces, max_running_requests=64)
+                           small_gemm=small_gemm, max_running_requests=64)
         engine = Engine(cfg)
         global vocab_hi
         vocab_hi = engine.vocab_size
@@ -205,13 +205,15 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of the tail request (CUDA)")
-    ap.add_argument("--cuda-graph-pieces", default="1",
-                    help="comma list: run the graphs mode once per value (CUDA graphs per captured forward)")
+    ap.add_argument("--small-gemm", default="triton",
+                    help="comma list of triton / cublas: the graphs mode once per backend of the small projections")
     ap.add_argument("--skip-eager", action="store_true", help="CUDA: leave out the eager mode")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    args.cuda_graph_pieces = [positive_int(x) for x in args.cuda_graph_pieces.split(",")]
+    args.small_gemm = args.small_gemm.split(",")
+    if not args.small_gemm or set(args.small_gemm) - {"triton", "cublas"}:
+        ap.error(f"--small-gemm takes triton and/or cublas, got {','.join(args.small_gemm)}")
     if args.quick:
         args.pool_tokens, args.prefill_tokens, args.decode_batches = 4096, "32,64", "1,4"
         args.decode_prompt, args.decode_tokens, args.tail_context, args.repeats = 16, 4, 64, 2

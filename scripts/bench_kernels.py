@@ -66,37 +66,30 @@ def time_calls_us(calls, replays: int = 5) -> float:
     return sorted(times)[len(times) // 2]
 
 
-# the 8B layer's projections: (name, N rows of the weight, K, norm folded in, SwiGLU)
-SKINNY_SHAPES = [("qkv", 6144, 4096, True, False), ("o_proj", 4096, 4096, False, False),
-                 ("gate_up", 2 * 12288, 4096, True, True), ("down", 4096, 12288, False, False)]
+# the 8B layer's projections: (name, N rows of the weight, K, SwiGLU folded in)
+SKINNY_SHAPES = [("qkv", 6144, 4096, False), ("o_proj", 4096, 4096, False),
+                 ("gate_up", 2 * 12288, 4096, True), ("down", 4096, 12288, False)]
 SKINNY_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
                   for bn in (16, 32, 64) for bk in (128, 256) for w in (4, 8) for st in (4, 5)]
 
 
 def skinny_rows(dev, dtype, rows_list=(1, 16), configs=SKINNY_CONFIGS) -> list[dict]:
-    """Each projection of the 8B layer at 1 and 16 rows: cuBLAS plus the separate norm / SiLU
-    kernels (as the fused layer runs today) against kernels/skinny_gemm.py per block config, over
-    enough weight copies (>= 1 GiB) that every call streams its weight from HBM."""
+    """Each projection of the 8B layer at 1 and 16 rows: cuBLAS (plus the SiLU kernel after gate_up,
+    as the fused layer ran before) against kernels/skinny_gemm.py per block config, over enough
+    weight copies (>= 1 GiB) that every call streams its weight from HBM."""
     from kernels import skinny_gemm
 
     out = []
-    for name, n, k, norm, swiglu in SKINNY_SHAPES:
+    for name, n, k, swiglu in SKINNY_SHAPES:
         wbytes = n * k * 2
         copies = max(4, -(-(1 << 30) // wbytes))
         weights = [torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5 for _ in range(copies)]
-        g = torch.rand(k, device=dev, dtype=dtype) + 0.5
         for m in rows_list:
-            h, res = (torch.randn(m, k, device=dev, dtype=dtype) for _ in range(2))
+            x = torch.randn(m, k, device=dev, dtype=dtype)
 
             def ref(w):
-                x = fused_ops.add_rms_norm_triton(h, res, g, 1e-6)[0] if norm else h
                 y = torch.nn.functional.linear(x, w)
                 return fused_ops.silu_mul_triton(y) if swiglu else y
-
-            def fused(w, **cfg):
-                if norm:
-                    return skinny_gemm.norm_linear(h, res, g, w, 1e-6, swiglu=swiglu, **cfg)[0]
-                return skinny_gemm.linear(h, w, **cfg)
 
             want = ref(weights[0]).float()
             ref_us = time_calls_us([lambda w=w: ref(w) for w in weights])
@@ -104,19 +97,15 @@ def skinny_rows(dev, dtype, rows_list=(1, 16), configs=SKINNY_CONFIGS) -> list[d
                    "cublas_gib_s": wbytes / ref_us / 1e-6 / 2 ** 30, "configs": []}
             for cfg in configs:
                 try:
-                    got = fused(weights[0], **cfg).float()
+                    got = skinny_gemm.linear(x, weights[0], swiglu=swiglu, **cfg).float()
                     err = ((got - want).norm() / want.norm()).item()
-                    us = time_calls_us([lambda w=w: fused(w, **cfg) for w in weights])
+                    us = time_calls_us([lambda w=w: skinny_gemm.linear(x, w, swiglu=swiglu, **cfg) for w in weights])
                 except Exception as exc:  # a config that does not compile (shared memory) is skipped
                     row["configs"].append({**cfg, "error": repr(exc)[:200]})
                     continue
                 row["configs"].append({**cfg, "us": us, "gib_s": wbytes / us / 1e-6 / 2 ** 30, "rel_err": err})
             ok = [c for c in row["configs"] if "us" in c]
             row["best"] = min(ok, key=lambda c: c["us"]) if ok else None
-            if norm and ok:  # the same without the residual add (and its store): what that costs
-                cfg = {key: row["best"][key] for key in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
-                row["best_no_residual_us"] = time_calls_us(
-                    [lambda w=w: skinny_gemm.norm_linear(h, None, g, w, 1e-6, swiglu=swiglu, **cfg) for w in weights])
             out.append(row)
         del weights
         torch.cuda.empty_cache()
@@ -207,8 +196,7 @@ def main(argv=None) -> int:
         b = r["best"] or {}
         cfg = "/".join(str(b.get(key, "-")) for key in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
         print(f"{r['proj']:10s} {r['rows']:4d} {r['weight_mib']:11.0f} {r['cublas_us']:9.1f} ({r['cublas_gib_s']:5.0f})"
-              f" {b.get('us', float('nan')):14.1f} ({b.get('gib_s', float('nan')):5.0f})  {cfg}  {b.get('rel_err', float('nan')):.1e}"
-              f"  no residual {r.get('best_no_residual_us', float('nan')):.1f}")
+              f" {b.get('us', float('nan')):14.1f} ({b.get('gib_s', float('nan')):5.0f})  {cfg}  {b.get('rel_err', float('nan')):.1e}")
     if args.skinny:
         return 0
     print("seqs x rows  ctx  splits block warps      us   KV GiB/s  max err   (best per shape marked *)")

@@ -32,8 +32,8 @@ for s in "$@"; do
     stages) step stages 200 python3 scripts/profile_stages.py --model qwen3-8b ;;
     stress_ab) i=0; for k in 0 1024 0 1024; do i=$((i+1)); step "stress_ab${i}_k$k" 200 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --kernel-restore-max-tokens $k; done ;;
     latency_k) step latency_k 240 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,2000 --kernel-restore-max-tokens 2048 --json --out "$OUT/latency_k.json" ;;
-    engine_pieces) step engine_pieces 400 python3 scripts/bench_engine.py --model qwen3-8b --cuda-graph-pieces 1,4,2 --skip-eager --prefill-tokens 350,1000 --out "$OUT/engine_pieces.json" ;;
-    stress_pieces) i=0; for k in 1 4 1 4; do i=$((i+1)); step "stress_pieces${i}_p$k" 200 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --cuda-graph-pieces $k; done ;;
+    engine_gemm) step engine_gemm 400 python3 scripts/bench_engine.py --model qwen3-8b --small-gemm triton,cublas --skip-eager --prefill-tokens 350,1000 --out "$OUT/engine_gemm.json" ;;
+    stress_gemm) i=0; for k in triton cublas triton cublas; do i=$((i+1)); step "stress_gemm${i}_$k" 200 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --small-gemm $k; done ;;
     skinny) step skinny 400 python3 scripts/bench_kernels.py --skinny --out "$OUT/skinny.json" ;;
     layer_copy) step layer_copy 200 python3 scripts/bench_layer_copy.py --model qwen3-8b --out "$OUT/layer_copy.json" ;;
     *) echo "unknown step $s" ;;

@@ -9,7 +9,7 @@ import torch  # noqa: E402
 
 from kernels import fused_ops  # noqa: E402
 from scheduler.attention import AttentionBatch  # noqa: E402
-from scheduler.model import Qwen3Model, init_random_weights, layer_spans  # noqa: E402
+from scheduler.model import Qwen3Model, init_random_weights  # noqa: E402
 from scheduler.presets import PRESETS  # noqa: E402
 
 
@@ -81,22 +81,10 @@ def test_fused_model_equals_plain_model():
     model.fused = False
 
 
-@pytest.mark.parametrize("num_layers", [1, 2, 5, 36])
-def test_layer_spans_cover_every_layer_once_shortest_first(num_layers):
-    for pieces in range(1, num_layers + 3):
-        spans = layer_spans(num_layers, pieces)
-        assert len(spans) == min(pieces, num_layers)
-        assert spans[0][0] == 0 and spans[-1][1] == num_layers
-        assert all(a < b for a, b in spans) and all(spans[i][1] == spans[i + 1][0] for i in range(len(spans) - 1))
-        assert spans[0][1] - spans[0][0] == min(b - a for a, b in spans)  # the launch the device waits for
-    with pytest.raises(ValueError, match="pieces"):
-        layer_spans(num_layers, 0)
 
-
-@pytest.mark.parametrize("pieces", [1, 2, 3])
-def test_forward_pieces_chained_equal_forward(pieces):
-    """What each CUDA graph piece runs (scheduler/cuda_graphs.ForwardGraph), chained on the CPU: the
-    same logits and the same K/V as one forward, for a prefill with a cached prefix and a decode."""
+def test_skinny_projections_equal_cublas_path():
+    """The fused layer with its projections by kernels/skinny_gemm.py (forwards of <= 16 rows; SiLU
+    inside gate_up's kernel) against nn.Linear + the SiLU kernel: same logits and K/V (float32)."""
     cfg = PRESETS["tiny"]
     model = init_random_weights(Qwen3Model.empty(cfg, "cpu", torch.float32), seed=0)
     model.fused = True
@@ -107,27 +95,29 @@ def test_forward_pieces_chained_equal_forward(pieces):
     try:
         for prefix, new, is_decode, step_ids in [([0, 0], [6, 5], False, ids[:11]),
                                                  ([6, 5], [1, 1], True, ids[11:13])]:
-            batch = AttentionBatch.build(prefix, new, tables, page_size, "cpu", is_decode)
-            whole = model(step_ids, batch, pools[0])
-            parts = model.forward_pieces(step_ids, batch, pools[1], pieces=pieces)
-            assert len(parts) == min(pieces, cfg.num_layers)
-            state = None
-            for part in parts:
-                state = part(state)
-            close(state, whole, 1e-6)
-            close(pools[1], pools[0], 1e-6)
+            logits = []
+            for skinny, pool in zip((False, True), pools):
+                model.skinny = skinny
+                logits.append(model(step_ids, AttentionBatch.build(prefix, new, tables, page_size, "cpu", is_decode),
+                                    pool))
+            close(logits[1], logits[0], 1e-5)
+            close(pools[1], pools[0], 1e-5)
     finally:
-        model.fused = False
+        model.fused = model.skinny = False
 
 
-def test_graph_pieces_are_validated_and_reach_the_config():
+def test_small_gemm_backend_is_validated_and_reaches_the_model():
     import argparse
 
     from scheduler.config import EngineConfig, add_engine_args, config_from_args
+    from scheduler.engine import Engine
 
-    with pytest.raises(ValueError, match="cuda_graph_pieces"):
-        EngineConfig(cuda_graph_pieces=0)
+    with pytest.raises(ValueError, match="small_gemm"):
+        EngineConfig(small_gemm="cutlass")
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert config_from_args(parser.parse_args(["--cuda-graph-pieces", "4"])).cuda_graph_pieces == 4
-    assert config_from_args(parser.parse_args([])).cuda_graph_pieces == EngineConfig.cuda_graph_pieces
+    assert config_from_args(parser.parse_args(["--small-gemm", "cublas"])).small_gemm == "cublas"
+    assert config_from_args(parser.parse_args([])).small_gemm == EngineConfig.small_gemm
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--small-gemm", "cutlass"])
+    assert not Engine(EngineConfig(model="tiny", device="cpu", num_pages=32)).model.skinny  # CPU: plain torch
