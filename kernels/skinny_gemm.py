@@ -15,6 +15,8 @@ TRITON_INTERPRET=1 in tests.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -26,9 +28,36 @@ except ImportError:  # pragma: no cover - triton is a dependency
 BLOCK_M = 16  # rows per call at most: the small forwards (decode up to 16 sequences, a 16-row tail)
 
 
-def _config(n_out: int, k: int, swiglu: bool) -> dict:
-    """Block sizes (tuned on the H200 at the 8B shapes, scripts/bench_kernels.py --skinny)."""
-    return dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=5)
+SHARED_BYTES = 200 << 10  # pipeline stages fit in this much shared memory (the H200 has 227 KiB a block)
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_budget(device: torch.device) -> int:
+    """SHARED_BYTES, or less on a GPU with less shared memory a block (minus room for the epilogue)."""
+    if device.type != "cuda":
+        return SHARED_BYTES
+    return min(SHARED_BYTES, torch.cuda.get_device_properties(device).shared_memory_per_block_optin - (16 << 10))
+
+
+def _config(n_out: int, k: int, swiglu: bool, elem_bytes: int, budget: int = SHARED_BYTES) -> dict:
+    """Block sizes tuned on the H200 at the 8B shapes in bf16 (scripts/bench_kernels.py --skinny,
+    docs/benchmarks.md), then cut to fit: K blocks no longer than K, stages (each a [BN or 2 BN, BK]
+    weight tile and a [16, BK] input tile) within `budget` bytes (float32 needs twice the bytes)."""
+    if swiglu:  # gate_up: two weight tiles per stage
+        bn, bk, stages = 32, 128, 4
+    elif n_out >= 6144:  # qkv
+        bn, bk, stages = 64, 256, 4
+    else:  # o_proj, down
+        bn, bk, stages = 32, 256, 5
+    bk = min(bk, max(16, triton.next_power_of_2(k)))
+
+    def stage_bytes(block_k: int) -> int:
+        return (bn * (2 if swiglu else 1) + BLOCK_M) * block_k * elem_bytes
+
+    while bk > 16 and stage_bytes(bk) * 2 > budget:
+        bk //= 2
+    stages = max(2, min(stages, budget // stage_bytes(bk)))
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=stages)
 
 
 if triton is not None:
@@ -74,7 +103,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, **config
     if swiglu and weight.shape[0] % 2:
         raise ValueError(f"a [gate; up] weight has an even number of rows, got {weight.shape[0]}")
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    cfg = {**_config(n, k, swiglu), **config}
+    cfg = {**_config(n, k, swiglu, x.element_size(), _shared_budget(x.device)), **config}
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](x, weight, y, m, n, k, SWIGLU=swiglu,
                                                       IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, **cfg)

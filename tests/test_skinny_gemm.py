@@ -49,3 +49,14 @@ def test_bad_shapes_are_refused():
         skinny_gemm.linear(x[:4].t().contiguous().t(), w)
     with pytest.raises(ValueError, match="even"):
         skinny_gemm.linear(x[:4], w[:31], swiglu=True)
+
+
+@pytest.mark.parametrize("dtype_bytes", [2, 4])
+@pytest.mark.parametrize("n,k,swiglu", [(6144, 4096, False), (4096, 12288, False), (12288, 4096, True), (48, 64, True)])
+def test_block_config_fits_shared_memory(n, k, swiglu, dtype_bytes):
+    """Every shape's pipeline fits the shared-memory budget in bf16 and in float32 (the tiny float32
+    GPU tests once asked for 320 KiB), and a K block is never longer than K needs."""
+    cfg = skinny_gemm._config(n, k, swiglu, dtype_bytes)
+    per_stage = (cfg["BLOCK_N"] * (2 if swiglu else 1) + skinny_gemm.BLOCK_M) * cfg["BLOCK_K"] * dtype_bytes
+    assert per_stage * cfg["num_stages"] <= skinny_gemm.SHARED_BYTES
+    assert cfg["BLOCK_K"] <= max(16, 1 << (k - 1).bit_length())
