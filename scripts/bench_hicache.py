@@ -107,6 +107,18 @@ def build_config(args, tier: str, prefix_tokens: int, storage_path: str | None):
         prefetch=not args.disable_prefetch, **kernel_restore_args(args))
 
 
+def dense_gap(eng, prompt: list[int], a: int, b: int) -> dict:
+    """First-token logits of tokens a and b from a plain dense forward of the whole prompt (the
+    model's own dtype), and the spread of all logits: a gap far below the spread is a near-tie that
+    a different summation order (a full prefill against a short tail over cached KV) may flip."""
+    import torch
+
+    with torch.inference_mode():
+        logits = eng.model.forward_dense(torch.tensor(prompt, device=eng.device), last_only=True)[0].float()
+    return {"recompute": a, "l1_hit": b, "logit_recompute": logits[a].item(), "logit_l1_hit": logits[b].item(),
+            "gap": (logits[a] - logits[b]).item(), "logit_std": logits.std().item()}
+
+
 def source_of(delta: dict, cached: dict, reusable: int) -> str:
     """Where one request's prefix came from, from its own metrics delta (an L3 restore that went
     through a queue-time prefetch is admitted as an L2 hit; its S2H bytes still show)."""
@@ -137,7 +149,7 @@ async def measure(args, tier: str, prefix_tokens: int, prompts, bdir: BenchDir) 
 
     if 2 * reusable // ps <= eng.cache.l1.num_pages:
         notes.append("L1 holds both prefixes (--num-pages); explicit eviction still forces the tier")
-    outputs_ok, l1_ok, mismatches, errors, mismatch_details = True, True, 0, [], []
+    outputs_ok, l1_ok, mismatches, errors, mismatch_details, near_ties = True, True, 0, [], [], []
     try:
         await eng.start()
         # reference: every tier emptied before each request -> pure recompute on this engine
@@ -154,6 +166,9 @@ async def measure(args, tier: str, prefix_tokens: int, prompts, bdir: BenchDir) 
             refs_l1_cached.append(l1_cached)
             errors += [e for e in (err, err2) if e]
         check("reference")
+        for i, p in enumerate(prompts):  # a full prefill and a tail forward disagree: how close a call was it
+            if refs[i] and refs_l1[i] and refs[i][0] != refs_l1[i][0]:
+                near_ties.append(dense_gap(eng, p, refs[i][0], refs_l1[i][0]) | {"prompt": i})
         cold = tier == "l3" and args.storage_cache == "cold"
         dropped = None
 
@@ -252,7 +267,8 @@ async def measure(args, tier: str, prefix_tokens: int, prompts, bdir: BenchDir) 
         "storage_cache": args.storage_cache if tier == "l3" else None,
         "storage_checksum": not args.disable_checksum if tier == "l3" else None,
         "outputs_match": bool(outputs_ok), "outputs_match_l1_hit": bool(l1_ok),
-        "mismatches_vs_recompute": int(mismatches), "mismatch_details": mismatch_details, "integrity": integrity,
+        "mismatches_vs_recompute": int(mismatches), "mismatch_details": mismatch_details,
+        "recompute_vs_l1_hit": near_ties, "integrity": integrity,
         "latency_ms": lat_ms, "latencies_ms": [x * 1e3 for x in lats],
         "reference_recompute_ms": min(ref_lat) * 1e3,  # the faster of the two reference requests
         "restore_ms": (delta["restore_s"] / delta["restores_done"] * 1e3) if delta["restores_done"] else None,

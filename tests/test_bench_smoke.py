@@ -161,3 +161,17 @@ def test_profile_stages_times_each_stage_and_restores_the_engine(capsys):
     assert "Admission.prefill_batch" in printed and "ModelRunner.launch" in printed
     assert Admission.__dict__["prefill_batch"] is before  # the timers are gone again
 
+
+
+def test_dense_gap_reports_the_two_tokens_logits(latency):
+    """What the latency script records where a full prefill and an L1-hit tail pick different first
+    tokens: both tokens' logits from a dense forward, their gap and the logits' spread."""
+    from scheduler.config import EngineConfig
+    from scheduler.engine import Engine
+
+    eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=32))
+    prompt = list(range(1, 30))
+    gap = latency.dense_gap(eng, prompt, 5, 9)
+    logits = eng.model.forward_dense(__import__("torch").tensor(prompt), last_only=True)[0]
+    assert gap["gap"] == pytest.approx((logits[5] - logits[9]).item(), abs=1e-5)
+    assert gap["logit_std"] > 0 and (gap["recompute"], gap["l1_hit"]) == (5, 9)
