@@ -50,16 +50,6 @@ def is_consecutive(pages: list[int]) -> bool:
     return all(b == a + 1 for a, b in zip(pages, pages[1:]))
 
 
-def pipeline_chunks(num_pages: int, step_pages: int, ramp_pages: int, ramp_first: bool) -> list[tuple[int, int]]:
-    """[lo, hi) page ranges of a pipelined transfer: chunks of `step_pages`, plus one chunk of
-    `ramp_pages` where the kernel is exposed: first for a D2H (its gather runs before any DMA can),
-    last for an H2D (its scatter runs after every DMA)."""
-    ramp = min(ramp_pages, num_pages)
-    lo, hi = (ramp, num_pages) if ramp_first else (0, num_pages - ramp)
-    chunks = [(a, min(hi, a + step_pages)) for a in range(lo, hi, step_pages)]
-    return [(0, ramp)] + chunks if ramp_first else chunks + [(hi, num_pages)]
-
-
 def host_runs(pages: list[int]) -> list[tuple[int, int, int]]:
     """Consecutive runs of host pages as (first index, end index, first page)."""
     runs, first = [], 0
@@ -126,11 +116,6 @@ class TransferEngine:
         # 0.1-0.2 ms to enqueue (a launch, an event, a wait, a DMA), so smaller chunks buy a few us
         # of device time with a lot of host time (8 chunks per 1,000-token D2H: 0.7-1.6 ms on the H200 host)
         self.chunk_pages = max(1, (32 << 20) // self.geometry.bytes_per_page)
-        # ... except the exposed chunk (a D2H's first, an H2D's last): ~8 MiB, so only a few us of
-        # kernel time stand before the first DMA or after the last one, while a D2H's first DMA
-        # (~0.15 ms) still lasts until the loop has enqueued the next chunk (0.1-0.13 ms on the H200
-        # host; with one 2.25 MiB page the copy engine sat idle waiting for it: device ratio 0.93)
-        self.ramp_pages = max(1, (8 << 20) // self.geometry.bytes_per_page)
         self._workspaces: list[Workspace] = []
         self._waiter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-cuda-wait")
         # layer-ordered restores (h2d_layerwise) have a copy stream of their own: a forward waits on
@@ -362,12 +347,15 @@ class TransferEngine:
     def _pipelined(self, direction: str, idx: torch.Tensor, packed: torch.Tensor, host: torch.Tensor,
                    tr: Transfer) -> None:
         """Chunked: the kernel of chunk i+1 runs on the SMs while the copy engine moves chunk i, so
-        a transfer costs its DMA plus one (small) chunk's kernel rather than the sum of both."""
+        a transfer costs its DMA plus one chunk's kernel rather than the sum of both."""
         kernel_stream, copy_stream = self.kernel_streams[direction], self.copy_streams[direction]
         copy_stream.wait_stream(kernel_stream)  # kernel_stream already waited on the caller
         tr.start_event.record(kernel_stream)
+        n = len(idx)
+        step = self.chunk_pages
         last = kernel_stream
-        for lo, hi in pipeline_chunks(len(idx), self.chunk_pages, self.ramp_pages, ramp_first=direction == "d2h"):
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
             ready = torch.cuda.Event()
             if direction == "d2h":  # gather on the SMs, then DMA the chunk out
                 with torch.cuda.stream(kernel_stream):

@@ -5,12 +5,10 @@ import random
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from hicache.geometry import KVGeometry
 from hicache.pools import DevicePool, HostPool
-from hicache.transfer import MAX_DMA_RUNS, TransferEngine, host_runs, pipeline_chunks
+from hicache.transfer import MAX_DMA_RUNS, TransferEngine, host_runs
 from kernels.chooser import ChosenBackends
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.bfloat16)
@@ -79,17 +77,3 @@ def test_a_layer_copy_that_raises_fails_the_transfer_not_the_caller(monkeypatch)
     with pytest.raises(TransferError, match="layer 1 not copied"):
         engine.wait_blocking(tr)
     engine.close()
-
-
-@given(st.integers(1, 300), st.integers(1, 40), st.integers(1, 8), st.booleans())
-def test_pipeline_chunks_cover_every_page_once_with_the_ramp_at_the_exposed_end(n, step, ramp, first):
-    """A D2H's first chunk (its gather precedes every DMA) and an H2D's last (its scatter follows
-    every DMA) are the small ramp chunk; the rest are full steps but for one remainder."""
-    chunks = pipeline_chunks(n, step, ramp, ramp_first=first)
-    assert chunks[0][0] == 0 and chunks[-1][1] == n
-    assert all(a < b for a, b in chunks) and all(chunks[i][1] == chunks[i + 1][0] for i in range(len(chunks) - 1))
-    exposed = chunks[0] if first else chunks[-1]
-    assert exposed[1] - exposed[0] == min(ramp, n)
-    middle = chunks[1:] if first else chunks[:-1]
-    assert all(b - a <= step for a, b in middle)
-    assert sum(b - a < step for a, b in middle) <= 1
