@@ -26,8 +26,6 @@ except ImportError:  # pragma: no cover - triton is a dependency
     triton = None
 
 BLOCK_M = 16  # rows per call at most: the small forwards (decode up to 16 sequences, a 16-row tail)
-
-
 SHARED_BYTES = 200 << 10  # pipeline stages fit in this much shared memory (the H200 has 227 KiB a block)
 
 

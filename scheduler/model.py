@@ -103,7 +103,7 @@ class Qwen3Model(nn.Module):
         # load_model for CUDA, settable for tests (the CPU runs them under TRITON_INTERPRET=1)
         self.fused = False
         # fused path, at most skinny_gemm.BLOCK_M rows: projections by kernels/skinny_gemm.py instead
-        # of cuBLAS (set by load_model from EngineConfig.small_gemm)
+        # of cuBLAS (set by the Engine from EngineConfig.small_gemm; settable for tests)
         self.skinny = False
         self._rope: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 

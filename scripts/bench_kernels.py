@@ -21,34 +21,17 @@ from kernels.decode_attention import decode_attention_torch, decode_attention_tr
 def time_us(fn, reps: int = 20) -> float:
     """Device time of one call: `reps` calls captured in one CUDA graph (no launch overhead, as in
     the engine's graphs), replayed 5 times; the median replay / reps."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
+    return time_calls_us([fn] * reps)
 
 
 def time_calls_us(calls, replays: int = 5) -> float:
     """Device time per call of a list of distinct calls (e.g. over different weights, so none is
-    served from the L2 cache), captured in one CUDA graph; the median replay / len(calls)."""
+    served from the L2 cache), captured in one CUDA graph after the first three ran as a warm-up;
+    the median of `replays` replays / len(calls)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for fn in calls[:2]:
+        for fn in calls[:3]:
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
