@@ -75,3 +75,19 @@ def test_attention_waits_for_its_layer_flag_first():
     assert status.item() == 0
     decode_attention_triton(q, k, v, tables, lens, 0.25, wait=(flags, expected, status, 1, 50))
     assert status.item() == 1
+
+
+@pytest.mark.parametrize("merge_rows", [1, 4, 16])
+def test_merge_row_blocks_give_the_same_result(merge_rows):
+    """The merge kernel's rows per program (4 by default: a 16-row tail of 4 query heads per KV head
+    is 16 programs per head) only moves work between programs: each block merges its own rows, the
+    last block of a head partly past the real rows."""
+    torch.manual_seed(3)
+    d, page_size, pages, rows, hq, hkv = 16, 4, 24, 3, 6, 2  # 9 real rows per KV head: ragged blocks
+    k, v = torch.randn(pages, page_size, hkv, d), torch.randn(pages, page_size, hkv, d)
+    page_tables = torch.randperm(pages)[:20].reshape(2, 10).to(torch.int64)
+    seq_lens = torch.tensor([30 + t for t in range(rows)] + [12 + t for t in range(rows)], dtype=torch.int64)
+    q = torch.randn(2 * rows, hq, d)
+    ref = decode_attention_torch(q, k, v, page_tables, seq_lens, 0.25, rows)
+    got = decode_attention_triton(q, k, v, page_tables, seq_lens, 0.25, rows, merge_rows=merge_rows)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
