@@ -98,8 +98,8 @@ def skinny_rows(dev, dtype, rows_list=(1, 16), configs=SKINNY_CONFIGS) -> list[d
 def attention_rows(dev, dtype) -> list[dict]:
     hq, hkv, d, page = 32, 8, 128, 16
     rows = []
-    for seqs, per, ctx in [(1, 1, 1000), (1, 1, 3500), (1, 1, 8000), (32, 1, 576), (1, 16, 350), (1, 16, 1000), (1, 16, 3500),
-                           (1, 16, 8000)]:
+    for seqs, per, ctx in [(1, 1, 1000), (1, 1, 3500), (1, 1, 8000), (32, 1, 576), (1, 16, 350), (1, 16, 1000),
+                           (1, 16, 3500), (1, 16, 8000)]:
         pages_each = -(-(ctx + per) // page)
         num_pages = seqs * pages_each + 1
         k = torch.randn(num_pages, page, hkv, d, device=dev, dtype=dtype)
