@@ -79,6 +79,14 @@ class RadixTree:
         self.root.locks = [1, 1, 1]  # the root is never evicted
         self._tick = 0
         self.num_resident_pages = [0, 0, 0]
+        # per tier, pages of nodes with a lock in that tier (a locked node is resident): what
+        # eviction may not take, kept as locks go 0 -> 1 -> 0, so that asking how much could be
+        # evicted (every admission does) costs nothing instead of a walk over the whole tree
+        self.num_locked_pages = [0, 0, 0]
+        # per tier, a min-heap of eviction candidates (stamp, node id, node), kept as nodes become
+        # leaves of that tier (see _offer) instead of collected by a walk over the whole tree on
+        # every eviction; entries go stale (evicted, locked, touched since) and are checked when popped
+        self._candidates: list[list[tuple[int, int, Node]]] = [[], [], []]
         self.on_evict: Callable[[Tier, Node, list[int]], None] | None = None
 
     # -- matching -----------------------------------------------------------------------------
@@ -194,6 +202,8 @@ class RadixTree:
                     alloc.give_to_tree(mine, claim)  # per node, so a later error leaves no half state
                     child.pages[tier] = mine
                     self.num_resident_pages[tier] += len(mine)
+                    child.stamp[tier] = stamp
+                    self._offer(child, tier)
                 else:
                     duplicates.extend(mine)
             elif child.pages[tier] is None:
@@ -208,6 +218,8 @@ class RadixTree:
         while node is not None and node is not self.root:
             if node.pages[tier] is None:
                 raise ValueError(f"lock: node not resident in {tier.name}")
+            if node.locks[tier] == 0:
+                self.num_locked_pages[tier] += len(node.pages[tier])
             node.locks[tier] += 1
             node = node.parent
 
@@ -216,6 +228,9 @@ class RadixTree:
             if node.locks[tier] <= 0:
                 raise ValueError(f"unlock: lock count of {node} in {tier.name} would go negative")
             node.locks[tier] -= 1
+            if node.locks[tier] == 0:
+                self.num_locked_pages[tier] -= len(node.pages[tier])
+                self._offer(node, tier)
             node = node.parent
 
     # -- eviction -----------------------------------------------------------------------------
@@ -232,25 +247,41 @@ class RadixTree:
 
     def evictable_pages(self, tier: Tier) -> int:
         """Pages that eviction could free in this tier (resident and not locked)."""
-        return sum(len(n.pages[tier]) for n in self.iter_nodes()
-                   if n is not self.root and n.pages[tier] is not None and n.locks[tier] == 0)
+        return self.num_resident_pages[tier] - self.num_locked_pages[tier]
 
     def protected_pages(self, tier: Tier) -> int:
         return self.num_resident_pages[tier] - self.evictable_pages(tier)
+
+    def _offer(self, node: Node | None, tier: Tier) -> None:
+        """`node` may have just become an eviction candidate of `tier` (resident, unlocked, no
+        resident child): it became resident, its last lock went, or its last resident child left.
+        Every candidate has an entry no later than its stamp; touches are caught up when popped."""
+        if node is not None and node is not self.root and node.pages[tier] is not None and not node.locks[tier]:
+            heapq.heappush(self._candidates[tier], (node.stamp[tier], node.node_id, node))
+
+    def _rebuild_candidates(self, tier: Tier) -> None:
+        self._candidates[tier] = [(n.stamp[tier], n.node_id, n) for n in self.iter_nodes()
+                                  if self._is_tier_leaf(n, tier)]
+        heapq.heapify(self._candidates[tier])
 
     def evict(self, tier: Tier, num_pages: int,
               keep: Callable[[Node], bool] | None = None) -> int:
         """Free at least `num_pages` pages of `tier` from LRU leaves of that tier (fewer if not
         enough are evictable). `keep(node)` may veto a leaf (e.g. write_back wants it backed up
         first). Returns the number of pages freed."""
-        heap = [(n.stamp[tier], n.node_id, n) for n in self.iter_nodes() if self._is_tier_leaf(n, tier)]
-        heapq.heapify(heap)
-        freed = 0
+        if len(self._candidates[tier]) > 2 * self.num_resident_pages[tier] + 64:  # mostly stale entries
+            self._rebuild_candidates(tier)
+        heap = self._candidates[tier]
+        freed, vetoed = 0, []
         while freed < num_pages and heap:
-            _, _, node = heapq.heappop(heap)
-            if not self._is_tier_leaf(node, tier):
+            stamp, _, node = heapq.heappop(heap)
+            if node.parent is None or not self._is_tier_leaf(node, tier):
+                continue  # gone, locked or no longer a leaf: offered again if it becomes one
+            if stamp != node.stamp[tier]:  # touched since it was offered: back in at its stamp
+                heapq.heappush(heap, (node.stamp[tier], node.node_id, node))
                 continue
             if keep is not None and keep(node):
+                vetoed.append(node)
                 continue
             pages = node.pages[tier]
             assert pages is not None
@@ -263,7 +294,9 @@ class RadixTree:
             parent = node.parent
             self._maybe_remove(node)
             if parent is not None and self._is_tier_leaf(parent, tier):
-                heapq.heappush(heap, (parent.stamp[tier], parent.node_id, parent))
+                self._offer(parent, tier)
+        for node in vetoed:
+            self._offer(node, tier)
         return freed
 
     def drop(self, node: Node, tier: Tier) -> list[int]:
@@ -272,6 +305,7 @@ class RadixTree:
         freed: list[int] = []
         stack = [node]
         order: list[Node] = []
+        above = node.parent  # may become a leaf of the tier
         while stack:
             n = stack.pop()
             if n.pages[tier] is None:
@@ -289,6 +323,8 @@ class RadixTree:
         for n in reversed(order):
             if n.parent is not None:  # removing a leaf may already have removed its emptied parent
                 self._maybe_remove(n)
+        if above is not None and above.parent is not None and self._is_tier_leaf(above, tier):
+            self._offer(above, tier)
         return freed
 
     def _maybe_remove(self, node: Node) -> None:
@@ -310,7 +346,7 @@ class RadixTree:
 
     def check_integrity(self) -> None:
         """Invariants 1, 3, 4 of DESIGN.md section 4 for the tree and every tier allocator."""
-        counts = [0, 0, 0]
+        counts, locked = [0, 0, 0], [0, 0, 0]
         for n in self.iter_nodes():
             if n is self.root:
                 continue
@@ -336,10 +372,20 @@ class RadixTree:
                 if n.parent is not self.root and n.parent.pages[tier] is None:
                     raise AssertionError(f"{n}: resident in {tier.name} but its parent is not (hole)")
                 counts[tier] += len(pages)
+                locked[tier] += len(pages) if n.locks[tier] else 0
         for tier in TIERS:
             if counts[tier] != self.num_resident_pages[tier]:
                 raise AssertionError(f"{tier.name}: resident count {self.num_resident_pages[tier]} "
                                      f"!= {counts[tier]} pages in nodes")
+            if locked[tier] != self.num_locked_pages[tier]:
+                raise AssertionError(f"{tier.name}: locked count {self.num_locked_pages[tier]} "
+                                     f"!= {locked[tier]} pages in locked nodes")
+            offered: dict[int, int] = {}  # node id -> its earliest candidate entry
+            for stamp, node_id, _ in self._candidates[tier]:
+                offered[node_id] = min(stamp, offered.get(node_id, stamp))
+            for n in self.iter_nodes():
+                if self._is_tier_leaf(n, tier) and offered.get(n.node_id, n.stamp[tier] + 1) > n.stamp[tier]:
+                    raise AssertionError(f"{n}: a leaf of {tier.name} that eviction would not find")
             if tier in self.allocators:
                 self.allocators[tier].check(self.tree_pages(tier))
             elif counts[tier]:

@@ -112,3 +112,84 @@ def test_random_workload_integrity():
         if allocs[tier].num_free >= need:
             put(tree, allocs, toks, tier, start=start)
         tree.check_integrity()
+
+
+def _scan_victims(tree, tier, num_pages, keep=None):
+    """Reference eviction order: every leaf of the tier gathered by a walk over the whole tree, LRU
+    first (the tree's own `evict` keeps these candidates as they change instead)."""
+    import heapq
+    heap = [(n.stamp[tier], n.node_id, n) for n in tree.iter_nodes() if tree._is_tier_leaf(n, tier)]
+    heapq.heapify(heap)
+    victims, freed = [], 0
+    leaf_now = set(id(n) for _, _, n in heap)
+    while freed < num_pages and heap:
+        _, _, node = heapq.heappop(heap)
+        if keep is not None and keep(node):
+            continue
+        victims.append(node.node_id)
+        freed += len(node.pages[tier])
+        parent = node.parent
+        others = [c for c in parent.children.values() if c is not node and c.pages[tier] is not None]
+        if (parent is not tree.root and parent.pages[tier] is not None and parent.locks[tier] == 0
+                and not others and id(parent) not in leaf_now):
+            heapq.heappush(heap, (parent.stamp[tier], parent.node_id, parent))
+            leaf_now.add(id(parent))
+    return victims
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_eviction_order_and_counts_match_a_full_scan(seed):
+    """Eviction candidates and evictable pages are kept incrementally (no walk over the tree per
+    admission or eviction); over random inserts, touches, locks, drops and vetoes, every eviction
+    frees the same LRU leaves as a walk over the whole tree would, and the counts stay exact
+    (check_integrity also proves every leaf has its candidate entry)."""
+    rng = random.Random(seed)
+    tree, allocs = make_tree(page_size=2, pages=48)
+    prefixes = [[rng.randrange(4) for _ in range(rng.randrange(2, 14))] for _ in range(8)]
+    held = []  # (node, tier) locks taken
+    for step in range(400):
+        toks = rng.choice(prefixes) + [rng.randrange(4) for _ in range(rng.randrange(0, 6))]
+        toks = toks[: len(toks) - len(toks) % 2]
+        tier = rng.choice([Tier.L1, Tier.L2])
+        op = rng.random()
+        if op < 0.15 and held:  # release a lock
+            node, t = held.pop(rng.randrange(len(held)))
+            tree.unlock(node, t)
+        elif op < 0.3:  # lock the matched prefix (a running request or a transfer source)
+            m = tree.match(toks)
+            if m.handles[tier] is not None:
+                tree.lock(m.handles[tier], tier)
+                held.append((m.handles[tier], tier))
+        elif op < 0.38:  # drop an unlocked subtree (a corrupt L3 page does this)
+            m = tree.match(toks, touch=False)
+            node = m.handles[tier]
+            if node is not None:
+                stack, locked = [node], False
+                while stack:
+                    n = stack.pop()
+                    locked |= n.pages[tier] is not None and n.locks[tier] > 0
+                    stack.extend(n.children.values())
+                if not locked:
+                    tree.drop(node, tier)
+        else:  # a request: touch, make room, publish
+            m = tree.match(toks)
+            start = m.lengths[tier]
+            need = (len(toks) - start) // 2
+            if allocs[tier].num_free < need:
+                veto = rng.choice([None, lambda n: n.node_id % 3 == 0])
+                want = _scan_victims(tree, tier, need - allocs[tier].num_free, veto)
+                evicted = []
+                tree.on_evict = lambda t, node, pages: evicted.append(node.node_id)
+                tree.evict(tier, need - allocs[tier].num_free, keep=veto)
+                tree.on_evict = None
+                assert evicted == want
+                m = tree.match(toks)
+                start = m.lengths[tier]
+                need = (len(toks) - start) // 2
+            if allocs[tier].num_free >= need:
+                put(tree, allocs, toks, tier, start=start)
+        for t in (Tier.L1, Tier.L2):
+            scan = sum(len(n.pages[t]) for n in tree.iter_nodes()
+                       if n is not tree.root and n.pages[t] is not None and n.locks[t] == 0)
+            assert tree.evictable_pages(t) == scan
+        tree.check_integrity()
