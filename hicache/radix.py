@@ -257,20 +257,21 @@ class RadixTree:
         resident child): it became resident, its last lock went, or its last resident child left.
         Every candidate has an entry no later than its stamp; touches are caught up when popped."""
         if node is not None and node is not self.root and node.pages[tier] is not None and not node.locks[tier]:
-            heapq.heappush(self._candidates[tier], (node.stamp[tier], node.node_id, node))
+            heap = self._candidates[tier]
+            heapq.heappush(heap, (node.stamp[tier], node.node_id, node))
+            if len(heap) > 2 * self.num_resident_pages[tier] + 64:  # mostly stale: start afresh
+                self._rebuild_candidates(tier)  # (a walk, after more offers than the tree has nodes)
 
     def _rebuild_candidates(self, tier: Tier) -> None:
-        self._candidates[tier] = [(n.stamp[tier], n.node_id, n) for n in self.iter_nodes()
-                                  if self._is_tier_leaf(n, tier)]
-        heapq.heapify(self._candidates[tier])
+        heap = self._candidates[tier]  # in place: an eviction in progress holds this list
+        heap[:] = [(n.stamp[tier], n.node_id, n) for n in self.iter_nodes() if self._is_tier_leaf(n, tier)]
+        heapq.heapify(heap)
 
     def evict(self, tier: Tier, num_pages: int,
               keep: Callable[[Node], bool] | None = None) -> int:
         """Free at least `num_pages` pages of `tier` from LRU leaves of that tier (fewer if not
         enough are evictable). `keep(node)` may veto a leaf (e.g. write_back wants it backed up
         first). Returns the number of pages freed."""
-        if len(self._candidates[tier]) > 2 * self.num_resident_pages[tier] + 64:  # mostly stale entries
-            self._rebuild_candidates(tier)
         heap = self._candidates[tier]
         freed, vetoed = 0, []
         while freed < num_pages and heap:

@@ -193,3 +193,19 @@ def test_eviction_order_and_counts_match_a_full_scan(seed):
                        if n is not tree.root and n.pages[t] is not None and n.locks[t] == 0)
             assert tree.evictable_pages(t) == scan
         tree.check_integrity()
+
+
+def test_candidate_heap_stays_bounded_without_evictions():
+    """Every unlock offers its nodes as eviction candidates; a tree that never fills (no eviction
+    ever pops them) still keeps the heap within a few times its resident pages."""
+    tree, allocs = make_tree(page_size=2, pages=64)
+    a = list(range(12))
+    put(tree, allocs, a)
+    for _ in range(2000):
+        m = tree.match(a)
+        tree.lock(m.handles[Tier.L1], Tier.L1)
+        tree.unlock(m.handles[Tier.L1], Tier.L1)
+    assert len(tree._candidates[Tier.L1]) <= 2 * tree.num_resident_pages[Tier.L1] + 65
+    tree.check_integrity()
+    assert tree.evict(Tier.L1, 100) == 6
+    tree.check_integrity()
