@@ -45,6 +45,28 @@ class TransferError(RuntimeError):
 # fragmented ones go through a pinned workspace and one CPU index copy.
 MAX_DMA_RUNS = 8
 
+# The gather/scatter + DMA pipeline's chunks (`ramp_chunks`). Only the first gather of a D2H (the
+# last scatter of an H2D) is exposed, so the first chunk is small: 8 MiB is ~0.14 ms of DMA on the
+# H200, longer than the loop takes to enqueue the next chunk. A kernel moves pages ~30x faster than
+# PCIe, so each later chunk may be 16x the one before and its kernel still ends under the DMA before
+# it: a 1,000-token transfer of the 8B shape is 3 chunks, 8,000 tokens 4 (fixed 32 MiB chunks made
+# those 5 and 59, each costing the loop ~0.1 ms to enqueue).
+RAMP_FIRST_BYTES = 8 << 20
+RAMP_GROWTH = 16
+
+
+def ramp_chunks(num_pages: int, first_pages: int, growth: int) -> list[int]:
+    """Chunk lengths in pages, in pipeline order, summing to num_pages: `first_pages`, then each
+    at most `growth` times the one before (the last takes what is left)."""
+    if num_pages < 1 or first_pages < 1 or growth < 1:
+        raise ValueError(f"ramp_chunks: {num_pages} pages, first {first_pages}, growth {growth}")
+    sizes = [min(num_pages, first_pages)]
+    left = num_pages - sizes[0]
+    while left:
+        sizes.append(min(left, sizes[-1] * growth))
+        left -= sizes[-1]
+    return sizes
+
 
 def is_consecutive(pages: list[int]) -> bool:
     return all(b == a + 1 for a, b in zip(pages, pages[1:]))
@@ -111,11 +133,10 @@ class TransferEngine:
                                else None)
         self.copy_streams = ({d: torch.cuda.Stream(device=l1.device) for d in ("d2h", "h2d")} if self.cuda
                              else None)
-        # pipelining chunk: 32 MiB. The first chunk's gather (D2H) or the last one's scatter (H2D),
-        # ~20 us on the H200, is all the kernel time left exposed; each chunk costs the loop thread
-        # 0.1-0.2 ms to enqueue (a launch, an event, a wait, a DMA), so smaller chunks buy a few us
-        # of device time with a lot of host time (8 chunks per 1,000-token D2H: 0.7-1.6 ms on the H200 host)
-        self.chunk_pages = max(1, (32 << 20) // self.geometry.bytes_per_page)
+        # pipelining: a small first chunk (D2H; the last one for H2D), then chunks growing RAMP_GROWTH
+        # times, so the first DMA starts after a few us of gather and every later kernel hides under
+        # the DMA before it (ramp_chunks)
+        self.first_chunk_pages = max(1, RAMP_FIRST_BYTES // self.geometry.bytes_per_page)
         self._workspaces: list[Workspace] = []
         self._waiter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-cuda-wait")
         # layer-ordered restores (h2d_layerwise) have a copy stream of their own: a forward waits on
@@ -125,9 +146,11 @@ class TransferEngine:
         self.layer_stream = torch.cuda.Stream(device=l1.device) if self.cuda else None
         self.layer_flags: LayerFlags | None = None
         self.layerwise = not self.cuda
+        self._memcpy = None  # cuda_rt.memcpy_async: a pipeline chunk's DMA in one call
         if self.cuda:
             from kernels import cuda_rt
             self.layerwise = cuda_rt.available() and l2.pinned
+            self._memcpy = cuda_rt.memcpy_async if cuda_rt.available() else None
             if self.layerwise:
                 self.layer_flags = LayerFlags(self.geometry.num_layers, l1.device)
         # short or fragmented restores, fragmented backups: copy kernels that reach pinned L2 over
@@ -214,8 +237,8 @@ class TransferEngine:
             flags = self.layer_flags
             tr.epoch = flags.next_epoch()
             self._copy_kernel(tr, self.layer_stream, host_pages, l1_pages, flags,
-                              lambda pages: self.host_copy.h2d_layers(pages, self._counts["layer"], flags.flags,
-                                                                      tr.epoch))
+                              lambda pages, stream: self.host_copy.h2d_layers(pages, self._counts["layer"],
+                                                                              flags.flags, tr.epoch, stream))
         else:
             self._enqueue_layers(tr, plan)
         tr.enqueue_ns = time.monotonic_ns() - t0
@@ -251,21 +274,22 @@ class TransferEngine:
 
     def _copy_kernel(self, tr: Transfer, stream: torch.cuda.Stream, host_pages: list[int], l1_pages: list[int],
                      flags: LayerFlags | None, launch) -> None:
-        """`launch(pages)` of a copy kernel (kernels/host_copy.py) on `stream`, timed by the
+        """`launch(pages, stream)` of a copy kernel (kernels/host_copy.py), timed by the
         transfer's events; pages [2, n] int32 on the device. The stream first waits for the caller's
         (where the L1 pages were last read, or the KV being backed up was written). A launch that
         raises fails the transfer, not the caller; `flags` (a layer-ordered restore's) are then
         all written anyway, so no forward waits for them."""
         tr.start_event = torch.cuda.Event(enable_timing=True)
         tr.event = torch.cuda.Event(enable_timing=True)
-        stream.wait_stream(torch.cuda.current_stream(self.l1.device))
+        caller = torch.cuda.current_stream(self.l1.device)
+        stream.wait_stream(caller)
         tr.start_event.record(stream)
         try:
-            with torch.cuda.stream(stream):
-                pages = torch.tensor([host_pages, l1_pages], dtype=torch.int32).to(self.l1.device,
-                                                                                 non_blocking=True)  # [2, n]
-                tr.keepalive.append(pages)
-                launch(pages)
+            pages = torch.tensor([host_pages, l1_pages], dtype=torch.int32).to(self.l1.device,
+                                                                             non_blocking=True)  # [2, n]
+            tr.keepalive.append(pages)  # alive until the transfer completes
+            stream.wait_stream(caller)  # the page list crossed on the caller's stream
+            launch(pages, stream)
         except Exception as exc:
             tr.fail, tr.error = True, f"{tr.direction}: copy kernel not launched: {exc!r}"
             for layer in range(self.geometry.num_layers if flags is not None else 0):
@@ -335,8 +359,8 @@ class TransferEngine:
             self._h2d_epoch += 1
             tr.epoch = epoch = self._h2d_epoch
             self._copy_kernel(tr, self.copy_streams["h2d"], host_pages, l1_pages, None,
-                              lambda pages: self.host_copy.h2d_layers(pages, self._counts["h2d"], self._h2d_flags,
-                                                                      epoch))
+                              lambda pages, stream: self.host_copy.h2d_layers(pages, self._counts["h2d"],
+                                                                              self._h2d_flags, epoch, stream))
         else:
             self._copy_kernel(tr, self.kernel_streams["d2h"], host_pages, l1_pages, None, self.host_copy.d2h_pages)
         if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
@@ -347,38 +371,49 @@ class TransferEngine:
     def _pipelined(self, direction: str, idx: torch.Tensor, packed: torch.Tensor, host: torch.Tensor,
                    tr: Transfer) -> None:
         """Chunked: the kernel of chunk i+1 runs on the SMs while the copy engine moves chunk i, so
-        a transfer costs its DMA plus one chunk's kernel rather than the sum of both."""
+        a transfer costs its DMA plus the small chunk's kernel rather than the sum of both."""
         kernel_stream, copy_stream = self.kernel_streams[direction], self.copy_streams[direction]
         copy_stream.wait_stream(kernel_stream)  # kernel_stream already waited on the caller
         tr.start_event.record(kernel_stream)
-        n = len(idx)
-        step = self.chunk_pages
-        last = kernel_stream
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
+        sizes = ramp_chunks(len(idx), self.first_chunk_pages, RAMP_GROWTH)
+        if direction == "h2d":
+            sizes.reverse()  # the small chunk last: its scatter is all that follows the DMAs
+        last, lo = kernel_stream, 0
+        for size in sizes:  # explicit streams: no `with torch.cuda.stream()` (~15 us each) per chunk
+            hi = lo + size
             ready = torch.cuda.Event()
             if direction == "d2h":  # gather on the SMs, then DMA the chunk out
-                with torch.cuda.stream(kernel_stream):
-                    gather_pages(self.l1.kv, idx[lo:hi], packed[lo:hi], self.backends.gather)
-                    ready.record(kernel_stream)
+                gather_pages(self.l1.kv, idx[lo:hi], packed[lo:hi], self.backends.gather, kernel_stream)
+                ready.record(kernel_stream)
                 copy_stream.wait_event(ready)
-                with torch.cuda.stream(copy_stream):
-                    host[lo:hi].copy_(packed[lo:hi], non_blocking=True)
+                self._dma(host, packed, lo, hi, copy_stream)
                 last = copy_stream
             else:  # DMA the chunk in, then scatter it on the SMs
-                with torch.cuda.stream(copy_stream):
-                    packed[lo:hi].copy_(host[lo:hi], non_blocking=True)
-                    ready.record(copy_stream)
+                self._dma(packed, host, lo, hi, copy_stream)
+                ready.record(copy_stream)
                 kernel_stream.wait_event(ready)
-                with torch.cuda.stream(kernel_stream):
-                    scatter_pages(packed[lo:hi], idx[lo:hi], self.l1.kv, self.backends.scatter)
+                scatter_pages(packed[lo:hi], idx[lo:hi], self.l1.kv, self.backends.scatter, kernel_stream)
                 last = kernel_stream
+            lo = hi
         tr.event.record(last)
         idx.record_stream(kernel_stream)
 
+    def _dma(self, dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int, stream: torch.cuda.Stream) -> None:
+        """Pages [lo, hi) of src into the same pages of dst (both contiguous, page-major) on `stream`."""
+        if self._memcpy is None:
+            with torch.cuda.stream(stream):
+                dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
+            return
+        page_bytes = self.geometry.bytes_per_page
+        self._memcpy(dst.data_ptr() + lo * page_bytes, src.data_ptr() + lo * page_bytes, (hi - lo) * page_bytes, stream)
+
     # -- completion ----------------------------------------------------------------------------
-    def _complete_blocking(self, tr: Transfer) -> None:
+    def _complete_blocking(self, tr: Transfer, poll: bool = False) -> None:
+        """poll: query the event until it is done instead of sleeping in its synchronize (the
+        caller's thread stays on the CPU: see EngineConfig.gpu_wait)."""
         if tr.event is not None:
+            while poll and not tr.event.query():
+                time.sleep(0)  # lets other threads take the GIL
             tr.event.synchronize()
             tr.service_ns = int(tr.start_event.elapsed_time(tr.event) * 1e6)
         if tr.finish is not None:
@@ -403,8 +438,9 @@ class TransferEngine:
         return tr
 
     def wait_blocking(self, tr: Transfer) -> Transfer:
+        """Wait on this thread, polling (benchmarks, tests)."""
         try:
-            self._complete_blocking(tr)
+            self._complete_blocking(tr, poll=True)
         finally:
             self._release(tr.workspace)
             tr.workspace = None

@@ -3,6 +3,8 @@
   memcpy_2d_async   cudaMemcpy2DAsync: `height` rows of `width` bytes, each row at its own pitch on
                     either side, in one DMA. Moves one layer's slab of a run of pages out of
                     the page-major L2 into L1 without a host gather or a scatter kernel.
+  memcpy_async      cudaMemcpyAsync on a stream handle: one call, no `with torch.cuda.stream()`
+                    around a `copy_` (~20 us of host time per chunk of a transfer pipeline).
 
 `available()` says whether the library was found; callers keep a plain path for when it was not.
 (Forwards wait for such copies with kernels/layer_flags.py; an earlier cudaStreamWaitEvent binding
@@ -17,6 +19,7 @@ import functools
 import torch
 
 _HOST_TO_DEVICE = 1        # cudaMemcpyHostToDevice
+_DEFAULT = 4               # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,6 +41,9 @@ def _lib():
             lib.cudaMemcpy2DAsync.restype = ctypes.c_int
             lib.cudaMemcpy2DAsync.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t,
                                               ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+            lib.cudaMemcpyAsync.restype = ctypes.c_int
+            lib.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                            ctypes.c_void_p]
             return lib
         except (OSError, AttributeError):
             continue
@@ -62,3 +68,9 @@ def memcpy_2d_async(copies, stream: torch.cuda.Stream) -> None:
         code = copy(dst, dst_pitch, src, src_pitch, width, height, _HOST_TO_DEVICE, handle)
         if code != 0:
             _check(code, "cudaMemcpy2DAsync")
+
+
+def memcpy_async(dst_ptr: int, src_ptr: int, num_bytes: int, stream: torch.cuda.Stream) -> None:
+    """`num_bytes` from src_ptr to dst_ptr (device or pinned host, either way) on `stream`. The
+    caller keeps both buffers alive until the stream is past the copy."""
+    _check(_lib().cudaMemcpyAsync(dst_ptr, src_ptr, num_bytes, _DEFAULT, stream.cuda_stream), "cudaMemcpyAsync")

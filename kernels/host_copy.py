@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.direct_launch import DirectLaunch
+
 try:
     import triton
     import triton.language as tl
@@ -131,6 +133,7 @@ class HostCopy:
         self.num_layers, self.pool_pages = l1_kv.shape[1], l1_kv.shape[2]
         self.items_per_page = 2 * self.num_layers * (slab_words // self.block)
         self.programs = programs
+        self._direct: dict = {}  # kernel -> DirectLaunch, for launches on a given stream (CUDA)
         self._meta = dict(NUM_LAYERS=self.num_layers, SLAB=slab_words, BLOCK=self.block, num_warps=NUM_WARPS)
 
     def _grid(self, pages: torch.Tensor) -> tuple[int, ...]:
@@ -138,20 +141,29 @@ class HostCopy:
             raise ValueError(f"pages must be [2, n] int32, got {tuple(pages.shape)} {pages.dtype}")
         return (max(1, min(self.programs, pages.shape[1] * self.items_per_page)),)
 
-    def h2d_layers(self, pages: torch.Tensor, counts: torch.Tensor, flags: torch.Tensor, epoch: int) -> None:
-        """Copy every layer of the listed pages from L2 into L1 on the current stream and set
-        flags[l] = epoch behind layer l (counts: [L] int32 zeros, owned by the caller's stream)."""
+    def h2d_layers(self, pages: torch.Tensor, counts: torch.Tensor, flags: torch.Tensor, epoch: int,
+                   stream: torch.cuda.Stream | None = None) -> None:
+        """Copy every layer of the listed pages from L2 into L1 on `stream` (None: the current one)
+        and set flags[l] = epoch behind layer l (counts: [L] int32 zeros, owned by that stream)."""
         grid = self._grid(pages)
         if pages.shape[1]:
-            _h2d_layers_kernel[grid](self.host, self.dev, pages, counts, flags, epoch, pages.shape[1],
-                                     self.pool_pages, **self._meta)
+            self._run(_h2d_layers_kernel, grid, stream, self.host, self.dev, pages, counts, flags, epoch,
+                      pages.shape[1], self.pool_pages)
 
-    def d2h_pages(self, pages: torch.Tensor) -> None:
-        """Write the listed L1 pages into their L2 pages (written over PCIe) on the current stream: no
-        gather into a workspace, no CPU copy into fragmented L2 pages."""
+    def d2h_pages(self, pages: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+        """Write the listed L1 pages into their L2 pages (written over PCIe) on `stream` (None: the
+        current one): no gather into a workspace, no CPU copy into fragmented L2 pages."""
         grid = self._grid(pages)
         if pages.shape[1]:
-            _d2h_pages_kernel[grid](self.dev, self.host, pages, pages.shape[1], self.pool_pages, **self._meta)
+            self._run(_d2h_pages_kernel, grid, stream, self.dev, self.host, pages, pages.shape[1], self.pool_pages)
+
+    def _run(self, kernel, grid: tuple[int, ...], stream: torch.cuda.Stream | None, *args) -> None:
+        if stream is None:
+            kernel[grid](*args, **self._meta)
+            return
+        if kernel not in self._direct:
+            self._direct[kernel] = DirectLaunch(kernel)
+        self._direct[kernel](grid, stream, *args, **self._meta)
 
     def warm_up(self, counts: torch.Tensor, flags: torch.Tensor) -> None:
         """Compile both kernels now (launches over zero pages: nothing is read or written), not in

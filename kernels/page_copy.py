@@ -17,9 +17,13 @@ Page ids out of range are the caller's contract: we check shapes/dtypes only, ne
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 import torch
+
+from kernels.direct_launch import DirectLaunch
 
 try:  # triton is optional at import time: the torch backend must work without it
     import triton
@@ -138,7 +142,14 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def _launch(l1: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, gather: bool) -> None:
+@functools.lru_cache(maxsize=1)
+def _direct_launch() -> DirectLaunch:
+    """_page_copy_kernel's launches on a given stream (CUDA transfer pipelines)."""
+    return DirectLaunch(_page_copy_kernel)
+
+
+def _launch(l1: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, gather: bool,
+            stream: torch.cuda.Stream | None = None) -> None:
     n = _check_args(l1, page_ids, packed)
     if _page_copy_kernel is None:
         raise RuntimeError("triton is not importable")
@@ -154,20 +165,24 @@ def _launch(l1: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, gath
     grid = (triton.cdiv(num_rows, rows_per_prog), triton.cdiv(slab_elements, block))
     if grid[1] > _MAX_GRID_AXIS1:
         raise ValueError(f"slab of {slab_elements} elements is too large for one page copy grid")
-    _page_copy_kernel[grid](
-        l1_words, packed_words, page_ids, num_rows, pool_pages,
-        TWO_L=2 * num_layers, SLAB=slab_elements, BLOCK=block, ROWS=rows_per_prog,
-        EVEN=(slab_elements % block == 0), GATHER=gather, num_warps=_NUM_WARPS)
+    meta = dict(TWO_L=2 * num_layers, SLAB=slab_elements, BLOCK=block, ROWS=rows_per_prog,
+                EVEN=(slab_elements % block == 0), GATHER=gather, num_warps=_NUM_WARPS)
+    if stream is None:
+        _page_copy_kernel[grid](l1_words, packed_words, page_ids, num_rows, pool_pages, **meta)
+        return
+    _direct_launch()(grid, stream, l1_words, packed_words, page_ids, num_rows, pool_pages, **meta)
 
 
-def gather_pages_triton(l1: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor) -> None:
-    """packed[i] = l1[:, :, page_ids[i]] with one Triton launch."""
-    _launch(l1, page_ids, packed, gather=True)
+def gather_pages_triton(l1: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor,
+                        stream: torch.cuda.Stream | None = None) -> None:
+    """packed[i] = l1[:, :, page_ids[i]] with one Triton launch (on `stream`, else the current one)."""
+    _launch(l1, page_ids, packed, gather=True, stream=stream)
 
 
-def scatter_pages_triton(packed: torch.Tensor, page_ids: torch.Tensor, l1: torch.Tensor) -> None:
-    """l1[:, :, page_ids[i]] = packed[i] with one Triton launch."""
-    _launch(l1, page_ids, packed, gather=False)
+def scatter_pages_triton(packed: torch.Tensor, page_ids: torch.Tensor, l1: torch.Tensor,
+                         stream: torch.cuda.Stream | None = None) -> None:
+    """l1[:, :, page_ids[i]] = packed[i] with one Triton launch (on `stream`, else the current one)."""
+    _launch(l1, page_ids, packed, gather=False, stream=stream)
 
 
 # ----------------------------------------------------------------------------- dispatch
@@ -177,14 +192,30 @@ def _check_backend(backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def gather_pages(l1: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, backend: str) -> None:
+def gather_pages(l1: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor, backend: str,
+                 stream: torch.cuda.Stream | None = None) -> None:
+    """packed[i] = l1[:, :, page_ids[i]] on `stream` (CUDA; None: the current stream)."""
     _check_backend(backend)
-    (gather_pages_triton if backend == "triton" else gather_pages_torch)(l1, page_ids, packed)
+    if backend == "triton":
+        gather_pages_triton(l1, page_ids, packed, stream)
+        return
+    with _on(stream):
+        gather_pages_torch(l1, page_ids, packed)
 
 
-def scatter_pages(packed: torch.Tensor, page_ids: torch.Tensor, l1: torch.Tensor, backend: str) -> None:
+def scatter_pages(packed: torch.Tensor, page_ids: torch.Tensor, l1: torch.Tensor, backend: str,
+                  stream: torch.cuda.Stream | None = None) -> None:
+    """l1[:, :, page_ids[i]] = packed[i] on `stream` (CUDA; None: the current stream)."""
     _check_backend(backend)
-    (scatter_pages_triton if backend == "triton" else scatter_pages_torch)(packed, page_ids, l1)
+    if backend == "triton":
+        scatter_pages_triton(packed, page_ids, l1, stream)
+        return
+    with _on(stream):
+        scatter_pages_torch(packed, page_ids, l1)
+
+
+def _on(stream: torch.cuda.Stream | None):
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 def triton_available() -> bool:

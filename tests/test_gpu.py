@@ -276,3 +276,62 @@ def test_page_copy_compiles_once_for_every_chunk():
     gather_pages_triton(small, idx[:3] % 7, packed[:3])
     torch.cuda.synchronize()
     assert _compiled_variants(_page_copy_kernel) == before
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_pipelined_transfers_move_every_chunk_exactly(backend):
+    """Consecutive L2 pages go by the chunked pipeline (kernels on explicit streams, one raw DMA a
+    chunk): with a 2-page first chunk, 40 pages in random L1 order are 3 chunks each way; D2H then
+    H2D land byte for byte, twice (the second time through the cached direct launches)."""
+    from hicache.geometry import KVGeometry
+    from hicache.pools import DevicePool, HostPool
+    from hicache.transfer import RAMP_GROWTH, TransferEngine, ramp_chunks
+    from kernels.chooser import choose_backends
+
+    geo = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+    l1, l2 = DevicePool(geo, 96, torch.device("cuda")), HostPool(geo, 64, pin=True)
+    te = TransferEngine(l1, l2, choose_backends(l1.kv, backend))
+    te.first_chunk_pages = 2
+    assert len(ramp_chunks(40, 2, RAMP_GROWTH)) == 3
+    rng = random.Random(5)
+    for _ in range(2):
+        l1.kv.view(torch.int16).random_(1, 1000)
+        l2.page_buffer.zero_()
+        src, host_pages = rng.sample(range(96), 40), list(range(10, 50))
+        tr = te.d2h(src, host_pages)
+        assert tr.workspace is not None  # the gather + DMA pipeline, not a copy kernel
+        te.wait_blocking(tr)
+        assert torch.equal(l2.buffer[:, :, host_pages], l1.kv[:, :, src].cpu())
+        assert not l2.page_buffer[:10].any() and not l2.page_buffer[50:].any()
+        dst = rng.sample(range(96), 40)
+        l1.kv.zero_()
+        te.wait_blocking(te.h2d(host_pages, dst))
+        assert torch.equal(l1.kv[:, :, dst].cpu(), l2.buffer[:, :, host_pages])
+        assert not l1.kv[:, :, sorted(set(range(96)) - set(dst))].any()
+    te.close()
+
+
+def test_direct_launch_keeps_variants_apart():
+    """A direct launch reuses a compiled variant only for arguments the JIT would have given it:
+    a pointer that loses its 16-byte alignment, or an int that becomes 1, goes through the JIT
+    again and gets the right result."""
+    import triton
+    import triton.language as tl
+
+    from kernels.direct_launch import DirectLaunch
+
+    @triton.jit
+    def add_one(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+    launch = DirectLaunch(add_one)
+    stream = torch.cuda.Stream()
+    x = torch.arange(64, dtype=torch.int32, device="cuda")
+    for lo, n in [(0, 64), (0, 64), (1, 63), (1, 63), (4, 1), (4, 1), (0, 17)]:
+        y = torch.zeros(n, dtype=torch.int32, device="cuda")
+        stream.wait_stream(torch.cuda.current_stream())
+        launch((triton.cdiv(n, 32),), stream, x[lo:lo + n], y, n, BLOCK=32)
+        torch.cuda.current_stream().wait_stream(stream)
+        assert torch.equal(y, x[lo:lo + n] + 1)
+    assert len(launch._compiled) == 4  # aligned / misaligned pointer, n == 1, n not a multiple of 16

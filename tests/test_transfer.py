@@ -8,7 +8,7 @@ import torch
 
 from hicache.geometry import KVGeometry
 from hicache.pools import DevicePool, HostPool
-from hicache.transfer import MAX_DMA_RUNS, TransferEngine, host_runs
+from hicache.transfer import MAX_DMA_RUNS, TransferEngine, host_runs, ramp_chunks
 from kernels.chooser import ChosenBackends
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.bfloat16)
@@ -77,3 +77,17 @@ def test_a_layer_copy_that_raises_fails_the_transfer_not_the_caller(monkeypatch)
     with pytest.raises(TransferError, match="layer 1 not copied"):
         engine.wait_blocking(tr)
     engine.close()
+
+
+@pytest.mark.parametrize("num_pages", [1, 2, 3, 8, 51, 63, 219, 500, 4097])
+def test_pipeline_chunks_start_small_and_grow_at_most_16_fold(num_pages):
+    """The CUDA pipeline's chunks (hicache/transfer.py): every page once, the first chunk small (its
+    gather is all that precedes the first DMA), each later one at most 16x the one before (its
+    kernel must end under the previous chunk's DMA), and few of them (each costs the loop an enqueue)."""
+    sizes = ramp_chunks(num_pages, 3, 16)
+    assert sum(sizes) == num_pages and all(s >= 1 for s in sizes)
+    assert sizes[0] == min(3, num_pages)
+    assert all(b <= 16 * a for a, b in zip(sizes, sizes[1:]))
+    assert len(sizes) <= 5
+    with pytest.raises(ValueError):
+        ramp_chunks(0, 3, 16)
