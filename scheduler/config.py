@@ -28,6 +28,11 @@ class EngineConfig:
     small_gemm: str = "triton"
     overlap_schedule: bool = True  # decode step N+1 is enqueued before step N's tokens are back
     restore_overlap: bool = True  # an L2 restore lands layer by layer while its tail's forward runs
+    # CUDA: how the loop waits for a forward's tokens. "spin": it polls the step's event between
+    # its other tasks and stays on the CPU; "block": a worker thread sleeps in the event's
+    # synchronize. On the H200's host a thread that slept runs its next ~0.3 ms of work about half
+    # as fast (scripts/probe_host.py), and every request's host path follows such a wait.
+    gpu_wait: str = "spin"
     cpu_threads: int = 1  # torch intra-op threads on the CPU (tiny shapes run fastest on one)
     log_json: str | None = None
     simulate: bool = False  # no model, no KV bytes: tree, allocators and cost model only
@@ -36,6 +41,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.small_gemm not in ("triton", "cublas"):
             raise ValueError(f"small_gemm must be 'triton' or 'cublas', got {self.small_gemm!r}")
+        if self.gpu_wait not in ("spin", "block"):
+            raise ValueError(f"gpu_wait must be 'spin' or 'block', got {self.gpu_wait!r}")
 
     def with_hicache(self, **changes) -> "EngineConfig":
         return replace(self, hicache=replace(self.hicache, **changes))
@@ -63,6 +70,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="wait for each decode step's tokens before preparing the next")
     g.add_argument("--disable-restore-overlap", action="store_true",
                    help="finish an L2 restore before the forward over its tail starts (no layer-by-layer overlap)")
+    g.add_argument("--gpu-wait", default=EngineConfig.gpu_wait, choices=["spin", "block"],
+                   help="CUDA: the loop polls a forward's completion (spin: one core busy, a faster host "
+                        "path after it) or a thread sleeps on it (block)")
     g.add_argument("--cpu-threads", type=int, default=1, help="torch threads when running on the CPU")
     g.add_argument("--log-json", default=None, help="write structured JSON-lines events to this file")
     h = parser.add_argument_group("hicache")
@@ -130,6 +140,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         small_gemm=args.small_gemm,
         overlap_schedule=not args.disable_overlap_schedule,
         restore_overlap=not args.disable_restore_overlap,
+        gpu_wait=args.gpu_wait,
         cpu_threads=args.cpu_threads,
         log_json=args.log_json,
         hicache=hc,

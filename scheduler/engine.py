@@ -84,7 +84,8 @@ class Engine:
         self.cache.wakeup_idle = self._wake_idle
         self.page_size = page_size
         self.runner = (SimRunner(self.model_config.vocab_size) if config.simulate
-                       else ModelRunner(self.model, self.cache.l1.kv, page_size, self.device))
+                       else ModelRunner(self.model, self.cache.l1.kv, page_size, self.device,
+                                        spin_wait=config.gpu_wait == "spin"))
         transfer = self.cache.transfer
         if config.restore_overlap and not config.simulate and transfer is not None and transfer.layerwise:
             self.runner.layer_flags = transfer.layer_flags  # None on the CPU: copies are synchronous

@@ -31,8 +31,10 @@ class BatchInput:
 class ModelRunner:
     OUT_RING = 4  # pinned output buffers reused round-robin (see __init__)
 
-    def __init__(self, model: Qwen3Model, kv_pool: torch.Tensor, page_size: int, device: torch.device) -> None:
+    def __init__(self, model: Qwen3Model, kv_pool: torch.Tensor, page_size: int, device: torch.device,
+                 spin_wait: bool = True) -> None:
         self.model = model
+        self.spin_wait = spin_wait  # EngineConfig.gpu_wait
         self.kv_pool = kv_pool
         self.page_size = page_size
         self.device = device
@@ -109,7 +111,12 @@ class ModelRunner:
 
     async def collect(self, handle) -> list[int]:
         host, event, _ = handle
-        if event is not None:
+        if event is None:
+            return host.tolist()
+        if self.spin_wait:  # poll between the loop's other tasks: this thread never sleeps
+            while not event.query():
+                await asyncio.sleep(0)
+        else:
             await asyncio.get_running_loop().run_in_executor(self._waiter, event.synchronize)
         return host.tolist()
 

@@ -165,6 +165,8 @@ def add_common_args(p) -> None:
                    help="layer-ordered restores up to this many tokens by the copy kernel (default: the engine's)")
     p.add_argument("--small-gemm", default=None, choices=["triton", "cublas"],
                    help="projections of forwards of at most 16 rows (default: the engine's)")
+    p.add_argument("--gpu-wait", default=None, choices=["spin", "block"],
+                   help="how the loop waits for a forward (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None)
     p.add_argument("--json", action="store_true")
@@ -177,10 +179,10 @@ def kernel_restore_args(args) -> dict:
     return {} if n is None else {"kernel_restore_max_tokens": n}
 
 
-def small_gemm_args(args) -> dict:
-    """EngineConfig fields for --small-gemm (none when it was not given)."""
-    backend = getattr(args, "small_gemm", None)
-    return {} if backend is None else {"small_gemm": backend}
+def engine_mode_args(args) -> dict:
+    """EngineConfig fields for --small-gemm and --gpu-wait (none that was not given)."""
+    given = {"small_gemm": getattr(args, "small_gemm", None), "gpu_wait": getattr(args, "gpu_wait", None)}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def default_device(arg: str | None) -> str:

@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import (GIB, BenchDir, add_common_args, close_engine, copy_limits, default_device,  # noqa: E402
-                          default_model, kernel_restore_args, small_gemm_args, directions_summary, emit, evict, file_read_limit, fmt, free_memory, integrity_of,
+                          default_model, kernel_restore_args, engine_mode_args, directions_summary, emit, evict, file_read_limit, fmt, free_memory, integrity_of,
                           median, metrics_delta, ms_summary, note, run_one, shared_model, table)
 
 ABOVE = {"none": ("l1",), "l2": ("l1",), "l3": ("l1", "l2")}
@@ -98,7 +98,7 @@ def build_config(args, tier: str, prefix_tokens: int, storage_path: str | None):
     cfg = EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=ps, num_pages=num_pages,
                        max_prefill_tokens=args.max_prefill_tokens or max(2048, prefix_tokens + 1),
                        cuda_graphs=not args.disable_cuda_graphs, log_json=args.log_json,
-                       restore_overlap=not args.disable_restore_overlap, **small_gemm_args(args))
+                       restore_overlap=not args.disable_restore_overlap, **engine_mode_args(args))
     return cfg.with_hicache(
         enable=tier != "none", policy=args.policy, host_ratio=args.host_ratio,
         storage_ratio=args.storage_ratio if tier == "l3" else 0.0,

@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import (BenchDir, add_common_args, close_engine, default_device, default_model,  # noqa: E402
-                          kernel_restore_args, small_gemm_args, device_read_gib_s, directions_summary, emit, evict, fmt, fmt_bytes, free_memory,
+                          kernel_restore_args, engine_mode_args, device_read_gib_s, directions_summary, emit, evict, fmt, fmt_bytes, free_memory,
                           host_profile, integrity_of, median, metrics_delta, ms_summary, note, shared_model, table)
 
 
@@ -105,7 +105,7 @@ def engine_config(args, tier: str, num_pages: int, host_ratio: float, storage_pa
     cfg = EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=page_size_of(args),
                        num_pages=num_pages, enable_prefix_cache=prefix_cache,
                        cuda_graphs=not args.disable_cuda_graphs, log_json=args.log_json,
-                       restore_overlap=not args.disable_restore_overlap, **small_gemm_args(args))
+                       restore_overlap=not args.disable_restore_overlap, **engine_mode_args(args))
     return cfg.with_hicache(
         enable=tier not in ("none", "reference"), policy=args.policy, host_ratio=host_ratio,
         storage_ratio=args.storage_ratio if tier == "l3" else 0.0, storage_path=storage_path if tier == "l3" else None,

@@ -249,3 +249,21 @@ def test_admission_does_not_walk_the_tree(monkeypatch):
     assert len(walks) <= 2
     monkeypatch.undo()
     eng.check_integrity()
+
+
+def test_gpu_wait_mode_is_validated_and_reaches_the_runner():
+    """--gpu-wait {spin,block}: how the loop waits for a forward on CUDA (EngineConfig.gpu_wait)."""
+    import argparse
+
+    from scheduler.config import add_engine_args, config_from_args
+
+    with pytest.raises(ValueError, match="gpu_wait"):
+        EngineConfig(gpu_wait="sleep")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args([])).gpu_wait == "spin"
+    assert config_from_args(parser.parse_args(["--gpu-wait", "block"])).gpu_wait == "block"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--gpu-wait", "sleep"])
+    assert not Engine(EngineConfig(model="tiny", device="cpu", num_pages=32, gpu_wait="block")).runner.spin_wait
+    assert Engine(EngineConfig(model="tiny", device="cpu", num_pages=32)).runner.spin_wait
