@@ -30,10 +30,14 @@ for s in "$@"; do
     stress_l3) step stress_l3 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tier l3 --policy always --json --out "$OUT/stress_l3.json" ;;
     stress_prof) step stress_prof 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --profile --trace "$OUT/trace" --json --out "$OUT/stress_prof.json" ;;
     stages) step stages 200 python3 scripts/profile_stages.py --model qwen3-8b ;;
+    probe) step probe 120 python3 scripts/probe_host.py; step probe_contention 60 python3 scripts/probe_contention.py ;;
+    stages_fine) step stages_fine 200 python3 scripts/profile_stages.py --model qwen3-8b --fine ;;
+    stages_prof) step stages_prof 200 python3 scripts/profile_stages.py --model qwen3-8b --cprofile 45 ;;
     stress_ab) i=0; for k in 0 1024 0 1024; do i=$((i+1)); step "stress_ab${i}_k$k" 200 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --kernel-restore-max-tokens $k; done ;;
     latency_k) step latency_k 240 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,2000 --kernel-restore-max-tokens 2048 --json --out "$OUT/latency_k.json" ;;
     engine_gemm) step engine_gemm 400 python3 scripts/bench_engine.py --model qwen3-8b --small-gemm triton,cublas --skip-eager --prefill-tokens 350,1000 --out "$OUT/engine_gemm.json" ;;
     stress_gemm) i=0; for k in triton cublas triton cublas; do i=$((i+1)); step "stress_gemm${i}_$k" 200 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --small-gemm $k; done ;;
+    stress_wait) i=0; for w in spin block spin block; do i=$((i+1)); step "stress_wait${i}_$w" 200 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --gpu-wait $w; done ;;
     skinny) step skinny 400 python3 scripts/bench_kernels.py --skinny --out "$OUT/skinny.json" ;;
     layer_copy) step layer_copy 200 python3 scripts/bench_layer_copy.py --model qwen3-8b --out "$OUT/layer_copy.json" ;;
     *) echo "unknown step $s" ;;

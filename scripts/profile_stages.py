@@ -7,13 +7,18 @@ microseconds of each stage, measured over the l2 tier only.
 
     python3 scripts/profile_stages.py --model qwen3-8b            # on the GPU
     python3 scripts/profile_stages.py --model tiny --device cpu --requests 24
-Other arguments are passed to bench_hicache_stress.py.
+    python3 scripts/profile_stages.py --model qwen3-8b --fine        # + the calls inside the stages
+    python3 scripts/profile_stages.py --model qwen3-8b --cprofile 25 # + cProfile's top functions
+Other arguments are passed to bench_hicache_stress.py. Stages nest (a restore's enqueue is inside
+admission), so the rows do not add up.
 """
 from __future__ import annotations
 
 import collections
+import cProfile
 import functools
 import inspect
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -35,6 +40,21 @@ STAGES = [
     ("scheduler.engine", "Engine", "_after_batch"),
     ("scheduler.admission", "Admission", "after_step"),
     ("scheduler.engine", "Engine", "finish"),
+]
+# --fine: the calls inside those stages (a class of None: a function looked up in that module)
+FINE_STAGES = [
+    ("hicache.manager", "CacheManager", "decide"),
+    ("hicache.operations", "OpRunner", "start_restore"),
+    ("hicache.transfer", "TransferEngine", "_copy_kernel"),
+    ("kernels.host_copy", "HostCopy", "h2d_layers"),
+    ("scheduler.admission", "Admission", "_admit_overlapped"),
+    ("scheduler.cuda_graphs", None, "fill_staging"),
+    ("torch.cuda.graphs", "CUDAGraph", "replay"),
+    ("scheduler.runner", None, "sample"),
+    ("kernels.layer_flags", "LayerFlags", "stage_status"),
+    ("scheduler.admission", "Admission", "_publish"),
+    ("scheduler.admission", "Admission", "release"),
+    ("scheduler.engine", "Engine", "_event"),
 ]
 
 totals: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])  # label -> [calls, ns]
@@ -66,15 +86,16 @@ def timed(label: str, fn):
     return wrapper
 
 
-def install():
+def install(stages=STAGES):
     """Wrap every stage; returns the function that puts the originals back."""
     import importlib
 
     originals = []
-    for module_name, cls_name, name in STAGES:
-        owner = getattr(importlib.import_module(module_name), cls_name)
+    for module_name, cls_name, name in stages:
+        module = importlib.import_module(module_name)
+        owner = module if cls_name is None else getattr(module, cls_name)
         originals.append((owner, name, owner.__dict__[name]))
-        setattr(owner, name, timed(f"{cls_name}.{name}", getattr(owner, name)))
+        setattr(owner, name, timed(f"{cls_name or module_name.split('.')[-1]}.{name}", getattr(owner, name)))
 
     def restore() -> None:
         for owner, name, fn in originals:
@@ -83,15 +104,28 @@ def install():
 
 
 def main(argv=None) -> int:
-    global measuring
     totals.clear()
-    restore = install()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    fine = "--fine" in argv
+    top = 0
+    if "--cprofile" in argv:
+        i = argv.index("--cprofile")
+        top = int(argv[i + 1])
+        del argv[i:i + 2]
+    argv = [a for a in argv if a != "--fine"]
+    restore = install(STAGES + FINE_STAGES if fine else STAGES)
     throughput = stress.throughput
 
     async def measured(args, tier, *rest, **kwargs):
         global measuring
         measuring = tier == "l2"
+        profiler = cProfile.Profile() if measuring and top else None
+        if profiler is not None:
+            profiler.enable()
         result = await throughput(args, tier, *rest, **kwargs)
+        if profiler is not None:
+            profiler.disable()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
         if measuring:
             n = result["requests"]
             print(f"l2 tier: {n} requests, p50 {result['latency_ms']['p50']:.2f} ms, {result['req_s']:.1f} req/s")
@@ -102,7 +136,6 @@ def main(argv=None) -> int:
         return result
 
     stress.throughput = measured
-    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return stress.main(["--tiers", "none,l2"] + argv)
     finally:

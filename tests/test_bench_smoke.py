@@ -162,6 +162,20 @@ def test_profile_stages_times_each_stage_and_restores_the_engine(capsys):
     assert Admission.__dict__["prefill_batch"] is before  # the timers are gone again
 
 
+def test_profile_stages_fine_times_module_functions_and_restores_them(capsys):
+    """--fine also wraps plain functions looked up in a module (fill_staging, sample) and
+    methods the stages call; --cprofile prints cProfile's table. Everything is put back."""
+    import scheduler.runner as runner
+    from hicache.manager import CacheManager
+
+    before = runner.sample, CacheManager.__dict__["decide"]
+    mod = load("profile_stages")
+    args = CPU + ["--num-prefixes", "2", "--prefix-tokens", "32", "--requests", "4", "--warmup", "0"]
+    assert mod.main(args + ["--fine", "--cprofile", "5"]) == 0
+    printed = capsys.readouterr().out
+    assert "runner.sample" in printed and "CacheManager.decide" in printed and "tottime" in printed
+    assert (runner.sample, CacheManager.__dict__["decide"]) == before
+
 
 def test_dense_gap_reports_the_two_tokens_logits(latency):
     """What the latency script records where a full prefill and an L1-hit tail pick different first
