@@ -16,6 +16,8 @@ duplex: a backup never queues a restore), that first wait on the caller's stream
 tensors and the KV being copied are produced there). Completion is a `Transfer` whose `wait()` awaits the
 CUDA event from a worker thread (`Event.synchronize` releases the GIL), so the loop never spins.
 On the CPU every copy is synchronous and transfers are complete when enqueued.
+On CUDA a transfer of 8 or more pages is pipelined in chunks that grow (`ramp_chunks`): chunk i's
+DMA runs while chunk i+1's gather (D2H) or chunk i-1's scatter (H2D) runs on the SMs.
 """
 from __future__ import annotations
 
