@@ -317,33 +317,21 @@ class TransferEngine:
         host_idx = torch.tensor(host_pages, dtype=torch.int64) if cpu_gather else None
         tr = Transfer(direction, n, n * self.geometry.bytes_per_page, 0, setup_ns, t0, workspace=ws,
                       keepalive=[idx])
-        if direction == "h2d" and cpu_gather:
-            torch.index_select(self.l2.page_buffer, 0, host_idx, out=ws.host[:n])  # host gather
-        stream = self.kernel_streams[direction] if self.cuda else None
-        ctx = torch.cuda.stream(stream) if self.cuda else _null()
-        if self.cuda:
-            stream.wait_stream(torch.cuda.current_stream(self.l1.device))
-            tr.start_event = torch.cuda.Event(enable_timing=True)
-            tr.event = torch.cuda.Event(enable_timing=True)
-        if self.cuda and n >= 8 and not few_runs:
-            self._pipelined(direction, idx, packed, host_dst, tr)
-        else:
-            with ctx:
-                if self.cuda:
-                    tr.start_event.record(stream)
+        try:
+            if direction == "h2d" and cpu_gather:
+                torch.index_select(self.l2.page_buffer, 0, host_idx, out=ws.host[:n])  # host gather
+            if self.cuda:
+                self.kernel_streams[direction].wait_stream(torch.cuda.current_stream(self.l1.device))
+                tr.start_event = torch.cuda.Event(enable_timing=True)
+                tr.event = torch.cuda.Event(enable_timing=True)
+            if self.cuda and n >= 8 and not few_runs:
+                self._pipelined(direction, idx, packed, host_dst, tr)
+            else:
                 pairs = ([(packed, host_dst)] if not few_runs else
                          [(packed[i0:i1], self.l2.page_buffer[h0: h0 + i1 - i0]) for i0, i1, h0 in runs])
-                if direction == "d2h":
-                    gather_pages(self.l1.kv, idx, packed, self.backends.gather)
-                    for dev, host in pairs:
-                        host.copy_(dev, non_blocking=self.cuda)
-                else:
-                    for dev, host in pairs:
-                        dev.copy_(host, non_blocking=self.cuda)
-                    scatter_pages(packed, idx, self.l1.kv, self.backends.scatter)
-                if self.cuda:
-                    tr.event.record(stream)
-                    idx.record_stream(stream)
+                self._whole(direction, idx, packed, pairs, tr)
+        except Exception as exc:  # a launch or a DMA that cannot be enqueued fails the transfer, not the caller
+            self._not_enqueued(tr, exc)
         if direction == "d2h" and cpu_gather:  # one CPU index copy into fragmented L2 pages, off the loop
             tr.finish = functools.partial(self.l2.page_buffer.index_copy_, 0, host_idx, ws.host[:n])
         if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
@@ -369,6 +357,38 @@ class TransferEngine:
             tr.fail = True
         tr.enqueue_ns = time.monotonic_ns() - t0
         return tr
+
+    def _whole(self, direction: str, idx: torch.Tensor, packed: torch.Tensor, pairs, tr: Transfer) -> None:
+        """One kernel and one DMA per L2 run (short transfers, the CPU): pairs = [(packed slice,
+        L2 or pinned workspace slice)]."""
+        stream = self.kernel_streams[direction] if self.cuda else None
+        with torch.cuda.stream(stream) if self.cuda else _null():
+            if self.cuda:
+                tr.start_event.record(stream)
+            if direction == "d2h":
+                gather_pages(self.l1.kv, idx, packed, self.backends.gather)
+                for dev, host in pairs:
+                    host.copy_(dev, non_blocking=self.cuda)
+            else:
+                for dev, host in pairs:
+                    dev.copy_(host, non_blocking=self.cuda)
+                scatter_pages(packed, idx, self.l1.kv, self.backends.scatter)
+            if self.cuda:
+                tr.event.record(stream)
+                idx.record_stream(stream)
+
+    def _not_enqueued(self, tr: Transfer, exc: Exception) -> None:
+        """A transfer whose kernels or DMAs could not all be enqueued fails (its waiter gets
+        TransferError, and the operation falls back with its pages and locks released); on CUDA it
+        completes once whatever was enqueued before the failure has run, so its workspace is free."""
+        tr.fail, tr.error = True, f"{tr.direction}: not enqueued: {exc!r}"
+        if self.cuda:
+            stream = self.copy_streams[tr.direction]
+            stream.wait_stream(self.kernel_streams[tr.direction])
+            tr.start_event = torch.cuda.Event(enable_timing=True)
+            tr.event = torch.cuda.Event(enable_timing=True)
+            tr.start_event.record(stream)
+            tr.event.record(stream)
 
     def _pipelined(self, direction: str, idx: torch.Tensor, packed: torch.Tensor, host: torch.Tensor,
                    tr: Transfer) -> None:

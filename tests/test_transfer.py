@@ -91,3 +91,22 @@ def test_pipeline_chunks_start_small_and_grow_at_most_16_fold(num_pages):
     assert len(sizes) <= 5
     with pytest.raises(ValueError):
         ramp_chunks(0, 3, 16)
+
+
+@pytest.mark.parametrize("direction", ["d2h", "h2d"])
+def test_a_copy_that_cannot_be_enqueued_fails_the_transfer_not_the_caller(direction, monkeypatch):
+    """A gather/scatter launch that raises (a Triton launcher error was one on the H200) fails that
+    transfer: the call returns, the wait raises TransferError, and the workspace is free again."""
+    import hicache.transfer as transfer_mod
+    from hicache.transfer import TransferError
+
+    def broken(*args, **kwargs):
+        raise IndexError("tuple index out of range")
+    monkeypatch.setattr(transfer_mod, "gather_pages" if direction == "d2h" else "scatter_pages", broken)
+    l1, l2 = DevicePool(GEOM, 32, torch.device("cpu")), HostPool(GEOM, 64, pin=False)
+    engine = TransferEngine(l1, l2, ChosenBackends("torch", "torch", {}, "test"))
+    tr = engine.d2h([1, 2, 3], [4, 5, 6]) if direction == "d2h" else engine.h2d([4, 5, 6], [1, 2, 3])
+    assert tr.fail and "not enqueued" in tr.error
+    with pytest.raises(TransferError, match="tuple index out of range"):
+        engine.wait_blocking(tr)
+    assert not any(w.busy for w in engine._workspaces)
