@@ -7,10 +7,10 @@ it (~15 µs). Per chunk of a transfer that is what the copy engine waits for. `D
 through the JIT once per variant (compiling if needed), keeps the compiled kernel it returns, and
 later calls that kernel's launcher with the stream handle.
 
-A variant is what the JIT would pick: the constexprs and launch options, plus the specialisation
-of every other argument (an int equal to 1 or a multiple of 16, a tensor's 16-byte alignment)
-unless the kernel opts that argument out with do_not_specialize. So a later call can never run a
-variant compiled for other arguments.
+A variant is what the JIT would pick: the constexprs and launch options, every argument's type (a
+tensor's dtype, an int's width), and the specialisation of every argument the kernel does not opt
+out of with do_not_specialize (an int equal to 1 or a multiple of 16, a tensor's 16-byte
+alignment). So a later call can never run a variant compiled for other arguments.
 """
 from __future__ import annotations
 
@@ -23,24 +23,24 @@ class DirectLaunch:
 
     def __init__(self, fn) -> None:
         self.fn = fn
-        params = fn.params
-        self._constexprs = [p.name for p in params if p.is_constexpr]
-        self._order = [(p.name, p.is_constexpr) for p in params]
-        # positions (among the non-constexpr arguments) that the JIT specialises on
-        runtime = [p for p in params if not p.is_constexpr]
-        self._specialised = [i for i, p in enumerate(runtime) if not getattr(p, "do_not_specialize", False)]
+        self._order = [(p.name, p.is_constexpr) for p in fn.params]
+        # which non-constexpr arguments the JIT specialises on their value (alignment, 1, % 16)
+        self._specialised = [not getattr(p, "do_not_specialize", False) for p in fn.params if not p.is_constexpr]
         self._compiled: dict[tuple, object] = {}
 
     def _variant(self, args: tuple, meta: dict) -> tuple:
+        """What the JIT's choice of compiled code depends on: every argument's type (a tensor's
+        dtype, an int's width) whether specialised or not, the specialised ones' values as the
+        JIT sees them, the constexprs and options."""
         spec = []
-        for i in self._specialised:
-            a = args[i]
+        for a, specialised in zip(args, self._specialised):
             if isinstance(a, torch.Tensor):
-                spec.append(a.data_ptr() % 16 == 0)
+                spec.append((a.dtype, specialised and a.data_ptr() % 16 == 0))
             elif isinstance(a, bool) or not isinstance(a, int):
-                spec.append(a)
+                spec.append((type(a), a))  # floats and bools: keyed by value (none of ours take them)
             else:
-                spec.append((a == 1, a % 16 == 0))
+                width = 32 if -2**31 <= a < 2**31 else 64 if -2**63 <= a < 2**63 else 65  # i32 / i64 / u64
+                spec.append((width, specialised and a == 1, specialised and a % 16 == 0))
         return tuple(spec), tuple(sorted(meta.items()))
 
     def __call__(self, grid: tuple[int, ...], stream: torch.cuda.Stream, *args, **meta) -> None:

@@ -55,3 +55,10 @@ def test_first_call_of_a_variant_goes_through_the_jit_then_the_launcher_gets_eve
     assert [c[0] for c in fn.calls] == ["jit", "direct", "jit", "jit", "jit", "jit"]
     launch((4,), stream, x, 32, 10_000_001, BLOCK=16, num_warps=8)  # page_ptr is not specialised on
     assert fn.calls[-1][0] == "direct" and fn.calls[-1][1] == (4, 1, 1)
+    # but every argument's type is: another dtype, or an int past 32 bits, is another variant
+    launch((4,), stream, x.view(torch.int16), 32, 9, BLOCK=16, num_warps=8)
+    assert fn.calls[-1][0] == "jit"
+    launch((4,), stream, x, 32, 1 << 40, BLOCK=16, num_warps=8)
+    assert fn.calls[-1][0] == "jit"
+    launch((4,), stream, x, 32, 1 << 41, BLOCK=16, num_warps=8)
+    assert fn.calls[-1][0] == "direct"
