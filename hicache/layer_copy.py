@@ -26,13 +26,15 @@ MAX_LAYER_RUNS = 8
 
 
 class Copy2D(NamedTuple):
-    """One 2-D DMA, its fields in cudaMemcpy2DAsync's order (a restore plans ~70 of them)."""
-    dst_offset_bytes: int   # into the L1 pool
+    """One 2-D DMA, its fields in cudaMemcpy2DAsync's order (a restore plans ~70 of them). Offsets
+    are into the destination and source buffers: L1 and L2 for a restore (layer_plan), a page-major
+    buffer and L1 for a backup's first pages (page_out_copies)."""
+    dst_offset_bytes: int
     dst_pitch_bytes: int
-    src_offset_bytes: int   # into the L2 page buffer
+    src_offset_bytes: int
     src_pitch_bytes: int
     width_bytes: int        # one slab
-    height: int             # pages
+    height: int             # rows: pages (layer_plan), slabs (page_out_copies)
 
 
 def page_runs(l1_pages: list[int], host_pages: list[int]) -> list[tuple[int, int]]:
@@ -64,6 +66,20 @@ def layer_plan(geometry: KVGeometry, l1_num_pages: int, l1_pages: list[int],
             for layer in range(layers)]
 
 
+def page_out_copies(geometry: KVGeometry, l1_num_pages: int, l1_pages: list[int],
+                    dst_pages: list[int]) -> list[Copy2D]:
+    """L1 -> page-major, one 2-D DMA per page: its 2L slabs (K of every layer, then V), each at
+    its own L1 slab row (pitch = l1_num_pages * slab_bytes), packed one after another into
+    destination page `dst_pages[i]` (pitch = slab_bytes). A backup's first pages go this way,
+    before any index copy or gather kernel (hicache/transfer.py)."""
+    if len(l1_pages) != len(dst_pages):
+        raise ValueError(f"page_out_copies: {len(l1_pages)} L1 pages vs {len(dst_pages)} destination pages")
+    slab = geometry.slab_elements * geometry.itemsize
+    rows = 2 * geometry.num_layers
+    return [Copy2D(dst * geometry.bytes_per_page, slab, src * slab, l1_num_pages * slab, slab, rows)
+            for src, dst in zip(l1_pages, dst_pages)]
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("layer copies need contiguous pools")
@@ -72,7 +88,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def run_layer_cpu(copies: list[Copy2D], l1_kv: torch.Tensor, page_buffer: torch.Tensor) -> None:
     """Execute one layer's copies with strided torch copies (CPU pools; the same plan as the DMAs)."""
-    dst, src = _bytes(l1_kv), _bytes(page_buffer)
+    run_copies_cpu(copies, l1_kv, page_buffer)
+
+
+def run_copies_cpu(copies: list[Copy2D], dst_buffer: torch.Tensor, src_buffer: torch.Tensor) -> None:
+    """2-D copies between two contiguous CPU tensors, as cudaMemcpy2DAsync would do them."""
+    dst, src = _bytes(dst_buffer), _bytes(src_buffer)
     for c in copies:
         d = dst.as_strided((c.height, c.width_bytes), (c.dst_pitch_bytes, 1), c.dst_offset_bytes)
         d.copy_(src.as_strided((c.height, c.width_bytes), (c.src_pitch_bytes, 1), c.src_offset_bytes))

@@ -31,7 +31,7 @@ import torch
 
 from hicache.faults import Fault, FaultInjector
 from hicache.geometry import KVGeometry
-from hicache.layer_copy import layer_plan, run_layer_cpu, run_layer_cuda
+from hicache.layer_copy import layer_plan, page_out_copies, run_layer_cpu, run_layer_cuda
 from hicache.pools import DevicePool, HostPool
 from kernels import host_copy
 from kernels.chooser import ChosenBackends
@@ -55,6 +55,12 @@ MAX_DMA_RUNS = 8
 # those 5 and 59, each costing the loop ~0.1 ms to enqueue).
 RAMP_FIRST_BYTES = 8 << 20
 RAMP_GROWTH = 16
+# A D2H's first pages skip the gather: one 2-D DMA per page straight out of L1 (its 2L slabs,
+# layer_copy.page_out_copies), enqueued before the page-index copy and the first gather kernel, so
+# the copy engine starts ~0.1 ms sooner; the gather of the rest runs under them. Few pages: each
+# is one more DMA (~3 us of copy-engine set-up) and one more call on the loop.
+DIRECT_FIRST_BYTES = 16 << 20
+DIRECT_MAX_PAGES = 8
 
 
 def ramp_chunks(num_pages: int, first_pages: int, growth: int) -> list[int]:
@@ -139,6 +145,7 @@ class TransferEngine:
         # times, so the first DMA starts after a few us of gather and every later kernel hides under
         # the DMA before it (ramp_chunks)
         self.first_chunk_pages = max(1, RAMP_FIRST_BYTES // self.geometry.bytes_per_page)
+        self.direct_pages = 0  # a D2H's first pages DMA'd straight out of L1 (set below when it can)
         self._workspaces: list[Workspace] = []
         self._waiter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-cuda-wait")
         # layer-ordered restores (h2d_layerwise) have a copy stream of their own: a forward waits on
@@ -149,10 +156,14 @@ class TransferEngine:
         self.layer_flags: LayerFlags | None = None
         self.layerwise = not self.cuda
         self._memcpy = None  # cuda_rt.memcpy_async: a pipeline chunk's DMA in one call
+        self._memcpy_2d = None  # cuda_rt.memcpy_2d_async: a D2H's direct first pages
         if self.cuda:
             from kernels import cuda_rt
             self.layerwise = cuda_rt.available() and l2.pinned
             self._memcpy = cuda_rt.memcpy_async if cuda_rt.available() else None
+            if cuda_rt.available() and l2.pinned:
+                self._memcpy_2d = cuda_rt.memcpy_2d_async
+                self.direct_pages = min(DIRECT_MAX_PAGES, max(1, DIRECT_FIRST_BYTES // self.geometry.bytes_per_page))
             if self.layerwise:
                 self.layer_flags = LayerFlags(self.geometry.num_layers, l1.device)
         # short or fragmented restores, fragmented backups: copy kernels that reach pinned L2 over
@@ -310,23 +321,24 @@ class TransferEngine:
         if cpu_gather and self.host_reads:
             return self._kernel_transfer(direction, l1_pages, host_pages, t0)
         ws, setup_ns = self._acquire(n, needs_host=cpu_gather)
-        idx = self._index(l1_pages)  # produced on the caller's stream
         packed = ws.device[:n]       # [n, 2, L, S, H, D]
         host_dst = (self.l2.page_buffer[host_pages[0]: host_pages[0] + n] if host_consecutive
                     else ws.host[:n] if cpu_gather else None)
         host_idx = torch.tensor(host_pages, dtype=torch.int64) if cpu_gather else None
-        tr = Transfer(direction, n, n * self.geometry.bytes_per_page, 0, setup_ns, t0, workspace=ws,
-                      keepalive=[idx])
+        tr = Transfer(direction, n, n * self.geometry.bytes_per_page, 0, setup_ns, t0, workspace=ws)
         try:
             if direction == "h2d" and cpu_gather:
                 torch.index_select(self.l2.page_buffer, 0, host_idx, out=ws.host[:n])  # host gather
             if self.cuda:
-                self.kernel_streams[direction].wait_stream(torch.cuda.current_stream(self.l1.device))
                 tr.start_event = torch.cuda.Event(enable_timing=True)
                 tr.event = torch.cuda.Event(enable_timing=True)
             if self.cuda and n >= 8 and not few_runs:
-                self._pipelined(direction, idx, packed, host_dst, tr)
+                self._pipelined(direction, l1_pages, packed, host_dst, tr)
             else:
+                idx = self._index(l1_pages)  # produced on the caller's stream
+                tr.keepalive.append(idx)
+                if self.cuda:
+                    self.kernel_streams[direction].wait_stream(torch.cuda.current_stream(self.l1.device))
                 pairs = ([(packed, host_dst)] if not few_runs else
                          [(packed[i0:i1], self.l2.page_buffer[h0: h0 + i1 - i0]) for i0, i1, h0 in runs])
                 self._whole(direction, idx, packed, pairs, tr)
@@ -390,34 +402,60 @@ class TransferEngine:
             tr.start_event.record(stream)
             tr.event.record(stream)
 
-    def _pipelined(self, direction: str, idx: torch.Tensor, packed: torch.Tensor, host: torch.Tensor,
+    def _pipelined(self, direction: str, l1_pages: list[int], packed: torch.Tensor, host: torch.Tensor,
                    tr: Transfer) -> None:
         """Chunked: the kernel of chunk i+1 runs on the SMs while the copy engine moves chunk i, so
-        a transfer costs its DMA plus the small chunk's kernel rather than the sum of both."""
+        a transfer costs its DMA plus the small chunk's kernel rather than the sum of both. The
+        first DMA is enqueued before anything else: a D2H's first pages straight out of L1
+        (`direct_pages`, 2-D DMAs), an H2D's first chunk into the workspace (it waits for nothing:
+        only the scatters write L1, and they wait on the caller's stream)."""
         kernel_stream, copy_stream = self.kernel_streams[direction], self.copy_streams[direction]
-        copy_stream.wait_stream(kernel_stream)  # kernel_stream already waited on the caller
-        tr.start_event.record(kernel_stream)
-        sizes = ramp_chunks(len(idx), self.first_chunk_pages, RAMP_GROWTH)
-        if direction == "h2d":
-            sizes.reverse()  # the small chunk last: its scatter is all that follows the DMAs
-        last, lo = kernel_stream, 0
-        for size in sizes:  # explicit streams: no `with torch.cuda.stream()` (~15 us each) per chunk
-            hi = lo + size
-            ready = torch.cuda.Event()
-            if direction == "d2h":  # gather on the SMs, then DMA the chunk out
-                gather_pages(self.l1.kv, idx[lo:hi], packed[lo:hi], self.backends.gather, kernel_stream)
+        caller = torch.cuda.current_stream(self.l1.device)
+        n = len(l1_pages)
+        if direction == "d2h":
+            copy_stream.wait_stream(caller)  # the KV of these pages was written there
+            tr.start_event.record(copy_stream)
+            direct = min(n, self.direct_pages)
+            if direct:
+                l1_pool, host_ptr = self.l1.kv.data_ptr(), host.data_ptr()
+                self._memcpy_2d([(host_ptr + c.dst_offset_bytes, c.dst_pitch_bytes, l1_pool + c.src_offset_bytes,
+                                  c.src_pitch_bytes, c.width_bytes, c.height)
+                                 for c in page_out_copies(self.geometry, self.l1.num_pages, l1_pages[:direct],
+                                                          range(direct))], copy_stream, to_host=True)
+            if direct == n:
+                tr.event.record(copy_stream)
+                return
+            sizes = ramp_chunks(n - direct, max(2 * direct, self.first_chunk_pages), RAMP_GROWTH)
+            idx = self._index(l1_pages[direct:])  # [n - direct], on the caller's stream
+            kernel_stream.wait_stream(caller)
+            lo = direct
+            for size in sizes:  # explicit streams: no `with torch.cuda.stream()` (~15 us each) per chunk
+                hi, ready = lo + size, torch.cuda.Event()
+                gather_pages(self.l1.kv, idx[lo - direct:hi - direct], packed[lo:hi], self.backends.gather,
+                             kernel_stream)  # gather on the SMs, then DMA the chunk out
                 ready.record(kernel_stream)
                 copy_stream.wait_event(ready)
                 self._dma(host, packed, lo, hi, copy_stream)
-                last = copy_stream
-            else:  # DMA the chunk in, then scatter it on the SMs
-                self._dma(packed, host, lo, hi, copy_stream)
+                lo = hi
+            tr.event.record(copy_stream)
+        else:
+            sizes = ramp_chunks(n, self.first_chunk_pages, RAMP_GROWTH)
+            sizes.reverse()  # the small chunk last: its scatter is all that follows the DMAs
+            tr.start_event.record(copy_stream)
+            self._dma(packed, host, 0, sizes[0], copy_stream)  # DMA the chunk in, then scatter it
+            idx = self._index(l1_pages)  # [n], on the caller's stream
+            kernel_stream.wait_stream(caller)
+            lo = 0
+            for i, size in enumerate(sizes):
+                hi, ready = lo + size, torch.cuda.Event()
+                if i:
+                    self._dma(packed, host, lo, hi, copy_stream)
                 ready.record(copy_stream)
                 kernel_stream.wait_event(ready)
                 scatter_pages(packed[lo:hi], idx[lo:hi], self.l1.kv, self.backends.scatter, kernel_stream)
-                last = kernel_stream
-            lo = hi
-        tr.event.record(last)
+                lo = hi
+            tr.event.record(kernel_stream)
+        tr.keepalive.append(idx)
         idx.record_stream(kernel_stream)
 
     def _dma(self, dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int, stream: torch.cuda.Stream) -> None:

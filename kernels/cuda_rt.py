@@ -2,7 +2,9 @@
 
   memcpy_2d_async   cudaMemcpy2DAsync: `height` rows of `width` bytes, each row at its own pitch on
                     either side, in one DMA. Moves one layer's slab of a run of pages out of
-                    the page-major L2 into L1 without a host gather or a scatter kernel.
+                    the page-major L2 into L1 without a host gather or a scatter kernel, and
+                    a backup's first pages out of L1 (all 2L slabs of one page) before any
+                    gather kernel has run.
   memcpy_async      cudaMemcpyAsync on a stream handle: one call, no `with torch.cuda.stream()`
                     around a `copy_` (~20 us of host time per chunk of a transfer pipeline).
 
@@ -19,6 +21,7 @@ import functools
 import torch
 
 _HOST_TO_DEVICE = 1        # cudaMemcpyHostToDevice
+_DEVICE_TO_HOST = 2        # cudaMemcpyDeviceToHost
 _DEFAULT = 4               # cudaMemcpyDefault: the direction from the pointers (unified addressing)
 
 
@@ -59,13 +62,15 @@ def _check(code: int, what: str) -> None:
         raise RuntimeError(f"{what} failed with CUDA error {code}")
 
 
-def memcpy_2d_async(copies, stream: torch.cuda.Stream) -> None:
-    """Pinned host -> device copies, each (dst_ptr, dst_pitch_bytes, src_ptr, src_pitch_bytes,
-    width_bytes, height): `height` rows of `width_bytes`, enqueued on `stream` in order (a copy
-    engine does them, no SM is used). One Python call for many: a restore enqueues ~70 of them."""
+def memcpy_2d_async(copies, stream: torch.cuda.Stream, to_host: bool = False) -> None:
+    """Pinned host -> device copies (device -> pinned host with to_host), each (dst_ptr,
+    dst_pitch_bytes, src_ptr, src_pitch_bytes, width_bytes, height): `height` rows of
+    `width_bytes`, enqueued on `stream` in order (a copy engine does them, no SM is used). One
+    Python call for many: a restore enqueues ~70 of them."""
     copy, handle = _lib().cudaMemcpy2DAsync, stream.cuda_stream
+    kind = _DEVICE_TO_HOST if to_host else _HOST_TO_DEVICE
     for dst, dst_pitch, src, src_pitch, width, height in copies:
-        code = copy(dst, dst_pitch, src, src_pitch, width, height, _HOST_TO_DEVICE, handle)
+        code = copy(dst, dst_pitch, src, src_pitch, width, height, kind, handle)
         if code != 0:
             _check(code, "cudaMemcpy2DAsync")
 

@@ -9,6 +9,13 @@ microseconds of each stage, measured over the l2 tier only.
     python3 scripts/profile_stages.py --model tiny --device cpu --requests 24
     python3 scripts/profile_stages.py --model qwen3-8b --fine        # + the calls inside the stages
     python3 scripts/profile_stages.py --model qwen3-8b --cprofile 25 # + cProfile's top functions
+    python3 scripts/profile_stages.py --model qwen3-8b --spans       # device clock, no timers
+--spans: instead of the timers, CUDA events recorded on the compute stream at the request's
+arrival, the forward's launch, the graph replay, and the request's finish, plus one behind the
+forward: a request's span on one clock, split into host time before the launch, graph staging,
+the forward on the device (from the replay call to its last kernel) and host time after it. The
+events are recorded while the stream is idle except the one behind the forward, so their times
+are the host's (within a few us); each costs ~2 us.
 Other arguments are passed to bench_hicache_stress.py. Stages nest (a restore's enqueue is inside
 admission), so the rows do not add up.
 """
@@ -103,9 +110,82 @@ def install(stages=STAGES):
     return restore
 
 
+SPAN_MARKS = ("arrive", "launch", "replay", "forward_end", "finish")
+spans: dict[str, list[dict]] = collections.defaultdict(list)  # tier -> one dict of events per request
+
+
+def install_spans(tier_of):
+    """Hooks that record SPAN_MARKS events into the current request's dict (requests run one at a
+    time); returns the function that puts the originals back."""
+    import torch
+
+    from scheduler.engine import Engine
+    from scheduler.runner import ModelRunner
+    current: dict = {}
+
+    def mark(name: str) -> None:
+        if name not in current:
+            current[name] = torch.cuda.Event(enable_timing=True)
+            current[name].record()
+
+    add_request, launch, finish, replay = Engine.add_request, ModelRunner.launch, Engine.finish, torch.cuda.CUDAGraph.replay
+
+    def add_request_(self, *a, **k):
+        current.clear()
+        mark("arrive")
+        return add_request(self, *a, **k)
+
+    def launch_(self, *a, **k):
+        mark("launch")
+        out = launch(self, *a, **k)
+        mark("forward_end")
+        return out
+
+    def replay_(self, *a, **k):
+        mark("replay")
+        return replay(self, *a, **k)
+
+    def finish_(self, *a, **k):
+        out = finish(self, *a, **k)
+        mark("finish")
+        spans[tier_of()].append(dict(current))
+        return out
+
+    Engine.add_request, ModelRunner.launch, Engine.finish = add_request_, launch_, finish_
+    torch.cuda.CUDAGraph.replay = replay_
+
+    def restore() -> None:
+        Engine.add_request, ModelRunner.launch, Engine.finish = add_request, launch, finish
+        torch.cuda.CUDAGraph.replay = replay
+    return restore
+
+
+def print_spans(tier: str, first: int, last: int) -> None:
+    """Median ms of each segment over requests [first, last) of the tier (its measured hits)."""
+    import statistics
+
+    import torch
+
+    torch.cuda.synchronize()
+    rows = spans[tier][first:last]
+    for r in rows:
+        r.setdefault("replay", r["launch"])  # an eager forward (no graph): staging counts as the forward
+    segments = [("arrive", "launch", "host: admission, restore enqueue"), ("launch", "replay", "host: graph staging"),
+                ("replay", "forward_end", "device: the forward"), ("forward_end", "finish", "host: completion, bookkeeping"),
+                ("arrive", "finish", "request")]
+    print(f"{tier} tier: {len(rows)} requests, median ms on the device clock")
+    for a, b, what in segments:
+        print(f"  {a:>11s} -> {b:<11s} {statistics.median(r[a].elapsed_time(r[b]) for r in rows):7.3f}  {what}")
+    gaps = [x["finish"].elapsed_time(y["arrive"]) for x, y in zip(rows, rows[1:])]
+    if gaps:
+        print(f"  {'finish':>11s} -> {'arrive':<11s} {statistics.median(gaps):7.3f}  host: the client's next request")
+
+
 def main(argv=None) -> int:
     totals.clear()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--spans" in argv:
+        return main_spans([a for a in argv if a != "--spans"])
     fine = "--fine" in argv
     top = 0
     if "--cprofile" in argv:
@@ -133,6 +213,30 @@ def main(argv=None) -> int:
             for label, (calls, ns) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
                 print(f"  {label:40s} {calls:6d} {ns / 1e6 / n:11.3f} {ns / 1e3 / max(calls, 1):9.1f}")
         measuring = False
+        return result
+
+    stress.throughput = measured
+    try:
+        return stress.main(["--tiers", "none,l2"] + argv)
+    finally:
+        stress.throughput = throughput
+        restore()
+
+
+def main_spans(argv) -> int:
+    spans.clear()
+    tier = {"name": "none"}
+    restore = install_spans(lambda: tier["name"])
+    throughput = stress.throughput
+
+    async def measured(args, name, *rest, **kwargs):
+        tier["name"] = name
+        first = len(spans[name])
+        result = await throughput(args, name, *rest, **kwargs)
+        # the measured requests are the tier's first `requests` after its warm-up; the first round
+        # of prefixes misses every tier
+        start = first + args.warmup + args.num_prefixes
+        print_spans(name, start, first + args.warmup + args.requests)
         return result
 
     stress.throughput = measured

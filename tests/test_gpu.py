@@ -281,8 +281,9 @@ def test_page_copy_compiles_once_for_every_chunk():
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_pipelined_transfers_move_every_chunk_exactly(backend):
     """Consecutive L2 pages go by the chunked pipeline (kernels on explicit streams, one raw DMA a
-    chunk): with a 2-page first chunk, 40 pages in random L1 order are 3 chunks each way; D2H then
-    H2D land byte for byte, twice (the second time through the cached direct launches)."""
+    chunk): with a 2-page first chunk, 40 pages in random L1 order are 3 chunks each way, a D2H's
+    first 3 pages going straight out of L1 by 2-D DMAs (then 2 gathered chunks); D2H then H2D land
+    byte for byte, twice (the second time through the cached direct launches)."""
     from hicache.geometry import KVGeometry
     from hicache.pools import DevicePool, HostPool
     from hicache.transfer import RAMP_GROWTH, TransferEngine, ramp_chunks
@@ -292,7 +293,9 @@ def test_pipelined_transfers_move_every_chunk_exactly(backend):
     l1, l2 = DevicePool(geo, 96, torch.device("cuda")), HostPool(geo, 64, pin=True)
     te = TransferEngine(l1, l2, choose_backends(l1.kv, backend))
     te.first_chunk_pages = 2
-    assert len(ramp_chunks(40, 2, RAMP_GROWTH)) == 3
+    assert te.direct_pages > 0  # pinned L2 and the runtime's 2-D copy
+    te.direct_pages = 3
+    assert len(ramp_chunks(40, 2, RAMP_GROWTH)) == 3 and len(ramp_chunks(37, 6, RAMP_GROWTH)) == 2
     rng = random.Random(5)
     for _ in range(2):
         l1.kv.view(torch.int16).random_(1, 1000)

@@ -110,3 +110,27 @@ def test_a_copy_that_cannot_be_enqueued_fails_the_transfer_not_the_caller(direct
     with pytest.raises(TransferError, match="tuple index out of range"):
         engine.wait_blocking(tr)
     assert not any(w.busy for w in engine._workspaces)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_page_out_copies_move_each_l1_page_into_its_page_major_page(seed):
+    """A backup's direct first pages (hicache/transfer.py `direct_pages`): one 2-D copy per page
+    takes its 2L slabs out of L1 (one slab row apart) and packs them into the destination page,
+    exactly as gathering that page would; nothing else in the destination is touched."""
+    from hicache.layer_copy import page_out_copies, run_copies_cpu
+
+    rng = random.Random(seed)
+    geo = KVGeometry(num_layers=3, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.bfloat16)
+    l1_num = 24
+    l1 = torch.randn(geo.l1_shape(l1_num)).to(torch.bfloat16)       # [2, L, P, S, H, D]
+    dst = torch.zeros(geo.page_major_shape(10), dtype=torch.bfloat16)  # [n, 2, L, S, H, D]
+    l1_pages, dst_pages = rng.sample(range(l1_num), 6), rng.sample(range(10), 6)
+    copies = page_out_copies(geo, l1_num, l1_pages, dst_pages)
+    assert len(copies) == 6 and all(c.height == 2 * geo.num_layers for c in copies)
+    run_copies_cpu(copies, dst, l1)
+    for src, d in zip(l1_pages, dst_pages):
+        assert torch.equal(dst[d], l1[:, :, src])
+    untouched = sorted(set(range(10)) - set(dst_pages))
+    assert not dst[untouched].any()
+    with pytest.raises(ValueError):
+        page_out_copies(geo, l1_num, [1, 2], [0])
