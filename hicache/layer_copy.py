@@ -66,17 +66,18 @@ def layer_plan(geometry: KVGeometry, l1_num_pages: int, l1_pages: list[int],
             for layer in range(layers)]
 
 
-def page_out_copies(geometry: KVGeometry, l1_num_pages: int, l1_pages: list[int],
-                    dst_pages: list[int]) -> list[Copy2D]:
+def page_out_copies(geometry: KVGeometry, l1_num_pages: int, l1_pages: list[int], dst_pages,
+                    dst_base: int = 0, src_base: int = 0) -> list[Copy2D]:
     """L1 -> page-major, one 2-D DMA per page: its 2L slabs (K of every layer, then V), each at
     its own L1 slab row (pitch = l1_num_pages * slab_bytes), packed one after another into
-    destination page `dst_pages[i]` (pitch = slab_bytes). A backup's first pages go this way,
-    before any index copy or gather kernel (hicache/transfer.py)."""
+    destination page `dst_pages[i]` (pitch = slab_bytes). Offsets are added to the bases (give
+    the buffers' addresses for DMAs). A backup's first pages go this way, before any index copy
+    or gather kernel (hicache/transfer.py)."""
     if len(l1_pages) != len(dst_pages):
         raise ValueError(f"page_out_copies: {len(l1_pages)} L1 pages vs {len(dst_pages)} destination pages")
-    slab = geometry.slab_elements * geometry.itemsize
-    rows = 2 * geometry.num_layers
-    return [Copy2D(dst * geometry.bytes_per_page, slab, src * slab, l1_num_pages * slab, slab, rows)
+    slab, page_bytes = geometry.slab_elements * geometry.itemsize, geometry.bytes_per_page
+    rows, pitch = 2 * geometry.num_layers, l1_num_pages * slab
+    return [Copy2D(dst_base + dst * page_bytes, slab, src_base + src * slab, pitch, slab, rows)
             for src, dst in zip(l1_pages, dst_pages)]
 
 

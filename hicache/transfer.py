@@ -214,7 +214,9 @@ class TransferEngine:
         # whatever forward is in flight there. A small pageable async H2D is staged by the driver
         # before the call returns, without a device sync; the transfer streams wait on the
         # caller's stream, which orders the copy
-        return torch.tensor(pages, dtype=torch.int64).to(self.l1.device, non_blocking=True)  # [n]
+        # staged in pinned memory: from pageable memory the driver may hold the call until the copy
+        # engine, busy with this transfer's own first DMA (H2D), has taken it
+        return torch.tensor(pages, dtype=torch.int64, pin_memory=self.cuda).to(self.l1.device, non_blocking=True)  # [n]
 
     def d2h(self, l1_pages: list[int], host_pages: list[int]) -> Transfer:
         """L1 -> L2 (gather + DMA, pipelined). Running the layer plan backwards (2-D DMAs straight
@@ -313,43 +315,62 @@ class TransferEngine:
         if len(l1_pages) != len(host_pages) or not l1_pages:
             raise TransferError(f"{direction}: {len(l1_pages)} L1 pages vs {len(host_pages)} host pages")
         t0 = time.monotonic_ns()
-        n = len(l1_pages)
-        runs = host_runs(host_pages)  # [(first index, end index, first host page)]
-        host_consecutive = len(runs) == 1
+        n, h0, page_bytes = len(l1_pages), host_pages[0], self.geometry.bytes_per_page
+        host_consecutive = host_pages[-1] == h0 + n - 1 and host_pages == list(range(h0, h0 + n))
+        runs = [(0, n, h0)] if host_consecutive else host_runs(host_pages)  # [(first index, end index, first page)]
         few_runs = 1 < len(runs) <= MAX_DMA_RUNS  # one DMA per run, straight into/out of the L2 pool
         cpu_gather = not host_consecutive and not few_runs
         if cpu_gather and self.host_reads:
             return self._kernel_transfer(direction, l1_pages, host_pages, t0)
-        ws, setup_ns = self._acquire(n, needs_host=cpu_gather)
-        packed = ws.device[:n]       # [n, 2, L, S, H, D]
-        host_dst = (self.l2.page_buffer[host_pages[0]: host_pages[0] + n] if host_consecutive
-                    else ws.host[:n] if cpu_gather else None)
+        pipelined = self.cuda and n >= 8 and not few_runs
+        tr = Transfer(direction, n, n * page_bytes, 0, 0, t0)
         host_idx = torch.tensor(host_pages, dtype=torch.int64) if cpu_gather else None
-        tr = Transfer(direction, n, n * self.geometry.bytes_per_page, 0, setup_ns, t0, workspace=ws)
         try:
+            if pipelined and direction == "d2h" and host_consecutive:  # the copy engine first
+                self._direct_out(l1_pages, self.l2.page_buffer.data_ptr() + h0 * page_bytes, tr)
+            ws, tr.setup_ns = self._acquire(n, needs_host=cpu_gather)
+            tr.workspace = ws
+            packed = ws.device[:n]       # [n, 2, L, S, H, D]
+            host_dst = (self.l2.page_buffer[h0: h0 + n] if host_consecutive
+                        else ws.host[:n] if cpu_gather else None)
             if direction == "h2d" and cpu_gather:
                 torch.index_select(self.l2.page_buffer, 0, host_idx, out=ws.host[:n])  # host gather
-            if self.cuda:
-                tr.start_event = torch.cuda.Event(enable_timing=True)
-                tr.event = torch.cuda.Event(enable_timing=True)
-            if self.cuda and n >= 8 and not few_runs:
+            if pipelined:
                 self._pipelined(direction, l1_pages, packed, host_dst, tr)
             else:
                 idx = self._index(l1_pages)  # produced on the caller's stream
                 tr.keepalive.append(idx)
-                if self.cuda:
-                    self.kernel_streams[direction].wait_stream(torch.cuda.current_stream(self.l1.device))
                 pairs = ([(packed, host_dst)] if not few_runs else
-                         [(packed[i0:i1], self.l2.page_buffer[h0: h0 + i1 - i0]) for i0, i1, h0 in runs])
+                         [(packed[i0:i1], self.l2.page_buffer[r0: r0 + i1 - i0]) for i0, i1, r0 in runs])
                 self._whole(direction, idx, packed, pairs, tr)
         except Exception as exc:  # a launch or a DMA that cannot be enqueued fails the transfer, not the caller
             self._not_enqueued(tr, exc)
-        if direction == "d2h" and cpu_gather:  # one CPU index copy into fragmented L2 pages, off the loop
+        if direction == "d2h" and cpu_gather and not tr.fail:  # one CPU index copy into fragmented L2 pages, off the loop
             tr.finish = functools.partial(self.l2.page_buffer.index_copy_, 0, host_idx, ws.host[:n])
         if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
             tr.fail = True
-        tr.enqueue_ns = time.monotonic_ns() - t0 - setup_ns
+        tr.enqueue_ns = time.monotonic_ns() - t0 - tr.setup_ns
         return tr
+
+    @staticmethod
+    def _events(tr: Transfer) -> None:
+        tr.start_event = torch.cuda.Event(enable_timing=True)
+        tr.event = torch.cuda.Event(enable_timing=True)
+
+    def _direct_out(self, l1_pages: list[int], host_ptr: int, tr: Transfer) -> int:
+        """A D2H's first `direct_pages` pages straight out of L1 into the page-major host buffer at
+        `host_ptr`, one 2-D DMA each, on the D2H copy stream after it waited for the caller's (the
+        KV was written there); starts the transfer's clock. Returns how many pages it took."""
+        copy_stream = self.copy_streams["d2h"]
+        direct = min(len(l1_pages), self.direct_pages)
+        self._events(tr)
+        copy_stream.wait_stream(torch.cuda.current_stream(self.l1.device))
+        tr.start_event.record(copy_stream)
+        if direct:
+            self._memcpy_2d(page_out_copies(self.geometry, self.l1.num_pages, l1_pages[:direct], range(direct),
+                                            dst_base=host_ptr, src_base=self.l1.kv.data_ptr()),
+                            copy_stream, to_host=True)
+        return direct
 
     def _kernel_transfer(self, direction: str, l1_pages: list[int], host_pages: list[int], t0: int) -> Transfer:
         """Fragmented L2 pages <-> L1 by a copy kernel that reaches pinned L2 over PCIe: no
@@ -374,6 +395,9 @@ class TransferEngine:
         """One kernel and one DMA per L2 run (short transfers, the CPU): pairs = [(packed slice,
         L2 or pinned workspace slice)]."""
         stream = self.kernel_streams[direction] if self.cuda else None
+        if self.cuda:
+            stream.wait_stream(torch.cuda.current_stream(self.l1.device))
+            self._events(tr)
         with torch.cuda.stream(stream) if self.cuda else _null():
             if self.cuda:
                 tr.start_event.record(stream)
@@ -397,8 +421,7 @@ class TransferEngine:
         if self.cuda:
             stream = self.copy_streams[tr.direction]
             stream.wait_stream(self.kernel_streams[tr.direction])
-            tr.start_event = torch.cuda.Event(enable_timing=True)
-            tr.event = torch.cuda.Event(enable_timing=True)
+            self._events(tr)
             tr.start_event.record(stream)
             tr.event.record(stream)
 
@@ -407,21 +430,14 @@ class TransferEngine:
         """Chunked: the kernel of chunk i+1 runs on the SMs while the copy engine moves chunk i, so
         a transfer costs its DMA plus the small chunk's kernel rather than the sum of both. The
         first DMA is enqueued before anything else: a D2H's first pages straight out of L1
-        (`direct_pages`, 2-D DMAs), an H2D's first chunk into the workspace (it waits for nothing:
-        only the scatters write L1, and they wait on the caller's stream)."""
+        (`_direct_out`, maybe already done by the caller), an H2D's first chunk into the workspace
+        (it waits for nothing: only the scatters write L1, and they wait on the caller's stream)."""
         kernel_stream, copy_stream = self.kernel_streams[direction], self.copy_streams[direction]
         caller = torch.cuda.current_stream(self.l1.device)
         n = len(l1_pages)
         if direction == "d2h":
-            copy_stream.wait_stream(caller)  # the KV of these pages was written there
-            tr.start_event.record(copy_stream)
-            direct = min(n, self.direct_pages)
-            if direct:
-                l1_pool, host_ptr = self.l1.kv.data_ptr(), host.data_ptr()
-                self._memcpy_2d([(host_ptr + c.dst_offset_bytes, c.dst_pitch_bytes, l1_pool + c.src_offset_bytes,
-                                  c.src_pitch_bytes, c.width_bytes, c.height)
-                                 for c in page_out_copies(self.geometry, self.l1.num_pages, l1_pages[:direct],
-                                                          range(direct))], copy_stream, to_host=True)
+            direct = (self._direct_out(l1_pages, host.data_ptr(), tr) if tr.start_event is None
+                      else min(n, self.direct_pages))
             if direct == n:
                 tr.event.record(copy_stream)
                 return
@@ -441,9 +457,10 @@ class TransferEngine:
         else:
             sizes = ramp_chunks(n, self.first_chunk_pages, RAMP_GROWTH)
             sizes.reverse()  # the small chunk last: its scatter is all that follows the DMAs
+            self._events(tr)
             tr.start_event.record(copy_stream)
             self._dma(packed, host, 0, sizes[0], copy_stream)  # DMA the chunk in, then scatter it
-            idx = self._index(l1_pages)  # [n], on the caller's stream
+            idx = self._index(l1_pages)  # [n], on the caller's stream (pinned: never waits behind the DMA)
             kernel_stream.wait_stream(caller)
             lo = 0
             for i, size in enumerate(sizes):

@@ -32,6 +32,7 @@ for s in "$@"; do
     stages) step stages 200 python3 scripts/profile_stages.py --model qwen3-8b ;;
     probe) step probe 120 python3 scripts/probe_host.py; step probe_contention 60 python3 scripts/probe_contention.py ;;
     spans) step spans 300 python3 scripts/profile_stages.py --model qwen3-8b --spans ;;
+    spans_dma) step spans_dma 300 python3 scripts/profile_stages.py --model qwen3-8b --spans --kernel-restore-max-tokens 0 ;;
     stages_fine) step stages_fine 200 python3 scripts/profile_stages.py --model qwen3-8b --fine ;;
     stages_prof) step stages_prof 200 python3 scripts/profile_stages.py --model qwen3-8b --cprofile 45 ;;
     stress_ab) i=0; for k in 0 1024 0 1024; do i=$((i+1)); step "stress_ab${i}_k$k" 200 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --kernel-restore-max-tokens $k; done ;;
