@@ -3,6 +3,8 @@
 D2H:  L1 pages --gather kernel--> packed device workspace [n, 2, L, S, H, D]
       --one async DMA--> L2 pages directly when they are consecutive, else a pinned workspace
       followed by one CPU index copy into the L2 pool (at completion, off the loop thread).
+      On CUDA the first few pages skip the gather: one 2-D DMA each straight out of L1, enqueued
+      before anything else, so the copy engine starts while the rest is being gathered.
 H2D:  mirror: (CPU index gather only when L2 pages are fragmented) --one DMA--> device workspace
       --scatter kernel--> arbitrary L1 pages.
 H2D, layer-ordered (h2d_layerwise, hicache/layer_copy.py): 2-D DMAs straight into the L1 pages,
@@ -17,7 +19,8 @@ tensors and the KV being copied are produced there). Completion is a `Transfer` 
 CUDA event from a worker thread (`Event.synchronize` releases the GIL), so the loop never spins.
 On the CPU every copy is synchronous and transfers are complete when enqueued.
 On CUDA a transfer of 8 or more pages is pipelined in chunks that grow (`ramp_chunks`): chunk i's
-DMA runs while chunk i+1's gather (D2H) or chunk i-1's scatter (H2D) runs on the SMs.
+DMA runs while chunk i+1's gather (D2H) or chunk i-1's scatter (H2D) runs on the SMs. The first DMA
+is the first thing enqueued (D2H: the direct pages; H2D: the first chunk, which waits for nothing).
 """
 from __future__ import annotations
 
@@ -73,6 +76,18 @@ def ramp_chunks(num_pages: int, first_pages: int, growth: int) -> list[int]:
     while left:
         sizes.append(min(left, sizes[-1] * growth))
         left -= sizes[-1]
+    return sizes
+
+
+def gathered_chunks(num_pages: int, direct_pages: int, first_pages: int) -> list[int]:
+    """A D2H's gathered chunks after `direct_pages` went straight out of L1: the first one may be
+    twice that (its index copy and gather run under the direct DMAs), then `ramp_chunks` growth; a
+    remainder smaller than the first chunk rides with the chunk before it (one launch and one DMA
+    fewer; the kernels after the first hide under a DMA many times longer)."""
+    sizes = ramp_chunks(num_pages, max(2 * direct_pages, first_pages), RAMP_GROWTH)
+    if len(sizes) > 1 and sizes[-1] < sizes[0]:
+        last = sizes.pop()
+        sizes[-1] += last
     return sizes
 
 
@@ -441,7 +456,7 @@ class TransferEngine:
             if direct == n:
                 tr.event.record(copy_stream)
                 return
-            sizes = ramp_chunks(n - direct, max(2 * direct, self.first_chunk_pages), RAMP_GROWTH)
+            sizes = gathered_chunks(n - direct, direct, self.first_chunk_pages)
             idx = self._index(l1_pages[direct:])  # [n - direct], on the caller's stream
             kernel_stream.wait_stream(caller)
             lo = direct

@@ -134,3 +134,16 @@ def test_page_out_copies_move_each_l1_page_into_its_page_major_page(seed):
     assert not dst[untouched].any()
     with pytest.raises(ValueError):
         page_out_copies(geo, l1_num, [1, 2], [0])
+
+
+@pytest.mark.parametrize("num_pages", [1, 7, 15, 55, 56, 120, 493, 4000])
+def test_gathered_chunks_after_the_direct_pages(num_pages):
+    """A D2H after 7 direct pages (the 8B shape): every remaining page once, the first gathered
+    chunk up to 14 pages (it runs under the direct DMAs), few chunks, no tail smaller than the first."""
+    from hicache.transfer import gathered_chunks
+
+    sizes = gathered_chunks(num_pages, 7, 3)
+    assert sum(sizes) == num_pages and all(s >= 1 for s in sizes)
+    assert sizes[0] == min(14, num_pages) or sizes == [num_pages]  # 15 pages: one chunk, not 14 + 1
+    assert len(sizes) == 1 or sizes[-1] >= sizes[0]
+    assert len(sizes) <= 4
