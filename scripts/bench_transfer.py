@@ -86,7 +86,10 @@ def pinned_copy_gib_s(nbytes, device, repeats) -> dict[str, float]:
             "h2d_device": nbytes / event_timed(h2d, device, repeats) / GIB}
 
 
-def bench_directions(geometry, device, tokens_list, repeats, backends):
+def bench_directions(geometry, device, tokens_list, repeats, backends, layouts=("consecutive", "fragmented"),
+                     direct_list=(None,)):
+    """direct_list: values of TransferEngine.direct_pages to compare (None: the engine's own), each
+    row tagged with the value used."""
     pages_max = max(tokens_list) // geometry.page_size
     l1 = DevicePool(geometry, 2 * pages_max + 8, device)
     l1.kv.view(torch.uint8).random_()
@@ -98,9 +101,13 @@ def bench_directions(geometry, device, tokens_list, repeats, backends):
         ref = pinned_copy_gib_s(nbytes, device, repeats)
         d2h_peak, h2d_peak, d2h_dev_peak, h2d_dev_peak = ref["d2h"], ref["h2d"], ref["d2h_device"], ref["h2d_device"]
         l1_pages = torch.randperm(l1.num_pages)[:n].tolist()  # random L1 order: the gather does work
-        for backend in backends:
+        for backend, direct in [(b, d) for b in backends for d in direct_list]:
             engine = TransferEngine(l1, l2, ChosenBackends(backend, backend, {}, "bench"))
-            for layout in ("consecutive", "fragmented"):
+            if direct is not None:
+                if direct and engine._memcpy_2d is None:
+                    raise SystemExit("--direct-pages: this machine has no 2-D DMA out of L1 (CUDA, pinned L2)")
+                engine.direct_pages = direct
+            for layout in layouts:
                 host_pages = list(range(n)) if layout == "consecutive" else list(range(0, 2 * n, 2))
 
                 service = {"d2h": [], "h2d": []}  # device time: first kernel/DMA start -> last one done
@@ -118,6 +125,7 @@ def bench_directions(geometry, device, tokens_list, repeats, backends):
                 t_d2h, t_h2d = timed(d2h, device, repeats), timed(h2d, device, repeats)
                 s_d2h, s_h2d = (statistics.median(service[d][1:]) / 1e9 for d in ("d2h", "h2d"))
                 rows.append({"tokens": tokens, "bytes": nbytes, "backend": backend, "host_layout": layout,
+                             "direct_pages": engine.direct_pages,
                              "d2h_gib_s": nbytes / t_d2h / GIB, "h2d_gib_s": nbytes / t_h2d / GIB,
                              "pinned_d2h_gib_s": d2h_peak, "pinned_h2d_gib_s": h2d_peak,
                              "d2h_ratio": nbytes / t_d2h / GIB / d2h_peak,
@@ -229,6 +237,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="1000,3504,8000")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--io-workers", type=int, default=8)
+    ap.add_argument("--backends", default=None, help="comma list (default: triton,torch on CUDA, torch on the CPU)")
+    ap.add_argument("--layouts", default="consecutive,fragmented", help="host page layouts, comma list")
+    ap.add_argument("--direct-pages", default=None,
+                    help="comma list of a D2H's pages sent straight out of L1 to compare (default: the engine's)")
+    ap.add_argument("--directions-only", action="store_true", help="skip the layer-ordered, round-trip and storage parts")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out")
@@ -241,13 +254,20 @@ def main(argv=None) -> int:
     else:
         geometry = KVGeometry(36, 8, 128, 16, torch.bfloat16)  # Qwen3-8B/4B KV geometry
         tokens_list = [int(x) for x in args.tokens.split(",")]
-    backends = ["triton", "torch"] if device.type == "cuda" else ["torch"]
+    backends = (args.backends.split(",") if args.backends else
+                ["triton", "torch"] if device.type == "cuda" else ["torch"])
+    layouts = args.layouts.split(",")
+    if not set(layouts) <= {"consecutive", "fragmented"}:
+        ap.error(f"--layouts: consecutive and/or fragmented, got {args.layouts}")
+    direct_list = [int(x) for x in args.direct_pages.split(",")] if args.direct_pages else [None]
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "date": time.strftime("%Y-%m-%d"), "geometry": geometry.describe()}
-    out["directions"] = bench_directions(geometry, device, tokens_list, args.repeats, backends)
-    out["layerwise_h2d"] = bench_layerwise(geometry, device, tokens_list, args.repeats)
-    out["round_trip_identical"] = {b: asyncio.run(round_trip(geometry, device, tokens_list[0], b)) for b in backends}
-    out["storage"] = bench_storage(geometry, tokens_list[-1] if not args.quick else 256, args.io_workers)
+    out["directions"] = bench_directions(geometry, device, tokens_list, args.repeats, backends, layouts, direct_list)
+    out["layerwise_h2d"], out["round_trip_identical"], out["storage"] = [], {}, {}
+    if not args.directions_only:
+        out["layerwise_h2d"] = bench_layerwise(geometry, device, tokens_list, args.repeats)
+        out["round_trip_identical"] = {b: asyncio.run(round_trip(geometry, device, tokens_list[0], b)) for b in backends}
+        out["storage"] = bench_storage(geometry, tokens_list[-1] if not args.quick else 256, args.io_workers)
     text = json.dumps(out, indent=1)
     if args.out:
         with open(args.out, "w") as f:
@@ -255,11 +275,11 @@ def main(argv=None) -> int:
     if args.json:
         print(text)
     print(f"\n{out['device']}: round trip byte-identical {out['round_trip_identical']}; storage {out['storage']}")
-    print(f"{'tokens':>6} {'backend':>7} {'host':>11} {'D2H GiB/s':>10} {'ratio':>6} {'H2D GiB/s':>10} {'ratio':>6}"
+    print(f"{'tokens':>6} {'backend':>7} {'host':>11} {'direct':>6} {'D2H GiB/s':>10} {'ratio':>6} {'H2D GiB/s':>10} {'ratio':>6}"
           f"  device-time ratio D2H/H2D")
     for r in out["directions"]:
         dev = "/".join(f"{r[k]:.3f}" if r[k] is not None else "-" for k in ("d2h_service_ratio", "h2d_service_ratio"))
-        print(f"{r['tokens']:>6} {r['backend']:>7} {r['host_layout']:>11} {r['d2h_gib_s']:>10.2f} "
+        print(f"{r['tokens']:>6} {r['backend']:>7} {r['host_layout']:>11} {r['direct_pages']:>6} {r['d2h_gib_s']:>10.2f} "
               f"{r['d2h_ratio']:>6.3f} {r['h2d_gib_s']:>10.2f} {r['h2d_ratio']:>6.3f}  {dev}  enqueue us "
               f"{r['d2h_enqueue_us']:.0f}/{r['h2d_enqueue_us']:.0f}  wall us {r['d2h_wall_us']:.0f}/{r['h2d_wall_us']:.0f}"
               f"  device us {r['d2h_service_us']:.0f}/{r['h2d_service_us']:.0f}")

@@ -14,6 +14,7 @@ for s in "$@"; do
     tests) step tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
     kernels) step kernels 200 python3 scripts/bench_kernels.py --out "$OUT/kernels.json" ;;
     transfer) step transfer 200 python3 scripts/bench_transfer.py --out "$OUT/transfer.json" ;;
+    transfer_direct) for i in 1 2; do step "transfer_direct$i" 200 python3 scripts/bench_transfer.py --backends triton --layouts consecutive --direct-pages 0,7,14,0,7,14 --tokens 1000,3504 --directions-only --out "$OUT/transfer_direct$i.json"; done ;;
     transfer2) step transfer2 200 python3 scripts/bench_transfer.py --out "$OUT/transfer2.json" ;;
     engine) step engine 300 python3 scripts/bench_engine.py --model qwen3-8b --profile --skip-eager --out "$OUT/engine.json" ;;
     latency_l2) step latency_l2 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,2000,3500,8000 --compare-recompute --json --out "$OUT/latency_l2.json" ;;
