@@ -111,6 +111,11 @@ class Workspace:
     device: torch.Tensor                # [num_pages, 2, L, S, H, D] on the compute device
     host: torch.Tensor | None = None    # same shape, pinned; allocated lazily (fragmented paths only)
     busy: bool = False
+    # a pipelined transfer's L1 page index (CUDA): written on the host, copied by one DMA on the
+    # kernel stream; both are the transfer's until it completes, like the workspace
+    index_host: torch.Tensor | None = None  # [num_pages] int64, pinned
+    index_device: torch.Tensor | None = None  # [num_pages] int64
+    index_np: object = None                 # index_host as a numpy array (the host writes it)
 
 
 @dataclass(eq=False)
@@ -206,6 +211,10 @@ class TransferEngine:
         else:
             shape = self.geometry.page_major_shape(num_pages)
             ws = Workspace(num_pages, torch.empty(shape, dtype=self.geometry.dtype, device=self.l1.device))
+            if self.cuda:
+                ws.index_host = torch.empty(num_pages, dtype=torch.int64, pin_memory=True)
+                ws.index_device = torch.empty(num_pages, dtype=torch.int64, device=self.l1.device)
+                ws.index_np = ws.index_host.numpy()
             self._workspaces.append(ws)
         if needs_host and ws.host is None:
             ws.host = torch.empty(self.geometry.page_major_shape(ws.num_pages), dtype=self.geometry.dtype,
@@ -342,7 +351,8 @@ class TransferEngine:
         host_idx = torch.tensor(host_pages, dtype=torch.int64) if cpu_gather else None
         try:
             if pipelined and direction == "d2h" and host_consecutive:  # the copy engine first
-                self._direct_out(l1_pages, self.l2.page_buffer.data_ptr() + h0 * page_bytes, tr)
+                self._direct_out(l1_pages, self.l2.page_buffer.data_ptr() + h0 * page_bytes, tr,
+                                 torch.cuda.current_stream(self.l1.device))
             ws, tr.setup_ns = self._acquire(n, needs_host=cpu_gather)
             tr.workspace = ws
             packed = ws.device[:n]       # [n, 2, L, S, H, D]
@@ -351,7 +361,7 @@ class TransferEngine:
             if direction == "h2d" and cpu_gather:
                 torch.index_select(self.l2.page_buffer, 0, host_idx, out=ws.host[:n])  # host gather
             if pipelined:
-                self._pipelined(direction, l1_pages, packed, host_dst, tr)
+                self._pipelined(direction, l1_pages, ws, packed, host_dst, tr)
             else:
                 idx = self._index(l1_pages)  # produced on the caller's stream
                 tr.keepalive.append(idx)
@@ -372,14 +382,14 @@ class TransferEngine:
         tr.start_event = torch.cuda.Event(enable_timing=True)
         tr.event = torch.cuda.Event(enable_timing=True)
 
-    def _direct_out(self, l1_pages: list[int], host_ptr: int, tr: Transfer) -> int:
+    def _direct_out(self, l1_pages: list[int], host_ptr: int, tr: Transfer, caller: torch.cuda.Stream) -> int:
         """A D2H's first `direct_pages` pages straight out of L1 into the page-major host buffer at
-        `host_ptr`, one 2-D DMA each, on the D2H copy stream after it waited for the caller's (the
-        KV was written there); starts the transfer's clock. Returns how many pages it took."""
+        `host_ptr`, one 2-D DMA each, on the D2H copy stream after it waited for the caller's stream
+        (the KV was written there); starts the transfer's clock. Returns how many pages it took."""
         copy_stream = self.copy_streams["d2h"]
         direct = min(len(l1_pages), self.direct_pages)
         self._events(tr)
-        copy_stream.wait_stream(torch.cuda.current_stream(self.l1.device))
+        copy_stream.wait_stream(caller)
         tr.start_event.record(copy_stream)
         if direct:
             self._memcpy_2d(page_out_copies(self.geometry, self.l1.num_pages, l1_pages[:direct], range(direct),
@@ -440,28 +450,27 @@ class TransferEngine:
             tr.start_event.record(stream)
             tr.event.record(stream)
 
-    def _pipelined(self, direction: str, l1_pages: list[int], packed: torch.Tensor, host: torch.Tensor,
-                   tr: Transfer) -> None:
+    def _pipelined(self, direction: str, l1_pages: list[int], ws: Workspace, packed: torch.Tensor,
+                   host: torch.Tensor, tr: Transfer) -> None:
         """Chunked: the kernel of chunk i+1 runs on the SMs while the copy engine moves chunk i, so
         a transfer costs its DMA plus the small chunk's kernel rather than the sum of both. The
         first DMA is enqueued before anything else: a D2H's first pages straight out of L1
         (`_direct_out`, maybe already done by the caller), an H2D's first chunk into the workspace
         (it waits for nothing: only the scatters write L1, and they wait on the caller's stream)."""
         kernel_stream, copy_stream = self.kernel_streams[direction], self.copy_streams[direction]
-        caller = torch.cuda.current_stream(self.l1.device)
         n = len(l1_pages)
         if direction == "d2h":
-            direct = (self._direct_out(l1_pages, host.data_ptr(), tr) if tr.start_event is None
+            caller = torch.cuda.current_stream(self.l1.device)
+            direct = (self._direct_out(l1_pages, host.data_ptr(), tr, caller) if tr.start_event is None
                       else min(n, self.direct_pages))
             if direct == n:
                 tr.event.record(copy_stream)
                 return
-            sizes = gathered_chunks(n - direct, direct, self.first_chunk_pages)
-            idx = self._index(l1_pages[direct:])  # [n - direct], on the caller's stream
-            kernel_stream.wait_stream(caller)
+            kernel_stream.wait_stream(caller)  # the KV of these pages was written there
+            idx = self._stage_index(ws, l1_pages[direct:], kernel_stream)  # [n - direct]
             lo = direct
-            for size in sizes:  # explicit streams: no `with torch.cuda.stream()` (~15 us each) per chunk
-                hi, ready = lo + size, torch.cuda.Event()
+            for size in gathered_chunks(n - direct, direct, self.first_chunk_pages):
+                hi, ready = lo + size, torch.cuda.Event()  # explicit streams: no `with torch.cuda.stream()`
                 gather_pages(self.l1.kv, idx[lo - direct:hi - direct], packed[lo:hi], self.backends.gather,
                              kernel_stream)  # gather on the SMs, then DMA the chunk out
                 ready.record(kernel_stream)
@@ -475,8 +484,8 @@ class TransferEngine:
             self._events(tr)
             tr.start_event.record(copy_stream)
             self._dma(packed, host, 0, sizes[0], copy_stream)  # DMA the chunk in, then scatter it
-            idx = self._index(l1_pages)  # [n], on the caller's stream (pinned: never waits behind the DMA)
-            kernel_stream.wait_stream(caller)
+            kernel_stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # last readers of the L1 pages
+            idx = self._stage_index(ws, l1_pages, kernel_stream)  # [n]
             lo = 0
             for i, size in enumerate(sizes):
                 hi, ready = lo + size, torch.cuda.Event()
@@ -487,8 +496,22 @@ class TransferEngine:
                 scatter_pages(packed[lo:hi], idx[lo:hi], self.l1.kv, self.backends.scatter, kernel_stream)
                 lo = hi
             tr.event.record(kernel_stream)
-        tr.keepalive.append(idx)
-        idx.record_stream(kernel_stream)
+        if idx.data_ptr() != ws.index_device.data_ptr():  # staged by torch (no raw DMA on this machine)
+            tr.keepalive.append(idx)
+            idx.record_stream(kernel_stream)
+
+    def _stage_index(self, ws: Workspace, pages: list[int], stream: torch.cuda.Stream) -> torch.Tensor:
+        """The page index of a pipelined transfer on the device, for kernels on `stream`: written
+        into the workspace's pinned index and copied by one DMA on that stream (no allocation, no
+        wait on another stream; the buffers are the transfer's until it completes). [len(pages)]"""
+        m = len(pages)
+        if self._memcpy is None:
+            idx = self._index(pages)
+            stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # the copy ran there
+            return idx
+        ws.index_np[:m] = pages
+        self._memcpy(ws.index_device.data_ptr(), ws.index_host.data_ptr(), m * 8, stream)
+        return ws.index_device[:m]
 
     def _dma(self, dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int, stream: torch.cuda.Stream) -> None:
         """Pages [lo, hi) of src into the same pages of dst (both contiguous, page-major) on `stream`."""
