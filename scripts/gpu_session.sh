@@ -32,6 +32,7 @@ for s in "$@"; do
     stress_l3) step stress_l3 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tier l3 --policy always --json --out "$OUT/stress_l3.json" ;;
     stress_prof) step stress_prof 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --profile --trace "$OUT/trace" --json --out "$OUT/stress_prof.json" ;;
     stages) step stages 200 python3 scripts/profile_stages.py --model qwen3-8b ;;
+    probe_transfer) step probe_transfer 120 python3 scripts/probe_host.py --transfers ;;
     probe) step probe 120 python3 scripts/probe_host.py; step probe_contention 60 python3 scripts/probe_contention.py ;;
     spans) step spans 300 python3 scripts/profile_stages.py --model qwen3-8b --spans ;;
     spans_dma) step spans_dma 300 python3 scripts/profile_stages.py --model qwen3-8b --spans --kernel-restore-max-tokens 0 ;;

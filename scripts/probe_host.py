@@ -1,13 +1,15 @@
 """Host time on the GPU machine (GPU only), two ways:
   1. each call a transfer or a restore makes (an event, a stream switch, a Triton launch, a DMA
      enqueue, a graph replay), µs per call, median of a tight loop;
-  2. the steps of a 1,000-token D2H (TransferEngine), stamped from the call, after the thread waited
-     for the device four ways: in torch.cuda.synchronize, polling an event, synchronize followed by
-     1 ms of Python spinning, a 2 ms sleep. On the H200's host the same steps took about twice as
-     long after a synchronize or a sleep as after polling (docs/benchmarks.md, session 8): why the
+  2. a 1,000-token D2H and H2D (TransferEngine) and a pinned copy_ of the same bytes, each split on
+     the device clock into host time before its first device work, its device span and the time
+     from its last device work until the caller's wait returned (session 9). Session 8's version
+     stamped the D2H's steps after four ways of waiting: on the H200's host the same steps took about
+     twice as long after a synchronize or a sleep as after polling (docs/benchmarks.md): why the
      engine's loop polls (EngineConfig.gpu_wait).
 
-    python3 scripts/probe_host.py
+    python3 scripts/probe_host.py               # both
+    python3 scripts/probe_host.py --transfers   # part 2 only
 """
 from __future__ import annotations
 
@@ -40,6 +42,9 @@ def host_us(fn, n=300, sync_every=50):
 
 
 def main() -> int:
+    if "--transfers" in sys.argv[1:]:  # part 2 only
+        stamp_d2h()
+        return 0
     dev = torch.device("cuda")
     pool_pages = 160
     l1 = torch.empty((2, 36, pool_pages, 16, 8, 128), dtype=torch.bfloat16, device=dev)
@@ -117,9 +122,12 @@ def main() -> int:
     return 0
 
 
-def stamp_d2h(n_pages=63, repeats=30):
-    """The steps of TransferEngine.d2h + wait_blocking for a 1,000-token (63-page) D2H of the 8B
-    shape, stamped: host us from the call to the end of each step (median), and the device span."""
+def stamp_d2h(n_pages=62, repeats=30):
+    """TransferEngine.d2h / h2d + wait_blocking of a 1,000-token (62-page) transfer of the 8B shape,
+    and a pinned copy_ of the same bytes, stamped on the device clock: events recorded on an idle
+    side stream at the call, when the enqueue returned and when the wait returned carry the host's
+    time, so the wall splits into host time before the transfer's first device work, its device
+    span (its own events) and the time from its last device work to the caller having it back."""
     import random
 
     from hicache.geometry import KVGeometry
@@ -134,73 +142,51 @@ def stamp_d2h(n_pages=63, repeats=30):
     eng = TransferEngine(l1, l2, ChosenBackends("triton", "triton", {}, "probe"))
     l1_pages = random.Random(0).sample(range(l1.num_pages), n_pages)
     host_pages = list(range(n_pages))
-    eng.wait_blocking(eng.d2h(l1_pages, host_pages))
-    for wait in ("synchronize", "query spin", "synchronize + 1 ms Python spin", "sleep 2 ms"):
-        stamp_once(eng, l1, l2, geom, l1_pages, host_pages, n_pages, repeats, wait)
+    nbytes = n_pages * geom.bytes_per_page
+    flat_dev = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    side = torch.cuda.Stream()
+
+    def engine(direction):
+        tr = eng.d2h(l1_pages, host_pages) if direction == "d2h" else eng.h2d(host_pages, l1_pages)
+        return tr, lambda: eng.wait_blocking(tr)
+
+    def pinned(direction):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        (flat_host.copy_(flat_dev, non_blocking=True) if direction == "d2h"
+         else flat_dev.copy_(flat_host, non_blocking=True))
+        end.record()
+
+        def wait():
+            while not end.query():
+                time.sleep(0)
+        return type("T", (), {"start_event": start, "event": end})(), wait
+
+    for what, run in (("engine", engine), ("pinned copy", pinned)):
+        for direction in ("d2h", "h2d"):
+            rows = []
+            for i in range(repeats + 1):
+                done = torch.cuda.Event()
+                done.record()
+                while not done.query():  # the loop's way of waiting (EngineConfig.gpu_wait)
+                    pass
+                marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                marks[0].record(side)
+                tr, wait = run(direction)
+                marks[1].record(side)
+                wait()
+                marks[2].record(side)
+                torch.cuda.synchronize()
+                if i:  # the first one warms up
+                    rows.append([marks[0].elapsed_time(tr.start_event), marks[0].elapsed_time(marks[1]),
+                                 tr.start_event.elapsed_time(tr.event), tr.event.elapsed_time(marks[2]),
+                                 marks[0].elapsed_time(marks[2])])
+            med = [statistics.median(r[k] for r in rows) * 1e3 for k in range(5)]
+            print(f"--- {what} {direction}, {n_pages} pages (median of {repeats}, us on the device clock): "
+                  f"call -> first device work {med[0]:.0f}, call -> enqueue returned {med[1]:.0f}, "
+                  f"device span {med[2]:.0f}, last device work -> wait returned {med[3]:.0f}, wall {med[4]:.0f}")
     eng.close()
-
-
-def stamp_once(eng, l1, l2, geom, l1_pages, host_pages, n_pages, repeats, wait):
-    """TransferEngine.d2h's steps (its _enqueue and _pipelined, spelled out) with a stamp after each."""
-    from hicache.transfer import RAMP_GROWTH, Transfer, host_runs, ramp_chunks
-    from kernels.page_copy import gather_pages
-
-    stamps: dict[str, list[float]] = {}
-    for _ in range(repeats):
-        torch.cuda._sleep(1_000_000)  # the device busy for ~0.5 ms, as after a forward
-        if wait == "query spin":
-            ev = torch.cuda.Event()
-            ev.record()
-            while not ev.query():
-                pass
-        elif wait == "sleep 2 ms":
-            time.sleep(0.002)
-        else:
-            torch.cuda.synchronize()
-        if wait.endswith("Python spin"):
-            t_end = time.perf_counter_ns() + 1_000_000
-            while time.perf_counter_ns() < t_end:
-                pass
-        marks = []
-        t0 = time.perf_counter_ns()
-
-        def mark(name):
-            marks.append((name, (time.perf_counter_ns() - t0) / 1e3))
-        host_runs(host_pages)
-        mark("host_runs")
-        ws, _ = eng._acquire(n_pages, needs_host=False)
-        mark("acquire")
-        idx = eng._index(l1_pages)
-        mark("index to device")
-        packed, host = ws.device[:n_pages], l2.page_buffer[0:n_pages]
-        tr = Transfer("d2h", n_pages, n_pages * geom.bytes_per_page, 0, 0, t0, workspace=ws, keepalive=[idx])
-        mark("Transfer()")
-        ks, cs = eng.kernel_streams["d2h"], eng.copy_streams["d2h"]
-        ks.wait_stream(torch.cuda.current_stream())
-        tr.start_event, tr.event = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        cs.wait_stream(ks)
-        tr.start_event.record(ks)
-        mark("streams + events")
-        lo = 0
-        for i, size in enumerate(ramp_chunks(n_pages, eng.first_chunk_pages, RAMP_GROWTH)):
-            hi = lo + size
-            ready = torch.cuda.Event()
-            gather_pages(l1.kv, idx[lo:hi], packed[lo:hi], "triton", ks)
-            mark(f"chunk {i} gather launched")
-            ready.record(ks)
-            cs.wait_event(ready)
-            eng._dma(host, packed, lo, hi, cs)
-            mark(f"chunk {i} DMA enqueued")
-            lo = hi
-        tr.event.record(cs)
-        mark("end event")
-        eng.wait_blocking(tr)
-        mark("wait_blocking returned")
-        for name, us in marks:
-            stamps.setdefault(name, []).append(us)
-        stamps.setdefault("device span (events)", []).append(tr.start_event.elapsed_time(tr.event) * 1e3)
-    print(f"--- 63-page D2H after: {wait} (median of {repeats}; host us since the call)")
-    print("  " + "  ".join(f"{name} {statistics.median(v):.0f}" for name, v in stamps.items()))
 
 
 if __name__ == "__main__":
