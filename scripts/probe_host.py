@@ -42,8 +42,10 @@ def host_us(fn, n=300, sync_every=50):
 
 
 def main() -> int:
-    if "--transfers" in sys.argv[1:]:  # part 2 only
-        stamp_d2h()
+    if "--transfers" in sys.argv[1:]:  # part 2 only; --pool-pages N, --sleepy: see stamp_d2h
+        argv = sys.argv[1:]
+        pool = int(argv[argv.index("--pool-pages") + 1]) if "--pool-pages" in argv else 0
+        stamp_d2h(pool_pages=pool, sleepy="--sleepy" in argv)
         return 0
     dev = torch.device("cuda")
     pool_pages = 160
@@ -122,12 +124,15 @@ def main() -> int:
     return 0
 
 
-def stamp_d2h(n_pages=62, repeats=30):
+def stamp_d2h(n_pages=62, repeats=30, pool_pages=0, sleepy=False):
     """TransferEngine.d2h / h2d + wait_blocking of a 1,000-token (62-page) transfer of the 8B shape,
     and a pinned copy_ of the same bytes, stamped on the device clock: events recorded on an idle
     side stream at the call, when the enqueue returned and when the wait returned carry the host's
     time, so the wall splits into host time before the transfer's first device work, its device
-    span (its own events) and the time from its last device work to the caller having it back."""
+    span (its own events) and the time from its last device work to the caller having it back.
+    pool_pages: L1 pages (default 2 n + 8; an L1 slab row is pool_pages x 32 KiB long, the pitch of
+    a direct 2-D DMA); sleepy: before each run wait as bench_transfer.py's harness does (poll with
+    time.sleep(0), then synchronize) instead of spinning on an event as the engine's loop does."""
     import random
 
     from hicache.geometry import KVGeometry
@@ -137,7 +142,7 @@ def stamp_d2h(n_pages=62, repeats=30):
 
     dev = torch.device("cuda")
     geom = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
-    l1 = DevicePool(geom, 2 * n_pages + 8, dev)
+    l1 = DevicePool(geom, pool_pages or 2 * n_pages + 8, dev)
     l2 = HostPool(geom, 2 * n_pages + 8, pin=True)
     eng = TransferEngine(l1, l2, ChosenBackends("triton", "triton", {}, "probe"))
     l1_pages = random.Random(0).sample(range(l1.num_pages), n_pages)
@@ -170,7 +175,10 @@ def stamp_d2h(n_pages=62, repeats=30):
                 done = torch.cuda.Event()
                 done.record()
                 while not done.query():  # the loop's way of waiting (EngineConfig.gpu_wait)
-                    pass
+                    if sleepy:
+                        time.sleep(0)
+                if sleepy:
+                    torch.cuda.synchronize()
                 marks = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
                 marks[0].record(side)
                 tr, wait = run(direction)
@@ -183,7 +191,7 @@ def stamp_d2h(n_pages=62, repeats=30):
                                  tr.start_event.elapsed_time(tr.event), tr.event.elapsed_time(marks[2]),
                                  marks[0].elapsed_time(marks[2])])
             med = [statistics.median(r[k] for r in rows) * 1e3 for k in range(5)]
-            print(f"--- {what} {direction}, {n_pages} pages (median of {repeats}, us on the device clock): "
+            print(f"--- {what} {direction}, {n_pages} pages of {l1.num_pages}{', sleepy' if sleepy else ''} (median of {repeats}, us on the device clock): "
                   f"call -> first device work {med[0]:.0f}, call -> enqueue returned {med[1]:.0f}, "
                   f"device span {med[2]:.0f}, last device work -> wait returned {med[3]:.0f}, wall {med[4]:.0f}")
     eng.close()
