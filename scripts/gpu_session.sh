@@ -33,6 +33,7 @@ for s in "$@"; do
     stress_prof) step stress_prof 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --profile --trace "$OUT/trace" --json --out "$OUT/stress_prof.json" ;;
     stages) step stages 200 python3 scripts/profile_stages.py --model qwen3-8b ;;
     probe_transfer) step probe_transfer 120 python3 scripts/probe_host.py --transfers ;;
+    probe_direct_ab) for d in 0 3 7 14 0 3 7 14; do step probe_direct_ab 120 python3 scripts/probe_host.py --transfers --pool-pages 20000 --direct-pages $d; done ;;
     probe_transfer_ab) for a in "" "--pool-pages 1008" "--sleepy" "--pool-pages 1008 --sleepy" "--pool-pages 20000"; do
               step probe_transfer_ab 120 python3 scripts/probe_host.py --transfers $a; done ;;
     probe) step probe 120 python3 scripts/probe_host.py; step probe_contention 60 python3 scripts/probe_contention.py ;;

@@ -45,7 +45,8 @@ def main() -> int:
     if "--transfers" in sys.argv[1:]:  # part 2 only; --pool-pages N, --sleepy: see stamp_d2h
         argv = sys.argv[1:]
         pool = int(argv[argv.index("--pool-pages") + 1]) if "--pool-pages" in argv else 0
-        stamp_d2h(pool_pages=pool, sleepy="--sleepy" in argv)
+        direct = int(argv[argv.index("--direct-pages") + 1]) if "--direct-pages" in argv else None
+        stamp_d2h(pool_pages=pool, sleepy="--sleepy" in argv, direct_pages=direct)
         return 0
     dev = torch.device("cuda")
     pool_pages = 160
@@ -124,7 +125,7 @@ def main() -> int:
     return 0
 
 
-def stamp_d2h(n_pages=62, repeats=30, pool_pages=0, sleepy=False):
+def stamp_d2h(n_pages=62, repeats=30, pool_pages=0, sleepy=False, direct_pages=None):
     """TransferEngine.d2h / h2d + wait_blocking of a 1,000-token (62-page) transfer of the 8B shape,
     and a pinned copy_ of the same bytes, stamped on the device clock: events recorded on an idle
     side stream at the call, when the enqueue returned and when the wait returned carry the host's
@@ -132,7 +133,8 @@ def stamp_d2h(n_pages=62, repeats=30, pool_pages=0, sleepy=False):
     span (its own events) and the time from its last device work to the caller having it back.
     pool_pages: L1 pages (default 2 n + 8; an L1 slab row is pool_pages x 32 KiB long, the pitch of
     a direct 2-D DMA); sleepy: before each run wait as bench_transfer.py's harness does (poll with
-    time.sleep(0), then synchronize) instead of spinning on an event as the engine's loop does."""
+    time.sleep(0), then synchronize) instead of spinning on an event as the engine's loop does.
+    direct_pages: TransferEngine.direct_pages (default: the engine's)."""
     import random
 
     from hicache.geometry import KVGeometry
@@ -145,6 +147,8 @@ def stamp_d2h(n_pages=62, repeats=30, pool_pages=0, sleepy=False):
     l1 = DevicePool(geom, pool_pages or 2 * n_pages + 8, dev)
     l2 = HostPool(geom, 2 * n_pages + 8, pin=True)
     eng = TransferEngine(l1, l2, ChosenBackends("triton", "triton", {}, "probe"))
+    if direct_pages is not None:
+        eng.direct_pages = direct_pages
     l1_pages = random.Random(0).sample(range(l1.num_pages), n_pages)
     host_pages = list(range(n_pages))
     nbytes = n_pages * geom.bytes_per_page
@@ -191,7 +195,7 @@ def stamp_d2h(n_pages=62, repeats=30, pool_pages=0, sleepy=False):
                                  tr.start_event.elapsed_time(tr.event), tr.event.elapsed_time(marks[2]),
                                  marks[0].elapsed_time(marks[2])])
             med = [statistics.median(r[k] for r in rows) * 1e3 for k in range(5)]
-            print(f"--- {what} {direction}, {n_pages} pages of {l1.num_pages}{', sleepy' if sleepy else ''} (median of {repeats}, us on the device clock): "
+            print(f"--- {what} {direction}, {n_pages} pages of {l1.num_pages}{', sleepy' if sleepy else ''}, direct {eng.direct_pages} (median of {repeats}, us on the device clock): "
                   f"call -> first device work {med[0]:.0f}, call -> enqueue returned {med[1]:.0f}, "
                   f"device span {med[2]:.0f}, last device work -> wait returned {med[3]:.0f}, wall {med[4]:.0f}")
     eng.close()
