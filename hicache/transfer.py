@@ -241,9 +241,11 @@ class TransferEngine:
         # whatever forward is in flight there. A small pageable async H2D is staged by the driver
         # before the call returns, without a device sync; the transfer streams wait on the
         # caller's stream, which orders the copy
-        # staged in pinned memory: from pageable memory the driver may hold the call until the copy
-        # engine, busy with this transfer's own first DMA (H2D), has taken it
-        return torch.tensor(pages, dtype=torch.int64, pin_memory=self.cuda).to(self.l1.device, non_blocking=True)  # [n]
+        # (pageable on purpose: torch tracks a pinned source of a non-blocking copy and, when it is
+        # freed, records an event on the stream the copy ran on; freed during another engine's graph
+        # capture of that stream, that invalidated the capture (session 9, tests/test_gpu.py).
+        # Pipelined transfers stage their index with the workspace instead: _stage_index)
+        return torch.tensor(pages, dtype=torch.int64).to(self.l1.device, non_blocking=True)  # [n]
 
     def d2h(self, l1_pages: list[int], host_pages: list[int]) -> Transfer:
         """L1 -> L2 (gather + DMA, pipelined). Running the layer plan backwards (2-D DMAs straight
