@@ -35,7 +35,6 @@ import torch
 from hicache.faults import Fault, FaultInjector
 from hicache.geometry import KVGeometry
 from hicache.layer_copy import layer_plan, page_out_copies, run_layer_cpu, run_layer_cuda
-from hicache.page_lists import PageLists
 from hicache.pools import DevicePool, HostPool
 from kernels import host_copy
 from kernels.chooser import ChosenBackends
@@ -178,7 +177,6 @@ class TransferEngine:
         self.layerwise = not self.cuda
         self._memcpy = None  # cuda_rt.memcpy_async: a pipeline chunk's DMA in one call
         self._memcpy_2d = None  # cuda_rt.memcpy_2d_async: a D2H's direct first pages
-        self._page_lists: PageLists | None = None  # copy kernels' page lists (CUDA, raw DMA)
         if self.cuda:
             from kernels import cuda_rt
             self.layerwise = cuda_rt.available() and l2.pinned
@@ -200,7 +198,6 @@ class TransferEngine:
             self._h2d_flags = zeros()
             self._h2d_epoch = 0
             self.host_copy = host_copy.HostCopy(l2.page_buffer, l1.kv)
-            self._page_lists = PageLists(l1.device, self._memcpy) if self._memcpy is not None else None
             self.host_copy.warm_up(self._counts["h2d"], self._h2d_flags)
 
     # -- workspaces ----------------------------------------------------------------------------
@@ -329,13 +326,10 @@ class TransferEngine:
         stream.wait_stream(caller)
         tr.start_event.record(stream)
         try:
-            pages = (self._page_lists.stage(stream, host_pages, l1_pages, tr.keepalive)
-                     if self._page_lists is not None else None)  # [2, n], a DMA on `stream`
-            if pages is None:  # every slot still in flight (or no raw DMA here): a plain copy
-                pages = torch.tensor([host_pages, l1_pages], dtype=torch.int32).to(self.l1.device,
-                                                                                 non_blocking=True)  # [2, n]
-                tr.keepalive.append(pages)  # alive until the transfer completes
-                stream.wait_stream(caller)  # the page list crossed on the caller's stream
+            pages = torch.tensor([host_pages, l1_pages], dtype=torch.int32).to(self.l1.device,
+                                                                             non_blocking=True)  # [2, n]
+            tr.keepalive.append(pages)  # alive until the transfer completes
+            stream.wait_stream(caller)  # the page list crossed on the caller's stream
             launch(pages, stream)
         except Exception as exc:
             tr.fail, tr.error = True, f"{tr.direction}: copy kernel not launched: {exc!r}"

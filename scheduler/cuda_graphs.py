@@ -60,7 +60,6 @@ class DecodeGraphs:
         self._host_staging = torch.stack([staging.cpu()] * 2).pin_memory()
         self.host_rows = self._host_staging[:, :self._rows_len].view(2, 6, rows)
         self.host_tables = self._host_staging[:, self._rows_len:].view(2, seqs, max_pages_per_seq)
-        self._host_np = [(self.host_rows[k].numpy(), self.host_tables[k].numpy()) for k in range(2)]  # same memory
         self._events = [torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event()]  # reused: staged x2, prefill
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
@@ -183,10 +182,12 @@ class DecodeGraphs:
         # for the step in flight.
         k = self._step % 2
         self._step += 1
-        host, tables = self._host_np[k]
+        host_rows, host_tables = self.host_rows[k], self.host_tables[k]
         if self._staged[k] is not None:
             self._staged[k].synchronize()
-        fill_staging(host, tables, shape, input_ids, prefix_lens, new_lens, page_tables, ps, self.scratch_slot)
+        host = host_rows.numpy()
+        fill_staging(host, host_tables.numpy(), shape, input_ids, prefix_lens, new_lens, page_tables, ps,
+                     self.scratch_slot)
         host[5, 0] = restore_epoch
         # rows and whole table rows of the batch: one contiguous pinned -> device copy (stale columns
         # past a length are masked)

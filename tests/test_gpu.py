@@ -338,30 +338,3 @@ def test_direct_launch_keeps_variants_apart():
         torch.cuda.current_stream().wait_stream(stream)
         assert torch.equal(y, x[lo:lo + n] + 1)
     assert len(launch._compiled) == 4  # aligned / misaligned pointer, n == 1, n not a multiple of 16
-
-
-def test_page_lists_stage_on_the_stream_and_never_overwrite_a_list_in_flight():
-    """Copy kernels' page lists (hicache/page_lists.py): each lands on the device as [2, n] int32
-    by a DMA on the kernel's stream; while the stream is held up, the ring's slots stay in flight and
-    a fifth list is refused (the caller falls back) rather than written over a list not yet copied;
-    a longer list grows its slot."""
-    from hicache.page_lists import SLOTS, PageLists
-    from kernels import cuda_rt
-
-    lists = PageLists(torch.device("cuda"), cuda_rt.memcpy_async)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(200_000_000)  # hold the stream (~0.1 s) so every DMA below stays queued
-    keep, staged = [], []
-    for k in range(SLOTS):
-        pages = [list(range(k, k + 5)), list(range(100 + k, 105 + k))]
-        staged.append((lists.stage(stream, *pages, keep), pages))
-    assert lists.stage(stream, [1], [2], keep) is None  # the next slot's DMA has not run
-    stream.synchronize()
-    for dev, (host_pages, l1_pages) in staged:
-        assert dev.shape == (2, 5) and dev.is_contiguous()
-        assert dev.tolist() == [host_pages, l1_pages]
-    big = lists.stage(stream, list(range(300)), list(range(300, 600)), keep)
-    stream.synchronize()
-    assert big.tolist() == [list(range(300)), list(range(300, 600))]
