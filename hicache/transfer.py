@@ -238,10 +238,8 @@ class TransferEngine:
         # whatever forward is in flight there. A small pageable async H2D is staged by the driver
         # before the call returns, without a device sync; the transfer streams wait on the
         # caller's stream, which orders the copy
-        # (pageable on purpose: torch tracks a pinned source of a non-blocking copy and, when it is
-        # freed, records an event on the stream the copy ran on; freed during another engine's graph
-        # capture of that stream, that invalidated the capture (session 9, tests/test_gpu.py).
-        # Pipelined transfers stage their index with the workspace instead: _stage_index)
+        # (short transfers: their DMA follows this copy. Pipelined ones stage their index with the
+        # workspace, _stage_index, since a restore's first DMA goes before its index)
         return torch.tensor(pages, dtype=torch.int64).to(self.l1.device, non_blocking=True)  # [n]
 
     def d2h(self, l1_pages: list[int], host_pages: list[int]) -> Transfer:
