@@ -21,6 +21,9 @@ flight.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
+
 import numpy as np
 import torch
 
@@ -91,6 +94,18 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
+        """Capture every graph. A capture fails if any CUDA call that could synchronise runs while
+        it is open; this process has other threads that wait on events (transfer completions, L3
+        I/O), and garbage from an engine built before (tests, one engine per benchmark tier) may
+        be collected mid-capture, its finalisers calling CUDA on this thread. So: garbage is
+        collected first, not during, and only this thread's calls count (`capture_error_mode`).
+        Seen on the H200 in session 9: 'operation failed due to a previous error during capture'
+        in 1-2 of tests/test_gpu.py's engines, varying with the lease."""
+        gc.collect()
+        with _gc_paused():
+            self._capture()
+
+    def _capture(self) -> None:
         self.model.rope_tables(self.max_pages * self.page_size + 1, self.device, self.kv_pool.dtype)
         self.rows[2].fill_(self.scratch_slot)
         self.rows[3].fill_(1)
@@ -103,7 +118,7 @@ class DecodeGraphs:
                 for _ in range(2):  # warm up (Triton compiles, cuBLAS picks kernels)
                     self.model(ids, self._batch(*shape), self.kv_pool)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     self.logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool)  # [B * R, V]
                 pool = graph.pool()
                 self.graphs[shape] = graph
@@ -113,7 +128,7 @@ class DecodeGraphs:
                     ids = self.rows[0, :shape[1]]
                     self.model(ids, self._batch(*shape), self.kv_pool, wait_layer)  # warm-up
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                         self.restore_logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool,
                                                                 wait_layer)  # [R, V]
                     pool = graph.pool()
@@ -126,7 +141,7 @@ class DecodeGraphs:
                 for _ in range(2):
                     self.model(ids, self._prefill_batch(length), self.kv_pool)
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     self.prefill_logits[length] = self.model(ids, self._prefill_batch(length), self.kv_pool)  # [1, V]
                 pool = graph.pool()
                 self.prefill_graphs[length] = graph
@@ -255,3 +270,14 @@ def fill_prefill_staging(host: np.ndarray, table: np.ndarray, length: int, input
     host[2, :length] = scratch_slot
     host[2, :n] = pages[pos // ps] * ps + pos % ps
     host[3, 0] = n - 1
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
