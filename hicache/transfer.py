@@ -340,8 +340,9 @@ class TransferEngine:
             raise TransferError(f"{direction}: {len(l1_pages)} L1 pages vs {len(host_pages)} host pages")
         t0 = time.monotonic_ns()
         n, h0, page_bytes = len(l1_pages), host_pages[0], self.geometry.bytes_per_page
-        host_consecutive = host_pages[-1] == h0 + n - 1 and host_pages == list(range(h0, h0 + n))
-        runs = [(0, n, h0)] if host_consecutive else host_runs(host_pages)  # [(first index, end index, first page)]
+        one_run = host_pages[-1] == h0 + n - 1 and list(host_pages) == list(range(h0, h0 + n))  # C-speed check
+        runs = [(0, n, h0)] if one_run else host_runs(host_pages)  # [(first index, end index, first page)]
+        host_consecutive = len(runs) == 1
         few_runs = 1 < len(runs) <= MAX_DMA_RUNS  # one DMA per run, straight into/out of the L2 pool
         cpu_gather = not host_consecutive and not few_runs
         if cpu_gather and self.host_reads:

@@ -147,3 +147,16 @@ def test_gathered_chunks_after_the_direct_pages(num_pages):
     assert sizes[0] == min(14, num_pages) or sizes == [num_pages]  # 15 pages: one chunk, not 14 + 1
     assert len(sizes) == 1 or sizes[-1] >= sizes[0]
     assert len(sizes) <= 4
+
+
+def test_consecutive_host_pages_in_a_tuple_take_the_one_run_path():
+    """The consecutive check compares against a range as a list; page lists handed over as tuples
+    must still count as one run (not as fragmented pages needing a workspace and a CPU gather)."""
+    l1, l2 = DevicePool(GEOM, 32, torch.device("cpu")), HostPool(GEOM, 32, pin=False)
+    l1.kv.normal_()
+    engine = TransferEngine(l1, l2, ChosenBackends("torch", "torch", {}, "test"))
+    tr = engine.d2h(tuple(range(4, 14)), tuple(range(20, 30)))
+    assert tr.workspace is not None and tr.workspace.host is None  # no pinned half: not the CPU-gather path
+    engine.wait_blocking(tr)
+    assert torch.equal(l2.buffer[:, :, 20:30], l1.kv[:, :, 4:14])
+    engine.close()
