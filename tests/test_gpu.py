@@ -286,7 +286,8 @@ def test_pipelined_transfers_move_every_chunk_exactly(backend):
     byte for byte, twice (the second time through the cached direct launches)."""
     from hicache.geometry import KVGeometry
     from hicache.pools import DevicePool, HostPool
-    from hicache.transfer import RAMP_GROWTH, TransferEngine, ramp_chunks
+    from hicache.transfer import TransferEngine
+    from hicache.transfer_plan import RAMP_GROWTH, ramp_chunks
     from kernels.chooser import choose_backends
 
     geo = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)

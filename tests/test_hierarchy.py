@@ -10,7 +10,7 @@ import torch
 from hicache.allocator import PageAllocator
 from hicache.manager import CacheManager
 from hicache.radix import Tier
-from hicache.transfer import is_consecutive
+from hicache.transfer_plan import is_consecutive
 from hicache_helpers import assert_whole, capture_op_logs, make_manager, op_transitions
 
 NUM_PAGES = 5  # pages of the prefix under test

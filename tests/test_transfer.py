@@ -8,7 +8,8 @@ import torch
 
 from hicache.geometry import KVGeometry
 from hicache.pools import DevicePool, HostPool
-from hicache.transfer import MAX_DMA_RUNS, TransferEngine, host_runs, ramp_chunks
+from hicache.transfer import TransferEngine
+from hicache.transfer_plan import MAX_DMA_RUNS, host_runs, ramp_chunks
 from kernels.chooser import ChosenBackends
 
 GEOM = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.bfloat16)
@@ -140,7 +141,7 @@ def test_page_out_copies_move_each_l1_page_into_its_page_major_page(seed):
 def test_gathered_chunks_after_the_direct_pages(num_pages):
     """A D2H after 7 direct pages (the 8B shape): every remaining page once, the first gathered
     chunk up to 14 pages (it runs under the direct DMAs), few chunks, no tail smaller than the first."""
-    from hicache.transfer import gathered_chunks
+    from hicache.transfer_plan import gathered_chunks
 
     sizes = gathered_chunks(num_pages, 7, 3)
     assert sum(sizes) == num_pages and all(s >= 1 for s in sizes)

@@ -1,0 +1,62 @@
+"""How a transfer is cut up, as pure functions of page lists and sizes (hicache/transfer.py runs
+the plans): consecutive runs of L2 pages, and the chunks of the CUDA gather/scatter + DMA pipeline."""
+from __future__ import annotations
+
+
+# L2 destinations split in at most this many consecutive runs move with one DMA per run; more
+# fragmented ones go through a pinned workspace and one CPU index copy.
+MAX_DMA_RUNS = 8
+
+# The gather/scatter + DMA pipeline's chunks (`ramp_chunks`). Only the first gather of a D2H (the
+# last scatter of an H2D) is exposed, so the first chunk is small: 8 MiB is ~0.14 ms of DMA on the
+# H200, longer than the loop takes to enqueue the next chunk. A kernel moves pages ~30x faster than
+# PCIe, so each later chunk may be 16x the one before and its kernel still ends under the DMA before
+# it: a 1,000-token transfer of the 8B shape is 3 chunks, 8,000 tokens 4 (fixed 32 MiB chunks made
+# those 5 and 59, each costing the loop ~0.1 ms to enqueue).
+RAMP_FIRST_BYTES = 8 << 20
+RAMP_GROWTH = 16
+# A D2H's first pages skip the gather: one 2-D DMA per page straight out of L1 (its 2L slabs,
+# layer_copy.page_out_copies), enqueued before the page-index copy and the first gather kernel, so
+# the copy engine starts ~0.1 ms sooner; the gather of the rest runs under them. Few pages: each
+# is one more DMA (~3 us of copy-engine set-up) and one more call on the loop.
+DIRECT_FIRST_BYTES = 16 << 20
+DIRECT_MAX_PAGES = 8
+
+
+def ramp_chunks(num_pages: int, first_pages: int, growth: int) -> list[int]:
+    """Chunk lengths in pages, in pipeline order, summing to num_pages: `first_pages`, then each
+    at most `growth` times the one before (the last takes what is left)."""
+    if num_pages < 1 or first_pages < 1 or growth < 1:
+        raise ValueError(f"ramp_chunks: {num_pages} pages, first {first_pages}, growth {growth}")
+    sizes = [min(num_pages, first_pages)]
+    left = num_pages - sizes[0]
+    while left:
+        sizes.append(min(left, sizes[-1] * growth))
+        left -= sizes[-1]
+    return sizes
+
+
+def gathered_chunks(num_pages: int, direct_pages: int, first_pages: int) -> list[int]:
+    """A D2H's gathered chunks after `direct_pages` went straight out of L1: the first one may be
+    twice that (its index copy and gather run under the direct DMAs), then `ramp_chunks` growth; a
+    remainder smaller than the first chunk rides with the chunk before it (one launch and one DMA
+    fewer; the kernels after the first hide under a DMA many times longer)."""
+    sizes = ramp_chunks(num_pages, max(2 * direct_pages, first_pages), RAMP_GROWTH)
+    if len(sizes) > 1 and sizes[-1] < sizes[0]:
+        last = sizes.pop()
+        sizes[-1] += last
+    return sizes
+
+
+def is_consecutive(pages: list[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(pages, pages[1:]))
+
+
+def host_runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """Consecutive runs of host pages as (first index, end index, first page)."""
+    runs, first = [], 0
+    for i in range(1, len(pages) + 1):
+        if i == len(pages) or pages[i] != pages[i - 1] + 1:
+            runs.append((first, i, pages[first]))
+            first = i
+    return runs
