@@ -6,6 +6,7 @@ kernel costs a few microseconds even inside a CUDA graph, which adds up to the w
 over 36 layers. These three kernels replace them:
 
   add_rms_norm      residual += x; y = rmsnorm(residual) * w       x, residual: [T, H] -> y [T, H]
+                    (x may be a split-K projection's float32 partials [P, T, H])
   qk_norm_rope_kv   q/k rmsnorm, RoPE at each token's position, K and V stored into the paged
                     L1 pool at their slots                          qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D]
   silu_mul          silu(gate) * up                                 gate_up [T, 2 I] -> [T, I]
@@ -69,18 +70,23 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, hidden, eps,
-                             HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, tokens, hidden, eps,
+                             HAS_RES: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < hidden
         x = tl.load(x_ptr + row * hidden + cols, mask=ok, other=0.0)
+        if PARTS > 1:  # a split-K projection's float32 partials [PARTS, T, H], added in order, rounded
+            for p in tl.static_range(1, PARTS):  # as that projection's own output would be
+                x += tl.load(x_ptr + (p * tokens + row) * hidden + cols, mask=ok, other=0.0)
+            x = x.to(sum_ptr.dtype.element_ty)
         if HAS_RES:
             s = (x.to(tl.float32) + tl.load(res_ptr + row * hidden + cols, mask=ok, other=0.0).to(tl.float32))
             s = s.to(x.dtype)  # the residual stream is kept in the model's dtype
-            tl.store(sum_ptr + row * hidden + cols, s, mask=ok)
         else:
             s = x
+        if HAS_RES or PARTS > 1:
+            tl.store(sum_ptr + row * hidden + cols, s, mask=ok)
         s32 = s.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(s32 * s32, axis=0) / hidden + eps)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
@@ -142,11 +148,15 @@ if triton is not None:
 
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens, hidden = x.shape
-    y = torch.empty_like(x)
-    s = torch.empty_like(x) if residual is not None else x
-    _add_rms_norm_kernel[(tokens,)](x, residual if residual is not None else x, weight, y, s, hidden, eps,
-                                    HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(hidden))
+    """x [T, H], or a split-K projection's float32 partials [P, T, H] (kernels/skinny_gemm.py): their
+    sum rounds to the residual's dtype (the weight's without one) before the add."""
+    parts = x.shape[0] if x.dim() == 3 else 1
+    tokens, hidden = x.shape[-2:]
+    dtype = x.dtype if parts == 1 else (residual if residual is not None else weight).dtype
+    y = torch.empty((tokens, hidden), dtype=dtype, device=x.device)
+    s = torch.empty_like(y) if residual is not None or parts > 1 else x
+    _add_rms_norm_kernel[(tokens,)](x, residual if residual is not None else x, weight, y, s, tokens, hidden, eps,
+                                    HAS_RES=residual is not None, PARTS=parts, BLOCK=triton.next_power_of_2(hidden))
     return y, s
 
 

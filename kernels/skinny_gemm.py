@@ -37,17 +37,31 @@ def _shared_budget(device: torch.device) -> int:
     return min(SHARED_BYTES, torch.cuda.get_device_properties(device).shared_memory_per_block_optin - (16 << 10))
 
 
-def _config(n_out: int, k: int, swiglu: bool, elem_bytes: int, budget: int = SHARED_BYTES) -> dict:
-    """Block sizes tuned on the H200 at the 8B shapes in bf16 (scripts/bench_kernels.py --skinny,
-    docs/benchmarks.md), then cut to fit: K blocks no longer than K, stages (each a [BN or 2 BN, BK]
-    weight tile and a [16, BK] input tile) within `budget` bytes (float32 needs twice the bytes)."""
+def split_k_for(n_out: int, k: int) -> int:
+    """K splits for a projection whose consumer adds partials (o_proj and down feed the residual add +
+    RMSNorm, kernels/fused_ops.py): 2 where a column block per program leaves too few programs to
+    keep the weight stream going (N <= 4096 with a long K). On the H200 at the 8B shape, 16 rows:
+    o_proj 11.8 -> 10.7 us, down 28.2 -> 26.9 us (scripts/bench_kernels.py --skinny-split); qkv
+    gains 0.2 us and its consumer reads bf16, so it stays whole. Two partials add up the same in
+    either order, so the result does not depend on which program finishes first."""
+    return 2 if n_out <= 4096 and k >= 4096 else 1
+
+
+def _config(n_out: int, k: int, swiglu: bool, elem_bytes: int, budget: int = SHARED_BYTES,
+            split_k: int = 1) -> dict:
+    """Block sizes tuned on the H200 at the 8B shapes in bf16 (scripts/bench_kernels.py --skinny and
+    --skinny-split, docs/benchmarks.md), then cut to fit: K blocks no longer than a split's share of K, stages (each a
+    [BN or 2 BN, BK] weight tile and a [16, BK] input tile) within `budget` bytes (float32 needs
+    twice the bytes)."""
     if swiglu:  # gate_up: two weight tiles per stage
         bn, bk, stages = 32, 128, 4
     elif n_out >= 6144:  # qkv
         bn, bk, stages = 64, 256, 4
+    elif split_k > 1:  # o_proj, down in two K halves
+        bn, bk, stages = (64, 256, 4) if k > 4096 else (64, 128, 5)
     else:  # o_proj, down
         bn, bk, stages = 32, 256, 5
-    bk = min(bk, max(16, triton.next_power_of_2(k)))
+    bk = min(bk, max(16, triton.next_power_of_2(-(-k // split_k))))  # no longer than a split's share of K
 
     def stage_bytes(block_k: int) -> int:
         return (bn * (2 if swiglu else 1) + BLOCK_M) * block_k * elem_bytes
@@ -61,14 +75,21 @@ def _config(n_out: int, k: int, swiglu: bool, elem_bytes: int, budget: int = SHA
 if triton is not None:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, SWIGLU: tl.constexpr, IEEE: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
+        """Program (column block, K split): the split's share of K in BLOCK_K steps; with SPLIT_K > 1
+        the float32 partial sum goes to y[split] ([SPLIT_K, M, N]) for the consumer to add up."""
         pid = tl.program_id(0)
+        split = tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
         cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok, col_ok = rows < M, cols < N
+        k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_lo = split * k_per
+        k_hi = tl.minimum(K, k_lo + k_per)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
@@ -86,13 +107,16 @@ if triton is not None:
                     acc_up += tl.dot(x, tl.trans(wu))
         if SWIGLU:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
-        tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+        tl.store(y_ptr + split * M * N + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, **config) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, split_k: int = 1,
+           **config) -> torch.Tensor:
     """x [M, K] @ weight [N, K]^T -> [M, N] (1 <= M <= 16). swiglu: weight is [gate; up] [2I, K] and
-    the result silu(x @ gate^T) * (x @ up^T) [M, I]. config overrides the block sizes (benchmarks)."""
+    the result silu(x @ gate^T) * (x @ up^T) [M, I]. split_k > 1 (not with swiglu): K is cut in that
+    many parts, each a program per column block, and the result is their float32 partial sums
+    [split_k, M, N], added up by the consumer. config overrides the block sizes (benchmarks)."""
     m, k = x.shape
     if m > BLOCK_M or m < 1:
         raise ValueError(f"skinny projections take 1..{BLOCK_M} rows, got {m}")
@@ -100,9 +124,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, **config
         raise ValueError(f"x [{m}, {k}] and weight {list(weight.shape)} must be contiguous with equal K")
     if swiglu and weight.shape[0] % 2:
         raise ValueError(f"a [gate; up] weight has an even number of rows, got {weight.shape[0]}")
+    if split_k < 1 or (swiglu and split_k > 1):
+        raise ValueError(f"split_k must be >= 1, and 1 with swiglu (SiLU needs the whole sum), got {split_k}")
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    cfg = {**_config(n, k, swiglu, x.element_size(), _shared_budget(x.device)), **config}
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    _skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](x, weight, y, m, n, k, SWIGLU=swiglu,
-                                                      IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, **cfg)
+    cfg = {**_config(n, k, swiglu, x.element_size(), _shared_budget(x.device), split_k), **config}
+    if split_k == 1:
+        y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    else:
+        y = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    _skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split_k)](x, weight, y, m, n, k, SWIGLU=swiglu,
+                                                              IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
+                                                              SPLIT_K=split_k, **cfg)
     return y

@@ -68,13 +68,17 @@ class DecoderLayer(nn.Module):
                       skinny: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Same layer in 7 kernels + 2 for attention: h is the previous layer's un-added output (the
         embeddings for layer 0), residual the stream before it (None for layer 0); h, residual: [T, H].
-        skinny (T <= 16): the projections are kernels/skinny_gemm.py, SiLU x up inside gate_up's (6 + 2).
-        Returns this layer's (un-added MLP output, residual stream)."""
+        skinny (T <= 16): the projections are kernels/skinny_gemm.py, SiLU x up inside gate_up's (6 + 2);
+        o_proj and down then leave float32 K-split partials [P, T, H] that the next add_rms_norm adds.
+        Returns this layer's (un-added MLP output [T, H] or [P, T, H], residual stream [T, H])."""
         cfg = self.cfg
 
-        def proj(linear: nn.Linear, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+        def proj(linear: nn.Linear, x: torch.Tensor, swiglu: bool = False, partials: bool = False) -> torch.Tensor:
+            """partials: the consumer (add_rms_norm) also takes a split-K projection's float32
+            partials [P, T, N] and adds them up itself."""
             if skinny:
-                return skinny_gemm.linear(x, linear.weight, swiglu=swiglu)
+                split = skinny_gemm.split_k_for(*linear.weight.shape) if partials else 1
+                return skinny_gemm.linear(x, linear.weight, swiglu=swiglu, split_k=split)
             return fused_ops.silu_mul_triton(linear(x)) if swiglu else linear(x)
 
         normed, residual = fused_ops.add_rms_norm_triton(h, residual, self.input_layernorm.weight, cfg.rms_norm_eps)
@@ -84,10 +88,10 @@ class DecoderLayer(nn.Module):
             kv_pool[0, self.index], kv_pool[1, self.index], batch.out_slots, cfg.num_heads,
             cfg.num_kv_heads)  # [T, Hq, D]; K/V stored at out_slots
         o = attn(self.index, q)  # [T, Hq, D]
-        normed, residual = fused_ops.add_rms_norm_triton(proj(self.o_proj, o.reshape(h.shape[0], cfg.q_size)),
-                                                         residual, self.post_attention_layernorm.weight,
+        attn_out = proj(self.o_proj, o.reshape(q.shape[0], cfg.q_size), partials=True)  # [T, H] or [P, T, H]
+        normed, residual = fused_ops.add_rms_norm_triton(attn_out, residual, self.post_attention_layernorm.weight,
                                                          cfg.rms_norm_eps)
-        return proj(self.down_proj, proj(self.gate_up_proj, normed, swiglu=True)), residual  # [T, H]
+        return proj(self.down_proj, proj(self.gate_up_proj, normed, swiglu=True), partials=True), residual
 
 
 class Qwen3Model(nn.Module):
@@ -182,7 +186,8 @@ class Qwen3Model(nn.Module):
         for layer in self.layers:
             h, residual = layer.forward_fused(h, residual, rope, batch, kv_pool, attn, skinny)
         if not batch.is_decode:
-            h, residual = h.index_select(0, batch.last_rows), residual.index_select(0, batch.last_rows)  # [B, H]
+            h = h.index_select(h.dim() - 2, batch.last_rows)  # [B, H] (or partials [P, B, H])
+            residual = residual.index_select(0, batch.last_rows)
         x, _ = fused_ops.add_rms_norm_triton(h, residual, self.norm.weight, self.cfg.rms_norm_eps)
         return F.linear(x, self.lm_head_weight).float()  # [B, V]
 

@@ -54,16 +54,20 @@ SKINNY_SHAPES = [("qkv", 6144, 4096, False), ("o_proj", 4096, 4096, False),
                  ("gate_up", 2 * 12288, 4096, True), ("down", 4096, 12288, False)]
 SKINNY_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
                   for bn in (16, 32, 64) for bk in (128, 256) for w in (4, 8) for st in (4, 5)]
+# K split in 1 / 2 / 4 (float32 partials; the projections without SwiGLU), fewer stages so that
+# two programs may share an SM: 16 rows only (--skinny-split)
+SPLIT_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=st, split_k=sk)
+                 for bn in (32, 64) for bk in (128, 256) for st in (3, 4, 5) for sk in (1, 2, 4)]
 
 
-def skinny_rows(dev, dtype, rows_list=(1, 16), configs=SKINNY_CONFIGS) -> list[dict]:
+def skinny_rows(dev, dtype, rows_list=(1, 16), configs=SKINNY_CONFIGS, shapes=None) -> list[dict]:
     """Each projection of the 8B layer at 1 and 16 rows: cuBLAS (plus the SiLU kernel after gate_up,
     as the fused layer ran before) against kernels/skinny_gemm.py per block config, over enough
     weight copies (>= 1 GiB) that every call streams its weight from HBM."""
     from kernels import skinny_gemm
 
     out = []
-    for name, n, k, swiglu in SKINNY_SHAPES:
+    for name, n, k, swiglu in shapes or SKINNY_SHAPES:
         wbytes = n * k * 2
         copies = max(4, -(-(1 << 30) // wbytes))
         weights = [torch.randn(n, k, device=dev, dtype=dtype) / k ** 0.5 for _ in range(copies)]
@@ -79,8 +83,11 @@ def skinny_rows(dev, dtype, rows_list=(1, 16), configs=SKINNY_CONFIGS) -> list[d
             row = {"proj": name, "rows": m, "n": n, "k": k, "weight_mib": wbytes / 2 ** 20, "cublas_us": ref_us,
                    "cublas_gib_s": wbytes / ref_us / 1e-6 / 2 ** 30, "configs": []}
             for cfg in configs:
+                if not cfg and not swiglu:  # the engine's default: K split where its consumer adds partials
+                    cfg = {"split_k": skinny_gemm.split_k_for(n, k)}
                 try:
                     got = skinny_gemm.linear(x, weights[0], swiglu=swiglu, **cfg).float()
+                    got = got.sum(0) if got.dim() == 3 else got  # split-K partials
                     err = ((got - want).norm() / want.norm()).item()
                     us = time_calls_us([lambda w=w: skinny_gemm.linear(x, w, swiglu=swiglu, **cfg) for w in weights])
                 except Exception as exc:  # a config that does not compile (shared memory) is skipped
@@ -98,8 +105,8 @@ def skinny_rows(dev, dtype, rows_list=(1, 16), configs=SKINNY_CONFIGS) -> list[d
 def attention_rows(dev, dtype) -> list[dict]:
     hq, hkv, d, page = 32, 8, 128, 16
     rows = []
-    for seqs, per, ctx in [(1, 1, 1000), (1, 1, 3500), (1, 1, 8000), (32, 1, 576), (1, 16, 350), (1, 16, 1000),
-                           (1, 16, 3500), (1, 16, 8000)]:
+    for seqs, per, ctx in [(1, 1, 350), (1, 1, 1000), (1, 1, 3500), (1, 1, 8000), (32, 1, 576), (1, 16, 350),
+                           (1, 16, 1000), (1, 16, 3500), (1, 16, 8000)]:
         pages_each = -(-(ctx + per) // page)
         num_pages = seqs * pages_each + 1
         k = torch.randn(num_pages, page, hkv, d, device=dev, dtype=dtype)
@@ -154,9 +161,23 @@ def fused_rows(dev, dtype) -> list[dict]:
     return out
 
 
+def split_table(rows: list[dict]) -> None:
+    """The best config per K split of each projection (--skinny-split)."""
+    print("projection  split  best us (GiB/s)  BN/BK/stages")
+    for r in rows:
+        for sk in (1, 2, 4):
+            ok = [c for c in r["configs"] if "us" in c and c.get("split_k", 1) == sk]
+            if ok:
+                b = min(ok, key=lambda c: c["us"])
+                print(f"{r['proj']:10s} {sk:6d} {b['us']:8.1f} ({b['gib_s']:5.0f})  "
+                      f"{b['BLOCK_N']}/{b['BLOCK_K']}/{b['num_stages']}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skinny", action="store_true", help="only the small-M projections (kernels/skinny_gemm.py)")
+    ap.add_argument("--skinny-split", action="store_true",
+                    help="only the projections without SwiGLU at 16 rows, K split 1 / 2 / 4")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -164,7 +185,12 @@ def main(argv=None) -> int:
         print("bench_kernels needs CUDA", file=sys.stderr)
         return 2
     dev, dtype = torch.device("cuda"), torch.bfloat16
-    if args.skinny:
+    if args.skinny_split:
+        res = {"device": torch.cuda.get_device_name(),
+               "skinny": skinny_rows(dev, dtype, rows_list=(16,), configs=SPLIT_CONFIGS,
+                                     shapes=[sh for sh in SKINNY_SHAPES if not sh[3]])}
+        split_table(res["skinny"])
+    elif args.skinny:
         res = {"device": torch.cuda.get_device_name(), "skinny": skinny_rows(dev, dtype)}
     else:
         res = {"device": torch.cuda.get_device_name(), "attention": attention_rows(dev, dtype),
@@ -177,10 +203,10 @@ def main(argv=None) -> int:
     print("projection rows  weight MiB  cuBLAS us (GiB/s)  skinny best us (GiB/s)  config  rel err")
     for r in res["skinny"]:
         b = r["best"] or {}
-        cfg = "/".join(str(b.get(key, "-")) for key in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages"))
+        cfg = "/".join(str(b.get(key, "-")) for key in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "split_k"))
         print(f"{r['proj']:10s} {r['rows']:4d} {r['weight_mib']:11.0f} {r['cublas_us']:9.1f} ({r['cublas_gib_s']:5.0f})"
               f" {b.get('us', float('nan')):14.1f} ({b.get('gib_s', float('nan')):5.0f})  {cfg}  {b.get('rel_err', float('nan')):.1e}")
-    if args.skinny:
+    if args.skinny or args.skinny_split:
         return 0
     print("seqs x rows  ctx  splits block warps      us   KV GiB/s  max err   (best per shape marked *)")
     best = {}

@@ -30,6 +30,8 @@ for s in "$@"; do
               step "bisect${v// /_}" 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000 --iterations 8 $v --json; done ;;
     bisect2) CUDA_LAUNCH_BLOCKING=1 step bisect2_blocking 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000 --iterations 8 --json ;;
     stress_l3) step stress_l3 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tier l3 --policy always --json --out "$OUT/stress_l3.json" ;;
+    trace_forward) step trace_forward 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --trace "$OUT/trace"
+              for t in none l2; do python3 scripts/trace_kernels.py "$OUT/trace/$t.json.gz"; done; rm -rf "$OUT/trace" ;;
     stress_prof) step stress_prof 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --profile --trace "$OUT/trace" --json --out "$OUT/stress_prof.json" ;;
     stages) step stages 200 python3 scripts/profile_stages.py --model qwen3-8b ;;
     probe_transfer) step probe_transfer 120 python3 scripts/probe_host.py --transfers ;;
@@ -38,6 +40,7 @@ for s in "$@"; do
               step probe_transfer_ab 120 python3 scripts/probe_host.py --transfers $a; done ;;
     probe) step probe 120 python3 scripts/probe_host.py; step probe_contention 60 python3 scripts/probe_contention.py ;;
     spans) step spans 300 python3 scripts/profile_stages.py --model qwen3-8b --spans ;;
+    spans_ab) step spans_ab 400 python3 scripts/profile_stages.py --model qwen3-8b --spans --split-k-ab ;;
     spans_dma) step spans_dma 300 python3 scripts/profile_stages.py --model qwen3-8b --spans --kernel-restore-max-tokens 0 ;;
     stages_fine) step stages_fine 200 python3 scripts/profile_stages.py --model qwen3-8b --fine ;;
     stages_prof) step stages_prof 200 python3 scripts/profile_stages.py --model qwen3-8b --cprofile 45 ;;
@@ -46,6 +49,7 @@ for s in "$@"; do
     engine_gemm) step engine_gemm 400 python3 scripts/bench_engine.py --model qwen3-8b --small-gemm triton,cublas --skip-eager --prefill-tokens 350,1000 --out "$OUT/engine_gemm.json" ;;
     stress_gemm) i=0; for k in triton cublas triton cublas; do i=$((i+1)); step "stress_gemm${i}_$k" 200 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --small-gemm $k; done ;;
     stress_wait) i=0; for w in spin block spin block; do i=$((i+1)); step "stress_wait${i}_$w" 200 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --gpu-wait $w; done ;;
+    skinny_split) step skinny_split 400 python3 scripts/bench_kernels.py --skinny-split --out "$OUT/skinny_split.json" ;;
     skinny) step skinny 400 python3 scripts/bench_kernels.py --skinny --out "$OUT/skinny.json" ;;
     layer_copy) step layer_copy 200 python3 scripts/bench_layer_copy.py --model qwen3-8b --out "$OUT/layer_copy.json" ;;
     *) echo "unknown step $s" ;;

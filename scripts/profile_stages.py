@@ -224,26 +224,39 @@ def main(argv=None) -> int:
 
 
 def main_spans(argv) -> int:
+    """--split-k-ab: the l2 tier four times, its o_proj and down K-split (the default) and whole in
+    turn (kernels/skinny_gemm.py split_k_for), after one none tier."""
+    from kernels import skinny_gemm
+
     spans.clear()
     tier = {"name": "none"}
     restore = install_spans(lambda: tier["name"])
-    throughput = stress.throughput
+    throughput, split_k_for = stress.throughput, skinny_gemm.split_k_for
+    ab = "--split-k-ab" in argv
+    argv = [a for a in argv if a != "--split-k-ab"]
+    runs = {"l2": 0}
 
     async def measured(args, name, *rest, **kwargs):
-        tier["name"] = name
-        first = len(spans[name])
+        label = name
+        if ab and name == "l2":  # engines capture their graphs when built: set the split first
+            whole = runs["l2"] % 2 == 1
+            runs["l2"] += 1
+            skinny_gemm.split_k_for = (lambda n, k: 1) if whole else split_k_for
+            label = f"l2 {'whole' if whole else 'split'}"
+        tier["name"] = label
+        first = len(spans[label])
         result = await throughput(args, name, *rest, **kwargs)
         # the measured requests are the tier's first `requests` after its warm-up; the first round
         # of prefixes misses every tier
         start = first + args.warmup + args.num_prefixes
-        print_spans(name, start, first + args.warmup + args.requests)
+        print_spans(label, start, first + args.warmup + args.requests)
         return result
 
     stress.throughput = measured
     try:
-        return stress.main(["--tiers", "none,l2"] + argv)
+        return stress.main(["--tiers", "none,l2,l2,l2,l2" if ab else "none,l2"] + argv)
     finally:
-        stress.throughput = throughput
+        stress.throughput, skinny_gemm.split_k_for = throughput, split_k_for
         restore()
 
 

@@ -29,6 +29,23 @@ def test_add_rms_norm(hidden, with_residual):
     close(s, s_ref)
 
 
+@pytest.mark.parametrize("parts,with_residual,dtype", [(2, True, torch.float32), (3, False, torch.float32),
+                                                      (2, True, torch.bfloat16)])
+def test_add_rms_norm_adds_split_k_partials(parts, with_residual, dtype):
+    """x as a split-K projection's float32 partials [P, T, H]: their sum, rounded to the model's
+    dtype, is what gets added and normalised."""
+    g = torch.Generator().manual_seed(parts)
+    x = torch.randn(parts, 5, 64, generator=g)
+    res = torch.randn(5, 64, generator=g).to(dtype) if with_residual else None
+    w = torch.randn(64, generator=g).to(dtype)
+    y, s = fused_ops.add_rms_norm_triton(x, res, w, 1e-6)
+    y_ref, s_ref = fused_ops.add_rms_norm_torch(x.sum(0).to(dtype), res, w, 1e-6)
+    assert y.shape == s.shape == (5, 64) and y.dtype == s.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    close(s.float(), s_ref.float(), tol)
+    close(y.float(), y_ref.float(), tol)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 3), (2, 2)])
 def test_qk_norm_rope_kv(num_heads, num_kv_heads):
     g = torch.Generator().manual_seed(num_heads)
@@ -82,9 +99,14 @@ def test_fused_model_equals_plain_model():
 
 
 
-def test_skinny_projections_equal_cublas_path():
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_skinny_projections_equal_cublas_path(split_k, monkeypatch):
     """The fused layer with its projections by kernels/skinny_gemm.py (forwards of <= 16 rows; SiLU
-    inside gate_up's kernel) against nn.Linear + the SiLU kernel: same logits and K/V (float32)."""
+    inside gate_up's kernel; o_proj and down as K-split partials that the norms add up, which the
+    8B shape gets) against nn.Linear + the SiLU kernel: same logits and K/V (float32)."""
+    from kernels import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "split_k_for", lambda n, k: split_k)
     cfg = PRESETS["tiny"]
     model = init_random_weights(Qwen3Model.empty(cfg, "cpu", torch.float32), seed=0)
     model.fused = True

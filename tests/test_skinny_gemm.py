@@ -32,6 +32,16 @@ def test_swiglu_linear_equals_silu_gate_times_up(m, k, inter):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("m,k,n,splits", [(1, 64, 48, 2), (5, 72, 40, 3), (16, 96, 33, 4), (3, 32, 16, 2)])
+def test_split_k_partials_add_up_to_the_product(m, k, n, splits):
+    """Each K split's float32 partial sum (ragged last split, a split with no K block at all when K
+    is short) adds up to x @ W^T."""
+    x, w = inputs(m, k, n, 20 + m)
+    parts = skinny_gemm.linear(x, w, split_k=splits, **SMALL)
+    assert parts.shape == (splits, m, n) and parts.dtype == torch.float32
+    torch.testing.assert_close(parts.sum(0), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
 def test_default_blocks_and_16_bit_inputs():
     """fp16 (the interpreter computes bf16 dots wrongly; bf16 runs on the GPU: tests/test_gpu.py)."""
     x, w = inputs(16, 512, 96, 3)
@@ -49,6 +59,10 @@ def test_bad_shapes_are_refused():
         skinny_gemm.linear(x[:4].t().contiguous().t(), w)
     with pytest.raises(ValueError, match="even"):
         skinny_gemm.linear(x[:4], w[:31], swiglu=True)
+    with pytest.raises(ValueError, match="split_k"):
+        skinny_gemm.linear(x[:4], w, swiglu=True, split_k=2)
+    with pytest.raises(ValueError, match="split_k"):
+        skinny_gemm.linear(x[:4], w, split_k=0)
 
 
 @pytest.mark.parametrize("dtype_bytes", [2, 4])
