@@ -41,6 +41,7 @@ for s in "$@"; do
     probe) step probe 120 python3 scripts/probe_host.py; step probe_contention 60 python3 scripts/probe_contention.py ;;
     spans) step spans 300 python3 scripts/profile_stages.py --model qwen3-8b --spans ;;
     spans_ab) step spans_ab 400 python3 scripts/profile_stages.py --model qwen3-8b --spans --split-k-ab ;;
+    spans_ab_4b) step spans_ab_4b 400 python3 scripts/profile_stages.py --model qwen3-4b --spans --split-k-ab ;;
     spans_dma) step spans_dma 300 python3 scripts/profile_stages.py --model qwen3-8b --spans --kernel-restore-max-tokens 0 ;;
     stages_fine) step stages_fine 200 python3 scripts/profile_stages.py --model qwen3-8b --fine ;;
     stages_prof) step stages_prof 200 python3 scripts/profile_stages.py --model qwen3-8b --cprofile 45 ;;

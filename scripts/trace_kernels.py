@@ -19,7 +19,8 @@ from collections import defaultdict
 # a kernel name -> its family: Triton kernels by function name, the rest by a short prefix
 FAMILIES = [("skinny", r"_skinny_kernel"), ("attention split", r"_split_kernel"),
             ("attention merge", r"_merge_kernel"), ("add_rms_norm", r"_add_rms_norm_kernel"),
-            ("qk_norm_rope_kv", r"_qk_norm_rope_kv_kernel"), ("gemm (cuBLAS)", r"gemm|gemv|cutlass|sm90"),
+            ("qk_norm_rope_kv", r"_qk_norm_rope_kv_kernel"), ("attention (SDPA)", r"sdpa|flash|fmha"),
+            ("gemm (cuBLAS)", r"gemm|gemv|cutlass|nvjet|sm90"),
             ("copy kernel", r"h2d|d2h|_copy|gather|scatter"), ("embedding", r"index|embedding")]
 
 

@@ -54,3 +54,14 @@ def test_a_trace_without_kernels_is_an_error(tmp_path):
     path.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x", "pid": 0, "tid": 0,
                                                  "ts": 0, "dur": 1}]}))
     assert trace_kernels.main([str(path)]) == 1
+
+
+def test_kernel_families():
+    """cuDNN's flash attention is named like a GEMM kernel (sm90, wgmma): it is attention, not a
+    projection (the first table in docs/benchmarks.md counted it with the GEMMs)."""
+    family = trace_kernels.family
+    assert family("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7_64x128x128") == "attention (SDPA)"
+    assert family("nvjet_sm90_tst_384x16_64x4_2x1_v_bz_TNT") == "gemm (cuBLAS)"
+    assert family("_skinny_kernel") == "skinny"
+    assert family("_split_kernel") == "attention split"
+    assert family("some_unknown_kernel_with_a_long_name_beyond_forty_chars") == "some_unknown_kernel_with_a_long_name_bey"
