@@ -50,9 +50,9 @@ def split_k_for(n_out: int, k: int) -> int:
 def _config(n_out: int, k: int, swiglu: bool, elem_bytes: int, budget: int = SHARED_BYTES,
             split_k: int = 1) -> dict:
     """Block sizes tuned on the H200 at the 8B shapes in bf16 (scripts/bench_kernels.py --skinny and
-    --skinny-split, docs/benchmarks.md), then cut to fit: K blocks no longer than a split's share of K, stages (each a
-    [BN or 2 BN, BK] weight tile and a [16, BK] input tile) within `budget` bytes (float32 needs
-    twice the bytes)."""
+    --skinny-split, docs/benchmarks.md), then cut to fit: K blocks no longer than a split's share of
+    K, stages (each a [BN or 2 BN, BK] weight tile and a [16, BK] input tile) within `budget` bytes
+    (float32 needs twice the bytes)."""
     if swiglu:  # gate_up: two weight tiles per stage
         bn, bk, stages = 32, 128, 4
     elif n_out >= 6144:  # qkv

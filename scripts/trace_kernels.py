@@ -106,7 +106,8 @@ def main(argv=None) -> int:
     print(f"{args.trace}: {len(rows)} forwards, median us")
     print(f"  span {med(r['span_us'] for r in rows):9.1f}   kernels {med(r['kernels'] for r in rows):5.0f}   "
           f"busy {med(r['busy_us'] for r in rows):9.1f}   idle between kernels {med(r['idle_us'] for r in rows):7.1f}")
-    fams = sorted({f for r in rows for f in r["by_family_us"]}, key=lambda f: -med(r["by_family_us"].get(f, 0) for r in rows))
+    fams = sorted({f for r in rows for f in r["by_family_us"]},
+                  key=lambda f: -med(r["by_family_us"].get(f, 0) for r in rows))
     print(f"  {'family':24s} {'us':>9s} {'calls':>6s} {'us/call':>8s}")
     for f in fams:
         us = med(r["by_family_us"].get(f, 0.0) for r in rows)
