@@ -116,6 +116,12 @@ def main(argv=None) -> int:
     other = sorted({f for r in rows for f in r["other_streams_us"]})
     for f in other:
         print(f"  other stream: {f:24s} {med(r['other_streams_us'].get(f, 0.0) for r in rows):9.1f} us overlapping")
+    streams = defaultdict(lambda: [0, 0.0])
+    for k in others:
+        streams[(k["tid"], family(k["name"]))][0] += 1
+        streams[(k["tid"], family(k["name"]))][1] += k["dur"]
+    for (tid, fam), (n, us) in sorted(streams.items(), key=lambda kv: -kv[1][1]):
+        print(f"  stream {tid}: {n} x {fam} ({us:.1f} us in all, overlapping a forward or not)")
     return 0
 
 
