@@ -3,10 +3,12 @@
 With a handful of rows a projection is a weight read: every output column streams its weight row
 once. cuBLAS gets close, but picks split-K plus a reduce kernel for some of these shapes, and SwiGLU
 after gate_up costs a kernel of its own. This kernel streams each weight block once per program (one
-block of output columns, the whole K), with tensor-core dots on a 16-row tile:
+block of output columns, the whole K or a part of it), with tensor-core dots on a 16-row tile:
 
   linear(x, W)                 y = x @ W^T                                x [M, K], W [N, K] -> y [M, N]
   linear(x, W, swiglu=True)    W = [gate; up] [2I, K]: y = silu(x @ gate^T) * (x @ up^T)   -> y [M, I]
+  linear(x, W, split_k=P)      float32 partials over P parts of K, for a consumer that adds them
+                               (the residual add + RMSNorm after o_proj and down)      -> y [P, M, N]
 
 M is at most BLOCK_M (16). Folding the residual add + RMSNorm into the same loop was measured and
 dropped: the element-wise prologue on every K block kept the loads from pipelining (qkv 51 us
