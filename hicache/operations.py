@@ -106,7 +106,12 @@ class OpRunner:
         if not op.done:
             apply(op, OpEvent.CANCEL, error="driver task cancelled")
             self.mgr.metrics.cancellations += 1
-        self._settle_then_release(op, op.payload.pop("inflight", None))
+        inflight = op.payload.pop("inflight", None)
+        if inflight is None and op.payload.get("transfer") is not None:
+            # the driver never waited for its copy, which may still be in flight: the pages stay
+            # held until it has settled
+            inflight = asyncio.ensure_future(self.mgr.transfer.wait(op.payload.pop("transfer")))
+        self._settle_then_release(op, inflight)
         self.live.pop(op.op_id, None)
         self._tasks.pop(op.op_id, None)
         self._wake(op)

@@ -17,7 +17,11 @@ trace, docs/benchmarks.md); a spin kernel costs one small kernel.
 Every flag write of a restore is enqueued before the forward that waits for it is launched.
 Launching the forward first (to hide the ~0.5 ms of copy enqueueing under it) was tried on the H200
 and dropped: the first such restore of a process saw its copies stall behind the spinning forward
-until the waits gave up (CUDA promises streams no forward progress to each other).
+until the waits gave up (CUDA promises streams no forward progress to each other). Tried again in
+session 10 with the copy kernel of short restores launched right after the graph replay: the
+first restore of an engine stalled the same way (1.3 s, then recomputed; the cost model then
+stopped restoring for that engine), and an eager forward can deadlock outright, its host blocking
+on a full launch queue behind a wait whose copy it has not launched yet.
 
 A wait gives up after `max_spins` loads (~1.3 s; only a bug can get there: the copies have a
 stream of their own and are enqueued first, and even 128 K tokens of an 8B model land in 0.4 s)

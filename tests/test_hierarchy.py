@@ -4,6 +4,8 @@ L2 and restored through L3 -> L2 -> L1 is byte-identical to the original, for bo
 fragmented destinations in every tier. The structured logs show the exact transitions."""
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 
@@ -160,3 +162,51 @@ async def test_partial_hits_restore_only_the_missing_pages():
     assert h2d.num_bytes == 4 * mgr.geometry.bytes_per_page  # b's and c's pages went to L1
     assert_whole(mgr)
     await mgr.close()
+
+
+@pytest.mark.asyncio
+async def test_a_restore_cancelled_before_its_driver_ran_holds_its_pages_until_the_copy_settled():
+    """The driver task of an L2 restore is cancelled before it ever ran, so it never waited for
+    its copy, which on CUDA is enqueued by then and may still be in flight. Its L1 pages must stay
+    held until that copy has settled, then go back whole; freeing them at once (as before) let
+    another owner take pages a late copy still writes."""
+    mgr = make_manager(l1_pages=16, host_pages=32, storage_pages=0)
+    tokens = tuple(range(100, 124))  # 6 pages
+    assert write_prefix_pages(mgr, tokens)
+    await mgr.drain()  # the write-through backup: the prefix is in L2
+    mgr.tree.evict(Tier.L1, 16)
+    m = mgr.tree.match(tokens)
+    assert m.lengths[:2] == [0, len(tokens)]
+    gate, waited = asyncio.Event(), []
+    real_wait = mgr.transfer.wait
+
+    async def gated_wait(tr):
+        waited.append(tr)
+        await gate.wait()
+        return await real_wait(tr)
+
+    mgr.transfer.wait = gated_wait
+    op = mgr.runner.start_restore(tokens, m, "l2", "req", layerwise=True)
+    assert op is not None
+    mgr.runner._tasks[op.op_id].cancel()  # before the loop ever ran it
+    free_before = mgr.allocator(Tier.L1).num_free
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert len(waited) == 1  # the settle waits for the op's copy ...
+    assert mgr.allocator(Tier.L1).num_free == free_before  # ... and holds the pages meanwhile
+    gate.set()
+    await mgr.drain()
+    assert op.done and not op.succeeded
+    assert mgr.allocator(Tier.L1).num_free == free_before + 6
+    assert_whole(mgr)
+    await mgr.close()
+
+
+def write_prefix_pages(mgr: CacheManager, tokens) -> bool:
+    from hicache_helpers import write_prefix
+
+    pages = write_prefix(mgr, tokens)
+    if pages is None:
+        return False
+    mgr.runner.start_backup(tokens, "writer")
+    return True
