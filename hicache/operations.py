@@ -111,6 +111,10 @@ class OpRunner:
             # the driver never waited for its copy, which may still be in flight: the pages stay
             # held until it has settled
             inflight = asyncio.ensure_future(self.mgr.transfer.wait(op.payload.pop("transfer")))
+        key = op.payload.pop("backup_key", None)
+        if key is not None:  # (a driver that never ran never reached its finally)
+            self._backing_up.discard(key)
+            self._deferred.pop(key, None)
         self._settle_then_release(op, inflight)
         self.live.pop(op.op_id, None)
         self._tasks.pop(op.op_id, None)
@@ -294,13 +298,14 @@ class OpRunner:
         mgr.metrics.backups_started += 1
         key = tokens[:n1]
         self._backing_up.add(key)
-        return self._register(op, self._drive_backup(op, key, n2, tr, host_pages))
+        op.payload.update(transfer=tr, backup_key=key)
+        return self._register(op, self._drive_backup(op, key, n2, host_pages))
 
-    async def _drive_backup(self, op: Op, tokens: tuple[int, ...], start: int, tr, host_pages) -> None:
+    async def _drive_backup(self, op: Op, tokens: tuple[int, ...], start: int, host_pages) -> None:
         mgr, ps = self.mgr, self.mgr.page_size
         try:
             try:
-                await self._wait_transfer(op, tr, "d2h")
+                await self._wait_transfer(op, op.payload.pop("transfer"), "d2h")
             except Exception as exc:
                 self._fail(op, str(exc), "transfer")
                 return

@@ -13,7 +13,7 @@ from hicache.allocator import PageAllocator
 from hicache.manager import CacheManager
 from hicache.radix import Tier
 from hicache.transfer_plan import is_consecutive
-from hicache_helpers import assert_whole, capture_op_logs, make_manager, op_transitions
+from hicache_helpers import assert_whole, capture_op_logs, make_manager, op_transitions, write_prefix
 
 NUM_PAGES = 5  # pages of the prefix under test
 TIER_PAGES = 16  # capacity of every tier
@@ -172,8 +172,8 @@ async def test_a_restore_cancelled_before_its_driver_ran_holds_its_pages_until_t
     another owner take pages a late copy still writes."""
     mgr = make_manager(l1_pages=16, host_pages=32, storage_pages=0)
     tokens = tuple(range(100, 124))  # 6 pages
-    assert write_prefix_pages(mgr, tokens)
-    await mgr.drain()  # the write-through backup: the prefix is in L2
+    assert write_prefix(mgr, tokens) is not None  # publishing starts the write-through backup
+    await mgr.drain()  # the prefix is in L2
     mgr.tree.evict(Tier.L1, 16)
     m = mgr.tree.match(tokens)
     assert m.lengths[:2] == [0, len(tokens)]
@@ -202,11 +202,39 @@ async def test_a_restore_cancelled_before_its_driver_ran_holds_its_pages_until_t
     await mgr.close()
 
 
-def write_prefix_pages(mgr: CacheManager, tokens) -> bool:
-    from hicache_helpers import write_prefix
+@pytest.mark.asyncio
+async def test_a_backup_cancelled_before_its_driver_ran_holds_its_pages_and_lets_the_next_one_start():
+    """Same for a write-through backup: its L2 pages stay held until its D2H settled, and its
+    tokens no longer count as being backed up (the driver's own cleanup never ran), so the next
+    backup of them starts."""
+    mgr = make_manager(l1_pages=16, host_pages=32, storage_pages=0)
+    tokens = tuple(range(200, 224))  # 6 pages
+    gate, waited = asyncio.Event(), []
+    real_wait = mgr.transfer.wait
 
-    pages = write_prefix(mgr, tokens)
-    if pages is None:
-        return False
-    mgr.runner.start_backup(tokens, "writer")
-    return True
+    async def gated_wait(tr):
+        waited.append(tr)
+        await gate.wait()
+        return await real_wait(tr)
+
+    mgr.transfer.wait = gated_wait
+    free_before = mgr.allocator(Tier.L2).num_free
+    assert write_prefix(mgr, tokens) is not None  # publishing starts the write-through backup
+    [op] = mgr.runner.live.values()
+    assert op.kind.value == "backup" and mgr.allocator(Tier.L2).num_free == free_before - 6
+    mgr.runner._tasks[op.op_id].cancel()  # before the loop ever ran it
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert len(waited) == 1 and mgr.allocator(Tier.L2).num_free == free_before - 6
+    gate.set()
+    await mgr.drain()
+    assert op.done and not op.succeeded
+    assert mgr.allocator(Tier.L2).num_free == free_before
+    mgr.transfer.wait = real_wait
+    again = mgr.runner.start_backup(tokens, "writer")  # not refused as "already in flight"
+    assert again is not None
+    await mgr.drain()
+    assert again.succeeded
+    assert mgr.tree.match(tokens, touch=False).lengths[Tier.L2] == len(tokens)
+    assert_whole(mgr)
+    await mgr.close()
