@@ -164,6 +164,20 @@ async def test_partial_hits_restore_only_the_missing_pages():
     await mgr.close()
 
 
+def gate_transfer_waits(mgr: CacheManager):
+    """Every wait for a transfer is recorded and held until the returned event is set. Returns
+    (that event, the transfers waited for, the real wait to put back)."""
+    gate, waited, real_wait = asyncio.Event(), [], mgr.transfer.wait
+
+    async def gated_wait(tr):
+        waited.append(tr)
+        await gate.wait()
+        return await real_wait(tr)
+
+    mgr.transfer.wait = gated_wait
+    return gate, waited, real_wait
+
+
 @pytest.mark.asyncio
 async def test_a_restore_cancelled_before_its_driver_ran_holds_its_pages_until_the_copy_settled():
     """The driver task of an L2 restore is cancelled before it ever ran, so it never waited for
@@ -177,15 +191,7 @@ async def test_a_restore_cancelled_before_its_driver_ran_holds_its_pages_until_t
     mgr.tree.evict(Tier.L1, 16)
     m = mgr.tree.match(tokens)
     assert m.lengths[:2] == [0, len(tokens)]
-    gate, waited = asyncio.Event(), []
-    real_wait = mgr.transfer.wait
-
-    async def gated_wait(tr):
-        waited.append(tr)
-        await gate.wait()
-        return await real_wait(tr)
-
-    mgr.transfer.wait = gated_wait
+    gate, waited, _ = gate_transfer_waits(mgr)
     op = mgr.runner.start_restore(tokens, m, "l2", "req", layerwise=True)
     assert op is not None
     mgr.runner._tasks[op.op_id].cancel()  # before the loop ever ran it
@@ -209,15 +215,7 @@ async def test_a_backup_cancelled_before_its_driver_ran_holds_its_pages_and_lets
     backup of them starts."""
     mgr = make_manager(l1_pages=16, host_pages=32, storage_pages=0)
     tokens = tuple(range(200, 224))  # 6 pages
-    gate, waited = asyncio.Event(), []
-    real_wait = mgr.transfer.wait
-
-    async def gated_wait(tr):
-        waited.append(tr)
-        await gate.wait()
-        return await real_wait(tr)
-
-    mgr.transfer.wait = gated_wait
+    gate, waited, real_wait = gate_transfer_waits(mgr)
     free_before = mgr.allocator(Tier.L2).num_free
     assert write_prefix(mgr, tokens) is not None  # publishing starts the write-through backup
     [op] = mgr.runner.live.values()
