@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -60,10 +62,13 @@ if triton is not None:
                       scale, max_pages, num_kv_heads, num_q_heads,
                       PAGE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, M_PAD: tl.constexpr,
                       D: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, TENSOR_CORES: tl.constexpr,
-                      WAIT: tl.constexpr):
+                      WAIT: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
+        if PDL:  # kernels/pdl.py: q (and this layer's new K/V) come from the kernel before
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         if WAIT:  # the layer's K/V may still be crossing PCIe: spin on its flag
             spin_wait(flags_ptr, expected_ptr, status_ptr, layer, max_spins)
         rows = tl.arange(0, M_PAD)  # query row r = token (r // GROUP) of this sequence, head h*GROUP + r % GROUP
@@ -115,11 +120,14 @@ if triton is not None:
     @triton.jit
     def _merge_kernel(part_o_ptr, part_m_ptr, part_l_ptr, out_ptr, num_kv_heads, num_q_heads,
                       GROUP: tl.constexpr, ROWS: tl.constexpr, M_PAD: tl.constexpr, RB: tl.constexpr, D: tl.constexpr,
-                      SPLITS: tl.constexpr):
+                      SPLITS: tl.constexpr, PDL: tl.constexpr):
         """One program per (sequence, KV head, block of RB query rows): real rows only. The loop over
         the splits is unrolled, so every split's partial load is in flight at once."""
         b = tl.program_id(0)
         h = tl.program_id(1)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         rows = tl.program_id(2) * RB + tl.arange(0, RB)
         row_ok = rows < ROWS * GROUP
         dims = tl.arange(0, D)
@@ -179,9 +187,10 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
         q, k_layer, v_layer, page_tables, seq_lens, part_o, part_m, part_l, flags, expected, status, layer,
         max_spins, scale, page_tables.shape[1], hkv, hq, PAGE=page, GROUP=group, ROWS=rows_per_seq, M_PAD=m_pad,
         D=d, BLOCK=block, SPLITS=num_splits, TENSOR_CORES=tensor_cores, WAIT=wait is not None,
-        num_warps=num_warps)
+        num_warps=num_warps, **pdl.launch_kwargs(q.device))
     real_rows = group * rows_per_seq
     rb = min(merge_rows, triton.next_power_of_2(real_rows))
     _merge_kernel[(b, hkv, triton.cdiv(real_rows, rb))](part_o, part_m, part_l, out, hkv, hq, GROUP=group,
-                                                        ROWS=rows_per_seq, M_PAD=m_pad, RB=rb, D=d, SPLITS=num_splits)
+                                                        ROWS=rows_per_seq, M_PAD=m_pad, RB=rb, D=d, SPLITS=num_splits,
+                                                        **pdl.launch_kwargs(q.device))
     return out

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -71,10 +73,13 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, tokens, hidden, eps,
-                             HAS_RES: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_RES: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < hidden
+        if PDL:  # kernels/pdl.py: x is the kernel before's output
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         x = tl.load(x_ptr + row * hidden + cols, mask=ok, other=0.0)
         if PARTS > 1:  # a split-K projection's float32 partials [PARTS, T, H], added in order, rounded
             for p in tl.static_range(1, PARTS):  # as that projection's own output would be
@@ -116,8 +121,11 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_kv_kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, pos_ptr, slot_ptr,
                                 q_out_ptr, k_cache_ptr, v_cache_ptr, eps, num_heads, num_kv_heads,
-                                HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr):
+                                HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         d = 2 * HALF
         row = qkv_ptr + t * (num_heads + 2 * num_kv_heads) * d
         pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -137,8 +145,11 @@ if triton is not None:
         tl.store(v_dst + off + HALF, tl.load(v_src + off + HALF, mask=ok, other=0.0), mask=ok)
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < inter
         g = tl.load(gu_ptr + row * 2 * inter + cols, mask=ok, other=0.0).to(tl.float32)
@@ -156,7 +167,8 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     y = torch.empty((tokens, hidden), dtype=dtype, device=x.device)
     s = torch.empty_like(y) if residual is not None or parts > 1 else x
     _add_rms_norm_kernel[(tokens,)](x, residual if residual is not None else x, weight, y, s, tokens, hidden, eps,
-                                    HAS_RES=residual is not None, PARTS=parts, BLOCK=triton.next_power_of_2(hidden))
+                                    HAS_RES=residual is not None, PARTS=parts, BLOCK=triton.next_power_of_2(hidden),
+                                    **pdl.launch_kwargs(x.device))
     return y, s
 
 
@@ -170,7 +182,7 @@ def qk_norm_rope_kv_triton(qkv, q_weight, k_weight, eps, cos, sin, positions, k_
     _qk_norm_rope_kv_kernel[(tokens,)](
         qkv, q_weight, k_weight, cos, sin, positions, out_slots, q, k_cache, v_cache, eps, num_heads,
         num_kv_heads, HQ=triton.next_power_of_2(num_heads), HKV=triton.next_power_of_2(num_kv_heads),
-        HALF=d // 2)
+        HALF=d // 2, **pdl.launch_kwargs(qkv.device))
     return q
 
 
@@ -179,5 +191,6 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     inter = two_inter // 2
     out = torch.empty((tokens, inter), dtype=gate_up.dtype, device=gate_up.device)
     block = min(4096, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
+    _silu_mul_kernel[(tokens, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block,
+                                                         **pdl.launch_kwargs(gate_up.device))
     return out

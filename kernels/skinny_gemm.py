@@ -21,6 +21,8 @@ import functools
 
 import torch
 
+from kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -78,9 +80,10 @@ if triton is not None:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, SWIGLU: tl.constexpr, IEEE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr):
+                       SPLIT_K: tl.constexpr, PDL: tl.constexpr):
         """Program (column block, K split): the split's share of K in BLOCK_K steps; with SPLIT_K > 1
-        the float32 partial sum goes to y[split] ([SPLIT_K, M, N]) for the consumer to add up."""
+        the float32 partial sum goes to y[split] ([SPLIT_K, M, N]) for the consumer to add up.
+        PDL (kernels/pdl.py): wait for the kernel before (which writes x) first."""
         pid = tl.program_id(0)
         split = tl.program_id(1)
         rows = tl.arange(0, BLOCK_M)
@@ -89,6 +92,9 @@ if triton is not None:
         k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         k_lo = split * k_per
         k_hi = tl.minimum(K, k_lo + k_per)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -136,5 +142,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, split_k:
         y = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     _skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split_k)](x, weight, y, m, n, k, SWIGLU=swiglu,
                                                               IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
-                                                              SPLIT_K=split_k, **cfg)
+                                                              SPLIT_K=split_k, **pdl.launch_kwargs(x.device),
+                                                              **cfg)
     return y

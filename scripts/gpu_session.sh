@@ -11,7 +11,7 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@
 for s in "$@"; do
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; df -h . | tail -1 ;;
-    tests) step tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+    tests) step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
     kernels) step kernels 200 python3 scripts/bench_kernels.py --out "$OUT/kernels.json" ;;
     transfer) step transfer 200 python3 scripts/bench_transfer.py --out "$OUT/transfer.json" ;;
     transfer_direct) for i in 1 2; do step "transfer_direct$i" 200 python3 scripts/bench_transfer.py --backends triton --layouts consecutive --direct-pages 0,7,14,0,7,14 --tokens 1000,3504 --directions-only --out "$OUT/transfer_direct$i.json"; done ;;
@@ -40,8 +40,10 @@ for s in "$@"; do
               step probe_transfer_ab 120 python3 scripts/probe_host.py --transfers $a; done ;;
     probe) step probe 120 python3 scripts/probe_host.py; step probe_contention 60 python3 scripts/probe_contention.py ;;
     spans) step spans 300 python3 scripts/profile_stages.py --model qwen3-8b --spans ;;
-    spans_ab) step spans_ab 400 python3 scripts/profile_stages.py --model qwen3-8b --spans --split-k-ab ;;
-    spans_ab_4b) step spans_ab_4b 400 python3 scripts/profile_stages.py --model qwen3-4b --spans --split-k-ab ;;
+    spans_ab) step spans_ab 400 python3 scripts/profile_stages.py --model qwen3-8b --spans --ab split-k ;;
+    spans_ab_4b) step spans_ab_4b 400 python3 scripts/profile_stages.py --model qwen3-4b --spans --ab split-k ;;
+    spans_pdl) step spans_pdl 400 python3 scripts/profile_stages.py --model qwen3-8b --spans --ab pdl ;;
+    engine_nopdl) HICACHE_PDL=0 step engine_nopdl 300 python3 scripts/bench_engine.py --model qwen3-8b --profile --skip-eager --out "$OUT/engine_nopdl.json" ;;
     spans_dma) step spans_dma 300 python3 scripts/profile_stages.py --model qwen3-8b --spans --kernel-restore-max-tokens 0 ;;
     stages_fine) step stages_fine 200 python3 scripts/profile_stages.py --model qwen3-8b --fine ;;
     stages_prof) step stages_prof 200 python3 scripts/profile_stages.py --model qwen3-8b --cprofile 45 ;;

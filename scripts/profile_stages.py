@@ -10,6 +10,7 @@ microseconds of each stage, measured over the l2 tier only.
     python3 scripts/profile_stages.py --model qwen3-8b --fine        # + the calls inside the stages
     python3 scripts/profile_stages.py --model qwen3-8b --cprofile 25 # + cProfile's top functions
     python3 scripts/profile_stages.py --model qwen3-8b --spans       # device clock, no timers
+    python3 scripts/profile_stages.py --model qwen3-8b --spans --ab pdl  # variants in turn, one process
 --spans: instead of the timers, CUDA events recorded on the compute stream at the request's
 arrival, the forward's launch, the graph replay, and the request's finish, plus one behind the
 forward: a request's span on one clock, split into host time before the launch, graph staging,
@@ -223,26 +224,50 @@ def main(argv=None) -> int:
         restore()
 
 
-def main_spans(argv) -> int:
-    """--split-k-ab: the l2 tier four times, its o_proj and down K-split (the default) and whole in
-    turn (kernels/skinny_gemm.py split_k_for), after one none tier."""
-    from kernels import skinny_gemm
+def ab_variants(name: str) -> list[tuple[str, object]]:
+    """--ab NAME: (label, set-up) pairs run in turn, twice, as separate l2 engines (an engine captures
+    its graphs when built, so each set-up runs before its engine)."""
+    from kernels import pdl, skinny_gemm
 
+    split_k_for, on_by_default = skinny_gemm.split_k_for, pdl._enabled
+
+    def setting(split=True, on=on_by_default):
+        def apply():
+            skinny_gemm.split_k_for = split_k_for if split else (lambda n, k: 1)
+            pdl.set_enabled(on)
+        return apply
+
+    variants = {
+        "split-k": [("split", setting()), ("whole", setting(split=False))],  # kernels/skinny_gemm.py
+        "pdl": [("pdl", setting(on=True)), ("no pdl", setting(on=False))],  # kernels/pdl.py
+    }
+    if name not in variants:
+        raise SystemExit(f"--ab takes one of {', '.join(variants)}, got {name!r}")
+    return variants[name] + [("defaults", setting())]  # the last restores the defaults
+
+
+def main_spans(argv) -> int:
+    """--ab NAME: the l2 tier twice per variant of ab_variants(NAME), in turn, after one none tier."""
     spans.clear()
     tier = {"name": "none"}
     restore = install_spans(lambda: tier["name"])
-    throughput, split_k_for = stress.throughput, skinny_gemm.split_k_for
-    ab = "--split-k-ab" in argv
-    argv = [a for a in argv if a != "--split-k-ab"]
+    throughput = stress.throughput
+    variants, reset = [], None
+    if "--ab" in argv:
+        i = argv.index("--ab")
+        if i + 1 >= len(argv):
+            raise SystemExit("--ab needs a name")
+        *variants, (_, reset) = ab_variants(argv[i + 1])
+        del argv[i:i + 2]
     runs = {"l2": 0}
 
     async def measured(args, name, *rest, **kwargs):
         label = name
-        if ab and name == "l2":  # engines capture their graphs when built: set the split first
-            whole = runs["l2"] % 2 == 1
+        if variants and name == "l2":
+            label, apply = variants[runs["l2"] % len(variants)]
             runs["l2"] += 1
-            skinny_gemm.split_k_for = (lambda n, k: 1) if whole else split_k_for
-            label = f"l2 {'whole' if whole else 'split'}"
+            apply()
+            label = f"l2 {label}"
         tier["name"] = label
         first = len(spans[label])
         result = await throughput(args, name, *rest, **kwargs)
@@ -254,9 +279,11 @@ def main_spans(argv) -> int:
 
     stress.throughput = measured
     try:
-        return stress.main(["--tiers", "none,l2,l2,l2,l2" if ab else "none,l2"] + argv)
+        return stress.main(["--tiers", ",".join(["none"] + ["l2"] * (2 * len(variants) or 1))] + argv)
     finally:
-        stress.throughput, skinny_gemm.split_k_for = throughput, split_k_for
+        stress.throughput = throughput
+        if reset is not None:
+            reset()
         restore()
 
 

@@ -177,6 +177,27 @@ def test_profile_stages_fine_times_module_functions_and_restores_them(capsys):
     assert (runner.sample, CacheManager.__dict__["decide"]) == before
 
 
+def test_profile_stages_ab_variants_switch_the_kernels_and_put_the_defaults_back():
+    """--ab NAME: each variant's set-up changes what the next engine captures (split-K, PDL); the
+    last entry puts every default back; an unknown name is refused."""
+    from kernels import pdl, skinny_gemm
+
+    mod = load("profile_stages")
+    split_k_for, on = skinny_gemm.split_k_for, pdl._enabled
+    labels = {name: [label for label, _ in mod.ab_variants(name)] for name in ("split-k", "pdl")}
+    assert labels == {"split-k": ["split", "whole", "defaults"], "pdl": ["pdl", "no pdl", "defaults"]}
+    *variants, (_, reset) = mod.ab_variants("split-k")
+    variants[1][1]()
+    assert skinny_gemm.split_k_for(4096, 12288) == 1
+    *variants, _ = mod.ab_variants("pdl")
+    variants[1][1]()
+    assert pdl._enabled is False
+    reset()
+    assert (skinny_gemm.split_k_for, pdl._enabled) == (split_k_for, on)
+    with pytest.raises(SystemExit, match="--ab takes one of"):
+        mod.ab_variants("nope")
+
+
 def test_dense_gap_reports_the_two_tokens_logits(latency):
     """What the latency script records where a full prefill and an L1-hit tail pick different first
     tokens: both tokens' logits from a dense forward, their gap and the logits' spread."""

@@ -226,6 +226,75 @@ def test_small_gemm_backends_agree():
             assert ((got - want).norm() / want.norm()).item() < 1e-2
 
 
+@pytest.mark.parametrize("graphs", [True, False])
+def test_pdl_launches_equal_ordinary_launches(graphs):
+    """Kernels launched with programmatic dependent launch (kernels/pdl.py, the default from sm_90)
+    against ordinary launches: the same greedy outputs through prefills, 16-row tails, decode and
+    layer-overlapped L2 restores (whose attention spins on flags set from another stream)."""
+    from kernels import pdl
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("PDL needs sm_90 and Triton >= 3.4")
+    rng = random.Random(11)
+    bases = [[rng.randrange(512) for _ in range(64)] for _ in range(4)]  # L1 holds about two
+    ps = [bases[i % 4] + [rng.randrange(512) for _ in range(1 + i % 3)] for i in range(12)]
+    cfg = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=12, page_size=16,
+                       max_running_requests=1, cuda_graphs=graphs).with_hicache(
+        enable=True, policy="always", host_ratio=4.0, storage_ratio=0.0)
+    with_pdl, eng = run(cfg, ps)
+    assert eng.metrics()["hit_tokens"]["l2"] > 0 and eng.stats["restore_overlaps"] > 0
+    previous = pdl.set_enabled(False)
+    try:
+        without, _ = run(cfg, ps)
+    finally:
+        pdl.set_enabled(previous)
+    assert with_pdl == without
+
+
+def test_pdl_layer_chain_in_a_graph_is_bitwise_the_ordinary_one():
+    """The 8B shape's skinny layer chain in bf16 (norm, qkv, o_proj K-split, norm adding the
+    partials, gate_up with SwiGLU, down K-split, norm), captured in a CUDA graph with PDL and
+    without: bitwise the same, and the same as run eagerly."""
+    from kernels import fused_ops, pdl, skinny_gemm
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("PDL needs sm_90 and Triton >= 3.4")
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def w(n, k):
+        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k ** 0.5
+
+    qkv_w, o_w, gu_w, down_w = w(6144, 4096), w(4096, 4096), w(2 * 12288, 4096), w(4096, 12288)
+    norm_w = torch.rand(4096, device="cuda", dtype=torch.bfloat16, generator=g) + 0.5
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def chain():
+        h, res = fused_ops.add_rms_norm_triton(x, None, norm_w, 1e-6)
+        qkv = skinny_gemm.linear(h, qkv_w)
+        o = skinny_gemm.linear(qkv[:, :4096].contiguous(), o_w, split_k=skinny_gemm.split_k_for(4096, 4096))
+        h, res = fused_ops.add_rms_norm_triton(o, res, norm_w, 1e-6)
+        down = skinny_gemm.linear(skinny_gemm.linear(h, gu_w, swiglu=True), down_w,
+                                  split_k=skinny_gemm.split_k_for(4096, 12288))
+        return fused_ops.add_rms_norm_triton(down, res, norm_w, 1e-6)[0]
+
+    def captured():
+        chain()  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        graph.replay()
+        torch.cuda.synchronize()
+        return out.clone()
+
+    eager = chain()
+    with_pdl = captured()
+    previous = pdl.set_enabled(False)
+    try:
+        without = captured()
+    finally:
+        pdl.set_enabled(previous)
+    assert torch.equal(with_pdl, without) and torch.equal(with_pdl, eager)
+
+
 def test_tail_graph_equals_eager():
     """Prompts whose cached prefix leaves 2..16 tokens replay the tail graph (16 rows per sequence)."""
     rng = random.Random(5)

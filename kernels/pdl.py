@@ -1,0 +1,59 @@
+"""Programmatic dependent launch (PDL, Hopper and later): a kernel may start while the one before it
+in the stream is still draining.
+
+A small forward is ~330 kernels (kernels/skinny_gemm.py, fused_ops.py, decode_attention.py); each
+one, launched the ordinary way, starts only once the one before has finished, and then pays its own
+ramp-up: scheduling its programs, the first loads' HBM latency. Launched with PDL, a kernel's
+programs are scheduled as soon as every program of the one before has signalled
+(`gdc_launch_dependents`, which our kernels do right after their own wait), and block in
+`gdc_wait` until the kernel before has finished and its writes are visible: the launch and the
+programs' set-up overlap the kernel before's drain. So at most two kernels overlap, and the rule
+for every kernel launched this way is: nothing before `gdc_wait` may read or write what a kernel
+before it writes or reads. Prefetching a projection's weights into L2 before the wait was measured
+and dropped (slower the more it fetched; docs/benchmarks.md, sessions 7 and 11).
+
+Kernels take `PDL: tl.constexpr` and their wrappers launch with `**launch_kwargs(device)`; with PDL
+off (the CPU and its interpreter, GPUs before sm_90, `HICACHE_PDL=0`, or `set_enabled(False)`
+before a model's graphs are captured) both are no-ops and the launch is the ordinary one.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+_enabled = os.environ.get("HICACHE_PDL", "1") != "0"
+
+
+def set_enabled(on: bool) -> bool:
+    """Switch PDL for launches from now on (CUDA graphs keep what they captured); returns the
+    previous setting."""
+    global _enabled
+    previous, _enabled = _enabled, bool(on)
+    return previous
+
+
+@functools.lru_cache(maxsize=None)
+def _supported(device_index: int) -> bool:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return False
+    try:
+        import triton.language.extra.cuda as triton_cuda
+    except ImportError:  # pragma: no cover - no Triton
+        return False
+    return hasattr(triton_cuda, "gdc_wait") and torch.cuda.get_device_capability(device_index)[0] >= 9  # Triton >= 3.4
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether kernels launched for `device` now use PDL."""
+    return _enabled and device.type == "cuda" and _supported(device.index if device.index is not None
+                                                             else torch.cuda.current_device())
+
+
+def launch_kwargs(device: torch.device) -> dict:
+    """Keyword arguments for a Triton launch whose kernel takes `PDL: tl.constexpr`: the constexpr
+    and, where PDL is on, the launch attribute."""
+    on = enabled(device)
+    return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
+
