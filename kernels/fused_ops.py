@@ -6,7 +6,8 @@ kernel costs a few microseconds even inside a CUDA graph, which adds up to the w
 over 36 layers. These three kernels replace them:
 
   add_rms_norm      residual += x; y = rmsnorm(residual) * w       x, residual: [T, H] -> y [T, H]
-                    (x may be a split-K projection's float32 partials [P, T, H])
+                    (x may be a split-K projection's float32 partials [P, T, H]; given row
+                    numbers [B], only those rows -> [B, H])
   qk_norm_rope_kv   q/k rmsnorm, RoPE at each token's position, K and V stored into the paged
                     L1 pool at their slots                          qkv [T, (Hq + 2 Hkv) D] -> q [T, Hq, D]
   silu_mul          silu(gate) * up                                 gate_up [T, 2 I] -> [T, I]
@@ -72,14 +73,19 @@ def silu_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, tokens, hidden, eps,
-                             HAS_RES: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, sum_ptr, rows_ptr, tokens, hidden, eps,
+                             HAS_RES: tl.constexpr, PARTS: tl.constexpr, BLOCK: tl.constexpr,
+                             GATHER: tl.constexpr, PDL: tl.constexpr):
+        """Program i: output row i of input row i, or of input row rows[i] with GATHER."""
+        out_row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < hidden
         if PDL:  # kernels/pdl.py: x is the kernel before's output
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
+        row = out_row
+        if GATHER:
+            row = tl.load(rows_ptr + out_row).to(tl.int64)
         x = tl.load(x_ptr + row * hidden + cols, mask=ok, other=0.0)
         if PARTS > 1:  # a split-K projection's float32 partials [PARTS, T, H], added in order, rounded
             for p in tl.static_range(1, PARTS):  # as that projection's own output would be
@@ -90,12 +96,12 @@ if triton is not None:
             s = s.to(x.dtype)  # the residual stream is kept in the model's dtype
         else:
             s = x
-        if HAS_RES or PARTS > 1:
-            tl.store(sum_ptr + row * hidden + cols, s, mask=ok)
+        if HAS_RES or PARTS > 1 or GATHER:
+            tl.store(sum_ptr + out_row * hidden + cols, s, mask=ok)
         s32 = s.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(s32 * s32, axis=0) / hidden + eps)
         w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * hidden + cols, (s32 * inv * w).to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(y_ptr + out_row * hidden + cols, (s32 * inv * w).to(y_ptr.dtype.element_ty), mask=ok)
 
     @triton.jit
     def _norm_rope_heads(src_ptr, w_ptr, cos_ptr, sin_ptr, pos, eps, num_heads,
@@ -158,17 +164,20 @@ if triton is not None:
 
 
 def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        eps: float, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, H], or a split-K projection's float32 partials [P, T, H] (kernels/skinny_gemm.py): their
-    sum rounds to the residual's dtype (the weight's without one) before the add."""
+    sum rounds to the residual's dtype (the weight's without one) before the add. rows [B] (int64
+    row numbers in T): only those rows, in that order -> [B, H] each (the forward's last rows)."""
     parts = x.shape[0] if x.dim() == 3 else 1
     tokens, hidden = x.shape[-2:]
+    out_rows = tokens if rows is None else rows.shape[0]
     dtype = x.dtype if parts == 1 else (residual if residual is not None else weight).dtype
-    y = torch.empty((tokens, hidden), dtype=dtype, device=x.device)
-    s = torch.empty_like(y) if residual is not None or parts > 1 else x
-    _add_rms_norm_kernel[(tokens,)](x, residual if residual is not None else x, weight, y, s, tokens, hidden, eps,
-                                    HAS_RES=residual is not None, PARTS=parts, BLOCK=triton.next_power_of_2(hidden),
-                                    **pdl.launch_kwargs(x.device))
+    y = torch.empty((out_rows, hidden), dtype=dtype, device=x.device)
+    s = torch.empty_like(y) if residual is not None or parts > 1 or rows is not None else x
+    _add_rms_norm_kernel[(out_rows,)](x, residual if residual is not None else x, weight, y, s,
+                                      rows if rows is not None else y, tokens, hidden, eps,
+                                      HAS_RES=residual is not None, PARTS=parts, BLOCK=triton.next_power_of_2(hidden),
+                                      GATHER=rows is not None, **pdl.launch_kwargs(x.device))
     return y, s
 
 

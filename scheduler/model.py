@@ -185,10 +185,9 @@ class Qwen3Model(nn.Module):
         residual = None
         for layer in self.layers:
             h, residual = layer.forward_fused(h, residual, rope, batch, kv_pool, attn, skinny)
-        if not batch.is_decode:
-            h = h.index_select(h.dim() - 2, batch.last_rows)  # [B, H] (or partials [P, B, H])
-            residual = residual.index_select(0, batch.last_rows)
-        x, _ = fused_ops.add_rms_norm_triton(h, residual, self.norm.weight, self.cfg.rms_norm_eps)
+        # decode: every row is a last row already; else the norm reads only the last rows
+        x, _ = fused_ops.add_rms_norm_triton(h, residual, self.norm.weight, self.cfg.rms_norm_eps,
+                                             rows=None if batch.is_decode else batch.last_rows)  # [B, H]
         return F.linear(x, self.lm_head_weight).float()  # [B, V]
 
     def forward_dense(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:

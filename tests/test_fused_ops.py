@@ -46,6 +46,21 @@ def test_add_rms_norm_adds_split_k_partials(parts, with_residual, dtype):
     close(y.float(), y_ref.float(), tol)
 
 
+@pytest.mark.parametrize("parts,with_residual", [(1, True), (1, False), (2, True)])
+def test_add_rms_norm_reads_only_the_given_rows(parts, with_residual):
+    """rows [B]: the forward's last rows, gathered by the norm itself (no index_select before it):
+    the same values as norming every row and picking those, in the order given."""
+    g = torch.Generator().manual_seed(7 + parts)
+    x = torch.randn(parts, 6, 64, generator=g) if parts > 1 else torch.randn(6, 64, generator=g)
+    res = torch.randn(6, 64, generator=g) if with_residual else None
+    w = torch.randn(64, generator=g)
+    rows = torch.tensor([5, 0, 3])
+    y, s = fused_ops.add_rms_norm_triton(x, res, w, 1e-6, rows=rows)
+    y_all, s_all = fused_ops.add_rms_norm_triton(x, res, w, 1e-6)
+    assert y.shape == s.shape == (3, 64)
+    assert torch.equal(y, y_all[rows]) and torch.equal(s, s_all[rows])
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (6, 3), (2, 2)])
 def test_qk_norm_rope_kv(num_heads, num_kv_heads):
     g = torch.Generator().manual_seed(num_heads)
