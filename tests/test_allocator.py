@@ -76,6 +76,14 @@ def test_bad_moves_change_nothing():
             alloc.free(bad, a)
     with pytest.raises(AllocatorError):
         alloc.free(pages, b)
+    # consecutive runs take a fast path (a slice of the owner table): a run with one page of another
+    # owner, and a list that spans as many values as it has entries but repeats one, still fail whole
+    other = alloc.alloc(2, b)  # pages 4, 5
+    with pytest.raises(AllocatorError, match=r"pages \[4\] owned by"):
+        alloc.free([2, 3, 4], a)
+    with pytest.raises(AllocatorError, match="duplicate"):
+        alloc.free([1, 1, 3], a)
+    alloc.free(other, b)
     alloc.check([])
     assert alloc.pages_of(a) == pages and alloc.num_free == 4
     with pytest.raises(AllocatorError):
