@@ -210,3 +210,12 @@ def test_dense_gap_reports_the_two_tokens_logits(latency):
     logits = eng.model.forward_dense(__import__("torch").tensor(prompt), last_only=True)[0]
     assert gap["gap"] == pytest.approx((logits[5] - logits[9]).item(), abs=1e-5)
     assert gap["logit_std"] > 0 and (gap["recompute"], gap["l1_hit"]) == (5, 9)
+
+
+def test_bench_allocator_reports_both_layouts(capsys):
+    assert load("bench_allocator").main(["--pages", "6", "--repeats", "5", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["pages"] == 6
+    for layout in ("run", "scattered"):
+        assert set(out["us_per_call"][layout]) == {"alloc", "give_to_tree", "free_from_tree"}
+        assert all(v > 0 for v in out["us_per_call"][layout].values())
