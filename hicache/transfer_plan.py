@@ -18,8 +18,12 @@ RAMP_GROWTH = 16
 # A D2H's first pages skip the gather: one 2-D DMA per page straight out of L1 (its 2L slabs,
 # layer_copy.page_out_copies), enqueued before the page-index copy and the first gather kernel, so
 # the copy engine starts ~0.1 ms sooner; the gather of the rest runs under them. Few pages: each
-# is one more DMA (~3 us of copy-engine set-up) and one more call on the loop.
-DIRECT_FIRST_BYTES = 16 << 20
+# is one more DMA of 2L rows one L1 slab row apart (slower the larger the L1 pool) and one more
+# call on the loop. 8 MiB is 3 pages of the 8B shape: against 7 (16 MiB, sessions 9-11), a
+# 1,000-token D2H took 0.983-0.984 of the pinned copy's device time instead of 0.972 in four
+# alternations on one H200 lease (a 1,008-page L1), 0.964-0.967 of its wall time instead of
+# 0.955-0.958; even at 3,504 and 8,000 tokens (docs/benchmarks.md, session 12).
+DIRECT_FIRST_BYTES = 8 << 20
 DIRECT_MAX_PAGES = 8
 
 
