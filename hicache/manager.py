@@ -76,6 +76,9 @@ class CacheManager:
         self.cost = CostModel(cfg, geometry.bytes_per_token)
         self.cost.learning = not simulate  # simulated copies take no time: keep the priors
         self.runner = OpRunner(self)
+        # the engine sets this: write-through backups of what insert_l1 publishes start once the
+        # step's tokens reached their clients (OpRunner.backup_soon), not in the middle of the step
+        self.defer_backups = False
         # the engine's loop sets these: wakeup ends a decode chain (a request may be runnable),
         # wakeup_idle only wakes a loop that has nothing to run (see OpRunner._wake)
         self.wakeup: Callable[[], None] = lambda: None
@@ -116,6 +119,8 @@ class CacheManager:
     def flush(self, tier: Tier) -> int:
         """Evict every unlocked page of `tier` (an operator's flush, a benchmark's reset). Says
         nothing about the workload, so write admission does not count it. Returns pages freed."""
+        if tier is Tier.L1 and self.runner.has_due:
+            self.runner.start_due()
         self._flushing = True
         try:
             return self.tree.evict(tier, self.allocator(tier).num_pages)
@@ -124,6 +129,11 @@ class CacheManager:
 
     # -- matching and L1 pages for requests ----------------------------------------------------
     def match(self, tokens: Sequence[int]) -> MatchResult:
+        """The tiers' longest prefix of `tokens`. Due backups (OpRunner.backup_soon) start first:
+        they lock the L1 pages they copy and may evict L2 leaves, which must not happen between a
+        caller's match and its use of the result."""
+        if self.runner.has_due:
+            self.runner.start_due()
         return self.tree.match(tokens, include_storage=self.has_l3)
 
     def lock(self, node: Node | None, tier: Tier = Tier.L1) -> None:
@@ -150,6 +160,8 @@ class CacheManager:
         """Private pages of `tier`, evicting that tier's unlocked LRU leaves when needed."""
         alloc = self.allocator(tier)
         if alloc.num_free < num_pages:
+            if tier is Tier.L1 and self.runner.has_due:  # lock what they back up before L1 evicts
+                self.runner.start_due()
             keep = self.runner.write_back_keep if (tier is Tier.L1 and self.has_l2) else None
             self.tree.evict(tier, num_pages - alloc.num_free, keep=keep)
         return alloc.alloc(num_pages, claim)
@@ -164,7 +176,10 @@ class CacheManager:
             return
         self.tree.insert(tokens, Tier.L1, pages, claim, start_tokens=start_tokens)
         if self.has_l2 and self.config.write_policy == "write_through":
-            self.runner.start_backup(tokens)
+            if self.defer_backups:
+                self.runner.backup_soon(tokens)
+            else:
+                self.runner.start_backup(tokens)
 
     def note_hit(self, tokens: Sequence[int], match: MatchResult) -> None:
         """A request reused this prefix: count hits (write_through_selective backs up on the second)."""

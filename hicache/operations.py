@@ -48,6 +48,10 @@ class OpRunner:
         # a backup asked for while one of its prefixes is being backed up waits for it, so no page
         # is copied (D2H) or written (H2S) twice: in-flight key -> the longest tokens waiting on it
         self._deferred: dict[tuple[int, ...], tuple[int, ...]] = {}
+        # write-through backups asked for by the engine's step processing (`backup_soon`), started
+        # once the clients of that step's tokens have run
+        self._due: list[tuple[int, ...]] = []
+        self._due_scheduled = False
 
     # -- shared helpers ------------------------------------------------------------------------
     def _new(self, kind: OpKind, num_pages: int, request_id: str | None) -> Op:
@@ -264,6 +268,38 @@ class OpRunner:
         # kept while a backup of it runs, or waits for the one of its prefix (start_backup defers it)
         return self.start_backup(key) is not None or key in self._deferred.values()
 
+    def backup_soon(self, tokens: Sequence[int]) -> None:
+        """Start a backup of `tokens` once every callback ready now has run. The engine publishes a
+        request's pages while it processes a step, before that step's tokens reach their clients
+        (they run when the loop next turns); enqueueing a backup costs ~0.3-0.6 ms of loop time, so
+        a batch of 32 prompts that ended together would otherwise delay its last token by ~20 ms
+        (docs/benchmarks.md, session 13). Two hops: the first callback runs where it was queued,
+        possibly before later tokens of the same step were emitted; the second is queued behind
+        them. Due backups also start before anything could evict their pages unsaved or outdate a
+        match (`CacheManager.match`, `alloc_pages` when L1 must evict, `flush`) and when the runner
+        drains; a drain that cancels drops them."""
+        self._due.append(tuple(tokens))
+        if self._due_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a synchronous caller): now
+            self.start_due()
+            return
+        self._due_scheduled = True
+        loop.call_soon(loop.call_soon, self.start_due)
+
+    @property
+    def has_due(self) -> bool:
+        return bool(self._due)
+
+    def start_due(self) -> None:
+        """Start every backup `backup_soon` queued, in the order asked."""
+        self._due_scheduled = False
+        due, self._due = self._due, []
+        for tokens in due:
+            self.start_backup(tokens)
+
     def start_backup(self, tokens: Sequence[int], request_id: str | None = None) -> Op | None:
         mgr, ps = self.mgr, self.mgr.page_size
         tokens = tuple(tokens[: len(tokens) - len(tokens) % ps])
@@ -473,7 +509,7 @@ class OpRunner:
 
     # -- lifecycle and integrity ---------------------------------------------------------------
     def pending_counts(self) -> dict:
-        counts = {"backups": 0, "restores": 0, "prefetches": 0, "settling": len(self._settling)}
+        counts = {"backups": len(self._due), "restores": 0, "prefetches": 0, "settling": len(self._settling)}
         for op in self.live.values():
             key = {OpKind.BACKUP: "backups", OpKind.PREFETCH_L3: "prefetches"}.get(op.kind, "restores")
             counts[key] += 1
@@ -486,8 +522,11 @@ class OpRunner:
 
     async def drain(self, cancel: bool = False) -> None:
         if cancel:
+            self._due.clear()
             for op in self.live.values():
                 self.cancel(op)
+        else:
+            self.start_due()
         while self._tasks or self._settling:
             await asyncio.gather(*list(self._tasks.values()), *list(self._settling), return_exceptions=True)
 

@@ -81,6 +81,7 @@ class Engine:
         hc = replace(config.hicache, model_id=self.model_id)
         self.cache = CacheManager(geometry, num_pages, self.device, hc, faults=faults, simulate=config.simulate)
         self.cache.wakeup = self._wake_soon
+        self.cache.defer_backups = True  # a step's tokens reach their clients before its backups start
         self.cache.wakeup_idle = self._wake_idle
         self.page_size = page_size
         self.runner = (SimRunner(self.model_config.vocab_size) if config.simulate

@@ -20,8 +20,10 @@ Decode (`--decode-batch 32 --decode-tokens 64`): 32 concurrent requests with dis
 policy always: write-through D2H backups of every prefill run during decode; l3 adds H2S file
 writes) and once with
 hicache off; reports decode tokens/s of each (generated tokens after the first, over the time from
-the last first token to the last finish) and the ratio on / off. Each engine first runs one
-warm-up pass of the same shape.
+the last first token to the last finish) and the ratio on / off, and each pass's steps (median, p90,
+max, and the steps over 1.25 x the median: where a pass lost its time). `--decode-policy never`
+keeps hicache on, tiers and all, but backs nothing up. Each engine first runs one warm-up pass of
+the same shape.
 
 Examples:
     python scripts/bench_hicache_stress.py --model tiny --device cpu --tiers none,l2,l3 --requests 24
@@ -77,6 +79,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--decode-tier", default="l2", choices=["l2", "l3"])
     p.add_argument("--decode-repeats", type=int, default=3, help="measured passes per engine (median)")
+    p.add_argument("--decode-policy", default="always", choices=["always", "never"],
+                   help="the decode run's hicache policy: always backs every prefill up (the traffic under "
+                        "test); never keeps the tiers but writes nothing (hicache's cost without backups)")
     p.add_argument("--decode-only", action="store_true", help="skip the throughput runs")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="after the measured requests, 4 more under torch.profiler: DIR/<tier>.json.gz chrome trace")
@@ -117,7 +122,7 @@ async def timed(engine, prompt: list[int], max_tokens: int) -> dict:
     from scheduler.request import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    rec = {"ids": [], "start": time.perf_counter(), "first": None, "end": None, "error": None}
+    rec = {"ids": [], "times": [], "start": time.perf_counter(), "first": None, "end": None, "error": None}
     try:
         async for ev in engine.submit(prompt, params):
             if ev.token_id is not None:
@@ -125,6 +130,7 @@ async def timed(engine, prompt: list[int], max_tokens: int) -> dict:
                     rec["first"] = time.perf_counter()
                     rec["pending_backups"] = engine.cache.runner.pending_counts()["backups"]
                 rec["ids"].append(ev.token_id)
+                rec["times"].append(time.perf_counter())
             if ev.finished:
                 rec["error"] = ev.error
     except Exception as exc:  # a rejected request is a failed request, not a crashed benchmark
@@ -250,16 +256,25 @@ async def trace_requests(eng, prompts, args, path: Path) -> None:
 
 
 def decode_pass(recs: list[dict], wall: float) -> dict:
-    """Decode window of one pass: from the last first token to the last finish."""
+    """Decode window of one pass: from the last first token to the last finish. Its steps, from
+    the token times of the request that started last (every request of the batch gets one token a
+    step): median and max ms, and `excess_ms`, the window's time beyond a median step (where a
+    pass lost its time: spread over every step, or in a few slow ones, and which)."""
     ok = [r for r in recs if r["error"] is None and r["first"] is not None]
     if not ok:
         return {"decode_tok_s": None, "total_tok_s": None, "window_s": 0.0, "pending_backups": None}
     last = max(ok, key=lambda r: r["first"])
     window = max(r["end"] for r in ok) - last["first"]
     tokens = sum(len(r["ids"]) - 1 for r in ok)
+    steps_ms = [(b - a) * 1e3 for a, b in zip(last["times"], last["times"][1:])]
+    step_p50 = median(steps_ms) if steps_ms else None
+    slow = [(i, round(ms, 2)) for i, ms in enumerate(steps_ms) if step_p50 and ms > 1.25 * step_p50]
     return {"decode_tok_s": tokens / window if window > 0 else None, "window_s": window,
             "total_tok_s": sum(len(r["ids"]) for r in ok) / wall if wall > 0 else None,
-            "pending_backups": last["pending_backups"], "decode_tokens": tokens, "completed": len(ok)}
+            "pending_backups": last["pending_backups"], "decode_tokens": tokens, "completed": len(ok),
+            "step_ms": {"p50": step_p50, "p90": sorted(steps_ms)[int(0.9 * (len(steps_ms) - 1))] if steps_ms else None,
+                        "max": max(steps_ms) if steps_ms else None,
+                        "slow_excess_ms": sum(ms - step_p50 for _, ms in slow), "slow_steps": slow[:12]}}
 
 
 async def decode_run(args, tier: str, vocab: int, bdir: BenchDir) -> dict:
@@ -273,7 +288,7 @@ async def decode_run(args, tier: str, vocab: int, bdir: BenchDir) -> dict:
     cfg = engine_config(args, tier, num_pages, args.host_ratio or 1.0, bdir.l3_path(f"decode-{tier}"))
     # L3 = L2: holds every prompt. policy "always": every prefill is backed up (the traffic under
     # test), whatever the cost policy's reuse admission would conclude from this write-only pattern
-    eng = Engine(cfg.with_hicache(storage_ratio=1.0 if tier == "l3" else 0.0, policy="always"))
+    eng = Engine(cfg.with_hicache(storage_ratio=1.0 if tier == "l3" else 0.0, policy=args.decode_policy))
 
     def prompts(salt):
         rng = random.Random(args.seed * 104729 + salt)
@@ -298,9 +313,11 @@ async def decode_run(args, tier: str, vocab: int, bdir: BenchDir) -> dict:
     del eng
     free_memory()
     med = lambda key: median([p[key] for p in passes if p[key] is not None])  # noqa: E731
-    return {"tier": tier, "num_pages": num_pages, "repeats": args.decode_repeats,
+    return {"tier": tier, "policy": args.decode_policy if tier != "none" else None, "num_pages": num_pages,
+            "repeats": args.decode_repeats,
             "decode_tok_s": med("decode_tok_s"), "total_tok_s": med("total_tok_s"),
             "decode_tok_s_passes": [p["decode_tok_s"] for p in passes],
+            "step_ms_passes": [p.get("step_ms") for p in passes],
             "completed": sum(p.get("completed", 0) for p in passes),
             "bytes": {d: s["bytes"] for d, s in directions_summary(delta).items()},
             "backups_done": int(delta["backups_done"]),
@@ -398,6 +415,12 @@ def human(out: dict) -> str:
         parts.append(table(headers, rows)
                      + f"\ndecode tok/s on/off: {fmt(d['ratio_on_off'], '{:.3f}')}  outputs match: "
                        f"{fmt(d['outputs_match'])}")
+        for name, r in (("on", d["hicache_on"]), ("off", d["hicache_off"])):
+            steps = [s for s in r.get("step_ms_passes", []) if s]
+            parts.append(f"decode steps ({name}), per pass: " + "; ".join(
+                f"p50 {fmt(s['p50'])} / p90 {fmt(s['p90'])} / max {fmt(s['max'])} ms, slow {fmt(s['slow_excess_ms'])} ms "
+                f"{s['slow_steps'][:6]}"
+                for s in steps))
     return "\n\n".join(parts)
 
 

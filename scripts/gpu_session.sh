@@ -29,6 +29,8 @@ for s in "$@"; do
     bisect) for v in "" "--disable-cuda-graphs" "--transfer-backend torch" "--page-size 1"; do
               step "bisect${v// /_}" 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000 --iterations 8 $v --json; done ;;
     bisect2) CUDA_LAUNCH_BLOCKING=1 step bisect2_blocking 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000 --iterations 8 --json ;;
+    decode) step decode 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --decode-only --decode-batch 32 --decode-tokens 64 --out "$OUT/decode.json" ;;
+    decode_never) step decode_never 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --decode-only --decode-batch 32 --decode-tokens 64 --decode-policy never --out "$OUT/decode_never.json" ;;
     stress_l3) step stress_l3 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tier l3 --policy always --json --out "$OUT/stress_l3.json" ;;
     trace_forward) step trace_forward 300 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --trace "$OUT/trace"
               for t in none l2; do python3 scripts/trace_kernels.py "$OUT/trace/$t.json.gz"; done; rm -rf "$OUT/trace" ;;
