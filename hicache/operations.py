@@ -277,7 +277,9 @@ class OpRunner:
         possibly before later tokens of the same step were emitted; the second is queued behind
         them. Due backups also start before anything could evict their pages unsaved or outdate a
         match (`CacheManager.match`, `alloc_pages` when L1 must evict, `flush`) and when the runner
-        drains; a drain that cancels drops them."""
+        drains; a drain that cancels drops them. (Starting them only before a match that finds L2
+        or L3 pages, so that a prefill batch's backups ran under the next batch's forward, was
+        measured and dropped: first tokens of a 32-prompt burst no sooner, docs/benchmarks.md.)"""
         self._due.append(tuple(tokens))
         if self._due_scheduled:
             return
@@ -296,6 +298,8 @@ class OpRunner:
     def start_due(self) -> None:
         """Start every backup `backup_soon` queued, in the order asked."""
         self._due_scheduled = False
+        if not self._due:
+            return
         due, self._due = self._due, []
         for tokens in due:
             self.start_backup(tokens)

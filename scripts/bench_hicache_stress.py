@@ -21,7 +21,7 @@ policy always: write-through D2H backups of every prefill run during decode; l3 
 writes) and once with
 hicache off; reports decode tokens/s of each (generated tokens after the first, over the time from
 the last first token to the last finish) and the ratio on / off, and each pass's steps (median, p90,
-max, and the steps over 1.25 x the median: where a pass lost its time). `--decode-policy never`
+max, and the steps over 1.25 x the median: where a pass lost its time) and first-token times. `--decode-policy never`
 keeps hicache on, tiers and all, but backs nothing up. Each engine first runs one warm-up pass of
 the same shape.
 
@@ -269,7 +269,9 @@ def decode_pass(recs: list[dict], wall: float) -> dict:
     steps_ms = [(b - a) * 1e3 for a, b in zip(last["times"], last["times"][1:])]
     step_p50 = median(steps_ms) if steps_ms else None
     slow = [(i, round(ms, 2)) for i, ms in enumerate(steps_ms) if step_p50 and ms > 1.25 * step_p50]
+    ttft_ms = sorted((r["first"] - r["start"]) * 1e3 for r in ok)
     return {"decode_tok_s": tokens / window if window > 0 else None, "window_s": window,
+            "ttft_ms": {"p50": median(ttft_ms), "max": ttft_ms[-1]},
             "total_tok_s": sum(len(r["ids"]) for r in ok) / wall if wall > 0 else None,
             "pending_backups": last["pending_backups"], "decode_tokens": tokens, "completed": len(ok),
             "step_ms": {"p50": step_p50, "p90": sorted(steps_ms)[int(0.9 * (len(steps_ms) - 1))] if steps_ms else None,
@@ -318,6 +320,7 @@ async def decode_run(args, tier: str, vocab: int, bdir: BenchDir) -> dict:
             "decode_tok_s": med("decode_tok_s"), "total_tok_s": med("total_tok_s"),
             "decode_tok_s_passes": [p["decode_tok_s"] for p in passes],
             "step_ms_passes": [p.get("step_ms") for p in passes],
+            "ttft_ms_passes": [p.get("ttft_ms") for p in passes],
             "completed": sum(p.get("completed", 0) for p in passes),
             "bytes": {d: s["bytes"] for d, s in directions_summary(delta).items()},
             "backups_done": int(delta["backups_done"]),
@@ -421,6 +424,8 @@ def human(out: dict) -> str:
                 f"p50 {fmt(s['p50'])} / p90 {fmt(s['p90'])} / max {fmt(s['max'])} ms, slow {fmt(s['slow_excess_ms'])} ms "
                 f"{s['slow_steps'][:6]}"
                 for s in steps))
+            parts.append(f"first token ({name}), per pass: " + "; ".join(
+                f"p50 {fmt(t['p50'])} / max {fmt(t['max'])} ms" for t in r.get("ttft_ms_passes", []) if t))
     return "\n\n".join(parts)
 
 

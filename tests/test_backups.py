@@ -113,3 +113,22 @@ async def test_due_backups_start_before_l1_evicts_their_pages():
     cache.release_claim(claim)
     cache.release_claim(other)
     await finish(eng)
+
+
+@pytest.mark.asyncio
+async def test_due_backups_start_before_a_match_returns():
+    """A match may lead to a restore from L2 pages, and starting a backup may evict L2 leaves: due
+    backups start before `CacheManager.match` walks the tree, never between a match and its use."""
+    eng = make_engine(num_pages=32, storage_ratio=0.0)
+    await eng.start()
+    cache = eng.cache
+    due = tuple(PROMPT[:2 * PAGE])
+    claim = cache.new_claim("test")
+    cache.insert_l1(due, cache.alloc_l1(2, claim), claim, 0)
+    assert cache.runner.has_due and not cache.runner.live
+    cache.match(tuple(OTHER[:3 * PAGE]))
+    assert not cache.runner.has_due and len(cache.runner.live) == 1
+    await cache.drain()
+    assert cache.tree.match(due, include_storage=False, touch=False).lengths[1] == len(due)
+    cache.release_claim(claim)
+    await finish(eng)
