@@ -22,6 +22,10 @@ for s in "$@"; do
     latency_eager) step latency_eager 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,3500,8000 --compare-recompute --disable-cuda-graphs --json --out "$OUT/latency_eager.json" ;;
     latency_l3) step latency_l3 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500,8000 --storage-cache cold --io-workers 8 --json --out "$OUT/latency_l3.json" ;;
     latency_l3w) step latency_l3w 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500,8000 --storage-cache warm --io-workers 8 --json --out "$OUT/latency_l3w.json" ;;
+    latency_l3_all) step latency_l3_all 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 350,1000,2000,3500,8000 --storage-cache cold --io-workers 8 --json --out "$OUT/latency_l3_all.json" ;;
+    latency_l3w_all) step latency_l3w_all 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 350,1000,2000,3500,8000 --storage-cache warm --io-workers 8 --json --out "$OUT/latency_l3w_all.json" ;;
+    latency_l3_4b) step latency_l3_4b 300 python3 scripts/bench_hicache.py --model qwen3-4b --tier l3 --prefix-tokens 350,1000,2000,3500,8000 --storage-cache cold --io-workers 8 --json --out "$OUT/latency_l3_4b.json" ;;
+    latency_l3w_4b) step latency_l3w_4b 300 python3 scripts/bench_hicache.py --model qwen3-4b --tier l3 --prefix-tokens 350,1000,2000,3500,8000 --storage-cache warm --io-workers 8 --json --out "$OUT/latency_l3w_4b.json" ;;
     latency_4b) step latency_4b 300 python3 scripts/bench_hicache.py --model qwen3-4b --tier l2 --prefix-tokens 350,1000,2000,3500,8000 --compare-recompute --json --out "$OUT/latency_4b.json" ;;
     stress) step stress 400 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2,l2small,l3 --policy cost --decode-batch 32 --decode-tokens 64 --json --out "$OUT/stress.json" ;;
     latency_1000) step latency_1000 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000,3500 --iterations 12 --json --out "$OUT/latency_1000.json" ;;
