@@ -20,10 +20,10 @@ Decode (`--decode-batch 32 --decode-tokens 64`): 32 concurrent requests with dis
 policy always: write-through D2H backups of every prefill run during decode; l3 adds H2S file
 writes) and once with
 hicache off; reports decode tokens/s of each (generated tokens after the first, over the time from
-the last first token to the last finish) and the ratio on / off, and each pass's steps (median, p90,
-max, and the steps over 1.25 x the median: where a pass lost its time) and first-token times. `--decode-policy never`
-keeps hicache on, tiers and all, but backs nothing up. Each engine first runs one warm-up pass of
-the same shape.
+the last first token to the last finish) and the ratio on / off, and each pass's steps (median,
+p90, max, and the steps over 1.25 x the median: where a pass lost its time) and first-token times.
+`--decode-policy never` keeps hicache on, tiers and all, but backs nothing up. Each engine first
+runs one warm-up pass of the same shape.
 
 Examples:
     python scripts/bench_hicache_stress.py --model tiny --device cpu --tiers none,l2,l3 --requests 24
@@ -258,8 +258,9 @@ async def trace_requests(eng, prompts, args, path: Path) -> None:
 def decode_pass(recs: list[dict], wall: float) -> dict:
     """Decode window of one pass: from the last first token to the last finish. Its steps, from
     the token times of the request that started last (every request of the batch gets one token a
-    step): median and max ms, and `excess_ms`, the window's time beyond a median step (where a
-    pass lost its time: spread over every step, or in a few slow ones, and which)."""
+    step): median, p90 and max ms, and the steps over 1.25 x the median with what they took beyond
+    it (`slow_excess_ms`: did the pass lose its time in every step or in a few, and which); and
+    the requests' first-token times (p50, max)."""
     ok = [r for r in recs if r["error"] is None and r["first"] is not None]
     if not ok:
         return {"decode_tok_s": None, "total_tok_s": None, "window_s": 0.0, "pending_backups": None}
