@@ -8,6 +8,8 @@ awaits the copy each pending state waits for:
 A copy that was enqueued cannot be recalled, so awaiting it is shielded from cancellation, and an
 operation that gives up early (a read past its deadline) keeps its private pages until the copy has
 settled. All bookkeeping runs on the loop thread; only copies and file I/O run elsewhere.
+Write-through backups that the engine's step processing asks for start once that step's tokens
+reached their clients (`backup_soon`), never in the middle of the step.
 """
 from __future__ import annotations
 
