@@ -119,7 +119,7 @@ class CacheManager:
     def flush(self, tier: Tier) -> int:
         """Evict every unlocked page of `tier` (an operator's flush, a benchmark's reset). Says
         nothing about the workload, so write admission does not count it. Returns pages freed."""
-        if tier is Tier.L1 and self.runner.has_due:
+        if tier is Tier.L1:
             self.runner.start_due()
         self._flushing = True
         try:
@@ -132,8 +132,7 @@ class CacheManager:
         """The tiers' longest prefix of `tokens`. Due backups (OpRunner.backup_soon) start first:
         they lock the L1 pages they copy and may evict L2 leaves, which must not happen between a
         caller's match and its use of the result."""
-        if self.runner.has_due:
-            self.runner.start_due()
+        self.runner.start_due()
         return self.tree.match(tokens, include_storage=self.has_l3)
 
     def lock(self, node: Node | None, tier: Tier = Tier.L1) -> None:
@@ -160,7 +159,7 @@ class CacheManager:
         """Private pages of `tier`, evicting that tier's unlocked LRU leaves when needed."""
         alloc = self.allocator(tier)
         if alloc.num_free < num_pages:
-            if tier is Tier.L1 and self.runner.has_due:  # lock what they back up before L1 evicts
+            if tier is Tier.L1:  # due backups lock what they copy before L1 evicts
                 self.runner.start_due()
             keep = self.runner.write_back_keep if (tier is Tier.L1 and self.has_l2) else None
             self.tree.evict(tier, num_pages - alloc.num_free, keep=keep)

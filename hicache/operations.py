@@ -1,7 +1,8 @@
-"""Drivers of backup, restore and prefetch operations.
+"""Drivers of backup, restore and prefetch operations: `OpRunner` and the machinery they share.
 
-The state machines themselves are data (hicache/ops.py); this module does what each Action says and
-awaits the copy each pending state waits for:
+The state machines themselves are data (hicache/ops.py); the drivers (hicache/backups.py,
+hicache/restores.py, mixed into `OpRunner` here) do what each Action says and await the copy each
+pending state waits for:
   START_x   lock the step's source in its tier, reserve private destination pages, enqueue the copy;
   PUBLISH_x only after the copy completed: hand the destination pages to the tree, unlock the source;
   RELEASE   after FAIL / CANCEL: free only still-private pages, unlock what the op holds.
@@ -21,8 +22,10 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from hicache.backups import Backups
 from hicache.ops import Op, OpEvent, OpKind, apply, new_op
 from hicache.radix import Node, Tier
+from hicache.restores import Restores
 from hicache.storage import StorageError
 
 if TYPE_CHECKING:
@@ -39,7 +42,7 @@ _TIER_OF = {"l1": Tier.L1, "l2": Tier.L2, "l3": Tier.L3}
 JIT_ENQUEUE_NS = 20_000_000
 
 
-class OpRunner:
+class OpRunner(Backups, Restores):
     def __init__(self, mgr: "CacheManager") -> None:
         self.mgr = mgr
         self.live: dict[int, Op] = {}
@@ -255,263 +258,6 @@ class OpRunner:
 
     def _io_deadline_s(self, num_bytes: int) -> float:
         return max(self.mgr.config.io_timeout_s, 4 * self.mgr.cost.directions["s2h"].predict(num_bytes))
-
-    # -- backup: L1 -> L2 (-> L3) --------------------------------------------------------------
-    def write_back_keep(self, node: Node) -> bool:
-        """Eviction veto for write_back: an L1 leaf not yet in L2 is backed up first."""
-        if self.mgr.config.write_policy != "write_back" or node.pages[Tier.L2] is not None:
-            return False
-        tokens: list[int] = []
-        n = node
-        while n is not None and n is not self.mgr.tree.root:
-            tokens[:0] = n.key
-            n = n.parent
-        key = tuple(tokens)
-        # kept while a backup of it runs, or waits for the one of its prefix (start_backup defers it)
-        return self.start_backup(key) is not None or key in self._deferred.values()
-
-    def backup_soon(self, tokens: Sequence[int]) -> None:
-        """Start a backup of `tokens` once every callback ready now has run. The engine publishes a
-        request's pages while it processes a step, before that step's tokens reach their clients
-        (they run when the loop next turns); enqueueing a backup costs ~0.3-0.6 ms of loop time, so
-        a batch of 32 prompts that ended together would otherwise delay its last token by ~20 ms
-        (docs/benchmarks.md, session 13). Two hops: the first callback runs where it was queued,
-        possibly before later tokens of the same step were emitted; the second is queued behind
-        them. Due backups also start before anything could evict their pages unsaved or outdate a
-        match (`CacheManager.match`, `alloc_pages` when L1 must evict, `flush`) and when the runner
-        drains; a drain that cancels drops them. (Starting them only before a match that finds L2
-        or L3 pages, so that a prefill batch's backups ran under the next batch's forward, was
-        measured and dropped: first tokens of a 32-prompt burst no sooner, docs/benchmarks.md.)"""
-        self._due.append(tuple(tokens))
-        if self._due_scheduled:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop (a synchronous caller): now
-            self.start_due()
-            return
-        self._due_scheduled = True
-        loop.call_soon(loop.call_soon, self.start_due)
-
-    @property
-    def has_due(self) -> bool:
-        return bool(self._due)
-
-    def start_due(self) -> None:
-        """Start every backup `backup_soon` queued, in the order asked."""
-        self._due_scheduled = False
-        if not self._due:
-            return
-        due, self._due = self._due, []
-        for tokens in due:
-            self.start_backup(tokens)
-
-    def start_backup(self, tokens: Sequence[int], request_id: str | None = None) -> Op | None:
-        mgr, ps = self.mgr, self.mgr.page_size
-        tokens = tuple(tokens[: len(tokens) - len(tokens) % ps])
-        if tokens in self._backing_up or not tokens:
-            return None
-        for key in self._backing_up:
-            if tokens[:len(key)] == key or key[:len(tokens)] == tokens:
-                if len(tokens) > len(key):  # extends an in-flight backup: start when it ends
-                    waiting = self._deferred.get(key, ())
-                    self._deferred[key] = tokens if len(tokens) > len(waiting) else waiting
-                return None  # (a prefix of one in flight is covered by it)
-        m = mgr.tree.match(tokens, include_storage=mgr.has_l3, touch=False)
-        n1, n2 = m.lengths[Tier.L1], m.lengths[Tier.L2]
-        if n1 <= n2:
-            return None
-        if not mgr.worth_writing("l2", n1) or not mgr.backup_pays_off(n1):
-            mgr.metrics.policy_skips["write_l2"] += 1
-            return None
-        op = self._new(OpKind.BACKUP, (n1 - n2) // ps, request_id)
-        # lock the sources first: allocating L2 pages evicts L2 leaves, and the L2 prefix [0, n2)
-        # that the new pages extend must survive it
-        self._lock(op, m.handles[Tier.L1], Tier.L1)
-        self._lock(op, m.handles[Tier.L2], Tier.L2)
-        claim = self._claim(op, Tier.L2)
-        host_pages = mgr.alloc_pages(Tier.L2, (n1 - n2) // ps, claim)
-        if host_pages is None:  # L2 full of locked pages: skip, never wait
-            self._release(op)
-            mgr.metrics.policy_skips["write_l2"] += 1
-            return None
-        apply(op, OpEvent.START)
-        tr = mgr.transfer.d2h(m.pages[Tier.L1][n2 // ps: n1 // ps], host_pages)
-        mgr.metrics.backups_started += 1
-        key = tokens[:n1]
-        self._backing_up.add(key)
-        op.payload.update(transfer=tr, backup_key=key)
-        return self._register(op, self._drive_backup(op, key, n2, host_pages))
-
-    async def _drive_backup(self, op: Op, tokens: tuple[int, ...], start: int, host_pages) -> None:
-        mgr, ps = self.mgr, self.mgr.page_size
-        try:
-            try:
-                await self._wait_transfer(op, op.payload.pop("transfer"), "d2h")
-            except Exception as exc:
-                self._fail(op, str(exc), "transfer")
-                return
-            if self._cancelled(op):
-                return
-            apply(op, OpEvent.D2H_DONE)
-            self._publish(op, tokens, Tier.L2, host_pages, start)
-            self._unlock_all(op)
-            n = len(tokens)
-            if not mgr.has_l3 or not mgr.worth_writing("l3", n) or not mgr.l3_write_pays_off():
-                if mgr.has_l3:
-                    mgr.metrics.policy_skips["write_l3"] += 1
-                apply(op, OpEvent.SKIP_L3)
-                mgr.metrics.backups_done += 1
-                return
-            m = mgr.tree.match(tokens, include_storage=True, touch=False)
-            n2, n3 = m.lengths[Tier.L2], m.lengths[Tier.L3]
-            if n3 >= n2:
-                apply(op, OpEvent.SKIP_L3)
-                mgr.metrics.backups_done += 1
-                return
-            self._lock(op, m.handles[Tier.L2], Tier.L2)  # before allocating: see start_backup
-            self._lock(op, m.handles[Tier.L3], Tier.L3)
-            claim = self._claim(op, Tier.L3)
-            slots = mgr.alloc_pages(Tier.L3, (n2 - n3) // ps, claim)
-            if slots is None:
-                self._release(op)
-                mgr.metrics.policy_skips["write_l3"] += 1
-                apply(op, OpEvent.SKIP_L3)
-                mgr.metrics.backups_done += 1
-                return
-            apply(op, OpEvent.START)
-            future = mgr.store.write_pages(mgr.l2.page_buffer, m.pages[Tier.L2][n3 // ps: n2 // ps], slots,
-                                           **mgr.page_keys(tokens, n3, n2))
-            try:
-                await self._wait_io(op, future, "h2s")
-            except StorageError as exc:
-                self._storage_failed(op, exc)
-                return
-            if self._cancelled(op):
-                return
-            apply(op, OpEvent.H2S_DONE)
-            self._publish(op, tokens[:n2], Tier.L3, slots, n3)
-            self._unlock_all(op)
-            mgr.metrics.backups_done += 1
-        finally:
-            self._backing_up.discard(tokens)
-            later = self._deferred.pop(tokens, None)
-            if later is not None and op.succeeded:  # (a failed or cancelled one drops it)
-                self.start_backup(later)
-
-    # -- restores ------------------------------------------------------------------------------
-    def start_restore(self, tokens: Sequence[int], match, tier: str, request_id: str | None,
-                      layerwise: bool = False) -> Op | None:
-        """Restore tokens[l1_len : tier_len] into L1 (through L2 for an L3 hit). None when the
-        needed pages cannot be had right now (the caller recomputes).
-
-        layerwise (L2 restores): copy in layer order where the transfer engine can (then
-        op.payload["layerwise"] is True, op.payload["l1_pages"] are the pages being filled and
-        op.payload["transfer"] is the copy, whose layer flags a forward may wait for right away)."""
-        mgr, ps = self.mgr, self.mgr.page_size
-        l1, l2, l3 = match.lengths
-        if (l2 <= l1) if tier == "l2" else (l3 <= max(l1, l2)):
-            return None  # nothing to copy (a stale match): zero-page copies are not transfers
-        if tier == "l2":
-            op = self._new(OpKind.RESTORE_L2, (l2 - l1) // ps, request_id)
-            self._lock(op, match.handles[Tier.L1], Tier.L1)
-            if not self._start_h2d(op, tuple(tokens[:l2]), match, l1, layerwise):
-                self._release(op)
-                return None
-            mgr.metrics.restores_started += 1
-            return self._register(op, self._drive_restore(op, tuple(tokens[:l2])))
-        kind = OpKind.RESTORE_L3 if tier == "l3" else OpKind.PREFETCH_L3
-        op = self._new(kind, (l3 - min(l1, l2)) // ps, request_id)
-        self._lock(op, match.handles[Tier.L1], Tier.L1)
-        future = self._start_s2h(op, match, tokens)
-        if future is None:
-            self._release(op)
-            return None
-        mgr.metrics.restores_started += kind is OpKind.RESTORE_L3
-        return self._register(op, self._drive_restore(op, tuple(tokens[:l3]), future, l2))
-
-    def _start_s2h(self, op: Op, match, tokens: Sequence[int]):
-        mgr, ps = self.mgr, self.mgr.page_size
-        l2, l3 = match.lengths[Tier.L2], match.lengths[Tier.L3]
-        self._lock(op, match.handles[Tier.L3], Tier.L3)  # before allocating: see start_backup
-        self._lock(op, match.handles[Tier.L2], Tier.L2)
-        claim = self._claim(op, Tier.L2)
-        host_pages = mgr.alloc_pages(Tier.L2, (l3 - l2) // ps, claim)
-        if host_pages is None:
-            return None
-        apply(op, OpEvent.START)
-        op.payload["host_pages"] = host_pages
-        return mgr.store.read_pages(match.pages[Tier.L3][l2 // ps: l3 // ps], mgr.l2.page_buffer, host_pages,
-                                    **mgr.page_keys(tokens, l2, l3))
-
-    def _start_h2d(self, op: Op, tokens: tuple[int, ...], match, l1_start: int, layerwise: bool = False) -> bool:
-        mgr, ps = self.mgr, self.mgr.page_size
-        end = len(tokens)
-        self._lock(op, match.handles[Tier.L2], Tier.L2)
-        claim = self._claim(op, Tier.L1)
-        l1_pages = mgr.alloc_pages(Tier.L1, (end - l1_start) // ps, claim)
-        if l1_pages is None:
-            return False
-        apply(op, OpEvent.START)
-        host_pages = match.pages[Tier.L2][l1_start // ps: end // ps]
-        transfer = mgr.transfer.h2d_layerwise(host_pages, l1_pages) if layerwise and l1_pages else None
-        op.payload["layerwise"] = transfer is not None
-        if transfer is None and l1_pages:
-            transfer = mgr.transfer.h2d(host_pages, l1_pages)
-        op.payload.update(l1_pages=l1_pages, l1_start=l1_start, l1_end=end, transfer=transfer)
-        return True
-
-    async def _drive_restore(self, op: Op, tokens: tuple[int, ...], future=None, l2_start: int = 0) -> None:
-        mgr = self.mgr
-        t0 = time.monotonic_ns()
-        if future is not None:  # S2H_PENDING
-            try:
-                await self._wait_io(op, future, "s2h", self._io_deadline_s(op.num_bytes))
-            except StorageError as exc:
-                self._storage_failed(op, exc, future)
-                return
-            if self._cancelled(op):
-                return
-            apply(op, OpEvent.S2H_DONE)
-            self._publish(op, tokens, Tier.L2, op.payload.pop("host_pages"), l2_start)
-            self._unlock_all_but_l1(op)
-            mgr.metrics.promotions += 1
-            mgr.reuse[Tier.L3].on_read(op.num_pages)
-            if op.kind is OpKind.PREFETCH_L3:
-                self._unlock_all(op)
-                return
-            match = mgr.tree.match(tokens, include_storage=False)
-            l1_start = match.lengths[Tier.L1]
-            # L1 may have grown meanwhile (another request computed or restored part of it): the
-            # restored pages land after that prefix, so lock it: allocating may evict it
-            self._lock(op, match.handles[Tier.L1], Tier.L1)
-            if match.lengths[Tier.L2] < len(tokens) or not self._start_h2d(op, tokens, match, l1_start):
-                self._fail(op, "no L1 pages for the H2D step", "no_pages")
-                return
-        transfer = op.payload.pop("transfer")
-        if transfer is not None:  # None: L1 already held everything, nothing to copy
-            try:  # H2D_PENDING
-                await self._wait_transfer(op, transfer, "h2d")
-            except Exception as exc:
-                self._fail(op, str(exc), "transfer")
-                return
-        if self._cancelled(op):
-            return
-        apply(op, OpEvent.H2D_DONE)
-        l1_pages = op.payload.pop("l1_pages")
-        if op.kind is OpKind.RESTORE_L2:
-            mgr.reuse[Tier.L2].on_read(len(l1_pages))
-        self._publish(op, tokens, Tier.L1, l1_pages, op.payload["l1_start"])
-        self._unlock_all(op)
-        mgr.metrics.restores_done += 1
-        mgr.metrics.restore_s += (time.monotonic_ns() - t0) / 1e9
-
-    def _unlock_all_but_l1(self, op: Op) -> None:
-        keep = [(n, t) for n, t in op.payload["locks"] if t is Tier.L1]
-        for node, tier in reversed(op.payload["locks"]):
-            if tier is not Tier.L1:
-                self.mgr.tree.unlock(node, tier)
-        op.payload["locks"] = keep
 
     # -- lifecycle and integrity ---------------------------------------------------------------
     def pending_counts(self) -> dict:

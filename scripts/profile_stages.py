@@ -52,7 +52,7 @@ STAGES = [
 # --fine: the calls inside those stages (a class of None: a function looked up in that module)
 FINE_STAGES = [
     ("hicache.manager", "CacheManager", "decide"),
-    ("hicache.operations", "OpRunner", "start_restore"),
+    ("hicache.restores", "Restores", "start_restore"),
     ("hicache.transfer", "TransferEngine", "_copy_kernel"),
     ("kernels.host_copy", "HostCopy", "h2d_layers"),
     ("scheduler.admission", "Admission", "_admit_overlapped"),

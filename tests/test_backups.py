@@ -1,5 +1,5 @@
 """Backups that overlap: one asked for while a backup of its prefix is in flight waits for it and
-copies only the pages beyond, so no page crosses PCIe or reaches L3 twice (hicache/operations.py,
+copies only the pages beyond, so no page crosses PCIe or reaches L3 twice (hicache/backups.py,
 OpRunner.start_backup); and a backup whose copy cannot even be enqueued falls back like a failed one."""
 import asyncio
 

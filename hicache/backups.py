@@ -1,0 +1,163 @@
+"""Backup drivers: L1 -> L2 (-> L3) write-through and write-back copies, part of `OpRunner`
+(hicache/operations.py holds the shared machinery: locks, claims, waits, failure and release).
+
+A backup locks its L1 source (and the L2 prefix it extends), reserves private L2 pages, enqueues the
+D2H copy and publishes the pages once it completed; then, where L3 is worth writing, the same for
+H2S. A backup asked for while one of its prefixes is being backed up waits for that one and copies
+only the pages beyond it. Backups that the engine's step processing asks for start once that
+step's tokens reached their clients (`backup_soon`).
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from hicache.ops import Op, OpEvent, OpKind, apply
+from hicache.radix import Node, Tier
+from hicache.storage import StorageError
+
+
+class Backups:
+    """Mixin of `OpRunner`: the backup half of its drivers."""
+
+    def write_back_keep(self, node: Node) -> bool:
+        """Eviction veto for write_back: an L1 leaf not yet in L2 is backed up first."""
+        if self.mgr.config.write_policy != "write_back" or node.pages[Tier.L2] is not None:
+            return False
+        tokens: list[int] = []
+        n = node
+        while n is not None and n is not self.mgr.tree.root:
+            tokens[:0] = n.key
+            n = n.parent
+        key = tuple(tokens)
+        # kept while a backup of it runs, or waits for the one of its prefix (start_backup defers it)
+        return self.start_backup(key) is not None or key in self._deferred.values()
+
+    def backup_soon(self, tokens: Sequence[int]) -> None:
+        """Start a backup of `tokens` once every callback ready now has run. The engine publishes a
+        request's pages while it processes a step, before that step's tokens reach their clients
+        (they run when the loop next turns); enqueueing a backup costs ~0.3-0.6 ms of loop time, so
+        a batch of 32 prompts that ended together would otherwise delay its last token by ~20 ms
+        (docs/benchmarks.md, session 13). Two hops: the first callback runs where it was queued,
+        possibly before later tokens of the same step were emitted; the second is queued behind
+        them. Due backups also start before anything could evict their pages unsaved or outdate a
+        match (`CacheManager.match`, `alloc_pages` when L1 must evict, `flush`) and when the runner
+        drains; a drain that cancels drops them. (Starting them only before a match that finds L2
+        or L3 pages, so that a prefill batch's backups ran under the next batch's forward, was
+        measured and dropped: first tokens of a 32-prompt burst no sooner, docs/benchmarks.md.)"""
+        self._due.append(tuple(tokens))
+        if self._due_scheduled:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a synchronous caller): now
+            self.start_due()
+            return
+        self._due_scheduled = True
+        loop.call_soon(loop.call_soon, self.start_due)
+
+    @property
+    def has_due(self) -> bool:
+        return bool(self._due)
+
+    def start_due(self) -> None:
+        """Start every backup `backup_soon` queued, in the order asked (nothing when none is)."""
+        self._due_scheduled = False  # (a hop still scheduled then finds nothing, or what came since)
+        if not self._due:
+            return
+        due, self._due = self._due, []
+        for tokens in due:
+            self.start_backup(tokens)
+
+    def start_backup(self, tokens: Sequence[int], request_id: str | None = None) -> Op | None:
+        mgr, ps = self.mgr, self.mgr.page_size
+        tokens = tuple(tokens[: len(tokens) - len(tokens) % ps])
+        if tokens in self._backing_up or not tokens:
+            return None
+        for key in self._backing_up:
+            if tokens[:len(key)] == key or key[:len(tokens)] == tokens:
+                if len(tokens) > len(key):  # extends an in-flight backup: start when it ends
+                    waiting = self._deferred.get(key, ())
+                    self._deferred[key] = tokens if len(tokens) > len(waiting) else waiting
+                return None  # (a prefix of one in flight is covered by it)
+        m = mgr.tree.match(tokens, include_storage=mgr.has_l3, touch=False)
+        n1, n2 = m.lengths[Tier.L1], m.lengths[Tier.L2]
+        if n1 <= n2:
+            return None
+        if not mgr.worth_writing("l2", n1) or not mgr.backup_pays_off(n1):
+            mgr.metrics.policy_skips["write_l2"] += 1
+            return None
+        op = self._new(OpKind.BACKUP, (n1 - n2) // ps, request_id)
+        # lock the sources first: allocating L2 pages evicts L2 leaves, and the L2 prefix [0, n2)
+        # that the new pages extend must survive it
+        self._lock(op, m.handles[Tier.L1], Tier.L1)
+        self._lock(op, m.handles[Tier.L2], Tier.L2)
+        claim = self._claim(op, Tier.L2)
+        host_pages = mgr.alloc_pages(Tier.L2, (n1 - n2) // ps, claim)
+        if host_pages is None:  # L2 full of locked pages: skip, never wait
+            self._release(op)
+            mgr.metrics.policy_skips["write_l2"] += 1
+            return None
+        apply(op, OpEvent.START)
+        tr = mgr.transfer.d2h(m.pages[Tier.L1][n2 // ps: n1 // ps], host_pages)
+        mgr.metrics.backups_started += 1
+        key = tokens[:n1]
+        self._backing_up.add(key)
+        op.payload.update(transfer=tr, backup_key=key)
+        return self._register(op, self._drive_backup(op, key, n2, host_pages))
+
+    async def _drive_backup(self, op: Op, tokens: tuple[int, ...], start: int, host_pages) -> None:
+        mgr, ps = self.mgr, self.mgr.page_size
+        try:
+            try:
+                await self._wait_transfer(op, op.payload.pop("transfer"), "d2h")
+            except Exception as exc:
+                self._fail(op, str(exc), "transfer")
+                return
+            if self._cancelled(op):
+                return
+            apply(op, OpEvent.D2H_DONE)
+            self._publish(op, tokens, Tier.L2, host_pages, start)
+            self._unlock_all(op)
+            n = len(tokens)
+            if not mgr.has_l3 or not mgr.worth_writing("l3", n) or not mgr.l3_write_pays_off():
+                if mgr.has_l3:
+                    mgr.metrics.policy_skips["write_l3"] += 1
+                apply(op, OpEvent.SKIP_L3)
+                mgr.metrics.backups_done += 1
+                return
+            m = mgr.tree.match(tokens, include_storage=True, touch=False)
+            n2, n3 = m.lengths[Tier.L2], m.lengths[Tier.L3]
+            if n3 >= n2:
+                apply(op, OpEvent.SKIP_L3)
+                mgr.metrics.backups_done += 1
+                return
+            self._lock(op, m.handles[Tier.L2], Tier.L2)  # before allocating: see start_backup
+            self._lock(op, m.handles[Tier.L3], Tier.L3)
+            claim = self._claim(op, Tier.L3)
+            slots = mgr.alloc_pages(Tier.L3, (n2 - n3) // ps, claim)
+            if slots is None:
+                self._release(op)
+                mgr.metrics.policy_skips["write_l3"] += 1
+                apply(op, OpEvent.SKIP_L3)
+                mgr.metrics.backups_done += 1
+                return
+            apply(op, OpEvent.START)
+            future = mgr.store.write_pages(mgr.l2.page_buffer, m.pages[Tier.L2][n3 // ps: n2 // ps], slots,
+                                           **mgr.page_keys(tokens, n3, n2))
+            try:
+                await self._wait_io(op, future, "h2s")
+            except StorageError as exc:
+                self._storage_failed(op, exc)
+                return
+            if self._cancelled(op):
+                return
+            apply(op, OpEvent.H2S_DONE)
+            self._publish(op, tokens[:n2], Tier.L3, slots, n3)
+            self._unlock_all(op)
+            mgr.metrics.backups_done += 1
+        finally:
+            self._backing_up.discard(tokens)
+            later = self._deferred.pop(tokens, None)
+            if later is not None and op.succeeded:  # (a failed or cancelled one drops it)
+                self.start_backup(later)

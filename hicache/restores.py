@@ -1,0 +1,133 @@
+"""Restore and prefetch drivers: L2 -> L1, L3 -> L2 (-> L1), part of `OpRunner`
+(hicache/operations.py holds the shared machinery: locks, claims, waits, failure and release).
+
+A restore locks its source tiers, reserves private destination pages, enqueues S2H and/or H2D and
+publishes each tier's pages once its copy completed; an L2 restore may land layer by layer under
+its tail's forward (`layerwise`). A prefetch (`PREFETCH_L3`) is the L3 -> L2 half alone, started
+when a request is queued.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from hicache.ops import Op, OpEvent, OpKind, apply
+from hicache.radix import Tier
+from hicache.storage import StorageError
+
+
+class Restores:
+    """Mixin of `OpRunner`: the restore and prefetch half of its drivers."""
+
+    def start_restore(self, tokens: Sequence[int], match, tier: str, request_id: str | None,
+                      layerwise: bool = False) -> Op | None:
+        """Restore tokens[l1_len : tier_len] into L1 (through L2 for an L3 hit). None when the
+        needed pages cannot be had right now (the caller recomputes).
+
+        layerwise (L2 restores): copy in layer order where the transfer engine can (then
+        op.payload["layerwise"] is True, op.payload["l1_pages"] are the pages being filled and
+        op.payload["transfer"] is the copy, whose layer flags a forward may wait for right away)."""
+        mgr, ps = self.mgr, self.mgr.page_size
+        l1, l2, l3 = match.lengths
+        if (l2 <= l1) if tier == "l2" else (l3 <= max(l1, l2)):
+            return None  # nothing to copy (a stale match): zero-page copies are not transfers
+        if tier == "l2":
+            op = self._new(OpKind.RESTORE_L2, (l2 - l1) // ps, request_id)
+            self._lock(op, match.handles[Tier.L1], Tier.L1)
+            if not self._start_h2d(op, tuple(tokens[:l2]), match, l1, layerwise):
+                self._release(op)
+                return None
+            mgr.metrics.restores_started += 1
+            return self._register(op, self._drive_restore(op, tuple(tokens[:l2])))
+        kind = OpKind.RESTORE_L3 if tier == "l3" else OpKind.PREFETCH_L3
+        op = self._new(kind, (l3 - min(l1, l2)) // ps, request_id)
+        self._lock(op, match.handles[Tier.L1], Tier.L1)
+        future = self._start_s2h(op, match, tokens)
+        if future is None:
+            self._release(op)
+            return None
+        mgr.metrics.restores_started += kind is OpKind.RESTORE_L3
+        return self._register(op, self._drive_restore(op, tuple(tokens[:l3]), future, l2))
+
+    def _start_s2h(self, op: Op, match, tokens: Sequence[int]):
+        mgr, ps = self.mgr, self.mgr.page_size
+        l2, l3 = match.lengths[Tier.L2], match.lengths[Tier.L3]
+        self._lock(op, match.handles[Tier.L3], Tier.L3)  # before allocating: see start_backup
+        self._lock(op, match.handles[Tier.L2], Tier.L2)
+        claim = self._claim(op, Tier.L2)
+        host_pages = mgr.alloc_pages(Tier.L2, (l3 - l2) // ps, claim)
+        if host_pages is None:
+            return None
+        apply(op, OpEvent.START)
+        op.payload["host_pages"] = host_pages
+        return mgr.store.read_pages(match.pages[Tier.L3][l2 // ps: l3 // ps], mgr.l2.page_buffer, host_pages,
+                                    **mgr.page_keys(tokens, l2, l3))
+
+    def _start_h2d(self, op: Op, tokens: tuple[int, ...], match, l1_start: int, layerwise: bool = False) -> bool:
+        mgr, ps = self.mgr, self.mgr.page_size
+        end = len(tokens)
+        self._lock(op, match.handles[Tier.L2], Tier.L2)
+        claim = self._claim(op, Tier.L1)
+        l1_pages = mgr.alloc_pages(Tier.L1, (end - l1_start) // ps, claim)
+        if l1_pages is None:
+            return False
+        apply(op, OpEvent.START)
+        host_pages = match.pages[Tier.L2][l1_start // ps: end // ps]
+        transfer = mgr.transfer.h2d_layerwise(host_pages, l1_pages) if layerwise and l1_pages else None
+        op.payload["layerwise"] = transfer is not None
+        if transfer is None and l1_pages:
+            transfer = mgr.transfer.h2d(host_pages, l1_pages)
+        op.payload.update(l1_pages=l1_pages, l1_start=l1_start, l1_end=end, transfer=transfer)
+        return True
+
+    async def _drive_restore(self, op: Op, tokens: tuple[int, ...], future=None, l2_start: int = 0) -> None:
+        mgr = self.mgr
+        t0 = time.monotonic_ns()
+        if future is not None:  # S2H_PENDING
+            try:
+                await self._wait_io(op, future, "s2h", self._io_deadline_s(op.num_bytes))
+            except StorageError as exc:
+                self._storage_failed(op, exc, future)
+                return
+            if self._cancelled(op):
+                return
+            apply(op, OpEvent.S2H_DONE)
+            self._publish(op, tokens, Tier.L2, op.payload.pop("host_pages"), l2_start)
+            self._unlock_all_but_l1(op)
+            mgr.metrics.promotions += 1
+            mgr.reuse[Tier.L3].on_read(op.num_pages)
+            if op.kind is OpKind.PREFETCH_L3:
+                self._unlock_all(op)
+                return
+            match = mgr.tree.match(tokens, include_storage=False)
+            l1_start = match.lengths[Tier.L1]
+            # L1 may have grown meanwhile (another request computed or restored part of it): the
+            # restored pages land after that prefix, so lock it: allocating may evict it
+            self._lock(op, match.handles[Tier.L1], Tier.L1)
+            if match.lengths[Tier.L2] < len(tokens) or not self._start_h2d(op, tokens, match, l1_start):
+                self._fail(op, "no L1 pages for the H2D step", "no_pages")
+                return
+        transfer = op.payload.pop("transfer")
+        if transfer is not None:  # None: L1 already held everything, nothing to copy
+            try:  # H2D_PENDING
+                await self._wait_transfer(op, transfer, "h2d")
+            except Exception as exc:
+                self._fail(op, str(exc), "transfer")
+                return
+        if self._cancelled(op):
+            return
+        apply(op, OpEvent.H2D_DONE)
+        l1_pages = op.payload.pop("l1_pages")
+        if op.kind is OpKind.RESTORE_L2:
+            mgr.reuse[Tier.L2].on_read(len(l1_pages))
+        self._publish(op, tokens, Tier.L1, l1_pages, op.payload["l1_start"])
+        self._unlock_all(op)
+        mgr.metrics.restores_done += 1
+        mgr.metrics.restore_s += (time.monotonic_ns() - t0) / 1e9
+
+    def _unlock_all_but_l1(self, op: Op) -> None:
+        keep = [(n, t) for n, t in op.payload["locks"] if t is Tier.L1]
+        for node, tier in reversed(op.payload["locks"]):
+            if tier is not Tier.L1:
+                self.mgr.tree.unlock(node, tier)
+        op.payload["locks"] = keep
