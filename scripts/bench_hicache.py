@@ -251,7 +251,8 @@ async def measure(args, tier: str, prefix_tokens: int, prompts, bdir: BenchDir) 
     if tier == "l3" and restore_bytes:
         fr = file_read_limit(str(store_dir), restore_bytes, args.io_workers, cold=args.storage_cache == "cold",
                              pinned=args.device == "cuda")
-        limits.update(file_read_gib_s=fr["file_read_gib_s"], file_read_cache=fr["cache"],
+        limits.update(file_read_gib_s=fr["file_read_gib_s"], file_read_llc_cold_gib_s=fr["file_read_llc_cold_gib_s"],
+                      file_read_cache=fr["cache"],
                       file_read_threads=fr["threads"], page_cache_dropped=fr["page_cache_dropped"])
 
     lat_ms = ms_summary(lats, quantiles=(50,))
