@@ -219,3 +219,26 @@ def test_bench_allocator_reports_both_layouts(capsys):
     for layout in ("run", "scattered"):
         assert set(out["us_per_call"][layout]) == {"alloc", "give_to_tree", "free_from_tree"}
         assert all(v > 0 for v in out["us_per_call"][layout].values())
+
+
+def test_file_read_limit_also_times_the_read_with_the_cpu_cache_flushed(tmp_path, monkeypatch):
+    """A warm raw read back to back can come from the CPU's last-level cache: the limit also reports
+    the read after flushing it (a buffer of twice its size written); a cold read does not need it."""
+    common = load("bench_common")
+    monkeypatch.setattr(common, "last_level_cache_bytes", lambda: 1 << 20)
+    warm = common.file_read_limit(str(tmp_path), 1 << 20, 2, cold=False, pinned=False)
+    assert warm["file_read_gib_s"] > 0 and warm["file_read_llc_cold_gib_s"] > 0
+    cold = common.file_read_limit(str(tmp_path), 1 << 20, 2, cold=True, pinned=False)
+    assert cold["file_read_llc_cold_gib_s"] is None
+    assert not list(tmp_path.iterdir())  # the probe file is removed
+
+
+def test_last_level_cache_bytes_reads_the_largest_listed_cache(tmp_path, monkeypatch):
+    common = load("bench_common")
+    for i, size in enumerate(["48K", "2048K", "300M"]):
+        (tmp_path / f"index{i}").mkdir()
+        (tmp_path / f"index{i}" / "size").write_text(size + "\n")
+    monkeypatch.setattr(common.glob, "glob", lambda pattern: sorted(str(p / "size") for p in tmp_path.iterdir()))
+    assert common.last_level_cache_bytes() == 300 << 20
+    monkeypatch.setattr(common.glob, "glob", lambda pattern: [])
+    assert common.last_level_cache_bytes() is None
