@@ -19,6 +19,7 @@ class Fault(enum.Enum):
     SHORT_WRITE = "short_write"  # a write transfers half an extent, then accepts nothing
     ENOSPC_WRITE = "enospc_write"  # a file write fails with ENOSPC
     SLOW_READ = "slow_read"  # a read worker sleeps delay_s before reading
+    SLOW_VERIFY = "slow_verify"  # a read's checksum job sleeps delay_s before hashing (the bytes landed)
     TRANSFER_RAISE = "transfer_raise"  # a device/host transfer whose completion raises
 
 

@@ -88,12 +88,16 @@ class OpRunner(Backups, Restores):
             # and validates them only on success; duplicates were invalidated in _publish
             self.mgr.release_claim(claim, tier)
 
-    def _publish(self, op: Op, tokens: Sequence[int], tier: Tier, pages: list[int], start: int) -> None:
+    def _publish(self, op: Op, tokens: Sequence[int], tier: Tier, pages: list[int], start: int,
+                 keep_claim: bool = False) -> None:
+        """Hand `pages` (tokens[start:]) to the tree. keep_claim: a copy still reads them, so
+        duplicates (pages another op published first) stay the op's until it releases them."""
         claim = op.payload["claims"][tier]
         dups = self.mgr.tree.insert(tokens, tier, pages, claim, start_tokens=start)
         if dups and tier is Tier.L3 and self.mgr.store is not None:
             self.mgr.store.invalidate(dups)
-        self._close_claim(op, tier)  # frees duplicates; the op no longer owns the published pages
+        if not keep_claim:
+            self._close_claim(op, tier)  # frees duplicates; the op no longer owns the published pages
 
     def _release(self, op: Op) -> None:
         self._unlock_all(op)
@@ -115,16 +119,11 @@ class OpRunner(Backups, Restores):
         if not op.done:
             apply(op, OpEvent.CANCEL, error="driver task cancelled")
             self.mgr.metrics.cancellations += 1
-        inflight = op.payload.pop("inflight", None)
-        if inflight is None and op.payload.get("transfer") is not None:
-            # the driver never waited for its copy, which may still be in flight: the pages stay
-            # held until it has settled
-            inflight = asyncio.ensure_future(self.mgr.transfer.wait(op.payload.pop("transfer")))
         key = op.payload.pop("backup_key", None)
         if key is not None:  # (a driver that never ran never reached its finally)
             self._backing_up.discard(key)
             self._deferred.pop(key, None)
-        self._settle_then_release(op, inflight)
+        self._settle_then_release(op, self._in_flight(op))
         self.live.pop(op.op_id, None)
         self._tasks.pop(op.op_id, None)
         self._wake(op)
@@ -190,10 +189,27 @@ class OpRunner(Backups, Restores):
         if tr.enqueue_ns < JIT_ENQUEUE_NS:  # a slower enqueue compiled a kernel: a one-time cost
             mgr.cost.observe_transfer(direction, tr.num_bytes, max(0.0, e2e_s - tr.setup_ns / 1e9))
 
-    async def _wait_io(self, op: Op, future, direction: str, deadline_s: float | None = None) -> None:
-        """Await an L3 read/write. Past the deadline the op fails now, but its private pages stay
-        reserved until the I/O settles (a late read must not land in reused pages)."""
-        t0 = time.monotonic_ns()
+    async def _wait_landed(self, op: Op, future, deadline_s: float) -> None:
+        """Await a verified L3 read's bytes (storage.ReadFuture.landed), not its checksums. Raises
+        StorageError for a failed read or past the deadline (the I/O then settles in the
+        background before the op's pages are freed: see _storage_failed)."""
+        landed = asyncio.wrap_future(future.landed)
+        op.payload["inflight"] = future  # settled (with its checksums) before pages are freed
+        try:
+            await asyncio.wait_for(asyncio.shield(landed), deadline_s)
+        except asyncio.TimeoutError:
+            landed.add_done_callback(lambda f: f.cancelled() or f.exception())
+            raise StorageError("timeout", f"s2h slower than its {deadline_s:.3f} s deadline") from None
+        finally:
+            if not asyncio.current_task().cancelling():
+                op.payload.pop("inflight", None)
+
+    async def _wait_io(self, op: Op, future, direction: str, deadline_s: float | None = None,
+                       since_ns: int | None = None) -> None:
+        """Await an L3 read/write (its end-to-end time counted from `since_ns`, default now). Past
+        the deadline the op fails now, but its private pages stay reserved until the I/O settles
+        (a late read must not land in reused pages)."""
+        t0 = time.monotonic_ns() if since_ns is None else since_ns
         fut = op.payload["inflight"] = asyncio.wrap_future(future)
         try:
             if deadline_s is None:
@@ -214,6 +230,19 @@ class OpRunner(Backups, Restores):
                   service_s=result.service_ns / 1e9, end_to_end_s=e2e_s, extents=result.num_extents)
         self.mgr.cost.observe_transfer(direction, result.num_bytes,
                                        (result.queue_wait_ns + result.service_ns) / 1e9)
+
+    def _in_flight(self, op: Op, *also) -> asyncio.Future | None:
+        """What the op has in flight and must see settle before its pages are freed: the I/O or copy
+        its driver was awaiting, a copy it enqueued but never awaited (a prefetch taken on to L1
+        fails while verifying), and `also`; None when nothing is."""
+        pending = [f for f in (op.payload.pop("inflight", None), *also) if f is not None]
+        transfer = op.payload.pop("transfer", None)
+        if transfer is not None:
+            pending.append(asyncio.ensure_future(self.mgr.transfer.wait(transfer)))
+        if not pending:
+            return None
+        return asyncio.gather(*(f if isinstance(f, asyncio.Future) else asyncio.wrap_future(f) for f in pending),
+                              return_exceptions=True)
 
     def _settle_then_release(self, op: Op, future) -> None:
         """Hold the op's private pages until its abandoned I/O or copy finished (a concurrent or an
@@ -237,13 +266,14 @@ class OpRunner(Backups, Restores):
         task.add_done_callback(self._settling.discard)
 
     def _storage_failed(self, op: Op, exc: StorageError, future=None) -> None:
-        if exc.kind == "timeout" and future is not None:
+        late_io = future if exc.kind == "timeout" else None  # the I/O itself has not settled
+        if late_io is not None or op.payload.get("transfer") is not None:  # (an H2D of a taken prefetch)
             apply(op, OpEvent.FAIL, error=str(exc))
-            self._settle_then_release(op, future)
-            self.mgr.metrics.count_failure("timeout")
+            self._settle_then_release(op, self._in_flight(op, late_io))
+            self.mgr.metrics.count_failure(exc.kind)
             self.mgr.metrics.fallbacks += 1
-            return
-        self._fail(op, str(exc), exc.kind)
+        else:
+            self._fail(op, str(exc), exc.kind)
         if exc.bad_slots:
             self.mgr.metrics.storage_missing_pages += len(exc.bad_slots)
             self._drop_l3_slots(set(exc.bad_slots))

@@ -12,6 +12,11 @@ Kinds:
   RESTORE_L2   L2 -START-> H2D_PENDING -H2D_DONE-> L1_L2
   RESTORE_L3   L3 -START-> S2H_PENDING -S2H_DONE-> L2_L3 -START-> H2D_PENDING -H2D_DONE-> L1_L2_L3
   PREFETCH_L3  L3 -START-> S2H_PENDING -S2H_DONE-> L2_L3   (promotion only, started when a request queues)
+               S2H_PENDING -S2H_LANDED-> S2H_LANDED -S2H_DONE-> L2_L3   (a verified read: bytes landed first)
+               S2H_LANDED -START-> H2D_VERIFYING -S2H_DONE-> H2D_PENDING -H2D_DONE-> L1_L2_L3
+                 (taken on to L1 by the request that queued it while the read's checksums still run:
+                 the H2D and the request's forward start at once; nothing is published before the
+                 checksums passed, and a failed checksum fails the op, which discards that forward)
 FAIL and CANCEL are legal from every non-terminal state and lead to FAILED / CANCELLED.
 A state is terminal *for a kind* when the kind's table has no way out of it (`TERMINAL[kind]`):
 L1_L2 ends a RESTORE_L2 but is a midpoint of a BACKUP, which is why a backup that skips L3 ends in
@@ -28,6 +33,9 @@ Ownership rule (what the driver does for each Action):
     settle before reusing its pages (shielded from cancellation).
   * In RESTORE_L3, PUBLISH_L2 after S2H hands the promoted L2 pages to the tree and clears the op's
     private claim on them *before* H2D starts, so a later H2D failure cannot free published pages.
+    A prefetch taken on to L1 publishes its L2 pages while its H2D may still read them: it locks
+    them in L2 at once, and keeps any duplicate (another op published the same tokens first) in
+    its claim until the H2D settled.
 """
 from __future__ import annotations
 
@@ -60,6 +68,8 @@ class OpState(enum.Enum):
     H2D_PENDING = "h2d_pending"
     L3 = "l3"
     S2H_PENDING = "s2h_pending"
+    S2H_LANDED = "s2h_landed"    # the read's bytes are in L2 (private), its checksums still running
+    H2D_VERIFYING = "h2d_verifying"  # taken on to L1: H2D in flight while those checksums finish
     L2_L3 = "l2_l3"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -69,6 +79,7 @@ class OpEvent(enum.Enum):
     START = "start"
     D2H_DONE = "d2h_done"
     H2S_DONE = "h2s_done"
+    S2H_LANDED = "s2h_landed"
     S2H_DONE = "s2h_done"
     H2D_DONE = "h2d_done"
     SKIP_L3 = "skip_l3"
@@ -111,6 +122,11 @@ _STEPS: dict[OpKind, tuple[tuple[OpState, OpEvent, OpState, Action], ...]] = {
     OpKind.PREFETCH_L3: (
         (S.L3, E.START, S.S2H_PENDING, A.START_S2H),
         (S.S2H_PENDING, E.S2H_DONE, S.L2_L3, A.PUBLISH_L2),
+        (S.S2H_PENDING, E.S2H_LANDED, S.S2H_LANDED, A.NONE),
+        (S.S2H_LANDED, E.S2H_DONE, S.L2_L3, A.PUBLISH_L2),
+        (S.S2H_LANDED, E.START, S.H2D_VERIFYING, A.START_H2D),
+        (S.H2D_VERIFYING, E.S2H_DONE, S.H2D_PENDING, A.PUBLISH_L2),
+        (S.H2D_PENDING, E.H2D_DONE, S.L1_L2_L3, A.PUBLISH_L1),
     ),
 }
 del S, E, A
@@ -122,7 +138,8 @@ INITIAL: Mapping[OpKind, OpState] = MappingProxyType({
 # Which tiers a pending state copies between: (locked source, private destination).
 PENDING_STEPS: Mapping[OpState, tuple[str, str]] = MappingProxyType({
     OpState.D2H_PENDING: ("l1", "l2"), OpState.H2S_PENDING: ("l2", "l3"),
-    OpState.S2H_PENDING: ("l3", "l2"), OpState.H2D_PENDING: ("l2", "l1"),
+    OpState.S2H_PENDING: ("l3", "l2"), OpState.S2H_LANDED: ("l3", "l2"),
+    OpState.H2D_VERIFYING: ("l2", "l1"), OpState.H2D_PENDING: ("l2", "l1"),
 })
 
 

@@ -4,14 +4,16 @@
 A restore locks its source tiers, reserves private destination pages, enqueues S2H and/or H2D and
 publishes each tier's pages once its copy completed; an L2 restore may land layer by layer under
 its tail's forward (`layerwise`). A prefetch (`PREFETCH_L3`) is the L3 -> L2 half alone, started
-when a request is queued.
+when a request is queued; once its read landed, while the read's checksums are still being
+verified, the request may take it on to L1 (`take_to_l1`), so that hashing runs beside the H2D and
+the tail's forward instead of before them.
 """
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
 
-from hicache.ops import Op, OpEvent, OpKind, apply
+from hicache.ops import Op, OpEvent, OpKind, OpState, apply
 from hicache.radix import Tier
 from hicache.storage import StorageError
 
@@ -46,6 +48,7 @@ class Restores:
         if future is None:
             self._release(op)
             return None
+        op.payload.update(l2_start=l2, l3_end=l3)
         mgr.metrics.restores_started += kind is OpKind.RESTORE_L3
         return self._register(op, self._drive_restore(op, tuple(tokens[:l3]), future, l2))
 
@@ -80,25 +83,68 @@ class Restores:
         op.payload.update(l1_pages=l1_pages, l1_start=l1_start, l1_end=end, transfer=transfer)
         return True
 
+    def take_to_l1(self, op: Op, match) -> bool:
+        """A prefetch whose read landed (S2H_LANDED: its checksums are still being verified) goes on
+        to L1 for the request that queued it: the H2D starts now, layer by layer, from the L2
+        prefix `match` holds below the promoted range and from the op's still-private L2 pages, so
+        the request's tail forward can start as well (op.payload as for a layerwise restore). The
+        op publishes its L2 pages once the checksums passed and its L1 pages once the H2D is done;
+        a failed checksum fails it, and the forward's output goes with it (Admission.adopt_restored).
+        False, with nothing changed, when it cannot be taken: not landed, cancelled, L1 now holds
+        part of the promoted range, no L1 pages, or no layer-ordered copy on this machine."""
+        mgr, ps = self.mgr, self.mgr.page_size
+        l2_start, end = op.payload.get("l2_start", 0), op.payload.get("l3_end", 0)
+        l1 = match.lengths[Tier.L1]
+        if (op.state is not OpState.S2H_LANDED or op.payload["cancel"] or l1 > l2_start
+                or match.lengths[Tier.L2] < l2_start):
+            return False
+        # [n] host pages in token order: the published L2 prefix [l1, l2_start), then the promoted pages
+        host_pages = list(match.pages[Tier.L2][l1 // ps: l2_start // ps]) + list(op.payload["host_pages"])
+        num_locks = len(op.payload["locks"])
+        self._lock(op, match.handles[Tier.L1], Tier.L1)  # allocating may evict: keep the L1 prefix
+        l1_pages = mgr.alloc_pages(Tier.L1, len(host_pages), self._claim(op, Tier.L1))
+        transfer = mgr.transfer.h2d_layerwise(host_pages, l1_pages) if l1_pages else None
+        if transfer is None:
+            self._close_claim(op, Tier.L1)
+            for node, tier in reversed(op.payload["locks"][num_locks:]):
+                mgr.tree.unlock(node, tier)
+            del op.payload["locks"][num_locks:]
+            return False
+        apply(op, OpEvent.START)
+        op.payload.update(layerwise=True, l1_pages=l1_pages, l1_start=l1, l1_end=end, transfer=transfer)
+        mgr.metrics.restores_started += 1
+        return True
+
     async def _drive_restore(self, op: Op, tokens: tuple[int, ...], future=None, l2_start: int = 0) -> None:
         mgr = self.mgr
         t0 = time.monotonic_ns()
         if future is not None:  # S2H_PENDING
+            deadline_s = self._io_deadline_s(op.num_bytes)
             try:
-                await self._wait_io(op, future, "s2h", self._io_deadline_s(op.num_bytes))
+                if op.kind is OpKind.PREFETCH_L3 and getattr(future, "landed", None) is not None:
+                    await self._wait_landed(op, future, deadline_s)
+                    if not op.payload["cancel"]:  # (a cancelled one is for no request to take)
+                        apply(op, OpEvent.S2H_LANDED)
+                        mgr.wakeup()  # the request parked on this prefetch may take it on to L1 now
+                await self._wait_io(op, future, "s2h", deadline_s, since_ns=t0)
             except StorageError as exc:
                 self._storage_failed(op, exc, future)
                 return
-            if self._cancelled(op):
+            taken = op.state is OpState.H2D_VERIFYING  # its H2D is in flight: cancel after it settled
+            if not taken and self._cancelled(op):
                 return
             apply(op, OpEvent.S2H_DONE)
-            self._publish(op, tokens, Tier.L2, op.payload.pop("host_pages"), l2_start)
-            self._unlock_all_but_l1(op)
+            self._publish(op, tokens, Tier.L2, op.payload.pop("host_pages"), l2_start, keep_claim=taken)
             mgr.metrics.promotions += 1
             mgr.reuse[Tier.L3].on_read(op.num_pages)
-            if op.kind is OpKind.PREFETCH_L3:
+            if taken:  # the H2D still reads these pages: nothing may evict them (locks go at the end)
+                self._lock(op, mgr.tree.match(tokens, include_storage=False).handles[Tier.L2], Tier.L2)
+            elif op.kind is OpKind.PREFETCH_L3:
                 self._unlock_all(op)
                 return
+            else:
+                self._unlock_all_but_l1(op)
+        if op.kind is OpKind.RESTORE_L3 and future is not None:
             match = mgr.tree.match(tokens, include_storage=False)
             l1_start = match.lengths[Tier.L1]
             # L1 may have grown meanwhile (another request computed or restored part of it): the
@@ -121,7 +167,7 @@ class Restores:
         if op.kind is OpKind.RESTORE_L2:
             mgr.reuse[Tier.L2].on_read(len(l1_pages))
         self._publish(op, tokens, Tier.L1, l1_pages, op.payload["l1_start"])
-        self._unlock_all(op)
+        self._release(op)  # unlocks; a taken prefetch's duplicate L2 pages (if any) are freed now
         mgr.metrics.restores_done += 1
         mgr.metrics.restore_s += (time.monotonic_ns() - t0) / 1e9
 

@@ -133,10 +133,30 @@ def _open_path(path: str, size_bytes: int) -> int:
     return fd
 
 
+def page_checksum(page: memoryview) -> int:
+    """xxh3-64 of one page, through the hasher object, which hashes without holding the GIL (the
+    one-shot `xxhash.xxh3_64_intdigest`, same value, holds it for the whole page), so the verify
+    threads hash side by side and beside the engine's loop. On the H200 at 350 / 1,000 tokens the
+    two forms restored equally fast (docs/benchmarks.md, session 15)."""
+    return xxhash.xxh3_64(page).intdigest()
+
+
 def _done_future(result: IoResult | None = None, error: BaseException | None = None) -> cf.Future:
     future: cf.Future = cf.Future()
     future.set_exception(error) if error is not None else future.set_result(result)
     return future
+
+
+class ReadFuture(cf.Future):
+    """A verified read's future (resolves once every checksum passed), with `landed`: a future
+    that resolves (to None) as soon as every byte is in the host buffer, while the checksums may
+    still be running, or with the read's error when a read failed. A restore may start copying the
+    landed bytes onward, as long as it accepts what it computed from them only once the read's
+    own future succeeded (hicache/restores.py, `take_to_l1`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.landed: cf.Future = cf.Future()
 
 
 class _Op:
@@ -150,8 +170,9 @@ class _Op:
         self.expected = expected  # read: checksums to verify against, by op index
         self.gens = gens  # write: slot generations at submit; published only if unchanged
         self.hashes = np.zeros(len(slots), dtype=np.uint64) if (not is_read and store.checksum) else None
-        self.future: cf.Future = cf.Future()
+        self.future: cf.Future = ReadFuture() if expected is not None else cf.Future()
         self.future.set_running_or_notify_cancel()  # I/O cannot be abandoned midway: no cancel
+        self._landed_left = num_tasks  # verified reads: tasks whose bytes have not all landed yet
         self.submit_ns = time.monotonic_ns()
         self._lock = threading.Lock()
         self._tasks_left = num_tasks
@@ -164,6 +185,14 @@ class _Op:
         with self._lock:
             if self._first_start_ns is None or now_ns < self._first_start_ns:
                 self._first_start_ns = now_ns
+
+    def task_landed(self) -> None:
+        """A task's reads all landed (its checksums may still be running)."""
+        with self._lock:
+            self._landed_left -= 1
+            if self._landed_left > 0 or self._error is not None:
+                return
+        self.future.landed.set_result(None)
 
     def task_done(self, error: BaseException | None, bad_slots: list[int], end_ns: int) -> None:
         with self._lock:
@@ -180,6 +209,8 @@ class _Op:
         self.view = None  # type: ignore[assignment]
         self.buffer_ref = None  # type: ignore[assignment]
         if self._error is not None:
+            if isinstance(self.future, ReadFuture) and not self.future.landed.done():  # a read failed
+                self.future.landed.set_exception(self._error)
             self.future.set_exception(self._error)
             return
         if self._bad_slots:
@@ -436,7 +467,7 @@ class FileStore:
                 view = op.view[host_page * bpp:(host_page + n) * bpp]
                 if op.hashes is not None:  # write: hash the bytes being written, off the event loop
                     for k in range(n):
-                        op.hashes[op_index + k] = xxhash.xxh3_64_intdigest(view[k * bpp:(k + 1) * bpp])
+                        op.hashes[op_index + k] = page_checksum(view[k * bpp:(k + 1) * bpp])
                 short = False
                 if faults is not None:
                     errors = _READ_ERROR_FAULTS if is_read else _WRITE_ERROR_FAULTS
@@ -452,14 +483,18 @@ class FileStore:
                         verifying.append(self._verify_pool.submit(
                             self._verify, view[k0 * bpp:k1 * bpp], op.expected[op_index + k0:op_index + k1],
                             slot + k0))
+            if op.expected is not None:
+                op.task_landed()
         finally:
             for f in verifying:  # always settle: the host buffer must not be reused under a hash
                 bad_slots.extend(f.result())
 
     def _verify(self, view: memoryview, expected: np.ndarray, first_slot: int) -> list[int]:
         bpp = self.bytes_per_page
+        if self.faults is not None and self.faults.should_fire(Fault.SLOW_VERIFY):
+            time.sleep(self.faults.delay_s(Fault.SLOW_VERIFY))
         return [first_slot + k for k in range(len(expected))
-                if xxhash.xxh3_64_intdigest(view[k * bpp:(k + 1) * bpp]) != int(expected[k])]
+                if page_checksum(view[k * bpp:(k + 1) * bpp]) != int(expected[k])]
 
     def _transfer_all(self, is_read: bool, view: memoryview, offset_bytes: int, short: bool, slot: int,
                       num_pages: int) -> None:

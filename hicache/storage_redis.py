@@ -42,7 +42,6 @@ import redis.asyncio as aioredis
 import redis.retry
 import structlog
 import torch
-import xxhash
 from redis import exceptions as rexc
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -51,7 +50,7 @@ from hicache.faults import Fault, FaultInjector
 from hicache.geometry import KVGeometry
 from hicache.page_keys import PageKeyer, kv_salt, publish_l3_hints
 from hicache.radix import Tier
-from hicache.storage import IoResult, StorageError
+from hicache.storage import IoResult, StorageError, page_checksum
 
 if TYPE_CHECKING:
     from hicache.manager import CacheManager
@@ -81,7 +80,7 @@ def redact_url(url: str) -> str:
 
 def pack_value(page: memoryview) -> bytes:
     """One stored value: header + the page's bytes."""
-    return b"".join((HEADER.pack(MAGIC, len(page), xxhash.xxh3_64_intdigest(page)), page))
+    return b"".join((HEADER.pack(MAGIC, len(page), page_checksum(page)), page))
 
 
 def check_value(value: bytes | None, page_bytes: int, verify: bool) -> str | None:
@@ -93,7 +92,7 @@ def check_value(value: bytes | None, page_bytes: int, verify: bool) -> str | Non
     magic, length, digest = HEADER.unpack_from(value)
     if magic != MAGIC or length != page_bytes:
         return "checksum"
-    if verify and xxhash.xxh3_64_intdigest(memoryview(value)[HEADER.size:]) != digest:
+    if verify and page_checksum(memoryview(value)[HEADER.size:]) != digest:
         return "checksum"
     return None
 

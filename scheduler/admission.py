@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from hicache.ops import OpState
 from hicache.radix import Tier
 from scheduler.request import Request, RequestState, TokenEvent
 from scheduler.runner import BatchInput
@@ -71,10 +72,16 @@ class Admission:
             req.promoted_tokens = l3 - l2  # served from L3 when this request later restores from L2
 
     def settle_parked(self) -> None:
-        """Parked requests whose restore (or prefetch) ended go back to the head of the queue."""
+        """Parked requests whose restore (or prefetch) ended go back to the head of the queue; so
+        does, once, a request whose prefetch's read landed (it may take it on to L1, `_take_landed`)."""
         for req in list(self.engine.parked):
             op = req.restore_op or req.prefetch_op
             if op is not None and not op.done:
+                if op is req.prefetch_op and op.state is OpState.S2H_LANDED and not req.landed_offered:
+                    req.landed_offered = True
+                    self.engine.parked.remove(req)
+                    req.state = RequestState.WAITING
+                    self.engine.waiting.appendleft(req)
                 continue
             self.engine.parked.remove(req)
             if op is req.restore_op and op is not None and not op.succeeded:
@@ -132,6 +139,32 @@ class Admission:
         if not cache.config.prefetch:  # blocking restore: the whole loop waits for it
             await cache.runner.wait_op(op)
         return "parked"
+
+    def _take_landed(self, req: Request, alone: bool, budget: int) -> bool:
+        """Admit a request whose prefetch's read has landed but is still being verified, with the
+        prefetch taken on to L1 (OpRunner.take_to_l1) and its tail forward overlapped with that
+        H2D; like `_try_restore`'s overlap, only for a request alone in its batch whose tail is one
+        forward and whose every page can be reserved now. The forward's output counts only if the
+        checksums pass (`adopt_restored`). False: the request stays parked on the prefetch."""
+        cache, ps, op = self.cache, self.page_size, req.prefetch_op
+        if not (alone and self.engine.config.restore_overlap and op.state is OpState.S2H_LANDED):
+            return False
+        m = cache.match(self._reusable(req))
+        end = op.payload["l3_end"]
+        if len(req.prompt) - end > budget:
+            return False
+        cache.lock(m.handles[Tier.L1])
+        room = cache.available_l1_pages() - self.reserved_pages
+        cache.unlock(m.handles[Tier.L1])
+        if (end - m.lengths[Tier.L1]) // ps + self._pages_after(req, end) > room:
+            return False
+        if not cache.runner.take_to_l1(op, m):
+            return False
+        req.prefetch_op, req.restore_op, req.restore_tier = None, op, "l3"
+        from_l3 = end - op.payload["l2_start"]
+        req.hit_tokens.update(l3=from_l3, l2=end - m.lengths[Tier.L1] - from_l3)
+        self._admit_overlapped(req, m, op)
+        return True
 
     def _pages_after(self, req: Request, cached_tokens: int) -> int:
         """Pages the request still needs once `cached_tokens` of its prompt are in L1."""
@@ -246,13 +279,15 @@ class Admission:
             if req.hint_task is not None and not req.hint_task.done():
                 continue  # its shared-L3 hints are still being fetched
             if req.prefetch_op is not None and not req.prefetch_op.done:
-                self._park(req, req.prefetch_op)
-                continue
-            admitted = await self._admit(req, alone=not reqs, budget=budget)
-            if admitted is None:
-                continue  # parked on a restore
-            if not admitted:
-                break  # not enough memory: keep FIFO order
+                if not self._take_landed(req, alone=not reqs, budget=budget):
+                    self._park(req, req.prefetch_op)
+                    continue
+            else:
+                admitted = await self._admit(req, alone=not reqs, budget=budget)
+                if admitted is None:
+                    continue  # parked on a restore
+                if not admitted:
+                    break  # not enough memory: keep FIFO order
             chunk = self._add_chunk(req, budget, binput)
             if chunk:  # else no page yet (e.g. write_back evictions wait for backups): next tick
                 reqs.append(req), chunks.append(chunk)

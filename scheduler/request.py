@@ -97,6 +97,7 @@ class Request:
     overlap_op: object = None     # an L2 restore its tail forward runs behind (layer by layer), until settled
     overlap_result: object = None  # (chunk, token) of that forward, held until the restore has published
     prefetch_op: object = None
+    landed_offered: bool = False  # its prefetch's read landed and the request was offered to take it on
     promoted_tokens: int = 0      # tokens an L3 -> L2 prefetch brought up for this request
     hint_task: object = None      # shared L3: the existence query that must finish before admission
     finish_reason: str | None = None

@@ -408,3 +408,53 @@ def test_direct_launch_keeps_variants_apart():
         torch.cuda.current_stream().wait_stream(stream)
         assert torch.equal(y, x[lo:lo + n] + 1)
     assert len(launch._compiled) == 4  # aligned / misaligned pointer, n == 1, n not a multiple of 16
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_l3_prefetch_taken_on_while_verifying_on_gpu(flip):
+    """An L3 hit's checksums held back (SLOW_VERIFY): the request takes its prefetch on to L1
+    once the read landed, the layer-ordered H2D and the tail's forward run on the device, and the
+    output counts only after the checksums passed. With a flipped L3 byte the forward is
+    discarded and the request recomputes; either way the output equals a plain recompute."""
+    import asyncio
+
+    from hicache.faults import Fault, FaultInjector
+    from hicache.radix import Tier
+    from hicache_helpers import capture_op_logs, flip_l3_byte, op_transitions
+    from scheduler.engine import Engine
+
+    rng = random.Random(2)
+    prompt = [rng.randrange(512) for _ in range(64)] + [7]
+    tokens = prompt[:-1]
+    base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=12, page_size=16,
+                        max_running_requests=1)
+    ref, _ = run(EngineConfig(**{**base.__dict__, "num_pages": 1024, "enable_prefix_cache": False}), [prompt])
+    faults = FaultInjector()
+    eng = Engine(base.with_hicache(enable=True, policy="always", host_ratio=1.0, storage_ratio=8.0), faults=faults)
+    params = SamplingParams(max_tokens=8)
+
+    async def go():
+        await eng.start()
+        first = await eng.generate_async([prompt], params)
+        await eng.cache.drain()
+        eng.cache.tree.evict(Tier.L1, eng.cache.l1.num_pages)
+        eng.cache.tree.evict(Tier.L2, eng.cache.l2.num_pages)
+        m = eng.cache.tree.match(tokens, touch=False)
+        assert m.lengths == [0, 0, len(tokens)]
+        if flip:
+            flip_l3_byte(eng.cache, m.pages[Tier.L3][1])
+        faults.arm(Fault.SLOW_VERIFY, times=None, delay_s=0.05)
+        with capture_op_logs() as logs:
+            again = await eng.generate_async([prompt], params)
+            await eng.cache.drain()
+        eng.check_integrity()  # (not assert_whole: the CUDA graphs' scratch page is private)
+        await eng.shutdown()
+        return first[0], again[0], logs
+
+    first, again, logs = asyncio.run(go())
+    assert first.output_ids == again.output_ids == ref[0]
+    [path] = op_transitions(logs, "prefetch_l3").values()
+    taken = ["L3", "S2H_PENDING", "S2H_LANDED", "H2D_VERIFYING"]
+    assert path == taken + (["FAILED"] if flip else ["H2D_PENDING", "L1_L2_L3"])
+    assert again.cached_tokens["l3"] == (0 if flip else len(tokens))
+    assert eng.stats["restore_waits_timed_out"] == 0

@@ -24,6 +24,13 @@ HAPPY_PATHS = [
     (K.RESTORE_L3, [(E.START, S.S2H_PENDING, A.START_S2H), (E.S2H_DONE, S.L2_L3, A.PUBLISH_L2),
                     (E.START, S.H2D_PENDING, A.START_H2D), (E.H2D_DONE, S.L1_L2_L3, A.PUBLISH_L1)]),
     (K.PREFETCH_L3, [(E.START, S.S2H_PENDING, A.START_S2H), (E.S2H_DONE, S.L2_L3, A.PUBLISH_L2)]),
+    # a verified read: its bytes land before its checksums pass
+    (K.PREFETCH_L3, [(E.START, S.S2H_PENDING, A.START_S2H), (E.S2H_LANDED, S.S2H_LANDED, A.NONE),
+                     (E.S2H_DONE, S.L2_L3, A.PUBLISH_L2)]),
+    # taken on to L1 by its request while the checksums run
+    (K.PREFETCH_L3, [(E.START, S.S2H_PENDING, A.START_S2H), (E.S2H_LANDED, S.S2H_LANDED, A.NONE),
+                     (E.START, S.H2D_VERIFYING, A.START_H2D), (E.S2H_DONE, S.H2D_PENDING, A.PUBLISH_L2),
+                     (E.H2D_DONE, S.L1_L2_L3, A.PUBLISH_L1)]),
 ]
 
 
@@ -49,7 +56,7 @@ def test_terminal_sets() -> None:
     assert TERMINAL[K.BACKUP] == {S.L1_L2_L3, S.L1_L2_ONLY} | fail
     assert TERMINAL[K.RESTORE_L2] == {S.L1_L2} | fail
     assert TERMINAL[K.RESTORE_L3] == {S.L1_L2_L3} | fail
-    assert TERMINAL[K.PREFETCH_L3] == {S.L2_L3} | fail
+    assert TERMINAL[K.PREFETCH_L3] == {S.L2_L3, S.L1_L2_L3} | fail
 
 
 @pytest.mark.parametrize("kind,path", HAPPY_PATHS)
@@ -64,12 +71,17 @@ def test_happy_paths(kind: OpKind, path: list) -> None:
 
 
 def test_every_table_edge_is_on_a_happy_path_or_fail_cancel() -> None:
-    covered = {(kind, ev) for kind, path in HAPPY_PATHS for ev, _, _ in path}
+    covered = set()
+    for kind, path in HAPPY_PATHS:
+        state = INITIAL[kind]
+        for ev, to, _ in path:
+            covered.add((kind, state, ev))
+            state = to
     for kind, table in TRANSITIONS.items():
         for state, events in table.items():
             assert set(events) == set(ACTIONS[kind][state])
             for event in events:
-                assert event in (E.FAIL, E.CANCEL) or (kind, event) in covered
+                assert event in (E.FAIL, E.CANCEL) or (kind, state, event) in covered, (kind, state, event)
 
 
 @pytest.mark.parametrize("event,final", [(E.FAIL, S.FAILED), (E.CANCEL, S.CANCELLED)])

@@ -20,11 +20,11 @@ from hicache.geometry import KVGeometry
 from hicache.layer_copy import MAX_LAYER_RUNS, layer_plan, page_runs, run_layer_cpu
 from hicache.ops import OpState
 from hicache.radix import Tier
-from hicache_helpers import assert_whole, capture_op_logs
+from hicache_helpers import assert_whole, capture_op_logs, flip_l3_byte, op_transitions
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
-from test_faults import (OTHER, PAGE, PROMPT, REUSABLE, TransferGate, finish, make_engine, reference, run_one,
-                         until)
+from test_faults import (OTHER, PAGE, PROMPT, REUSABLE, TransferGate, finish, make_engine, only_in_l3, reference,
+                         run_one, until)
 
 
 async def _prefix_only_in_l2(eng: Engine):
@@ -270,4 +270,107 @@ async def test_overlapped_tail_forwards_teach_the_recompute_intercept():
     await task
     assert eng.stats["restore_overlaps"] == 1
     assert len(PROMPT) - REUSABLE in sizes and len(PROMPT) in sizes
+    await finish(eng)
+
+
+# -- a prefetch taken on to L1 while its checksums run (Admission._take_landed) -----------------
+async def _prefix_only_in_l3(faults: FaultInjector, **hicache) -> Engine:
+    """An engine that served PROMPT once, then lost it from L1 and L2; the next request's prefetch
+    finds it in L3 only, and its checksums take 0.3 s (SLOW_VERIFY) after the bytes landed."""
+    eng = make_engine(faults, **hicache)
+    await eng.start()
+    await run_one(eng)
+    eng.cache.runner.start_backup(PROMPT[:REUSABLE])  # (selective write-through backs nothing up itself)
+    await eng.cache.drain()
+    only_in_l3(eng, PROMPT[:REUSABLE])
+    faults.arm(Fault.SLOW_VERIFY, times=None, delay_s=0.3)
+    return eng
+
+
+@pytest.mark.asyncio
+async def test_prefetch_taken_on_to_l1_overlaps_its_checksums_with_the_forward():
+    """The request takes its prefetch on to L1 as soon as the read landed: the tail's forward runs
+    while the checksums are still being computed, and its output counts once they passed."""
+    faults = FaultInjector()
+    eng = await _prefix_only_in_l3(faults)
+    want = await reference(PROMPT)
+    with capture_op_logs() as logs:
+        result = await run_one(eng)
+    assert result.output_ids == want
+    assert result.cached_tokens == {"l1": 0, "l2": 0, "l3": REUSABLE}
+    assert eng.stats["restore_overlaps"] == 1
+    assert list(op_transitions(logs, "prefetch_l3").values()) == [
+        ["L3", "S2H_PENDING", "S2H_LANDED", "H2D_VERIFYING", "H2D_PENDING", "L1_L2_L3"]]
+    [verified] = [e for e in logs if e.get("event") == "op" and e["op_event"] == "S2H_DONE"]
+    first_forward = next(e for e in logs if e.get("event") == "batch")
+    assert first_forward["end_ns"] < verified["ts_ns"]  # the forward did not wait for the checksums
+    assert eng.metrics()["hit_tokens"]["l3"] == REUSABLE and eng.metrics()["fallbacks"] == 0
+    await eng.cache.drain()
+    assert eng.cache.tree.match(PROMPT[:REUSABLE], touch=False).lengths == [REUSABLE] * 3  # all published
+    await finish(eng)
+
+
+@pytest.mark.asyncio
+async def test_taken_prefetch_with_a_bad_checksum_discards_the_forward_and_recomputes():
+    faults = FaultInjector()
+    eng = await _prefix_only_in_l3(faults, write_policy="write_through_selective")
+    want = await reference(PROMPT)
+    tokens = PROMPT[:REUSABLE]
+    flip_l3_byte(eng.cache, eng.cache.tree.match(tokens, touch=False).pages[Tier.L3][2])
+    with capture_op_logs() as logs:
+        result = await run_one(eng)
+        await eng.cache.drain()
+    assert result.output_ids == want
+    assert result.cached_tokens == {"l1": 0, "l2": 0, "l3": 0}  # recomputed
+    [failed] = [e for e in logs if e.get("event") == "op" and e["to_state"] == "FAILED"]
+    assert failed["kind"] == "prefetch_l3" and failed["from_state"] == "H2D_VERIFYING"
+    assert any(e.get("state") == "restore_overlap_discarded" for e in logs)
+    assert eng.metrics()["failures"] == {"checksum": 1}
+    assert eng.metrics()["hit_tokens"]["l3"] == 0
+    m = eng.cache.tree.match(tokens, touch=False)
+    assert m.lengths[Tier.L3] <= 2 * PAGE  # the corrupt page lost its L3 residency
+    assert m.lengths[Tier.L2] == 0  # nothing unverified was published
+    assert_whole(eng.cache)
+    assert (await run_one(eng)).output_ids == want
+    await finish(eng)
+
+
+@pytest.mark.asyncio
+async def test_abort_while_a_taken_prefetch_verifies_frees_its_pages_after_the_copy():
+    faults = FaultInjector()
+    eng = await _prefix_only_in_l3(faults)
+    want = await reference(PROMPT)
+    with capture_op_logs() as logs:
+        task = asyncio.create_task(run_one(eng, max_tokens=64))
+        await until(lambda: any(op.state is OpState.H2D_VERIFYING for op in eng.cache.runner.live.values()))
+        [op] = eng.cache.runner.live.values()
+        assert await eng.abort(op.request_id)
+        result = await task
+        await eng.cache.drain()
+    assert result.finish_reason == "abort"
+    [cancelled] = [e for e in logs if e.get("event") == "op" and e["to_state"] == "CANCELLED"]
+    assert cancelled["op_id"] == op.op_id and cancelled["from_state"] == "H2D_PENDING"
+    assert_whole(eng.cache)
+    # the verified L2 pages were published; the cancelled L1 copy was not
+    assert eng.cache.tree.match(PROMPT[:REUSABLE], touch=False).lengths[:2] == [0, REUSABLE]
+    assert (await run_one(eng)).output_ids == want
+    await finish(eng)
+
+
+@pytest.mark.asyncio
+async def test_prefetch_is_not_taken_without_restore_overlap():
+    faults = FaultInjector()
+    config = EngineConfig(model="tiny", device="cpu", num_pages=48, page_size=PAGE,
+                          restore_overlap=False).with_hicache(enable=True, policy="always")
+    eng = Engine(config, faults=faults)
+    await eng.start()
+    await run_one(eng)
+    await eng.cache.drain()
+    only_in_l3(eng, PROMPT[:REUSABLE])
+    faults.arm(Fault.SLOW_VERIFY, times=None, delay_s=0.1)
+    with capture_op_logs() as logs:
+        result = await run_one(eng)
+    assert result.output_ids == await reference(PROMPT)
+    assert list(op_transitions(logs, "prefetch_l3").values()) == [["L3", "S2H_PENDING", "S2H_LANDED", "L2_L3"]]
+    assert result.cached_tokens["l2"] + result.cached_tokens["l3"] == REUSABLE
     await finish(eng)

@@ -442,3 +442,53 @@ def test_pool_bounds_concurrency():
         for fut in futures:
             assert fut.result(timeout=10).num_extents == 8  # host pages step by 2
         assert 1 <= s.stats()["peak_active_tasks"] <= 3
+
+
+# ---- a verified read's bytes land before its checksums pass ----------------------------------------
+def test_verified_read_lands_before_its_checksums_pass():
+    """`landed` resolves once the bytes are in the buffer; the read's own future only once the
+    checksums passed (held here by SLOW_VERIFY)."""
+    faults = FaultInjector()
+    src = _random_pages(SMALL, 4, seed=3)
+    with FileStore(SMALL, num_slots=8, faults=faults) as s:
+        s.write_pages(src, range(4), range(4)).result(timeout=10)
+        faults.arm(Fault.SLOW_VERIFY, times=None, delay_s=0.3)
+        dst = torch.zeros_like(src)
+        fut = s.read_pages(range(4), dst, range(4))
+        assert fut.landed.result(timeout=10) is None
+        assert not fut.done()  # still hashing
+        assert _bytes_equal(src, dst)  # the landed bytes are all there already
+        assert fut.result(timeout=10).num_bytes == 4 * SMALL.bytes_per_page
+        assert faults.fired[Fault.SLOW_VERIFY] >= 1
+
+
+def test_landed_then_checksum_failure_and_failed_read_fails_landed():
+    faults = FaultInjector()
+    src = _random_pages(SMALL, 3, seed=4)
+    with FileStore(SMALL, num_slots=8, faults=faults) as s:
+        s.write_pages(src, range(3), range(3)).result(timeout=10)
+        _flip_byte(s.path, s.offset(1) + 3)
+        fut = s.read_pages(range(3), torch.empty_like(src), range(3))
+        assert fut.landed.result(timeout=10) is None  # the bytes landed; one of them is wrong
+        with pytest.raises(StorageError) as info:
+            fut.result(timeout=10)
+        assert info.value.kind == "checksum" and info.value.bad_slots == (1,)
+        faults.arm(Fault.EIO_READ)  # a read that fails never lands
+        fut = s.read_pages([0, 2], torch.empty_like(src), [0, 2])
+        with pytest.raises(StorageError) as info:
+            fut.landed.result(timeout=10)
+        assert info.value.kind == "eio"
+        with pytest.raises(StorageError):
+            fut.result(timeout=10)
+    with FileStore(SMALL, num_slots=8, checksum=False) as s:  # nothing to verify: no separate landing
+        s.write_pages(src, range(3), range(3)).result(timeout=10)
+        assert not hasattr(s.read_pages(range(3), torch.empty_like(src), range(3)), "landed")
+
+
+def test_page_checksum_is_xxh3_64():
+    """Checksums in existing files and in Redis values are xxh3-64: the GIL-free form agrees."""
+    import xxhash
+
+    from hicache.storage import page_checksum
+    data = bytes(range(256)) * 1000
+    assert page_checksum(memoryview(data)) == xxhash.xxh3_64_intdigest(data)
