@@ -191,18 +191,9 @@ class OpRunner(Backups, Restores):
 
     async def _wait_landed(self, op: Op, future, deadline_s: float) -> None:
         """Await a verified L3 read's bytes (storage.ReadFuture.landed), not its checksums. Raises
-        StorageError for a failed read or past the deadline (the I/O then settles in the
-        background before the op's pages are freed: see _storage_failed)."""
-        landed = asyncio.wrap_future(future.landed)
-        op.payload["inflight"] = future  # settled (with its checksums) before pages are freed
-        try:
-            await asyncio.wait_for(asyncio.shield(landed), deadline_s)
-        except asyncio.TimeoutError:
-            landed.add_done_callback(lambda f: f.cancelled() or f.exception())
-            raise StorageError("timeout", f"s2h slower than its {deadline_s:.3f} s deadline") from None
-        finally:
-            if not asyncio.current_task().cancelling():
-                op.payload.pop("inflight", None)
+        StorageError for a failed read or past the deadline (the whole read, checksums included,
+        then settles before the op's pages are freed: see _storage_failed)."""
+        await self._await_io(op, future, future.landed, "s2h", deadline_s)
 
     async def _wait_io(self, op: Op, future, direction: str, deadline_s: float | None = None,
                        since_ns: int | None = None) -> None:
@@ -210,26 +201,29 @@ class OpRunner(Backups, Restores):
         the deadline the op fails now, but its private pages stay reserved until the I/O settles
         (a late read must not land in reused pages)."""
         t0 = time.monotonic_ns() if since_ns is None else since_ns
-        fut = op.payload["inflight"] = asyncio.wrap_future(future)
-        try:
-            if deadline_s is None:
-                result = await asyncio.shield(fut)
-            else:
-                result = await asyncio.wait_for(asyncio.shield(fut), deadline_s)
-        except asyncio.TimeoutError:
-            # the settle task awaits the I/O itself; mark this wrapper's late outcome as seen, or a
-            # late failure is reported as "Future exception was never retrieved"
-            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-            raise StorageError("timeout", f"{direction} slower than its {deadline_s:.3f} s deadline") from None
-        finally:
-            if not asyncio.current_task().cancelling():
-                op.payload.pop("inflight", None)
+        result = await self._await_io(op, future, future, direction, deadline_s)
         stats = self.mgr.metrics.directions[direction]
         e2e_s = (time.monotonic_ns() - t0) / 1e9
         stats.add(result.num_bytes, queue_wait_s=result.queue_wait_ns / 1e9,
                   service_s=result.service_ns / 1e9, end_to_end_s=e2e_s, extents=result.num_extents)
         self.mgr.cost.observe_transfer(direction, result.num_bytes,
                                        (result.queue_wait_ns + result.service_ns) / 1e9)
+
+    async def _await_io(self, op: Op, io, awaited, direction: str, deadline_s: float | None):
+        """Await `awaited` (the I/O future `io`, or its `landed`) with `io` recorded as the op's
+        in-flight I/O; past the deadline raise StorageError("timeout")."""
+        fut = asyncio.wrap_future(awaited)
+        # left behind (a timeout, a cancelled driver), the settle task awaits the I/O itself: mark
+        # this wrapper's late outcome as seen, or a late failure is "Future exception was never retrieved"
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+        op.payload["inflight"] = io
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), deadline_s)
+        except asyncio.TimeoutError:
+            raise StorageError("timeout", f"{direction} slower than its {deadline_s:.3f} s deadline") from None
+        finally:
+            if not asyncio.current_task().cancelling():
+                op.payload.pop("inflight", None)
 
     def _in_flight(self, op: Op, *also) -> asyncio.Future | None:
         """What the op has in flight and must see settle before its pages are freed: the I/O or copy

@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from hicache.allocator import PageAllocator
+from hicache.faults import Fault, FaultInjector
 from hicache.manager import CacheManager
+from hicache.ops import OpState
 from hicache.radix import Tier
 from hicache.transfer_plan import is_consecutive
-from hicache_helpers import assert_whole, capture_op_logs, make_manager, op_transitions, write_prefix
+from hicache_helpers import assert_whole, capture_op_logs, l1_bytes, make_manager, op_transitions, write_prefix
+from test_faults import until
 
 NUM_PAGES = 5  # pages of the prefix under test
 TIER_PAGES = 16  # capacity of every tier
@@ -234,5 +237,46 @@ async def test_a_backup_cancelled_before_its_driver_ran_holds_its_pages_and_lets
     await mgr.drain()
     assert again.succeeded
     assert mgr.tree.match(tokens, touch=False).lengths[Tier.L2] == len(tokens)
+    assert_whole(mgr)
+    await mgr.close()
+
+
+@pytest.mark.asyncio
+async def test_a_taken_prefetch_keeps_duplicate_l2_pages_until_its_copy_settled():
+    """A prefetch taken on to L1 while verifying publishes its L2 pages when the checksums pass,
+    while its H2D may still be reading them. If another op published the same tokens in L2 first,
+    its pages are duplicates: they stay the op's (not on a free list, where a backup could reuse
+    them under the copy) until the H2D settled, and are freed then; L1 gets the right bytes."""
+    faults = FaultInjector()
+    mgr = make_manager(faults=faults)
+    tokens = tuple(range(500, 500 + 4 * mgr.page_size))
+    write_prefix(mgr, tokens, seed=3)
+    await mgr.drain()
+    want = l1_bytes(mgr, tokens)
+    mgr.tree.evict(Tier.L1, mgr.l1.num_pages)
+    mgr.tree.evict(Tier.L2, mgr.l2.num_pages)
+    assert mgr.tree.match(tokens, touch=False).lengths == [0, 0, len(tokens)]
+    faults.arm(Fault.SLOW_VERIFY, times=1, delay_s=0.3)  # only the first read's checksums are slow
+    first = mgr.runner.start_restore(tokens, mgr.tree.match(tokens), "prefetch", "r1")
+    await until(lambda: first.state is OpState.S2H_LANDED)
+    release, wait = asyncio.Event(), mgr.transfer.wait
+
+    async def held_wait(tr):  # the H2D's completion is held back (on the CPU copies end when enqueued)
+        await release.wait()
+        return await wait(tr)
+    mgr.transfer.wait = held_wait
+    assert mgr.runner.take_to_l1(first, mgr.match(tokens))
+    assert first.state is OpState.H2D_VERIFYING
+    second = mgr.runner.start_restore(tokens, mgr.tree.match(tokens), "prefetch", "r2")
+    await until(lambda: second.done)  # its checksums were quick: its pages were published first
+    assert second.succeeded and mgr.tree.match(tokens, touch=False).lengths[Tier.L2] == len(tokens)
+    await until(lambda: first.state is OpState.H2D_PENDING)  # checksums passed: PUBLISH_L2 (duplicates)
+    assert mgr.allocator(Tier.L2).num_private() == 4  # the duplicates, held under the copy
+    mgr.check_integrity()
+    release.set()
+    await mgr.drain()
+    assert first.succeeded, first.error
+    assert torch.equal(l1_bytes(mgr, tokens), want)
+    assert mgr.allocator(Tier.L2).num_private() == 0
     assert_whole(mgr)
     await mgr.close()
