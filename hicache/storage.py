@@ -12,11 +12,8 @@ returns garbage: short transfers, I/O errors and (when enabled) checksum mismatc
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import errno
 import os
-import stat
-import tempfile
 import threading
 import time
 import weakref
@@ -29,6 +26,7 @@ import xxhash
 
 from .faults import Fault, FaultInjector
 from .geometry import KVGeometry
+from .storage_file import open_store_file, release_file
 
 # An extent is split into pieces of at least this many bytes so that one large transfer can use
 # several worker threads (cold buffered reads scale with threads, DESIGN.md section 10).
@@ -78,59 +76,6 @@ def coalesce_extents(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list
 def _error_from_oserror(exc: OSError, what: str) -> StorageError:
     kind = "enospc" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "eio"
     return StorageError(kind, f"{what}: {exc.strerror or exc}", errno_=exc.errno)
-
-
-def _release_file(fd: int, temp_path: str | None) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
-    if temp_path is not None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp_path)
-
-
-def _check_free_space(fd: int, path: str, needed_bytes: int, occupied_bytes: int) -> None:
-    st = os.fstatvfs(fd)
-    available_bytes = st.f_bavail * st.f_frsize + occupied_bytes  # the file's own blocks are reusable
-    if needed_bytes > available_bytes:
-        raise ValueError(
-            f"L3 storage file {path!r} needs {needed_bytes} bytes ({needed_bytes / 2**30:.2f} GiB) but only "
-            f"{available_bytes} bytes ({available_bytes / 2**30:.2f} GiB) are available on its filesystem; "
-            f"lower --hicache-storage-size-gb / --hicache-storage-ratio or choose another path")
-
-
-def _check_existing(path: str, st: os.stat_result) -> None:
-    why = ("it is a symbolic link" if stat.S_ISLNK(st.st_mode)
-           else "it exists and is not a regular file" if not stat.S_ISREG(st.st_mode)
-           else f"it is owned by uid {st.st_uid}, not by this process (uid {os.geteuid()})"
-           if st.st_uid != os.geteuid() else None)
-    if why is not None:
-        raise ValueError(f"refusing L3 storage path {path!r}: {why}")
-
-
-def _open_path(path: str, size_bytes: int) -> int:
-    """Open (create) a user-given store path safely, truncated and sized; returns the fd."""
-    with contextlib.suppress(FileNotFoundError):
-        _check_existing(path, os.lstat(path))
-    flags, created = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, False
-    try:
-        try:
-            fd, created = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
-        except FileExistsError:
-            fd = os.open(path, flags)
-    except OSError as exc:
-        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
-        raise ValueError(f"refusing L3 storage path {path!r}: {why}") from exc
-    try:
-        st = os.fstat(fd)  # re-check what was really opened (the path may have changed meanwhile)
-        _check_existing(path, st)
-        _check_free_space(fd, path, size_bytes, st.st_blocks * 512)
-        os.ftruncate(fd, 0)  # old content is meaningless: the metadata lives in this process
-        os.fchmod(fd, 0o600)
-        os.ftruncate(fd, size_bytes)
-    except BaseException:
-        _release_file(fd, path if created else None)
-        raise
-    return fd
 
 
 def page_checksum(page: memoryview) -> int:
@@ -242,19 +187,9 @@ class FileStore:
         self.bytes_per_page = geometry.bytes_per_page
         self.size_bytes = self.num_slots * self.bytes_per_page
         self.checksum, self.faults, self.is_temp = bool(checksum), faults, path is None
-        if path is None:
-            fd, self.path = tempfile.mkstemp(prefix="hicache-l3-", suffix=".kv")
-            try:
-                _check_free_space(fd, self.path, self.size_bytes, 0)
-                os.ftruncate(fd, self.size_bytes)
-            except BaseException:
-                _release_file(fd, self.path)
-                raise
-        else:
-            self.path = os.path.abspath(os.fspath(path))
-            fd = _open_path(self.path, self.size_bytes)
+        fd, self.path = open_store_file(path, self.size_bytes)
         self._fd = fd
-        self._finalizer = weakref.finalize(self, _release_file, fd, self.path if self.is_temp else None)
+        self._finalizer = weakref.finalize(self, release_file, fd, self.path if self.is_temp else None)
         self._checksums = np.zeros(self.num_slots, dtype=np.uint64)
         self._valid = np.zeros(self.num_slots, dtype=bool)  # written and not invalidated since
         self._gens = np.zeros(self.num_slots, dtype=np.uint64)

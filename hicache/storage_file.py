@@ -1,0 +1,79 @@
+"""Opening the L3 file (hicache/storage.py): a temporary file removed on close, or a user-given
+path opened safely (no symbolic links, no other owner's file, no non-regular file; created 0600,
+truncated: old content is meaningless without this process's slot metadata), each checked for
+room on its filesystem before it is sized."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+import tempfile
+
+
+def open_store_file(path: str | os.PathLike | None, size_bytes: int) -> tuple[int, str]:
+    """(fd, absolute path) of a store file of `size_bytes`; path None: a fresh temporary file."""
+    if path is not None:
+        path = os.path.abspath(os.fspath(path))
+        return _open_path(path, size_bytes), path
+    fd, temp_path = tempfile.mkstemp(prefix="hicache-l3-", suffix=".kv")
+    try:
+        _check_free_space(fd, temp_path, size_bytes, 0)
+        os.ftruncate(fd, size_bytes)
+    except BaseException:
+        release_file(fd, temp_path)
+        raise
+    return fd, temp_path
+
+
+def release_file(fd: int, temp_path: str | None) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+    if temp_path is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp_path)
+
+
+def _check_free_space(fd: int, path: str, needed_bytes: int, occupied_bytes: int) -> None:
+    st = os.fstatvfs(fd)
+    available_bytes = st.f_bavail * st.f_frsize + occupied_bytes  # the file's own blocks are reusable
+    if needed_bytes > available_bytes:
+        raise ValueError(
+            f"L3 storage file {path!r} needs {needed_bytes} bytes ({needed_bytes / 2**30:.2f} GiB) but only "
+            f"{available_bytes} bytes ({available_bytes / 2**30:.2f} GiB) are available on its filesystem; "
+            f"lower --hicache-storage-size-gb / --hicache-storage-ratio or choose another path")
+
+
+def _check_existing(path: str, st: os.stat_result) -> None:
+    why = ("it is a symbolic link" if stat.S_ISLNK(st.st_mode)
+           else "it exists and is not a regular file" if not stat.S_ISREG(st.st_mode)
+           else f"it is owned by uid {st.st_uid}, not by this process (uid {os.geteuid()})"
+           if st.st_uid != os.geteuid() else None)
+    if why is not None:
+        raise ValueError(f"refusing L3 storage path {path!r}: {why}")
+
+
+def _open_path(path: str, size_bytes: int) -> int:
+    """Open (create) a user-given store path safely, truncated and sized; returns the fd."""
+    with contextlib.suppress(FileNotFoundError):
+        _check_existing(path, os.lstat(path))
+    flags, created = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, False
+    try:
+        try:
+            fd, created = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600), True
+        except FileExistsError:
+            fd = os.open(path, flags)
+    except OSError as exc:
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
+        raise ValueError(f"refusing L3 storage path {path!r}: {why}") from exc
+    try:
+        st = os.fstat(fd)  # re-check what was really opened (the path may have changed meanwhile)
+        _check_existing(path, st)
+        _check_free_space(fd, path, size_bytes, st.st_blocks * 512)
+        os.ftruncate(fd, 0)  # old content is meaningless: the metadata lives in this process
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, size_bytes)
+    except BaseException:
+        release_file(fd, path if created else None)
+        raise
+    return fd
