@@ -12,6 +12,12 @@ for every kernel launched this way is: nothing before `gdc_wait` may read or wri
 before it writes or reads. Prefetching a projection's weights into L2 before the wait was measured
 and dropped (slower the more it fetched; docs/benchmarks.md, sessions 7 and 11).
 
+Where an early program is placed matters: it takes an SM that has room for it, and that may be an
+SM still running the kernel before. A weight-streaming kernel after another should not fit beside
+one of its programs: a whole-K down projection at 122 KiB of shared memory, after gate_up's 80 KiB
+programs, made a 36-layer chain 0.36 ms slower than at 168 KiB (docs/benchmarks.md, session 16).
+The skinny projections' stage counts (kernels/skinny_gemm.py) keep to that.
+
 Kernels take `PDL: tl.constexpr` and their wrappers launch with `**launch_kwargs(device)`; with PDL
 off (the CPU and its interpreter, GPUs before sm_90, `HICACHE_PDL=0`, or `set_enabled(False)`
 before a model's graphs are captured) both are no-ops and the launch is the ordinary one.

@@ -4,7 +4,7 @@ with no idle stretch longer than --gap-us), and each forward's span is split int
 kernel family and the idle time between kernels. Kernels on other streams (a restore's copy
 kernel, transfers) are listed by how long they overlap the forwards.
 
-    python scripts/trace_kernels.py out/trace/l2.json.gz [--gap-us 200] [--min-kernels 100]
+    python scripts/trace_kernels.py out/trace/l2.json.gz [--gap-us 200] [--min-kernels 100] [--split-skinny]
 """
 from __future__ import annotations
 
@@ -56,14 +56,24 @@ def forwards(kernels: list[dict], gap_us: float, min_kernels: int) -> list[list[
     return [r for r in runs if len(r) >= min_kernels]
 
 
-def summarize(run: list[dict], others: list[dict]) -> dict:
+# the skinny projections of a layer, in the order a layer launches them (scheduler/model.py)
+SKINNY_ORDER = ("qkv", "o_proj", "gate_up", "down")
+
+
+def summarize(run: list[dict], others: list[dict], split_skinny: bool = False) -> dict:
+    """split_skinny: the skinny family split into the layer's four projections by their order."""
     start, end = run[0]["ts"], max(k["ts"] + k["dur"] for k in run)
     busy = defaultdict(float)
     calls = defaultdict(int)
     covered, last_end = 0.0, start
+    skinny_seen = 0
     for k in run:
-        busy[family(k["name"])] += k["dur"]
-        calls[family(k["name"])] += 1
+        fam = family(k["name"])
+        if split_skinny and fam == "skinny":
+            fam = f"skinny {SKINNY_ORDER[skinny_seen % len(SKINNY_ORDER)]}"
+            skinny_seen += 1
+        busy[fam] += k["dur"]
+        calls[fam] += 1
         k_end = k["ts"] + k["dur"]
         covered += max(0.0, k_end - max(k["ts"], last_end))
         last_end = max(last_end, k_end)
@@ -81,6 +91,8 @@ def main(argv=None) -> int:
     ap.add_argument("trace")
     ap.add_argument("--gap-us", type=float, default=200.0, help="idle stretch that ends a forward")
     ap.add_argument("--min-kernels", type=int, default=100, help="shorter runs are not forwards")
+    ap.add_argument("--split-skinny", action="store_true",
+                    help="the skinny projections by their place in a layer (qkv, o_proj, gate_up, down)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     kernels = load(args.trace)
@@ -94,7 +106,7 @@ def main(argv=None) -> int:
     main_ids = {id(k) for r in runs for k in r}
     main_stream = (runs[0][0]["pid"], runs[0][0]["tid"])
     others = [k for k in kernels if id(k) not in main_ids and (k["pid"], k["tid"]) != main_stream]
-    rows = [summarize(r, others) for r in runs]
+    rows = [summarize(r, others, args.split_skinny) for r in runs]
     if args.json:
         print(json.dumps(rows))
         return 0

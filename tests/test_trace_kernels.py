@@ -49,6 +49,17 @@ def test_forwards_split_into_families_and_idle_time(tmp_path, capsys):
     assert "2 forwards" in out and "skinny" in out and "copy kernel" in out
 
 
+def test_skinny_projections_split_by_their_place_in_a_layer(tmp_path):
+    """--split-skinny: a layer's skinny kernels come as qkv, o_proj, gate_up, down, in that order."""
+    path = tmp_path / "l2.json.gz"
+    synthetic(path)
+    runs = trace_kernels.forwards(trace_kernels.load(str(path)), gap_us=200, min_kernels=100)
+    split = trace_kernels.summarize(runs[0], [], split_skinny=True)
+    assert split["calls"] == {"skinny qkv": 15, "skinny o_proj": 15, "skinny gate_up": 15, "skinny down": 15,
+                              "add_rms_norm": 60}
+    assert sum(v for f, v in split["by_family_us"].items() if f.startswith("skinny")) == 600.0
+
+
 def test_a_trace_without_kernels_is_an_error(tmp_path):
     path = tmp_path / "cpu.json"
     path.write_text(json.dumps({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "x", "pid": 0, "tid": 0,
