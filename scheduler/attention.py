@@ -45,9 +45,16 @@ class AttentionBatch:
     positions: torch.Tensor  # [T] int64: position of each new token in its sequence
     last_rows: torch.Tensor | None = None  # [B] int64: row in T of each sequence's last new token
     # decode only: R query rows per sequence (a captured short tail; rows B*R, seq_lens per row [B*R],
-    # page_tables per sequence [B, max_pages]); 1 = plain decode
+    # page_tables per sequence [B, max_pages], last_rows [B] if only those rows' logits are wanted);
+    # 1 = plain decode
     rows_per_seq: int = 1
     _plan: _PrefillPlan | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def logit_rows(self) -> torch.Tensor | None:
+        """The rows whose logits a forward returns ([B] row numbers in T), or None for every row: a
+        plain decode batch (one row per sequence), or rows of a tail batch given no last rows."""
+        return None if self.is_decode and (self.rows_per_seq == 1 or self.last_rows is None) else self.last_rows
 
     @property
     def batch_size(self) -> int:

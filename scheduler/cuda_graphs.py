@@ -82,9 +82,11 @@ class DecodeGraphs:
 
     def _batch(self, seqs: int, rows_per_seq: int) -> AttentionBatch:
         n = seqs * rows_per_seq
+        # a tail's logits: only each sequence's last row (the LM head reads its weight once either way)
         return AttentionBatch(is_decode=True, prefix_lens=[0] * n, new_lens=[1] * n,
                               page_tables=self.page_tables[:seqs], seq_lens=self.rows[3, :n],
-                              out_slots=self.rows[2, :n], positions=self.rows[1, :n], rows_per_seq=rows_per_seq)
+                              out_slots=self.rows[2, :n], positions=self.rows[1, :n], rows_per_seq=rows_per_seq,
+                              last_rows=self.rows[4, :seqs] if rows_per_seq > 1 else None)
 
     def _prefill_batch(self, length: int) -> AttentionBatch:
         return AttentionBatch(is_decode=False, prefix_lens=[0], new_lens=[length],
@@ -119,7 +121,7 @@ class DecodeGraphs:
                     self.model(ids, self._batch(*shape), self.kv_pool)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    self.logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool)  # [B * R, V]
+                    self.logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool)  # [B, V]
                 pool = graph.pool()
                 self.graphs[shape] = graph
             if self.layer_flags is not None:
@@ -130,7 +132,7 @@ class DecodeGraphs:
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                         self.restore_logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool,
-                                                                wait_layer)  # [R, V]
+                                                                wait_layer)  # [1, V]
                     pool = graph.pool()
                     self.restore_graphs[shape] = graph
             self.p_rows[1].copy_(torch.arange(self.p_rows.shape[1]))
@@ -214,21 +216,19 @@ class DecodeGraphs:
             self.rows[0, :len(ids_device)].copy_(ids_device)  # device to device, after the staged ids
         if wait_restore:
             self.restore_graphs[shape].replay()
-            logits = self.restore_logits[shape]  # [R, V]
+            logits = self.restore_logits[shape]  # [1, V]
         else:
             self.graphs[shape].replay()
-            logits = self.logits[shape]  # [B * R, V]
-        if per == 1:
-            return logits[:len(new_lens)]
-        return logits.index_select(0, self.rows[4, :len(new_lens)])  # [B, V]
+            logits = self.logits[shape]  # [B, V]: one row per sequence (a tail's last rows)
+        return logits[:len(new_lens)]
 
 
 def fill_staging(host: np.ndarray, tables: np.ndarray, shape: tuple[int, int], input_ids: list[int],
                  prefix_lens: list[int], new_lens: list[int], page_tables: list[list[int]], page_size: int,
                  scratch_slot: int) -> None:
     """Host side of a graph step. host [5, N]: ids, positions, out slots, seq lens (keys each row
-    sees) and, in row 4, the row of each sequence's last new token; tables [B, M] page tables.
-    Padding rows write to `scratch_slot` and see one key."""
+    sees) and, in row 4, the row of each sequence's last new token (a padding sequence: its first
+    row); tables [B, M] page tables. Padding rows write to `scratch_slot` and see one key."""
     seqs, per = shape
     n = seqs * per
     ps = page_size
@@ -243,6 +243,7 @@ def fill_staging(host: np.ndarray, tables: np.ndarray, shape: tuple[int, int], i
         host[2, :len(pos)] = tables[b, pos // ps] * ps + pos % ps
         host[3, :len(pos)] = pos + 1
         return
+    host[4, len(new_lens):seqs] = np.arange(len(new_lens), seqs) * per  # the graph reads B last rows
     token = 0
     for b, (prefix, new) in enumerate(zip(prefix_lens, new_lens)):
         pos = np.arange(prefix, prefix + new, dtype=np.int64)

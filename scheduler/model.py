@@ -156,7 +156,8 @@ class Qwen3Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
                 wait_layer: LayerWait | None = None) -> torch.Tensor:
-        """input_ids: [T] (new tokens, batch order) -> float32 logits [B, V] of each sequence's last new token.
+        """input_ids: [T] (new tokens, batch order) -> float32 logits [B, V] of each sequence's last new token
+        (of every row for a decode batch of R > 1 rows per sequence given no last_rows: [B * R, V]).
 
         Writes the new tokens' K/V into kv_pool [2, L, P, S, Hkv, D] at batch.out_slots.
         wait_layer: layer l's attention first waits, on the device, for layer l of a prefix still
@@ -170,8 +171,8 @@ class Qwen3Model(nn.Module):
         if self.fused:
             return self._forward_fused(input_ids, batch, kv_pool, max_positions, wait_layer)
         x = self._run_layers(input_ids, batch.positions, max_positions, attn)  # [T, H]
-        if not batch.is_decode:  # decode: every row is a last row already
-            x = x.index_select(0, batch.last_rows)  # [B, H]
+        if batch.logit_rows is not None:  # (plain decode: every row is a last row already)
+            x = x.index_select(0, batch.logit_rows)  # [B, H]
         return self._logits(x)
 
     def _forward_fused(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
@@ -185,9 +186,9 @@ class Qwen3Model(nn.Module):
         residual = None
         for layer in self.layers:
             h, residual = layer.forward_fused(h, residual, rope, batch, kv_pool, attn, skinny)
-        # decode: every row is a last row already; else the norm reads only the last rows
+        # the norm reads only the last rows (plain decode: every row is one)
         x, _ = fused_ops.add_rms_norm_triton(h, residual, self.norm.weight, self.cfg.rms_norm_eps,
-                                             rows=None if batch.is_decode else batch.last_rows)  # [B, H]
+                                             rows=batch.logit_rows)  # [B, H]
         return F.linear(x, self.lm_head_weight).float()  # [B, V]
 
     def forward_dense(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:

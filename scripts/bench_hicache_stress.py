@@ -194,7 +194,9 @@ async def throughput(args, tier: str, prompts, warm, bdir: BenchDir, reference: 
                 l1_checks.append({"request": i, "output": rec["ids"], "recompute": ref, "l1_hit": again["ids"],
                                   "equals_l1_hit": again["ids"] == rec["ids"]})
         integrity = integrity_of(eng)
-        tiers = {t: s["capacity_pages"] for t, s in eng.status()["tiers"].items() if s}
+        status = eng.status()
+        tiers = {t: s["capacity_pages"] for t, s in status["tiers"].items() if s}
+        learned = status["cost_model"]  # what the cost policy decided with, at the end of the run
         bpt = eng.cache.geometry.bytes_per_token
     finally:
         await close_engine(eng)
@@ -215,7 +217,7 @@ async def throughput(args, tier: str, prompts, warm, bdir: BenchDir, reference: 
         "restores_done": int(delta["restores_done"]), "backups_done": int(delta["backups_done"]),
         "fallbacks": int(delta["fallbacks"]), "failures": dict(delta.get("failures", {})),
         "differs_from_recompute": l1_checks,
-        "policy_skips": {k: int(v) for k, v in delta["policy_skips"].items()},
+        "policy_skips": {k: int(v) for k, v in delta["policy_skips"].items()}, "cost_model": learned,
         "integrity": integrity, "errors": [r["error"] for r in recs if r["error"]][:5],
         "_outputs": [r["ids"] for r in recs], **prof,
     }

@@ -33,7 +33,8 @@ def test_rows_equal_prefill():
 def test_graph_staging_rows_equal_prefill():
     """The host staging of a tail graph (B sequences x 16 rows, padding rows on a scratch page) fed
     through the model as one decode batch gives each sequence's prefill logits and touches no live
-    page but its own (the CUDA graph replays exactly this batch)."""
+    page but its own (the CUDA graph replays exactly this batch). Given each sequence's last row
+    (as the graph is), the forward returns only those rows' logits, plain and fused alike."""
     import numpy as np
 
     from scheduler.cuda_graphs import TAIL_ROWS, fill_staging
@@ -61,13 +62,24 @@ def test_graph_staging_rows_equal_prefill():
                      tables, ps, scratch * ps)
         n = shape[0] * shape[1]
         rows = torch.from_numpy(host)
-        batch = AttentionBatch(is_decode=True, prefix_lens=[0] * n, new_lens=[1] * n,
-                               page_tables=torch.from_numpy(host_tables), seq_lens=rows[3], out_slots=rows[2],
-                               positions=rows[1], rows_per_seq=TAIL_ROWS)
-        logits = model(rows[0], batch, kv)  # [n, V]
-        got = logits.index_select(0, rows[4, :2])
+        assert host[4, 2:4].tolist() == [2 * TAIL_ROWS, 3 * TAIL_ROWS]  # padding sequences: their first row
+
+        def batch(last_rows):
+            return AttentionBatch(is_decode=True, prefix_lens=[0] * n, new_lens=[1] * n,
+                                  page_tables=torch.from_numpy(host_tables), seq_lens=rows[3], out_slots=rows[2],
+                                  positions=rows[1], rows_per_seq=TAIL_ROWS, last_rows=last_rows)
+        every = model(rows[0], batch(None), kv)  # [n, V]: every row, no last rows given
+        kv.copy_(saved)
+        for fused in (False, True):  # as the graph runs it: only each sequence's last row
+            model.fused = fused
+            last = model(rows[0], batch(rows[4, :4]), kv)  # [4, V]
+            kv.copy_(saved)
+            assert last.shape == (4, every.shape[1])
+            torch.testing.assert_close(last, every.index_select(0, rows[4, :4]), rtol=1e-5, atol=1e-5)
+        model.fused = False
+        model(rows[0], batch(rows[4, :4]), kv)
     for i, ref in enumerate(refs):
-        torch.testing.assert_close(got[i:i + 1], ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(last[i:i + 1], ref, rtol=1e-5, atol=1e-5)
     live = torch.ones(kv.shape[2], dtype=torch.bool)
     live[scratch] = False
     torch.testing.assert_close(kv[:, :, live], expected_kv[:, :, live], rtol=1e-6, atol=1e-6)
