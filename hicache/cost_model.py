@@ -5,7 +5,9 @@ samples. Sizes are bytes for transfers and tokens for recompute; slopes are s/by
 
 Samples must be *recurring* time only: enqueue + queue wait + service (DMA/kernel or file I/O) +
 completion. One-time costs (first pinned-workspace allocation, Triton compilation, file creation)
-must not be observed: they would inflate the fixed cost of every future decision.
+must not be observed: they would inflate the fixed cost of every future decision. Nor may the wait
+for the work already on the caller's stream (`Transfer.compute_wait_ns`): a recompute waits for
+that forward too.
 
 Recompute is charged at its *marginal* cost `num_tokens * slope`: whether a hit is restored or
 recomputed, the uncached tail still runs one forward, so the learned fixed cost of a prefill is paid
@@ -133,6 +135,8 @@ class CostModel:
 
     def __init__(self, config: HiCacheConfig, bytes_per_token: int) -> None:
         self.explore_reads = config.storage_explore_reads
+        self.explore_every = config.restore_explore_every
+        self._not_restored = {"l2": 0, "l3": 0}  # hits in a row each tier could have served (cost policy)
         if bytes_per_token < 1:
             raise ValueError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
         if not config.recompute_us_per_token >= 0:
@@ -160,6 +164,8 @@ class CostModel:
             raise ValueError(f"unknown transfer direction {direction!r}; expected one of {TRANSFER_DIRECTIONS}")
         if self.learning:
             self.directions[direction].observe(num_bytes, seconds)
+            if direction in ("h2d", "s2h"):  # the tier was just timed: no need to re-explore it
+                self._not_restored["l2" if direction == "h2d" else "l3"] = 0
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """One prefill forward over `num_tokens` uncached tokens."""
@@ -252,8 +258,26 @@ class CostModel:
             for candidate in ("l2", "l3"):  # strict > keeps the faster tier on a tie
                 if benefit_s.get(candidate, 0.0) > max(0.0, benefit_s[tier]):
                     tier = candidate
+            tier = self._reexplore(tier, restore_tokens, costs)
         return Decision(tier=tier, restore_tokens=restore_tokens.get(tier, 0),
                         benefit_s=benefit_s.get(tier, 0.0), costs=costs)
+
+    def _reexplore(self, tier: str, restore_tokens: dict[str, int], costs: dict) -> str:
+        """The cost policy's pick, or a tier it has not restored from for `explore_every` hits in a
+        row: a restore it skipped is never timed, so an estimate that went wrong (samples taken
+        while the link was busy, a page cache that warmed since) would otherwise stay wrong. At
+        most one restore in `explore_every` hits is a probe."""
+        if tier != "l1" or not (self.learning and self.explore_every):
+            return tier
+        for candidate in ("l2", "l3"):
+            if restore_tokens[candidate]:
+                self._not_restored[candidate] += 1
+        stale = [t for t in ("l2", "l3") if restore_tokens[t] and self._not_restored[t] >= self.explore_every]
+        if not stale:
+            return tier
+        self._not_restored[stale[0]] = 0
+        costs["explore"] = 1.0
+        return stale[0]
 
     def worth_writing(self, tier: str, num_tokens: int) -> bool:
         """Admission for a backup into `tier` ("l2" or "l3") of `num_tokens` tokens.

@@ -13,21 +13,23 @@ class DirectionStats:
     recurring_s: float = 0.0     # enqueue + queue wait + service + completion (no one-time setup)
     enqueue_s: float = 0.0
     setup_s: float = 0.0         # workspace allocation
+    compute_wait_s: float = 0.0  # waiting for the work before it on the caller's stream (not recurring)
     queue_wait_s: float = 0.0
     service_s: float = 0.0
     end_to_end_s: float = 0.0
     extents: int = 0             # L3 only: I/O calls after coalescing
 
-    def add(self, num_bytes: int, *, enqueue_s=0.0, setup_s=0.0, queue_wait_s=0.0, service_s=0.0,
-            end_to_end_s=0.0, extents=0) -> None:
+    def add(self, num_bytes: int, *, enqueue_s=0.0, setup_s=0.0, compute_wait_s=0.0, queue_wait_s=0.0,
+            service_s=0.0, end_to_end_s=0.0, extents=0) -> None:
         self.num_bytes += num_bytes
         self.count += 1
         self.enqueue_s += enqueue_s
         self.setup_s += setup_s
+        self.compute_wait_s += compute_wait_s
         self.queue_wait_s += queue_wait_s
         self.service_s += service_s
         self.end_to_end_s += end_to_end_s
-        self.recurring_s += max(0.0, end_to_end_s - setup_s)
+        self.recurring_s += max(0.0, end_to_end_s - setup_s - compute_wait_s)
         self.extents += extents
 
     @property
@@ -37,7 +39,7 @@ class DirectionStats:
     def as_dict(self) -> dict:
         return {"bytes": self.num_bytes, "count": self.count, "recurring_s": self.recurring_s,
                 "gib_s": self.gib_s, "enqueue_s": self.enqueue_s, "setup_s": self.setup_s,
-                "queue_wait_s": self.queue_wait_s, "service_s": self.service_s,
+                "compute_wait_s": self.compute_wait_s, "queue_wait_s": self.queue_wait_s, "service_s": self.service_s,
                 "end_to_end_s": self.end_to_end_s, "extents": self.extents}
 
 

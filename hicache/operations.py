@@ -185,9 +185,10 @@ class OpRunner(Backups, Restores):
         stats = mgr.metrics.directions[direction]
         e2e_s = tr.end_to_end_ns / 1e9
         stats.add(tr.num_bytes, enqueue_s=tr.enqueue_ns / 1e9, setup_s=tr.setup_ns / 1e9,
-                  queue_wait_s=tr.queue_wait_ns / 1e9, service_s=tr.service_ns / 1e9, end_to_end_s=e2e_s)
+                  compute_wait_s=tr.compute_wait_ns / 1e9, queue_wait_s=tr.queue_wait_ns / 1e9,
+                  service_s=tr.service_ns / 1e9, end_to_end_s=e2e_s)
         if tr.enqueue_ns < JIT_ENQUEUE_NS:  # a slower enqueue compiled a kernel: a one-time cost
-            mgr.cost.observe_transfer(direction, tr.num_bytes, max(0.0, e2e_s - tr.setup_ns / 1e9))
+            mgr.cost.observe_transfer(direction, tr.num_bytes, tr.recurring_ns / 1e9)
 
     async def _wait_landed(self, op: Op, future, deadline_s: float) -> None:
         """Await a verified L3 read's bytes (storage.ReadFuture.landed), not its checksums. Raises

@@ -16,7 +16,8 @@ Fragmented L2 pages (more runs than the DMA plans take), either direction, layer
 Work runs on private CUDA streams, kernels and DMAs one stream each per direction (PCIe is full
 duplex: a backup never queues a restore), that first wait on the caller's stream (the page-index
 tensors and the KV being copied are produced there). Completion is a `Transfer` whose `wait()` awaits the
-CUDA event from a worker thread (`Event.synchronize` releases the GIL), so the loop never spins.
+CUDA event from a worker thread of its direction (`Event.synchronize` releases the GIL), so the loop
+never spins and a restore's completion never queues behind backups'.
 On the CPU every copy is synchronous and transfers are complete when enqueued.
 On CUDA a transfer of 8 or more pages is pipelined in chunks that grow (`ramp_chunks`): chunk i's
 DMA runs while chunk i+1's gather (D2H) or chunk i-1's scatter (H2D) runs on the SMs. The first DMA
@@ -71,6 +72,12 @@ class Transfer:
     started_ns: int
     event: object = None                # torch.cuda.Event or None when already complete
     start_event: object = None
+    # at enqueue: `enqueued_event` on an idle stream (fires then), `ready_event` on the caller's
+    # stream (fires once the work before it there is done: a forward in flight, which is waited for
+    # whether a prefix is restored or recomputed, so not the transfer's cost)
+    enqueued_event: object = None
+    ready_event: object = None
+    compute_wait_ns: int = 0            # between the two (CUDA, set at completion)
     finish: object = None               # callable run after completion (CPU index copy), off-loop
     workspace: Workspace | None = None
     keepalive: list = field(default_factory=list)
@@ -86,8 +93,15 @@ class Transfer:
 
     @property
     def queue_wait_ns(self) -> int:
-        rest = self.end_to_end_ns - self.enqueue_ns - self.setup_ns - self.service_ns
+        """Waiting behind other transfers, and for the completion to be seen."""
+        rest = self.end_to_end_ns - self.enqueue_ns - self.setup_ns - self.compute_wait_ns - self.service_ns
         return max(0, rest)
+
+    @property
+    def recurring_ns(self) -> int:
+        """What the transfer itself costs each time (the cost model's sample): end to end, less a
+        one-time setup and less the wait for the caller's stream."""
+        return max(0, self.end_to_end_ns - self.setup_ns - self.compute_wait_ns)
 
 
 class TransferEngine:
@@ -110,12 +124,17 @@ class TransferEngine:
         self.first_chunk_pages = max(1, RAMP_FIRST_BYTES // self.geometry.bytes_per_page)
         self.direct_pages = 0  # a D2H's first pages DMA'd straight out of L1 (set below when it can)
         self._workspaces: list[Workspace] = []
-        self._waiter = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hicache-cuda-wait")
+        # completions are awaited on worker threads, a pool per direction: a restore's must never
+        # queue behind backups' (a busy trace replay had restores waiting ~19 ms each behind them)
+        self._waiters = {d: ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"hicache-{d}-wait")
+                         for d in ("d2h", "h2d")}
         # layer-ordered restores (h2d_layerwise) have a copy stream of their own: a forward waits on
         # the device for them (kernels/layer_flags.py) and must not also wait for a parked restore's
         # classic H2D queued ahead of them. Behind each layer's DMAs the stream sets that layer's
         # flag to the restore's epoch.
         self.layer_stream = torch.cuda.Stream(device=l1.device) if self.cuda else None
+        # nothing runs on it: an event recorded there fires at once, the enqueue time on the device clock
+        self._clock_stream = torch.cuda.Stream(device=l1.device) if self.cuda else None
         self.layer_flags: LayerFlags | None = None
         self.layerwise = not self.cuda
         self._memcpy = None  # cuda_rt.memcpy_async: a pipeline chunk's DMA in one call
@@ -233,9 +252,8 @@ class TransferEngine:
         stream, flags = self.layer_stream, self.layer_flags
         if self.cuda:
             tr.epoch = flags.next_epoch()
+            self._events(tr)
             stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # its last reader of these pages
-            tr.start_event = torch.cuda.Event(enable_timing=True)
-            tr.event = torch.cuda.Event(enable_timing=True)
             tr.start_event.record(stream)
         landed = 0
         l1_ptr, l2_ptr = self.l1.kv.data_ptr(), self.l2.page_buffer.data_ptr()
@@ -261,8 +279,7 @@ class TransferEngine:
         (where the L1 pages were last read, or the KV being backed up was written). A launch that
         raises fails the transfer, not the caller; `flags` (a layer-ordered restore's) are then
         all written anyway, so no forward waits for them."""
-        tr.start_event = torch.cuda.Event(enable_timing=True)
-        tr.event = torch.cuda.Event(enable_timing=True)
+        self._events(tr)
         caller = torch.cuda.current_stream(self.l1.device)
         stream.wait_stream(caller)
         tr.start_event.record(stream)
@@ -321,10 +338,14 @@ class TransferEngine:
         tr.enqueue_ns = time.monotonic_ns() - t0 - tr.setup_ns
         return tr
 
-    @staticmethod
-    def _events(tr: Transfer) -> None:
+    def _events(self, tr: Transfer) -> None:
+        """The transfer's timing events; `enqueued_event` and `ready_event` are recorded now."""
         tr.start_event = torch.cuda.Event(enable_timing=True)
         tr.event = torch.cuda.Event(enable_timing=True)
+        tr.enqueued_event = torch.cuda.Event(enable_timing=True)
+        tr.ready_event = torch.cuda.Event(enable_timing=True)
+        tr.enqueued_event.record(self._clock_stream)
+        tr.ready_event.record(torch.cuda.current_stream(self.l1.device))
 
     def _direct_out(self, l1_pages: list[int], host_ptr: int, tr: Transfer, caller: torch.cuda.Stream) -> int:
         """A D2H's first `direct_pages` pages straight out of L1 into the page-major host buffer at
@@ -475,11 +496,14 @@ class TransferEngine:
                 time.sleep(0)  # lets other threads take the GIL
             tr.event.synchronize()
             tr.service_ns = int(tr.start_event.elapsed_time(tr.event) * 1e6)
+            if tr.ready_event is not None:
+                tr.compute_wait_ns = max(0, int(tr.enqueued_event.elapsed_time(tr.ready_event) * 1e6))
         if tr.finish is not None:
             tr.finish()
         tr.done_ns = time.monotonic_ns()
         if tr.service_ns == 0:
             tr.service_ns = tr.done_ns - tr.started_ns - tr.setup_ns
+        tr.compute_wait_ns = min(tr.compute_wait_ns, max(0, tr.end_to_end_ns - tr.setup_ns - tr.enqueue_ns))
 
     async def wait(self, tr: Transfer) -> Transfer:
         """Await completion without spinning the loop; raises TransferError on a failed transfer."""
@@ -487,7 +511,8 @@ class TransferEngine:
             if tr.event is None and tr.finish is None:
                 self._complete_blocking(tr)
             else:
-                await asyncio.get_running_loop().run_in_executor(self._waiter, self._complete_blocking, tr)
+                await asyncio.get_running_loop().run_in_executor(self._waiters[tr.direction], self._complete_blocking,
+                                                                 tr)
         finally:
             self._release(tr.workspace)
             tr.workspace = None
@@ -511,7 +536,8 @@ class TransferEngine:
         if self.cuda:
             for stream in (*self.kernel_streams.values(), *self.copy_streams.values(), self.layer_stream):
                 stream.synchronize()
-        self._waiter.shutdown(wait=True)
+        for waiter in self._waiters.values():
+            waiter.shutdown(wait=True)
         self._workspaces.clear()
 
 

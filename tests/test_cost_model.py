@@ -283,3 +283,30 @@ def test_overlapped_h2d_is_charged_only_beyond_one_forward() -> None:
     long = cm.decide(0, 8000, 0, "cost", overlap_h2d=True)
     assert long.costs["l2_restore_s"] == approx(cm.restore_cost_s("l2", 8000) - cm.directions["recompute"].fixed_s)
     assert cm.decide(0, 0, 336, "cost", overlap_h2d=True).costs.get("l3_restore_s", 1.0) > 0  # L3: no credit
+
+
+def test_a_tier_not_restored_from_for_a_while_is_re_timed() -> None:
+    """Cost policy: after `restore_explore_every` hits in a row that a tier could have served but
+    the model sent to recompute, the next such hit is restored from it (a probe), so a pessimistic
+    estimate gets re-timed (regression: a trace replay's policy learned H2D at 4.5 GiB/s from its
+    first five restores, all waiting behind busy streams, and never restored again;
+    docs/benchmarks.md, session 16). A timed transfer of that tier restarts the count; a forced
+    policy, simulations (nothing timed) and 0 never probe."""
+    cm = model(host_bandwidth_gib_s=0.5, recompute_us_per_token=25.0, restore_explore_every=4)
+    picks = [cm.decide(0, 3500, 3500, "cost") for _ in range(9)]
+    assert [d.tier for d in picks] == ["l1", "l1", "l1", "l2", "l1", "l1", "l1", "l2", "l1"]
+    assert picks[3].costs["explore"] == 1.0 and picks[3].restore_tokens == 3500 and "explore" not in picks[4].costs
+    cm.decide(0, 3500, 3500, "cost")
+    cm.observe_transfer("h2d", 3500 * BYTES_PER_TOKEN, 3500 * BYTES_PER_TOKEN / (0.5 * GIB_BYTES))  # still slow
+    assert [cm.decide(0, 3500, 3500, "cost").tier for _ in range(4)] == ["l1", "l1", "l1", "l2"]
+    fresh = model(host_bandwidth_gib_s=0.5, recompute_us_per_token=25.0, restore_explore_every=4)
+    assert [fresh.decide(0, 3500, 3500, "cost").tier for _ in range(3)] == ["l1"] * 3
+    fresh.observe_transfer("h2d", 3500 * BYTES_PER_TOKEN, 3500 * BYTES_PER_TOKEN / (50 * GIB_BYTES))  # a fast link
+    assert [fresh.decide(0, 3500, 3500, "cost").tier for _ in range(6)] == ["l2"] * 6  # learned, not probed
+    for kwargs, learning, policy in (({"restore_explore_every": 0}, True, "cost"), ({}, False, "cost"),
+                                     ({}, True, "never")):
+        other = model(host_bandwidth_gib_s=0.5, recompute_us_per_token=25.0, **kwargs)
+        other.learning = learning
+        assert all(other.decide(0, 3500, 3500, policy).tier == "l1" for _ in range(80))
+    with pytest.raises(ValueError, match="explore-every"):
+        HiCacheConfig(restore_explore_every=-1)

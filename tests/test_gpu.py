@@ -150,6 +150,32 @@ def test_fragmented_transfers_reach_pinned_l2_with_the_copy_kernels():
     te.close()
 
 
+@pytest.mark.parametrize("kind", ["pipelined", "whole", "layerwise", "kernel"])
+def test_a_transfer_behind_a_busy_callers_stream_counts_that_wait_apart(kind):
+    """Enqueued while a ~50 ms kernel still runs on the caller's stream, every kind of transfer
+    waits for it; the wait is measured as compute_wait_ns (on the device clock, from enqueue to the
+    caller's work done) and left out of its recurring time, which stays about its own service."""
+    from hicache.geometry import KVGeometry
+    from hicache.pools import DevicePool, HostPool
+    from hicache.transfer import TransferEngine
+    from kernels.chooser import choose_backends
+
+    geo = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+    l1, l2 = DevicePool(geo, 64, torch.device("cuda")), HostPool(geo, 64, pin=True)
+    te = TransferEngine(l1, l2, choose_backends(l1.kv, "torch"), kernel_max_pages=8 if kind == "kernel" else 0)
+    pages = {"pipelined": 16, "whole": 4, "layerwise": 16, "kernel": 4}[kind]
+    host, dev = list(range(pages)), list(range(10, 10 + pages))
+    enqueue = te.h2d_layerwise if kind in ("layerwise", "kernel") else te.h2d
+    te.wait_blocking(enqueue(host, dev))  # warm: compile, workspaces
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # ~50 ms on the caller's (current) stream
+    tr = te.wait_blocking(enqueue(host, dev))
+    assert tr.compute_wait_ns > 20_000_000
+    assert tr.recurring_ns + tr.compute_wait_ns <= tr.end_to_end_ns - tr.setup_ns
+    assert tr.recurring_ns < tr.compute_wait_ns / 2
+    te.close()
+
+
 def test_a_copy_kernel_that_cannot_launch_fails_the_transfer_with_every_flag_written(monkeypatch):
     """A short restore goes by the copy kernel; if its launch raises, the transfer fails (not the
     caller) and every layer flag still reaches the epoch, so no forward waits for it."""

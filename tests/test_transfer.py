@@ -161,3 +161,60 @@ def test_consecutive_host_pages_in_a_tuple_take_the_one_run_path():
     engine.wait_blocking(tr)
     assert torch.equal(l2.buffer[:, :, 20:30], l1.kv[:, :, 4:14])
     engine.close()
+
+
+def test_waiting_for_the_callers_stream_is_not_the_transfers_cost():
+    """A transfer enqueued behind a forward still running on the caller's stream waits for it, but a
+    recompute would too: that wait (compute_wait_ns) is left out of the recurring time the cost model
+    learns and the metrics report, and out of the queue wait (regression: a busy trace replay's
+    restores measured ~77 ms of forwards each, the model learned H2D at 4.5 GiB/s and stopped
+    restoring and backing up; docs/benchmarks.md, session 16)."""
+    from hicache.metrics import DirectionStats
+    from hicache.transfer import Transfer
+
+    ms = 1_000_000
+    tr = Transfer("h2d", 8, 8 << 20, enqueue_ns=1 * ms, setup_ns=2 * ms, started_ns=0, service_ns=3 * ms)
+    tr.done_ns = 90 * ms
+    tr.compute_wait_ns = 80 * ms
+    assert tr.recurring_ns == 90 * ms - 2 * ms - 80 * ms
+    assert tr.queue_wait_ns == 90 * ms - 1 * ms - 2 * ms - 80 * ms - 3 * ms
+    stats = DirectionStats()
+    stats.add(tr.num_bytes, enqueue_s=0.001, setup_s=0.002, compute_wait_s=0.08, queue_wait_s=tr.queue_wait_ns / 1e9,
+              service_s=0.003, end_to_end_s=0.09)
+    assert stats.recurring_s == pytest.approx(tr.recurring_ns / 1e9)
+    assert stats.as_dict()["compute_wait_s"] == pytest.approx(0.08)
+    tr.compute_wait_ns = 0  # nothing before it: end to end less setup, as before
+    assert tr.recurring_ns == 88 * ms
+
+
+def test_a_restores_completion_never_waits_behind_backups():
+    """Completions are awaited on worker threads; a restore's (H2D) must not queue behind backups'
+    (D2H) still in flight, however many (regression: one pool of two workers for both directions
+    left a busy trace replay's restores waiting ~19 ms a restore behind 759 backups' completions;
+    docs/benchmarks.md, session 16). Backups here block in their completion until released."""
+    import asyncio
+    import threading
+
+    from hicache.transfer import Transfer
+
+    geo = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4, dtype=torch.float32)
+    te = TransferEngine(DevicePool(geo, 8, torch.device("cpu")), HostPool(geo, 8, pin=False),
+                        ChosenBackends("torch", "torch"))
+    release = threading.Event()
+
+    def transfer(direction: str, finish) -> Transfer:
+        return Transfer(direction, 1, geo.bytes_per_page, 0, 0, 0, finish=finish)
+
+    async def scenario() -> bool:
+        backups = [asyncio.ensure_future(te.wait(transfer("d2h", release.wait))) for _ in range(4)]
+        await asyncio.sleep(0.05)  # the backups hold whatever workers they can
+        try:
+            await asyncio.wait_for(te.wait(transfer("h2d", lambda: None)), 2.0)
+            restored_first = not any(b.done() for b in backups)
+        finally:
+            release.set()
+            await asyncio.gather(*backups)
+        return restored_first
+
+    assert asyncio.run(scenario())
+    te.close()
