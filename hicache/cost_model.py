@@ -266,7 +266,8 @@ class CostModel:
         """The cost policy's pick, or a tier it has not restored from for `explore_every` hits in a
         row: a restore it skipped is never timed, so an estimate that went wrong (samples taken
         while the link was busy, a page cache that warmed since) would otherwise stay wrong. At
-        most one restore in `explore_every` hits is a probe."""
+        most one restore in `explore_every` decisions is a probe (an L3 hit is decided twice: at
+        queue time for its prefetch, and at admission)."""
         if tier != "l1" or not (self.learning and self.explore_every):
             return tier
         for candidate in ("l2", "l3"):
