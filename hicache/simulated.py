@@ -8,7 +8,7 @@ import time
 
 from hicache.geometry import KVGeometry
 from hicache.storage import IoResult, coalesce_extents
-from hicache.transfer import Transfer
+from hicache.transfer_record import Transfer
 
 
 class NullTransferEngine:

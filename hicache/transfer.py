@@ -18,7 +18,8 @@ duplex: a backup never queues a restore), that first wait on the caller's stream
 tensors and the KV being copied are produced there). Completion is a `Transfer` whose `wait()` awaits the
 CUDA event from a worker thread of its direction (`Event.synchronize` releases the GIL), so the loop
 never spins and a restore's completion never queues behind backups'.
-On the CPU every copy is synchronous and transfers are complete when enqueued.
+On the CPU every copy is synchronous and transfers are complete when enqueued. What one transfer
+records, and which of its time is its own cost: hicache/transfer_record.py.
 On CUDA a transfer of 8 or more pages is pipelined in chunks that grow (`ramp_chunks`): chunk i's
 DMA runs while chunk i+1's gather (D2H) or chunk i-1's scatter (H2D) runs on the SMs. The first DMA
 is the first thing enqueued (D2H: the direct pages; H2D: the first chunk, which waits for nothing).
@@ -29,7 +30,6 @@ import asyncio
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 
@@ -39,69 +39,11 @@ from hicache.layer_copy import layer_plan, page_out_copies, run_layer_cpu, run_l
 from hicache.pools import DevicePool, HostPool
 from hicache.transfer_plan import (DIRECT_FIRST_BYTES, DIRECT_MAX_PAGES, MAX_DMA_RUNS, RAMP_FIRST_BYTES,
                                    RAMP_GROWTH, gathered_chunks, host_runs, ramp_chunks)
+from hicache.transfer_record import Transfer, TransferError, Workspace
 from kernels import host_copy
 from kernels.chooser import ChosenBackends
 from kernels.layer_flags import LayerFlags
 from kernels.page_copy import gather_pages, scatter_pages, triton_available
-
-
-class TransferError(RuntimeError):
-    pass
-
-
-@dataclass(eq=False)
-class Workspace:
-    num_pages: int
-    device: torch.Tensor                # [num_pages, 2, L, S, H, D] on the compute device
-    host: torch.Tensor | None = None    # same shape, pinned; allocated lazily (fragmented paths only)
-    busy: bool = False
-    # a pipelined transfer's L1 page index (CUDA): written on the host, copied by one DMA on the
-    # kernel stream; both are the transfer's until it completes, like the workspace
-    index_host: torch.Tensor | None = None  # [num_pages] int64, pinned
-    index_device: torch.Tensor | None = None  # [num_pages] int64
-    index_np: object = None                 # index_host as a numpy array (the host writes it)
-
-
-@dataclass(eq=False)
-class Transfer:
-    direction: str
-    num_pages: int
-    num_bytes: int
-    enqueue_ns: int
-    setup_ns: int
-    started_ns: int
-    event: object = None                # torch.cuda.Event or None when already complete
-    start_event: object = None
-    # at enqueue: `enqueued_event` on an idle stream (fires then), `ready_event` on the caller's
-    # stream (fires once the work before it there is done: a forward in flight, which is waited for
-    # whether a prefix is restored or recomputed, so not the transfer's cost)
-    enqueued_event: object = None
-    ready_event: object = None
-    compute_wait_ns: int = 0            # between the two (CUDA, set at completion)
-    finish: object = None               # callable run after completion (CPU index copy), off-loop
-    workspace: Workspace | None = None
-    keepalive: list = field(default_factory=list)
-    fail: bool = False                  # fault injection: completion raises
-    done_ns: int = 0
-    service_ns: int = 0
-    epoch: int = 0                      # h2d_layerwise on CUDA: the value its layer flags reach
-    error: str | None = None            # why `fail` (default: an injected failure)
-
-    @property
-    def end_to_end_ns(self) -> int:
-        return self.done_ns - self.started_ns
-
-    @property
-    def queue_wait_ns(self) -> int:
-        """Waiting behind other transfers, and for the completion to be seen."""
-        rest = self.end_to_end_ns - self.enqueue_ns - self.setup_ns - self.compute_wait_ns - self.service_ns
-        return max(0, rest)
-
-    @property
-    def recurring_ns(self) -> int:
-        """What the transfer itself costs each time (the cost model's sample): end to end, less a
-        one-time setup and less the wait for the caller's stream."""
-        return max(0, self.end_to_end_ns - self.setup_ns - self.compute_wait_ns)
 
 
 class TransferEngine:

@@ -1,0 +1,68 @@
+"""One transfer between L1 and L2 as the engine and the cost model see it (hicache/transfer.py
+enqueues and completes them): its buffers, its CUDA events, and the time it took, split into what is
+its own cost (enqueue, waiting behind other transfers, the copy, seeing it complete) and what is not
+(a one-time workspace allocation; the wait for work already on the caller's stream)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class TransferError(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class Workspace:
+    num_pages: int
+    device: torch.Tensor                # [num_pages, 2, L, S, H, D] on the compute device
+    host: torch.Tensor | None = None    # same shape, pinned; allocated lazily (fragmented paths only)
+    busy: bool = False
+    # a pipelined transfer's L1 page index (CUDA): written on the host, copied by one DMA on the
+    # kernel stream; both are the transfer's until it completes, like the workspace
+    index_host: torch.Tensor | None = None  # [num_pages] int64, pinned
+    index_device: torch.Tensor | None = None  # [num_pages] int64
+    index_np: object = None                 # index_host as a numpy array (the host writes it)
+
+
+@dataclass(eq=False)
+class Transfer:
+    direction: str
+    num_pages: int
+    num_bytes: int
+    enqueue_ns: int
+    setup_ns: int
+    started_ns: int
+    event: object = None                # torch.cuda.Event or None when already complete
+    start_event: object = None
+    # at enqueue: `enqueued_event` on an idle stream (fires then), `ready_event` on the caller's
+    # stream (fires once the work before it there is done: a forward in flight, which is waited for
+    # whether a prefix is restored or recomputed, so not the transfer's cost)
+    enqueued_event: object = None
+    ready_event: object = None
+    compute_wait_ns: int = 0            # between the two (CUDA, set at completion)
+    finish: object = None               # callable run after completion (CPU index copy), off-loop
+    workspace: Workspace | None = None
+    keepalive: list = field(default_factory=list)
+    fail: bool = False                  # fault injection: completion raises
+    done_ns: int = 0
+    service_ns: int = 0
+    epoch: int = 0                      # h2d_layerwise on CUDA: the value its layer flags reach
+    error: str | None = None            # why `fail` (default: an injected failure)
+
+    @property
+    def end_to_end_ns(self) -> int:
+        return self.done_ns - self.started_ns
+
+    @property
+    def queue_wait_ns(self) -> int:
+        """Waiting behind other transfers, and for the completion to be seen."""
+        rest = self.end_to_end_ns - self.enqueue_ns - self.setup_ns - self.compute_wait_ns - self.service_ns
+        return max(0, rest)
+
+    @property
+    def recurring_ns(self) -> int:
+        """What the transfer itself costs each time (the cost model's sample): end to end, less a
+        one-time setup and less the wait for the caller's stream."""
+        return max(0, self.end_to_end_ns - self.setup_ns - self.compute_wait_ns)
