@@ -84,7 +84,8 @@ class Backups:
         n1, n2 = m.lengths[Tier.L1], m.lengths[Tier.L2]
         if n1 <= n2:
             return None
-        if not mgr.worth_writing("l2", n1) or not mgr.backup_pays_off(n1):
+        if (not mgr.worth_writing("l2", n1) or not mgr.backup_worth_its_cost(n1 - n2)
+                or not mgr.backup_pays_off(n1)):
             mgr.metrics.policy_skips["write_l2"] += 1
             return None
         op = self._new(OpKind.BACKUP, (n1 - n2) // ps, request_id)

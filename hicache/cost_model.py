@@ -301,6 +301,20 @@ class CostModel:
             restore_s += num_bytes * self.directions["s2h"].slope
         return self.margin * restore_s < self.recompute_cost_s(num_tokens)
 
+    def backup_worth_its_cost(self, new_tokens: int) -> bool:
+        """Does an L1 -> L2 backup of `new_tokens` more tokens (beyond what L2 holds) cost less than
+        the recompute one read of them saves? Its D2H is charged whole, fixed cost included (the
+        enqueue, the gather, the completion: ~1.5 ms for one page on the H200); its saving is
+        recompute's marginal cost minus the H2D, per token. With one-token pages every hit would
+        otherwise back up its one new token (a unique suffix, rarely read again): on the stress
+        workload 72 extra backups, each ~0.5 ms of loop time before the next request
+        (docs/benchmarks.md, session 17). Long extensions (a conversation's next turn) pass."""
+        if new_tokens <= 0:
+            return False
+        saving_s = new_tokens * (self.directions["recompute"].slope
+                                 - self.directions["h2d"].slope * self.bytes_per_token)
+        return self._transfer_s("d2h", new_tokens) < saving_s
+
     def state(self) -> dict:
         """For status(): every direction's fit, plus effective GiB/s of the transfer slopes."""
         directions = {}

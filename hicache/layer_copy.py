@@ -23,6 +23,12 @@ from hicache.geometry import KVGeometry
 
 # page lists split in more runs than this take the classic path (one DMA + one scatter kernel)
 MAX_LAYER_RUNS = 8
+# A 2-D DMA whose rows (slabs) are narrower than this is slow. Restores of the 8B shape on the H200
+# (docs/benchmarks.md, session 17): 32 KiB slabs (16-token pages) move at 0.97-0.98 of the pinned
+# copy, 16 KiB ones (8-token pages) at 29-30 GiB/s, 2 KiB ones (one-token pages) at 11-18 GiB/s,
+# where the copy kernel (kernels/host_copy.py) moves 38-45 GiB/s. Narrower slabs take the kernel on
+# CUDA at any length, and a D2H's first pages are gathered like the rest.
+MIN_DMA_ROW_BYTES = 32 << 10
 
 
 class Copy2D(NamedTuple):

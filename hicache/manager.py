@@ -206,6 +206,11 @@ class CacheManager:
             return self.config.policy == "always"
         return self.cost.worth_writing(tier, num_tokens)
 
+    def backup_worth_its_cost(self, new_tokens: int) -> bool:
+        """Cost policy: is a backup of this many new tokens cheaper than one recompute of them
+        (CostModel.backup_worth_its_cost)? Forced policies decide alone."""
+        return self.config.policy != "cost" or self.cost.backup_worth_its_cost(new_tokens)
+
     def l3_write_pays_off(self) -> bool:
         """Cost policy: L3 writes go on while L3 gets read back (or has not evicted enough to tell)."""
         return self.config.policy != "cost" or self.reuse[Tier.L3].admit()

@@ -10,26 +10,31 @@ DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
 class DirectionStats:
     num_bytes: int = 0
     count: int = 0
-    recurring_s: float = 0.0     # enqueue + queue wait + service + completion (no one-time setup)
+    recurring_s: float = 0.0     # what the cost model learns (Transfer.recurring_ns; no one-time setup)
     enqueue_s: float = 0.0
     setup_s: float = 0.0         # workspace allocation
     compute_wait_s: float = 0.0  # waiting for the work before it on the caller's stream (not recurring)
     queue_wait_s: float = 0.0
+    seen_wait_s: float = 0.0     # CUDA: from the device done to a thread seeing it (not recurring)
     service_s: float = 0.0
     end_to_end_s: float = 0.0
     extents: int = 0             # L3 only: I/O calls after coalescing
 
     def add(self, num_bytes: int, *, enqueue_s=0.0, setup_s=0.0, compute_wait_s=0.0, queue_wait_s=0.0,
-            service_s=0.0, end_to_end_s=0.0, extents=0) -> None:
+            seen_wait_s=0.0, service_s=0.0, end_to_end_s=0.0, extents=0, recurring_s=None) -> None:
+        """recurring_s: the sample the cost model took (default: end to end less setup and the
+        compute wait)."""
         self.num_bytes += num_bytes
         self.count += 1
         self.enqueue_s += enqueue_s
         self.setup_s += setup_s
         self.compute_wait_s += compute_wait_s
         self.queue_wait_s += queue_wait_s
+        self.seen_wait_s += seen_wait_s
         self.service_s += service_s
         self.end_to_end_s += end_to_end_s
-        self.recurring_s += max(0.0, end_to_end_s - setup_s - compute_wait_s)
+        self.recurring_s += (max(0.0, end_to_end_s - setup_s - compute_wait_s) if recurring_s is None
+                             else recurring_s)
         self.extents += extents
 
     @property
@@ -39,7 +44,8 @@ class DirectionStats:
     def as_dict(self) -> dict:
         return {"bytes": self.num_bytes, "count": self.count, "recurring_s": self.recurring_s,
                 "gib_s": self.gib_s, "enqueue_s": self.enqueue_s, "setup_s": self.setup_s,
-                "compute_wait_s": self.compute_wait_s, "queue_wait_s": self.queue_wait_s, "service_s": self.service_s,
+                "compute_wait_s": self.compute_wait_s, "queue_wait_s": self.queue_wait_s,
+                "seen_wait_s": self.seen_wait_s, "service_s": self.service_s,
                 "end_to_end_s": self.end_to_end_s, "extents": self.extents}
 
 

@@ -186,7 +186,8 @@ class OpRunner(Backups, Restores):
         e2e_s = tr.end_to_end_ns / 1e9
         stats.add(tr.num_bytes, enqueue_s=tr.enqueue_ns / 1e9, setup_s=tr.setup_ns / 1e9,
                   compute_wait_s=tr.compute_wait_ns / 1e9, queue_wait_s=tr.queue_wait_ns / 1e9,
-                  service_s=tr.service_ns / 1e9, end_to_end_s=e2e_s)
+                  seen_wait_s=tr.seen_wait_ns / 1e9, service_s=tr.service_ns / 1e9, end_to_end_s=e2e_s,
+                  recurring_s=tr.recurring_ns / 1e9)
         if tr.enqueue_ns < JIT_ENQUEUE_NS:  # a slower enqueue compiled a kernel: a one-time cost
             mgr.cost.observe_transfer(direction, tr.num_bytes, tr.recurring_ns / 1e9)
 

@@ -35,7 +35,7 @@ import torch
 
 from hicache.faults import Fault, FaultInjector
 from hicache.geometry import KVGeometry
-from hicache.layer_copy import layer_plan, page_out_copies, run_layer_cpu, run_layer_cuda
+from hicache.layer_copy import MIN_DMA_ROW_BYTES, layer_plan, page_out_copies, run_layer_cpu, run_layer_cuda
 from hicache.pools import DevicePool, HostPool
 from hicache.transfer_plan import (DIRECT_FIRST_BYTES, DIRECT_MAX_PAGES, MAX_DMA_RUNS, RAMP_FIRST_BYTES,
                                    RAMP_GROWTH, gathered_chunks, host_runs, ramp_chunks)
@@ -48,7 +48,8 @@ from kernels.page_copy import gather_pages, scatter_pages, triton_available
 
 class TransferEngine:
     def __init__(self, l1: DevicePool, l2: HostPool, backends: ChosenBackends,
-                 faults: FaultInjector | None = None, kernel_max_pages: int = 0) -> None:
+                 faults: FaultInjector | None = None, kernel_max_pages: int = 0,
+                 min_dma_row_bytes: int | None = None) -> None:
         self.l1, self.l2 = l1, l2
         self.geometry: KVGeometry = l1.geometry
         self.backends = backends
@@ -65,6 +66,9 @@ class TransferEngine:
         # the DMA before it (ramp_chunks)
         self.first_chunk_pages = max(1, RAMP_FIRST_BYTES // self.geometry.bytes_per_page)
         self.direct_pages = 0  # a D2H's first pages DMA'd straight out of L1 (set below when it can)
+        # slabs too narrow for 2-D DMAs: no direct pages, every layer-ordered restore by the kernel
+        row_min_bytes = MIN_DMA_ROW_BYTES if min_dma_row_bytes is None else min_dma_row_bytes
+        self.narrow_slabs = self.geometry.slab_elements * self.geometry.itemsize < row_min_bytes
         self._workspaces: list[Workspace] = []
         # completions are awaited on worker threads, a pool per direction: a restore's must never
         # queue behind backups' (a busy trace replay had restores waiting ~19 ms each behind them)
@@ -85,7 +89,7 @@ class TransferEngine:
             from kernels import cuda_rt
             self.layerwise = cuda_rt.available() and l2.pinned
             self._memcpy = cuda_rt.memcpy_async if cuda_rt.available() else None
-            if cuda_rt.available() and l2.pinned:
+            if cuda_rt.available() and l2.pinned and not self.narrow_slabs:
                 self._memcpy_2d = cuda_rt.memcpy_2d_async
                 self.direct_pages = min(DIRECT_MAX_PAGES, max(1, DIRECT_FIRST_BYTES // self.geometry.bytes_per_page))
             if self.layerwise:
@@ -156,8 +160,9 @@ class TransferEngine:
         return self._enqueue("h2d", l1_pages, host_pages)
 
     def h2d_layerwise(self, host_pages: list[int], l1_pages: list[int]) -> Transfer | None:
-        """L2 -> L1 in layer order, straight into the L1 pages (2-D DMAs, no staging; pages split in
-        more runs than the DMA plan takes: one copy kernel reading pinned L2); on CUDA
+        """L2 -> L1 in layer order, straight into the L1 pages (2-D DMAs, no staging; restores of at
+        most kernel_max_pages, pages split in more runs than the DMA plan takes, or slabs too narrow
+        for 2-D DMAs: one copy kernel reading pinned L2); on CUDA
         `layer_flags.flags[l]` reaches the transfer's `epoch` once layer l has landed. None when this
         machine cannot (or, without the kernel, the pages are too fragmented): the caller uses h2d(). A forward
         that reads these pages waits for each layer's flag to reach that epoch, and is launched
@@ -169,7 +174,7 @@ class TransferEngine:
             raise TransferError(f"h2d: {len(l1_pages)} L1 pages vs {len(host_pages)} host pages")
         t0 = time.monotonic_ns()
         n = len(l1_pages)
-        short = self.host_reads and n <= self.kernel_max_pages
+        short = self.host_reads and (n <= self.kernel_max_pages or self.narrow_slabs)
         plan = None if short else layer_plan(self.geometry, self.l1.num_pages, l1_pages, host_pages)
         if plan is None and not self.host_reads:
             return None
@@ -438,10 +443,13 @@ class TransferEngine:
                 time.sleep(0)  # lets other threads take the GIL
             tr.event.synchronize()
             tr.service_ns = int(tr.start_event.elapsed_time(tr.event) * 1e6)
-            if tr.ready_event is not None:
+            if tr.enqueued_event is not None:  # (every CUDA path records both at enqueue)
+                tr.device_ns = max(1, int(tr.enqueued_event.elapsed_time(tr.event) * 1e6))
                 tr.compute_wait_ns = max(0, int(tr.enqueued_event.elapsed_time(tr.ready_event) * 1e6))
         if tr.finish is not None:
+            t0 = time.monotonic_ns()
             tr.finish()
+            tr.finish_ns = time.monotonic_ns() - t0
         tr.done_ns = time.monotonic_ns()
         if tr.service_ns == 0:
             tr.service_ns = tr.done_ns - tr.started_ns - tr.setup_ns

@@ -1,7 +1,8 @@
 """One transfer between L1 and L2 as the engine and the cost model see it (hicache/transfer.py
 enqueues and completes them): its buffers, its CUDA events, and the time it took, split into what is
-its own cost (enqueue, waiting behind other transfers, the copy, seeing it complete) and what is not
-(a one-time workspace allocation; the wait for work already on the caller's stream)."""
+its own cost (enqueue, waiting behind other transfers, the copy) and what is not (a one-time
+workspace allocation; the wait for work already on the caller's stream; on CUDA, how late a thread
+saw it complete)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,6 +43,8 @@ class Transfer:
     enqueued_event: object = None
     ready_event: object = None
     compute_wait_ns: int = 0            # between the two (CUDA, set at completion)
+    device_ns: int = 0                  # CUDA: from `enqueued_event` to the end, on the device clock
+    finish_ns: int = 0                  # running `finish` after the device was done
     finish: object = None               # callable run after completion (CPU index copy), off-loop
     workspace: Workspace | None = None
     keepalive: list = field(default_factory=list)
@@ -57,12 +60,28 @@ class Transfer:
 
     @property
     def queue_wait_ns(self) -> int:
-        """Waiting behind other transfers, and for the completion to be seen."""
+        """Waiting behind other work on its streams (CUDA: on the device clock), and, without the
+        device clock, for the completion to be seen."""
+        if self.device_ns:
+            return max(0, self.device_ns - self.compute_wait_ns - self.service_ns)
         rest = self.end_to_end_ns - self.enqueue_ns - self.setup_ns - self.compute_wait_ns - self.service_ns
         return max(0, rest)
 
     @property
+    def seen_wait_ns(self) -> int:
+        """CUDA: from the device finishing the transfer to a thread seeing it (and running `finish`),
+        less that finish: a loop or a GIL busy elsewhere, not the copy."""
+        if not self.device_ns:
+            return 0
+        return max(0, self.end_to_end_ns - self.setup_ns - self.device_ns - self.finish_ns)
+
+    @property
     def recurring_ns(self) -> int:
-        """What the transfer itself costs each time (the cost model's sample): end to end, less a
-        one-time setup and less the wait for the caller's stream."""
+        """What the transfer itself costs each time (the cost model's sample), less a one-time setup
+        and the wait for the caller's stream. CUDA: its enqueue or its time on the device, whichever
+        is longer, plus `finish`; when a thread saw it done is left out (regression: a busy trace
+        replay's restores were seen ~100 ms after their copies ended, and the model learned H2D at
+        3.9 GiB/s; docs/benchmarks.md, session 17). Elsewhere: end to end."""
+        if self.device_ns:
+            return max(self.enqueue_ns, self.device_ns - self.compute_wait_ns) + self.finish_ns
         return max(0, self.end_to_end_ns - self.setup_ns - self.compute_wait_ns)

@@ -35,7 +35,8 @@ except ImportError:  # pragma: no cover - triton is a dependency
     triton = None
 
 _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
-MAX_BLOCK_BYTES = 16 << 10   # one item: at most 16 KiB of a slab
+MAX_BLOCK_BYTES = 16 << 10   # one item: at most 16 KiB (a share of a slab, or several small slabs)
+MAX_ROWS = 64                # at most this many slabs an item
 NUM_WARPS = 4
 # programs per launch: on the H200, 16 reached the same 0.91-0.92 of the pinned copy as 32-132 from
 # 1,000 tokens (8: 0.70-0.80) and slowed a stream of small-M GEMMs beside it the least (+6 % while
@@ -44,35 +45,34 @@ PROGRAMS = 16
 
 
 if triton is not None:
-    @triton.jit
-    def _item_offsets(pages_ptr, num_pages, i, slab, chunk, pool_pages, NUM_LAYERS: tl.constexpr,
-                      SLAB: tl.constexpr, BLOCK: tl.constexpr):
-        """Word offsets of chunk `chunk` of slab `slab` (= kv * L + layer) of listed page i: in the
-        L2 page buffer and in the L1 pool."""
-        host_page = tl.load(pages_ptr + i).to(tl.int64)
-        l1_page = tl.load(pages_ptr + num_pages + i).to(tl.int64)
-        host = (host_page * (2 * NUM_LAYERS) + slab) * SLAB + chunk * BLOCK
-        dev = (slab * pool_pages + l1_page) * SLAB + chunk * BLOCK
-        return host, dev
-
     @triton.jit(do_not_specialize=["epoch", "num_pages", "pool_pages"])
     def _h2d_layers_kernel(src_ptr, dst_ptr, pages_ptr, counts_ptr, flags_ptr, epoch, num_pages, pool_pages,
-                           NUM_LAYERS: tl.constexpr, SLAB: tl.constexpr, BLOCK: tl.constexpr):
-        # pages_ptr: [2, num_pages] int32 (row 0 L2 pages, row 1 L1 pages)
+                           NUM_LAYERS: tl.constexpr, SLAB: tl.constexpr, BLOCK: tl.constexpr,
+                           ROWS: tl.constexpr):
+        # pages_ptr: [2, num_pages] int32 (row 0 L2 pages, row 1 L1 pages); an item is chunk `chunk`
+        # of slab (kv, layer) of ROWS listed pages in a row: [ROWS, BLOCK] words
         CHUNKS: tl.constexpr = SLAB // BLOCK
-        per_kv = num_pages * CHUNKS
+        per_kv = tl.cdiv(num_pages, ROWS) * CHUNKS
         per_layer = 2 * per_kv
+        rows = tl.arange(0, ROWS)
         offs = tl.arange(0, BLOCK)
         for item in range(tl.program_id(0), NUM_LAYERS * per_layer, tl.num_programs(0)):
             layer = item // per_layer
             rest = item - layer * per_layer
             kv = rest // per_kv
             rest = rest - kv * per_kv
-            i = rest // CHUNKS
-            chunk = rest - i * CHUNKS
-            host, dev = _item_offsets(pages_ptr, num_pages, i, kv * NUM_LAYERS + layer, chunk, pool_pages,
-                                      NUM_LAYERS, SLAB, BLOCK)
-            tl.store(dst_ptr + dev + offs, tl.load(src_ptr + host + offs))
+            group = rest // CHUNKS
+            chunk = rest - group * CHUNKS
+            i = group * ROWS + rows                                             # [ROWS] listed pages
+            ok = i < num_pages
+            host_page = tl.load(pages_ptr + i, mask=ok, other=0).to(tl.int64)
+            l1_page = tl.load(pages_ptr + num_pages + i, mask=ok, other=0).to(tl.int64)
+            slab = kv * NUM_LAYERS + layer
+            host = (host_page * (2 * NUM_LAYERS) + slab) * SLAB + chunk * BLOCK  # [ROWS] word offsets
+            dev = (slab * pool_pages + l1_page) * SLAB + chunk * BLOCK
+            m = ok[:, None]
+            words = tl.load(src_ptr + host[:, None] + offs[None, :], mask=m)    # [ROWS, BLOCK]
+            tl.store(dst_ptr + dev[:, None] + offs[None, :], words, mask=m)
             tl.debug_barrier()  # every thread's stores precede the release below
             done = tl.atomic_add(counts_ptr + layer, 1, sem="acq_rel")
             if done == per_layer - 1:  # the layer's last item: reset the count, publish the flag
@@ -81,32 +81,48 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["num_pages", "pool_pages"])
     def _d2h_pages_kernel(src_ptr, dst_ptr, pages_ptr, num_pages, pool_pages,
-                          NUM_LAYERS: tl.constexpr, SLAB: tl.constexpr, BLOCK: tl.constexpr):
-        # pages_ptr: [2, num_pages] int32 (row 0 L2 pages, row 1 L1 pages); page-major items, so
-        # each L2 page is written front to back
+                          NUM_LAYERS: tl.constexpr, SLAB: tl.constexpr, BLOCK: tl.constexpr,
+                          ROWS: tl.constexpr):
+        # pages_ptr: [2, num_pages] int32 (row 0 L2 pages, row 1 L1 pages); page-major items (chunk
+        # `chunk` of ROWS slabs in a row of one page), so each L2 page is written front to back
         CHUNKS: tl.constexpr = SLAB // BLOCK
-        per_page = 2 * NUM_LAYERS * CHUNKS
+        TWO_L: tl.constexpr = 2 * NUM_LAYERS
+        per_page = tl.cdiv(TWO_L, ROWS) * CHUNKS
+        rows = tl.arange(0, ROWS)
         offs = tl.arange(0, BLOCK)
         for item in range(tl.program_id(0), num_pages * per_page, tl.num_programs(0)):
             i = item // per_page
             rest = item - i * per_page
-            slab = rest // CHUNKS
-            chunk = rest - slab * CHUNKS
-            host, dev = _item_offsets(pages_ptr, num_pages, i, slab, chunk, pool_pages, NUM_LAYERS, SLAB, BLOCK)
-            tl.store(dst_ptr + host + offs, tl.load(src_ptr + dev + offs))
+            group = rest // CHUNKS
+            chunk = rest - group * CHUNKS
+            slab = group * ROWS + rows                                          # [ROWS] slabs of page i
+            ok = slab < TWO_L
+            host_page = tl.load(pages_ptr + i).to(tl.int64)
+            l1_page = tl.load(pages_ptr + num_pages + i).to(tl.int64)
+            host = (host_page * TWO_L + slab) * SLAB + chunk * BLOCK             # [ROWS] word offsets
+            dev = (slab * pool_pages + l1_page) * SLAB + chunk * BLOCK
+            m = ok[:, None]
+            words = tl.load(src_ptr + dev[:, None] + offs[None, :], mask=m)     # [ROWS, BLOCK]
+            tl.store(dst_ptr + host[:, None] + offs[None, :], words, mask=m)
 else:  # pragma: no cover
     _h2d_layers_kernel = _d2h_pages_kernel = None
 
 
-def plan_words(slab_bytes: int) -> tuple[torch.dtype, int, int]:
-    """(word dtype, words per slab, words per item): the widest word that divides a slab, and the
-    largest power-of-two share of the slab up to MAX_BLOCK_BYTES."""
+def plan_words(slab_bytes: int) -> tuple[torch.dtype, int, int, int]:
+    """(word dtype, words per slab, words per chunk, chunks per item): the widest word that divides
+    a slab, the largest power-of-two share of the slab up to MAX_BLOCK_BYTES, and as many such chunks
+    of slabs in a row (a power of two) as fit in MAX_BLOCK_BYTES. Small slabs (one-token pages:
+    2 KiB of the 8B shape) move 8 at a time: an item's wait over PCIe and its count's atomic are
+    then spread over 16 KiB, as with the 16-token pages' slabs (2 KiB items ran at 8-18 GiB/s)."""
     word = next(w for w in _WORDS if slab_bytes % w.itemsize == 0)
     slab_words = slab_bytes // word.itemsize
     block = slab_words & -slab_words  # largest power of two dividing it
     while block * word.itemsize > MAX_BLOCK_BYTES:
         block //= 2
-    return word, slab_words, block
+    rows = 1
+    while 2 * rows * block * word.itemsize <= MAX_BLOCK_BYTES and rows < MAX_ROWS:
+        rows *= 2
+    return word, slab_words, block, rows
 
 
 def _flat_words(t: torch.Tensor, word: torch.dtype) -> torch.Tensor:
@@ -128,18 +144,20 @@ class HostCopy:
             raise RuntimeError("triton is not importable")
         if page_buffer.shape[1:] != (2,) + tuple(l1_kv.shape[1:2]) + tuple(l1_kv.shape[3:]):
             raise ValueError(f"L2 page shape {tuple(page_buffer.shape[1:])} does not match L1 {tuple(l1_kv.shape)}")
-        word, slab_words, self.block = plan_words(l1_kv[0, 0, 0].numel() * l1_kv.element_size())
+        word, slab_words, block, rows = plan_words(l1_kv[0, 0, 0].numel() * l1_kv.element_size())
         self.host, self.dev = _flat_words(page_buffer, word), _flat_words(l1_kv, word)
         self.num_layers, self.pool_pages = l1_kv.shape[1], l1_kv.shape[2]
-        self.items_per_page = 2 * self.num_layers * (slab_words // self.block)
+        self.chunks_per_page = 2 * self.num_layers * (slab_words // block)
+        self.rows = rows
         self.programs = programs
         self._direct: dict = {}  # kernel -> DirectLaunch, for launches on a given stream (CUDA)
-        self._meta = dict(NUM_LAYERS=self.num_layers, SLAB=slab_words, BLOCK=self.block, num_warps=NUM_WARPS)
+        self._meta = dict(NUM_LAYERS=self.num_layers, SLAB=slab_words, BLOCK=block, ROWS=rows, num_warps=NUM_WARPS)
 
     def _grid(self, pages: torch.Tensor) -> tuple[int, ...]:
         if pages.dim() != 2 or pages.shape[0] != 2 or pages.dtype != torch.int32:
             raise ValueError(f"pages must be [2, n] int32, got {tuple(pages.shape)} {pages.dtype}")
-        return (max(1, min(self.programs, pages.shape[1] * self.items_per_page)),)
+        items = -(-pages.shape[1] * self.chunks_per_page // self.rows)  # about: rows group pages or slabs
+        return (max(1, min(self.programs, items)),)
 
     def h2d_layers(self, pages: torch.Tensor, counts: torch.Tensor, flags: torch.Tensor, epoch: int,
                    stream: torch.cuda.Stream | None = None) -> None:

@@ -62,6 +62,14 @@ for s in "$@"; do
     skinny_split) step skinny_split 400 python3 scripts/bench_kernels.py --skinny-split --out "$OUT/skinny_split.json" ;;
     skinny) step skinny 400 python3 scripts/bench_kernels.py --skinny --out "$OUT/skinny.json" ;;
     layer_copy) step layer_copy 200 python3 scripts/bench_layer_copy.py --model qwen3-8b --out "$OUT/layer_copy.json" ;;
+    stress_pages) i=0; for ps in 1 16 1 16; do i=$((i+1)); step "stress_pages${i}_p$ps" 200 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2 --policy cost --page-size $ps --json --out "$OUT/stress_pages${i}_p$ps.json"; done ;;
+    latency_l2_p1) step latency_l2_p1 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,2000,3500,8000 --page-size 1 --compare-recompute --json --out "$OUT/latency_l2_p1.json" ;;
+    latency_l2_pages) for ps in 4 8; do step "latency_l2_p$ps" 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000,3500,8000 --page-size $ps --json --out "$OUT/latency_l2_p$ps.json"; done ;;
+    # replay_on / replay_off need the trace inside the repo (the device sees nothing else):
+    #   mkdir -p scripts/_tmp && head -1000 ../shared/traces/mooncake_conversation_trace.jsonl > scripts/_tmp/mooncake1000.jsonl
+    replay_off) step replay_off 300 python3 scripts/replay_trace.py --trace scripts/_tmp/mooncake1000.jsonl --model qwen3-8b --device cuda --block-tokens 512 --max-requests 1000 --max-input-tokens 4096 --max-output-tokens 8 --time-scale 0 --concurrency 64 --l1-tokens 65536 --no-progress --disable-hicache --json-out "$OUT/replay_off.json" ;;
+    replay_on) step replay_on 300 python3 scripts/replay_trace.py --trace scripts/_tmp/mooncake1000.jsonl --model qwen3-8b --device cuda --block-tokens 512 --max-requests 1000 --max-input-tokens 4096 --max-output-tokens 8 --time-scale 0 --concurrency 64 --l1-tokens 65536 --no-progress --l2-gib 64 --l3-gib 24 --json-out "$OUT/replay_on.json" ;;
+    latency_l2_p8) step latency_l2_p8 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000,3500,8000 --page-size 8 --json --out "$OUT/latency_l2_p8.json" ;;
     *) echo "unknown step $s" ;;
   esac
 done

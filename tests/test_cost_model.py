@@ -310,3 +310,21 @@ def test_a_tier_not_restored_from_for_a_while_is_re_timed() -> None:
         assert all(other.decide(0, 3500, 3500, policy).tier == "l1" for _ in range(80))
     with pytest.raises(ValueError, match="explore-every"):
         HiCacheConfig(restore_explore_every=-1)
+
+
+def test_a_backup_must_cost_less_than_the_recompute_it_saves() -> None:
+    """Regression (session 17, one-token pages on the H200): every stress hit backed up its one new
+    token, a D2H whose fixed cost (~1.5 ms) dwarfs the ~40 us one read of that token could save."""
+    cm = model(host_bandwidth_gib_s=12.0, recompute_us_per_token=50.0)
+    saving_per_token_s = 50e-6 - BYTES_PER_TOKEN / (12.0 * GIB_BYTES)
+    assert cm.backup_worth_its_cost(1)  # priors: no fixed cost known yet, so it is timed
+    assert not cm.backup_worth_its_cost(0)
+    for _ in range(8):  # one-page D2Hs of 1.5 ms
+        cm.observe_transfer("d2h", BYTES_PER_TOKEN, 1.5e-3)
+    fixed_s = cm.directions["d2h"].fixed_s
+    assert fixed_s > 1e-3
+    write_s = BYTES_PER_TOKEN / (12.0 * GIB_BYTES)  # the prior slope, kept in the fixed-only regime
+    breakeven = fixed_s / (saving_per_token_s - write_s)
+    assert not cm.backup_worth_its_cost(1) and not cm.backup_worth_its_cost(16)
+    assert not cm.backup_worth_its_cost(int(breakeven))
+    assert cm.backup_worth_its_cost(int(breakeven) + 1) and cm.backup_worth_its_cost(350)

@@ -38,8 +38,11 @@ def test_graphs_equal_eager():
 @pytest.mark.parametrize("tier,overlap,graphs,kernel_tokens", [
     ("l2", True, True, 1024), ("l2", True, True, 0), ("l2", True, False, 1024), ("l2", False, True, 1024),
     ("l3", True, True, 1024)])
-def test_restores_equal_recompute_on_gpu(tier, overlap, graphs, kernel_tokens):
-    """kernel_tokens: restores up to this long by the copy kernel (the default), 0: by 2-D DMAs."""
+def test_restores_equal_recompute_on_gpu(tier, overlap, graphs, kernel_tokens, monkeypatch):
+    """kernel_tokens: restores up to this long by the copy kernel (the default), 0: by 2-D DMAs
+    (the tiny model's 2 KiB slabs would take the kernel anyway: allowed 2-D DMAs here)."""
+    if kernel_tokens == 0:
+        monkeypatch.setattr("hicache.transfer.MIN_DMA_ROW_BYTES", 0)
     rng = random.Random(1)
     bases = [[rng.randrange(512) for _ in range(64)] for _ in range(4)]  # L1 holds about two
     ps = [bases[i % 4] + [rng.randrange(512) for _ in range(1 + i % 3)] for i in range(16)]
@@ -53,6 +56,53 @@ def test_restores_equal_recompute_on_gpu(tier, overlap, graphs, kernel_tokens):
     assert eng.metrics()["hit_tokens"][tier] > 0
     assert (eng.stats["restore_overlaps"] > 0) == overlap  # an L3 hit is prefetched to L2, then restored from there
     assert eng.stats["restore_waits_timed_out"] == 0  # every layer wait saw its copy land
+
+
+def test_one_token_pages_restore_by_the_copy_kernel_at_any_length():
+    """Regression: with one-token pages (2 KiB slabs of the 8B shape) a restore longer than
+    --hicache-kernel-restore-max-tokens took 2-D DMAs of 2 KiB rows (10-18 GiB/s on the H200), and
+    the kernel moved one slab an item. Now such a restore takes the kernel at any length, 8 slabs an
+    item, and lands byte for byte with every layer's flag at its epoch; a backup's first pages are
+    gathered like the rest (no 2-D DMAs of 2 KiB rows)."""
+    from hicache.geometry import KVGeometry
+    from hicache.pools import DevicePool, HostPool
+    from hicache.transfer import TransferEngine
+    from kernels.chooser import choose_backends
+
+    geo = KVGeometry(num_layers=36, num_kv_heads=8, head_dim=128, page_size=1, dtype=torch.bfloat16)
+    l1, l2 = DevicePool(geo, 1200, torch.device("cuda")), HostPool(geo, 1100, pin=True)
+    te = TransferEngine(l1, l2, choose_backends(l1.kv, "triton"), kernel_max_pages=0)
+    assert te.narrow_slabs and te.direct_pages == 0 and te.host_copy.rows == 8
+    l2.page_buffer.view(torch.int16).random_(1, 1000)
+    host, dev = list(range(50, 1050)), random.Random(2).sample(range(1200), 1000)
+    tr = te.h2d_layerwise(host, dev)
+    assert tr is not None and tr.keepalive  # the kernel's page list, not a DMA plan
+    te.wait_blocking(tr)
+    assert not tr.fail
+    assert torch.equal(l1.kv[:, :, dev].cpu(), l2.buffer[:, :, host])
+    assert te.layer_flags.flags.tolist() == [tr.epoch] * 36
+    l2.page_buffer.zero_()
+    tr = te.d2h(dev[:500], list(range(500)))
+    te.wait_blocking(tr)
+    assert torch.equal(l2.buffer[:, :, :500], l1.kv[:, :, dev[:500]].cpu())
+    te.close()
+
+
+def test_one_token_pages_restores_equal_recompute_on_gpu():
+    """The engine at page size 1, every restore by the copy kernel (kernel_restore_max_tokens 0:
+    the narrow slabs alone route them there): outputs equal recompute, every layer wait satisfied."""
+    rng = random.Random(4)
+    bases = [[rng.randrange(512) for _ in range(61)] for _ in range(4)]
+    ps = [bases[i % 4] + [rng.randrange(512)] for i in range(12)]
+    base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=140, page_size=1,
+                        max_running_requests=1, cuda_graphs=True)
+    ref, _ = run(EngineConfig(**{**base.__dict__, "num_pages": 4096, "enable_prefix_cache": False}), ps)
+    out, eng = run(base.with_hicache(enable=True, policy="always", host_ratio=4.0, storage_ratio=0.0,
+                                     kernel_restore_max_tokens=0), ps)
+    assert out == ref
+    assert eng.metrics()["hit_tokens"]["l2"] >= 6 * 61
+    assert eng.stats["restore_overlaps"] > 0 and eng.stats["restore_waits_timed_out"] == 0
+    assert eng.cache.transfer.narrow_slabs
 
 
 @pytest.mark.parametrize("captured,fragmented", [(True, False), (False, False), (True, True), (False, True)])
@@ -162,7 +212,8 @@ def test_a_transfer_behind_a_busy_callers_stream_counts_that_wait_apart(kind):
 
     geo = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
     l1, l2 = DevicePool(geo, 64, torch.device("cuda")), HostPool(geo, 64, pin=True)
-    te = TransferEngine(l1, l2, choose_backends(l1.kv, "torch"), kernel_max_pages=8 if kind == "kernel" else 0)
+    te = TransferEngine(l1, l2, choose_backends(l1.kv, "torch"), kernel_max_pages=8 if kind == "kernel" else 0,
+                        min_dma_row_bytes=0)  # 4 KiB slabs: 2-D DMAs all the same
     pages = {"pipelined": 16, "whole": 4, "layerwise": 16, "kernel": 4}[kind]
     host, dev = list(range(pages)), list(range(10, 10 + pages))
     enqueue = te.h2d_layerwise if kind in ("layerwise", "kernel") else te.h2d
@@ -173,6 +224,35 @@ def test_a_transfer_behind_a_busy_callers_stream_counts_that_wait_apart(kind):
     assert tr.compute_wait_ns > 20_000_000
     assert tr.recurring_ns + tr.compute_wait_ns <= tr.end_to_end_ns - tr.setup_ns
     assert tr.recurring_ns < tr.compute_wait_ns / 2
+    te.close()
+
+
+@pytest.mark.parametrize("kind", ["pipelined", "layerwise", "kernel"])
+def test_a_transfer_seen_done_late_is_sampled_by_its_device_time(kind):
+    """Regression (session 17): a restore whose completion a thread saw ~100 ms late was sampled
+    as a 100 ms copy. Seen 50 ms after the device finished, a transfer's recurring time stays its
+    device time; the 50 ms are its seen_wait_ns."""
+    import time
+
+    from hicache.geometry import KVGeometry
+    from hicache.pools import DevicePool, HostPool
+    from hicache.transfer import TransferEngine
+    from kernels.chooser import choose_backends
+
+    geo = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+    l1, l2 = DevicePool(geo, 64, torch.device("cuda")), HostPool(geo, 64, pin=True)
+    te = TransferEngine(l1, l2, choose_backends(l1.kv, "torch"), kernel_max_pages=8 if kind == "kernel" else 0,
+                        min_dma_row_bytes=0)
+    pages = {"pipelined": 16, "layerwise": 16, "kernel": 4}[kind]
+    host, dev = list(range(pages)), list(range(10, 10 + pages))
+    enqueue = te.h2d_layerwise if kind in ("layerwise", "kernel") else te.h2d
+    te.wait_blocking(enqueue(host, dev))  # warm: compile, workspaces
+    tr = enqueue(host, dev)
+    torch.cuda.synchronize()
+    time.sleep(0.05)
+    te.wait_blocking(tr)
+    assert tr.device_ns > 0 and tr.seen_wait_ns > 40_000_000
+    assert tr.recurring_ns < 20_000_000
     te.close()
 
 
@@ -387,7 +467,7 @@ def test_pipelined_transfers_move_every_chunk_exactly(backend):
 
     geo = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
     l1, l2 = DevicePool(geo, 96, torch.device("cuda")), HostPool(geo, 64, pin=True)
-    te = TransferEngine(l1, l2, choose_backends(l1.kv, backend))
+    te = TransferEngine(l1, l2, choose_backends(l1.kv, backend), min_dma_row_bytes=0)  # 4 KiB slabs
     te.first_chunk_pages = 2
     assert te.direct_pages > 0  # pinned L2 and the runtime's 2-D copy
     te.direct_pages = 3

@@ -59,7 +59,7 @@ def test_items_smaller_than_a_slab_still_cover_it(monkeypatch):
     """A slab split in several items (the 8B slab is 32 KiB, items at most 16 KiB)."""
     monkeypatch.setattr(host_copy, "MAX_BLOCK_BYTES", 64)
     l1, l2 = pools(s=4, h=2, d=16)  # 256-byte slabs: 4 items each
-    assert host_copy.plan_words(256) == (torch.int64, 32, 8)
+    assert host_copy.plan_words(256) == (torch.int64, 32, 8, 1)
     counts, flags = torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
     copier = host_copy.HostCopy(l2, l1, programs=5)
     copier.h2d_layers(torch.tensor([[8, 0], [11, 2]], dtype=torch.int32), counts, flags, 7)
@@ -71,9 +71,33 @@ def test_items_smaller_than_a_slab_still_cover_it(monkeypatch):
 
 
 def test_plan_words_takes_the_widest_word_and_a_power_of_two_share():
-    assert host_copy.plan_words(32 << 10) == (torch.int64, 4096, 2048)  # 8B slab: two 16 KiB items
-    assert host_copy.plan_words(6) == (torch.int16, 3, 1)
-    assert host_copy.plan_words(12) == (torch.int32, 3, 1)
+    assert host_copy.plan_words(32 << 10) == (torch.int64, 4096, 2048, 1)  # 8B slab: two 16 KiB items
+    assert host_copy.plan_words(2 << 10) == (torch.int64, 256, 256, 8)  # one-token page: 8 slabs an item
+    assert host_copy.plan_words(6) == (torch.int16, 3, 1, 64)  # at most MAX_ROWS slabs
+    assert host_copy.plan_words(12) == (torch.int32, 3, 1, 64)
+
+
+@pytest.mark.parametrize("max_block_bytes,rows", [(512, 2), (1024, 4), (16 << 10, 64)])
+def test_small_slabs_move_several_an_item_and_cover_every_page(monkeypatch, max_block_bytes, rows):
+    """Regression: one-token pages' 2 KiB slabs moved one an item ran at 8-18 GiB/s on the H200;
+    now an item takes several slabs in a row (pages of one slab restoring, slabs of one page backing
+    up), the last group of each partly masked: 7 pages are 4 groups of 2 and 2 of 4; a page's 6 slabs
+    are 3 groups of 2, 2 of 4 (the second half empty), 1 of 64."""
+    monkeypatch.setattr(host_copy, "MAX_BLOCK_BYTES", max_block_bytes)
+    l1, l2 = pools(s=4, h=2, d=16)  # 256-byte slabs
+    assert host_copy.plan_words(256)[3] == rows
+    counts, flags = torch.zeros(3, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    copier = host_copy.HostCopy(l2, l1, programs=3)
+    host, dst = [8, 0, 5, 2, 7, 1, 3], [11, 2, 0, 9, 4, 6, 10]
+    copier.h2d_layers(torch.tensor([host, dst], dtype=torch.int32), counts, flags, 4)
+    for h, p in zip(host, dst):
+        assert torch.equal(l1[:, :, p], l2[h])
+    assert not l1[:, :, [1, 3, 5, 7, 8]].any()
+    assert flags.tolist() == [4, 4, 4] and counts.tolist() == [0, 0, 0]
+    l2.zero_()
+    copier.d2h_pages(torch.tensor([[3, 6, 0], [11, 2, 9]], dtype=torch.int32))
+    assert torch.equal(l2[3], l1[:, :, 11]) and torch.equal(l2[6], l1[:, :, 2]) and torch.equal(l2[0], l1[:, :, 9])
+    assert not l2[[1, 2, 4, 5, 7, 8]].any()
 
 
 def test_bad_arguments_are_refused():

@@ -103,3 +103,27 @@ def test_break_even_read_fraction_weighs_writes_against_savings():
     assert slow.break_even_read_fraction() == 1.0  # a restore saves nothing: only full reuse pays
     fast = CostModel(HiCacheConfig(host_bandwidth_gib_s=1e6, recompute_us_per_token=50.0), per_token)
     assert fast.break_even_read_fraction() == 0.01  # the floor
+
+
+def test_one_token_extensions_are_not_backed_up_once_a_backup_is_known_to_cost_more():
+    """Regression (session 17, one-token pages on the H200): each request of a prefix plus a unique
+    token backed up that one token (72 extra D2Hs on the stress workload, ~0.5 ms of loop time
+    each). With the D2H's fixed cost known (1.5 ms) only the first request's whole prompt is backed
+    up; the later ones' one new token each is skipped and counted, and outputs are unchanged."""
+    import random
+
+    rng = random.Random(7)
+    prefix = [rng.randrange(512) for _ in range(64)]
+    prompts = [prefix + [rng.randrange(512)] for _ in range(4)]
+    ref = [r.output_ids for r in run_sequential(Engine(EngineConfig(model="tiny", num_pages=512, page_size=1)),
+                                                prompts, max_tokens=1)]
+    eng = Engine(EngineConfig(model="tiny", num_pages=512, page_size=1).with_hicache(
+        enable=True, policy="cost", host_ratio=4.0, recompute_us_per_token=50.0))
+    cost = eng.cache.cost
+    for _ in range(8):
+        cost.directions["d2h"].observe(4096, 1.5e-3)
+    cost.learning = False  # keep that fixed cost: CPU copies would teach a far smaller one
+    assert [r.output_ids for r in run_sequential(eng, prompts, max_tokens=1)] == ref
+    m = eng.metrics()
+    assert m["backups_done"] == 1 and m["policy_skips"]["write_l2"] == 3
+    eng.check_integrity()

@@ -187,6 +187,30 @@ def test_waiting_for_the_callers_stream_is_not_the_transfers_cost():
     assert tr.recurring_ns == 88 * ms
 
 
+def test_on_cuda_when_a_thread_saw_the_transfer_done_is_not_its_cost():
+    """Regression (session 17, a busy trace replay on the H200): restores were seen done ~100 ms
+    after their copies ended on the device (the threads that wait for them ran late); that delay was
+    in the cost model's samples, which learned H2D at 3.9 GiB/s and stopped restoring. With the
+    device clock (`device_ns`, enqueue to the end of the copy) the sample is the enqueue or the device
+    time past the compute wait, whichever is longer, plus a CPU `finish`; the rest is `seen_wait_ns`."""
+    from hicache.metrics import DirectionStats
+    from hicache.transfer import Transfer
+
+    ms = 1_000_000
+    tr = Transfer("h2d", 8, 8 << 20, enqueue_ns=1 * ms, setup_ns=2 * ms, started_ns=0, service_ns=9 * ms)
+    tr.done_ns, tr.compute_wait_ns, tr.device_ns = 120 * ms, 4 * ms, 15 * ms
+    assert tr.recurring_ns == 15 * ms - 4 * ms
+    assert tr.queue_wait_ns == 15 * ms - 4 * ms - 9 * ms  # behind other work on its stream
+    assert tr.seen_wait_ns == 120 * ms - 2 * ms - 15 * ms
+    tr.finish_ns = 5 * ms  # a CPU index copy after the device was done: the transfer's own work
+    assert tr.recurring_ns == 16 * ms and tr.seen_wait_ns == 98 * ms
+    tr.device_ns, tr.compute_wait_ns, tr.finish_ns = 2 * ms, 1 * ms, 0  # the enqueue outlasted the copy
+    assert tr.recurring_ns == 1 * ms
+    stats = DirectionStats()
+    stats.add(tr.num_bytes, end_to_end_s=0.12, seen_wait_s=tr.seen_wait_ns / 1e9, recurring_s=tr.recurring_ns / 1e9)
+    assert stats.recurring_s == pytest.approx(0.001) and stats.as_dict()["seen_wait_s"] == pytest.approx(0.116)
+
+
 def test_a_restores_completion_never_waits_behind_backups():
     """Completions are awaited on worker threads; a restore's (H2D) must not queue behind backups'
     (D2H) still in flight, however many (regression: one pool of two workers for both directions
@@ -218,3 +242,18 @@ def test_a_restores_completion_never_waits_behind_backups():
 
     assert asyncio.run(scenario())
     te.close()
+
+
+@pytest.mark.parametrize("page_size,narrow", [(1, True), (8, True), (16, False), (32, False)])
+def test_slabs_narrower_than_a_good_dma_row_are_marked_for_the_copy_kernels(page_size, narrow):
+    """The 8B shape's slab is 2 KiB a token: below MIN_DMA_ROW_BYTES (32 KiB) a restore's 2-D DMAs
+    crawl, so on CUDA such restores take the copy kernel at any length and backups no direct
+    pages (tests/test_gpu.py runs both); `min_dma_row_bytes` moves the line."""
+    from hicache.layer_copy import MIN_DMA_ROW_BYTES
+
+    geo = KVGeometry(num_layers=2, num_kv_heads=8, head_dim=128, page_size=page_size, dtype=torch.bfloat16)
+    l1, l2 = DevicePool(geo, 8, torch.device("cpu")), HostPool(geo, 8, pin=False)
+    backends = ChosenBackends("torch", "torch", {}, "test")
+    assert MIN_DMA_ROW_BYTES == 32 << 10
+    assert TransferEngine(l1, l2, backends).narrow_slabs == narrow
+    assert not TransferEngine(l1, l2, backends, min_dma_row_bytes=0).narrow_slabs
