@@ -208,8 +208,11 @@ class CacheManager:
 
     def backup_worth_its_cost(self, new_tokens: int) -> bool:
         """Cost policy: is a backup of this many new tokens cheaper than one recompute of them
-        (CostModel.backup_worth_its_cost)? Forced policies decide alone."""
-        return self.config.policy != "cost" or self.cost.backup_worth_its_cost(new_tokens)
+        (CostModel.backup_worth_its_cost)? Yes too while the storage speed is being explored: L3 is
+        written through L2, and something must be read back to time it. Forced policies decide
+        alone."""
+        return (self.config.policy != "cost" or self.cost.backup_worth_its_cost(new_tokens)
+                or (self.has_l3 and self.cost.exploring_storage))
 
     def l3_write_pays_off(self) -> bool:
         """Cost policy: L3 writes go on while L3 gets read back (or has not evicted enough to tell)."""

@@ -12,10 +12,11 @@ at 10-19 GiB/s; the kernels move 44-48 GiB/s. Longer restores keep the copy engi
 the pinned copy's bandwidth against the kernel's 0.91-0.92, and no SMs taken from the model, whose
 GEMMs ran ~6 % slower beside this kernel (H200, docs/benchmarks.md, session 5).
 
-Work is layer-major: item = (layer, K/V, page, chunk of a slab); program p takes items p, p + G,
-p + 2G, ... so all programs work on layer 0 first, then layer 1, and so on. After its chunk is
-stored a program bumps the layer's count (acq_rel); the program that brings it to the layer's
-item count resets it and releases `flags[layer] = epoch`. Stream order on the copy stream keeps
+Work is layer-major: item = (layer, K/V, ROWS pages in a row, chunk of a slab), at most 16 KiB
+(a 32 KiB slab is two items of one page; 2 KiB slabs of one-token pages go 8 pages an item);
+program p takes items p, p + G, p + 2G, ... so all programs work on layer 0 first, then layer 1,
+and so on. After its item is stored a program bumps the layer's count (acq_rel); the program that
+brings it to the layer's item count resets it and releases `flags[layer] = epoch`. Stream order on the copy stream keeps
 two restores' counts apart.
 
 Layouts: L2 page-major [page, 2, L, S, H, D] (slab (kv, l) of a page at (kv * L + l) * SLAB);
@@ -113,7 +114,8 @@ def plan_words(slab_bytes: int) -> tuple[torch.dtype, int, int, int]:
     a slab, the largest power-of-two share of the slab up to MAX_BLOCK_BYTES, and as many such chunks
     of slabs in a row (a power of two) as fit in MAX_BLOCK_BYTES. Small slabs (one-token pages:
     2 KiB of the 8B shape) move 8 at a time: an item's wait over PCIe and its count's atomic are
-    then spread over 16 KiB, as with the 16-token pages' slabs (2 KiB items ran at 8-18 GiB/s)."""
+    then spread over 16 KiB, as with the 16-token pages' slabs (one 2 KiB slab an item moved a
+    350-token restore at 8 GiB/s on the H200, docs/benchmarks.md session 17)."""
     word = next(w for w in _WORDS if slab_bytes % w.itemsize == 0)
     slab_words = slab_bytes // word.itemsize
     block = slab_words & -slab_words  # largest power of two dividing it

@@ -5,6 +5,7 @@ read/write and checksum throughput.
 
     python scripts/bench_transfer.py --json                       # GPU, 8B-shaped pages, bf16
     python scripts/bench_transfer.py --device cpu --quick         # CPU smoke
+    python scripts/bench_transfer.py --page-size 1 --directions-only   # one-token pages
 """
 from __future__ import annotations
 
@@ -242,6 +243,7 @@ def main(argv=None) -> int:
     ap.add_argument("--direct-pages", default=None,
                     help="comma list of a D2H's pages sent straight out of L1 to compare (default: the engine's)")
     ap.add_argument("--directions-only", action="store_true", help="skip the layer-ordered, round-trip and storage parts")
+    ap.add_argument("--page-size", type=int, default=16, help="tokens per page of the 8B-shaped KV (1: SGLang's default)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out")
@@ -252,7 +254,7 @@ def main(argv=None) -> int:
         geometry = KVGeometry(2, 2, 16, 4, torch.float32)
         tokens_list, args.repeats = [64, 256], 3
     else:
-        geometry = KVGeometry(36, 8, 128, 16, torch.bfloat16)  # Qwen3-8B/4B KV geometry
+        geometry = KVGeometry(36, 8, 128, args.page_size, torch.bfloat16)  # Qwen3-8B/4B KV geometry
         tokens_list = [int(x) for x in args.tokens.split(",")]
     backends = (args.backends.split(",") if args.backends else
                 ["triton", "torch"] if device.type == "cuda" else ["torch"])

@@ -84,6 +84,24 @@ def test_cost_policy_skips_slow_storage(recompute_outputs):
     assert_whole(eng)
 
 
+def test_storage_exploration_writes_even_backups_not_worth_their_cost(recompute_outputs, monkeypatch):
+    """Regression (session 17's CI): with recompute this cheap a backup can cost more than the
+    recompute it saves, and skipping it (CostModel.backup_worth_its_cost) left L3, written through
+    L2, with nothing to read back, so the storage speed was never timed. While storage is explored
+    backups are admitted (here every backup is called not worth its cost)."""
+    from hicache.cost_model import CostModel
+
+    monkeypatch.setattr(CostModel, "backup_worth_its_cost", lambda self, new_tokens: False)
+    prompts, ref = recompute_outputs
+    eng = make("l3", "cost", storage_bandwidth_gib_s=1e-6, recompute_us_per_token=1.0, storage_explore_reads=1)
+    out = run_sequential(eng, prompts)
+    assert [r.output_ids for r in out] == ref
+    assert eng.cache.cost.directions["s2h"].num_samples >= 1
+    assert not eng.cache.cost.exploring_storage
+    assert eng.metrics()["policy_skips"]["write_l2"] > 0  # once explored, the rule holds again
+    assert_whole(eng)
+
+
 def test_cost_policy_explores_storage_then_uses_it(recompute_outputs):
     """The same hopeless storage prior as above, with one exploration read: L3 is written and read
     back once, and the measured read speed (the page cache) replaces the prior's 1e-6 GiB/s; later
