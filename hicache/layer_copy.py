@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from hicache.geometry import KVGeometry
+from hicache.transfer_plan import consecutive_runs
 
 # page lists split in more runs than this take the classic path (one DMA + one scatter kernel)
 MAX_LAYER_RUNS = 8
@@ -43,14 +44,10 @@ class Copy2D(NamedTuple):
     height: int             # rows: pages (layer_plan), slabs (page_out_copies)
 
 
-def page_runs(l1_pages: list[int], host_pages: list[int]) -> list[tuple[int, int]]:
-    """[start, end) index ranges over which both page lists go up by one."""
-    runs, first = [], 0
-    for i in range(1, len(l1_pages) + 1):
-        if i == len(l1_pages) or l1_pages[i] != l1_pages[i - 1] + 1 or host_pages[i] != host_pages[i - 1] + 1:
-            runs.append((first, i))
-            first = i
-    return runs
+def page_runs(l1_pages: list[int], host_pages: list[int],
+              max_runs: int | None = None) -> list[tuple[int, int]] | None:
+    """[start, end) index ranges over which both page lists go up by one (None: more than max_runs)."""
+    return consecutive_runs(l1_pages, host_pages, max_runs=max_runs)
 
 
 def layer_plan(geometry: KVGeometry, l1_num_pages: int, l1_pages: list[int],
@@ -59,8 +56,8 @@ def layer_plan(geometry: KVGeometry, l1_num_pages: int, l1_pages: list[int],
     more than MAX_LAYER_RUNS runs."""
     if len(l1_pages) != len(host_pages) or not l1_pages:
         raise ValueError(f"layer_plan: {len(l1_pages)} L1 pages vs {len(host_pages)} host pages")
-    runs = page_runs(l1_pages, host_pages)
-    if len(runs) > MAX_LAYER_RUNS:
+    runs = page_runs(l1_pages, host_pages, max_runs=MAX_LAYER_RUNS)
+    if runs is None:
         return None
     layers, slab = geometry.num_layers, geometry.slab_elements * geometry.itemsize
     page_bytes = geometry.bytes_per_page

@@ -248,10 +248,11 @@ class TransferEngine:
         t0 = time.monotonic_ns()
         n, h0, page_bytes = len(l1_pages), host_pages[0], self.geometry.bytes_per_page
         one_run = host_pages[-1] == h0 + n - 1 and list(host_pages) == list(range(h0, h0 + n))  # C-speed check
-        runs = [(0, n, h0)] if one_run else host_runs(host_pages)  # [(first index, end index, first page)]
-        host_consecutive = len(runs) == 1
-        few_runs = 1 < len(runs) <= MAX_DMA_RUNS  # one DMA per run, straight into/out of the L2 pool
-        cpu_gather = not host_consecutive and not few_runs
+        # [(first index, end index, first page)]; None: more runs than DMAs take
+        runs = [(0, n, h0)] if one_run else host_runs(host_pages, max_runs=MAX_DMA_RUNS)
+        host_consecutive = runs is not None and len(runs) == 1
+        few_runs = runs is not None and len(runs) > 1  # one DMA per run, straight into/out of the L2 pool
+        cpu_gather = runs is None
         if cpu_gather and self.host_reads:
             return self._kernel_transfer(direction, l1_pages, host_pages, t0)
         pipelined = self.cuda and n >= 8 and not few_runs

@@ -5,6 +5,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hicache.geometry import KVGeometry
 from hicache.pools import DevicePool, HostPool
@@ -257,3 +259,47 @@ def test_slabs_narrower_than_a_good_dma_row_are_marked_for_the_copy_kernels(page
     assert MIN_DMA_ROW_BYTES == 32 << 10
     assert TransferEngine(l1, l2, backends).narrow_slabs == narrow
     assert not TransferEngine(l1, l2, backends, min_dma_row_bytes=0).narrow_slabs
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=60), st.lists(st.integers(0, 3), min_size=1, max_size=60),
+       st.one_of(st.none(), st.integers(1, 10)))
+def test_consecutive_runs_equal_a_plain_scan(pages, l1_steps, max_runs):
+    """The run finder gives exactly the runs of a page-by-page scan, of one list or of two in step,
+    and None past max_runs (where it stops scanning: one-token pages make lists of thousands)."""
+    from hicache.layer_copy import page_runs
+    from hicache.transfer_plan import consecutive_runs
+
+    def plain(*lists):
+        runs, first = [], 0
+        for i in range(1, len(lists[0]) + 1):
+            if i == len(lists[0]) or any(xs[i] != xs[i - 1] + 1 for xs in lists):
+                runs.append((first, i))
+                first = i
+        return runs
+
+    # runs of consecutive pages more likely than chance: each entry is the one before + 1 or a jump
+    host = [pages[0]]
+    for p in pages[1:]:
+        host.append(host[-1] + 1 if p % 3 else p)
+    l1 = [10]
+    for s in l1_steps[1:len(host)]:
+        l1.append(l1[-1] + s)
+    l1 += list(range(l1[-1] + 1, l1[-1] + 1 + len(host) - len(l1)))
+    want = plain(host)
+    got = consecutive_runs(host, max_runs=max_runs)
+    assert got == (want if max_runs is None or len(want) <= max_runs else None)
+    assert host_runs(tuple(host)) == [(i0, i1, host[i0]) for i0, i1 in want]
+    want2 = plain(l1, host)
+    assert page_runs(l1, host) == want2
+    assert page_runs(l1, host, max_runs=max_runs) == (want2 if max_runs is None or len(want2) <= max_runs else None)
+
+
+def test_consecutive_runs_of_long_lists():
+    from hicache.transfer_plan import consecutive_runs
+
+    long = list(range(5, 8005))
+    assert consecutive_runs(long) == [(0, 8000)]
+    split = long[:3000] + list(range(20000, 25000))
+    assert consecutive_runs(split) == [(0, 3000), (3000, 8000)]
+    assert consecutive_runs(list(range(0, 16000, 2)), max_runs=8) is None
