@@ -1,7 +1,7 @@
 """The copy kernel that reads pinned L2 over PCIe into L1, layer by layer (kernels/host_copy.py), in
 the Triton interpreter: every listed page lands in its L1 page and no other page changes, each
 layer's flag reaches the epoch, its count is back to zero for the next launch; bad shapes are
-refused; and the reverse kernel that writes L1 pages into scattered L2 pages. (On the GPU: tests/test_gpu.py, fragmented restores.)"""
+refused; and the reverse kernel that writes L1 pages into scattered L2 pages. (On the GPU: tests/test_gpu_transfers.py, fragmented transfers.)"""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede importing triton / kernels

@@ -1,6 +1,6 @@
 """Transfer engine on the CPU: every host layout (one run, a few runs, scattered) moves the exact
 bytes, and only scattered destinations need the pinned workspace and a CPU index copy (on CUDA with a
-pinned L2 the copy kernels of kernels/host_copy.py take those instead: tests/test_gpu.py)."""
+pinned L2 the copy kernels of kernels/host_copy.py take those instead: tests/test_gpu_transfers.py)."""
 import random
 
 import pytest
@@ -250,7 +250,7 @@ def test_a_restores_completion_never_waits_behind_backups():
 def test_slabs_narrower_than_a_good_dma_row_are_marked_for_the_copy_kernels(page_size, narrow):
     """The 8B shape's slab is 2 KiB a token: below MIN_DMA_ROW_BYTES (32 KiB) a restore's 2-D DMAs
     crawl, so on CUDA such restores take the copy kernel at any length and backups no direct
-    pages (tests/test_gpu.py runs both); `min_dma_row_bytes` moves the line."""
+    pages (tests/test_gpu_transfers.py and tests/test_gpu.py run both); `min_dma_row_bytes` moves the line."""
     from hicache.layer_copy import MIN_DMA_ROW_BYTES
 
     geo = KVGeometry(num_layers=2, num_kv_heads=8, head_dim=128, page_size=page_size, dtype=torch.bfloat16)
