@@ -39,7 +39,8 @@ from hicache.layer_copy import MIN_DMA_ROW_BYTES, layer_plan, page_out_copies, r
 from hicache.pools import DevicePool, HostPool
 from hicache.transfer_plan import (DIRECT_FIRST_BYTES, DIRECT_MAX_PAGES, MAX_DMA_RUNS, RAMP_FIRST_BYTES,
                                    RAMP_GROWTH, gathered_chunks, host_runs, ramp_chunks)
-from hicache.transfer_record import Transfer, TransferError, Workspace
+from hicache.transfer_record import Transfer, TransferError
+from hicache.workspaces import Workspace, Workspaces
 from kernels import host_copy
 from kernels.chooser import ChosenBackends
 from kernels.layer_flags import LayerFlags
@@ -69,7 +70,7 @@ class TransferEngine:
         # slabs too narrow for 2-D DMAs: no direct pages, every layer-ordered restore by the kernel
         row_min_bytes = MIN_DMA_ROW_BYTES if min_dma_row_bytes is None else min_dma_row_bytes
         self.narrow_slabs = self.geometry.slab_elements * self.geometry.itemsize < row_min_bytes
-        self._workspaces: list[Workspace] = []
+        self.workspaces = Workspaces(self.geometry, l1.device)
         # completions are awaited on worker threads, a pool per direction: a restore's must never
         # queue behind backups' (a busy trace replay had restores waiting ~19 ms each behind them)
         self._waiters = {d: ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"hicache-{d}-wait")
@@ -107,38 +108,6 @@ class TransferEngine:
             self._h2d_epoch = 0
             self.host_copy = host_copy.HostCopy(l2.page_buffer, l1.kv)
             self.host_copy.warm_up(self._counts["h2d"], self._h2d_flags)
-
-    # -- workspaces ----------------------------------------------------------------------------
-    def _acquire(self, num_pages: int, needs_host: bool) -> tuple[Workspace, int]:
-        """Best-fit reuse; the pinned half is allocated lazily, only for fragmented transfers."""
-        t0 = time.monotonic_ns()
-        free = [w for w in self._workspaces if not w.busy and w.num_pages >= num_pages]
-        free.sort(key=lambda w: (w.num_pages, w.host is None))
-        if free:
-            ws = free[0]
-        else:
-            shape = self.geometry.page_major_shape(num_pages)
-            ws = Workspace(num_pages, torch.empty(shape, dtype=self.geometry.dtype, device=self.l1.device))
-            if self.cuda:
-                ws.index_host = torch.empty(num_pages, dtype=torch.int64, pin_memory=True)
-                ws.index_device = torch.empty(num_pages, dtype=torch.int64, device=self.l1.device)
-                ws.index_np = ws.index_host.numpy()
-            self._workspaces.append(ws)
-        if needs_host and ws.host is None:
-            ws.host = torch.empty(self.geometry.page_major_shape(ws.num_pages), dtype=self.geometry.dtype,
-                                  pin_memory=self.cuda)
-        ws.busy = True
-        return ws, time.monotonic_ns() - t0
-
-    def _release(self, ws: Workspace | None) -> None:
-        """Keep at most one idle workspace: the largest (preferring one with its pinned half)."""
-        if ws is None:
-            return
-        ws.busy = False
-        idle = [w for w in self._workspaces if not w.busy]
-        if len(idle) > 1:
-            keep = max(idle, key=lambda w: (w.num_pages, w.host is not None))
-            self._workspaces = [w for w in self._workspaces if w.busy or w is keep]
 
     # -- enqueue -------------------------------------------------------------------------------
     def _index(self, pages: list[int]) -> torch.Tensor:
@@ -262,7 +231,7 @@ class TransferEngine:
             if pipelined and direction == "d2h" and host_consecutive:  # the copy engine first
                 self._direct_out(l1_pages, self.l2.page_buffer.data_ptr() + h0 * page_bytes, tr,
                                  torch.cuda.current_stream(self.l1.device))
-            ws, tr.setup_ns = self._acquire(n, needs_host=cpu_gather)
+            ws, tr.setup_ns = self.workspaces.acquire(n, needs_host=cpu_gather)
             tr.workspace = ws
             packed = ws.device[:n]       # [n, 2, L, S, H, D]
             host_dst = (self.l2.page_buffer[h0: h0 + n] if host_consecutive
@@ -436,36 +405,15 @@ class TransferEngine:
         self._memcpy(dst.data_ptr() + lo * page_bytes, src.data_ptr() + lo * page_bytes, (hi - lo) * page_bytes, stream)
 
     # -- completion ----------------------------------------------------------------------------
-    def _complete_blocking(self, tr: Transfer, poll: bool = False) -> None:
-        """poll: query the event until it is done instead of sleeping in its synchronize (the
-        caller's thread stays on the CPU: see EngineConfig.gpu_wait)."""
-        if tr.event is not None:
-            while poll and not tr.event.query():
-                time.sleep(0)  # lets other threads take the GIL
-            tr.event.synchronize()
-            tr.service_ns = int(tr.start_event.elapsed_time(tr.event) * 1e6)
-            if tr.enqueued_event is not None:  # (every CUDA path records both at enqueue)
-                tr.device_ns = max(1, int(tr.enqueued_event.elapsed_time(tr.event) * 1e6))
-                tr.compute_wait_ns = max(0, int(tr.enqueued_event.elapsed_time(tr.ready_event) * 1e6))
-        if tr.finish is not None:
-            t0 = time.monotonic_ns()
-            tr.finish()
-            tr.finish_ns = time.monotonic_ns() - t0
-        tr.done_ns = time.monotonic_ns()
-        if tr.service_ns == 0:
-            tr.service_ns = tr.done_ns - tr.started_ns - tr.setup_ns
-        tr.compute_wait_ns = min(tr.compute_wait_ns, max(0, tr.end_to_end_ns - tr.setup_ns - tr.enqueue_ns))
-
     async def wait(self, tr: Transfer) -> Transfer:
         """Await completion without spinning the loop; raises TransferError on a failed transfer."""
         try:
             if tr.event is None and tr.finish is None:
-                self._complete_blocking(tr)
+                tr.complete()
             else:
-                await asyncio.get_running_loop().run_in_executor(self._waiters[tr.direction], self._complete_blocking,
-                                                                 tr)
+                await asyncio.get_running_loop().run_in_executor(self._waiters[tr.direction], tr.complete)
         finally:
-            self._release(tr.workspace)
+            self.workspaces.release(tr.workspace)
             tr.workspace = None
             tr.keepalive.clear()
         if tr.fail:
@@ -475,9 +423,9 @@ class TransferEngine:
     def wait_blocking(self, tr: Transfer) -> Transfer:
         """Wait on this thread, polling (benchmarks, tests)."""
         try:
-            self._complete_blocking(tr, poll=True)
+            tr.complete(poll=True)
         finally:
-            self._release(tr.workspace)
+            self.workspaces.release(tr.workspace)
             tr.workspace = None
         if tr.fail:
             raise TransferError(tr.error or f"{tr.direction}: injected transfer failure")
@@ -489,7 +437,7 @@ class TransferEngine:
                 stream.synchronize()
         for waiter in self._waiters.values():
             waiter.shutdown(wait=True)
-        self._workspaces.clear()
+        self.workspaces.clear()
 
 
 class _null:

@@ -52,10 +52,6 @@ def gathered_chunks(num_pages: int, direct_pages: int, first_pages: int) -> list
     return sizes
 
 
-def is_consecutive(pages: list[int]) -> bool:
-    return all(b == a + 1 for a, b in zip(pages, pages[1:]))
-
-
 def consecutive_runs(pages: list[int], other: list[int] | None = None,
                      max_runs: int | None = None) -> list[tuple[int, int]] | None:
     """[start, end) index ranges over which `pages` (and `other`, of the same length, when given)

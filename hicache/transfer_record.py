@@ -1,30 +1,18 @@
 """One transfer between L1 and L2 as the engine and the cost model see it (hicache/transfer.py
-enqueues and completes them): its buffers, its CUDA events, and the time it took, split into what is
+enqueues them and awaits `Transfer.complete` on a waiter thread): its buffers, its CUDA events, and the time it took, split into what is
 its own cost (enqueue, waiting behind other transfers, the copy) and what is not (a one-time
 workspace allocation; the wait for work already on the caller's stream; on CUDA, how late a thread
 saw it complete)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
-import torch
+from hicache.workspaces import Workspace
 
 
 class TransferError(RuntimeError):
     pass
-
-
-@dataclass(eq=False)
-class Workspace:
-    num_pages: int
-    device: torch.Tensor                # [num_pages, 2, L, S, H, D] on the compute device
-    host: torch.Tensor | None = None    # same shape, pinned; allocated lazily (fragmented paths only)
-    busy: bool = False
-    # a pipelined transfer's L1 page index (CUDA): written on the host, copied by one DMA on the
-    # kernel stream; both are the transfer's until it completes, like the workspace
-    index_host: torch.Tensor | None = None  # [num_pages] int64, pinned
-    index_device: torch.Tensor | None = None  # [num_pages] int64
-    index_np: object = None                 # index_host as a numpy array (the host writes it)
 
 
 @dataclass(eq=False)
@@ -85,3 +73,24 @@ class Transfer:
         if self.device_ns:
             return max(self.enqueue_ns, self.device_ns - self.compute_wait_ns) + self.finish_ns
         return max(0, self.end_to_end_ns - self.setup_ns - self.compute_wait_ns)
+
+    def complete(self, poll: bool = False) -> None:
+        """Block until the copy is done (on a waiter thread: `Event.synchronize` releases the GIL),
+        run `finish`, and fill in the timings. poll: query the event until it is done instead of
+        sleeping in its synchronize (the caller's thread stays on the CPU: see EngineConfig.gpu_wait)."""
+        if self.event is not None:
+            while poll and not self.event.query():
+                time.sleep(0)  # lets other threads take the GIL
+            self.event.synchronize()
+            self.service_ns = int(self.start_event.elapsed_time(self.event) * 1e6)
+            if self.enqueued_event is not None:  # (every CUDA path records both at enqueue)
+                self.device_ns = max(1, int(self.enqueued_event.elapsed_time(self.event) * 1e6))
+                self.compute_wait_ns = max(0, int(self.enqueued_event.elapsed_time(self.ready_event) * 1e6))
+        if self.finish is not None:
+            t0 = time.monotonic_ns()
+            self.finish()
+            self.finish_ns = time.monotonic_ns() - t0
+        self.done_ns = time.monotonic_ns()
+        if self.service_ns == 0:
+            self.service_ns = self.done_ns - self.started_ns - self.setup_ns
+        self.compute_wait_ns = min(self.compute_wait_ns, max(0, self.end_to_end_ns - self.setup_ns - self.enqueue_ns))

@@ -44,7 +44,7 @@ def test_round_trip_is_exact_for_every_host_layout(layout):
     engine.wait_blocking(engine.h2d(host_pages, dst))
     assert torch.equal(l1.kv[:, :, dst].view(torch.int16), original.view(torch.int16))
     needs_host_workspace = layout == "scattered"
-    assert any(w.host is not None for w in engine._workspaces) == needs_host_workspace
+    assert any(w.host is not None for w in engine.workspaces) == needs_host_workspace
     engine.close()
 
 
@@ -112,7 +112,7 @@ def test_a_copy_that_cannot_be_enqueued_fails_the_transfer_not_the_caller(direct
     assert tr.fail and "not enqueued" in tr.error
     with pytest.raises(TransferError, match="tuple index out of range"):
         engine.wait_blocking(tr)
-    assert not any(w.busy for w in engine._workspaces)
+    assert not any(w.busy for w in engine.workspaces)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -1,0 +1,76 @@
+"""Scratch buffers of the transfer engine (hicache/transfer.py): a pipelined or fragmented transfer
+packs its pages into a page-major device workspace, and a fragmented one also into a pinned host
+half. Allocating them costs far more than the copy (pinned memory especially), so they are reused:
+best fit, at most one idle one kept (the largest), the pinned half allocated only when a transfer
+needs it. The time a first allocation takes is the transfer's `setup_ns`, a one-time cost the cost
+model never learns from."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hicache.geometry import KVGeometry
+
+
+@dataclass(eq=False)
+class Workspace:
+    num_pages: int
+    device: torch.Tensor                # [num_pages, 2, L, S, H, D] on the compute device
+    host: torch.Tensor | None = None    # same shape, pinned; allocated lazily (fragmented paths only)
+    busy: bool = False
+    # a pipelined transfer's L1 page index (CUDA): written on the host, copied by one DMA on the
+    # kernel stream; both are the transfer's until it completes, like the workspace
+    index_host: torch.Tensor | None = None  # [num_pages] int64, pinned
+    index_device: torch.Tensor | None = None  # [num_pages] int64
+    index_np: object = None                 # index_host as a numpy array (the host writes it)
+
+
+class Workspaces:
+    def __init__(self, geometry: KVGeometry, device: torch.device) -> None:
+        self.geometry, self.device = geometry, device
+        self.cuda = device.type == "cuda"
+        self._all: list[Workspace] = []
+
+    def acquire(self, num_pages: int, needs_host: bool) -> tuple[Workspace, int]:
+        """A free workspace of at least `num_pages` pages (with its pinned half if `needs_host`),
+        and the ns spent allocating (0 when one was reused)."""
+        t0 = time.monotonic_ns()
+        free = [w for w in self._all if not w.busy and w.num_pages >= num_pages]
+        free.sort(key=lambda w: (w.num_pages, w.host is None))
+        if free:
+            ws = free[0]
+        else:
+            shape = self.geometry.page_major_shape(num_pages)
+            ws = Workspace(num_pages, torch.empty(shape, dtype=self.geometry.dtype, device=self.device))
+            if self.cuda:
+                ws.index_host = torch.empty(num_pages, dtype=torch.int64, pin_memory=True)
+                ws.index_device = torch.empty(num_pages, dtype=torch.int64, device=self.device)
+                ws.index_np = ws.index_host.numpy()
+            self._all.append(ws)
+        if needs_host and ws.host is None:
+            ws.host = torch.empty(self.geometry.page_major_shape(ws.num_pages), dtype=self.geometry.dtype,
+                                  pin_memory=self.cuda)
+        ws.busy = True
+        return ws, time.monotonic_ns() - t0
+
+    def release(self, ws: Workspace | None) -> None:
+        """Give `ws` back; keep at most one idle workspace: the largest (preferring one with its
+        pinned half)."""
+        if ws is None:
+            return
+        ws.busy = False
+        idle = [w for w in self._all if not w.busy]
+        if len(idle) > 1:
+            keep = max(idle, key=lambda w: (w.num_pages, w.host is not None))
+            self._all = [w for w in self._all if w.busy or w is keep]
+
+    def clear(self) -> None:
+        self._all.clear()
+
+    def __iter__(self):
+        return iter(list(self._all))
+
+    def __len__(self) -> int:
+        return len(self._all)
