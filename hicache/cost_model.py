@@ -213,9 +213,11 @@ class CostModel:
 
         An L2/L3 hit only counts beyond l1_tokens. An L3 restore whose first part is already in L2
         reads only the part beyond max(l1, l2) from storage, then moves all of it host->device.
-        overlap_h2d: an L2 restore would land layer by layer under the tail's forward, so its H2D
-        costs only what exceeds one forward (the recompute intercept, learned from tail forwards
-        that include such copies; counting the H2D in full would charge it twice).
+        overlap_h2d: the restore's H2D would land layer by layer under the tail's forward (an L2
+        restore, or an L3 prefetch taken on to L1 once its bytes landed), so it costs only what
+        exceeds one forward (the recompute intercept, learned from tail forwards that include such
+        copies; counting the H2D in full would charge it twice). An L3 read is charged in full,
+        checksums included, though a taken-on prefetch verifies under the H2D and the forward.
         """
         if min(l1_tokens, l2_tokens, l3_tokens) < 0:
             raise ValueError("matched lengths must be >= 0")
@@ -230,13 +232,11 @@ class CostModel:
             n = restore_tokens[tier]
             if n == 0:
                 continue
-            if tier == "l2":
-                restore_s = self._transfer_s("h2d", n)
-                if overlap_h2d:
-                    restore_s = max(0.0, restore_s - self.directions["recompute"].fixed_s)
-            else:
-                restore_s = (self._transfer_s("s2h", l3_tokens - max(l1_tokens, l2_tokens))
-                             + self._transfer_s("h2d", n))
+            restore_s = self._transfer_s("h2d", n)
+            if overlap_h2d:
+                restore_s = max(0.0, restore_s - self.directions["recompute"].fixed_s)
+            if tier == "l3":
+                restore_s += self._transfer_s("s2h", l3_tokens - max(l1_tokens, l2_tokens))
             recompute_s = self.recompute_cost_s(n)
             benefit_s[tier] = recompute_s - self.margin * restore_s
             costs[f"{tier}_restore_s"] = restore_s

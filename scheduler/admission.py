@@ -65,7 +65,11 @@ class Admission:
         tokens = self._reusable(req)
         m = cache.tree.match(tokens, include_storage=True, touch=False)
         l1, l2, l3 = m.lengths
-        if l3 <= max(l1, l2) or cache.decide(m).tier != "l3":
+        # a prefetch whose request would run alone takes its H2D on under the tail's forward
+        # (_take_landed): the same credit on the H2D as an overlapped L2 restore's
+        overlap = self._may_overlap(req, l3, alone=not self.engine.running,
+                                    budget=self.engine.config.max_prefill_tokens)
+        if l3 <= max(l1, l2) or cache.decide(m, overlap_h2d=overlap).tier != "l3":
             return
         req.prefetch_op = cache.runner.start_restore(tokens, m, "prefetch", req.rid)
         if req.prefetch_op is not None:
@@ -109,8 +113,7 @@ class Admission:
         # overlap: an L2 restore of a request that runs alone in this batch and whose tail is one
         # forward (and, below, whose every page can be reserved now: its forward starts before the
         # copy ends) lands layer by layer under that forward
-        may_overlap = (alone and self.engine.config.restore_overlap and getattr(cache.transfer, "layerwise", False)
-                       and len(req.prompt) - m.lengths[Tier.L2] <= budget)
+        may_overlap = self._may_overlap(req, m.lengths[Tier.L2], alone, budget)
         decision = cache.decide(m, overlap_h2d=may_overlap)
         if decision.tier not in ("l2", "l3"):
             return None
@@ -140,6 +143,13 @@ class Admission:
             await cache.runner.wait_op(op)
         return "parked"
 
+    def _may_overlap(self, req: Request, cached_tokens: int, alone: bool, budget: int) -> bool:
+        """Whether a restore up to `cached_tokens` could land layer by layer under the request's
+        tail forward: overlap on, layer-ordered copies here, the request alone in its batch and
+        its tail one forward (the caller still checks that every page can be reserved)."""
+        return (alone and self.engine.config.restore_overlap and getattr(self.cache.transfer, "layerwise", False)
+                and len(req.prompt) - cached_tokens <= budget)
+
     def _take_landed(self, req: Request, alone: bool, budget: int) -> bool:
         """Admit a request whose prefetch's read has landed but is still being verified, with the
         prefetch taken on to L1 (OpRunner.take_to_l1) and its tail forward overlapped with that
@@ -147,12 +157,10 @@ class Admission:
         forward and whose every page can be reserved now. The forward's output counts only if the
         checksums pass (`adopt_restored`). False: the request stays parked on the prefetch."""
         cache, ps, op = self.cache, self.page_size, req.prefetch_op
-        if not (alone and self.engine.config.restore_overlap and op.state is OpState.S2H_LANDED):
+        if op.state is not OpState.S2H_LANDED or not self._may_overlap(req, op.payload["l3_end"], alone, budget):
             return False
         m = cache.match(self._reusable(req))
         end = op.payload["l3_end"]
-        if len(req.prompt) - end > budget:
-            return False
         cache.lock(m.handles[Tier.L1])
         room = cache.available_l1_pages() - self.reserved_pages
         cache.unlock(m.handles[Tier.L1])

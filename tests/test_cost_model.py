@@ -282,7 +282,13 @@ def test_overlapped_h2d_is_charged_only_beyond_one_forward() -> None:
     # a long restore is still charged for the part the forward cannot hide
     long = cm.decide(0, 8000, 0, "cost", overlap_h2d=True)
     assert long.costs["l2_restore_s"] == approx(cm.restore_cost_s("l2", 8000) - cm.directions["recompute"].fixed_s)
-    assert cm.decide(0, 0, 336, "cost", overlap_h2d=True).costs.get("l3_restore_s", 1.0) > 0  # L3: no credit
+    # L3 (a prefetch taken on to L1 once its bytes landed): the same credit on its H2D, none on the read
+    l3_serial, l3_overlapped = cm.decide(0, 0, 336, "cost"), cm.decide(0, 0, 336, "cost", overlap_h2d=True)
+    assert l3_serial.costs["l3_restore_s"] == approx(cm.restore_cost_s("l3", 336))
+    assert l3_overlapped.costs["l3_restore_s"] == approx(cm.restore_cost_s("l3", 336) - cm.restore_cost_s("l2", 336))
+    # part in L2 already: only the rest is read, all of it moved
+    part = cm.decide(0, 160, 336, "cost", overlap_h2d=True).costs
+    assert part["l3_restore_s"] == approx(cm._transfer_s("s2h", 176))
 
 
 def test_a_tier_not_restored_from_for_a_while_is_re_timed() -> None:

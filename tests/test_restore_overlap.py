@@ -374,3 +374,38 @@ async def test_prefetch_is_not_taken_without_restore_overlap():
     assert list(op_transitions(logs, "prefetch_l3").values()) == [["L3", "S2H_PENDING", "S2H_LANDED", "L2_L3"]]
     assert result.cached_tokens["l2"] + result.cached_tokens["l3"] == REUSABLE
     await finish(eng)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.asyncio
+async def test_the_prefetch_decision_credits_an_h2d_the_forward_will_hide(overlap):
+    """Regression (session 17's note): the cost policy charged an L3 prefetch's H2D in full though a
+    request running alone takes the prefetch on to L1 under its tail's forward, so it recomputed
+    hits that a read would have served faster. Here the read alone beats recompute, the read plus
+    a serial H2D does not, and the forward (its fixed cost) hides the H2D: with restore overlap the
+    prefetch is started and the hit served from L3; without, it is recomputed."""
+    config = EngineConfig(model="tiny", device="cpu", num_pages=48, page_size=PAGE,
+                          restore_overlap=overlap).with_hicache(enable=True, policy="cost",
+                                                                transfer_backend="torch")
+    eng = Engine(config, faults=FaultInjector())
+    await eng.start()
+    await run_one(eng)
+    eng.cache.runner.start_backup(PROMPT[:REUSABLE])
+    await eng.cache.drain()
+    only_in_l3(eng, PROMPT[:REUSABLE])
+    cost = eng.cache.cost
+    cost.learning = False  # the costs below, fixed: no exploration, no new samples
+    per_byte = 1.0 / (REUSABLE * cost.bytes_per_token)
+    dirs = cost.directions
+    dirs["recompute"].fixed_s, dirs["recompute"].slope = 5e-3, 1e-3 / REUSABLE  # recompute: 1 ms
+    dirs["s2h"].fixed_s, dirs["s2h"].slope = 0.0, 0.6e-3 * per_byte             # read: 0.6 ms
+    dirs["h2d"].fixed_s, dirs["h2d"].slope = 0.0, 0.6e-3 * per_byte             # H2D: 0.6 ms < 5 ms forward
+    with capture_op_logs() as logs:
+        result = await run_one(eng)
+    assert result.output_ids == await reference(PROMPT)
+    prefetches = op_transitions(logs, "prefetch_l3")
+    if overlap:
+        assert len(prefetches) == 1 and result.cached_tokens == {"l1": 0, "l2": 0, "l3": REUSABLE}
+    else:
+        assert not prefetches and result.cached_tokens == {"l1": 0, "l2": 0, "l3": 0}
+    await finish(eng)
