@@ -31,6 +31,7 @@ import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from hicache.faults import Fault, FaultInjector
@@ -117,7 +118,7 @@ class TransferEngine:
         # caller's stream, which orders the copy
         # (short transfers: their DMA follows this copy. Pipelined ones stage their index with the
         # workspace, _stage_index, since a restore's first DMA goes before its index)
-        return torch.tensor(pages, dtype=torch.int64).to(self.l1.device, non_blocking=True)  # [n]
+        return torch.from_numpy(np.array(pages, dtype=np.int64)).to(self.l1.device, non_blocking=True)  # [n]
 
     def d2h(self, l1_pages: list[int], host_pages: list[int]) -> Transfer:
         """L1 -> L2 (gather + DMA, pipelined). Running the layer plan backwards (2-D DMAs straight
@@ -200,8 +201,10 @@ class TransferEngine:
         stream.wait_stream(caller)
         tr.start_event.record(stream)
         try:
-            pages = torch.tensor([host_pages, l1_pages], dtype=torch.int32).to(self.l1.device,
-                                                                             non_blocking=True)  # [2, n]
+            # (numpy builds it from the lists ~3x faster than torch.tensor: 8,000 one-token pages
+            # took 1.6 ms that way on the H200's host)
+            pages = torch.from_numpy(np.array([host_pages, l1_pages], dtype=np.int32)).to(self.l1.device,
+                                                                                          non_blocking=True)  # [2, n]
             tr.keepalive.append(pages)  # alive until the transfer completes
             stream.wait_stream(caller)  # the page list crossed on the caller's stream
             launch(pages, stream)

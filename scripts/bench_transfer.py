@@ -6,13 +6,16 @@ read/write and checksum throughput.
     python scripts/bench_transfer.py --json                       # GPU, 8B-shaped pages, bf16
     python scripts/bench_transfer.py --device cpu --quick         # CPU smoke
     python scripts/bench_transfer.py --page-size 1 --directions-only   # one-token pages
+    python scripts/bench_transfer.py --page-size 1 --profile      # where one transfer's time goes
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import json
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -85,6 +88,50 @@ def pinned_copy_gib_s(nbytes, device, repeats) -> dict[str, float]:
     return {"d2h": nbytes / timed(d2h, device, repeats) / GIB, "h2d": nbytes / timed(h2d, device, repeats) / GIB,
             "d2h_device": nbytes / event_timed(d2h, device, repeats) / GIB,
             "h2d_device": nbytes / event_timed(h2d, device, repeats) / GIB}
+
+
+def profile_directions(geometry, device, tokens_list, repeats, backend, layouts) -> None:
+    """Where a transfer's time goes: the enqueue's Python under cProfile (the functions with the most
+    own time, over `repeats` transfers each way), then on CUDA one transfer each way under
+    torch.profiler (kernels and copies by device time). Prints; measures nothing else."""
+    pages_max = max(tokens_list) // geometry.page_size
+    l1 = DevicePool(geometry, 2 * pages_max + 8, device)
+    l2 = HostPool(geometry, 2 * pages_max + 8, pin=device.type == "cuda")
+    engine = TransferEngine(l1, l2, ChosenBackends(backend, backend, {}, "bench"))
+    for tokens in tokens_list:
+        n = tokens // geometry.page_size
+        l1_pages = torch.randperm(l1.num_pages)[:n].tolist()
+        for layout in layouts:
+            host_pages = list(range(n)) if layout == "consecutive" else list(range(0, 2 * n, 2))
+            calls = {"d2h": lambda: engine.d2h(l1_pages, host_pages), "h2d": lambda: engine.h2d(host_pages, l1_pages),
+                     "layer-ordered h2d": lambda: engine.h2d_layerwise(host_pages, l1_pages)}
+            for name, call in calls.items():
+                tr = call()
+                if tr is None:
+                    continue
+                engine.wait_blocking(tr)  # warm: compile, workspaces
+                prof, enqueue_us = cProfile.Profile(), []
+                for _ in range(repeats):
+                    sync(device)
+                    prof.enable()
+                    tr = call()
+                    prof.disable()
+                    engine.wait_blocking(tr)
+                    enqueue_us.append((tr.enqueue_ns + tr.setup_ns) / 1e3)
+                print(f"\n== {tokens} tokens ({n} pages), {layout}, {name}: enqueue median "
+                      f"{statistics.median(enqueue_us):.0f} us over {repeats}; cProfile, us a transfer:")
+                stats = pstats.Stats(prof).stats  # {(file, line, func): (cc, ncalls, tottime, cumtime, callers)}
+                top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:12]
+                print(f"{'own us':>8} {'cum us':>8} {'calls':>6}  function")
+                for (file, line, func), (_, ncalls, own_s, cum_s, _) in top:
+                    where = f"{os.path.basename(file)}:{line}({func})" if line else func
+                    print(f"{own_s / repeats * 1e6:>8.1f} {cum_s / repeats * 1e6:>8.1f} {ncalls / repeats:>6.1f}  {where}")
+                if device.type == "cuda":
+                    from torch.profiler import ProfilerActivity, profile
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as torch_prof:
+                        engine.wait_blocking(call())
+                    print(torch_prof.key_averages().table(sort_by="cuda_time_total", row_limit=8))
+    engine.close()
 
 
 def bench_directions(geometry, device, tokens_list, repeats, backends, layouts=("consecutive", "fragmented"),
@@ -244,6 +291,8 @@ def main(argv=None) -> int:
                     help="comma list of a D2H's pages sent straight out of L1 to compare (default: the engine's)")
     ap.add_argument("--directions-only", action="store_true", help="skip the layer-ordered, round-trip and storage parts")
     ap.add_argument("--page-size", type=int, default=16, help="tokens per page of the 8B-shaped KV (1: SGLang's default)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print where one transfer's time goes (cProfile of the enqueue, torch.profiler) instead")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out")
@@ -262,6 +311,9 @@ def main(argv=None) -> int:
     if not set(layouts) <= {"consecutive", "fragmented"}:
         ap.error(f"--layouts: consecutive and/or fragmented, got {args.layouts}")
     direct_list = [int(x) for x in args.direct_pages.split(",")] if args.direct_pages else [None]
+    if args.profile:
+        profile_directions(geometry, device, tokens_list, args.repeats, backends[0], layouts)
+        return 0
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "date": time.strftime("%Y-%m-%d"), "geometry": geometry.describe()}
     out["directions"] = bench_directions(geometry, device, tokens_list, args.repeats, backends, layouts, direct_list)

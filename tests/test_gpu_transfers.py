@@ -255,12 +255,15 @@ def test_page_copy_compiles_once_for_every_chunk():
     assert _compiled_variants(_page_copy_kernel) == before
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_pipelined_transfers_move_every_chunk_exactly(backend):
+@pytest.mark.parametrize("backend,direct,raw_dma", [("triton", 3, True), ("torch", 3, True), ("triton", 0, True),
+                                                    ("triton", 0, False)])
+def test_pipelined_transfers_move_every_chunk_exactly(backend, direct, raw_dma):
     """Consecutive L2 pages go by the chunked pipeline (kernels on explicit streams, one raw DMA a
     chunk): with a 2-page first chunk, 40 pages in random L1 order are 3 chunks each way, a D2H's
-    first 3 pages going straight out of L1 by 2-D DMAs (then 2 gathered chunks); D2H then H2D land
-    byte for byte, twice (the second time through the cached direct launches)."""
+    first 3 pages going straight out of L1 by 2-D DMAs (then 2 gathered chunks), or none (3
+    gathered chunks, as at one-token pages). D2H then H2D land byte for byte, twice (the second
+    time through the cached direct launches); also without the runtime's raw copies (torch's
+    copies instead)."""
     from hicache.geometry import KVGeometry
     from hicache.pools import DevicePool, HostPool
     from hicache.transfer import TransferEngine
@@ -272,7 +275,9 @@ def test_pipelined_transfers_move_every_chunk_exactly(backend):
     te = TransferEngine(l1, l2, choose_backends(l1.kv, backend), min_dma_row_bytes=0)  # 4 KiB slabs
     te.first_chunk_pages = 2
     assert te.direct_pages > 0  # pinned L2 and the runtime's 2-D copy
-    te.direct_pages = 3
+    te.direct_pages = direct
+    if not raw_dma:
+        te._memcpy = None
     assert len(ramp_chunks(40, 2, RAMP_GROWTH)) == 3 and len(ramp_chunks(37, 6, RAMP_GROWTH)) == 2
     rng = random.Random(5)
     for _ in range(2):
