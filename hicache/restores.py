@@ -15,20 +15,30 @@ from collections.abc import Sequence
 
 from hicache.ops import Op, OpEvent, OpKind, OpState, apply
 from hicache.radix import Tier
-from hicache.storage import StorageError
+from hicache.storage import FileStore, StorageError
+
+# A prefetch that will be taken on to L1 once its bytes land verifies them after the landing only
+# up to this size: then the checksums finish under the H2D and the tail's forward. Longer, they
+# outlast those and the whole restore waits (H200, 8B, warm, p50 of four runs each: 350 / 1,000
+# tokens (49 / 146 MB) 9.64 -> 8.94 / 14.18 -> 13.47 ms after landing, 3,500 (516 MB) 36.8 ->
+# 39.1 ms; docs/benchmarks.md, session 18).
+VERIFY_AFTER_LANDING_MAX_BYTES = 192 << 20
 
 
 class Restores:
     """Mixin of `OpRunner`: the restore and prefetch half of its drivers."""
 
     def start_restore(self, tokens: Sequence[int], match, tier: str, request_id: str | None,
-                      layerwise: bool = False) -> Op | None:
+                      layerwise: bool = False, take_soon: bool = False) -> Op | None:
         """Restore tokens[l1_len : tier_len] into L1 (through L2 for an L3 hit). None when the
         needed pages cannot be had right now (the caller recomputes).
 
         layerwise (L2 restores): copy in layer order where the transfer engine can (then
         op.payload["layerwise"] is True, op.payload["l1_pages"] are the pages being filled and
-        op.payload["transfer"] is the copy, whose layer flags a forward may wait for right away)."""
+        op.payload["transfer"] is the copy, whose layer flags a forward may wait for right away).
+        take_soon (prefetches): the caller expects to take the read on to L1 as soon as it lands
+        (`take_to_l1`), so a file store's checksums wait for the landing instead of slowing it
+        (reads up to VERIFY_AFTER_LANDING_MAX_BYTES)."""
         mgr, ps = self.mgr, self.mgr.page_size
         l1, l2, l3 = match.lengths
         if (l2 <= l1) if tier == "l2" else (l3 <= max(l1, l2)):
@@ -44,7 +54,7 @@ class Restores:
         kind = OpKind.RESTORE_L3 if tier == "l3" else OpKind.PREFETCH_L3
         op = self._new(kind, (l3 - min(l1, l2)) // ps, request_id)
         self._lock(op, match.handles[Tier.L1], Tier.L1)
-        future = self._start_s2h(op, match, tokens)
+        future = self._start_s2h(op, match, tokens, take_soon and kind is OpKind.PREFETCH_L3)
         if future is None:
             self._release(op)
             return None
@@ -52,7 +62,7 @@ class Restores:
         mgr.metrics.restores_started += kind is OpKind.RESTORE_L3
         return self._register(op, self._drive_restore(op, tuple(tokens[:l3]), future, l2))
 
-    def _start_s2h(self, op: Op, match, tokens: Sequence[int]):
+    def _start_s2h(self, op: Op, match, tokens: Sequence[int], take_soon: bool = False):
         mgr, ps = self.mgr, self.mgr.page_size
         l2, l3 = match.lengths[Tier.L2], match.lengths[Tier.L3]
         self._lock(op, match.handles[Tier.L3], Tier.L3)  # before allocating: see start_backup
@@ -63,8 +73,12 @@ class Restores:
             return None
         apply(op, OpEvent.START)
         op.payload["host_pages"] = host_pages
+        options = mgr.page_keys(tokens, l2, l3)
+        if (take_soon and isinstance(mgr.store, FileStore)
+                and len(host_pages) * mgr.l2.geometry.bytes_per_page <= VERIFY_AFTER_LANDING_MAX_BYTES):
+            options["checksums_after_landing"] = True
         return mgr.store.read_pages(match.pages[Tier.L3][l2 // ps: l3 // ps], mgr.l2.page_buffer, host_pages,
-                                    **mgr.page_keys(tokens, l2, l3))
+                                    **options)
 
     def _start_h2d(self, op: Op, tokens: tuple[int, ...], match, l1_start: int, layerwise: bool = False) -> bool:
         mgr, ps = self.mgr, self.mgr.page_size

@@ -109,7 +109,7 @@ class _Op:
 
     def __init__(self, store: FileStore, is_read: bool, buffer_ref: torch.Tensor, view: memoryview,
                  slots: np.ndarray, num_tasks: int, num_extents: int, expected: np.ndarray | None,
-                 gens: np.ndarray | None) -> None:
+                 gens: np.ndarray | None, checksums_after_landing: bool = False) -> None:
         self.store, self.is_read, self.slots, self.num_extents = store, is_read, slots, num_extents
         self.buffer_ref, self.view = buffer_ref, view  # keep the caller's memory alive while workers use it
         self.expected = expected  # read: checksums to verify against, by op index
@@ -118,6 +118,9 @@ class _Op:
         self.future: cf.Future = ReadFuture() if expected is not None else cf.Future()
         self.future.set_running_or_notify_cancel()  # I/O cannot be abandoned midway: no cancel
         self._landed_left = num_tasks  # verified reads: tasks whose bytes have not all landed yet
+        self.checksums_after_landing = checksums_after_landing
+        self._verify_jobs: list[tuple[memoryview, np.ndarray, int]] = []  # held until landed (bytes, checksums, first slot)
+        self._verify_left = 0  # checksum jobs started and not yet done
         self.submit_ns = time.monotonic_ns()
         self._lock = threading.Lock()
         self._tasks_left = num_tasks
@@ -131,22 +134,52 @@ class _Op:
             if self._first_start_ns is None or now_ns < self._first_start_ns:
                 self._first_start_ns = now_ns
 
+    def verify(self, view: memoryview, expected: np.ndarray, first_slot: int) -> None:
+        """A landed piece's checksum job: started now on the verify pool, or, with
+        `checksums_after_landing`, once every byte of the read landed (`task_landed`)."""
+        with self._lock:
+            if self.checksums_after_landing:
+                self._verify_jobs.append((view, expected, first_slot))
+                return
+            self._verify_left += 1
+        self._start_verify(view, expected, first_slot)
+
+    def _start_verify(self, view: memoryview, expected: np.ndarray, first_slot: int) -> None:
+        job = self.store._verify_pool.submit(self.store._verify, view, expected, first_slot)
+        job.add_done_callback(self._verified)
+
     def task_landed(self) -> None:
-        """A task's reads all landed (its checksums may still be running)."""
+        """A task's reads all landed (its checksums may still be running, or not started yet)."""
         with self._lock:
             self._landed_left -= 1
             if self._landed_left > 0 or self._error is not None:
                 return
+            held, self._verify_jobs = self._verify_jobs, []
+            self._verify_left += len(held)
         self.future.landed.set_result(None)
+        for job in held:
+            self._start_verify(*job)
 
-    def task_done(self, error: BaseException | None, bad_slots: list[int], end_ns: int) -> None:
+    def _verified(self, job: cf.Future) -> None:
+        error = job.exception()
+        with self._lock:
+            self._verify_left -= 1
+            if error is not None and self._error is None:
+                self._error = error
+            elif error is None:
+                self._bad_slots.extend(job.result())
+            self._last_end_ns = max(self._last_end_ns, time.monotonic_ns())
+            if self._tasks_left > 0 or self._verify_left > 0:
+                return
+        self._finish()
+
+    def task_done(self, error: BaseException | None, end_ns: int) -> None:
         with self._lock:
             self._tasks_left -= 1
             if error is not None and self._error is None:
                 self._error = error
-            self._bad_slots.extend(bad_slots)
             self._last_end_ns = max(self._last_end_ns, end_ns)
-            if self._tasks_left > 0:
+            if self._tasks_left > 0 or self._verify_left > 0:
                 return
         self._finish()
 
@@ -198,8 +231,9 @@ class FileStore:
         self._closed = False
         self._active_tasks = self._peak_active_tasks = 0
         self._pool = cf.ThreadPoolExecutor(max_workers=self.io_workers, thread_name_prefix="hicache-l3-io")
-        # read verification runs beside the reads: an I/O thread hands each landed piece's checksums to
-        # this pool and reads on, so hashing overlaps the next preadv instead of following it
+        # read verification: an I/O thread hands each landed piece's checksums to this pool and reads
+        # on, so hashing overlaps the next preadv instead of following it; or they wait until the
+        # whole read landed (read_pages(checksums_after_landing=True))
         self._verify_pool = (cf.ThreadPoolExecutor(max_workers=self.io_workers, thread_name_prefix="hicache-l3-verify")
                              if self.checksum else None)
 
@@ -211,9 +245,14 @@ class FileStore:
         """Write host_buffer[host_pages[i]] into slot slots[i]; resolves to IoResult."""
         return self._submit(False, host_buffer, host_pages, slots)
 
-    def read_pages(self, slots: Sequence[int], host_buffer: torch.Tensor, host_pages: Sequence[int]) -> cf.Future:
-        """Read slot slots[i] into host_buffer[host_pages[i]]; resolves to IoResult."""
-        return self._submit(True, host_buffer, host_pages, slots)
+    def read_pages(self, slots: Sequence[int], host_buffer: torch.Tensor, host_pages: Sequence[int],
+                   checksums_after_landing: bool = False) -> cf.Future:
+        """Read slot slots[i] into host_buffer[host_pages[i]]; resolves to IoResult (a ReadFuture
+        when checksums are on: its `landed` resolves first). A piece's checksums start as soon as
+        it is read, beside the read's other pieces, so the whole read is verified soonest; with
+        `checksums_after_landing` they all start once every byte landed, so the bytes land soonest
+        (for a caller that takes them on then: a prefetch taken on to L1, hicache/restores.py)."""
+        return self._submit(True, host_buffer, host_pages, slots, checksums_after_landing)
 
     def invalidate(self, slots: Sequence[int]) -> None:
         """Forget what the slots hold (the tree freed them); an in-flight write will not publish."""
@@ -299,7 +338,7 @@ class FileStore:
         return memoryview(flat.numpy()).cast("B"), num_pages
 
     def _submit(self, is_read: bool, host_buffer: torch.Tensor, host_pages: Sequence[int],
-                slots: Sequence[int]) -> cf.Future:
+                slots: Sequence[int], checksums_after_landing: bool = False) -> cf.Future:
         self._check_open()
         slot_arr = self._slot_array(slots)
         host_arr = np.asarray(host_pages, dtype=np.int64).reshape(-1)
@@ -327,14 +366,15 @@ class FileStore:
                 self._gens[slot_arr] += np.uint64(1)
                 self._valid[slot_arr] = False
                 gens = self._gens[slot_arr].copy()
-        op = _Op(self, is_read, host_buffer, view, slot_arr, len(groups), len(extents), expected, gens)
+        op = _Op(self, is_read, host_buffer, view, slot_arr, len(groups), len(extents), expected, gens,
+                 checksums_after_landing)
         with self._state_lock:
             if self._closed:
                 raise StorageError("closed", f"L3 store {self.path!r} is closed")
             for pieces in groups:
                 inner = self._pool.submit(self._run_task, op, pieces)
                 inner.add_done_callback(lambda f, op=op: f.cancelled() and op.task_done(
-                    StorageError("closed", "L3 store closed before the operation ran"), [], time.monotonic_ns()))
+                    StorageError("closed", "L3 store closed before the operation ran"), time.monotonic_ns()))
         return op.future
 
     def _plan_tasks(self, extents: list[tuple[int, int]], host_arr: np.ndarray,
@@ -379,9 +419,8 @@ class FileStore:
             self._active_tasks += 1
             self._peak_active_tasks = max(self._peak_active_tasks, self._active_tasks)
         error: BaseException | None = None
-        bad_slots: list[int] = []
         try:
-            self._do_pieces(op, pieces, bad_slots)
+            self._do_pieces(op, pieces)
         except OSError as exc:
             error = _error_from_oserror(exc, f"L3 {'read' if op.is_read else 'write'} of {self.path!r}")
         except BaseException as exc:  # StorageError, or a bug: report it through the future
@@ -389,40 +428,33 @@ class FileStore:
         finally:
             with self._state_lock:
                 self._active_tasks -= 1
-        op.task_done(error, bad_slots, time.monotonic_ns())
+        op.task_done(error, time.monotonic_ns())
 
-    def _do_pieces(self, op: _Op, pieces: list[tuple[int, int, int, int]], bad_slots: list[int]) -> None:
+    def _do_pieces(self, op: _Op, pieces: list[tuple[int, int, int, int]]) -> None:
         bpp, faults, is_read = self.bytes_per_page, self.faults, op.is_read
         if is_read and faults is not None and faults.should_fire(Fault.SLOW_READ):
             time.sleep(faults.delay_s(Fault.SLOW_READ))
-        verifying: list[cf.Future] = []
         step_pages = max(1, VERIFY_CHUNK_BYTES // bpp) if op.expected is not None else 1 << 62
-        try:
-            for op_index, host_page, slot, n in pieces:
-                view = op.view[host_page * bpp:(host_page + n) * bpp]
-                if op.hashes is not None:  # write: hash the bytes being written, off the event loop
-                    for k in range(n):
-                        op.hashes[op_index + k] = page_checksum(view[k * bpp:(k + 1) * bpp])
-                short = False
-                if faults is not None:
-                    errors = _READ_ERROR_FAULTS if is_read else _WRITE_ERROR_FAULTS
-                    for fault, code in errors:
-                        if faults.should_fire(fault):
-                            raise OSError(code, f"injected {fault.value}")
-                    short = faults.should_fire(Fault.SHORT_READ if is_read else Fault.SHORT_WRITE)
-                for k0 in range(0, n, step_pages):  # one piece, or (verified reads) sub-pieces
-                    k1 = min(n, k0 + step_pages)
-                    self._transfer_all(is_read, view[k0 * bpp:k1 * bpp], self.offset(slot + k0), short,
-                                       slot + k0, k1 - k0)
-                    if op.expected is not None:  # read: verify once the bytes landed, beside the next read
-                        verifying.append(self._verify_pool.submit(
-                            self._verify, view[k0 * bpp:k1 * bpp], op.expected[op_index + k0:op_index + k1],
-                            slot + k0))
-            if op.expected is not None:
-                op.task_landed()
-        finally:
-            for f in verifying:  # always settle: the host buffer must not be reused under a hash
-                bad_slots.extend(f.result())
+        for op_index, host_page, slot, n in pieces:
+            view = op.view[host_page * bpp:(host_page + n) * bpp]
+            if op.hashes is not None:  # write: hash the bytes being written, off the event loop
+                for k in range(n):
+                    op.hashes[op_index + k] = page_checksum(view[k * bpp:(k + 1) * bpp])
+            short = False
+            if faults is not None:
+                errors = _READ_ERROR_FAULTS if is_read else _WRITE_ERROR_FAULTS
+                for fault, code in errors:
+                    if faults.should_fire(fault):
+                        raise OSError(code, f"injected {fault.value}")
+                short = faults.should_fire(Fault.SHORT_READ if is_read else Fault.SHORT_WRITE)
+            for k0 in range(0, n, step_pages):  # one piece, or (verified reads) sub-pieces
+                k1 = min(n, k0 + step_pages)
+                self._transfer_all(is_read, view[k0 * bpp:k1 * bpp], self.offset(slot + k0), short,
+                                   slot + k0, k1 - k0)
+                if op.expected is not None:  # read: its checksums, beside the next read or once all landed
+                    op.verify(view[k0 * bpp:k1 * bpp], op.expected[op_index + k0:op_index + k1], slot + k0)
+        if op.expected is not None:
+            op.task_landed()
 
     def _verify(self, view: memoryview, expected: np.ndarray, first_slot: int) -> list[int]:
         bpp = self.bytes_per_page

@@ -66,12 +66,13 @@ class Admission:
         m = cache.tree.match(tokens, include_storage=True, touch=False)
         l1, l2, l3 = m.lengths
         # a prefetch whose request would run alone takes its H2D on under the tail's forward
-        # (_take_landed): the same credit on the H2D as an overlapped L2 restore's
+        # (_take_landed): the same credit on the H2D as an overlapped L2 restore's, and its
+        # checksums wait for the landing rather than slow it
         overlap = self._may_overlap(req, l3, alone=not self.engine.running,
                                     budget=self.engine.config.max_prefill_tokens)
         if l3 <= max(l1, l2) or cache.decide(m, overlap_h2d=overlap).tier != "l3":
             return
-        req.prefetch_op = cache.runner.start_restore(tokens, m, "prefetch", req.rid)
+        req.prefetch_op = cache.runner.start_restore(tokens, m, "prefetch", req.rid, take_soon=overlap)
         if req.prefetch_op is not None:
             req.promoted_tokens = l3 - l2  # served from L3 when this request later restores from L2
 

@@ -409,3 +409,37 @@ async def test_the_prefetch_decision_credits_an_h2d_the_forward_will_hide(overla
     else:
         assert not prefetches and result.cached_tokens == {"l1": 0, "l2": 0, "l3": 0}
     await finish(eng)
+
+
+@pytest.mark.parametrize("overlap,max_bytes", [(True, None), (False, None), (True, 0)])
+@pytest.mark.asyncio
+async def test_a_prefetch_expected_to_be_taken_on_verifies_after_landing(overlap, max_bytes, monkeypatch):
+    """A prefetch for a request that would run alone with restore overlap on is taken on to L1 once
+    its bytes land, so its read asks the file store to start the checksums only then
+    (`checksums_after_landing`: hashing beside the read slowed the landing; session 18), unless the
+    read is longer than VERIFY_AFTER_LANDING_MAX_BYTES (its checksums would outlast the H2D and the
+    forward). Otherwise the checksums run beside the read, which then completes soonest."""
+    if max_bytes is not None:
+        import hicache.restores as restores_mod
+        monkeypatch.setattr(restores_mod, "VERIFY_AFTER_LANDING_MAX_BYTES", max_bytes)
+    config = EngineConfig(model="tiny", device="cpu", num_pages=48, page_size=PAGE,
+                          restore_overlap=overlap).with_hicache(enable=True, policy="always",
+                                                                transfer_backend="torch")
+    eng = Engine(config, faults=FaultInjector())
+    await eng.start()
+    await run_one(eng)
+    eng.cache.runner.start_backup(PROMPT[:REUSABLE])
+    await eng.cache.drain()
+    only_in_l3(eng, PROMPT[:REUSABLE])
+    store, reads = eng.cache.store, []
+    read_pages = store.read_pages
+
+    def spy(*args, **kwargs):
+        reads.append(kwargs)
+        return read_pages(*args, **kwargs)
+    store.read_pages = spy
+    result = await run_one(eng)
+    assert result.output_ids == await reference(PROMPT)
+    assert result.cached_tokens["l2"] + result.cached_tokens["l3"] == REUSABLE
+    assert [r.get("checksums_after_landing", False) for r in reads] == [overlap and max_bytes is None]
+    await finish(eng)
