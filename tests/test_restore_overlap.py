@@ -376,6 +376,21 @@ async def test_prefetch_is_not_taken_without_restore_overlap():
     await finish(eng)
 
 
+async def _served_then_only_in_l3(restore_overlap: bool, policy: str) -> Engine:
+    """An engine (the given restore overlap and policy) that served PROMPT once and backed its
+    prefix up to L3, then lost it from L1 and L2: the next request's prefetch finds it in L3 only."""
+    config = EngineConfig(model="tiny", device="cpu", num_pages=48, page_size=PAGE,
+                          restore_overlap=restore_overlap).with_hicache(enable=True, policy=policy,
+                                                                        transfer_backend="torch")
+    eng = Engine(config, faults=FaultInjector())
+    await eng.start()
+    await run_one(eng)
+    eng.cache.runner.start_backup(PROMPT[:REUSABLE])
+    await eng.cache.drain()
+    only_in_l3(eng, PROMPT[:REUSABLE])
+    return eng
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.asyncio
 async def test_the_prefetch_decision_credits_an_h2d_the_forward_will_hide(overlap):
@@ -384,15 +399,7 @@ async def test_the_prefetch_decision_credits_an_h2d_the_forward_will_hide(overla
     hits that a read would have served faster. Here the read alone beats recompute, the read plus
     a serial H2D does not, and the forward (its fixed cost) hides the H2D: with restore overlap the
     prefetch is started and the hit served from L3; without, it is recomputed."""
-    config = EngineConfig(model="tiny", device="cpu", num_pages=48, page_size=PAGE,
-                          restore_overlap=overlap).with_hicache(enable=True, policy="cost",
-                                                                transfer_backend="torch")
-    eng = Engine(config, faults=FaultInjector())
-    await eng.start()
-    await run_one(eng)
-    eng.cache.runner.start_backup(PROMPT[:REUSABLE])
-    await eng.cache.drain()
-    only_in_l3(eng, PROMPT[:REUSABLE])
+    eng = await _served_then_only_in_l3(overlap, "cost")
     cost = eng.cache.cost
     cost.learning = False  # the costs below, fixed: no exploration, no new samples
     per_byte = 1.0 / (REUSABLE * cost.bytes_per_token)
@@ -422,15 +429,7 @@ async def test_a_prefetch_expected_to_be_taken_on_verifies_after_landing(overlap
     if max_bytes is not None:
         import hicache.restores as restores_mod
         monkeypatch.setattr(restores_mod, "VERIFY_AFTER_LANDING_MAX_BYTES", max_bytes)
-    config = EngineConfig(model="tiny", device="cpu", num_pages=48, page_size=PAGE,
-                          restore_overlap=overlap).with_hicache(enable=True, policy="always",
-                                                                transfer_backend="torch")
-    eng = Engine(config, faults=FaultInjector())
-    await eng.start()
-    await run_one(eng)
-    eng.cache.runner.start_backup(PROMPT[:REUSABLE])
-    await eng.cache.drain()
-    only_in_l3(eng, PROMPT[:REUSABLE])
+    eng = await _served_then_only_in_l3(overlap, "always")
     store, reads = eng.cache.store, []
     read_pages = store.read_pages
 
