@@ -56,7 +56,8 @@ class IoResult(NamedTuple):
     num_bytes: int
     num_extents: int
     queue_wait_ns: int  # submit -> start of the first worker
-    service_ns: int  # start of the first worker -> end of the last
+    service_ns: int  # start of the first worker -> end of the last (and of the last checksum)
+    landed_ns: int = 0  # a read with checksums after its landing: start of the first worker -> landed
 
 
 def coalesce_extents(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tuple[int, int]]:
@@ -121,6 +122,7 @@ class _Op:
         self.checksums_after_landing = checksums_after_landing
         self._verify_jobs: list[tuple[memoryview, np.ndarray, int]] = []  # held until landed (bytes, checksums, first slot)
         self._verify_left = 0  # checksum jobs started and not yet done
+        self._landed_ns = 0  # when the last byte landed (verified reads)
         self.submit_ns = time.monotonic_ns()
         self._lock = threading.Lock()
         self._tasks_left = num_tasks
@@ -156,6 +158,7 @@ class _Op:
                 return
             held, self._verify_jobs = self._verify_jobs, []
             self._verify_left += len(held)
+            self._landed_ns = time.monotonic_ns()
         self.future.landed.set_result(None)
         for job in held:
             self._start_verify(*job)
@@ -204,6 +207,7 @@ class _Op:
             num_extents=self.num_extents,
             queue_wait_ns=max(0, first - self.submit_ns),
             service_ns=max(0, self._last_end_ns - first),
+            landed_ns=max(1, self._landed_ns - first) if self.checksums_after_landing and self._landed_ns else 0,
         ))
 
 

@@ -307,6 +307,10 @@ async def test_prefetch_taken_on_to_l1_overlaps_its_checksums_with_the_forward()
     assert eng.metrics()["hit_tokens"]["l3"] == REUSABLE and eng.metrics()["fallbacks"] == 0
     await eng.cache.drain()
     assert eng.cache.tree.match(PROMPT[:REUSABLE], touch=False).lengths == [REUSABLE] * 3  # all published
+    # the read was verified after its landing (its request ran alone): the cost model learned the
+    # landing, not the 0.3 s the checksums took under the forward (regression, session 18)
+    (_, read_s), = eng.cache.cost.directions["s2h"]._samples
+    assert read_s < 0.3 <= eng.metrics()["directions"]["s2h"]["service_s"]
     await finish(eng)
 
 

@@ -501,6 +501,20 @@ def test_a_reads_checksums_start_beside_its_reads_or_once_all_landed(monkeypatch
             assert events == []
 
 
+def test_a_read_verified_after_landing_reports_its_landing_time():
+    """`IoResult.landed_ns`: for a read with checksums after its landing, the time until every byte
+    landed (what a taken-on prefetch waits for; the cost model learns that); 0 otherwise."""
+    faults = FaultInjector()
+    src = _random_pages(SMALL, 4, seed=6)
+    with FileStore(SMALL, num_slots=8, faults=faults) as s:
+        s.write_pages(src, range(4), range(4)).result(timeout=10)
+        faults.arm(Fault.SLOW_VERIFY, times=None, delay_s=0.2)
+        after = s.read_pages(range(4), torch.empty_like(src), range(4), checksums_after_landing=True).result(timeout=10)
+        assert 0 < after.landed_ns < 0.1e9 <= 0.2e9 <= after.service_ns
+        beside = s.read_pages(range(4), torch.empty_like(src), range(4)).result(timeout=10)
+        assert beside.landed_ns == 0 and beside.service_ns >= 0.2e9
+
+
 def test_landed_then_checksum_failure_and_failed_read_fails_landed():
     faults = FaultInjector()
     src = _random_pages(SMALL, 3, seed=4)
