@@ -208,16 +208,17 @@ class CostModel:
 
     # -- decisions ------------------------------------------------------------------------------
     def decide(self, l1_tokens: int, l2_tokens: int, l3_tokens: int, policy: Policy = "cost",
-               overlap_h2d: bool = False) -> Decision:
+               overlap_h2d: bool = False, l3_taken_on: bool = False) -> Decision:
         """Pick the source of a prefix hit from cumulative matched lengths per tier.
 
         An L2/L3 hit only counts beyond l1_tokens. An L3 restore whose first part is already in L2
         reads only the part beyond max(l1, l2) from storage, then moves all of it host->device.
-        overlap_h2d: the restore's H2D would land layer by layer under the tail's forward (an L2
-        restore, or an L3 prefetch taken on to L1 once its bytes landed), so it costs only what
-        exceeds one forward (the recompute intercept, learned from tail forwards that include such
-        copies; counting the H2D in full would charge it twice). An L3 read is charged in full,
-        checksums included, though a taken-on prefetch verifies under the H2D and the forward.
+        overlap_h2d: an L2 restore's H2D would land layer by layer under the tail's forward, so it
+        costs only what exceeds one forward (the recompute intercept, learned from tail forwards
+        that include such copies; counting the H2D in full would charge it twice).
+        l3_taken_on: the same for an L3 hit, whose prefetch would be taken on to L1 once its bytes
+        landed (an L3 restore started at admission is not: its H2D follows the read). The read is
+        charged in full.
         """
         if min(l1_tokens, l2_tokens, l3_tokens) < 0:
             raise ValueError("matched lengths must be >= 0")
@@ -233,7 +234,7 @@ class CostModel:
             if n == 0:
                 continue
             restore_s = self._transfer_s("h2d", n)
-            if overlap_h2d:
+            if overlap_h2d if tier == "l2" else l3_taken_on:
                 restore_s = max(0.0, restore_s - self.directions["recompute"].fixed_s)
             if tier == "l3":
                 restore_s += self._transfer_s("s2h", l3_tokens - max(l1_tokens, l2_tokens))

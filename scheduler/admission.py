@@ -70,7 +70,7 @@ class Admission:
         # checksums wait for the landing rather than slow it
         overlap = self._may_overlap(req, l3, alone=not self.engine.running,
                                     budget=self.engine.config.max_prefill_tokens)
-        if l3 <= max(l1, l2) or cache.decide(m, overlap_h2d=overlap).tier != "l3":
+        if l3 <= max(l1, l2) or cache.decide(m, overlap_h2d=overlap, l3_taken_on=overlap).tier != "l3":
             return
         req.prefetch_op = cache.runner.start_restore(tokens, m, "prefetch", req.rid, take_soon=overlap)
         if req.prefetch_op is not None:

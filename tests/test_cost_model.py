@@ -283,11 +283,13 @@ def test_overlapped_h2d_is_charged_only_beyond_one_forward() -> None:
     long = cm.decide(0, 8000, 0, "cost", overlap_h2d=True)
     assert long.costs["l2_restore_s"] == approx(cm.restore_cost_s("l2", 8000) - cm.directions["recompute"].fixed_s)
     # L3 (a prefetch taken on to L1 once its bytes landed): the same credit on its H2D, none on the read
-    l3_serial, l3_overlapped = cm.decide(0, 0, 336, "cost"), cm.decide(0, 0, 336, "cost", overlap_h2d=True)
+    l3_serial, l3_overlapped = cm.decide(0, 0, 336, "cost"), cm.decide(0, 0, 336, "cost", l3_taken_on=True)
+    # an L3 restore started at admission reads, then copies: no credit (regression, session 18)
+    assert cm.decide(0, 0, 336, "cost", overlap_h2d=True).costs["l3_restore_s"] == approx(cm.restore_cost_s("l3", 336))
     assert l3_serial.costs["l3_restore_s"] == approx(cm.restore_cost_s("l3", 336))
     assert l3_overlapped.costs["l3_restore_s"] == approx(cm.restore_cost_s("l3", 336) - cm.restore_cost_s("l2", 336))
     # part in L2 already: only the rest is read, all of it moved
-    part = cm.decide(0, 160, 336, "cost", overlap_h2d=True).costs
+    part = cm.decide(0, 160, 336, "cost", overlap_h2d=True, l3_taken_on=True).costs
     assert part["l3_restore_s"] == approx(cm._transfer_s("s2h", 176))
 
 

@@ -380,12 +380,12 @@ async def test_prefetch_is_not_taken_without_restore_overlap():
     await finish(eng)
 
 
-async def _served_then_only_in_l3(restore_overlap: bool, policy: str) -> Engine:
+async def _served_then_only_in_l3(restore_overlap: bool, policy: str, **hicache) -> Engine:
     """An engine (the given restore overlap and policy) that served PROMPT once and backed its
     prefix up to L3, then lost it from L1 and L2: the next request's prefetch finds it in L3 only."""
     config = EngineConfig(model="tiny", device="cpu", num_pages=48, page_size=PAGE,
                           restore_overlap=restore_overlap).with_hicache(enable=True, policy=policy,
-                                                                        transfer_backend="torch")
+                                                                        transfer_backend="torch", **hicache)
     eng = Engine(config, faults=FaultInjector())
     await eng.start()
     await run_one(eng)
@@ -395,15 +395,17 @@ async def _served_then_only_in_l3(restore_overlap: bool, policy: str) -> Engine:
     return eng
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap,prefetch", [(True, True), (False, True), (True, False)])
 @pytest.mark.asyncio
-async def test_the_prefetch_decision_credits_an_h2d_the_forward_will_hide(overlap):
+async def test_the_prefetch_decision_credits_an_h2d_the_forward_will_hide(overlap, prefetch):
     """Regression (session 17's note): the cost policy charged an L3 prefetch's H2D in full though a
     request running alone takes the prefetch on to L1 under its tail's forward, so it recomputed
     hits that a read would have served faster. Here the read alone beats recompute, the read plus
     a serial H2D does not, and the forward (its fixed cost) hides the H2D: with restore overlap the
-    prefetch is started and the hit served from L3; without, it is recomputed."""
-    eng = await _served_then_only_in_l3(overlap, "cost")
+    prefetch is started and the hit served from L3; without, it is recomputed. So is it without
+    prefetches: an L3 restore started at admission reads, then copies (regression, session 18: it
+    got the credit too)."""
+    eng = await _served_then_only_in_l3(overlap, "cost", prefetch=prefetch)
     cost = eng.cache.cost
     cost.learning = False  # the costs below, fixed: no exploration, no new samples
     per_byte = 1.0 / (REUSABLE * cost.bytes_per_token)
@@ -415,10 +417,11 @@ async def test_the_prefetch_decision_credits_an_h2d_the_forward_will_hide(overla
         result = await run_one(eng)
     assert result.output_ids == await reference(PROMPT)
     prefetches = op_transitions(logs, "prefetch_l3")
-    if overlap:
+    if overlap and prefetch:
         assert len(prefetches) == 1 and result.cached_tokens == {"l1": 0, "l2": 0, "l3": REUSABLE}
     else:
-        assert not prefetches and result.cached_tokens == {"l1": 0, "l2": 0, "l3": 0}
+        assert not prefetches and not op_transitions(logs, "restore_l3")
+        assert result.cached_tokens == {"l1": 0, "l2": 0, "l3": 0}
     await finish(eng)
 
 
