@@ -392,6 +392,7 @@ class Admission:
                 # leaves it must evict; their completion wakes the loop. Without pending
                 # operations nothing would ever free them: fail this request, not the loop.
                 if self.cache.pending_ops() == 0:
+                    self._log_overcommit(req)
                     eng.finish(req, RequestState.FAILED, "error", "no KV page available (accounting)")
                 continue
             self._append(binput, req, [req.output[-1]], pos)
@@ -399,6 +400,17 @@ class Admission:
         if not ready:
             return None
         return ready, [1] * len(ready), binput
+
+    def _log_overcommit(self, req: Request) -> None:
+        """A running request cannot get a page it had reserved and nothing pending will free one:
+        L1 was promised twice. What the promise rested on, for the post-mortem."""
+        cache, running = self.cache, self.engine.running
+        cache.metrics.count_failure("l1_overcommit")
+        log.error("l1_overcommit", rid=req.rid, reserved_pages=self.reserved_pages,
+                  reserved_by_running=sum(r.reserved_pages for r in running),
+                  free_pages=cache.l1.allocator.num_free, evictable_pages=cache.tree.evictable_pages(Tier.L1),
+                  running=len(running), parked=len(self.engine.parked), waiting=len(self.engine.waiting),
+                  request_pages=len(req.pages), request_reserved=req.reserved_pages)
 
     def chain_decode_batch(self, reqs: list[Request]):
         """The decode step after the one in flight for `reqs` (whose tokens are not back yet): the

@@ -267,3 +267,35 @@ def test_gpu_wait_mode_is_validated_and_reaches_the_runner():
         parser.parse_args(["--gpu-wait", "sleep"])
     assert not Engine(EngineConfig(model="tiny", device="cpu", num_pages=32, gpu_wait="block")).runner.spin_wait
     assert Engine(EngineConfig(model="tiny", device="cpu", num_pages=32)).runner.spin_wait
+
+
+def test_a_decode_that_cannot_get_its_reserved_page_fails_alone_and_says_why(monkeypatch):
+    """L1 promised twice (pages taken behind the admission's back here): a decode step that cannot
+    get a reserved page, with nothing pending that would free one, fails that request only, with
+    an `l1_overcommit` error event carrying what the promise rested on and a failure counted; the
+    engine keeps serving (session 18: one CI run of the server's 200-stream test hit this)."""
+    from hicache.radix import Tier
+    from hicache_helpers import capture_op_logs
+
+    eng = Engine(EngineConfig(model="tiny", num_pages=32, page_size=4))
+    alloc, stolen = eng.cache.l1.allocator, []
+    thief = alloc.new_claim("thief")
+    decode_batch = eng.admission.decode_batch
+
+    def steal_then_decode():
+        if not stolen:  # every page not in a running request's hands
+            eng.cache.tree.evict(Tier.L1, alloc.num_pages)
+            stolen.extend(alloc.alloc(alloc.num_free, thief))
+        return decode_batch()
+    monkeypatch.setattr(eng.admission, "decode_batch", steal_then_decode)
+    with capture_op_logs() as logs:
+        [out] = eng.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=8))  # a new page at token 8
+    assert out.error and "no KV page available" in out.error
+    [event] = [e for e in logs if e.get("event") == "l1_overcommit"]
+    assert event["free_pages"] == 0 and event["evictable_pages"] == 0 and event["request_reserved"] >= 1
+    assert eng.cache.metrics.failures == {"l1_overcommit": 1}
+    alloc.free(stolen, thief)
+    monkeypatch.setattr(eng.admission, "decode_batch", decode_batch)
+    [again] = eng.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=8))
+    assert again.error is None and len(again.output_ids) == 8
+    eng.check_integrity()
