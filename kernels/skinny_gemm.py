@@ -10,6 +10,13 @@ block of output columns, the whole K or a part of it), with tensor-core dots on 
   linear(x, W, split_k=P)      float32 partials over P parts of K, for a consumer that adds them
                                (the residual add + RMSNorm after o_proj and down)      -> y [P, M, N]
 
+Two operand orders: x @ W^T (the [16, BK] input tile times the weight tile) or, `swapped`, (W @
+x^T)^T, which puts the weight tile first, as the tensor cores' M side (64 columns), with the rows
+second. One projection on its own is 1-2 us faster swapped at every 8B shape, but in a chain of
+the layer's projections under PDL only qkv and o_proj keep the gain (a 36-layer chain 3.62 -> 3.51
+ms); a swapped gate_up or down made it slower (3.86 / 3.69 ms), so they stay as they were
+(docs/benchmarks.md, session 19).
+
 M is at most BLOCK_M (16). Folding the residual add + RMSNorm into the same loop was measured and
 dropped: the element-wise prologue on every K block kept the loads from pipelining (qkv 51 us
 against 19 us for the norm kernel + cuBLAS, docs/benchmarks.md). Run on the CPU under
@@ -54,15 +61,17 @@ def split_k_for(n_out: int, k: int) -> int:
 def _config(n_out: int, k: int, swiglu: bool, elem_bytes: int, budget: int = SHARED_BYTES,
             split_k: int = 1) -> dict:
     """Block sizes tuned on the H200 at the 8B shapes in bf16 (scripts/bench_kernels.py --skinny and
-    --skinny-split, docs/benchmarks.md), then cut to fit: K blocks no longer than a split's share of
+    --skinny-split; the operand order by chains of the layer's projections, session 19;
+    docs/benchmarks.md), then cut to fit: K blocks no longer than a split's share of
     K, stages (each a [BN or 2 BN, BK] weight tile and a [16, BK] input tile) within `budget` bytes
     (float32 needs twice the bytes)."""
+    swapped = False
     if swiglu:  # gate_up: two weight tiles per stage
         bn, bk, stages = 32, 128, 4
     elif n_out >= 6144:  # qkv
-        bn, bk, stages = 64, 256, 4
-    elif split_k > 1:  # o_proj, down in two K halves
-        bn, bk, stages = (64, 256, 4) if k > 4096 else (64, 128, 5)
+        bn, bk, stages, swapped = 64, 128, 5, True
+    elif split_k > 1:  # o_proj (swapped), down in two K halves
+        bn, bk, stages, swapped = (64, 256, 4, False) if k > 4096 else (64, 128, 5, True)
     else:  # o_proj, down
         bn, bk, stages = 32, 256, 5
     bk = min(bk, max(16, triton.next_power_of_2(-(-k // split_k))))  # no longer than a split's share of K
@@ -73,16 +82,30 @@ def _config(n_out: int, k: int, swiglu: bool, elem_bytes: int, budget: int = SHA
     while bk > 16 and stage_bytes(bk) * 2 > budget:
         bk //= 2
     stages = max(2, min(stages, budget // stage_bytes(bk)))
-    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=stages)
+    return dict(BLOCK_N=bn, BLOCK_K=bk, SWAPPED=swapped, num_warps=4, num_stages=stages)
 
 
 if triton is not None:
     @triton.jit
+    def _dot(x, w, SWAPPED: tl.constexpr, IEEE: tl.constexpr):
+        """x [BM, BK], w [BN, BK] -> x @ w^T, or with SWAPPED its transpose w @ x^T [BN, BM]."""
+        if SWAPPED:
+            a, b = w, tl.trans(x)
+        else:
+            a, b = x, tl.trans(w)
+        if IEEE:  # float32 weights: exact fp32 products (no TF32)
+            out = tl.dot(a, b, input_precision="ieee")
+        else:
+            out = tl.dot(a, b)
+        return out
+
+    @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, SWIGLU: tl.constexpr, IEEE: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+                       SPLIT_K: tl.constexpr, SWAPPED: tl.constexpr, PDL: tl.constexpr):
         """Program (column block, K split): the split's share of K in BLOCK_K steps; with SPLIT_K > 1
         the float32 partial sum goes to y[split] ([SPLIT_K, M, N]) for the consumer to add up.
+        SWAPPED: the accumulator is [BLOCK_N, BLOCK_M] (see the module doc), transposed at the store.
         PDL (kernels/pdl.py): wait for the kernel before (which writes x) first."""
         pid = tl.program_id(0)
         split = tl.program_id(1)
@@ -95,26 +118,25 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if SWAPPED:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros_like(acc)
         for k0 in range(k_lo, k_hi, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < K
             x = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wm = col_ok[:, None] & k_ok[None, :]
             w = tl.load(w_ptr + cols[:, None] * K + ks[None, :], mask=wm, other=0.0)  # [BN, BK]
-            if IEEE:  # float32 weights: exact fp32 products (no TF32)
-                acc += tl.dot(x, tl.trans(w), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
+            acc += _dot(x, w, SWAPPED, IEEE)
             if SWIGLU:  # the up rows sit N rows below the gate rows
                 wu = tl.load(w_ptr + (cols[:, None] + N) * K + ks[None, :], mask=wm, other=0.0)
-                if IEEE:
-                    acc_up += tl.dot(x, tl.trans(wu), input_precision="ieee")
-                else:
-                    acc_up += tl.dot(x, tl.trans(wu))
+                acc_up += _dot(x, wu, SWAPPED, IEEE)
         if SWIGLU:
             acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        if SWAPPED:
+            acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
         tl.store(y_ptr + split * M * N + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 

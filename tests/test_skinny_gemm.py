@@ -1,5 +1,6 @@
 """Small-M projections, gate_up with SwiGLU folded in (kernels/skinny_gemm.py, Triton under the
-interpreter) against torch: ragged K and N (masked blocks), 1..16 rows."""
+interpreter) against torch: ragged K and N (masked blocks), 1..16 rows, both operand orders (x @ W^T
+and the swapped (W @ x^T)^T)."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -11,6 +12,7 @@ import torch.nn.functional as F  # noqa: E402
 from kernels import skinny_gemm  # noqa: E402
 
 SMALL = dict(BLOCK_N=16, BLOCK_K=32)  # several blocks each way at test sizes, with ragged ends
+swapped = pytest.mark.parametrize("swapped", [False, True])
 
 
 def inputs(m, k, n, seed):
@@ -18,26 +20,30 @@ def inputs(m, k, n, seed):
     return torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5
 
 
+@swapped
 @pytest.mark.parametrize("m,k,n", [(1, 64, 48), (5, 72, 40), (16, 96, 33)])
-def test_linear_equals_torch(m, k, n):
+def test_linear_equals_torch(m, k, n, swapped):
     x, w = inputs(m, k, n, m)
-    torch.testing.assert_close(skinny_gemm.linear(x, w, **SMALL), F.linear(x, w), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("m,k,inter", [(1, 64, 24), (7, 72, 20), (16, 96, 17)])
-def test_swiglu_linear_equals_silu_gate_times_up(m, k, inter):
-    x, w = inputs(m, k, 2 * inter, 10 + m)
-    gate, up = F.linear(x, w).chunk(2, dim=-1)
-    torch.testing.assert_close(skinny_gemm.linear(x, w, swiglu=True, **SMALL), F.silu(gate) * up,
+    torch.testing.assert_close(skinny_gemm.linear(x, w, SWAPPED=swapped, **SMALL), F.linear(x, w),
                                rtol=1e-5, atol=1e-5)
 
 
+@swapped
+@pytest.mark.parametrize("m,k,inter", [(1, 64, 24), (7, 72, 20), (16, 96, 17)])
+def test_swiglu_linear_equals_silu_gate_times_up(m, k, inter, swapped):
+    x, w = inputs(m, k, 2 * inter, 10 + m)
+    gate, up = F.linear(x, w).chunk(2, dim=-1)
+    torch.testing.assert_close(skinny_gemm.linear(x, w, swiglu=True, SWAPPED=swapped, **SMALL),
+                               F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@swapped
 @pytest.mark.parametrize("m,k,n,splits", [(1, 64, 48, 2), (5, 72, 40, 3), (16, 96, 33, 4), (3, 32, 16, 2)])
-def test_split_k_partials_add_up_to_the_product(m, k, n, splits):
+def test_split_k_partials_add_up_to_the_product(m, k, n, splits, swapped):
     """Each K split's float32 partial sum (ragged last split, a split with no K block at all when K
     is short) adds up to x @ W^T."""
     x, w = inputs(m, k, n, 20 + m)
-    parts = skinny_gemm.linear(x, w, split_k=splits, **SMALL)
+    parts = skinny_gemm.linear(x, w, split_k=splits, SWAPPED=swapped, **SMALL)
     assert parts.shape == (splits, m, n) and parts.dtype == torch.float32
     torch.testing.assert_close(parts.sum(0), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
