@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from hicache.ops import Op, OpEvent, OpKind, OpState, apply
 from hicache.radix import Tier
-from hicache.storage import FileStore, StorageError
+from hicache.storage import StorageError
 
 # A prefetch that will be taken on to L1 once its bytes land verifies them after the landing only
 # up to this size: then the checksums finish under the H2D and the tail's forward. Longer, they
@@ -74,7 +74,7 @@ class Restores:
         apply(op, OpEvent.START)
         op.payload["host_pages"] = host_pages
         options = mgr.page_keys(tokens, l2, l3)
-        if (take_soon and isinstance(mgr.store, FileStore)
+        if (take_soon and getattr(mgr.store, "checks_after_landing", False)
                 and len(host_pages) * mgr.l2.geometry.bytes_per_page <= VERIFY_AFTER_LANDING_MAX_BYTES):
             options["checksums_after_landing"] = True
         return mgr.store.read_pages(match.pages[Tier.L3][l2 // ps: l3 // ps], mgr.l2.page_buffer, host_pages,

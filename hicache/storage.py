@@ -214,6 +214,10 @@ class _Op:
 class FileStore:
     """A file of `num_slots` page slots with asynchronous, coalesced, checksummed page I/O."""
 
+    # read_pages(checksums_after_landing=True): a read's bytes land before it is verified, so a
+    # caller may start on them then (hicache/restores.py asks for it for a prefetch taken on soon)
+    checks_after_landing = True
+
     def __init__(self, geometry: KVGeometry, num_slots: int, path: str | None = None, io_workers: int = 4,
                  checksum: bool = True, faults: FaultInjector | None = None) -> None:
         if num_slots < 1:

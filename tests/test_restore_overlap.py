@@ -425,14 +425,19 @@ async def test_the_prefetch_decision_credits_an_h2d_the_forward_will_hide(overla
     await finish(eng)
 
 
-@pytest.mark.parametrize("overlap,max_bytes", [(True, None), (False, None), (True, 0)])
+@pytest.mark.parametrize("overlap,max_bytes,capable", [(True, None, True), (False, None, True), (True, 0, True),
+                                                       (True, None, False)])
 @pytest.mark.asyncio
-async def test_a_prefetch_expected_to_be_taken_on_verifies_after_landing(overlap, max_bytes, monkeypatch):
+async def test_a_prefetch_expected_to_be_taken_on_verifies_after_landing(overlap, max_bytes, capable, monkeypatch):
     """A prefetch for a request that would run alone with restore overlap on is taken on to L1 once
     its bytes land, so its read asks the file store to start the checksums only then
     (`checksums_after_landing`: hashing beside the read slowed the landing; session 18), unless the
     read is longer than VERIFY_AFTER_LANDING_MAX_BYTES (its checksums would outlast the H2D and the
-    forward). Otherwise the checksums run beside the read, which then completes soonest."""
+    forward), or the store does not land bytes before verifying them (`checks_after_landing`: a
+    Redis store verifies each value as it loads it). Otherwise the checksums run beside the read,
+    which then completes soonest."""
+    from hicache.storage import FileStore
+    monkeypatch.setattr(FileStore, "checks_after_landing", capable)
     if max_bytes is not None:
         import hicache.restores as restores_mod
         monkeypatch.setattr(restores_mod, "VERIFY_AFTER_LANDING_MAX_BYTES", max_bytes)
@@ -447,5 +452,5 @@ async def test_a_prefetch_expected_to_be_taken_on_verifies_after_landing(overlap
     result = await run_one(eng)
     assert result.output_ids == await reference(PROMPT)
     assert result.cached_tokens["l2"] + result.cached_tokens["l3"] == REUSABLE
-    assert [r.get("checksums_after_landing", False) for r in reads] == [overlap and max_bytes is None]
+    assert [r.get("checksums_after_landing", False) for r in reads] == [overlap and max_bytes is None and capable]
     await finish(eng)
