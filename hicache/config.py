@@ -43,6 +43,9 @@ class HiCacheConfig:
     # cost policy: until this many storage reads were timed, L3 writes are admitted and L3 hits restored
     # whatever the prior says, so the model learns this machine's storage speed (0: the prior decides)
     storage_explore_reads: int = 2
+    # cost policy: until this many L1 <-> L2 transfers were timed each way, L2 backups are admitted and
+    # L2 hits restored whatever the prior says (host_bandwidth_gib_s may be far off); 0: the prior decides
+    host_explore_transfers: int = 1
     # cost policy: after this many hits in a row not restored from a tier, the next one is, so the
     # model re-times a tier it may be wrong about (a skipped restore is never timed); 0: never
     restore_explore_every: int = 32
@@ -66,6 +69,8 @@ class HiCacheConfig:
             raise ValueError("--hicache-storage-backend redis needs --hicache-storage-url redis://HOST:PORT/DB")
         if self.storage_explore_reads < 0:
             raise ValueError("--hicache-storage-explore-reads must be >= 0")
+        if self.host_explore_transfers < 0:
+            raise ValueError("--hicache-host-explore-transfers must be >= 0")
         if self.restore_explore_every < 0:
             raise ValueError("--hicache-restore-explore-every must be >= 0")
         if self.kernel_restore_max_tokens < 0:

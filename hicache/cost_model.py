@@ -135,6 +135,7 @@ class CostModel:
 
     def __init__(self, config: HiCacheConfig, bytes_per_token: int) -> None:
         self.explore_reads = config.storage_explore_reads
+        self.explore_host = config.host_explore_transfers
         self.explore_every = config.restore_explore_every
         self._not_restored = {"l2": 0, "l3": 0}  # hits in a row each tier could have served (cost policy)
         if bytes_per_token < 1:
@@ -176,6 +177,16 @@ class CostModel:
     def exploring_storage(self) -> bool:
         """Too few timed storage reads to trust the storage estimate yet (cost policy explores)."""
         return self.learning and self.directions["s2h"].num_samples < self.explore_reads
+
+    @property
+    def exploring_host(self) -> bool:
+        """Fewer than `host_explore_transfers` L1 <-> L2 transfers timed in a direction: the host link's priors
+        (host_bandwidth_gib_s) may be far off, and a pessimistic one would refuse the backups, and
+        so the restores, that could correct it. The cost policy then backs up and restores L2 hits
+        until both directions are timed (the 4B stress workload on the H200 had backed up nothing,
+        restored nothing and run at 1.00 x hicache off; docs/benchmarks.md, session 19)."""
+        return self.learning and min(self.directions["d2h"].num_samples,
+                                     self.directions["h2d"].num_samples) < self.explore_host
 
     # -- costs ----------------------------------------------------------------------------------
     def _transfer_s(self, direction: str, num_tokens: int) -> float:
@@ -268,7 +279,12 @@ class CostModel:
         row: a restore it skipped is never timed, so an estimate that went wrong (samples taken
         while the link was busy, a page cache that warmed since) would otherwise stay wrong. At
         most one restore in `explore_every` decisions is a probe (an L3 hit is decided twice: at
-        queue time for its prefetch, and at admission)."""
+        queue time for its prefetch, and at admission). And an L2 hit while no restore from host
+        memory has been timed (see exploring_host): the first one is a probe."""
+        if (tier == "l1" and restore_tokens["l2"] and self.learning
+                and self.directions["h2d"].num_samples < self.explore_host):
+            costs["explore"] = 1.0
+            return "l2"
         if tier != "l1" or not (self.learning and self.explore_every):
             return tier
         for candidate in ("l2", "l3"):
@@ -294,7 +310,7 @@ class CostModel:
             raise ValueError(f"write tier must be 'l2' or 'l3', got {tier!r}")
         if num_tokens <= 0:
             return False
-        if tier == "l3" and self.exploring_storage:
+        if (tier == "l3" and self.exploring_storage) or (tier == "l2" and self.exploring_host):
             return True
         num_bytes = num_tokens * self.bytes_per_token
         restore_s = num_bytes * self.directions["h2d"].slope
@@ -312,6 +328,8 @@ class CostModel:
         (docs/benchmarks.md, session 17). Long extensions (a conversation's next turn) pass."""
         if new_tokens <= 0:
             return False
+        if self.exploring_host:
+            return True
         saving_s = new_tokens * (self.directions["recompute"].slope
                                  - self.directions["h2d"].slope * self.bytes_per_token)
         return self._transfer_s("d2h", new_tokens) < saving_s

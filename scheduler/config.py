@@ -99,6 +99,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--hicache-cost-margin", type=float, default=1.0)
     h.add_argument("--hicache-storage-explore-reads", type=int, default=2,
                    help="cost policy: L3 reads to time before the learned storage speed decides (0: the prior)")
+    h.add_argument("--hicache-host-explore-transfers", type=int, default=1,
+                   help="cost policy: L1<->L2 transfers to time each way before the learned host link decides "
+                        "(0: the prior)")
     h.add_argument("--hicache-restore-explore-every", type=int, default=32,
                    help="cost policy: restore one hit after this many in a row were not restored from a tier, "
                         "to re-time it (0: never)")
@@ -126,6 +129,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         storage_bandwidth_gib_s=args.hicache_storage_bandwidth_gib_s,
         cost_margin=args.hicache_cost_margin,
         storage_explore_reads=args.hicache_storage_explore_reads,
+        host_explore_transfers=args.hicache_host_explore_transfers,
         restore_explore_every=args.hicache_restore_explore_every,
     )
     return EngineConfig(

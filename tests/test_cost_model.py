@@ -109,8 +109,9 @@ def test_rejects_bad_samples() -> None:
 
 # -- CostModel -------------------------------------------------------------------------------------
 def model(**overrides: object) -> CostModel:
-    """Decisions from the priors alone unless a test asks for storage exploration."""
+    """Decisions from the priors alone unless a test asks for storage or host-link exploration."""
     overrides.setdefault("storage_explore_reads", 0)
+    overrides.setdefault("host_explore_transfers", 0)
     return CostModel(HiCacheConfig(**overrides), BYTES_PER_TOKEN)
 
 
@@ -318,6 +319,29 @@ def test_a_tier_not_restored_from_for_a_while_is_re_timed() -> None:
         assert all(other.decide(0, 3500, 3500, policy).tier == "l1" for _ in range(80))
     with pytest.raises(ValueError, match="explore-every"):
         HiCacheConfig(restore_explore_every=-1)
+
+
+def test_an_untimed_host_link_is_explored() -> None:
+    """Regression (session 19): with the host link not yet timed a pessimistic prior (here a D2H
+    dearer than the recompute it saves) must not refuse the backups and restores that would time
+    it: until `host_explore_transfers` transfers each way were timed, L2 writes are admitted and an
+    L2 hit the prior would recompute is restored (a probe); then the learned link decides."""
+    cm = model(host_bandwidth_gib_s=1.0, recompute_us_per_token=100.0, host_explore_transfers=1)
+    prior_only = model(host_bandwidth_gib_s=1.0, recompute_us_per_token=100.0)
+    assert not prior_only.backup_worth_its_cost(350) and prior_only.decide(0, 350, 0).tier == "l1"
+    assert cm.exploring_host and cm.backup_worth_its_cost(350) and cm.worth_writing("l2", 350)
+    probe = cm.decide(0, 350, 0)
+    assert probe.tier == "l2" and probe.costs["explore"] == 1.0
+    cm.observe_transfer("d2h", 350 * BYTES_PER_TOKEN, 350 * BYTES_PER_TOKEN / (1.0 * GIB_BYTES))  # as slow
+    assert cm.exploring_host and cm.decide(0, 350, 0).tier == "l2"  # no restore timed yet
+    cm.observe_transfer("h2d", 350 * BYTES_PER_TOKEN, 350 * BYTES_PER_TOKEN / (1.0 * GIB_BYTES))
+    assert not cm.exploring_host
+    assert not cm.backup_worth_its_cost(350) and cm.decide(0, 350, 0).tier == "l1"
+    sim = model(host_bandwidth_gib_s=1.0, recompute_us_per_token=100.0, host_explore_transfers=1)
+    sim.learning = False  # simulations time nothing: no exploration
+    assert not sim.exploring_host and sim.decide(0, 350, 0).tier == "l1"
+    with pytest.raises(ValueError, match="host-explore-transfers"):
+        HiCacheConfig(host_explore_transfers=-1)
 
 
 def test_a_backup_must_cost_less_than_the_recompute_it_saves() -> None:

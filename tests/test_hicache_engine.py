@@ -121,6 +121,29 @@ def test_cost_policy_explores_storage_then_uses_it(recompute_outputs):
     assert_whole(eng)
 
 
+def test_cost_policy_explores_the_host_link_then_uses_it(recompute_outputs):
+    """Regression (session 19, the 4B stress workload on the H200): a pessimistic host-link prior
+    made every backup look dearer than the recompute it saves, so nothing was backed up, nothing
+    restored, and the prior was never corrected (1.00 x hicache off). Until a transfer each way is
+    timed (host_explore_transfers) the cost policy backs up and restores L2 hits; then the measured
+    link decides. With exploration off the prior alone decides, as it did."""
+    prompts, ref = recompute_outputs
+    eng = make("l2", "cost", host_bandwidth_gib_s=1e-6)
+    assert [r.output_ids for r in run_sequential(eng, prompts)] == ref
+    cost, m = eng.cache.cost, eng.metrics()
+    assert not cost.exploring_host
+    for direction in ("d2h", "h2d"):
+        d = cost.directions[direction]
+        assert d.num_samples >= 1 and d.slope < d.prior_slope / 1000
+    assert m["hit_tokens"]["l2"] > 0 and m["directions"]["d2h"]["bytes"] > 0
+    assert_whole(eng)
+    eng = make("l2", "cost", host_bandwidth_gib_s=1e-6, host_explore_transfers=0)
+    assert [r.output_ids for r in run_sequential(eng, prompts)] == ref
+    m = eng.metrics()
+    assert m["hit_tokens"]["l2"] == 0 and m["directions"]["d2h"]["bytes"] == 0
+    assert_whole(eng)
+
+
 def test_never_policy_behaves_like_no_hierarchy(recompute_outputs):
     prompts, ref = recompute_outputs
     eng = make("l3", "never")
