@@ -14,8 +14,7 @@ Two operand orders: x @ W^T (the [16, BK] input tile times the weight tile) or, 
 x^T)^T, which puts the weight tile first, as the tensor cores' M side (64 columns), with the rows
 second. One projection on its own is 1-2 us faster swapped at every 8B shape, but in a chain of
 the layer's projections under PDL only qkv and o_proj keep the gain (a 36-layer chain 3.62 -> 3.51
-ms); a swapped gate_up or down made it slower (3.86 / 3.69 ms), so they stay as they were, and
-so do the 4B's qkv and o_proj (hidden 2560: its tail forward was 0.04 ms slower swapped)
+ms); a swapped gate_up or down made it slower (3.86 / 3.69 ms), so they stay as they were
 (docs/benchmarks.md, session 19).
 
 M is at most BLOCK_M (16). Folding the residual add + RMSNorm into the same loop was measured and
@@ -69,10 +68,10 @@ def _config(n_out: int, k: int, swiglu: bool, elem_bytes: int, budget: int = SHA
     swapped = False
     if swiglu:  # gate_up: two weight tiles per stage
         bn, bk, stages = 32, 128, 4
-    elif n_out >= 6144:  # qkv (swapped at the 8B's hidden size)
-        bn, bk, stages, swapped = (64, 128, 5, True) if k >= 4096 else (64, 256, 4, False)
-    elif split_k > 1:  # o_proj (swapped at the 8B's hidden size), down in two K halves
-        bn, bk, stages, swapped = (64, 256, 4, False) if k > 4096 else (64, 128, 5, n_out >= 4096)
+    elif n_out >= 6144:  # qkv
+        bn, bk, stages, swapped = 64, 128, 5, True
+    elif split_k > 1:  # o_proj (swapped), down in two K halves
+        bn, bk, stages, swapped = (64, 256, 4, False) if k > 4096 else (64, 128, 5, True)
     else:  # o_proj, down
         bn, bk, stages = 32, 256, 5
     bk = min(bk, max(16, triton.next_power_of_2(-(-k // split_k))))  # no longer than a split's share of K
