@@ -14,8 +14,8 @@ Two operand orders: x @ W^T (the [16, BK] input tile times the weight tile) or, 
 x^T)^T, which puts the weight tile first, as the tensor cores' M side (64 columns), with the rows
 second. One projection on its own is 1-2 us faster swapped at every 8B shape, but in a chain of
 the layer's projections under PDL only qkv and o_proj keep the gain (a 36-layer chain 3.62 -> 3.51
-ms); a swapped gate_up or down made it slower (3.86 / 3.69 ms), so they stay as they were
-(docs/benchmarks.md, session 19).
+ms); a swapped gate_up or down made it slower (3.86 / 3.69 ms), so they stay as they were. The
+tail forward after a restore: 8B 4.72 -> 4.68 ms, 4B 3.24 -> 3.19 ms (docs/benchmarks.md, session 19).
 
 M is at most BLOCK_M (16). Folding the residual add + RMSNorm into the same loop was measured and
 dropped: the element-wise prologue on every K block kept the loads from pipelining (qkv 51 us
