@@ -32,9 +32,14 @@ class LinearCost:
 
     Regime "prior": no samples yet, slope = prior, fixed_s = 0.
     Regime "fixed_only": the sizes in the window barely differ (max - min <= max(1, 5% of max)), so
-    slope and intercept cannot both be identified. A sample slower than the prior predicts keeps the
-    prior slope and moves fixed_s by EWMA (alpha 0.2) towards the excess, seconds - size * prior
-    (DESIGN.md section 7). A faster one means the prior is pessimistic: fixed_s moves towards 0 and
+    slope and intercept cannot both be identified. A sample slower than the reference slope predicts
+    keeps that slope and moves fixed_s by EWMA (alpha 0.2) towards the excess, seconds - size *
+    reference (DESIGN.md section 7). The reference is the prior until a window of several sizes
+    identified a slope, then the last such fit: a window that has lost its spread (a recompute
+    model that sees only restores' short tails once every hit is restored) would otherwise drift back
+    to the prior and forget what it measured (session 19: the stress L3 tier's recompute slope went
+    back to the prior's 50 us a token, 3.6 x the 14 it had fitted, and every hit was restored from
+    a storage slower than recompute). A faster one means the reference is pessimistic: fixed_s moves towards 0 and
     the slope towards seconds / size, outright on the regime's first sample (an optimistic estimate
     gets re-measured as it is used; a pessimistic one would stop the very restores that could
     correct it), by EWMA after that.
@@ -53,6 +58,7 @@ class LinearCost:
         self.ewma_alpha = ewma_alpha
         self.fixed_s = 0.0
         self.slope = prior_slope
+        self.reference_slope = prior_slope  # the fixed-only regime's slope: the prior, or the last fit's
         self.regime = "prior"
         self._samples: deque[tuple[float, float]] = deque(maxlen=window_samples)
 
@@ -70,9 +76,10 @@ class LinearCost:
     def _observe_fixed_only(self, size: float, seconds: float) -> None:
         first = self.regime != "fixed_only"
         self.regime = "fixed_only"
-        if seconds >= size * self.prior_slope:
-            target_slope, target_fixed_s, alpha = self.prior_slope, seconds - size * self.prior_slope, self.ewma_alpha
-        else:  # size > 0 here (0 * prior <= seconds)
+        reference = self.reference_slope
+        if seconds >= size * reference:
+            target_slope, target_fixed_s, alpha = reference, seconds - size * reference, self.ewma_alpha
+        else:  # size > 0 here (0 * reference <= seconds)
             target_slope, target_fixed_s, alpha = seconds / size, 0.0, 1.0 if first else self.ewma_alpha
         self.slope += alpha * (target_slope - self.slope)
         self.fixed_s += alpha * (target_fixed_s - self.fixed_s)
@@ -94,6 +101,8 @@ class LinearCost:
             self.fixed_s, self.slope = 0.0, max(0.0, sum_xy / sum_xx)
         else:
             self.fixed_s, self.slope = fixed_s, slope
+        if self.slope > 0:  # (a slope of 0 identifies nothing: the reference stays as it was)
+            self.reference_slope = self.slope
 
     def predict(self, size: float) -> float:
         """Seconds for one operation of `size` units (fixed cost included)."""

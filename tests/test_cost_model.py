@@ -37,6 +37,29 @@ def test_regime_fixed_only_keeps_prior_slope_and_ewma_fixed() -> None:
     assert cost.fixed_s == pytest.approx(residual_s, rel=1e-4)
 
 
+def test_a_fitted_slope_survives_a_window_of_one_size() -> None:
+    """Regression (session 19, the stress L3 tier on the H200): recompute learned 14 us a token from
+    full prefills and restores' short tails; once every hit was restored the window held tails only,
+    the fixed-only regime pulled the slope back to the 50 us prior, and restores from a storage slower
+    than recompute looked worth it. A fitted slope is now what that regime keeps."""
+    cost = LinearCost(50e-6)
+    for _ in range(8):
+        cost.observe(351, 0.0100)
+        cost.observe(15, 0.0053)
+    assert cost.regime == "least_squares"
+    fitted = cost.slope
+    assert fitted == pytest.approx((0.0100 - 0.0053) / 336, rel=1e-6)
+    for _ in range(40):  # tails only: the window loses its spread
+        cost.observe(15, 0.0053)
+    assert cost.regime == "fixed_only"
+    assert cost.slope == pytest.approx(fitted, rel=1e-9)
+    assert cost.predict(15) == pytest.approx(0.0053, rel=1e-3)
+    fresh = LinearCost(50e-6)  # nothing fitted yet: the prior is the reference, as before
+    for _ in range(3):
+        fresh.observe(15, 0.0053)
+    assert fresh.slope == 50e-6
+
+
 def test_regime_fixed_only_with_sizes_within_five_percent() -> None:
     cost = LinearCost(1e-9)
     for size in (1_000_000, 1_020_000, 1_040_000, 990_000):
