@@ -36,11 +36,11 @@ class LinearCost:
     keeps that slope and moves fixed_s by EWMA (alpha 0.2) towards the excess, seconds - size *
     reference (DESIGN.md section 7). The reference is the prior until a window of several sizes
     identified a slope, then the last such fit: a window that has lost its spread (a recompute
-    model that sees only restores' short tails once every hit is restored) would otherwise drift back
-    to the prior and forget what it measured (session 19: the stress L3 tier's recompute slope went
-    back to the prior's 50 us a token, 3.6 x the 14 it had fitted, and every hit was restored from
-    a storage slower than recompute). A faster one means the reference is pessimistic: fixed_s moves towards 0 and
-    the slope towards seconds / size, outright on the regime's first sample (an optimistic estimate
+    model that sees only restores' short tails once every hit is restored) would otherwise drift
+    back to the prior and forget what it measured (session 19: the stress L3 tier's recompute
+    slope went back to the prior's 50 us a token, 3.6 x the 14 it had fitted, and every hit was
+    restored from a storage slower than recompute). A faster sample means the reference is
+    pessimistic: fixed_s moves towards 0 and the slope towards seconds / size, outright on the regime's first sample (an optimistic estimate
     gets re-measured as it is used; a pessimistic one would stop the very restores that could
     correct it), by EWMA after that.
     Regime "least_squares": fit both, constrained to fixed_s >= 0 and slope >= 0. A negative slope
@@ -187,15 +187,18 @@ class CostModel:
         """Too few timed storage reads to trust the storage estimate yet (cost policy explores)."""
         return self.learning and self.directions["s2h"].num_samples < self.explore_reads
 
+    def _host_untimed(self, direction: str) -> bool:
+        return self.learning and self.directions[direction].num_samples < self.explore_host
+
     @property
     def exploring_host(self) -> bool:
-        """Fewer than `host_explore_transfers` L1 <-> L2 transfers timed in a direction: the host link's priors
-        (host_bandwidth_gib_s) may be far off, and a pessimistic one would refuse the backups, and
-        so the restores, that could correct it. The cost policy then backs up and restores L2 hits
-        until both directions are timed (the 4B stress workload on the H200 had backed up nothing,
-        restored nothing and run at 1.00 x hicache off; docs/benchmarks.md, session 19)."""
-        return self.learning and min(self.directions["d2h"].num_samples,
-                                     self.directions["h2d"].num_samples) < self.explore_host
+        """Fewer than `host_explore_transfers` L1 <-> L2 transfers timed in a direction: the host
+        link's priors (host_bandwidth_gib_s) may be far off, and a pessimistic one would refuse the
+        backups, and so the restores, that could correct it. The cost policy then backs up and
+        restores L2 hits until both directions are timed (the 4B stress workload on the H200 had
+        backed up nothing, restored nothing and run at 1.00 x hicache off; docs/benchmarks.md,
+        session 19)."""
+        return self._host_untimed("d2h") or self._host_untimed("h2d")
 
     # -- costs ----------------------------------------------------------------------------------
     def _transfer_s(self, direction: str, num_tokens: int) -> float:
@@ -290,8 +293,7 @@ class CostModel:
         most one restore in `explore_every` decisions is a probe (an L3 hit is decided twice: at
         queue time for its prefetch, and at admission). And an L2 hit while no restore from host
         memory has been timed (see exploring_host): the first one is a probe."""
-        if (tier == "l1" and restore_tokens["l2"] and self.learning
-                and self.directions["h2d"].num_samples < self.explore_host):
+        if tier == "l1" and restore_tokens["l2"] and self._host_untimed("h2d"):
             costs["explore"] = 1.0
             return "l2"
         if tier != "l1" or not (self.learning and self.explore_every):
