@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
-from scheduler.request import SamplingParams
+from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams
 
 Float = Annotated[float, Field(strict=True)]  # accepts JSON numbers (ints too), never strings
 TokenIds = list[StrictInt]
@@ -309,7 +309,11 @@ def parse_request(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids",
                            param=param, code="invalid_value")
-        ids = tokenizer.encode(req.prompt)
+        try:
+            ids = tokenizer.encode(req.prompt)
+        except UnicodeError as exc:  # e.g. a lone surrogate, which JSON allows ("\ud800")
+            raise APIError(400, f"the prompt is not valid Unicode text: {exc}", param=param,
+                           code="invalid_value") from None
     else:
         ids = list(req.prompt)
     if not ids:
@@ -328,7 +332,7 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
     name, max_tokens = "max_tokens", req.max_tokens
     if getattr(req, "max_completion_tokens", None) is not None:
         name, max_tokens = "max_completion_tokens", req.max_completion_tokens
-    max_tokens = default_max_tokens if max_tokens is None else max_tokens
+    max_tokens = min(default_max_tokens, max_tokens_limit) if max_tokens is None else max_tokens
     if max_tokens < 1:
         raise APIError(400, f"'{name}' must be >= 1, got {max_tokens}", param=name, code="invalid_value")
     if max_tokens > max_tokens_limit:
@@ -339,6 +343,9 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
                        code="invalid_value")
     if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
         raise APIError(400, f"'top_p' must be in (0, 1], got {req.top_p}", param="top_p", code="invalid_value")
+    if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
+        raise APIError(400, f"'seed' must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], got {req.seed}",
+                       param="seed", code="invalid_value")
     return SamplingParams(max_tokens=max_tokens, temperature=0.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
                           stop_token_ids=req.stop_ids(), ignore_eos=req.ignore_eos)

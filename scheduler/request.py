@@ -12,6 +12,9 @@ class RequestError(ValueError):
     """Bad input for one request: reported to that request, never raised into the loop."""
 
 
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -30,6 +33,8 @@ class SamplingParams:
             raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise RequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a 64-bit integer), got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:

@@ -6,14 +6,22 @@ import torch
 
 def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
            generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits: [B, vocab] -> token ids [B] (int64, same device). Greedy rows stay on argmax."""
+    """logits: [B, vocab] -> token ids [B] (int64, same device). Greedy rows stay on argmax.
+
+    Any temperature in (0, 100] and top_p in (0, 1] gives a valid distribution: the logits are
+    shifted so their largest is 0 before the division (a tiny temperature sends the others to -inf
+    instead of the largest to +inf), and top-p always keeps the likeliest token (a top_p below
+    float32's smallest value would otherwise keep none)."""
     next_ids = torch.argmax(logits, dim=-1)  # [B]
     sampled_rows = [i for i, t in enumerate(temperatures) if t > 0.0]
+    lowest = torch.finfo(torch.float32).min
     for i in sampled_rows:  # sampled rows are rare in benchmarks; keep them exact and simple
-        probs = torch.softmax(logits[i].float() / temperatures[i], dim=-1)  # [vocab]
+        row = torch.nan_to_num(logits[i].float(), nan=lowest)  # [vocab], finite
+        probs = torch.softmax((row - row.max()) / temperatures[i], dim=-1)  # [vocab]
         if top_ps[i] < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_ps[i]
+            keep[0] = True
             sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         gen = generators[i]

@@ -231,8 +231,9 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
         slot.release()
         st.metrics.outcome("rejected")
         raise
-    except BaseException:
+    except BaseException as exc:  # the client went away while its body was read, or a bug (a 500)
         slot.release()
+        st.metrics.outcome("aborted" if isinstance(exc, asyncio.CancelledError) else "failed")
         raise
     st.metrics.prompt_tokens.inc(len(ids))
     gen = _Generation(st, ereq, api_req, chat, arrival)
@@ -263,8 +264,16 @@ class _SSEResponse(StreamingResponse):
         self._gen, self._slot = gen, slot
 
     async def __call__(self, scope, receive, send) -> None:
+        async def receive_watching():
+            # Starlette stops the stream on a disconnect by cancelling it, which never lands while
+            # a token arrives every loop turn (a CPU forward): abort the request, and its stream ends
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                await _abort_quietly(self._gen.st.engine, self._gen.req)
+            return message
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive_watching, send)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()

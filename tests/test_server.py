@@ -208,6 +208,8 @@ BAD = [
     ("stop strings", {**GOOD, "stop": ["\n"]}, 400, "stop", "token ids"),
     ("top_p zero", {**GOOD, "top_p": 0.0}, 400, "top_p", "top_p"),
     ("nan temperature", b'{"prompt": [1], "temperature": NaN}', 400, "temperature", "finite"),
+    ("seed over 64 bits", {**GOOD, "seed": 1 << 64}, 400, "seed", "64-bit integer"),
+    ("lone surrogate", b'{"prompt": "ab\\ud800cd", "max_tokens": 2}', 400, "prompt", "not valid Unicode"),
     ("unknown model", {**GOOD, "model": "gpt-5"}, 404, "model", "not served"),
 ]
 
@@ -351,6 +353,58 @@ def test_200_concurrent_streams_match_sequential_and_disconnects_leak_nothing(sr
     samples = metric_samples(srv.url)
     assert samples[("hicache_requests_total", (("outcome", "aborted"),))] >= 1
 
+
+
+def test_extreme_sampling_values_are_served(srv):
+    """temperature 1e-40 and top_p 1e-300 are accepted values; they used to make the sampler raise
+    inside the loop and fail every request in flight (and the server after it)."""
+    for extra in ({"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-300}):
+        r = httpx.post(srv.url + "/v1/completions", json={**GOOD, **extra, "seed": 5}, timeout=30)
+        assert r.status_code == 200, r.text
+    assert httpx.get(srv.url + "/health").status_code == 200
+    assert_pools_whole(srv)
+
+
+def test_a_500_is_counted_as_failed(srv, monkeypatch):
+    def broken(*args, **kw):
+        raise RuntimeError("a bug in add_request")
+    before = metric_samples(srv.url).get(("hicache_requests_total", (("outcome", "failed"),)), 0.0)
+    monkeypatch.setattr(srv.engine, "add_request", broken)
+    r = httpx.post(srv.url + "/v1/completions", json=GOOD, timeout=30)
+    monkeypatch.undo()
+    assert r.status_code == 500
+    assert metric_samples(srv.url)[("hicache_requests_total", (("outcome", "failed"),))] == before + 1
+    assert httpx.get(srv.url + "/hicache/status").json()["server"]["in_flight"] == 0
+
+
+def test_default_max_tokens_respects_a_lower_limit():
+    engine = Engine(EngineConfig(model="tiny", device="cpu", num_pages=48, max_new_tokens_limit=8))
+    with ServerThread(create_app(engine, ServerLimits(max_tokens_limit=8))) as s:
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 2, 3]}, timeout=30)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["token_ids"]) == 8
+
+
+def test_a_stream_whose_client_left_is_aborted():
+    """On the CPU a token arrives every loop turn, and Starlette's cancellation of the stream never
+    landed: the request decoded to max_tokens after its client had gone."""
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=1100,
+                                 max_new_tokens_limit=4000))
+    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0))) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        body = json.dumps({"prompt": [1, 2, 5], "max_tokens": 4000, "ignore_eos": True, "stream": True}).encode()
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            seen = b""
+            while b"data: " not in seen:  # the first token arrived; then the client goes away
+                seen += sock.recv(65536)
+        deadline = time.monotonic() + 60
+        while (eng := httpx.get(s.url + "/hicache/status").json()["engine"])["running"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert eng["aborted"] == 1, eng
+        assert eng["decode_tokens"] < 4000, eng
 
 # -- chat with a template, draining -----------------------------------------------------------------------
 def _write_byte_level_tokenizer(path) -> None:

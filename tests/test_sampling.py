@@ -1,0 +1,61 @@
+"""Sampling (scheduler/sampling.py): every accepted temperature and top_p gives a valid draw."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
+from scheduler.request import SamplingParams
+from scheduler.sampling import sample
+
+
+def _logits(rows: int = 3, vocab: int = 64) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 5
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1e-40, 1.0), (1e-30, 0.9), (1.0, 1e-300), (100.0, 1e-45)])
+def test_extreme_values_pick_a_valid_token(temperature, top_p):
+    logits = _logits()
+    ids = sample(logits, [temperature] * 3, [top_p] * 3, [torch.Generator().manual_seed(i) for i in range(3)])
+    assert ids.shape == (3,) and ((0 <= ids) & (ids < 64)).all()
+    if temperature < 1e-20 or top_p < 1e-20:  # all mass on the likeliest token
+        assert torch.equal(ids, torch.argmax(logits, dim=-1))
+
+
+def test_non_finite_logits_still_sample():
+    logits = _logits()
+    logits[0, 5] = float("inf")
+    logits[1, :] = float("nan")
+    logits[2, 7] = float("nan")
+    ids = sample(logits, [1.0, 1.0, 0.5], [1.0, 0.5, 1.0], [None, None, None])
+    assert ids[0] == 5 and ((0 <= ids) & (ids < 64)).all()
+
+
+def test_seeded_draws_repeat_and_greedy_rows_stay_argmax():
+    logits = _logits()
+    draw = lambda: sample(logits, [0.0, 0.8, 1.5], [1.0, 0.9, 1.0],
+                          [None, torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)])
+    a, b = draw(), draw()
+    assert torch.equal(a, b) and a[0] == torch.argmax(logits[0])
+
+
+def test_an_extreme_request_does_not_fail_the_others():
+    """A temperature of 1e-40 used to make softmax NaN and multinomial raise inside the loop, which
+    failed every request in flight."""
+    eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=64))
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9]]
+    greedy = eng.generate(prompts, SamplingParams(max_tokens=4))
+    tiny = eng.generate(prompts, SamplingParams(max_tokens=4, temperature=1e-40, top_p=1e-300, seed=3))
+    assert [(r.finish_reason, r.output_ids) for r in tiny] == [(r.finish_reason, r.output_ids) for r in greedy]
+    eng.check_integrity()
+
+
+def test_a_seed_beyond_64_bits_is_a_request_error():
+    from scheduler.request import RequestError
+
+    eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=64))
+    with pytest.raises(RequestError, match="64-bit"):
+        SamplingParams(max_tokens=2, temperature=1.0, seed=1 << 64).validate(16)
+    out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=1.0, seed=(1 << 64) - 1))
+    assert len(out[0].output_ids) == 2
