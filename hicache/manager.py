@@ -6,7 +6,7 @@ Contract (what callers may rely on):
   - `match()` never changes residency; it may split nodes. Lock a handle before reading its pages
     across an await; an unlocked handle may be evicted by the next allocation.
   - `alloc_l1()` evicts unlocked L1 leaves (LRU) to make room; it never evicts a locked node.
-  - `insert_l1()` publishes a caller's private pages; pages the tree already had come back freed.
+  - `insert_l1()` publishes a caller's private pages; pages the tree already had come back, still private, to free.
   - Operations (backup / restore / prefetch) lock their sources and keep their destinations private
     until the copy completed; see hicache/operations.py.
   - `check_integrity()` verifies the tree, every allocator and every live operation's locks.
@@ -168,17 +168,21 @@ class CacheManager:
     def alloc_l1(self, num_pages: int, claim: int) -> list[int] | None:
         return self.alloc_pages(Tier.L1, num_pages, claim)
 
-    def insert_l1(self, tokens: Sequence[int], pages: Sequence[int], claim: int, start_tokens: int) -> None:
-        """Publish a request's private pages for tokens[start_tokens:] (page aligned); duplicates of
-        what L1 already holds stay private to the caller (its page table still points at them)."""
+    def insert_l1(self, tokens: Sequence[int], pages: Sequence[int], claim: int, start_tokens: int) -> list[int]:
+        """Publish a request's private pages for tokens[start_tokens:] (page aligned). Returns the
+        duplicates of what L1 already held: still private to `claim`, for the caller to free."""
         if len(tokens) <= start_tokens:
-            return
-        self.tree.insert(tokens, Tier.L1, pages, claim, start_tokens=start_tokens)
+            return []
+        duplicates = self.tree.insert(tokens, Tier.L1, pages, claim, start_tokens=start_tokens)
         if self.has_l2 and self.config.write_policy == "write_through":
             if self.defer_backups:
                 self.runner.backup_soon(tokens)
             else:
                 self.runner.start_backup(tokens)
+        return duplicates
+
+    def free_pages(self, tier: Tier, pages: Sequence[int], claim: int) -> None:
+        self.allocator(tier).free(pages, claim)
 
     def note_hit(self, tokens: Sequence[int], match: MatchResult) -> None:
         """A request reused this prefix: count hits (write_through_selective backs up on the second)."""

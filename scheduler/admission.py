@@ -455,7 +455,12 @@ class Admission:
             eng.finish(req, RequestState.FINISHED, "length")
 
     def _publish(self, req: Request, tokens: list[int]) -> None:
-        """Insert the request's full pages of `tokens` into the tree and move its lock down."""
+        """Insert the request's full pages of `tokens` into the tree and move its lock down.
+
+        Pages the tree already held (an identical prompt computed alongside, or a page-aligned
+        prompt whose last page was recomputed) come back as duplicates: the request switches to the
+        tree's copies, which its lock now pins, and frees its own, so it holds no more L1 than it
+        was admitted with (holding both overcommitted L1 and failed a running request)."""
         if not self.engine.config.enable_prefix_cache:
             return
         ps = self.page_size
@@ -464,12 +469,15 @@ class Admission:
         if aligned <= req.locked_len:
             return
         cache = self.cache
-        cache.insert_l1(tokens[:aligned], req.pages[req.locked_len // ps: aligned // ps], req.claim,
-                        start_tokens=req.locked_len)
+        first, end = req.locked_len // ps, aligned // ps
+        duplicates = cache.insert_l1(tokens[:aligned], req.pages[first:end], req.claim, start_tokens=req.locked_len)
         m = cache.tree.match(tokens[:aligned], include_storage=False)
         cache.lock(m.handles[Tier.L1])
         cache.unlock(req.locked_node)
         req.locked_node, req.locked_len = m.handles[Tier.L1], m.lengths[Tier.L1]
+        if duplicates:
+            req.pages[first:end] = m.pages[Tier.L1][first:end]  # the same tokens' K/V, in the tree's pages
+            cache.free_pages(Tier.L1, duplicates, req.claim)
 
     def release(self, req: Request, publish: bool) -> None:
         """End of a request: publish its computed pages (when it finished), free the rest."""

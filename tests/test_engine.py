@@ -299,3 +299,70 @@ def test_a_decode_that_cannot_get_its_reserved_page_fails_alone_and_says_why(mon
     [again] = eng.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=8))
     assert again.error is None and len(again.output_ids) == 8
     eng.check_integrity()
+
+
+async def _finished(req):
+    while True:
+        ev = await asyncio.wait_for(req.queue.get(), 30)
+        if ev.finished:
+            return ev
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("concurrent", [False, True], ids=["repeated", "concurrent"])
+@pytest.mark.parametrize("hicache", [False, True])
+async def test_a_duplicate_publish_does_not_promise_l1_twice(concurrent, hicache):
+    """A request whose computed pages the tree already holds (a page-aligned prompt served again,
+    whose last page is recomputed; or an identical prompt computed alongside) used to keep its own
+    copies and lock the tree's too: pages another request had been admitted on, so a running
+    request failed with "no KV page available". Now it switches to the tree's pages and frees its own."""
+    rng = random.Random(3)
+    cfg = EngineConfig(model="tiny", device="cpu", num_pages=24 if concurrent else 10, page_size=4,
+                       max_prefill_tokens=40)
+    if hicache:
+        cfg = cfg.with_hicache(enable=True, policy="always", transfer_backend="torch", storage_ratio=0.0)
+    eng = Engine(cfg)
+    await eng.start()
+    prompt = [rng.randrange(512) for _ in range(33 if concurrent else 8)]
+    other = [rng.randrange(512) for _ in range(12 if concurrent else 8)]
+    first = eng.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    if not concurrent:
+        await _finished(first)
+        await eng.cache.drain()
+    again = eng.add_request(prompt, SamplingParams(max_tokens=27 if concurrent else 12, ignore_eos=True))
+    beside = eng.add_request(other, SamplingParams(max_tokens=24 if concurrent else 12, ignore_eos=True))
+    events = [await _finished(r) for r in (first, again, beside)] if concurrent else \
+        [await _finished(r) for r in (again, beside)]
+    await eng.stop_loop()
+    eng.check_integrity()
+    await eng.shutdown()
+    assert [(e.finish_reason, e.error) for e in events] == [("length", None)] * len(events)
+    assert eng.cache.metrics.failures.get("l1_overcommit", 0) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_request_failed_for_a_page_wakes_the_loop_for_the_others(monkeypatch):
+    """When a decode step fails a request for want of a page (pages taken behind the admission's
+    back here) while another request's prefill chunk waits for pages, the failed request's freed
+    pages must let the other go on: the loop used to sleep with nothing to wake it."""
+    from hicache.radix import Tier
+
+    eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=32, page_size=4, max_prefill_tokens=4))
+    alloc, stolen = eng.cache.l1.allocator, []
+    thief = alloc.new_claim("thief")
+    prefill_batch = eng.admission.prefill_batch
+
+    async def steal_then_prefill():
+        if not stolen and len(eng.running) == 2 and all(r.cached_len >= 4 for r in eng.running):
+            eng.cache.tree.evict(Tier.L1, alloc.num_pages)
+            stolen.extend(alloc.alloc(alloc.num_free, thief))
+        return await prefill_batch()
+    monkeypatch.setattr(eng.admission, "prefill_batch", steal_then_prefill)
+    await eng.start()
+    decoding = eng.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=8, ignore_eos=True))
+    await asyncio.sleep(0)
+    chunked = eng.add_request(list(range(20, 36)), SamplingParams(max_tokens=1, ignore_eos=True))
+    failed, served = await _finished(decoding), await _finished(chunked)
+    await eng.shutdown()
+    assert stolen and "no KV page available" in failed.error
+    assert (served.finish_reason, served.error) == ("length", None)
