@@ -84,6 +84,7 @@ class Engine:
         self.cache.defer_backups = True  # a step's tokens reach their clients before its backups start
         self.cache.wakeup_idle = self._wake_idle
         self.page_size = page_size
+        self.held_l1_pages = 0  # L1 pages taken for good at start (usable_l1_pages)
         self.runner = (SimRunner(self.model_config.vocab_size) if config.simulate
                        else ModelRunner(self.model, self.cache.l1.kv, page_size, self.device,
                                         spin_wait=config.gpu_wait == "spin"))
@@ -110,9 +111,7 @@ class Engine:
 
     def _capture_graphs(self) -> None:
         from scheduler.cuda_graphs import DecodeGraphs
-        alloc = self.cache.l1.allocator
-        claim = alloc.new_claim("cuda-graph-scratch")  # one page padding rows may scribble on
-        scratch = alloc.alloc(1, claim)[0]
+        scratch = self.hold_l1_page("cuda-graph-scratch")  # one page padding rows may scribble on
         max_pages = min(self.cache.l1.num_pages, -(-self.config.max_context_tokens // self.page_size))
         graphs = DecodeGraphs(self.model, self.cache.l1.kv, self.page_size, max_pages, scratch,
                               max_batch=min(self.config.max_running_requests, 64),
@@ -120,14 +119,26 @@ class Engine:
         graphs.capture()
         self.runner.enable_graphs(graphs)
 
+    def hold_l1_page(self, label: str) -> int:
+        """Take one L1 page for good (before any request): requests are sized without it."""
+        alloc = self.cache.l1.allocator
+        page = alloc.alloc(1, alloc.new_claim(label))[0]
+        self.held_l1_pages += 1
+        return page
+
     # -- public API ----------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
 
     @property
+    def usable_l1_pages(self) -> int:
+        """L1 pages requests can have: the pool less pages held for good (the CUDA graphs' scratch)."""
+        return self.cache.l1.num_pages - self.held_l1_pages
+
+    @property
     def max_prompt_tokens(self) -> int:
-        pool_tokens = self.cache.l1.num_pages * self.page_size
+        pool_tokens = self.usable_l1_pages * self.page_size
         limit = self.config.max_prompt_tokens or pool_tokens
         return min(limit, pool_tokens)
 
@@ -142,10 +153,10 @@ class Engine:
         if len(prompt) > self.max_prompt_tokens:
             raise RequestError(f"prompt of {len(prompt)} tokens exceeds the limit of {self.max_prompt_tokens}")
         need_pages = -(-(len(prompt) + params.max_tokens) // self.page_size)
-        if need_pages > self.cache.l1.num_pages:
+        if need_pages > self.usable_l1_pages:
             raise RequestError(
                 f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) needs {need_pages} pages; the L1 "
-                f"pool holds {self.cache.l1.num_pages} pages of {self.page_size} tokens")
+                f"pool has {self.usable_l1_pages} pages of {self.page_size} tokens for requests")
 
     async def start(self) -> None:
         if self._loop_task is None or self._loop_task.done():

@@ -159,7 +159,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     async def models():
         return {"object": "list", "data": [{
             "id": st.model_name, "object": "model", "created": st.created, "owned_by": "hicache",
-            "root": engine.model_id, "max_model_len": engine.cache.l1.num_pages * engine.page_size}]}
+            "root": engine.model_id, "max_model_len": engine.usable_l1_pages * engine.page_size}]}
 
     @app.get("/health")
     async def health():

@@ -366,3 +366,16 @@ async def test_a_request_failed_for_a_page_wakes_the_loop_for_the_others(monkeyp
     await eng.shutdown()
     assert stolen and "no KV page available" in failed.error
     assert (served.finish_reason, served.error) == ("length", None)
+
+
+def test_a_page_held_for_good_sizes_requests_without_it():
+    """On CUDA the graphs' scratch page is held for good: a request that needed the whole pool was
+    accepted, could never be admitted, and blocked every request queued behind it."""
+    eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=12, page_size=16))
+    eng.hold_l1_page("test-held")
+    assert eng.usable_l1_pages == 11 and eng.max_prompt_tokens == 11 * 16
+    with pytest.raises(RequestError, match="needs 12 pages; the L1 pool has 11 pages"):
+        eng.add_request(list(range(1, 173)), SamplingParams(max_tokens=20))
+    [whole, small] = eng.generate([list(range(1, 173)), [1, 2, 3]], SamplingParams(max_tokens=4))
+    assert whole.error is None and small.error is None
+    eng.check_integrity()

@@ -76,6 +76,21 @@ def test_one_token_pages_restores_equal_recompute_on_gpu():
     assert eng.cache.transfer.narrow_slabs
 
 
+def test_the_graphs_scratch_page_is_not_promised_to_requests():
+    """A request needing every L1 page (the graphs hold one) used to be accepted and block the queue."""
+    from scheduler.engine import Engine
+    from scheduler.request import RequestError
+
+    eng = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=12, page_size=16,
+                              cuda_graphs=True))
+    assert eng.usable_l1_pages == 11
+    with pytest.raises(RequestError, match="needs 12 pages"):
+        eng.add_request(list(range(1, 173)), SamplingParams(max_tokens=20))
+    [whole, small] = eng.generate([list(range(1, 173)), [1, 2, 3]], SamplingParams(max_tokens=4))
+    assert whole.error is None and small.error is None
+    eng.check_integrity()
+
+
 def test_fused_kernels_equal_plain_torch():
     """The fused Triton layer (default on CUDA) against the plain torch layer: same greedy outputs."""
     from scheduler.engine import Engine
