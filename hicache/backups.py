@@ -31,7 +31,7 @@ class Backups:
             n = n.parent
         key = tuple(tokens)
         # kept while a backup of it runs, or waits for the one of its prefix (start_backup defers it)
-        return self.start_backup(key) is not None or key in self._deferred.values()
+        return self.start_backup(key) is not None or any(key in waiting for waiting in self._deferred.values())
 
     def backup_soon(self, tokens: Sequence[int]) -> None:
         """Start a backup of `tokens` once every callback ready now has run. The engine publishes a
@@ -77,8 +77,7 @@ class Backups:
         for key in self._backing_up:
             if tokens[:len(key)] == key or key[:len(tokens)] == tokens:
                 if len(tokens) > len(key):  # extends an in-flight backup: start when it ends
-                    waiting = self._deferred.get(key, ())
-                    self._deferred[key] = tokens if len(tokens) > len(waiting) else waiting
+                    self._defer(key, tokens)
                 return None  # (a prefix of one in flight is covered by it)
         m = mgr.tree.match(tokens, include_storage=mgr.has_l3, touch=False)
         n1, n2 = m.lengths[Tier.L1], m.lengths[Tier.L2]
@@ -106,6 +105,13 @@ class Backups:
         self._backing_up.add(key)
         op.payload.update(transfer=tr, backup_key=key)
         return self._register(op, self._drive_backup(op, key, n2, host_pages))
+
+    def _defer(self, key: tuple[int, ...], tokens: tuple[int, ...]) -> None:
+        """`tokens` waits for the backup of `key` in flight; a waiting prefix of it is covered by it."""
+        waiting = self._deferred.setdefault(key, [])
+        if any(w[:len(tokens)] == tokens for w in waiting):
+            return
+        waiting[:] = [w for w in waiting if tokens[:len(w)] != w] + [tokens]
 
     async def _drive_backup(self, op: Op, tokens: tuple[int, ...], start: int, host_pages) -> None:
         mgr, ps = self.mgr, self.mgr.page_size
@@ -159,6 +165,7 @@ class Backups:
             mgr.metrics.backups_done += 1
         finally:
             self._backing_up.discard(tokens)
-            later = self._deferred.pop(tokens, None)
-            if later is not None and op.succeeded:  # (a failed or cancelled one drops it)
-                self.start_backup(later)
+            later = self._deferred.pop(tokens, [])
+            if op.succeeded:  # (a failed or cancelled one drops them)
+                for waiting in later:
+                    self.start_backup(waiting)

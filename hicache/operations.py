@@ -51,8 +51,9 @@ class OpRunner(Backups, Restores):
         self._ids = itertools.count(1)
         self._backing_up: set[tuple[int, ...]] = set()
         # a backup asked for while one of its prefixes is being backed up waits for it, so no page
-        # is copied (D2H) or written (H2S) twice: in-flight key -> the longest tokens waiting on it
-        self._deferred: dict[tuple[int, ...], tuple[int, ...]] = {}
+        # is copied (D2H) or written (H2S) twice: in-flight key -> the sequences waiting on it (none
+        # a prefix of another: siblings, e.g. two continuations of one prompt, all wait)
+        self._deferred: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
         # write-through backups asked for by the engine's step processing (`backup_soon`), started
         # once the clients of that step's tokens have run
         self._due: list[tuple[int, ...]] = []

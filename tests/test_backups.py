@@ -5,6 +5,8 @@ import asyncio
 
 import pytest
 
+from hicache.radix import Tier
+from hicache_helpers import assert_whole, make_manager, toks, write_prefix
 from test_faults import OTHER, PAGE, PROMPT, TransferGate, finish, make_engine, reference, run_one, until
 
 
@@ -132,3 +134,53 @@ async def test_due_backups_start_before_a_match_returns():
     assert cache.tree.match(due, include_storage=False, touch=False).lengths[1] == len(due)
     cache.release_claim(claim)
     await finish(eng)
+
+
+def _hold_d2h(mgr):
+    ev, real = asyncio.Event(), mgr.transfer.wait
+
+    async def held(tr):
+        await ev.wait()
+        return await real(tr)
+    mgr.transfer.wait = held
+    return ev
+
+
+@pytest.mark.asyncio
+async def test_sibling_backups_waiting_on_one_in_flight_all_start():
+    """Two continuations of one prefix (K+c, K+d) asked for while K's backup is in flight: both wait
+    and both are backed up. The waiting slot used to hold one sequence per key, so d was dropped."""
+    mgr = make_manager(l1_pages=32, host_pages=64, storage_pages=0)
+    base = toks((1, 9))
+    c, d = base + toks((100, 104)), base + toks((200, 204))
+    release = _hold_d2h(mgr)
+    write_prefix(mgr, base)
+    write_prefix(mgr, c, start=len(base))
+    write_prefix(mgr, d, start=len(base))
+    assert len(mgr.runner.live) == 1
+    release.set()
+    await mgr.drain()
+    assert_whole(mgr)
+    assert [mgr.tree.match(s, touch=False).lengths[Tier.L2] for s in (c, d)] == [len(c), len(d)]
+    await mgr.close()
+
+
+@pytest.mark.asyncio
+async def test_write_back_keeps_every_waiting_sibling_until_it_is_saved():
+    """write_back: a leaf waiting on its prefix's backup is not evicted unsaved, siblings included."""
+    mgr = make_manager(l1_pages=5, host_pages=64, storage_pages=0, write_policy="write_back")
+    base = toks((1, 13))
+    c, d = base + toks((100, 104)), base + toks((200, 204))
+    for seq, start in ((base, 0), (c, len(base)), (d, len(base))):
+        write_prefix(mgr, seq, start=start)
+    release = _hold_d2h(mgr)
+    assert mgr.runner.start_backup(base) is not None
+    claim = mgr.new_claim("pressure")
+    mgr.alloc_l1(2, claim)  # L1 is full: evicting c or d must wait for their backups
+    lost = [seq for seq in (c, d) if max(mgr.tree.match(seq, touch=False).lengths[:2]) < len(seq)]
+    release.set()
+    await mgr.drain()
+    mgr.release_claim(claim)
+    assert_whole(mgr)
+    assert not lost
+    await mgr.close()
