@@ -65,7 +65,7 @@ class Metrics:
     policy_skips: dict[str, int] = field(default_factory=lambda: {"restore": 0, "write_l2": 0, "write_l3": 0})
     restore_s: float = 0.0
     restore_overlapped_s: float = 0.0  # restore time during which a decode batch ran
-    storage_missing_pages: int = 0     # shared L3: pages that vanished before they were read
+    storage_missing_pages: int = 0     # L3 pages dropped after a read: vanished, corrupt or unreadable
     directions: dict[str, DirectionStats] = field(
         default_factory=lambda: {d: DirectionStats() for d in DIRECTIONS})
 

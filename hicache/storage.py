@@ -37,9 +37,9 @@ _WRITE_ERROR_FAULTS = ((Fault.EIO_WRITE, errno.EIO), (Fault.ENOSPC_WRITE, errno.
 
 
 class StorageError(Exception):
-    """An L3 operation failed. `kind` is one of KINDS; `bad_slots` names slots whose checksum failed
-    (or that hold no valid page; kind "missing": a shared store's page vanished) so the caller can
-    drop their residency."""
+    """An L3 operation failed. `kind` is one of KINDS; `bad_slots` names slots whose checksum failed,
+    that hold no valid page (kind "missing": a shared store's page vanished) or that a read could
+    not get back (kinds "eio", "short"), so the caller can drop their residency."""
 
     KINDS = frozenset({"eio", "short", "enospc", "checksum", "timeout", "closed", "missing"})
 
@@ -436,6 +436,10 @@ class FileStore:
         finally:
             with self._state_lock:
                 self._active_tasks -= 1
+        if op.is_read and isinstance(error, StorageError) and error.kind in ("eio", "short"):
+            # the file cannot give these pages back (truncated, a bad sector): name them, so that
+            # their residency is dropped and the next backup writes them again
+            error.bad_slots = tuple(s for _, _, slot, n in pieces for s in range(slot, slot + n))
         op.task_done(error, time.monotonic_ns())
 
     def _do_pieces(self, op: _Op, pieces: list[tuple[int, int, int, int]]) -> None:

@@ -493,3 +493,30 @@ async def test_cancelled_driver_task_keeps_accounting_whole(when):
     await mgr.drain()  # waits for the abandoned read to settle, then frees the pages
     assert_whole(mgr)
     await mgr.close()
+
+
+@pytest.mark.asyncio
+async def test_l3_pages_a_read_cannot_get_back_are_dropped_and_written_again():
+    """The L3 file loses its content (truncated): a read fails "short". Such a failure named no
+    slots, so the tree kept the L3 residency, the recompute's backup saw L3 'holding' the prefix and
+    skipped it, and every later request of the prefix paid a failed read. Now the slots a failed
+    read covered lose their residency, and the next backup writes them again."""
+    import os
+
+    eng = make_engine()
+    await eng.start()
+    want = await reference(PROMPT)
+    tokens = PROMPT[:REUSABLE]
+    assert (await run_one(eng)).output_ids == want
+    await eng.cache.drain()
+    only_in_l3(eng, tokens)
+    os.truncate(eng.cache.store.path, 0)
+    for _ in range(3):
+        assert (await run_one(eng)).output_ids == want
+        await eng.cache.drain()
+        only_in_l3(eng, tokens)  # written again by the recompute's backup
+    m = eng.metrics()
+    assert m["failures"].get("short", 0) == 1 and m["storage_missing_pages"] >= 1
+    assert m["hit_tokens"]["l3"] > 0  # the rewritten pages were read back
+    assert_whole(eng.cache)
+    await finish(eng)
