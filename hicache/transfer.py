@@ -148,7 +148,7 @@ class TransferEngine:
         plan = None if short else layer_plan(self.geometry, self.l1.num_pages, l1_pages, host_pages)
         if plan is None and not self.host_reads:
             return None
-        tr = Transfer("h2d", n, n * self.geometry.bytes_per_page, 0, 0, t0)
+        tr = Transfer("h2d", n, n * self.geometry.bytes_per_page, 0, 0, t0, synchronous=not self.cuda)
         if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
             tr.fail = True
         if plan is None:
@@ -228,7 +228,7 @@ class TransferEngine:
         if cpu_gather and self.host_reads:
             return self._kernel_transfer(direction, l1_pages, host_pages, t0)
         pipelined = self.cuda and n >= 8 and not few_runs
-        tr = Transfer(direction, n, n * page_bytes, 0, 0, t0)
+        tr = Transfer(direction, n, n * page_bytes, 0, 0, t0, synchronous=not self.cuda)
         host_idx = torch.tensor(host_pages, dtype=torch.int64) if cpu_gather else None
         try:
             if pipelined and direction == "d2h" and host_consecutive:  # the copy engine first

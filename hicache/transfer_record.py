@@ -41,6 +41,7 @@ class Transfer:
     service_ns: int = 0
     epoch: int = 0                      # h2d_layerwise on CUDA: the value its layer flags reach
     error: str | None = None            # why `fail` (default: an injected failure)
+    synchronous: bool = False           # the CPU: copied inside the enqueue (its enqueue_ns)
 
     @property
     def end_to_end_ns(self) -> int:
@@ -69,7 +70,11 @@ class Transfer:
         and the wait for the caller's stream. CUDA: its enqueue or its time on the device, whichever
         is longer, plus `finish`; when a thread saw it done is left out (regression: a busy trace
         replay's restores were seen ~100 ms after their copies ended, and the model learned H2D at
-        3.9 GiB/s; docs/benchmarks.md, session 17). Elsewhere: end to end."""
+        3.9 GiB/s; docs/benchmarks.md, session 17). Copied inside the enqueue (the CPU): that and
+        `finish` (regression: a CPU restore overlapped with its tail forward was completed after the
+        forward, and the model learned the forward as the copy). Elsewhere: end to end."""
+        if self.synchronous:
+            return self.enqueue_ns + self.finish_ns
         if self.device_ns:
             return max(self.enqueue_ns, self.device_ns - self.compute_wait_ns) + self.finish_ns
         return max(0, self.end_to_end_ns - self.setup_ns - self.compute_wait_ns)
@@ -92,5 +97,6 @@ class Transfer:
             self.finish_ns = time.monotonic_ns() - t0
         self.done_ns = time.monotonic_ns()
         if self.service_ns == 0:
-            self.service_ns = self.done_ns - self.started_ns - self.setup_ns
+            self.service_ns = (self.enqueue_ns + self.finish_ns if self.synchronous
+                               else self.done_ns - self.started_ns - self.setup_ns)
         self.compute_wait_ns = min(self.compute_wait_ns, max(0, self.end_to_end_ns - self.setup_ns - self.enqueue_ns))
