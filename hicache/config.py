@@ -77,6 +77,12 @@ class HiCacheConfig:
             raise ValueError("--hicache-kernel-restore-max-tokens must be >= 0")
         if self.cost_margin <= 0:
             raise ValueError("--hicache-cost-margin must be > 0")
+        for name, flag in (("host_size_gb", "--hicache-size-gb"), ("storage_size_gb", "--hicache-storage-size-gb")):
+            size_gb = getattr(self, name)
+            if size_gb is not None and not size_gb >= 0:  # (a negative size silently meant no tier; NaN too)
+                raise ValueError(f"hicache.{name} ({flag}) must be >= 0, got {size_gb!r}")
+        if not self.io_timeout_s > 0:
+            raise ValueError(f"hicache.io_timeout_s must be > 0, got {self.io_timeout_s!r}")
 
     def host_pages(self, l1_pages: int, bytes_per_page: int) -> int:
         if self.host_size_gb is not None:

@@ -43,9 +43,31 @@ class EngineConfig:
             raise ValueError(f"small_gemm must be 'triton' or 'cublas', got {self.small_gemm!r}")
         if self.gpu_wait not in ("spin", "block"):
             raise ValueError(f"gpu_wait must be 'spin' or 'block', got {self.gpu_wait!r}")
+        for name, minimum in ENGINE_MINIMUMS.items():
+            _check_at_least(name, getattr(self, name), minimum, FLAGS.get(name))
 
     def with_hicache(self, **changes) -> "EngineConfig":
         return replace(self, hicache=replace(self.hicache, **changes))
+
+
+# The smallest valid value of each numeric EngineConfig field (0 where 0 means "the default"). Below
+# them the engine hangs (no prefill budget, no running slot) or crashes building its pools.
+ENGINE_MINIMUMS = {"page_size": 0, "num_pages": 0, "max_total_tokens": 1, "max_prefill_tokens": 1,
+                   "max_running_requests": 1, "max_context_tokens": 1, "max_prompt_tokens": 0,
+                   "max_new_tokens_limit": 1, "cpu_threads": 0}
+# The command-line flag of each field checked here that has one (add_engine_args).
+FLAGS = {"page_size": "--page-size", "num_pages": "--num-pages", "max_total_tokens": "--max-total-tokens",
+         "max_prefill_tokens": "--max-prefill-tokens", "max_running_requests": "--max-running-requests",
+         "max_prompt_tokens": "--max-prompt-tokens", "cpu_threads": "--cpu-threads"}
+
+
+def _field_name(name: str, flag: str | None) -> str:
+    return f"{name} ({flag})" if flag else name
+
+
+def _check_at_least(name: str, value: int | float, minimum: int | float, flag: str | None) -> None:
+    if not value >= minimum:  # also refuses NaN
+        raise ValueError(f"{_field_name(name, flag)} must be >= {minimum}, got {value!r}")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +96,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="CUDA: the loop polls a forward's completion (spin: one core busy, a faster host "
                         "path after it) or a thread sleeps on it (block)")
     g.add_argument("--cpu-threads", type=int, default=1, help="torch threads when running on the CPU")
-    g.add_argument("--log-json", default=None, help="write structured JSON-lines events to this file")
+    g.add_argument("--log-json", default=None,
+                   help="append structured JSON-lines events to this file (a run_start line first; "
+                        "its directory is created)")
     h = parser.add_argument_group("hicache")
     h.add_argument("--enable-hicache", action="store_true")
     h.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 pages = ratio x L1 pages")

@@ -1,12 +1,18 @@
 """Structured logs: structlog JSON lines with a monotonic-ns timestamp, one event per request state
-change, batch and operation transition (the timeline tool reads them back)."""
+change, batch and operation transition (the timeline tool reads them back). A log is appended to:
+each time it is opened (by each engine started with --log-json) a RUN_START_EVENT line comes first,
+and the timeline starts every request and operation anew after it (ids restart with each engine)."""
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import structlog
 
 from hicache.log_gate import drop_below_warning, info_enabled  # noqa: F401  (re-exported)
+
+RUN_START_EVENT = "run_start"
 
 
 def add_monotonic_ns(_logger, _name, event_dict: dict) -> dict:
@@ -15,8 +21,10 @@ def add_monotonic_ns(_logger, _name, event_dict: dict) -> dict:
 
 
 def configure_logging(log_json_path: str | None) -> None:
-    """JSON lines to `log_json_path` (append), or quiet (warnings and up to stderr) without one."""
+    """JSON lines appended to `log_json_path` (its directory created) after a RUN_START_EVENT line, or
+    quiet (warnings and up to stderr) without one."""
     if log_json_path:
+        Path(log_json_path).parent.mkdir(parents=True, exist_ok=True)
         sink = open(log_json_path, "a", buffering=1)  # line buffered: a crash keeps every event
         structlog.configure(
             processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
@@ -25,6 +33,7 @@ def configure_logging(log_json_path: str | None) -> None:
             logger_factory=structlog.WriteLoggerFactory(file=sink),
             cache_logger_on_first_use=False,
         )
+        structlog.get_logger().info(RUN_START_EVENT, pid=os.getpid())
     else:
         structlog.configure(
             processors=[drop_below_warning, structlog.processors.add_log_level, add_monotonic_ns,

@@ -13,6 +13,9 @@ Capacity flags in tokens or GiB map onto --num-pages / --hicache-size-gb / --hic
 `--simulate` runs the same scheduler, tree, allocators and cost model with no model and no bytes.
 With --concurrency 1 every request and every cache operation it caused end before the next request
 starts, so a run is deterministic and a simulated run's hits equal a real run's (with a forced policy).
+Exit status: 2 for bad input (an option out of range, a trace or path that cannot be used, an engine
+that cannot start), 1 when no request completed, the engine crashed, the cache failed its integrity
+check or --compare-no-cache found other outputs. Prompt tokens are those of completed requests.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -41,6 +45,15 @@ SAMPLE_DEFAULTS = dict(device="cpu", block_tokens=16, max_requests=200, max_outp
                        concurrency=1, l1_tokens=4096, l2_tokens=24576, l3_tokens=65536)
 TRACE_DEFAULTS = dict(device="auto", block_tokens=512, max_requests=None, max_output_tokens=None, time_scale=1.0,
                       concurrency=64, l1_tokens=None, l2_tokens=None, l3_tokens=None)
+# The smallest valid value of each replay option that has one (None, not given, is always valid).
+REPLAY_MINIMUMS = dict(block_tokens=1, concurrency=1, max_requests=1, max_input_tokens=1, max_output_tokens=1,
+                       time_scale=0, l1_tokens=1, l2_tokens=1, l3_tokens=0, l3_gib=0)
+POSITIVE_OPTIONS = ("l1_gib", "l2_gib")  # capacities that must be > 0 (0 is no L3 only for L3)
+
+
+class EngineStartError(Exception):
+    """The engine could not be built from this configuration (a path it cannot open, a transfer
+    backend this machine cannot run): a user error, reported in one line."""
 
 
 @dataclass(frozen=True)
@@ -118,11 +131,34 @@ def _fill_defaults(args: argparse.Namespace) -> None:
             setattr(args, key, value)
     if args.trace is None:
         args.trace = str(SAMPLE_TRACE)
-    for key in ("block_tokens", "concurrency"):
-        if getattr(args, key) < 1:
-            raise SystemExit(f"replay_trace.py: --{key.replace('_', '-')} must be >= 1")
-    if args.time_scale < 0:
-        raise SystemExit("replay_trace.py: --time-scale must be >= 0")
+
+
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def _check_replay_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses replay options out of range (exit code 2) rather than clipping or ignoring them."""
+    for key, minimum in REPLAY_MINIMUMS.items():
+        value = getattr(args, key)
+        if value is not None and not value >= minimum:  # also refuses NaN
+            parser.error(f"{_flag(key)} must be >= {minimum}, got {value}")
+    for key in POSITIVE_OPTIONS:
+        value = getattr(args, key)
+        if value is not None and not value > 0:
+            parser.error(f"{_flag(key)} must be > 0, got {value}")
+
+
+def _check_writable(parser: argparse.ArgumentParser, path: str | None, key: str) -> None:
+    """Creates an output file's directory before the replay runs; refuses one it cannot write into."""
+    if path is None:
+        return
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"{_flag(key)}: cannot create the directory of {path}: {exc.strerror or exc}")
+    if Path(path).is_dir() or not os.access(Path(path).parent, os.W_OK):
+        parser.error(f"{_flag(key)}: cannot write {path}")
 
 
 def config_from_replay_args(args: argparse.Namespace) -> EngineConfig:
@@ -142,7 +178,9 @@ def config_from_replay_args(args: argparse.Namespace) -> EngineConfig:
     if args.l1_tokens is not None or args.l1_gib is not None:
         pages = (geometry.pages_for_tokens(args.l1_tokens) if args.l1_tokens is not None
                  else int(args.l1_gib * GIB) // bpp)
-        cfg = dataclasses.replace(cfg, num_pages=max(1, pages))
+        if pages < 1:
+            raise ValueError(f"--l1-gib {args.l1_gib} holds no page of {bpp:,} bytes")
+        cfg = dataclasses.replace(cfg, num_pages=pages)
     hc = {}
     for tier, key in (("l2", "host_size_gb"), ("l3", "storage_size_gb")):
         tokens, gib = getattr(args, f"{tier}_tokens"), getattr(args, f"{tier}_gib")
@@ -225,7 +263,10 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
     """Replays `items` on a fresh engine; returns the run's figures (see `summarize`)."""
     from scheduler.engine import Engine
 
-    engine = Engine(config)
+    try:
+        engine = Engine(config)
+    except (OSError, RuntimeError) as exc:
+        raise EngineStartError(f"cannot start the engine: {exc}") from exc
     outcomes: list[Outcome | None] = [None] * len(items)
     bar = None
     if progress:
@@ -299,7 +340,10 @@ def summarize(run: dict, problems: list[TraceProblem], config: EngineConfig, rep
     wall_s = run["wall_s"]
     return {
         "requests": len(outcomes), "completed": len(ok), "failed": len(outcomes) - len(ok),
-        "prompt_tokens": sum(len(o.item.prompt) for o in outcomes),
+        # completed requests only, the prompts the hit and recomputed tokens add up to (a request
+        # refused at submission, e.g. one longer than L1, is never prefilled)
+        "prompt_tokens": sum(len(o.item.prompt) for o in ok),
+        "failed_prompt_tokens": sum(len(o.item.prompt) for o in outcomes if o.error is not None),
         "output_tokens": sum(len(o.output_ids) for o in outcomes),
         "hit_tokens": {t: int(m["hit_tokens"].get(t, 0)) for t in TIERS},
         "recomputed_tokens": int(m["recomputed_tokens"]),
@@ -322,8 +366,9 @@ def format_summary(s: dict) -> str:
         return "-" if x is None else fmt.format(x)
     hits = s["hit_tokens"]
     prompt = max(1, s["prompt_tokens"])
+    failed_prompt = f" (+{s['failed_prompt_tokens']:,} in failed requests)" if s["failed_prompt_tokens"] else ""
     rows = [("requests", f"{s['requests']:,} ({s['completed']:,} completed, {s['failed']:,} failed)"),
-            ("prompt tokens", num(s["prompt_tokens"]))]
+            ("prompt tokens", num(s["prompt_tokens"]) + failed_prompt)]
     rows += [(f"hit tokens {t.upper()}", f"{hits[t]:,} ({100 * hits[t] / prompt:.1f}%)") for t in TIERS]
     rows += [("recomputed tokens", f"{s['recomputed_tokens']:,} ({100 * s['recomputed_tokens'] / prompt:.1f}%)"),
              ("TTFT p50/p90/p99 ms", " / ".join(num(s["ttft_ms"][k], "{:.1f}") for k in ("p50", "p90", "p99"))),
@@ -362,6 +407,7 @@ def run_cli(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
     _fill_defaults(args)
+    _check_replay_args(parser, args)
     try:
         config = config_from_replay_args(args)
     except ValueError as exc:
@@ -376,6 +422,8 @@ def run_cli(argv: list[str] | None = None) -> dict:
         print(f"{args.trace}:{p.line_no}: skipped: {p.reason}", file=sys.stderr)
     if not records:
         parser.exit(2, f"replay_trace.py: {args.trace}: no usable request\n")
+    _check_writable(parser, args.log_json, "log_json")
+    _check_writable(parser, args.json_out, "json_out")
     from scheduler.engine import model_config_of
     items = build_items(records, model_config_of(config.model).vocab_size, args.block_tokens,
                         seed=args.synth_seed, max_input_tokens=args.max_input_tokens,
@@ -385,7 +433,7 @@ def run_cli(argv: list[str] | None = None) -> dict:
     kw = dict(time_scale=args.time_scale, concurrency=args.concurrency)
     try:
         summary = summarize(replay(config, items, progress=progress, **kw), problems, config, options)
-    except ValueError as exc:  # a configuration the engine refuses (e.g. an L2 of zero pages)
+    except (ValueError, EngineStartError) as exc:  # a configuration the engine refuses (an L2 of no page)
         parser.exit(2, f"replay_trace.py: {exc}\n")
     if args.compare_no_cache:
         if config.log_json:  # keep the baseline's events out of this run's timeline
@@ -408,6 +456,9 @@ def run_cli(argv: list[str] | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     summary = run_cli(argv)
+    if summary["completed"] == 0:
+        print("replay_trace.py: no request completed", file=sys.stderr)
+        return 1
     if summary["engine_crash"] or summary["integrity"] != "passed":
         return 1
     if "compare_no_cache" in summary and not summary["compare_no_cache"]["match"]:

@@ -10,7 +10,13 @@ Every log line is a JSON object with "event" and "ts_ns" (time.monotonic_ns()). 
              L2, L3) as from_state. An op has ended when its last to_state is terminal for its kind
              (OP_END_STATES[kind], from hicache.ops.TERMINAL: L1_L2 ends a restore_l2, not a backup).
   occupancy  tier ("l1"|"l2"|"l3"), used_pages, capacity_pages.
+  run_start  logged each time a log is opened (scheduler.logs: each engine with --log-json appends).
 Other events, lines that are not JSON and known events with missing fields are skipped and counted.
+
+A log may hold several runs, and request and op ids restart with each engine. The log is cut into
+runs at each run_start line (in file order), and within a run a request or op whose id shows up
+again after it ended starts a new span. A span is keyed by its id the first time the id is seen and
+by "ID#N" for the N-th span of that id after (`RequestSpan.key`, `OpSpan.key`).
 
 Outputs: plain / rich tables, Chrome trace-event JSON (Perfetto, chrome://tracing) and a Gantt PNG.
 """
@@ -23,6 +29,7 @@ from pathlib import Path
 from typing import TextIO
 
 from hicache.ops import TERMINAL, OpKind
+from scheduler.logs import RUN_START_EVENT
 
 REQUEST_STATES = ("queued", "parked", "prefill_start", "prefill_end", "first_token", "finished", "aborted", "failed")
 REQUEST_END_STATES = frozenset({"finished", "aborted", "failed"})
@@ -46,6 +53,11 @@ class RequestSpan:
     restore_tokens: int | None = None
     output_tokens: int | None = None
     end_reason: str | None = None  # the engine's reason / error on finished, aborted, failed
+    key: str | None = None  # unique in the timeline: rid, or "rid#N" for the N-th span of a reused rid
+    run: int = 0  # index of the run (run_start segment of the log) it belongs to
+
+    def __post_init__(self) -> None:
+        self.key = self.rid if self.key is None else self.key
 
     def first_ns(self, state: str, after_ns: int | None = None) -> int | None:
         return next((t for s, t in self.states if s == state and (after_ns is None or t >= after_ns)), None)
@@ -109,6 +121,11 @@ class OpSpan:
     num_bytes: int | None = None
     num_pages: int | None = None
     error: str | None = None
+    key: int | str | None = None  # unique in the timeline: op_id, or "op_id#N" for the N-th span of a reused id
+    run: int = 0  # index of the run (run_start segment of the log) it belongs to
+
+    def __post_init__(self) -> None:
+        self.key = self.op_id if self.key is None else self.key
 
     @property
     def start_ns(self) -> int:
@@ -155,12 +172,13 @@ class OccupancySample:
 
 @dataclass
 class Timeline:
-    requests: dict[str, RequestSpan] = field(default_factory=dict)  # in arrival order
-    ops: dict[int, OpSpan] = field(default_factory=dict)  # in start order
+    requests: dict[str, RequestSpan] = field(default_factory=dict)  # by RequestSpan.key, in arrival order
+    ops: dict[int | str, OpSpan] = field(default_factory=dict)  # by OpSpan.key, in start order
     batches: list[BatchSpan] = field(default_factory=list)  # by start_ns
     occupancy: dict[str, list[OccupancySample]] = field(default_factory=dict)  # tier -> samples in time order
     base_ns: int = 0  # earliest timestamp seen: time zero of every output
     last_ns: int = 0  # latest timestamp seen: where unfinished spans are closed
+    num_runs: int = 0  # runs with at least one event (a log without run_start lines is one)
     num_unknown_events: int = 0
     num_malformed_events: int = 0
     num_bad_lines: int = 0
@@ -196,11 +214,53 @@ def _opt_int(x: object) -> int | None:
     return x if _int(x) else None
 
 
-def _add_request(tl: Timeline, e: dict) -> bool:
+def _span_key(span_id: int | str, nth: int) -> int | str:
+    return span_id if nth == 1 else f"{span_id}#{nth}"
+
+
+@dataclass
+class _Builder:
+    """The timeline being built and the spans still open in the current run, by id."""
+    tl: Timeline
+    run: int = 0
+    open_requests: dict[str, RequestSpan] = field(default_factory=dict)
+    open_ops: dict[int, OpSpan] = field(default_factory=dict)
+    spans_per_id: dict[tuple[str, int | str], int] = field(default_factory=dict)  # ("request"|"op", id) -> spans
+
+    def start_run(self, run: int) -> None:
+        self.run = run
+        self.open_requests.clear()
+        self.open_ops.clear()
+
+    def _next_key(self, family: str, span_id: int | str, taken: dict) -> int | str:
+        nth = self.spans_per_id.get((family, span_id), 0) + 1
+        while _span_key(span_id, nth) in taken:  # an id that looks like "x#2" itself
+            nth += 1
+        self.spans_per_id[(family, span_id)] = nth
+        return _span_key(span_id, nth)
+
+    def request_span(self, rid: str) -> RequestSpan:
+        """The open span of `rid`, or a new one if it has none in this run or its last one ended."""
+        req = self.open_requests.get(rid)
+        if req is None or req.end_ns is not None:
+            req = RequestSpan(rid, key=self._next_key("request", rid, self.tl.requests), run=self.run)
+            self.open_requests[rid] = self.tl.requests[req.key] = req
+        return req
+
+    def op_span(self, op_id: int, kind: str, initial_state: str) -> OpSpan:
+        """The open span of `op_id`, or a new one if it has none in this run, ended or is of another kind."""
+        op = self.open_ops.get(op_id)
+        if op is None or op.ended or op.kind != kind:
+            op = OpSpan(op_id, kind, initial_state, key=self._next_key("op", op_id, self.tl.ops), run=self.run)
+            self.open_ops[op_id] = self.tl.ops[op.key] = op
+        return op
+
+
+def _add_request(b: _Builder, e: dict) -> bool:
     rid, state = e.get("rid"), e.get("state")
     if not isinstance(rid, str) or state not in REQUEST_STATES:
         return False
-    req = tl.requests.setdefault(rid, RequestSpan(rid))
+    req = b.request_span(rid)
     first_prefill = state == "prefill_start" and req.first_ns("prefill_start") is None
     req.states.append((state, e["ts_ns"]))
     req.prompt_tokens = req.prompt_tokens if req.prompt_tokens is not None else _opt_int(e.get("prompt_tokens"))
@@ -217,11 +277,11 @@ def _add_request(tl: Timeline, e: dict) -> bool:
     return True
 
 
-def _add_op(tl: Timeline, e: dict) -> bool:
+def _add_op(b: _Builder, e: dict) -> bool:
     op_id, kind, frm, to = e.get("op_id"), e.get("kind"), e.get("from_state"), e.get("to_state")
     if not _int(op_id) or kind not in OP_KINDS or not isinstance(frm, str) or not isinstance(to, str):
         return False
-    op = tl.ops.setdefault(op_id, OpSpan(op_id, kind, initial_state=frm))
+    op = b.op_span(op_id, kind, initial_state=frm)
     op.transitions.append((to, e["ts_ns"]))
     op.request_id = op.request_id or (e.get("request_id") if isinstance(e.get("request_id"), str) else None)
     op.num_bytes = _opt_int(e.get("bytes")) if _int(e.get("bytes")) else op.num_bytes
@@ -230,28 +290,39 @@ def _add_op(tl: Timeline, e: dict) -> bool:
     return True
 
 
-def _add_batch(tl: Timeline, e: dict) -> bool:
+def _add_batch(b: _Builder, e: dict) -> bool:
     vals = [e.get(k) for k in ("batch_id", "num_seqs", "num_tokens", "start_ns", "end_ns")]
     if not all(_int(v) for v in vals) or not isinstance(e.get("kind"), str) or vals[4] < vals[3]:
         return False
-    tl.batches.append(BatchSpan(vals[0], e["kind"], vals[1], vals[2], vals[3], vals[4]))
+    b.tl.batches.append(BatchSpan(vals[0], e["kind"], vals[1], vals[2], vals[3], vals[4]))
     return True
 
 
-def _add_occupancy(tl: Timeline, e: dict) -> bool:
+def _add_occupancy(b: _Builder, e: dict) -> bool:
     tier, used, cap = e.get("tier"), e.get("used_pages"), e.get("capacity_pages")
     if not isinstance(tier, str) or not _int(used) or not _int(cap):
         return False
-    tl.occupancy.setdefault(tier, []).append(OccupancySample(e["ts_ns"], used, cap))
+    b.tl.occupancy.setdefault(tier, []).append(OccupancySample(e["ts_ns"], used, cap))
     return True
 
 
 _HANDLERS = {"request": _add_request, "op": _add_op, "batch": _add_batch, "occupancy": _add_occupancy}
 
 
-def build_timeline(events: list[dict], *, num_bad_lines: int = 0) -> Timeline:
-    """Groups events by request, op, batch and tier. Events are taken in ts_ns order (stable)."""
-    tl = Timeline(num_bad_lines=num_bad_lines)
+def split_runs(events: list[dict]) -> list[list[dict]]:
+    """The events of each run, in file order: a run_start line starts a new run; runs without any
+    other event are left out."""
+    runs: list[list[dict]] = [[]]
+    for e in events:
+        if e.get("event") == RUN_START_EVENT:
+            runs.append([])
+        else:
+            runs[-1].append(e)
+    return [run for run in runs if run]
+
+
+def _known_events(tl: Timeline, events: list[dict]) -> list[tuple]:
+    """(handler, event) of the events read here, in ts_ns order (stable); others counted in `tl`."""
     known = []
     for e in events:
         handler = _HANDLERS.get(e.get("event"))
@@ -262,18 +333,30 @@ def build_timeline(events: list[dict], *, num_bad_lines: int = 0) -> Timeline:
         else:
             known.append((handler, e))
     known.sort(key=lambda he: he[1]["ts_ns"])
+    return known
+
+
+def build_timeline(events: list[dict], *, num_bad_lines: int = 0) -> Timeline:
+    """Groups events by request, op, batch and tier, run by run (`split_runs`). Within a run events are
+    taken in ts_ns order (stable)."""
+    tl = Timeline(num_bad_lines=num_bad_lines)
+    builder = _Builder(tl)
     stamps = []  # of accepted events only
-    for handler, e in known:
-        if handler(tl, e):
-            stamps.append(e["ts_ns"])
-        else:
-            tl.num_malformed_events += 1
+    runs = split_runs(events)
+    for run, run_events in enumerate(runs):
+        builder.start_run(run)
+        for handler, e in _known_events(tl, run_events):
+            if handler(builder, e):
+                stamps.append(e["ts_ns"])
+            else:
+                tl.num_malformed_events += 1
+    tl.num_runs = len(runs)
     tl.batches.sort(key=lambda b: (b.start_ns, b.batch_id))
     stamps += [t for b in tl.batches for t in (b.start_ns, b.end_ns)]
     if stamps:
         tl.base_ns, tl.last_ns = min(stamps), max(stamps)
     tl.requests = dict(sorted(tl.requests.items(), key=lambda kv: kv[1].arrival_ns))
-    tl.ops = dict(sorted(tl.ops.items(), key=lambda kv: (kv[1].start_ns, kv[0])))
+    tl.ops = dict(sorted(tl.ops.items(), key=lambda kv: (kv[1].start_ns, kv[1].op_id, str(kv[0]))))
     return tl
 
 
@@ -289,7 +372,7 @@ OP_COLUMNS = ("op", "kind", "request", "states (ms in each)", "bytes", "outcome"
 
 
 def request_rows(tl: Timeline) -> list[tuple[str, ...]]:
-    return [(r.rid, f"{tl.rel_ms(r.arrival_ns):.2f}", _fmt_ms(r.queue_wait_ns), r.restore_tier or "-",
+    return [(r.key, f"{tl.rel_ms(r.arrival_ns):.2f}", _fmt_ms(r.queue_wait_ns), r.restore_tier or "-",
              _fmt_ms(r.restore_wait_ns), _fmt_ms(r.prefill_ns), _fmt_ms(r.first_token_ns), _fmt_ms(r.finish_ns),
              "-" if r.output_tokens is None else str(r.output_tokens), r.final_state, r.end_reason or "")
             for r in tl.requests.values()]
@@ -302,7 +385,7 @@ def op_rows(tl: Timeline) -> list[tuple[str, ...]]:
         if op.ended:
             parts.append(op.transitions[-1][0])
         outcome = op.outcome + (f": {op.error}" if op.error else "")
-        rows.append((str(op.op_id), op.kind, op.request_id or "-", " > ".join(parts),
+        rows.append((str(op.key), op.kind, op.request_id or "-", " > ".join(parts),
                      "-" if op.num_bytes is None else str(op.num_bytes), outcome))
     return rows
 
@@ -310,7 +393,8 @@ def op_rows(tl: Timeline) -> list[tuple[str, ...]]:
 def summary_line(tl: Timeline) -> str:
     kinds = sorted({b.kind for b in tl.batches})
     per_kind = ", ".join(f"{sum(b.kind == k for b in tl.batches)} {k}" for k in kinds) or "0"
-    return (f"{len(tl.requests)} requests, {len(tl.ops)} ops, batches: {per_kind}; span "
+    runs = f" in {tl.num_runs} runs" if tl.num_runs > 1 else ""
+    return (f"{len(tl.requests)} requests, {len(tl.ops)} ops, batches: {per_kind}{runs}; span "
             f"{tl.rel_ms(tl.last_ns):.2f} ms; skipped: {tl.num_bad_lines} non-JSON lines, "
             f"{tl.num_unknown_events} unknown events, {tl.num_malformed_events} malformed events")
 
@@ -361,8 +445,8 @@ def _async_slices(name: str, cat: str, slice_id: object, pid: int, tid: int, sta
 
 
 def to_chrome(tl: Timeline) -> dict:
-    """Chrome trace-event JSON: batches are "X" slices on pid 1 tid 1; requests (cat "request") and
-    ops (cat = op kind, id = op id) are async "b"/"e" slices with one nested slice per state;
+    """Chrome trace-event JSON: batches are "X" slices on pid 1 tid 1; requests (cat "request", id = its
+    key) and ops (cat = op kind, id = its key) are async "b"/"e" slices with one nested slice per state;
     occupancy is one "C" counter per tier. Timestamps in µs from the first event."""
     us = lambda ns: (ns - tl.base_ns) / 1e3  # noqa: E731
     meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "ts": 0, "args": {"name": name}}
@@ -377,21 +461,21 @@ def to_chrome(tl: Timeline) -> dict:
                    "args": {"batch_id": b.batch_id, "num_seqs": b.num_seqs, "num_tokens": b.num_tokens}})
     for r in tl.requests.values():
         nested = [(phase, us(a), us(b)) for phase, a, b in r.phase_spans(tl.last_ns)]
-        args_b = {"prompt_tokens": r.prompt_tokens, "restore_tier": r.restore_tier, "restore_tokens": r.restore_tokens,
-                  **{f"hit_{t}_tokens": n for t, n in r.hit_tokens.items()}}
+        args_b = {"rid": r.rid, "run": r.run, "prompt_tokens": r.prompt_tokens, "restore_tier": r.restore_tier,
+                  "restore_tokens": r.restore_tokens, **{f"hit_{t}_tokens": n for t, n in r.hit_tokens.items()}}
         args_e = {"final_state": r.final_state, "output_tokens": r.output_tokens, "reason": r.end_reason}
         if r.end_ns is None:
             args_e["incomplete"] = True
-        ev += _async_slices(f"request {r.rid}", "request", r.rid, PID_REQUESTS, 1, us(r.arrival_ns),
+        ev += _async_slices(f"request {r.key}", "request", r.key, PID_REQUESTS, 1, us(r.arrival_ns),
                             us(r.close_ns(tl.last_ns)), nested, args_b, args_e)
     for op in tl.ops.values():
         nested = [(s, us(a), us(b)) for s, a, b in op.state_spans(tl.last_ns)]
-        args_b = {"initial_state": op.initial_state, "request_id": op.request_id, "bytes": op.num_bytes,
-                  "pages": op.num_pages}
+        args_b = {"op_id": op.op_id, "run": op.run, "initial_state": op.initial_state,
+                  "request_id": op.request_id, "bytes": op.num_bytes, "pages": op.num_pages}
         args_e = {"outcome": op.outcome, "final_state": op.transitions[-1][0], "error": op.error}
         if not op.ended:
             args_e["incomplete"] = True
-        ev += _async_slices(f"{op.kind} op {op.op_id}", op.kind, op.op_id, PID_TRANSFERS, 1, us(op.start_ns),
+        ev += _async_slices(f"{op.kind} op {op.key}", op.kind, op.key, PID_TRANSFERS, 1, us(op.start_ns),
                             us(op.end_ns(tl.last_ns)), nested, args_b, args_e)
     for tier, samples in tl.occupancy.items():
         for s in samples:
@@ -435,7 +519,7 @@ def render_png(tl: Timeline, path: str | Path, *, max_request_rows: int = 40) ->
     reqs = list(tl.requests.values())
     req_spans = [[(ms(a), (b - a) / 1e6, phase) for phase, a, b in r.phase_spans(tl.last_ns)] for r in reqs]
     if len(reqs) <= max_request_rows:
-        rows += [(f"req {r.rid}", spans) for r, spans in zip(reqs, req_spans)]
+        rows += [(f"req {r.key}", spans) for r, spans in zip(reqs, req_spans)]
     else:
         lanes = _pack_lanes([(ms(r.arrival_ns), ms(r.close_ns(tl.last_ns))) for r in reqs])
         for lane in range(max(lanes) + 1):

@@ -6,8 +6,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from scheduler.timeline import build_timeline, print_tables, read_events, render_png, write_chrome
+
+
+def write_output(parser: argparse.ArgumentParser, path: str, write) -> None:
+    """`write(path)` into `path`, its directory created; a path that cannot be written is a usage error."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write(path)
+    except OSError as exc:
+        parser.error(f"cannot write {path}: {exc.strerror or exc}")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,15 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     bad_lines: list[int] = []
-    timeline = build_timeline(read_events(args.log, bad_lines=bad_lines), num_bad_lines=len(bad_lines))
+    try:
+        events = read_events(args.log, bad_lines=bad_lines)
+    except OSError as exc:
+        parser.error(f"cannot read {args.log}: {exc.strerror or exc}")
+    timeline = build_timeline(events, num_bad_lines=len(bad_lines))
     if not args.no_tables:
         print_tables(timeline, sys.stdout)
     if args.chrome:
-        write_chrome(timeline, args.chrome)
-        print(f"wrote {args.chrome}", file=sys.stderr)
+        write_output(parser, args.chrome, lambda path: write_chrome(timeline, path))
     if args.png:
-        render_png(timeline, args.png)
-        print(f"wrote {args.png}", file=sys.stderr)
+        write_output(parser, args.png, lambda path: render_png(timeline, path))
     return 0
 
 

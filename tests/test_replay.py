@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from scheduler.replay import (SAMPLE_TRACE, _fill_defaults, build_parser, config_from_replay_args, main,
-                              outputs_digest, run_cli)
+from scheduler.replay import (SAMPLE_TRACE, _fill_defaults, build_parser, config_from_replay_args, format_summary,
+                              main, outputs_digest, run_cli)
 from scheduler.timeline import build_timeline, read_events, render_png, to_chrome
 from scheduler.trace import load_trace
 
@@ -171,6 +171,10 @@ def test_bad_requests_fail_and_the_run_continues(tmp_path):
     assert (s["requests"], s["completed"], s["failed"]) == (3, 2, 1)
     assert s["errors"][0]["line"] == 2 and "exceeds" in s["errors"][0]["error"]
     assert s["integrity"] == "passed" and s["hit_tokens"]["l1"] > 0
+    # the failed request was never prefilled: its prompt is apart, and hits + recomputed = prompt tokens
+    assert s["prompt_tokens"] < 512 < s["failed_prompt_tokens"]  # the L1 holds 512 tokens
+    assert sum(s["hit_tokens"].values()) + s["recomputed_tokens"] == s["prompt_tokens"]
+    assert f"(+{s['failed_prompt_tokens']:,} in failed requests)" in format_summary(s)
 
 
 def test_engine_crash_fails_the_remaining_requests(monkeypatch):

@@ -299,3 +299,56 @@ def test_log_written_through_structlog(tmp_path):
     assert ops[2].error == "CUDA error"
     assert len(tl.batches) == 1 and tl.occupancy["l1"][0].capacity_pages == 64
     check_chrome(to_chrome(tl))
+
+
+def run_of_one_request(t_ms: float, rid: str = "r0") -> list[dict]:
+    """What one short run logs: a request and the backup it caused, op ids numbered from 1."""
+    return [req(t_ms, rid, "queued"), req(t_ms + 1, rid, "prefill_start", **PREFILL_HITS),
+            op(t_ms + 2, 1, "backup", "L1_PRIVATE", "D2H_PENDING", request_id=rid),
+            req(t_ms + 2, rid, "finished", output_tokens=2, reason="length"),
+            op(t_ms + 3, 1, "backup", "D2H_PENDING", "L1_L2"), op(t_ms + 4, 1, "backup", "L1_L2", "L1_L2_ONLY")]
+
+
+def test_an_id_seen_again_after_it_ended_starts_a_new_span():
+    # two engines in one log without run_start lines (a log written before them): ids restart
+    tl = build_timeline(run_of_one_request(0) + run_of_one_request(10))
+    assert list(tl.requests) == ["r0", "r0#2"] and list(tl.ops) == [1, "1#2"]
+    assert all(r.final_state == "finished" and len(r.states) == 3 for r in tl.requests.values())
+    assert [o.outcome for o in tl.ops.values()] == ["ok", "ok"] and tl.ops["1#2"].start_ns == T0_NS + 12 * MS
+    assert tl.requests["r0#2"].finish_ns == 2 * MS  # not 12 ms from the first run's arrival
+    trace = to_chrome(tl)
+    check_chrome(trace)
+    ids = {(e["cat"], e["id"]) for e in trace["traceEvents"] if e["ph"] == "b" and e.get("args")}
+    assert ids == {("request", "r0"), ("request", "r0#2"), ("backup", 1), ("backup", "1#2")}
+    assert [line.split()[0] for line in format_tables(tl).splitlines() if line.startswith("r0")] == ["r0", "r0#2"]
+
+
+def test_run_start_splits_runs_and_ends_what_a_run_left_open():
+    crashed = run_of_one_request(0)[:3]  # the run stopped with its request and backup under way
+    run_start = lambda t_ms: {"event": "run_start", "ts_ns": T0_NS + int(t_ms * MS), "pid": 1}  # noqa: E731
+    tl = build_timeline([run_start(0), *crashed, run_start(5), *run_of_one_request(10)])
+    assert tl.num_runs == 2 and tl.num_unknown_events == 0 and "in 2 runs" in format_tables(tl)
+    first, second = tl.requests.values()
+    assert (first.key, first.run, first.final_state) == ("r0", 0, "running")
+    assert (second.key, second.run, second.final_state) == ("r0#2", 1, "finished")
+    assert [(o.key, o.run, o.outcome) for o in tl.ops.values()] == [(1, 0, "incomplete"), ("1#2", 1, "ok")]
+    check_chrome(to_chrome(tl))
+
+
+def test_each_opened_log_starts_a_run(tmp_path):
+    from scheduler.logs import configure_logging
+
+    path = tmp_path / "new" / "dir" / "run.jsonl"  # a directory that does not exist yet
+    saved = structlog.get_config()
+    try:
+        for _ in range(2):  # two engines appending to one log
+            configure_logging(str(path))
+            log = structlog.get_logger()
+            log.info("request", rid="r0", state="queued", prompt_tokens=4)
+            log.info("request", rid="r0", state="finished", output_tokens=1, reason="length")
+    finally:
+        structlog.configure(**saved)
+    events = read_events(path)
+    assert [e["event"] for e in events].count("run_start") == 2
+    tl = build_timeline(events)
+    assert tl.num_runs == 2 and list(tl.requests) == ["r0", "r0#2"] and tl.num_unknown_events == 0
