@@ -66,9 +66,9 @@ class DecoderLayer(nn.Module):
     def forward_fused(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
                       batch: AttentionBatch, kv_pool: torch.Tensor, attn: FusedAttnFn,
                       skinny: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Same layer in 7 kernels + 2 for attention: h is the previous layer's un-added output (the
+        """Same layer in 8 kernels + 2 for attention: h is the previous layer's un-added output (the
         embeddings for layer 0), residual the stream before it (None for layer 0); h, residual: [T, H].
-        skinny (T <= 16): the projections are kernels/skinny_gemm.py, SiLU x up inside gate_up's (6 + 2);
+        skinny (T <= 16): the projections are kernels/skinny_gemm.py, SiLU x up inside gate_up's (7 + 2);
         o_proj and down then leave float32 K-split partials [P, T, H] that the next add_rms_norm adds.
         Returns this layer's (un-added MLP output [T, H] or [P, T, H], residual stream [T, H])."""
         cfg = self.cfg
