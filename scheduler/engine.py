@@ -428,4 +428,5 @@ class Engine:
         self._event(req, state.value, output_tokens=len(req.output), reason=reason, error=error)
         req.emit(TokenEvent(req.rid, None, len(req.output), finished=True, finish_reason=reason, error=error))
         self.requests.pop(req.rid, None)
-        self._wake_idle()  # its pages may let a waiting request in: a loop about to sleep plans again
+        if self.waiting or self.running:  # its pages may let one of them on: a loop about to sleep plans again
+            self._wake_idle()
