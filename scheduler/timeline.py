@@ -18,15 +18,14 @@ runs at each run_start line (in file order), and within a run a request or op wh
 again after it ended starts a new span. A span is keyed by its id the first time the id is seen and
 by "ID#N" for the N-th span of that id after (`RequestSpan.key`, `OpSpan.key`).
 
-Outputs: plain / rich tables, Chrome trace-event JSON (Perfetto, chrome://tracing) and a Gantt PNG.
+Outputs (scheduler/timeline_views.py): plain / rich tables, Chrome trace-event JSON (Perfetto,
+chrome://tracing) and a Gantt PNG.
 """
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
 
 from hicache.ops import TERMINAL, OpKind
 from scheduler.logs import RUN_START_EVENT
@@ -36,8 +35,6 @@ REQUEST_END_STATES = frozenset({"finished", "aborted", "failed"})
 OP_KINDS = tuple(k.value for k in OpKind)  # backup, restore_l2, restore_l3, prefetch_l3
 OP_END_STATES: dict[str, frozenset[str]] = {k.value: frozenset(s.name for s in TERMINAL[k]) for k in OpKind}
 TIERS = ("l1", "l2", "l3")
-# Chrome trace processes (one track group each).
-PID_SCHEDULER, PID_REQUESTS, PID_TRANSFERS, PID_OCCUPANCY = 1, 2, 3, 4
 # Name of the phase a request is in after each state.
 REQUEST_PHASES = {"queued": "queued", "parked": "parked (restore)", "prefill_start": "prefill",
                   "prefill_end": "prefilled", "first_token": "decode"}
@@ -358,209 +355,3 @@ def build_timeline(events: list[dict], *, num_bad_lines: int = 0) -> Timeline:
     tl.requests = dict(sorted(tl.requests.items(), key=lambda kv: kv[1].arrival_ns))
     tl.ops = dict(sorted(tl.ops.items(), key=lambda kv: (kv[1].start_ns, kv[1].op_id, str(kv[0]))))
     return tl
-
-
-# ---------------------------------------------------------------- tables
-
-def _fmt_ms(ns: int | None) -> str:
-    return "-" if ns is None else f"{ns / 1e6:.2f}"
-
-
-REQUEST_COLUMNS = ("rid", "arrival_ms", "queue_ms", "restore", "restore_ms", "prefill_ms",
-                   "first_token_ms", "finish_ms", "output_tokens", "state", "reason")
-OP_COLUMNS = ("op", "kind", "request", "states (ms in each)", "bytes", "outcome")
-
-
-def request_rows(tl: Timeline) -> list[tuple[str, ...]]:
-    return [(r.key, f"{tl.rel_ms(r.arrival_ns):.2f}", _fmt_ms(r.queue_wait_ns), r.restore_tier or "-",
-             _fmt_ms(r.restore_wait_ns), _fmt_ms(r.prefill_ns), _fmt_ms(r.first_token_ns), _fmt_ms(r.finish_ns),
-             "-" if r.output_tokens is None else str(r.output_tokens), r.final_state, r.end_reason or "")
-            for r in tl.requests.values()]
-
-
-def op_rows(tl: Timeline) -> list[tuple[str, ...]]:
-    rows = []
-    for op in tl.ops.values():
-        parts = [op.initial_state] + [f"{s} {_fmt_ms(b - a)}" for s, a, b in op.state_spans(tl.last_ns)]
-        if op.ended:
-            parts.append(op.transitions[-1][0])
-        outcome = op.outcome + (f": {op.error}" if op.error else "")
-        rows.append((str(op.key), op.kind, op.request_id or "-", " > ".join(parts),
-                     "-" if op.num_bytes is None else str(op.num_bytes), outcome))
-    return rows
-
-
-def summary_line(tl: Timeline) -> str:
-    kinds = sorted({b.kind for b in tl.batches})
-    per_kind = ", ".join(f"{sum(b.kind == k for b in tl.batches)} {k}" for k in kinds) or "0"
-    runs = f" in {tl.num_runs} runs" if tl.num_runs > 1 else ""
-    return (f"{len(tl.requests)} requests, {len(tl.ops)} ops, batches: {per_kind}{runs}; span "
-            f"{tl.rel_ms(tl.last_ns):.2f} ms; skipped: {tl.num_bad_lines} non-JSON lines, "
-            f"{tl.num_unknown_events} unknown events, {tl.num_malformed_events} malformed events")
-
-
-def _plain_table(title: str, header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
-    lines = [title, "  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip(), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
-
-
-def format_tables(tl: Timeline) -> str:
-    """Plain-text request and operation tables."""
-    return "\n\n".join([summary_line(tl), _plain_table("Requests", REQUEST_COLUMNS, request_rows(tl)),
-                        _plain_table("Operations", OP_COLUMNS, op_rows(tl))]) + "\n"
-
-
-def print_tables(tl: Timeline, file: TextIO = sys.stdout) -> None:
-    """Rich tables on a terminal, `format_tables` text otherwise."""
-    if not file.isatty():
-        file.write(format_tables(tl))
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console(file=file)
-    console.print(summary_line(tl))
-    tables = (("Requests", REQUEST_COLUMNS, request_rows(tl)), ("Operations", OP_COLUMNS, op_rows(tl)))
-    for title, header, rows in tables:
-        table = Table(title=title)
-        for h in header:
-            table.add_column(h, overflow="fold")
-        for r in rows:
-            table.add_row(*r)
-        console.print(table)
-
-
-# ---------------------------------------------------------------- chrome trace
-
-def _async_slices(name: str, cat: str, slice_id: object, pid: int, tid: int, start_us: float, end_us: float,
-                  nested: list[tuple[str, float, float]], args_b: dict, args_e: dict) -> list[dict]:
-    common = {"cat": cat, "id": slice_id, "pid": pid, "tid": tid}
-    out = [{"name": name, "ph": "b", "ts": start_us, "args": args_b, **common}]
-    for sub, a, b in nested:
-        out += [{"name": sub, "ph": "b", "ts": a, **common}, {"name": sub, "ph": "e", "ts": b, **common}]
-    out.append({"name": name, "ph": "e", "ts": end_us, "args": args_e, **common})
-    return out
-
-
-def to_chrome(tl: Timeline) -> dict:
-    """Chrome trace-event JSON: batches are "X" slices on pid 1 tid 1; requests (cat "request", id = its
-    key) and ops (cat = op kind, id = its key) are async "b"/"e" slices with one nested slice per state;
-    occupancy is one "C" counter per tier. Timestamps in µs from the first event."""
-    us = lambda ns: (ns - tl.base_ns) / 1e3  # noqa: E731
-    meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "ts": 0, "args": {"name": name}}
-            for pid, name in ((PID_SCHEDULER, "scheduler"), (PID_REQUESTS, "requests"),
-                              (PID_TRANSFERS, "transfers"), (PID_OCCUPANCY, "occupancy"))]
-    meta.append({"name": "thread_name", "ph": "M", "pid": PID_SCHEDULER, "tid": 1, "ts": 0,
-                 "args": {"name": "batches"}})
-    ev: list[dict] = []
-    for b in tl.batches:
-        ev.append({"name": f"{b.kind} #{b.batch_id}", "cat": "batch", "ph": "X", "pid": PID_SCHEDULER, "tid": 1,
-                   "ts": us(b.start_ns), "dur": (b.end_ns - b.start_ns) / 1e3,
-                   "args": {"batch_id": b.batch_id, "num_seqs": b.num_seqs, "num_tokens": b.num_tokens}})
-    for r in tl.requests.values():
-        nested = [(phase, us(a), us(b)) for phase, a, b in r.phase_spans(tl.last_ns)]
-        args_b = {"rid": r.rid, "run": r.run, "prompt_tokens": r.prompt_tokens, "restore_tier": r.restore_tier,
-                  "restore_tokens": r.restore_tokens, **{f"hit_{t}_tokens": n for t, n in r.hit_tokens.items()}}
-        args_e = {"final_state": r.final_state, "output_tokens": r.output_tokens, "reason": r.end_reason}
-        if r.end_ns is None:
-            args_e["incomplete"] = True
-        ev += _async_slices(f"request {r.key}", "request", r.key, PID_REQUESTS, 1, us(r.arrival_ns),
-                            us(r.close_ns(tl.last_ns)), nested, args_b, args_e)
-    for op in tl.ops.values():
-        nested = [(s, us(a), us(b)) for s, a, b in op.state_spans(tl.last_ns)]
-        args_b = {"op_id": op.op_id, "run": op.run, "initial_state": op.initial_state,
-                  "request_id": op.request_id, "bytes": op.num_bytes, "pages": op.num_pages}
-        args_e = {"outcome": op.outcome, "final_state": op.transitions[-1][0], "error": op.error}
-        if not op.ended:
-            args_e["incomplete"] = True
-        ev += _async_slices(f"{op.kind} op {op.key}", op.kind, op.key, PID_TRANSFERS, 1, us(op.start_ns),
-                            us(op.end_ns(tl.last_ns)), nested, args_b, args_e)
-    for tier, samples in tl.occupancy.items():
-        for s in samples:
-            ev.append({"name": f"{tier} pages", "ph": "C", "pid": PID_OCCUPANCY, "tid": 0, "ts": us(s.ts_ns),
-                       "args": {"used_pages": s.used_pages, "free_pages": max(0, s.capacity_pages - s.used_pages)}})
-    ev.sort(key=lambda e: e["ts"])  # stable: a slice's "e" stays before the next "b" at the same ts
-    return {"traceEvents": meta + ev, "displayTimeUnit": "ms",
-            "otherData": {"base_monotonic_ns": tl.base_ns, "source": "hicache structured log"}}
-
-
-def write_chrome(tl: Timeline, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(to_chrome(tl)))
-
-
-# ---------------------------------------------------------------- png
-
-def _pack_lanes(spans: list[tuple[float, float]]) -> list[int]:
-    """Greedy interval packing: a lane index for each (start, end), spans given in start order."""
-    lane_ends: list[float] = []
-    lanes = []
-    for a, b in spans:
-        lane = next((i for i, end in enumerate(lane_ends) if end <= a), None)
-        if lane is None:
-            lane = len(lane_ends)
-            lane_ends.append(b)
-        lane_ends[lane] = b
-        lanes.append(lane)
-    return lanes
-
-
-def render_png(tl: Timeline, path: str | Path, *, max_request_rows: int = 40) -> None:
-    """A Gantt chart (requests by phase, batches, transfers by state) over per-tier occupancy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.collections import PolyCollection
-
-    rows: list[tuple[str, list[tuple[float, float, str]]]] = []  # (label, [(start_ms, width_ms, color_key)])
-    ms = tl.rel_ms
-    reqs = list(tl.requests.values())
-    req_spans = [[(ms(a), (b - a) / 1e6, phase) for phase, a, b in r.phase_spans(tl.last_ns)] for r in reqs]
-    if len(reqs) <= max_request_rows:
-        rows += [(f"req {r.key}", spans) for r, spans in zip(reqs, req_spans)]
-    else:
-        lanes = _pack_lanes([(ms(r.arrival_ns), ms(r.close_ns(tl.last_ns))) for r in reqs])
-        for lane in range(max(lanes) + 1):
-            rows.append((f"requests {lane}", [s for l, sp in zip(lanes, req_spans) if l == lane for s in sp]))
-    for kind in sorted({b.kind for b in tl.batches}):
-        rows.append((f"batch {kind}", [(ms(b.start_ns), (b.end_ns - b.start_ns) / 1e6, f"batch {kind}")
-                                       for b in tl.batches if b.kind == kind]))
-    ops = list(tl.ops.values())
-    op_lanes = _pack_lanes([(ms(o.start_ns), ms(o.end_ns(tl.last_ns))) for o in ops])
-    for lane in range(max(op_lanes, default=-1) + 1):
-        rows.append((f"transfers {lane}", [(ms(a), (b - a) / 1e6, s) for o, l in zip(ops, op_lanes) if l == lane
-                                           for s, a, b in o.state_spans(tl.last_ns)]))
-    keys = list(dict.fromkeys(k for _, spans in rows for *_, k in spans))
-    cmap = plt.get_cmap("tab20")
-    colors = {k: cmap(i % 20) for i, k in enumerate(keys)}
-    fig, (ax, ax_occ) = plt.subplots(2, 1, figsize=(14, min(60, 3 + 0.3 * len(rows))), sharex=True,
-                                     gridspec_kw={"height_ratios": [max(3, len(rows)), 3]})
-    min_width_ms = max(tl.rel_ms(tl.last_ns), 1e-3) / 2000  # keep instant spans visible
-    boxes, box_colors = [], []  # one PolyCollection: thousands of broken_barh calls take minutes
-    for y, (_, spans) in enumerate(rows):
-        for start, width, key in spans:
-            x0, x1 = start, start + max(width, min_width_ms)
-            boxes.append([(x0, y - 0.4), (x1, y - 0.4), (x1, y + 0.4), (x0, y + 0.4)])
-            box_colors.append(colors[key])
-    ax.add_collection(PolyCollection(boxes, facecolors=box_colors, edgecolors="none"))
-    ax.set_xlim(0, max(tl.rel_ms(tl.last_ns), 1e-3) * 1.01)
-    ax.set_ylim(-0.6, len(rows) - 0.4)
-    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=7)
-    ax.invert_yaxis()
-    if keys:
-        ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in keys], labels=keys,
-                  fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    ax.set_title(summary_line(tl), fontsize=8)
-    for tier, samples in sorted(tl.occupancy.items()):
-        fractions = [s.used_pages / max(1, s.capacity_pages) for s in samples]
-        ax_occ.step([ms(s.ts_ns) for s in samples] + [ms(tl.last_ns)], fractions + fractions[-1:],
-                    where="post", label=tier)  # the last level holds to the end
-    ax_occ.set_ylabel("used / capacity")
-    ax_occ.set_xlabel("ms since first event")
-    if tl.occupancy:
-        ax_occ.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

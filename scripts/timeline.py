@@ -8,7 +8,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from scheduler.timeline import build_timeline, print_tables, read_events, render_png, write_chrome
+from scheduler.timeline import build_timeline, read_events
+from scheduler.timeline_views import print_tables, render_png, write_chrome
 
 
 def write_output(parser: argparse.ArgumentParser, path: str, write) -> None:

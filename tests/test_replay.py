@@ -11,7 +11,8 @@ import structlog
 
 from scheduler.replay import (SAMPLE_TRACE, _fill_defaults, build_parser, config_from_replay_args, format_summary,
                               main, outputs_digest, run_cli)
-from scheduler.timeline import build_timeline, read_events, render_png, to_chrome
+from scheduler.timeline import build_timeline, read_events
+from scheduler.timeline_views import render_png, to_chrome
 from scheduler.trace import load_trace
 
 REQUIRED_KEYS = ("requests", "completed", "failed", "prompt_tokens", "hit_tokens", "recomputed_tokens", "ttft_ms",

@@ -14,15 +14,8 @@ import structlog
 
 from hicache.ops import OpEvent, OpKind, apply, new_op
 from scheduler.logs import add_monotonic_ns
-from scheduler.timeline import (
-    OP_END_STATES,
-    build_timeline,
-    format_tables,
-    print_tables,
-    read_events,
-    render_png,
-    to_chrome,
-)
+from scheduler.timeline import OP_END_STATES, build_timeline, read_events
+from scheduler.timeline_views import format_tables, print_tables, render_png, to_chrome
 
 REPO = Path(__file__).resolve().parents[1]
 T0_NS = 5_000_000_000  # an arbitrary monotonic origin
