@@ -24,6 +24,15 @@ from hicache.config import HiCacheConfig, Policy
 GIB_BYTES = 1 << 30
 WINDOW_SAMPLES = 32
 EWMA_ALPHA = 0.2
+# A sample this many times slower than predicted is held back until another one confirms it within
+# CONFIRM_WITHIN samples: one stall (a GC pause, a JIT compile, a preempted thread) would otherwise
+# sit in the window for 32 samples, or, as a fitted slope, for good.
+OUTLIER_FACTOR = 8.0
+CONFIRM_WITHIN = 8
+HOLD_AFTER_SAMPLES = 4  # before, the fit is too young to call anything an outlier
+# Sizes must span this fraction of the largest before slope and intercept are fitted apart: a
+# narrower spread (tails of 14 and 18 tokens) fits noise.
+MIN_SPREAD_FRACTION = 1 / 3
 TRANSFER_DIRECTIONS = ("h2d", "d2h", "s2h", "h2s")
 
 
@@ -31,7 +40,11 @@ class LinearCost:
     """`seconds = fixed_s + size * slope`, fitted over a window of recent (size, seconds) samples.
 
     Regime "prior": no samples yet, slope = prior, fixed_s = 0.
-    Regime "fixed_only": the sizes in the window barely differ (max - min <= max(1, 5% of max)), so
+    Once HOLD_AFTER_SAMPLES were learned (before, a prior with no fixed cost, or a fixed cost one
+    EWMA step old, would call ordinary samples outliers), a sample more than OUTLIER_FACTOR times
+    slower than the prediction is held back, and learned only if another such sample comes within
+    CONFIRM_WITHIN samples (a new regime: both are).
+    Regime "fixed_only": the sizes in the window barely differ (max - min <= max(1, a third of max)), so
     slope and intercept cannot both be identified. A sample slower than the reference slope predicts
     keeps that slope and moves fixed_s by EWMA (alpha 0.2) towards the excess, seconds - size *
     reference (DESIGN.md section 7). The reference is the prior until a window of several sizes
@@ -44,8 +57,8 @@ class LinearCost:
     gets re-measured as it is used; a pessimistic one would stop the very restores that could
     correct it), by EWMA after that.
     Regime "least_squares": fit both, constrained to fixed_s >= 0 and slope >= 0. A negative slope
-    falls back to (fixed_s = max(0, mean seconds), slope = 0); a negative intercept to a line through
-    the origin (fixed_s = 0, slope = sum(x*y) / sum(x*x)).
+    (noise) falls back to the reference slope with fixed_s = max(0, mean seconds - reference * mean
+    size); a negative intercept to a line through the origin (fixed_s = 0, slope = sum(x*y) / sum(x*x)).
     """
 
     def __init__(self, prior_slope: float, *, window_samples: int = WINDOW_SAMPLES,
@@ -61,14 +74,33 @@ class LinearCost:
         self.reference_slope = prior_slope  # the fixed-only regime's slope: the prior, or the last fit's
         self.regime = "prior"
         self._samples: deque[tuple[float, float]] = deque(maxlen=window_samples)
+        self._held: deque[tuple[int, float, float]] = deque()  # (sample number, size, seconds) outliers
+        self._seen = 0  # samples offered
+        self.held_back = 0  # outliers never confirmed (state())
 
     def observe(self, size: float, seconds: float) -> None:
         if not (math.isfinite(size) and math.isfinite(seconds)) or size < 0 or seconds < 0:
             raise ValueError(f"cost sample must be finite and >= 0, got size={size} seconds={seconds}")
-        self._samples.append((float(size), float(seconds)))
+        self._seen += 1
+        while self._held and self._held[0][0] < self._seen - CONFIRM_WITHIN:
+            self._held.popleft()
+            self.held_back += 1
+        predicted = self.predict(size)
+        if len(self._samples) >= HOLD_AFTER_SAMPLES and predicted > 0 and seconds > OUTLIER_FACTOR * predicted:
+            if not self._held:
+                self._held.append((self._seen, float(size), float(seconds)))
+                return
+            confirmed = [(x, y) for _, x, y in self._held]  # a second one: a new regime, learn them all
+            self._held.clear()
+            for x, y in confirmed:
+                self._learn(x, y)
+        self._learn(float(size), float(seconds))
+
+    def _learn(self, size: float, seconds: float) -> None:
+        self._samples.append((size, seconds))
         sizes = [x for x, _ in self._samples]
         largest = max(sizes)
-        if largest - min(sizes) <= max(1.0, 0.05 * largest):
+        if largest - min(sizes) <= max(1.0, MIN_SPREAD_FRACTION * largest):
             self._observe_fixed_only(size, seconds)
         else:
             self._fit_least_squares()
@@ -94,7 +126,7 @@ class LinearCost:
         slope = sxy / sxx  # sxx > 0: the spread exceeded the fixed-only threshold
         fixed_s = mean_y - slope * mean_x
         if slope < 0:
-            self.fixed_s, self.slope = max(0.0, mean_y), 0.0
+            self.fixed_s, self.slope = max(0.0, mean_y - self.reference_slope * mean_x), self.reference_slope
         elif fixed_s < 0:
             sum_xy = sum(x * y for x, y in self._samples)
             sum_xx = sum(x * x for x, _ in self._samples)
@@ -114,7 +146,8 @@ class LinearCost:
 
     def state(self) -> dict:
         return {"fixed_s": self.fixed_s, "slope": self.slope, "prior_slope": self.prior_slope,
-                "samples": len(self._samples), "regime": self.regime}
+                "samples": len(self._samples), "regime": self.regime, "held": len(self._held),
+                "held_back": self.held_back}
 
 
 @dataclass(frozen=True)
@@ -147,10 +180,11 @@ class CostModel:
         self.explore_host = config.host_explore_transfers
         self.explore_every = config.restore_explore_every
         self._not_restored = {"l2": 0, "l3": 0}  # hits in a row each tier could have served (cost policy)
+        self._backups_refused = 0  # in a row, by backup_worth_its_cost
         if bytes_per_token < 1:
             raise ValueError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
-        if not config.recompute_us_per_token >= 0:
-            raise ValueError("recompute_us_per_token must be >= 0")
+        if not config.recompute_us_per_token > 0:  # (0: recompute looks free and nothing could correct it)
+            raise ValueError("recompute_us_per_token must be > 0")
         self.bytes_per_token = bytes_per_token
         self.margin = config.cost_margin
         host_s_per_byte = _seconds_per_byte(config.host_bandwidth_gib_s, "host_bandwidth_gib_s")
@@ -176,6 +210,8 @@ class CostModel:
             self.directions[direction].observe(num_bytes, seconds)
             if direction in ("h2d", "s2h"):  # the tier was just timed: no need to re-explore it
                 self._not_restored["l2" if direction == "h2d" else "l3"] = 0
+            elif direction == "d2h":
+                self._backups_refused = 0
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """One prefill forward over `num_tokens` uncached tokens."""
@@ -289,19 +325,21 @@ class CostModel:
     def _reexplore(self, tier: str, restore_tokens: dict[str, int], costs: dict) -> str:
         """The cost policy's pick, or a tier it has not restored from for `explore_every` hits in a
         row: a restore it skipped is never timed, so an estimate that went wrong (samples taken
-        while the link was busy, a page cache that warmed since) would otherwise stay wrong. At
-        most one restore in `explore_every` decisions is a probe (an L3 hit is decided twice: at
-        queue time for its prefetch, and at admission). And an L2 hit while no restore from host
-        memory has been timed (see exploring_host): the first one is a probe."""
+        while the link was busy, a page cache that warmed since) would otherwise stay wrong. That
+        holds for a tier that loses to recompute and for one that loses to the other tier (an L3
+        hit whose shorter L2 part wins every time). At most one restore in `explore_every`
+        decisions is a probe (an L3 hit is decided twice: at queue time for its prefetch, and at
+        admission). And an L2 hit while no restore from host memory has been timed (see
+        exploring_host): the first one is a probe."""
         if tier == "l1" and restore_tokens["l2"] and self._host_untimed("h2d"):
             costs["explore"] = 1.0
             return "l2"
-        if tier != "l1" or not (self.learning and self.explore_every):
+        if not (self.learning and self.explore_every):
             return tier
-        for candidate in ("l2", "l3"):
-            if restore_tokens[candidate]:
-                self._not_restored[candidate] += 1
-        stale = [t for t in ("l2", "l3") if restore_tokens[t] and self._not_restored[t] >= self.explore_every]
+        losers = [t for t in ("l2", "l3") if restore_tokens[t] and t != tier]
+        for candidate in losers:
+            self._not_restored[candidate] += 1
+        stale = [t for t in losers if self._not_restored[t] >= self.explore_every]
         if not stale:
             return tier
         self._not_restored[stale[0]] = 0
@@ -343,7 +381,15 @@ class CostModel:
             return True
         saving_s = new_tokens * (self.directions["recompute"].slope
                                  - self.directions["h2d"].slope * self.bytes_per_token)
-        return self._transfer_s("d2h", new_tokens) < saving_s
+        if self._transfer_s("d2h", new_tokens) < saving_s:
+            return True
+        # refused: D2H is timed only by backups, so after `explore_every` refusals in a row one
+        # goes ahead as a probe (a D2H estimate that went wrong would otherwise refuse them for good)
+        self._backups_refused += 1
+        if self.learning and self.explore_every and self._backups_refused >= self.explore_every:
+            self._backups_refused = 0
+            return True
+        return False
 
     def state(self) -> dict:
         """For status(): every direction's fit, plus effective GiB/s of the transfer slopes."""

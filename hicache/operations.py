@@ -226,6 +226,9 @@ class OpRunner(Backups, Restores):
         try:
             return await asyncio.wait_for(asyncio.shield(fut), deadline_s)
         except asyncio.TimeoutError:
+            # at least the deadline: learned as such, or a storage that became slower than its
+            # deadline would never be timed, and every hit would wait it out before recomputing
+            self.mgr.cost.observe_transfer(direction, op.num_bytes, deadline_s)
             raise StorageError("timeout", f"{direction} slower than its {deadline_s:.3f} s deadline") from None
         finally:
             if not asyncio.current_task().cancelling():
