@@ -4,7 +4,7 @@ restore from L2/L3, or recompute), and the page bookkeeping of each request.
 Page rules for a request (page aligned throughout):
   pages[: locked_len / S]  tree-owned prefix, protected by an L1 lock on `locked_node`;
   pages[locked_len / S :]  private to the request's claim until published by `insert_l1`.
-Admission reserves every page the request can still need (prompt + max_tokens), so a running request
+Admission reserves every page the request can still need (`kv_tokens`: prompt + max_tokens - 1), so a running request
 never waits for memory and nothing is preempted.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import structlog
 
 from hicache.ops import OpState
 from hicache.radix import Tier
-from scheduler.request import Request, RequestState, TokenEvent
+from scheduler.request import Request, RequestState, TokenEvent, kv_tokens
 from scheduler.runner import BatchInput
 
 if TYPE_CHECKING:
@@ -177,7 +177,7 @@ class Admission:
 
     def _pages_after(self, req: Request, cached_tokens: int) -> int:
         """Pages the request still needs once `cached_tokens` of its prompt are in L1."""
-        return -(-(len(req.prompt) + req.params.max_tokens) // self.page_size) - cached_tokens // self.page_size
+        return -(-kv_tokens(len(req.prompt), req.params.max_tokens) // self.page_size) - cached_tokens // self.page_size
 
     # -- restores overlapped with the tail forward ---------------------------------------------
     def _admit_overlapped(self, req: Request, m, op) -> None:
@@ -197,6 +197,7 @@ class Admission:
         req.reserved_pages = self._pages_after(req, end)
         self.reserved_pages += req.reserved_pages
         req.overlap_op = op
+        req.rng_state = req.generator.get_state() if req.generator is not None else None
         eng.stats["restore_overlaps"] += 1
         req.state = RequestState.PREFILL
         eng.running.append(req)
@@ -216,6 +217,7 @@ class Admission:
         if self.engine.runner.restore_wait_timed_out():
             self.engine.stats["restore_waits_timed_out"] += 1
             result = None
+            self._undo_draw(req)
         if req.overlap_op is not None and not req.overlap_op.done:
             req.overlap_result = result
             return ([], [], binput), []
@@ -255,7 +257,14 @@ class Admission:
         self._rewind(req, failed=not op.succeeded)
         return False
 
+    @staticmethod
+    def _undo_draw(req: Request) -> None:
+        """An overlapped forward's token is dropped: so is what it drew from the request's generator."""
+        if req.generator is not None and req.rng_state is not None:
+            req.generator.set_state(req.rng_state)
+
     def _rewind(self, req: Request, failed: bool) -> None:
+        self._undo_draw(req)
         eng = self.engine
         eng.running.remove(req)
         self.release(req, publish=False)
@@ -324,7 +333,7 @@ class Admission:
             req.hit_tokens["l1"] = max(0, m.lengths[Tier.L1] - req.hit_tokens["l2"] - req.hit_tokens["l3"])
         l1_len = m.lengths[Tier.L1]
         cache.lock(m.handles[Tier.L1])
-        need = -(-(len(req.prompt) + req.params.max_tokens) // ps) - l1_len // ps
+        need = -(-kv_tokens(len(req.prompt), req.params.max_tokens) // ps) - l1_len // ps
         if need > cache.available_l1_pages() - self.reserved_pages:
             cache.unlock(m.handles[Tier.L1])
             return False
@@ -364,18 +373,23 @@ class Admission:
         chunk = min(len(req.prompt) - req.cached_len, budget)
         if chunk <= 0 or not self._grow(req, req.cached_len + chunk):
             return 0
-        self._append(binput, req, req.prompt[req.cached_len: req.cached_len + chunk], req.cached_len)
+        last = req.cached_len + chunk == len(req.prompt)  # an earlier chunk's token is thrown away
+        self._append(binput, req, req.prompt[req.cached_len: req.cached_len + chunk], req.cached_len, sampled=last)
         return chunk
 
     @staticmethod
-    def _append(binput: BatchInput, req: Request, new_tokens: list[int], prefix_len: int) -> None:
+    def _append(binput: BatchInput, req: Request, new_tokens: list[int], prefix_len: int,
+                sampled: bool = True) -> None:
+        """sampled=False: the row's token is thrown away (a prompt chunk before the last), so it is
+        taken greedily and draws nothing from a seeded request's generator, whose stream then does
+        not depend on how the prompt was chunked or how much of it was cached."""
         binput.input_ids.extend(new_tokens)
         binput.prefix_lens.append(prefix_len)
         binput.new_lens.append(len(new_tokens))
         binput.page_tables.append(req.pages)
-        binput.temperatures.append(float(req.params.temperature))
+        binput.temperatures.append(float(req.params.temperature) if sampled else 0.0)
         binput.top_ps.append(float(req.params.top_p))
-        binput.generators.append(req.generator)
+        binput.generators.append(req.generator if sampled else None)
 
     # -- decode --------------------------------------------------------------------------------
     def decode_batch(self):

@@ -30,7 +30,7 @@ from scheduler.logs import configure_logging, info_enabled
 from scheduler.model import load_model
 from scheduler.presets import PRESETS, ModelConfig
 from scheduler.request import (GenerationResult, Request, RequestError, RequestState, SamplingParams,
-                               TokenEvent)
+                               TokenEvent, kv_tokens)
 from scheduler.runner import ModelRunner, SimRunner
 
 log = structlog.get_logger("scheduler.engine")
@@ -152,10 +152,10 @@ class Engine:
         params.validate(self.config.max_new_tokens_limit)
         if len(prompt) > self.max_prompt_tokens:
             raise RequestError(f"prompt of {len(prompt)} tokens exceeds the limit of {self.max_prompt_tokens}")
-        need_pages = -(-(len(prompt) + params.max_tokens) // self.page_size)
+        need_pages = -(-kv_tokens(len(prompt), params.max_tokens) // self.page_size)
         if need_pages > self.usable_l1_pages:
             raise RequestError(
-                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) needs {need_pages} pages; the L1 "
+                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) - 1 needs {need_pages} pages; the L1 "
                 f"pool has {self.usable_l1_pages} pages of {self.page_size} tokens for requests")
 
     async def start(self) -> None:
@@ -204,6 +204,8 @@ class Engine:
                              params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
         await self.start()
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):  # (zip would drop prompts silently)
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling parameters")
         reqs: list[Request | GenerationResult] = []
         for prompt, p in zip(prompts, plist):
             try:
@@ -322,13 +324,10 @@ class Engine:
             self._wake.clear()
             self._end_chain = False
             self._settle_aborts()
-            if self._stopping and not (self.running or self.waiting or self.parked):
-                return
+            if self._stopping and not self.running:
+                return  # (nothing is admitted while stopping: waiting and parked requests stay as they are)
             self.admission.settle_parked()
             self.admission.settle_overlaps()
-            if self._stopping and not self.running and not self.waiting and self.parked:
-                await self._wake.wait()
-                continue
             batch = await self.admission.prefill_batch()
             if batch is None:
                 batch = self.admission.decode_batch()

@@ -15,6 +15,12 @@ class RequestError(ValueError):
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 
 
+def kv_tokens(prompt_tokens: int, max_tokens: int) -> int:
+    """Tokens whose K/V a request can write: its prompt and every generated token but the last
+    (nothing runs after the last one)."""
+    return prompt_tokens + max_tokens - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -108,6 +114,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     generator: object = None     # torch.Generator for seeded sampling
+    rng_state: object = None     # the generator's state before an overlapped forward (undone if it is discarded)
     queue: asyncio.Queue | None = None
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None

@@ -8,7 +8,7 @@ import pytest
 
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
-from scheduler.request import RequestError, SamplingParams
+from scheduler.request import RequestError, RequestState, SamplingParams
 
 VOCAB = 512
 
@@ -378,4 +378,40 @@ def test_a_page_held_for_good_sizes_requests_without_it():
         eng.add_request(list(range(1, 173)), SamplingParams(max_tokens=20))
     [whole, small] = eng.generate([list(range(1, 173)), [1, 2, 3]], SamplingParams(max_tokens=4))
     assert whole.error is None and small.error is None
+    eng.check_integrity()
+
+
+@pytest.mark.asyncio
+async def test_stop_loop_returns_with_requests_still_waiting():
+    """stop_loop leaves requests as they are: it hung while one waited, since nothing is admitted
+    while stopping and the loop only ended with every queue empty (generate()'s cleanup hung too)."""
+    eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=64, page_size=4, max_running_requests=1))
+    await eng.start()
+    first = eng.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=4, ignore_eos=True))
+    second = eng.add_request([6, 7, 8, 9, 10], SamplingParams(max_tokens=4, ignore_eos=True))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(eng.stop_loop(), 30)
+    assert first.state is RequestState.FINISHED and second.state is RequestState.WAITING  # running ones end
+    await eng.start()  # they go on where they were
+    assert (await _finished(second)).finish_reason == "length"
+    await eng.shutdown()
+    eng.check_integrity()
+
+
+def test_generate_refuses_params_that_do_not_match_the_prompts():
+    eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=64, page_size=4))
+    with pytest.raises(ValueError, match="3 prompts but 1 sampling parameters"):
+        eng.generate([[1, 2], [3, 4], [5, 6]], [SamplingParams(max_tokens=2)])
+
+
+def test_a_prompt_of_the_whole_pool_fits_with_one_new_token():
+    """The last generated token's K/V is never written: a request needs prompt + max_tokens - 1
+    tokens of L1, and a prompt of max_prompt_tokens (the whole pool) used to be refused."""
+    eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=16, page_size=4))
+    assert eng.max_prompt_tokens == 64
+    [whole] = eng.generate([list(range(1, 65))], SamplingParams(max_tokens=1))
+    [two] = eng.generate([list(range(1, 64))], SamplingParams(max_tokens=2))
+    assert whole.error is None and two.error is None and len(two.output_ids) == 2
+    with pytest.raises(RequestError, match="needs 17 pages"):
+        eng.add_request(list(range(1, 65)), SamplingParams(max_tokens=2))
     eng.check_integrity()

@@ -454,3 +454,26 @@ async def test_a_prefetch_expected_to_be_taken_on_verifies_after_landing(overlap
     assert result.cached_tokens["l2"] + result.cached_tokens["l3"] == REUSABLE
     assert [r.get("checksums_after_landing", False) for r in reads] == [overlap and max_bytes is None and capable]
     await finish(eng)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("gave_up", [False, True], ids=["kept", "discarded"])
+async def test_a_seeded_request_samples_the_same_through_an_overlapped_restore(gave_up):
+    """A discarded overlapped forward (its layer wait gave up; or its restore failed or lost the
+    publish race) had drawn from the request's generator: the rerun sampled a shifted stream."""
+    from scheduler.request import SamplingParams
+
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=99, ignore_eos=True)
+    eng = make_engine()
+    await eng.start()
+    [cold] = await eng.generate_async([PROMPT], params)
+    await eng.cache.drain()
+    eng.cache.tree.evict(Tier.L1, eng.cache.l1.num_pages)
+    if gave_up:
+        flags = iter([True])
+        eng.runner.restore_wait_timed_out = lambda: next(flags, False)
+    [restored] = await eng.generate_async([PROMPT], params)
+    assert eng.stats["restore_overlaps"] == 1 and restored.cached_tokens["l2"] == REUSABLE
+    assert eng.stats["restore_waits_timed_out"] == int(gave_up)
+    assert restored.output_ids == cold.output_ids
+    await finish(eng)

@@ -59,3 +59,22 @@ def test_a_seed_beyond_64_bits_is_a_request_error():
         SamplingParams(max_tokens=2, temperature=1.0, seed=1 << 64).validate(16)
     out = eng.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=1.0, seed=(1 << 64) - 1))
     assert len(out[0].output_ids) == 2
+
+
+def test_a_seeded_stream_does_not_depend_on_chunks_or_cache_hits():
+    """Every prefill chunk's row drew a token from the request's generator (thrown away but for the
+    last chunk's), so a cold request chunked in 5 drew 4 more times than its cache hit."""
+    import random
+
+    rng = random.Random(0)
+    prompt = [rng.randrange(512) for _ in range(33)]
+    p = SamplingParams(max_tokens=8, temperature=1.0, seed=1234, ignore_eos=True)
+
+    def engine(**kw):
+        return Engine(EngineConfig(model="tiny", device="cpu", num_pages=256, page_size=4, **kw))
+    chunked = engine(max_prefill_tokens=8)
+    cold = chunked.generate([prompt], p)[0]
+    hit = chunked.generate([prompt], p)[0]
+    whole = engine(enable_prefix_cache=False).generate([prompt], p)[0]
+    assert hit.cached_tokens["l1"] == 32
+    assert cold.output_ids == hit.output_ids == whole.output_ids
