@@ -111,7 +111,10 @@ class CacheManager:
 
     def _on_evict(self, tier: Tier, node: Node, pages: list[int]) -> None:
         self.metrics.evictions_pages[tier.label] += len(pages)
-        if tier in self.reuse and not self._flushing:
+        # a shared store's page outlives its local hint (other instances may read it): dropping the
+        # hint says nothing of its reuse (counted, a writer whose pages others read stopped writing)
+        shared = tier is Tier.L3 and getattr(self.store, "content_addressed", False)
+        if tier in self.reuse and not self._flushing and not shared:
             self.reuse[tier].on_evicted(len(pages))
         if tier is Tier.L3 and self.store is not None:
             self.store.invalidate(pages)

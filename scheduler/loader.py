@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors import safe_open
 
 from scheduler.model import Qwen3Model
@@ -68,12 +69,19 @@ def _files(path: Path) -> tuple[Path, list[Path]]:
     return config, shards
 
 
-def checkpoint_identity(path: str | Path) -> str:
-    """"ckpt:" + digest of config.json's bytes and the safetensors file names and sizes."""
+def checkpoint_identity(path: str | Path, chunk_bytes: int = 16 << 20) -> str:
+    """"ckpt:" + digest of config.json and of every safetensors file's name and bytes. The bytes,
+    not the sizes: a fine-tune has its base model's config and shapes, and with the sizes alone the
+    two shared L3 keys, so one restored the other's KV (outputs differed from its own recompute).
+    xxh3-128 at ~10 GB/s, over files the load has just read: ~2 s for an 8B checkpoint."""
     config, shards = _files(Path(path))
     h = hashlib.sha256(config.read_bytes())
     for shard in shards:
-        h.update(f"\0{shard.name}\0{shard.stat().st_size}".encode())
+        content = xxhash.xxh3_128()
+        with open(shard, "rb") as f:
+            while block := f.read(chunk_bytes):
+                content.update(block)
+        h.update(f"\0{shard.name}\0{shard.stat().st_size}\0{content.hexdigest()}".encode())
     return "ckpt:" + h.hexdigest()[:16]
 
 

@@ -77,6 +77,19 @@ def test_identity_depends_on_config_and_files(tmp_path: Path) -> None:
     assert checkpoint_identity(a) == checkpoint_identity(b) != checkpoint_identity(c)
 
 
+def test_identity_depends_on_the_weights_not_only_their_shapes(tmp_path: Path) -> None:
+    """A fine-tune has its base's config, file names and sizes: with those alone both models had one
+    identity, hence one set of shared-L3 keys, and one restored the other's KV."""
+    base = random_model(False)
+    tensors = export_hf_state_dict(base)
+    a = write_checkpoint(tmp_path / "base", base.cfg, tensors)
+    tuned = dict(tensors)
+    tuned["model.norm.weight"] = tuned["model.norm.weight"] + 1e-3  # one small tensor changed
+    b = write_checkpoint(tmp_path / "tuned", base.cfg, tuned)
+    assert sorted(p.stat().st_size for p in a.glob("*")) == sorted(p.stat().st_size for p in b.glob("*"))
+    assert checkpoint_identity(a) != checkpoint_identity(b)
+
+
 def test_missing_tensor_is_named(tmp_path: Path) -> None:
     src = random_model(False)
     tensors = export_hf_state_dict(src)

@@ -265,3 +265,28 @@ async def test_other_model_gets_no_hits(server):
     assert m["hit_tokens"]["l3"] == m["hit_tokens"]["l2"] == 0 and m["directions"]["s2h"]["count"] == 0
     assert other.cache.store.counters["hint_pages_found"] == 0
     await other.shutdown()
+
+
+@needs_redis
+@pytest.mark.asyncio
+async def test_the_cost_policy_keeps_writing_pages_other_instances_read(server):
+    """Dropping a local hint of a shared page was counted as an L3 eviction without read-back (the
+    page stays in Redis for other instances): a writer whose pages only others read decided L3
+    writes did not pay and wrote every 16th backup."""
+    hint_table_pages = 32
+    cfg = EngineConfig(model="tiny", num_pages=64, page_size=4).with_hicache(
+        enable=True, storage_backend="redis", storage_url=server.url(),
+        storage_size_gb=hint_table_pages * 2048 / (1 << 30))  # the default policy: cost
+    writer = Engine(cfg)
+    assert writer.cache.allocator(Tier.L3).num_pages == hint_table_pages
+    rng = random.Random(5)
+    prompts = [[rng.randrange(512) for _ in range(41)] for _ in range(40)]
+    client = server.client()
+    written = []
+    for p in prompts:
+        before = client.dbsize()
+        await writer.generate_async([p], SamplingParams(max_tokens=2))
+        await writer.stop_loop()
+        written.append(client.dbsize() - before)
+    await writer.shutdown()
+    assert written == [10] * len(prompts)  # every prompt's 10 full pages reach the shared store
