@@ -61,9 +61,9 @@ class _SamplingFields(_Strict):
     stop: StrictInt | TokenIds | StrictStr | list[StrictStr] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: StrictBool = False
-    stream: StrictBool = False
+    stream: StrictBool | None = False  # (null: the default, as OpenAI's schema allows)
     stream_options: StreamOptions | None = None
-    n: StrictInt = 1
+    n: StrictInt | None = 1
     user: StrictStr | None = None
     # accepted for client compatibility; only their neutral values are supported
     logprobs: StrictInt | StrictBool | None = None
@@ -86,7 +86,7 @@ class _SamplingFields(_Strict):
         return tuple(dict.fromkeys(stop))
 
     def check_unsupported(self) -> None:
-        if self.n != 1:
+        if self.n not in (None, 1):
             raise APIError(400, f"'n' must be 1 (got {self.n}); this server generates one choice per request",
                            param="n", code="unsupported_value")
         if self.logprobs not in (None, False, 0):
@@ -101,7 +101,7 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: StrictStr | TokenIds
-    echo: StrictBool = False
+    echo: StrictBool | None = False
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
@@ -243,10 +243,16 @@ def response_body(chat: bool, rid: str, created: int, model: str, text: str, fin
     return CompletionResponse(choices=[choice], **common).model_dump()
 
 
+def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: Usage) -> dict:
+    """The chunk after the last one when stream_options.include_usage: no choices, the usage."""
+    return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+            "model": model, "choices": [], "usage": usage.model_dump()}
+
+
 def stream_chunk(chat: bool, rid: str, created: int, model: str, text: str, token_ids: list[int],
                  finish_reason: str | None, first: bool, usage: Usage | None | Literal[False]) -> dict:
     """One SSE chunk; `usage` False leaves the key out (no stream_options.include_usage), None is
-    the null that OpenAI puts in every chunk but the last."""
+    the null that OpenAI puts in every choice chunk (the usage follows in `usage_chunk`)."""
     choice: dict = {"index": 0, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
     if chat:
         choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
@@ -299,6 +305,7 @@ def parse_request(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
         raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
                        param="model", code="model_not_found")
     param = "messages" if chat else "prompt"
+    _check_unicode(req, param)
     if chat:
         try:
             ids = tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
@@ -309,11 +316,7 @@ def parse_request(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids",
                            param=param, code="invalid_value")
-        try:
-            ids = tokenizer.encode(req.prompt)
-        except UnicodeError as exc:  # e.g. a lone surrogate, which JSON allows ("\ud800")
-            raise APIError(400, f"the prompt is not valid Unicode text: {exc}", param=param,
-                           code="invalid_value") from None
+        ids = tokenizer.encode(req.prompt)
     else:
         ids = list(req.prompt)
     if not ids:
@@ -326,6 +329,23 @@ def parse_request(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
             raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab_size})", param=param,
                            code="invalid_token_id")
     return req, ids, _sampling(req, max_tokens_limit, default_max_tokens)
+
+
+def _check_unicode(req: CompletionRequest | ChatCompletionRequest, param: str) -> None:
+    """Text a tokenizer can take: JSON allows lone surrogates ("\ud800"), which UTF-8 cannot encode
+    (a 500 from the tokenizer, or a misleading 'the chat template rejected the messages')."""
+    if isinstance(req, ChatCompletionRequest):
+        texts = [m.name or "" for m in req.messages] + [
+            p.text for m in req.messages for p in (m.content if isinstance(m.content, list) else [])]
+        texts += [m.content for m in req.messages if isinstance(m.content, str)]
+    else:
+        texts = [req.prompt] if isinstance(req.prompt, str) else []
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeError as exc:
+            raise APIError(400, f"the {param} is not valid Unicode text: {exc}", param=param,
+                           code="invalid_value") from None
 
 
 def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: int) -> SamplingParams:

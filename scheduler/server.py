@@ -38,7 +38,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.api_models import (APIError, Usage, jsonable, parse_request, read_json_body, response_body,
-                                  stream_chunk, validation_error)
+                                  stream_chunk, usage_chunk, validation_error)
 from scheduler.config import add_engine_args, config_from_args
 from scheduler.engine import Engine
 from scheduler.prom import ServerMetrics
@@ -372,11 +372,15 @@ class _Generation:
             pass
         await _abort_quietly(self.st.engine, self.req)
 
-    def _chunk(self, text: str, token_ids: list[int], fin, first: bool) -> str:
+    @property
+    def _includes_usage(self) -> bool:
         opts = self.api_req.stream_options
-        usage = (self._usage() if fin is not None else None) if opts is not None and opts.include_usage else False
+        return opts is not None and opts.include_usage
+
+    def _chunk(self, text: str, token_ids: list[int], fin, first: bool) -> str:
         chunk = stream_chunk(self.chat, self.req.rid, self.created, self.st.model_name, text, token_ids,
-                             None if fin is None else fin.finish_reason, first, usage)
+                             None if fin is None else fin.finish_reason, first,
+                             None if self._includes_usage else False)
         return f"data: {json.dumps(chunk)}\n\n"
 
     async def sse(self):
@@ -396,6 +400,9 @@ class _Generation:
                         text += decoder.flush()
                 yield self._chunk(text, [] if token is None else [token], fin, first)
                 first = False
+                if fin is not None and self._includes_usage:
+                    usage = usage_chunk(self.chat, self.req.rid, self.created, self.st.model_name, self._usage())
+                    yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             await self.close()

@@ -76,7 +76,7 @@ class HFTokenizer:
 
         self.tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
         self.chat_template: str | None = None
-        self.no_chat_reason = f"{model_dir} has no tokenizer_config.json with a chat_template"
+        self.no_chat_reason = f"{model_dir} has no chat template (tokenizer_config.json or chat_template.jinja)"
         self.bos_token = self.eos_token = ""
         cfg_path = os.path.join(model_dir, "tokenizer_config.json")
         if os.path.isfile(cfg_path):
@@ -87,12 +87,20 @@ class HFTokenizer:
             if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
                 named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
                 template = named.get("default") or next(iter(named.values()), None)
-            if isinstance(template, str) and template:
-                try:
-                    self._compiled = _compile_template(template)
-                    self.chat_template = template
-                except ImportError:
-                    self.no_chat_reason = "jinja2 is not installed, so the chat template cannot be rendered"
+        else:
+            template = None
+        jinja_path = os.path.join(model_dir, "chat_template.jinja")  # where recent transformers save it
+        if not (isinstance(template, str) and template) and os.path.isfile(jinja_path):
+            with open(jinja_path) as f:
+                template = f.read()
+        if isinstance(template, str) and template:
+            try:
+                self._compiled = _compile_template(template)
+                self.chat_template = template
+            except ImportError:
+                self.no_chat_reason = "jinja2 is not installed, so the chat template cannot be rendered"
+            except Exception as exc:  # jinja2.TemplateError: chat is refused, completions still served
+                self.no_chat_reason = f"the chat template does not compile here: {exc}"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -121,7 +129,8 @@ def _compile_template(template: str):
     def raise_exception(message: str):
         raise TemplateError(message)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])  # as transformers renders
     env.globals["raise_exception"] = raise_exception
     return env.from_string(template)
 

@@ -166,13 +166,13 @@ def test_streaming_matches_non_streaming(client):
     ref = client.completions.create(model="tiny", prompt=prompt, max_tokens=6).choices[0]
     chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=6, stream=True,
                                             stream_options={"include_usage": True}))
+    *chunks, usage = chunks  # with include_usage OpenAI sends the usage in a last chunk with no choices
     assert [t for c in chunks for t in c.choices[0].token_ids] == ref.token_ids
     assert "".join(c.choices[0].text for c in chunks) == ref.text
     assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
-    last = chunks[-1]
-    assert last.choices[0].finish_reason == "length"
-    assert last.usage.prompt_tokens == 6 and last.usage.completion_tokens == 6
-    assert "cached_tokens_per_tier" in last.usage.model_extra
+    assert chunks[-1].choices[0].finish_reason == "length" and all(c.usage is None for c in chunks)
+    assert usage.choices == [] and usage.usage.prompt_tokens == 6 and usage.usage.completion_tokens == 6
+    assert "cached_tokens_per_tier" in usage.usage.model_extra
 
 
 def test_models_health_status(srv):
@@ -355,6 +355,14 @@ def test_200_concurrent_streams_match_sequential_and_disconnects_leak_nothing(sr
 
 
 
+@pytest.mark.parametrize("field", ["n", "stream", "echo"])
+def test_fields_openai_allows_as_null_take_their_default(srv, field):
+    """Clients that send every field, null where unset, got 400s for n, stream and echo."""
+    r = httpx.post(srv.url + "/v1/completions", json={**GOOD, field: None}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"][0]["token_ids"]) == 2
+
+
 def test_extreme_sampling_values_are_served(srv):
     """temperature 1e-40 and top_p 1e-300 are accepted values; they used to make the sampler raise
     inside the loop and fail every request in flight (and the server after it)."""
@@ -440,6 +448,50 @@ def test_chat_with_template_and_draining(tmp_path):
         r = httpx.post(s.url + "/v1/completions", json=GOOD)
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
         assert httpx.get(s.url + "/health").status_code == 503
+
+
+def test_a_checkpoint_tokenizer_refuses_text_utf8_cannot_encode(tmp_path):
+    """JSON allows lone surrogates: the HF tokenizer raised TypeError (a 500) on such a prompt, and a
+    chat message's was blamed on the template."""
+    _write_byte_level_tokenizer(tmp_path)
+    engine = Engine(EngineConfig(model="tiny", device="cpu", max_total_tokens=512))
+    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=HFTokenizer(str(tmp_path)))) as s:
+        for path, body, param in (
+                ("/v1/completions", b'{"prompt": "ab\\ud800cd", "max_tokens": 2}', "prompt"),
+                ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "a\\udfffb"}]}', "messages")):
+            r = httpx.post(s.url + path, content=body, headers={"content-type": "application/json"}, timeout=30)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["param"] == param and "not valid Unicode" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("template,chat_ok", [
+    ("{% for m in messages %}{% if loop.index > 5 %}{% break %}{% endif %}{{ m['content'] }}{% endfor %}", True),
+    ("{% for m in messages %}{{ m['content'] }", False),  # does not compile
+])
+def test_a_chat_template_that_does_not_compile_leaves_completions_served(tmp_path, template, chat_ok):
+    """A template that did not compile (or used {% break %}, which transformers renders) stopped the
+    server from starting, completions and all."""
+    _write_byte_level_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    tokenizer = HFTokenizer(str(tmp_path))
+    assert (tokenizer.chat_template is not None) == chat_ok
+    engine = Engine(EngineConfig(model="tiny", device="cpu", max_total_tokens=512))
+    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=tokenizer)) as s:
+        assert httpx.post(s.url + "/v1/completions", json=GOOD, timeout=30).status_code == 200
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                             "max_tokens": 2}, timeout=30)
+        assert r.status_code == (200 if chat_ok else 400), r.text
+        if not chat_ok:
+            assert "does not compile" in r.json()["error"]["message"]
+
+
+def test_a_chat_template_in_its_own_file_is_read(tmp_path):
+    """Recent transformers save the template as chat_template.jinja, not in tokenizer_config.json."""
+    _write_byte_level_tokenizer(tmp_path)
+    template = json.loads((tmp_path / "tokenizer_config.json").read_text())["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "chat_template.jinja").write_text(template)
+    assert HFTokenizer(str(tmp_path)).chat_template == template
 
 
 # -- signals -------------------------------------------------------------------------------------------
