@@ -152,6 +152,10 @@ class Engine:
         params.validate(self.config.max_new_tokens_limit)
         if len(prompt) > self.max_prompt_tokens:
             raise RequestError(f"prompt of {len(prompt)} tokens exceeds the limit of {self.max_prompt_tokens}")
+        positions = self.model_config.max_position_embeddings
+        if kv_tokens(len(prompt), params.max_tokens) > positions:  # past the positions it was trained for
+            raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) - 1 exceeds the model's "
+                               f"{positions} positions (max_position_embeddings)")
         need_pages = -(-kv_tokens(len(prompt), params.max_tokens) // self.page_size)
         if need_pages > self.usable_l1_pages:
             raise RequestError(

@@ -12,7 +12,10 @@ enough (L1 4096 tokens, L2 24576, L3 65536) that the working set overflows L1 an
 Capacity flags in tokens or GiB map onto --num-pages / --hicache-size-gb / --hicache-storage-size-gb.
 `--simulate` runs the same scheduler, tree, allocators and cost model with no model and no bytes.
 With --concurrency 1 every request and every cache operation it caused end before the next request
-starts, so a run is deterministic and a simulated run's hits equal a real run's (with a forced policy).
+starts, so a run is deterministic and a simulated run's hits equal a real run's (with a forced policy
+and the same KV dtype: a simulation with `--dtype auto` sizes bf16 KV, a GPU deployment's, where a
+real CPU run has float32, so capacities in GiB hold half the pages there; give them in tokens, or
+give --dtype).
 Exit status: 2 for bad input (an option out of range, a trace or path that cannot be used, an engine
 that cannot start), 1 when no request completed, the engine crashed, the cache failed its integrity
 check or --compare-no-cache found other outputs. Prompt tokens are those of completed requests.
@@ -24,6 +27,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -141,12 +145,12 @@ def _check_replay_args(parser: argparse.ArgumentParser, args: argparse.Namespace
     """Refuses replay options out of range (exit code 2) rather than clipping or ignoring them."""
     for key, minimum in REPLAY_MINIMUMS.items():
         value = getattr(args, key)
-        if value is not None and not value >= minimum:  # also refuses NaN
-            parser.error(f"{_flag(key)} must be >= {minimum}, got {value}")
+        if value is not None and not minimum <= value < math.inf:  # also refuses NaN and inf
+            parser.error(f"{_flag(key)} must be >= {minimum} and finite, got {value}")
     for key in POSITIVE_OPTIONS:
         value = getattr(args, key)
-        if value is not None and not value > 0:
-            parser.error(f"{_flag(key)} must be > 0, got {value}")
+        if value is not None and not 0 < value < math.inf:
+            parser.error(f"{_flag(key)} must be > 0 and finite, got {value}")
 
 
 def _check_writable(parser: argparse.ArgumentParser, path: str | None, key: str) -> None:

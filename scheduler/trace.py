@@ -140,9 +140,12 @@ def scale_record(rec: TraceRecord, block_tokens: int) -> TraceRecord:
 
 
 class TokenSynth:
-    """Turns hash ids into token ids: each id is a fixed block of `block_tokens` ids drawn from
-    np.random.default_rng([seed, hash_id]), so equal ids give identical blocks in every record and
-    every run. Blocks are cached (int32, block_tokens * 4 bytes each)."""
+    """Turns hash ids into token ids: each id is a fixed block of `block_tokens` ids, so equal ids
+    give identical blocks in every record and every run. A block starts with the id's digits in
+    base vocab_size (least significant first), so different ids give different blocks whenever the
+    id fits in a block (drawn at random, two ids could give one block: a cache hit the trace does
+    not have; 4.6 % more hits on the sample at one token a block); the rest is drawn from
+    np.random.default_rng([seed, hash_id]). Blocks are cached (int32, block_tokens * 4 bytes each)."""
 
     def __init__(self, vocab_size: int, block_tokens: int, seed: int = 0):
         if vocab_size <= 0 or block_tokens <= 0 or seed < 0:
@@ -158,6 +161,10 @@ class TokenSynth:
         if blk is None:
             rng = np.random.default_rng([self.seed, hash_id])
             blk = rng.integers(0, self.vocab_size, size=self.block_tokens, dtype=np.int32)
+            digits, i = hash_id, 0
+            while i < self.block_tokens and (digits or i == 0):
+                digits, blk[i] = divmod(digits, self.vocab_size)
+                i += 1
             blk.flags.writeable = False
             self._blocks[hash_id] = blk
         return blk

@@ -77,6 +77,7 @@ def test_zero_prefill_budget_is_refused_not_a_hang():
     ("--l1-gib", "-1"), ("--l2-gib", "0"), ("--l3-gib", "-1"), ("--l3-tokens", "-64"),
     ("--hicache-storage-size-gb", "-1"), ("--max-input-tokens", "0"), ("--max-output-tokens", "0"),
     ("--max-output-tokens", "-3"), ("--max-requests", "-1"), ("--block-tokens", "0"), ("--time-scale", "-1"),
+    ("--time-scale", "inf"), ("--l1-gib", "inf"), ("--l2-gib", "inf"), ("--l3-gib", "inf"),  # hung / crashed
 ])
 def test_replay_refuses_out_of_range_options(capsys, flag, value):
     code, err = exit_code(capsys, [*SIM, flag, value])

@@ -415,3 +415,13 @@ def test_a_prompt_of_the_whole_pool_fits_with_one_new_token():
     with pytest.raises(RequestError, match="needs 17 pages"):
         eng.add_request(list(range(1, 65)), SamplingParams(max_tokens=2))
     eng.check_integrity()
+
+
+def test_a_request_past_the_models_positions_is_refused():
+    """A trace replay served 5,000-token prompts to a model of 4,096 positions without a word."""
+    eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=2048, page_size=4))
+    positions = eng.model_config.max_position_embeddings
+    with pytest.raises(RequestError, match=f"exceeds the model's {positions} positions"):
+        eng.add_request([1] * positions, SamplingParams(max_tokens=2))
+    [last] = eng.generate([[1] * (positions - 1)], SamplingParams(max_tokens=2))  # the last position: fine
+    assert last.error is None and len(last.output_ids) == 2
