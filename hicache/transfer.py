@@ -341,7 +341,9 @@ class TransferEngine:
         a transfer costs its DMA plus the small chunk's kernel rather than the sum of both. The
         first DMA is enqueued before anything else: a D2H's first pages straight out of L1
         (`_direct_out`, maybe already done by the caller), an H2D's first chunk into the workspace
-        (it waits for nothing: only the scatters write L1, and they wait on the caller's stream)."""
+        (it waits for nothing: only the scatters write L1, and they wait on the caller's stream; but
+        into a workspace allocated just now it waits for the caller's stream, whose memory pool may
+        have handed out a block that stream freed but had not finished with)."""
         kernel_stream, copy_stream = self.kernel_streams[direction], self.copy_streams[direction]
         n = len(l1_pages)
         if direction == "d2h":
@@ -367,6 +369,9 @@ class TransferEngine:
             sizes = ramp_chunks(n, self.first_chunk_pages, RAMP_GROWTH)
             sizes.reverse()  # the small chunk last: its scatter is all that follows the DMAs
             self._events(tr)
+            if ws.fresh is not None:  # a workspace allocated just now: its memory's last users first
+                copy_stream.wait_event(ws.fresh)
+                ws.fresh = None
             tr.start_event.record(copy_stream)
             self._dma(packed, host, 0, sizes[0], copy_stream)  # DMA the chunk in, then scatter it
             kernel_stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # last readers of the L1 pages

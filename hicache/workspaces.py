@@ -25,6 +25,9 @@ class Workspace:
     index_host: torch.Tensor | None = None  # [num_pages] int64, pinned
     index_device: torch.Tensor | None = None  # [num_pages] int64
     index_np: object = None                 # index_host as a numpy array (the host writes it)
+    # CUDA, just allocated: recorded on the allocating (compute) stream, whose memory pool may have
+    # handed out a block that stream freed but still uses; a side stream's first write waits for it
+    fresh: object = None                    # torch.cuda.Event | None
 
 
 class Workspaces:
@@ -48,6 +51,8 @@ class Workspaces:
                 ws.index_host = torch.empty(num_pages, dtype=torch.int64, pin_memory=True)
                 ws.index_device = torch.empty(num_pages, dtype=torch.int64, device=self.device)
                 ws.index_np = ws.index_host.numpy()
+                ws.fresh = torch.cuda.Event()
+                ws.fresh.record(torch.cuda.current_stream(self.device))
             self._all.append(ws)
         if needs_host and ws.host is None:
             ws.host = torch.empty(self.geometry.page_major_shape(ws.num_pages), dtype=self.geometry.dtype,

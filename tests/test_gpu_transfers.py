@@ -295,3 +295,36 @@ def test_pipelined_transfers_move_every_chunk_exactly(backend, direct, raw_dma):
         assert torch.equal(l1.kv[:, :, dst].cpu(), l2.buffer[:, :, host_pages])
         assert not l1.kv[:, :, sorted(set(range(96)) - set(dst))].any()
     te.close()
+
+
+@pytest.mark.parametrize("pending", ["write", "read"])
+def test_pipelined_h2d_into_a_fresh_workspace_waits_for_the_callers_last_use_of_its_memory(pending):
+    """A pipelined H2D DMAs its first chunk into its workspace before anything waits on the caller's
+    stream. A workspace allocated now comes from the caller's stream's pool, which may hand out a
+    block that stream freed but still uses (a forward's temporaries, enqueued and not yet run):
+    the DMA must land neither before that stream's last write of the block nor before its last read."""
+    from hicache.geometry import KVGeometry
+    from hicache.pools import DevicePool, HostPool
+    from hicache.transfer import TransferEngine
+    from kernels.chooser import choose_backends
+
+    geo = KVGeometry(num_layers=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16)
+    l1, l2 = DevicePool(geo, 64, torch.device("cuda")), HostPool(geo, 64, pin=True)
+    te = TransferEngine(l1, l2, choose_backends(l1.kv, "torch"))
+    l2.page_buffer.view(torch.int16).random_(1, 1000)  # no 3 or 7 (bf16) anywhere
+    n = 16  # >= 8 consecutive L2 pages: the pipeline
+    host, dev = list(range(n)), list(range(20, 20 + n))
+    torch.cuda.synchronize()
+    block = torch.full(geo.page_major_shape(n), 7, dtype=geo.dtype, device="cuda")
+    torch.cuda._sleep(100_000_000)  # ~50 ms: the caller's stream is busy, as under a forward
+    if pending == "write":
+        block.fill_(3)              # its last write of the block, still to run
+    seen = block.clone()            # its last read of the block, still to run
+    del block                       # freed: the allocator may hand it out again on this stream
+    tr = te.h2d(host, dev)
+    assert tr.workspace is not None  # the pipeline, with a workspace allocated just now
+    te.wait_blocking(tr)
+    torch.cuda.synchronize()
+    assert torch.equal(seen, torch.full_like(seen, 3 if pending == "write" else 7))  # caller's read intact
+    assert torch.equal(l1.kv[:, :, dev].cpu(), l2.buffer[:, :, host])  # restore is L2's bytes
+    te.close()
