@@ -146,10 +146,13 @@ class OpRunner(Backups, Restores):
         except Exception as exc:  # a bug in a driver must not leak pages or hang a request
             log.exception("op_driver_error", op_id=op.op_id)
             if not op.done:
-                self._fail(op, f"driver error: {exc!r}", "driver")
-            else:  # raised after its last transition: still free what it holds, count it
-                self._release(op)
-                self.mgr.metrics.count_failure("driver")
+                apply(op, OpEvent.FAIL, error=f"driver error: {exc!r}")
+                if op.kind is not OpKind.BACKUP:
+                    self.mgr.metrics.fallbacks += 1
+            # its pages are freed once a copy or read it enqueued has settled (freed now, a copy
+            # still running could write into pages their next owner already uses)
+            self._settle_then_release(op, self._in_flight(op))
+            self.mgr.metrics.count_failure("driver")
         finally:
             self.live.pop(op.op_id, None)
             self._tasks.pop(op.op_id, None)

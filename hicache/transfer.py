@@ -414,19 +414,26 @@ class TransferEngine:
 
     # -- completion ----------------------------------------------------------------------------
     async def wait(self, tr: Transfer) -> Transfer:
-        """Await completion without spinning the loop; raises TransferError on a failed transfer."""
-        try:
-            if tr.event is None and tr.finish is None:
+        """Await completion without spinning the loop; raises TransferError on a failed transfer.
+        The transfer's buffers are given back once it has settled, also when the waiter is
+        cancelled first (they were given back then, while the copy still ran into them)."""
+        if tr.event is None and tr.finish is None:
+            try:
                 tr.complete()
-            else:
-                await asyncio.get_running_loop().run_in_executor(self._waiters[tr.direction], tr.complete)
-        finally:
-            self.workspaces.release(tr.workspace)
-            tr.workspace = None
-            tr.keepalive.clear()
+            finally:
+                self._settled(tr)
+        else:
+            done = asyncio.get_running_loop().run_in_executor(self._waiters[tr.direction], tr.complete)
+            done.add_done_callback(lambda _: self._settled(tr))
+            await asyncio.shield(done)
         if tr.fail:
             raise TransferError(tr.error or f"{tr.direction}: injected transfer failure")
         return tr
+
+    def _settled(self, tr: Transfer) -> None:
+        self.workspaces.release(tr.workspace)
+        tr.workspace = None
+        tr.keepalive.clear()
 
     def wait_blocking(self, tr: Transfer) -> Transfer:
         """Wait on this thread, polling (benchmarks, tests)."""

@@ -477,3 +477,33 @@ async def test_a_seeded_request_samples_the_same_through_an_overlapped_restore(g
     assert eng.stats["restore_waits_timed_out"] == int(gave_up)
     assert restored.output_ids == cold.output_ids
     await finish(eng)
+
+
+@pytest.mark.asyncio
+async def test_a_driver_that_raises_with_a_copy_in_flight_keeps_its_pages_until_it_settled(monkeypatch):
+    """A driver bug (here: publishing the verified L2 pages raises) while its H2D still runs: the op
+    freed its L1 pages at once, and a copy still landing could write into pages already reused."""
+    faults = FaultInjector()
+    eng = await _prefix_only_in_l3(faults)
+    gate = TransferGate(eng, "h2d")
+    runner, real_publish = eng.cache.runner, eng.cache.runner._publish
+
+    def publish(op, tokens, tier, *args, **kw):
+        if tier is Tier.L2 and op.payload.get("transfer") is not None:  # a taken prefetch, its H2D enqueued
+            raise RuntimeError("a bug while the H2D still runs")
+        return real_publish(op, tokens, tier, *args, **kw)
+    monkeypatch.setattr(runner, "_publish", publish)
+    with capture_op_logs():
+        task = asyncio.create_task(run_one(eng))
+        await until(lambda: eng.cache.metrics.failures.get("driver"))
+        await asyncio.sleep(0.05)
+        assert runner.pending_counts()["settling"] == 1  # its pages wait for the H2D held back
+        gate.release.set()
+        result = await task
+    assert result.output_ids == await reference(PROMPT)  # recomputed
+    await eng.stop_loop()
+    await eng.cache.drain()
+    assert runner.pending_counts()["settling"] == 0 and eng.cache.metrics.failures["driver"] == 1
+    eng.cache.metrics.failures.pop("driver")  # (expected here: assert_whole refuses driver errors)
+    assert_whole(eng.cache)
+    await eng.shutdown()

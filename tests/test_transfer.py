@@ -325,3 +325,32 @@ def test_a_copy_done_inside_its_enqueue_costs_its_enqueue(direction):
     assert tr.recurring_ns == tr.enqueue_ns + tr.finish_ns == tr.service_ns
     assert tr.recurring_ns < 300_000_000
     engine.close()
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_waiter_leaves_the_buffers_to_the_copy_until_it_settled():
+    """wait() gave the workspace back when its waiter was cancelled, while the copy (here: the CPU
+    index copy of a fragmented D2H, held back) still wrote from it: the next transfer could take it."""
+    import asyncio
+    import threading
+
+    l1 = DevicePool(GEOM, 32, torch.device("cpu"))
+    l2 = HostPool(GEOM, 64, pin=False)
+    engine = TransferEngine(l1, l2, ChosenBackends("torch", "torch", {}, "test"))
+    tr = engine.d2h(list(range(12)), layouts(12)["scattered"])
+    assert tr.finish is not None and tr.workspace is not None
+    hold, real_finish = threading.Event(), tr.finish
+    tr.finish = lambda: (hold.wait(10), real_finish())
+    waiter = asyncio.ensure_future(engine.wait(tr))
+    await asyncio.sleep(0.05)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert [w.busy for w in engine.workspaces] == [True]  # still the copy's
+    hold.set()
+    for _ in range(500):
+        if not any(w.busy for w in engine.workspaces):
+            break
+        await asyncio.sleep(0.01)
+    assert [w.busy for w in engine.workspaces] == [False]
+    engine.close()
