@@ -78,8 +78,9 @@ class Admission:
 
     def settle_parked(self) -> None:
         """Parked requests whose restore (or prefetch) ended go back to the head of the queue; so
-        does, once, a request whose prefetch's read landed (it may take it on to L1, `_take_landed`)."""
-        for req in list(self.engine.parked):
+        does, once, a request whose prefetch's read landed (it may take it on to L1, `_take_landed`).
+        Walked newest first, so that those returning together keep their order at the head."""
+        for req in reversed(self.engine.parked):
             op = req.restore_op or req.prefetch_op
             if op is not None and not op.done:
                 if op is req.prefetch_op and op.state is OpState.S2H_LANDED and not req.landed_offered:

@@ -219,15 +219,21 @@ class Engine:
                                              output_ids=[], finish_reason="error", error=str(exc),
                                              cached_tokens={}, ttft_s=None, latency_s=None))
         out = []
-        for r in reqs:
-            if isinstance(r, Request):
-                while not r.state.done:
-                    ev = await r.queue.get()
-                    if ev.finished:
-                        break
-                out.append(r.result())
-            else:
-                out.append(r)
+        try:
+            for r in reqs:
+                if isinstance(r, Request):
+                    while not r.state.done:
+                        ev = await r.queue.get()
+                        if ev.finished:
+                            break
+                    out.append(r.result())
+                else:
+                    out.append(r)
+        except asyncio.CancelledError:  # nobody waits for them any more: as submit() does, abort them
+            for r in reqs:
+                if isinstance(r, Request) and not r.state.done:
+                    await self.abort(r.rid)
+            raise
         return out
 
     def generate(self, prompts, params=None) -> list[GenerationResult]:

@@ -425,3 +425,35 @@ def test_a_request_past_the_models_positions_is_refused():
         eng.add_request([1] * positions, SamplingParams(max_tokens=2))
     [last] = eng.generate([[1] * (positions - 1)], SamplingParams(max_tokens=2))  # the last position: fine
     assert last.error is None and len(last.output_ids) == 2
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_generate_async_aborts_its_requests():
+    """Its requests ran to max_tokens with nobody waiting (submit() aborted its own already)."""
+    eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=2048, page_size=4, max_new_tokens_limit=4000))
+    task = asyncio.create_task(eng.generate_async([[1, 2, 3], [4, 5, 6]], SamplingParams(max_tokens=4000,
+                                                                                         ignore_eos=True)))
+    while eng.stats["decode_tokens"] == 0:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert eng.stats["aborted"] == 2 and not eng.running
+    await eng.shutdown()
+    eng.check_integrity()
+
+
+def test_requests_back_from_restores_together_keep_their_order():
+    """Parked requests whose restores ended in one tick went back to the queue's head in reverse."""
+    from types import SimpleNamespace
+
+    from scheduler.request import Request
+
+    eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=64, page_size=4))
+    done = SimpleNamespace(done=True, succeeded=True)
+    first, second = (Request(prompt=[1, 2], params=SamplingParams()) for _ in range(2))
+    for req in (first, second):
+        req.state, req.restore_op = RequestState.PARKED, done
+        eng.parked.append(req)
+    eng.admission.settle_parked()
+    assert list(eng.waiting) == [first, second] and not eng.parked
