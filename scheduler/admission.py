@@ -464,7 +464,7 @@ class Admission:
         req.output.append(int(token))
         req.emit(TokenEvent(req.rid, int(token), len(req.output) - 1))
         p = req.params
-        if int(token) in p.stop_token_ids or (not p.ignore_eos and eng.model_config.eos_token_id == int(token)):
+        if int(token) in p.stop_token_ids or (not p.ignore_eos and int(token) in eng.model_config.eos_token_ids):
             eng.finish(req, RequestState.FINISHED, "stop")
         elif len(req.output) >= p.max_tokens:
             eng.finish(req, RequestState.FINISHED, "length")

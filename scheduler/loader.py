@@ -5,6 +5,7 @@ qkv_proj, gate/up_proj row slices of gate_up_proj. The same map exports a model 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -85,6 +86,20 @@ def checkpoint_identity(path: str | Path, chunk_bytes: int = 16 << 20) -> str:
     return "ckpt:" + h.hexdigest()[:16]
 
 
+def _with_generation_eos(cfg: ModelConfig, path: Path) -> ModelConfig:
+    """generation_config.json's end-of-sequence ids stop a generation too, as in HF's generate()
+    (Qwen3's lists <|endoftext|> there; config.json may name only <|im_end|>)."""
+    gen = path / "generation_config.json"
+    if not gen.is_file():
+        return cfg
+    eos = json.loads(gen.read_text()).get("eos_token_id")
+    ids = [int(e) for e in eos] if isinstance(eos, (list, tuple)) else ([] if eos is None else [int(eos)])
+    extra = tuple(i for i in ids if i not in cfg.eos_token_ids)
+    if cfg.eos_token_id is None and extra:
+        return dataclasses.replace(cfg, eos_token_id=extra[0], extra_eos_token_ids=extra[1:])
+    return dataclasses.replace(cfg, extra_eos_token_ids=cfg.extra_eos_token_ids + extra)
+
+
 def _names(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(names[:limit])
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
@@ -97,7 +112,7 @@ def load_checkpoint(path: str | Path, device: torch.device | str,
     path = Path(path)
     config_file, shards = _files(path)
     try:
-        cfg = ModelConfig.from_hf_config(json.loads(config_file.read_text()))
+        cfg = _with_generation_eos(ModelConfig.from_hf_config(json.loads(config_file.read_text())), path)
     except (ValueError, TypeError) as e:
         raise CheckpointError(f"{config_file}: {e}") from e
     model = Qwen3Model.empty(cfg, device, dtype)  # uninitialised: every tensor must come from the files

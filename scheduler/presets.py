@@ -29,6 +29,14 @@ class ModelConfig:
     tie_word_embeddings: bool
     max_position_embeddings: int
     eos_token_id: int | None
+    # further end-of-sequence ids: the rest of a config.json list, and generation_config.json's
+    extra_eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends a generation (unless the request ignores EOS)."""
+        first = () if self.eos_token_id is None else (self.eos_token_id,)
+        return tuple(dict.fromkeys(first + self.extra_eos_token_ids))
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -78,8 +86,7 @@ class ModelConfig:
         num_heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         eos = cfg.get("eos_token_id")
-        if isinstance(eos, (list, tuple)):
-            eos = eos[0] if eos else None
+        eos_ids = [int(e) for e in eos] if isinstance(eos, (list, tuple)) else ([] if eos is None else [int(eos)])
         return cls(
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
@@ -92,7 +99,8 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
-            eos_token_id=None if eos is None else int(eos),
+            eos_token_id=eos_ids[0] if eos_ids else None,
+            extra_eos_token_ids=tuple(eos_ids[1:]),
         )
 
     def to_hf_config(self) -> dict[str, Any]:
@@ -111,7 +119,7 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
-            "eos_token_id": self.eos_token_id,
+            "eos_token_id": list(self.eos_token_ids) if self.extra_eos_token_ids else self.eos_token_id,
             "hidden_act": "silu",
             "attention_bias": False,
         }

@@ -287,10 +287,9 @@ class _Generation:
     def __init__(self, st: _ServerState, req: EngineRequest, api_req, chat: bool, arrival: float) -> None:
         self.st, self.req, self.api_req, self.chat, self.arrival = st, req, api_req, chat, arrival
         self.created = int(time.time())
-        eos = st.engine.model_config.eos_token_id
         self.stop_ids = set(req.params.stop_token_ids)
-        if eos is not None and not req.params.ignore_eos:
-            self.stop_ids.add(eos)
+        if not req.params.ignore_eos:
+            self.stop_ids.update(st.engine.model_config.eos_token_ids)
         self.first_token_at: float | None = None
         self._buf: deque = deque()
         self._closed = self._counted = False

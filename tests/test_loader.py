@@ -125,3 +125,22 @@ def test_not_a_checkpoint(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"].to_hf_config()))
     with pytest.raises(CheckpointError, match="safetensors"):
         load_checkpoint(tmp_path, CPU, torch.float32)
+
+
+def test_generation_configs_end_tokens_stop_a_generation(tmp_path: Path) -> None:
+    """Only config.json's first end id stopped a generation: an end token listed in
+    generation_config.json (Qwen3's <|endoftext|>) ran on, its text hidden, to max_tokens."""
+    from scheduler.config import EngineConfig
+    from scheduler.engine import Engine
+    from scheduler.request import SamplingParams
+
+    src = random_model(False)
+    ckpt = write_checkpoint(tmp_path / "c", src.cfg, export_hf_state_dict(src))
+    prompt, params = [[1, 2, 3, 4]], SamplingParams(max_tokens=6)
+    first = Engine(EngineConfig(model=str(ckpt), device="cpu", num_pages=64)).generate(prompt, params)[0]
+    assert first.finish_reason == "length" and first.output_ids[0] != 7  # (7: config.json's end id)
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, first.output_ids[0]]}))
+    eng = Engine(EngineConfig(model=str(ckpt), device="cpu", num_pages=64))
+    assert eng.model_config.eos_token_ids == (7, first.output_ids[0])
+    [stopped] = eng.generate(prompt, params)
+    assert stopped.finish_reason == "stop" and stopped.output_ids == first.output_ids[:1]

@@ -115,7 +115,9 @@ def test_from_hf_config_round_trip() -> None:
     cfg = PRESETS["qwen3-8b"]
     assert ModelConfig.from_hf_config(cfg.to_hf_config()) == cfg
     hf = {**cfg.to_hf_config(), "eos_token_id": [151645, 151643]}
-    assert ModelConfig.from_hf_config(hf).eos_token_id == 151645
+    listed = ModelConfig.from_hf_config(hf)
+    assert listed.eos_token_id == 151645 and listed.eos_token_ids == (151645, 151643)  # every one stops
+    assert ModelConfig.from_hf_config(listed.to_hf_config()) == listed
     with pytest.raises(ValueError, match="num_hidden_layers"):
         ModelConfig.from_hf_config({k: v for k, v in hf.items() if k != "num_hidden_layers"})
     with pytest.raises(ValueError, match="Qwen3"):
