@@ -293,9 +293,12 @@ async def read_json_body(request, max_bytes: int) -> dict:
 # -- body -> engine input ------------------------------------------------------------------------------
 def parse_request(body: dict, chat: bool, *, tokenizer, served_names: set[str], model_name: str, vocab_size: int,
                   prompt_limit: int, max_tokens_limit: int, default_max_tokens: int = 16,
+                  context_tokens: int | None = None,
                   ) -> tuple[CompletionRequest | ChatCompletionRequest, list[int], SamplingParams]:
     """Validate a decoded JSON body: (the request model, prompt token ids, sampling parameters).
-    Raises APIError (400 / 404) naming the field or limit."""
+    Raises APIError (400 / 404) naming the field or limit. Without max_tokens a completion gets
+    `default_max_tokens` (OpenAI's legacy default, 16) and a chat what is left of `context_tokens`
+    (the tokens a request can hold; OpenAI's chat has no default), each within max_tokens_limit."""
     try:
         req = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
     except ValidationError as exc:
@@ -328,6 +331,8 @@ def parse_request(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
         if not 0 <= t < vocab_size:
             raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab_size})", param=param,
                            code="invalid_token_id")
+    if chat and context_tokens is not None:  # prompt + max_tokens - 1 tokens of K/V
+        default_max_tokens = max(1, context_tokens + 1 - len(ids))
     return req, ids, _sampling(req, max_tokens_limit, default_max_tokens)
 
 

@@ -433,13 +433,18 @@ def test_chat_with_template_and_draining(tmp_path):
     tokenizer = HFTokenizer(str(tmp_path))
     assert tokenizer.chat_template is not None
     engine = Engine(EngineConfig(model="tiny", device="cpu", max_total_tokens=512))
-    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=tokenizer)) as s:
+    limits = ServerLimits(shutdown_grace_s=1.0, max_tokens_limit=64)
+    with ServerThread(create_app(engine, limits, tokenizer=tokenizer)) as s:
         with openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0) as c:
             messages = [{"role": "user", "content": "hi"}]
             r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
             expected_prompt = len(tokenizer.encode("<user>hi\n<assistant>", add_special_tokens=False))
             assert r.object == "chat.completion" and r.usage.prompt_tokens == expected_prompt
             assert r.choices[0].message.role == "assistant" and len(r.choices[0].model_extra["token_ids"]) == 4
+            # without max_tokens a chat gets what is left of its context (OpenAI's chat has no default;
+            # it used to get the completions' 16), within --max-tokens-limit (64 here)
+            free = c.chat.completions.create(model="tiny", messages=messages)
+            assert free.usage.completion_tokens == 64 and free.choices[0].finish_reason == "length"
             chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=4, stream=True))
             assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
             assert chunks[-1].choices[0].finish_reason == "length"
@@ -532,3 +537,19 @@ def test_sigterm_exits_cleanly_within_grace_and_removes_temp_l3(tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_a_chat_without_max_tokens_gets_what_is_left_of_its_context():
+    from types import SimpleNamespace
+
+    from scheduler.api_models import parse_request
+
+    tokenizer = SimpleNamespace(apply_chat_template=lambda messages: list(range(1, 101)))  # 100 prompt tokens
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    kw = dict(tokenizer=tokenizer, served_names={"tiny"}, model_name="tiny", vocab_size=512, prompt_limit=1000)
+    _, ids, params = parse_request(body, True, max_tokens_limit=64, context_tokens=120, **kw)
+    assert len(ids) == 100 and params.max_tokens == 21  # 100 + 21 - 1 = 120 tokens of K/V
+    _, _, params = parse_request(body, True, max_tokens_limit=64, context_tokens=4096, **kw)
+    assert params.max_tokens == 64
+    _, _, params = parse_request({"prompt": [1, 2]}, False, max_tokens_limit=64, context_tokens=4096, **kw)
+    assert params.max_tokens == 16  # a completion keeps OpenAI's legacy default
