@@ -270,22 +270,59 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def device_read_gib_s(device) -> float:
-    """Device memory read bandwidth from a large copy (bytes read / time); 0.0 off CUDA."""
+def device_read_gib_s(device, copy_bytes: int = 2 << 30, repeats: int = 10) -> float:
+    """Device memory bandwidth from a large copy, read + write bytes counted as one stream (the
+    weight-read floor's rate): the best of `repeats` copies on the device clock; 0.0 off CUDA.
+    (Timed on the host once after 10 copies it read 10 % low in bench_engine: 3,509 against the
+    3,850-3,960 GiB/s this gives in a fresh process; session 20.)"""
     device = torch.device(device)
     if device.type != "cuda":
         return 0.0
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
-    torch.cuda.synchronize(device)
-    t = time.perf_counter()
-    for _ in range(10):
+    times_ms = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         dst.copy_(src)
-    torch.cuda.synchronize(device)
-    per = (time.perf_counter() - t) / 10
-    return 2 * src.numel() / per / (1 << 30)  # a copy reads and writes: count both, as a read stream
+        end.record()
+        end.synchronize()
+        times_ms.append(start.elapsed_time(end))
+    del src, dst
+    return 2 * copy_bytes / (min(times_ms) / 1e3) / (1 << 30)
+
+
+def forward_read_bytes(model) -> int:
+    """Weight bytes one forward reads: every parameter but the input embedding table, of which it
+    reads a row a token (kept when tied: the table is then the LM head too)."""
+    embed = model.embed_tokens.weight
+    tied = model.lm_head is None
+    return sum(p.numel() * p.element_size() for p in model.parameters()) - (0 if tied else embed.numel() * embed.element_size())
+
+
+async def tail_forward_s(engine, prompt: list[int], tail_tokens: int, repeats: int) -> list[float]:
+    """Seconds of `repeats` forwards alone (launch to tokens back, no request bookkeeping) over the
+    last `tail_tokens` of `prompt`, whose prefix L1 holds: the uncached tail after a restore. The
+    rows are the cached prompt's last tokens, rewritten in place (the same K/V at the same slots), so
+    run it after any output check."""
+    from scheduler.runner import BatchInput
+
+    m = engine.cache.match(prompt)
+    cached = m.lengths[0]
+    if cached < tail_tokens:
+        raise ValueError(f"only {cached} tokens of the prompt are in L1, fewer than the {tail_tokens}-token tail")
+    pos = cached - tail_tokens
+    binput = BatchInput(list(prompt[pos:cached]), [pos], [tail_tokens], [list(m.pages[0])], [0.0], [1.0], [None],
+                        is_decode=False)
+    times = []
+    for _ in range(repeats + 2):  # two warm-ups: the first replays capture or compile
+        sync(str(engine.device))
+        t = time.perf_counter()
+        await engine.runner.collect(engine.runner.launch(binput))
+        times.append(time.perf_counter() - t)
+    return times[2:]
 
 
 class BenchDir:
