@@ -9,15 +9,14 @@ never waits for memory and nothing is preempted.
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import TYPE_CHECKING
 
 import structlog
 
-from hicache.ops import OpState
 from hicache.radix import Tier
 from scheduler.request import Request, RequestState, TokenEvent, kv_tokens
+from scheduler.restoring import Restoring
 from scheduler.runner import BatchInput
 
 if TYPE_CHECKING:
@@ -26,7 +25,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("scheduler.engine")
 
 
-class Admission:
+class Admission(Restoring):
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
         self.cache = engine.cache
@@ -39,243 +38,9 @@ class Admission:
         computed to produce the first output), page aligned by the tree."""
         return req.prompt[:-1] if self.engine.config.enable_prefix_cache else []
 
-    def maybe_prefetch(self, req: Request) -> None:
-        """Start an L3 -> L2 promotion as soon as a request is queued (for a shared L3, after
-        refreshing the tree's hints of what the store holds; the request waits for that refresh)."""
-        if getattr(self.cache.store, "content_addressed", False):
-            req.hint_task = asyncio.get_running_loop().create_task(self._refresh_then_prefetch(req))
-            return
-        self._prefetch(req)
-
-    async def _refresh_then_prefetch(self, req: Request) -> None:
-        try:
-            await self.cache.refresh_l3_hints(self._reusable(req))
-            if not req.state.done:
-                self._prefetch(req)
-        except Exception as exc:  # a store that cannot answer only costs the hint
-            log.warning("l3_hint_refresh_failed", rid=req.rid, error=repr(exc))
-            self.cache.metrics.count_failure("hint_refresh")
-        finally:
-            self.engine._wake_soon()
-
-    def _prefetch(self, req: Request) -> None:
-        cache = self.cache
-        if not (cache.has_l3 and cache.config.prefetch and cache.config.policy != "never"):
-            return
-        tokens = self._reusable(req)
-        m = cache.tree.match(tokens, include_storage=True, touch=False)
-        l1, l2, l3 = m.lengths
-        # a prefetch whose request would run alone takes its H2D on under the tail's forward
-        # (_take_landed): the same credit on the H2D as an overlapped L2 restore's, and its
-        # checksums wait for the landing rather than slow it
-        overlap = self._may_overlap(req, l3, alone=not self.engine.running,
-                                    budget=self.engine.config.max_prefill_tokens)
-        if l3 <= max(l1, l2) or cache.decide(m, overlap_h2d=overlap, l3_taken_on=overlap).tier != "l3":
-            return
-        req.prefetch_op = cache.runner.start_restore(tokens, m, "prefetch", req.rid, take_soon=overlap)
-        if req.prefetch_op is not None:
-            req.promoted_tokens = l3 - l2  # served from L3 when this request later restores from L2
-
-    def settle_parked(self) -> None:
-        """Parked requests whose restore (or prefetch) ended go back to the head of the queue; so
-        does, once, a request whose prefetch's read landed (it may take it on to L1, `_take_landed`).
-        Walked newest first, so that those returning together keep their order at the head."""
-        for req in reversed(self.engine.parked):
-            op = req.restore_op or req.prefetch_op
-            if op is not None and not op.done:
-                if op is req.prefetch_op and op.state is OpState.S2H_LANDED and not req.landed_offered:
-                    req.landed_offered = True
-                    self.engine.parked.remove(req)
-                    req.state = RequestState.WAITING
-                    self.engine.waiting.appendleft(req)
-                continue
-            self.engine.parked.remove(req)
-            if op is req.restore_op and op is not None and not op.succeeded:
-                req.restore_failed = True
-                req.hit_tokens.update(l2=0, l3=0)
-                req.restore_tier = "none"
-            if op is req.prefetch_op and op is not None and not op.succeeded:
-                req.promoted_tokens = 0
-            req.restore_op = req.prefetch_op = None
-            req.state = RequestState.WAITING
-            self.engine.waiting.appendleft(req)
-
-    def _park(self, req: Request, op) -> None:
-        req.state = RequestState.PARKED
-        self.engine.waiting.remove(req)
-        self.engine.parked.append(req)
-        self.engine._event(req, "parked", restore_tier=req.restore_tier)
-
-    async def _try_restore(self, req: Request, m, alone: bool, budget: int) -> str | None:
-        """Start a restore if the cost model says so. Returns "parked" (the request waits for it),
-        "overlapped" (admitted now: its tail forward runs behind the layer-ordered copy) or None."""
-        cache, ps = self.cache, self.page_size
-        if not cache.has_l2 or getattr(req, "restore_failed", False):
-            return None
-        # overlap: an L2 restore of a request that runs alone in this batch and whose tail is one
-        # forward (and, below, whose every page can be reserved now: its forward starts before the
-        # copy ends) lands layer by layer under that forward
-        may_overlap = self._may_overlap(req, m.lengths[Tier.L2], alone, budget)
-        decision = cache.decide(m, overlap_h2d=may_overlap)
-        if decision.tier not in ("l2", "l3"):
-            return None
-        # the restore takes L1 pages (and locks the L1 prefix): only out of what no running request
-        # has reserved, or a running request's decode later finds no page (server-test regression)
-        end = max(m.lengths[Tier.L2], m.lengths[Tier.L3])
-        restore_l1_pages = (end - m.lengths[Tier.L1]) // ps
-        cache.lock(m.handles[Tier.L1])
-        room = cache.available_l1_pages() - self.reserved_pages
-        cache.unlock(m.handles[Tier.L1])
-        if restore_l1_pages > room:
-            return None
-        overlap = may_overlap and decision.tier == "l2" and restore_l1_pages + self._pages_after(req, end) <= room
-        op = cache.runner.start_restore(self._reusable(req), m, decision.tier, req.rid, layerwise=overlap)
-        if op is None:
-            cache.metrics.fallbacks += 1
-            return None
-        req.restore_op, req.restore_tier = op, decision.tier
-        from_l3 = decision.restore_tokens if decision.tier == "l3" else min(req.promoted_tokens,
-                                                                            decision.restore_tokens)
-        req.hit_tokens.update(l3=from_l3, l2=decision.restore_tokens - from_l3)
-        if op.payload.get("layerwise"):
-            self._admit_overlapped(req, m, op)
-            return "overlapped"
-        self._park(req, op)
-        if not cache.config.prefetch:  # blocking restore: the whole loop waits for it
-            await cache.runner.wait_op(op)
-        return "parked"
-
-    def _may_overlap(self, req: Request, cached_tokens: int, alone: bool, budget: int) -> bool:
-        """Whether a restore up to `cached_tokens` could land layer by layer under the request's
-        tail forward: overlap on, layer-ordered copies here, the request alone in its batch and
-        its tail one forward (the caller still checks that every page can be reserved)."""
-        return (alone and self.engine.config.restore_overlap and getattr(self.cache.transfer, "layerwise", False)
-                and len(req.prompt) - cached_tokens <= budget)
-
-    def _take_landed(self, req: Request, alone: bool, budget: int) -> bool:
-        """Admit a request whose prefetch's read has landed but is still being verified, with the
-        prefetch taken on to L1 (OpRunner.take_to_l1) and its tail forward overlapped with that
-        H2D; like `_try_restore`'s overlap, only for a request alone in its batch whose tail is one
-        forward and whose every page can be reserved now. The forward's output counts only if the
-        checksums pass (`adopt_restored`). False: the request stays parked on the prefetch."""
-        cache, ps, op = self.cache, self.page_size, req.prefetch_op
-        if op.state is not OpState.S2H_LANDED or not self._may_overlap(req, op.payload["l3_end"], alone, budget):
-            return False
-        m = cache.match(self._reusable(req))
-        end = op.payload["l3_end"]
-        cache.lock(m.handles[Tier.L1])
-        room = cache.available_l1_pages() - self.reserved_pages
-        cache.unlock(m.handles[Tier.L1])
-        if (end - m.lengths[Tier.L1]) // ps + self._pages_after(req, end) > room:
-            return False
-        if not cache.runner.take_to_l1(op, m):
-            return False
-        req.prefetch_op, req.restore_op, req.restore_tier = None, op, "l3"
-        from_l3 = end - op.payload["l2_start"]
-        req.hit_tokens.update(l3=from_l3, l2=end - m.lengths[Tier.L1] - from_l3)
-        self._admit_overlapped(req, m, op)
-        return True
-
     def _pages_after(self, req: Request, cached_tokens: int) -> int:
         """Pages the request still needs once `cached_tokens` of its prompt are in L1."""
         return -(-kv_tokens(len(req.prompt), req.params.max_tokens) // self.page_size) - cached_tokens // self.page_size
-
-    # -- restores overlapped with the tail forward ---------------------------------------------
-    def _admit_overlapped(self, req: Request, m, op) -> None:
-        """Admit a request whose prefix is still landing: its page table takes the restore's pages
-        (private to the op until it publishes them) and its forward waits layer by layer on the
-        device. Until `adopt_restored` its lock stays on the L1 hit it had before the restore."""
-        eng, cache = self.engine, self.cache
-        end = op.payload["l1_end"]
-        cache.lock(m.handles[Tier.L1])
-        cache.note_hit(self._reusable(req), m)
-        eng.waiting.remove(req)
-        req.claim = cache.new_claim(req.rid)
-        req.pages = list(m.pages[Tier.L1]) + list(op.payload["l1_pages"])
-        req.locked_len, req.locked_node = m.lengths[Tier.L1], m.handles[Tier.L1]
-        req.cached_len = end
-        req.hit_tokens["l1"] = m.lengths[Tier.L1]
-        req.reserved_pages = self._pages_after(req, end)
-        self.reserved_pages += req.reserved_pages
-        req.overlap_op = op
-        req.rng_state = req.generator.get_state() if req.generator is not None else None
-        eng.stats["restore_overlaps"] += 1
-        req.state = RequestState.PREFILL
-        eng.running.append(req)
-        eng._event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
-                   hit_l2=req.hit_tokens["l2"], hit_l3=req.hit_tokens["l3"], restore_tier=req.restore_tier,
-                   restore_tokens=req.hit_tokens["l2"] + req.hit_tokens["l3"], restore_overlap=True)
-
-    def after_overlapped_forward(self, work, next_ids: list[int]):
-        """The forward that ran behind a layer-ordered restore is done (so are its copies, on the
-        device). Its output counts only once the op has published the pages: now if it has, else
-        held in the request and applied by `settle_overlaps` (the loop never waits for an op).
-        Returns the (work, next_ids) to post-process now."""
-        [req], [chunk], binput = work
-        # a layer wait that gave up (kernels/layer_flags.py) means this forward may have read KV
-        # that had not landed: its output is dropped and the tail runs again once the op is done
-        result = (chunk, next_ids[0])
-        if self.engine.runner.restore_wait_timed_out():
-            self.engine.stats["restore_waits_timed_out"] += 1
-            result = None
-            self._undo_draw(req)
-        if req.overlap_op is not None and not req.overlap_op.done:
-            req.overlap_result = result
-            return ([], [], binput), []
-        if not self.adopt_restored(req) or result is None:
-            return ([], [], binput), []
-        return work, next_ids
-
-    def settle_overlaps(self) -> None:
-        """Requests whose overlapped restore ended since their forward: keep or discard its output."""
-        for req in [r for r in self.engine.running if r.overlap_op is not None and r.overlap_op.done]:
-            result, req.overlap_result = req.overlap_result, None
-            if self.adopt_restored(req) and result is not None:
-                self.after_step(req, *result)
-
-    def adopt_restored(self, req: Request) -> bool:
-        """The restore ended: move the request's lock onto the published prefix (its pages must be
-        the ones the forward read) and count the hit; else put the request back in the queue."""
-        op, req.overlap_op = req.overlap_op, None
-        if op is None:
-            return True
-        if req.state.done:  # aborted meanwhile: finish() already released everything
-            return False
-        req.restore_op = None
-        cache, ps, end = self.cache, self.page_size, op.payload["l1_end"]
-        if op.succeeded:
-            m = cache.tree.match(self._reusable(req)[:end], include_storage=False)
-            # another request may have published the same prefix first: the op's pages were then
-            # duplicates (freed), and this forward read pages the tree does not hold
-            if m.lengths[Tier.L1] == end and list(m.pages[Tier.L1]) == req.pages[: end // ps]:
-                cache.lock(m.handles[Tier.L1])
-                cache.unlock(req.locked_node)
-                req.locked_node, req.locked_len = m.handles[Tier.L1], end
-                for tier in ("l1", "l2", "l3"):
-                    cache.metrics.hit_tokens[tier] += req.hit_tokens[tier]
-                cache.metrics.recomputed_tokens += len(req.prompt) - end
-                return True
-        self._rewind(req, failed=not op.succeeded)
-        return False
-
-    @staticmethod
-    def _undo_draw(req: Request) -> None:
-        """An overlapped forward's token is dropped: so is what it drew from the request's generator."""
-        if req.generator is not None and req.rng_state is not None:
-            req.generator.set_state(req.rng_state)
-
-    def _rewind(self, req: Request, failed: bool) -> None:
-        self._undo_draw(req)
-        eng = self.engine
-        eng.running.remove(req)
-        self.release(req, publish=False)
-        req.pages, req.cached_len, req.locked_len, req.overlap_result = [], 0, 0, None
-        req.restore_failed = req.restore_failed or failed
-        req.hit_tokens.update(l1=0, l2=0, l3=0)
-        req.restore_tier = "none"
-        req.state = RequestState.WAITING
-        eng.waiting.appendleft(req)
-        eng._event(req, "restore_overlap_discarded", restore_failed=failed)
 
     # -- prefill -------------------------------------------------------------------------------
     async def prefill_batch(self):
