@@ -137,6 +137,11 @@ class Engine:
         return self.cache.l1.num_pages - self.held_l1_pages
 
     @property
+    def max_kv_tokens(self) -> int:
+        """Tokens of K/V one request may hold (`validate`): its L1 pages, within the model's positions."""
+        return min(self.usable_l1_pages * self.page_size, self.model_config.max_position_embeddings)
+
+    @property
     def max_prompt_tokens(self) -> int:
         pool_tokens = self.usable_l1_pages * self.page_size
         limit = self.config.max_prompt_tokens or pool_tokens
@@ -152,11 +157,12 @@ class Engine:
         params.validate(self.config.max_new_tokens_limit)
         if len(prompt) > self.max_prompt_tokens:
             raise RequestError(f"prompt of {len(prompt)} tokens exceeds the limit of {self.max_prompt_tokens}")
+        kv = kv_tokens(len(prompt), params.max_tokens)
         positions = self.model_config.max_position_embeddings
-        if kv_tokens(len(prompt), params.max_tokens) > positions:  # past the positions it was trained for
+        if kv > positions:  # past the positions it was trained for
             raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) - 1 exceeds the model's "
                                f"{positions} positions (max_position_embeddings)")
-        need_pages = -(-kv_tokens(len(prompt), params.max_tokens) // self.page_size)
+        need_pages = -(-kv // self.page_size)
         if need_pages > self.usable_l1_pages:
             raise RequestError(
                 f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) - 1 needs {need_pages} pages; the L1 "

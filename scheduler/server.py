@@ -112,12 +112,6 @@ class _ServerState:
         limit = self.engine.config.max_new_tokens_limit
         return min(limit, self.limits.max_tokens_limit) if self.limits.max_tokens_limit > 0 else limit
 
-    @property
-    def context_tokens(self) -> int:
-        """Tokens of K/V one request can hold: the L1 pages it can have, within the model's positions."""
-        eng = self.engine
-        return min(eng.usable_l1_pages * eng.page_size, eng.model_config.max_position_embeddings)
-
 
 def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=None) -> FastAPI:
     limits = limits or ServerLimits()
@@ -225,7 +219,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
         api_req, ids, params = parse_request(
             body, chat, tokenizer=st.tokenizer, served_names=st.served_names, model_name=st.model_name,
             vocab_size=st.engine.vocab_size, prompt_limit=st.prompt_limit, max_tokens_limit=st.max_tokens_limit,
-            default_max_tokens=st.limits.default_max_tokens, context_tokens=st.context_tokens)
+            default_max_tokens=st.limits.default_max_tokens, context_tokens=st.engine.max_kv_tokens)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         try:
             ereq = st.engine.add_request(ids, params, rid=rid)
