@@ -457,29 +457,6 @@ async def test_a_prefetch_expected_to_be_taken_on_verifies_after_landing(overlap
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("gave_up", [False, True], ids=["kept", "discarded"])
-async def test_a_seeded_request_samples_the_same_through_an_overlapped_restore(gave_up):
-    """A discarded overlapped forward (its layer wait gave up; or its restore failed or lost the
-    publish race) had drawn from the request's generator: the rerun sampled a shifted stream."""
-    from scheduler.request import SamplingParams
-
-    params = SamplingParams(max_tokens=6, temperature=1.0, seed=99, ignore_eos=True)
-    eng = make_engine()
-    await eng.start()
-    [cold] = await eng.generate_async([PROMPT], params)
-    await eng.cache.drain()
-    eng.cache.tree.evict(Tier.L1, eng.cache.l1.num_pages)
-    if gave_up:
-        flags = iter([True])
-        eng.runner.restore_wait_timed_out = lambda: next(flags, False)
-    [restored] = await eng.generate_async([PROMPT], params)
-    assert eng.stats["restore_overlaps"] == 1 and restored.cached_tokens["l2"] == REUSABLE
-    assert eng.stats["restore_waits_timed_out"] == int(gave_up)
-    assert restored.output_ids == cold.output_ids
-    await finish(eng)
-
-
-@pytest.mark.asyncio
 async def test_a_driver_that_raises_with_a_copy_in_flight_keeps_its_pages_until_it_settled(monkeypatch):
     """A driver bug (here: publishing the verified L2 pages raises) while its H2D still runs: the op
     freed its L1 pages at once, and a copy still landing could write into pages already reused."""

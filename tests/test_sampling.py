@@ -4,10 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hicache.radix import Tier
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
 from scheduler.sampling import sample
+from test_faults import PROMPT, REUSABLE, finish, make_engine
 
 
 def _logits(rows: int = 3, vocab: int = 64) -> torch.Tensor:
@@ -78,3 +80,24 @@ def test_a_seeded_stream_does_not_depend_on_chunks_or_cache_hits():
     whole = engine(enable_prefix_cache=False).generate([prompt], p)[0]
     assert hit.cached_tokens["l1"] == 32
     assert cold.output_ids == hit.output_ids == whole.output_ids
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("gave_up", [False, True], ids=["kept", "discarded"])
+async def test_a_seeded_request_samples_the_same_through_an_overlapped_restore(gave_up):
+    """A discarded overlapped forward (its layer wait gave up; or its restore failed or lost the
+    publish race) had drawn from the request's generator: the rerun sampled a shifted stream."""
+    params = SamplingParams(max_tokens=6, temperature=1.0, seed=99, ignore_eos=True)
+    eng = make_engine()
+    await eng.start()
+    [cold] = await eng.generate_async([PROMPT], params)
+    await eng.cache.drain()
+    eng.cache.tree.evict(Tier.L1, eng.cache.l1.num_pages)
+    if gave_up:
+        flags = iter([True])
+        eng.runner.restore_wait_timed_out = lambda: next(flags, False)
+    [restored] = await eng.generate_async([PROMPT], params)
+    assert eng.stats["restore_overlaps"] == 1 and restored.cached_tokens["l2"] == REUSABLE
+    assert eng.stats["restore_waits_timed_out"] == int(gave_up)
+    assert restored.output_ids == cold.output_ids
+    await finish(eng)
