@@ -34,6 +34,9 @@ class HiCacheConfig:
     # ~0.6 ms less host time per restore won up to 1,000 tokens (stress L2 1.42x -> 1.48-1.52x), and
     # its lower bandwidth lost at 2,000 (docs/benchmarks.md, session 5)
     kernel_restore_max_tokens: int = 1024
+    # a layer-ordered restore longer than its forward moves the pages the forward does not wait on
+    # first, whole, at the pinned copy's rate (CacheManager.whole_first_pages); False: all in layers
+    whole_first: bool = True
     prefetch: bool = True  # False: blocking restores (--disable-hicache-prefetch)
     # cost-model priors
     recompute_us_per_token: float = 50.0

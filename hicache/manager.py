@@ -13,6 +13,7 @@ Contract (what callers may rely on):
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import structlog
@@ -33,6 +34,10 @@ from hicache.transfer import TransferEngine
 from kernels.chooser import choose_backends
 
 log = structlog.get_logger("hicache.manager")
+
+# A layer-ordered restore keeps this much more than its forward's time in layers (whole_first_pages):
+# a forward left waiting for whole pages costs all its time, a page too many in layers ~10 % of its copy
+OVERLAP_MARGIN = 1.25
 
 
 class CacheManager:
@@ -76,6 +81,9 @@ class CacheManager:
         self.cost = CostModel(cfg, geometry.bytes_per_token)
         self.cost.learning = not simulate  # simulated copies take no time: keep the priors
         self.runner = OpRunner(self)
+        # the engine sets this (scheduler/engine.py: its tail forward, timed once its graphs are
+        # captured): how long the forward that waits for a layer-ordered restore takes
+        self.overlap_forward_s: float | None = None
         # the engine sets this: write-through backups of what insert_l1 publishes start once the
         # step's tokens reached their clients (OpRunner.backup_soon), not in the middle of the step
         self.defer_backups = False
@@ -154,6 +162,21 @@ class CacheManager:
         alloc.free(pages, claim)
         alloc.close_claim(claim)
         return len(pages)
+
+    def whole_first_pages(self, num_pages: int) -> int:
+        """How many of a layer-ordered restore's `num_pages` go first, whole (the pipelined DMA and
+        scatter, at the pinned copy's rate, before its forward has anything to do; 2-D DMAs beside
+        a running forward lose 8-12 % of it, docs/benchmarks.md session 21): all but what the H2D
+        moves while that forward runs, at the rate restores of this length were timed at (with a
+        margin). 0 (all in layers) until the forward and the H2D were both timed."""
+        h2d, num_bytes = self.cost.directions["h2d"], num_pages * self.geometry.bytes_per_page
+        if not (self.config.whole_first and self.overlap_forward_s) or num_pages <= 0 or h2d.num_samples == 0:
+            return 0
+        seconds = h2d.predict(num_bytes)
+        if seconds <= 0:
+            return 0
+        layered_bytes = OVERLAP_MARGIN * self.overlap_forward_s * num_bytes / seconds
+        return max(0, num_pages - math.ceil(layered_bytes / self.geometry.bytes_per_page))
 
     def available_l1_pages(self) -> int:
         return self.l1.allocator.num_free + self.tree.evictable_pages(Tier.L1)

@@ -90,7 +90,8 @@ class Restores:
             return False
         apply(op, OpEvent.START)
         host_pages = match.pages[Tier.L2][l1_start // ps: end // ps]
-        transfer = mgr.transfer.h2d_layerwise(host_pages, l1_pages) if layerwise and l1_pages else None
+        transfer = (mgr.transfer.h2d_layerwise(host_pages, l1_pages, mgr.whole_first_pages(len(l1_pages)))
+                    if layerwise and l1_pages else None)
         op.payload["layerwise"] = transfer is not None
         if transfer is None and l1_pages:
             transfer = mgr.transfer.h2d(host_pages, l1_pages)
@@ -117,7 +118,8 @@ class Restores:
         num_locks = len(op.payload["locks"])
         self._lock(op, match.handles[Tier.L1], Tier.L1)  # allocating may evict: keep the L1 prefix
         l1_pages = mgr.alloc_pages(Tier.L1, len(host_pages), self._claim(op, Tier.L1))
-        transfer = mgr.transfer.h2d_layerwise(host_pages, l1_pages) if l1_pages else None
+        transfer = (mgr.transfer.h2d_layerwise(host_pages, l1_pages, mgr.whole_first_pages(len(l1_pages)))
+                    if l1_pages else None)
         if transfer is None:
             self._close_claim(op, Tier.L1)
             for node, tier in reversed(op.payload["locks"][num_locks:]):

@@ -27,7 +27,7 @@ class NullTransferEngine:
     def h2d(self, host_pages: list[int], l1_pages: list[int]) -> Transfer:
         return self._done("h2d", l1_pages)
 
-    def h2d_layerwise(self, host_pages: list[int], l1_pages: list[int]) -> Transfer:
+    def h2d_layerwise(self, host_pages: list[int], l1_pages: list[int], whole_pages: int = 0) -> Transfer:
         return self._done("h2d", l1_pages)
 
     async def wait(self, tr: Transfer) -> Transfer:

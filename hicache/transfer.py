@@ -9,7 +9,9 @@ H2D:  mirror: (CPU index gather only when L2 pages are fragmented) --one DMA--> 
       --scatter kernel--> arbitrary L1 pages.
 H2D, layer-ordered (h2d_layerwise, hicache/layer_copy.py): 2-D DMAs straight into the L1 pages,
       layer by layer, each layer followed by its flag (kernels/layer_flags.py), for a forward that
-      runs behind the copy.
+      runs behind the copy. A restore longer than that forward may first move `whole_pages` of it
+      the classic way (one DMA + scatter, pipelined): those land at the pinned copy's rate before
+      the forward has work to do, where the 2-D DMAs beside a running forward lose 8-12 % of it.
 Fragmented L2 pages (more runs than the DMA plans take), either direction, layer-ordered or not: one
       copy kernel that reaches the pinned L2 pages over PCIe (kernels/host_copy.py) instead of a CPU
       gather (H2D) or a workspace and a CPU index copy at completion (D2H).
@@ -36,10 +38,11 @@ import torch
 
 from hicache.faults import Fault, FaultInjector
 from hicache.geometry import KVGeometry
-from hicache.layer_copy import MIN_DMA_ROW_BYTES, layer_plan, page_out_copies, run_layer_cpu, run_layer_cuda
+from hicache.layer_copy import MIN_DMA_ROW_BYTES, page_out_copies
 from hicache.pools import DevicePool, HostPool
 from hicache.transfer_plan import (DIRECT_FIRST_BYTES, DIRECT_MAX_PAGES, MAX_DMA_RUNS, RAMP_FIRST_BYTES,
                                    RAMP_GROWTH, gathered_chunks, host_runs, ramp_chunks)
+from hicache.transfer_layered import LayeredRestores
 from hicache.transfer_record import Transfer, TransferError
 from hicache.workspaces import Workspace, Workspaces
 from kernels import host_copy
@@ -48,7 +51,7 @@ from kernels.layer_flags import LayerFlags
 from kernels.page_copy import gather_pages, scatter_pages, triton_available
 
 
-class TransferEngine:
+class TransferEngine(LayeredRestores):
     def __init__(self, l1: DevicePool, l2: HostPool, backends: ChosenBackends,
                  faults: FaultInjector | None = None, kernel_max_pages: int = 0,
                  min_dma_row_bytes: int | None = None) -> None:
@@ -81,6 +84,8 @@ class TransferEngine:
         # classic H2D queued ahead of them. Behind each layer's DMAs the stream sets that layer's
         # flag to the restore's epoch.
         self.layer_stream = torch.cuda.Stream(device=l1.device) if self.cuda else None
+        # the scatters of a layer-ordered restore's whole pages (h2d_layerwise's whole_pages)
+        self.layer_kernel_stream = torch.cuda.Stream(device=l1.device) if self.cuda else None
         # nothing runs on it: an event recorded there fires at once, the enqueue time on the device clock
         self._clock_stream = torch.cuda.Stream(device=l1.device) if self.cuda else None
         self.layer_flags: LayerFlags | None = None
@@ -128,66 +133,6 @@ class TransferEngine:
 
     def h2d(self, host_pages: list[int], l1_pages: list[int]) -> Transfer:
         return self._enqueue("h2d", l1_pages, host_pages)
-
-    def h2d_layerwise(self, host_pages: list[int], l1_pages: list[int]) -> Transfer | None:
-        """L2 -> L1 in layer order, straight into the L1 pages (2-D DMAs, no staging; restores of at
-        most kernel_max_pages, pages split in more runs than the DMA plan takes, or slabs too narrow
-        for 2-D DMAs: one copy kernel reading pinned L2); on CUDA
-        `layer_flags.flags[l]` reaches the transfer's `epoch` once layer l has landed. None when this
-        machine cannot (or, without the kernel, the pages are too fragmented): the caller uses h2d(). A forward
-        that reads these pages waits for each layer's flag to reach that epoch, and is launched
-        after this returns: a wait kernel spinning on copies enqueued after it was seen to stall
-        the copies on the H200 (streams promise no forward progress to each other)."""
-        if not self.layerwise or not l1_pages:
-            return None
-        if len(l1_pages) != len(host_pages):
-            raise TransferError(f"h2d: {len(l1_pages)} L1 pages vs {len(host_pages)} host pages")
-        t0 = time.monotonic_ns()
-        n = len(l1_pages)
-        short = self.host_reads and (n <= self.kernel_max_pages or self.narrow_slabs)
-        plan = None if short else layer_plan(self.geometry, self.l1.num_pages, l1_pages, host_pages)
-        if plan is None and not self.host_reads:
-            return None
-        tr = Transfer("h2d", n, n * self.geometry.bytes_per_page, 0, 0, t0, synchronous=not self.cuda)
-        if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):
-            tr.fail = True
-        if plan is None:
-            flags = self.layer_flags
-            tr.epoch = flags.next_epoch()
-            self._copy_kernel(tr, self.layer_stream, host_pages, l1_pages, flags,
-                              lambda pages, stream: self.host_copy.h2d_layers(pages, self._counts["layer"],
-                                                                              flags.flags, tr.epoch, stream))
-        else:
-            self._enqueue_layers(tr, plan)
-        tr.enqueue_ns = time.monotonic_ns() - t0
-        return tr
-
-    def _enqueue_layers(self, tr: Transfer, plan) -> None:
-        """The copies of a layer-ordered transfer (on the CPU: done when this returns). A copy that
-        cannot be enqueued fails the transfer, not the caller; every flag is still written, so no
-        forward ever waits for it."""
-        stream, flags = self.layer_stream, self.layer_flags
-        if self.cuda:
-            tr.epoch = flags.next_epoch()
-            self._events(tr)
-            stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # its last reader of these pages
-            tr.start_event.record(stream)
-        landed = 0
-        l1_ptr, l2_ptr = self.l1.kv.data_ptr(), self.l2.page_buffer.data_ptr()
-        try:
-            for copies in plan:
-                if self.cuda:
-                    run_layer_cuda(copies, l1_ptr, l2_ptr, stream)
-                    flags.signal(stream, landed, tr.epoch)
-                else:
-                    run_layer_cpu(copies, self.l1.kv, self.l2.page_buffer)
-                landed += 1
-        except Exception as exc:
-            tr.fail, tr.error = True, f"h2d: layer {landed} not copied: {exc!r}"
-            for layer in range(landed, len(plan) if self.cuda else 0):
-                flags.signal(stream, layer, tr.epoch)
-        if self.cuda:
-            tr.event.record(stream)
 
     def _copy_kernel(self, tr: Transfer, stream: torch.cuda.Stream, host_pages: list[int], l1_pages: list[int],
                      flags: LayerFlags | None, launch) -> None:
@@ -365,30 +310,45 @@ class TransferEngine:
                 self._dma(host, packed, lo, hi, copy_stream)
                 lo = hi
             tr.event.record(copy_stream)
+            self._keep_index(tr, ws, idx, kernel_stream)
         else:
-            sizes = ramp_chunks(n, self.first_chunk_pages, RAMP_GROWTH)
-            sizes.reverse()  # the small chunk last: its scatter is all that follows the DMAs
             self._events(tr)
-            if ws.fresh is not None:  # a workspace allocated just now: its memory's last users first
-                copy_stream.wait_event(ws.fresh)
-                ws.fresh = None
-            tr.start_event.record(copy_stream)
-            self._dma(packed, host, 0, sizes[0], copy_stream)  # DMA the chunk in, then scatter it
-            kernel_stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # last readers of the L1 pages
-            idx = self._stage_index(ws, l1_pages, kernel_stream)  # [n]
-            lo = 0
-            for i, size in enumerate(sizes):
-                hi, ready = lo + size, torch.cuda.Event()
-                if i:
-                    self._dma(packed, host, lo, hi, copy_stream)
-                ready.record(copy_stream)
-                kernel_stream.wait_event(ready)
-                scatter_pages(packed[lo:hi], idx[lo:hi], self.l1.kv, self.backends.scatter, kernel_stream)
-                lo = hi
+            self._h2d_chunks(l1_pages, ws, host, copy_stream, kernel_stream, tr, start=tr.start_event)
             tr.event.record(kernel_stream)
+
+    def _h2d_chunks(self, l1_pages: list[int], ws: Workspace, host: torch.Tensor, copy_stream: torch.cuda.Stream,
+                    kernel_stream: torch.cuda.Stream, tr: Transfer, start=None) -> None:
+        """The H2D pipeline: chunks of `host` (consecutive L2 pages, [n, 2, L, S, H, D]) DMA'd into
+        the workspace on `copy_stream`, each scattered into its L1 pages on `kernel_stream` (which
+        first waits for the caller's stream, the pages' last readers). `start` is recorded on the
+        copy stream right before the first DMA."""
+        n, packed = len(l1_pages), ws.device[:len(l1_pages)]  # [n, 2, L, S, H, D]
+        sizes = ramp_chunks(n, self.first_chunk_pages, RAMP_GROWTH)
+        sizes.reverse()  # the small chunk last: its scatter is all that follows the DMAs
+        if ws.fresh is not None:  # a workspace allocated just now: its memory's last users first
+            copy_stream.wait_event(ws.fresh)
+            ws.fresh = None
+        if start is not None:
+            start.record(copy_stream)
+        self._dma(packed, host, 0, sizes[0], copy_stream)  # DMA the chunk in, then scatter it
+        kernel_stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # last readers of the L1 pages
+        idx = self._stage_index(ws, l1_pages, kernel_stream)  # [n]
+        lo = 0
+        for i, size in enumerate(sizes):
+            hi, ready = lo + size, torch.cuda.Event()
+            if i:
+                self._dma(packed, host, lo, hi, copy_stream)
+            ready.record(copy_stream)
+            kernel_stream.wait_event(ready)
+            scatter_pages(packed[lo:hi], idx[lo:hi], self.l1.kv, self.backends.scatter, kernel_stream)
+            lo = hi
+        self._keep_index(tr, ws, idx, kernel_stream)
+
+    @staticmethod
+    def _keep_index(tr: Transfer, ws: Workspace, idx: torch.Tensor, stream: torch.cuda.Stream) -> None:
         if idx.data_ptr() != ws.index_device.data_ptr():  # staged by torch (no raw DMA on this machine)
             tr.keepalive.append(idx)
-            idx.record_stream(kernel_stream)
+            idx.record_stream(stream)
 
     def _stage_index(self, ws: Workspace, pages: list[int], stream: torch.cuda.Stream) -> torch.Tensor:
         """The page index of a pipelined transfer on the device, for kernels on `stream`: written
@@ -448,7 +408,8 @@ class TransferEngine:
 
     def close(self) -> None:
         if self.cuda:
-            for stream in (*self.kernel_streams.values(), *self.copy_streams.values(), self.layer_stream):
+            for stream in (*self.kernel_streams.values(), *self.copy_streams.values(), self.layer_stream,
+                           self.layer_kernel_stream):
                 stream.synchronize()
         for waiter in self._waiters.values():
             waiter.shutdown(wait=True)

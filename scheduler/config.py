@@ -117,6 +117,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--disable-hicache-prefetch", action="store_true")
     h.add_argument("--hicache-kernel-restore-max-tokens", type=int, default=HiCacheConfig.kernel_restore_max_tokens,
                    help="layer-ordered L2 restores up to this many tokens use the copy kernel, not the copy engine")
+    h.add_argument("--disable-hicache-whole-first", action="store_true",
+                   help="layer-ordered restores move every page in layers (default: the pages beyond what "
+                        "their forward waits on go first, whole)")
     h.add_argument("--hicache-recompute-us-per-token", type=float, default=50.0)
     h.add_argument("--hicache-host-bandwidth-gib-s", type=float, default=12.0)
     h.add_argument("--hicache-storage-bandwidth-gib-s", type=float, default=3.0)
@@ -147,6 +150,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         write_policy=args.hicache_write_policy,
         transfer_backend=args.hicache_transfer_backend,
         kernel_restore_max_tokens=args.hicache_kernel_restore_max_tokens,
+        whole_first=not args.disable_hicache_whole_first,
         prefetch=not args.disable_hicache_prefetch,
         recompute_us_per_token=args.hicache_recompute_us_per_token,
         host_bandwidth_gib_s=args.hicache_host_bandwidth_gib_s,

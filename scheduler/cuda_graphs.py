@@ -149,6 +149,24 @@ class DecodeGraphs:
                 self.prefill_graphs[length] = graph
         torch.cuda.current_stream(self.device).wait_stream(stream)
 
+    def tail_forward_s(self, repeats: int = 3) -> float | None:
+        """Median seconds of a replay of the one-sequence tail graph (TAIL_ROWS rows over the
+        capture's one-token context), the forward a layer-ordered restore runs under; None without
+        it. The first replay is not counted."""
+        graph = self.graphs.get((1, TAIL_ROWS))
+        if graph is None:
+            return None
+        times = []
+        for _ in range(repeats + 1):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        times = sorted(times[1:])
+        return times[len(times) // 2]
+
     def prefill_bucket(self, prefix_lens: list[int], new_lens: list[int]) -> int | None:
         """The captured length a fresh one-sequence prefill pads to, or None (tails and batches of
         several sequences use the other graphs or run eagerly)."""

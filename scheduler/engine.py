@@ -118,6 +118,9 @@ class Engine:
                               layer_flags=self.runner.layer_flags)
         graphs.capture()
         self.runner.enable_graphs(graphs)
+        # what a layer-ordered restore's forward takes: the pages its H2D moves in that time go in
+        # layers under it, the rest first, whole (CacheManager.whole_first_pages)
+        self.cache.overlap_forward_s = graphs.tail_forward_s()
 
     def hold_l1_page(self, label: str) -> int:
         """Take one L1 page for good (before any request): requests are sized without it."""

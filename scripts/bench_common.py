@@ -165,6 +165,8 @@ def add_common_args(p) -> None:
                    help="finish each L2 restore before its tail forward starts")
     p.add_argument("--kernel-restore-max-tokens", type=non_negative_int, default=None,
                    help="layer-ordered restores up to this many tokens by the copy kernel (default: the engine's)")
+    p.add_argument("--disable-whole-first", action="store_true",
+                   help="layer-ordered restores move every page in layers (none first, whole)")
     p.add_argument("--small-gemm", default=None, choices=["triton", "cublas"],
                    help="projections of forwards of at most 16 rows (default: the engine's)")
     p.add_argument("--gpu-wait", default=None, choices=["spin", "block"],
@@ -176,9 +178,10 @@ def add_common_args(p) -> None:
 
 
 def kernel_restore_args(args) -> dict:
-    """with_hicache() changes for --kernel-restore-max-tokens (none when it was not given)."""
+    """with_hicache() changes for --kernel-restore-max-tokens and --disable-whole-first (none when not given)."""
     n = getattr(args, "kernel_restore_max_tokens", None)
-    return {} if n is None else {"kernel_restore_max_tokens": n}
+    return (({} if n is None else {"kernel_restore_max_tokens": n})
+            | ({"whole_first": False} if getattr(args, "disable_whole_first", False) else {}))
 
 
 def engine_mode_args(args) -> dict:

@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--disable-prefetch", action="store_true", help="blocking restores")
     p.add_argument("--transfer-backend", default="auto", choices=["auto", "triton", "torch"])
     p.add_argument("--max-prefill-tokens", type=int, default=0, help="default: the whole prompt in one batch")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="after the measured requests, 2 more under torch.profiler: DIR/<tier>_<tokens>.json.gz "
+                        "(scripts/trace_copies.py reads its copies)")
     p.add_argument("--compare-recompute", action="store_true", help="also measure --tier none in this run")
     add_common_args(p)
     args = p.parse_args(argv)
@@ -105,6 +108,21 @@ def build_config(args, tier: str, prefix_tokens: int, storage_path: str | None):
         storage_path=storage_path if tier == "l3" else None, io_workers=args.io_workers,
         storage_checksum=not args.disable_checksum, transfer_backend=args.transfer_backend,
         prefetch=not args.disable_prefetch, **kernel_restore_args(args))
+
+
+async def trace_forced(forced, args, path: Path) -> None:
+    """A chrome trace (CPU ops, CUDA runtime calls, kernels and copies) of two more forced-tier
+    requests, outside the measured ones: where a restore's copies and its forward meet."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for i in range(2):
+            await forced(args.iterations + i)
+    prof.export_chrome_trace(str(path))  # torch gzips a path ending in .gz
+    note(f"trace of 2 requests: {path}")
 
 
 def dense_gap(eng, prompt: list[int], a: int, b: int) -> dict:
@@ -213,6 +231,8 @@ async def measure(args, tier: str, prefix_tokens: int, prompts, bdir: BenchDir) 
         await eng.cache.drain()
         delta = metrics_delta(eng.metrics(), before)
         check("measured")
+        if args.trace:
+            await trace_forced(forced, args, Path(args.trace) / f"{tier}_{prefix_tokens}.json.gz")
         # tail forward: the same request with its whole prefix already resident in L1
         last = prompts[(args.iterations - 1) % 2]
         tail = []

@@ -28,6 +28,8 @@ for s in "$@"; do
     latency_l3w_4b) step latency_l3w_4b 300 python3 scripts/bench_hicache.py --model qwen3-4b --tier l3 --prefix-tokens 350,1000,2000,3500,8000 --storage-cache warm --io-workers 8 --json --out "$OUT/latency_l3w_4b.json" ;;
     latency_4b) step latency_4b 300 python3 scripts/bench_hicache.py --model qwen3-4b --tier l2 --prefix-tokens 350,1000,2000,3500,8000 --compare-recompute --json --out "$OUT/latency_4b.json" ;;
     stress) step stress 400 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l2,l2small,l3 --policy cost --decode-batch 32 --decode-tokens 64 --json --out "$OUT/stress.json" ;;
+    latency_whole_ab) i=0; for v in "" "--disable-whole-first" "" "--disable-whole-first"; do i=$((i+1))
+              step "latency_whole_ab$i" 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000,3500,8000 $v --json --out "$OUT/latency_whole_ab$i.json"; done ;;
     latency_1000) step latency_1000 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000,3500 --iterations 12 --json --out "$OUT/latency_1000.json" ;;
     latency_l3w_nock) step latency_l3w_nock 200 python3 scripts/bench_hicache.py --model qwen3-8b --tier l3 --prefix-tokens 1000,3500,8000 --storage-cache warm --io-workers 8 --disable-checksum --json --out "$OUT/latency_l3w_nock.json" ;;
     bisect) for v in "" "--disable-cuda-graphs" "--transfer-backend torch" "--page-size 1"; do

@@ -39,13 +39,15 @@ def test_one_token_pages_restore_by_the_copy_kernel_at_any_length():
     te.close()
 
 
-@pytest.mark.parametrize("captured,fragmented", [(True, False), (False, False), (True, True), (False, True)])
-def test_layer_flags_hold_each_layer_until_its_copy_landed(captured, fragmented):
+@pytest.mark.parametrize("captured,fragmented,whole", [(True, False, 0), (False, False, 0), (True, True, 0),
+                                                      (False, True, 0), (True, False, 112), (False, False, 112)])
+def test_layer_flags_hold_each_layer_until_its_copy_landed(captured, fragmented, whole):
     """A layer-ordered restore of 288 MiB (several ms over PCIe) and, right behind it, work that
     reads each layer after waiting for that layer's flag (inside a captured graph, with the epoch
     staged in a device tensor; or eagerly): every layer it reads is the restored data, none the
     zeros that were there before, and no wait gives up. Fragmented: pages in random order on both
-    sides, too many runs for the 2-D DMA plan, so the copy kernel reading pinned L2 moves them."""
+    sides, too many runs for the 2-D DMA plan, so the copy kernel reading pinned L2 moves them.
+    Whole: the first 112 pages go whole (DMA + scatter) before layer 0; layer 0's flag covers them."""
     from hicache.geometry import KVGeometry
     from hicache.layer_copy import layer_plan
     from hicache.pools import DevicePool, HostPool
@@ -87,7 +89,8 @@ def test_layer_flags_hold_each_layer_until_its_copy_landed(captured, fragmented)
     for _ in range(3):
         l1.kv.zero_()
         seen.zero_()
-        tr = te.h2d_layerwise(host_pages, l1_pages)
+        tr = te.h2d_layerwise(host_pages, l1_pages, whole_pages=whole)
+        assert (tr.workspace is not None) == bool(whole)  # the whole pages' staging
         staged.fill_(tr.epoch)
         graph.replay() if captured else read_layers()
         torch.cuda.synchronize()

@@ -178,7 +178,7 @@ async def test_forward_whose_layer_wait_gave_up_is_discarded_and_rerun():
 async def test_layer_copy_that_cannot_be_enqueued_fails_the_restore_not_the_loop(monkeypatch):
     """A layer copy that raises while being enqueued fails the transfer (every flag is still
     written, so the tail forward never waits for it): the forward is discarded and recomputed."""
-    import hicache.transfer as transfer_mod
+    import hicache.transfer_layered as transfer_mod
 
     eng = make_engine()
     await eng.start()

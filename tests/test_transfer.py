@@ -61,8 +61,33 @@ def _engine_with_random_l2():
     return l1, l2, TransferEngine(l1, l2, ChosenBackends("torch", "torch", {}, "test"))
 
 
+@pytest.mark.parametrize("host_pages, whole_pages, scattered", [
+    (list(range(10, 16)), 0, 0),            # all in layers
+    (list(range(10, 16)), 4, 4),            # 4 whole, then 2 in layers
+    (list(range(10, 16)), 9, 5),            # at most all but one page whole
+    ([10, 11, 20, 21, 22, 23], 2, 2),       # the whole part one run, the rest another
+    ([10, 11, 20, 21, 22, 23], 3, 0),       # a whole part of two runs: all in layers
+])
+def test_a_layer_ordered_restore_may_move_its_first_pages_whole(host_pages, whole_pages, scattered, monkeypatch):
+    """h2d_layerwise(..., whole_pages): the first pages (consecutive in L2) by one scatter before the
+    layer plan takes the rest; every page lands in its L1 page either way, and nothing else moves."""
+    import hicache.transfer_layered as transfer_mod
+
+    l1, l2, engine = _engine_with_random_l2()
+    seen = []
+    real = transfer_mod.scatter_pages
+    monkeypatch.setattr(transfer_mod, "scatter_pages", lambda packed, idx, *a, **k: (seen.append(len(idx)),
+                                                                                    real(packed, idx, *a, **k)))
+    dst = [3, 4, 5, 9, 10, 11]
+    engine.wait_blocking(engine.h2d_layerwise(host_pages, dst, whole_pages=whole_pages))
+    assert sum(seen) == scattered
+    assert _same(l1.kv[:, :, dst], l2.page_buffer[host_pages].permute(1, 2, 0, 3, 4, 5))
+    assert not l1.kv[:, :, sorted(set(range(32)) - set(dst))].any()
+    engine.close()
+
+
 def test_a_layer_copy_that_raises_fails_the_transfer_not_the_caller(monkeypatch):
-    import hicache.transfer as transfer_mod
+    import hicache.transfer_layered as transfer_mod
     from hicache.transfer import TransferError
 
     l1, l2, engine = _engine_with_random_l2()
