@@ -36,14 +36,24 @@ def test_graphs_equal_eager():
     assert graphs == eager
 
 
-@pytest.mark.parametrize("tier,overlap,graphs,kernel_tokens", [
-    ("l2", True, True, 1024), ("l2", True, True, 0), ("l2", True, False, 1024), ("l2", False, True, 1024),
-    ("l3", True, True, 1024)])
-def test_restores_equal_recompute_on_gpu(tier, overlap, graphs, kernel_tokens, monkeypatch):
+@pytest.mark.parametrize("tier,overlap,graphs,kernel_tokens,whole", [
+    ("l2", True, True, 1024, False), ("l2", True, True, 0, False), ("l2", True, False, 1024, False),
+    ("l2", False, True, 1024, False), ("l3", True, True, 1024, False), ("l2", True, True, 0, True)])
+def test_restores_equal_recompute_on_gpu(tier, overlap, graphs, kernel_tokens, whole, monkeypatch):
     """kernel_tokens: restores up to this long by the copy kernel (the default), 0: by 2-D DMAs
-    (the tiny model's 2 KiB slabs would take the kernel anyway: allowed 2-D DMAs here)."""
+    (the tiny model's 2 KiB slabs would take the kernel anyway: allowed 2-D DMAs here). whole: every
+    layer-ordered restore moves all but its last page whole first (its forward is far shorter than
+    the tiny model's restores would need for the engine to choose that itself)."""
+    import hicache.transfer_layered as layered
+
     if kernel_tokens == 0:
         monkeypatch.setattr("hicache.transfer.MIN_DMA_ROW_BYTES", 0)
+    wholes = []
+    if whole:
+        real = layered.LayeredRestores._whole_first
+        monkeypatch.setattr("hicache.manager.CacheManager.whole_first_pages", lambda self, n: n - 1)
+        monkeypatch.setattr(layered.LayeredRestores, "_whole_first",
+                            lambda self, tr, h0, pages: (wholes.append(len(pages)), real(self, tr, h0, pages)))
     rng = random.Random(1)
     bases = [[rng.randrange(512) for _ in range(64)] for _ in range(4)]  # L1 holds about two
     ps = [bases[i % 4] + [rng.randrange(512) for _ in range(1 + i % 3)] for i in range(16)]
@@ -57,6 +67,8 @@ def test_restores_equal_recompute_on_gpu(tier, overlap, graphs, kernel_tokens, m
     assert eng.metrics()["hit_tokens"][tier] > 0
     assert (eng.stats["restore_overlaps"] > 0) == overlap  # an L3 hit is prefetched to L2, then restored from there
     assert eng.stats["restore_waits_timed_out"] == 0  # every layer wait saw its copy land
+    assert (eng.cache.overlap_forward_s or 0) > 0 if graphs else eng.cache.overlap_forward_s is None
+    assert bool(wholes) == whole
 
 
 def test_one_token_pages_restores_equal_recompute_on_gpu():
