@@ -163,19 +163,22 @@ class CacheManager:
         alloc.close_claim(claim)
         return len(pages)
 
-    def whole_first_pages(self, num_pages: int) -> int:
+    def whole_first_pages(self, num_pages: int, tail_tokens: int = 0) -> int:
         """How many of a layer-ordered restore's `num_pages` go first, whole (the pipelined DMA and
         scatter, at the pinned copy's rate, before its forward has anything to do; 2-D DMAs beside
         a running forward lose 8-12 % of it, docs/benchmarks.md session 21): all but what the H2D
         moves while that forward runs, at the rate restores of this length were timed at (with a
-        margin). 0 (all in layers) until the forward and the H2D were both timed."""
+        margin). The forward: the timed tail graph, or for a longer tail (`tail_tokens`) what the
+        recompute model predicts for it if more. 0 (all in layers) until the forward and the H2D
+        were both timed."""
         h2d, num_bytes = self.cost.directions["h2d"], num_pages * self.geometry.bytes_per_page
         if not (self.config.whole_first and self.overlap_forward_s) or num_pages <= 0 or h2d.num_samples == 0:
             return 0
         seconds = h2d.predict(num_bytes)
         if seconds <= 0:
             return 0
-        layered_bytes = OVERLAP_MARGIN * self.overlap_forward_s * num_bytes / seconds
+        forward_s = max(self.overlap_forward_s, self.cost.directions["recompute"].predict(tail_tokens))
+        layered_bytes = OVERLAP_MARGIN * forward_s * num_bytes / seconds
         return max(0, num_pages - math.ceil(layered_bytes / self.geometry.bytes_per_page))
 
     def available_l1_pages(self) -> int:

@@ -29,7 +29,7 @@ class Restores:
     """Mixin of `OpRunner`: the restore and prefetch half of its drivers."""
 
     def start_restore(self, tokens: Sequence[int], match, tier: str, request_id: str | None,
-                      layerwise: bool = False, take_soon: bool = False) -> Op | None:
+                      layerwise: bool = False, take_soon: bool = False, tail_tokens: int = 0) -> Op | None:
         """Restore tokens[l1_len : tier_len] into L1 (through L2 for an L3 hit). None when the
         needed pages cannot be had right now (the caller recomputes).
 
@@ -38,7 +38,8 @@ class Restores:
         op.payload["transfer"] is the copy, whose layer flags a forward may wait for right away).
         take_soon (prefetches): the caller expects to take the read on to L1 as soon as it lands
         (`take_to_l1`), so a file store's checksums wait for the landing instead of slowing it
-        (reads up to VERIFY_AFTER_LANDING_MAX_BYTES)."""
+        (reads up to VERIFY_AFTER_LANDING_MAX_BYTES). tail_tokens: what the forward that waits for a
+        layer-ordered restore computes (CacheManager.whole_first_pages)."""
         mgr, ps = self.mgr, self.mgr.page_size
         l1, l2, l3 = match.lengths
         if (l2 <= l1) if tier == "l2" else (l3 <= max(l1, l2)):
@@ -46,7 +47,7 @@ class Restores:
         if tier == "l2":
             op = self._new(OpKind.RESTORE_L2, (l2 - l1) // ps, request_id)
             self._lock(op, match.handles[Tier.L1], Tier.L1)
-            if not self._start_h2d(op, tuple(tokens[:l2]), match, l1, layerwise):
+            if not self._start_h2d(op, tuple(tokens[:l2]), match, l1, layerwise, tail_tokens):
                 self._release(op)
                 return None
             mgr.metrics.restores_started += 1
@@ -80,7 +81,8 @@ class Restores:
         return mgr.store.read_pages(match.pages[Tier.L3][l2 // ps: l3 // ps], mgr.l2.page_buffer, host_pages,
                                     **options)
 
-    def _start_h2d(self, op: Op, tokens: tuple[int, ...], match, l1_start: int, layerwise: bool = False) -> bool:
+    def _start_h2d(self, op: Op, tokens: tuple[int, ...], match, l1_start: int, layerwise: bool = False,
+                   tail_tokens: int = 0) -> bool:
         mgr, ps = self.mgr, self.mgr.page_size
         end = len(tokens)
         self._lock(op, match.handles[Tier.L2], Tier.L2)
@@ -90,7 +92,7 @@ class Restores:
             return False
         apply(op, OpEvent.START)
         host_pages = match.pages[Tier.L2][l1_start // ps: end // ps]
-        transfer = (mgr.transfer.h2d_layerwise(host_pages, l1_pages, mgr.whole_first_pages(len(l1_pages)))
+        transfer = (mgr.transfer.h2d_layerwise(host_pages, l1_pages, mgr.whole_first_pages(len(l1_pages), tail_tokens))
                     if layerwise and l1_pages else None)
         op.payload["layerwise"] = transfer is not None
         if transfer is None and l1_pages:
@@ -98,7 +100,7 @@ class Restores:
         op.payload.update(l1_pages=l1_pages, l1_start=l1_start, l1_end=end, transfer=transfer)
         return True
 
-    def take_to_l1(self, op: Op, match) -> bool:
+    def take_to_l1(self, op: Op, match, tail_tokens: int = 0) -> bool:
         """A prefetch whose read landed (S2H_LANDED: its checksums are still being verified) goes on
         to L1 for the request that queued it: the H2D starts now, layer by layer, from the L2
         prefix `match` holds below the promoted range and from the op's still-private L2 pages, so
@@ -118,7 +120,7 @@ class Restores:
         num_locks = len(op.payload["locks"])
         self._lock(op, match.handles[Tier.L1], Tier.L1)  # allocating may evict: keep the L1 prefix
         l1_pages = mgr.alloc_pages(Tier.L1, len(host_pages), self._claim(op, Tier.L1))
-        transfer = (mgr.transfer.h2d_layerwise(host_pages, l1_pages, mgr.whole_first_pages(len(l1_pages)))
+        transfer = (mgr.transfer.h2d_layerwise(host_pages, l1_pages, mgr.whole_first_pages(len(l1_pages), tail_tokens))
                     if l1_pages else None)
         if transfer is None:
             self._close_claim(op, Tier.L1)

@@ -86,6 +86,8 @@ class LayeredRestores:
                 landed += 1
         except Exception as exc:
             tr.fail, tr.error = True, f"h2d: layer {landed} not copied: {exc!r}"
+            if self.cuda:  # the whole pages' scatters enqueued so far: the transfer completes after them
+                stream.wait_stream(self.layer_kernel_stream)
             for layer in range(landed, len(plan) if self.cuda else 0):
                 flags.signal(stream, layer, tr.epoch)
         if self.cuda:

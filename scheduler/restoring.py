@@ -111,7 +111,8 @@ class Restoring:
         if restore_l1_pages > room:
             return None
         overlap = may_overlap and decision.tier == "l2" and restore_l1_pages + self._pages_after(req, end) <= room
-        op = cache.runner.start_restore(self._reusable(req), m, decision.tier, req.rid, layerwise=overlap)
+        op = cache.runner.start_restore(self._reusable(req), m, decision.tier, req.rid, layerwise=overlap,
+                                        tail_tokens=len(req.prompt) - end)
         if op is None:
             cache.metrics.fallbacks += 1
             return None
@@ -150,7 +151,7 @@ class Restoring:
         cache.unlock(m.handles[Tier.L1])
         if (end - m.lengths[Tier.L1]) // ps + self._pages_after(req, end) > room:
             return False
-        if not cache.runner.take_to_l1(op, m):
+        if not cache.runner.take_to_l1(op, m, tail_tokens=len(req.prompt) - end):
             return False
         req.prefetch_op, req.restore_op, req.restore_tier = None, op, "l3"
         from_l3 = end - op.payload["l2_start"]

@@ -102,7 +102,8 @@ def install(stages=STAGES):
     for module_name, cls_name, name in stages:
         module = importlib.import_module(module_name)
         owner = module if cls_name is None else getattr(module, cls_name)
-        originals.append((owner, name, owner.__dict__[name]))
+        # (inherited from a mixin: the original is the class's own attribute only where it has one)
+        originals.append((owner, name, owner.__dict__.get(name, getattr(owner, name))))
         setattr(owner, name, timed(f"{cls_name or module_name.split('.')[-1]}.{name}", getattr(owner, name)))
 
     def restore() -> None:

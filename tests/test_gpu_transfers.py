@@ -331,3 +331,35 @@ def test_pipelined_h2d_into_a_fresh_workspace_waits_for_the_callers_last_use_of_
     assert torch.equal(seen, torch.full_like(seen, 3 if pending == "write" else 7))  # caller's read intact
     assert torch.equal(l1.kv[:, :, dev].cpu(), l2.buffer[:, :, host])  # restore is L2's bytes
     te.close()
+
+
+def test_a_whole_part_that_fails_midway_completes_after_its_queued_scatters():
+    """Regression (session 21 review): a layer-ordered restore whose whole part raised after a
+    scatter was queued wrote every flag and completed on the layer stream alone, so its workspace
+    was given back (and its L1 pages freed by the failed op) while that scatter still ran. The
+    transfer now completes only once the layer kernel stream is past what was enqueued."""
+    from hicache.geometry import KVGeometry
+    from hicache.pools import DevicePool, HostPool
+    from hicache.transfer import TransferEngine
+    from hicache.transfer_record import TransferError
+    from kernels.chooser import choose_backends
+
+    geo = KVGeometry(num_layers=4, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
+    l1, l2 = DevicePool(geo, 120, torch.device("cuda")), HostPool(geo, 110, pin=True)
+    te = TransferEngine(l1, l2, choose_backends(l1.kv, "triton"), kernel_max_pages=0)
+    real, calls = te._dma, []
+
+    def second_dma_raises(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("DMA refused")
+        real(*args)
+
+    te._dma = second_dma_raises
+    torch.cuda._sleep(int(2e8))  # on the caller's stream: the scatters wait for it, the flags must too
+    tr = te.h2d_layerwise(list(range(100)), list(range(10, 110)), whole_pages=80)
+    with pytest.raises(TransferError, match="not copied"):
+        te.wait_blocking(tr)
+    assert te.layer_kernel_stream.query()  # nothing of the transfer still runs once it completed
+    assert te.layer_flags.flags.tolist() == [tr.epoch] * 4
+    te.close()

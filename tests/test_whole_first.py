@@ -24,6 +24,10 @@ def test_whole_first_pages_keeps_what_the_forward_hides_in_layers():
     assert cache.whole_first_pages(100) == 75  # a longer forward hides more
     cache.overlap_forward_s = 1e-9
     assert cache.whole_first_pages(100) == 99  # at least one page in layers: the forward waits on its flags
+    cache.overlap_forward_s = 1e-3
+    # a long tail's forward (the recompute prior: 50 us a token, 50 ms for 1,000) hides the whole restore
+    assert cache.whole_first_pages(100, tail_tokens=1000) == 0
+    assert cache.whole_first_pages(100, tail_tokens=16) == 87  # a short one: the tail graph's time
 
 
 def test_whole_first_can_be_turned_off():
@@ -36,20 +40,23 @@ def test_whole_first_can_be_turned_off():
 
 @pytest.mark.asyncio
 async def test_an_overlapped_restore_with_whole_pages_first_equals_recompute():
+    """Every overlapped restore moves all but its last page whole (on the CPU the forward would
+    hide them all: the split is forced here); the output and every tier's accounting stay whole."""
     eng = make_engine()
     await eng.start()
     want = await reference(PROMPT)
-    calls = []
+    calls, tails = [], []
     real = eng.cache.transfer.h2d_layerwise
     eng.cache.transfer.h2d_layerwise = lambda host, l1, whole_pages=0: (calls.append(whole_pages),
                                                                         real(host, l1, whole_pages))[1]
+    eng.cache.whole_first_pages = lambda n, tail_tokens=0: (tails.append(tail_tokens), n - 1)[1]
     assert (await run_one(eng)).output_ids == want
-    for _ in range(2):  # the first restore times the H2D; the second moves all but one page whole
+    for _ in range(2):
         await eng.cache.drain()
         eng.cache.tree.evict(Tier.L1, eng.cache.l1.num_pages)
-        eng.cache.overlap_forward_s = 1e-9
         result = await run_one(eng)
         assert result.output_ids == want and result.cached_tokens["l2"] == REUSABLE
-    assert calls == [0, REUSABLE // eng.page_size - 1]
+    assert calls == [REUSABLE // eng.page_size - 1] * 2
+    assert tails == [len(PROMPT) - REUSABLE] * 2  # the tail the restore's forward computes
     assert eng.stats["restore_overlaps"] == 2
     await finish(eng)
