@@ -168,16 +168,17 @@ class CacheManager:
         scatter, at the pinned copy's rate, before its forward has anything to do; 2-D DMAs beside
         a running forward lose 8-12 % of it, docs/benchmarks.md session 21): all but what the H2D
         moves while that forward runs, at the rate restores of this length were timed at (with a
-        margin). The forward: the timed tail graph, or for a longer tail (`tail_tokens`) what the
-        recompute model predicts for it if more. 0 (all in layers) until the forward and the H2D
-        were both timed."""
+        margin). The forward: the timed tail graph plus the recompute model's marginal cost of the
+        tail's `tail_tokens` (its intercept is no guide: it learns from overlapped forwards, whose
+        time includes their restore's). 0 (all in layers) until the forward and the H2D were both
+        timed."""
         h2d, num_bytes = self.cost.directions["h2d"], num_pages * self.geometry.bytes_per_page
         if not (self.config.whole_first and self.overlap_forward_s) or num_pages <= 0 or h2d.num_samples == 0:
             return 0
         seconds = h2d.predict(num_bytes)
         if seconds <= 0:
             return 0
-        forward_s = max(self.overlap_forward_s, self.cost.directions["recompute"].predict(tail_tokens))
+        forward_s = self.overlap_forward_s + max(0, tail_tokens) * self.cost.directions["recompute"].slope
         layered_bytes = OVERLAP_MARGIN * forward_s * num_bytes / seconds
         return max(0, num_pages - math.ceil(layered_bytes / self.geometry.bytes_per_page))
 

@@ -51,7 +51,7 @@ def test_restores_equal_recompute_on_gpu(tier, overlap, graphs, kernel_tokens, w
     wholes = []
     if whole:
         real = layered.LayeredRestores._whole_first
-        monkeypatch.setattr("hicache.manager.CacheManager.whole_first_pages", lambda self, n: n - 1)
+        monkeypatch.setattr("hicache.manager.CacheManager.whole_first_pages", lambda self, n, tail_tokens=0: n - 1)
         monkeypatch.setattr(layered.LayeredRestores, "_whole_first",
                             lambda self, tr, h0, pages: (wholes.append(len(pages)), real(self, tr, h0, pages)))
     rng = random.Random(1)
