@@ -356,7 +356,8 @@ def test_a_whole_part_that_fails_midway_completes_after_its_queued_scatters():
         real(*args)
 
     te._dma = second_dma_raises
-    torch.cuda._sleep(int(2e8))  # on the caller's stream: the scatters wait for it, the flags must too
+    with torch.cuda.stream(te.layer_kernel_stream):
+        torch.cuda._sleep(int(2e8))  # the scatters queue behind it; the copies and flags do not
     tr = te.h2d_layerwise(list(range(100)), list(range(10, 110)), whole_pages=80)
     with pytest.raises(TransferError, match="not copied"):
         te.wait_blocking(tr)
