@@ -47,7 +47,7 @@ from hicache.transfer_record import Transfer, TransferError
 from hicache.workspaces import Workspace, Workspaces
 from kernels import host_copy
 from kernels.chooser import ChosenBackends
-from kernels.layer_flags import LayerFlags
+from kernels.layer_flags import EPOCH_LIMIT, LayerFlags
 from kernels.page_copy import gather_pages, scatter_pages, triton_available
 
 
@@ -234,7 +234,7 @@ class TransferEngine(LayeredRestores):
         n = len(l1_pages)
         tr = Transfer(direction, n, n * self.geometry.bytes_per_page, 0, 0, t0)
         if direction == "h2d":
-            self._h2d_epoch += 1
+            self._h2d_epoch = self._h2d_epoch % EPOCH_LIMIT + 1  # (int32 flags; nothing waits on these)
             tr.epoch = epoch = self._h2d_epoch
             self._copy_kernel(tr, self.copy_streams["h2d"], host_pages, l1_pages, None,
                               lambda pages, stream: self.host_copy.h2d_layers(pages, self._counts["h2d"],

@@ -8,7 +8,8 @@ chunk is stored. The forward waits before layer l's attention until `flags[l] >=
 scalar holding the restore's epoch): `spin_wait`, a volatile-load loop that the paged attention
 kernel runs first in each program (`LayerWait.kernel_args`), or one tiny kernel before any other
 attention (`LayerWait(l)` / `wait(l)`). Epochs only grow, so a later restore's write never releases
-an earlier forward too soon: stream order puts it behind the earlier restore's copies.
+an earlier forward too soon: stream order puts it behind the earlier restore's copies. (Up to the
+int32 flags' limit: there they start again from 1 with nothing in flight, `next_epoch`.)
 
 Why not event-wait nodes: a captured graph with 36 external event waits cost ~17 us of device time
 per wait (the graph runs in segments) and ~0.3 ms more host time per launch on the H200 (session 4
@@ -43,6 +44,9 @@ except ImportError:  # pragma: no cover - triton is a dependency
     triton = None
 
 MAX_SPINS = 1 << 23  # ~0.16 us per volatile load on the H200: ~1.3 s
+# Flags are int32 and a wait compares them with the epoch as an int32: epochs start again from 1
+# before they would wrap (~25 days at 1,000 restores a second; LayerFlags.next_epoch)
+EPOCH_LIMIT = (1 << 31) - 1
 
 
 if triton is not None:
@@ -107,6 +111,14 @@ class LayerFlags:
             self._write, self._memset = driver
 
     def next_epoch(self) -> int:
+        """The next restore's epoch. At EPOCH_LIMIT the flags start again from 0, once every copy
+        and forward in flight is done (a device synchronisation, once in 2^31 restores; a forward
+        not yet launched for the last old epoch would time out, be discarded and run again)."""
+        if self.epoch >= EPOCH_LIMIT:
+            if self.flags.is_cuda:
+                torch.cuda.synchronize(self.flags.device)
+            self.flags.zero_()
+            self.epoch = 0
         self.epoch += 1
         return self.epoch
 
