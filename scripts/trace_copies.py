@@ -89,7 +89,7 @@ def report(group: list[dict], busy: list[tuple[float, float]], busy_starts: list
             "streams": sorted({c["args"].get("stream") for c in group})}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--direction", default="HtoD", help="HtoD or DtoH (as the trace names copies)")
@@ -97,7 +97,7 @@ def main() -> int:
     ap.add_argument("--min-bytes", type=int, default=256 << 10, help="smaller copies (page indices) are left out")
     ap.add_argument("--kernels", type=int, default=0, help="also list the N kernels that ran beside each transfer longest")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     copies, kernels = load(args.trace)
     # kernels other than those that may spin on a layer flag: what competes with the DMAs for HBM
     busy = union([(k["ts"], k["ts"] + k["dur"]) for k in kernels if not any(w in k["name"] for w in WAITING)])

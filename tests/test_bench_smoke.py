@@ -87,9 +87,12 @@ def test_latency_l3_cold_json_stdout(latency, tmp_path, capsys):
 def test_latency_none(latency, tmp_path):
     out = tmp_path / "none.json"
     assert latency.main(CPU + ["--tier", "none", "--prefix-tokens", "40", "--iterations", "2",
-                               "--warmup-alternations", "0", "--out", str(out),
+                               "--warmup-alternations", "0", "--out", str(out), "--trace", str(tmp_path / "trace"),
                                "--storage-path", str(tmp_path / "l3.kv")]) == 0
     check_latency(json.loads(out.read_text()), "none", 2)
+    trace = tmp_path / "trace" / "none_40.json.gz"  # --trace: two more requests under the profiler
+    assert trace.stat().st_size > 0
+    assert load("trace_copies").main([str(trace), "--json"]) == 0  # a CPU trace: no copies, read fine
 
 
 STRESS_KEYS = {"tier", "req_s", "latency_ms", "hit_tokens", "recomputed_tokens", "bytes", "integrity",
