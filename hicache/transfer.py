@@ -7,7 +7,8 @@ D2H:  L1 pages --gather kernel--> packed device workspace [n, 2, L, S, H, D]
       before anything else, so the copy engine starts while the rest is being gathered.
 H2D:  mirror: (CPU index gather only when L2 pages are fragmented) --one DMA--> device workspace
       --scatter kernel--> arbitrary L1 pages.
-H2D, layer-ordered (h2d_layerwise, hicache/layer_copy.py): 2-D DMAs straight into the L1 pages,
+H2D, layer-ordered (h2d_layerwise in hicache/transfer_layered.py; plan: hicache/layer_copy.py): 2-D
+      DMAs straight into the L1 pages,
       layer by layer, each layer followed by its flag (kernels/layer_flags.py), for a forward that
       runs behind the copy. A restore longer than that forward may first move `whole_pages` of it
       the classic way (one DMA + scatter, pipelined): those land at the pinned copy's rate before

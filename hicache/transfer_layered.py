@@ -4,7 +4,8 @@ hicache/layer_copy.py, each layer followed by its flag (kernels/layer_flags.py),
 that reads pinned L2 (short or fragmented restores, narrow slabs). A restore longer than the forward
 that waits for it may first move its first pages whole, by the H2D pipeline (one DMA per chunk and a
 scatter), before layer 0: beside a running forward the 2-D DMAs of 32 KiB rows moved 8-12 % below
-the pinned copy's rate on the H200 (a stream of skinny GEMMs: 20-27 %), the whole pages, landing
+the pinned copy's rate on the H200 (a stream of skinny GEMMs: 21-24 % at 1,000 tokens, 11-13 % at
+3,500), the whole pages, landing
 before the forward has work, at that rate (docs/benchmarks.md, session 21)."""
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ class LayeredRestores:
         that reads these pages waits for each layer's flag to reach that epoch, and is launched
         after this returns: a wait kernel spinning on copies enqueued after it was seen to stall
         the copies on the H200 (streams promise no forward progress to each other).
-        whole_pages: the first this many pages go before layer 0, whole (`_whole_first`), when they
-        are consecutive in L2 and the rest takes the DMA plan; every flag then also covers them."""
+        whole_pages: the first this many pages (at most n - 1) go before layer 0, whole
+        (`_whole_first`), when they are consecutive in L2 and the rest takes the DMA plan (restores
+        by the copy kernel take none); every flag then also covers them."""
         if not self.layerwise or not l1_pages:
             return None
         if len(l1_pages) != len(host_pages):

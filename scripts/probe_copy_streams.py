@@ -10,8 +10,11 @@ Paths, each timed on the device (events) and on the host (enqueue, wall), median
                   on stream i % N (what a per-run DMA plan of fragmented pages would do)
   kernel          fragmented host pages by the layer-ordered copy kernel (kernels/host_copy.py)
   d2h copy / d2h pages/sN / d2h kernel  the mirror for backups into fragmented host pages
-Then the same restores beside a model-like stream of skinny GEMMs (weights streamed from HBM),
-both ways slowed. Every restore is checked byte for byte against L2.
+Then (--sections load) the --load-paths restores at 1,000 and 3,504 tokens beside a load (--loads):
+gemms, a model-like stream of skinny GEMMs (weights streamed from HBM), both ways slowed; spin, a
+wait kernel on every SM; spin16 / spin16sleep / spin16sleep1k, 16 programs an SM spinning, with a
+256 / 1,024 ns nanosleep between loads. Every restore timed alone is checked byte for byte against
+L2; those beside a load, by their layer flags.
 
     python3 scripts/probe_copy_streams.py --out docs/results/copy_streams_8b.json
 """

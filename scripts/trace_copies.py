@@ -1,11 +1,12 @@
 """How a restore's copies ran on the device, from a chrome trace of torch.profiler
 (bench_hicache.py --trace DIR writes one per tier and length): copies of one direction are grouped
 into transfers (no idle stretch longer than --gap-us), and each transfer reports its DMAs, bytes,
-span, the idle time between its DMAs, and the rate of its DMAs alone against the same DMAs while
-kernels of other families ran beside them (the forward's projections read weights from HBM; a
-forward waiting for a layer only spins in its attention kernel).
+span, the idle time between its DMAs, and the rate of its DMAs that ran with at most a waiting
+attention kernel beside them (< 10 % overlap with any other kernel) against those that ran at least
+half beside other kernels (the forward's projections read weights from HBM; a forward waiting for a
+layer only spins in its attention kernel).
 
-    python scripts/trace_copies.py out/trace/l2_8000.json.gz [--direction HtoD] [--gap-us 300]
+    python scripts/trace_copies.py out/trace/l2_8000.json.gz [--direction HtoD] [--gap-us 300] [--kernels N] [--json]
 """
 from __future__ import annotations
 
