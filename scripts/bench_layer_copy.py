@@ -37,6 +37,20 @@ def pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
 
+def restore_pools(model: str, page_size: int, max_tokens: int):
+    """(geometry, L1, L2, pool pages) for restores of up to `max_tokens` of the `model` preset's
+    shape, bf16: an L1 pool of zeros [2, L, P, S, H, D] on CUDA and a pinned page-major L2 of random
+    bits [P, 2, L, S, H, D], both of P = twice the pages plus 8 (room for disjoint page lists)."""
+    cfg = get_preset(model)
+    geo = KVGeometry(num_layers=cfg.num_layers, page_size=page_size, num_kv_heads=cfg.num_kv_heads,
+                     head_dim=cfg.head_dim, dtype=torch.bfloat16)
+    pool_pages = 2 * pages_for(max_tokens, page_size) + 8
+    l1 = torch.zeros(geo.l1_shape(pool_pages), dtype=geo.dtype, device="cuda")
+    l2 = torch.empty(geo.page_major_shape(pool_pages), dtype=geo.dtype, pin_memory=True)
+    l2.view(torch.int16).random_(-30000, 30000)
+    return geo, l1, l2, pool_pages
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-8b")
@@ -52,16 +66,9 @@ def main() -> int:
         return 2
     dev = torch.device("cuda")
     cfg = get_preset(args.model)
-    geo = KVGeometry(num_layers=cfg.num_layers, page_size=args.page_size, num_kv_heads=cfg.num_kv_heads,
-                     head_dim=cfg.head_dim, dtype=torch.bfloat16)
     sizes = [int(t) for t in args.tokens.split(",")]
     programs = [int(p) for p in args.programs.split(",")]
-    max_pages = pages_for(max(sizes), args.page_size)
-    pool_pages = 2 * max_pages + 8
-    l1 = torch.zeros((2, geo.num_layers, pool_pages, geo.page_size, geo.num_kv_heads, geo.head_dim),
-                     dtype=geo.dtype, device=dev)
-    l2 = torch.empty(geo.page_major_shape(pool_pages), dtype=geo.dtype, pin_memory=True)
-    l2.view(torch.int16).random_(-30000, 30000)
+    geo, l1, l2, pool_pages = restore_pools(args.model, args.page_size, max(sizes))
     flags = LayerFlags(geo.num_layers, dev)
     counts = torch.zeros(geo.num_layers, dtype=torch.int32, device=dev)
     stream = torch.cuda.Stream(dev)

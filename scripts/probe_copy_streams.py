@@ -31,12 +31,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hicache.geometry import KVGeometry  # noqa: E402
 from hicache.layer_copy import layer_plan, run_layer_cuda  # noqa: E402
 from kernels.cuda_rt import memcpy_async  # noqa: E402
 from kernels.host_copy import HostCopy  # noqa: E402
 from kernels.layer_flags import LayerFlags  # noqa: E402
 from scheduler.presets import get_preset  # noqa: E402
+from bench_layer_copy import median, restore_pools  # noqa: E402  (scripts/, next to this one)
 
 
 import triton  # noqa: E402
@@ -56,10 +56,6 @@ def _spin_kernel(flags_ptr, layer, want, max_spins, SLEEP_NS: tl.constexpr):
         seen = tl.load(flags_ptr + layer, volatile=True)
         spins += 1
 
-
-def median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
 
 
 def main() -> int:
@@ -81,17 +77,11 @@ def main() -> int:
         return 2
     dev = torch.device("cuda")
     cfg = get_preset(args.model)
-    geo = KVGeometry(num_layers=cfg.num_layers, page_size=args.page_size, num_kv_heads=cfg.num_kv_heads,
-                     head_dim=cfg.head_dim, dtype=torch.bfloat16)
     sizes = [int(t) for t in args.tokens.split(",")]
     stream_counts = [int(s) for s in args.streams.split(",")]
+    geo, l1, l2, pool_pages = restore_pools(args.model, args.page_size, max(sizes))
     page_bytes = geo.bytes_per_page
     max_pages = -(-max(sizes) // args.page_size)
-    pool_pages = 2 * max_pages + 8
-    l1 = torch.zeros((2, geo.num_layers, pool_pages, geo.page_size, geo.num_kv_heads, geo.head_dim),
-                     dtype=geo.dtype, device=dev)
-    l2 = torch.empty(geo.page_major_shape(pool_pages), dtype=geo.dtype, pin_memory=True)
-    l2.view(torch.int16).random_(-30000, 30000)
     packed = torch.empty(geo.page_major_shape(max_pages), dtype=geo.dtype, device=dev)
     flags = LayerFlags(geo.num_layers, dev)
     counts = torch.zeros(geo.num_layers, dtype=torch.int32, device=dev)
