@@ -43,6 +43,9 @@ class HiCacheConfig:
     host_bandwidth_gib_s: float = 12.0
     storage_bandwidth_gib_s: float = 3.0
     cost_margin: float = 1.0
+    # cost policy: charge each restore source what its requests took end to end beyond the model's
+    # price, measured on requests that ran alone (hicache/outcomes.py); False: the transfers' price only
+    learn_outcomes: bool = True
     # cost policy: until this many storage reads were timed, L3 writes are admitted and L3 hits restored
     # whatever the prior says, so the model learns this machine's storage speed (0: the prior decides)
     storage_explore_reads: int = 2

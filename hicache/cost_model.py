@@ -12,6 +12,9 @@ that forward too.
 Recompute is charged at its *marginal* cost `num_tokens * slope`: whether a hit is restored or
 recomputed, the uncached tail still runs one forward, so the learned fixed cost of a prefill is paid
 either way and is not a saving of a restore. (It is still learned and reported in `state()`.)
+
+What the transfer lines do not price (a source's host work, waits and checksums around its
+transfers) is learned end to end per source from requests that ran alone (hicache/outcomes.py).
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from hicache.config import HiCacheConfig, Policy
+from hicache.outcomes import OutcomeResiduals
 
 GIB_BYTES = 1 << 30
 WINDOW_SAMPLES = 32
@@ -196,6 +200,8 @@ class CostModel:
             "h2s": LinearCost(storage_s_per_byte),
             "recompute": LinearCost(config.recompute_us_per_token * 1e-6),
         }
+        # what each prefix source costs end to end beyond its price (hicache/outcomes.py)
+        self.outcomes = OutcomeResiduals() if config.learn_outcomes else None
 
     # -- learning -------------------------------------------------------------------------------
     # Off in simulations: nothing is timed there, so learning would make recompute look free.
@@ -217,6 +223,22 @@ class CostModel:
         """One prefill forward over `num_tokens` uncached tokens."""
         if self.learning:
             self.directions["recompute"].observe(num_tokens, seconds)
+
+    def observe_outcome(self, source: str, predicted_s: float, actual_s: float) -> None:
+        """A request that ran alone took `actual_s` from arrival to its first token, where
+        `span_s` had predicted `predicted_s` for its prefix source ("l1", "l2", "l3")."""
+        if self.learning and self.outcomes is not None:
+            self.outcomes.observe(source, predicted_s, actual_s)
+
+    def span_s(self, tier: str, costs: dict, uncached_tokens: int) -> float:
+        """Predicted seconds from arrival to the first token for a request whose prefix comes from
+        `tier` (a `Decision`'s costs priced the restore): the restore, if any, plus one prefill of the
+        `uncached_tokens` left (fixed cost included)."""
+        prefill_s = self.directions["recompute"].predict(max(0, uncached_tokens))
+        return prefill_s + (costs.get(f"{tier}_restore_s", 0.0) if tier in ("l2", "l3") else 0.0)
+
+    def _outcome_extra_s(self, tier: str) -> float:
+        return self.outcomes.extra_s(tier) if self.learning and self.outcomes is not None else 0.0
 
     @property
     def exploring_storage(self) -> bool:
@@ -278,6 +300,8 @@ class CostModel:
         l3_taken_on: the same for an L3 hit, whose prefetch would be taken on to L1 once its bytes
         landed (an L3 restore started at admission is not: its H2D follows the read). The read is
         charged in full.
+        A restore is also charged what its source's requests took end to end beyond this price,
+        relative to a recompute's (`outcomes`, hicache/outcomes.py; 0 until its source's is learned).
         """
         if min(l1_tokens, l2_tokens, l3_tokens) < 0:
             raise ValueError("matched lengths must be >= 0")
@@ -298,9 +322,11 @@ class CostModel:
             if tier == "l3":
                 restore_s += self._transfer_s("s2h", l3_tokens - max(l1_tokens, l2_tokens))
             recompute_s = self.recompute_cost_s(n)
-            benefit_s[tier] = recompute_s - self.margin * restore_s
+            extra_s = self._outcome_extra_s(tier)  # what this source costs beyond its price
+            benefit_s[tier] = recompute_s - self.margin * restore_s - extra_s
             costs[f"{tier}_restore_s"] = restore_s
             costs[f"{tier}_recompute_s"] = recompute_s
+            costs[f"{tier}_extra_s"] = extra_s
             costs[f"{tier}_benefit_s"] = benefit_s[tier]
 
         if policy == "never":
@@ -401,4 +427,5 @@ class CostModel:
             else:
                 entry["us_per_token"] = cost.slope * 1e6
             directions[name] = entry
-        return {"bytes_per_token": self.bytes_per_token, "margin": self.margin, "directions": directions}
+        return {"bytes_per_token": self.bytes_per_token, "margin": self.margin, "directions": directions,
+                "outcomes": None if self.outcomes is None else self.outcomes.state()}

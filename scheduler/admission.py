@@ -95,6 +95,7 @@ class Admission(Restoring):
             if started == "overlapped":
                 return True
             req.hit_tokens["l1"] = m.lengths[Tier.L1]
+            self._plan(req, "l1", None, len(req.prompt) - m.lengths[Tier.L1])
         else:
             req.hit_tokens["l1"] = max(0, m.lengths[Tier.L1] - req.hit_tokens["l2"] - req.hit_tokens["l3"])
         l1_len = m.lengths[Tier.L1]
@@ -224,6 +225,7 @@ class Admission(Restoring):
             req.state = RequestState.DECODE
             req.first_token_s = time.perf_counter()
             eng._event(req, "first_token")
+            self.score_outcome(req)
         else:
             req.cached_len += 1
         req.output.append(int(token))

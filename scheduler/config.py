@@ -125,6 +125,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--hicache-host-bandwidth-gib-s", type=float, default=12.0)
     h.add_argument("--hicache-storage-bandwidth-gib-s", type=float, default=3.0)
     h.add_argument("--hicache-cost-margin", type=float, default=1.0)
+    h.add_argument("--disable-hicache-outcomes", action="store_true",
+                   help="cost policy: price restores by their transfers only (default: also charge each "
+                        "source what its requests took end to end beyond that price)")
     h.add_argument("--hicache-storage-explore-reads", type=int, default=2,
                    help="cost policy: L3 reads to time before the learned storage speed decides (0: the prior)")
     h.add_argument("--hicache-host-explore-transfers", type=int, default=1,
@@ -157,6 +160,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         host_bandwidth_gib_s=args.hicache_host_bandwidth_gib_s,
         storage_bandwidth_gib_s=args.hicache_storage_bandwidth_gib_s,
         cost_margin=args.hicache_cost_margin,
+        learn_outcomes=not args.disable_hicache_outcomes,
         storage_explore_reads=args.hicache_storage_explore_reads,
         host_explore_transfers=args.hicache_host_explore_transfers,
         restore_explore_every=args.hicache_restore_explore_every,

@@ -104,6 +104,7 @@ class Engine:
         self._loop_task: asyncio.Task | None = None
         self._stopping = False
         self._batch_id = 0
+        self.last_batch_seqs = 0  # sequences in the last batch that ended (Restoring.score_outcome)
         self._occupancy_logged: dict = {}  # tier -> used pages in its last occupancy event
         self.stats = {"batches": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
                       "failed": 0, "chained_steps": 0, "restore_overlaps": 0,
@@ -190,6 +191,7 @@ class Engine:
         if params.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
         req.queue = asyncio.Queue()
+        req.arrival_batch = self.stats["batches"]
         self.requests[req.rid] = req
         self.waiting.append(req)
         self._event(req, "queued", prompt_tokens=len(req.prompt))
@@ -396,6 +398,7 @@ class Engine:
     def _after_batch(self, work, next_ids: list[int], start_ns: int, restoring: bool) -> None:
         reqs, chunks, binput = work
         self._batch_id += 1
+        self.last_batch_seqs = len(binput.new_lens)
         end_ns = time.monotonic_ns()
         self.stats["batches"] += 1
         if info_enabled():

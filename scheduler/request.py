@@ -111,6 +111,10 @@ class Request:
     landed_offered: bool = False  # its prefetch's read landed and the request was offered to take it on
     promoted_tokens: int = 0      # tokens an L3 -> L2 prefetch brought up for this request
     hint_task: object = None      # shared L3: the existence query that must finish before admission
+    # scored once at the first token if it ran alone (hicache/outcomes.py): how many batches had ended
+    # when it arrived, and per prefix source the seconds the cost model predicted to its first token
+    arrival_batch: int = 0
+    span_plan: dict | None = field(default_factory=dict)  # None: a fault meddled, nothing to learn
     finish_reason: str | None = None
     error: str | None = None
     generator: object = None     # torch.Generator for seeded sampling

@@ -7,6 +7,7 @@ counts only once the restore has published its pages.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import structlog
 
@@ -52,11 +53,31 @@ class Restoring:
         # checksums wait for the landing rather than slow it
         overlap = self._may_overlap(req, l3, alone=not self.engine.running,
                                     budget=self.engine.config.max_prefill_tokens)
-        if l3 <= max(l1, l2) or cache.decide(m, overlap_h2d=overlap, l3_taken_on=overlap).tier != "l3":
+        if l3 <= max(l1, l2):
+            return
+        decision = cache.decide(m, overlap_h2d=overlap, l3_taken_on=overlap)
+        if decision.tier != "l3":
             return
         req.prefetch_op = cache.runner.start_restore(tokens, m, "prefetch", req.rid, take_soon=overlap)
         if req.prefetch_op is not None:
             req.promoted_tokens = l3 - l2  # served from L3 when this request later restores from L2
+            self._plan(req, "l3", decision, len(req.prompt) - l3)
+
+    def _plan(self, req: Request, source: str, decision, uncached_tokens: int) -> None:
+        """Note what the cost model predicts from arrival to the first token if the prefix comes
+        from `source` (the first prediction per source stands: a prefetch's read started at queue time)."""
+        if req.span_plan is not None and source not in req.span_plan:
+            req.span_plan[source] = self.cache.span_s(source, decision, uncached_tokens)
+
+    def score_outcome(self, req: Request) -> None:
+        """At the first token: a request that ran alone since it arrived (one batch ended since, its
+        own, of one sequence) teaches the cost model what its prefix source cost end to end."""
+        eng, plan = self.engine, req.span_plan
+        if not plan or eng.stats["batches"] != req.arrival_batch + 1 or eng.last_batch_seqs != 1:
+            return
+        source = "l3" if req.hit_tokens["l3"] else "l2" if req.hit_tokens["l2"] else "l1"
+        if set(plan) == {source}:  # (else its path changed on the way: a prefetch it did not use)
+            self.cache.observe_outcome(source, plan[source], time.perf_counter() - req.arrival_s)
 
     def settle_parked(self) -> None:
         """Parked requests whose restore (or prefetch) ended go back to the head of the queue; so
@@ -72,6 +93,8 @@ class Restoring:
                     self.engine.waiting.appendleft(req)
                 continue
             self.engine.parked.remove(req)
+            if op is not None and not op.succeeded:
+                req.span_plan = None  # a failed restore or prefetch: not what its source costs
             if op is req.restore_op and op is not None and not op.succeeded:
                 req.restore_failed = True
                 req.hit_tokens.update(l2=0, l3=0)
@@ -119,6 +142,8 @@ class Restoring:
         req.restore_op, req.restore_tier = op, decision.tier
         from_l3 = decision.restore_tokens if decision.tier == "l3" else min(req.promoted_tokens,
                                                                             decision.restore_tokens)
+        # (an L2 restore of what this request's prefetch promoted is scored as that prefetch's L3 hit)
+        self._plan(req, "l3" if from_l3 else decision.tier, decision, len(req.prompt) - end)
         req.hit_tokens.update(l3=from_l3, l2=decision.restore_tokens - from_l3)
         if op.payload.get("layerwise"):
             self._admit_overlapped(req, m, op)
@@ -250,6 +275,7 @@ class Restoring:
         self.release(req, publish=False)
         req.pages, req.cached_len, req.locked_len, req.overlap_result = [], 0, 0, None
         req.restore_failed = req.restore_failed or failed
+        req.span_plan = None  # its forward ran and was dropped: not what its source costs
         req.hit_tokens.update(l1=0, l2=0, l3=0)
         req.restore_tier = "none"
         req.state = RequestState.WAITING

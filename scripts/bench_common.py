@@ -167,6 +167,8 @@ def add_common_args(p) -> None:
                    help="layer-ordered restores up to this many tokens by the copy kernel (default: the engine's)")
     p.add_argument("--disable-whole-first", action="store_true",
                    help="layer-ordered restores move every page in layers (none first, whole)")
+    p.add_argument("--disable-outcomes", action="store_true",
+                   help="cost policy: price restores by their transfers only (hicache/outcomes.py)")
     p.add_argument("--small-gemm", default=None, choices=["triton", "cublas"],
                    help="projections of forwards of at most 16 rows (default: the engine's)")
     p.add_argument("--gpu-wait", default=None, choices=["spin", "block"],
@@ -177,11 +179,13 @@ def add_common_args(p) -> None:
     p.add_argument("--out", default=None)
 
 
-def kernel_restore_args(args) -> dict:
-    """with_hicache() changes for --kernel-restore-max-tokens and --disable-whole-first (none when not given)."""
+def hicache_override_args(args) -> dict:
+    """with_hicache() changes for --kernel-restore-max-tokens, --disable-whole-first and
+    --disable-outcomes (none when not given)."""
     n = getattr(args, "kernel_restore_max_tokens", None)
     return (({} if n is None else {"kernel_restore_max_tokens": n})
-            | ({"whole_first": False} if getattr(args, "disable_whole_first", False) else {}))
+            | ({"whole_first": False} if getattr(args, "disable_whole_first", False) else {})
+            | ({"learn_outcomes": False} if getattr(args, "disable_outcomes", False) else {}))
 
 
 def engine_mode_args(args) -> dict:

@@ -41,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import (GIB, BenchDir, add_common_args, close_engine, copy_limits, default_device,  # noqa: E402
-                          default_model, kernel_restore_args, engine_mode_args, directions_summary, emit, evict, file_read_limit, fmt, free_memory, integrity_of,
+                          default_model, hicache_override_args, engine_mode_args, directions_summary, emit, evict, file_read_limit, fmt, free_memory, integrity_of,
                           median, metrics_delta, ms_summary, note, run_one, shared_model, table, tail_forward_s)
 
 ABOVE = {"none": ("l1",), "l2": ("l1",), "l3": ("l1", "l2")}
@@ -107,7 +107,7 @@ def build_config(args, tier: str, prefix_tokens: int, storage_path: str | None):
         storage_ratio=args.storage_ratio if tier == "l3" else 0.0,
         storage_path=storage_path if tier == "l3" else None, io_workers=args.io_workers,
         storage_checksum=not args.disable_checksum, transfer_backend=args.transfer_backend,
-        prefetch=not args.disable_prefetch, **kernel_restore_args(args))
+        prefetch=not args.disable_prefetch, **hicache_override_args(args))
 
 
 async def trace_forced(forced, args, path: Path) -> None:

@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import (BenchDir, add_common_args, close_engine, default_device, default_model,  # noqa: E402
-                          kernel_restore_args, engine_mode_args, device_read_gib_s, forward_read_bytes, directions_summary, emit, evict, fmt, fmt_bytes, free_memory,
+                          hicache_override_args, engine_mode_args, device_read_gib_s, forward_read_bytes, directions_summary, emit, evict, fmt, fmt_bytes, free_memory,
                           host_profile, integrity_of, median, metrics_delta, ms_summary, note, shared_model, table)
 
 
@@ -114,7 +114,7 @@ def engine_config(args, tier: str, num_pages: int, host_ratio: float, storage_pa
     return cfg.with_hicache(
         enable=tier not in ("none", "reference"), policy=args.policy, host_ratio=host_ratio,
         storage_ratio=args.storage_ratio if tier == "l3" else 0.0, storage_path=storage_path if tier == "l3" else None,
-        io_workers=args.io_workers, storage_checksum=not args.disable_checksum, **kernel_restore_args(args))
+        io_workers=args.io_workers, storage_checksum=not args.disable_checksum, **hicache_override_args(args))
 
 
 async def timed(engine, prompt: list[int], max_tokens: int) -> dict:

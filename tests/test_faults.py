@@ -57,8 +57,9 @@ async def reference(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int
 
 def make_engine(faults: FaultInjector | None = None, num_pages: int = 48, **hicache) -> Engine:
     hicache.setdefault("transfer_backend", "torch")
+    hicache.setdefault("policy", "always")
     config = EngineConfig(model="tiny", device="cpu", num_pages=num_pages, page_size=PAGE).with_hicache(
-        enable=True, policy="always", **hicache)
+        enable=True, **hicache)
     return Engine(config, faults=faults or FaultInjector())
 
 
