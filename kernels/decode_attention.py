@@ -35,6 +35,7 @@ BLOCK_N = 32
 # load in registers (16 splits x 4 x 128 float32 over 128 threads), and a 16-row tail gets 16
 # programs per KV head instead of 4 (the merge went from 6.1 to 4.4 us a layer on the H200)
 MERGE_ROWS = 4
+TAIL_STAGES = 2  # software pipelining depth of the split kernel for multi-row tails (below)
 
 
 def decode_attention_torch(q, k_layer, v_layer, page_tables, seq_lens, scale: float,
@@ -155,10 +156,13 @@ if triton is not None:
 def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: float,
                             rows_per_seq: int = 1, tensor_cores: bool | None = None, block: int | None = None,
                             num_warps: int | None = None, splits: int | None = None,
-                            wait: tuple | None = None, merge_rows: int = MERGE_ROWS) -> torch.Tensor:
+                            wait: tuple | None = None, merge_rows: int = MERGE_ROWS,
+                            num_stages: int | None = None) -> torch.Tensor:
     """tensor_cores (default: for 16-bit inputs) runs both dots on tensor cores with float32
     accumulation, the probabilities rounded to the input dtype for the second; float32 inputs use
-    exact fp32 dots. block / num_warps / splits / merge_rows override the tuned defaults (benchmarks).
+    exact fp32 dots. block / num_warps / splits / merge_rows / num_stages (the split kernel's software
+    pipelining of its K/V loop; default TAIL_STAGES for multi-row tails, else Triton's 3 on sm_90)
+    override the tuned defaults (benchmarks).
     wait = (flags, expected, status, layer, max_spins): every program first waits, on the device,
     for that layer of a layer-ordered restore (kernels/layer_flags.py): no wait kernel before it."""
     rows, hq, d = q.shape
@@ -176,6 +180,11 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
     num_splits = splits or (NUM_SPLITS if rows_per_seq > 1 or b * hkv < 128 else NUM_SPLITS // 2)
     block = block or (64 if few_programs else BLOCK_N)
     num_warps = num_warps or (8 if few_programs else 4)
+    # multi-row tails pipeline their K/V loop 2 deep, not Triton's 3: 7.9 / 9.0 / 13.5 / 24.0 us against
+    # 8.3 / 9.6 / 15.6 / 28.5 at 350 / 1,000 / 3,500 / 8,000 keys (16 rows, H200, session 22 sweep:
+    # scripts/bench_kernels.py --attention); one-row decode is within 2 % either way and keeps the default
+    if num_stages is None and rows_per_seq > 1:
+        num_stages = TAIL_STAGES
     part_o = torch.empty((b, hkv, num_splits, m_pad, d), dtype=torch.float32, device=q.device)
     part_m = torch.empty((b, hkv, num_splits, m_pad), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -187,7 +196,8 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
         q, k_layer, v_layer, page_tables, seq_lens, part_o, part_m, part_l, flags, expected, status, layer,
         max_spins, scale, page_tables.shape[1], hkv, hq, PAGE=page, GROUP=group, ROWS=rows_per_seq, M_PAD=m_pad,
         D=d, BLOCK=block, SPLITS=num_splits, TENSOR_CORES=tensor_cores, WAIT=wait is not None,
-        num_warps=num_warps, **pdl.launch_kwargs(q.device))
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
+        **pdl.launch_kwargs(q.device))
     real_rows = group * rows_per_seq
     rb = min(merge_rows, triton.next_power_of_2(real_rows))
     _merge_kernel[(b, hkv, triton.cdiv(real_rows, rb))](part_o, part_m, part_l, out, hkv, hq, GROUP=group,

@@ -4,11 +4,15 @@ variants (splits, block, warps; timed inside a CUDA graph) and the fused element
 the torch ops they replace. Checks each against its torch reference; prints one table.
 
     python scripts/bench_kernels.py --json --out out/kernels.json     # on the GPU
+    python scripts/bench_kernels.py --attention --out out/attention_sweep.json  # the attention sweep only
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
+import os
 import sys
 
 import torch
@@ -102,32 +106,160 @@ def skinny_rows(dev, dtype, rows_list=(1, 16), configs=SKINNY_CONFIGS, shapes=No
     return out
 
 
-def attention_rows(dev, dtype) -> list[dict]:
-    hq, hkv, d, page = 32, 8, 128, 16
+# (sequences, query rows per sequence, context tokens) at the 8B shape, and the decode_attention_triton
+# overrides timed at each: the default run's grid, and --attention's (software pipelining included)
+ATTENTION_SHAPES = [(1, 1, 350), (1, 1, 1000), (1, 1, 3500), (1, 1, 8000), (32, 1, 576), (1, 16, 350),
+                    (1, 16, 1000), (1, 16, 3500), (1, 16, 8000)]
+ATTENTION_CONFIGS = [dict(splits=sp, block=bl, num_warps=w)
+                     for sp in (8, 16, 32, 64) for bl in (32, 64) for w in (4, 8)]
+SWEEP_SHAPES = [sh for sh in ATTENTION_SHAPES if sh[0] == 1]
+# num_stages 3 is Triton's default on sm_90 (4 compiled to the same PTX as 3: Triton 3.9, offline sm_90)
+SWEEP_CONFIGS = [dict(splits=sp, block=bl, num_warps=w, num_stages=st)
+                 for sp in (8, 16, 32) for bl in (16, 32, 64) for w in (2, 4, 8) for st in (1, 2, 3)]
+ATT_HQ, ATT_HKV, ATT_D, ATT_PAGE = 32, 8, 128, 16
+ATT_ERR_LIMIT = 3e-2  # bf16 rounding is ~1e-3 here; a config above this (or NaN) is wrong, never ranked
+
+
+def attention_inputs(dev, dtype, seqs: int, per: int, ctx: int):
+    """q, k, v, page tables (shuffled pages) and row lengths of one attention shape."""
+    pages_each = -(-(ctx + per) // ATT_PAGE)
+    num_pages = seqs * pages_each + 1
+    k = torch.randn(num_pages, ATT_PAGE, ATT_HKV, ATT_D, device=dev, dtype=dtype)
+    v = torch.randn_like(k)
+    tables = torch.randperm(num_pages - 1, device=dev)[: seqs * pages_each].view(seqs, pages_each)
+    lens = torch.tensor([ctx + t + 1 for _ in range(seqs) for t in range(per)], device=dev)
+    q = torch.randn(seqs * per, ATT_HQ, ATT_D, device=dev, dtype=dtype)
+    return q, k, v, tables, lens
+
+
+def attention_rows(dev, dtype, shapes=ATTENTION_SHAPES, configs=ATTENTION_CONFIGS) -> list[dict]:
+    """Each shape x config (decode_attention_triton's overrides; {} = the engine's default) timed in a
+    CUDA graph, with its max error against the torch reference; a config that fails to compile or
+    launch gets an "error" row instead."""
+    d = ATT_D
     rows = []
-    for seqs, per, ctx in [(1, 1, 350), (1, 1, 1000), (1, 1, 3500), (1, 1, 8000), (32, 1, 576), (1, 16, 350),
-                           (1, 16, 1000), (1, 16, 3500), (1, 16, 8000)]:
-        pages_each = -(-(ctx + per) // page)
-        num_pages = seqs * pages_each + 1
-        k = torch.randn(num_pages, page, hkv, d, device=dev, dtype=dtype)
-        v = torch.randn_like(k)
-        tables = torch.randperm(num_pages - 1, device=dev)[: seqs * pages_each].view(seqs, pages_each)
-        lens = torch.tensor([ctx + t + 1 for _ in range(seqs) for t in range(per)], device=dev)
-        q = torch.randn(seqs * per, hq, d, device=dev, dtype=dtype)
+    for seqs, per, ctx in shapes:
+        q, k, v, tables, lens = attention_inputs(dev, dtype, seqs, per, ctx)
         ref = decode_attention_torch(q, k, v, tables, lens, d ** -0.5, per).float()
-        kv_bytes = seqs * (ctx + per) * hkv * d * 2 * k.element_size()
-        for splits in (8, 16, 32, 64):
-            for block in (32, 64):
-                for warps in (4, 8):
-                    def fn():
-                        return decode_attention_triton(q, k, v, tables, lens, d ** -0.5, per, block=block,
-                                                       num_warps=warps, splits=splits)
-                    err = (fn().float() - ref).abs().max().item()
-                    us = time_us(fn)
-                    rows.append({"seqs": seqs, "rows_per_seq": per, "context": ctx, "splits": splits,
-                                 "block": block, "warps": warps, "us": us, "max_err": err,
-                                 "kv_gib_s": kv_bytes / us / 1e3 / 1.073741824})
+        kv_bytes = seqs * (ctx + per) * ATT_HKV * d * 2 * k.element_size()
+        for cfg in configs:
+            row = {"seqs": seqs, "rows_per_seq": per, "context": ctx, "splits": cfg.get("splits"),
+                   "block": cfg.get("block"), "warps": cfg.get("num_warps"), "num_stages": cfg.get("num_stages")}
+
+            def fn(cfg=cfg):
+                return decode_attention_triton(q, k, v, tables, lens, d ** -0.5, per, **cfg)
+            try:
+                err = (fn().float() - ref).abs().max().item()
+                us = time_us(fn)
+            except Exception as exc:  # e.g. out of shared memory: skipped, not fatal
+                rows.append({**row, "error": repr(exc)[:200]})
+                continue
+            rows.append({**row, "us": us, "max_err": err, "kv_gib_s": kv_bytes / us / 1e3 / 1.073741824})
+        del q, k, v, tables, lens, ref
+        torch.cuda.empty_cache()
     return rows
+
+
+def _warm_attention(cfg: dict, shapes: list, dev, dtype) -> int:
+    """Worker process: compile one config at every shape (the Triton specialisations differ, e.g.
+    max_pages divisible by 16) into Triton's on-disk cache; returns the failures."""
+    failed = 0
+    for seqs, per, ctx in shapes:
+        q, k, v, tables, lens = attention_inputs(dev, dtype, seqs, per, ctx)
+        try:
+            decode_attention_triton(q, k, v, tables, lens, ATT_D ** -0.5, per, **cfg)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        except Exception:
+            failed += 1
+    return failed
+
+
+def precompile_attention(dev, dtype, shapes, configs, jobs: int) -> None:
+    """Compile the sweep's kernels in `jobs` processes first (one compile is ~1 s of CPU, and the
+    sweep has ~300 distinct ones); the timing loop then loads them from Triton's cache. Best effort:
+    whatever fails here is compiled (or fails) again in the loop."""
+    if jobs <= 1:
+        return
+    try:
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            n = len(configs)
+            failed = sum(pool.map(_warm_attention, configs, [list(shapes)] * n, [dev] * n, [dtype] * n))
+        print(f"precompiled {len(configs)} configs x {len(shapes)} shapes in {jobs} processes "
+              f"({failed} failed)", file=sys.stderr)
+    except Exception as exc:  # no worker processes: the loop compiles serially
+        print(f"precompile skipped: {exc!r}"[:300], file=sys.stderr)
+
+
+def attention_sweep(dev, dtype, jobs: int) -> dict:
+    """--attention: SWEEP_CONFIGS at SWEEP_SHAPES plus each shape's engine default (no overrides)."""
+    configs = [{}] + SWEEP_CONFIGS
+    precompile_attention(dev, dtype, SWEEP_SHAPES, configs, jobs)
+    rows = attention_rows(dev, dtype, shapes=SWEEP_SHAPES, configs=configs)
+    defaults = {}
+    for r in rows:
+        if r["splits"] is None:
+            defaults[shape_key(r)] = {k: r[k] for k in ("us", "max_err", "kv_gib_s", "error") if k in r}
+    return {"device": torch.cuda.get_device_name(), "attention_sweep": [r for r in rows if r["splits"] is not None],
+            "defaults": defaults}
+
+
+def shape_key(r: dict) -> str:
+    return f"{r['seqs']}x{r['rows_per_seq']}x{r['context']}"
+
+
+def fit_us(points) -> tuple[float, float]:
+    """Least squares us = fixed + per_key * context over (context, us); per_key in us per 1,000 keys."""
+    n = len(points)
+    mx, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
+    var = sum((p[0] - mx) ** 2 for p in points)
+    slope = sum((p[0] - mx) * (p[1] - my) for p in points) / var if var else 0.0
+    return my - slope * mx, slope * 1e3
+
+
+def attention_ok(r: dict) -> bool:
+    """Timed, and within ATT_ERR_LIMIT of the reference (NaN compares False)."""
+    return "us" in r and r["max_err"] <= ATT_ERR_LIMIT
+
+
+def sweep_table(res: dict, top: int = 5) -> None:
+    """Per shape: the default's us, the best config and the top ones; then per rows_per_seq, the
+    fixed + per-key cost fitted over the contexts for the default, the best and the best per stages.
+    Only rows within ATT_ERR_LIMIT of the reference are ranked."""
+    cfg = "{splits:>3}/{block:<2}/{warps}/{num_stages}"
+    good = attention_ok
+    by_shape: dict[str, list] = {}
+    for r in res["attention_sweep"]:
+        by_shape.setdefault(shape_key(r), []).append(r)
+    best_at: dict[str, dict] = {}
+    for key, rs in by_shape.items():
+        ok = sorted(filter(good, rs), key=lambda r: r["us"])
+        failed, wrong = sum("us" not in r for r in rs), sum("us" in r and not good(r) for r in rs)
+        default = res["defaults"].get(key, {})
+        line = f"{key:>10}: default {default.get('us', float('nan')):6.1f} us"
+        if ok:
+            best_at[key] = ok[0]
+            line += (f"; best {ok[0]['us']:6.1f} us ({cfg.format(**ok[0])} splits/block/warps/stages, "
+                     f"{default.get('us', float('nan')) / ok[0]['us']:.2f}x)")
+        print(line + (f"; {failed} configs failed" if failed else "") + (f"; {wrong} wrong" if wrong else ""))
+        for i, r in enumerate(ok[:top]):
+            print(f"    {i + 1}. {cfg.format(**r)}  {r['us']:6.1f} us  {r['kv_gib_s']:6.0f} KV GiB/s  "
+                  f"max err {r['max_err']:.1e}")
+    print("fitted over the contexts: fixed us + us per 1,000 keys")
+    for per in sorted({r["rows_per_seq"] for r in res["attention_sweep"]}):
+        keys = [k for k in by_shape if by_shape[k][0]["rows_per_seq"] == per]
+        ctx = {k: by_shape[k][0]["context"] for k in keys}
+        series = {"default": [(ctx[k], res["defaults"][k]["us"]) for k in keys if "us" in res["defaults"].get(k, {})],
+                  "best": [(ctx[k], best_at[k]["us"]) for k in keys if k in best_at]}
+        for st in sorted({r["num_stages"] for r in res["attention_sweep"]}):
+            series[f"best, stages {st}"] = [
+                (ctx[k], min(r["us"] for r in by_shape[k] if r["num_stages"] == st and good(r))) for k in keys
+                if any(r["num_stages"] == st and good(r) for r in by_shape[k])]
+        for name, pts in series.items():
+            if len(pts) >= 2:
+                fixed, per_key = fit_us(pts)
+                print(f"  rows {per:2d} {name:16s} {fixed:6.2f} us + {per_key:5.2f} us / 1k keys")
 
 
 def fused_rows(dev, dtype) -> list[dict]:
@@ -178,6 +310,10 @@ def main(argv=None) -> int:
     ap.add_argument("--skinny", action="store_true", help="only the small-M projections (kernels/skinny_gemm.py)")
     ap.add_argument("--skinny-split", action="store_true",
                     help="only the projections without SwiGLU at 16 rows, K split 1 / 2 / 4")
+    ap.add_argument("--attention", action="store_true",
+                    help="only the attention sweep: splits x block x warps x num_stages at 1 and 16 rows")
+    ap.add_argument("--compile-jobs", type=int, default=min(12, os.cpu_count() or 1),
+                    help="--attention: processes that compile the sweep's kernels first (1: none)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -185,6 +321,15 @@ def main(argv=None) -> int:
         print("bench_kernels needs CUDA", file=sys.stderr)
         return 2
     dev, dtype = torch.device("cuda"), torch.bfloat16
+    if args.attention:
+        res = attention_sweep(dev, dtype, args.compile_jobs)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        if args.json:
+            print(json.dumps(res))
+        sweep_table(res)
+        return 0
     if args.skinny_split:
         res = {"device": torch.cuda.get_device_name(),
                "skinny": skinny_rows(dev, dtype, rows_list=(16,), configs=SPLIT_CONFIGS,
@@ -211,9 +356,15 @@ def main(argv=None) -> int:
     print("seqs x rows  ctx  splits block warps      us   KV GiB/s  max err   (best per shape marked *)")
     best = {}
     for r in res["attention"]:
+        if "error" in r:
+            print(f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {r['splits']:6d} {r['block']:5d} "
+                  f"{r['warps']:5d}  failed: {r['error']}")
+            continue
         key = (r["seqs"], r["rows_per_seq"], r["context"])
         best[key] = min(best.get(key, 1e18), r["us"])
     for r in res["attention"]:
+        if "error" in r:
+            continue
         star = "*" if r["us"] == best[(r["seqs"], r["rows_per_seq"], r["context"])] else " "
         print(f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {r['splits']:6d} {r['block']:5d} "
               f"{r['warps']:5d} {r['us']:8.1f} {r['kv_gib_s']:9.0f} {r['max_err']:9.2e} {star}")

@@ -73,6 +73,9 @@ for s in "$@"; do
     replay_on) step replay_on 300 python3 scripts/replay_trace.py --trace scripts/_tmp/mooncake1000.jsonl --model qwen3-8b --device cuda --block-tokens 512 --max-requests 1000 --max-input-tokens 4096 --max-output-tokens 8 --time-scale 0 --concurrency 64 --l1-tokens 65536 --no-progress --l2-gib 64 --l3-gib 24 --json-out "$OUT/replay_on.json" ;;
     latency_l2_p8) step latency_l2_p8 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 1000,3500,8000 --page-size 8 --json --out "$OUT/latency_l2_p8.json" ;;
     transfer_p1) step transfer_p1 200 python3 scripts/bench_transfer.py --page-size 1 --backends triton --out "$OUT/transfer_p1.json" ;;
+    stress_outcomes_ab) i=0; for v in "" "--disable-outcomes" "" "--disable-outcomes"; do i=$((i+1))
+              step "stress_outcomes_ab$i" 200 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l3 --policy cost $v --json --out "$OUT/stress_outcomes_ab$i.json"; done ;;
+    attention) step attention 300 python3 scripts/bench_kernels.py --attention --out "$OUT/attention.json" ;;
     *) echo "unknown step $s" ;;
   esac
 done
