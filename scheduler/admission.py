@@ -62,6 +62,8 @@ class Admission(Restoring):
                 break
             if req.hint_task is not None and not req.hint_task.done():
                 continue  # its shared-L3 hints are still being fetched
+            if req.prefetch_op is not None and req.prefetch_op.done:
+                self.prefetch_ended(req)  # (it ended before the request was ever parked on it)
             if req.prefetch_op is not None and not req.prefetch_op.done:
                 if not self._take_landed(req, alone=not reqs, budget=budget):
                     self._park(req, req.prefetch_op)

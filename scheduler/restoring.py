@@ -99,11 +99,20 @@ class Restoring:
                 req.restore_failed = True
                 req.hit_tokens.update(l2=0, l3=0)
                 req.restore_tier = "none"
-            if op is req.prefetch_op and op is not None and not op.succeeded:
-                req.promoted_tokens = 0
+            if op is req.prefetch_op and op is not None:
+                self.prefetch_ended(req)
             req.restore_op = req.prefetch_op = None
             req.state = RequestState.WAITING
             self.engine.waiting.appendleft(req)
+
+    @staticmethod
+    def prefetch_ended(req: Request) -> None:
+        """The request's prefetch ended. A failed one promoted nothing for it, and its path (and
+        so the plan it was priced by) is not the one the request takes now."""
+        if not req.prefetch_op.succeeded:
+            req.promoted_tokens = 0
+            req.span_plan = None
+        req.prefetch_op = None
 
     def _park(self, req: Request, op) -> None:
         req.state = RequestState.PARKED

@@ -217,3 +217,32 @@ async def test_a_failed_restore_is_not_scored(prefetch) -> None:
     assert result.output_ids == want and result.cached_tokens["l3"] > 0
     assert {s: v["samples"] for s, v in outcomes.state().items()} == {"l1": 1, "l2": 0, "l3": 1}
     await finish(eng)
+
+
+@pytest.mark.asyncio
+async def test_a_prefetch_that_failed_before_admission_is_not_scored() -> None:
+    """Regression (session 22's review): a prefetch that failed before the loop first reached its
+    request never passed through `settle_parked`, so the request kept the tokens it would have
+    promoted and the plan it was priced by, and its restore at admission was scored against the
+    failed prefetch's price."""
+    from hicache.faults import Fault, FaultInjector
+    from test_faults import PARAMS, PROMPT, REUSABLE, finish, make_engine, only_in_l3, reference, run_one, until
+
+    faults = FaultInjector()
+    eng = make_engine(faults, policy="cost", storage_explore_reads=4)
+    await eng.start()
+    want = await reference(PROMPT)
+    assert (await run_one(eng)).output_ids == want
+    await eng.cache.drain()
+    only_in_l3(eng, PROMPT[:REUSABLE])
+    await eng.stop_loop()  # the loop is not running: the prefetch ends before admission sees the request
+    faults.arm(Fault.EIO_READ)
+    req = eng.add_request(PROMPT, PARAMS)
+    assert req.prefetch_op is not None and req.promoted_tokens > 0
+    await until(lambda: req.prefetch_op.done)
+    assert not req.prefetch_op.succeeded
+    await eng.start()
+    await until(lambda: req.state.done)
+    assert req.output == want and req.promoted_tokens == 0
+    assert eng.cache.cost.outcomes.state()["l3"]["samples"] == 0
+    await finish(eng)
