@@ -171,9 +171,11 @@ def _slow_l3_path(monkeypatch, delay_s: float) -> None:
 
 @pytest.mark.parametrize("learn", [True, False])
 def test_the_loop_stops_restoring_from_a_source_slower_than_its_price(monkeypatch, learn) -> None:
-    """400-token prefixes: an L3 hit's read is priced well under its recompute, but every L3 request
-    spends 50 ms more than priced. Learned end to end, the loop recomputes them after a few."""
-    _slow_l3_path(monkeypatch, 0.05)
+    """400-token prefixes: an L3 hit's read is priced well under its recompute (~10 ms here), but
+    every L3 request spends 250 ms more than priced. Learned end to end, the loop recomputes them
+    after a few. (A 50 ms overhead flaked on a loaded 2-core machine, where a slow prefill or two
+    made recompute look dearer than that.)"""
+    _slow_l3_path(monkeypatch, 0.25)
     eng = make("l3", "cost", num_pages=216, storage_explore_reads=1, restore_explore_every=0,
                learn_outcomes=learn)
     prompts = workload(rounds=4, prefix_len=400)  # L1 holds about two of the four prefixes, L2 one
@@ -182,7 +184,7 @@ def test_the_loop_stops_restoring_from_a_source_slower_than_its_price(monkeypatc
     later = seen[first_l3 + MIN_OUTCOMES:]  # once its overhead was learned
     if learn:
         assert "l3" not in later, seen
-        assert eng.cache.cost.outcomes.extra_s("l3") > 0.04
+        assert eng.cache.cost.outcomes.extra_s("l3") > 0.2
     else:
         assert later.count("l3") == len(later), seen  # priced by its transfers, it keeps winning
     assert_whole(eng)
