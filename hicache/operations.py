@@ -256,6 +256,7 @@ class OpRunner(Backups, Restores):
         claims = dict(op.payload["claims"])
         op.payload["claims"].clear()
         self._unlock_all(op)
+        self.start_checks(op)  # a read whose checksums wait for a launch settles only once they ran
 
         async def settle():
             try:

@@ -10,6 +10,7 @@ the tail's forward instead of before them.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 
@@ -23,6 +24,13 @@ from hicache.storage import StorageError
 # tokens (49 / 146 MB) 9.64 -> 8.94 / 14.18 -> 13.47 ms after landing, 3,500 (516 MB) 36.8 ->
 # 39.1 ms; docs/benchmarks.md, session 18).
 VERIFY_AFTER_LANDING_MAX_BYTES = 192 << 20
+# Up to HOLD_CHECKS_MAX_BYTES it starts them only once the forward that waits for the take-on was
+# launched (`start_checks`): the verify threads hashing beside the loop had made the forward's launch
+# ~1.2 ms instead of ~0.6 (H200, 8B, 350 tokens, 49 MB, session 22). Longer reads hash for longer
+# than that forward runs and start at the landing. If no one starts them, the driver does,
+# CHECKS_HOLD_MAX_S after the landing (a request that did not take the prefetch on, or went away).
+HOLD_CHECKS_MAX_BYTES = 64 << 20
+CHECKS_HOLD_MAX_S = 0.005
 
 
 class Restores:
@@ -77,9 +85,18 @@ class Restores:
         options = mgr.page_keys(tokens, l2, l3)
         if (take_soon and getattr(mgr.store, "checks_after_landing", False)
                 and len(host_pages) * mgr.l2.geometry.bytes_per_page <= VERIFY_AFTER_LANDING_MAX_BYTES):
-            options["checksums_after_landing"] = True
-        return mgr.store.read_pages(match.pages[Tier.L3][l2 // ps: l3 // ps], mgr.l2.page_buffer, host_pages,
-                                    **options)
+            held = len(host_pages) * mgr.l2.geometry.bytes_per_page <= HOLD_CHECKS_MAX_BYTES
+            options["checks_on_release" if held else "checksums_after_landing"] = True
+        future = mgr.store.read_pages(match.pages[Tier.L3][l2 // ps: l3 // ps], mgr.l2.page_buffer, host_pages,
+                                      **options)
+        op.payload["read"] = future
+        return future
+
+    def start_checks(self, op: Op | None) -> None:
+        """Let a taken-on prefetch's checksums start (`CHECKS_HOLD_MAX_S`); a no-op for any other op."""
+        read = op.payload.get("read") if op is not None else None
+        if read is not None and hasattr(read, "start_checks"):
+            read.start_checks()
 
     def _start_h2d(self, op: Op, tokens: tuple[int, ...], match, l1_start: int, layerwise: bool = False,
                    tail_tokens: int = 0) -> bool:
@@ -144,6 +161,9 @@ class Restores:
                     if not op.payload["cancel"]:  # (a cancelled one is for no request to take)
                         apply(op, OpEvent.S2H_LANDED)
                         mgr.wakeup()  # the request parked on this prefetch may take it on to L1 now
+                    if hasattr(future, "start_checks"):  # held for the take-on's launch, or not held
+                        asyncio.get_running_loop().call_later(
+                            0.0 if op.payload["cancel"] else CHECKS_HOLD_MAX_S, future.start_checks)
                 await self._wait_io(op, future, "s2h", deadline_s, since_ns=t0)
             except StorageError as exc:
                 self._storage_failed(op, exc, future)

@@ -103,6 +103,13 @@ class ReadFuture(cf.Future):
     def __init__(self) -> None:
         super().__init__()
         self.landed: cf.Future = cf.Future()
+        self._release = None  # read_pages(checks_on_release=True): what start_checks() calls
+
+    def start_checks(self) -> None:
+        """read_pages(checks_on_release=True): let the checksums start (once every byte landed).
+        Idempotent; a no-op for any other read."""
+        if self._release is not None:
+            self._release()
 
 
 class _Op:
@@ -110,7 +117,8 @@ class _Op:
 
     def __init__(self, store: FileStore, is_read: bool, buffer_ref: torch.Tensor, view: memoryview,
                  slots: np.ndarray, num_tasks: int, num_extents: int, expected: np.ndarray | None,
-                 gens: np.ndarray | None, checksums_after_landing: bool = False) -> None:
+                 gens: np.ndarray | None, checksums_after_landing: bool = False,
+                 checks_on_release: bool = False) -> None:
         self.store, self.is_read, self.slots, self.num_extents = store, is_read, slots, num_extents
         self.buffer_ref, self.view = buffer_ref, view  # keep the caller's memory alive while workers use it
         self.expected = expected  # read: checksums to verify against, by op index
@@ -119,7 +127,11 @@ class _Op:
         self.future: cf.Future = ReadFuture() if expected is not None else cf.Future()
         self.future.set_running_or_notify_cancel()  # I/O cannot be abandoned midway: no cancel
         self._landed_left = num_tasks  # verified reads: tasks whose bytes have not all landed yet
-        self.checksums_after_landing = checksums_after_landing
+        self.checksums_after_landing = checksums_after_landing or checks_on_release
+        self._checks_held = checks_on_release  # until the caller's start_checks()
+        self._jobs_counted = False  # the held jobs are in _verify_left (every byte landed)
+        if checks_on_release and isinstance(self.future, ReadFuture):
+            self.future._release = self.release_checks
         self._verify_jobs: list[tuple[memoryview, np.ndarray, int]] = []  # held until landed (bytes, checksums, first slot)
         self._verify_left = 0  # checksum jobs started and not yet done
         self._landed_ns = 0  # when the last byte landed (verified reads)
@@ -156,10 +168,20 @@ class _Op:
             self._landed_left -= 1
             if self._landed_left > 0 or self._error is not None:
                 return
-            held, self._verify_jobs = self._verify_jobs, []
-            self._verify_left += len(held)
+            self._verify_left += len(self._verify_jobs)  # counted now: the read cannot finish before them
+            self._jobs_counted = True
+            held, self._verify_jobs = ([], self._verify_jobs) if self._checks_held else (self._verify_jobs, [])
             self._landed_ns = time.monotonic_ns()
         self.future.landed.set_result(None)
+        for job in held:
+            self._start_verify(*job)
+
+    def release_checks(self) -> None:
+        """checks_on_release: the caller lets the checksums start (now if every byte landed, else
+        at the landing)."""
+        with self._lock:
+            self._checks_held = False
+            held, self._verify_jobs = (self._verify_jobs, []) if self._jobs_counted else ([], self._verify_jobs)
         for job in held:
             self._start_verify(*job)
 
@@ -254,13 +276,15 @@ class FileStore:
         return self._submit(False, host_buffer, host_pages, slots)
 
     def read_pages(self, slots: Sequence[int], host_buffer: torch.Tensor, host_pages: Sequence[int],
-                   checksums_after_landing: bool = False) -> cf.Future:
+                   checksums_after_landing: bool = False, checks_on_release: bool = False) -> cf.Future:
         """Read slot slots[i] into host_buffer[host_pages[i]]; resolves to IoResult (a ReadFuture
         when checksums are on: its `landed` resolves first). A piece's checksums start as soon as
         it is read, beside the read's other pieces, so the whole read is verified soonest; with
         `checksums_after_landing` they all start once every byte landed, so the bytes land soonest
-        (for a caller that takes them on then: a prefetch taken on to L1, hicache/restores.py)."""
-        return self._submit(True, host_buffer, host_pages, slots, checksums_after_landing)
+        (for a caller that takes them on then: a prefetch taken on to L1, hicache/restores.py);
+        with `checks_on_release` once every byte landed and the caller called
+        `future.start_checks()` (the hashing threads would slow the caller's own work meanwhile)."""
+        return self._submit(True, host_buffer, host_pages, slots, checksums_after_landing, checks_on_release)
 
     def invalidate(self, slots: Sequence[int]) -> None:
         """Forget what the slots hold (the tree freed them); an in-flight write will not publish."""
@@ -346,7 +370,8 @@ class FileStore:
         return memoryview(flat.numpy()).cast("B"), num_pages
 
     def _submit(self, is_read: bool, host_buffer: torch.Tensor, host_pages: Sequence[int],
-                slots: Sequence[int], checksums_after_landing: bool = False) -> cf.Future:
+                slots: Sequence[int], checksums_after_landing: bool = False,
+                checks_on_release: bool = False) -> cf.Future:
         self._check_open()
         slot_arr = self._slot_array(slots)
         host_arr = np.asarray(host_pages, dtype=np.int64).reshape(-1)
@@ -375,7 +400,7 @@ class FileStore:
                 self._valid[slot_arr] = False
                 gens = self._gens[slot_arr].copy()
         op = _Op(self, is_read, host_buffer, view, slot_arr, len(groups), len(extents), expected, gens,
-                 checksums_after_landing)
+                 checksums_after_landing, checks_on_release)
         with self._state_lock:
             if self._closed:
                 raise StorageError("closed", f"L3 store {self.path!r} is closed")

@@ -363,7 +363,10 @@ class Engine:
             await self._run_decode_chain(work)
             return
         start_ns, restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
-        next_ids = await self.runner.collect(self.runner.launch(work[2]))
+        handle = self.runner.launch(work[2])
+        if work[2].wait_restore:
+            self.admission.restore_launched(work)
+        next_ids = await self.runner.collect(handle)
         await asyncio.sleep(0)  # on the CPU nothing above yields: let streams and aborts run
         if work[2].wait_restore:
             work, next_ids = self.admission.after_overlapped_forward(work, next_ids)

@@ -170,6 +170,22 @@ class Restoring:
                 and len(req.prompt) - cached_tokens <= budget)
 
     def _take_landed(self, req: Request, alone: bool, budget: int) -> bool:
+        """`_take_on`; a landed prefetch this request does not take on starts its checksums now
+        (they wait for the forward's launch when it does: `restore_launched`)."""
+        op = req.prefetch_op
+        if self._take_on(req, alone, budget):
+            return True
+        if op.state is OpState.S2H_LANDED:
+            self.cache.runner.start_checks(op)
+        return False
+
+    def restore_launched(self, work) -> None:
+        """The forward of a request admitted behind its restore was launched: a taken-on prefetch's
+        checksums may start (their threads would have slowed the take-on and the launch)."""
+        for req in work[0]:
+            self.cache.runner.start_checks(req.overlap_op)
+
+    def _take_on(self, req: Request, alone: bool, budget: int) -> bool:
         """Admit a request whose prefetch's read has landed but is still being verified, with the
         prefetch taken on to L1 (OpRunner.take_to_l1) and its tail forward overlapped with that
         H2D; like `_try_restore`'s overlap, only for a request alone in its batch whose tail is one

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+import time
+
 import pytest
 import torch
 
@@ -297,6 +299,34 @@ async def test_prefetch_taken_on_to_l1_overlaps_its_checksums_with_the_forward()
 
 
 @pytest.mark.asyncio
+async def test_a_taken_prefetch_starts_its_checksums_once_its_forward_was_launched(monkeypatch):
+    """The landed read's checksums wait for the launch of the forward that takes it on
+    (`Restoring.restore_launched`): on the H200 the verify threads hashing beside the loop had made
+    the take-on's H2D enqueue ~1 ms and the launch after it ~1 ms slower (session 22). With the
+    driver's fallback far away, only the launch can have started them."""
+    import hicache.restores as restores_mod
+    monkeypatch.setattr(restores_mod, "CHECKS_HOLD_MAX_S", 30.0)
+    faults = FaultInjector()
+    eng = await _prefix_only_in_l3(faults)
+    faults.disarm(Fault.SLOW_VERIFY)
+    want = await reference(PROMPT)
+    events: list[str] = []
+    verify, launch = eng.cache.store._verify, eng.runner.launch
+    monkeypatch.setattr(eng.cache.store, "_verify", lambda *args: (events.append("verify"), verify(*args))[1])
+
+    def spy(batch, *args, **kwargs):
+        events.append("launch behind a restore" if batch.wait_restore else "launch")
+        return launch(batch, *args, **kwargs)
+    monkeypatch.setattr(eng.runner, "launch", spy)
+    t0 = time.perf_counter()
+    result = await run_one(eng)
+    assert time.perf_counter() - t0 < 10.0  # not the fallback's 30 s
+    assert result.output_ids == want and result.cached_tokens == {"l1": 0, "l2": 0, "l3": REUSABLE}
+    assert events[0] == "launch behind a restore" and "verify" in events
+    await finish(eng)
+
+
+@pytest.mark.asyncio
 async def test_taken_prefetch_with_a_bad_checksum_discards_the_forward_and_recomputes():
     faults = FaultInjector()
     eng = await _prefix_only_in_l3(faults, write_policy="write_through_selective")
@@ -413,7 +443,8 @@ async def test_the_prefetch_decision_credits_an_h2d_the_forward_will_hide(overla
 async def test_a_prefetch_expected_to_be_taken_on_verifies_after_landing(overlap, max_bytes, capable, monkeypatch):
     """A prefetch for a request that would run alone with restore overlap on is taken on to L1 once
     its bytes land, so its read asks the file store to start the checksums only then
-    (`checksums_after_landing`: hashing beside the read slowed the landing; session 18), unless the
+    (`checks_on_release`, once the forward was launched: hashing beside the read slowed the landing,
+    session 18, and beside the take-on and the launch slowed those, session 22), unless the
     read is longer than VERIFY_AFTER_LANDING_MAX_BYTES (its checksums would outlast the H2D and the
     forward), or the store does not land bytes before verifying them (`checks_after_landing`: a
     Redis store verifies each value as it loads it). Otherwise the checksums run beside the read,
@@ -434,7 +465,9 @@ async def test_a_prefetch_expected_to_be_taken_on_verifies_after_landing(overlap
     result = await run_one(eng)
     assert result.output_ids == await reference(PROMPT)
     assert result.cached_tokens["l2"] + result.cached_tokens["l3"] == REUSABLE
-    assert [r.get("checksums_after_landing", False) for r in reads] == [overlap and max_bytes is None and capable]
+    after_landing = overlap and max_bytes is None and capable
+    assert [r.get("checks_on_release", False) or r.get("checksums_after_landing", False)
+            for r in reads] == [after_landing]
     await finish(eng)
 
 

@@ -413,6 +413,59 @@ def test_a_reads_checksums_start_beside_its_reads_or_once_all_landed(monkeypatch
             assert events == []
 
 
+@pytest.mark.parametrize("released", ["after_landing", "before_landing"])
+def test_checks_on_release_wait_for_the_caller(monkeypatch, released):
+    """`checks_on_release`: no checksum starts before the caller's `start_checks()`, even once every
+    byte landed (a taken-on prefetch: the hashing threads slowed the take-on's enqueue and the
+    forward's launch, session 22), and the read resolves only once they passed; a release before
+    the landing starts them at the landing. A corrupt page is still caught, and a failed read
+    hashes nothing whether released or not."""
+    faults = FaultInjector()
+    src = _random_pages(SMALL, 4, seed=7)
+    with FileStore(SMALL, num_slots=8, io_workers=2, faults=faults) as s:
+        s.write_pages(src, range(4), range(4)).result(timeout=10)
+        events: list[str] = []
+        verify = s._verify
+        monkeypatch.setattr(s, "_verify", lambda *args: (events.append("verify"), verify(*args))[1])
+        dst = torch.empty_like(src)
+        if released == "before_landing":
+            faults.arm(Fault.SLOW_READ, times=1, delay_s=0.2)
+        fut = s.read_pages(range(4), dst, range(4), checks_on_release=True)
+        if released == "before_landing":
+            fut.start_checks()
+            assert not fut.landed.done()
+        fut.landed.result(timeout=10)
+        if released == "after_landing":
+            time.sleep(0.1)
+            assert events == [] and not fut.done()  # landed, held
+            fut.start_checks()
+            fut.start_checks()  # idempotent
+        result = fut.result(timeout=10)
+        assert result.num_bytes == 4 * SMALL.bytes_per_page and result.landed_ns > 0
+        assert events and _bytes_equal(src, dst)
+        events.clear()
+        with open(s.path, "r+b") as f:  # a flipped byte in slot 2
+            f.seek(2 * SMALL.bytes_per_page + 3)
+            byte = f.read(1)
+            f.seek(2 * SMALL.bytes_per_page + 3)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        bad = s.read_pages(range(4), torch.empty_like(src), range(4), checks_on_release=True)
+        bad.landed.result(timeout=10)
+        bad.start_checks()
+        with pytest.raises(StorageError) as err:
+            bad.result(timeout=10)
+        assert list(err.value.bad_slots) == [2]
+        events.clear()
+        faults.arm(Fault.EIO_READ, times=1)
+        failed = s.read_pages(range(4), torch.empty_like(src), range(4), checks_on_release=True)
+        with pytest.raises(StorageError):
+            failed.landed.result(timeout=10)
+        failed.start_checks()
+        with pytest.raises(StorageError):
+            failed.result(timeout=10)
+        assert events == []
+
+
 def test_a_read_verified_after_landing_reports_its_landing_time():
     """`IoResult.landed_ns`: for a read with checksums after its landing, the time until every byte
     landed (what a taken-on prefetch waits for; the cost model learns that); 0 otherwise."""
