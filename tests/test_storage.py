@@ -378,6 +378,14 @@ def test_verified_read_lands_before_its_checksums_pass():
         assert faults.fired[Fault.SLOW_VERIFY] >= 1
 
 
+def _count_verify_jobs(monkeypatch, store: FileStore) -> list[str]:
+    """A list that gets "verify" appended as each checksum job of `store` starts."""
+    events: list[str] = []
+    verify = store._verify
+    monkeypatch.setattr(store, "_verify", lambda *args: (events.append("verify"), verify(*args))[1])
+    return events
+
+
 @pytest.mark.parametrize("after_landing", [False, True])
 def test_a_reads_checksums_start_beside_its_reads_or_once_all_landed(monkeypatch, after_landing):
     """By default a piece's checksums start as soon as it is read, beside the read's other pieces
@@ -391,9 +399,7 @@ def test_a_reads_checksums_start_beside_its_reads_or_once_all_landed(monkeypatch
     src = _random_pages(SMALL, 8, seed=5)
     with FileStore(SMALL, num_slots=8, io_workers=4, faults=faults) as s:
         s.write_pages(src, range(8), range(8)).result(timeout=10)
-        events: list[str] = []
-        verify = s._verify
-        monkeypatch.setattr(s, "_verify", lambda *args: (events.append("verify"), verify(*args))[1])
+        events = _count_verify_jobs(monkeypatch, s)
         faults.arm(Fault.SLOW_READ, times=1, delay_s=0.2)  # one task lags: the others have landed long before
         dst = torch.empty_like(src)
         fut = s.read_pages(range(8), dst, range(8), checksums_after_landing=after_landing)
@@ -424,9 +430,7 @@ def test_checks_on_release_wait_for_the_caller(monkeypatch, released):
     src = _random_pages(SMALL, 4, seed=7)
     with FileStore(SMALL, num_slots=8, io_workers=2, faults=faults) as s:
         s.write_pages(src, range(4), range(4)).result(timeout=10)
-        events: list[str] = []
-        verify = s._verify
-        monkeypatch.setattr(s, "_verify", lambda *args: (events.append("verify"), verify(*args))[1])
+        events = _count_verify_jobs(monkeypatch, s)
         dst = torch.empty_like(src)
         if released == "before_landing":
             faults.arm(Fault.SLOW_READ, times=1, delay_s=0.2)
