@@ -163,6 +163,9 @@ class Decision:
     restore_tokens: int
     benefit_s: float
     costs: dict
+    # what the restores were priced from: (l1, l2, l3 matched tokens, overlap_h2d, l3_taken_on), so
+    # that `CostModel.span_s` can price the same path again later with the lines as they are then
+    priced: tuple = ()
 
 
 def _seconds_per_byte(bandwidth_gib_s: float, name: str) -> float:
@@ -225,17 +228,25 @@ class CostModel:
             self.directions["recompute"].observe(num_tokens, seconds)
 
     def observe_outcome(self, source: str, predicted_s: float, actual_s: float) -> None:
-        """A request that ran alone took `actual_s` from arrival to its first token, where
-        `span_s` had predicted `predicted_s` for its prefix source ("l1", "l2", "l3")."""
+        """A request that ran alone took `actual_s` from arrival to its first token, where `span_s`
+        prices its path at `predicted_s`; its prefix came from `source` ("l1", "l2", "l3")."""
         if self.learning and self.outcomes is not None:
             self.outcomes.observe(source, predicted_s, actual_s)
 
-    def span_s(self, tier: str, costs: dict, uncached_tokens: int) -> float:
-        """Predicted seconds from arrival to the first token for a request whose prefix comes from
-        `tier` (a `Decision`'s costs priced the restore): the restore, if any, plus one prefill of the
-        `uncached_tokens` left (fixed cost included)."""
+    def span_s(self, tier: str, priced: tuple, uncached_tokens: int) -> float:
+        """Seconds from arrival to the first token for a request whose prefix comes from `tier`,
+        priced with the lines as they are now: the restore `decide` priced from `priced` (its
+        `Decision.priced`; () for a recompute), plus one prefill of the `uncached_tokens` left,
+        fixed cost included. Priced at the first token, not at the decision: a line still
+        converging (its first samples of a storage) would otherwise count its lag as overhead."""
         prefill_s = self.directions["recompute"].predict(max(0, uncached_tokens))
-        return prefill_s + (costs.get(f"{tier}_restore_s", 0.0) if tier in ("l2", "l3") else 0.0)
+        if tier not in ("l2", "l3") or not priced:
+            return prefill_s
+        l1, l2, l3, overlap_h2d, l3_taken_on = priced
+        n = max(0, (l2 if tier == "l2" else l3) - l1)
+        if tier == "l3" and l3 <= l2:
+            n = 0
+        return prefill_s + self._restore_price_s(tier, n, l1, l2, l3, overlap_h2d, l3_taken_on)
 
     def _outcome_extra_s(self, tier: str) -> float:
         return self.outcomes.extra_s(tier) if self.learning and self.outcomes is not None else 0.0
@@ -316,11 +327,7 @@ class CostModel:
             n = restore_tokens[tier]
             if n == 0:
                 continue
-            restore_s = self._transfer_s("h2d", n)
-            if overlap_h2d if tier == "l2" else l3_taken_on:
-                restore_s = max(0.0, restore_s - self.directions["recompute"].fixed_s)
-            if tier == "l3":
-                restore_s += self._transfer_s("s2h", l3_tokens - max(l1_tokens, l2_tokens))
+            restore_s = self._restore_price_s(tier, n, l1_tokens, l2_tokens, l3_tokens, overlap_h2d, l3_taken_on)
             recompute_s = self.recompute_cost_s(n)
             extra_s = self._outcome_extra_s(tier)  # what this source costs beyond its price
             benefit_s[tier] = recompute_s - self.margin * restore_s - extra_s
@@ -346,7 +353,18 @@ class CostModel:
                     tier = candidate
             tier = self._reexplore(tier, restore_tokens, costs)
         return Decision(tier=tier, restore_tokens=restore_tokens.get(tier, 0),
-                        benefit_s=benefit_s.get(tier, 0.0), costs=costs)
+                        benefit_s=benefit_s.get(tier, 0.0), costs=costs,
+                        priced=(l1_tokens, l2_tokens, l3_tokens, overlap_h2d, l3_taken_on))
+
+    def _restore_price_s(self, tier: str, n: int, l1_tokens: int, l2_tokens: int, l3_tokens: int,
+                         overlap_h2d: bool, l3_taken_on: bool) -> float:
+        """A restore of `n` tokens from `tier`, as `decide` prices it (see there)."""
+        restore_s = self._transfer_s("h2d", n)
+        if overlap_h2d if tier == "l2" else l3_taken_on:
+            restore_s = max(0.0, restore_s - self.directions["recompute"].fixed_s)
+        if tier == "l3":
+            restore_s += self._transfer_s("s2h", l3_tokens - max(l1_tokens, l2_tokens))
+        return restore_s
 
     def _reexplore(self, tier: str, restore_tokens: dict[str, int], costs: dict) -> str:
         """The cost policy's pick, or a tier it has not restored from for `explore_every` hits in a

@@ -288,15 +288,12 @@ class CacheManager:
         if num_tokens > 0:
             self.cost.observe_prefill(num_tokens, seconds)
 
-    def span_s(self, tier: str, decision: Decision | None, uncached_tokens: int) -> float:
-        """Predicted seconds from arrival to the first token for a request whose prefix comes from
-        `tier` ("l1": recomputed; `decision` priced an "l2"/"l3" restore): CostModel.span_s."""
-        return self.cost.span_s(tier, decision.costs if decision is not None else {}, uncached_tokens)
-
-    def observe_outcome(self, source: str, predicted_s: float, actual_s: float) -> None:
-        """A request that ran alone, from arrival to its first token (hicache/outcomes.py)."""
+    def observe_outcome(self, source: str, plan: tuple, actual_s: float) -> None:
+        """A request that ran alone took `actual_s` from arrival to its first token, its prefix from
+        `source`, planned as `plan` = (Decision.priced or (), uncached tokens): priced now
+        (CostModel.span_s) and learned (hicache/outcomes.py)."""
         if self.has_l2 and self.config.policy == "cost":
-            self.cost.observe_outcome(source, predicted_s, actual_s)
+            self.cost.observe_outcome(source, self.cost.span_s(source, *plan), actual_s)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def pending_ops(self) -> int:

@@ -9,8 +9,8 @@ that was then 7 % slower than recomputing (stress L3, 0.93 x hicache off, sessio
 
 So each request that ran alone (no other batch between its arrival and its first token) is
 scored once: `actual_s` (arrival to the first token's forward end) minus `predicted_s` (what
-the model predicted for the path it took: the restore's priced cost plus the tail's prefill, or the
-whole uncached prefill). The residual's median over the last OUTCOME_WINDOW requests, per source
+the model prices the path it took at, then: the restore's price plus the tail's prefill, or the
+whole uncached prefill; `CostModel.span_s`). The residual's median over the last OUTCOME_WINDOW requests, per source
 ("l1": recomputed, "l2", "l3"), is that source's unpriced overhead; `CostModel.decide` charges a
 restore the difference between its source's and recompute's (the loop's own host time, in both,
 cancels out; before any recompute was scored, its source's whole residual).

@@ -64,10 +64,11 @@ class Restoring:
             self._plan(req, "l3", decision, len(req.prompt) - l3)
 
     def _plan(self, req: Request, source: str, decision, uncached_tokens: int) -> None:
-        """Note what the cost model predicts from arrival to the first token if the prefix comes
-        from `source` (the first prediction per source stands: a prefetch's read started at queue time)."""
+        """Note the path the request's prefix takes if it comes from `source`: what its restore was
+        priced from and the tokens left to compute (priced at the first token, `score_outcome`). The
+        first plan per source stands: a prefetch's read started at queue time."""
         if req.span_plan is not None and source not in req.span_plan:
-            req.span_plan[source] = self.cache.span_s(source, decision, uncached_tokens)
+            req.span_plan[source] = (decision.priced if decision is not None else (), uncached_tokens)
 
     def score_outcome(self, req: Request) -> None:
         """At the first token: a request that ran alone since it arrived (one batch ended since, its
