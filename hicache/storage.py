@@ -132,6 +132,8 @@ class _Op:
         self._jobs_counted = False  # the held jobs are in _verify_left (every byte landed)
         if checks_on_release and isinstance(self.future, ReadFuture):
             self.future._release = self.release_checks
+            with store._state_lock:
+                store._held.add(self)
         self._verify_jobs: list[tuple[memoryview, np.ndarray, int]] = []  # held until landed (bytes, checksums, first slot)
         self._verify_left = 0  # checksum jobs started and not yet done
         self._landed_ns = 0  # when the last byte landed (verified reads)
@@ -182,6 +184,8 @@ class _Op:
         with self._lock:
             self._checks_held = False
             held, self._verify_jobs = (self._verify_jobs, []) if self._jobs_counted else ([], self._verify_jobs)
+        with self.store._state_lock:
+            self.store._held.discard(self)
         for job in held:
             self._start_verify(*job)
 
@@ -261,6 +265,7 @@ class FileStore:
         self._closed = False
         self._active_tasks = self._peak_active_tasks = 0
         self._pool = cf.ThreadPoolExecutor(max_workers=self.io_workers, thread_name_prefix="hicache-l3-io")
+        self._held: set[_Op] = set()  # reads with checks_on_release whose checksums have not been let go
         # read verification: an I/O thread hands each landed piece's checksums to this pool and reads
         # on, so hashing overlaps the next preadv instead of following it; or they wait until the
         # whole read landed (read_pages(checksums_after_landing=True))
@@ -319,6 +324,10 @@ class FileStore:
                 return
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=cancel_queued)
+        with self._state_lock:
+            held = list(self._held)
+        for op in held:  # reads whose checksums wait for a caller: they must finish too
+            op.release_checks()
         if self._verify_pool is not None:
             self._verify_pool.shutdown(wait=True)
         self._finalizer()

@@ -25,8 +25,8 @@ from hicache.radix import Tier
 from hicache_helpers import assert_whole, capture_op_logs, flip_l3_byte, op_transitions
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
-from test_faults import (OTHER, PAGE, PROMPT, REUSABLE, TransferGate, finish, make_engine, only_in_l3, reference,
-                         run_one, until)
+from test_faults import (OTHER, PAGE, PARAMS, PROMPT, REUSABLE, TransferGate, finish, make_engine, only_in_l3,
+                         reference, run_one, until)
 
 
 async def _prefix_only_in_l2(eng: Engine):
@@ -323,6 +323,36 @@ async def test_a_taken_prefetch_starts_its_checksums_once_its_forward_was_launch
     assert time.perf_counter() - t0 < 10.0  # not the fallback's 30 s
     assert result.output_ids == want and result.cached_tokens == {"l1": 0, "l2": 0, "l3": REUSABLE}
     assert events[0] == "launch behind a restore" and "verify" in events
+    await finish(eng)
+
+
+@pytest.mark.parametrize("fallback_s", [0.005, None])
+@pytest.mark.asyncio
+async def test_a_landed_prefetch_no_one_takes_on_verifies_after_the_drivers_fallback(monkeypatch, fallback_s):
+    """A prefetch expected to be taken on whose request never comes to take it (here the loop is
+    stopped) still verifies and publishes its L2 pages: its driver starts the held checksums
+    CHECKS_HOLD_MAX_S after the landing. (None: no fallback within the test, the read stays held.)"""
+    import hicache.restores as restores_mod
+    monkeypatch.setattr(restores_mod, "CHECKS_HOLD_MAX_S", fallback_s or 3600.0)
+    faults = FaultInjector()
+    eng = await _prefix_only_in_l3(faults)
+    faults.disarm(Fault.SLOW_VERIFY)
+    await eng.stop_loop()
+    req = eng.add_request(PROMPT, PARAMS)
+    op = req.prefetch_op
+    assert op is not None and op.payload["read"]._release is not None  # its checksums are held
+    await until(lambda: op.state is not OpState.S2H_PENDING)
+    if fallback_s is None:
+        await asyncio.sleep(0.3)
+        assert op.state is OpState.S2H_LANDED and not op.done
+        eng.cache.runner.start_checks(op)
+    await until(lambda: op.done)
+    assert op.succeeded
+    assert eng.cache.tree.match(PROMPT[:REUSABLE], touch=False).lengths[Tier.L2] == REUSABLE
+    await eng.start()
+    result = await run_one(eng)  # (its own request: now an L2 hit)
+    assert result.output_ids == await reference(PROMPT)
+    await until(lambda: req.state.done)
     await finish(eng)
 
 

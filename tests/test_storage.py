@@ -470,6 +470,20 @@ def test_checks_on_release_wait_for_the_caller(monkeypatch, released):
         assert events == []
 
 
+def test_closing_the_store_lets_a_held_reads_checksums_run():
+    """Regression (session 22's review): a read whose checksums waited for a `start_checks()` that
+    never came was left unresolved by `close()` (and a later release found the verify pool shut)."""
+    src = _random_pages(SMALL, 4, seed=8)
+    s = FileStore(SMALL, num_slots=8, io_workers=2)
+    s.write_pages(src, range(4), range(4)).result(timeout=10)
+    dst = torch.empty_like(src)
+    fut = s.read_pages(range(4), dst, range(4), checks_on_release=True)
+    fut.landed.result(timeout=10)
+    s.close()
+    assert fut.result(timeout=10).num_bytes == 4 * SMALL.bytes_per_page and _bytes_equal(src, dst)
+    fut.start_checks()  # (late: a no-op)
+
+
 def test_a_read_verified_after_landing_reports_its_landing_time():
     """`IoResult.landed_ns`: for a read with checksums after its landing, the time until every byte
     landed (what a taken-on prefetch waits for; the cost model learns that); 0 otherwise."""
