@@ -182,7 +182,7 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
     num_warps = num_warps or (8 if few_programs else 4)
     # multi-row tails pipeline their K/V loop 2 deep, not Triton's 3: 7.9 / 9.0 / 13.5 / 24.0 us against
     # 8.3 / 9.6 / 15.6 / 28.5 at 350 / 1,000 / 3,500 / 8,000 keys (16 rows, H200, session 22 sweep:
-    # scripts/bench_kernels.py --attention); one-row decode is within 2 % either way and keeps the default
+    # scripts/bench_kernels.py --attention); one-row decode keeps the default (the best one config is 2-3 % faster)
     if num_stages is None and rows_per_seq > 1:
         num_stages = TAIL_STAGES
     part_o = torch.empty((b, hkv, num_splits, m_pad, d), dtype=torch.float32, device=q.device)

@@ -126,8 +126,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--hicache-storage-bandwidth-gib-s", type=float, default=3.0)
     h.add_argument("--hicache-cost-margin", type=float, default=1.0)
     h.add_argument("--disable-hicache-outcomes", action="store_true",
-                   help="cost policy: price restores by their transfers only (default: also charge each "
-                        "source what its requests took end to end beyond that price)")
+                   help="cost policy: price restores by their transfers only (default: also charge a restore "
+                        "what its source's requests took end to end beyond their price, relative to a recompute's)")
     h.add_argument("--hicache-storage-explore-reads", type=int, default=2,
                    help="cost policy: L3 reads to time before the learned storage speed decides (0: the prior)")
     h.add_argument("--hicache-host-explore-transfers", type=int, default=1,
