@@ -8,6 +8,7 @@ os.pwritev, no copies), one syscall per extent (a run where both host pages and 
 consecutive), on a bounded thread pool, never on the caller's thread. Each operation returns a
 concurrent.futures.Future resolving to an IoResult or raising StorageError; a failed operation never
 returns garbage: short transfers, I/O errors and (when enabled) checksum mismatches all fail it.
+One operation in flight, its checksum jobs and its result: hicache/storage_op.py.
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -27,6 +27,7 @@ import xxhash
 from .faults import Fault, FaultInjector
 from .geometry import KVGeometry
 from .storage_file import open_store_file, release_file
+from .storage_op import IoResult, ReadFuture, StorageError, StorageOp  # noqa: F401 (the store's API)
 
 # An extent is split into pieces of at least this many bytes so that one large transfer can use
 # several worker threads (cold buffered reads scale with threads, DESIGN.md section 10).
@@ -34,30 +35,6 @@ MIN_SPLIT_BYTES = 1 << 20
 VERIFY_CHUNK_BYTES = 8 << 20  # a read hands its checksum work on in pieces of about this size
 _READ_ERROR_FAULTS = ((Fault.EIO_READ, errno.EIO),)
 _WRITE_ERROR_FAULTS = ((Fault.EIO_WRITE, errno.EIO), (Fault.ENOSPC_WRITE, errno.ENOSPC))
-
-
-class StorageError(Exception):
-    """An L3 operation failed. `kind` is one of KINDS; `bad_slots` names slots whose checksum failed,
-    that hold no valid page (kind "missing": a shared store's page vanished) or that a read could
-    not get back (kinds "eio", "short"), so the caller can drop their residency."""
-
-    KINDS = frozenset({"eio", "short", "enospc", "checksum", "timeout", "closed", "missing"})
-
-    def __init__(self, kind: str, message: str, *, bad_slots: Sequence[int] = (), errno_: int | None = None):
-        if kind not in self.KINDS:
-            raise ValueError(f"unknown StorageError kind {kind!r}")
-        super().__init__(f"[{kind}] {message}")
-        self.kind = kind
-        self.bad_slots: tuple[int, ...] = tuple(int(s) for s in bad_slots)
-        self.errno = errno_
-
-
-class IoResult(NamedTuple):
-    num_bytes: int
-    num_extents: int
-    queue_wait_ns: int  # submit -> start of the first worker
-    service_ns: int  # start of the first worker -> end of the last (and of the last checksum)
-    landed_ns: int = 0  # a read with checksums after its landing: start of the first worker -> landed
 
 
 def coalesce_extents(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list[tuple[int, int]]:
@@ -93,150 +70,6 @@ def _done_future(result: IoResult | None = None, error: BaseException | None = N
     return future
 
 
-class ReadFuture(cf.Future):
-    """A verified read's future (resolves once every checksum passed), with `landed`: a future
-    that resolves (to None) as soon as every byte is in the host buffer, while the checksums may
-    still be running, or with the read's error when a read failed. A restore may start copying the
-    landed bytes onward, as long as it accepts what it computed from them only once the read's
-    own future succeeded (hicache/restores.py, `take_to_l1`)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.landed: cf.Future = cf.Future()
-        self._release = None  # read_pages(checks_on_release=True): what start_checks() calls
-
-    def start_checks(self) -> None:
-        """read_pages(checks_on_release=True): let the checksums start (once every byte landed).
-        Idempotent; a no-op for any other read."""
-        if self._release is not None:
-            self._release()
-
-
-class _Op:
-    """One read or write: its tasks report here; the last one resolves the future."""
-
-    def __init__(self, store: FileStore, is_read: bool, buffer_ref: torch.Tensor, view: memoryview,
-                 slots: np.ndarray, num_tasks: int, num_extents: int, expected: np.ndarray | None,
-                 gens: np.ndarray | None, checksums_after_landing: bool = False,
-                 checks_on_release: bool = False) -> None:
-        self.store, self.is_read, self.slots, self.num_extents = store, is_read, slots, num_extents
-        self.buffer_ref, self.view = buffer_ref, view  # keep the caller's memory alive while workers use it
-        self.expected = expected  # read: checksums to verify against, by op index
-        self.gens = gens  # write: slot generations at submit; published only if unchanged
-        self.hashes = np.zeros(len(slots), dtype=np.uint64) if (not is_read and store.checksum) else None
-        self.future: cf.Future = ReadFuture() if expected is not None else cf.Future()
-        self.future.set_running_or_notify_cancel()  # I/O cannot be abandoned midway: no cancel
-        self._landed_left = num_tasks  # verified reads: tasks whose bytes have not all landed yet
-        self.checksums_after_landing = checksums_after_landing or checks_on_release
-        self._checks_held = checks_on_release  # until the caller's start_checks()
-        self._jobs_counted = False  # the held jobs are in _verify_left (every byte landed)
-        if checks_on_release and isinstance(self.future, ReadFuture):
-            self.future._release = self.release_checks
-            with store._state_lock:
-                store._held.add(self)
-        self._verify_jobs: list[tuple[memoryview, np.ndarray, int]] = []  # held until landed (bytes, checksums, first slot)
-        self._verify_left = 0  # checksum jobs started and not yet done
-        self._landed_ns = 0  # when the last byte landed (verified reads)
-        self.submit_ns = time.monotonic_ns()
-        self._lock = threading.Lock()
-        self._tasks_left = num_tasks
-        self._first_start_ns: int | None = None
-        self._last_end_ns = 0
-        self._error: BaseException | None = None
-        self._bad_slots: list[int] = []
-
-    def started(self, now_ns: int) -> None:
-        with self._lock:
-            if self._first_start_ns is None or now_ns < self._first_start_ns:
-                self._first_start_ns = now_ns
-
-    def verify(self, view: memoryview, expected: np.ndarray, first_slot: int) -> None:
-        """A landed piece's checksum job: started now on the verify pool, or, with
-        `checksums_after_landing`, once every byte of the read landed (`task_landed`)."""
-        with self._lock:
-            if self.checksums_after_landing:
-                self._verify_jobs.append((view, expected, first_slot))
-                return
-            self._verify_left += 1
-        self._start_verify(view, expected, first_slot)
-
-    def _start_verify(self, view: memoryview, expected: np.ndarray, first_slot: int) -> None:
-        job = self.store._verify_pool.submit(self.store._verify, view, expected, first_slot)
-        job.add_done_callback(self._verified)
-
-    def task_landed(self) -> None:
-        """A task's reads all landed (its checksums may still be running, or not started yet)."""
-        with self._lock:
-            self._landed_left -= 1
-            if self._landed_left > 0 or self._error is not None:
-                return
-            self._verify_left += len(self._verify_jobs)  # counted now: the read cannot finish before them
-            self._jobs_counted = True
-            held, self._verify_jobs = ([], self._verify_jobs) if self._checks_held else (self._verify_jobs, [])
-            self._landed_ns = time.monotonic_ns()
-        self.future.landed.set_result(None)
-        for job in held:
-            self._start_verify(*job)
-
-    def release_checks(self) -> None:
-        """checks_on_release: the caller lets the checksums start (now if every byte landed, else
-        at the landing)."""
-        with self._lock:
-            self._checks_held = False
-            held, self._verify_jobs = (self._verify_jobs, []) if self._jobs_counted else ([], self._verify_jobs)
-        with self.store._state_lock:
-            self.store._held.discard(self)
-        for job in held:
-            self._start_verify(*job)
-
-    def _verified(self, job: cf.Future) -> None:
-        error = job.exception()
-        with self._lock:
-            self._verify_left -= 1
-            if error is not None and self._error is None:
-                self._error = error
-            elif error is None:
-                self._bad_slots.extend(job.result())
-            self._last_end_ns = max(self._last_end_ns, time.monotonic_ns())
-            if self._tasks_left > 0 or self._verify_left > 0:
-                return
-        self._finish()
-
-    def task_done(self, error: BaseException | None, end_ns: int) -> None:
-        with self._lock:
-            self._tasks_left -= 1
-            if error is not None and self._error is None:
-                self._error = error
-            self._last_end_ns = max(self._last_end_ns, end_ns)
-            if self._tasks_left > 0 or self._verify_left > 0:
-                return
-        self._finish()
-
-    def _finish(self) -> None:
-        self.view = None  # type: ignore[assignment]
-        self.buffer_ref = None  # type: ignore[assignment]
-        if self._error is not None:
-            if isinstance(self.future, ReadFuture) and not self.future.landed.done():  # a read failed
-                self.future.landed.set_exception(self._error)
-            self.future.set_exception(self._error)
-            return
-        if self._bad_slots:
-            bad = sorted(self._bad_slots)
-            self.future.set_exception(StorageError(
-                "checksum", f"checksum mismatch in L3 slots {bad}", bad_slots=bad))
-            return
-        if not self.is_read:
-            self.store._publish(self.slots, self.gens, self.hashes)
-        first = self._first_start_ns if self._first_start_ns is not None else self.submit_ns
-        self.future.set_result(IoResult(
-            num_bytes=len(self.slots) * self.store.bytes_per_page,
-            num_extents=self.num_extents,
-            queue_wait_ns=max(0, first - self.submit_ns),
-            service_ns=max(0, self._last_end_ns - first),
-            landed_ns=max(1, self._landed_ns - first) if self.checksums_after_landing and self._landed_ns else 0,
-        ))
-
-
 class FileStore:
     """A file of `num_slots` page slots with asynchronous, coalesced, checksummed page I/O."""
 
@@ -265,7 +98,7 @@ class FileStore:
         self._closed = False
         self._active_tasks = self._peak_active_tasks = 0
         self._pool = cf.ThreadPoolExecutor(max_workers=self.io_workers, thread_name_prefix="hicache-l3-io")
-        self._held: set[_Op] = set()  # reads with checks_on_release whose checksums have not been let go
+        self._held: set[StorageOp] = set()  # reads with checks_on_release whose checksums have not been let go
         # read verification: an I/O thread hands each landed piece's checksums to this pool and reads
         # on, so hashing overlaps the next preadv instead of following it; or they wait until the
         # whole read landed (read_pages(checksums_after_landing=True))
@@ -408,7 +241,7 @@ class FileStore:
                 self._gens[slot_arr] += np.uint64(1)
                 self._valid[slot_arr] = False
                 gens = self._gens[slot_arr].copy()
-        op = _Op(self, is_read, host_buffer, view, slot_arr, len(groups), len(extents), expected, gens,
+        op = StorageOp(self, is_read, host_buffer, view, slot_arr, len(groups), len(extents), expected, gens,
                  checksums_after_landing, checks_on_release)
         with self._state_lock:
             if self._closed:
@@ -455,7 +288,7 @@ class FileStore:
             self._valid[idx] = True
 
     # ---- worker side -----------------------------------------------------------------------------
-    def _run_task(self, op: _Op, pieces: list[tuple[int, int, int, int]]) -> None:
+    def _run_task(self, op: StorageOp, pieces: list[tuple[int, int, int, int]]) -> None:
         op.started(time.monotonic_ns())
         with self._state_lock:
             self._active_tasks += 1
@@ -476,7 +309,7 @@ class FileStore:
             error.bad_slots = tuple(s for _, _, slot, n in pieces for s in range(slot, slot + n))
         op.task_done(error, time.monotonic_ns())
 
-    def _do_pieces(self, op: _Op, pieces: list[tuple[int, int, int, int]]) -> None:
+    def _do_pieces(self, op: StorageOp, pieces: list[tuple[int, int, int, int]]) -> None:
         bpp, faults, is_read = self.bytes_per_page, self.faults, op.is_read
         if is_read and faults is not None and faults.should_fire(Fault.SLOW_READ):
             time.sleep(faults.delay_s(Fault.SLOW_READ))
