@@ -168,6 +168,13 @@ class Decision:
     priced: tuple = ()
 
 
+def _restore_tokens(l1_tokens: int, l2_tokens: int, l3_tokens: int) -> dict[str, int]:
+    """Tokens an L2 / L3 restore would bring up, beyond what L1 holds (0 for L3 when L2 holds at
+    least as much: it is faster)."""
+    return {"l2": max(0, l2_tokens - l1_tokens),
+            "l3": max(0, l3_tokens - l1_tokens) if l3_tokens > l2_tokens else 0}
+
+
 def _seconds_per_byte(bandwidth_gib_s: float, name: str) -> float:
     if not bandwidth_gib_s > 0:
         raise ValueError(f"{name} must be > 0, got {bandwidth_gib_s}")
@@ -243,9 +250,7 @@ class CostModel:
         if tier not in ("l2", "l3") or not priced:
             return prefill_s
         l1, l2, l3, overlap_h2d, l3_taken_on = priced
-        n = max(0, (l2 if tier == "l2" else l3) - l1)
-        if tier == "l3" and l3 <= l2:
-            n = 0
+        n = _restore_tokens(l1, l2, l3)[tier]
         return prefill_s + self._restore_price_s(tier, n, l1, l2, l3, overlap_h2d, l3_taken_on)
 
     def _outcome_extra_s(self, tier: str) -> float:
@@ -318,9 +323,7 @@ class CostModel:
             raise ValueError("matched lengths must be >= 0")
         if policy not in ("cost", "always", "never"):
             raise ValueError(f"unknown policy {policy!r}")
-        restore_tokens = {"l2": max(0, l2_tokens - l1_tokens), "l3": max(0, l3_tokens - l1_tokens)}
-        if l3_tokens <= l2_tokens:
-            restore_tokens["l3"] = 0  # L2 holds at least as much and is faster: no L3 candidate
+        restore_tokens = _restore_tokens(l1_tokens, l2_tokens, l3_tokens)
         costs: dict[str, float] = {}
         benefit_s = {"l1": 0.0}
         for tier in ("l2", "l3"):
