@@ -188,13 +188,21 @@ def _slow_l3_path(monkeypatch, delay_s: float) -> None:
 
 @pytest.mark.parametrize("learn", [True, False])
 def test_the_loop_stops_restoring_from_a_source_slower_than_its_price(monkeypatch, learn) -> None:
-    """400-token prefixes: an L3 hit's read is priced well under its recompute (~10 ms here), but
-    every L3 request spends 250 ms more than priced. Learned end to end, the loop recomputes them
-    after a few. (A 50 ms overhead flaked on a loaded 2-core machine, where a slow prefill or two
-    made recompute look dearer than that.)"""
+    """400-token prefixes: an L3 hit's read is priced well under its recompute, but every L3
+    request spends 250 ms more than priced. Learned end to end, the loop recomputes them once
+    MIN_OUTCOMES were scored; priced by its transfers alone, it keeps restoring them.
+
+    The transfer and prefill lines stay at their priors (nothing this CPU times moves them), so
+    only the outcomes can turn a decision: priced, a read of any part of these prefixes beats its
+    recompute. (With the lines learned from this machine's timings, short L3 hits were priced
+    either way from run to run: in 3 of ~8 CI runs a recompute came between the L3 hits, and a
+    check that counted requests after the first L3 hit saw the fifth, still decided on price
+    alone, as a failure; without learning, another run recomputed 10 of 11 later hits.)"""
     _slow_l3_path(monkeypatch, 0.25)
-    eng = make("l3", "cost", num_pages=216, storage_explore_reads=1, restore_explore_every=0,
-               learn_outcomes=learn)
+    eng = make("l3", "cost", num_pages=216, storage_explore_reads=0, host_explore_transfers=0,
+               restore_explore_every=0, learn_outcomes=learn)
+    monkeypatch.setattr(eng.cache.cost, "observe_transfer", lambda *args: None)
+    monkeypatch.setattr(eng.cache.cost, "observe_prefill", lambda *args: None)
     prompts = workload(rounds=4, prefix_len=400)  # L1 holds about two of the four prefixes, L2 one
     scored, decisions = [], []  # (for the failure message)
     observe, decide = eng.cache.observe_outcome, eng.cache.cost.decide
@@ -210,16 +218,15 @@ def test_the_loop_stops_restoring_from_a_source_slower_than_its_price(monkeypatc
     monkeypatch.setattr(eng.cache, "observe_outcome", observing)
     monkeypatch.setattr(eng.cache.cost, "decide", deciding)
     seen = sources(run_sequential(eng, prompts))
-    first_l3 = seen.index("l3")
-    later = seen[first_l3 + MIN_OUTCOMES:]  # once its overhead was learned
+    l3_hits = [i for i, source in enumerate(seen) if source == "l3"]
+    assert len(l3_hits) >= MIN_OUTCOMES, (seen, decisions)
+    later = seen[l3_hits[MIN_OUTCOMES - 1] + 1:]  # the overhead is known from here on
+    assert later, seen
     if learn:
-        # (few, not none: recompute is timed for real here, and in 3 of ~8 CI runs on a fresh clone
-        # one decision among the later ones still restored from L3, once right after the fifth
-        # L3 hit, once after four recomputes; the failure message lists what was scored and decided)
-        assert later.count("l3") <= len(later) // 4, (seen, scored, decisions)
+        assert "l3" not in later and "l1" in later, (seen, scored, decisions)
         assert eng.cache.cost.outcomes.extra_s("l3") > 0.2
     else:
-        assert later.count("l3") == len(later), seen  # priced by its transfers, it keeps winning
+        assert "l1" not in later, (seen, decisions)
     assert_whole(eng)
 
 
