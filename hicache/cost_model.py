@@ -305,7 +305,7 @@ class CostModel:
 
     # -- decisions ------------------------------------------------------------------------------
     def decide(self, l1_tokens: int, l2_tokens: int, l3_tokens: int, policy: Policy = "cost",
-               overlap_h2d: bool = False, l3_taken_on: bool = False) -> Decision:
+               overlap_h2d: bool = False, l3_taken_on: bool = False, lookahead: bool = False) -> Decision:
         """Pick the source of a prefix hit from cumulative matched lengths per tier.
 
         An L2/L3 hit only counts beyond l1_tokens. An L3 restore whose first part is already in L2
@@ -318,6 +318,10 @@ class CostModel:
         charged in full.
         A restore is also charged what its source's requests took end to end beyond this price,
         relative to a recompute's (`outcomes`, hicache/outcomes.py; 0 until its source's is learned).
+        lookahead: a decision the request's admission makes again (its prefetch's, at queue time,
+        which acts on an L3 pick only): it neither counts the hit towards a probe nor takes one
+        (`_reexplore`), so a probe of L2 is not spent where nothing restores from L2. Storage
+        exploration, an L3 read, still applies.
         """
         if min(l1_tokens, l2_tokens, l3_tokens) < 0:
             raise ValueError("matched lengths must be >= 0")
@@ -354,7 +358,8 @@ class CostModel:
             for candidate in ("l2", "l3"):  # strict > keeps the faster tier on a tie
                 if benefit_s.get(candidate, 0.0) > max(0.0, benefit_s[tier]):
                     tier = candidate
-            tier = self._reexplore(tier, restore_tokens, costs)
+            if not lookahead:
+                tier = self._reexplore(tier, restore_tokens, costs)
         return Decision(tier=tier, restore_tokens=restore_tokens.get(tier, 0),
                         benefit_s=benefit_s.get(tier, 0.0), costs=costs,
                         priced=(l1_tokens, l2_tokens, l3_tokens, overlap_h2d, l3_taken_on))
@@ -375,9 +380,9 @@ class CostModel:
         while the link was busy, a page cache that warmed since) would otherwise stay wrong. That
         holds for a tier that loses to recompute and for one that loses to the other tier (an L3
         hit whose shorter L2 part wins every time). At most one restore in `explore_every`
-        decisions is a probe (an L3 hit is decided twice: at queue time for its prefetch, and at
-        admission). And an L2 hit while no restore from host memory has been timed (see
-        exploring_host): the first one is a probe."""
+        decisions is a probe. And an L2 hit while no restore from host memory has been timed (see
+        exploring_host): the first one is a probe. Counted once per hit: at its admission (a prefetch's
+        decision at queue time is a `lookahead`)."""
         if tier == "l1" and restore_tokens["l2"] and self._host_untimed("h2d"):
             costs["explore"] = 1.0
             return "l2"

@@ -223,14 +223,16 @@ class CacheManager:
             self.runner.start_backup(tuple(tokens[: match.lengths[Tier.L1]]))
 
     # -- restore decisions ---------------------------------------------------------------------
-    def decide(self, match: MatchResult, overlap_h2d: bool = False, l3_taken_on: bool = False) -> Decision:
+    def decide(self, match: MatchResult, overlap_h2d: bool = False, l3_taken_on: bool = False,
+               lookahead: bool = False) -> Decision:
         """overlap_h2d: the caller would run the tail forward behind a layer-ordered L2 restore;
-        l3_taken_on: behind an L3 prefetch taken on to L1 (CostModel.decide)."""
+        l3_taken_on: behind an L3 prefetch taken on to L1; lookahead: the request's admission
+        decides again, and that decision alone counts (CostModel.decide)."""
         l1, l2, l3 = match.lengths
         policy = self.config.policy if self.has_l2 else "never"
         decision = self.cost.decide(l1, l2 if self.has_l2 else 0, l3 if self.has_l3 else 0, policy, overlap_h2d,
-                                    l3_taken_on)
-        if decision.tier == "l1" and max(l2, l3) > l1 and policy != "never":
+                                    l3_taken_on, lookahead)
+        if decision.tier == "l1" and max(l2, l3) > l1 and policy != "never" and not lookahead:
             self.metrics.policy_skips["restore"] += 1
         return decision
 

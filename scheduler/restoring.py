@@ -55,7 +55,7 @@ class Restoring:
                                     budget=self.engine.config.max_prefill_tokens)
         if l3 <= max(l1, l2):
             return
-        decision = cache.decide(m, overlap_h2d=overlap, l3_taken_on=overlap)
+        decision = cache.decide(m, overlap_h2d=overlap, l3_taken_on=overlap, lookahead=True)
         if decision.tier != "l3":
             return
         req.prefetch_op = cache.runner.start_restore(tokens, m, "prefetch", req.rid, take_soon=overlap)

@@ -347,6 +347,26 @@ def test_a_tier_not_restored_from_for_a_while_is_re_timed() -> None:
         HiCacheConfig(restore_explore_every=-1)
 
 
+def test_a_prefetch_look_ahead_neither_counts_nor_spends_a_probe() -> None:
+    """Regression (session 23): a prefetch's decision at queue time counted the hit towards a probe,
+    and could take the probe, of a tier it cannot restore from: an L2 probe picked there was spent
+    (the count restarted) and no L2 restore followed, and each L3 hit counted twice. A look-ahead
+    leaves both to the request's admission; storage exploration (an L3 read) still applies."""
+    cm = model(host_bandwidth_gib_s=0.5, recompute_us_per_token=25.0, restore_explore_every=2,
+               host_explore_transfers=0)
+    assert cm.decide(0, 3500, 3500, "cost").tier == "l1"  # admission of hit 1: one count
+    for _ in range(3):  # hit 2's prefetch looks ahead: no count, no probe
+        ahead = cm.decide(0, 3500, 3500, "cost", lookahead=True)
+        assert ahead.tier == "l1" and "explore" not in ahead.costs
+    probe = cm.decide(0, 3500, 3500, "cost")  # hit 2's admission: the second count, the probe
+    assert probe.tier == "l2" and probe.costs["explore"] == 1.0
+    untimed = model(host_bandwidth_gib_s=0.5, recompute_us_per_token=25.0, host_explore_transfers=1)
+    assert untimed.decide(0, 3500, 0, "cost", lookahead=True).tier == "l1"  # not the untimed link's probe
+    assert untimed.decide(0, 3500, 0, "cost").tier == "l2"
+    exploring = model(storage_explore_reads=1)
+    assert exploring.decide(0, 0, 3500, "cost", lookahead=True).costs["explore"] == 1.0  # an L3 read
+
+
 def test_an_untimed_host_link_is_explored() -> None:
     """Regression (session 19): with the host link not yet timed a pessimistic prior (here a D2H
     dearer than the recompute it saves) must not refuse the backups and restores that would time
