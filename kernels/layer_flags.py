@@ -5,11 +5,12 @@ The copy stream writes `flags[l] = epoch` right behind layer l's DMAs (a stream 
 cuStreamWriteValue32, which fences the writes before it; cuMemsetD32Async where stream memory
 operations are off), or the copy kernel (kernels/host_copy.py) releases it when layer l's last
 chunk is stored. The forward waits before layer l's attention until `flags[l] >= expected` (a device
-scalar holding the restore's epoch): `spin_wait`, a volatile-load loop that the paged attention
-kernel runs first in each program (`LayerWait.kernel_args`), or one tiny kernel before any other
-attention (`LayerWait(l)` / `wait(l)`). Epochs only grow, so a later restore's write never releases
-an earlier forward too soon: stream order puts it behind the earlier restore's copies. (Up to the
-int32 flags' limit: there they start again from 1 with nothing in flight, `next_epoch`.)
+scalar holding the restore's epoch): `spin_wait`, a volatile-load loop ending in one acquire read
+(the release's counterpart), that the paged attention kernel runs first in each program
+(`LayerWait.kernel_args`), or one tiny kernel before any other attention (`LayerWait(l)` /
+`wait(l)`). Epochs only grow, so a later restore's write never releases an earlier forward too
+soon: stream order puts it behind the earlier restore's copies. (Up to the int32 flags' limit:
+there they start again from 1 with nothing in flight, `next_epoch`.)
 
 Why not event-wait nodes: a captured graph with 36 external event waits cost ~17 us of device time
 per wait (the graph runs in segments) and ~0.3 ms more host time per launch on the H200 (session 4
@@ -62,6 +63,11 @@ if triton is not None:
         while (seen < want) & (spins < max_spins):
             seen = tl.load(flags_ptr + layer, volatile=True)
             spins += 1
+        # the volatile loads are relaxed: one acquire read of the flag (an atomic add of 0, whose
+        # value is at least the last one seen: flags only grow) orders this program's loads of the
+        # layer's K/V after the release that published them (the copy kernel's atomic exchange, a
+        # stream's fenced write), as the PTX memory model asks
+        seen = tl.atomic_add(flags_ptr + layer, 0, sem="acquire", scope="gpu")
         if seen < want:
             tl.store(status_ptr, 1)
 

@@ -18,6 +18,7 @@ def test_layer_wait_passes_landed_layers_and_gives_up_on_missing_ones():
         flags.wait(layer)
         seen.append(flags.timed_out())
     assert seen == [False, False, True, False]  # only layer 2 (epoch 0 < 2) never landed
+    assert flags.flags.tolist() == [3, 2, 0, 7]  # the wait's acquire read (an atomic add of 0) left them
     assert not flags.timed_out()  # reading the status clears it
     staged = torch.tensor([8])  # a graph's own staged epoch instead of `expected`
     flags.wait(3, staged)
