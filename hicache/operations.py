@@ -174,9 +174,11 @@ class OpRunner(Backups, Restores):
         return False
 
     def cancel(self, op: Op | None) -> None:
-        """Ask an op to stop at its next step; enqueued copies still settle before pages are freed."""
+        """Ask an op to stop at its next step; enqueued copies still settle before pages are freed.
+        A read whose checksums wait for a take-on's launch lets them start: none will come."""
         if op is not None and not op.done:
             op.payload["cancel"] = True
+            self.start_checks(op)
 
     async def _wait_transfer(self, op: Op, tr, direction: str) -> None:
         mgr = self.mgr

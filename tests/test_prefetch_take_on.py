@@ -293,3 +293,63 @@ async def test_a_driver_that_raises_with_a_copy_in_flight_keeps_its_pages_until_
     eng.cache.metrics.failures.pop("driver")  # (expected here: assert_whole refuses driver errors)
     assert_whole(eng.cache)
     await eng.shutdown()
+
+
+async def _held_prefetch(monkeypatch, prompts_first=()):
+    """An engine whose loop is stopped, PROMPT's prefix only in L3, no driver fallback within the
+    test (CHECKS_HOLD_MAX_S far away), and `prompts_first` queued before PROMPT; returns the engine
+    and PROMPT's request, whose prefetch read has landed with its checksums held for a take-on."""
+    import hicache.restores as restores_mod
+    monkeypatch.setattr(restores_mod, "CHECKS_HOLD_MAX_S", 3600.0)
+    faults = FaultInjector()
+    eng = await _prefix_only_in_l3(faults)
+    faults.disarm(Fault.SLOW_VERIFY)
+    await eng.stop_loop()
+    for prompt in prompts_first:
+        eng.add_request(prompt, PARAMS)
+    req = eng.add_request(PROMPT, PARAMS)
+    op = req.prefetch_op
+    assert op is not None and op.payload["read"]._release is not None  # held for the take-on
+    await until(lambda: op.state is OpState.S2H_LANDED)
+    return eng, req, op
+
+
+@pytest.mark.asyncio
+async def test_a_landed_prefetch_its_request_declines_verifies_at_once(monkeypatch):
+    """A request that does not run alone (another prompt shares its prefill batch) cannot take its
+    landed prefetch on (`_take_landed`): the held checksums start right then, not at the driver's
+    fallback. (Offered the landed read again once alone, it may still take it on while they run.)"""
+    other = [7 + i for i in range(3 * PAGE)]  # a prompt with nothing cached, admitted first
+    eng, req, op = await _held_prefetch(monkeypatch, prompts_first=[other])
+    held_after_decline = []
+    take = eng.admission._take_landed
+
+    def spy(r, alone, budget):
+        taken = take(r, alone, budget)
+        if not taken:
+            held_after_decline.append(bool(eng.cache.store._held))
+        return taken
+    monkeypatch.setattr(eng.admission, "_take_landed", spy)
+    await eng.start()
+    await until(lambda: req.state.done)
+    assert held_after_decline and not held_after_decline[0]
+    assert op.succeeded and req.output == await reference(PROMPT)
+    assert req.hit_tokens["l3"] == REUSABLE
+    await finish(eng)
+
+
+@pytest.mark.asyncio
+async def test_an_abort_between_landing_and_take_on_releases_the_held_read(monkeypatch):
+    """Regression (session 23): a request aborted after its prefetch's read landed, and before it
+    could take it on, left the read's checksums held until the driver's fallback: `cancel` now
+    starts them, and the cancelled prefetch settles with every tier's accounting whole."""
+    eng, req, op = await _held_prefetch(monkeypatch)
+    assert await eng.abort(req.rid)
+    await until(lambda: op.done, timeout_s=5.0)
+    assert not op.succeeded
+    await eng.cache.drain()
+    assert not eng.cache.store._held
+    assert_whole(eng.cache)
+    await eng.start()
+    assert (await run_one(eng)).output_ids == await reference(PROMPT)
+    await finish(eng)
