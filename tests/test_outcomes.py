@@ -103,6 +103,26 @@ def test_a_source_cheaper_than_its_price_wins_more_often() -> None:
     assert cm.decide(0, 0, 350, "cost").tier == "l3"
 
 
+def test_a_source_charged_an_overhead_that_went_away_is_restored_again() -> None:
+    """Once a source's overhead is learned its hits are recomputed, and only the cost policy's
+    probes (`restore_explore_every`) still restore from it. Their outcomes are scored like any
+    other: once the overhead went away, the window's median follows them and the source wins
+    again: the sixth probe outvotes the five stale samples, and every hit after it is restored."""
+    cm = fast_storage_model(restore_explore_every=2)
+    teach(cm, "l1", 0.0)
+    teach(cm, "l3", 0.050)  # the L3 path's overhead, learned
+    picks = []
+    for _ in range(40):
+        decision = cm.decide(0, 0, 350, "cost")
+        picks.append(decision.tier)
+        if decision.tier == "l3":  # each restore is scored: the overhead is gone now
+            cm.observe_outcome("l3", 0.100, 0.100)
+    assert picks[:4] == ["l1", "l3", "l1", "l3"]  # recomputed, and a probe every second hit
+    recovered = next(i for i in range(len(picks)) if picks[i:] == ["l3"] * (len(picks) - i))
+    assert picks[:recovered].count("l3") == MIN_OUTCOMES  # five probes; from the sixth on, every hit
+    assert cm.outcomes.extra_s("l3") == approx(0.0)
+
+
 def test_outcomes_off_or_not_learning_leave_prices_alone() -> None:
     for cm in (fast_storage_model(learn_outcomes=False), fast_storage_model()):
         if cm.outcomes is not None:
@@ -287,4 +307,33 @@ async def test_a_prefetch_that_failed_before_admission_is_not_scored() -> None:
     await until(lambda: req.state.done)
     assert req.output == want and req.promoted_tokens == 0
     assert eng.cache.cost.outcomes.state()["l3"]["samples"] == 0
+    await finish(eng)
+
+
+@pytest.mark.asyncio
+async def test_an_overlapped_restore_published_after_its_forward_is_scored_with_the_wait(monkeypatch) -> None:
+    """An L2 restore overlapped with the tail's forward whose op publishes only after that forward
+    ended (the output held, then applied by `settle_overlaps`): its request ran alone, so it is
+    scored once, as L2, and its time includes the wait for the publish."""
+    from test_faults import TransferGate, finish, make_engine, run_one, until
+    from test_restore_overlap import REUSABLE, _prefix_only_in_l2
+
+    eng = make_engine(policy="cost", host_explore_transfers=1)
+    await eng.start()
+    await _prefix_only_in_l2(eng)
+    scored = []
+    observe = eng.cache.observe_outcome
+    monkeypatch.setattr(eng.cache, "observe_outcome",
+                        lambda source, plan, actual_s: (scored.append((source, actual_s)), observe(source, plan, actual_s)))
+    gate = TransferGate(eng, "h2d")
+    task = asyncio.create_task(run_one(eng))
+    await until(lambda: any(r.overlap_result is not None for r in eng.running))  # the forward ran, held
+    assert not scored
+    await asyncio.sleep(0.2)
+    gate.release.set()
+    result = await task
+    assert result.cached_tokens["l2"] == REUSABLE and eng.stats["restore_overlaps"] == 1
+    [(source, actual_s)] = scored
+    assert source == "l2" and actual_s >= 0.2
+    assert eng.cache.cost.outcomes.state()["l2"]["samples"] == 1
     await finish(eng)
