@@ -318,10 +318,11 @@ class CostModel:
         charged in full.
         A restore is also charged what its source's requests took end to end beyond this price,
         relative to a recompute's (`outcomes`, hicache/outcomes.py; 0 until its source's is learned).
-        lookahead: a decision the request's admission makes again (its prefetch's, at queue time,
-        which acts on an L3 pick only): it neither counts the hit towards a probe nor takes one
-        (`_reexplore`), so a probe of L2 is not spent where nothing restores from L2. Storage
-        exploration, an L3 read, still applies.
+        lookahead: a prefetch's decision at queue time, which acts on an L3 pick only: it neither
+        counts the hit towards a probe nor takes one (`_reexplore`), so a probe of L2 is not spent
+        where nothing restores from L2 and a hit is not counted twice. The request's admission
+        decides again unless the prefetch was started (its read then restarts the L3 count, and a
+        take-on's H2D the L2 count). Storage exploration, an L3 read, still applies.
         """
         if min(l1_tokens, l2_tokens, l3_tokens) < 0:
             raise ValueError("matched lengths must be >= 0")
@@ -381,8 +382,8 @@ class CostModel:
         holds for a tier that loses to recompute and for one that loses to the other tier (an L3
         hit whose shorter L2 part wins every time). At most one restore in `explore_every`
         decisions is a probe. And an L2 hit while no restore from host memory has been timed (see
-        exploring_host): the first one is a probe. Counted once per hit: at its admission (a prefetch's
-        decision at queue time is a `lookahead`)."""
+        exploring_host): the first one is a probe. Counted once per hit, where its admission decides
+        (a prefetch's decision at queue time is a `lookahead`)."""
         if tier == "l1" and restore_tokens["l2"] and self._host_untimed("h2d"):
             costs["explore"] = 1.0
             return "l2"

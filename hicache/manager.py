@@ -226,8 +226,8 @@ class CacheManager:
     def decide(self, match: MatchResult, overlap_h2d: bool = False, l3_taken_on: bool = False,
                lookahead: bool = False) -> Decision:
         """overlap_h2d: the caller would run the tail forward behind a layer-ordered L2 restore;
-        l3_taken_on: behind an L3 prefetch taken on to L1; lookahead: the request's admission
-        decides again, and that decision alone counts (CostModel.decide)."""
+        l3_taken_on: behind an L3 prefetch taken on to L1; lookahead: a prefetch's decision at
+        queue time, which counts no probe and no policy skip (CostModel.decide)."""
         l1, l2, l3 = match.lengths
         policy = self.config.policy if self.has_l2 else "never"
         decision = self.cost.decide(l1, l2 if self.has_l2 else 0, l3 if self.has_l3 else 0, policy, overlap_h2d,

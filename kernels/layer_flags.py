@@ -66,7 +66,8 @@ if triton is not None:
         # the volatile loads are relaxed: one acquire read of the flag (an atomic add of 0, whose
         # value is at least the last one seen: flags only grow) orders this program's loads of the
         # layer's K/V after the release that published them (the copy kernel's atomic exchange, a
-        # stream's fenced write), as the PTX memory model asks
+        # stream's fenced write), as the PTX memory model asks. Triton >= 3.3 lowers a 32-bit
+        # acquire atomic add of 0 to a plain ld.acquire (triton-lang/triton#5187): no write
         seen = tl.atomic_add(flags_ptr + layer, 0, sem="acquire", scope="gpu")
         if seen < want:
             tl.store(status_ptr, 1)

@@ -219,6 +219,8 @@ def test_the_loop_stops_restoring_from_a_source_slower_than_its_price(monkeypatc
     check that counted requests after the first L3 hit saw the fifth, still decided on price
     alone, as a failure; without learning, another run recomputed 10 of 11 later hits.)"""
     _slow_l3_path(monkeypatch, 0.25)
+    # (exploration off: with the lines never timed, a storage or host link still to be explored
+    # would stay so, and every hit would be a probe)
     eng = make("l3", "cost", num_pages=216, storage_explore_reads=0, host_explore_transfers=0,
                restore_explore_every=0, learn_outcomes=learn)
     monkeypatch.setattr(eng.cache.cost, "observe_transfer", lambda *args: None)
@@ -247,6 +249,26 @@ def test_the_loop_stops_restoring_from_a_source_slower_than_its_price(monkeypatc
         assert eng.cache.cost.outcomes.extra_s("l3") > 0.2
     else:
         assert "l1" not in later, (seen, decisions)
+    assert_whole(eng)
+
+
+def test_the_loop_probes_a_charged_source_once_in_restore_explore_every_hits(monkeypatch) -> None:
+    """Regression (session 23's review): a prefetch's decision at queue time counted each L3 hit
+    towards a probe, and the admission's counted it again, so with `restore_explore_every=2` every
+    hit of an L3 source charged a 1 s overhead was restored. The prefetch's decision is a
+    look-ahead now: one hit in two is a probe. (Lines pinned at their priors, as above.)"""
+    eng = make("l3", "cost", num_pages=216, storage_explore_reads=0, host_explore_transfers=0,
+               restore_explore_every=2)
+    cost = eng.cache.cost
+    monkeypatch.setattr(cost, "observe_transfer", lambda *args: None)
+    monkeypatch.setattr(cost, "observe_prefill", lambda *args: None)
+    for _ in range(OUTCOME_WINDOW):  # a full window: the probes' own outcomes cannot outvote it here
+        cost.observe_outcome("l3", 0.0, 1.0)
+        cost.observe_outcome("l1", 0.0, 0.0)
+    seen = sources(run_sequential(eng, workload(rounds=4, prefix_len=400)))
+    assert seen[:4] == ["l1"] * 4  # cold
+    assert seen[4:] == ["l1", "l3"] * 6, seen
+    assert eng.metrics()["policy_skips"]["restore"] == 6  # one per hit recomputed
     assert_whole(eng)
 
 
