@@ -144,6 +144,22 @@ def test_cost_policy_explores_the_host_link_then_uses_it(recompute_outputs):
     assert_whole(eng)
 
 
+def test_a_workload_without_reuse_stops_backing_up_though_the_host_link_stays_unexplored():
+    """H2D is only timed by a restore, so with no prefix ever reused the host link stays unexplored
+    (`exploring_host`), and exploration admits every backup its cost check would refuse. The reuse
+    gate (`backup_pays_off`: is L2 read back?) still stops them once what was written gets evicted
+    unread: exploration costs a few backups, not every one (a note open since session 19)."""
+    rng = random.Random(3)
+    prompts = [[rng.randrange(VOCAB) for _ in range(49)] for _ in range(60)]  # nothing shared
+    eng = make("l2", "cost")
+    run_sequential(eng, prompts, max_tokens=1)
+    m = eng.metrics()
+    assert eng.cache.cost.exploring_host and m["hit_tokens"]["l2"] == 0
+    assert eng.cache.metrics.backups_started < len(prompts) // 3
+    assert m["policy_skips"]["write_l2"] > len(prompts) // 2
+    assert_whole(eng)
+
+
 def test_never_policy_behaves_like_no_hierarchy(recompute_outputs):
     prompts, ref = recompute_outputs
     eng = make("l3", "never")
