@@ -1,17 +1,21 @@
-"""Backup / restore operations as state machines written as data (DESIGN.md section 6).
+"""Backup / restore operations as state machines written as data (the brief's DESIGN.md section 6,
+../shared/DESIGN.md; docs/design.md here).
 
 The legal transitions are one table, `TRANSITIONS[kind][state][event] -> next state`, with the
-driver's next step beside it in `ACTIONS[kind][state][event] -> Action`. `apply()` is the only place
+driver's step beside it in `ACTIONS[kind][state][event] -> Action`. `apply()` is the only place
 that changes an op's state: it validates against the table (one error, `IllegalTransition`), records
-history, emits exactly one structlog event "op" and returns the Action. It does no other I/O; a thin
-async driver awaits CUDA events / file futures and feeds the results back as events.
+history, emits exactly one structlog event "op" (with the Action) and returns the Action. It does no
+other I/O; a thin async driver (hicache/backups.py, restores.py) awaits CUDA events / file futures
+and feeds the results back as events. The Action names the step the driver takes inline around
+that `apply()` call (it is logged and drawn by `mermaid_diagram`; no driver dispatches on the
+returned value). An op that gets no pages is discarded before its first event, unregistered.
 
 Kinds:
   BACKUP       L1_PRIVATE -START-> D2H_PENDING -D2H_DONE-> L1_L2 -START-> H2S_PENDING -H2S_DONE-> L1_L2_L3
                L1_L2 -SKIP_L3-> L1_L2_ONLY (L3 off, or admission said no)
   RESTORE_L2   L2 -START-> H2D_PENDING -H2D_DONE-> L1_L2
   RESTORE_L3   L3 -START-> S2H_PENDING -S2H_DONE-> L2_L3 -START-> H2D_PENDING -H2D_DONE-> L1_L2_L3
-  PREFETCH_L3  L3 -START-> S2H_PENDING -S2H_DONE-> L2_L3   (promotion only, started when a request queues)
+  PREFETCH_L3  L3 -START-> S2H_PENDING -S2H_DONE-> L2_L3   (a promotion, started when a request queues)
                S2H_PENDING -S2H_LANDED-> S2H_LANDED -S2H_DONE-> L2_L3   (a verified read: bytes landed first)
                S2H_LANDED -START-> H2D_VERIFYING -S2H_DONE-> H2D_PENDING -H2D_DONE-> L1_L2_L3
                  (taken on to L1 by the request that queued it while the read's checksums still run:
@@ -27,7 +31,9 @@ Ownership rule (what the driver does for each Action):
     private destination pages (owned by the op, by no tree node and by no free list), then launch.
   * PUBLISH_x: only after the step's event/future succeeded: hand the private destination pages to
     the tree (they stop being the op's), then unlock the step's source. Publication precedes any
-    request's cached_len update.
+    request's cached_len update, except an overlapped admission's (scheduler/restoring.py
+    `_admit_overlapped`): there the request's pages [locked_len, cached_len) are the op's still
+    private L1 pages, and its forward's output counts only after `adopt_restored`.
   * RELEASE (after FAIL / CANCEL): return only the still-private pages and unlock held sources;
     published pages are never freed. A copy already enqueued cannot be recalled: wait for it to
     settle before reusing its pages (shielded from cancellation).
@@ -54,7 +60,7 @@ class OpKind(enum.Enum):
     BACKUP = "backup"            # L1 -> L2 (-> L3), write-through
     RESTORE_L2 = "restore_l2"    # L2 -> L1
     RESTORE_L3 = "restore_l3"    # L3 -> L2 -> L1
-    PREFETCH_L3 = "prefetch_l3"  # L3 -> L2 only
+    PREFETCH_L3 = "prefetch_l3"  # L3 -> L2, or on to L1 when its request takes it on (take_to_l1)
 
 
 class OpState(enum.Enum):
@@ -135,7 +141,8 @@ INITIAL: Mapping[OpKind, OpState] = MappingProxyType({
     OpKind.BACKUP: OpState.L1_PRIVATE, OpKind.RESTORE_L2: OpState.L2,
     OpKind.RESTORE_L3: OpState.L3, OpKind.PREFETCH_L3: OpState.L3,
 })
-# Which tiers a pending state copies between: (locked source, private destination).
+# Which tiers a pending state copies between: (locked source, private destination). Documentation
+# (and tests); the drivers do not read it.
 PENDING_STEPS: Mapping[OpState, tuple[str, str]] = MappingProxyType({
     OpState.D2H_PENDING: ("l1", "l2"), OpState.H2S_PENDING: ("l2", "l3"),
     OpState.S2H_PENDING: ("l3", "l2"), OpState.S2H_LANDED: ("l3", "l2"),
@@ -188,6 +195,8 @@ class Op:
     kind: OpKind
     state: OpState
     request_id: str | None
+    # the op's longest copy, in pages and bytes: a backup's D2H, an L2 restore's H2D; for the L3
+    # kinds the pages of l3 - min(l1, l2) tokens (its read or its H2D, whichever is longer)
     num_pages: int
     num_bytes: int
     created_ns: int

@@ -38,8 +38,11 @@ class Restores:
 
     def start_restore(self, tokens: Sequence[int], match, tier: str, request_id: str | None,
                       layerwise: bool = False, take_soon: bool = False, tail_tokens: int = 0) -> Op | None:
-        """Restore tokens[l1_len : tier_len] into L1 (through L2 for an L3 hit). None when the
-        needed pages cannot be had right now (the caller recomputes).
+        """tier "l2" / "l3": restore tokens[l1_len : tier_len] into L1 (through L2 for an L3 hit).
+        tier "prefetch": promote the L3 part into L2 only (PREFETCH_L3), which the request that
+        queued it restores from L2 later or takes on to L1 once the read landed (`take_to_l1`).
+        None when the needed pages cannot be had right now (a restore's caller recomputes; a
+        prefetch is simply not made).
 
         layerwise (L2 restores): copy in layer order where the transfer engine can (then
         op.payload["layerwise"] is True, op.payload["l1_pages"] are the pages being filled and
@@ -93,7 +96,10 @@ class Restores:
         return future
 
     def start_checks(self, op: Op | None) -> None:
-        """Let a taken-on prefetch's checksums start (`CHECKS_HOLD_MAX_S`); a no-op for any other op."""
+        """Let a prefetch read opened with held checksums (`checks_on_release`, a read expected to
+        be taken on) start them: at its forward's launch, when its request declines it, when the op
+        is cancelled or abandoned, or `CHECKS_HOLD_MAX_S` after its landing. Idempotent; a no-op for
+        any other op."""
         read = op.payload.get("read") if op is not None else None
         if read is not None and hasattr(read, "start_checks"):
             read.start_checks()
@@ -114,6 +120,9 @@ class Restores:
         op.payload["layerwise"] = transfer is not None
         if transfer is None and l1_pages:
             transfer = mgr.transfer.h2d(host_pages, l1_pages)
+        # payload["transfer"] is set from the enqueue until the driver has awaited the copy (it pops
+        # it): `_in_flight` and `_storage_failed` read "a copy may still run" from it, and admission
+        # reads a layer-ordered copy's epoch from it in the same loop turn (no await in between)
         op.payload.update(l1_pages=l1_pages, l1_start=l1_start, l1_end=end, transfer=transfer)
         return True
 
@@ -125,7 +134,9 @@ class Restores:
         op publishes its L2 pages once the checksums passed and its L1 pages once the H2D is done;
         a failed checksum fails it, and the forward's output goes with it (Admission.adopt_restored).
         False, with nothing changed, when it cannot be taken: not landed, cancelled, L1 now holds
-        part of the promoted range, no L1 pages, or no layer-ordered copy on this machine."""
+        part of the promoted range, L2 no longer holds all of [l1, l2_start), no L1 pages, or no
+        layer-ordered copy on this machine. The L2 pages [l1, l2_start) it copies from stay locked
+        by the lock `_start_s2h` took on the L2 prefix; the promoted ones are the op's own."""
         mgr, ps = self.mgr, self.mgr.page_size
         l2_start, end = op.payload.get("l2_start", 0), op.payload.get("l3_end", 0)
         l1 = match.lengths[Tier.L1]
@@ -151,6 +162,10 @@ class Restores:
         return True
 
     async def _drive_restore(self, op: Op, tokens: tuple[int, ...], future=None, l2_start: int = 0) -> None:
+        """Drive RESTORE_L2, RESTORE_L3 and PREFETCH_L3 ops (OpKind, hicache/ops.py): with a read
+        `future`, first the S2H step (a prefetch ends there, published in L2, unless its request
+        took it on meanwhile); then, for an L3 restore, the H2D's start from the promoted pages;
+        then the H2D step all three may end with."""
         mgr = self.mgr
         t0 = time.monotonic_ns()
         if future is not None:  # S2H_PENDING

@@ -3,9 +3,12 @@ restore from L2/L3, or recompute), and the page bookkeeping of each request.
 
 Page rules for a request (page aligned throughout):
   pages[: locked_len / S]  tree-owned prefix, protected by an L1 lock on `locked_node`;
-  pages[locked_len / S :]  private to the request's claim until published by `insert_l1`.
+  pages[locked_len / S :]  private to the request's claim until published by `insert_l1`;
+  except while an overlapped restore lands (`overlap_op`, scheduler/restoring.py): then the pages
+  [locked_len, cached_len) are the op's, private to it until `adopt_restored`.
 Admission reserves every page the request can still need (`kv_tokens`: prompt + max_tokens - 1), so a running request
-never waits for memory and nothing is preempted.
+never waits for memory (under write_back, admission itself may wait for the backups of the leaves
+it must evict) and nothing is preempted.
 """
 from __future__ import annotations
 

@@ -105,7 +105,8 @@ class Request:
     restore_tier: str = "none"
     restore_op: object = None
     restore_failed: bool = False  # a restore failed: this request recomputes, never retries
-    overlap_op: object = None     # an L2 restore its tail forward runs behind (layer by layer), until settled
+    overlap_op: object = None     # a restore its tail forward runs behind (an L2 restore layer by layer, or a
+                                  # prefetch taken on to L1), until settled
     overlap_result: object = None  # (chunk, token) of that forward, held until the restore has published
     prefetch_op: object = None
     landed_offered: bool = False  # its prefetch's read landed and the request was offered to take it on
