@@ -93,7 +93,7 @@ class Admission(Restoring):
         eng, cache, ps = self.engine, self.cache, self.page_size
         tokens = self._reusable(req)
         m = cache.match(tokens)
-        if req.restore_tier == "none":
+        if req.restore_tier == "none":  # (else its restore ended and published: back from parking, use L1)
             started = await self._try_restore(req, m, alone, budget)
             if started == "parked":
                 return None
