@@ -86,17 +86,17 @@ class Restores:
         apply(op, OpEvent.START)
         op.payload["host_pages"] = host_pages
         options = mgr.page_keys(tokens, l2, l3)
-        if (take_soon and getattr(mgr.store, "checks_after_landing", False)
+        if (take_soon and getattr(mgr.store, "can_check_after_landing", False)
                 and len(host_pages) * mgr.l2.geometry.bytes_per_page <= VERIFY_AFTER_LANDING_MAX_BYTES):
             held = len(host_pages) * mgr.l2.geometry.bytes_per_page <= HOLD_CHECKS_MAX_BYTES
-            options["checks_on_release" if held else "checksums_after_landing"] = True
+            options["hold_checks" if held else "checksums_after_landing"] = True
         future = mgr.store.read_pages(match.pages[Tier.L3][l2 // ps: l3 // ps], mgr.l2.page_buffer, host_pages,
                                       **options)
         op.payload["read"] = future
         return future
 
     def start_checks(self, op: Op | None) -> None:
-        """Let a prefetch read opened with held checksums (`checks_on_release`, a read expected to
+        """Let a prefetch read opened with held checksums (`hold_checks`, a read expected to
         be taken on) start them: at its forward's launch, when its request declines it, when the op
         is cancelled or abandoned, or `CHECKS_HOLD_MAX_S` after its landing. Idempotent; a no-op for
         any other op."""

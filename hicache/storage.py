@@ -75,7 +75,7 @@ class FileStore:
 
     # read_pages(checksums_after_landing=True): a read's bytes land before it is verified, so a
     # caller may start on them then (hicache/restores.py asks for it for a prefetch taken on soon)
-    checks_after_landing = True
+    can_check_after_landing = True
 
     def __init__(self, geometry: KVGeometry, num_slots: int, path: str | None = None, io_workers: int = 4,
                  checksum: bool = True, faults: FaultInjector | None = None) -> None:
@@ -98,7 +98,7 @@ class FileStore:
         self._closed = False
         self._active_tasks = self._peak_active_tasks = 0
         self._pool = cf.ThreadPoolExecutor(max_workers=self.io_workers, thread_name_prefix="hicache-l3-io")
-        self._held: set[StorageOp] = set()  # reads with checks_on_release whose checksums have not been let go
+        self._held: set[StorageOp] = set()  # reads with hold_checks whose checksums have not been let go
         # read verification: an I/O thread hands each landed piece's checksums to this pool and reads
         # on, so hashing overlaps the next preadv instead of following it; or they wait until the
         # whole read landed (read_pages(checksums_after_landing=True))
@@ -114,15 +114,15 @@ class FileStore:
         return self._submit(False, host_buffer, host_pages, slots)
 
     def read_pages(self, slots: Sequence[int], host_buffer: torch.Tensor, host_pages: Sequence[int],
-                   checksums_after_landing: bool = False, checks_on_release: bool = False) -> cf.Future:
+                   checksums_after_landing: bool = False, hold_checks: bool = False) -> cf.Future:
         """Read slot slots[i] into host_buffer[host_pages[i]]; resolves to IoResult (a ReadFuture
         when checksums are on: its `landed` resolves first). A piece's checksums start as soon as
         it is read, beside the read's other pieces, so the whole read is verified soonest; with
         `checksums_after_landing` they all start once every byte landed, so the bytes land soonest
         (for a caller that takes them on then: a prefetch taken on to L1, hicache/restores.py);
-        with `checks_on_release` once every byte landed and the caller called
+        with `hold_checks` once every byte landed and the caller called
         `future.start_checks()` (the hashing threads would slow the caller's own work meanwhile)."""
-        return self._submit(True, host_buffer, host_pages, slots, checksums_after_landing, checks_on_release)
+        return self._submit(True, host_buffer, host_pages, slots, checksums_after_landing, hold_checks)
 
     def invalidate(self, slots: Sequence[int]) -> None:
         """Forget what the slots hold (the tree freed them); an in-flight write will not publish."""
@@ -160,7 +160,7 @@ class FileStore:
         with self._state_lock:
             held = list(self._held)
         for op in held:  # reads whose checksums wait for a caller: they must finish too
-            op.release_checks()
+            op.start_held_checks()
         if self._verify_pool is not None:
             self._verify_pool.shutdown(wait=True)
         self._finalizer()
@@ -213,7 +213,7 @@ class FileStore:
 
     def _submit(self, is_read: bool, host_buffer: torch.Tensor, host_pages: Sequence[int],
                 slots: Sequence[int], checksums_after_landing: bool = False,
-                checks_on_release: bool = False) -> cf.Future:
+                hold_checks: bool = False) -> cf.Future:
         self._check_open()
         slot_arr = self._slot_array(slots)
         host_arr = np.asarray(host_pages, dtype=np.int64).reshape(-1)
@@ -242,7 +242,7 @@ class FileStore:
                 self._valid[slot_arr] = False
                 gens = self._gens[slot_arr].copy()
         op = StorageOp(self, is_read, host_buffer, view, slot_arr, len(groups), len(extents), expected, gens,
-                 checksums_after_landing, checks_on_release)
+                 checksums_after_landing, hold_checks)
         with self._state_lock:
             if self._closed:
                 raise StorageError("closed", f"L3 store {self.path!r} is closed")

@@ -51,13 +51,13 @@ class ReadFuture(cf.Future):
     def __init__(self) -> None:
         super().__init__()
         self.landed: cf.Future = cf.Future()
-        self._release = None  # read_pages(checks_on_release=True): what start_checks() calls
+        self._start_held = None  # read_pages(hold_checks=True): what start_checks() calls
 
     def start_checks(self) -> None:
-        """read_pages(checks_on_release=True): let the checksums start (once every byte landed).
+        """read_pages(hold_checks=True): let the checksums start (once every byte landed).
         Idempotent; a no-op for any other read."""
-        if self._release is not None:
-            self._release()
+        if self._start_held is not None:
+            self._start_held()
 
 
 class StorageOp:
@@ -66,7 +66,7 @@ class StorageOp:
     def __init__(self, store: FileStore, is_read: bool, buffer_ref: torch.Tensor, view: memoryview,
                  slots: np.ndarray, num_tasks: int, num_extents: int, expected: np.ndarray | None,
                  gens: np.ndarray | None, checksums_after_landing: bool = False,
-                 checks_on_release: bool = False) -> None:
+                 hold_checks: bool = False) -> None:
         self.store, self.is_read, self.slots, self.num_extents = store, is_read, slots, num_extents
         self.buffer_ref, self.view = buffer_ref, view  # keep the caller's memory alive while workers use it
         self.expected = expected  # read: checksums to verify against, by op index
@@ -75,11 +75,11 @@ class StorageOp:
         self.future: cf.Future = ReadFuture() if expected is not None else cf.Future()
         self.future.set_running_or_notify_cancel()  # I/O cannot be abandoned midway: no cancel
         self._landed_left = num_tasks  # verified reads: tasks whose bytes have not all landed yet
-        self.checksums_after_landing = checksums_after_landing or checks_on_release
-        self._checks_held = checks_on_release  # until the caller's start_checks()
+        self.checksums_after_landing = checksums_after_landing or hold_checks
+        self._checks_held = hold_checks  # until the caller's start_checks()
         self._jobs_counted = False  # the held jobs are in _verify_left (every byte landed)
-        if checks_on_release and isinstance(self.future, ReadFuture):
-            self.future._release = self.release_checks
+        if hold_checks and isinstance(self.future, ReadFuture):
+            self.future._start_held = self.start_held_checks
             with store._state_lock:
                 store._held.add(self)
         self._verify_jobs: list[tuple[memoryview, np.ndarray, int]] = []  # held until landed (bytes, checksums, first slot)
@@ -126,8 +126,8 @@ class StorageOp:
         for job in held:
             self._start_verify(*job)
 
-    def release_checks(self) -> None:
-        """checks_on_release: the caller lets the checksums start (now if every byte landed, else
+    def start_held_checks(self) -> None:
+        """hold_checks: the caller lets the checksums start (now if every byte landed, else
         at the landing)."""
         with self._lock:
             self._checks_held = False

@@ -104,7 +104,7 @@ async def test_a_landed_prefetch_no_one_takes_on_verifies_after_the_drivers_fall
     await eng.stop_loop()
     req = eng.add_request(PROMPT, PARAMS)
     op = req.prefetch_op
-    assert op is not None and op.payload["read"]._release is not None  # its checksums are held
+    assert op is not None and op.payload["read"]._start_held is not None  # its checksums are held
     await until(lambda: op.state is not OpState.S2H_PENDING)
     if fallback_s is None:
         await asyncio.sleep(0.3)
@@ -237,14 +237,14 @@ async def test_the_prefetch_decision_credits_an_h2d_the_forward_will_hide(overla
 async def test_a_prefetch_expected_to_be_taken_on_verifies_after_landing(overlap, max_bytes, capable, monkeypatch):
     """A prefetch for a request that would run alone with restore overlap on is taken on to L1 once
     its bytes land, so its read asks the file store to start the checksums only then
-    (`checks_on_release`, once the forward was launched: hashing beside the read slowed the landing,
+    (`hold_checks`, once the forward was launched: hashing beside the read slowed the landing,
     session 18, and beside the take-on and the launch slowed those, session 22), unless the
     read is longer than VERIFY_AFTER_LANDING_MAX_BYTES (its checksums would outlast the H2D and the
-    forward), or the store does not land bytes before verifying them (`checks_after_landing`: a
+    forward), or the store does not land bytes before verifying them (`can_check_after_landing`: a
     Redis store verifies each value as it loads it). Otherwise the checksums run beside the read,
     which then completes soonest."""
     from hicache.storage import FileStore
-    monkeypatch.setattr(FileStore, "checks_after_landing", capable)
+    monkeypatch.setattr(FileStore, "can_check_after_landing", capable)
     if max_bytes is not None:
         import hicache.restores as restores_mod
         monkeypatch.setattr(restores_mod, "VERIFY_AFTER_LANDING_MAX_BYTES", max_bytes)
@@ -260,7 +260,7 @@ async def test_a_prefetch_expected_to_be_taken_on_verifies_after_landing(overlap
     assert result.output_ids == await reference(PROMPT)
     assert result.cached_tokens["l2"] + result.cached_tokens["l3"] == REUSABLE
     after_landing = overlap and max_bytes is None and capable
-    assert [r.get("checks_on_release", False) or r.get("checksums_after_landing", False)
+    assert [r.get("hold_checks", False) or r.get("checksums_after_landing", False)
             for r in reads] == [after_landing]
     await finish(eng)
 
@@ -309,7 +309,7 @@ async def _held_prefetch(monkeypatch, prompts_first=()):
         eng.add_request(prompt, PARAMS)
     req = eng.add_request(PROMPT, PARAMS)
     op = req.prefetch_op
-    assert op is not None and op.payload["read"]._release is not None  # held for the take-on
+    assert op is not None and op.payload["read"]._start_held is not None  # held for the take-on
     await until(lambda: op.state is OpState.S2H_LANDED)
     return eng, req, op
 

@@ -1,5 +1,5 @@
 """L3 reads and their checksums (hicache/storage_op.py): when a read lands and when it is verified,
-beside its reads, once all landed, or once the caller lets them (`checks_on_release`); what it
+beside its reads, once all landed, or once the caller lets them (`hold_checks`); what it
 reports. The store's I/O itself: tests/test_storage.py."""
 from __future__ import annotations
 
@@ -72,8 +72,8 @@ def test_a_reads_checksums_start_beside_its_reads_or_once_all_landed(monkeypatch
 
 
 @pytest.mark.parametrize("released", ["after_landing", "before_landing"])
-def test_checks_on_release_wait_for_the_caller(monkeypatch, released):
-    """`checks_on_release`: no checksum starts before the caller's `start_checks()`, even once every
+def test_held_checks_wait_for_the_caller(monkeypatch, released):
+    """`hold_checks`: no checksum starts before the caller's `start_checks()`, even once every
     byte landed (a taken-on prefetch: the hashing threads slowed the take-on's enqueue and the
     forward's launch, session 22), and the read resolves only once they passed; a release before
     the landing starts them at the landing. A corrupt page is still caught, and a failed read
@@ -86,7 +86,7 @@ def test_checks_on_release_wait_for_the_caller(monkeypatch, released):
         dst = torch.empty_like(src)
         if released == "before_landing":
             faults.arm(Fault.SLOW_READ, times=1, delay_s=0.2)
-        fut = s.read_pages(range(4), dst, range(4), checks_on_release=True)
+        fut = s.read_pages(range(4), dst, range(4), hold_checks=True)
         if released == "before_landing":
             fut.start_checks()
             assert not fut.landed.done()
@@ -101,7 +101,7 @@ def test_checks_on_release_wait_for_the_caller(monkeypatch, released):
         assert events and _bytes_equal(src, dst)
         events.clear()
         _flip_byte(s.path, 2 * SMALL.bytes_per_page + 3)  # slot 2
-        bad = s.read_pages(range(4), torch.empty_like(src), range(4), checks_on_release=True)
+        bad = s.read_pages(range(4), torch.empty_like(src), range(4), hold_checks=True)
         bad.landed.result(timeout=10)
         bad.start_checks()
         with pytest.raises(StorageError) as err:
@@ -109,7 +109,7 @@ def test_checks_on_release_wait_for_the_caller(monkeypatch, released):
         assert list(err.value.bad_slots) == [2]
         events.clear()
         faults.arm(Fault.EIO_READ, times=1)
-        failed = s.read_pages(range(4), torch.empty_like(src), range(4), checks_on_release=True)
+        failed = s.read_pages(range(4), torch.empty_like(src), range(4), hold_checks=True)
         with pytest.raises(StorageError):
             failed.landed.result(timeout=10)
         failed.start_checks()
@@ -125,7 +125,7 @@ def test_closing_the_store_lets_a_held_reads_checksums_run():
     s = FileStore(SMALL, num_slots=8, io_workers=2)
     s.write_pages(src, range(4), range(4)).result(timeout=10)
     dst = torch.empty_like(src)
-    fut = s.read_pages(range(4), dst, range(4), checks_on_release=True)
+    fut = s.read_pages(range(4), dst, range(4), hold_checks=True)
     fut.landed.result(timeout=10)
     s.close()
     assert fut.result(timeout=10).num_bytes == 4 * SMALL.bytes_per_page and _bytes_equal(src, dst)
