@@ -50,8 +50,8 @@ class LinearCost:
     CONFIRM_WITHIN samples (a new regime: both are).
     Regime "fixed_only": the sizes in the window barely differ (max - min <= max(1, a third of max)), so
     slope and intercept cannot both be identified. A sample slower than the reference slope predicts
-    keeps that slope and moves fixed_s by EWMA (alpha 0.2) towards the excess, seconds - size *
-    reference (DESIGN.md section 7). The reference is the prior until a window of several sizes
+    moves, by EWMA (alpha 0.2), the slope towards the reference and fixed_s towards the excess,
+    seconds - size * reference (DESIGN.md section 7). The reference is the prior until a window of several sizes
     identified a slope, then the last such fit: a window that has lost its spread (a recompute
     model that sees only restores' short tails once every hit is restored) would otherwise drift
     back to the prior and forget what it measured (session 19: the stress L3 tier's recompute
@@ -268,8 +268,9 @@ class CostModel:
     def exploring_host(self) -> bool:
         """Fewer than `host_explore_transfers` L1 <-> L2 transfers timed in a direction: the host
         link's priors (host_bandwidth_gib_s) may be far off, and a pessimistic one would refuse the
-        backups, and so the restores, that could correct it. The cost policy then backs up and
-        restores L2 hits until both directions are timed (the 4B stress workload on the H200 had
+        backups, and so the restores, that could correct it. The cost policy then backs up until
+        both directions are timed, and restores an L2 hit it would have recomputed until one H2D
+        is timed (`_reexplore`; the 4B stress workload on the H200 had
         backed up nothing, restored nothing and run at 1.00 x hicache off; docs/benchmarks.md,
         session 19)."""
         return self._host_untimed("d2h") or self._host_untimed("h2d")
@@ -295,7 +296,9 @@ class CostModel:
     def break_even_read_fraction(self) -> float:
         """How much of what is backed up to L2 must be read back for the backups to pay: the D2H
         cost per token over what restoring a token saves (recompute's marginal cost minus the H2D).
-        1.0 when a restore saves nothing; never below 1 %. (H200, 8B: ~3 / (28 - 3) = 12 %.)"""
+        1.0 when a restore saves nothing; never below 1 %. (H200, 8B: ~3 / (28 - 3) = 12 %.) The
+        reuse gate (hicache/reuse.py) measures it as pages read back per page evicted from L2, which
+        stands for pages written once L2 is full (each write then evicts about one page)."""
         per_token = self.bytes_per_token
         write_s = self.directions["d2h"].slope * per_token
         saving_s = self.directions["recompute"].slope - self.directions["h2d"].slope * per_token
@@ -380,10 +383,12 @@ class CostModel:
         row: a restore it skipped is never timed, so an estimate that went wrong (samples taken
         while the link was busy, a page cache that warmed since) would otherwise stay wrong. That
         holds for a tier that loses to recompute and for one that loses to the other tier (an L3
-        hit whose shorter L2 part wins every time). At most one restore in `explore_every`
-        decisions is a probe. And an L2 hit while no restore from host memory has been timed (see
-        exploring_host): the first one is a probe. Counted once per hit, where its admission decides
-        (a prefetch's decision at queue time is a `lookahead`)."""
+        hit whose shorter L2 part wins every time). At most one probe per tier in `explore_every`
+        decisions (L2's and L3's may fall due together, on consecutive decisions); any timed
+        transfer of the tier's line restarts its count (an L3 restore's H2D restarts L2's). And
+        while no restore from host memory has been timed (see exploring_host) every L2 hit is a
+        probe. Counted once per admission attempt (a request waiting for memory is decided again
+        on each loop turn); a prefetch's decision at queue time is a `lookahead` and not counted."""
         if tier == "l1" and restore_tokens["l2"] and self._host_untimed("h2d"):
             costs["explore"] = 1.0
             return "l2"
@@ -402,10 +407,12 @@ class CostModel:
     def worth_writing(self, tier: str, num_tokens: int) -> bool:
         """Admission for a backup into `tier` ("l2" or "l3") of `num_tokens` tokens.
 
-        False when a restore from that tier can never beat recompute, even with zero fixed cost
-        (so a later, longer hit would not amortise it either): margin * slope-only restore cost of
-        num_tokens >= recompute cost of num_tokens, with the current slope estimates. While the
-        storage speed is still being explored, L3 writes are admitted (something must be read back
+        False when a restore from that tier can never beat recompute at its slope-only price, even
+        with zero fixed cost (so a later, longer hit would not amortise it either): margin *
+        slope-only restore cost of num_tokens >= recompute cost of num_tokens, with the current
+        slope estimates. (`decide` may still credit an overlapped H2D or an outcome residual below
+        zero; writes are judged without either.) While the storage speed is still being explored,
+        L3 writes are admitted, and L2 writes while the host link is (something must be read back
         to time it).
         """
         if tier not in ("l2", "l3"):

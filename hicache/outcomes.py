@@ -7,8 +7,8 @@ turns in between. On the H200 a 350-token L3 restore and its recompute cost abou
 such an overhead decides which is faster: a model blind to it restored 69 of 72 L3 hits of a run
 that was then 7 % slower than recomputing (stress L3, 0.93 x hicache off, session 21).
 
-So each request that ran alone (no other batch between its arrival and its first token) is
-scored once: `actual_s` (arrival to the first token's forward end) minus `predicted_s` (what
+So each request that ran alone (exactly one batch ended between its arrival and its first token:
+its own, of one sequence; a chunked prefill is never scored) is scored once: `actual_s` (arrival to the first token's forward end) minus `predicted_s` (what
 the model prices the path it took at, then: the restore's price plus the tail's prefill, or the
 whole uncached prefill; `CostModel.span_s`). The residual's median over the last OUTCOME_WINDOW requests, per source
 ("l1": recomputed, "l2", "l3"), is that source's unpriced overhead; `CostModel.decide` charges a
