@@ -10,8 +10,9 @@ consecutive in both tiers, one layer's K (or V) of the whole run is a single 2-D
     height = pages in the run, width = slab_bytes,
     source pitch = bytes_per_page (one row per L2 page), destination pitch = slab_bytes (packed).
 
-A restore of one run is 2 DMAs per layer; more fragmented page lists are left to the one-DMA path
-(hicache/transfer.py), and so are machines without the 2-D copy (kernels/cuda_rt.py).
+A restore of one run is 2 DMAs per layer; more fragmented page lists take the copy kernel
+(kernels/host_copy.py), or `TransferEngine.h2d` where that is unavailable, and so do machines
+without the 2-D copy (kernels/cuda_rt.py).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import torch
 from hicache.geometry import KVGeometry
 from hicache.transfer_plan import consecutive_runs
 
-# page lists split in more runs than this take the classic path (one DMA + one scatter kernel)
+# page lists split in more runs than this take the copy kernel (or, without it, one DMA + one scatter)
 MAX_LAYER_RUNS = 8
 # A 2-D DMA whose rows (slabs) are narrower than this is slow. Restores of the 8B shape on the H200
 # (docs/benchmarks.md, session 17): 32 KiB slabs (16-token pages) move at 0.97-0.98 of the pinned
@@ -34,8 +35,9 @@ MIN_DMA_ROW_BYTES = 32 << 10
 
 class Copy2D(NamedTuple):
     """One 2-D DMA, its fields in cudaMemcpy2DAsync's order (a restore plans ~70 of them). Offsets
-    are into the destination and source buffers: L1 and L2 for a restore (layer_plan), a page-major
-    buffer and L1 for a backup's first pages (page_out_copies)."""
+    into the destination and source buffers (absolute addresses where the planner was given base
+    addresses): L1 and L2 for a restore (layer_plan), a page-major buffer and L1 for a backup's
+    first pages (page_out_copies)."""
     dst_offset_bytes: int
     dst_pitch_bytes: int
     src_offset_bytes: int

@@ -17,13 +17,18 @@ Fragmented L2 pages (more runs than the DMA plans take), either direction, layer
       copy kernel that reaches the pinned L2 pages over PCIe (kernels/host_copy.py) instead of a CPU
       gather (H2D) or a workspace and a CPU index copy at completion (D2H).
 Work runs on private CUDA streams, kernels and DMAs one stream each per direction (PCIe is full
-duplex: a backup never queues a restore), that first wait on the caller's stream (the page-index
-tensors and the KV being copied are produced there). Completion is a `Transfer` whose `wait()` awaits the
+duplex: a backup never queues a restore). Kernels, and every DMA that reads L1, first wait on the
+caller's stream (the KV being copied is produced there). An H2D's DMAs into a workspace do not:
+they write only that workspace, reused only after its last transfer was seen complete, and read L2
+pages locked until completion. The caller's stream never waits for a transfer: nothing there may
+touch the destination pages until `wait()` returns (layer-ordered: until that layer's flag).
+Completion is a `Transfer` whose `wait()` awaits the
 CUDA event from a worker thread of its direction (`Event.synchronize` releases the GIL), so the loop
 never spins and a restore's completion never queues behind backups'.
 On the CPU every copy is synchronous and transfers are complete when enqueued. What one transfer
 records, and which of its time is its own cost: hicache/transfer_record.py.
-On CUDA a transfer of 8 or more pages is pipelined in chunks that grow (`ramp_chunks`): chunk i's
+On CUDA a transfer of 8 or more pages whose L2 pages form one run (or, without the copy kernels,
+are fragmented) is pipelined in chunks that grow (`ramp_chunks`): chunk i's
 DMA runs while chunk i+1's gather (D2H) or chunk i-1's scatter (H2D) runs on the SMs. The first DMA
 is the first thing enqueued (D2H: the direct pages; H2D: the first chunk, which waits for nothing).
 """
@@ -183,10 +188,10 @@ class TransferEngine(LayeredRestores):
             ws, tr.setup_ns = self.workspaces.acquire(n, needs_host=cpu_gather)
             tr.workspace = ws
             packed = ws.device[:n]       # [n, 2, L, S, H, D]
-            host_dst = (self.l2.page_buffer[h0: h0 + n] if host_consecutive
+            host_dst = (self.l2.page_buffer[h0: h0 + n] if host_consecutive  # [n, 2, L, S, H, D] pinned
                         else ws.host[:n] if cpu_gather else None)
-            if direction == "h2d" and cpu_gather:
-                torch.index_select(self.l2.page_buffer, 0, host_idx, out=ws.host[:n])  # host gather
+            if direction == "h2d" and cpu_gather:  # host gather: L2 [P2, 2, L, S, H, D] at host_idx [n]
+                torch.index_select(self.l2.page_buffer, 0, host_idx, out=ws.host[:n])  # -> [n, 2, L, S, H, D]
             if pipelined:
                 self._pipelined(direction, l1_pages, ws, packed, host_dst, tr)
             else:
@@ -248,8 +253,9 @@ class TransferEngine(LayeredRestores):
         return tr
 
     def _whole(self, direction: str, idx: torch.Tensor, packed: torch.Tensor, pairs, tr: Transfer) -> None:
-        """One kernel and one DMA per L2 run (short transfers, the CPU): pairs = [(packed slice,
-        L2 or pinned workspace slice)]."""
+        """One kernel and one DMA per L2 run (fewer than 8 pages, L2 pages in 2-8 runs at any
+        length, the CPU): idx [n] L1 pages; packed [n, 2, L, S, H, D] device workspace; pairs =
+        [(packed slice, L2 or pinned workspace slice)], page-major."""
         stream = self.kernel_streams[direction] if self.cuda else None
         if self.cuda:
             stream.wait_stream(torch.cuda.current_stream(self.l1.device))
@@ -283,13 +289,15 @@ class TransferEngine(LayeredRestores):
 
     def _pipelined(self, direction: str, l1_pages: list[int], ws: Workspace, packed: torch.Tensor,
                    host: torch.Tensor, tr: Transfer) -> None:
-        """Chunked: the kernel of chunk i+1 runs on the SMs while the copy engine moves chunk i, so
-        a transfer costs its DMA plus the small chunk's kernel rather than the sum of both. The
-        first DMA is enqueued before anything else: a D2H's first pages straight out of L1
-        (`_direct_out`, maybe already done by the caller), an H2D's first chunk into the workspace
-        (it waits for nothing: only the scatters write L1, and they wait on the caller's stream; but
-        into a workspace allocated just now it waits for the caller's stream, whose memory pool may
-        have handed out a block that stream freed but had not finished with)."""
+        """packed [n, 2, L, S, H, D] device workspace; host [n, 2, L, S, H, D] pinned (the L2 run,
+        or the pinned workspace). Chunked: the kernel of chunk i+1 runs on the SMs while the copy
+        engine moves chunk i, so a transfer costs its DMA plus the small chunk's kernel rather than
+        the sum of both. The first DMA is enqueued before anything else: a D2H's first pages
+        straight out of L1 (`_direct_out`, maybe already done by the caller), an H2D's first chunk
+        into the workspace (it waits for nothing: only the scatters write L1, and they wait on the
+        caller's stream; but into a workspace allocated just now it waits for the caller's stream,
+        whose memory pool may have handed out a block that stream freed but had not finished
+        with)."""
         kernel_stream, copy_stream = self.kernel_streams[direction], self.copy_streams[direction]
         n = len(l1_pages)
         if direction == "d2h":
@@ -365,7 +373,8 @@ class TransferEngine(LayeredRestores):
         return ws.index_device[:m]
 
     def _dma(self, dst: torch.Tensor, src: torch.Tensor, lo: int, hi: int, stream: torch.cuda.Stream) -> None:
-        """Pages [lo, hi) of src into the same pages of dst (both contiguous, page-major) on `stream`."""
+        """Pages [lo, hi) of src into the same pages of dst on `stream`: both [n, 2, L, S, H, D],
+        contiguous (page-major)."""
         if self._memcpy is None:
             with torch.cuda.stream(stream):
                 dst[lo:hi].copy_(src[lo:hi], non_blocking=True)
@@ -377,7 +386,8 @@ class TransferEngine(LayeredRestores):
     async def wait(self, tr: Transfer) -> Transfer:
         """Await completion without spinning the loop; raises TransferError on a failed transfer.
         The transfer's buffers are given back once it has settled, also when the waiter is
-        cancelled first (they were given back then, while the copy still ran into them)."""
+        cancelled first (they used to be given back at the cancellation, while the copy still ran
+        into them)."""
         if tr.event is None and tr.finish is None:
             try:
                 tr.complete()

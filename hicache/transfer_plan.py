@@ -4,15 +4,17 @@ from __future__ import annotations
 
 
 # L2 destinations split in at most this many consecutive runs move with one DMA per run; more
-# fragmented ones go through a pinned workspace and one CPU index copy.
+# fragmented ones (either direction) go by the copy kernels (kernels/host_copy.py), or, without
+# them, through a pinned workspace with a CPU gather (H2D) or index copy (D2H).
 MAX_DMA_RUNS = 8
 
 # The gather/scatter + DMA pipeline's chunks (`ramp_chunks`). Only the first gather of a D2H (the
 # last scatter of an H2D) is exposed, so the first chunk is small: 8 MiB is ~0.14 ms of DMA on the
 # H200, longer than the loop takes to enqueue the next chunk. A kernel moves pages ~30x faster than
 # PCIe, so each later chunk may be 16x the one before and its kernel still ends under the DMA before
-# it: a 1,000-token transfer of the 8B shape is 3 chunks, 8,000 tokens 4 (fixed 32 MiB chunks made
-# those 5 and 59, each costing the loop ~0.1 ms to enqueue).
+# it: an 8,000-token H2D of the 8B shape (2.25 MiB pages) is chunks of 3, 48 and 449 pages, a
+# D2H 3 direct pages then 6, 96 and 395 (fixed 32 MiB chunks had made it 36 chunks, each costing
+# the loop ~0.1 ms to enqueue).
 RAMP_FIRST_BYTES = 8 << 20
 RAMP_GROWTH = 16
 # A D2H's first pages skip the gather: one 2-D DMA per page straight out of L1 (its 2L slabs,

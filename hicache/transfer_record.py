@@ -36,7 +36,7 @@ class Transfer:
     finish: object = None               # callable run after completion (CPU index copy), off-loop
     workspace: Workspace | None = None
     keepalive: list = field(default_factory=list)
-    fail: bool = False                  # fault injection: completion raises
+    fail: bool = False                  # completion raises TransferError: not enqueued (`error`), or an injected fault
     done_ns: int = 0
     service_ns: int = 0
     epoch: int = 0                      # h2d_layerwise on CUDA: the value its layer flags reach

@@ -1,8 +1,9 @@
-"""Scratch buffers of the transfer engine (hicache/transfer.py): a pipelined or fragmented transfer
-packs its pages into a page-major device workspace, and a fragmented one also into a pinned host
-half. Allocating them costs far more than the copy (pinned memory especially), so they are reused:
-best fit, at most one idle one kept (the largest), the pinned half allocated only when a transfer
-needs it. The time a first allocation takes is the transfer's `setup_ns`, a one-time cost the cost
+"""Scratch buffers of the transfer engine (hicache/transfer.py): every gather/scatter transfer (and
+a layer-ordered restore's whole pages) packs its pages into a page-major device workspace; only the
+fallback CPU gather (fragmented L2 pages without the copy kernels) also uses a pinned host half.
+Copy-kernel transfers take none. Allocating them costs far more than the copy (pinned memory
+especially), so they are reused: best fit, at most one idle one kept (the largest), the pinned half
+allocated only when a transfer needs it. The time a first allocation takes is the transfer's `setup_ns`, a one-time cost the cost
 model never learns from."""
 from __future__ import annotations
 

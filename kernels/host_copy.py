@@ -6,7 +6,8 @@ length or fragmentation of the page list.
 
 Where they are used (hicache/transfer.py): restores of at most --hicache-kernel-restore-max-tokens
 (the 2 DMAs + 1 flag write per layer of the 2-D DMA plan cost the loop 0.4-0.9 ms before the forward
-may launch; this launch ~0.1 ms), and page lists in more runs than the DMA plans take, which used a
+may launch; this launch ~0.1 ms), every layer-ordered restore whose slabs are narrower than
+`MIN_DMA_ROW_BYTES` (hicache/layer_copy.py), and page lists in more runs than the DMA plans take, which used a
 CPU gather on the loop thread (7-41 ms for 1,000-8,000 tokens) or a CPU index copy at completion,
 at 10-19 GiB/s; the kernels move 44-48 GiB/s. Longer restores keep the copy engine: 0.97-0.98 of
 the pinned copy's bandwidth against the kernel's 0.91-0.92, and no SMs taken from the model, whose

@@ -120,7 +120,10 @@ class LayerFlags:
     def next_epoch(self) -> int:
         """The next restore's epoch. At EPOCH_LIMIT the flags start again from 0, once every copy
         and forward in flight is done (a device synchronisation, once in 2^31 restores; a forward
-        not yet launched for the last old epoch would time out, be discarded and run again)."""
+        not yet launched for the last old epoch would time out, be discarded and run again). The
+        zeroing runs on the caller's stream; the new epoch's flag writes come after it because
+        every layer-ordered enqueue makes its copy stream wait on the caller's stream after this
+        call (hicache/transfer_layered.py)."""
         if self.epoch >= EPOCH_LIMIT:
             if self.flags.is_cuda:
                 torch.cuda.synchronize(self.flags.device)
