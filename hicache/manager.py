@@ -3,10 +3,13 @@ the transfer engine, the cost model and the live operations. Knows nothing of re
 callers hand it token ids and L1 pages.
 
 Contract (what callers may rely on):
-  - `match()` never changes residency; it may split nodes. Lock a handle before reading its pages
-    across an await; an unlocked handle may be evicted by the next allocation.
+  - `match()` first starts due backups (they lock L1 pages and may evict L2 leaves); the walk itself
+    changes no residency but may split nodes. Lock a handle before reading its pages across an
+    await; an unlocked handle may be evicted by the next allocation.
   - `alloc_l1()` evicts unlocked L1 leaves (LRU) to make room; it never evicts a locked node.
-  - `insert_l1()` publishes a caller's private pages; pages the tree already had come back, still private, to free.
+  - `insert_l1()` publishes a caller's private pages (and, under write_through, queues their
+    L1 -> L2 backup); pages the tree already had come back, still private, to free.
+  - Everything here runs on the event loop's thread; nothing is thread-safe.
   - Operations (backup / restore / prefetch) lock their sources and keep their destinations private
     until the copy completed; see hicache/operations.py.
   - `check_integrity()` verifies the tree, every allocator and every live operation's locks.

@@ -10,7 +10,8 @@ indices in that tier or None, a lock count and an LRU stamp. Rules (checked by `
     only its own residency; a node leaves the tree when no tier holds it and it has no children;
   - splitting a node splits every tier's pages and copies lock counts to the new upper half.
 Pages move between the tree and the tier allocators only here: `insert` publishes private pages,
-eviction frees tree pages.
+eviction (reported through `on_evict`) and `drop` (corrupt or vanished L3 pages; no `on_evict`)
+free tree pages.
 """
 from __future__ import annotations
 
@@ -260,7 +261,7 @@ class RadixTree:
             heap = self._candidates[tier]
             heapq.heappush(heap, (node.stamp[tier], node.node_id, node))
             if len(heap) > 2 * self.num_resident_pages[tier] + 64:  # mostly stale: start afresh
-                self._rebuild_candidates(tier)  # (a walk, after more offers than the tree has nodes)
+                self._rebuild_candidates(tier)  # (a walk, once entries exceed twice the resident pages + 64)
 
     def _rebuild_candidates(self, tier: Tier) -> None:
         heap = self._candidates[tier]  # in place: an eviction in progress holds this list

@@ -31,7 +31,7 @@ from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch
 from scheduler.model import Qwen3Model
 
-DECODE_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+DECODE_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # captured up to the engine's max batch (at most 64)
 TAIL_ROWS = 16
 TAIL_SIZES = (1, 2, 4)
 PREFILL_BUCKETS = tuple(range(64, 513, 64))  # fresh one-sequence prefills, padded up to these lengths
@@ -244,9 +244,10 @@ class DecodeGraphs:
 def fill_staging(host: np.ndarray, tables: np.ndarray, shape: tuple[int, int], input_ids: list[int],
                  prefix_lens: list[int], new_lens: list[int], page_tables: list[list[int]], page_size: int,
                  scratch_slot: int) -> None:
-    """Host side of a graph step. host [5, N]: ids, positions, out slots, seq lens (keys each row
-    sees) and, in row 4, the row of each sequence's last new token (a padding sequence: its first
-    row); tables [B, M] page tables. Padding rows write to `scratch_slot` and see one key."""
+    """Host side of a graph step. host [6, N] (rows 0-4 filled here): ids, positions, out slots,
+    seq lens (keys each row sees) and, in row 4, the row of each sequence's last new token (a
+    padding sequence: its first row); row 5 holds the restore epoch (`run` sets it); tables [B, M]
+    page tables. Padding rows write to `scratch_slot` and see one key."""
     seqs, per = shape
     n = seqs * per
     ps = page_size

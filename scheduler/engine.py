@@ -7,7 +7,8 @@ and runs prefill and decode batches over the paged L1 pool.
 
 In-process API: `await engine.start()`, `async for ev in engine.submit(prompt, params)`,
 `await engine.abort(rid)`, `engine.status()`, `await engine.shutdown()`; and the synchronous
-`Engine(...).generate(prompts, params)` for batches.
+`Engine(...).generate(prompts, params)` for batches. Call it only from the thread whose event loop
+ran `start()`: the queues, the tree and the cache manager are not thread-safe.
 """
 from __future__ import annotations
 
@@ -269,7 +270,8 @@ class Engine:
         return True
 
     async def stop_loop(self) -> None:
-        """Stop the loop task after in-flight operations drain (requests stay as they are)."""
+        """Stop admitting, let the running requests finish, end the loop task and drain the
+        operations in flight; waiting and parked requests stay queued (`start()` resumes them)."""
         if self._loop_task is not None:
             self._stopping = True
             self._wake_soon()
@@ -436,7 +438,11 @@ class Engine:
                 self.finish(req, RequestState.ABORTED, "abort")
 
     def finish(self, req: Request, state: RequestState, reason: str, error: str | None = None) -> None:
-        """Publish what the request computed, free its private pages, release its locks."""
+        """End the request: cancel its restore or prefetch, publish what it computed (only when
+        FINISHED), free its private pages, release its locks and send its last event. Pages freed
+        here may still be written by a chained decode step in flight: safe because every later
+        user of an L1 page is enqueued after it on the compute stream (or on a transfer stream
+        that waits for it)."""
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:

@@ -239,7 +239,8 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
     """A preset (seeded random weights) or a checkpoint directory -> (model, config, model identity).
 
     Identity: "<preset>:seed<seed>:<device type>" (random draws differ between CPU and CUDA generators)
-    or "ckpt:<digest of config.json and the safetensors names/sizes>".
+    or "ckpt:<digest of config.json and of each safetensors file's name, size and bytes>"
+    (loader.checkpoint_identity).
     """
     import os
 

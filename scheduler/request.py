@@ -49,7 +49,8 @@ class SamplingParams:
 
 class RequestState(enum.Enum):
     WAITING = "waiting"      # queued, no pages yet
-    PARKED = "parked"        # waiting for a restore from L2/L3 to land in L1
+    PARKED = "parked"        # waiting for a restore, or its L3 -> L2 prefetch (an overlapped restore's
+                             # request is PREFILL, with overlap_op set)
     PREFILL = "prefill"      # admitted; prompt (partly) computed
     DECODE = "decode"        # generating
     FINISHED = "finished"

@@ -1,5 +1,6 @@
 """Runs one batch on the model: builds the attention metadata, runs the forward over the paged L1
-pool, samples, and hands back token ids when the device is done (awaited off the loop thread)."""
+pool, samples, and hands back token ids when the device is done (polled between the loop's other
+tasks; with `gpu_wait="block"`, waited for in a worker thread)."""
 from __future__ import annotations
 
 import asyncio
@@ -49,7 +50,9 @@ class ModelRunner:
         self._out_next = 0
 
     def enable_graphs(self, graphs) -> None:
-        """Small forwards (every sequence adds one token) replay captured CUDA graphs."""
+        """Small forwards replay captured CUDA graphs (scheduler/cuda_graphs.py): decode batches,
+        batches of a few sequences adding up to TAIL_ROWS tokens each (a restore's tail), and
+        short fresh one-sequence prefills (`prefill_bucket`)."""
         self.graphs = graphs
 
     @torch.inference_mode()
