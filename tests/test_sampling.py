@@ -42,6 +42,25 @@ def test_seeded_draws_repeat_and_greedy_rows_stay_argmax():
     assert torch.equal(a, b) and a[0] == torch.argmax(logits[0])
 
 
+def test_temperature_draws_follow_the_softmax_and_top_p_cuts_the_tail():
+    """Review regression (session 23): the sampling tests only compared draws with themselves, so
+    sampling every row greedily passed them. Logits [0, log 3] draw token 1 three times in four at
+    temperature 1, about half the time at temperature 100 (flat) and never at a tiny one, top_p 0.5
+    keeps only token 1, and different seeds give different streams."""
+    import math
+    logits = torch.tensor([[0.0, math.log(3.0)]])  # [1, 2]: p = (0.25, 0.75)
+
+    def draws(temperature, top_p, seed, n=2000):
+        gen = torch.Generator().manual_seed(seed)
+        return [int(sample(logits, [temperature], [top_p], [gen])[0]) for _ in range(n)]
+    ones = sum(draws(1.0, 1.0, seed=1))
+    assert 0.70 * 2000 < ones < 0.80 * 2000  # binomial sd ~19: a band of ~5 sd
+    assert 0.40 * 2000 < sum(draws(100.0, 1.0, seed=2)) < 0.60 * 2000
+    assert sum(draws(1e-4, 1.0, seed=3, n=200)) == 200
+    assert sum(draws(1.0, 0.5, seed=4, n=200)) == 200  # 0.75 alone covers top_p 0.5
+    assert draws(1.0, 1.0, seed=5, n=64) != draws(1.0, 1.0, seed=6, n=64)
+
+
 def test_an_extreme_request_does_not_fail_the_others():
     """A temperature of 1e-40 used to make softmax NaN and multinomial raise inside the loop, which
     failed every request in flight."""

@@ -288,8 +288,26 @@ def test_invalidate_during_inflight_write_prevents_publication():
         assert s.exists([3]) == [False]
 
 
-def test_drop_page_cache(store):
-    assert store.drop_page_cache() in (True, False)
+def test_drop_page_cache(store, monkeypatch):
+    """fsync, then advise the kernel to drop the file's cached pages; False where it refuses (the
+    bytes stay readable either way). (Review, session 23: `in (True, False)` could not fail.)"""
+    calls = []
+    fsync, fadvise = os.fsync, os.posix_fadvise
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("fsync"), fsync(fd))[1])
+    monkeypatch.setattr(os, "posix_fadvise",
+                        lambda fd, off, n, advice: (calls.append(advice), fadvise(fd, off, n, advice))[1])
+    buf = _random_pages(SMALL, 1)
+    store.write_pages(buf, [0], [0]).result(timeout=10)
+    assert store.drop_page_cache() is True
+    assert calls == ["fsync", os.POSIX_FADV_DONTNEED]
+
+    def refuse(*args):
+        raise OSError("fadvise not allowed here")
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    assert store.drop_page_cache() is False
+    back = torch.empty_like(buf)
+    store.read_pages([0], back, [0]).result(timeout=10)
+    assert torch.equal(back, buf)
 
 
 # ---- close ---------------------------------------------------------------------------------------
@@ -352,12 +370,22 @@ def test_single_worker_serialises_operations():
 
 
 def test_pool_bounds_concurrency():
+    """io_workers bounds the tasks in flight: with eight slow reads queued at once exactly three
+    run together. (Review, session 23: with fast writes alone an unbounded pool passed 1 run in 3.)"""
+    faults = FaultInjector()
     src = _random_pages(SMALL, 16)
-    with FileStore(SMALL, num_slots=64, io_workers=3) as s:
+    with FileStore(SMALL, num_slots=64, io_workers=3, faults=faults) as s:
         futures = [s.write_pages(src, range(0, 16, 2), range(16 * k // 2, 16 * k // 2 + 8)) for k in range(8)]
         for fut in futures:
             assert fut.result(timeout=10).num_extents == 8  # host pages step by 2
         assert 1 <= s.stats()["peak_active_tasks"] <= 3
+        faults.arm(Fault.SLOW_READ, times=None, delay_s=0.1)  # every read task holds its worker
+        dsts = [torch.empty_like(src) for _ in range(8)]
+        reads = [s.read_pages(range(8 * k, 8 * k + 8), dsts[k], range(8)) for k in range(8)]
+        for fut in reads:
+            fut.result(timeout=10)
+        assert s.stats()["peak_active_tasks"] == 3
+        assert all(_bytes_equal(dst[:8], src[0:16:2]) for dst in dsts)
 
 
 # ---- a verified read's bytes land before its checksums pass ----------------------------------------

@@ -141,7 +141,8 @@ def test_a_read_verified_after_landing_reports_its_landing_time():
         s.write_pages(src, range(4), range(4)).result(timeout=10)
         faults.arm(Fault.SLOW_VERIFY, times=None, delay_s=0.2)
         after = s.read_pages(range(4), torch.empty_like(src), range(4), checksums_after_landing=True).result(timeout=10)
-        assert 0 < after.landed_ns < 0.1e9 <= 0.2e9 <= after.service_ns
+        # the 0.2 s of checksums come after the landing: relative, not a wall-clock bound
+        assert 0 < after.landed_ns <= after.service_ns - 0.2e9
         beside = s.read_pages(range(4), torch.empty_like(src), range(4)).result(timeout=10)
         assert beside.landed_ns == 0 and beside.service_ns >= 0.2e9
 

@@ -200,6 +200,11 @@ def test_many_requests_pack_into_lanes(tmp_path):
     render_png(tl, out)
     assert out.stat().st_size > 1000
     check_chrome(to_chrome(tl))
+    # each request lives 2 s and one arrives a second: two lanes hold all 60 (review, session 23:
+    # a packing that gave every span its own lane passed the checks above)
+    from scheduler.timeline_views import _pack_lanes
+    assert _pack_lanes([(float(i), i + 2.0) for i in range(60)]) == [0, 1] * 30
+    assert _pack_lanes([(0.0, 5.0), (1.0, 2.0), (2.0, 3.0), (6.0, 7.0)]) == [0, 1, 1, 0]
 
 
 def test_empty_log(tmp_path):

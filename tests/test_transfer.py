@@ -348,7 +348,7 @@ def test_a_copy_done_inside_its_enqueue_costs_its_enqueue(direction):
     engine.wait_blocking(tr)
     assert tr.end_to_end_ns >= 300_000_000
     assert tr.recurring_ns == tr.enqueue_ns + tr.finish_ns == tr.service_ns
-    assert tr.recurring_ns < 300_000_000
+    assert tr.recurring_ns <= tr.end_to_end_ns - 300_000_000  # the sleep is not the copy's
     engine.close()
 
 
