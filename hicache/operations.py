@@ -233,7 +233,8 @@ class OpRunner(Backups, Restores):
         except asyncio.TimeoutError:
             # at least the deadline: learned as such, or a storage that became slower than its
             # deadline would never be timed, and every hit would wait it out before recomputing
-            self.mgr.cost.observe_transfer(direction, op.num_bytes, deadline_s)
+            self.mgr.cost.observe_transfer(direction, self._read_bytes(op) if direction == "s2h" else op.num_bytes,
+                                           deadline_s)
             raise StorageError("timeout", f"{direction} slower than its {deadline_s:.3f} s deadline") from None
         finally:
             if not asyncio.current_task().cancelling():
@@ -294,6 +295,10 @@ class OpRunner(Backups, Restores):
             if pages is not None and bad.intersection(pages) and node.locks[Tier.L3] == 0:
                 if node.parent is not None:  # still in the tree
                     self.mgr.tree.drop(node, Tier.L3)
+
+    def _read_bytes(self, op: Op) -> int:
+        """What an L3 op reads: its pages [l2, l3) (`_start_s2h`), not its longest copy (num_pages)."""
+        return op.payload.get("read_pages", op.num_pages) * self.mgr.geometry.bytes_per_page
 
     def _io_deadline_s(self, num_bytes: int) -> float:
         return max(self.mgr.config.io_timeout_s, 4 * self.mgr.cost.directions["s2h"].predict(num_bytes))

@@ -85,6 +85,7 @@ class Restores:
             return None
         apply(op, OpEvent.START)
         op.payload["host_pages"] = host_pages
+        op.payload["read_pages"] = len(host_pages)  # [l2, l3): shorter than num_pages when L2 holds more than L1
         options = mgr.page_keys(tokens, l2, l3)
         if (take_soon and getattr(mgr.store, "can_check_after_landing", False)
                 and len(host_pages) * mgr.l2.geometry.bytes_per_page <= VERIFY_AFTER_LANDING_MAX_BYTES):
@@ -169,7 +170,7 @@ class Restores:
         mgr = self.mgr
         t0 = time.monotonic_ns()
         if future is not None:  # S2H_PENDING
-            deadline_s = self._io_deadline_s(op.num_bytes)
+            deadline_s = self._io_deadline_s(self._read_bytes(op))
             try:
                 if op.kind is OpKind.PREFETCH_L3 and getattr(future, "landed", None) is not None:
                     await self._wait_landed(op, future, deadline_s)
@@ -189,7 +190,7 @@ class Restores:
             apply(op, OpEvent.S2H_DONE)
             self._publish(op, tokens, Tier.L2, op.payload.pop("host_pages"), l2_start, keep_claim=taken)
             mgr.metrics.promotions += 1
-            mgr.reuse[Tier.L3].on_read(op.num_pages)
+            mgr.reuse[Tier.L3].on_read(op.payload["read_pages"])
             if taken:  # the H2D still reads these pages: nothing may evict them (locks go at the end)
                 self._lock(op, mgr.tree.match(tokens, include_storage=False).handles[Tier.L2], Tier.L2)
             elif op.kind is OpKind.PREFETCH_L3:

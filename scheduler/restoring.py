@@ -150,8 +150,9 @@ class Restoring:
             cache.metrics.fallbacks += 1
             return None
         req.restore_op, req.restore_tier = op, decision.tier
-        from_l3 = decision.restore_tokens if decision.tier == "l3" else min(req.promoted_tokens,
-                                                                            decision.restore_tokens)
+        l1, l2, l3 = m.lengths
+        # an L3 restore reads [max(l1, l2), l3); what L2 already held comes from there
+        from_l3 = l3 - max(l1, l2) if decision.tier == "l3" else min(req.promoted_tokens, decision.restore_tokens)
         # (an L2 restore of what this request's prefetch promoted is scored as that prefetch's L3 hit)
         self._plan(req, "l3" if from_l3 else decision.tier, decision, len(req.prompt) - end)
         req.hit_tokens.update(l3=from_l3, l2=decision.restore_tokens - from_l3)

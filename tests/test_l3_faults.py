@@ -1,6 +1,7 @@
-"""L3 faults the engine heals from (tests/test_faults.py holds the fault matrix and its harness): pages
-a read cannot get back lose their residency and are written again; reads past their deadline
-teach the cost model the storage is slow."""
+"""L3 reads: faults the engine heals from (tests/test_faults.py holds the fault matrix and its
+harness): pages a read cannot get back lose their residency and are written again; reads past their
+deadline teach the cost model the storage is slow; and what a read whose start L2 still holds is
+counted as."""
 from __future__ import annotations
 
 import os
@@ -67,3 +68,60 @@ async def test_l3_reads_past_their_deadline_are_learned_as_slow(tmp_path):
     assert mgr.cost.directions["s2h"].num_samples == 1
     assert_whole(mgr)
     await mgr.close()
+
+
+def _only_start_in_l2(mgr, tokens, l2_tokens: int) -> None:
+    """Evict `tokens` from L1, and from L2 all but its first `l2_tokens` (L3 holds all of it)."""
+    mgr.tree.match(tokens[:l2_tokens], touch=False)  # split the node there
+    mgr.tree.evict(Tier.L1, mgr.l1.num_pages)
+    mgr.tree.evict(Tier.L2, (len(tokens) - l2_tokens) // mgr.page_size)
+    assert mgr.tree.match(tokens, touch=False).lengths == [0, l2_tokens, len(tokens)]
+
+
+@pytest.mark.asyncio
+async def test_an_l3_restore_whose_start_l2_holds_counts_only_what_it_read(tmp_path):
+    """Regression (session 23's review): an L3 restore reads [l2, l3) but counted its longest copy,
+    [l1, l3), as read from L3 (the reuse gate saw L3 more productive than it was), and a read past
+    its deadline taught the cost model those bytes in the deadline (storage faster than it is)."""
+    faults = FaultInjector()
+    mgr = make_manager(faults=faults, io_timeout_s=0.2, storage_path=str(tmp_path / "l3"))
+    tokens = tuple(range(32))
+    write_prefix(mgr, tokens)
+    await mgr.drain()
+    _only_start_in_l2(mgr, tokens, 16)
+    read_pages = (32 - 16) // mgr.page_size
+    before = mgr.reuse[Tier.L3].read_pages
+    op = mgr.runner.start_restore(tokens, mgr.match(tokens), "l3", "r")
+    await mgr.runner.wait_op(op)
+    assert op.succeeded and op.num_pages == 32 // mgr.page_size
+    assert mgr.reuse[Tier.L3].read_pages - before == read_pages
+    _only_start_in_l2(mgr, tokens, 16)
+    faults.arm(Fault.SLOW_READ, times=None, delay_s=1.0)
+    learned = []
+    observe = mgr.cost.observe_transfer
+    mgr.cost.observe_transfer = lambda d, num_bytes, s: (learned.append((d, num_bytes)), observe(d, num_bytes, s))
+    op = mgr.runner.start_restore(tokens, mgr.match(tokens), "l3", "r")
+    await mgr.runner.wait_op(op)
+    assert not op.succeeded
+    assert ("s2h", read_pages * mgr.geometry.bytes_per_page) in learned
+    await mgr.drain()
+    assert_whole(mgr)
+    await mgr.close()
+
+
+@pytest.mark.asyncio
+async def test_a_request_restored_from_l3_and_l2_counts_each_part_in_its_tier():
+    """Regression (session 23): a request whose prefix's start was still in L2 and the rest only in
+    L3 reported every restored token as an L3 hit; the L2 part is an L2 hit."""
+    eng = make_engine(prefetch=False)
+    await eng.start()
+    want = await reference(PROMPT)
+    assert (await run_one(eng)).output_ids == want
+    eng.cache.runner.start_backup(PROMPT[:REUSABLE])
+    await eng.cache.drain()
+    half = REUSABLE // 2
+    _only_start_in_l2(eng.cache, tuple(PROMPT[:REUSABLE]), half)
+    result = await run_one(eng)
+    assert result.output_ids == want
+    assert result.cached_tokens == {"l1": 0, "l2": half, "l3": REUSABLE - half}
+    await finish(eng)
