@@ -64,7 +64,7 @@ class Metrics:
     cancellations: int = 0
     policy_skips: dict[str, int] = field(default_factory=lambda: {"restore": 0, "write_l2": 0, "write_l3": 0})
     restore_s: float = 0.0
-    restore_overlapped_s: float = 0.0  # restore time during which a decode batch ran
+    restore_overlapped_s: float = 0.0  # wall time decode batches ran while a restore was pending
     storage_missing_pages: int = 0     # L3 pages dropped after a read: vanished, corrupt or unreadable
     directions: dict[str, DirectionStats] = field(
         default_factory=lambda: {d: DirectionStats() for d in DIRECTIONS})

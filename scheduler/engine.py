@@ -105,6 +105,7 @@ class Engine:
         self._loop_task: asyncio.Task | None = None
         self._stopping = False
         self._batch_id = 0
+        self._overlap_counted_ns = 0  # restore_overlapped_s counts decode time up to here (chained spans overlap)
         self.last_batch_seqs = 0  # sequences in the last batch that ended (Restoring.score_outcome)
         self._occupancy_logged: dict = {}  # tier -> used pages in its last occupancy event
         self.stats = {"batches": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
@@ -417,8 +418,10 @@ class Engine:
                     log.info("occupancy", tier=tier.label, used_pages=used, capacity_pages=alloc.num_pages)
         if binput.is_decode:
             self.stats["decode_tokens"] += len(reqs)
-            if restoring:
-                self.cache.metrics.restore_overlapped_s += (end_ns - start_ns) / 1e9
+            if restoring:  # (a chained step starts before the one before ends: count each instant once)
+                since_ns = max(start_ns, self._overlap_counted_ns)
+                self.cache.metrics.restore_overlapped_s += max(0, end_ns - since_ns) / 1e9
+                self._overlap_counted_ns = max(self._overlap_counted_ns, end_ns)
         else:
             self.stats["prefill_tokens"] += len(binput.input_ids)
             # one forward over an uncached tail, also behind an overlapped restore (then it is what
