@@ -194,6 +194,9 @@ class CostModel:
         self.explore_host = config.host_explore_transfers
         self.explore_every = config.restore_explore_every
         self._not_restored = {"l2": 0, "l3": 0}  # hits in a row each tier could have served (cost policy)
+        # hits between probes, per tier: explore_every, shorter while a charged source's probes
+        # come back without their charge (`_follow_probe`)
+        self._probe_every = {"l2": self.explore_every, "l3": self.explore_every}
         self._backups_refused = 0  # in a row, by backup_worth_its_cost
         if bytes_per_token < 1:
             raise ValueError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
@@ -237,8 +240,26 @@ class CostModel:
     def observe_outcome(self, source: str, predicted_s: float, actual_s: float) -> None:
         """A request that ran alone took `actual_s` from arrival to its first token, where `span_s`
         prices its path at `predicted_s`; its prefix came from `source` ("l1", "l2", "l3")."""
-        if self.learning and self.outcomes is not None:
-            self.outcomes.observe(source, predicted_s, actual_s)
+        if not (self.learning and self.outcomes is not None):
+            return
+        charged_s = self.outcomes.extra_s(source) if source in self._probe_every else 0.0
+        self.outcomes.observe(source, predicted_s, actual_s)
+        if source in self._probe_every:
+            self._follow_probe(source, actual_s - predicted_s, charged_s)
+
+    def _follow_probe(self, source: str, residual_s: float, charged_s: float) -> None:
+        """How soon `source` is probed again, after one of its outcomes. A source charged an
+        overhead is restored only by probes (`_reexplore`), and the window's median follows an
+        overhead that went away only once most of the window came from probes: at one probe in
+        `explore_every` hits that took ~190-290 hits. So a probe that came back with less than half
+        its charge halves the interval to the next one (down to every hit), and one that did not,
+        or any outcome of an uncharged source, restores `explore_every`: a persistent overhead is
+        probed no more often than before, and a recovered source wins again within ~70 hits."""
+        relative_s = residual_s - (self.outcomes.residual_s("l1") or 0.0)
+        if charged_s > 0 and relative_s < charged_s / 2:
+            self._probe_every[source] = max(1, self._probe_every[source] // 2)
+        else:
+            self._probe_every[source] = self.explore_every
 
     def span_s(self, tier: str, priced: tuple, uncached_tokens: int) -> float:
         """Seconds from arrival to the first token for a request whose prefix comes from `tier`,
@@ -384,7 +405,8 @@ class CostModel:
         while the link was busy, a page cache that warmed since) would otherwise stay wrong. That
         holds for a tier that loses to recompute and for one that loses to the other tier (an L3
         hit whose shorter L2 part wins every time). At most one probe per tier in `explore_every`
-        decisions (L2's and L3's may fall due together, on consecutive decisions); any timed
+        decisions, fewer while a charged source's probes come back without the charge
+        (`_follow_probe`; L2's and L3's may fall due together, on consecutive decisions); any timed
         transfer of the tier's line restarts its count (an L3 restore's H2D restarts L2's). And
         while no restore from host memory has been timed (see exploring_host) every L2 hit is a
         probe. Counted once per admission attempt (a request waiting for memory is decided again
@@ -397,7 +419,7 @@ class CostModel:
         losers = [t for t in ("l2", "l3") if restore_tokens[t] and t != tier]
         for candidate in losers:
             self._not_restored[candidate] += 1
-        stale = [t for t in losers if self._not_restored[t] >= self.explore_every]
+        stale = [t for t in losers if self._not_restored[t] >= self._probe_every[t]]
         if not stale:
             return tier
         self._not_restored[stale[0]] = 0
@@ -462,4 +484,5 @@ class CostModel:
                 entry["us_per_token"] = cost.slope * 1e6
             directions[name] = entry
         return {"bytes_per_token": self.bytes_per_token, "margin": self.margin, "directions": directions,
-                "outcomes": None if self.outcomes is None else self.outcomes.state()}
+                "outcomes": None if self.outcomes is None else self.outcomes.state(),
+                "probe_every": dict(self._probe_every)}

@@ -103,24 +103,62 @@ def test_a_source_cheaper_than_its_price_wins_more_often() -> None:
     assert cm.decide(0, 0, 350, "cost").tier == "l3"
 
 
+def probe_run(cm: CostModel, hits: int, residual_s: float) -> list[str]:
+    """`hits` 350-token L3 hits decided in turn; each restore is scored with `residual_s`. Picks are
+    "l1", "l3" (on its merits) or "probe" (an L3 restore `_reexplore` chose)."""
+    picks = []
+    for _ in range(hits):
+        decision = cm.decide(0, 0, 350, "cost")
+        picks.append("probe" if decision.costs.get("explore") else decision.tier)
+        if decision.tier == "l3":
+            cm.observe_outcome("l3", 0.100, 0.100 + residual_s)
+    return picks
+
+
+def recovered_at(picks: list[str]) -> int:
+    """Index from which every hit is restored from L3 on its merits."""
+    return next(i for i in range(len(picks)) if picks[i:] == ["l3"] * (len(picks) - i))
+
+
 def test_a_source_charged_an_overhead_that_went_away_is_restored_again() -> None:
     """Once a source's overhead is learned its hits are recomputed, and only the cost policy's
     probes (`restore_explore_every`) still restore from it. Their outcomes are scored like any
     other: once the overhead went away, the window's median follows them and the source wins
-    again: the sixth probe outvotes the five stale samples, and every hit after it is restored."""
+    again: the sixth clean probe outvotes the five stale samples. A probe that came back clean
+    brings the next one closer (here at once)."""
     cm = fast_storage_model(restore_explore_every=2)
     teach(cm, "l1", 0.0)
     teach(cm, "l3", 0.050)  # the L3 path's overhead, learned
-    picks = []
-    for _ in range(40):
-        decision = cm.decide(0, 0, 350, "cost")
-        picks.append(decision.tier)
-        if decision.tier == "l3":  # each restore is scored: the overhead is gone now
-            cm.observe_outcome("l3", 0.100, 0.100)
-    assert picks[:4] == ["l1", "l3", "l1", "l3"]  # recomputed, and a probe every second hit
-    recovered = next(i for i in range(len(picks)) if picks[i:] == ["l3"] * (len(picks) - i))
-    assert picks[:recovered].count("l3") == MIN_OUTCOMES  # five probes; from the sixth on, every hit
+    picks = probe_run(cm, 40, 0.0)  # the overhead is gone now
+    assert picks[:recovered_at(picks)] == ["l1"] + ["probe"] * (MIN_OUTCOMES + 1)
     assert cm.outcomes.extra_s("l3") == approx(0.0)
+    assert cm.state()["probe_every"]["l3"] == 2  # restored on its merits: probes back to the default
+
+
+def test_a_recovered_source_is_found_within_tens_of_hits_at_the_default_interval() -> None:
+    """Regression (session 23's note): at one probe in 32 hits, the window of 16 needed 6-9 probes
+    (~190-290 hits) to follow an overhead that went away. A probe that comes back without its
+    charge halves the interval to the next: probes at hits 32, 48, 56, 60, 62, 63."""
+    cm = fast_storage_model()
+    assert cm.explore_every == 32
+    teach(cm, "l1", 0.0)
+    teach(cm, "l3", 0.050)
+    picks = probe_run(cm, 200, 0.0)
+    assert [i for i, pick in enumerate(picks) if pick == "probe"] == [31, 47, 55, 59, 61, 62]
+    assert recovered_at(picks) == 63
+
+
+def test_a_persistent_overhead_is_probed_no_more_often_than_before() -> None:
+    cm = fast_storage_model()
+    teach(cm, "l1", 0.0)
+    teach(cm, "l3", 0.050)
+    picks = probe_run(cm, 320, 0.040)  # each probe costs most of its charge again
+    assert [i for i, pick in enumerate(picks) if pick != "l1"] == list(range(31, 320, 32)) and cm.state()["probe_every"]["l3"] == 32
+    # one clean probe shortens the interval; the next that pays its charge restores it
+    cm.observe_outcome("l3", 0.100, 0.100)
+    assert cm.state()["probe_every"]["l3"] == 16
+    cm.observe_outcome("l3", 0.100, 0.140)
+    assert cm.state()["probe_every"]["l3"] == 32
 
 
 def test_outcomes_off_or_not_learning_leave_prices_alone() -> None:
@@ -262,9 +300,11 @@ def test_the_loop_probes_a_charged_source_once_in_restore_explore_every_hits(mon
     cost = eng.cache.cost
     monkeypatch.setattr(cost, "observe_transfer", lambda *args: None)
     monkeypatch.setattr(cost, "observe_prefill", lambda *args: None)
-    for _ in range(OUTCOME_WINDOW):  # a full window: the probes' own outcomes cannot outvote it here
+    for _ in range(OUTCOME_WINDOW):
         cost.observe_outcome("l3", 0.0, 1.0)
         cost.observe_outcome("l1", 0.0, 0.0)
+    # the charge stays: the probes' own (clean) outcomes would move it and shorten the interval
+    monkeypatch.setattr(cost, "observe_outcome", lambda *args: None)
     seen = sources(run_sequential(eng, workload(rounds=4, prefix_len=400)))
     assert seen[:4] == ["l1"] * 4  # cold
     assert seen[4:] == ["l1", "l3"] * 6, seen
