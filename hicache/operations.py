@@ -217,7 +217,7 @@ class OpRunner(Backups, Restores):
         # a read verified after its landing (a prefetch about to be taken on) costs the restore its
         # landing: its checksums run under the H2D and the tail's forward (FileStore.read_pages);
         # counted in full, they would teach the model a read slower than the one the restore waits for
-        own_ns = result.landed_ns or result.service_ns
+        own_ns = result.until_landed_ns or result.service_ns
         self.mgr.cost.observe_transfer(direction, result.num_bytes, (result.queue_wait_ns + own_ns) / 1e9)
 
     async def _await_io(self, op: Op, io, awaited, direction: str, deadline_s: float | None):

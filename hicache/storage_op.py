@@ -38,7 +38,7 @@ class IoResult(NamedTuple):
     num_extents: int
     queue_wait_ns: int  # submit -> start of the first worker
     service_ns: int  # start of the first worker -> end of the last (and of the last checksum)
-    landed_ns: int = 0  # a read with checksums after its landing: start of the first worker -> landed
+    until_landed_ns: int = 0  # a read with checksums after its landing: start of the first worker -> landed
 
 
 class ReadFuture(cf.Future):
@@ -84,7 +84,7 @@ class StorageOp:
                 store._held.add(self)
         self._verify_jobs: list[tuple[memoryview, np.ndarray, int]] = []  # held until landed (bytes, checksums, first slot)
         self._verify_left = 0  # checksum jobs started and not yet done
-        self._landed_ns = 0  # when the last byte landed (verified reads)
+        self._landed_at_ns = 0  # when the last byte landed (verified reads)
         self.submit_ns = time.monotonic_ns()
         self._lock = threading.Lock()
         self._tasks_left = num_tasks
@@ -121,7 +121,7 @@ class StorageOp:
             self._verify_left += len(self._verify_jobs)  # counted now: the read cannot finish before them
             self._jobs_counted = True
             held, self._verify_jobs = ([], self._verify_jobs) if self._checks_held else (self._verify_jobs, [])
-            self._landed_ns = time.monotonic_ns()
+            self._landed_at_ns = time.monotonic_ns()
         self.future.landed.set_result(None)
         for job in held:
             self._start_verify(*job)
@@ -181,5 +181,6 @@ class StorageOp:
             num_extents=self.num_extents,
             queue_wait_ns=max(0, first - self.submit_ns),
             service_ns=max(0, self._last_end_ns - first),
-            landed_ns=max(1, self._landed_ns - first) if self.checksums_after_landing and self._landed_ns else 0,
+            until_landed_ns=(max(1, self._landed_at_ns - first)
+                             if self.checksums_after_landing and self._landed_at_ns else 0),
         ))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
@@ -27,6 +28,14 @@ class BatchInput:
     is_decode: bool
     wait_restore: bool = False    # the one sequence's prefix is still landing layer by layer (layer flags)
     restore_epoch: int = 0        # ... up to this epoch of the transfer engine's layer flags (CUDA)
+
+
+class StepHandle(NamedTuple):
+    """A launched step, for `collect` (and for chaining the next decode step to it)."""
+
+    host: Any                             # sampled ids on the host once `event` passed: pinned [B] int64, or a list
+    event: torch.cuda.Event | None        # recorded after the copy to `host`; None: `host` holds them already
+    ids: Any                              # the sampled ids where they were produced: [B] on the device, or a list
 
 
 class ModelRunner:
@@ -56,15 +65,15 @@ class ModelRunner:
         self.graphs = graphs
 
     @torch.inference_mode()
-    def launch(self, batch: BatchInput, chain=None):
-        """Enqueue forward + sampling; returns a handle for `collect`. On CUDA nothing blocks here.
+    def launch(self, batch: BatchInput, chain=None) -> StepHandle:
+        """Enqueue forward + sampling; returns a `StepHandle` for `collect`. On CUDA nothing blocks here.
 
         chain = (handle of a launched step, rows): this decode step's input ids are that step's
         sampled ids at `rows`, taken on the device (batch.input_ids is ignored), so the step can be
         enqueued before the previous one's tokens reach the host."""
         ids_dev = None
         if chain is not None:
-            prev_ids, rows = chain[0][2], chain[1]
+            prev_ids, rows = chain[0].ids, chain[1]
             ids_dev = prev_ids if rows == list(range(len(prev_ids))) else \
                 prev_ids.index_select(0, torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True))
         shape = self.graphs.shape_for(batch.new_lens, batch.page_tables) if self.graphs is not None else None
@@ -90,13 +99,13 @@ class ModelRunner:
             logits = self.model(ids, attn, self.kv_pool, wait_layer)  # [B, V]
         next_ids = sample(logits, batch.temperatures, batch.top_ps, batch.generators)  # [B]
         if not self.cuda:
-            return next_ids, None, next_ids
+            return StepHandle(next_ids, None, next_ids)
         if batch.wait_restore and self.layer_flags is not None:
             self.layer_flags.stage_status()  # read after this step's event: restore_wait_timed_out
         host, event = self._out_slot(len(next_ids))
         host.copy_(next_ids, non_blocking=True)
         event.record()
-        return host, event, next_ids
+        return StepHandle(host, event, next_ids)
 
     def _out_slot(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
         if not self._out_ring or self._out_ring[0][0].numel() < n:
@@ -112,8 +121,8 @@ class ModelRunner:
         gave up (then that forward read KV that had not landed and must be discarded)."""
         return self.layer_flags is not None and self.layer_flags.staged_timed_out()
 
-    async def collect(self, handle) -> list[int]:
-        host, event, _ = handle
+    async def collect(self, handle: StepHandle) -> list[int]:
+        host, event = handle.host, handle.event
         if event is None:
             return host.tolist()
         if self.spin_wait:  # poll between the loop's other tasks: this thread never sleeps
@@ -134,16 +143,16 @@ class SimRunner:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def launch(self, batch: BatchInput, chain=None):
-        inputs = batch.input_ids if chain is None else [chain[0][0][r] for r in chain[1]]
+    def launch(self, batch: BatchInput, chain=None) -> StepHandle:
+        inputs = batch.input_ids if chain is None else [chain[0].ids[r] for r in chain[1]]
         ids, row = [], 0
         for prefix, new in zip(batch.prefix_lens, batch.new_lens):
             row += new
             ids.append((inputs[row - 1] * 1000003 + prefix + new) % self.vocab_size)
-        return ids, None, ids
+        return StepHandle(ids, None, ids)
 
-    async def collect(self, handle) -> list[int]:
-        return handle[0]
+    async def collect(self, handle: StepHandle) -> list[int]:
+        return handle.host
 
     def restore_wait_timed_out(self) -> bool:
         return False

@@ -97,7 +97,7 @@ def test_held_checks_wait_for_the_caller(monkeypatch, released):
             fut.start_checks()
             fut.start_checks()  # idempotent
         result = fut.result(timeout=10)
-        assert result.num_bytes == 4 * SMALL.bytes_per_page and result.landed_ns > 0
+        assert result.num_bytes == 4 * SMALL.bytes_per_page and result.until_landed_ns > 0
         assert events and _bytes_equal(src, dst)
         events.clear()
         _flip_byte(s.path, 2 * SMALL.bytes_per_page + 3)  # slot 2
@@ -133,7 +133,7 @@ def test_closing_the_store_lets_a_held_reads_checksums_run():
 
 
 def test_a_read_verified_after_landing_reports_its_landing_time():
-    """`IoResult.landed_ns`: for a read with checksums after its landing, the time until every byte
+    """`IoResult.until_landed_ns`: for a read with checksums after its landing, the time until every byte
     landed (what a taken-on prefetch waits for; the cost model learns that); 0 otherwise."""
     faults = FaultInjector()
     src = _random_pages(SMALL, 4, seed=6)
@@ -142,9 +142,9 @@ def test_a_read_verified_after_landing_reports_its_landing_time():
         faults.arm(Fault.SLOW_VERIFY, times=None, delay_s=0.2)
         after = s.read_pages(range(4), torch.empty_like(src), range(4), checksums_after_landing=True).result(timeout=10)
         # the 0.2 s of checksums come after the landing: relative, not a wall-clock bound
-        assert 0 < after.landed_ns <= after.service_ns - 0.2e9
+        assert 0 < after.until_landed_ns <= after.service_ns - 0.2e9
         beside = s.read_pages(range(4), torch.empty_like(src), range(4)).result(timeout=10)
-        assert beside.landed_ns == 0 and beside.service_ns >= 0.2e9
+        assert beside.until_landed_ns == 0 and beside.service_ns >= 0.2e9
 
 
 def test_landed_then_checksum_failure_and_failed_read_fails_landed():
