@@ -63,7 +63,12 @@ if triton is not None:
                       scale, max_pages, num_kv_heads, num_q_heads,
                       PAGE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, M_PAD: tl.constexpr,
                       D: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr, TENSOR_CORES: tl.constexpr,
-                      WAIT: tl.constexpr, PDL: tl.constexpr):
+                      WAIT: tl.constexpr, PDL: tl.constexpr, PREFETCH_PAGES: tl.constexpr):
+        """Program (sequence, KV head, split): its share of the keys in BLOCK steps, online softmax.
+        Triton does not software-pipeline this loop (no asynchronous copies in its PTX, Triton 3.6
+        on the H200), so each step waits for its loads: the block's page numbers, then its K/V
+        through them. PREFETCH_PAGES loads the next block's page numbers during this step, so a
+        step waits for one round trip to memory instead of two (see decode_attention_triton)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
@@ -89,11 +94,17 @@ if triton is not None:
         m = tl.full([M_PAD], float("-inf"), tl.float32)
         l = tl.zeros([M_PAD], tl.float32)
         acc = tl.zeros([M_PAD, D], tl.float32)
+        if PREFETCH_PAGES:
+            n = start + tl.arange(0, BLOCK)
+            page = tl.load(pt_ptr + b * max_pages + n // PAGE, mask=n < end, other=0)  # [N]
         for n0 in range(start, end, BLOCK):
             n = n0 + tl.arange(0, BLOCK)
             ok = n < end
-            page = tl.load(pt_ptr + b * max_pages + n // PAGE, mask=ok, other=0)
+            if not PREFETCH_PAGES:
+                page = tl.load(pt_ptr + b * max_pages + n // PAGE, mask=ok, other=0)
             slot = page.to(tl.int64) * PAGE + n % PAGE
+            if PREFETCH_PAGES:  # the next block's: in flight while this block computes
+                page = tl.load(pt_ptr + b * max_pages + (n + BLOCK) // PAGE, mask=n + BLOCK < end, other=0)
             kv_off = (slot * num_kv_heads + h)[:, None] * D + dims[None, :]  # [N, D]
             k = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0)
             v = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0.0)
@@ -157,12 +168,13 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
                             rows_per_seq: int = 1, tensor_cores: bool | None = None, block: int | None = None,
                             num_warps: int | None = None, splits: int | None = None,
                             wait: tuple | None = None, merge_rows: int = MERGE_ROWS,
-                            num_stages: int | None = None) -> torch.Tensor:
+                            num_stages: int | None = None, prefetch_pages: bool | None = None) -> torch.Tensor:
     """tensor_cores (default: for 16-bit inputs) runs both dots on tensor cores with float32
     accumulation, the probabilities rounded to the input dtype for the second; float32 inputs use
     exact fp32 dots. block / num_warps / splits / merge_rows / num_stages (the split kernel's software
     pipelining of its K/V loop; default TAIL_STAGES for multi-row tails, else Triton's 3 on sm_90)
-    override the tuned defaults (benchmarks).
+    override the tuned defaults (benchmarks). prefetch_pages (default: for one-row decode) loads the
+    next block's page numbers while a block computes (the split kernel's docstring).
     wait = (flags, expected, status, layer, max_spins): every program first waits, on the device,
     for that layer of a layer-ordered restore (kernels/layer_flags.py): no wait kernel before it."""
     rows, hq, d = q.shape
@@ -185,6 +197,12 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
     # scripts/bench_kernels.py --attention); one-row decode keeps the default (the best one config is 2-3 % faster)
     if num_stages is None and rows_per_seq > 1:
         num_stages = TAIL_STAGES
+    # one-row decode prefetches its page numbers: 14.8 -> 12.4 us at 3,500 keys, 23.0 -> 17.9 at
+    # 8,000, batch 32 at 1,000 keys 49.5 -> 45.4 (the same at 350); 16-row tails, whose step is
+    # longer, gain nothing from it below 8,000 keys and lose 0.2-0.3 us (H200, 36 layers' distinct
+    # K/V, docs/benchmarks.md session 24)
+    if prefetch_pages is None:
+        prefetch_pages = rows_per_seq == 1
     part_o = torch.empty((b, hkv, num_splits, m_pad, d), dtype=torch.float32, device=q.device)
     part_m = torch.empty((b, hkv, num_splits, m_pad), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
@@ -196,6 +214,7 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
         q, k_layer, v_layer, page_tables, seq_lens, part_o, part_m, part_l, flags, expected, status, layer,
         max_spins, scale, page_tables.shape[1], hkv, hq, PAGE=page, GROUP=group, ROWS=rows_per_seq, M_PAD=m_pad,
         D=d, BLOCK=block, SPLITS=num_splits, TENSOR_CORES=tensor_cores, WAIT=wait is not None,
+        PREFETCH_PAGES=prefetch_pages,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
         **pdl.launch_kwargs(q.device))
     real_rows = group * rows_per_seq

@@ -91,3 +91,24 @@ def test_merge_row_blocks_give_the_same_result(merge_rows):
     ref = decode_attention_torch(q, k, v, page_tables, seq_lens, 0.25, rows)
     got = decode_attention_triton(q, k, v, page_tables, seq_lens, 0.25, rows, merge_rows=merge_rows)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows_per_seq", [1, 3])
+@pytest.mark.parametrize("block", [2, 4, 8])
+def test_prefetched_page_numbers_give_the_same_result(rows_per_seq, block):
+    """PREFETCH_PAGES loads the next block's page numbers one step early (decode's default): blocks
+    shorter than a page, as long as one, spanning two; splits that end mid-page, and empty splits
+    (a 2-key sequence over 16 splits), all read the keys a plain step reads."""
+    torch.manual_seed(5)
+    d, page_size, pages, hq, hkv = 16, 4, 40, 4, 2
+    k, v = torch.randn(pages, page_size, hkv, d), torch.randn(pages, page_size, hkv, d)
+    page_tables = torch.randperm(pages)[:36].reshape(2, 18).to(torch.int64)
+    lens = []
+    for prefix in (1, 61):
+        lens += [prefix + t + 1 for t in range(rows_per_seq)]
+    seq_lens = torch.tensor(lens, dtype=torch.int64)
+    q = torch.randn(2 * rows_per_seq, hq, d)
+    ref = decode_attention_torch(q, k, v, page_tables, seq_lens, 0.25, rows_per_seq)
+    got = decode_attention_triton(q, k, v, page_tables, seq_lens, 0.25, rows_per_seq, block=block, splits=16,
+                                  prefetch_pages=True)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
