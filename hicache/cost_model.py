@@ -194,9 +194,10 @@ class CostModel:
         self.explore_host = config.host_explore_transfers
         self.explore_every = config.restore_explore_every
         self._not_restored = {"l2": 0, "l3": 0}  # hits in a row each tier could have served (cost policy)
-        # hits between probes, per tier: explore_every, shorter while a charged source's probes
-        # come back without their charge (`_follow_probe`)
+        # hits until the next probe, per tier: explore_every, or shorter for one probe after a
+        # probe of a charged source came back without its charge (`_follow_probe`)
         self._probe_every = {"l2": self.explore_every, "l3": self.explore_every}
+        self._probe_out: dict[str, tuple[int, bool]] = {}  # probed tier -> (interval, charge decided)
         self._backups_refused = 0  # in a row, by backup_worth_its_cost
         if bytes_per_token < 1:
             raise ValueError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
@@ -244,22 +245,24 @@ class CostModel:
             return
         charged_s = self.outcomes.extra_s(source) if source in self._probe_every else 0.0
         self.outcomes.observe(source, predicted_s, actual_s)
-        if source in self._probe_every:
+        if source in self._probe_out:
             self._follow_probe(source, actual_s - predicted_s, charged_s)
 
     def _follow_probe(self, source: str, residual_s: float, charged_s: float) -> None:
-        """How soon `source` is probed again, after one of its outcomes. A source charged an
-        overhead is restored only by probes (`_reexplore`), and the window's median follows an
-        overhead that went away only once most of the window came from probes: at one probe in
-        `explore_every` hits that took ~190-290 hits. So a probe that came back with less than half
-        its charge halves the interval to the next one (down to every hit), and one that did not,
-        or any outcome of an uncharged source, restores `explore_every`: a persistent overhead is
-        probed no more often than before, and a recovered source wins again within ~70 hits."""
+        """How soon `source` is probed again, after the first outcome of it scored since a probe
+        (`_reexplore`; an outcome is not tagged, so it may be another restore's that finished
+        first). Where its charge is what makes a source lose, the charge's window follows an
+        overhead that went away only once most of it came from probes: at one probe in
+        `explore_every` hits that took ~190-290 hits. So if the charge decided that probe's hit
+        (without it the source would have won) and the outcome came back with less than half the
+        charge, the next probe comes after half the probe's interval (down to every hit), once:
+        a probe always puts the interval back to `explore_every`, so one with no outcome scored
+        (requests that never run alone) or a bad one leaves probes as they were, and so does a
+        tier that loses on price, whatever its outcomes. A recovered source wins again within ~63 hits."""
+        interval, charge_decided = self._probe_out.pop(source)
         relative_s = residual_s - (self.outcomes.residual_s("l1") or 0.0)
-        if charged_s > 0 and relative_s < charged_s / 2:
-            self._probe_every[source] = max(1, self._probe_every[source] // 2)
-        else:
-            self._probe_every[source] = self.explore_every
+        if charge_decided and charged_s > 0 and relative_s < charged_s / 2:
+            self._probe_every[source] = max(1, interval // 2)
 
     def span_s(self, tier: str, priced: tuple, uncached_tokens: int) -> float:
         """Seconds from arrival to the first token for a request whose prefix comes from `tier`,
@@ -405,7 +408,7 @@ class CostModel:
         while the link was busy, a page cache that warmed since) would otherwise stay wrong. That
         holds for a tier that loses to recompute and for one that loses to the other tier (an L3
         hit whose shorter L2 part wins every time). At most one probe per tier in `explore_every`
-        decisions, fewer while a charged source's probes come back without the charge
+        decisions, or sooner after a probe of a charged source that came back without the charge
         (`_follow_probe`; L2's and L3's may fall due together, on consecutive decisions); any timed
         transfer of the tier's line restarts its count (an L3 restore's H2D restarts L2's). And
         while no restore from host memory has been timed (see exploring_host) every L2 hit is a
@@ -422,9 +425,15 @@ class CostModel:
         stale = [t for t in losers if self._not_restored[t] >= self._probe_every[t]]
         if not stale:
             return tier
-        self._not_restored[stale[0]] = 0
+        probe = stale[0]
+        self._not_restored[probe] = 0
+        # would it have won without its outcome charge? (`_follow_probe`)
+        uncharged_s = costs[f"{probe}_benefit_s"] + costs[f"{probe}_extra_s"]
+        charge_decided = uncharged_s > max(0.0, costs.get(f"{tier}_benefit_s", 0.0))
+        self._probe_out[probe] = (self._probe_every[probe], charge_decided)
+        self._probe_every[probe] = self.explore_every
         costs["explore"] = 1.0
-        return stale[0]
+        return probe
 
     def worth_writing(self, tier: str, num_tokens: int) -> bool:
         """Admission for a backup into `tier` ("l2" or "l3") of `num_tokens` tokens.

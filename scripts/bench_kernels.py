@@ -112,7 +112,8 @@ def skinny_rows(dev, dtype, rows_list=(1, 16), configs=SKINNY_CONFIGS, shapes=No
 ATTENTION_SHAPES = [(1, 1, 350), (1, 1, 1000), (1, 1, 3500), (1, 1, 8000), (32, 1, 576), (1, 16, 350),
                     (1, 16, 1000), (1, 16, 3500), (1, 16, 8000)]
 ATTENTION_CONFIGS = [dict(splits=sp, block=bl, num_warps=w)
-                     for sp in (8, 16, 32, 64) for bl in (32, 64) for w in (4, 8)]
+                     for sp in (8, 16, 32, 64) for bl in (32, 64) for w in (4, 8)] + [
+    dict(prefetch_pages=False), dict(prefetch_pages=True)]  # the defaults with the page prefetch off / on
 SWEEP_SHAPES = [sh for sh in ATTENTION_SHAPES if sh[0] == 1]
 # num_stages 3 is Triton's default on sm_90 (4 compiled to the same PTX as 3: Triton 3.9, offline sm_90)
 SWEEP_CONFIGS = [dict(splits=sp, block=bl, num_warps=w, num_stages=st)
@@ -151,7 +152,8 @@ def attention_rows(dev, dtype, shapes=ATTENTION_SHAPES, configs=ATTENTION_CONFIG
         kv_bytes = seqs * (ctx + per) * ATT_HKV * d * 2 * k.element_size()
         for cfg in configs:
             row = {"seqs": seqs, "rows_per_seq": per, "context": ctx, "splits": cfg.get("splits"),
-                   "block": cfg.get("block"), "warps": cfg.get("num_warps"), "num_stages": cfg.get("num_stages")}
+                   "block": cfg.get("block"), "warps": cfg.get("num_warps"), "num_stages": cfg.get("num_stages"),
+                   "prefetch_pages": cfg.get("prefetch_pages")}
 
             def fn(cfg=cfg, layer=0):
                 return decode_attention_triton(q, k_all[layer], v_all[layer], tables, lens, d ** -0.5, per, **cfg)
@@ -360,12 +362,16 @@ def main(argv=None) -> int:
               f" {b.get('us', float('nan')):14.1f} ({b.get('gib_s', float('nan')):5.0f})  {cfg}  {b.get('rel_err', float('nan')):.1e}")
     if args.skinny or args.skinny_split:
         return 0
-    print("seqs x rows  ctx  splits block warps      us   KV GiB/s  max err   (best per shape marked *)")
+    print("seqs x rows  ctx  splits block warps prefetch      us   KV GiB/s  max err   (best per shape marked *;"
+          " - = the default)")
+
+    def cfg_cells(r: dict) -> str:
+        return " ".join(f"{'-' if r[key] is None else r[key]!s:>{w}}"
+                        for key, w in (("splits", 6), ("block", 5), ("warps", 5), ("prefetch_pages", 8)))
     best = {}
     for r in res["attention"]:
         if "error" in r:
-            print(f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {r['splits']:6d} {r['block']:5d} "
-                  f"{r['warps']:5d}  failed: {r['error']}")
+            print(f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {cfg_cells(r)}  failed: {r['error']}")
             continue
         key = (r["seqs"], r["rows_per_seq"], r["context"])
         best[key] = min(best.get(key, 1e18), r["us"])
@@ -373,8 +379,8 @@ def main(argv=None) -> int:
         if "error" in r:
             continue
         star = "*" if r["us"] == best[(r["seqs"], r["rows_per_seq"], r["context"])] else " "
-        print(f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {r['splits']:6d} {r['block']:5d} "
-              f"{r['warps']:5d} {r['us']:8.1f} {r['kv_gib_s']:9.0f} {r['max_err']:9.2e} {star}")
+        print(f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {cfg_cells(r)} "
+              f"{r['us']:8.1f} {r['kv_gib_s']:9.0f} {r['max_err']:9.2e} {star}")
     print("kernel            tokens  fused us  torch us  max err")
     for r in res["fused"]:
         print(f"{r['kernel']:17s} {r['tokens']:6d} {r['fused_us']:9.1f} {r['torch_us']:9.1f} {r['max_err']:8.1e}")

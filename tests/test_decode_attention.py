@@ -97,8 +97,9 @@ def test_merge_row_blocks_give_the_same_result(merge_rows):
 @pytest.mark.parametrize("block", [2, 4, 8])
 def test_prefetched_page_numbers_give_the_same_result(rows_per_seq, block):
     """PREFETCH_PAGES loads the next block's page numbers one step early (decode's default): blocks
-    shorter than a page, as long as one, spanning two; splits that end mid-page, and empty splits
-    (a 2-key sequence over 16 splits), all read the keys a plain step reads."""
+    shorter than a page, as long as one, spanning two, several to a split (2 splits of up to 64
+    keys); splits that end mid-page, and an empty split (a 2-key sequence), all read the keys a
+    plain step reads."""
     torch.manual_seed(5)
     d, page_size, pages, hq, hkv = 16, 4, 40, 4, 2
     k, v = torch.randn(pages, page_size, hkv, d), torch.randn(pages, page_size, hkv, d)
@@ -109,6 +110,6 @@ def test_prefetched_page_numbers_give_the_same_result(rows_per_seq, block):
     seq_lens = torch.tensor(lens, dtype=torch.int64)
     q = torch.randn(2 * rows_per_seq, hq, d)
     ref = decode_attention_torch(q, k, v, page_tables, seq_lens, 0.25, rows_per_seq)
-    got = decode_attention_triton(q, k, v, page_tables, seq_lens, 0.25, rows_per_seq, block=block, splits=16,
+    got = decode_attention_triton(q, k, v, page_tables, seq_lens, 0.25, rows_per_seq, block=block, splits=2,
                                   prefetch_pages=True)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)

@@ -132,7 +132,8 @@ def test_a_source_charged_an_overhead_that_went_away_is_restored_again() -> None
     picks = probe_run(cm, 40, 0.0)  # the overhead is gone now
     assert picks[:recovered_at(picks)] == ["l1"] + ["probe"] * (MIN_OUTCOMES + 1)
     assert cm.outcomes.extra_s("l3") == approx(0.0)
-    assert cm.state()["probe_every"]["l3"] == 2  # restored on its merits: probes back to the default
+    # restored on its merits; the last clean probe left one short interval, for the next probe only
+    assert cm.state()["probe_every"]["l3"] == 1
 
 
 def test_a_recovered_source_is_found_within_tens_of_hits_at_the_default_interval() -> None:
@@ -148,17 +149,51 @@ def test_a_recovered_source_is_found_within_tens_of_hits_at_the_default_interval
     assert recovered_at(picks) == 63
 
 
+def probes(picks: list[str]) -> list[int]:
+    return [i for i, pick in enumerate(picks) if pick == "probe"]
+
+
 def test_a_persistent_overhead_is_probed_no_more_often_than_before() -> None:
     cm = fast_storage_model()
     teach(cm, "l1", 0.0)
     teach(cm, "l3", 0.050)
     picks = probe_run(cm, 320, 0.040)  # each probe costs most of its charge again
-    assert [i for i, pick in enumerate(picks) if pick != "l1"] == list(range(31, 320, 32)) and cm.state()["probe_every"]["l3"] == 32
-    # one clean probe shortens the interval; the next that pays its charge restores it
-    cm.observe_outcome("l3", 0.100, 0.100)
-    assert cm.state()["probe_every"]["l3"] == 16
-    cm.observe_outcome("l3", 0.100, 0.140)
-    assert cm.state()["probe_every"]["l3"] == 32
+    assert probes(picks) == list(range(31, 320, 32)) and "l3" not in picks
+    # one clean probe brings the next closer; that one pays its charge: back to every 32nd hit
+    assert probes(probe_run(cm, 32, 0.0)) == [31] and cm.state()["probe_every"]["l3"] == 16
+    assert probes(probe_run(cm, 48, 0.040)) == [15, 47]
+
+
+def test_a_shortened_interval_covers_one_probe() -> None:
+    """Regression (session 24's review): the interval stayed short until an outcome was scored,
+    and only requests that ran alone are; under concurrent load every hit became a probe, against
+    its source's charge. A probe puts the interval back; only its own clean outcome shortens it."""
+    cm = fast_storage_model()
+    teach(cm, "l1", 0.0)
+    teach(cm, "l3", 0.050)
+    picks = probe_run(cm, 60, 0.0)  # clean probes: 32, 48, 56, 60 ...
+    assert probes(picks) == [31, 47, 55, 59]
+    unscored = [cm.decide(0, 0, 350, "cost") for _ in range(100)]  # ... then nothing runs alone
+    assert [i for i, d in enumerate(unscored) if d.tier == "l3"] == [1, 33, 65, 97]  # due at 4, then 32
+
+
+def test_a_tier_that_loses_on_price_is_probed_every_interval_whatever_its_outcomes() -> None:
+    """Regression (session 24's review): clean outcomes of a charged source that also loses on its
+    price halved the interval anyway, probing restores known to lose. Only a probe whose hit the
+    charge decided brings the next one closer."""
+    cm = fast_storage_model(storage_bandwidth_gib_s=2.0)  # the read is priced dearer than the recompute
+    teach(cm, "l1", 0.0)
+    teach(cm, "l3", 0.050)
+    assert cm.decide(0, 0, 350, "cost", lookahead=True).costs["l3_benefit_s"] + 0.050 < 0  # (not counted)
+    assert probes(probe_run(cm, 320, 0.0)) == list(range(31, 320, 32))
+
+
+def test_the_interval_is_left_alone_where_probes_are_off() -> None:
+    cm = fast_storage_model(restore_explore_every=0)
+    teach(cm, "l1", 0.0)
+    teach(cm, "l3", 0.050)
+    assert set(probe_run(cm, 50, 0.0)) == {"l1"}
+    assert cm.state()["probe_every"] == {"l2": 0, "l3": 0}
 
 
 def test_outcomes_off_or_not_learning_leave_prices_alone() -> None:
@@ -309,6 +344,25 @@ def test_the_loop_probes_a_charged_source_once_in_restore_explore_every_hits(mon
     assert seen[:4] == ["l1"] * 4  # cold
     assert seen[4:] == ["l1", "l3"] * 6, seen
     assert eng.metrics()["policy_skips"]["restore"] == 6  # one per hit recomputed
+    assert_whole(eng)
+
+
+def test_the_loop_brings_a_charged_source_s_next_probe_closer_after_a_clean_one(monkeypatch) -> None:
+    """The same engine and charge, its probes' outcomes scored by the loop: each probe comes back
+    far under the 1 s charge, so the next comes after half its interval: 4, 2, then every hit.
+    (The window of 16 charged samples outvotes the 9 probes here: the charge stays.)"""
+    eng = make("l3", "cost", num_pages=216, storage_explore_reads=0, host_explore_transfers=0,
+               restore_explore_every=4)
+    cost = eng.cache.cost
+    monkeypatch.setattr(cost, "observe_transfer", lambda *args: None)
+    monkeypatch.setattr(cost, "observe_prefill", lambda *args: None)
+    for _ in range(OUTCOME_WINDOW):
+        cost.observe_outcome("l3", 0.0, 1.0)
+        cost.observe_outcome("l1", 0.0, 0.0)
+    seen = sources(run_sequential(eng, workload(rounds=4, prefix_len=400)))
+    assert seen[:4] == ["l1"] * 4  # cold
+    assert seen[4:] == ["l1"] * 3 + ["l3", "l1"] + ["l3"] * 7, seen
+    assert cost.outcomes.extra_s("l3") > 0.5
     assert_whole(eng)
 
 
