@@ -115,9 +115,11 @@ ATTENTION_CONFIGS = [dict(splits=sp, block=bl, num_warps=w)
                      for sp in (8, 16, 32, 64) for bl in (32, 64) for w in (4, 8)] + [
     dict(prefetch_pages=False), dict(prefetch_pages=True)]  # the defaults with the page prefetch off / on
 SWEEP_SHAPES = [sh for sh in ATTENTION_SHAPES if sh[0] == 1]
-# num_stages 3 is Triton's default on sm_90 (4 compiled to the same PTX as 3: Triton 3.9, offline sm_90)
+# num_stages 3 is Triton's default on sm_90; 4 is back in (session 22 left it out, having seen it
+# compile to the same PTX as 3 offline, where a compile without the pointers' 16-byte alignment
+# pipelines nothing at all: session 24)
 SWEEP_CONFIGS = [dict(splits=sp, block=bl, num_warps=w, num_stages=st)
-                 for sp in (8, 16, 32) for bl in (16, 32, 64) for w in (2, 4, 8) for st in (1, 2, 3)]
+                 for sp in (8, 16, 32) for bl in (16, 32, 64) for w in (2, 4, 8) for st in (1, 2, 3, 4)]
 ATT_HQ, ATT_HKV, ATT_D, ATT_PAGE = 32, 8, 128, 16
 ATT_LAYERS = 36  # the 8B's layers: 1.2 GB of K/V at 8,000 keys
 ATT_ERR_LIMIT = 3e-2  # bf16 rounding is ~1e-3 here; a config above this (or NaN) is wrong, never ranked
@@ -201,11 +203,17 @@ def precompile_attention(dev, dtype, shapes, configs, jobs: int) -> None:
         print(f"precompile skipped: {exc!r}"[:300], file=sys.stderr)
 
 
-def attention_sweep(dev, dtype, jobs: int) -> dict:
-    """--attention: SWEEP_CONFIGS at SWEEP_SHAPES plus each shape's engine default (no overrides)."""
-    configs = [{}] + SWEEP_CONFIGS
-    precompile_attention(dev, dtype, SWEEP_SHAPES, configs, jobs)
-    rows = attention_rows(dev, dtype, shapes=SWEEP_SHAPES, configs=configs)
+def attention_sweep(dev, dtype, jobs: int, rows_per_seq: int | None = None, prefetch: bool = False) -> dict:
+    """--attention: SWEEP_CONFIGS at SWEEP_SHAPES plus each shape's engine default (no overrides);
+    only the shapes of `rows_per_seq` query rows if given; with `prefetch`, each config with the
+    page prefetch off and on."""
+    shapes = [sh for sh in SWEEP_SHAPES if rows_per_seq is None or sh[1] == rows_per_seq]
+    configs = SWEEP_CONFIGS
+    if prefetch:
+        configs = [{**c, "prefetch_pages": p} for c in configs for p in (False, True)]
+    configs = [{}] + configs
+    precompile_attention(dev, dtype, shapes, configs, jobs)
+    rows = attention_rows(dev, dtype, shapes=shapes, configs=configs)
     defaults = {}
     for r in rows:
         if r["splits"] is None:
@@ -236,7 +244,9 @@ def sweep_table(res: dict, top: int = 5) -> None:
     """Per shape: the default's us, the best config and the top ones; then per rows_per_seq, the
     fixed + per-key cost fitted over the contexts for the default, the best and the best per stages.
     Only rows within ATT_ERR_LIMIT of the reference are ranked."""
-    cfg = "{splits:>3}/{block:<2}/{warps}/{num_stages}"
+    def cfg(r: dict) -> str:
+        prefetch = "p" if r.get("prefetch_pages") else ""
+        return f"{r['splits']:>3}/{r['block']:<2}/{r['warps']}/{r['num_stages']}{prefetch}"
     good = attention_ok
     by_shape: dict[str, list] = {}
     for r in res["attention_sweep"]:
@@ -249,11 +259,11 @@ def sweep_table(res: dict, top: int = 5) -> None:
         line = f"{key:>10}: default {default.get('us', float('nan')):6.1f} us"
         if ok:
             best_at[key] = ok[0]
-            line += (f"; best {ok[0]['us']:6.1f} us ({cfg.format(**ok[0])} splits/block/warps/stages, "
+            line += (f"; best {ok[0]['us']:6.1f} us ({cfg(ok[0])} splits/block/warps/stages[p: page prefetch], "
                      f"{default.get('us', float('nan')) / ok[0]['us']:.2f}x)")
         print(line + (f"; {failed} configs failed" if failed else "") + (f"; {wrong} wrong" if wrong else ""))
         for i, r in enumerate(ok[:top]):
-            print(f"    {i + 1}. {cfg.format(**r)}  {r['us']:6.1f} us  {r['kv_gib_s']:6.0f} KV GiB/s  "
+            print(f"    {i + 1}. {cfg(r)}  {r['us']:6.1f} us  {r['kv_gib_s']:6.0f} KV GiB/s  "
                   f"max err {r['max_err']:.1e}")
     print("fitted over the contexts: fixed us + us per 1,000 keys")
     for per in sorted({r["rows_per_seq"] for r in res["attention_sweep"]}):
@@ -321,6 +331,10 @@ def main(argv=None) -> int:
                     help="only the projections without SwiGLU at 16 rows, K split 1 / 2 / 4")
     ap.add_argument("--attention", action="store_true",
                     help="only the attention sweep: splits x block x warps x num_stages at 1 and 16 rows")
+    ap.add_argument("--attention-rows", type=int, choices=(1, 16),
+                    help="--attention: only the shapes with this many query rows per sequence")
+    ap.add_argument("--attention-prefetch", action="store_true",
+                    help="--attention: each config with the page prefetch off and on")
     ap.add_argument("--compile-jobs", type=int, default=min(12, os.cpu_count() or 1),
                     help="--attention: processes that compile the sweep's kernels first (1: none)")
     ap.add_argument("--json", action="store_true")
@@ -331,7 +345,7 @@ def main(argv=None) -> int:
         return 2
     dev, dtype = torch.device("cuda"), torch.bfloat16
     if args.attention:
-        res = attention_sweep(dev, dtype, args.compile_jobs)
+        res = attention_sweep(dev, dtype, args.compile_jobs, args.attention_rows, args.attention_prefetch)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
