@@ -35,7 +35,6 @@ BLOCK_N = 32
 # load in registers (16 splits x 4 x 128 float32 over 128 threads), and a 16-row tail gets 16
 # programs per KV head instead of 4 (the merge went from 6.1 to 4.4 us a layer on the H200)
 MERGE_ROWS = 4
-TAIL_STAGES = 2  # software pipelining depth of the split kernel for multi-row tails (below)
 
 
 def decode_attention_torch(q, k_layer, v_layer, page_tables, seq_lens, scale: float,
@@ -68,8 +67,8 @@ if triton is not None:
         Triton software-pipelines the loop (asynchronous copies; Triton 3.6 on the H200), and with 3
         stages the block's page numbers too, but a block's K/V copies can only be issued once its
         page numbers have landed. PREFETCH_PAGES instead loads the next block's page numbers into
-        registers during this step; measured faster for one-row decode from ~1,000 keys, not for
-        16-row tails (decode_attention_triton)."""
+        registers during this step, one block ahead of its K/V: faster for decode and tails alike
+        (decode_attention_triton)."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         split = tl.program_id(2)
@@ -169,13 +168,13 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
                             rows_per_seq: int = 1, tensor_cores: bool | None = None, block: int | None = None,
                             num_warps: int | None = None, splits: int | None = None,
                             wait: tuple | None = None, merge_rows: int = MERGE_ROWS,
-                            num_stages: int | None = None, prefetch_pages: bool | None = None) -> torch.Tensor:
+                            num_stages: int | None = None, prefetch_pages: bool = True) -> torch.Tensor:
     """tensor_cores (default: for 16-bit inputs) runs both dots on tensor cores with float32
     accumulation, the probabilities rounded to the input dtype for the second; float32 inputs use
     exact fp32 dots. block / num_warps / splits / merge_rows / num_stages (the split kernel's software
-    pipelining of its K/V loop; default TAIL_STAGES for multi-row tails, else Triton's 3 on sm_90)
-    override the tuned defaults (benchmarks). prefetch_pages (default: for one-row decode) loads the
-    next block's page numbers while a block computes (the split kernel's docstring).
+    pipelining of its K/V loop; default Triton's, 3 on sm_90) / prefetch_pages (the next block's page
+    numbers loaded while a block computes: the split kernel's docstring) override the tuned defaults
+    (benchmarks).
     wait = (flags, expected, status, layer, max_spins): every program first waits, on the device,
     for that layer of a layer-ordered restore (kernels/layer_flags.py): no wait kernel before it."""
     rows, hq, d = q.shape
@@ -193,17 +192,11 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
     num_splits = splits or (NUM_SPLITS if rows_per_seq > 1 or b * hkv < 128 else NUM_SPLITS // 2)
     block = block or (64 if few_programs else BLOCK_N)
     num_warps = num_warps or (8 if few_programs else 4)
-    # multi-row tails pipeline their K/V loop 2 deep, not Triton's 3: 7.9 / 9.0 / 13.5 / 24.0 us against
-    # 8.3 / 9.6 / 15.6 / 28.5 at 350 / 1,000 / 3,500 / 8,000 keys (16 rows, H200, session 22 sweep:
-    # scripts/bench_kernels.py --attention); one-row decode keeps the default (the best one config is 2-3 % faster)
-    if num_stages is None and rows_per_seq > 1:
-        num_stages = TAIL_STAGES
-    # one-row decode prefetches its page numbers: 14.8 -> 12.4 us at 3,500 keys, 23.0 -> 17.9 at
-    # 8,000, batch 32 at 1,000 keys 49.5 -> 45.4 (the same at 350); 16-row tails, whose step is
-    # longer, gain nothing from it below 8,000 keys and lose 0.2-0.3 us (H200, 36 layers' distinct
-    # K/V, docs/benchmarks.md session 24)
-    if prefetch_pages is None:
-        prefetch_pages = rows_per_seq == 1
+    # the page prefetch, with Triton's 3 stages (H200, us a call over 36 layers' distinct K/V, session
+    # 24, scripts/bench_kernels.py --attention): one-row decode 14.8 -> 12.4 at 3,500 keys, 23.0 ->
+    # 17.9 at 8,000, batch 32 at 1,000 keys 49.5 -> 45.4; a 16-row tail 8.2 / 9.9 / 17.1 / 31.1 ->
+    # 8.5 / 9.6 / 13.2 / 20.7 at 350 / 1,000 / 3,500 / 8,000 keys, against its former 2 stages without
+    # it (3 stages without it: 8.7 / 10.6 / 18.6 / 33.8; the tail graph serves every length)
     part_o = torch.empty((b, hkv, num_splits, m_pad, d), dtype=torch.float32, device=q.device)
     part_m = torch.empty((b, hkv, num_splits, m_pad), dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)

@@ -93,10 +93,11 @@ def test_merge_row_blocks_give_the_same_result(merge_rows):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows_per_seq", [1, 3])
-@pytest.mark.parametrize("block", [2, 4, 8])
-def test_prefetched_page_numbers_give_the_same_result(rows_per_seq, block):
-    """PREFETCH_PAGES loads the next block's page numbers one step early (decode's default): blocks
+@pytest.mark.parametrize("rows_per_seq,block,prefetch_pages", [(1, 2, True), (1, 4, True), (1, 8, True),
+                                                                (3, 2, True), (3, 4, True), (3, 8, True),
+                                                                (1, 2, False), (3, 8, False)])
+def test_prefetched_page_numbers_give_the_same_result(rows_per_seq, block, prefetch_pages):
+    """PREFETCH_PAGES loads the next block's page numbers one step early (the default): blocks
     shorter than a page, as long as one, spanning two, several to a split (2 splits of up to 64
     keys); splits that end mid-page, and an empty split (a 2-key sequence), all read the keys a
     plain step reads."""
@@ -111,5 +112,5 @@ def test_prefetched_page_numbers_give_the_same_result(rows_per_seq, block):
     q = torch.randn(2 * rows_per_seq, hq, d)
     ref = decode_attention_torch(q, k, v, page_tables, seq_lens, 0.25, rows_per_seq)
     got = decode_attention_triton(q, k, v, page_tables, seq_lens, 0.25, rows_per_seq, block=block, splits=2,
-                                  prefetch_pages=True)
+                                  prefetch_pages=prefetch_pages)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
