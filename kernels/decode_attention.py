@@ -35,12 +35,6 @@ BLOCK_N = 32
 # load in registers (16 splits x 4 x 128 float32 over 128 threads), and a 16-row tail gets 16
 # programs per KV head instead of 4 (the merge went from 6.1 to 4.4 us a layer on the H200)
 MERGE_ROWS = 4
-# contexts up to this many keys take half the splits where NUM_SPLITS is the default (one sequence's
-# decode or tail): the splits' fixed cost outweighs their parallelism there. H200, us a call over 36
-# layers' distinct K/V at 350 / 1,000 / 3,500 keys, 8 against 16 splits: decode 5.7 / 7.3 / 14.1
-# against 7.6 / 8.3 / 12.6, a 16-row tail 6.7 / 8.3 / 15.9 against 8.5 / 9.6 / 13.2 (session 24;
-# even at ~1,800-2,000 keys)
-SHORT_KEYS = 1536
 
 
 def decode_attention_torch(q, k_layer, v_layer, page_tables, seq_lens, scale: float,
@@ -170,29 +164,17 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-def default_splits(seqs: int, rows_per_seq: int, num_kv_heads: int, max_keys: int | None = None) -> int:
-    """Splits of the sequence for a batch of `seqs` sequences (tuned on the H200 at the 8B shape,
-    scripts/bench_kernels.py --attention): NUM_SPLITS for a multi-row tail or few programs, half
-    for many sequences or when every row sees at most SHORT_KEYS keys (`max_keys`, a bound the
-    host knows: a batch's longest sequence, or a captured graph's bucket)."""
-    if rows_per_seq == 1 and seqs * num_kv_heads >= 128:
-        return NUM_SPLITS // 2
-    return NUM_SPLITS // 2 if max_keys is not None and max_keys <= SHORT_KEYS else NUM_SPLITS
-
-
 def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: float,
                             rows_per_seq: int = 1, tensor_cores: bool | None = None, block: int | None = None,
                             num_warps: int | None = None, splits: int | None = None,
                             wait: tuple | None = None, merge_rows: int = MERGE_ROWS,
-                            num_stages: int | None = None, prefetch_pages: bool = True,
-                            max_keys: int | None = None) -> torch.Tensor:
+                            num_stages: int | None = None, prefetch_pages: bool = True) -> torch.Tensor:
     """tensor_cores (default: for 16-bit inputs) runs both dots on tensor cores with float32
     accumulation, the probabilities rounded to the input dtype for the second; float32 inputs use
     exact fp32 dots. block / num_warps / splits / merge_rows / num_stages (the split kernel's software
     pipelining of its K/V loop; default Triton's, 3 on sm_90) / prefetch_pages (the next block's page
     numbers loaded while a block computes: the split kernel's docstring) override the tuned defaults
-    (benchmarks). max_keys: an upper bound on the keys any row sees, known on the host (fewer
-    splits up to SHORT_KEYS: default_splits); the result does not depend on it.
+    (benchmarks).
     wait = (flags, expected, status, layer, max_spins): every program first waits, on the device,
     for that layer of a layer-ordered restore (kernels/layer_flags.py): no wait kernel before it."""
     rows, hq, d = q.shape
@@ -204,10 +186,10 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
     group = hq // hkv
     m_pad = max(16, triton.next_power_of_2(group * rows_per_seq))
     # tuned on the H200 at the 8B shape (scripts/bench_kernels.py, docs/benchmarks.md): one query row
-    # per sequence and few programs -> 64-key blocks, 8 warps; multi-row tails -> 32-key blocks, 4
-    # warps; splits: default_splits
+    # per sequence and few programs -> 16 splits of 64-key blocks, 8 warps; many sequences -> 8 splits;
+    # multi-row tails -> 16 splits of 32-key blocks, 4 warps
     few_programs = rows_per_seq == 1 and b * hkv <= 32
-    num_splits = splits or default_splits(b, rows_per_seq, hkv, max_keys)
+    num_splits = splits or (NUM_SPLITS if rows_per_seq > 1 or b * hkv < 128 else NUM_SPLITS // 2)
     block = block or (64 if few_programs else BLOCK_N)
     num_warps = num_warps or (8 if few_programs else 4)
     # the page prefetch, with Triton's 3 stages (H200, us a call over 36 layers' distinct K/V, session

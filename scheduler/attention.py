@@ -48,9 +48,6 @@ class AttentionBatch:
     # page_tables per sequence [B, max_pages], last_rows [B] if only those rows' logits are wanted);
     # 1 = plain decode
     rows_per_seq: int = 1
-    # decode only: an upper bound on the keys any row sees, known on the host (the longest sequence,
-    # or a captured graph's bucket): the paged attention takes fewer splits for short contexts
-    max_keys: int | None = None
     _plan: _PrefillPlan | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -97,10 +94,9 @@ class AttentionBatch:
         def dev(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
 
-        seq_lens = [p + n for p, n in zip(prefix_lens, new_lens)]
         return cls(is_decode=is_decode, prefix_lens=list(prefix_lens), new_lens=list(new_lens),
-                   page_tables=dev(padded), seq_lens=dev(seq_lens), out_slots=dev(slots),
-                   positions=dev(positions), last_rows=dev(last_rows), max_keys=max(seq_lens))
+                   page_tables=dev(padded), seq_lens=dev([p + n for p, n in zip(prefix_lens, new_lens)]),
+                   out_slots=dev(slots), positions=dev(positions), last_rows=dev(last_rows))
 
     def plan(self, page_size: int) -> _PrefillPlan:
         if self._plan is None:
@@ -183,8 +179,7 @@ def paged_attention(q: torch.Tensor, kv_pool: torch.Tensor, layer: int, batch: A
     if batch.is_decode and q.is_cuda:  # paged flash-decoding: reads K/V through the page table, no gather
         return decode_attention_triton(q, kv_pool[0, layer], kv_pool[1, layer], batch.page_tables,
                                        batch.seq_lens, scale, batch.rows_per_seq,
-                                       wait=wait.kernel_args(layer) if wait is not None else None,
-                                       max_keys=batch.max_keys)
+                                       wait=wait.kernel_args(layer) if wait is not None else None)
     if wait is not None:
         wait(layer)
     if batch.is_decode:

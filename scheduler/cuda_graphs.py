@@ -14,9 +14,6 @@ captured once with static input buffers; a step copies its inputs into them and 
     engine's layer flags (kernels/layer_flags.py), so the tail runs while later layers of its
     prefix are still crossing PCIe (hicache/layer_copy.py). The epoch it waits for is staged with
     the other inputs.
-A graph's attention runs a fixed number of splits of the sequence; where a shape's default differs
-for short contexts (kernels/decode_attention.py, `default_splits`), a second graph of it serves
-batches whose every sequence has at most SHORT_KEYS keys. Graphs are keyed (sequences, rows, short).
 Padding (rows beyond a sequence's new tokens, sequences beyond the real batch, rows beyond a prefill)
 writes its K/V into a private scratch page and is discarded, so it never touches live KV. Decode
 staging is double-buffered so that a chained step (overlap scheduling) never waits for the one in
@@ -30,7 +27,6 @@ import gc
 import numpy as np
 import torch
 
-from kernels.decode_attention import SHORT_KEYS, default_splits
 from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch
 from scheduler.model import Qwen3Model
@@ -46,8 +42,8 @@ class DecodeGraphs:
                  scratch_page: int, max_batch: int = 32, layer_flags=None) -> None:
         self.model, self.kv_pool, self.page_size = model, kv_pool, page_size
         self.layer_flags = layer_flags
-        self.restore_graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
-        self.restore_logits: dict[tuple[int, int, bool], torch.Tensor] = {}
+        self.restore_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.restore_logits: dict[tuple[int, int], torch.Tensor] = {}
         self.device = kv_pool.device
         self.max_pages = max_pages_per_seq
         self.scratch_slot = scratch_page * page_size
@@ -68,8 +64,8 @@ class DecodeGraphs:
         self.host_rows = self._host_staging[:, :self._rows_len].view(2, 6, rows)
         self.host_tables = self._host_staging[:, self._rows_len:].view(2, seqs, max_pages_per_seq)
         self._events = [torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event()]  # reused: staged x2, prefill
-        self.graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
-        self.logits: dict[tuple[int, int, bool], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self._staged: list[torch.cuda.Event | None] = [None, None]
         self._step = 0
         # fresh prefills of one sequence (no cached prefix), padded to a bucket: a short prefill is
@@ -84,21 +80,13 @@ class DecodeGraphs:
         self.prefill_logits: dict[int, torch.Tensor] = {}
         self._p_staged: torch.cuda.Event | None = None
 
-    def _keys(self) -> list[tuple[int, int, bool]]:
-        """(sequences, rows, short) of every graph to capture: each shape, and its short-context
-        variant where that takes fewer attention splits."""
-        hkv = self.kv_pool.shape[4]
-        return [(b, r, short) for b, r in self.shapes for short in (False, True)
-                if not short or default_splits(b, r, hkv, SHORT_KEYS) != default_splits(b, r, hkv)]
-
-    def _batch(self, seqs: int, rows_per_seq: int, short: bool = False) -> AttentionBatch:
+    def _batch(self, seqs: int, rows_per_seq: int) -> AttentionBatch:
         n = seqs * rows_per_seq
         # a tail's logits: only each sequence's last row (the LM head reads its weight once either way)
         return AttentionBatch(is_decode=True, prefix_lens=[0] * n, new_lens=[1] * n,
                               page_tables=self.page_tables[:seqs], seq_lens=self.rows[3, :n],
                               out_slots=self.rows[2, :n], positions=self.rows[1, :n], rows_per_seq=rows_per_seq,
-                              last_rows=self.rows[4, :seqs] if rows_per_seq > 1 else None,
-                              max_keys=SHORT_KEYS if short else None)
+                              last_rows=self.rows[4, :seqs] if rows_per_seq > 1 else None)
 
     def _prefill_batch(self, length: int) -> AttentionBatch:
         return AttentionBatch(is_decode=False, prefix_lens=[0], new_lens=[length],
@@ -127,26 +115,26 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for key in sorted(self._keys(), key=lambda k: -k[0] * k[1]):  # largest first: the rest reuse its memory
-                ids = self.rows[0, :key[0] * key[1]]
+            for shape in sorted(self.shapes, key=lambda s: -s[0] * s[1]):  # largest first: the rest reuse its memory
+                ids = self.rows[0, :shape[0] * shape[1]]
                 for _ in range(2):  # warm up (Triton compiles, cuBLAS picks kernels)
-                    self.model(ids, self._batch(*key), self.kv_pool)
+                    self.model(ids, self._batch(*shape), self.kv_pool)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    self.logits[key] = self.model(ids, self._batch(*key), self.kv_pool)  # [B, V]
+                    self.logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool)  # [B, V]
                 pool = graph.pool()
-                self.graphs[key] = graph
+                self.graphs[shape] = graph
             if self.layer_flags is not None:
                 wait_layer = LayerWait(self.layer_flags, self.rows[5, :1])  # the staged epoch
-                for key in [k for k in self._keys() if k[0] == 1]:  # (1, 1) and (1, TAIL_ROWS)
-                    ids = self.rows[0, :key[1]]
-                    self.model(ids, self._batch(*key), self.kv_pool, wait_layer)  # warm-up
+                for shape in [s for s in self.shapes if s[0] == 1]:  # (1, 1) and (1, TAIL_ROWS)
+                    ids = self.rows[0, :shape[1]]
+                    self.model(ids, self._batch(*shape), self.kv_pool, wait_layer)  # warm-up
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                        self.restore_logits[key] = self.model(ids, self._batch(*key), self.kv_pool,
-                                                              wait_layer)  # [1, V]
+                        self.restore_logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool,
+                                                                wait_layer)  # [1, V]
                     pool = graph.pool()
-                    self.restore_graphs[key] = graph
+                    self.restore_graphs[shape] = graph
             self.p_rows[1].copy_(torch.arange(self.p_rows.shape[1]))
             self.p_rows[2].fill_(self.scratch_slot)
             for length in sorted(self.prefill_buckets, reverse=True):
@@ -165,7 +153,7 @@ class DecodeGraphs:
         """Median seconds of a replay of the one-sequence tail graph (TAIL_ROWS rows over the
         capture's one-token context), the forward a layer-ordered restore runs under; None without
         it. The first replay is not counted."""
-        graph = self.graphs.get((1, TAIL_ROWS, False))
+        graph = self.graphs.get((1, TAIL_ROWS))
         if graph is None:
             return None
         times = []
@@ -210,7 +198,7 @@ class DecodeGraphs:
         return next((s for s in self.shapes if s[1] == rows and s[0] >= len(new_lens)), None)
 
     def has_restore_graph(self, shape: tuple[int, int] | None) -> bool:
-        return shape is not None and (*shape, False) in self.restore_graphs
+        return shape in self.restore_graphs
 
     @torch.inference_mode()
     def run(self, shape: tuple[int, int], input_ids: list[int], prefix_lens: list[int], new_lens: list[int],
@@ -244,16 +232,12 @@ class DecodeGraphs:
         self._staged[k].record()
         if ids_device is not None:
             self.rows[0, :len(ids_device)].copy_(ids_device)  # device to device, after the staged ids
-        # the short-context variant, where there is one, when no sequence sees more than SHORT_KEYS keys
-        graphs = self.restore_graphs if wait_restore else self.graphs
-        short = max(p + n for p, n in zip(prefix_lens, new_lens)) <= SHORT_KEYS and (*shape, True) in graphs
-        key = (*shape, short)
         if wait_restore:
-            self.restore_graphs[key].replay()
-            logits = self.restore_logits[key]  # [1, V]
+            self.restore_graphs[shape].replay()
+            logits = self.restore_logits[shape]  # [1, V]
         else:
-            self.graphs[key].replay()
-            logits = self.logits[key]  # [B, V]: one row per sequence (a tail's last rows)
+            self.graphs[shape].replay()
+            logits = self.logits[shape]  # [B, V]: one row per sequence (a tail's last rows)
         return logits[:len(new_lens)]
 
 

@@ -154,24 +154,3 @@ def test_build_validates() -> None:
     assert batch.page_tables.tolist() == [[5], [1]]
     assert batch.seq_lens.tolist() == [4, 2]
     assert batch.last_rows.tolist() == [0, 2]
-
-
-def test_build_bounds_the_keys_by_the_longest_sequence() -> None:
-    """A decode batch knows on the host how many keys its longest sequence has (the paged kernel
-    takes fewer splits for short contexts, kernels/decode_attention.default_splits)."""
-    batch = AttentionBatch.build([7, 40], [1, 1], [[0, 1], [2, 3, 4, 5, 6, 7]], 8, "cpu", is_decode=True)
-    assert batch.max_keys == 41
-
-
-def test_captured_graphs_add_a_short_variant_only_where_it_takes_fewer_splits() -> None:
-    """scheduler/cuda_graphs.py captures (sequences, rows, short) for each shape; the short variant
-    only where kernels/decode_attention.default_splits differs for contexts up to SHORT_KEYS."""
-    from types import SimpleNamespace
-
-    from scheduler.cuda_graphs import TAIL_ROWS, DecodeGraphs
-    fake = SimpleNamespace(kv_pool=torch.zeros(2, 1, 1, 1, 8, 1),  # 8 KV heads
-                           shapes=[(1, 1), (8, 1), (16, 1), (32, 1), (1, TAIL_ROWS), (4, TAIL_ROWS)])
-    keys = DecodeGraphs._keys(fake)
-    assert sorted(keys) == sorted([(1, 1, False), (1, 1, True), (8, 1, False), (8, 1, True), (16, 1, False),
-                                   (32, 1, False), (1, TAIL_ROWS, False), (1, TAIL_ROWS, True),
-                                   (4, TAIL_ROWS, False), (4, TAIL_ROWS, True)])

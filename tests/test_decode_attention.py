@@ -114,29 +114,3 @@ def test_prefetched_page_numbers_give_the_same_result(rows_per_seq, block, prefe
     got = decode_attention_triton(q, k, v, page_tables, seq_lens, 0.25, rows_per_seq, block=block, splits=2,
                                   prefetch_pages=prefetch_pages)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
-
-
-def test_short_contexts_take_half_the_splits():
-    """default_splits: NUM_SPLITS for one sequence's decode or tail, half for many sequences, and
-    half when the host knows no row sees more than SHORT_KEYS keys."""
-    from kernels.decode_attention import NUM_SPLITS, SHORT_KEYS, default_splits
-    assert default_splits(1, 1, 8) == default_splits(1, 16, 8) == NUM_SPLITS
-    assert default_splits(1, 1, 8, SHORT_KEYS) == default_splits(1, 16, 8, 350) == NUM_SPLITS // 2
-    assert default_splits(1, 1, 8, SHORT_KEYS + 1) == default_splits(4, 16, 8, 8000) == NUM_SPLITS
-    assert default_splits(16, 1, 8) == default_splits(32, 1, 8, 100) == NUM_SPLITS // 2  # many programs anyway
-
-
-@pytest.mark.parametrize("rows_per_seq", [1, 4])
-def test_a_key_bound_changes_the_splits_not_the_result(rows_per_seq):
-    torch.manual_seed(7)
-    d, page_size, pages, hq, hkv = 16, 4, 40, 4, 2
-    k, v = torch.randn(pages, page_size, hkv, d), torch.randn(pages, page_size, hkv, d)
-    page_tables = torch.randperm(pages)[:36].reshape(2, 18).to(torch.int64)
-    seq_lens = torch.tensor([p + t + 1 for p in (5, 60) for t in range(rows_per_seq)], dtype=torch.int64)
-    q = torch.randn(2 * rows_per_seq, hq, d)
-    plain = decode_attention_triton(q, k, v, page_tables, seq_lens, 0.25, rows_per_seq)
-    bounded = decode_attention_triton(q, k, v, page_tables, seq_lens, 0.25, rows_per_seq,
-                                      max_keys=int(seq_lens.max()))
-    torch.testing.assert_close(bounded, plain, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(bounded, decode_attention_torch(q, k, v, page_tables, seq_lens, 0.25, rows_per_seq),
-                               rtol=1e-4, atol=1e-5)
