@@ -325,19 +325,27 @@ def test_the_loop_stops_restoring_from_a_source_slower_than_its_price(monkeypatc
     assert_whole(eng)
 
 
-def test_the_loop_probes_a_charged_source_once_in_restore_explore_every_hits(monkeypatch) -> None:
-    """Regression (session 23's review): a prefetch's decision at queue time counted each L3 hit
-    towards a probe, and the admission's counted it again, so with `restore_explore_every=2` every
-    hit of an L3 source charged a 1 s overhead was restored. The prefetch's decision is a
-    look-ahead now: one hit in two is a probe. (Lines pinned at their priors, as above.)"""
+def charged_l3_engine(monkeypatch, restore_explore_every: int):
+    """An L3 engine whose transfer and prefill lines stay at their priors and whose L3 source is
+    charged a 1 s overhead (a full window of outcomes; recompute's residual 0)."""
     eng = make("l3", "cost", num_pages=216, storage_explore_reads=0, host_explore_transfers=0,
-               restore_explore_every=2)
+               restore_explore_every=restore_explore_every)
     cost = eng.cache.cost
     monkeypatch.setattr(cost, "observe_transfer", lambda *args: None)
     monkeypatch.setattr(cost, "observe_prefill", lambda *args: None)
     for _ in range(OUTCOME_WINDOW):
         cost.observe_outcome("l3", 0.0, 1.0)
         cost.observe_outcome("l1", 0.0, 0.0)
+    return eng
+
+
+def test_the_loop_probes_a_charged_source_once_in_restore_explore_every_hits(monkeypatch) -> None:
+    """Regression (session 23's review): a prefetch's decision at queue time counted each L3 hit
+    towards a probe, and the admission's counted it again, so with `restore_explore_every=2` every
+    hit of an L3 source charged a 1 s overhead was restored. The prefetch's decision is a
+    look-ahead now: one hit in two is a probe. (Lines pinned at their priors, as above.)"""
+    eng = charged_l3_engine(monkeypatch, restore_explore_every=2)
+    cost = eng.cache.cost
     # the charge stays: the probes' own (clean) outcomes would move it and shorten the interval
     monkeypatch.setattr(cost, "observe_outcome", lambda *args: None)
     seen = sources(run_sequential(eng, workload(rounds=4, prefix_len=400)))
@@ -351,14 +359,8 @@ def test_the_loop_brings_a_charged_source_s_next_probe_closer_after_a_clean_one(
     """The same engine and charge, its probes' outcomes scored by the loop: each probe comes back
     far under the 1 s charge, so the next comes after half its interval: 4, 2, then every hit.
     (The window of 16 charged samples outvotes the 9 probes here: the charge stays.)"""
-    eng = make("l3", "cost", num_pages=216, storage_explore_reads=0, host_explore_transfers=0,
-               restore_explore_every=4)
+    eng = charged_l3_engine(monkeypatch, restore_explore_every=4)
     cost = eng.cache.cost
-    monkeypatch.setattr(cost, "observe_transfer", lambda *args: None)
-    monkeypatch.setattr(cost, "observe_prefill", lambda *args: None)
-    for _ in range(OUTCOME_WINDOW):
-        cost.observe_outcome("l3", 0.0, 1.0)
-        cost.observe_outcome("l1", 0.0, 0.0)
     seen = sources(run_sequential(eng, workload(rounds=4, prefix_len=400)))
     assert seen[:4] == ["l1"] * 4  # cold
     assert seen[4:] == ["l1"] * 3 + ["l3", "l1"] + ["l3"] * 7, seen
