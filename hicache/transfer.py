@@ -51,7 +51,7 @@ from hicache.transfer_plan import (DIRECT_FIRST_BYTES, DIRECT_MAX_PAGES, MAX_DMA
 from hicache.transfer_layered import LayeredRestores
 from hicache.transfer_record import Transfer, TransferError
 from hicache.workspaces import Workspace, Workspaces
-from kernels import host_copy
+from kernels import cuda_rt, host_copy
 from kernels.chooser import ChosenBackends
 from kernels.layer_flags import EPOCH_LIMIT, LayerFlags
 from kernels.page_copy import gather_pages, scatter_pages, triton_available
@@ -99,7 +99,6 @@ class TransferEngine(LayeredRestores):
         self._memcpy = None  # cuda_rt.memcpy_async: a pipeline chunk's DMA in one call
         self._memcpy_2d = None  # cuda_rt.memcpy_2d_async: a D2H's direct first pages
         if self.cuda:
-            from kernels import cuda_rt
             self.layerwise = cuda_rt.available() and l2.pinned
             self._memcpy = cuda_rt.memcpy_async if cuda_rt.available() else None
             if cuda_rt.available() and l2.pinned and not self.narrow_slabs:
@@ -148,7 +147,7 @@ class TransferEngine(LayeredRestores):
         raises fails the transfer, not the caller; `flags` (a layer-ordered restore's) are then
         all written anyway, so no forward waits for them."""
         self._events(tr)
-        caller = torch.cuda.current_stream(self.l1.device)
+        caller = cuda_rt.current_stream(self.l1.device)
         stream.wait_stream(caller)
         tr.start_event.record(stream)
         try:
@@ -184,7 +183,7 @@ class TransferEngine(LayeredRestores):
         try:
             if pipelined and direction == "d2h" and host_consecutive:  # the copy engine first
                 self._direct_out(l1_pages, self.l2.page_buffer.data_ptr() + h0 * page_bytes, tr,
-                                 torch.cuda.current_stream(self.l1.device))
+                                 cuda_rt.current_stream(self.l1.device))
             ws, tr.setup_ns = self.workspaces.acquire(n, needs_host=cpu_gather)
             tr.workspace = ws
             packed = ws.device[:n]       # [n, 2, L, S, H, D]
@@ -216,7 +215,7 @@ class TransferEngine(LayeredRestores):
         tr.enqueued_event = torch.cuda.Event(enable_timing=True)
         tr.ready_event = torch.cuda.Event(enable_timing=True)
         tr.enqueued_event.record(self._clock_stream)
-        tr.ready_event.record(torch.cuda.current_stream(self.l1.device))
+        tr.ready_event.record(cuda_rt.current_stream(self.l1.device))
 
     def _direct_out(self, l1_pages: list[int], host_ptr: int, tr: Transfer, caller: torch.cuda.Stream) -> int:
         """A D2H's first `direct_pages` pages straight out of L1 into the page-major host buffer at
@@ -258,7 +257,7 @@ class TransferEngine(LayeredRestores):
         [(packed slice, L2 or pinned workspace slice)], page-major."""
         stream = self.kernel_streams[direction] if self.cuda else None
         if self.cuda:
-            stream.wait_stream(torch.cuda.current_stream(self.l1.device))
+            stream.wait_stream(cuda_rt.current_stream(self.l1.device))
             self._events(tr)
         with torch.cuda.stream(stream) if self.cuda else _null():
             if self.cuda:
@@ -301,7 +300,7 @@ class TransferEngine(LayeredRestores):
         kernel_stream, copy_stream = self.kernel_streams[direction], self.copy_streams[direction]
         n = len(l1_pages)
         if direction == "d2h":
-            caller = torch.cuda.current_stream(self.l1.device)
+            caller = cuda_rt.current_stream(self.l1.device)
             direct = (self._direct_out(l1_pages, host.data_ptr(), tr, caller) if tr.start_event is None
                       else min(n, self.direct_pages))
             if direct == n:
@@ -340,7 +339,7 @@ class TransferEngine(LayeredRestores):
         if start is not None:
             start.record(copy_stream)
         self._dma(packed, host, 0, sizes[0], copy_stream)  # DMA the chunk in, then scatter it
-        kernel_stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # last readers of the L1 pages
+        kernel_stream.wait_stream(cuda_rt.current_stream(self.l1.device))  # last readers of the L1 pages
         idx = self._stage_index(ws, l1_pages, kernel_stream)  # [n]
         lo = 0
         for i, size in enumerate(sizes):
@@ -366,7 +365,7 @@ class TransferEngine(LayeredRestores):
         m = len(pages)
         if self._memcpy is None:
             idx = self._index(pages)
-            stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # the copy ran there
+            stream.wait_stream(cuda_rt.current_stream(self.l1.device))  # the copy ran there
             return idx
         ws.index_np[:m] = pages
         self._memcpy(ws.index_device.data_ptr(), ws.index_host.data_ptr(), m * 8, stream)

@@ -16,6 +16,7 @@ import torch
 from hicache.faults import Fault
 from hicache.layer_copy import layer_plan, run_layer_cpu, run_layer_cuda
 from hicache.transfer_record import Transfer, TransferError
+from kernels import cuda_rt
 from kernels.page_copy import scatter_pages
 
 
@@ -72,7 +73,7 @@ class LayeredRestores:
         if self.cuda:
             tr.epoch = flags.next_epoch()
             self._events(tr)
-            stream.wait_stream(torch.cuda.current_stream(self.l1.device))  # its last reader of these pages
+            stream.wait_stream(cuda_rt.current_stream(self.l1.device))  # its last reader of these pages
             tr.start_event.record(stream)
         landed = 0
         l1_ptr, l2_ptr = self.l1.kv.data_ptr(), self.l2.page_buffer.data_ptr()

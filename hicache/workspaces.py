@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from hicache.geometry import KVGeometry
+from kernels import cuda_rt
 
 
 @dataclass(eq=False)
@@ -53,7 +54,7 @@ class Workspaces:
                 ws.index_device = torch.empty(num_pages, dtype=torch.int64, device=self.device)
                 ws.index_np = ws.index_host.numpy()
                 ws.fresh = torch.cuda.Event()
-                ws.fresh.record(torch.cuda.current_stream(self.device))
+                ws.fresh.record(cuda_rt.current_stream(self.device))
             self._all.append(ws)
         if needs_host and ws.host is None:
             ws.host = torch.empty(self.geometry.page_major_shape(ws.num_pages), dtype=self.geometry.dtype,

@@ -8,6 +8,11 @@
   memcpy_async      cudaMemcpyAsync on a stream handle: one call, no `with torch.cuda.stream()`
                     around a `copy_` (~20 us of host time per chunk of a transfer pipeline).
 
+  current_stream    torch.cuda.current_stream(device) without its Python: the stream objects are
+                    cached by what torch's C call returns. On the H200's host (a microVM) the
+                    plain call cost ~20-40 us, and a request's hot path (its restore's start,
+                    its forward's staging) made a dozen of them before the device had work.
+
 `available()` says whether the library was found; callers keep a plain path for when it was not.
 (Forwards wait for such copies with kernels/layer_flags.py; an earlier cudaStreamWaitEvent binding
 for external event-wait nodes in graphs was dropped: each wait cost ~17 us of device time.)
@@ -51,6 +56,20 @@ def _lib():
         except (OSError, AttributeError):
             continue
     return None
+
+
+_streams: dict[tuple[int, int, int], torch.cuda.Stream] = {}
+
+
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """The current CUDA stream of `device` (the same stream `torch.cuda.current_stream(device)`
+    returns: one C call and a dict lookup)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    data = torch._C._cuda_getCurrentStream(index)  # (stream id, device index, device type)
+    stream = _streams.get(data)
+    if stream is None:
+        stream = _streams[data] = torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])
+    return stream
 
 
 def available() -> bool:

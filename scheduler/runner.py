@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from kernels import cuda_rt
 from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch
 from scheduler.model import Qwen3Model
@@ -104,7 +105,7 @@ class ModelRunner:
             self.layer_flags.stage_status()  # read after this step's event: restore_wait_timed_out
         host, event = self._out_slot(len(next_ids))
         host.copy_(next_ids, non_blocking=True)
-        event.record()
+        event.record(cuda_rt.current_stream(self.device))
         return StepHandle(host, event, next_ids)
 
     def _out_slot(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
