@@ -204,16 +204,23 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
     if tensor_cores is None:
         tensor_cores = q.dtype in (torch.bfloat16, torch.float16) and q.is_cuda
     flags, expected, status, layer, max_spins = wait if wait is not None else (part_m, part_m, part_m, 0, 0)
+    # PDL (kernels/pdl.py) for one-row decode only. A multi-row tail's split kernel launched early
+    # made the tail forward slower the longer the context (H200, 8B, a 16-row tail graph with the
+    # tail's attention launched the ordinary way against with PDL, device ms, session 25: 4.58 /
+    # 4.62 / 4.68 / 4.77 / 5.01 against 4.58 / 4.65 / 4.73-4.81 / 4.85-4.91 / 5.22-5.49 at 350 /
+    # 1,000 / 2,000 / 3,500 / 8,000 keys), where one-row decode gains from it (4.57 against 4.63 ms
+    # at 3,500). Likely cause, not verified: its 128 programs placed beside the 16 programs of the
+    # kernel before, two to an SM on some SMs, so their long key loops run at half speed.
+    launch = pdl.launch_kwargs(q.device) if rows_per_seq == 1 else {"PDL": False}
     _split_kernel[(b, hkv, num_splits)](
         q, k_layer, v_layer, page_tables, seq_lens, part_o, part_m, part_l, flags, expected, status, layer,
         max_spins, scale, page_tables.shape[1], hkv, hq, PAGE=page, GROUP=group, ROWS=rows_per_seq, M_PAD=m_pad,
         D=d, BLOCK=block, SPLITS=num_splits, TENSOR_CORES=tensor_cores, WAIT=wait is not None,
         PREFETCH_PAGES=prefetch_pages,
-        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}),
-        **pdl.launch_kwargs(q.device))
+        num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **launch)
     real_rows = group * rows_per_seq
     rb = min(merge_rows, triton.next_power_of_2(real_rows))
     _merge_kernel[(b, hkv, triton.cdiv(real_rows, rb))](part_o, part_m, part_l, out, hkv, hq, GROUP=group,
                                                         ROWS=rows_per_seq, M_PAD=m_pad, RB=rb, D=d, SPLITS=num_splits,
-                                                        **pdl.launch_kwargs(q.device))
+                                                        **launch)
     return out

@@ -16,7 +16,8 @@ Where an early program is placed matters: it takes an SM that has room for it, a
 SM still running the kernel before. A weight-streaming kernel after another should not fit beside
 one of its programs: a whole-K down projection at 122 KiB of shared memory, after gate_up's 80 KiB
 programs, made a 36-layer chain 0.36 ms slower than at 168 KiB (docs/benchmarks.md, session 16).
-The skinny projections' stage counts (kernels/skinny_gemm.py) keep to that.
+The skinny projections' stage counts (kernels/skinny_gemm.py) keep to that. For the same kind of
+reason a multi-row tail's attention is launched the ordinary way (kernels/decode_attention.py).
 
 Kernels take `PDL: tl.constexpr` and their wrappers launch with `**launch_kwargs(device)`; with PDL
 off (the CPU and its interpreter, GPUs before sm_90, `HICACHE_PDL=0`, or `set_enabled(False)`

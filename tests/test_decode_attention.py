@@ -114,3 +114,18 @@ def test_prefetched_page_numbers_give_the_same_result(rows_per_seq, block, prefe
     got = decode_attention_triton(q, k, v, page_tables, seq_lens, 0.25, rows_per_seq, block=block, splits=2,
                                   prefetch_pages=prefetch_pages)
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_only_one_row_decode_asks_for_pdl(monkeypatch):
+    """A multi-row tail's attention is launched the ordinary way (slower with PDL on the H200 the
+    longer the context, kernels/decode_attention.py); one-row decode asks kernels/pdl.py."""
+    from kernels import decode_attention
+
+    asked = []
+    monkeypatch.setattr(decode_attention.pdl, "launch_kwargs", lambda device: asked.append(device) or {"PDL": False})
+    k = torch.randn(8, 4, 1, 16)
+    tables = torch.arange(8, dtype=torch.int64).reshape(2, 4)
+    decode_attention_triton(torch.randn(4, 2, 16), k, k, tables, torch.tensor([3, 4, 9, 10]), 0.25, 2)
+    assert asked == []
+    decode_attention_triton(torch.randn(2, 2, 16), k, k, tables, torch.tensor([4, 10]), 0.25)
+    assert len(asked) == 1  # (one answer for the split kernel and the merge)
