@@ -35,6 +35,9 @@ BLOCK_N = 32
 # load in registers (16 splits x 4 x 128 float32 over 128 threads), and a 16-row tail gets 16
 # programs per KV head instead of 4 (the merge went from 6.1 to 4.4 us a layer on the H200)
 MERGE_ROWS = 4
+# multi-row tails' attention launched with PDL (kernels/pdl.py): off, measured slower (see
+# decode_attention_triton); scripts/probe_graph_ab.py's pdl_on_attn turns it on to compare
+TAIL_PDL = False
 
 
 def decode_attention_torch(q, k_layer, v_layer, page_tables, seq_lens, scale: float,
@@ -211,7 +214,7 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
     # 1,000 / 2,000 / 3,500 / 8,000 keys), where one-row decode gains from it (4.57 against 4.63 ms
     # at 3,500). Likely cause, not verified: its 128 programs placed beside the 16 programs of the
     # kernel before, two to an SM on some SMs, so their long key loops run at half speed.
-    launch = pdl.launch_kwargs(q.device) if rows_per_seq == 1 else {"PDL": False}
+    launch = pdl.launch_kwargs(q.device) if rows_per_seq == 1 or TAIL_PDL else {"PDL": False}
     _split_kernel[(b, hkv, num_splits)](
         q, k_layer, v_layer, page_tables, seq_lens, part_o, part_m, part_l, flags, expected, status, layer,
         max_spins, scale, page_tables.shape[1], hkv, hq, PAGE=page, GROUP=group, ROWS=rows_per_seq, M_PAD=m_pad,
