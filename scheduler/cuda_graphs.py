@@ -65,7 +65,7 @@ class DecodeGraphs:
         self.host_rows = self._host_staging[:, :self._rows_len].view(2, 6, rows)
         self.host_tables = self._host_staging[:, self._rows_len:].view(2, seqs, max_pages_per_seq)
         self._events = [torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event()]  # reused: staged x2, prefill
-        # a step's host side, made once: numpy views of each pinned twin and the copy's addresses. On
+        # a step's host side, made once: each pinned twin and numpy views of its rows and tables. On
         # the H200's host every torch call before the replay delays the forward's first kernel by
         # ~20-50 us (a slice, a copy_, an event record's stream lookup): ~0.25 ms a step, now ~0.05
         self._host_views = [(self.host_rows[k].numpy(), self.host_tables[k].numpy()) for k in range(2)]
