@@ -68,6 +68,7 @@ def current_stream(device: torch.device) -> torch.cuda.Stream:
     data = torch._C._cuda_getCurrentStream(index)  # (stream id, device index, device type)
     stream = _streams.get(data)
     if stream is None:
+        torch.cuda._lazy_init()  # (as torch.cuda.current_stream does: a forked child fails clearly)
         stream = _streams[data] = torch.cuda.Stream(stream_id=data[0], device_index=data[1], device_type=data[2])
     return stream
 

@@ -211,7 +211,7 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
     # made the tail forward slower the longer the context (H200, 8B, a 16-row tail graph with the
     # tail's attention launched the ordinary way against with PDL, device ms, session 25: 4.58 /
     # 4.62 / 4.68 / 4.77 / 5.01 against 4.58 / 4.65 / 4.73-4.81 / 4.85-4.91 / 5.22-5.49 at 350 /
-    # 1,000 / 2,000 / 3,500 / 8,000 keys), where one-row decode gains from it (4.57 against 4.63 ms
+    # 1,000 / 2,000 / 3,500 / 8,000 keys), where one-row decode gains from it (4.57 against 4.64 ms
     # at 3,500). Likely cause, not verified: its 128 programs placed beside the 16 programs of the
     # kernel before, two to an SM on some SMs, so their long key loops run at half speed.
     launch = pdl.launch_kwargs(q.device) if rows_per_seq == 1 or TAIL_PDL else {"PDL": False}

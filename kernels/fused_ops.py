@@ -80,7 +80,7 @@ if triton is not None:
         out_row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < hidden
-        if PDL:  # kernels/pdl.py: x is the kernel before's output
+        if PDL:  # kernels/pdl.py: x is the kernel before's output (layer 0's gather: no kernel before it)
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         row = out_row
@@ -174,15 +174,10 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: 
     dtype = x.dtype if parts == 1 else (residual if residual is not None else weight).dtype
     y = torch.empty((out_rows, hidden), dtype=dtype, device=x.device)
     s = torch.empty_like(y) if residual is not None or parts > 1 or rows is not None else x
-    # PDL only where x is the output of the kernel before (a residual add, partials to add up). A
-    # plain norm is the first layer's, reading the embedding table (rows: the input ids) that no
-    # kernel writes; the forward's inputs may still be crossing before it, and a kernel launched
-    # early waits only for kernels (kernels/pdl.py), so it is launched the ordinary way
-    launch = pdl.launch_kwargs(x.device) if residual is not None or parts > 1 else {"PDL": False}
     _add_rms_norm_kernel[(out_rows,)](x, residual if residual is not None else x, weight, y, s,
                                       rows if rows is not None else y, tokens, hidden, eps,
                                       HAS_RES=residual is not None, PARTS=parts, BLOCK=triton.next_power_of_2(hidden),
-                                      GATHER=rows is not None, **launch)
+                                      GATHER=rows is not None, **pdl.launch_kwargs(x.device))
     return y, s
 
 

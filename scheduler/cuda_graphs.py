@@ -67,7 +67,8 @@ class DecodeGraphs:
         self._events = [torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event()]  # reused: staged x2, prefill
         # a step's host side, made once: each pinned twin and numpy views of its rows and tables. On
         # the H200's host every torch call before the replay delays the forward's first kernel by
-        # ~20-50 us (a slice, a copy_, an event record's stream lookup): ~0.25 ms a step, now ~0.05
+        # ~20-50 us (a slice, a copy_, an event record's stream lookup): a stress hit's run() took
+        # 183 us a call with them, 124 without (docs/benchmarks.md, session 25)
         self._host_views = [(self.host_rows[k].numpy(), self.host_tables[k].numpy()) for k in range(2)]
         self._host_twins = [self._host_staging[k] for k in range(2)]
         self._memcpy = cuda_rt.memcpy_async if cuda_rt.available() else None

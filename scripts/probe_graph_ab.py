@@ -5,8 +5,9 @@ A forward's kernel choices (PDL per kernel family, the embedding's own kernel) c
 time by 0.01-0.2 ms, less than the spread between processes (a new process on the same lease moves
 an engine's forward by ~0.1 ms). So each variant's graph is captured in the same engine, over the
 same KV, and the variants are replayed in turn, each launch queued behind a ~1.5 ms sleep kernel so
-the host's staging is off the clock: what is timed is the graph's own device time. Session 25 found
-this way that a multi-row tail's attention runs faster without PDL (docs/benchmarks.md).
+the host's staging is off the clock: what is timed is the launch's device work (the staging copy,
+the graph, sampling and the token's copy back; only the graph differs between variants). Session
+25 found this way that a multi-row tail's attention runs faster without PDL (docs/benchmarks.md).
 
     python3 scripts/probe_graph_ab.py                                  # every variant, 350 / 3,500 keys
     python3 scripts/probe_graph_ab.py --variants engine,embed_kernel --contexts 350,1000,3500,8000 --rows 16

@@ -39,7 +39,11 @@ def test_pdl_off_variants_launch_the_ordinary_way():
         assert decode_attention.TAIL_PDL is True
 
 
-def test_embedding_kernel_variant_computes_the_same_forward():
+def test_embedding_kernel_variant_computes_the_same_forward(monkeypatch):
+    """... by an embedding kernel of its own (F.embedding), which the engine's forward never calls."""
+    calls = []
+    embedding = torch.nn.functional.embedding
+    monkeypatch.setattr(torch.nn.functional, "embedding", lambda *a, **k: calls.append(1) or embedding(*a, **k))
     cfg = PRESETS["tiny"]
     model = init_random_weights(Qwen3Model.empty(cfg, "cpu", torch.float32), seed=0)
     model.fused = True
@@ -50,9 +54,11 @@ def test_embedding_kernel_variant_computes_the_same_forward():
         batch = AttentionBatch.build([0], [6], [[3, 7]], 4, "cpu", False)
         if variant is None:
             logits.append(model(ids, batch, pool))
+            assert calls == []
         else:
             with probe.VARIANTS[variant]():
                 logits.append(model(ids, batch, pool))
+            assert calls == [1]
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
 
 
