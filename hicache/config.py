@@ -30,10 +30,13 @@ class HiCacheConfig:
     transfer_backend: TransferBackend = "auto"
     # layer-ordered L2 restores of at most this many tokens go by the copy kernel that reads pinned L2
     # over PCIe (kernels/host_copy.py: one launch) instead of the copy engine (2 DMAs + a flag write per
-    # layer); fragmented ones always do; 0: only fragmented ones. 1024: on the H200 the kernel's
-    # ~0.6 ms less host time per restore won up to 1,000 tokens (stress L2 1.42x -> 1.48-1.52x), and
-    # its lower bandwidth lost at 2,000 (docs/benchmarks.md, session 5)
-    kernel_restore_max_tokens: int = 1024
+    # layer); fragmented ones always do; 0: only fragmented ones. On the H200 the kernel's enqueue
+    # takes ~0.25 ms of host time before the forward may launch against ~0.8-0.9 for the DMAs; with
+    # 16 programs its lower bandwidth lost from 2,000 tokens (session 5), with 64 (session 26) a
+    # forced L2 restore took 7.00 / 11.78 ms at 2,000 / 3,500 tokens against 7.73-8.07 / 12.06-12.54
+    # by the DMAs (docs/benchmarks.md). Longer ones keep the DMAs, which move a restore longer than
+    # its forward partly whole (`whole_first`)
+    kernel_restore_max_tokens: int = 4096
     # a layer-ordered restore longer than its forward moves the pages the forward does not wait on
     # first, whole, at the pinned copy's rate (CacheManager.whole_first_pages); False: all in layers
     whole_first: bool = True

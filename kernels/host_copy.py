@@ -40,10 +40,16 @@ _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 MAX_BLOCK_BYTES = 16 << 10   # one item: at most 16 KiB (a share of a slab, or several small slabs)
 MAX_ROWS = 64                # at most this many slabs an item
 NUM_WARPS = 4
-# programs per launch: on the H200, 16 reached the same 0.91-0.92 of the pinned copy as 32-132 from
-# 1,000 tokens (8: 0.70-0.80) and slowed a stream of small-M GEMMs beside it the least (+6 % while
-# it ran, against +10 % at 32 and +32 % at 132; scripts/bench_layer_copy.py, docs/benchmarks.md)
-PROGRAMS = 16
+# programs per launch, on the H200. A backup (D2H) runs beside decode: 16 reached the same 0.91-0.92
+# of the pinned copy as 32-132 from 1,000 tokens (8: 0.70-0.80) and slowed a stream of small-M
+# GEMMs beside it the least (+6 % while it ran, against +10 % at 32 and +32 % at 132;
+# scripts/bench_layer_copy.py, docs/benchmarks.md session 5). A restore (H2D) runs beside the
+# forward that waits for it, which is done only when the copy is: a 16-row tail forward behind a
+# restore by 16 / 32 / 64 programs took 4.79 / 4.78 / 4.77 ms of device time at 350 tokens, 5.26 /
+# 5.17 / 5.05 at 1,000 and 7.00 / 6.48 / 6.27 at 2,000 (4.57 / 4.62 / 4.68 with no copy; 132
+# programs: 5.52 and 7.43; docs/benchmarks.md session 26)
+D2H_PROGRAMS = 16
+H2D_PROGRAMS = 64
 
 
 if triton is not None:
@@ -142,7 +148,9 @@ class HostCopy:
     l1_kv: [2, L, P1, S, H, D] on the device; `pages` arguments: [2, n] int32 on the device
     (row 0 L2 pages, row 1 L1 pages)."""
 
-    def __init__(self, page_buffer: torch.Tensor, l1_kv: torch.Tensor, programs: int = PROGRAMS) -> None:
+    def __init__(self, page_buffer: torch.Tensor, l1_kv: torch.Tensor, programs: int | None = None) -> None:
+        """programs: per launch in both directions (tests, benchmarks); default D2H_PROGRAMS and
+        H2D_PROGRAMS."""
         if _h2d_layers_kernel is None:
             raise RuntimeError("triton is not importable")
         if page_buffer.shape[1:] != (2,) + tuple(l1_kv.shape[1:2]) + tuple(l1_kv.shape[3:]):
@@ -152,21 +160,21 @@ class HostCopy:
         self.num_layers, self.pool_pages = l1_kv.shape[1], l1_kv.shape[2]
         self.chunks_per_page = 2 * self.num_layers * (slab_words // block)
         self.rows = rows
-        self.programs = programs
+        self.programs = {"d2h": programs or D2H_PROGRAMS, "h2d": programs or H2D_PROGRAMS}
         self._direct: dict = {}  # kernel -> DirectLaunch, for launches on a given stream (CUDA)
         self._meta = dict(NUM_LAYERS=self.num_layers, SLAB=slab_words, BLOCK=block, ROWS=rows, num_warps=NUM_WARPS)
 
-    def _grid(self, pages: torch.Tensor) -> tuple[int, ...]:
+    def _grid(self, pages: torch.Tensor, direction: str) -> tuple[int, ...]:
         if pages.dim() != 2 or pages.shape[0] != 2 or pages.dtype != torch.int32:
             raise ValueError(f"pages must be [2, n] int32, got {tuple(pages.shape)} {pages.dtype}")
         items = -(-pages.shape[1] * self.chunks_per_page // self.rows)  # about: rows group pages or slabs
-        return (max(1, min(self.programs, items)),)
+        return (max(1, min(self.programs[direction], items)),)
 
     def h2d_layers(self, pages: torch.Tensor, counts: torch.Tensor, flags: torch.Tensor, epoch: int,
                    stream: torch.cuda.Stream | None = None) -> None:
         """Copy every layer of the listed pages from L2 into L1 on `stream` (None: the current one)
         and set flags[l] = epoch behind layer l (counts: [L] int32 zeros, owned by that stream)."""
-        grid = self._grid(pages)
+        grid = self._grid(pages, "h2d")
         if pages.shape[1]:
             self._run(_h2d_layers_kernel, grid, stream, self.host, self.dev, pages, counts, flags, epoch,
                       pages.shape[1], self.pool_pages)
@@ -174,7 +182,7 @@ class HostCopy:
     def d2h_pages(self, pages: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
         """Write the listed L1 pages into their L2 pages (written over PCIe) on `stream` (None: the
         current one): no gather into a workspace, no CPU copy into fragmented L2 pages."""
-        grid = self._grid(pages)
+        grid = self._grid(pages, "d2h")
         if pages.shape[1]:
             self._run(_d2h_pages_kernel, grid, stream, self.dev, self.host, pages, pages.shape[1], self.pool_pages)
 

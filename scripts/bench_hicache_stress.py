@@ -84,7 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "test); never keeps the tiers but writes nothing (hicache's cost without backups)")
     p.add_argument("--decode-only", action="store_true", help="skip the throughput runs")
     p.add_argument("--trace", default=None, metavar="DIR",
-                   help="after the measured requests, 4 more under torch.profiler: DIR/<tier>.json.gz chrome trace")
+                   help="after the measured requests, 4 more under torch.profiler: DIR/<tier>.json.gz chrome trace. "
+                        "The profiler's hooks stay in the process and slow its CUDA calls (a graph replay's host "
+                        "time 3-5x, session 26): later tiers' figures are for reading the trace, not for the record")
     p.add_argument("--profile", action="store_true",
                    help="cProfile the measured requests of each tier (host time per function, to stderr and JSON)")
     add_common_args(p)

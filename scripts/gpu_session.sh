@@ -76,6 +76,7 @@ for s in "$@"; do
     stress_outcomes_ab) i=0; for v in "" "--disable-outcomes" "" "--disable-outcomes"; do i=$((i+1))
               step "stress_outcomes_ab$i" 200 python3 scripts/bench_hicache_stress.py --model qwen3-8b --tiers none,l3 --policy cost $v --json --out "$OUT/stress_outcomes_ab$i.json"; done ;;
     graph_ab) step graph_ab 300 python3 scripts/probe_graph_ab.py --contexts 350,1000,3500,8000 ;;
+    restore_beside) step restore_beside 300 python3 scripts/probe_restore_beside_forward.py --contexts 350,1000,2000 ;;
     attention) step attention 300 python3 scripts/bench_kernels.py --attention --out "$OUT/attention.json" ;;
     *) echo "unknown step $s" ;;
   esac
