@@ -70,7 +70,7 @@ class DecoderLayer(nn.Module):
         residual the stream before it; h, residual: [T, H]. Layer 0: h is the embedding table [V, H],
         residual None and rows the input ids [T]: its first norm gathers those rows itself (the
         stream it returns is the embeddings), in place of the embedding's own kernel (12 us for a
-        16-row tail in an H200 profile, session 25; the forward without it not yet timed).
+        16-row tail in an H200 profile, session 25; the tail forward ~12 us faster for it, session 26).
         skinny (T <= 16): the projections are kernels/skinny_gemm.py, SiLU x up inside gate_up's (7 + 2);
         o_proj and down then leave float32 K-split partials [P, T, H] that the next add_rms_norm adds.
         Returns this layer's (un-added MLP output [T, H] or [P, T, H], residual stream [T, H])."""
