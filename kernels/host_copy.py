@@ -46,10 +46,16 @@ NUM_WARPS = 4
 # scripts/bench_layer_copy.py, docs/benchmarks.md session 5). A restore (H2D) runs beside the
 # forward that waits for it, which is done only when the copy is: a 16-row tail forward behind a
 # restore by 16 / 32 / 64 programs took 4.79 / 4.78 / 4.77 ms of device time at 350 tokens, 5.26 /
-# 5.17 / 5.05 at 1,000 and 7.00 / 6.48 / 6.27 at 2,000 (4.57 / 4.62 / 4.68 with no copy; 132
-# programs: 5.52 and 7.43; docs/benchmarks.md session 26)
+# 5.17 / 5.05 at 1,000 and 7.00 / 6.48 / 6.27 at 2,000 (4.57 / 4.62 / 4.68 with no copy), but 128
+# programs, on 132 SMs, 5.46 and 7.23 (docs/benchmarks.md session 26): at most half the SMs
 D2H_PROGRAMS = 16
 H2D_PROGRAMS = 64
+
+
+def h2d_programs(sm_count: int | None) -> int:
+    """A restore's programs on a GPU of `sm_count` SMs (None: not a GPU): H2D_PROGRAMS, at most
+    half the SMs."""
+    return H2D_PROGRAMS if sm_count is None else max(1, min(H2D_PROGRAMS, sm_count // 2))
 
 
 if triton is not None:
@@ -160,7 +166,8 @@ class HostCopy:
         self.num_layers, self.pool_pages = l1_kv.shape[1], l1_kv.shape[2]
         self.chunks_per_page = 2 * self.num_layers * (slab_words // block)
         self.rows = rows
-        self.programs = {"d2h": programs or D2H_PROGRAMS, "h2d": programs or H2D_PROGRAMS}
+        sms = torch.cuda.get_device_properties(l1_kv.device).multi_processor_count if l1_kv.is_cuda else None
+        self.programs = {"d2h": programs or D2H_PROGRAMS, "h2d": programs or h2d_programs(sms)}
         self._direct: dict = {}  # kernel -> DirectLaunch, for launches on a given stream (CUDA)
         self._meta = dict(NUM_LAYERS=self.num_layers, SLAB=slab_words, BLOCK=block, ROWS=rows, num_warps=NUM_WARPS)
 
