@@ -31,11 +31,13 @@ class HiCacheConfig:
     # layer-ordered L2 restores of at most this many tokens go by the copy kernel that reads pinned L2
     # over PCIe (kernels/host_copy.py: one launch) instead of the copy engine (2 DMAs + a flag write per
     # layer); fragmented ones always do; 0: only fragmented ones. On the H200 the kernel's enqueue
-    # takes ~0.25 ms of host time before the forward may launch against ~0.8-0.9 for the DMAs; with
-    # 16 programs its lower bandwidth lost from 2,000 tokens (session 5), with 64 (session 26) a
-    # forced L2 restore took 7.00 / 11.78 ms at 2,000 / 3,500 tokens against 7.73-8.07 / 12.06-12.54
-    # by the DMAs (docs/benchmarks.md). Longer ones keep the DMAs, which move a restore longer than
-    # its forward partly whole (`whole_first`)
+    # takes 0.2-0.35 ms of host time before the forward may launch against 0.65-0.94 for the DMAs.
+    # Session 5 (16 programs) saw the kernel's lower bandwidth lose from 2,000 tokens; session 26's
+    # probe, beside the forward, had even 16 programs ahead of the DMAs at 2,000 / 3,500 tokens (7.0 /
+    # 11.25 ms against 7.2 / 12.0), 64 more so (6.27 at 2,000), and a forced L2 restore took 7.00 /
+    # 11.78 ms at 2,000 / 3,500 tokens against 7.73-8.07 / 12.06-12.54 by the DMAs
+    # (docs/benchmarks.md; nothing timed between 3,500 and 4,096). Longer ones keep the DMAs, which
+    # move a restore longer than its forward partly whole (`whole_first`)
     kernel_restore_max_tokens: int = 4096
     # a layer-ordered restore longer than its forward moves the pages the forward does not wait on
     # first, whole, at the pinned copy's rate (CacheManager.whole_first_pages); False: all in layers

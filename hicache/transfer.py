@@ -243,7 +243,8 @@ class TransferEngine(LayeredRestores):
             tr.epoch = epoch = self._h2d_epoch
             self._copy_kernel(tr, self.copy_streams["h2d"], host_pages, l1_pages, None,
                               lambda pages, stream: self.host_copy.h2d_layers(pages, self._counts["h2d"],
-                                                                              self._h2d_flags, epoch, stream))
+                                                                              self._h2d_flags, epoch, stream,
+                                                                              beside_forward=False))
         else:
             self._copy_kernel(tr, self.kernel_streams["d2h"], host_pages, l1_pages, None, self.host_copy.d2h_pages)
         if self.faults is not None and self.faults.should_fire(Fault.TRANSFER_RAISE):

@@ -4,14 +4,16 @@ layer's flag (kernels/layer_flags.py) as soon as that layer has landed; `HostCop
 L1 pages into scattered L2 pages (a backup into a fragmented L2). One launch each, whatever the
 length or fragmentation of the page list.
 
-Where they are used (hicache/transfer.py): restores of at most --hicache-kernel-restore-max-tokens
-(the 2 DMAs + 1 flag write per layer of the 2-D DMA plan cost the loop 0.4-0.9 ms before the forward
-may launch; this launch ~0.1 ms), every layer-ordered restore whose slabs are narrower than
+Where they are used (hicache/transfer.py): layer-ordered restores of at most
+--hicache-kernel-restore-max-tokens (the 2 DMAs + 1 flag write per layer of the 2-D DMA plan cost
+the loop 0.65-0.94 ms before the forward may launch; this launch 0.2-0.35 ms, session 26), every
+layer-ordered restore whose slabs are narrower than
 `MIN_DMA_ROW_BYTES` (hicache/layer_copy.py), and page lists in more runs than the DMA plans take, which used a
 CPU gather on the loop thread (7-41 ms for 1,000-8,000 tokens) or a CPU index copy at completion,
-at 10-19 GiB/s; the kernels move 44-48 GiB/s. Longer restores keep the copy engine: 0.97-0.98 of
-the pinned copy's bandwidth against the kernel's 0.91-0.92, and no SMs taken from the model, whose
-GEMMs ran ~6 % slower beside this kernel (H200, docs/benchmarks.md, session 5).
+at 10-19 GiB/s; the kernels move 44-48 GiB/s. Longer restores keep the copy engine: alone 0.97-0.98
+of the pinned copy's bandwidth against the kernel's 0.91-0.92, and no SMs taken from the model,
+whose forward beside a restore by this kernel ran ~0.2 ms slower at 350 tokens (H200,
+docs/benchmarks.md, sessions 5 and 26).
 
 Work is layer-major: item = (layer, K/V, ROWS pages in a row, chunk of a slab), at most 16 KiB
 (a 32 KiB slab is two items of one page; 2 KiB slabs of one-token pages go 8 pages an item);
@@ -40,22 +42,25 @@ _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 MAX_BLOCK_BYTES = 16 << 10   # one item: at most 16 KiB (a share of a slab, or several small slabs)
 MAX_ROWS = 64                # at most this many slabs an item
 NUM_WARPS = 4
-# programs per launch, on the H200. A backup (D2H) runs beside decode: 16 reached the same 0.91-0.92
-# of the pinned copy as 32-132 from 1,000 tokens (8: 0.70-0.80) and slowed a stream of small-M
-# GEMMs beside it the least (+6 % while it ran, against +10 % at 32 and +32 % at 132;
-# scripts/bench_layer_copy.py, docs/benchmarks.md session 5). A restore (H2D) runs beside the
-# forward that waits for it, which is done only when the copy is: a 16-row tail forward behind a
-# restore by 16 / 32 / 64 programs took 4.79 / 4.78 / 4.77 ms of device time at 350 tokens, 5.26 /
-# 5.17 / 5.05 at 1,000 and 7.00 / 6.48 / 6.27 at 2,000 (4.57 / 4.62 / 4.68 with no copy), but 128
-# programs, on 132 SMs, 5.46 and 7.23 (docs/benchmarks.md session 26): at most half the SMs
-D2H_PROGRAMS = 16
-H2D_PROGRAMS = 64
+# programs per launch, on the H200. In the background (backups beside decode, and restores no
+# forward runs beside): 16 reached the same 0.91-0.92 of the pinned copy as 32-132 from 1,000
+# tokens (8: 0.70-0.80) and slowed a stream of small-M GEMMs beside it the least (+6 % while it
+# ran, against +10 % at 32 and +32 % at 132; scripts/bench_layer_copy.py, docs/benchmarks.md
+# session 5). A layer-ordered restore runs beside the forward that waits for it, which is done only
+# when the copy is: a 16-row tail forward behind a restore by 16 / 32 / 64 programs took 4.79 /
+# 4.78 / 4.77 ms of device time at 350 tokens, 5.26 / 5.17 / 5.05 at 1,000 and 7.00 / 6.49 / 6.27
+# at 2,000 (4.57 / 4.62 / 4.68 with no copy), but 128 programs, on 132 SMs, 5.46 and 7.23
+# (docs/benchmarks.md session 26): at most half the SMs
+BACKGROUND_PROGRAMS = 16
+BESIDE_FORWARD_PROGRAMS = 64
 
 
-def h2d_programs(sm_count: int | None) -> int:
-    """A restore's programs on a GPU of `sm_count` SMs (None: not a GPU): H2D_PROGRAMS, at most
-    half the SMs."""
-    return H2D_PROGRAMS if sm_count is None else max(1, min(H2D_PROGRAMS, sm_count // 2))
+def beside_forward_programs(sm_count: int | None) -> int:
+    """A layer-ordered restore's programs on a GPU of `sm_count` SMs (None: not a GPU):
+    BESIDE_FORWARD_PROGRAMS, at most half the SMs."""
+    if sm_count is None:
+        return BESIDE_FORWARD_PROGRAMS
+    return max(1, min(BESIDE_FORWARD_PROGRAMS, sm_count // 2))
 
 
 if triton is not None:
@@ -155,8 +160,8 @@ class HostCopy:
     (row 0 L2 pages, row 1 L1 pages)."""
 
     def __init__(self, page_buffer: torch.Tensor, l1_kv: torch.Tensor, programs: int | None = None) -> None:
-        """programs: per launch in both directions (tests, benchmarks); default D2H_PROGRAMS and
-        H2D_PROGRAMS."""
+        """programs: per launch for every use (tests, benchmarks); default BACKGROUND_PROGRAMS, and
+        `beside_forward_programs` for a restore a forward waits for."""
         if _h2d_layers_kernel is None:
             raise RuntimeError("triton is not importable")
         if page_buffer.shape[1:] != (2,) + tuple(l1_kv.shape[1:2]) + tuple(l1_kv.shape[3:]):
@@ -166,22 +171,27 @@ class HostCopy:
         self.num_layers, self.pool_pages = l1_kv.shape[1], l1_kv.shape[2]
         self.chunks_per_page = 2 * self.num_layers * (slab_words // block)
         self.rows = rows
+        if programs is not None and programs < 1:
+            raise ValueError(f"programs must be >= 1, got {programs}")
         sms = torch.cuda.get_device_properties(l1_kv.device).multi_processor_count if l1_kv.is_cuda else None
-        self.programs = {"d2h": programs or D2H_PROGRAMS, "h2d": programs or h2d_programs(sms)}
+        self.programs = {"background": programs or BACKGROUND_PROGRAMS,
+                         "beside_forward": programs or beside_forward_programs(sms)}
         self._direct: dict = {}  # kernel -> DirectLaunch, for launches on a given stream (CUDA)
         self._meta = dict(NUM_LAYERS=self.num_layers, SLAB=slab_words, BLOCK=block, ROWS=rows, num_warps=NUM_WARPS)
 
-    def _grid(self, pages: torch.Tensor, direction: str) -> tuple[int, ...]:
+    def _grid(self, pages: torch.Tensor, use: str) -> tuple[int, ...]:
         if pages.dim() != 2 or pages.shape[0] != 2 or pages.dtype != torch.int32:
             raise ValueError(f"pages must be [2, n] int32, got {tuple(pages.shape)} {pages.dtype}")
         items = -(-pages.shape[1] * self.chunks_per_page // self.rows)  # about: rows group pages or slabs
-        return (max(1, min(self.programs[direction], items)),)
+        return (max(1, min(self.programs[use], items)),)
 
     def h2d_layers(self, pages: torch.Tensor, counts: torch.Tensor, flags: torch.Tensor, epoch: int,
-                   stream: torch.cuda.Stream | None = None) -> None:
+                   stream: torch.cuda.Stream | None = None, beside_forward: bool = True) -> None:
         """Copy every layer of the listed pages from L2 into L1 on `stream` (None: the current one)
-        and set flags[l] = epoch behind layer l (counts: [L] int32 zeros, owned by that stream)."""
-        grid = self._grid(pages, "h2d")
+        and set flags[l] = epoch behind layer l (counts: [L] int32 zeros, owned by that stream).
+        beside_forward: a forward waits for these flags as they come (more programs); False: nothing
+        runs beside it but other requests' work (BACKGROUND_PROGRAMS)."""
+        grid = self._grid(pages, "beside_forward" if beside_forward else "background")
         if pages.shape[1]:
             self._run(_h2d_layers_kernel, grid, stream, self.host, self.dev, pages, counts, flags, epoch,
                       pages.shape[1], self.pool_pages)
@@ -189,7 +199,7 @@ class HostCopy:
     def d2h_pages(self, pages: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
         """Write the listed L1 pages into their L2 pages (written over PCIe) on `stream` (None: the
         current one): no gather into a workspace, no CPU copy into fragmented L2 pages."""
-        grid = self._grid(pages, "d2h")
+        grid = self._grid(pages, "background")
         if pages.shape[1]:
             self._run(_d2h_pages_kernel, grid, stream, self.dev, self.host, pages, pages.shape[1], self.pool_pages)
 

@@ -118,8 +118,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--hicache-kernel-restore-max-tokens", type=int, default=HiCacheConfig.kernel_restore_max_tokens,
                    help="layer-ordered L2 restores up to this many tokens use the copy kernel, not the copy engine")
     h.add_argument("--disable-hicache-whole-first", action="store_true",
-                   help="layer-ordered restores move every page in layers (default: a restore longer than "
-                        "its forward moves its first pages whole, keeping in layers what the H2D moves "
+                   help="layer-ordered restores move every page in layers (default: a restore by the DMAs, "
+                        "longer than --hicache-kernel-restore-max-tokens, that is also longer than its "
+                        "forward moves its first pages whole, keeping in layers what the H2D moves "
                         "during the forward)")
     h.add_argument("--hicache-recompute-us-per-token", type=float, default=50.0)
     h.add_argument("--hicache-host-bandwidth-gib-s", type=float, default=12.0)

@@ -179,10 +179,11 @@ async def run(args) -> dict:
             await tail_forward_s(engine, cached, r["tail_tokens"], args.repeats)) * 1e3
         r["decode_tok_s"] = {b: await decode_rate(engine, b, args.decode_prompt, args.decode_tokens, rng)
                              for b in args.decode_batches}
-        # the profiles last: after torch.profiler this process's CUDA calls stay slower (its CUPTI
-        # hooks), so a timing taken after it counts them (session 25's run 9: the one-token launch
-        # at 0.52 ms of host time against 0.13-0.35 in processes without the profiler)
-        if args.profile and device.type == "cuda":
+        # the profiles last, in the last mode: after torch.profiler this process's CUDA calls stay
+        # slower (its CUPTI hooks; a graph replay's host time 3-9x, session 26), so a timing taken
+        # after it counts them (session 25's run 9: the one-token launch at 0.52 ms of host time
+        # against 0.13-0.39 in processes without the profiler)
+        if args.profile and device.type == "cuda" and mode == modes[-1][0]:
             r["tail_profile"] = await profile_tail(engine, cached, rng)
             r["decode_profile"] = await profile_decode(engine, 32, rng)
         engine.check_integrity()
@@ -213,7 +214,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tail-context", type=int, default=3500)
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke)")
-    ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of the tail request (CUDA)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of the tail request (CUDA), after every timing of the last mode")
     ap.add_argument("--small-gemm", default="triton",
                     help="comma list of triton / cublas: the graphs mode once per backend of the small projections")
     ap.add_argument("--skip-eager", action="store_true", help="CUDA: leave out the eager mode")

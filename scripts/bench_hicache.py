@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="after the measured requests, 2 more under torch.profiler: DIR/<tier>_<tokens>.json.gz "
                         "(scripts/trace_copies.py reads its copies). The profiler's hooks stay in the process and "
-                        "slow its CUDA calls (a graph replay's host time 3-5x, session 26): later lengths' "
+                        "slow its CUDA calls (a graph replay's host time 3-9x, session 26): later lengths' "
                         "figures are for reading the trace, not for the record")
     p.add_argument("--compare-recompute", action="store_true", help="also measure --tier none in this run")
     add_common_args(p)

@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="after the measured requests, 4 more under torch.profiler: DIR/<tier>.json.gz chrome trace. "
                         "The profiler's hooks stay in the process and slow its CUDA calls (a graph replay's host "
-                        "time 3-5x, session 26): later tiers' figures are for reading the trace, not for the record")
+                        "time 3-9x, session 26): later tiers' figures are for reading the trace, not for the record")
     p.add_argument("--profile", action="store_true",
                    help="cProfile the measured requests of each tier (host time per function, to stderr and JSON)")
     add_common_args(p)

@@ -86,7 +86,7 @@ def main() -> int:
     flags = LayerFlags(geo.num_layers, dev)
     counts = torch.zeros(geo.num_layers, dtype=torch.int32, device=dev)
     streams = [torch.cuda.Stream(dev) for _ in range(max(stream_counts))]
-    kernel = HostCopy(l2, l1)
+    kernel = HostCopy(l2, l1)  # (a restore's programs: 16 until session 26, 64 since on the H200)
     kernel.warm_up(counts, flags.flags)
     rng = random.Random(0)
     l1_ptr, l2_ptr, packed_ptr = l1.data_ptr(), l2.data_ptr(), packed.data_ptr()

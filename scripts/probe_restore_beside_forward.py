@@ -8,12 +8,13 @@ probe times the 16-row tail graph over a prefix already in L1, each launch queue
 sleep kernel (so the host's enqueue is off the clock), with:
   plain        no copy: the engine's plain graph
   flags_set    the restore variant of the graph, its layer flags already set (the waits' own cost)
-  dma          the restore variant behind a real restore of as many pages by the 2-D DMAs
+  dma          the restore variant behind a real restore of as many pages by the 2-D DMAs (all in
+               layers: the engine's DMA restores longer than their forward move some pages whole first)
   kernelN      ... by the copy kernel with N programs
 The copies write pages at the end of the L1 pool that nothing reads (their bytes do not matter to
 the timing). Each row prints the device ms per round and the median host ms of the copy's enqueue.
 Session 26 found this way that the copy kernel slows a 16-row forward by ~0.2 ms at 350 tokens
-whatever its program count, and that at 1,000-2,000 tokens 64 programs end the forward 0.2-0.7 ms
+at 16-64 programs (more at 8 or 128), and that at 1,000-2,000 tokens 64 programs end the forward 0.2-0.7 ms
 sooner than 16 (docs/benchmarks.md).
 
     python3 scripts/probe_restore_beside_forward.py
@@ -38,7 +39,7 @@ from scheduler.engine import Engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 from scheduler.runner import BatchInput  # noqa: E402
 
-SLEEP_CYCLES = 3_000_000  # ~1.5 ms on the H200: the enqueue and the launch land behind it
+SLEEP_CYCLES = 6_000_000  # ~3 ms on the H200: the enqueue (DMAs: up to ~0.95 ms) and the launch land behind it
 
 
 def parse_variant(name: str) -> tuple[str, int]:
@@ -92,14 +93,18 @@ async def run(args) -> None:
                     t0 = time.perf_counter()
                     if kind in ("dma", "kernel"):
                         tx.kernel_max_pages = 0 if kind == "dma" else 1 << 30
-                        tx.host_copy.programs["h2d"] = progs or programs["h2d"]
+                        tx.host_copy.programs["beside_forward"] = progs or programs["beside_forward"]
                         tr = tx.h2d_layerwise(host, spare)
+                        if tr is None:
+                            raise SystemExit("no layer-ordered restore for these pages: nothing to time")
                     enqueue = time.perf_counter() - t0
                     binput.wait_restore = kind != "plain"
                     binput.restore_epoch = tr.epoch if tr is not None else epoch
                     handle = runner.launch(binput)
                     end.record()
                     await runner.collect(handle)
+                    if binput.wait_restore and runner.restore_wait_timed_out():
+                        raise SystemExit(f"{v}: a layer wait gave up: that forward's time means nothing")
                     if tr is not None:
                         tx.wait_blocking(tr)
                         epoch = tr.epoch

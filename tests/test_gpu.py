@@ -40,7 +40,7 @@ def test_graphs_equal_eager():
     ("l2", True, True, 1024, False), ("l2", True, True, 0, False), ("l2", True, False, 1024, False),
     ("l2", False, True, 1024, False), ("l3", True, True, 1024, False), ("l2", True, True, 0, True)])
 def test_restores_equal_recompute_on_gpu(tier, overlap, graphs, kernel_tokens, whole, monkeypatch):
-    """kernel_tokens: restores up to this long by the copy kernel (the default), 0: by 2-D DMAs
+    """kernel_tokens: restores up to this long by the copy kernel (1024; the default is 4096), 0: by 2-D DMAs
     (the tiny model's 2 KiB slabs would take the kernel anyway: allowed 2-D DMAs here). whole: every
     layer-ordered restore moves all but its last page whole first (its forward is far shorter than
     the tiny model's restores would need for the engine to choose that itself)."""

@@ -364,3 +364,37 @@ def test_a_whole_part_that_fails_midway_completes_after_its_queued_scatters():
     assert te.layer_kernel_stream.query()  # nothing of the transfer still runs once it completed
     assert te.layer_flags.flags.tolist() == [tr.epoch] * 4
     te.close()
+
+
+def test_only_a_restore_a_forward_waits_beside_takes_the_wide_copy_kernel():
+    """Session 26: a layer-ordered restore by the copy kernel launches `beside_forward_programs`
+    (its forward waits for it as it lands); the classic H2D of fragmented L2 pages (nothing runs
+    beside it but other requests' decode) and a fragmented backup keep BACKGROUND_PROGRAMS. The
+    grids are recorded at the launch; the copies still land."""
+    from hicache.geometry import KVGeometry
+    from hicache.pools import DevicePool, HostPool
+    from hicache.transfer import TransferEngine
+    from kernels import host_copy
+    from kernels.chooser import choose_backends
+
+    geo = KVGeometry(num_layers=4, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
+    l1, l2 = DevicePool(geo, 256, torch.device("cuda")), HostPool(geo, 256, pin=True)
+    l2.page_buffer.copy_(torch.randn(l2.page_buffer.shape).to(l2.page_buffer.dtype))
+    te = TransferEngine(l1, l2, choose_backends(l1.kv, "torch"), kernel_max_pages=64)
+    launched, run = [], te.host_copy._run
+
+    def record(kernel, grid, stream, *args):
+        launched.append((kernel, grid))
+        run(kernel, grid, stream, *args)
+    te.host_copy._run = record
+    wide = host_copy.beside_forward_programs(torch.cuda.get_device_properties(0).multi_processor_count)
+    te.wait_blocking(te.h2d_layerwise(list(range(32)), list(range(100, 132))))  # layer-ordered, short
+    fragmented = list(range(0, 96, 3))  # 32 runs: more than the DMA plans take
+    te.wait_blocking(te.h2d(fragmented, list(range(200, 232))))
+    assert torch.equal(l1.kv[:, :, 100:132].cpu(), l2.page_buffer[:32].permute(1, 2, 0, 3, 4, 5))
+    assert torch.equal(l1.kv[:, :, 200:232].cpu(), l2.page_buffer[fragmented].permute(1, 2, 0, 3, 4, 5))
+    te.wait_blocking(te.d2h(list(range(100, 132)), list(range(1, 96, 3))))  # a fragmented backup
+    assert torch.equal(l2.page_buffer[1:96:3], l1.kv[:, :, 100:132].cpu().permute(2, 0, 1, 3, 4, 5))
+    assert [grid for _, grid in launched] == [(wide,), (host_copy.BACKGROUND_PROGRAMS,),
+                                              (host_copy.BACKGROUND_PROGRAMS,)]
+    te.close()

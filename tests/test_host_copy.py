@@ -147,24 +147,38 @@ def test_kernel_restore_threshold_is_validated_and_reaches_the_transfer_engine()
     assert not transfer.host_reads  # CPU pools: plain copies, never the kernels
 
 
-def test_restores_launch_more_programs_than_backups_and_never_more_than_items():
-    """A restore's forward waits for its copy, so it gets H2D_PROGRAMS (64: the tail forward behind
-    a 1,000-token restore 0.2 ms sooner than at 16 on the H200, session 26); a backup runs beside
-    decode and keeps D2H_PROGRAMS (16). Either is capped by the launch's items; `programs` sets both."""
+def test_a_restore_beside_its_forward_launches_more_programs_than_background_copies():
+    """A layer-ordered restore's forward waits for its copy, so it gets BESIDE_FORWARD_PROGRAMS
+    (64: the tail forward behind a 1,000-token restore 0.2 ms sooner than at 16 on the H200,
+    session 26); backups run beside decode, and so do restores nothing waits beside (the classic
+    H2D of fragmented pages), and keep BACKGROUND_PROGRAMS (16). Every launch is capped by its items;
+    `programs` sets them all. The grid is recorded where the kernel is launched."""
     l1, l2 = pools(s=64, h=8, d=128, l1_pages=4, l2_pages=4, layers=8)  # 128 KiB slabs: 8 items each
+    counts, flags = torch.zeros(8, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+    many = torch.tensor([[0, 1, 2, 3], [3, 2, 1, 0]], dtype=torch.int32)  # 4 pages x 16 slabs x 8 items
+
+    def grids(copier):
+        launched = []
+        copier._run = lambda kernel, grid, stream, *args: launched.append(grid)
+        copier.h2d_layers(many, counts, flags, 1)
+        copier.h2d_layers(many, counts, flags, 1, beside_forward=False)
+        copier.d2h_pages(many)
+        return launched
+
+    assert host_copy.BESIDE_FORWARD_PROGRAMS == 64 and host_copy.BACKGROUND_PROGRAMS == 16
+    assert grids(host_copy.HostCopy(l2, l1)) == [(64,), (16,), (16,)]
+    assert grids(host_copy.HostCopy(l2, l1, programs=5)) == [(5,), (5,), (5,)]
+    l1, l2 = pools()  # 256-byte slabs, 64 an item: 3 pages are one item
     copier = host_copy.HostCopy(l2, l1)
-    many = torch.zeros((2, 4), dtype=torch.int32)  # 4 pages x 16 slabs x 8 items
-    assert copier._grid(many, "h2d") == (host_copy.H2D_PROGRAMS,) and host_copy.H2D_PROGRAMS == 64
-    assert copier._grid(many, "d2h") == (host_copy.D2H_PROGRAMS,) and host_copy.D2H_PROGRAMS == 16
-    assert host_copy.HostCopy(l2, l1, programs=5)._grid(many, "h2d") == (5,)
-    l1, l2 = pools()  # 256-byte slabs, 64 an item
-    assert host_copy.HostCopy(l2, l1)._grid(torch.zeros((2, 3), dtype=torch.int32), "h2d") == (1,)
+    assert copier._grid(torch.zeros((2, 3), dtype=torch.int32), "beside_forward") == (1,)
+    with pytest.raises(ValueError, match="programs must be >= 1"):
+        host_copy.HostCopy(l2, l1, programs=0)
 
 
-def test_a_restore_takes_at_most_half_the_sms():
+def test_a_restore_beside_its_forward_takes_at_most_half_the_sms():
     """128 programs on the H200's 132 SMs made the forward beside the copy 0.9-2.6 ms slower
-    (session 26): a smaller GPU gets half its SMs, the CPU (no SMs) H2D_PROGRAMS."""
-    assert host_copy.h2d_programs(None) == host_copy.H2D_PROGRAMS
-    assert host_copy.h2d_programs(132) == 64
-    assert host_copy.h2d_programs(58) == 29
-    assert host_copy.h2d_programs(1) == 1
+    (session 26): a smaller GPU gets half its SMs, the CPU (no SMs) BESIDE_FORWARD_PROGRAMS."""
+    assert host_copy.beside_forward_programs(None) == host_copy.BESIDE_FORWARD_PROGRAMS
+    assert host_copy.beside_forward_programs(132) == 64
+    assert host_copy.beside_forward_programs(58) == 29
+    assert host_copy.beside_forward_programs(1) == 1
