@@ -17,7 +17,7 @@ import json
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams
 
@@ -121,9 +121,17 @@ class TextPart(_Strict):
 
 
 class ChatMessage(_Strict):
-    role: StrictStr
+    """The OpenAI API's roles; only an assistant's message may come without content (400 otherwise:
+    a typo'd role or a forgotten content used to be rendered into a prompt the model never saw)."""
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content'")
+        return self
 
     def as_template_dict(self) -> dict:
         content = self.content

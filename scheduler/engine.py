@@ -104,6 +104,7 @@ class Engine:
         self._end_chain = False  # set by _wake_soon, not by _wake_idle: a decode chain stops for it
         self._loop_task: asyncio.Task | None = None
         self._stopping = False
+        self._closing = False  # shutdown(): no new requests; queued ones still run within its grace
         self._batch_id = 0
         self._overlap_counted_ns = 0  # restore_overlapped_s counts decode time up to here (chained spans overlap)
         self.last_batch_seqs = 0  # sequences in the last batch that ended (Restoring.score_outcome)
@@ -177,13 +178,13 @@ class Engine:
     async def start(self) -> None:
         if self._loop_task is None or self._loop_task.done():
             self._wake = asyncio.Event()
-            self._stopping = False
+            self._stopping = self._closing = False
             self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
                     rid: str | None = None) -> Request:
         """Queue a request (raises RequestError on bad input; nothing else is affected)."""
-        if self._stopping:
+        if not self.accepting:
             raise RequestError("the engine is shutting down")
         params = params or SamplingParams()
         self.validate(prompt, params)
@@ -281,13 +282,22 @@ class Engine:
             self._stopping = False
         await self.cache.drain()
 
+    @property
+    def accepting(self) -> bool:
+        """Whether add_request takes new requests (False once shutdown() or stop_loop() began)."""
+        return not (self._closing or self._stopping)
+
     async def shutdown(self, grace_s: float = 0.0) -> None:
-        """Stop admitting; let running requests finish within `grace_s`, abort the rest, drain every
-        transfer and close the tiers (a temporary L3 file is removed)."""
-        self._stopping = True
+        """Take no new requests; let the ones already queued or running finish within `grace_s`,
+        abort the rest, drain every transfer and close the tiers (a temporary L3 file is removed).
+        (Regression: queued requests were never admitted during the grace, which was then waited
+        out in full before they were aborted.)"""
+        self._closing = True
         deadline = time.monotonic() + grace_s
-        while (self.running or self.waiting or self.parked) and time.monotonic() < deadline:
+        while ((self.running or self.waiting or self.parked) and time.monotonic() < deadline
+               and self._loop_task is not None and not self._loop_task.done()):
             await asyncio.sleep(0.01)
+        self._stopping = True
         for rid in list(self.requests):
             if not self.requests[rid].state.done:
                 self._aborts.add(rid)

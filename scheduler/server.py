@@ -5,7 +5,7 @@
     GET  /v1/models   GET /health   GET /metrics (Prometheus)   GET /hicache/status (engine.status())
 
 The engine runs on the server's event loop: the app lifespan starts it and, at shutdown, stops
-admitting (503), lets in-flight requests finish within --shutdown-grace-s, aborts the rest, drains
+admitting (503), lets in-flight requests (queued or running) finish within --shutdown-grace-s, aborts the rest, drains
 transfers and removes a temporary L3 file (Engine.shutdown). A client that disconnects has its
 request aborted and its pages freed. Every refused request gets a JSON error body naming the field or
 limit (api_models.APIError); bad input is always a 4xx.
@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from scheduler.api_models import (APIError, Usage, jsonable, parse_request, read_json_body, response_body,
                                   stream_chunk, usage_chunk, validation_error)
@@ -159,7 +160,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     async def models():
         return {"object": "list", "data": [{
             "id": st.model_name, "object": "model", "created": st.created, "owned_by": "hicache",
-            "root": engine.model_id, "max_model_len": engine.usable_l1_pages * engine.page_size}]}
+            "root": engine.model_id, "max_model_len": engine.max_kv_tokens}]}
 
     @app.get("/health")
     async def health():
@@ -205,17 +206,23 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
     arrival = time.perf_counter()
     try:
         st.check_admitting()
+        # the body before a slot: a client stalled mid-upload must not hold one of
+        # --max-concurrent-requests (its size is capped by --max-body-bytes either way)
+        body = await read_json_body(request, st.limits.max_body_bytes)
+        st.check_admitting()
         slot = _Slot(st)
     except APIError:
         st.metrics.outcome("rejected")
         raise
+    except ClientDisconnect:  # the client left while its body was read: nothing to answer
+        st.metrics.outcome("aborted")
+        return Response(status_code=499)
     try:
         if chat and getattr(st.tokenizer, "chat_template", None) is None:
             reason = getattr(st.tokenizer, "no_chat_reason", "the model has no tokenizer")
             raise APIError(400, f"no chat template is available for model {st.model_name!r} ({reason}); "
                                 f"use /v1/completions with a prompt of text or token ids",
                            code="chat_template_unavailable")
-        body = await read_json_body(request, st.limits.max_body_bytes)
         api_req, ids, params = parse_request(
             body, chat, tokenizer=st.tokenizer, served_names=st.served_names, model_name=st.model_name,
             vocab_size=st.engine.vocab_size, prompt_limit=st.prompt_limit, max_tokens_limit=st.max_tokens_limit,
@@ -224,14 +231,14 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
         try:
             ereq = st.engine.add_request(ids, params, rid=rid)
         except RequestError as exc:
-            if st.draining or st.engine._stopping:
+            if st.draining or not st.engine.accepting:
                 raise APIError(503, f"the server is shutting down: {exc}", code="shutting_down") from None
             raise APIError(400, str(exc), param="prompt", code="invalid_request") from None
     except APIError:
         slot.release()
         st.metrics.outcome("rejected")
         raise
-    except BaseException as exc:  # the client went away while its body was read, or a bug (a 500)
+    except BaseException as exc:  # cancelled (the client went away), or a bug (a 500)
         slot.release()
         st.metrics.outcome("aborted" if isinstance(exc, asyncio.CancelledError) else "failed")
         raise

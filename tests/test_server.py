@@ -4,6 +4,7 @@ loopback port (in a background thread, or a subprocess for the signal test), dri
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
@@ -438,3 +439,98 @@ def test_sigterm_exits_cleanly_within_grace_and_removes_temp_l3(tmp_path):
             proc.kill()
             proc.wait()
         log.close()
+
+
+def _outcomes(url: str) -> dict[str, float]:
+    out = {}
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics").text):
+        for sample in fam.samples:
+            if sample.name == "hicache_requests_total":
+                out[sample.labels["outcome"]] = sample.value
+    return out
+
+
+def _half_sent_body(url: str) -> socket.socket:
+    """A connection that sent a completion's headers and half its body, and nothing more."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"prompt\": [1, 2,")
+    return sock
+
+
+def test_requests_queued_at_shutdown_are_served_within_the_grace():
+    """Regression: during the shutdown grace the engine admitted no queued request, waited the whole
+    grace out, then aborted them (503) though they would have finished in a fraction of it. One
+    request runs (--max-running-requests 1) and two wait when the shutdown starts: all three finish,
+    long before the grace ends; a new request is refused."""
+    grace_s = 60.0
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=200, max_new_tokens_limit=64,
+                                 max_running_requests=1))
+    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=grace_s))) as s:
+        def one(i):
+            return httpx.post(s.url + "/v1/completions", timeout=120,
+                              json={"prompt": [1, 2, 4 + i], "max_tokens": 48, "ignore_eos": True})
+        pool = concurrent.futures.ThreadPoolExecutor(3)
+        futures = [pool.submit(one, i) for i in range(3)]
+        deadline = time.monotonic() + 30
+        while (eng := httpx.get(s.url + "/hicache/status").json()["engine"])["waiting"] < 2:
+            assert time.monotonic() < deadline and not any(f.done() for f in futures), eng
+            time.sleep(0.005)
+        t0 = time.monotonic()
+        s.call(s.app.state.hc.begin_shutdown)
+        refused = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
+        results = [f.result() for f in futures]
+        pool.shutdown()
+        assert [r.status_code for r in results] == [200, 200, 200], [r.text[:200] for r in results]
+        assert all(r.json()["usage"]["completion_tokens"] == 48 for r in results)
+        assert refused.status_code == 503
+        assert time.monotonic() - t0 < grace_s / 2
+
+
+def test_a_client_that_leaves_while_its_body_is_read_is_an_abort_not_a_failure():
+    """Regression: starlette raises ClientDisconnect there, which the handler did not expect: a
+    500, an error log with a traceback, and outcome="failed" in the metrics."""
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=64, max_new_tokens_limit=16))
+    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0))) as s:
+        before = _outcomes(s.url)
+        sock = _half_sent_body(s.url)
+        time.sleep(0.3)  # the handler now waits for the rest of the body
+        sock.close()
+        deadline = time.monotonic() + 10
+        while (after := _outcomes(s.url)).get("aborted", 0) == before.get("aborted", 0):
+            assert time.monotonic() < deadline, after
+            time.sleep(0.05)
+        assert after.get("failed", 0) == before.get("failed", 0)
+        assert after["aborted"] == before.get("aborted", 0) + 1
+        assert httpx.post(s.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}).status_code == 200
+
+
+def test_a_stalled_upload_holds_no_generation_slot():
+    """Regression: the slot of --max-concurrent-requests was taken before the body was read, with no
+    time limit on the read: one client stalled mid-upload made every other request a 429."""
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=64, max_new_tokens_limit=16))
+    with ServerThread(create_app(engine, ServerLimits(max_concurrent_requests=1, shutdown_grace_s=1.0))) as s:
+        sock = _half_sent_body(s.url)
+        try:
+            time.sleep(0.3)
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=30)
+            assert r.status_code == 200, r.text
+        finally:
+            sock.close()
+
+
+def test_max_model_len_is_what_a_request_may_use():
+    """Regression: /v1/models advertised the L1 pool's tokens (4,400 here), past the model's 4,096
+    positions, so a prompt sized by it was refused."""
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=1100, max_new_tokens_limit=16))
+    assert engine.max_kv_tokens < engine.usable_l1_pages * engine.page_size
+    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0))) as s:
+        max_len = httpx.get(s.url + "/v1/models").json()["data"][0]["max_model_len"]
+        assert max_len == engine.max_kv_tokens
+        prompt = [3 + i % 250 for i in range(max_len - 1)]  # + one generated token: max_len tokens
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=300)
+        assert r.status_code == 200, r.text
+        # (the last generated token's K/V is never stored: a prompt of max_len tokens still gets one)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": prompt + [5, 6], "max_tokens": 1}, timeout=300)
+        assert r.status_code == 400, r.text

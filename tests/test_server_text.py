@@ -129,3 +129,24 @@ def test_a_chat_without_max_tokens_gets_what_is_left_of_its_context():
     assert params.max_tokens == 64
     _, _, params = parse_request({"prompt": [1, 2]}, False, max_tokens_limit=64, context_tokens=4096, **kw)
     assert params.max_tokens == 16  # a completion keeps OpenAI's legacy default
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "usr", "content": "hi"}],
+    [{"role": "", "content": "hi"}],
+    [{"role": "user"}],
+    [{"role": "system", "content": None}, {"role": "user", "content": "hi"}],
+], ids=["typo-role", "empty-role", "user-no-content", "system-null-content"])
+def test_a_chat_message_with_an_unknown_role_or_no_content_is_a_400(tmp_path, messages):
+    """Regression: any string was a role and any message could lack content; a typo'd role or a
+    forgotten content was rendered into a prompt the model never saw and served with a 200 (OpenAI
+    answers 400). An assistant's message may still come without content."""
+    _write_byte_level_tokenizer(tmp_path)
+    engine = Engine(EngineConfig(model="tiny", device="cpu", max_total_tokens=512))
+    limits = ServerLimits(shutdown_grace_s=1.0, max_tokens_limit=16)
+    with ServerThread(create_app(engine, limits, tokenizer=HFTokenizer(str(tmp_path)))) as s:
+        ok = [{"role": "assistant", "content": None}, {"role": "user", "content": "hi"}]
+        assert httpx.post(s.url + "/v1/chat/completions", json={"messages": ok, "max_tokens": 2}).status_code == 200
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        assert r.status_code == 400, r.text[:200]
+        assert r.json()["error"]["param"] == "messages"
