@@ -5,8 +5,8 @@
     GET  /v1/models   GET /health   GET /metrics (Prometheus)   GET /hicache/status (engine.status())
 
 The engine runs on the server's event loop: the app lifespan starts it and, at shutdown, stops
-admitting (503), lets in-flight requests (queued or running) finish within --shutdown-grace-s, aborts the rest, drains
-transfers and removes a temporary L3 file (Engine.shutdown). A client that disconnects has its
+admitting (503), lets in-flight requests (queued or running) finish within --shutdown-grace-s,
+aborts the rest, drains transfers and removes a temporary L3 file (Engine.shutdown). A client that disconnects has its
 request aborted and its pages freed. Every refused request gets a JSON error body naming the field or
 limit (api_models.APIError); bad input is always a 4xx.
 
