@@ -21,7 +21,8 @@ class Backups:
     """Mixin of `OpRunner`: the backup half of its drivers."""
 
     def write_back_keep(self, node: Node) -> bool:
-        """Eviction veto for write_back: an L1 leaf not yet in L2 is backed up first."""
+        """Eviction veto for write_back: an L1 leaf not yet in L2 is backed up first, unless its last
+        backup failed: then it goes unsaved (as a write-through backup that failed only costs time)."""
         if self.mgr.config.write_policy != "write_back" or node.pages[Tier.L2] is not None:
             return False
         tokens: list[int] = []
@@ -30,6 +31,9 @@ class Backups:
             tokens[:0] = n.key
             n = n.parent
         key = tuple(tokens)
+        if key in self._backup_failed:
+            del self._backup_failed[key]
+            return False
         # kept while a backup of it runs, or waits for the one of its prefix (start_backup defers it)
         return self.start_backup(key) is not None or any(key in waiting for waiting in self._deferred.values())
 
@@ -126,6 +130,9 @@ class Backups:
             apply(op, OpEvent.D2H_DONE)
             self._publish(op, tokens, Tier.L2, host_pages, start)
             self._unlock_all(op)
+            # its L1 pages may be evicted now: a request waiting for pages must not sleep through
+            # the L3 write that follows (regression: it waited for the whole op)
+            self._wake(op)
             n = len(tokens)
             if not mgr.has_l3 or not mgr.worth_writing("l3", n) or not mgr.l3_write_pays_off():
                 if mgr.has_l3:

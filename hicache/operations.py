@@ -58,6 +58,10 @@ class OpRunner(Backups, Restores):
         # once the clients of that step's tokens have run
         self._due: list[tuple[int, ...]] = []
         self._due_scheduled = False
+        # keys whose last backup failed: under write_back their L1 leaf is evicted unsaved on the next
+        # ask instead of vetoed again (regression: while copies kept failing, the veto restarted the
+        # backup on every retry and the request that needed the pages never got them)
+        self._backup_failed: dict[tuple[int, ...], None] = {}
 
     # -- shared helpers ------------------------------------------------------------------------
     def _new(self, kind: OpKind, num_pages: int, request_id: str | None) -> Op:
@@ -159,6 +163,11 @@ class OpRunner(Backups, Restores):
             self._wake(op)
 
     def _fail(self, op: Op, error: str, kind: str) -> None:
+        key = op.payload.get("backup_key") if op.kind is OpKind.BACKUP else None
+        if key is not None:
+            self._backup_failed[key] = None
+            if len(self._backup_failed) > 1024:  # (only the latest matter: their leaves are being evicted)
+                del self._backup_failed[next(iter(self._backup_failed))]
         apply(op, OpEvent.FAIL, error=error)
         self._release(op)
         self.mgr.metrics.count_failure(kind)

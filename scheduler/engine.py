@@ -104,7 +104,7 @@ class Engine:
         self._end_chain = False  # set by _wake_soon, not by _wake_idle: a decode chain stops for it
         self._loop_task: asyncio.Task | None = None
         self._stopping = False
-        self._closing = False  # shutdown(): no new requests; queued ones still run within its grace
+        self._closing = False  # shutdown() began: no new requests ever; queued ones run within its grace
         self._batch_id = 0
         self._overlap_counted_ns = 0  # restore_overlapped_s counts decode time up to here (chained spans overlap)
         self.last_batch_seqs = 0  # sequences in the last batch that ended (Restoring.score_outcome)
@@ -176,9 +176,14 @@ class Engine:
                 f"pool has {self.usable_l1_pages} pages of {self.page_size} tokens for requests")
 
     async def start(self) -> None:
+        """Start the loop (submit() and generate_async() call this); a no-op once shutdown() began:
+        a shut-down engine stays down, and add_request refuses (regression: a request submitted
+        while shutdown drained, or after it, restarted the loop on closed tiers)."""
+        if self._closing:
+            return
         if self._loop_task is None or self._loop_task.done():
             self._wake = asyncio.Event()
-            self._stopping = self._closing = False
+            self._stopping = False
             self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,

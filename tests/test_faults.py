@@ -462,3 +462,88 @@ async def test_cancelled_driver_task_keeps_accounting_whole(when):
     await mgr.drain()  # waits for the abandoned read to settle, then frees the pages
     assert_whole(mgr)
     await mgr.close()
+
+
+# -- found by a bug hunt (session 26) ---------------------------------------------------------------
+_hunt = random.Random(5)
+HUNT_FIRST = [_hunt.randrange(VOCAB) for _ in range(41)]   # 10 full pages published in L1
+HUNT_SECOND = [_hunt.randrange(VOCAB) for _ in range(30)]  # needs 13 of 16 pages: must evict FIRST's
+
+
+@pytest.mark.asyncio
+async def test_write_back_evicts_a_leaf_unsaved_once_its_backup_failed():
+    """Regression: under write_back an L1 leaf not in L2 is backed up before it may go; while every
+    copy failed, each retry of the allocation vetoed the eviction again and started a new backup, so
+    the request that needed the pages never got them (thousands of failed backups in 5 s). Now a
+    leaf whose backup failed is evicted unsaved, as a failed write-through backup only costs time."""
+    faults = FaultInjector()
+    eng = make_engine(faults, num_pages=16, write_policy="write_back", storage_ratio=0.0)
+    await eng.start()
+    [first] = await eng.generate_async([HUNT_FIRST], SamplingParams(max_tokens=1, ignore_eos=True))
+    assert first.finish_reason == "length"
+    faults.arm(Fault.TRANSFER_RAISE, times=None)  # every L1 <-> L2 copy fails from now on
+    task = asyncio.ensure_future(eng.generate_async([HUNT_SECOND], SamplingParams(max_tokens=20, ignore_eos=True)))
+    done, _ = await asyncio.wait({task}, timeout=10)
+    failed_backups = eng.metrics()["failures"].get("transfer", 0)
+    faults.disarm()
+    [second] = await asyncio.wait_for(task, 30)
+    assert done, f"no progress in 10 s while {failed_backups} backups failed"
+    assert second.finish_reason == "length" and failed_backups <= 2
+    eng.check_integrity()
+    await eng.shutdown()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through"])
+async def test_a_request_waiting_for_pages_a_backup_freed_is_not_held_by_its_l3_write(write_policy):
+    """Regression: a backup unlocks its L1 source once its D2H published the pages in L2, then
+    writes L3; the loop was woken only when the whole op ended, so a request waiting for those
+    (now evictable) pages slept through the L3 write."""
+    eng = make_engine(num_pages=16, write_policy=write_policy)
+    await eng.start()
+    l3_write = WriteGate(eng)  # L3 writes complete only when released
+    d2h = TransferGate(eng, "d2h") if write_policy == "write_through" else None
+    try:
+        first = eng.add_request(HUNT_FIRST, SamplingParams(max_tokens=1, ignore_eos=True))
+        await until(lambda: first.state.done)
+        if d2h is not None:  # the write-through backup holds FIRST's 10 L1 pages while its D2H runs
+            await until(lambda: live_in(eng, OpState.D2H_PENDING))
+        second = eng.add_request(HUNT_SECOND, SamplingParams(max_tokens=20, ignore_eos=True))
+        if d2h is not None:
+            await asyncio.sleep(0.05)
+            assert not second.output  # its pages are locked by the D2H
+            d2h.release.set()
+        await until(lambda: live_in(eng, OpState.H2S_PENDING))  # in L2, unlocked; the L3 write held
+        await until(lambda: eng.cache.tree.evictable_pages(Tier.L1) >= 10)
+        await until(lambda: bool(second.output), timeout_s=5.0)
+        assert live_in(eng, OpState.H2S_PENDING)  # served while the L3 write is still held
+    finally:
+        l3_write.release()
+        if d2h is not None:
+            d2h.release.set()
+    await until(lambda: second.state.done, timeout_s=30.0)
+    assert second.finish_reason == "length"
+    await eng.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_shut_down_engine_stays_down():
+    """Regression: start() (which submit() and generate_async() call) reset the stop flags and
+    started a new loop whenever none was held, and shutdown() drops its loop before it closes the
+    tiers: a request submitted while shutdown drained, or after it, was served on closing tiers and
+    left a loop running."""
+    eng = make_engine()
+    await eng.start()
+    gate = TransferGate(eng, "d2h")  # the prompt's write-through backup stays in flight
+    await run_one(eng, max_tokens=1)
+    await until(lambda: live_in(eng, OpState.D2H_PENDING))
+    closing = asyncio.create_task(eng.shutdown())
+    await until(lambda: eng._loop_task is None)  # shutdown is draining the backup
+    with pytest.raises(RequestError, match="shutting down"):
+        async for _ in eng.submit(OTHER, SamplingParams(max_tokens=4)):
+            pass
+    gate.release.set()
+    await asyncio.wait_for(closing, 10)
+    assert eng._loop_task is None
+    [res] = await asyncio.wait_for(eng.generate_async([PROMPT], SamplingParams(max_tokens=4)), 10)
+    assert res.finish_reason == "error" and not res.output_ids and eng._loop_task is None

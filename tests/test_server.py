@@ -461,29 +461,34 @@ def _half_sent_body(url: str) -> socket.socket:
 
 def test_requests_queued_at_shutdown_are_served_within_the_grace():
     """Regression: during the shutdown grace the engine admitted no queued request, waited the whole
-    grace out, then aborted them (503) though they would have finished in a fraction of it. One
-    request runs (--max-running-requests 1) and two wait when the shutdown starts: all three finish,
-    long before the grace ends; a new request is refused."""
+    grace out, then aborted them (503) though they would have finished in a fraction of it. One long
+    request runs (--max-running-requests 1) and two short ones wait when the shutdown starts: all
+    three finish, long before the grace ends; a new request is refused."""
     grace_s = 60.0
-    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=200, max_new_tokens_limit=64,
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=400, max_new_tokens_limit=800,
                                  max_running_requests=1))
     with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=grace_s))) as s:
-        def one(i):
+        def one(i, max_tokens):
             return httpx.post(s.url + "/v1/completions", timeout=120,
-                              json={"prompt": [1, 2, 4 + i], "max_tokens": 48, "ignore_eos": True})
+                              json={"prompt": [1, 2, 4 + i], "max_tokens": max_tokens, "ignore_eos": True})
+
+        def wait_for(key, n):
+            deadline = time.monotonic() + 30
+            while (eng := httpx.get(s.url + "/hicache/status").json()["engine"])[key] < n:
+                assert time.monotonic() < deadline and not any(f.done() for f in futures), eng
+                time.sleep(0.005)
         pool = concurrent.futures.ThreadPoolExecutor(3)
-        futures = [pool.submit(one, i) for i in range(3)]
-        deadline = time.monotonic() + 30
-        while (eng := httpx.get(s.url + "/hicache/status").json()["engine"])["waiting"] < 2:
-            assert time.monotonic() < deadline and not any(f.done() for f in futures), eng
-            time.sleep(0.005)
+        futures = [pool.submit(one, 0, 700)]
+        wait_for("running", 1)
+        futures += [pool.submit(one, i, 8) for i in (1, 2)]
+        wait_for("waiting", 2)
         t0 = time.monotonic()
         s.call(s.app.state.hc.begin_shutdown)
         refused = httpx.post(s.url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 2})
         results = [f.result() for f in futures]
         pool.shutdown()
         assert [r.status_code for r in results] == [200, 200, 200], [r.text[:200] for r in results]
-        assert all(r.json()["usage"]["completion_tokens"] == 48 for r in results)
+        assert [r.json()["usage"]["completion_tokens"] for r in results] == [700, 8, 8]
         assert refused.status_code == 503
         assert time.monotonic() - t0 < grace_s / 2
 
