@@ -216,7 +216,10 @@ class PageAllocator:
         free = np.flatnonzero(self.owner == FREE)
         breaks = np.flatnonzero(np.diff(free) != 1) + 1
         want = sorted((len(r), int(r[0])) for r in np.split(free, breaks) if len(r))
-        if want != self._runs or len(self._run_at) != len(self._runs):
+        # (all three indexes: freeing merges neighbours through _run_ending and _run_at, so a stale
+        # entry there would merge across pages the tree owns; the referee used to miss it)
+        if (want != self._runs or self._run_at != {start: length for length, start in want}
+                or self._run_ending != {start + length: start for length, start in want}):
             raise AssertionError(f"{self.name}: free-run index disagrees with the owner table")
         for claim, pages in self._held.items():
             if sorted(pages) != np.flatnonzero(self.owner == claim).tolist():

@@ -171,6 +171,9 @@ class Backups:
             self._unlock_all(op)
             mgr.metrics.backups_done += 1
         finally:
+            # (the key goes with it: a cancelled task's done-callback must not clear it a second
+            # time, under a newer backup of the same tokens; regression)
+            op.payload.pop("backup_key", None)
             self._backing_up.discard(tokens)
             later = self._deferred.pop(tokens, [])
             if op.succeeded:  # (a failed or cancelled one drops them)

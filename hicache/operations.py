@@ -89,8 +89,11 @@ class OpRunner(Backups, Restores):
     def _close_claim(self, op: Op, tier: Tier) -> None:
         claim = op.payload["claims"].pop(tier, None)
         if claim is not None:
-            # L3 slots freed here hold nothing readable: a write invalidates its slots when submitted
-            # and validates them only on success; duplicates were invalidated in _publish
+            # L3 slots freed here must hold nothing readable: a write invalidates its slots when
+            # submitted and validates them on success, so a backup cancelled after its write
+            # succeeded (or a duplicate) leaves valid slots behind: invalidated here
+            if tier is Tier.L3:
+                self._invalidate_l3(self.mgr.allocator(tier).pages_of(claim))
             self.mgr.release_claim(claim, tier)
 
     def _publish(self, op: Op, tokens: Sequence[int], tier: Tier, pages: list[int], start: int,
@@ -112,7 +115,7 @@ class OpRunner(Backups, Restores):
     def _register(self, op: Op, coro) -> Op:
         self.live[op.op_id] = op
         task = asyncio.get_running_loop().create_task(self._guard(op, coro))
-        task.add_done_callback(lambda t: self._on_task_cancelled(op, coro) if t.cancelled() else None)
+        task.add_done_callback(lambda t: self._on_task_cancelled(op, coro) if t.cancelled() else self._forget(op))
         self._tasks[op.op_id] = task
         return op
 
@@ -158,8 +161,16 @@ class OpRunner(Backups, Restores):
             self._settle_then_release(op, self._in_flight(op))
             self.mgr.metrics.count_failure("driver")
         finally:
+            # a cancelled driver stays listed until its done-callback has queued the settling of its
+            # pages (regression: a drain starting in between saw neither and returned with them held)
+            task = asyncio.current_task()
+            if task is None or not task.cancelling():
+                self._forget(op)
+
+    def _forget(self, op: Op) -> None:
+        """The driver of `op` has ended: unlist it and wake the loop (once)."""
+        if self._tasks.pop(op.op_id, None) is not None:
             self.live.pop(op.op_id, None)
-            self._tasks.pop(op.op_id, None)
             self._wake(op)
 
     def _fail(self, op: Op, error: str, kind: str) -> None:
@@ -303,7 +314,14 @@ class OpRunner(Backups, Restores):
             pages = node.pages[Tier.L3]
             if pages is not None and bad.intersection(pages) and node.locks[Tier.L3] == 0:
                 if node.parent is not None:  # still in the tree
-                    self.mgr.tree.drop(node, Tier.L3)
+                    self._invalidate_l3(self.mgr.tree.drop(node, Tier.L3))
+
+    def _invalidate_l3(self, slots: list[int]) -> None:
+        """Slots leaving the tree other than by eviction (which invalidates them itself) stop being
+        readable in the store, so a stale read of one fails its checks (regression: they stayed
+        valid, and `valid_slots` drifted from what the tree holds)."""
+        if slots and self.mgr.store is not None:
+            self.mgr.store.invalidate(slots)
 
     def _read_bytes(self, op: Op) -> int:
         """What an L3 op reads: its pages [l2, l3) (`_start_s2h`), not its longest copy (num_pages)."""
