@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import structlog
 import torch
 
-from hicache.allocator import PageAllocator
+from hicache.allocator import FREE, PageAllocator
 from hicache.config import HiCacheConfig
 from hicache.cost_model import CostModel, Decision
 from hicache.faults import FaultInjector
@@ -81,6 +81,7 @@ class CacheManager:
                                                kernel_max_pages=cfg.kernel_restore_max_tokens // self.page_size)
         self.tree = RadixTree(self.page_size, allocators)
         self.tree.on_evict = self._on_evict
+        self.tree.on_drop = self._on_drop
         self.cost = CostModel(cfg, geometry.bytes_per_token)
         self.cost.learning = not simulate  # simulated copies take no time: keep the priors
         self.runner = OpRunner(self)
@@ -127,6 +128,12 @@ class CacheManager:
         shared = tier is Tier.L3 and getattr(self.store, "content_addressed", False)
         if tier in self.reuse and not self._flushing and not shared:
             self.reuse[tier].on_evicted(len(pages))
+        if tier is Tier.L3 and self.store is not None:
+            self.store.invalidate(pages)
+
+    def _on_drop(self, tier: Tier, pages: list[int]) -> None:
+        """Pages the tree dropped (corrupt or vanished): an L3 slot stops being readable in the store
+        (regression: they stayed valid, and a stale read of a freed slot passed its checks)."""
         if tier is Tier.L3 and self.store is not None:
             self.store.invalidate(pages)
 
@@ -352,3 +359,20 @@ class CacheManager:
     def check_integrity(self) -> None:
         self.tree.check_integrity()
         self.runner.check_integrity()
+        self._check_store()
+
+    def _check_store(self) -> None:
+        """A local L3 store and the tree agree: every L3 page of the tree is readable, and no free
+        slot is (a freed slot left readable would pass a stale read's checks). Stores that hold
+        pages beyond this instance's tree (redis) have no `exists` and are not checked."""
+        if self.store is None or not hasattr(self.store, "exists"):
+            return
+        alloc = self.allocator(Tier.L3)
+        free = [int(s) for s in (alloc.owner == FREE).nonzero()[0]]
+        stale = [s for s, ok in zip(free, self.store.exists(free)) if ok] if free else []
+        if stale:
+            raise AssertionError(f"L3: free slots still readable in the store: {stale[:8]}")
+        held = [p for node in self.tree.iter_nodes() if node.pages[Tier.L3] is not None for p in node.pages[Tier.L3]]
+        unreadable = [p for p, ok in zip(held, self.store.exists(held)) if not ok] if held else []
+        if unreadable:
+            raise AssertionError(f"L3: tree pages not readable in the store: {unreadable[:8]}")

@@ -92,8 +92,9 @@ class OpRunner(Backups, Restores):
             # L3 slots freed here must hold nothing readable: a write invalidates its slots when
             # submitted and validates them on success, so a backup cancelled after its write
             # succeeded (or a duplicate) leaves valid slots behind: invalidated here
-            if tier is Tier.L3:
-                self._invalidate_l3(self.mgr.allocator(tier).pages_of(claim))
+            slots = self.mgr.allocator(tier).pages_of(claim) if tier is Tier.L3 else []
+            if slots and self.mgr.store is not None:
+                self.mgr.store.invalidate(slots)
             self.mgr.release_claim(claim, tier)
 
     def _publish(self, op: Op, tokens: Sequence[int], tier: Tier, pages: list[int], start: int,
@@ -314,14 +315,7 @@ class OpRunner(Backups, Restores):
             pages = node.pages[Tier.L3]
             if pages is not None and bad.intersection(pages) and node.locks[Tier.L3] == 0:
                 if node.parent is not None:  # still in the tree
-                    self._invalidate_l3(self.mgr.tree.drop(node, Tier.L3))
-
-    def _invalidate_l3(self, slots: list[int]) -> None:
-        """Slots leaving the tree other than by eviction (which invalidates them itself) stop being
-        readable in the store, so a stale read of one fails its checks (regression: they stayed
-        valid, and `valid_slots` drifted from what the tree holds)."""
-        if slots and self.mgr.store is not None:
-            self.mgr.store.invalidate(slots)
+                    self.mgr.tree.drop(node, Tier.L3)  # (the manager invalidates the slots: on_drop)
 
     def _read_bytes(self, op: Op) -> int:
         """What an L3 op reads: its pages [l2, l3) (`_start_s2h`), not its longest copy (num_pages)."""

@@ -10,8 +10,8 @@ indices in that tier or None, a lock count and an LRU stamp. Rules (checked by `
     only its own residency; a node leaves the tree when no tier holds it and it has no children;
   - splitting a node splits every tier's pages and copies lock counts to the new upper half.
 Pages move between the tree and the tier allocators only here: `insert` publishes private pages,
-eviction (reported through `on_evict`) and `drop` (corrupt or vanished L3 pages; no `on_evict`)
-free tree pages.
+eviction (reported through `on_evict`) and `drop` (corrupt or vanished L3 pages; reported through
+`on_drop`) free tree pages.
 """
 from __future__ import annotations
 
@@ -89,6 +89,7 @@ class RadixTree:
         # every eviction; entries go stale (evicted, locked, touched since) and are checked when popped
         self._candidates: list[list[tuple[int, int, Node]]] = [[], [], []]
         self.on_evict: Callable[[Tier, Node, list[int]], None] | None = None
+        self.on_drop: Callable[[Tier, list[int]], None] | None = None
 
     # -- matching -----------------------------------------------------------------------------
     def _now(self) -> int:
@@ -327,6 +328,8 @@ class RadixTree:
                 self._maybe_remove(n)
         if above is not None and above.parent is not None and self._is_tier_leaf(above, tier):
             self._offer(above, tier)
+        if freed and self.on_drop is not None:
+            self.on_drop(tier, freed)
         return freed
 
     def _maybe_remove(self, node: Node) -> None:
