@@ -89,7 +89,8 @@ class _SamplingFields(_Strict):
         if self.n not in (None, 1):
             raise APIError(400, f"'n' must be 1 (got {self.n}); this server generates one choice per request",
                            param="n", code="unsupported_value")
-        if self.logprobs not in (None, False, 0):
+        # (0 is not neutral: OpenAI then still returns the sampled tokens' logprobs; `is`, as 0 == False)
+        if self.logprobs is not None and self.logprobs is not False:
             raise APIError(400, "'logprobs' is not supported", param="logprobs", code="unsupported_value")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0.0):
@@ -379,7 +380,8 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
     if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
         raise APIError(400, f"'seed' must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], got {req.seed}",
                        param="seed", code="invalid_value")
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0 if req.temperature is None else req.temperature,
+    # no temperature: OpenAI's default of 1 (it was greedy here, so a seed or top_p alone changed nothing)
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
                           stop_token_ids=req.stop_ids(), ignore_eos=req.ignore_eos)
 

@@ -25,7 +25,10 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
             sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         gen = generators[i]
-        if gen is not None and gen.device != probs.device:
+        # a CPU generator samples on the CPU; any other is on the logits' kind of device (regression:
+        # comparing devices, a generator made for "cuda" is not on "cuda:0", and its CPU sample raised
+        # inside the loop, failing every request of the engine)
+        if gen is not None and gen.device.type == "cpu" and probs.device.type != "cpu":
             choice = torch.multinomial(probs.cpu(), 1, generator=gen).to(probs.device)
         else:
             choice = torch.multinomial(probs, 1, generator=gen)

@@ -312,3 +312,22 @@ def test_l3_prefetch_taken_on_while_verifying_on_gpu(flip):
     assert path == taken + (["FAILED"] if flip else ["H2D_PENDING", "L1_L2_L3"])
     assert again.cached_tokens["l3"] == (0 if flip else len(tokens))
     assert eng.stats["restore_waits_timed_out"] == 0
+
+
+def test_a_seeded_sampled_request_runs_on_cuda_beside_a_greedy_one():
+    """Regression (found on the CPU by reading, seen on the H200 by a probe): the request's generator
+    is made for "cuda" and the logits live on "cuda:0"; sampling compared the devices, took its CPU
+    path with the CUDA generator and raised inside the loop, failing every request of the engine.
+    A seeded request samples, repeats itself, and the greedy one beside it is served."""
+    from scheduler.engine import Engine
+    from scheduler.sampling import sample
+
+    gen = torch.Generator(device=torch.device("cuda")).manual_seed(0)
+    ids = sample(torch.randn(2, 64, device="cuda"), [0.0, 1.0], [1.0, 1.0], [None, gen])
+    assert ids.device.type == "cuda" and 0 <= int(ids[1]) < 64
+    eng = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=256, page_size=16))
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=42, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True)
+    out = eng.generate([[5, 6, 7, 8, 9], [10, 11, 12]], [seeded, greedy])
+    assert [(r.finish_reason, r.error) for r in out] == [("length", None), ("length", None)]
+    assert eng.generate([[5, 6, 7, 8, 9]], seeded)[0].output_ids == out[0].output_ids

@@ -118,14 +118,14 @@ def assert_pools_whole(srv) -> None:
 # -- completions through the openai client --------------------------------------------------------------
 def test_completion_token_ids_and_usage(client):
     prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19]
-    r1 = client.completions.create(model="tiny", prompt=prompt, max_tokens=5)
+    r1 = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
     assert r1.object == "text_completion" and r1.model == "tiny"
     choice = r1.choices[0]
     assert choice.finish_reason == "length" and choice.logprobs is None
     assert len(choice.token_ids) == 5 and isinstance(choice.text, str)
     assert r1.usage.prompt_tokens == 9 and r1.usage.completion_tokens == 5 and r1.usage.total_tokens == 14
     # the same prompt again: its two full pages (8 tokens) come from the cache
-    r2 = client.completions.create(model="tiny", prompt=prompt, max_tokens=5)
+    r2 = client.completions.create(model="tiny", prompt=prompt, max_tokens=5, temperature=0)
     assert r2.choices[0].token_ids == choice.token_ids and r2.choices[0].text == choice.text
     tiers = r2.usage.model_extra["cached_tokens_per_tier"]
     assert r2.usage.prompt_tokens_details.cached_tokens == sum(tiers.values()) == 8
@@ -140,18 +140,19 @@ def test_completion_text_prompt(client):
 
 def test_stop_token_ids(client):
     prompt = [21, 22, 23, 24, 25]
-    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=6).choices[0].token_ids
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0).choices[0].token_ids
     stop = full[2]
     first = full.index(stop)
-    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, extra_body={"stop_token_ids": [stop]})
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"stop_token_ids": [stop]})
     assert r.choices[0].finish_reason == "stop" and r.choices[0].token_ids == full[:first + 1]
     assert r.choices[0].text == ByteTokenizer(512).decode(full[:first])  # the stop token's text is left out
 
 
 def test_streaming_matches_non_streaming(client):
     prompt = [31, 32, 33, 34, 35, 36]
-    ref = client.completions.create(model="tiny", prompt=prompt, max_tokens=6).choices[0]
-    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=6, stream=True,
+    ref = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0).choices[0]
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=6, stream=True, temperature=0,
                                             stream_options={"include_usage": True}))
     *chunks, usage = chunks  # with include_usage OpenAI sends the usage in a last chunk with no choices
     assert [t for c in chunks for t in c.choices[0].token_ids] == ref.token_ids
@@ -310,7 +311,7 @@ async def _run_streams(url: str, bodies: list[dict], disconnect: list[bool]):
 
 def test_200_concurrent_streams_match_sequential_and_disconnects_leak_nothing(srv):
     n = 200
-    bodies = [{"prompt": _prompt(i), "max_tokens": 4} for i in range(n)]
+    bodies = [{"prompt": _prompt(i), "max_tokens": 4, "temperature": 0} for i in range(n)]
     with httpx.Client(base_url=srv.url, timeout=60) as c:
         reference = []
         for b in bodies:  # one by one
@@ -539,3 +540,23 @@ def test_max_model_len_is_what_a_request_may_use():
         # (the last generated token's K/V is never stored: a prompt of max_len tokens still gets one)
         r = httpx.post(s.url + "/v1/completions", json={"prompt": prompt + [5, 6], "max_tokens": 1}, timeout=300)
         assert r.status_code == 400, r.text
+
+
+def test_a_request_without_temperature_samples_at_openais_default_of_1(client):
+    """Regression: a missing temperature meant greedy, so a seed or a top_p alone changed nothing
+    (8 seeds gave one completion); OpenAI's default is 1. The same seed still repeats itself."""
+    prompt = [21, 22, 23, 24]
+    outs = [client.completions.create(model="tiny", prompt=prompt, max_tokens=8, seed=seed,
+                                      extra_body={"ignore_eos": True}).choices[0].token_ids for seed in range(8)]
+    assert len({tuple(o) for o in outs}) > 1
+    at_1 = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, seed=3, temperature=1.0,
+                                     extra_body={"ignore_eos": True}).choices[0].token_ids
+    assert at_1 == outs[3]
+
+
+def test_logprobs_zero_is_refused_like_any_other_count(srv):
+    """Regression: logprobs 0 was taken as a neutral value and answered with "logprobs": null, where
+    OpenAI returns the sampled tokens' logprobs for it; logprobs are not supported: a 400."""
+    r = httpx.post(srv.url + "/v1/completions", json={**GOOD, "logprobs": 0}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    assert httpx.post(srv.url + "/v1/completions", json={**GOOD, "logprobs": None}, timeout=30).status_code == 200

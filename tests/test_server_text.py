@@ -53,7 +53,7 @@ def test_chat_with_template_and_draining(tmp_path):
     with ServerThread(create_app(engine, limits, tokenizer=tokenizer)) as s:
         with openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0) as c:
             messages = [{"role": "user", "content": "hi"}]
-            r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
+            r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
             expected_prompt = len(tokenizer.encode("<user>hi\n<assistant>", add_special_tokens=False))
             assert r.object == "chat.completion" and r.usage.prompt_tokens == expected_prompt
             assert r.choices[0].message.role == "assistant" and len(r.choices[0].model_extra["token_ids"]) == 4
@@ -61,7 +61,8 @@ def test_chat_with_template_and_draining(tmp_path):
             # it used to get the completions' 16), within --max-tokens-limit (64 here)
             free = c.chat.completions.create(model="tiny", messages=messages)
             assert free.usage.completion_tokens == 64 and free.choices[0].finish_reason == "length"
-            chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=4, stream=True))
+            chunks = list(c.chat.completions.create(model="tiny", messages=messages, max_tokens=4, stream=True,
+                                                    temperature=0))
             assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == r.choices[0].message.content
             assert chunks[-1].choices[0].finish_reason == "length"
         # shutting down: new requests and health checks get 503
