@@ -1,6 +1,8 @@
 """Configuration of the cache hierarchy: a frozen dataclass passed in, never a global."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -64,8 +66,10 @@ class HiCacheConfig:
     model_id: str = "unknown"
 
     def __post_init__(self) -> None:
-        if self.host_ratio < 0 or self.storage_ratio < 0:
-            raise ValueError("hicache ratios must be >= 0")
+        for name, flag in (("host_ratio", "--hicache-ratio"), ("storage_ratio", "--hicache-storage-ratio")):
+            ratio = getattr(self, name)
+            if not 0 <= ratio < math.inf:  # (NaN and inf too: int(inf) crashed the pools' sizing)
+                raise ValueError(f"hicache.{name} ({flag}) must be a finite number >= 0, got {ratio!r}")
         if self.io_workers < 1:
             raise ValueError("--hicache-io-workers must be >= 1")
         if self.policy not in ("cost", "always", "never"):
@@ -86,12 +90,12 @@ class HiCacheConfig:
             raise ValueError("--hicache-restore-explore-every must be >= 0")
         if self.kernel_restore_max_tokens < 0:
             raise ValueError("--hicache-kernel-restore-max-tokens must be >= 0")
-        if self.cost_margin <= 0:
-            raise ValueError("--hicache-cost-margin must be > 0")
+        if not 0 < self.cost_margin < math.inf:  # (a NaN margin never restored)
+            raise ValueError(f"--hicache-cost-margin must be a finite number > 0, got {self.cost_margin!r}")
         for name, flag in (("host_size_gb", "--hicache-size-gb"), ("storage_size_gb", "--hicache-storage-size-gb")):
             size_gb = getattr(self, name)
-            if size_gb is not None and not size_gb >= 0:  # (a negative size silently meant no tier; NaN too)
-                raise ValueError(f"hicache.{name} ({flag}) must be >= 0, got {size_gb!r}")
+            if size_gb is not None and not 0 <= size_gb < math.inf:  # (negative: no tier; NaN, inf: a crash)
+                raise ValueError(f"hicache.{name} ({flag}) must be a finite number >= 0, got {size_gb!r}")
         if not self.io_timeout_s > 0:
             raise ValueError(f"hicache.io_timeout_s must be > 0, got {self.io_timeout_s!r}")
 

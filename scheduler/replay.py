@@ -51,7 +51,7 @@ TRACE_DEFAULTS = dict(device="auto", block_tokens=512, max_requests=None, max_ou
                       concurrency=64, l1_tokens=None, l2_tokens=None, l3_tokens=None)
 # The smallest valid value of each replay option that has one (None, not given, is always valid).
 REPLAY_MINIMUMS = dict(block_tokens=1, concurrency=1, max_requests=1, max_input_tokens=1, max_output_tokens=1,
-                       time_scale=0, l1_tokens=1, l2_tokens=1, l3_tokens=0, l3_gib=0)
+                       time_scale=0, l1_tokens=1, l2_tokens=1, l3_tokens=0, l3_gib=0, synth_seed=0)
 POSITIVE_OPTIONS = ("l1_gib", "l2_gib")  # capacities that must be > 0 (0 is no L3 only for L3)
 
 

@@ -30,14 +30,15 @@ from pathlib import Path
 from hicache.ops import TERMINAL, OpKind
 from scheduler.logs import RUN_START_EVENT
 
-REQUEST_STATES = ("queued", "parked", "prefill_start", "prefill_end", "first_token", "finished", "aborted", "failed")
+REQUEST_STATES = ("queued", "parked", "prefill_start", "prefill_end", "first_token", "finished", "aborted", "failed",
+                  "restore_overlap_discarded")
 REQUEST_END_STATES = frozenset({"finished", "aborted", "failed"})
 OP_KINDS = tuple(k.value for k in OpKind)  # backup, restore_l2, restore_l3, prefetch_l3
 OP_END_STATES: dict[str, frozenset[str]] = {k.value: frozenset(s.name for s in TERMINAL[k]) for k in OpKind}
 TIERS = ("l1", "l2", "l3")
 # Name of the phase a request is in after each state.
 REQUEST_PHASES = {"queued": "queued", "parked": "parked (restore)", "prefill_start": "prefill",
-                  "prefill_end": "prefilled", "first_token": "decode"}
+                  "prefill_end": "prefilled", "first_token": "decode", "restore_overlap_discarded": "queued"}
 
 
 @dataclass
@@ -194,7 +195,7 @@ def read_events(path: str | Path, *, bad_lines: list[int] | None = None) -> list
                 continue
             try:
                 obj = json.loads(raw)
-            except (json.JSONDecodeError, UnicodeDecodeError):
+            except (ValueError, UnicodeDecodeError):  # (also valid JSON Python will not read: a huge int)
                 obj = None
             if isinstance(obj, dict):
                 events.append(obj)
@@ -258,11 +259,12 @@ def _add_request(b: _Builder, e: dict) -> bool:
     if not isinstance(rid, str) or state not in REQUEST_STATES:
         return False
     req = b.request_span(rid)
-    first_prefill = state == "prefill_start" and req.first_ns("prefill_start") is None
     req.states.append((state, e["ts_ns"]))
     req.prompt_tokens = req.prompt_tokens if req.prompt_tokens is not None else _opt_int(e.get("prompt_tokens"))
     tier = e.get("restore_tier") if isinstance(e.get("restore_tier"), str) else None
-    if first_prefill:  # hits and the tier actually restored (a failed restore says "none")
+    if state == "prefill_start":  # hits and the tier actually restored: the last admission's (after a
+        # discarded overlapped restore the request is admitted again, restoring nothing; regression:
+        # the first one's restore was shown)
         req.hit_tokens = {t: e[f"hit_{t}"] for t in TIERS if _int(e.get(f"hit_{t}"))}
         req.restore_tier, req.restore_tokens = tier or req.restore_tier, _opt_int(e.get("restore_tokens"))
     elif state == "parked" and req.first_ns("prefill_start") is None:
@@ -322,7 +324,8 @@ def _known_events(tl: Timeline, events: list[dict]) -> list[tuple]:
     """(handler, event) of the events read here, in ts_ns order (stable); others counted in `tl`."""
     known = []
     for e in events:
-        handler = _HANDLERS.get(e.get("event"))
+        name = e.get("event")
+        handler = _HANDLERS.get(name) if isinstance(name, str) else None
         if handler is None:
             tl.num_unknown_events += 1
         elif not _int(e.get("ts_ns")):

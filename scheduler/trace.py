@@ -52,13 +52,12 @@ class TraceError(ValueError):
 
 
 def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """A 64-bit integer (larger ones overflowed float arithmetic and numpy later: a traceback)."""
+    return isinstance(x, int) and not isinstance(x, bool) and -2**63 <= x < 2**63
 
 
 def _is_number(x: object) -> bool:
-    if _is_int(x):
-        return True  # (math.isfinite overflows on a huge int; every int is finite)
-    return isinstance(x, float) and math.isfinite(x)
+    return _is_int(x) or (isinstance(x, float) and math.isfinite(x))
 
 
 def parse_line(line: str, line_no: int) -> TraceRecord | TraceProblem:
@@ -76,18 +75,18 @@ def parse_line(line: str, line_no: int) -> TraceRecord | TraceProblem:
         return TraceProblem(line_no, f"missing field(s): {', '.join(missing)}")
     ts, n_in, n_out, ids = obj["timestamp"], obj["input_length"], obj["output_length"], obj["hash_ids"]
     if not _is_number(ts):
-        return TraceProblem(line_no, f"timestamp must be a finite number, got {ts!r}")
+        return TraceProblem(line_no, f"timestamp must be a finite number, got {str(ts)[:40]}")
     if ts < 0:
         return TraceProblem(line_no, f"negative timestamp {ts}")
     for name, value in (("input_length", n_in), ("output_length", n_out)):
         if not _is_int(value):
-            return TraceProblem(line_no, f"{name} must be an integer, got {value!r}")
+            return TraceProblem(line_no, f"{name} must be a 64-bit integer, got {str(value)[:40]}")
         if value < 0:
             return TraceProblem(line_no, f"negative {name} {value}")
     if n_in == 0:
         return TraceProblem(line_no, "input_length 0: a request needs at least one prompt token")
     if not isinstance(ids, list) or not all(_is_int(h) and h >= 0 for h in ids):
-        return TraceProblem(line_no, "hash_ids must be a list of non-negative integers")
+        return TraceProblem(line_no, "hash_ids must be a list of non-negative 64-bit integers")
     num_blocks_expected = math.ceil(n_in / TRACE_BLOCK_TOKENS)
     if len(ids) != num_blocks_expected:
         return TraceProblem(
