@@ -80,6 +80,7 @@ class LinearCost:
         self._samples: deque[tuple[float, float]] = deque(maxlen=window_samples)
         self._held: deque[tuple[int, float, float]] = deque()  # (sample number, size, seconds) outliers
         self._seen = 0  # samples offered
+        self.learned = 0  # samples learned, not capped by the window (the exploration counts' measure)
         self.held_back = 0  # outliers never confirmed (state())
 
     def observe(self, size: float, seconds: float) -> None:
@@ -101,6 +102,7 @@ class LinearCost:
         self._learn(float(size), float(seconds))
 
     def _learn(self, size: float, seconds: float) -> None:
+        self.learned += 1
         self._samples.append((size, seconds))
         sizes = [x for x, _ in self._samples]
         largest = max(sizes)
@@ -137,7 +139,14 @@ class LinearCost:
             self.fixed_s, self.slope = 0.0, max(0.0, sum_xy / sum_xx)
         else:
             self.fixed_s, self.slope = fixed_s, slope
-        if self.slope > 0:  # (a slope of 0 identifies nothing: the reference stays as it was)
+        sizes = [x for x, _ in self._samples]
+        lo, hi = min(sizes), max(sizes)
+        thr = max(1.0, MIN_SPREAD_FRACTION * hi)
+        supported = min(sum(x - lo > thr for x in sizes), sum(hi - x > thr for x in sizes)) >= 2
+        # a reference (what later outliers are held back against) only from a fit with two samples
+        # at each end of the spread (regression: one slow sample at another size, a GC pause, set
+        # the slope alone and stayed the reference: recompute learned at 162 us/token, not 14)
+        if self.slope > 0 and supported:
             self.reference_slope = self.slope
 
     def predict(self, size: float) -> float:
@@ -199,6 +208,7 @@ class CostModel:
         self._probe_every = {"l2": self.explore_every, "l3": self.explore_every}
         self._probe_out: dict[str, tuple[int, bool]] = {}  # probed tier -> (interval, charge decided)
         self._backups_refused = 0  # in a row, by backup_worth_its_cost
+        self._writes_refused = {"l2": 0, "l3": 0}  # in a row, by worth_writing (its probes)
         if bytes_per_token < 1:
             raise ValueError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
         if not config.recompute_us_per_token > 0:  # (0: recompute looks free and nothing could correct it)
@@ -230,6 +240,7 @@ class CostModel:
             self.directions[direction].observe(num_bytes, seconds)
             if direction in ("h2d", "s2h"):  # the tier was just timed: no need to re-explore it
                 self._not_restored["l2" if direction == "h2d" else "l3"] = 0
+                self._writes_refused["l2" if direction == "h2d" else "l3"] = 0
             elif direction == "d2h":
                 self._backups_refused = 0
 
@@ -283,10 +294,10 @@ class CostModel:
     @property
     def exploring_storage(self) -> bool:
         """Too few timed storage reads to trust the storage estimate yet (cost policy explores)."""
-        return self.learning and self.directions["s2h"].num_samples < self.explore_reads
+        return self.learning and self.directions["s2h"].learned < self.explore_reads
 
     def _host_untimed(self, direction: str) -> bool:
-        return self.learning and self.directions[direction].num_samples < self.explore_host
+        return self.learning and self.directions[direction].learned < self.explore_host
 
     @property
     def exploring_host(self) -> bool:
@@ -435,7 +446,7 @@ class CostModel:
         costs["explore"] = 1.0
         return probe
 
-    def worth_writing(self, tier: str, num_tokens: int) -> bool:
+    def worth_writing(self, tier: str, num_tokens: int, probe: bool = True) -> bool:
         """Admission for a backup into `tier` ("l2" or "l3") of `num_tokens` tokens.
 
         False when a restore from that tier can never beat recompute at its slope-only price, even
@@ -444,7 +455,10 @@ class CostModel:
         slope estimates. (`decide` may still credit an overlapped H2D or an outcome residual below
         zero; writes are judged without either.) While the storage speed is still being explored,
         L3 writes are admitted, and L2 writes while the host link is (something must be read back
-        to time it).
+        to time it). And after `explore_every` refusals in a row one write goes through, as a probe
+        (`probe`: count this ask; False for a look that writes nothing): a refused tier is never
+        read back, so its estimate would never be timed again (regression: one slow H2D estimate
+        stopped every L2 write for good).
         """
         if tier not in ("l2", "l3"):
             raise ValueError(f"write tier must be 'l2' or 'l3', got {tier!r}")
@@ -456,7 +470,14 @@ class CostModel:
         restore_s = num_bytes * self.directions["h2d"].slope
         if tier == "l3":
             restore_s += num_bytes * self.directions["s2h"].slope
-        return self.margin * restore_s < self.recompute_cost_s(num_tokens)
+        if self.margin * restore_s < self.recompute_cost_s(num_tokens):
+            return True
+        if probe and self.learning and self.explore_every:
+            self._writes_refused[tier] += 1
+            if self._writes_refused[tier] >= self.explore_every:
+                self._writes_refused[tier] = 0
+                return True
+        return False
 
     def backup_worth_its_cost(self, new_tokens: int) -> bool:
         """Does an L1 -> L2 backup of `new_tokens` more tokens (beyond what L2 holds) cost less than

@@ -271,7 +271,7 @@ class CacheManager:
         back, or while it feeds an L3 worth writing that gets read back; otherwise only as a probe."""
         if self.config.policy != "cost":
             return True
-        l3_wants_it = self.has_l3 and self.cost.worth_writing("l3", num_tokens) and self.reuse[Tier.L3].productive
+        l3_wants_it = self.has_l3 and self.cost.worth_writing("l3", num_tokens, probe=False) and self.reuse[Tier.L3].productive
         if l3_wants_it:
             return True
         l2 = self.reuse[Tier.L2]

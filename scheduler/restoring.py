@@ -131,16 +131,23 @@ class Restoring:
         # forward (and, below, whose every page can be reserved now: its forward starts before the
         # copy ends) lands layer by layer under that forward
         may_overlap = self._may_overlap(req, m.lengths[Tier.L2], alone, budget)
-        decision = cache.decide(m, overlap_h2d=may_overlap)
-        if decision.tier not in ("l2", "l3"):
-            return None
         # the restore takes L1 pages (and locks the L1 prefix): only out of what no running request
-        # has reserved, or a running request's decode later finds no page (server-test regression)
-        end = max(m.lengths[Tier.L2], m.lengths[Tier.L3])
-        restore_l1_pages = (end - m.lengths[Tier.L1]) // ps
+        # has reserved, or a running request's decode later finds no page (server-test regression).
+        # The room is known before the decision: the overlap's credit is priced only where the
+        # restore and its tail's pages fit now (regression: a restore priced as overlapped was
+        # parked for want of pages and ran its whole H2D, a path its own price said loses)
         cache.lock(m.handles[Tier.L1])
         room = cache.available_l1_pages() - self.reserved_pages
         cache.unlock(m.handles[Tier.L1])
+        l2_end = m.lengths[Tier.L2]
+        may_overlap = may_overlap and (l2_end - m.lengths[Tier.L1]) // ps + self._pages_after(req, l2_end) <= room
+        decision = cache.decide(m, overlap_h2d=may_overlap)
+        if decision.tier not in ("l2", "l3"):
+            return None
+        # (an L2 restore of a longer L3 hit ends at L2: its forward computes the rest; regression:
+        # planned with the L3 end, the gap was learned as the L2 source's overhead)
+        end = l2_end if decision.tier == "l2" else max(m.lengths[Tier.L2], m.lengths[Tier.L3])
+        restore_l1_pages = (end - m.lengths[Tier.L1]) // ps
         if restore_l1_pages > room:
             return None
         overlap = may_overlap and decision.tier == "l2" and restore_l1_pages + self._pages_after(req, end) <= room
