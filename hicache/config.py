@@ -59,8 +59,9 @@ class HiCacheConfig:
     # cost policy: until this many L1 <-> L2 transfers were timed each way, L2 backups are admitted and
     # L2 hits restored whatever the prior says (host_bandwidth_gib_s may be far off); 0: the prior decides
     host_explore_transfers: int = 1
-    # cost policy: after this many hits in a row not restored from a tier, the next one is, so the
-    # model re-times a tier it may be wrong about (a skipped restore is never timed); 0: never
+    # cost policy: after this many hits in a row not restored from a tier, the next one is, and after
+    # this many refused writes to a tier the next one goes through, so the model re-times a tier it
+    # may be wrong about (a skipped restore, an unwritten tier, is never timed); 0: never
     restore_explore_every: int = 32
     # model identity salt for content-addressed (shared) storage keys
     model_id: str = "unknown"

@@ -136,7 +136,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(0: the prior)")
     h.add_argument("--hicache-restore-explore-every", type=int, default=32,
                    help="cost policy: restore one hit after this many in a row were not restored from a tier, "
-                        "to re-time it (0: never)")
+                        "and write one backup after this many refused for a tier, to re-time it (0: never)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
