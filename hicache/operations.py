@@ -42,6 +42,14 @@ _TIER_OF = {"l1": Tier.L1, "l2": Tier.L2, "l3": Tier.L3}
 JIT_ENQUEUE_NS = 20_000_000
 
 
+def learnable(tr) -> bool:
+    """Whether a completed transfer is a cost sample: not when its enqueue took JIT_ENQUEUE_NS or
+    more, which compiled a kernel (a one-time cost), unless it was copied inside its enqueue (the
+    CPU), where a long enqueue is the copy itself (regression: every CPU copy of 20 ms or more was
+    dropped, so a slow host link stayed "untimed" and was restored from for good)."""
+    return tr.synchronous or tr.enqueue_ns < JIT_ENQUEUE_NS
+
+
 class OpRunner(Backups, Restores):
     def __init__(self, mgr: "CacheManager") -> None:
         self.mgr = mgr
@@ -215,7 +223,7 @@ class OpRunner(Backups, Restores):
                   compute_wait_s=tr.compute_wait_ns / 1e9, queue_wait_s=tr.queue_wait_ns / 1e9,
                   seen_wait_s=tr.seen_wait_ns / 1e9, service_s=tr.service_ns / 1e9, end_to_end_s=e2e_s,
                   recurring_s=tr.recurring_ns / 1e9)
-        if tr.enqueue_ns < JIT_ENQUEUE_NS:  # a slower enqueue compiled a kernel: a one-time cost
+        if learnable(tr):
             mgr.cost.observe_transfer(direction, tr.num_bytes, tr.recurring_ns / 1e9)
 
     async def _wait_landed(self, op: Op, future, deadline_s: float) -> None:

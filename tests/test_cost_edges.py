@@ -1,10 +1,12 @@
 """Edges of the cost model found by a bug hunt (session 26), each a regression test: a refused tier
 still gets a write now and then (else it is never timed again); an L2 restore of a longer L3 hit is
 planned with its real tail; the overlap's credit is priced only where the restore can overlap; one
-slow sample never sets the reference slope alone; exploration counts samples beyond the window."""
+slow sample never sets the reference slope alone; exploration counts samples beyond the window; a
+copy done inside its enqueue (the CPU) is learned however long it took."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -243,3 +245,67 @@ def test_cost_model_level_worth_writing_never_probes():
     assert not cm.worth_writing("l2", 350)
     answers = [cm.worth_writing("l2", 350) for _ in range(32)]
     assert any(answers), "a refused tier is never written again, so its estimate can never be corrected"
+
+
+def test_a_transfer_is_a_cost_sample_unless_its_asynchronous_enqueue_compiled_a_kernel():
+    """Regression: on the CPU a transfer is copied inside its enqueue, and every copy of 20 ms or
+    more was dropped as a "JIT compile": a slow host link stayed untimed and was restored from."""
+    from hicache.operations import JIT_ENQUEUE_NS, learnable
+    from hicache.transfer_record import Transfer
+
+    slow = 2 * JIT_ENQUEUE_NS
+    assert learnable(Transfer("h2d", 8, 8 << 20, slow, 0, 0, synchronous=True))
+    assert not learnable(Transfer("h2d", 8, 8 << 20, slow, 0, 0, synchronous=False))
+    assert learnable(Transfer("h2d", 8, 8 << 20, JIT_ENQUEUE_NS // 100, 0, 0, synchronous=False))
+
+
+COPY_S = 0.025  # a 25 ms CPU copy (on the CPU the copy is done inside the enqueue)
+
+
+def _slow_copies(mgr):
+    whole = mgr.transfer._whole  # the CPU path of every whole (non layer-ordered) transfer: the copy
+
+    def slow(*args, **kwargs):
+        time.sleep(COPY_S)
+        return whole(*args, **kwargs)
+
+    mgr.transfer._whole = slow
+
+
+def test_a_slow_synchronous_copy_is_learned_and_a_slow_link_stops_being_restored_from():
+    # prior: the link looks fast enough; recompute costs 10 us a token
+    mgr = make_manager(l1_pages=16, host_pages=64, storage_pages=0, page_size=4, policy="cost",
+                       recompute_us_per_token=10.0, host_explore_transfers=1, restore_explore_every=0)
+    _slow_copies(mgr)
+    cm = mgr.cost
+
+    async def main():
+        picks = []
+        for i in range(6):
+            tokens = tuple(range(1000 * i, 1000 * i + 32))  # 8 pages: 32 tokens
+            write_prefix(mgr, tokens, seed=i)          # write-through backup L1 -> L2 (a D2H), if admitted
+            await mgr.drain()
+            mgr.tree.evict(Tier.L1, mgr.l1.num_pages)  # the prefix now lives in L2 only (if backed up)
+            m = mgr.match(tokens)
+            if m.lengths[Tier.L2] == 0:
+                picks.append("not backed up")
+                continue
+            d = mgr.decide(m)
+            picks.append(d.tier)
+            if d.tier == "l2":
+                op = mgr.runner.start_restore(tokens, m, "l2", f"r{i}")
+                await mgr.runner.wait_op(op)
+            await mgr.drain()
+        return picks
+
+    picks = asyncio.run(main())
+    d2h, h2d = mgr.metrics.directions["d2h"], mgr.metrics.directions["h2d"]
+    assert d2h.count >= 1 and h2d.count >= 1  # the copies ran and were timed in the metrics ...
+    # ... so the model must have learned them: 32 tokens in 25 ms is ~780 us a token, far dearer
+    # than the 10 us a token recompute costs
+    assert cm.directions["d2h"].num_samples > 0, f"no D2H ever learned: the host link stays 'untimed' ({picks})"
+    assert cm.directions["h2d"].num_samples > 0, f"no H2D ever learned: the host link stays 'untimed' ({picks})"
+    assert not cm.exploring_host
+    # once timed, a link 78x slower than recompute is no longer restored from (nor written to)
+    assert cm.decide(0, 32, 0).tier == "l1", picks
+    assert picks[-1] != "l2", picks
