@@ -241,13 +241,15 @@ class OpRunner(Backups, Restores):
         result = await self._await_io(op, future, future, direction, deadline_s)
         stats = self.mgr.metrics.directions[direction]
         e2e_s = (time.monotonic_ns() - t0) / 1e9
-        stats.add(result.num_bytes, queue_wait_s=result.queue_wait_ns / 1e9,
-                  service_s=result.service_ns / 1e9, end_to_end_s=e2e_s, extents=result.num_extents)
         # a read verified after its landing (a prefetch about to be taken on) costs the restore its
         # landing: its checksums run under the H2D and the tail's forward (FileStore.read_pages);
         # counted in full, they would teach the model a read slower than the one the restore waits for
         own_ns = result.until_landed_ns or result.service_ns
-        self.mgr.cost.observe_transfer(direction, result.num_bytes, (result.queue_wait_ns + own_ns) / 1e9)
+        recurring_s = (result.queue_wait_ns + own_ns) / 1e9
+        stats.add(result.num_bytes, queue_wait_s=result.queue_wait_ns / 1e9,
+                  service_s=result.service_ns / 1e9, end_to_end_s=e2e_s, extents=result.num_extents,
+                  recurring_s=recurring_s)
+        self.mgr.cost.observe_transfer(direction, result.num_bytes, recurring_s)
 
     async def _await_io(self, op: Op, io, awaited, direction: str, deadline_s: float | None):
         """Await `awaited` (the I/O future `io`, or its `landed`) with `io` recorded as the op's

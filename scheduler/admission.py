@@ -102,6 +102,12 @@ class Admission(Restoring):
             req.hit_tokens["l1"] = m.lengths[Tier.L1]
             self._plan(req, "l1", None, len(req.prompt) - m.lengths[Tier.L1])
         else:
+            # what the restore brought that L1 still holds (pages evicted since are recomputed:
+            # deepest first, so L3's part, which lies above L2's, goes first)
+            kept = max(0, m.lengths[Tier.L1] - req.restore_l1_start)
+            lost = max(0, req.hit_tokens["l2"] + req.hit_tokens["l3"] - kept)
+            from_l3 = min(lost, req.hit_tokens["l3"])
+            req.hit_tokens.update(l3=req.hit_tokens["l3"] - from_l3, l2=req.hit_tokens["l2"] - (lost - from_l3))
             req.hit_tokens["l1"] = max(0, m.lengths[Tier.L1] - req.hit_tokens["l2"] - req.hit_tokens["l3"])
         l1_len = m.lengths[Tier.L1]
         cache.lock(m.handles[Tier.L1])

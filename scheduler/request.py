@@ -104,6 +104,7 @@ class Request:
     reserved_pages: int = 0      # pages this request may still need (admission reservation)
     hit_tokens: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
     restore_tier: str = "none"
+    restore_l1_start: int = 0     # L1 prefix length when its parked restore started
     restore_op: object = None
     restore_failed: bool = False  # a restore failed: this request recomputes, never retries
     overlap_op: object = None     # a restore its tail forward runs behind (an L2 restore layer by layer, or a

@@ -157,6 +157,7 @@ class Restoring:
             cache.metrics.fallbacks += 1
             return None
         req.restore_op, req.restore_tier = op, decision.tier
+        req.restore_l1_start = m.lengths[Tier.L1]
         l1, l2, l3 = m.lengths
         # an L3 restore reads [max(l1, l2), l3); what L2 already held comes from there
         from_l3 = l3 - max(l1, l2) if decision.tier == "l3" else min(req.promoted_tokens, decision.restore_tokens)
