@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from hicache.config import HiCacheConfig
-from hicache.cost_model import GIB_BYTES, CostModel, LinearCost
+from hicache.cost_model import GIB_BYTES, CostModel
+from hicache.linear_cost import LinearCost
 from hicache.radix import Tier
 from hicache_helpers import make_manager, write_prefix
 from test_faults import PROMPT, REUSABLE, make_engine, run_one

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from hicache.config import HiCacheConfig
-from hicache.cost_model import CONFIRM_WITHIN, GIB_BYTES, CostModel, LinearCost
+from hicache.cost_model import GIB_BYTES, CostModel
+from hicache.linear_cost import CONFIRM_WITHIN, LinearCost
 
 BYTES_PER_TOKEN = 147_456  # Qwen3-4B/8B KV geometry, bf16
 MIB = 1 << 20
