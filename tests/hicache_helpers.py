@@ -110,3 +110,19 @@ def op_transitions(logs: list[dict], kind: str | None = None) -> dict[int, list[
         if e.get("event") == "op" and (kind is None or e["kind"] == kind):
             out.setdefault(e["op_id"], [e["from_state"]]).append(e["to_state"])
     return out
+
+
+async def l3_only_chain(mgr):
+    """Publish a two-node chain (8 tokens, then 8 more) and evict it from L1 and L2: it lives in L3
+    only. Returns (the 16 tokens, their match)."""
+    from hicache.radix import Tier
+
+    a = toks((0, 8))
+    b = a + toks((100, 108))
+    write_prefix(mgr, a)
+    await mgr.drain()
+    write_prefix(mgr, b, 8)
+    await mgr.drain()
+    mgr.tree.evict(Tier.L1, 100)
+    mgr.tree.evict(Tier.L2, 100)
+    return b, mgr.tree.match(b, touch=False)

@@ -13,7 +13,7 @@ from hicache.allocator import PageAllocator
 from hicache.ops import OpState
 from hicache.radix import Tier
 from hicache.storage import StorageError
-from hicache_helpers import assert_whole, flip_l3_byte, make_manager, toks, write_prefix
+from hicache_helpers import assert_whole, flip_l3_byte, l3_only_chain, make_manager, toks, write_prefix
 
 async def _running_backup(mgr, tokens):
     """Publish `tokens` (write-through starts its backup) and let the driver reach its D2H wait."""
@@ -113,15 +113,7 @@ async def test_normal_path_keeps_store_and_tree_in_step():
 @pytest.mark.asyncio
 async def test_slots_dropped_after_a_checksum_failure_stop_being_readable():
     mgr = make_manager()
-    a = toks((0, 8))
-    b = a + toks((100, 108))
-    write_prefix(mgr, a)
-    await mgr.drain()
-    write_prefix(mgr, b, 8)
-    await mgr.drain()
-    mgr.tree.evict(Tier.L1, 100)
-    mgr.tree.evict(Tier.L2, 100)
-    m = mgr.tree.match(b, touch=False)
+    b, m = await l3_only_chain(mgr)
     good_child_slots = m.pages[Tier.L3][2:]  # b's own pages: intact, dropped with their corrupt parent
     flip_l3_byte(mgr, m.pages[Tier.L3][0])
     op = mgr.runner.start_restore(b, m, "l3", "r")

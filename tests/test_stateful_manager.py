@@ -20,8 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from hicache.faults import Fault, FaultInjector
 from hicache.ops import OpState
 from hicache.radix import Tier
-from hicache_helpers import (TIER_LIST, assert_whole, capture_op_logs, flip_l3_byte, l1_bytes, make_manager,
-                             toks, write_prefix)
+from hicache_helpers import (TIER_LIST, assert_whole, capture_op_logs, flip_l3_byte, l1_bytes, l3_only_chain,
+                             make_manager, toks, write_prefix)
 
 
 # -- regression tests (each failed before its fix) -------------------------------------------------
@@ -222,15 +222,7 @@ async def test_checksum_mismatch_drops_a_multi_node_l3_chain():
     """The same drop bug through the driver: a bit flip in the first node's slot of a two-node
     L3-only chain made the restore's failure handling crash and leave an empty node behind."""
     mgr = make_manager()
-    a = toks((0, 8))
-    b = a + toks((100, 108))
-    write_prefix(mgr, a)
-    await mgr.drain()
-    write_prefix(mgr, b, 8)
-    await mgr.drain()
-    mgr.tree.evict(Tier.L1, 100)
-    mgr.tree.evict(Tier.L2, 100)
-    m = mgr.tree.match(b, touch=False)
+    b, m = await l3_only_chain(mgr)
     flip_l3_byte(mgr, m.pages[Tier.L3][0])
     with capture_op_logs() as logs:
         op = mgr.runner.start_restore(b, m, "l3", "r")
