@@ -20,8 +20,14 @@ Variants ("engine" is always timed first as the reference):
   pdl_off_norms    the norms, q/k-norm + RoPE and SiLU kernels without PDL
   pdl_off_all      every Triton kernel without PDL
   embed_kernel     the embedding by its own kernel before layer 0's norm (before session 25)
+  skinny_first_row (timing only: wrong tokens) the skinny projections load and compute their
+                   first input row only, as for one-row decode: what the other rows' input tiles,
+                   re-read by every program, cost a 16-row forward
 Each row prints the median device ms per round (rounds alternate the variants) and whether the
-sampled token equals the engine graph's.
+sampled token equals the engine graph's. --kernels then profiles a few launches of every graph
+(after all timings: torch.profiler's hooks slow a process's later CUDA calls) and prints each
+one's device time by kernel family (scripts/trace_kernels.py), the skinny projections by their
+place in a layer; under PDL a kernel's span includes its programs' wait for the one before.
 """
 from __future__ import annotations
 
@@ -31,9 +37,11 @@ import contextlib
 import random
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -43,6 +51,7 @@ from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 from scheduler.runner import BatchInput  # noqa: E402
+import trace_kernels  # noqa: E402  (this directory, on sys.path above)
 
 SLEEP_CYCLES = 3_000_000  # ~1.5 ms on the H200: the launch's host work lands behind it
 
@@ -80,6 +89,18 @@ def _embed_kernel():
         yield
 
 
+class _FirstRowOnly:
+    """Stands in for skinny_gemm._skinny_kernel: launches it with M = 1 (rows past the first are
+    masked off: their outputs are never written)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda x, w, y, m, n, k, **kw: launch(x, w, y, 1, n, k, **kw)
+
+
 VARIANTS = {
     "pdl_off_attn": lambda: _patched(decode_attention, "pdl", _Pdl(False)),
     "pdl_on_attn": lambda: _patched(decode_attention, "TAIL_PDL", True),
@@ -87,6 +108,7 @@ VARIANTS = {
     "pdl_off_norms": lambda: _patched(fused_ops, "pdl", _Pdl(False)),
     "pdl_off_all": lambda: _patched(pdl, "_enabled", False),
     "embed_kernel": _embed_kernel,
+    "skinny_first_row": lambda: _patched(skinny_gemm, "_skinny_kernel", _FirstRowOnly(skinny_gemm._skinny_kernel)),
 }
 
 
@@ -117,6 +139,7 @@ async def run(args) -> None:
         for v in args.variants:
             variants[(s, v)] = capture(graphs, s, v)
     rng = random.Random(0)
+    all_inputs = {}
     print(f"{'context':>7} {'rows':>4} {'variant':16s} device ms per round   same token")
     for ctx in args.contexts:
         cached = [rng.randrange(1, engine.vocab_size) for _ in range(ctx)]
@@ -129,6 +152,7 @@ async def run(args) -> None:
             n = min(s[1], length)  # the tail a restore of this prompt leaves, or one token
             inputs[s] = BatchInput(list(cached[length - n:length]), [length - n], [n], [pages], [0.0], [1.0], [None],
                                    is_decode=False)
+        all_inputs[ctx] = inputs
         times, tokens = {}, {}
         for _ in range(args.rounds):
             for (s, v), (graph, logits) in variants.items():
@@ -151,7 +175,39 @@ async def run(args) -> None:
         for (s, v), t in times.items():
             same = "yes" if tokens[(s, v)] == tokens[(s, "engine")] else "NO"
             print(f"{ctx:7d} {s[1]:4d} {v:16s} {' '.join(f'{x:.3f}' for x in t):22s} {same}", flush=True)
+    if args.kernels:
+        for ctx, inputs in all_inputs.items():
+            await profile_kernels(engine, graphs, variants, inputs, ctx, args.kernels)
     await engine.shutdown()
+
+
+async def profile_kernels(engine, graphs, variants, inputs, ctx: int, launches: int) -> None:
+    """Device us a forward by kernel family for every (shape, variant) graph: `launches` launches
+    under torch.profiler, each waited for, so each forward is one run of kernels in the trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    columns = {}
+    for (s, v), (graph, logits) in variants.items():
+        graphs.graphs[s], graphs.logits[s] = graph, logits
+        await engine.runner.collect(engine.runner.launch(inputs[s]))
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(launches):
+                await engine.runner.collect(engine.runner.launch(inputs[s]))
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            runs = trace_kernels.forwards(trace_kernels.load(f.name), gap_us=50.0, min_kernels=100)
+        rows = [trace_kernels.summarize(r, [], split_skinny=True) for r in runs]
+        fams = {f for r in rows for f in r["by_family_us"]} | {"idle", "span"}
+        columns[f"{s[1]}r {v}"] = {f: statistics.median(
+            r["span_us"] if f == "span" else r["idle_us"] if f == "idle" else r["by_family_us"].get(f, 0.0)
+            for r in rows) for f in fams} if rows else {}
+    for s in {s for s, _ in variants}:
+        graphs.graphs[s], graphs.logits[s] = variants[(s, "engine")]
+    names = sorted({f for c in columns.values() for f in c}, key=lambda f: (f != "span", f))
+    print(f"\ndevice us a forward by kernel family at {ctx} cached keys (median of {launches} launches, profiled)")
+    print(f"{'family':24s} " + " ".join(f"{c[:22]:>22s}" for c in columns))
+    for f in names:
+        print(f"{f[:24]:24s} " + " ".join(f"{c.get(f, 0.0):22.1f}" for c in columns.values()))
 
 
 def main(argv=None) -> int:
@@ -163,6 +219,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=12, help="timed launches per variant and round")
     ap.add_argument("--pool-tokens", type=int, default=200_000)
+    ap.add_argument("--kernels", type=int, default=0, metavar="N",
+                    help="after the timings, profile N launches of every graph: device us by kernel family")
     args = ap.parse_args(argv)
     args.variants = [v for v in args.variants.split(",") if v and v != "engine"]
     if set(args.variants) - set(VARIANTS):

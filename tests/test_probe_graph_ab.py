@@ -20,7 +20,7 @@ from scheduler.presets import PRESETS  # noqa: E402
 
 def _state():
     return (decode_attention.pdl, decode_attention.TAIL_PDL, skinny_gemm.pdl, fused_ops.pdl, pdl._enabled,
-            fused_ops.add_rms_norm_triton)
+            fused_ops.add_rms_norm_triton, skinny_gemm._skinny_kernel)
 
 
 @pytest.mark.parametrize("variant", list(probe.VARIANTS))
@@ -65,3 +65,13 @@ def test_embedding_kernel_variant_computes_the_same_forward(monkeypatch):
 def test_unknown_variant_is_an_error():
     with pytest.raises(SystemExit):
         probe.main(["--variants", "engine,faster"])
+
+
+def test_first_row_variant_computes_the_first_row_only():
+    """skinny_first_row: row 0 as the real projection, the other rows never written."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = torch.randn(4, 32, generator=gen), torch.randn(48, 32, generator=gen)
+    with probe.VARIANTS["skinny_first_row"]():
+        y = skinny_gemm.linear(x, w)
+    torch.testing.assert_close(y[0], x[0] @ w.T)
+    assert not torch.allclose(y[1:], x[1:] @ w.T)
