@@ -1,11 +1,13 @@
 """Opening the L3 file (hicache/storage.py): a temporary file removed on close, or a user-given
 path opened safely (no symbolic links, no other owner's file, no non-regular file; created 0600,
-truncated: old content is meaningless without this process's slot metadata), each checked for
-room on its filesystem before it is sized."""
+truncated: old content is meaningless without this process's slot metadata; locked, so a second
+store on the same path, in this process or another, is refused instead of truncating and
+overwriting the first's pages), each checked for room on its filesystem before it is sized."""
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
 import stat
 import tempfile
@@ -69,6 +71,11 @@ def _open_path(path: str, size_bytes: int) -> int:
     try:
         st = os.fstat(fd)  # re-check what was really opened (the path may have changed meanwhile)
         _check_existing(path, st)
+        _lock(fd, path)
+    except BaseException:
+        release_file(fd, None)  # (a file another store holds, or one it opened since we created it)
+        raise
+    try:
         _check_free_space(fd, path, size_bytes, st.st_blocks * 512)
         os.ftruncate(fd, 0)  # old content is meaningless: the metadata lives in this process
         os.fchmod(fd, 0o600)
@@ -77,3 +84,12 @@ def _open_path(path: str, size_bytes: int) -> int:
         release_file(fd, path if created else None)
         raise
     return fd
+
+
+def _lock(fd: int, path: str) -> None:
+    """An exclusive advisory lock on the open file, held until its fd closes."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(f"refusing L3 storage path {path!r}: another store has it open (this process or "
+                         f"another); give each engine its own --hicache-storage-path") from None

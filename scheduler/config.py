@@ -103,7 +103,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--enable-hicache", action="store_true")
     h.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 pages = ratio x L1 pages")
     h.add_argument("--hicache-size-gb", type=float, default=None, help="L2 size in GiB (wins over the ratio)")
-    h.add_argument("--hicache-storage-path", default=None)
+    h.add_argument("--hicache-storage-path", default=None,
+                   help="the L3 file (default: a temporary file, removed at exit); truncated at start and "
+                        "locked while the engine runs, so each engine needs its own")
     h.add_argument("--hicache-storage-ratio", type=float, default=2.0, help="L3 pages = ratio x L2 pages")
     h.add_argument("--hicache-storage-size-gb", type=float, default=None)
     h.add_argument("--hicache-storage-backend", default="file", choices=["file", "redis"])

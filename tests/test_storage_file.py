@@ -101,3 +101,24 @@ def test_free_space_check_keeps_refused_existing_file(tmp_path):
     with pytest.raises(ValueError, match="needs"):
         FileStore(SMALL, num_slots=(1 << 50) // SMALL.bytes_per_page, path=str(path))
     assert path.read_bytes() == b"abc"  # refused before truncation
+
+
+def test_second_store_on_the_same_path_refused_and_first_intact(tmp_path):
+    """Two stores on one path (two engines given the same --hicache-storage-path) would truncate
+    and overwrite each other's pages: the second is refused, the first's pages stay readable, and
+    once the first closes the path can be opened again."""
+    path = str(tmp_path / "shared.kv")
+    src = torch.randn(SMALL.page_major_shape(2), generator=torch.Generator().manual_seed(5))
+    first = FileStore(SMALL, num_slots=4, path=path)
+    first.write_pages(src, [0, 1], [2, 3]).result(timeout=10)
+    with pytest.raises(ValueError, match="another store has it open"):
+        FileStore(SMALL, num_slots=4, path=path)
+    with pytest.raises(ValueError, match="another store has it open"):
+        FileStore(SMALL, num_slots=8, path=path)  # a different size would have truncated it too
+    assert os.stat(path).st_size == 4 * SMALL.bytes_per_page
+    dst = torch.zeros_like(src)
+    first.read_pages([2, 3], dst, [0, 1]).result(timeout=10)
+    assert torch.equal(dst, src)
+    first.close()
+    with FileStore(SMALL, num_slots=4, path=path) as again:
+        assert again.exists([0, 1, 2, 3]) == [False] * 4
