@@ -12,13 +12,16 @@ from pathlib import Path
 
 import torch
 import xxhash
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from scheduler.model import Qwen3Model
-from scheduler.presets import ModelConfig
+from scheduler.presets import ModelConfig, config_token_ids
 
 # tensors some checkpoints carry that carry no weights we need
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# dtypes whose values are the weights themselves (int8 / fp8 ones are quantized: they need scales)
+_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_FILE = "model.safetensors.index.json"
 
 
 class CheckpointError(ValueError):
@@ -59,11 +62,27 @@ def export_hf_state_dict(model: Qwen3Model) -> dict[str, torch.Tensor]:
 
 
 def _files(path: Path) -> tuple[Path, list[Path]]:
+    """(config.json, the safetensors files). With model.safetensors.index.json, as in HF, the files its
+    weight_map names (each must be there; other *.safetensors beside them are not the model's)."""
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {str(path)!r} is not a directory")
     config = path / "config.json"
     if not config.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} has no config.json")
+    index = path / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map")
+        except (OSError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a readable safetensors index ({e})") from e
+        if not isinstance(weight_map, dict) or not weight_map or \
+                not all(isinstance(f, str) and f and Path(f).name == f for f in weight_map.values()):
+            raise CheckpointError(f"{index}: its weight_map must map tensor names to file names in the directory")
+        shards = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [s.name for s in shards if not s.is_file()]
+        if absent:
+            raise CheckpointError(f"checkpoint {str(path)!r} lacks {_names(absent)}, named in {INDEX_FILE}")
+        return config, shards
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"checkpoint {str(path)!r} has no *.safetensors file")
@@ -79,9 +98,12 @@ def checkpoint_identity(path: str | Path, chunk_bytes: int = 16 << 20) -> str:
     h = hashlib.sha256(config.read_bytes())
     for shard in shards:
         content = xxhash.xxh3_128()
-        with open(shard, "rb") as f:
-            while block := f.read(chunk_bytes):
-                content.update(block)
+        try:
+            with open(shard, "rb") as f:
+                while block := f.read(chunk_bytes):
+                    content.update(block)
+        except OSError as e:
+            raise CheckpointError(f"cannot read {shard}: {e}") from e
         h.update(f"\0{shard.name}\0{shard.stat().st_size}\0{content.hexdigest()}".encode())
     return "ckpt:" + h.hexdigest()[:16]
 
@@ -92,8 +114,13 @@ def _with_generation_eos(cfg: ModelConfig, path: Path) -> ModelConfig:
     gen = path / "generation_config.json"
     if not gen.is_file():
         return cfg
-    eos = json.loads(gen.read_text()).get("eos_token_id")
-    ids = [int(e) for e in eos] if isinstance(eos, (list, tuple)) else ([] if eos is None else [int(eos)])
+    try:
+        data = json.loads(gen.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"must hold a JSON object, not {type(data).__name__}")
+        ids = config_token_ids(data.get("eos_token_id"), "eos_token_id")
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{gen}: {e}") from e
     extra = tuple(i for i in ids if i not in cfg.eos_token_ids)
     if cfg.eos_token_id is None and extra:
         return dataclasses.replace(cfg, eos_token_id=extra[0], extra_eos_token_ids=extra[1:])
@@ -112,32 +139,19 @@ def load_checkpoint(path: str | Path, device: torch.device | str,
     path = Path(path)
     config_file, shards = _files(path)
     try:
-        cfg = _with_generation_eos(ModelConfig.from_hf_config(json.loads(config_file.read_text())), path)
-    except (ValueError, TypeError) as e:
+        cfg = ModelConfig.from_hf_config(json.loads(config_file.read_text()))
+    except (OSError, ValueError, TypeError) as e:
         raise CheckpointError(f"{config_file}: {e}") from e
+    cfg = _with_generation_eos(cfg, path)
     model = Qwen3Model.empty(cfg, device, dtype)  # uninitialised: every tensor must come from the files
     targets = hf_param_map(model)
     loaded: dict[str, Path] = {}
     unexpected: list[str] = []
     for shard in shards:
-        with safe_open(str(shard), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name == "lm_head.weight" and cfg.tie_word_embeddings:
-                    continue  # tied: the head is the embedding, as in HF
-                if name not in targets:
-                    unexpected.append(f"{name} ({shard.name})")
-                    continue
-                if name in loaded:
-                    raise CheckpointError(f"tensor {name} appears in both {loaded[name].name} and {shard.name}")
-                tensor = f.get_tensor(name)
-                target = targets[name]
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise CheckpointError(f"tensor {name} in {shard.name} has shape {tuple(tensor.shape)}, "
-                                          f"config.json implies {tuple(target.shape)}")
-                target.copy_(tensor)  # casts to dtype, moves to device
-                loaded[name] = shard
+        try:
+            _load_shard(shard, cfg, targets, loaded, unexpected)
+        except (SafetensorError, OSError) as e:  # not a safetensors file, truncated, unreadable
+            raise CheckpointError(f"cannot read {shard}: {e}") from e
     if unexpected:
         raise CheckpointError(f"checkpoint {str(path)!r} has unexpected tensors: {_names(unexpected)}")
     missing = [name for name in targets if name not in loaded]
@@ -145,3 +159,30 @@ def load_checkpoint(path: str | Path, device: torch.device | str,
         hint = " (config.json says tie_word_embeddings=false)" if missing == ["lm_head.weight"] else ""
         raise CheckpointError(f"checkpoint {str(path)!r} lacks tensors{hint}: {_names(missing)}")
     return model, cfg, checkpoint_identity(path)
+
+
+@torch.no_grad()
+def _load_shard(shard: Path, cfg: ModelConfig, targets: dict[str, torch.Tensor], loaded: dict[str, Path],
+                unexpected: list[str]) -> None:
+    """Copy one file's tensors into their targets; records them in `loaded`, strangers in `unexpected`."""
+    with safe_open(str(shard), framework="pt", device="cpu") as f:
+        for name in f.keys():
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                continue  # tied: the head is the embedding, as in HF
+            if name not in targets:
+                unexpected.append(f"{name} ({shard.name})")
+                continue
+            if name in loaded:
+                raise CheckpointError(f"tensor {name} appears in both {loaded[name].name} and {shard.name}")
+            tensor = f.get_tensor(name)
+            target = targets[name]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise CheckpointError(f"tensor {name} in {shard.name} has shape {tuple(tensor.shape)}, "
+                                      f"config.json implies {tuple(target.shape)}")
+            if tensor.dtype not in _WEIGHT_DTYPES:
+                raise CheckpointError(f"tensor {name} in {shard.name} has dtype {tensor.dtype} (quantized?); "
+                                      f"only float16, bfloat16 and float32 weights load")
+            target.copy_(tensor)  # casts to dtype, moves to device
+            loaded[name] = shard

@@ -7,6 +7,7 @@ an arbitrary step, so generations run to their max_new_tokens and lengths stay p
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,34 +72,47 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from a HF Qwen3 config.json dict; missing optional keys take HF's defaults."""
+        """Build from a HF Qwen3 config.json dict; missing optional keys take HF Qwen3Config's defaults.
+
+        Values must have their JSON types (an integer, a number, true/false): a string "false" read as
+        Python's bool("false") tied an untied model's head, a 2.7 was truncated, a bool taken for 1.
+        Settings the model does not implement are refused, not ignored (hidden_act, sliding window,
+        RoPE scaling); rope_theta is also read from transformers 5's "rope_parameters"."""
+        if not isinstance(cfg, dict):
+            raise ValueError(f"config.json must hold a JSON object, not {type(cfg).__name__}")
         model_type = cfg.get("model_type")
         if model_type not in (None, "qwen3"):
             raise ValueError(f"only the Qwen3 architecture is supported, config.json says model_type={model_type!r}")
-        if cfg.get("rope_scaling"):
-            raise ValueError(f"rope_scaling is not supported, config.json has {cfg['rope_scaling']!r}")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"only hidden_act 'silu' is supported, config.json says {cfg['hidden_act']!r}")
+        if _flag(cfg, "use_sliding_window", False) and cfg.get("sliding_window") is not None:
+            raise ValueError(f"sliding-window attention is not supported, config.json has use_sliding_window=true "
+                             f"and sliding_window={cfg['sliding_window']!r}")
+        rope_theta = _rope_theta(cfg)
 
         def need(key: str) -> Any:
             if key not in cfg:
                 raise ValueError(f"config.json lacks required key {key!r}")
             return cfg[key]
 
-        num_heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
+        num_heads = _int(need("num_attention_heads"), "num_attention_heads")
         eos = cfg.get("eos_token_id")
-        eos_ids = [int(e) for e in eos] if isinstance(eos, (list, tuple)) else ([] if eos is None else [int(eos)])
+        eos_ids = config_token_ids(eos, "eos_token_id")
+        hidden = _int(need("hidden_size"), "hidden_size")
+        # absent: Qwen3Config's default, 128 (not hidden // heads); null: what that would be without heads
+        kv_heads, head_dim = cfg.get("num_key_value_heads"), cfg.get("head_dim", 128)
         return cls(
-            vocab_size=int(need("vocab_size")),
+            vocab_size=_int(need("vocab_size"), "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=_int(need("intermediate_size"), "intermediate_size"),
+            num_layers=_int(need("num_hidden_layers"), "num_hidden_layers"),
             num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 40960)),
+            num_kv_heads=num_heads if kv_heads is None else _int(kv_heads, "num_key_value_heads"),
+            head_dim=hidden // num_heads if head_dim is None else _int(head_dim, "head_dim"),
+            rope_theta=rope_theta,
+            rms_norm_eps=_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
+            tie_word_embeddings=_flag(cfg, "tie_word_embeddings", False),
+            max_position_embeddings=_int(cfg.get("max_position_embeddings", 40960), "max_position_embeddings"),
             eos_token_id=eos_ids[0] if eos_ids else None,
             extra_eos_token_ids=tuple(eos_ids[1:]),
         )
@@ -123,6 +137,58 @@ class ModelConfig:
             "hidden_act": "silu",
             "attention_bias": False,
         }
+
+
+def _int(value: Any, key: str) -> int:
+    """A config.json integer (an integral float such as 64.0 too); never a bool, string or fraction."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value):
+        raise ValueError(f"config.json's {key} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _float(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"config.json's {key} must be a (finite) number, got {value!r}")
+    return float(value)
+
+
+def _flag(cfg: dict[str, Any], key: str, default: bool) -> bool:
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ValueError(f"config.json's {key} must be true or false, got {value!r}")
+    return value
+
+
+def config_token_ids(value: Any, key: str) -> list[int]:
+    """An end-token id, a list of them, or null -> the ids."""
+    values = value if isinstance(value, (list, tuple)) else ([] if value is None else [value])
+    return [_int(v, key) for v in values]
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    """rope_theta of a config.json: top-level (transformers 4) or in "rope_parameters" (transformers 5).
+    Any RoPE type other than "default" (yarn, linear, dynamic, ...) is a scaling this model lacks."""
+    theta = cfg.get("rope_theta")
+    for key in ("rope_scaling", "rope_parameters"):
+        rope = cfg.get(key)
+        if not rope:  # null, {}: no scaling
+            continue
+        if not isinstance(rope, dict):
+            raise ValueError(f"config.json's {key} must be an object, got {rope!r}")
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            raise ValueError(f"RoPE scaling is not supported, config.json has {key}={rope!r}")
+        if rope.get("rope_theta") is not None:
+            if theta is not None and _float(rope["rope_theta"], key) != _float(theta, "rope_theta"):
+                raise ValueError(f"config.json has rope_theta={theta!r} and {key}.rope_theta="
+                                 f"{rope['rope_theta']!r}")
+            theta = rope["rope_theta"]
+    theta = _float(10000.0 if theta is None else theta, "rope_theta")
+    if theta <= 0:
+        raise ValueError(f"config.json's rope_theta must be > 0, got {theta!r}")
+    return theta
 
 
 def _qwen3(hidden: int, inter: int, layers: int, heads: int, tied: bool) -> ModelConfig:
