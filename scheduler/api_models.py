@@ -5,8 +5,10 @@
 Request models are strict: unknown fields and wrong JSON types are errors (400), never coerced.
 Token ids are what this engine speaks: `stop` / `stop_token_ids` are token ids (the stop token is in
 `token_ids` but its text is left out), and every choice carries the generated `token_ids` next to
-the text. `read_json_body` (size limits, JSON) and `parse_request` (validation, limits, prompt ids,
-SamplingParams) turn an HTTP body into engine input; `response_body` / `stream_chunk` render results.
+the text. A completion's `prompt` is a string, token ids, or a list holding one of them (OpenAI's
+batch of prompts; a batch of two or more is a 400). `read_json_body` (size limits, JSON) and
+`parse_request` (validation, limits, prompt ids, SamplingParams) turn an HTTP body into engine
+input; `response_body` / `stream_chunk` render results.
 """
 from __future__ import annotations
 
@@ -101,7 +103,8 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: StrictStr | TokenIds
+    # OpenAI's four shapes; a list of prompts is a batch, served when it holds one (parse_request)
+    prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
     echo: StrictBool | None = False
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
@@ -317,6 +320,13 @@ def parse_request(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
         raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
                        param="model", code="model_not_found")
     param = "messages" if chat else "prompt"
+    if not chat and isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
+        # a list of prompts (OpenAI's batch): ["text"] or [[ids]] is that one prompt
+        if len(req.prompt) != 1:
+            raise APIError(400, f"'prompt' holds {len(req.prompt)} prompts; this server takes one prompt per "
+                                f"request (a string, a list of token ids, or a list holding one of them)",
+                           param=param, code="unsupported_value")
+        req.prompt = req.prompt[0]
     _check_unicode(req, param)
     if chat:
         try:

@@ -45,7 +45,7 @@ from scheduler.engine import Engine
 from scheduler.prom import ServerMetrics
 from scheduler.request import Request as EngineRequest
 from scheduler.request import RequestError
-from scheduler.tokenizer import IncrementalDecoder, load_tokenizer
+from scheduler.tokenizer import IncrementalDecoder, completion_context, decode_completion, load_tokenizer
 
 log = structlog.get_logger("scheduler.server")
 
@@ -369,7 +369,7 @@ class _Generation:
         if fin.finish_reason not in ("length", "stop"):
             raise self._fail(fin)
         shown = ids if not ids or self._shows_text(ids[-1], fin) else ids[:-1]
-        text = self.st.tokenizer.decode(shown) if self.st.tokenizer is not None else ""
+        text = "" if self.st.tokenizer is None else decode_completion(self.st.tokenizer, self._context(), shown)
         return JSONResponse(response_body(self.chat, self.req.rid, self.created, self.st.model_name, text,
                                           fin.finish_reason, ids, self._usage()))
 
@@ -389,8 +389,13 @@ class _Generation:
                              None if self._includes_usage else False)
         return f"data: {json.dumps(chunk)}\n\n"
 
+    def _context(self) -> list[int]:
+        """A completion's text continues its prompt's (a chat's answer is a new message: no context)."""
+        return [] if self.chat else self.req.prompt
+
     async def sse(self):
-        decoder = IncrementalDecoder(self.st.tokenizer) if self.st.tokenizer is not None else None
+        tok = self.st.tokenizer
+        decoder = None if tok is None else IncrementalDecoder(tok, completion_context(tok, self._context()))
         first = True
         try:
             async for token, fin in self.steps():

@@ -4,7 +4,9 @@ Two tokenizers, chosen by `load_tokenizer(model, vocab_size)`:
 
 * `HFTokenizer` — a checkpoint directory with a `tokenizer.json` (the `tokenizers` library). When the
   directory's `tokenizer_config.json` carries a `chat_template` (and jinja2 is importable) the
-  tokenizer can render chat messages; `/v1/chat/completions` is served only then.
+  tokenizer can render chat messages; `/v1/chat/completions` is served only then. The template sees
+  what transformers gives it: tools=None, documents=None, bos/eos_token, raise_exception,
+  strftime_now, and a `tojson` that does not HTML-escape.
 
 * `ByteTokenizer` — the documented fallback for the random-weight presets (tiny, qwen3-*), which ship
   no vocabulary. Text is encoded as its UTF-8 bytes shifted by `BYTE_OFFSET`:
@@ -16,12 +18,15 @@ Two tokenizers, chosen by `load_tokenizer(model, vocab_size)`:
   and every other id (reserved, or >= 259 — a random-weight model emits those freely) is rendered as
   the placeholder "<id:N>". There are no special tokens, no BOS/EOS and no chat template.
 
-`IncrementalDecoder` turns a stream of ids into text deltas (used by the streaming endpoints): it
-re-decodes a short window of recent ids and holds back text while it ends in an incomplete UTF-8
-character, so the concatenated deltas equal the text of the whole sequence.
+`IncrementalDecoder` turns a stream of ids into text deltas: it re-decodes a short window of recent
+ids and holds back text while it ends in an incomplete UTF-8 character. A completion is decoded after
+the last few prompt ids (`completion_context`), so its text is what continues the prompt's text (a
+SentencePiece "▁Paris" is " Paris" there); a whole response is decoded the same way as a stream
+(`decode_completion`), so streamed and non-streamed responses carry the same text.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from collections.abc import Sequence
@@ -111,7 +116,8 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if self.chat_template is None:
             raise ValueError(self.no_chat_reason)
-        text = self._compiled.render(messages=messages, add_generation_prompt=True,
+        # what transformers passes: tools / documents are None, not undefined (`tools is not none`)
+        text = self._compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
                                      bos_token=self.bos_token, eos_token=self.eos_token)
         return self.encode(text, add_special_tokens=False)
 
@@ -129,9 +135,18 @@ def _compile_template(template: str):
     def raise_exception(message: str):
         raise TemplateError(message)
 
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # (jinja's own tojson HTML-escapes <, >, &, ' and ASCII-escapes the rest: not the text models saw)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt: str) -> str:
+        return datetime.datetime.now().strftime(fmt)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])  # as transformers renders
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    env.filters["tojson"] = tojson
     return env.from_string(template)
 
 
@@ -146,14 +161,36 @@ def load_tokenizer(model: str, vocab_size: int) -> ByteTokenizer | HFTokenizer |
         return None
 
 
-class IncrementalDecoder:
-    """Text deltas of a growing id sequence (a window of the last ids is re-decoded each step)."""
+CONTEXT_TOKENS = 5
 
-    def __init__(self, tokenizer) -> None:
+
+def completion_context(tokenizer, prompt: Sequence[int]) -> list[int]:
+    """The last few prompt ids, decoded ahead of a completion so that its text is what continues the
+    prompt's text: a SentencePiece decoder (Llama 2, Mistral) strips the leading space of what it
+    decodes, so "▁Paris" alone is "Paris", after the prompt " Paris". Empty when they end inside a
+    character (the completion's first bytes would complete the prompt's text)."""
+    context = [int(t) for t in prompt[-CONTEXT_TOKENS:]]
+    return [] if tokenizer.decode(context).endswith(_REPLACEMENT) else context
+
+
+def decode_completion(tokenizer, prompt: Sequence[int], ids: Sequence[int]) -> str:
+    """The text of generated `ids` after `prompt`: what a stream of them adds up to. Decoded the
+    way a stream is, not in one go: a byte-fallback decoder turns a whole run of byte tokens into
+    U+FFFDs when the run ends inside a character ("<0x74><0xE4>" is "\ufffd\ufffd", while the
+    stream had already sent the "t")."""
+    decoder = IncrementalDecoder(tokenizer, completion_context(tokenizer, prompt))
+    return "".join(decoder.feed(t) for t in ids) + decoder.flush()
+
+
+class IncrementalDecoder:
+    """Text deltas of a growing id sequence (a window of the last ids is re-decoded each step),
+    after `context` ids whose text is not emitted (completion_context)."""
+
+    def __init__(self, tokenizer, context: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.prefix_offset = 0  # window start: ids before it are already text
-        self.read_offset = 0    # ids before it have been emitted
+        self.ids: list[int] = [int(t) for t in context]
+        self.prefix_offset = 0              # window start: ids before it are already text
+        self.read_offset = len(self.ids)    # ids before it have been emitted
 
     def feed(self, token_id: int) -> str:
         self.ids.append(int(token_id))
