@@ -97,13 +97,16 @@ class OpRunner(Backups, Restores):
     def _close_claim(self, op: Op, tier: Tier) -> None:
         claim = op.payload["claims"].pop(tier, None)
         if claim is not None:
-            # L3 slots freed here must hold nothing readable: a write invalidates its slots when
-            # submitted and validates them on success, so a backup cancelled after its write
-            # succeeded (or a duplicate) leaves valid slots behind: invalidated here
-            slots = self.mgr.allocator(tier).pages_of(claim) if tier is Tier.L3 else []
-            if slots and self.mgr.store is not None:
-                self.mgr.store.invalidate(slots)
-            self.mgr.release_claim(claim, tier)
+            self._free_claim(claim, tier)
+
+    def _free_claim(self, claim, tier: Tier) -> None:
+        """Give a claim's pages back. L3 slots freed here must hold nothing readable: a write
+        invalidates its slots when submitted and validates them on success, so a backup cancelled
+        after its write succeeded (or a duplicate) leaves valid slots behind: invalidated here."""
+        slots = self.mgr.allocator(tier).pages_of(claim) if tier is Tier.L3 else []
+        if slots and self.mgr.store is not None:
+            self.mgr.store.invalidate(slots)
+        self.mgr.release_claim(claim, tier)
 
     def _publish(self, op: Op, tokens: Sequence[int], tier: Tier, pages: list[int], start: int,
                  keep_claim: bool = False) -> None:
@@ -299,7 +302,7 @@ class OpRunner(Backups, Restores):
             except BaseException:
                 pass
             for tier, claim in claims.items():
-                self.mgr.release_claim(claim, tier)
+                self._free_claim(claim, tier)  # (an abandoned L3 write that finished left its slots valid)
             self._wake(op)
 
         task = asyncio.get_running_loop().create_task(settle())

@@ -93,7 +93,10 @@ class Restores:
             options["hold_checks" if held else "checksums_after_landing"] = True
         future = mgr.store.read_pages(match.pages[Tier.L3][l2 // ps: l3 // ps], mgr.l2.page_buffer, host_pages,
                                       **options)
-        op.payload["read"] = future
+        # in flight from now on, not only once the driver awaits it: a driver task cancelled before
+        # its first step frees the op's pages once this settled (regression: freed at once, the
+        # read then landed in L2 pages a backup had taken meanwhile)
+        op.payload["read"] = op.payload["inflight"] = future
         return future
 
     def start_checks(self, op: Op | None) -> None:
