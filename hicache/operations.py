@@ -358,7 +358,11 @@ class OpRunner(Backups, Restores):
         else:
             self.start_due()
         while self._tasks or self._settling:
-            await asyncio.gather(*list(self._tasks.values()), *list(self._settling), return_exceptions=True)
+            # shielded: a caller that stops waiting (its task cancelled) stops only its wait. A bare
+            # gather cancelled the drivers and the settling tasks it awaited (regression: a settling
+            # task cancelled so freed an abandoned read's pages while the read still ran into them)
+            await asyncio.gather(*(asyncio.shield(t) for t in (*self._tasks.values(), *self._settling)),
+                                 return_exceptions=True)
 
     def check_integrity(self) -> None:
         """Invariant 2: every live op's sources are locked and still in the tree."""

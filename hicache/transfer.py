@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -85,6 +86,8 @@ class TransferEngine(LayeredRestores):
         # queue behind backups' (a busy trace replay had restores waiting ~19 ms each behind them)
         self._waiters = {d: ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"hicache-{d}-wait")
                          for d in ("d2h", "h2d")}
+        # each transfer's completion (wait): awaited again, never run again
+        self._completions: weakref.WeakKeyDictionary[Transfer, asyncio.Future] = weakref.WeakKeyDictionary()
         # layer-ordered restores (h2d_layerwise) have a copy stream of their own: a forward waits on
         # the device for them (kernels/layer_flags.py) and must not also wait for a parked restore's
         # classic H2D queued ahead of them. Behind each layer's DMAs the stream sets that layer's
@@ -387,16 +390,25 @@ class TransferEngine(LayeredRestores):
         """Await completion without spinning the loop; raises TransferError on a failed transfer.
         The transfer's buffers are given back once it has settled, also when the waiter is
         cancelled first (they used to be given back at the cancellation, while the copy still ran
-        into them)."""
-        if tr.event is None and tr.finish is None:
-            try:
-                tr.complete()
-            finally:
-                self._settled(tr)
-        else:
-            done = asyncio.get_running_loop().run_in_executor(self._waiters[tr.direction], tr.complete)
-            done.add_done_callback(lambda _: self._settled(tr))
-            await asyncio.shield(done)
+        into them). A transfer completes once: a later or concurrent wait awaits that completion
+        (regression: a second wait ran a fragmented D2H's CPU index copy again, from a workspace
+        already given back and reused by another transfer)."""
+        done = self._completions.get(tr)
+        if done is None:
+            if tr.event is None and tr.finish is None:
+                done = asyncio.get_running_loop().create_future()
+                try:
+                    tr.complete()
+                    done.set_result(None)
+                except Exception as exc:
+                    done.set_exception(exc)
+                finally:
+                    self._settled(tr)
+            else:
+                done = asyncio.get_running_loop().run_in_executor(self._waiters[tr.direction], tr.complete)
+                done.add_done_callback(lambda _: self._settled(tr))
+            self._completions[tr] = done
+        await asyncio.shield(done)
         if tr.fail:
             raise TransferError(tr.error or f"{tr.direction}: injected transfer failure")
         return tr
