@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-
+import urllib.parse
 from dataclasses import dataclass
 from typing import Literal
 
@@ -10,6 +10,11 @@ Policy = Literal["cost", "always", "never"]
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 TransferBackend = Literal["auto", "triton", "torch"]
 StorageBackend = Literal["file", "redis"]
+
+# Most pages one tier may have: L1 and L2 page ids travel as int32 to the copy kernels
+# (hicache/transfer.py), and a size past it is a typo (1e30 GiB crashed the pools' allocation).
+MAX_TIER_PAGES = (1 << 31) - 1
+REDIS_SCHEMES = ("redis", "rediss", "unix")
 
 
 @dataclass(frozen=True)
@@ -99,13 +104,67 @@ class HiCacheConfig:
                 raise ValueError(f"hicache.{name} ({flag}) must be a finite number >= 0, got {size_gb!r}")
         if not self.io_timeout_s > 0:
             raise ValueError(f"hicache.io_timeout_s must be > 0, got {self.io_timeout_s!r}")
+        for name, flag in (("recompute_us_per_token", "--hicache-recompute-us-per-token"),
+                           ("host_bandwidth_gib_s", "--hicache-host-bandwidth-gib-s"),
+                           ("storage_bandwidth_gib_s", "--hicache-storage-bandwidth-gib-s")):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:  # (0, NaN: the cost model refused them naming no flag; inf: free)
+                raise ValueError(f"hicache.{name} must be > 0 and finite ({flag}), got {value!r}")
+        if self.storage_url is not None and self.storage_backend != "redis":
+            raise ValueError("--hicache-storage-url is only used by --hicache-storage-backend redis "
+                             f"(the backend is {self.storage_backend!r})")
+        if self.storage_path is not None and self.storage_backend != "file":
+            raise ValueError("--hicache-storage-path is only used by --hicache-storage-backend file "
+                             f"(the backend is {self.storage_backend!r})")
+        if self.storage_backend == "redis" and self.storage_url:
+            _check_redis_url(self.storage_url)
 
     def host_pages(self, l1_pages: int, bytes_per_page: int) -> int:
         if self.host_size_gb is not None:
-            return int(self.host_size_gb * (1 << 30)) // bytes_per_page
-        return int(l1_pages * self.host_ratio)
+            pages, flag = int(self.host_size_gb * (1 << 30)) // bytes_per_page, "--hicache-size-gb"
+        else:
+            pages, flag = int(l1_pages * self.host_ratio), "--hicache-ratio"
+        return _check_tier_pages("L2", pages, flag, bytes_per_page)
 
     def storage_pages(self, host_pages: int, bytes_per_page: int) -> int:
+        """L3 pages; 0 (no L3) only when a capacity of 0 was asked for: a positive ratio or size
+        too small for one page is refused (it used to turn L3 off without a word)."""
         if self.storage_size_gb is not None:
-            return int(self.storage_size_gb * (1 << 30)) // bytes_per_page
-        return int(host_pages * self.storage_ratio)
+            asked, flag = self.storage_size_gb, "--hicache-storage-size-gb"
+            pages = int(self.storage_size_gb * (1 << 30)) // bytes_per_page
+        else:
+            asked, flag = self.storage_ratio, "--hicache-storage-ratio"
+            pages = int(host_pages * self.storage_ratio)
+        if asked > 0 and pages < 1:
+            raise ValueError(f"hicache: L3 would hold no page of {bytes_per_page:,} bytes; raise {flag} "
+                             f"(or give 0 for no L3)")
+        return _check_tier_pages("L3", pages, flag, bytes_per_page)
+
+
+def _check_tier_pages(tier: str, pages: int, flag: str, bytes_per_page: int) -> int:
+    if pages > MAX_TIER_PAGES:
+        raise ValueError(f"hicache: {flag} gives {tier} {pages:,} pages of {bytes_per_page:,} bytes, more than "
+                         f"the {MAX_TIER_PAGES:,} a tier can have")
+    return pages
+
+
+def _check_redis_url(url: str) -> None:
+    """What the redis client would refuse (or misread: a database of "x" was db 0), naming the flag;
+    the URL itself is not echoed (it may carry a password)."""
+    problem = None
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in REDIS_SCHEMES:
+            problem = f"the scheme must be one of {', '.join(s + '://' for s in REDIS_SCHEMES)}"
+        elif parts.scheme == "unix":
+            if not parts.path:
+                problem = "a unix:// URL needs a socket path"
+        else:
+            parts.port  # noqa: B018  (raises ValueError: not a number, or out of range)
+            db = parts.path.lstrip("/")
+            if db and not (db.isascii() and db.isdigit()):
+                problem = f"the database must be a number >= 0, got {db!r}"
+    except ValueError as exc:
+        problem = str(exc)
+    if problem:
+        raise ValueError(f"--hicache-storage-url: not a redis URL (redis://[:PASSWORD@]HOST[:PORT][/DB]): {problem}")

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field, fields, replace
 
-from hicache.config import HiCacheConfig
+from hicache.config import MAX_TIER_PAGES, HiCacheConfig
+
+MAX_SEED = (1 << 64) - 1  # torch.manual_seed's range (a larger one failed naming no flag)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,15 @@ class EngineConfig:
             raise ValueError(f"gpu_wait must be 'spin' or 'block', got {self.gpu_wait!r}")
         for name, minimum in ENGINE_MINIMUMS.items():
             _check_at_least(name, getattr(self, name), minimum, FLAGS.get(name))
+        for name, maximum in _engine_maximums().items():
+            if getattr(self, name) > maximum:
+                raise ValueError(f"{_field_name(name, FLAGS.get(name))} must be <= {maximum:,}"
+                                 f"{MAXIMUM_REASONS[name]}, got {getattr(self, name)!r}")
+        if self.num_pages == 0 and self.page_size > self.max_total_tokens:  # (the pool became that one page)
+            raise ValueError(f"page_size (--page-size) {self.page_size} is larger than the L1 pool it divides "
+                             f"(--max-total-tokens {self.max_total_tokens}); lower it, or give --num-pages")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ValueError(f"{_field_name('seed', FLAGS['seed'])} must be in [0, 2**64 - 1], got {self.seed!r}")
 
     def with_hicache(self, **changes) -> "EngineConfig":
         return replace(self, hicache=replace(self.hicache, **changes))
@@ -55,10 +67,22 @@ class EngineConfig:
 ENGINE_MINIMUMS = {"page_size": 0, "num_pages": 0, "max_total_tokens": 1, "max_prefill_tokens": 1,
                    "max_running_requests": 1, "max_context_tokens": 1, "max_prompt_tokens": 0,
                    "max_new_tokens_limit": 1, "cpu_threads": 0}
+# The largest valid value of the fields that have one: an L1 of more pages (or tokens: a page holds at
+# least one) than page ids can name crashed the pool's allocation; torch crashes (SIGSEGV) given tens of
+# thousands of threads, and more threads than CPUs only contend.
+MAXIMUM_REASONS = {"num_pages": " (page ids are int32)", "max_total_tokens": " (page ids are int32)",
+                   "cpu_threads": " (this machine's CPUs)"}
+
+
+def _engine_maximums() -> dict[str, int]:
+    return {"num_pages": MAX_TIER_PAGES, "max_total_tokens": MAX_TIER_PAGES, "cpu_threads": os.cpu_count() or 1}
+
+
 # The command-line flag of each field checked here that has one (add_engine_args).
-FLAGS = {"page_size": "--page-size", "num_pages": "--num-pages", "max_total_tokens": "--max-total-tokens",
-         "max_prefill_tokens": "--max-prefill-tokens", "max_running_requests": "--max-running-requests",
-         "max_prompt_tokens": "--max-prompt-tokens", "cpu_threads": "--cpu-threads"}
+FLAGS = {"seed": "--seed", "page_size": "--page-size", "num_pages": "--num-pages",
+         "max_total_tokens": "--max-total-tokens", "max_prefill_tokens": "--max-prefill-tokens",
+         "max_running_requests": "--max-running-requests", "max_prompt_tokens": "--max-prompt-tokens",
+         "cpu_threads": "--cpu-threads"}
 
 
 def _field_name(name: str, flag: str | None) -> str:
@@ -73,16 +97,21 @@ def _check_at_least(name: str, value: int | float, minimum: int | float, flag: s
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default="tiny", help="preset (tiny, qwen3-0.6b, qwen3-4b, qwen3-8b) or checkpoint dir")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: cuda when available, else cpu")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache (auto: bfloat16 on cuda, float32 on cpu)")
+    g.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights, 0 to 2**64 - 1 (default 0)")
     g.add_argument("--page-size", type=int, default=0, help="tokens per page (default 16 on cuda, 4 on cpu)")
     g.add_argument("--num-pages", type=int, default=0, help="L1 pages (default: from --max-total-tokens)")
-    g.add_argument("--max-total-tokens", type=int, default=8192)
-    g.add_argument("--max-prefill-tokens", type=int, default=2048)
-    g.add_argument("--max-running-requests", type=int, default=64)
-    g.add_argument("--max-prompt-tokens", type=int, default=0)
-    g.add_argument("--disable-prefix-cache", action="store_true")
+    g.add_argument("--max-total-tokens", type=int, default=8192,
+                   help="L1 capacity in tokens, rounded up to whole pages (when --num-pages is 0)")
+    g.add_argument("--max-prefill-tokens", type=int, default=2048,
+                   help="tokens one prefill batch computes; longer prompts are prefilled in chunks")
+    g.add_argument("--max-running-requests", type=int, default=64, help="requests admitted (prefill or decode) at once")
+    g.add_argument("--max-prompt-tokens", type=int, default=0,
+                   help="longest prompt in tokens (0: what the L1 pool holds; never above it)")
+    g.add_argument("--disable-prefix-cache", action="store_true", help="no prefix reuse, in L1 or below")
     g.add_argument("--disable-cuda-graphs", action="store_true",
                    help="run small forwards eagerly instead of replaying captured CUDA graphs (CUDA only)")
     g.add_argument("--enable-cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # the default; kept
@@ -95,28 +124,37 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--gpu-wait", default=EngineConfig.gpu_wait, choices=["spin", "block"],
                    help="CUDA: the loop polls a forward's completion (spin: one core busy, a faster host "
                         "path after it) or a thread sleeps on it (block)")
-    g.add_argument("--cpu-threads", type=int, default=1, help="torch threads when running on the CPU")
+    g.add_argument("--cpu-threads", type=int, default=1,
+                   help="torch threads when running on the CPU, at most its CPUs (0: torch's default)")
     g.add_argument("--log-json", default=None,
                    help="append structured JSON-lines events to this file (a run_start line first; "
                         "its directory is created)")
     h = parser.add_argument_group("hicache")
-    h.add_argument("--enable-hicache", action="store_true")
+    h.add_argument("--enable-hicache", action="store_true", help="back L1 with host memory (L2) and storage (L3)")
     h.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 pages = ratio x L1 pages")
     h.add_argument("--hicache-size-gb", type=float, default=None, help="L2 size in GiB (wins over the ratio)")
     h.add_argument("--hicache-storage-path", default=None,
                    help="the L3 file (default: a temporary file, removed at exit); truncated at start and "
                         "locked while the engine runs, so each engine needs its own")
-    h.add_argument("--hicache-storage-ratio", type=float, default=2.0, help="L3 pages = ratio x L2 pages")
-    h.add_argument("--hicache-storage-size-gb", type=float, default=None)
-    h.add_argument("--hicache-storage-backend", default="file", choices=["file", "redis"])
+    h.add_argument("--hicache-storage-ratio", type=float, default=2.0, help="L3 pages = ratio x L2 pages (0: no L3)")
+    h.add_argument("--hicache-storage-size-gb", type=float, default=None,
+                   help="L3 size in GiB (wins over the ratio; 0: no L3)")
+    h.add_argument("--hicache-storage-backend", default="file", choices=["file", "redis"],
+                   help="L3 in a local file (--hicache-storage-path) or a redis server (--hicache-storage-url)")
     h.add_argument("--hicache-storage-url", default=None, help="redis://HOST:PORT/DB for the redis backend")
     h.add_argument("--hicache-disable-checksum", action="store_true", help="skip per-page L3 checksums")
-    h.add_argument("--hicache-io-workers", type=int, default=4)
-    h.add_argument("--hicache-policy", default="cost", choices=["cost", "always", "never"])
+    h.add_argument("--hicache-io-workers", type=int, default=4, help="threads doing the L3 file's reads and writes")
+    h.add_argument("--hicache-policy", default="cost", choices=["cost", "always", "never"],
+                   help="restore a cached prefix from L2/L3 when the cost model says it beats a recompute, "
+                        "always, or never")
     h.add_argument("--hicache-write-policy", default="write_through",
-                   choices=["write_through", "write_through_selective", "write_back"])
-    h.add_argument("--hicache-transfer-backend", default="auto", choices=["auto", "triton", "torch"])
-    h.add_argument("--disable-hicache-prefetch", action="store_true")
+                   choices=["write_through", "write_through_selective", "write_back"],
+                   help="back up to L2: each new prefix (write_through), a prefix on its second hit "
+                        "(write_through_selective), or a prefix as L1 evicts it (write_back)")
+    h.add_argument("--hicache-transfer-backend", default="auto", choices=["auto", "triton", "torch"],
+                   help="L1 <-> L2 copies")
+    h.add_argument("--disable-hicache-prefetch", action="store_true",
+                   help="restores block the request instead of running beside other work")
     h.add_argument("--hicache-kernel-restore-max-tokens", type=int, default=HiCacheConfig.kernel_restore_max_tokens,
                    help="layer-ordered L2 restores up to this many tokens use the copy kernel, not the copy engine")
     h.add_argument("--disable-hicache-whole-first", action="store_true",
@@ -124,10 +162,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "longer than --hicache-kernel-restore-max-tokens, that is also longer than its "
                         "forward moves its first pages whole, keeping in layers what the H2D moves "
                         "during the forward)")
-    h.add_argument("--hicache-recompute-us-per-token", type=float, default=50.0)
-    h.add_argument("--hicache-host-bandwidth-gib-s", type=float, default=12.0)
-    h.add_argument("--hicache-storage-bandwidth-gib-s", type=float, default=3.0)
-    h.add_argument("--hicache-cost-margin", type=float, default=1.0)
+    h.add_argument("--hicache-recompute-us-per-token", type=float, default=50.0,
+                   help="cost policy: prior of a prefill's cost in µs per token (> 0)")
+    h.add_argument("--hicache-host-bandwidth-gib-s", type=float, default=12.0,
+                   help="cost policy: prior of the L1 <-> L2 bandwidth in GiB/s (> 0)")
+    h.add_argument("--hicache-storage-bandwidth-gib-s", type=float, default=3.0,
+                   help="cost policy: prior of the L2 <-> L3 bandwidth in GiB/s (> 0)")
+    h.add_argument("--hicache-cost-margin", type=float, default=1.0,
+                   help="cost policy: restore when recompute cost > margin x restore cost (> 0)")
     h.add_argument("--disable-hicache-outcomes", action="store_true",
                    help="cost policy: price restores by their transfers only (default: also charge a restore "
                         "what its source's requests took end to end beyond their price, relative to a recompute's)")
