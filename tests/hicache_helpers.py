@@ -1,10 +1,14 @@
 """Helpers shared by the cache-hierarchy reliability tests (test_stateful_manager, test_hierarchy,
-test_faults, test_soak): small CPU managers with exact tier sizes, a request-like writer, whole-pool
-checks, an L3 bit flip, and log capture that lets info-level op events through."""
+test_faults, test_soak, test_transfer_hunt, test_shutdown_hunt): small CPU managers with exact tier
+sizes, a request-like writer, whole-pool checks, an L3 bit flip, log capture that lets info-level op
+events through, a gate holding L3 writes' completions, and an abandoned L3 read's setup and check."""
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures as cf
 import contextlib
 import logging
+import threading
 
 import structlog
 import torch
@@ -17,6 +21,31 @@ from hicache.manager import CacheManager
 from hicache.radix import Tier
 
 TIER_LIST = (Tier.L1, Tier.L2, Tier.L3)
+
+
+class WriteGate:
+    """Holds back the completion of a store's L3 writes until `release()` (the bytes are written at
+    once; each write's future resolves when the gate opens, or after 30 s so a failed test ends)."""
+
+    def __init__(self, store) -> None:
+        self.gate = threading.Event()
+        self._write = store.write_pages
+        store.write_pages = self.write_pages
+
+    def write_pages(self, *args, **kwargs):
+        inner, outer = self._write(*args, **kwargs), cf.Future()
+
+        def relay():
+            self.gate.wait(30)
+            try:
+                outer.set_result(inner.result())
+            except BaseException as exc:
+                outer.set_exception(exc)
+        threading.Thread(target=relay, daemon=True).start()
+        return outer
+
+    def release(self) -> None:
+        self.gate.set()
 
 
 def make_manager(l1_pages: int = 16, host_pages: int = 32, storage_pages: int = 64, page_size: int = 4,
@@ -126,3 +155,49 @@ async def l3_only_chain(mgr):
     mgr.tree.evict(Tier.L1, 100)
     mgr.tree.evict(Tier.L2, 100)
     return b, mgr.tree.match(b, touch=False)
+
+
+async def assert_abandoned_read_missed_reused_pages(mgr: CacheManager, op, tokens: list[int]) -> None:
+    """`op` abandoned an L3 read into L2 pages; `tokens` (a 4-page prefix) needs every L2 page for
+    its backup: write it, let the read land, and check that its L2 pages hold its own KV (had the
+    op's pages been freed while the read ran, the read would have landed in them)."""
+    write_prefix(mgr, tokens, seed=2)  # its backup needs every L2 page (skipped while they are held)
+    await mgr.drain()
+    with contextlib.suppress(Exception):  # the abandoned read has landed
+        await asyncio.wrap_future(op.payload["read"])
+    await mgr.drain()
+    mgr.runner.start_backup(tokens)  # (a no-op when it was backed up above)
+    await mgr.drain()
+    m = mgr.tree.match(tokens, touch=False)
+    assert m.lengths == [16, 16, 16]
+    assert torch.equal(mgr.l2.page_buffer[m.pages[Tier.L2]].view(torch.uint8),
+                       mgr.l1.kv[:, :, m.pages[Tier.L1]].permute(2, 0, 1, 3, 4, 5).contiguous().view(torch.uint8)), \
+        "the prefix's L2 pages hold other KV: the abandoned read landed in them"
+
+
+async def until(predicate, timeout_s: float = 10.0) -> None:
+    """Yield to the loop until `predicate()` holds (AssertionError after timeout_s)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.001)
+
+
+async def l3_only_prefix_with_slow_reads() -> tuple[CacheManager, tuple[int, ...], tuple[int, ...], object]:
+    """A manager whose L2 holds 4 pages, a 4-page prefix `a` in L3 only (its match returned), reads
+    slowed (0.3 s), and another 4-page prefix `b` not yet written -> (mgr, a, b, match of a)."""
+    from hicache.faults import Fault
+
+    faults = FaultInjector()
+    mgr = make_manager(l1_pages=16, host_pages=4, storage_pages=64, faults=faults)
+    a, b = toks((1, 17)), toks((500, 516))
+    write_prefix(mgr, a, seed=1)
+    await mgr.drain()
+    mgr.tree.evict(Tier.L1, 10 ** 9)
+    mgr.tree.evict(Tier.L2, 10 ** 9)
+    m = mgr.match(a)
+    assert m.lengths == [0, 0, 16]
+    faults.arm(Fault.SLOW_READ, delay_s=0.3)
+    return mgr, a, b, m

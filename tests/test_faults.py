@@ -15,16 +15,14 @@ when enqueued, so without the gate nothing could ever land "while pending").
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
 import random
-import threading
 
 import pytest
 
 from hicache.faults import Fault, FaultInjector
 from hicache.ops import OpState
 from hicache.radix import Tier
-from hicache_helpers import assert_whole, capture_op_logs, flip_l3_byte
+from hicache_helpers import WriteGate, assert_whole, capture_op_logs, flip_l3_byte, until
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import RequestError, SamplingParams
@@ -98,15 +96,6 @@ def ended(logs: list[dict], end: str) -> list[dict]:
     return [e for e in logs if e.get("event") == "op" and e["to_state"] == end]
 
 
-async def until(predicate, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.001)
-
-
 def live_in(eng: Engine, state: OpState):
     return [op for op in eng.cache.runner.live.values() if op.state is state]
 
@@ -124,31 +113,6 @@ class TransferGate:
         if tr.direction == self.direction:
             await self.release.wait()
         return await self._wait(tr)
-
-
-class WriteGate:
-    """Holds back the completion of L3 writes (the bytes are written; the future resolves later)."""
-
-    def __init__(self, eng: Engine) -> None:
-        self.gate = threading.Event()
-        store = eng.cache.store
-        self._write = store.write_pages
-        store.write_pages = self.write_pages
-
-    def write_pages(self, *args, **kwargs):
-        inner, outer = self._write(*args, **kwargs), cf.Future()
-
-        def relay():
-            self.gate.wait()
-            try:
-                outer.set_result(inner.result())
-            except BaseException as exc:
-                outer.set_exception(exc)
-        threading.Thread(target=relay, daemon=True).start()
-        return outer
-
-    def release(self) -> None:
-        self.gate.set()
 
 
 # -- the matrix ----------------------------------------------------------------------------------
@@ -339,7 +303,7 @@ async def test_shutdown_cancels_a_pending_backup(state):
         gate = TransferGate(eng, "d2h")
         release = gate.release.set
     else:
-        gate = WriteGate(eng)
+        gate = WriteGate(eng.cache.store)
         release = gate.release
     with capture_op_logs() as logs:
         result = await run_one(eng, max_tokens=1)  # one output token: one backup, at prefill end
@@ -382,7 +346,7 @@ async def test_abort_during_each_pending_state_keeps_accounting_whole(state, mod
     elif state == "D2H_PENDING":
         release = TransferGate(eng, "d2h").release.set
     else:
-        release = WriteGate(eng).release
+        release = WriteGate(eng.cache.store).release
     long_params = SamplingParams(max_tokens=64)
     tasks = [asyncio.create_task(eng.generate_async([p], long_params)) for p in (PROMPT, OTHER)]
     await until(lambda: live_in(eng, OpState[state]))
@@ -501,7 +465,7 @@ async def test_a_request_waiting_for_pages_a_backup_freed_is_not_held_by_its_l3_
     (now evictable) pages slept through the L3 write."""
     eng = make_engine(num_pages=16, write_policy=write_policy)
     await eng.start()
-    l3_write = WriteGate(eng)  # L3 writes complete only when released
+    l3_write = WriteGate(eng.cache.store)  # L3 writes complete only when released
     d2h = TransferGate(eng, "d2h") if write_policy == "write_through" else None
     try:
         first = eng.add_request(HUNT_FIRST, SamplingParams(max_tokens=1, ignore_eos=True))

@@ -7,45 +7,13 @@ one transfer; a cancelled drain cancelled the settling of a copy still in flight
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
-import threading
 
 import pytest
-import torch
 
 from hicache.ops import OpState
 from hicache.radix import Tier
-from hicache_helpers import assert_whole, make_manager, toks, write_prefix
-
-
-class HeldWrites:
-    """Keeps the completion of L3 writes back until released (the bytes are written at once)."""
-
-    def __init__(self, mgr) -> None:
-        self.gate = threading.Event()
-        self._write = mgr.store.write_pages
-        mgr.store.write_pages = self.write_pages
-
-    def write_pages(self, *args, **kwargs):
-        inner, outer = self._write(*args, **kwargs), cf.Future()
-
-        def relay():
-            self.gate.wait()
-            try:
-                outer.set_result(inner.result())
-            except BaseException as exc:
-                outer.set_exception(exc)
-        threading.Thread(target=relay, daemon=True).start()
-        return outer
-
-
-async def until(predicate, timeout_s: float = 10.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.001)
+from hicache_helpers import (WriteGate, assert_abandoned_read_missed_reused_pages, assert_whole,
+                             l3_only_prefix_with_slow_reads, make_manager, toks, until, write_prefix)
 
 
 @pytest.mark.asyncio
@@ -54,7 +22,7 @@ async def test_a_cancelling_drain_starts_none_of_the_backups_waiting_on_one_in_f
     drain(cancel=True) begins, then A's write completes: A ends cancelled, and neither waiting
     backup starts (no D2H, no L3 write during shutdown); every tier is whole afterwards."""
     mgr = make_manager()
-    held = HeldWrites(mgr)
+    held = WriteGate(mgr.store)
     a = toks((0, 8))
     write_prefix(mgr, a)
     await until(lambda: any(op.state is OpState.H2S_PENDING for op in mgr.runner.live.values()))
@@ -63,7 +31,7 @@ async def test_a_cancelling_drain_starts_none_of_the_backups_waiting_on_one_in_f
     assert len(mgr.runner._deferred[a]) == 2 and mgr.metrics.backups_started == 1
     draining = asyncio.create_task(mgr.drain(cancel=True))
     await asyncio.sleep(0)
-    held.gate.set()
+    held.release()
     await draining
     assert mgr.metrics.backups_started == 1, "a backup started while a cancelling drain ran"
     assert mgr.metrics.cancellations == 1 and not mgr.runner.live and not mgr.runner._deferred
@@ -128,18 +96,7 @@ async def test_a_cancelled_drain_leaves_pages_under_a_copy_in_flight_held():
     an abandoned L3 read, which then freed the op's L2 pages at once although the read was still
     in flight; a backup took them and the late read landed in them (L2 held other KV for that
     prefix). Cancelling a drain now only stops the wait."""
-    from hicache.faults import Fault, FaultInjector
-
-    faults = FaultInjector()
-    mgr = make_manager(l1_pages=16, host_pages=4, storage_pages=64, faults=faults)
-    a, b = toks((1, 17)), toks((500, 516))  # 4 pages each; L2 holds 4 pages in all
-    write_prefix(mgr, a, seed=1)
-    await mgr.drain()
-    mgr.tree.evict(Tier.L1, 10 ** 9)
-    mgr.tree.evict(Tier.L2, 10 ** 9)
-    m = mgr.match(a)
-    assert m.lengths == [0, 0, 16]
-    faults.arm(Fault.SLOW_READ, delay_s=0.3)
+    mgr, a, b, m = await l3_only_prefix_with_slow_reads()  # 4 pages each; L2 holds 4 pages in all
     op = mgr.runner.start_restore(a, m, "l3", "req")
     task = mgr.runner._tasks[op.op_id]
     task.cancel()  # its pages now wait for the read to settle
@@ -155,19 +112,6 @@ async def test_a_cancelled_drain_leaves_pages_under_a_copy_in_flight_held():
     await asyncio.sleep(0.01)
     assert not op.payload["read"].done()
     assert mgr.allocator(Tier.L2).num_private() == 4, "L2 pages freed while a read into them was in flight"
-    write_prefix(mgr, b, seed=2)  # its backup needs every L2 page (skipped while they are held)
-    await mgr.drain()
-    try:  # the abandoned read has landed
-        await asyncio.wrap_future(op.payload["read"])
-    except Exception:
-        pass
-    await mgr.drain()
-    mgr.runner.start_backup(b)  # (a no-op when b was backed up above)
-    await mgr.drain()
-    mb = mgr.tree.match(b, touch=False)
-    assert mb.lengths == [16, 16, 16]
-    assert torch.equal(mgr.l2.page_buffer[mb.pages[Tier.L2]].view(torch.uint8),
-                       mgr.l1.kv[:, :, mb.pages[Tier.L1]].permute(2, 0, 1, 3, 4, 5).contiguous().view(torch.uint8)), \
-        "b's L2 pages hold other KV: the abandoned read landed in them"
+    await assert_abandoned_read_missed_reused_pages(mgr, op, b)
     assert_whole(mgr)
     await mgr.close()

@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
-from hicache.faults import Fault, FaultInjector
 from hicache.ops import OpState
-from hicache.radix import Tier
-from hicache_helpers import assert_whole, l1_bytes, make_manager, toks, write_prefix
+from hicache_helpers import (WriteGate, assert_abandoned_read_missed_reused_pages, assert_whole,
+                             l3_only_prefix_with_slow_reads, make_manager, toks, write_prefix)
 
 
 @pytest.mark.asyncio
@@ -19,16 +17,7 @@ async def test_a_read_abandoned_by_a_driver_cancelled_before_it_ran_never_lands_
     """An L3 restore's driver task cancelled before its first step: its L2 pages were freed at once
     although its S2H read was still in flight; the read then landed in pages a backup had taken
     and published meanwhile (L2 held the wrong KV for that prefix)."""
-    faults = FaultInjector()
-    mgr = make_manager(l1_pages=16, host_pages=4, storage_pages=64, faults=faults)
-    a, b = toks((1, 17)), toks((500, 516))  # 4 pages each; L2 holds 4 pages in all
-    write_prefix(mgr, a, seed=1)
-    await mgr.drain()
-    mgr.tree.evict(Tier.L1, 10 ** 9)
-    mgr.tree.evict(Tier.L2, 10 ** 9)
-    m = mgr.match(a)
-    assert m.lengths == [0, 0, 16]
-    faults.arm(Fault.SLOW_READ, delay_s=0.3)
+    mgr, a, b, m = await l3_only_prefix_with_slow_reads()  # 4 pages each; L2 holds 4 pages in all
     op = mgr.runner.start_restore(a, m, tier, "req", take_soon=take_soon)  # (take_soon: checksums held)
     task = mgr.runner._tasks[op.op_id]
     task.cancel()  # before it ever ran
@@ -36,20 +25,7 @@ async def test_a_read_abandoned_by_a_driver_cancelled_before_it_ran_never_lands_
         await task
     assert op.state is OpState.CANCELLED
     await asyncio.sleep(0.05)  # its settling ran
-    write_prefix(mgr, b, seed=2)  # its backup needs every L2 page (skipped while they are held)
-    await mgr.drain()
-    try:  # the abandoned read has landed
-        await asyncio.wrap_future(op.payload["read"])
-    except Exception:
-        pass
-    await mgr.drain()
-    mgr.runner.start_backup(b)  # (a no-op when b was backed up above)
-    await mgr.drain()
-    mb = mgr.tree.match(b, touch=False)
-    assert mb.lengths == [16, 16, 16]
-    assert torch.equal(mgr.l2.page_buffer[mb.pages[Tier.L2]].view(torch.uint8),
-                       mgr.l1.kv[:, :, mb.pages[Tier.L1]].permute(2, 0, 1, 3, 4, 5).contiguous().view(torch.uint8)), \
-        "b's L2 pages hold other KV: the abandoned read landed in them"
+    await assert_abandoned_read_missed_reused_pages(mgr, op, b)
     assert_whole(mgr)
     await mgr.close()
 
@@ -60,24 +36,8 @@ async def test_a_backup_whose_driver_is_cancelled_during_its_l3_write_leaves_no_
     once the write settled, and the write had validated them: they are invalidated as they are
     freed (before the fix free L3 slots stayed readable, a stale read of a reused slot would pass
     its checks, and check_integrity failed)."""
-    import concurrent.futures as cf
-    import threading
-
     mgr = make_manager(l1_pages=16, host_pages=8, storage_pages=16)
-    gate, real_write = threading.Event(), mgr.store.write_pages
-
-    def held_write(*args, **kwargs):  # the bytes are written; the completion is held back
-        inner, outer = real_write(*args, **kwargs), cf.Future()
-
-        def relay():
-            gate.wait(10)
-            try:
-                outer.set_result(inner.result())
-            except BaseException as exc:
-                outer.set_exception(exc)
-        threading.Thread(target=relay, daemon=True).start()
-        return outer
-    mgr.store.write_pages = held_write
+    gate = WriteGate(mgr.store)  # the bytes are written; the completion is held back
     write_prefix(mgr, toks((1, 17)))
     for _ in range(200):
         writing = [op for op in mgr.runner.live.values() if op.state is OpState.H2S_PENDING]
@@ -87,7 +47,7 @@ async def test_a_backup_whose_driver_is_cancelled_during_its_l3_write_leaves_no_
     [op] = writing
     mgr.runner._tasks[op.op_id].cancel()
     await asyncio.sleep(0.01)
-    gate.set()
+    gate.release()
     await mgr.drain()
     assert op.state is OpState.CANCELLED
     try:
