@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hicache.config import HiCacheConfig
-from scheduler import server
+from scheduler import serve
 from scheduler.config import EngineConfig, add_engine_args, config_from_args
 from scheduler.replay import main as replay_main
 
@@ -22,7 +22,7 @@ SIM = ["--simulate", "--no-progress", "--max-requests", "2"]  # the bundled samp
 
 def serve_error(capsys, argv: list[str]) -> tuple[int, str]:
     """hicache-serve's exit code and stderr for a configuration it must refuse before serving."""
-    code = server.main(["--device", "cpu", *argv])
+    code = serve.main(["--device", "cpu", *argv])
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return code, err
@@ -194,7 +194,7 @@ def test_server_flags_out_of_range_are_refused_before_serving(argv, flag):
 
 
 def test_server_help_states_every_numeric_default():
-    parser = server.build_parser()
+    parser = serve.build_parser()
     formatter = parser._get_formatter()
     missing = []
     for action in parser._actions:
@@ -212,7 +212,7 @@ def test_server_help_states_every_numeric_default():
     ("--hicache-recompute-us-per-token", "µs"), ("--hicache-host-bandwidth-gib-s", "GiB/s"),
 ])
 def test_server_help_states_units(flag, unit):
-    parser = server.build_parser()
+    parser = serve.build_parser()
     action = next(a for a in parser._actions if flag in a.option_strings)
     assert unit in (action.help or ""), (flag, action.help)
 

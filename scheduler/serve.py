@@ -1,0 +1,136 @@
+"""hicache-serve: the command line of the OpenAI-compatible HTTP server (scheduler/server.py): the
+engine's flags and the server's, checked before anything is built (a flag that cannot be used is
+one line on stderr and exit status 2), then the engine, the app and uvicorn (uvloop), with SIGINT /
+SIGTERM starting the engine's shutdown grace at once.
+
+    python -m scheduler.server --model tiny --enable-hicache --port 8000     (or: hicache-serve ...)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import signal
+import sys
+import threading
+from dataclasses import replace
+from pathlib import Path
+
+import uvicorn
+
+from scheduler.config import add_engine_args, config_from_args
+from scheduler.engine import Engine
+from scheduler.server import ServerLimits, create_app
+from scheduler.server import __doc__ as SERVER_DOC
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, told at SIGINT/SIGTERM so admission stops and the engine's grace period
+    starts at once (uvicorn waits for connections a little longer than the grace, so aborted streams
+    can end cleanly); exits 0 after a clean shutdown instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, on_exit) -> None:
+        super().__init__(config)
+        self._on_exit = on_exit
+
+    def handle_exit(self, sig, frame) -> None:
+        self._on_exit()
+        super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none (None), a switch's (False) or a 0 the
+    help explains ("0: ..."); previously --help stated no default at all."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.default == 0:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache-serve", description=SERVER_DOC.split("\n\n")[0],
+                                     formatter_class=_HelpFormatter)
+    add_engine_args(parser)  # includes --max-prompt-tokens
+    s = parser.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=int, default=8000,
+                   help="TCP port, 0 to 65535 (0 picks a free one; the log says which)")
+    s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
+    s.add_argument("--max-concurrent-requests", type=int, default=ServerLimits.max_concurrent_requests,
+                   help="generation requests served at once (429 above)")
+    s.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes,
+                   help="largest request body in bytes (413 above)")
+    s.add_argument("--shutdown-grace-s", type=float, default=ServerLimits.shutdown_grace_s,
+                   help="seconds in-flight requests get to finish at shutdown (negative: 0)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level")
+    s.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
+    return parser
+
+
+def _check_server_args(args: argparse.Namespace) -> str | None:
+    """The reason the server-only flags cannot be used, or None."""
+    for name in ("max_tokens_limit", "max_concurrent_requests", "max_body_bytes"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1"
+    if not 0 <= args.port <= 65535:  # (65536 + n bound port n while the log said 65536 + n)
+        return f"--port must be in [0, 65535], got {args.port}"
+    if math.isnan(args.shutdown_grace_s):  # (NaN was a grace of 0)
+        return "--shutdown-grace-s must be a number of seconds, got nan"
+    if args.log_json:  # created here so that a path that cannot be is one line, not a traceback
+        try:
+            Path(args.log_json).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            return f"--log-json: cannot create the directory of {args.log_json}: {exc.strerror or exc}"
+        if Path(args.log_json).is_dir() or not os.access(Path(args.log_json).parent, os.W_OK):
+            return f"--log-json: cannot write {args.log_json}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    problem = _check_server_args(args)
+    if problem:
+        print(f"hicache-serve: {problem}", file=sys.stderr)
+        return 2
+    try:
+        config = replace(config_from_args(args), max_new_tokens_limit=args.max_tokens_limit)
+    except ValueError as exc:
+        print(f"hicache-serve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        engine = Engine(config)
+    except ValueError as exc:
+        print(f"hicache-serve: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, RuntimeError, MemoryError) as exc:  # (a pool larger than the machine: a traceback)
+        print(f"hicache-serve: cannot start the engine: {str(exc).splitlines()[0] if str(exc) else repr(exc)}",
+              file=sys.stderr)
+        return 2
+    limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
+                          max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
+                          shutdown_grace_s=max(0.0, args.shutdown_grace_s))
+    app = create_app(engine, limits)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", lifespan="on",
+                               log_level=args.log_level, access_log=not args.disable_access_log,
+                               timeout_graceful_shutdown=limits.shutdown_grace_s + 2.0)
+    _Server(uv_config, on_exit=app.state.hc.begin_shutdown).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
