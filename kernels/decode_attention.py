@@ -17,6 +17,8 @@ token.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels import pdl
@@ -35,9 +37,12 @@ BLOCK_N = 32
 # load in registers (16 splits x 4 x 128 float32 over 128 threads), and a 16-row tail gets 16
 # programs per KV head instead of 4 (the merge went from 6.1 to 4.4 us a layer on the H200)
 MERGE_ROWS = 4
-# multi-row tails' attention launched with PDL (kernels/pdl.py): off, measured slower (see
-# decode_attention_triton); scripts/probe_graph_ab.py's pdl_on_attn turns it on to compare
-TAIL_PDL = False
+# multi-row tails' attention launched with PDL (kernels/pdl.py), its split kernel spread one program
+# an SM (see decode_attention_triton); scripts/probe_graph_ab.py's pdl_off_tail_attn turns it off
+TAIL_PDL = True
+# a split kernel of one wave launched with PDL asks for more than half an SM's shared memory, so no SM
+# runs two of its programs (kernels/pdl.py spread); probe_graph_ab.py's unspread turns it off
+SPREAD_SPLITS = True
 
 
 def decode_attention_torch(q, k_layer, v_layer, page_tables, seq_lens, scale: float,
@@ -167,6 +172,11 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: float,
                             rows_per_seq: int = 1, tensor_cores: bool | None = None, block: int | None = None,
                             num_warps: int | None = None, splits: int | None = None,
@@ -207,20 +217,23 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
     if tensor_cores is None:
         tensor_cores = q.dtype in (torch.bfloat16, torch.float16) and q.is_cuda
     flags, expected, status, layer, max_spins = wait if wait is not None else (part_m, part_m, part_m, 0, 0)
-    # PDL (kernels/pdl.py) for one-row decode only. A multi-row tail's split kernel launched early
-    # made the tail forward slower the longer the context (H200, 8B, a 16-row tail graph with the
-    # tail's attention launched the ordinary way against with PDL, device ms, session 25: 4.58 /
-    # 4.62 / 4.68 / 4.77 / 5.01 against 4.58 / 4.65 / 4.73-4.81 / 4.85-4.91 / 5.22-5.49 at 350 /
-    # 1,000 / 2,000 / 3,500 / 8,000 keys), where one-row decode gains from it (4.57 against 4.64 ms
-    # at 3,500). Likely cause, not verified: its 128 programs placed beside the 16 programs of the
-    # kernel before, two to an SM on some SMs, so their long key loops run at half speed.
+    # PDL (kernels/pdl.py). A multi-row tail's split kernel (64 KiB of shared memory, three programs
+    # an SM) launched early made the tail forward slower the longer the context (H200, 8B, a 16-row
+    # tail graph, device ms, session 25: 4.58 / 4.62 / 4.68 / 4.77 / 5.01 the ordinary way against
+    # 4.58 / 4.65 / 4.73-4.81 / 4.85-4.91 / 5.22-5.49 at 350 / 1,000 / 2,000 / 3,500 / 8,000 keys):
+    # some SMs took two of its programs, whose key loops then ran at half speed. Spread one program
+    # an SM (asking for 128 KiB), the early launch is faster than the ordinary one at every length:
+    # 4.46 / 4.51 / 4.64 / 4.89 against 4.50 / 4.55 / 4.68 / 4.93 ms at 350 / 1,000 / 3,500 /
+    # 8,000 keys, 100 KiB (two an SM) as slow as 64 (session 28).
     launch = pdl.launch_kwargs(q.device) if rows_per_seq == 1 or TAIL_PDL else {"PDL": False}
-    _split_kernel[(b, hkv, num_splits)](
+    split = _split_kernel[(b, hkv, num_splits)](
         q, k_layer, v_layer, page_tables, seq_lens, part_o, part_m, part_l, flags, expected, status, layer,
         max_spins, scale, page_tables.shape[1], hkv, hq, PAGE=page, GROUP=group, ROWS=rows_per_seq, M_PAD=m_pad,
         D=d, BLOCK=block, SPLITS=num_splits, TENSOR_CORES=tensor_cores, WAIT=wait is not None,
         PREFETCH_PAGES=prefetch_pages,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **launch)
+    if launch["PDL"] and SPREAD_SPLITS and b * hkv * num_splits <= _sm_count(q.device):
+        pdl.spread(split, q.device)  # from the next launch on (a graph's warm-up runs before its capture)
     real_rows = group * rows_per_seq
     rb = min(merge_rows, triton.next_power_of_2(real_rows))
     _merge_kernel[(b, hkv, triton.cdiv(real_rows, rb))](part_o, part_m, part_l, out, hkv, hq, GROUP=group,

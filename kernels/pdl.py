@@ -22,11 +22,21 @@ reason a multi-row tail's attention is launched the ordinary way (kernels/decode
 Kernels take `PDL: tl.constexpr` and their wrappers launch with `**launch_kwargs(device)`; with PDL
 off (the CPU and its interpreter, GPUs before sm_90, `HICACHE_PDL=0`, or `set_enabled(False)`
 before a model's graphs are captured) both are no-ops and the launch is the ordinary one.
+
+`spread(kernel, device)` is the placement rule made explicit for a kernel of one wave whose
+programs each run a long loop (the paged attention's split kernel): its compiled kernel asks for
+more than half an SM's shared memory, so that no SM takes two of its programs. A 16-row tail's
+split kernel (64 KiB, three programs an SM) launched with PDL made the tail forward 0.05-0.2 ms
+slower than the ordinary launch; the same launch asking for 128 KiB is 0.04 ms faster than the
+ordinary one at 350-8,000 keys, 100 KiB (two an SM) as slow as 64 (H200, 8B, session 28,
+docs/benchmarks.md). Without PDL the extra shared memory changes nothing: an ordinary launch
+starts on an idle GPU and spreads its programs anyway.
 """
 from __future__ import annotations
 
 import functools
 import os
+import weakref
 
 import torch
 
@@ -64,3 +74,53 @@ def launch_kwargs(device: torch.device) -> dict:
     on = enabled(device)
     return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
 
+
+
+# compiled kernels spread (Triton keeps them for the process) -> the shared bytes they were compiled with
+_spread: "weakref.WeakKeyDictionary[object, int]" = weakref.WeakKeyDictionary()
+
+
+@functools.lru_cache(maxsize=None)
+def _spread_bytes(device_index: int) -> int | None:
+    """Shared memory a program asks for so that at most one fits an SM (16 KiB steps above half an
+    SM's: 128 KiB on the H200's 228), or None where one block may not have that much."""
+    props = torch.cuda.get_device_properties(device_index)
+    want = (props.shared_memory_per_multiprocessor // 2 // (16 << 10) + 1) * (16 << 10)
+    return want if want <= props.shared_memory_per_block_optin else None
+
+
+def ask_shared(kernel, shared_bytes: int) -> bool:
+    """Launch the compiled Triton `kernel` from now on with `shared_bytes` of shared memory (CUDA
+    graphs keep what they captured). Reaches into Triton's compiled kernel: its metadata's `shared`,
+    the packed launch metadata, and the module, loaded again so its function may take that much
+    (the old module stays loaded: a launch already queued, or a captured graph, may still use it).
+    Where that is not as expected the kernel is left as it was and this returns False."""
+    metadata, packed = kernel.metadata, kernel.packed_metadata
+    try:
+        from triton.compiler.compiler import make_backend
+
+        kernel.metadata = metadata._replace(shared=shared_bytes)
+        kernel.packed_metadata = make_backend(kernel.metadata.target).pack_metadata(kernel.metadata)
+        kernel.module, kernel._run = None, None
+        kernel._init_handles()
+    except Exception:  # noqa: BLE001 - another Triton's internals: launch as compiled
+        kernel.metadata, kernel.packed_metadata = metadata, packed
+        return False
+    return True
+
+
+def spread(kernel, device: torch.device, want_bytes: int | None = None) -> bool:
+    """Make the compiled Triton `kernel` (what `fn[grid](...)` returns) ask for `want_bytes` of
+    shared memory (default: more than half an SM's), so that no SM runs two of its programs, from
+    its next launch on. Returns whether its launches now ask for at least that much."""
+    if want_bytes is None:
+        want_bytes = _spread_bytes(device.index if device.index is not None else torch.cuda.current_device())
+    if want_bytes is None:
+        return False
+    if kernel in _spread or kernel.metadata.shared >= want_bytes:
+        return True
+    compiled_bytes = kernel.metadata.shared
+    if not ask_shared(kernel, want_bytes):
+        return False
+    _spread[kernel] = compiled_bytes
+    return True

@@ -7,7 +7,8 @@ an engine's forward by ~0.1 ms). So each variant's graph is captured in the same
 same KV, and the variants are replayed in turn, each launch queued behind a ~1.5 ms sleep kernel so
 the host's staging is off the clock: what is timed is the launch's device work (the staging copy,
 the graph, sampling and the token's copy back; only the graph differs between variants). Session
-25 found this way that a multi-row tail's attention runs faster without PDL (docs/benchmarks.md).
+25 found this way that a multi-row tail's attention ran faster without PDL, and session 28 why: with
+PDL some SMs took two of its split programs (kernels/pdl.py spread; docs/benchmarks.md).
 
     python3 scripts/probe_graph_ab.py                                  # every variant, 350 / 3,500 keys
     python3 scripts/probe_graph_ab.py --variants engine,embed_kernel --contexts 350,1000,3500,8000 --rows 16
@@ -15,7 +16,10 @@ the graph, sampling and the token's copy back; only the graph differs between va
 Variants ("engine" is always timed first as the reference):
   engine           the engine's own captured graph
   pdl_off_attn     the paged attention's kernels launched without PDL
-  pdl_on_attn      ... with PDL also for multi-row tails (the engine's choice before session 25)
+  pdl_off_tail_attn  a multi-row tail's attention launched the ordinary way (the engine's choice
+                   in sessions 25-27)
+  unspread         split kernels launched with PDL not spread one program an SM (kernels/pdl.py
+                   spread; with the tail's attention under PDL: session 25's choice before it)
   pdl_off_skinny   the skinny projections without PDL
   pdl_off_norms    the norms, q/k-norm + RoPE and SiLU kernels without PDL
   pdl_off_all      every Triton kernel without PDL
@@ -89,6 +93,22 @@ def _embed_kernel():
         yield
 
 
+@contextlib.contextmanager
+def _unspread():
+    """Split kernels launched with PDL not spread: the kernels spread already ask for their compiled
+    shared memory again while the variant is captured, and are spread again after."""
+    spread = list(pdl._spread.items())
+    for kernel, compiled_bytes in spread:
+        pdl.ask_shared(kernel, compiled_bytes)
+        del pdl._spread[kernel]
+    try:
+        with _patched(decode_attention, "SPREAD_SPLITS", False):
+            yield
+    finally:
+        for kernel, _ in spread:
+            pdl.spread(kernel, torch.device("cuda"))
+
+
 class _FirstRowOnly:
     """Stands in for skinny_gemm._skinny_kernel: launches it with M = 1 (rows past the first are
     masked off: their outputs are never written)."""
@@ -103,7 +123,8 @@ class _FirstRowOnly:
 
 VARIANTS = {
     "pdl_off_attn": lambda: _patched(decode_attention, "pdl", _Pdl(False)),
-    "pdl_on_attn": lambda: _patched(decode_attention, "TAIL_PDL", True),
+    "pdl_off_tail_attn": lambda: _patched(decode_attention, "TAIL_PDL", False),
+    "unspread": lambda: _unspread(),
     "pdl_off_skinny": lambda: _patched(skinny_gemm, "pdl", _Pdl(False)),
     "pdl_off_norms": lambda: _patched(fused_ops, "pdl", _Pdl(False)),
     "pdl_off_all": lambda: _patched(pdl, "_enabled", False),

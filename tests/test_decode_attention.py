@@ -116,9 +116,10 @@ def test_prefetched_page_numbers_give_the_same_result(rows_per_seq, block, prefe
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_only_one_row_decode_asks_for_pdl(monkeypatch):
-    """A multi-row tail's attention is launched the ordinary way (slower with PDL on the H200 the
-    longer the context, kernels/decode_attention.py); one-row decode asks kernels/pdl.py."""
+def test_tails_ask_for_pdl_unless_switched_off(monkeypatch):
+    """One-row decode and a multi-row tail both ask kernels/pdl.py (a tail's split kernel is then
+    spread one program an SM on the GPU: tests/test_gpu.py); TAIL_PDL False launches a tail's
+    attention the ordinary way (the engine's choice in sessions 25-27)."""
     from kernels import decode_attention
 
     asked = []
@@ -126,6 +127,9 @@ def test_only_one_row_decode_asks_for_pdl(monkeypatch):
     k = torch.randn(8, 4, 1, 16)
     tables = torch.arange(8, dtype=torch.int64).reshape(2, 4)
     decode_attention_triton(torch.randn(4, 2, 16), k, k, tables, torch.tensor([3, 4, 9, 10]), 0.25, 2)
-    assert asked == []
-    decode_attention_triton(torch.randn(2, 2, 16), k, k, tables, torch.tensor([4, 10]), 0.25)
     assert len(asked) == 1  # (one answer for the split kernel and the merge)
+    decode_attention_triton(torch.randn(2, 2, 16), k, k, tables, torch.tensor([4, 10]), 0.25)
+    assert len(asked) == 2
+    monkeypatch.setattr(decode_attention, "TAIL_PDL", False)
+    decode_attention_triton(torch.randn(4, 2, 16), k, k, tables, torch.tensor([3, 4, 9, 10]), 0.25, 2)
+    assert len(asked) == 2

@@ -213,6 +213,31 @@ def test_pdl_layer_chain_in_a_graph_is_bitwise_the_ordinary_one():
     assert torch.equal(with_pdl, without) and torch.equal(with_pdl, eager)
 
 
+def test_spread_tail_attention_equals_the_reference():
+    """A 16-row tail's paged attention at the 8B shape (bf16, 3,500 cached keys), launched with PDL
+    and spread one split program an SM (kernels/pdl.py spread: its compiled kernel asks for more
+    than half an SM's shared memory) from its second launch: the same output as the first launch,
+    and the torch reference's within bf16."""
+    from kernels import decode_attention, pdl
+    if not pdl.enabled(torch.device("cuda")):
+        pytest.skip("PDL needs sm_90 and Triton >= 3.4")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    page, hkv, hq, d, cached = 16, 8, 32, 128, 3500
+    pages = (cached + 16 + page - 1) // page
+    k_layer, v_layer = (torch.randn(pages + 3, page, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                        for _ in range(2))
+    table = torch.randperm(pages + 3, device="cuda", generator=g)[:pages][None]  # [1, pages]
+    q = torch.randn(16, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    seq_lens = torch.arange(cached + 1, cached + 17, device="cuda")  # row r sees its own token
+    run = lambda: decode_attention.decode_attention_triton(q, k_layer, v_layer, table, seq_lens, d ** -0.5,
+                                                           rows_per_seq=16)  # noqa: E731
+    first, spread = run(), run()
+    assert any(k.metadata.shared >= pdl._spread_bytes(torch.cuda.current_device()) for k in pdl._spread)
+    assert torch.equal(first, spread)
+    ref = decode_attention.decode_attention_torch(q, k_layer, v_layer, table, seq_lens, d ** -0.5, rows_per_seq=16)
+    torch.testing.assert_close(spread.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_tail_graph_equals_eager():
     """Prompts whose cached prefix leaves 2..16 tokens replay the tail graph (16 rows per sequence)."""
     rng = random.Random(5)

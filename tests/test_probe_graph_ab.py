@@ -19,8 +19,8 @@ from scheduler.presets import PRESETS  # noqa: E402
 
 
 def _state():
-    return (decode_attention.pdl, decode_attention.TAIL_PDL, skinny_gemm.pdl, fused_ops.pdl, pdl._enabled,
-            fused_ops.add_rms_norm_triton, skinny_gemm._skinny_kernel)
+    return (decode_attention.pdl, decode_attention.TAIL_PDL, decode_attention.SPREAD_SPLITS, skinny_gemm.pdl,
+            fused_ops.pdl, pdl._enabled, fused_ops.add_rms_norm_triton, skinny_gemm._skinny_kernel)
 
 
 @pytest.mark.parametrize("variant", list(probe.VARIANTS))
@@ -35,8 +35,10 @@ def test_each_variant_is_undone_on_exit(variant, monkeypatch):
 def test_pdl_off_variants_launch_the_ordinary_way():
     with probe.VARIANTS["pdl_off_attn"]():
         assert decode_attention.pdl.launch_kwargs(torch.device("cpu")) == {"PDL": False}
-    with probe.VARIANTS["pdl_on_attn"]():
-        assert decode_attention.TAIL_PDL is True
+    with probe.VARIANTS["pdl_off_tail_attn"]():
+        assert decode_attention.TAIL_PDL is False
+    with probe.VARIANTS["unspread"]():
+        assert decode_attention.SPREAD_SPLITS is False
 
 
 def test_embedding_kernel_variant_computes_the_same_forward(monkeypatch):
