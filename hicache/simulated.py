@@ -4,11 +4,51 @@ the tree, allocators, cost model and state machines run exactly as in the engine
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import time
+from collections.abc import Sequence
 
 from hicache.geometry import KVGeometry
 from hicache.storage import IoResult, coalesce_extents
 from hicache.transfer_record import Transfer
+
+# What a simulated tier costs in host memory per page: its PageAllocator's owner table (int64), and,
+# for the largest tier, what the integrity check at the end of a replay holds beside it (the free page
+# ids and their differences, int64 each, and boolean masks: 17.1 bytes a page measured)
+OWNER_TABLE_BYTES_PER_PAGE = 8
+CHECK_BYTES_PER_PAGE = 18
+
+
+def simulated_pool_bytes(tier_pages: Sequence[int]) -> int:
+    """Host bytes the bookkeeping of tiers of `tier_pages` pages (L1, L2, L3) needs at its peak."""
+    return OWNER_TABLE_BYTES_PER_PAGE * sum(tier_pages) + CHECK_BYTES_PER_PAGE * max(tier_pages, default=0)
+
+
+def memory_limit_bytes() -> int | None:
+    """The most memory this process can have: the machine's physical memory, or less where an
+    address-space limit (ulimit -v) or the cgroup's memory.max (a container) says less; None when
+    none of them can be read."""
+    limits = []
+    try:
+        limits.append(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        pass
+    try:
+        import resource
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            limits.append(soft)
+    except (ImportError, OSError, ValueError):
+        pass
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):  # v2, v1
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():  # ("max": no limit)
+            limits.append(int(text))
+    return min(limits, default=None)
 
 
 class NullTransferEngine:

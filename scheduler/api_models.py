@@ -139,8 +139,8 @@ class ChatMessage(_Strict):
 
     def as_template_dict(self) -> dict:
         content = self.content
-        if isinstance(content, list):
-            content = "".join(p.text for p in content)
+        if isinstance(content, list):  # text parts, joined as vLLM's default ("string" content format) joins them
+            content = "\n".join(p.text for p in content)
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             out["name"] = self.name

@@ -57,6 +57,9 @@ class EngineConfig:
                              f"(--max-total-tokens {self.max_total_tokens}); lower it, or give --num-pages")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"{_field_name('seed', FLAGS['seed'])} must be in [0, 2**64 - 1], got {self.seed!r}")
+        if self.hicache.enable and not self.enable_prefix_cache:  # (L2/L3 sat idle, taking backups)
+            raise ValueError("hicache.enable (--enable-hicache) cannot be used with enable_prefix_cache=False "
+                             f"(--disable-prefix-cache): {HICACHE_NEEDS_PREFIX_CACHE}")
 
     def with_hicache(self, **changes) -> "EngineConfig":
         return replace(self, hicache=replace(self.hicache, **changes))
@@ -77,6 +80,9 @@ MAXIMUM_REASONS = {"num_pages": " (page ids are int32)", "max_total_tokens": " (
 def _engine_maximums() -> dict[str, int]:
     return {"num_pages": MAX_TIER_PAGES, "max_total_tokens": MAX_TIER_PAGES, "cpu_threads": os.cpu_count() or 1}
 
+
+# Why hicache needs the prefix cache: without its lookups L2 and L3 take backups that nothing reads
+HICACHE_NEEDS_PREFIX_CACHE = "L2 and L3 only serve prefix-cache hits, so without the prefix cache they would sit idle"
 
 # The command-line flag of each field checked here that has one (add_engine_args).
 FLAGS = {"seed": "--seed", "page_size": "--page-size", "num_pages": "--num-pages",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import uvicorn
 
-from scheduler.config import add_engine_args, config_from_args
+from scheduler.config import HICACHE_NEEDS_PREFIX_CACHE, add_engine_args, config_from_args
 from scheduler.engine import Engine
 from scheduler.server import ServerLimits, create_app
 from scheduler.server import __doc__ as SERVER_DOC
@@ -91,6 +91,8 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
         return f"--port must be in [0, 65535], got {args.port}"
     if math.isnan(args.shutdown_grace_s):  # (NaN was a grace of 0)
         return "--shutdown-grace-s must be a number of seconds, got nan"
+    if args.enable_hicache and args.disable_prefix_cache:  # (served, with L2/L3 idle)
+        return f"--enable-hicache cannot be used with --disable-prefix-cache: {HICACHE_NEEDS_PREFIX_CACHE}"
     if args.log_json:  # created here so that a path that cannot be is one line, not a traceback
         try:
             Path(args.log_json).parent.mkdir(parents=True, exist_ok=True)

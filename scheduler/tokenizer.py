@@ -5,8 +5,11 @@ Two tokenizers, chosen by `load_tokenizer(model, vocab_size)`:
 * `HFTokenizer` — a checkpoint directory with a `tokenizer.json` (the `tokenizers` library). When the
   directory's `tokenizer_config.json` carries a `chat_template` (and jinja2 is importable) the
   tokenizer can render chat messages; `/v1/chat/completions` is served only then. The template sees
-  what transformers gives it: tools=None, documents=None, bos/eos_token, raise_exception,
-  strftime_now, and a `tojson` that does not HTML-escape.
+  what transformers gives it: tools=None, documents=None, the special tokens the directory defines
+  (bos/eos/unk/sep/pad/cls/mask_token as strings, additional_special_tokens a list; from
+  tokenizer_config.json, and from special_tokens_map.json, winning, where the config has no
+  `added_tokens_decoder`, as transformers reads them; bos/eos_token are "" when not defined),
+  raise_exception, strftime_now, and a `tojson` that does not HTML-escape.
 
 * `ByteTokenizer` — the documented fallback for the random-weight presets (tiny, qwen3-*), which ship
   no vocabulary. Text is encoded as its UTF-8 bytes shifted by `BYTE_OFFSET`:
@@ -33,6 +36,8 @@ from collections.abc import Sequence
 
 BYTE_OFFSET = 3
 _REPLACEMENT = "\ufffd"
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: what `apply_chat_template` passes a template (special_tokens_map)
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 class ByteTokenizer:
@@ -82,18 +87,20 @@ class HFTokenizer:
         self.tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
         self.chat_template: str | None = None
         self.no_chat_reason = f"{model_dir} has no chat template (tokenizer_config.json or chat_template.jinja)"
-        self.bos_token = self.eos_token = ""
-        cfg_path = os.path.join(model_dir, "tokenizer_config.json")
-        if os.path.isfile(cfg_path):
-            with open(cfg_path) as f:
-                cfg = json.load(f)
-            self.bos_token, self.eos_token = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
-            template = cfg.get("chat_template")
-            if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-                named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-                template = named.get("default") or next(iter(named.values()), None)
-        else:
-            template = None
+        cfg = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        special_map = {}
+        if "added_tokens_decoder" not in cfg:  # transformers reads the map only for such (older) saves
+            try:  # (read for the special tokens only: one that cannot be read is left out, not fatal)
+                special_map = _read_json(os.path.join(model_dir, "special_tokens_map.json"))
+            except (OSError, ValueError):
+                pass
+        self.special_tokens = _special_tokens(cfg, special_map)
+        self.bos_token = self.special_tokens.get("bos_token", "")
+        self.eos_token = self.special_tokens.get("eos_token", "")
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default") or next(iter(named.values()), None)
         jinja_path = os.path.join(model_dir, "chat_template.jinja")  # where recent transformers save it
         if not (isinstance(template, str) and template) and os.path.isfile(jinja_path):
             with open(jinja_path) as f:
@@ -116,16 +123,49 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if self.chat_template is None:
             raise ValueError(self.no_chat_reason)
-        # what transformers passes: tools / documents are None, not undefined (`tools is not none`)
+        # what transformers passes: tools / documents are None, not undefined (`tools is not none`), and
+        # the tokenizer's special tokens (bos / eos "" rather than undefined, as here before)
         text = self._compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
-                                     bos_token=self.bos_token, eos_token=self.eos_token)
+                                     **{**self.special_tokens, "bos_token": self.bos_token,
+                                        "eos_token": self.eos_token})
         return self.encode(text, add_special_tokens=False)
 
 
 def _token_text(tok) -> str:
-    if isinstance(tok, dict):
+    if isinstance(tok, dict):  # an AddedToken as saved: {"content": "<pad>", "lstrip": false, ...}
         return str(tok.get("content") or "")
-    return tok or ""
+    return tok if isinstance(tok, str) else ""
+
+
+def _read_json(path: str) -> dict:
+    """The JSON object in `path`; {} when there is no such file (or it holds no object)."""
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return data if isinstance(data, dict) else {}
+
+
+def _special_tokens(config: dict, special_tokens_map: dict) -> dict[str, str | list[str]]:
+    """The special tokens transformers' `special_tokens_map` holds for this directory: those of
+    SPECIAL_TOKEN_KEYS that are set (special_tokens_map.json's win over tokenizer_config.json's, as in
+    transformers' legacy loading) as strings, and additional_special_tokens (the config's, then the
+    map's new ones) as a list of strings when there are any."""
+    out: dict[str, str | list[str]] = {}
+    for key in SPECIAL_TOKEN_KEYS:
+        text = _token_text(special_tokens_map.get(key)) or _token_text(config.get(key))
+        if text:
+            out[key] = text
+    extra: list[str] = []
+    for source in (config, special_tokens_map):
+        tokens = source.get("additional_special_tokens")
+        for tok in tokens if isinstance(tokens, list) else ():
+            text = _token_text(tok)
+            if text and text not in extra:
+                extra.append(text)
+    if extra:
+        out["additional_special_tokens"] = extra
+    return out
 
 
 def _compile_template(template: str):
