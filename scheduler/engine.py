@@ -197,7 +197,7 @@ class Engine:
         if req.rid in self.requests:
             raise RequestError(f"duplicate request id {req.rid!r}")
         if params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            req.generator = torch.Generator(device=self.device).manual_seed(int(params.seed))  # (numpy ints too)
         req.queue = asyncio.Queue()
         req.arrival_batch = self.stats["batches"]
         self.requests[req.rid] = req

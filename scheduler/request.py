@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import numbers
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +22,14 @@ def kv_tokens(prompt_tokens: int, max_tokens: int) -> int:
     return prompt_tokens + max_tokens - 1
 
 
+def _is_integer(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -35,12 +44,17 @@ class SamplingParams:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.max_tokens > max_new_tokens_limit:
             raise RequestError(f"max_tokens {self.max_tokens} exceeds the limit {max_new_tokens_limit}")
-        if not 0.0 <= float(self.temperature) <= 100.0:
-            raise RequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if not 0.0 < float(self.top_p) <= 1.0:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+        # every field's type too: a bad one raised out of add_request, or (stop_token_ids=None) in the loop
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 100.0:
+            raise RequestError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not (_is_integer(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise RequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a 64-bit integer), got {self.seed!r}")
+        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(map(_is_integer, self.stop_token_ids)):
+            raise RequestError(f"stop_token_ids must be a tuple of token ids, got {self.stop_token_ids!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
     @property
     def greedy(self) -> bool:
@@ -111,6 +125,8 @@ class Request:
                                   # prefetch taken on to L1), until settled
     overlap_result: object = None  # (chunk, token) of that forward, held until the restore has published
     prefetch_op: object = None
+    follow_op: object = None      # another request's restore or prefetch of its prefix that it is parked on
+                                  # (never cancelled for it: Restoring._try_restore)
     landed_offered: bool = False  # its prefetch's read landed and the request was offered to take it on
     promoted_tokens: int = 0      # tokens an L3 -> L2 prefetch brought up for this request
     hint_task: object = None      # shared L3: the existence query that must finish before admission

@@ -10,14 +10,15 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
 
     Any temperature in (0, 100] and top_p in (0, 1] gives a valid distribution: the logits are
     shifted so their largest is 0 before the division (a tiny temperature sends the others to -inf
-    instead of the largest to +inf), and top-p always keeps the likeliest token (a top_p below
-    float32's smallest value would otherwise keep none)."""
+    instead of the largest to +inf), a temperature is at least float32's smallest normal value (one
+    that float32 rounds to 0 made the largest 0 / 0, NaN), and top-p always keeps the likeliest token
+    (a top_p below float32's smallest value would otherwise keep none)."""
     next_ids = torch.argmax(logits, dim=-1)  # [B]
     sampled_rows = [i for i, t in enumerate(temperatures) if t > 0.0]
-    lowest = torch.finfo(torch.float32).min
+    lowest, smallest = torch.finfo(torch.float32).min, torch.finfo(torch.float32).tiny
     for i in sampled_rows:  # sampled rows are rare in benchmarks; keep them exact and simple
         row = torch.nan_to_num(logits[i].float(), nan=lowest)  # [vocab], finite
-        probs = torch.softmax((row - row.max()) / temperatures[i], dim=-1)  # [vocab]
+        probs = torch.softmax((row - row.max()) / max(temperatures[i], smallest), dim=-1)  # [vocab]
         if top_ps[i] < 1.0:
             sorted_probs, order = torch.sort(probs, descending=True)
             keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_ps[i]
