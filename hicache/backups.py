@@ -3,8 +3,9 @@
 
 A backup locks its L1 source (and the L2 prefix it extends), reserves private L2 pages, enqueues the
 D2H copy and publishes the pages once it completed; then, where L3 is worth writing, the same for
-H2S. A backup asked for while one of its prefixes is being backed up waits for that one and copies
-only the pages beyond it. Backups that the engine's step processing asks for start once that
+H2S. A backup asked for while one of its prefixes is being backed up, or a sibling that copies a page
+it would copy (two prompts sharing a prefix that L2 lacks), waits for that one and copies only the
+pages beyond what it published. Backups that the engine's step processing asks for start once that
 step's tokens reached their clients (`backup_soon`).
 """
 from __future__ import annotations
@@ -76,8 +77,8 @@ class Backups:
     def start_backup(self, tokens: Sequence[int], request_id: str | None = None) -> Op | None:
         mgr, ps = self.mgr, self.mgr.page_size
         tokens = tuple(tokens[: len(tokens) - len(tokens) % ps])
-        if tokens in self._backing_up or not tokens:
-            return None
+        if tokens in self._backing_up or not tokens or any(tokens in w for w in self._deferred.values()):
+            return None  # (a waiting one starts when the backup it waits for ends)
         for key in self._backing_up:
             if tokens[:len(key)] == key or key[:len(tokens)] == tokens:
                 if len(tokens) > len(key):  # extends an in-flight backup: start when it ends
@@ -87,6 +88,13 @@ class Backups:
         n1, n2 = m.lengths[Tier.L1], m.lengths[Tier.L2]
         if n1 <= n2:
             return None
+        # a backup in flight that copies the page after L2's end (a sibling: another prompt sharing
+        # the prefix L2 lacks) copies the shared part: wait for it, then copy only what L2 still
+        # lacks (regression: prompts sharing a new prefix each copied it to L2 and wrote it to L3)
+        for key in self._backing_up:
+            if key[:n2 + ps] == tokens[:n2 + ps]:
+                self._defer(key, tokens)
+                return None
         if (not mgr.worth_writing("l2", n1) or not mgr.backup_worth_its_cost(n1 - n2)
                 or not mgr.backup_pays_off(n1)):
             mgr.metrics.policy_skips["write_l2"] += 1

@@ -6,7 +6,8 @@ Contract (what callers may rely on):
   - `match()` first starts due backups (they lock L1 pages and may evict L2 leaves); the walk itself
     changes no residency but may split nodes. Lock a handle before reading its pages across an
     await; an unlocked handle may be evicted by the next allocation.
-  - `alloc_l1()` evicts unlocked L1 leaves (LRU) to make room; it never evicts a locked node.
+  - `alloc_l1()` evicts unlocked L1 leaves (LRU) to make room; it never evicts a locked node, and
+    nothing when eviction could not make room.
   - `insert_l1()` publishes a caller's private pages (and, under write_through, queues their
     L1 -> L2 backup); pages the tree already had come back, still private, to free.
   - Everything here runs on the event loop's thread; nothing is thread-safe.
@@ -196,11 +197,15 @@ class CacheManager:
         return self.l1.allocator.num_free + self.tree.evictable_pages(Tier.L1)
 
     def alloc_pages(self, tier: Tier, num_pages: int, claim: int) -> list[int] | None:
-        """Private pages of `tier`, evicting that tier's unlocked LRU leaves when needed."""
+        """Private pages of `tier`, evicting that tier's unlocked LRU leaves when needed; None, with
+        nothing evicted, when even evicting every unlocked page would not make room (regression: a
+        backup longer than L2 or L3 could hold wiped that tier and was then skipped)."""
         alloc = self.allocator(tier)
         if alloc.num_free < num_pages:
             if tier is Tier.L1:  # due backups lock what they copy before L1 evicts
                 self.runner.start_due()
+            if alloc.num_free + self.tree.evictable_pages(tier) < num_pages:
+                return None
             keep = self.runner.write_back_keep if (tier is Tier.L1 and self.has_l2) else None
             self.tree.evict(tier, num_pages - alloc.num_free, keep=keep)
         return alloc.alloc(num_pages, claim)

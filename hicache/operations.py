@@ -58,9 +58,10 @@ class OpRunner(Backups, Restores):
         self._settling: set[asyncio.Task] = set()
         self._ids = itertools.count(1)
         self._backing_up: set[tuple[int, ...]] = set()
-        # a backup asked for while one of its prefixes is being backed up waits for it, so no page
-        # is copied (D2H) or written (H2S) twice: in-flight key -> the sequences waiting on it (none
-        # a prefix of another: siblings, e.g. two continuations of one prompt, all wait)
+        # a backup asked for while one of its prefixes (or a sibling copying a page it would) is
+        # being backed up waits for it, so no page is copied (D2H) or written (H2S) twice: in-flight
+        # key -> the sequences waiting on it (none a prefix of another: siblings, e.g. two
+        # continuations of one prompt, all wait)
         self._deferred: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
         # write-through backups asked for by the engine's step processing (`backup_soon`), started
         # once the clients of that step's tokens have run

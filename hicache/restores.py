@@ -31,6 +31,9 @@ VERIFY_AFTER_LANDING_MAX_BYTES = 192 << 20
 # CHECKS_HOLD_MAX_S after the landing (a request that did not take the prefetch on, or went away).
 HOLD_CHECKS_MAX_BYTES = 64 << 20
 CHECKS_HOLD_MAX_S = 0.005
+# ops a request may wait for rather than copy their pages again (`restore_in_flight`); those reading L3
+RESTORE_KINDS = (OpKind.RESTORE_L2, OpKind.RESTORE_L3, OpKind.PREFETCH_L3)
+L3_READS = (OpKind.RESTORE_L3, OpKind.PREFETCH_L3)
 
 
 class Restores:
@@ -57,6 +60,7 @@ class Restores:
             return None  # nothing to copy (a stale match): zero-page copies are not transfers
         if tier == "l2":
             op = self._new(OpKind.RESTORE_L2, (l2 - l1) // ps, request_id)
+            op.payload["tokens"] = tuple(tokens[:l2])  # what it publishes (restore_in_flight)
             self._lock(op, match.handles[Tier.L1], Tier.L1)
             if not self._start_h2d(op, tuple(tokens[:l2]), match, l1, layerwise, tail_tokens):
                 self._release(op)
@@ -65,6 +69,7 @@ class Restores:
             return self._register(op, self._drive_restore(op, tuple(tokens[:l2])))
         kind = OpKind.RESTORE_L3 if tier == "l3" else OpKind.PREFETCH_L3
         op = self._new(kind, (l3 - min(l1, l2)) // ps, request_id)
+        op.payload["tokens"] = tuple(tokens[:l3])
         self._lock(op, match.handles[Tier.L1], Tier.L1)
         future = self._start_s2h(op, match, tokens, take_soon and kind is OpKind.PREFETCH_L3)
         if future is None:
@@ -73,6 +78,27 @@ class Restores:
         op.payload.update(l2_start=l2, l3_end=l3)
         mgr.metrics.restores_started += kind is OpKind.RESTORE_L3
         return self._register(op, self._drive_restore(op, tuple(tokens[:l3]), future, l2))
+
+    def restore_in_flight(self, tokens: Sequence[int], match, request_id: str | None = None,
+                          kinds: tuple[OpKind, ...] = RESTORE_KINDS, through: int | None = None) -> Op | None:
+        """A live op of `kinds`, not `request_id`'s, that will publish a page of `tokens` beyond what
+        `match` holds (beyond its L1 prefix for a restore into L1, beyond its L1 and L2 for a
+        prefetch, which lands in L2), or, given `through`, every page of `tokens` up to that length.
+        A request about to copy the same pages waits for it instead (regression: requests sharing a
+        prefix that only L2 or L3 held, arriving together, each restored it into L1 pages of its
+        own, freed as duplicates, and each read it from storage)."""
+        ps, (l1, l2) = self.mgr.page_size, match.lengths[:2]
+        for op in self.live.values():
+            theirs = op.payload.get("tokens")
+            if (op.kind not in kinds or theirs is None or op.done or op.payload["cancel"]
+                    or op.request_id == request_id):
+                continue
+            upto = through  # (else: the page after what we hold is theirs too)
+            if upto is None:
+                upto = (max(l1, l2) if op.kind is OpKind.PREFETCH_L3 else l1) + ps
+            if upto <= min(len(theirs), len(tokens)) and tuple(tokens[:upto]) == theirs[:upto]:
+                return op
+        return None
 
     def _start_s2h(self, op: Op, match, tokens: Sequence[int], take_soon: bool = False):
         mgr, ps = self.mgr, self.mgr.page_size

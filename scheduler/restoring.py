@@ -11,8 +11,9 @@ import time
 
 import structlog
 
-from hicache.ops import OpState
+from hicache.ops import OpKind, OpState
 from hicache.radix import Tier
+from hicache.restores import L3_READS, RESTORE_KINDS
 from scheduler.request import Request, RequestState
 
 log = structlog.get_logger("scheduler.engine")
@@ -53,8 +54,8 @@ class Restoring:
         # checksums wait for the landing rather than slow it
         overlap = self._may_overlap(req, l3, alone=not self.engine.running,
                                     budget=self.engine.config.max_prefill_tokens)
-        if l3 <= max(l1, l2):
-            return
+        if l3 <= max(l1, l2) or cache.runner.restore_in_flight(tokens, m, req.rid, L3_READS, through=l3):
+            return  # (another request's read brings all of it: admission waits for that)
         decision = cache.decide(m, overlap_h2d=overlap, l3_taken_on=overlap, lookahead=True)
         if decision.tier != "l3":
             return
@@ -81,11 +82,12 @@ class Restoring:
             self.cache.observe_outcome(source, plan[source], time.perf_counter() - req.arrival_s)
 
     def settle_parked(self) -> None:
-        """Parked requests whose restore (or prefetch) ended go back to the head of the queue; so
-        does, once, a request whose prefetch's read landed (it may take it on to L1, `_take_landed`).
-        Walked newest first, so that those returning together keep their order at the head."""
+        """Parked requests whose restore (or prefetch, or the op they follow) ended go back to the
+        head of the queue; so does, once, a request whose prefetch's read landed (it may take it on
+        to L1, `_take_landed`). Walked newest first, so that those returning together keep their
+        order at the head."""
         for req in reversed(self.engine.parked):
-            op = req.restore_op or req.prefetch_op
+            op = req.restore_op or req.prefetch_op or req.follow_op
             if op is not None and not op.done:
                 if op is req.prefetch_op and op.state is OpState.S2H_LANDED and not req.landed_offered:
                     req.landed_offered = True
@@ -94,7 +96,7 @@ class Restoring:
                     self.engine.waiting.appendleft(req)
                 continue
             self.engine.parked.remove(req)
-            if op is not None and not op.succeeded:
+            if op is not None and not op.succeeded and op is not req.follow_op:
                 req.span_plan = None  # a failed restore or prefetch: not what its source costs
             if op is req.restore_op and op is not None and not op.succeeded:
                 req.restore_failed = True
@@ -102,7 +104,7 @@ class Restoring:
                 req.restore_tier = "none"
             if op is req.prefetch_op and op is not None:
                 self.prefetch_ended(req)
-            req.restore_op = req.prefetch_op = None
+            req.restore_op = req.prefetch_op = req.follow_op = None  # (a follower decides afresh)
             req.state = RequestState.WAITING
             self.engine.waiting.appendleft(req)
 
@@ -144,6 +146,15 @@ class Restoring:
         decision = cache.decide(m, overlap_h2d=may_overlap)
         if decision.tier not in ("l2", "l3"):
             return None
+        # another request's restore or prefetch brings (part of) the same pages: wait for it, then
+        # decide again, rather than copy them a second time (`OpRunner.restore_in_flight`); for an
+        # L2 restore only another L2 restore (a storage read is what deciding for L2 declined)
+        kinds = (OpKind.RESTORE_L2,) if decision.tier == "l2" else RESTORE_KINDS
+        leader = cache.runner.restore_in_flight(self._reusable(req), m, req.rid, kinds)
+        if leader is not None:
+            req.follow_op = leader
+            self._park(req, leader)
+            return "parked"
         # (an L2 restore of a longer L3 hit ends at L2: its forward computes the rest; regression:
         # planned with the L3 end, the gap was learned as the L2 source's overhead)
         end = l2_end if decision.tier == "l2" else max(m.lengths[Tier.L2], m.lengths[Tier.L3])
