@@ -38,7 +38,8 @@ BLOCK_N = 32
 # programs per KV head instead of 4 (the merge went from 6.1 to 4.4 us a layer on the H200)
 MERGE_ROWS = 4
 # multi-row tails' attention launched with PDL (kernels/pdl.py), its split kernel spread one program
-# an SM (see decode_attention_triton); scripts/probe_graph_ab.py's pdl_off_tail_attn turns it off
+# an SM, unless it waits for a restore's layers (see decode_attention_triton);
+# scripts/probe_graph_ab.py's pdl_off_tail_attn turns it off
 TAIL_PDL = True
 # a split kernel of one wave launched with PDL asks for more than half an SM's shared memory, so no SM
 # runs two of its programs (kernels/pdl.py spread); probe_graph_ab.py's unspread turns it off
@@ -224,15 +225,20 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
     # some SMs took two of its programs, whose key loops then ran at half speed. Spread one program
     # an SM (asking for 128 KiB), the early launch is faster than the ordinary one at every length:
     # 4.46 / 4.51 / 4.64 / 4.89 against 4.50 / 4.55 / 4.68 / 4.93 ms at 350 / 1,000 / 3,500 /
-    # 8,000 keys, 100 KiB (two an SM) as slow as 64 (session 28).
-    launch = pdl.launch_kwargs(q.device) if rows_per_seq == 1 or TAIL_PDL else {"PDL": False}
+    # 8,000 keys, 100 KiB (two an SM) as slow as 64 (session 28). A tail that waits for its layers
+    # of a restore (wait) keeps the ordinary launch, unspread: its programs spin on the layer flags
+    # while the restore's copies run, and its ordinary launch is what every restore was measured
+    # with. The stress workload ran 1.77 / 1.65 x hicache off with this, 1.77 / 1.69 x without
+    # (two processes each, alternating: the spread between processes; session 28).
+    tail_pdl = TAIL_PDL and wait is None
+    launch = pdl.launch_kwargs(q.device) if rows_per_seq == 1 or tail_pdl else {"PDL": False}
     split = _split_kernel[(b, hkv, num_splits)](
         q, k_layer, v_layer, page_tables, seq_lens, part_o, part_m, part_l, flags, expected, status, layer,
         max_spins, scale, page_tables.shape[1], hkv, hq, PAGE=page, GROUP=group, ROWS=rows_per_seq, M_PAD=m_pad,
         D=d, BLOCK=block, SPLITS=num_splits, TENSOR_CORES=tensor_cores, WAIT=wait is not None,
         PREFETCH_PAGES=prefetch_pages,
         num_warps=num_warps, **({} if num_stages is None else {"num_stages": num_stages}), **launch)
-    if launch["PDL"] and SPREAD_SPLITS and b * hkv * num_splits <= _sm_count(q.device):
+    if launch["PDL"] and SPREAD_SPLITS and wait is None and b * hkv * num_splits <= _sm_count(q.device):
         pdl.spread(split, q.device)  # from the next launch on (a graph's warm-up runs before its capture)
     real_rows = group * rows_per_seq
     rb = min(merge_rows, triton.next_power_of_2(real_rows))

@@ -16,10 +16,9 @@ PDL some SMs took two of its split programs (kernels/pdl.py spread; docs/benchma
 Variants ("engine" is always timed first as the reference):
   engine           the engine's own captured graph
   pdl_off_attn     the paged attention's kernels launched without PDL
-  pdl_off_tail_attn  a multi-row tail's attention launched the ordinary way (the engine's choice
-                   in sessions 25-27)
-  unspread         split kernels launched with PDL not spread one program an SM (kernels/pdl.py
-                   spread; with the tail's attention under PDL: session 25's choice before it)
+  pdl_off_tail_attn  a multi-row tail's attention launched the ordinary way (sessions 25-27)
+  unspread         one-wave split kernels under PDL not spread one program an SM (kernels/pdl.py
+                   spread; with the tail's attention under PDL, session 25's choice before it)
   pdl_off_skinny   the skinny projections without PDL
   pdl_off_norms    the norms, q/k-norm + RoPE and SiLU kernels without PDL
   pdl_off_all      every Triton kernel without PDL
@@ -96,7 +95,8 @@ def _embed_kernel():
 @contextlib.contextmanager
 def _unspread():
     """Split kernels launched with PDL not spread: the kernels spread already ask for their compiled
-    shared memory again while the variant is captured, and are spread again after."""
+    shared memory again while the variant is captured, and are spread again after (graphs keep what
+    they captured)."""
     spread = list(pdl._spread.items())
     for kernel, compiled_bytes in spread:
         pdl.ask_shared(kernel, compiled_bytes)
@@ -124,7 +124,7 @@ class _FirstRowOnly:
 VARIANTS = {
     "pdl_off_attn": lambda: _patched(decode_attention, "pdl", _Pdl(False)),
     "pdl_off_tail_attn": lambda: _patched(decode_attention, "TAIL_PDL", False),
-    "unspread": lambda: _unspread(),
+    "unspread": _unspread,
     "pdl_off_skinny": lambda: _patched(skinny_gemm, "pdl", _Pdl(False)),
     "pdl_off_norms": lambda: _patched(fused_ops, "pdl", _Pdl(False)),
     "pdl_off_all": lambda: _patched(pdl, "_enabled", False),

@@ -118,8 +118,8 @@ def test_prefetched_page_numbers_give_the_same_result(rows_per_seq, block, prefe
 
 def test_tails_ask_for_pdl_unless_switched_off(monkeypatch):
     """One-row decode and a multi-row tail both ask kernels/pdl.py (a tail's split kernel is then
-    spread one program an SM on the GPU: tests/test_gpu.py); TAIL_PDL False launches a tail's
-    attention the ordinary way (the engine's choice in sessions 25-27)."""
+    spread one program an SM on the GPU: tests/test_gpu.py), but not a tail waiting for a restore's
+    layers; TAIL_PDL False launches a tail's attention the ordinary way (sessions 25-27)."""
     from kernels import decode_attention
 
     asked = []
@@ -130,6 +130,12 @@ def test_tails_ask_for_pdl_unless_switched_off(monkeypatch):
     assert len(asked) == 1  # (one answer for the split kernel and the merge)
     decode_attention_triton(torch.randn(2, 2, 16), k, k, tables, torch.tensor([4, 10]), 0.25)
     assert len(asked) == 2
+    # a tail that waits for its layers of a restore: the ordinary launch (under PDL and spread it
+    # slowed the restore beside it on the H200, session 28)
+    flags, status = torch.tensor([5], dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    decode_attention_triton(torch.randn(4, 2, 16), k, k, tables, torch.tensor([3, 4, 9, 10]), 0.25, 2,
+                            wait=(flags, torch.tensor([5]), status, 0, 50))
+    assert len(asked) == 2 and status.item() == 0
     monkeypatch.setattr(decode_attention, "TAIL_PDL", False)
     decode_attention_triton(torch.randn(4, 2, 16), k, k, tables, torch.tensor([3, 4, 9, 10]), 0.25, 2)
     assert len(asked) == 2
