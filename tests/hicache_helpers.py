@@ -104,6 +104,15 @@ def assert_whole(mgr: CacheManager) -> None:
             assert node.locks == [0, 0, 0], f"{node} still locked: {node.locks}"
 
 
+async def finish(eng) -> None:
+    """End of an engine test: every request ended, the cache drained -> every tier whole, then close."""
+    await eng.stop_loop()
+    await eng.cache.drain()
+    assert not eng.requests
+    assert_whole(eng.cache)
+    await eng.shutdown()
+
+
 def flip_l3_byte(mgr: CacheManager, slot: int, at: int = 5) -> None:
     offset = slot * mgr.store.bytes_per_page + at
     with open(mgr.store.path, "r+b") as f:

@@ -22,7 +22,7 @@ import pytest
 from hicache.faults import Fault, FaultInjector
 from hicache.ops import OpState
 from hicache.radix import Tier
-from hicache_helpers import WriteGate, assert_whole, capture_op_logs, flip_l3_byte, until
+from hicache_helpers import WriteGate, assert_whole, capture_op_logs, finish, flip_l3_byte, until
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import RequestError, SamplingParams
@@ -64,15 +64,6 @@ def make_engine(faults: FaultInjector | None = None, num_pages: int = 48, **hica
 async def run_one(eng: Engine, prompt: list[int] = PROMPT, max_tokens: int = MAX_TOKENS):
     out = await eng.generate_async([prompt], SamplingParams(max_tokens=max_tokens))
     return out[0]
-
-
-async def finish(eng: Engine) -> None:
-    """End of a test: every request ended, the cache drained -> every tier whole, then close."""
-    await eng.stop_loop()
-    await eng.cache.drain()
-    assert not eng.requests
-    assert_whole(eng.cache)
-    await eng.shutdown()
 
 
 def only_in_l3(eng: Engine, tokens) -> None:

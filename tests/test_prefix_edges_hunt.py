@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from hicache.radix import Tier
-from hicache_helpers import WriteGate, assert_whole, make_manager, toks, until, write_prefix
+from hicache_helpers import WriteGate, assert_whole, finish, make_manager, toks, until, write_prefix
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
@@ -40,14 +40,6 @@ def make_engine(page_size: int = 4, num_pages: int = 64, storage: bool = True, r
     config = EngineConfig(model="tiny", device="cpu", num_pages=num_pages, page_size=page_size,
                           restore_overlap=restore_overlap, max_prefill_tokens=max_prefill_tokens)
     return Engine(config.with_hicache(enable=True, host_ratio=2.0, storage_ratio=2.0 if storage else 0.0, **hicache))
-
-
-async def finish(eng: Engine) -> None:
-    await eng.stop_loop()
-    await eng.cache.drain()
-    assert not eng.requests
-    assert_whole(eng.cache)
-    await eng.shutdown()
 
 
 # -- requests sharing a prefix that only a lower tier holds ------------------------------------
