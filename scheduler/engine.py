@@ -166,14 +166,17 @@ class Engine:
             raise RequestError(f"prompt of {len(prompt)} tokens exceeds the limit of {self.max_prompt_tokens}")
         kv = kv_tokens(len(prompt), params.max_tokens)
         positions = self.model_config.max_position_embeddings
+        # the field to lower: max_tokens where the prompt alone (one new token) would fit
+        fits_alone = -(-len(prompt) // self.page_size) <= self.usable_l1_pages and len(prompt) <= positions
+        param = "max_tokens" if fits_alone else None
         if kv > positions:  # past the positions it was trained for
             raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) - 1 exceeds the model's "
-                               f"{positions} positions (max_position_embeddings)")
+                               f"{positions} positions (max_position_embeddings)", param)
         need_pages = -(-kv // self.page_size)
         if need_pages > self.usable_l1_pages:
             raise RequestError(
                 f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) - 1 needs {need_pages} pages; the L1 "
-                f"pool has {self.usable_l1_pages} pages of {self.page_size} tokens for requests")
+                f"pool has {self.usable_l1_pages} pages of {self.page_size} tokens for requests", param)
 
     async def start(self) -> None:
         """Start the loop (submit() and generate_async() call this); a no-op once shutdown() began:

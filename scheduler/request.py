@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 
 
 class RequestError(ValueError):
-    """Bad input for one request: reported to that request, never raised into the loop."""
+    """Bad input for one request: reported to that request, never raised into the loop. `param`:
+    the request field to change, where it is not the prompt (the HTTP error names it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
@@ -41,20 +46,22 @@ class SamplingParams:
 
     def validate(self, max_new_tokens_limit: int) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if self.max_tokens > max_new_tokens_limit:
-            raise RequestError(f"max_tokens {self.max_tokens} exceeds the limit {max_new_tokens_limit}")
+            raise RequestError(f"max_tokens {self.max_tokens} exceeds the limit {max_new_tokens_limit}", "max_tokens")
         # every field's type too: a bad one raised out of add_request, or (stop_token_ids=None) in the loop
         if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 100.0:
-            raise RequestError(f"temperature must be a number in [0, 100], got {self.temperature!r}")
+            raise RequestError(f"temperature must be a number in [0, 100], got {self.temperature!r}", "temperature")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}", "top_p")
         if self.seed is not None and not (_is_integer(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
-            raise RequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a 64-bit integer), got {self.seed!r}")
+            raise RequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a 64-bit integer), got {self.seed!r}",
+                               "seed")
         if not isinstance(self.stop_token_ids, (tuple, list)) or not all(map(_is_integer, self.stop_token_ids)):
-            raise RequestError(f"stop_token_ids must be a tuple of token ids, got {self.stop_token_ids!r}")
+            raise RequestError(f"stop_token_ids must be a tuple of token ids, got {self.stop_token_ids!r}",
+                               "stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
-            raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", "ignore_eos")
 
     @property
     def greedy(self) -> bool:

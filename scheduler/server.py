@@ -228,7 +228,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
         except RequestError as exc:
             if st.draining or not st.engine.accepting:
                 raise APIError(503, f"the server is shutting down: {exc}", code="shutting_down") from None
-            raise APIError(400, str(exc), param="prompt", code="invalid_request") from None
+            raise APIError(400, str(exc), param=exc.param or "prompt", code="invalid_request") from None
     except APIError:
         slot.release()
         st.metrics.outcome("rejected")

@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
+from scheduler.request import RequestError, SamplingParams
 from scheduler.server import ServerLimits, create_app
 from scheduler.tokenizer import ByteTokenizer
 
@@ -560,3 +561,15 @@ def test_logprobs_zero_is_refused_like_any_other_count(srv):
     r = httpx.post(srv.url + "/v1/completions", json={**GOOD, "logprobs": 0}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
     assert httpx.post(srv.url + "/v1/completions", json={**GOOD, "logprobs": None}, timeout=30).status_code == 200
+
+
+def test_a_context_refusal_names_the_field_to_lower(srv):
+    """The engine's refusal of prompt + max_tokens past the L1 pool names max_tokens where the
+    prompt alone fits (it named the prompt either way), and the prompt where it does not."""
+    pool_tokens = srv.engine.usable_l1_pages * srv.engine.page_size
+    fits = list(range(1, pool_tokens - 8))  # the prompt fits; with 60 new tokens it does not
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": fits, "max_tokens": 60}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    with pytest.raises(RequestError) as exc:  # a prompt longer than the pool: the prompt is what to change
+        srv.call(srv.engine.validate, list(range(1, pool_tokens + 8)), SamplingParams(max_tokens=1))
+    assert exc.value.param is None
