@@ -127,7 +127,13 @@ class Engine:
         self.cache.overlap_forward_s = graphs.tail_forward_s()
 
     def hold_l1_page(self, label: str) -> int:
-        """Take one L1 page for good (before any request): requests are sized without it."""
+        """Take one L1 page for good (before any request): requests are sized without it. Refuses
+        to take the last one (regression: a one-page L1 with CUDA graphs started, then refused
+        every request for want of a page)."""
+        if self.usable_l1_pages <= 1:
+            raise ValueError(f"an L1 pool of {self.cache.l1.num_pages} page(s) leaves none for requests once "
+                             f"{label!r} holds one: give --num-pages >= {self.held_l1_pages + 2}"
+                             + (" or --disable-cuda-graphs" if label == "cuda-graph-scratch" else ""))
         alloc = self.cache.l1.allocator
         page = alloc.alloc(1, alloc.new_claim(label))[0]
         self.held_l1_pages += 1

@@ -457,3 +457,18 @@ def test_requests_back_from_restores_together_keep_their_order():
         eng.parked.append(req)
     eng.admission.settle_parked()
     assert list(eng.waiting) == [first, second] and not eng.parked
+
+
+def test_a_page_held_for_good_never_takes_the_last_one():
+    """Engine.hold_l1_page (the CUDA graphs' scratch page) refuses to take an L1's last page with a
+    clear error naming the flags: a one-page L1 with graphs used to start and then refuse every
+    request for want of a page (the CPU has no graphs; the hold is the same)."""
+    one = Engine(EngineConfig(model="tiny", device="cpu", num_pages=1))
+    with pytest.raises(ValueError, match=r"--num-pages >= 2 or --disable-cuda-graphs"):
+        one.hold_l1_page("cuda-graph-scratch")
+    assert one.usable_l1_pages == 1 and one.cache.l1.allocator.num_free == 1  # nothing taken
+    two = Engine(EngineConfig(model="tiny", device="cpu", num_pages=2))
+    two.hold_l1_page("cuda-graph-scratch")
+    assert two.usable_l1_pages == 1
+    [out] = two.generate([[1, 2, 3]], SamplingParams(max_tokens=1))  # (a page of 4 tokens: 3 + 1 - 1)
+    assert out.error is None
