@@ -17,7 +17,8 @@ SM still running the kernel before. A weight-streaming kernel after another shou
 one of its programs: a whole-K down projection at 122 KiB of shared memory, after gate_up's 80 KiB
 programs, made a 36-layer chain 0.36 ms slower than at 168 KiB (docs/benchmarks.md, session 16).
 The skinny projections' stage counts (kernels/skinny_gemm.py) keep to that. For the same kind of
-reason a multi-row tail's attention is launched the ordinary way (kernels/decode_attention.py).
+reason a multi-row tail's attention was launched the ordinary way in sessions 25-27; `spread`
+(below) now keeps its programs one an SM instead (kernels/decode_attention.py).
 
 Kernels take `PDL: tl.constexpr` and their wrappers launch with `**launch_kwargs(device)`; with PDL
 off (the CPU and its interpreter, GPUs before sm_90, `HICACHE_PDL=0`, or `set_enabled(False)`
@@ -73,7 +74,6 @@ def launch_kwargs(device: torch.device) -> dict:
     and, where PDL is on, the launch attribute."""
     on = enabled(device)
     return {"PDL": on, "launch_pdl": True} if on else {"PDL": False}
-
 
 
 # compiled kernels spread (Triton keeps them for the process) -> the shared bytes they were compiled with
