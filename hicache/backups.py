@@ -4,9 +4,9 @@
 A backup locks its L1 source (and the L2 prefix it extends), reserves private L2 pages, enqueues the
 D2H copy and publishes the pages once it completed; then, where L3 is worth writing, the same for
 H2S. A backup asked for while one of its prefixes is being backed up, or a sibling that copies a page
-it would copy (two prompts sharing a prefix that L2 lacks), waits for that one and copies only the
-pages beyond what it published. Backups that the engine's step processing asks for start once that
-step's tokens reached their clients (`backup_soon`).
+it would copy (two prompts sharing a prefix that L2 lacks), waits for that one and, once it ended
+(failed too), copies only the pages beyond what it published. Backups that the engine's step
+processing asks for start once that step's tokens reached their clients (`backup_soon`).
 """
 from __future__ import annotations
 
@@ -183,7 +183,26 @@ class Backups:
             # time, under a newer backup of the same tokens; regression)
             op.payload.pop("backup_key", None)
             self._backing_up.discard(tokens)
-            later = self._deferred.pop(tokens, [])
-            if op.succeeded:  # (a failed or cancelled one drops them)
-                for waiting in later:
-                    self.start_backup(waiting)
+            task = asyncio.current_task()
+            self._start_waiting(tokens, failed=not op.succeeded,
+                                stopped=op.payload["cancel"] or (task is not None and task.cancelling() > 0))
+
+    def _start_waiting(self, key: tuple[int, ...], failed: bool, stopped: bool) -> None:
+        """The backup of `key` ended: each backup waiting for it starts now and copies what L2 still
+        lacks, succeeded or failed (regression: a failed one dropped them, and under write_through
+        their pages never reached L2 unless published again). After a failure they all share pages
+        it left unsaved in L2 or L3, which backups running side by side would each copy or write:
+        so the first that starts goes alone, the others wait for it (and start when it ends). A
+        backup asked to stop (a drain that cancels) or whose driver task was cancelled drops them,
+        as that drain drops due backups."""
+        later = self._deferred.pop(key, [])
+        if stopped:
+            return
+        first = None
+        for waiting in later:
+            if first is not None:
+                self._defer(first, waiting)
+                continue
+            op = self.start_backup(waiting)
+            if op is not None and failed:
+                first = op.payload["backup_key"]

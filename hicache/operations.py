@@ -61,7 +61,7 @@ class OpRunner(Backups, Restores):
         # a backup asked for while one of its prefixes (or a sibling copying a page it would) is
         # being backed up waits for it, so no page is copied (D2H) or written (H2S) twice: in-flight
         # key -> the sequences waiting on it (none a prefix of another: siblings, e.g. two
-        # continuations of one prompt, all wait)
+        # continuations of one prompt, all wait), started when it ends, failed or not (`_start_waiting`)
         self._deferred: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
         # write-through backups asked for by the engine's step processing (`backup_soon`), started
         # once the clients of that step's tokens have run
@@ -143,7 +143,7 @@ class OpRunner(Backups, Restores):
         key = op.payload.pop("backup_key", None)
         if key is not None:  # (a driver that never ran never reached its finally)
             self._backing_up.discard(key)
-            self._deferred.pop(key, None)
+            self._deferred.pop(key, None)  # (cancelled: the backups waiting for it are dropped)
         self._settle_then_release(op, self._in_flight(op))
         self.live.pop(op.op_id, None)
         self._tasks.pop(op.op_id, None)

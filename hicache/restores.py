@@ -234,6 +234,10 @@ class Restores:
             # restored pages land after that prefix, so lock it: allocating may evict it
             self._lock(op, match.handles[Tier.L1], Tier.L1)
             if match.lengths[Tier.L2] < len(tokens) or not self._start_h2d(op, tokens, match, l1_start):
+                # its read stays published in L2; only L1 lacked room (requests admitted while it
+                # read took it): its request decides again rather than recompute (regression:
+                # scheduler/restoring.py `_unpark`)
+                op.payload["l1_room_lost"] = match.lengths[Tier.L2] >= len(tokens)
                 self._fail(op, "no L1 pages for the H2D step", "no_pages")
                 return
         transfer = op.payload.pop("transfer")

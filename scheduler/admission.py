@@ -95,6 +95,8 @@ class Admission(Restoring):
         m = cache.match(tokens)
         if req.restore_tier == "none":  # (else its restore ended and published: back from parking, use L1)
             started = await self._try_restore(req, m, alone, budget)
+            if started == "ended":  # (blocking) as if back from parking, before anyone evicts what it restored
+                return await self._admit(req, alone, budget)
             if started == "parked":
                 return None
             if started == "overlapped":

@@ -95,18 +95,28 @@ class Restoring:
                     req.state = RequestState.WAITING
                     self.engine.waiting.appendleft(req)
                 continue
-            self.engine.parked.remove(req)
-            if op is not None and not op.succeeded and op is not req.follow_op:
-                req.span_plan = None  # a failed restore or prefetch: not what its source costs
-            if op is req.restore_op and op is not None and not op.succeeded:
-                req.restore_failed = True
-                req.hit_tokens.update(l2=0, l3=0)
-                req.restore_tier = "none"
-            if op is req.prefetch_op and op is not None:
-                self.prefetch_ended(req)
-            req.restore_op = req.prefetch_op = req.follow_op = None  # (a follower decides afresh)
-            req.state = RequestState.WAITING
-            self.engine.waiting.appendleft(req)
+            self._unpark(req, op)
+
+    def _unpark(self, req: Request, op) -> None:
+        """The op `req` was parked on ended: back to the head of the queue. After a failed restore
+        it recomputes, except after an L3 restore whose read landed in L2 but whose H2D found no L1
+        room (`l1_room_lost`): it decides again (an L2 restore now, once there is room, as for any
+        request whose L2 restore lacks room; regression: the read's pages sat in L2 while it
+        recomputed the whole prefix)."""
+        self.engine.parked.remove(req)
+        if op is not None and not op.succeeded and op is not req.follow_op:
+            req.span_plan = None  # a failed restore or prefetch: not what its source costs
+        if op is req.restore_op and op is not None and not op.succeeded:
+            req.restore_failed = not op.payload.get("l1_room_lost", False)
+            if not req.restore_failed:  # (what its read brought is scored as L3, as a prefetch's is)
+                req.promoted_tokens = op.payload["l3_end"] - op.payload["l2_start"]
+            req.hit_tokens.update(l2=0, l3=0)
+            req.restore_tier = "none"
+        if op is req.prefetch_op and op is not None:
+            self.prefetch_ended(req)
+        req.restore_op = req.prefetch_op = req.follow_op = None  # (a follower decides afresh)
+        req.state = RequestState.WAITING
+        self.engine.waiting.appendleft(req)
 
     @staticmethod
     def prefetch_ended(req: Request) -> None:
@@ -125,7 +135,8 @@ class Restoring:
 
     async def _try_restore(self, req: Request, m, alone: bool, budget: int) -> str | None:
         """Start a restore if the cost model says so. Returns "parked" (the request waits for it),
-        "overlapped" (admitted now: its tail forward runs behind the layer-ordered copy) or None."""
+        "overlapped" (admitted now: its tail forward runs behind the layer-ordered copy), "ended"
+        (a blocking restore ended: the request is back at the head of the queue) or None."""
         cache, ps = self.cache, self.page_size
         if not cache.has_l2 or getattr(req, "restore_failed", False):
             return None
@@ -181,6 +192,12 @@ class Restoring:
         self._park(req, op)
         if not cache.config.prefetch:  # blocking restore: the whole loop waits for it
             await cache.runner.wait_op(op)
+            # ... and its request goes on now, ahead of the requests queued behind it: admitted
+            # first, they evicted the pages it had restored (unlocked once published) before the
+            # next tick brought it back (regression: it recomputed its whole prefix)
+            if req.state is RequestState.PARKED:
+                self._unpark(req, op)
+                return "ended"
         return "parked"
 
     def _may_overlap(self, req: Request, cached_tokens: int, alone: bool, budget: int) -> bool:
