@@ -23,17 +23,18 @@ from hicache.radix import Tier
 TIER_LIST = (Tier.L1, Tier.L2, Tier.L3)
 
 
-class WriteGate:
-    """Holds back the completion of a store's L3 writes until `release()` (the bytes are written at
-    once; each write's future resolves when the gate opens, or after 30 s so a failed test ends)."""
+class CompletionGate:
+    """Holds back the completion of a store's `method` (a future per call) until `release()`: the
+    bytes move at once; each call's future resolves when the gate opens, or after 30 s so a failed
+    test ends."""
 
-    def __init__(self, store) -> None:
+    def __init__(self, store, method: str) -> None:
         self.gate = threading.Event()
-        self._write = store.write_pages
-        store.write_pages = self.write_pages
+        self._call = getattr(store, method)
+        setattr(store, method, self._held)
 
-    def write_pages(self, *args, **kwargs):
-        inner, outer = self._write(*args, **kwargs), cf.Future()
+    def _held(self, *args, **kwargs):
+        inner, outer = self._call(*args, **kwargs), cf.Future()
 
         def relay():
             self.gate.wait(30)
@@ -46,6 +47,20 @@ class WriteGate:
 
     def release(self) -> None:
         self.gate.set()
+
+
+class WriteGate(CompletionGate):
+    """The store's L3 writes held back (CompletionGate)."""
+
+    def __init__(self, store) -> None:
+        super().__init__(store, "write_pages")
+
+
+class ReadGate(CompletionGate):
+    """The store's L3 reads held back (CompletionGate)."""
+
+    def __init__(self, store) -> None:
+        super().__init__(store, "read_pages")
 
 
 def make_manager(l1_pages: int = 16, host_pages: int = 32, storage_pages: int = 64, page_size: int = 4,

@@ -5,16 +5,14 @@ engine's, every tier whole after the engine drained."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
 import random
-import threading
 
 import pytest
 
 from hicache.faults import Fault, FaultInjector
 from hicache.ops import OpKind
 from hicache.radix import Tier
-from hicache_helpers import WriteGate, assert_whole, finish, until
+from hicache_helpers import ReadGate, WriteGate, assert_whole, finish, until
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
@@ -143,31 +141,6 @@ async def _prefix_in_l3(eng: Engine, prefix: list[int]) -> None:
     eng.cache.flush(Tier.L1)
     eng.cache.flush(Tier.L2)
     assert eng.cache.tree.match(prefix, touch=False).lengths == [0, 0, len(prefix)]
-
-
-class ReadGate:
-    """Holds back the completion of a store's L3 reads until `release()` (the bytes are read at once;
-    each read's future resolves when the gate opens, or after 30 s so a failed test ends)."""
-
-    def __init__(self, store) -> None:
-        self.gate = threading.Event()
-        self._read = store.read_pages
-        store.read_pages = self.read_pages
-
-    def read_pages(self, *args, **kwargs):
-        inner, outer = self._read(*args, **kwargs), cf.Future()
-
-        def relay():
-            self.gate.wait(30)
-            try:
-                outer.set_result(inner.result())
-            except BaseException as exc:
-                outer.set_exception(exc)
-        threading.Thread(target=relay, daemon=True).start()
-        return outer
-
-    def release(self) -> None:
-        self.gate.set()
 
 
 @pytest.mark.asyncio
