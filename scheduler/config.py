@@ -64,6 +64,14 @@ class EngineConfig:
     def with_hicache(self, **changes) -> "EngineConfig":
         return replace(self, hicache=replace(self.hicache, **changes))
 
+    def page_size_on(self, device_type: str) -> int:
+        """Tokens a page: --page-size, else 16 on CUDA and 4 on the CPU."""
+        return self.page_size or (16 if device_type == "cuda" else 4)
+
+    def l1_pages(self, page_size: int) -> int:
+        """L1 pages: --num-pages, else --max-total-tokens in pages of `page_size`."""
+        return self.num_pages or -(-self.max_total_tokens // page_size)
+
 
 # The smallest valid value of each numeric EngineConfig field (0 where 0 means "the default"). Below
 # them the engine hangs (no prefill budget, no running slot) or crashes building its pools.

@@ -76,9 +76,9 @@ class Engine:
             self.model, self.model_config, self.model_id = load_model(config.model, self.device, self.dtype,
                                                                       config.seed)
             self.model.skinny = self.model.fused and config.small_gemm == "triton"
-        page_size = config.page_size or (16 if self.device.type == "cuda" else 4)
+        page_size = config.page_size_on(self.device.type)
         geometry = self.model_config.kv_geometry(page_size, self.dtype)
-        num_pages = config.num_pages or -(-config.max_total_tokens // page_size)
+        num_pages = config.l1_pages(page_size)
         hc = replace(config.hicache, model_id=self.model_id)
         self.cache = CacheManager(geometry, num_pages, self.device, hc, faults=faults, simulate=config.simulate)
         self.cache.wakeup = self._wake_soon

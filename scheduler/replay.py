@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scheduler.config import HICACHE_NEEDS_PREFIX_CACHE, EngineConfig, add_engine_args, config_from_args
+from scheduler import replay_memory
+from scheduler.replay_memory import flag_name as _flag
 from scheduler.trace import TokenSynth, TraceError, TraceProblem, TraceRecord, load_trace, scale_record
 
 SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "data" / "sample_trace.jsonl"
@@ -53,10 +55,6 @@ TRACE_DEFAULTS = dict(device="auto", block_tokens=512, max_requests=None, max_ou
 REPLAY_MINIMUMS = dict(block_tokens=1, concurrency=1, max_requests=1, max_input_tokens=1, max_output_tokens=1,
                        time_scale=0, l1_tokens=1, l2_tokens=1, l3_tokens=0, l3_gib=0, synth_seed=0)
 POSITIVE_OPTIONS = ("l1_gib", "l2_gib")  # capacities that must be > 0 (0 is no L3 only for L3)
-# The options that size each tier, in the order they win (the last is the fallback): the one to lower
-TIER_SIZE_OPTIONS = {"L1": ("l1_tokens", "l1_gib", "num_pages", "max_total_tokens"),
-                     "L2": ("l2_gib", "l2_tokens", "hicache_size_gb", "hicache_ratio"),
-                     "L3": ("l3_gib", "l3_tokens", "hicache_storage_size_gb", "hicache_storage_ratio")}
 
 
 class EngineStartError(Exception):
@@ -143,10 +141,6 @@ def _fill_defaults(args: argparse.Namespace) -> None:
         args.trace = str(SAMPLE_TRACE)
 
 
-def _flag(key: str) -> str:
-    return "--" + key.replace("_", "-")
-
-
 def _check_replay_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Refuses replay options out of range (exit code 2) rather than clipping or ignoring them."""
     for key, minimum in REPLAY_MINIMUMS.items():
@@ -193,7 +187,7 @@ def config_from_replay_args(args: argparse.Namespace) -> EngineConfig:
     if args.simulate and cfg.dtype == "auto":  # the simulated deployment is a GPU one: bf16 KV
         cfg = dataclasses.replace(cfg, dtype="bfloat16")
     device, dtype = resolve_device(cfg)
-    page_size = cfg.page_size or (16 if device.type == "cuda" else 4)  # the engine's default
+    page_size = cfg.page_size_on(device.type)  # the engine's default
     geometry = model_config_of(cfg.model).kv_geometry(page_size, dtype)
     bpp = geometry.bytes_per_page
     if args.l1_tokens is not None or args.l1_gib is not None:
@@ -211,57 +205,8 @@ def config_from_replay_args(args: argparse.Namespace) -> EngineConfig:
             hc[key] = geometry.pages_for_tokens(tokens) * bpp / GIB
     cfg = cfg.with_hicache(**hc) if hc else cfg
     if cfg.simulate:
-        _check_simulated_memory(args, cfg)
+        replay_memory.check_simulated_memory(args, cfg)
     return cfg
-
-
-def _pool_pages(cfg: EngineConfig) -> dict[str, int]:
-    """The pages of each tier, sized as the engine sizes them (Engine, CacheManager)."""
-    from scheduler.engine import model_config_of, resolve_device
-
-    device, dtype = resolve_device(cfg)
-    page_size = cfg.page_size or (16 if device.type == "cuda" else 4)
-    bpp = model_config_of(cfg.model).kv_geometry(page_size, dtype).bytes_per_page
-    pages = {"L1": cfg.num_pages or -(-cfg.max_total_tokens // page_size), "L2": 0, "L3": 0}
-    if cfg.hicache.enable:
-        pages["L2"] = cfg.hicache.host_pages(pages["L1"], bpp)
-        if pages["L2"] >= 1:  # (else the engine refuses it, naming its flag)
-            pages["L3"] = cfg.hicache.storage_pages(pages["L2"], bpp)
-    return pages
-
-
-def _sizing_flag(args: argparse.Namespace, pages: dict[str, int]) -> str:
-    """The option, with its value, that sized the largest tier: the one to lower."""
-    keys = TIER_SIZE_OPTIONS[max(pages, key=pages.get)]
-    key = next((k for k in keys[:-1] if getattr(args, k) not in (None, 0)), keys[-1])
-    value = str(getattr(args, key))
-    return f"{_flag(key)} {value[:-2] if value.endswith('.0') else value}"
-
-
-def _pool_text(pages: dict[str, int]) -> str:
-    return " + ".join(f"{n:,} {tier}" for tier, n in pages.items() if n or tier == "L1") + " pages"
-
-
-def _check_simulated_memory(args: argparse.Namespace, cfg: EngineConfig) -> None:
-    """Refuses a simulated pool whose bookkeeping (an owner entry per page of each tier) cannot fit
-    in this machine's memory, before anything is allocated: it ended in numpy's MemoryError."""
-    from hicache import simulated
-
-    pages = _pool_pages(cfg)
-    need_bytes, limit_bytes = simulated.simulated_pool_bytes(list(pages.values())), simulated.memory_limit_bytes()
-    if limit_bytes is not None and need_bytes > limit_bytes:
-        raise ValueError(f"{_sizing_flag(args, pages)}: a simulated pool of {_pool_text(pages)} needs "
-                         f"{need_bytes / GIB:,.2f} GiB of host memory for its bookkeeping "
-                         f"({simulated.OWNER_TABLE_BYTES_PER_PAGE} bytes a page, more during the integrity "
-                         f"check), more than the {limit_bytes / GIB:,.2f} GiB this process can have; lower it")
-
-
-def _out_of_memory(args: argparse.Namespace, cfg: EngineConfig, exc: MemoryError) -> str:
-    """One line for a MemoryError that building the pools raised (where the estimate fit)."""
-    pages = _pool_pages(cfg)
-    detail = str(exc).splitlines()[0] if str(exc) else "MemoryError"
-    return (f"{_sizing_flag(args, pages)}: out of memory building a pool of {_pool_text(pages)} ({detail}); "
-            f"lower it")
 
 
 # -- trace -> requests ----------------------------------------------------------------------------
@@ -509,7 +454,7 @@ def run_cli(argv: list[str] | None = None) -> dict:
     except (ValueError, EngineStartError) as exc:  # a configuration the engine refuses (an L2 of no page)
         parser.exit(2, f"replay_trace.py: {exc}\n")
     except MemoryError as exc:  # pools larger than this process may have after all (a traceback before)
-        parser.exit(2, f"replay_trace.py: {_out_of_memory(args, config, exc)}\n")
+        parser.exit(2, f"replay_trace.py: {replay_memory.out_of_memory(args, config, exc)}\n")
     if args.compare_no_cache:
         if config.log_json:  # keep the baseline's events out of this run's timeline
             from scheduler.logs import configure_logging
