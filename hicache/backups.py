@@ -5,8 +5,10 @@ A backup locks its L1 source (and the L2 prefix it extends), reserves private L2
 D2H copy and publishes the pages once it completed; then, where L3 is worth writing, the same for
 H2S. A backup asked for while one of its prefixes is being backed up, or a sibling that copies a page
 it would copy (two prompts sharing a prefix that L2 lacks), waits for that one and, once it ended
-(failed too), copies only the pages beyond what it published. Backups that the engine's step
-processing asks for start once that step's tokens reached their clients (`backup_soon`).
+(failed too), copies only the pages beyond what it published. Likewise an L3 write that would write a
+page an L3 write in flight writes (siblings sharing a prefix that L2 holds and L3 lacks) waits for it
+and then writes only what L3 still lacks. Backups that the engine's step processing asks for start
+once that step's tokens reached their clients (`backup_soon`).
 """
 from __future__ import annotations
 
@@ -148,8 +150,19 @@ class Backups:
                 apply(op, OpEvent.SKIP_L3)
                 mgr.metrics.backups_done += 1
                 return
-            m = mgr.tree.match(tokens, include_storage=True, touch=False)
-            n2, n3 = m.lengths[Tier.L2], m.lengths[Tier.L3]
+            while True:
+                m = mgr.tree.match(tokens, include_storage=True, touch=False)
+                n2, n3 = m.lengths[Tier.L2], m.lengths[Tier.L3]
+                writer = self._l3_writer_of(tokens[:n2], n3) if n3 < n2 else None
+                if writer is None:
+                    break
+                # an L3 write in flight writes the page after L3's end (a sibling's: another prompt
+                # sharing the prefix L3 lacks, which L2 held, so their D2Hs did not overlap): wait
+                # for it, then write only what L3 still lacks; after a failed one the first to go
+                # writes alone, the others wait for it (regression: each sibling wrote the prefix)
+                await asyncio.wait((writer,))
+                if self._cancelled(op):
+                    return
             if n3 >= n2:
                 apply(op, OpEvent.SKIP_L3)
                 mgr.metrics.backups_done += 1
@@ -167,6 +180,7 @@ class Backups:
             apply(op, OpEvent.START)
             future = mgr.store.write_pages(mgr.l2.page_buffer, m.pages[Tier.L2][n3 // ps: n2 // ps], slots,
                                            **mgr.page_keys(tokens, n3, n2))
+            self._l3_writing[op.op_id] = tokens[:n2]
             try:
                 await self._wait_io(op, future, "h2s")
             except StorageError as exc:
@@ -183,9 +197,19 @@ class Backups:
             # time, under a newer backup of the same tokens; regression)
             op.payload.pop("backup_key", None)
             self._backing_up.discard(tokens)
+            self._l3_writing.pop(op.op_id, None)  # (its waiters wake when this task ends)
             task = asyncio.current_task()
             self._start_waiting(tokens, failed=not op.succeeded,
                                 stopped=op.payload["cancel"] or (task is not None and task.cancelling() > 0))
+
+    def _l3_writer_of(self, tokens: tuple[int, ...], start_tokens: int) -> asyncio.Task | None:
+        """The driver of an L3 write in flight that writes page `start_tokens` of `tokens` (the page
+        after L3's end), or None. Its L3 prefix is locked, so it cannot write below that end."""
+        end_tokens = start_tokens + self.mgr.page_size
+        for op_id, written in self._l3_writing.items():
+            if written[:end_tokens] == tokens[:end_tokens] and len(written) >= end_tokens:
+                return self._tasks.get(op_id)
+        return None
 
     def _start_waiting(self, key: tuple[int, ...], failed: bool, stopped: bool) -> None:
         """The backup of `key` ended: each backup waiting for it starts now and copies what L2 still

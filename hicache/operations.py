@@ -63,6 +63,9 @@ class OpRunner(Backups, Restores):
         # key -> the sequences waiting on it (none a prefix of another: siblings, e.g. two
         # continuations of one prompt, all wait), started when it ends, failed or not (`_start_waiting`)
         self._deferred: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        # backups whose L3 write is in flight: op id -> the tokens it writes (through L2's end), so a
+        # sibling's backup about to write a page of them waits for it instead (`_drive_backup`)
+        self._l3_writing: dict[int, tuple[int, ...]] = {}
         # write-through backups asked for by the engine's step processing (`backup_soon`), started
         # once the clients of that step's tokens have run
         self._due: list[tuple[int, ...]] = []
