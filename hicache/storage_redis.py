@@ -11,8 +11,14 @@ allocator (the capacity of this instance's hint table); the key is what addresse
 Values. `HKV1` magic, payload length (u32), xxh3_64 of the payload (u64), then the page's bytes
 (one page-major L2 page). A read checks all three; a missing key or a bad value fails the operation
 with StorageError("missing" / "checksum", bad_slots=...) so the caller drops the hint and recomputes:
-never a wrong output. Connection errors -> "eio" (and a short back-off during which operations fail
-at once instead of waiting on a dead server); OOM under `noeviction` -> "enospc".
+never a wrong output. Connection errors and timeouts -> "eio" (and a short back-off during which
+operations fail at once instead of waiting on a dead server; a command is sent once more only after
+its connection dropped, never after a timeout); OOM under `noeviction` -> "enospc".
+
+Start. One PING: a server that cannot be used is one warning line with the server's reason (the
+engine starts all the same); a server whose maxmemory-policy is not allkeys-* is warned of too: it
+never evicts a page, so it grows until the host runs out of memory (no maxmemory, Redis's default)
+or refuses every write once full. Run it with maxmemory and allkeys-lru.
 
 I/O. redis.asyncio on the running loop (a new client when the loop changes: `Engine.generate` runs
 each call on a fresh loop). Each operation is one command per chunk of at most `chunk_bytes`
@@ -107,6 +113,13 @@ def check_value(value: bytes | None, page_bytes: int, verify: bool) -> str | Non
     return None
 
 
+def _retry_dropped_connections() -> Retry:
+    """Send a command once more on a fresh connection after its connection dropped (a restarted
+    server's first command finds the pooled connection closed), not after a timeout: a hung server
+    then held each operation twice its socket timeout (regression)."""
+    return Retry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,))
+
+
 class RedisStore:
     """L3 pages in Redis, addressed by content keys; see the module docstring."""
 
@@ -128,7 +141,8 @@ class RedisStore:
         self.pages_per_chunk = max(1, min(1024, chunk_bytes // (HEADER.size + self.bytes_per_page)))
         self.hint_timeout_s, self.backoff_s = hint_timeout_s, backoff_s
         self._client_kwargs = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
-                                   retry=Retry(NoBackoff(), 1), decode_responses=False, socket_read_size=1 << 20)
+                                   retry=_retry_dropped_connections(), decode_responses=False,
+                                   socket_read_size=1 << 20)
         aioredis.from_url(url, **self._client_kwargs)  # validates the URL now (connects lazily)
         self._redis: aioredis.Redis | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -147,16 +161,29 @@ class RedisStore:
 
     # ---- connection ------------------------------------------------------------------------------
     def _probe(self) -> None:
-        """One synchronous PING at start, so a wrong URL shows up in the log (the engine still starts:
-        a store that cannot be reached only costs hits)."""
+        """One synchronous PING at start, so a server that cannot be used shows up in the log as one
+        line with the server's reason (the engine still starts: a store that cannot be reached only
+        costs hits); and one warning for a server that never evicts (the module docstring's "Start")."""
         try:
             with redis.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0,
                                       retry=redis.retry.Retry(NoBackoff(), 0)) as client:
-                info = client.info("memory")
-            log.info("l3_redis_connected", url=redact_url(self.url), maxmemory=info.get("maxmemory"),
-                     maxmemory_policy=info.get("maxmemory_policy"))
-        except Exception as exc:  # noqa: BLE001 - any failure only means "not reachable now"
-            log.warning("l3_redis_unreachable", url=redact_url(self.url), error=repr(exc))
+                client.ping()
+                try:
+                    info = client.info("memory")
+                except rexc.NoPermissionError:  # (the usual application ACL, "+@all -@dangerous", has no INFO)
+                    info = {}
+        except Exception as exc:  # noqa: BLE001 - any failure only means "not usable now"
+            # (redis-py 8's repr is "network:ConnectionError": the server's reason is in str())
+            log.warning("l3_redis_unreachable", url=redact_url(self.url), error=f"{type(exc).__name__}: {exc}",
+                        effect="requests recompute what L3 would restore until it answers")
+            return
+        maxmemory, policy = info.get("maxmemory"), info.get("maxmemory_policy")
+        log.info("l3_redis_connected", url=redact_url(self.url), maxmemory=maxmemory, maxmemory_policy=policy)
+        if policy is not None and not (maxmemory and str(policy).startswith("allkeys-")):
+            log.warning("l3_redis_never_evicts", url=redact_url(self.url), maxmemory=maxmemory, maxmemory_policy=policy,
+                        effect=("pages are never evicted: it grows until the host runs out of memory" if not maxmemory
+                                else "pages are never evicted: once full, every write fails"),
+                        fix="set maxmemory and maxmemory-policy allkeys-lru")
 
     def _client(self) -> aioredis.Redis:
         loop = asyncio.get_running_loop()
@@ -175,6 +202,7 @@ class RedisStore:
             raise StorageError("eio", f"redis L3 {redact_url(self.url)} unavailable (retry in {wait_s:.2f} s)")
 
     def _succeeded(self) -> None:
+        """The server answered (a read that missed a page too): the outage, if any, is over."""
         self._consecutive_failures, self._down_until = 0, 0.0
 
     def _error(self, exc: BaseException, what: str) -> StorageError:
@@ -320,12 +348,12 @@ class RedisStore:
             try:
                 values = await client.mget(keys[lo:hi])
                 self.counters["round_trips"] += 1
+                self._succeeded()  # (before a missing page fails the read; regression: it did not count)
                 bad = await self._on_cpu(self._unpack, pages, values, host_arr[lo:hi])
             except Exception as exc:
                 raise self._error(exc, "read") from exc
             if bad:
                 await self._fail_read(client, bad, lo, slot_arr, keys)
-        self._succeeded()
         num_bytes = len(keys) * self.bytes_per_page
         self.counters["reads"] += 1
         self.counters["pages_read"] += len(keys)
@@ -429,6 +457,6 @@ class RedisStore:
         retry_in_s = max(0.0, self._down_until - time.monotonic())
         return {"backend": "redis", "url": redact_url(self.url), "num_slots": self.num_slots,
                 "bytes_per_page": self.bytes_per_page, "model_id": self.model_id, "checksum": self.checksum,
-                "closed": self._closed, "available": retry_in_s == 0.0, "retry_in_s": retry_in_s,
+                "closed": self._closed, "available": self._consecutive_failures == 0, "retry_in_s": retry_in_s,
                 "in_flight": sum(not t.done() for t in self._tasks), "errors": dict(self.errors),
                 "key_cache": {"hits": self.keyer.hits, "misses": self.keyer.misses}, **self.counters}
