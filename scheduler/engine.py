@@ -276,9 +276,15 @@ class Engine:
         return uvloop.run(run())
 
     async def abort(self, rid: str) -> bool:
+        """End a live request (False for an unknown or ended one). A parked request, in no batch, ends
+        now; others at the loop's next tick (regression: a request aborted while the loop waited for
+        its blocking restore was admitted after it, prefilled and sent a token before it ended)."""
         req = self.requests.get(rid)
         if req is None or req.state.done:
             return False
+        if req.state is RequestState.PARKED:
+            self.finish(req, RequestState.ABORTED, "abort")
+            return True
         self._aborts.add(rid)
         self._wake_soon()
         if self._loop_task is None or self._loop_task.done():
@@ -469,11 +475,48 @@ class Engine:
                 log.info("occupancy", tier=tier.label, used_pages=used, capacity_pages=alloc.num_pages)
 
     def _settle_aborts(self) -> None:
+        """End the requests aborted since the last tick; each stays in `_aborts` until all have
+        ended, so that none keeps another's restore going for its sake (`_op_wanted`)."""
         for rid in list(self._aborts):
-            self._aborts.discard(rid)
             req = self.requests.get(rid)
             if req is not None and not req.state.done:
                 self.finish(req, RequestState.ABORTED, "abort")
+        self._aborts.clear()
+
+    def _drop_ops(self, req: Request) -> None:
+        """A request ends: cancel its restore and prefetch, and a restore it followed whose own request
+        ended before, unless another live request waits for it (regression: an aborted request's read
+        was cancelled under the requests parked on it, which then read the same pages again); cancel
+        its L3 hint query (regression: it outlived the request, and shutdown, and its timeout counted
+        as a store failure)."""
+        if req.hint_task is not None and not req.hint_task.done():
+            req.hint_task.cancel()
+        for op in (req.restore_op, req.prefetch_op, req.follow_op):
+            if op is None or op.done or op.payload.get("cancel"):
+                continue
+            if self._op_wanted(op, req):
+                self.cache.runner.start_checks(op)  # (held for a take-on by `req`: none will come)
+            else:
+                self.cache.runner.cancel(op)
+
+    def _op_wanted(self, op, req: Request) -> bool:
+        """Whether a live request other than `req`, and not being aborted with it, waits for `op`:
+        its own request, one parked on it, or one queued that will (admission follows a read in
+        flight rather than start its own: the first page `op` brings is that request's next)."""
+        def other(r) -> bool:
+            return r is not None and r is not req and not r.state.done and r.rid not in self._aborts
+
+        if other(self.requests.get(op.request_id) if op.request_id is not None else None):
+            return True
+        if any(other(r) and r.follow_op is op for r in self.parked):
+            return True
+        theirs = op.payload.get("tokens")
+        if theirs is None or not self.waiting:
+            return False
+        start = min(op.payload.get("l1_start", len(theirs)), op.payload.get("l2_start", len(theirs)))
+        upto = min(start + self.page_size, len(theirs))  # (starts are page aligned)
+        return any(other(r) and len(r.prompt) > upto and tuple(r.prompt[:upto]) == theirs[:upto]
+                   for r in self.waiting)
 
     def finish(self, req: Request, state: RequestState, reason: str, error: str | None = None) -> None:
         """End the request: cancel its restore or prefetch, publish what it computed (only when
@@ -487,8 +530,7 @@ class Engine:
             self.waiting.remove(req)
         if req in self.parked:
             self.parked.remove(req)
-        for op in (req.restore_op, req.prefetch_op):
-            self.cache.runner.cancel(op)
+        self._drop_ops(req)
         self.admission.release(req, publish=state is RequestState.FINISHED)
         req.state, req.finish_reason, req.error = state, reason, error
         req.finish_s = time.perf_counter()
