@@ -59,7 +59,10 @@ class Metrics:
     backups_done: int = 0
     restores_started: int = 0
     restores_done: int = 0
-    fallbacks: int = 0             # restores that failed or were vetoed: the request recomputed
+    # requests admitted to compute what a restore or prefetch of their own was to bring from L2/L3,
+    # because it failed or could not start (counted by the engine, once, at admission; not when the
+    # request waited and was restored after all)
+    fallbacks: int = 0
     failures: dict[str, int] = field(default_factory=dict)  # by kind: eio, short, checksum, transfer ...
     cancellations: int = 0
     policy_skips: dict[str, int] = field(default_factory=lambda: {"restore": 0, "write_l2": 0, "write_l3": 0})

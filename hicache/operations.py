@@ -170,8 +170,6 @@ class OpRunner(Backups, Restores):
             log.exception("op_driver_error", op_id=op.op_id)
             if not op.done:
                 apply(op, OpEvent.FAIL, error=f"driver error: {exc!r}")
-                if op.kind is not OpKind.BACKUP:
-                    self.mgr.metrics.fallbacks += 1
             # its pages are freed once a copy or read it enqueued has settled (freed now, a copy
             # still running could write into pages their next owner already uses)
             self._settle_then_release(op, self._in_flight(op))
@@ -197,9 +195,8 @@ class OpRunner(Backups, Restores):
                 del self._backup_failed[next(iter(self._backup_failed))]
         apply(op, OpEvent.FAIL, error=error)
         self._release(op)
+        # (a request's fallback is counted by the engine, if it then recomputes: Restoring._fell_back)
         self.mgr.metrics.count_failure(kind)
-        if op.kind is not OpKind.BACKUP:
-            self.mgr.metrics.fallbacks += 1
 
     def _cancelled(self, op: Op) -> bool:
         if op.payload["cancel"] and not op.done:
@@ -319,7 +316,6 @@ class OpRunner(Backups, Restores):
             apply(op, OpEvent.FAIL, error=str(exc))
             self._settle_then_release(op, self._in_flight(op, late_io))
             self.mgr.metrics.count_failure(exc.kind)
-            self.mgr.metrics.fallbacks += 1
         else:
             self._fail(op, str(exc), exc.kind)
         if exc.bad_slots:

@@ -34,6 +34,9 @@ class Admission(Restoring):
         self.cache = engine.cache
         self.page_size = engine.page_size
         self.reserved_pages = 0
+        # rid -> the end (tokens) of what a restore or prefetch of its own was to bring before it
+        # failed or could not start: a fallback once it is admitted computing part of that
+        self.fallback_end_tokens: dict[str, int] = {}
 
     # -- prefixes ------------------------------------------------------------------------------
     def _reusable(self, req: Request) -> list[int]:
@@ -69,7 +72,8 @@ class Admission(Restoring):
                 self.prefetch_ended(req)  # (it ended before the request was ever parked on it)
             if req.prefetch_op is not None and not req.prefetch_op.done:
                 if not self._take_landed(req, alone=not reqs, budget=budget):
-                    self._park(req, req.prefetch_op)
+                    op = req.prefetch_op
+                    self._park(req, op, self._read_room_pages(req, op.payload["l3_end"]))
                     continue
             else:
                 admitted = await self._admit(req, alone=not reqs, budget=budget)
@@ -131,6 +135,8 @@ class Admission(Restoring):
         for tier in ("l2", "l3"):
             cache.metrics.hit_tokens[tier] += req.hit_tokens[tier]
         cache.metrics.recomputed_tokens += len(req.prompt) - l1_len
+        if self.fallback_end_tokens.pop(req.rid, 0) > l1_len:  # (Restoring._fell_back)
+            cache.metrics.fallbacks += 1
         eng._event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
                    hit_l2=req.hit_tokens["l2"], hit_l3=req.hit_tokens["l3"], restore_tier=req.restore_tier,
                    restore_tokens=req.hit_tokens["l2"] + req.hit_tokens["l3"])
@@ -275,7 +281,11 @@ class Admission(Restoring):
             cache.free_pages(Tier.L1, duplicates, req.claim)
 
     def release(self, req: Request, publish: bool) -> None:
-        """End of a request: publish its computed pages (when it finished), free the rest."""
+        """End of a request: publish its computed pages (when it finished), free the rest, give
+        back its reservation (a parked request's too: the room its read's H2D was to take)."""
+        self.fallback_end_tokens.pop(req.rid, None)
+        self.reserved_pages -= req.reserved_pages
+        req.reserved_pages = 0
         if req.claim is None:
             return
         if publish:
@@ -285,5 +295,3 @@ class Admission(Restoring):
         req.locked_node = None
         self.cache.release_claim(req.claim)
         req.claim = None
-        self.reserved_pages -= req.reserved_pages
-        req.reserved_pages = 0

@@ -21,7 +21,8 @@ log = structlog.get_logger("scheduler.engine")
 
 class Restoring:
     """Mixin of `Admission`: prefetches, parked restores and overlapped restores. Uses the host's
-    engine, cache, page_size, reserved_pages, `_reusable`, `_pages_after`, `release` and `after_step`."""
+    engine, cache, page_size, reserved_pages, fallback_end_tokens, `_reusable`, `_pages_after`, `release`
+    and `after_step`."""
 
     def maybe_prefetch(self, req: Request) -> None:
         """Start an L3 -> L2 promotion as soon as a request is queued (for a shared L3, after
@@ -83,60 +84,128 @@ class Restoring:
 
     def settle_parked(self) -> None:
         """Parked requests whose restore (or prefetch, or the op they follow) ended go back to the
-        head of the queue; so does, once, a request whose prefetch's read landed (it may take it on
-        to L1, `_take_landed`). Walked newest first, so that those returning together keep their
-        order at the head."""
-        for req in reversed(self.engine.parked):
+        queue (`_requeue`); so does, once, a request whose prefetch's read landed (it may take it on
+        to L1, `_take_landed`)."""
+        for req in list(self.engine.parked):
             op = req.restore_op or req.prefetch_op or req.follow_op
             if op is not None and not op.done:
                 if op is req.prefetch_op and op.state is OpState.S2H_LANDED and not req.landed_offered:
                     req.landed_offered = True
                     self.engine.parked.remove(req)
+                    self._give_back_room(req)  # (its take-on counts the room anew)
                     req.state = RequestState.WAITING
-                    self.engine.waiting.appendleft(req)
+                    self._requeue(req)
                 continue
             self._unpark(req, op)
 
+    def _requeue(self, req: Request) -> None:
+        """Put `req` back in the queue in arrival order: ahead of every request that arrived after
+        it, behind those before it (regression: put at the head, a request parked again after a
+        later one, its prefetch's read seen landed and not taken on, went back behind it when both
+        ops ended, and the later one was admitted first and restored what its read had brought)."""
+        waiting = self.engine.waiting
+        for i, other in enumerate(waiting):
+            if other.arrival_s > req.arrival_s:
+                waiting.insert(i, req)
+                return
+        waiting.append(req)
+
     def _unpark(self, req: Request, op) -> None:
-        """The op `req` was parked on ended: back to the head of the queue. After a failed restore
+        """The op `req` was parked on ended: back to the queue (`_requeue`). After a failed restore
         it recomputes, except after an L3 restore whose read landed in L2 but whose H2D found no L1
         room (`l1_room_lost`): it decides again (an L2 restore now, once there is room, as for any
         request whose L2 restore lacks room; regression: the read's pages sat in L2 while it
         recomputed the whole prefix)."""
         self.engine.parked.remove(req)
+        self._give_back_room(req)
         if op is not None and not op.succeeded and op is not req.follow_op:
             req.span_plan = None  # a failed restore or prefetch: not what its source costs
         if op is req.restore_op and op is not None and not op.succeeded:
             req.restore_failed = not op.payload.get("l1_room_lost", False)
-            if not req.restore_failed:  # (what its read brought is scored as L3, as a prefetch's is)
+            if req.restore_failed:
+                self._fell_back(req, len(op.payload["tokens"]))
+            else:  # (what its read brought is scored as L3, as a prefetch's is)
                 req.promoted_tokens = op.payload["l3_end"] - op.payload["l2_start"]
             req.hit_tokens.update(l2=0, l3=0)
             req.restore_tier = "none"
         if op is req.prefetch_op and op is not None:
             self.prefetch_ended(req)
+        if op is req.follow_op and op is not None:
+            self._followed(req, op)
         req.restore_op = req.prefetch_op = req.follow_op = None  # (a follower decides afresh)
         req.state = RequestState.WAITING
-        self.engine.waiting.appendleft(req)
+        self._requeue(req)
 
-    @staticmethod
-    def prefetch_ended(req: Request) -> None:
+    def _followed(self, req: Request, op) -> None:
+        """The op `req` followed ended. If it was another request's L3 read whose pages are now in
+        L2 (it succeeded, or only its H2D lacked L1 room), the part of `req`'s prefix it promoted is
+        scored as L3 when `req` restores it from L2, as for a prefetch of its own (regression: a
+        follower first in the queue restored them and counted an L2 hit, the leader an L1 hit, and
+        no one the L3 read). Its wait for that read is priced in no plan of its own."""
+        if op.kind not in L3_READS or not (op.succeeded or op.payload.get("l1_room_lost", False)):
+            return
+        theirs, mine = op.payload["tokens"], self._reusable(req)
+        shared = 0
+        for a, b in zip(theirs, mine):
+            if a != b:
+                break
+            shared += 1
+        shared -= shared % self.page_size
+        promoted = min(op.payload["l3_end"], shared) - op.payload["l2_start"]
+        if promoted > 0:
+            req.promoted_tokens = max(req.promoted_tokens, promoted)
+            req.span_plan = None
+
+    def prefetch_ended(self, req: Request) -> None:
         """The request's prefetch ended. A failed one promoted nothing for it, and its path (and
         so the plan it was priced by) is not the one the request takes now."""
-        if not req.prefetch_op.succeeded:
+        op = req.prefetch_op
+        if not op.succeeded:
             req.promoted_tokens = 0
             req.span_plan = None
+            self._fell_back(req, op.payload["l3_end"])
         req.prefetch_op = None
 
-    def _park(self, req: Request, op) -> None:
+    def _fell_back(self, req: Request, end_tokens: int) -> None:
+        """A restore or prefetch of `req`'s, to bring its prefix up to `end_tokens`, failed or could
+        not start: a fallback if `req` is admitted computing part of that (`Admission._admit`), not
+        if it restores it after all (regression: counted at once, also when the request waited and
+        was restored; or, counted by the failed op, when it then read the prefix from L3 itself)."""
+        self.fallback_end_tokens[req.rid] = max(end_tokens, self.fallback_end_tokens.get(req.rid, 0))
+
+    def _park(self, req: Request, op, room_pages: int = 0) -> None:
+        """room_pages: L1 pages the H2D after its L3 read will take, kept out of what later requests
+        are admitted on (`reserved_pages`) until the request is back in the queue (regression: a
+        parked read reserved nothing, requests admitted meanwhile took the room, and the read's H2D
+        found none, `l1_room_lost`, or its request waited for all of them to finish)."""
         req.state = RequestState.PARKED
         self.engine.waiting.remove(req)
         self.engine.parked.append(req)
-        self.engine._event(req, "parked", restore_tier=req.restore_tier)
+        req.reserved_pages += room_pages
+        self.reserved_pages += room_pages
+        self.fallback_end_tokens.pop(req.rid, None)  # (a restore, its own or one it follows, brings it)
+        self.engine._event(req, "parked", restore_tier=req.restore_tier, room_pages=room_pages)
+
+    def _give_back_room(self, req: Request) -> None:
+        """The room a parked request kept for its read's H2D (`_park`) goes back."""
+        self.reserved_pages -= req.reserved_pages
+        req.reserved_pages = 0
+
+    def _read_room_pages(self, req: Request, end_tokens: int) -> int:
+        """L1 pages a request parked on its prefetch keeps for the H2D of its prefix up to
+        `end_tokens` (that H2D starts at its L1 hit): as many as no running request or other parked
+        read has reserved, up to what it needs."""
+        cache = self.cache
+        m = cache.tree.match(self._reusable(req)[:end_tokens], include_storage=False, touch=False)
+        cache.lock(m.handles[Tier.L1])  # (the H2D keeps that prefix: it is no room)
+        room = cache.available_l1_pages() - self.reserved_pages
+        cache.unlock(m.handles[Tier.L1])
+        return max(0, min((end_tokens - m.lengths[Tier.L1]) // self.page_size, room))
 
     async def _try_restore(self, req: Request, m, alone: bool, budget: int) -> str | None:
         """Start a restore if the cost model says so. Returns "parked" (the request waits for it),
         "overlapped" (admitted now: its tail forward runs behind the layer-ordered copy), "ended"
-        (a blocking restore ended: the request is back at the head of the queue) or None."""
+        (a blocking restore ended: the request is back in the queue, to be admitted now) or None."""
         cache, ps = self.cache, self.page_size
         if not cache.has_l2 or getattr(req, "restore_failed", False):
             return None
@@ -176,7 +245,7 @@ class Restoring:
         op = cache.runner.start_restore(self._reusable(req), m, decision.tier, req.rid, layerwise=overlap,
                                         tail_tokens=len(req.prompt) - end)
         if op is None:
-            cache.metrics.fallbacks += 1
+            self._fell_back(req, end)  # (a fallback only if it is admitted without it now)
             return None
         req.restore_op, req.restore_tier = op, decision.tier
         req.restore_l1_start = m.lengths[Tier.L1]
@@ -189,7 +258,9 @@ class Restoring:
         if op.payload.get("layerwise"):
             self._admit_overlapped(req, m, op)
             return "overlapped"
-        self._park(req, op)
+        # an L3 restore's H2D allocates once its read landed: its room is kept until then (an L2
+        # restore's pages are its own from the start)
+        self._park(req, op, restore_l1_pages if op.kind is OpKind.RESTORE_L3 else 0)
         if not cache.config.prefetch:  # blocking restore: the whole loop waits for it
             await cache.runner.wait_op(op)
             # ... and its request goes on now, ahead of the requests queued behind it: admitted
@@ -254,6 +325,7 @@ class Restoring:
         device. Until `adopt_restored` its lock stays on the L1 hit it had before the restore."""
         eng, cache = self.engine, self.cache
         end = op.payload["l1_end"]
+        self.fallback_end_tokens.pop(req.rid, None)  # (its restore brings it)
         cache.lock(m.handles[Tier.L1])
         cache.note_hit(self._reusable(req), m)
         eng.waiting.remove(req)
@@ -322,7 +394,7 @@ class Restoring:
                     cache.metrics.hit_tokens[tier] += req.hit_tokens[tier]
                 cache.metrics.recomputed_tokens += len(req.prompt) - end
                 return True
-        self._rewind(req, failed=not op.succeeded)
+        self._rewind(req, failed=not op.succeeded, end_tokens=end)
         return False
 
     @staticmethod
@@ -331,16 +403,18 @@ class Restoring:
         if req.generator is not None and req.rng_state is not None:
             req.generator.set_state(req.rng_state)
 
-    def _rewind(self, req: Request, failed: bool) -> None:
+    def _rewind(self, req: Request, failed: bool, end_tokens: int = 0) -> None:
         self._undo_draw(req)
         eng = self.engine
         eng.running.remove(req)
         self.release(req, publish=False)
+        if failed:
+            self._fell_back(req, end_tokens)
         req.pages, req.cached_len, req.locked_len, req.overlap_result = [], 0, 0, None
         req.restore_failed = req.restore_failed or failed
         req.span_plan = None  # its forward ran and was dropped: not what its source costs
         req.hit_tokens.update(l1=0, l2=0, l3=0)
         req.restore_tier = "none"
         req.state = RequestState.WAITING
-        eng.waiting.appendleft(req)
+        self._requeue(req)
         eng._event(req, "restore_overlap_discarded", restore_failed=failed)

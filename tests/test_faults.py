@@ -218,7 +218,10 @@ async def test_restore_fault(fault, state, mode):
              ("prefetch", "H2D_PENDING"): ["restore_l2", "prefetch_l3"]}.get((mode, pending), ["restore_l3"])
     assert failed[0]["kind"] in kinds
     metrics = eng.metrics()
-    assert metrics["failures"] == {FAULT_KIND[fault]: 1} and metrics["fallbacks"] >= 1
+    # a fallback is the request recomputing what its restore was to bring (slow_read with a prefetch:
+    # the timed-out prefetch's request read L3 itself; tests/test_restore_bookkeeping_hunt.py)
+    restored = result.cached_tokens["l2"] + result.cached_tokens["l3"]
+    assert metrics["failures"] == {FAULT_KIND[fault]: 1} and metrics["fallbacks"] == (0 if restored else 1)
     paths = op_paths(logs)
     if state in ("H2D_PENDING", "L2_L3"):  # the promotion happened, then the copy to L1 failed
         if mode == "prefetch":
