@@ -323,6 +323,13 @@ class CacheManager:
     async def drain(self, cancel: bool = False) -> None:
         await self.runner.drain(cancel=cancel)
 
+    async def release_loop(self) -> None:
+        """The running loop ends (the tiers stay open): a store holding connections of this loop
+        closes them (the Redis L3)."""
+        release = getattr(self.store, "release_loop", None)
+        if release is not None:
+            await release()
+
     async def close(self) -> None:
         await self.runner.drain(cancel=True)
         if self.transfer is not None:

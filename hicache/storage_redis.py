@@ -429,18 +429,26 @@ class RedisStore:
     def invalidate(self, slots: Sequence[int]) -> None:
         """No-op: the slot only leaves this instance's hint table; the page may serve others."""
 
+    async def release_loop(self) -> None:
+        """The running loop is about to end (`Engine.generate` runs each call on a loop of its own):
+        wait for its in-flight operations and close its client; the next loop opens another
+        (regression: each call's connections were left to the garbage collector)."""
+        loop = asyncio.get_running_loop()
+        pending = [t for t in self._tasks if not t.done() and t.get_loop() is loop]
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+        client = self._redis
+        if client is not None and self._loop is loop:
+            self._redis, self._loop = None, None
+            await client.aclose()
+
     async def aclose(self) -> None:
         """Wait for this loop's in-flight operations, then close the client."""
         if self._closed:
             return
         self._closed = True
-        loop = asyncio.get_running_loop()
-        pending = [t for t in self._tasks if not t.done() and t.get_loop() is loop]
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-        client, self._redis = self._redis, None
-        if client is not None and self._loop is loop:
-            await client.aclose()
+        await self.release_loop()
+        self._redis = None
         self._cpu.shutdown(wait=True)
 
     def close(self) -> None:

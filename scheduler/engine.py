@@ -273,6 +273,7 @@ class Engine:
                 return await self.generate_async(prompts, params)
             finally:
                 await self.stop_loop()
+                await self.cache.release_loop()
         return uvloop.run(run())
 
     async def abort(self, rid: str) -> bool:
