@@ -5,6 +5,7 @@ and the timeline starts every request and operation anew after it (ids restart w
 from __future__ import annotations
 
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -20,12 +21,30 @@ def add_monotonic_ns(_logger, _name, event_dict: dict) -> dict:
     return event_dict
 
 
+def _ends_mid_line(path: str) -> bool:
+    """Whether the log is a regular file whose last line has no newline (what a crashed run leaves);
+    a pipe or terminal (/dev/stdout) is not read."""
+    try:
+        st = os.stat(path)
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+            return False
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            return f.read(1) != b"\n"
+    except OSError:  # (a log this process may append to but not read)
+        return False
+
+
 def configure_logging(log_json_path: str | None) -> None:
     """JSON lines appended to `log_json_path` (its directory created) after a RUN_START_EVENT line, or
     quiet (warnings and up to stderr) without one."""
     if log_json_path:
         Path(log_json_path).parent.mkdir(parents=True, exist_ok=True)
         sink = open(log_json_path, "a", buffering=1)  # line buffered: a crash keeps every event
+        if _ends_mid_line(log_json_path):
+            # regression: a run killed mid-line left its last line open, this run's RUN_START_EVENT
+            # was glued to it and lost, and the timeline took both runs for one
+            sink.write("\n")
         structlog.configure(
             processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
                         add_monotonic_ns, structlog.processors.format_exc_info,

@@ -34,10 +34,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hicache.config import MAX_TIER_PAGES
 from scheduler.config import HICACHE_NEEDS_PREFIX_CACHE, EngineConfig, add_engine_args, config_from_args
 from scheduler import replay_memory
 from scheduler.replay_memory import flag_name as _flag
-from scheduler.trace import TokenSynth, TraceError, TraceProblem, TraceRecord, load_trace, scale_record
+from scheduler.trace import (MAX_PROBLEMS_SHOWN, TokenSynth, TraceError, TraceProblem, TraceRecord, load_trace,
+                             scale_record)
 
 SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "data" / "sample_trace.jsonl"
 DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
@@ -63,12 +65,38 @@ class EngineStartError(Exception):
 
 
 @dataclass(frozen=True)
+class SynthPrompt:
+    """A prompt synthesized when its request is submitted: built up front, the prompts of the bundled
+    Mooncake trace (145 M tokens at 512 a hash id, as Python ints) took 6.1 GB and 33 s before the
+    first request, and a longer trace or larger blocks ran out of memory. Only requests in flight
+    hold their prompt now (and the synth its blocks: 2 KB a distinct hash id at 512 tokens)."""
+    synth: TokenSynth
+    record: TraceRecord  # scaled to the synth's block size (scale_record)
+    max_input_tokens: int | None
+
+    def __len__(self) -> int:
+        n = self.record.input_tokens
+        return n if self.max_input_tokens is None else min(n, self.max_input_tokens)
+
+    def tokens(self) -> list[int]:
+        return self.synth.prompt_tokens(self.record, self.max_input_tokens)
+
+
+@dataclass(frozen=True)
 class ReplayItem:
     index: int  # position in the replay (request order)
     line_no: int  # line in the trace file
     arrival_s: float  # seconds after the first request, before --time-scale
-    prompt: list[int]
+    source: list[int] | SynthPrompt  # the prompt, or what synthesizes it
     output_tokens: int
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.source if isinstance(self.source, list) else self.source.tokens()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.source)
 
 
 @dataclass
@@ -190,30 +218,58 @@ def config_from_replay_args(args: argparse.Namespace) -> EngineConfig:
     page_size = cfg.page_size_on(device.type)  # the engine's default
     geometry = model_config_of(cfg.model).kv_geometry(page_size, dtype)
     bpp = geometry.bytes_per_page
-    if args.l1_tokens is not None or args.l1_gib is not None:
-        pages = (geometry.pages_for_tokens(args.l1_tokens) if args.l1_tokens is not None
-                 else int(args.l1_gib * GIB) // bpp)
-        if pages < 1:
-            raise ValueError(f"--l1-gib {args.l1_gib} holds no page of {bpp:,} bytes")
-        cfg = dataclasses.replace(cfg, num_pages=pages)
+    l1 = _capacity_pages(args, "L1", geometry)
+    if l1 is not None:
+        cfg = dataclasses.replace(cfg, num_pages=l1[1])
     hc = {}
-    for tier, key in (("l2", "host_size_gb"), ("l3", "storage_size_gb")):
-        tokens, gib = getattr(args, f"{tier}_tokens"), getattr(args, f"{tier}_gib")
-        if gib is not None:
-            hc[key] = float(gib)
-        elif tokens is not None:  # pages * bpp / 2^30 is exact in binary floating point
-            hc[key] = geometry.pages_for_tokens(tokens) * bpp / GIB
+    for tier, key in (("L2", "host_size_gb"), ("L3", "storage_size_gb")):
+        given = _capacity_pages(args, tier, geometry)
+        if given is None:
+            continue
+        # a size in GiB is sized by the engine itself; pages * bpp / 2^30 is exact in binary floating point
+        hc[key] = float(getattr(args, given[0])) if given[0].endswith("_gib") else given[1] * bpp / GIB
     cfg = cfg.with_hicache(**hc) if hc else cfg
     if cfg.simulate:
         replay_memory.check_simulated_memory(args, cfg)
     return cfg
 
 
+def _shown(value: object) -> str:
+    """A value for an error message: a 400-digit integer is not spelled out."""
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
+
+
+def _capacity_pages(args: argparse.Namespace, tier: str, geometry) -> tuple[str, int] | None:
+    """(option, pages) of the replay's capacity option for `tier` that wins (replay_memory's order),
+    None if none is given. A positive size of no page, or more pages than a tier can have, is refused
+    naming that option (regression: --l3-gib 1e300 or --l2-tokens 10**400 was an OverflowError
+    traceback, and --l3-gib 1e-7 or 1e12 was refused naming --hicache-storage-size-gb, which the
+    user had not given)."""
+    key = next((k for k in replay_memory.TIER_SIZE_OPTIONS[tier][:2] if getattr(args, k) is not None), None)
+    if key is None:
+        return None
+    value, bpp = getattr(args, key), geometry.bytes_per_page
+    if key.endswith("_tokens"):
+        pages = geometry.pages_for_tokens(value)
+    else:
+        num_bytes = value * GIB
+        pages = int(num_bytes) // bpp if num_bytes < math.inf else MAX_TIER_PAGES + 1
+    if pages < 1 and value > 0:
+        raise ValueError(f"{_flag(key)} {value} holds no page of {bpp:,} bytes"
+                         + (" (0: no L3)" if tier == "L3" else ""))
+    if pages > MAX_TIER_PAGES:
+        raise ValueError(f"{_flag(key)} {_shown(value)}: more than the {MAX_TIER_PAGES:,} pages a tier can have "
+                         f"({geometry.page_size} tokens, {bpp:,} bytes a page)")
+    return key, pages
+
+
 # -- trace -> requests ----------------------------------------------------------------------------
 def build_items(records: list[TraceRecord], vocab_size: int, block_tokens: int, *, seed: int = 0,
                 max_input_tokens: int | None = None, max_output_tokens: int | None = None) -> list[ReplayItem]:
-    """Scales each record to `block_tokens` per hash id and synthesises its prompt; arrivals are
-    relative to the earliest record, and requests are ordered by arrival (stable)."""
+    """Scales each record to `block_tokens` per hash id; its prompt is synthesized when it is read
+    (`ReplayItem.prompt`, once per submission). Arrivals are relative to the earliest record, and
+    requests are ordered by arrival (stable)."""
     synth = TokenSynth(vocab_size, block_tokens, seed)
     t0_ms = min((r.timestamp_ms for r in records), default=0.0)
     ordered = sorted(records, key=lambda r: r.timestamp_ms)
@@ -222,7 +278,7 @@ def build_items(records: list[TraceRecord], vocab_size: int, block_tokens: int, 
         rec = scale_record(rec, block_tokens)
         out = rec.output_tokens if max_output_tokens is None else max(1, min(rec.output_tokens, max_output_tokens))
         items.append(ReplayItem(i, rec.line_no, (rec.timestamp_ms - t0_ms) / 1000.0,
-                                synth.prompt_tokens(rec, max_input_tokens), out))
+                                SynthPrompt(synth, rec, max_input_tokens), out))
     return items
 
 
@@ -360,8 +416,8 @@ def summarize(run: dict, problems: list[TraceProblem], config: EngineConfig, rep
         "requests": len(outcomes), "completed": len(ok), "failed": len(outcomes) - len(ok),
         # completed requests only, the prompts the hit and recomputed tokens add up to (a request
         # refused at submission, e.g. one longer than L1, is never prefilled)
-        "prompt_tokens": sum(len(o.item.prompt) for o in ok),
-        "failed_prompt_tokens": sum(len(o.item.prompt) for o in outcomes if o.error is not None),
+        "prompt_tokens": sum(o.item.prompt_tokens for o in ok),
+        "failed_prompt_tokens": sum(o.item.prompt_tokens for o in outcomes if o.error is not None),
         "output_tokens": sum(len(o.output_ids) for o in outcomes),
         "hit_tokens": {t: int(m["hit_tokens"].get(t, 0)) for t in TIERS},
         "recomputed_tokens": int(m["recomputed_tokens"]),
@@ -430,20 +486,30 @@ def run_cli(argv: list[str] | None = None) -> dict:
         config = config_from_replay_args(args)
     except ValueError as exc:
         parser.exit(2, f"replay_trace.py: {exc}\n")
+    from scheduler.engine import model_config_of
+    model = model_config_of(config.model)
+    if args.block_tokens > model.max_position_embeddings:
+        # regression: a block is synthesized whole (4 bytes a token) and scales every prompt by
+        # block_tokens / 512: 10**9 was a MemoryError traceback, 10**400 an OverflowError one
+        parser.exit(2, f"replay_trace.py: --block-tokens {_shown(args.block_tokens)}: more than the model's "
+                       f"{model.max_position_embeddings:,} positions (a hash id's block is part of one prompt)\n")
     try:
         records, problems = load_trace(args.trace, strict=args.strict, max_requests=args.max_requests)
     except TraceError as exc:
         parser.exit(2, f"replay_trace.py: --strict: {exc}\n")
     except OSError as exc:
         parser.exit(2, f"replay_trace.py: cannot read trace: {exc}\n")
-    for p in problems:
+    for p in problems[:MAX_PROBLEMS_SHOWN]:
         print(f"{args.trace}:{p.line_no}: skipped: {p.reason}", file=sys.stderr)
+    if len(problems) > MAX_PROBLEMS_SHOWN:  # regression: a trace of bad lines printed each one
+        listed = f" ({_flag('json_out')} lists them all)" if args.json_out and records else ""
+        print(f"{args.trace}: ... and {len(problems) - MAX_PROBLEMS_SHOWN:,} more malformed lines skipped{listed}",
+              file=sys.stderr)
     if not records:
         parser.exit(2, f"replay_trace.py: {args.trace}: no usable request\n")
     _check_writable(parser, args.log_json, "log_json")
     _check_writable(parser, args.json_out, "json_out")
-    from scheduler.engine import model_config_of
-    items = build_items(records, model_config_of(config.model).vocab_size, args.block_tokens,
+    items = build_items(records, model.vocab_size, args.block_tokens,
                         seed=args.synth_seed, max_input_tokens=args.max_input_tokens,
                         max_output_tokens=args.max_output_tokens)
     options = {k: getattr(args, k) for k in REPLAY_OPTIONS}

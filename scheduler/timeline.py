@@ -16,7 +16,9 @@ Other events, lines that are not JSON and known events with missing fields are s
 A log may hold several runs, and request and op ids restart with each engine. The log is cut into
 runs at each run_start line (in file order), and within a run a request or op whose id shows up
 again after it ended starts a new span. A span is keyed by its id the first time the id is seen and
-by "ID#N" for the N-th span of that id after (`RequestSpan.key`, `OpSpan.key`).
+by "ID#N" for the N-th span of that id after (`RequestSpan.key`, `OpSpan.key`). A span its run left
+open (a crashed or stopped run) ends at that run's last event (`Timeline.open_end_ns`), not in a
+later run.
 
 Outputs (scheduler/timeline_views.py): plain / rich tables, Chrome trace-event JSON (Perfetto,
 chrome://tracing) and a Gantt PNG.
@@ -159,6 +161,7 @@ class BatchSpan:
     num_tokens: int
     start_ns: int
     end_ns: int
+    run: int = 0  # index of the run it belongs to
 
 
 @dataclass(frozen=True)
@@ -166,16 +169,19 @@ class OccupancySample:
     ts_ns: int
     used_pages: int
     capacity_pages: int
+    run: int = 0  # index of the run it belongs to: a level holds to that run's end only
 
 
 @dataclass
 class Timeline:
-    requests: dict[str, RequestSpan] = field(default_factory=dict)  # by RequestSpan.key, in arrival order
-    ops: dict[int | str, OpSpan] = field(default_factory=dict)  # by OpSpan.key, in start order
+    requests: dict[str, RequestSpan] = field(default_factory=dict)  # by RequestSpan.key, by run, then arrival
+    ops: dict[int | str, OpSpan] = field(default_factory=dict)  # by OpSpan.key, by run, then start
     batches: list[BatchSpan] = field(default_factory=list)  # by start_ns
     occupancy: dict[str, list[OccupancySample]] = field(default_factory=dict)  # tier -> samples in time order
     base_ns: int = 0  # earliest timestamp seen: time zero of every output
-    last_ns: int = 0  # latest timestamp seen: where unfinished spans are closed
+    last_ns: int = 0  # latest timestamp seen
+    run_first_ns: list[int | None] = field(default_factory=list)  # earliest timestamp of each run (None: no event)
+    run_last_ns: list[int | None] = field(default_factory=list)  # latest of each run: where its open spans end
     num_runs: int = 0  # runs with at least one event (a log without run_start lines is one)
     num_unknown_events: int = 0
     num_malformed_events: int = 0
@@ -183,6 +189,13 @@ class Timeline:
 
     def rel_ms(self, ts_ns: int) -> float:
         return (ts_ns - self.base_ns) / 1e6
+
+    def open_end_ns(self, run: int) -> int:
+        """Where a span that `run` left open ends: the run's last event. (Regression: the log's last
+        event, so a crashed run's request or op ran on through every later run in the tables, the
+        Chrome trace and the PNG, an hour long if the next run came an hour later.)"""
+        last = self.run_last_ns[run] if 0 <= run < len(self.run_last_ns) else None
+        return self.last_ns if last is None else last
 
 
 def read_events(path: str | Path, *, bad_lines: list[int] | None = None) -> list[dict]:
@@ -293,7 +306,7 @@ def _add_batch(b: _Builder, e: dict) -> bool:
     vals = [e.get(k) for k in ("batch_id", "num_seqs", "num_tokens", "start_ns", "end_ns")]
     if not all(_int(v) for v in vals) or not isinstance(e.get("kind"), str) or vals[4] < vals[3]:
         return False
-    b.tl.batches.append(BatchSpan(vals[0], e["kind"], vals[1], vals[2], vals[3], vals[4]))
+    b.tl.batches.append(BatchSpan(vals[0], e["kind"], vals[1], vals[2], vals[3], vals[4], b.run))
     return True
 
 
@@ -301,7 +314,7 @@ def _add_occupancy(b: _Builder, e: dict) -> bool:
     tier, used, cap = e.get("tier"), e.get("used_pages"), e.get("capacity_pages")
     if not isinstance(tier, str) or not _int(used) or not _int(cap):
         return False
-    b.tl.occupancy.setdefault(tier, []).append(OccupancySample(e["ts_ns"], used, cap))
+    b.tl.occupancy.setdefault(tier, []).append(OccupancySample(e["ts_ns"], used, cap, b.run))
     return True
 
 
@@ -345,16 +358,22 @@ def build_timeline(events: list[dict], *, num_bad_lines: int = 0) -> Timeline:
     runs = split_runs(events)
     for run, run_events in enumerate(runs):
         builder.start_run(run)
+        run_stamps = []
         for handler, e in _known_events(tl, run_events):
             if handler(builder, e):
-                stamps.append(e["ts_ns"])
+                run_stamps.append(e["ts_ns"])
+                if handler is _add_batch:
+                    run_stamps += (e["start_ns"], e["end_ns"])
             else:
                 tl.num_malformed_events += 1
+        tl.run_first_ns.append(min(run_stamps, default=None))  # (None: a run of malformed events only)
+        tl.run_last_ns.append(max(run_stamps, default=None))
+        stamps += run_stamps
     tl.num_runs = len(runs)
     tl.batches.sort(key=lambda b: (b.start_ns, b.batch_id))
-    stamps += [t for b in tl.batches for t in (b.start_ns, b.end_ns)]
     if stamps:
         tl.base_ns, tl.last_ns = min(stamps), max(stamps)
-    tl.requests = dict(sorted(tl.requests.items(), key=lambda kv: kv[1].arrival_ns))
-    tl.ops = dict(sorted(tl.ops.items(), key=lambda kv: (kv[1].start_ns, kv[1].op_id, str(kv[0]))))
+    # run by run (in file order: a run whose clock restarted, after a reboot, still comes after the others)
+    tl.requests = dict(sorted(tl.requests.items(), key=lambda kv: (kv[1].run, kv[1].arrival_ns)))
+    tl.ops = dict(sorted(tl.ops.items(), key=lambda kv: (kv[1].run, kv[1].start_ns, kv[1].op_id, str(kv[0]))))
     return tl

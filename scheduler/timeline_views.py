@@ -34,7 +34,7 @@ def request_rows(tl: Timeline) -> list[tuple[str, ...]]:
 def op_rows(tl: Timeline) -> list[tuple[str, ...]]:
     rows = []
     for op in tl.ops.values():
-        parts = [op.initial_state] + [f"{s} {_fmt_ms(b - a)}" for s, a, b in op.state_spans(tl.last_ns)]
+        parts = [op.initial_state] + [f"{s} {_fmt_ms(b - a)}" for s, a, b in op.state_spans(tl.open_end_ns(op.run))]
         if op.ended:
             parts.append(op.transitions[-1][0])
         outcome = op.outcome + (f": {op.error}" if op.error else "")
@@ -98,38 +98,44 @@ def _async_slices(name: str, cat: str, slice_id: object, pid: int, tid: int, sta
 
 
 def to_chrome(tl: Timeline) -> dict:
-    """Chrome trace-event JSON: batches are "X" slices on pid 1 tid 1; requests (cat "request", id = its
-    key) and ops (cat = op kind, id = its key) are async "b"/"e" slices with one nested slice per state;
-    occupancy is one "C" counter per tier. Timestamps in µs from the first event."""
+    """Chrome trace-event JSON: batches are "X" slices on pid 1, tid 1 unless they overlap one before
+    them (a chained decode step is launched before the step before it ends), then on the next tid free
+    at their start; requests (cat "request", id = its key) and ops (cat = op kind, id = its key) are
+    async "b"/"e" slices with one nested slice per state; occupancy is one "C" counter per tier.
+    Timestamps in µs from the first event."""
     us = lambda ns: (ns - tl.base_ns) / 1e3  # noqa: E731
     meta = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "ts": 0, "args": {"name": name}}
             for pid, name in ((PID_SCHEDULER, "scheduler"), (PID_REQUESTS, "requests"),
                               (PID_TRANSFERS, "transfers"), (PID_OCCUPANCY, "occupancy"))]
-    meta.append({"name": "thread_name", "ph": "M", "pid": PID_SCHEDULER, "tid": 1, "ts": 0,
-                 "args": {"name": "batches"}})
+    # regression: every batch was on tid 1, where chained decode steps overlap; "X" slices of one
+    # thread must nest, and Perfetto drops those that overlap (its import error list says so)
+    lanes = _pack_lanes([(b.start_ns, b.end_ns) for b in tl.batches])
+    meta += [{"name": "thread_name", "ph": "M", "pid": PID_SCHEDULER, "tid": 1 + lane, "ts": 0,
+              "args": {"name": "batches" if lane == 0 else f"batches (overlapping, {lane})"}}
+             for lane in range(max(lanes, default=0) + 1)]
     ev: list[dict] = []
-    for b in tl.batches:
-        ev.append({"name": f"{b.kind} #{b.batch_id}", "cat": "batch", "ph": "X", "pid": PID_SCHEDULER, "tid": 1,
-                   "ts": us(b.start_ns), "dur": (b.end_ns - b.start_ns) / 1e3,
+    for b, lane in zip(tl.batches, lanes):
+        ev.append({"name": f"{b.kind} #{b.batch_id}", "cat": "batch", "ph": "X", "pid": PID_SCHEDULER,
+                   "tid": 1 + lane, "ts": us(b.start_ns), "dur": (b.end_ns - b.start_ns) / 1e3,
                    "args": {"batch_id": b.batch_id, "num_seqs": b.num_seqs, "num_tokens": b.num_tokens}})
     for r in tl.requests.values():
-        nested = [(phase, us(a), us(b)) for phase, a, b in r.phase_spans(tl.last_ns)]
+        nested = [(phase, us(a), us(b)) for phase, a, b in r.phase_spans(tl.open_end_ns(r.run))]
         args_b = {"rid": r.rid, "run": r.run, "prompt_tokens": r.prompt_tokens, "restore_tier": r.restore_tier,
                   "restore_tokens": r.restore_tokens, **{f"hit_{t}_tokens": n for t, n in r.hit_tokens.items()}}
         args_e = {"final_state": r.final_state, "output_tokens": r.output_tokens, "reason": r.end_reason}
         if r.end_ns is None:
             args_e["incomplete"] = True
         ev += _async_slices(f"request {r.key}", "request", r.key, PID_REQUESTS, 1, us(r.arrival_ns),
-                            us(r.close_ns(tl.last_ns)), nested, args_b, args_e)
+                            us(r.close_ns(tl.open_end_ns(r.run))), nested, args_b, args_e)
     for op in tl.ops.values():
-        nested = [(s, us(a), us(b)) for s, a, b in op.state_spans(tl.last_ns)]
+        nested = [(s, us(a), us(b)) for s, a, b in op.state_spans(tl.open_end_ns(op.run))]
         args_b = {"op_id": op.op_id, "run": op.run, "initial_state": op.initial_state,
                   "request_id": op.request_id, "bytes": op.num_bytes, "pages": op.num_pages}
         args_e = {"outcome": op.outcome, "final_state": op.transitions[-1][0], "error": op.error}
         if not op.ended:
             args_e["incomplete"] = True
         ev += _async_slices(f"{op.kind} op {op.key}", op.kind, op.key, PID_TRANSFERS, 1, us(op.start_ns),
-                            us(op.end_ns(tl.last_ns)), nested, args_b, args_e)
+                            us(op.end_ns(tl.open_end_ns(op.run))), nested, args_b, args_e)
     for tier, samples in tl.occupancy.items():
         for s in samples:
             ev.append({"name": f"{tier} pages", "ph": "C", "pid": PID_OCCUPANCY, "tid": 0, "ts": us(s.ts_ns),
@@ -159,8 +165,27 @@ def _pack_lanes(spans: list[tuple[float, float]]) -> list[int]:
     return lanes
 
 
+def png_ms(tl: Timeline):
+    """`ms(ts_ns, run)`: where the PNG draws a time of a run, in ms. Runs follow one another in file
+    order with the time between them cut. (Regression: drawn at their own times, two runs an hour
+    apart were two slivers at the ends of an hour-wide axis, and a run whose clock restarted, after a
+    reboot, was drawn over the runs before it.)"""
+    shifts_ns, origin_ns, drawn_end_ns = [], None, None
+    for first, last in zip(tl.run_first_ns, tl.run_last_ns):
+        if first is None:  # a run with no event drawn
+            shifts_ns.append(0)
+            continue
+        shift = 0 if drawn_end_ns is None else first - drawn_end_ns
+        origin_ns = first if origin_ns is None else origin_ns
+        shifts_ns.append(shift)
+        drawn_end_ns = last - shift
+    origin_ns = tl.base_ns if origin_ns is None else origin_ns
+    return lambda ts_ns, run: (ts_ns - (shifts_ns[run] if run < len(shifts_ns) else 0) - origin_ns) / 1e6
+
+
 def render_png(tl: Timeline, path: str | Path, *, max_request_rows: int = 40) -> None:
-    """A Gantt chart (requests by phase, batches, transfers by state) over per-tier occupancy."""
+    """A Gantt chart (requests by phase, batches, transfers by state) over per-tier occupancy; runs
+    one after the other (`png_ms`), a dashed line where one starts."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -168,29 +193,34 @@ def render_png(tl: Timeline, path: str | Path, *, max_request_rows: int = 40) ->
     from matplotlib.collections import PolyCollection
 
     rows: list[tuple[str, list[tuple[float, float, str]]]] = []  # (label, [(start_ms, width_ms, color_key)])
-    ms = tl.rel_ms
+    ms = png_ms(tl)
     reqs = list(tl.requests.values())
-    req_spans = [[(ms(a), (b - a) / 1e6, phase) for phase, a, b in r.phase_spans(tl.last_ns)] for r in reqs]
+    req_spans = [[(ms(a, r.run), (b - a) / 1e6, phase) for phase, a, b in r.phase_spans(tl.open_end_ns(r.run))]
+                 for r in reqs]
     if len(reqs) <= max_request_rows:
         rows += [(f"req {r.key}", spans) for r, spans in zip(reqs, req_spans)]
     else:
-        lanes = _pack_lanes([(ms(r.arrival_ns), ms(r.close_ns(tl.last_ns))) for r in reqs])
+        reqs_at = sorted(range(len(reqs)), key=lambda i: ms(reqs[i].arrival_ns, reqs[i].run))  # (drawn order)
+        lanes = _pack_lanes([(ms(reqs[i].arrival_ns, reqs[i].run),
+                              ms(reqs[i].close_ns(tl.open_end_ns(reqs[i].run)), reqs[i].run)) for i in reqs_at])
         for lane in range(max(lanes) + 1):
-            rows.append((f"requests {lane}", [s for l, sp in zip(lanes, req_spans) if l == lane for s in sp]))
+            rows.append((f"requests {lane}", [s for l, i in zip(lanes, reqs_at) if l == lane for s in req_spans[i]]))
     for kind in sorted({b.kind for b in tl.batches}):
-        rows.append((f"batch {kind}", [(ms(b.start_ns), (b.end_ns - b.start_ns) / 1e6, f"batch {kind}")
+        rows.append((f"batch {kind}", [(ms(b.start_ns, b.run), (b.end_ns - b.start_ns) / 1e6, f"batch {kind}")
                                        for b in tl.batches if b.kind == kind]))
-    ops = list(tl.ops.values())
-    op_lanes = _pack_lanes([(ms(o.start_ns), ms(o.end_ns(tl.last_ns))) for o in ops])
+    ops = sorted(tl.ops.values(), key=lambda o: ms(o.start_ns, o.run))
+    op_lanes = _pack_lanes([(ms(o.start_ns, o.run), ms(o.end_ns(tl.open_end_ns(o.run)), o.run)) for o in ops])
     for lane in range(max(op_lanes, default=-1) + 1):
-        rows.append((f"transfers {lane}", [(ms(a), (b - a) / 1e6, s) for o, l in zip(ops, op_lanes) if l == lane
-                                           for s, a, b in o.state_spans(tl.last_ns)]))
+        rows.append((f"transfers {lane}", [(ms(a, o.run), (b - a) / 1e6, s) for o, l in zip(ops, op_lanes)
+                                           if l == lane for s, a, b in o.state_spans(tl.open_end_ns(o.run))]))
+    run_starts_ms = [ms(first, run) for run, first in enumerate(tl.run_first_ns) if first is not None]
+    end_ms = max([ms(last, run) for run, last in enumerate(tl.run_last_ns) if last is not None], default=0.0)
     keys = list(dict.fromkeys(k for _, spans in rows for *_, k in spans))
     cmap = plt.get_cmap("tab20")
     colors = {k: cmap(i % 20) for i, k in enumerate(keys)}
     fig, (ax, ax_occ) = plt.subplots(2, 1, figsize=(14, min(60, 3 + 0.3 * len(rows))), sharex=True,
                                      gridspec_kw={"height_ratios": [max(3, len(rows)), 3]})
-    min_width_ms = max(tl.rel_ms(tl.last_ns), 1e-3) / 2000  # keep instant spans visible
+    min_width_ms = max(end_ms, 1e-3) / 2000  # keep instant spans visible
     boxes, box_colors = [], []  # one PolyCollection: thousands of broken_barh calls take minutes
     for y, (_, spans) in enumerate(rows):
         for start, width, key in spans:
@@ -198,7 +228,10 @@ def render_png(tl: Timeline, path: str | Path, *, max_request_rows: int = 40) ->
             boxes.append([(x0, y - 0.4), (x1, y - 0.4), (x1, y + 0.4), (x0, y + 0.4)])
             box_colors.append(colors[key])
     ax.add_collection(PolyCollection(boxes, facecolors=box_colors, edgecolors="none"))
-    ax.set_xlim(0, max(tl.rel_ms(tl.last_ns), 1e-3) * 1.01)
+    ax.set_xlim(0, max(end_ms, 1e-3) * 1.01)
+    for x in run_starts_ms[1:]:
+        for a in (ax, ax_occ):
+            a.axvline(x, color="grey", linestyle="--", linewidth=0.8)
     ax.set_ylim(-0.6, len(rows) - 0.4)
     ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=7)
     ax.invert_yaxis()
@@ -207,11 +240,16 @@ def render_png(tl: Timeline, path: str | Path, *, max_request_rows: int = 40) ->
                   fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set_title(summary_line(tl), fontsize=8)
     for tier, samples in sorted(tl.occupancy.items()):
-        fractions = [s.used_pages / max(1, s.capacity_pages) for s in samples]
-        ax_occ.step([ms(s.ts_ns) for s in samples] + [ms(tl.last_ns)], fractions + fractions[-1:],
-                    where="post", label=tier)  # the last level holds to the end
+        xs, ys = [], []  # each run's levels, the last held to the run's end; a gap (NaN) between runs
+        for run in sorted({s.run for s in samples}):
+            of_run = [s for s in samples if s.run == run]
+            fractions = [s.used_pages / max(1, s.capacity_pages) for s in of_run]
+            xs += [ms(s.ts_ns, run) for s in of_run] + [ms(tl.open_end_ns(run), run), float("nan")]
+            ys += fractions + fractions[-1:] + [float("nan")]
+        ax_occ.step(xs, ys, where="post", label=tier)
     ax_occ.set_ylabel("used / capacity")
-    ax_occ.set_xlabel("ms since first event")
+    ax_occ.set_xlabel("ms since first event" + (f" ({tl.num_runs} runs, the time between them cut)"
+                                                if tl.num_runs > 1 else ""))
     if tl.occupancy:
         ax_occ.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()

@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces
-_MAX_PROBLEMS_IN_ERROR = 10
+GZIP_MAGIC = b"\x1f\x8b"
+MAX_PROBLEMS_SHOWN = 10  # malformed lines spelled out in an error or on stderr; the rest counted
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ class TraceError(ValueError):
 
     def __init__(self, path: str, problems: list[TraceProblem]):
         self.problems = problems
-        shown = "; ".join(f"line {p.line_no}: {p.reason}" for p in problems[:_MAX_PROBLEMS_IN_ERROR])
-        more = len(problems) - _MAX_PROBLEMS_IN_ERROR
+        shown = "; ".join(f"line {p.line_no}: {p.reason}" for p in problems[:MAX_PROBLEMS_SHOWN])
+        more = len(problems) - MAX_PROBLEMS_SHOWN
         tail = f"; ... and {more} more" if more > 0 else ""
         super().__init__(f"{path}: {len(problems)} malformed line(s): {shown}{tail}")
 
@@ -101,15 +102,19 @@ def load_trace(
 ) -> tuple[list[TraceRecord], list[TraceProblem]]:
     """Reads a Mooncake JSONL trace. Malformed lines become `TraceProblem`s and are skipped; with
     `strict` any problem raises `TraceError` after the whole file (or the first `max_requests` good
-    records) has been read. Blank lines are ignored. Never stops half way on a bad line."""
+    records) has been read. Blank lines are ignored. Never stops half way on a bad line (a gzip file
+    is one problem, not a line of it)."""
     records: list[TraceRecord] = []
     problems: list[TraceProblem] = []
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, start=1):
             if max_requests is not None and len(records) >= max_requests:
                 break
-            try:
-                line = raw.decode("utf-8")
+            if line_no == 1 and raw.startswith(GZIP_MAGIC):  # regression: a problem for each "line" of it
+                problems.append(TraceProblem(1, "the file is gzip-compressed: gunzip it first"))
+                break
+            try:  # regression: a byte-order mark (Windows editors write one) cost the first request
+                line = raw.decode("utf-8-sig" if line_no == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 problems.append(TraceProblem(line_no, f"not UTF-8: {e.reason}"))
                 continue
