@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import structlog
 
-from scheduler.replay import (SAMPLE_TRACE, _fill_defaults, build_parser, config_from_replay_args, format_summary,
-                              main, outputs_digest, run_cli)
+from scheduler.replay import build_parser, format_summary, main, outputs_digest, run_cli
+from scheduler.replay_args import SAMPLE_TRACE, config_from_replay_args, fill_defaults
 from scheduler.timeline import build_timeline, read_events
 from scheduler.timeline_views import render_png, to_chrome
 from scheduler.trace import load_trace
@@ -198,7 +198,7 @@ def test_engine_crash_fails_the_remaining_requests(monkeypatch):
 
 def test_no_argument_defaults():
     args = build_parser().parse_args([])
-    _fill_defaults(args)
+    fill_defaults(args)
     assert Path(args.trace) == SAMPLE_TRACE and args.block_tokens == 16 and args.concurrency == 1
     assert args.time_scale == 0 and 150 <= args.max_requests <= 300
     cfg = config_from_replay_args(args)
@@ -208,7 +208,7 @@ def test_no_argument_defaults():
     assert cfg.hicache.host_pages(cfg.num_pages, bpp) == 24576 // 16
     assert cfg.hicache.storage_pages(0, bpp) == 65536 // 16
     user = build_parser().parse_args(["--trace", "x.jsonl", "--disable-hicache"])
-    _fill_defaults(user)
+    fill_defaults(user)
     assert user.block_tokens == 512 and user.max_requests is None and user.l1_tokens is None
     assert not config_from_replay_args(user).hicache.enable
 
