@@ -121,9 +121,9 @@ class HiCacheConfig:
 
     def host_pages(self, l1_pages: int, bytes_per_page: int) -> int:
         if self.host_size_gb is not None:
-            pages, flag = int(self.host_size_gb * (1 << 30)) // bytes_per_page, "--hicache-size-gb"
+            pages, flag = _pages_in(self.host_size_gb * (1 << 30), bytes_per_page), "--hicache-size-gb"
         else:
-            pages, flag = int(l1_pages * self.host_ratio), "--hicache-ratio"
+            pages, flag = _pages_in(l1_pages * self.host_ratio, 1), "--hicache-ratio"
         return _check_tier_pages("L2", pages, flag, bytes_per_page)
 
     def storage_pages(self, host_pages: int, bytes_per_page: int) -> int:
@@ -131,14 +131,21 @@ class HiCacheConfig:
         too small for one page is refused (it used to turn L3 off without a word)."""
         if self.storage_size_gb is not None:
             asked, flag = self.storage_size_gb, "--hicache-storage-size-gb"
-            pages = int(self.storage_size_gb * (1 << 30)) // bytes_per_page
+            pages = _pages_in(self.storage_size_gb * (1 << 30), bytes_per_page)
         else:
             asked, flag = self.storage_ratio, "--hicache-storage-ratio"
-            pages = int(host_pages * self.storage_ratio)
+            pages = _pages_in(host_pages * self.storage_ratio, 1)
         if asked > 0 and pages < 1:
             raise ValueError(f"hicache: L3 would hold no page of {bytes_per_page:,} bytes; raise {flag} "
                              f"(or give 0 for no L3)")
         return _check_tier_pages("L3", pages, flag, bytes_per_page)
+
+
+def _pages_in(amount: float, per_page: int) -> int:
+    """Whole pages of `per_page` in `amount` (bytes, or pages with per_page 1); an amount past float's
+    range counts as one page more than a tier can have, so `_check_tier_pages` refuses it naming its
+    flag (regression: --hicache-size-gb 1e300 was an OverflowError traceback)."""
+    return int(amount) // per_page if amount < math.inf else MAX_TIER_PAGES + 1
 
 
 def _check_tier_pages(tier: str, pages: int, flag: str, bytes_per_page: int) -> int:

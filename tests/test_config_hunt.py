@@ -70,12 +70,25 @@ def test_server_l1_pool_larger_than_the_machine_is_one_line(capsys):
     assert code == 2 and "cannot start the engine" in err
 
 
+@pytest.mark.parametrize("size", ["1e30", "1e300"])
 @pytest.mark.parametrize("flag", ["--hicache-size-gb", "--hicache-storage-size-gb"])
-def test_replay_cache_size_that_overflows_names_its_flag(capsys, flag):
-    # before: exit 2 with "Maximum allowed dimension exceeded" (simulated), naming nothing
+def test_replay_cache_size_that_overflows_names_its_flag(capsys, flag, size):
+    # before: exit 2 with "Maximum allowed dimension exceeded" (simulated), naming nothing; at 1e300
+    # (its bytes past float's range) an OverflowError traceback
     with pytest.raises(SystemExit) as exc:
-        replay_main([*SIM, flag, "1e30"])
+        replay_main([*SIM, flag, size])
     assert exc.value.code == 2 and flag in capsys.readouterr().err
+
+
+def test_tier_sizes_past_floats_range_are_refused_naming_their_flag():
+    with pytest.raises(ValueError, match="--hicache-size-gb"):  # (OverflowError: float infinity)
+        HiCacheConfig(host_size_gb=1e300).host_pages(64, 2048)
+    with pytest.raises(ValueError, match="--hicache-ratio"):
+        HiCacheConfig(host_ratio=1e308).host_pages(64, 2048)
+    with pytest.raises(ValueError, match="--hicache-storage-size-gb"):
+        HiCacheConfig(storage_size_gb=1e300).storage_pages(64, 2048)
+    with pytest.raises(ValueError, match="--hicache-storage-ratio"):
+        HiCacheConfig(storage_ratio=1e308).storage_pages(1 << 20, 2048)
 
 
 def test_replay_num_pages_that_overflows_is_one_line(capsys):
