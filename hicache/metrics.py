@@ -52,6 +52,10 @@ class DirectionStats:
 @dataclass
 class Metrics:
     hit_tokens: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
+    # prompt tokens computed by prefill (not served from a tier: with hit_tokens, a finished request's
+    # prompt), counted as each chunk's output is kept (Admission.after_step): a request aborted between
+    # chunks counts those that ran; an overlapped forward whose output was discarded counts nothing
+    # (its rerun does), so it equals the engine's prefill_tokens less such discarded forwards
     recomputed_tokens: int = 0
     evictions_pages: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
     promotions: int = 0            # L3 -> L2 publications

@@ -134,7 +134,6 @@ class Admission(Restoring):
         cache.metrics.hit_tokens["l1"] += req.hit_tokens["l1"]
         for tier in ("l2", "l3"):
             cache.metrics.hit_tokens[tier] += req.hit_tokens[tier]
-        cache.metrics.recomputed_tokens += len(req.prompt) - l1_len
         if self.fallback_end_tokens.pop(req.rid, 0) > l1_len:  # (Restoring._fell_back)
             cache.metrics.fallbacks += 1
         eng._event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
@@ -237,6 +236,10 @@ class Admission(Restoring):
             return
         if req.state is RequestState.PREFILL:
             req.cached_len += chunk
+            # recomputed_tokens: prompt tokens prefill computed, each counted once, as its chunk is
+            # kept (not at admission: a request aborted between chunks computed only those that ran;
+            # an overlapped forward's output dropped by `Restoring` counts nothing, its rerun counts)
+            self.cache.metrics.recomputed_tokens += chunk
             if req.cached_len < len(req.prompt):
                 return  # more chunks to go; the sampled token is meaningless
             eng._event(req, "prefill_end")

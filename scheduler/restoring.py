@@ -392,8 +392,7 @@ class Restoring:
                 req.locked_node, req.locked_len = m.handles[Tier.L1], end
                 for tier in ("l1", "l2", "l3"):
                     cache.metrics.hit_tokens[tier] += req.hit_tokens[tier]
-                cache.metrics.recomputed_tokens += len(req.prompt) - end
-                return True
+                return True  # (the tail's forward counts its recomputed tokens once kept: `after_step`)
         self._rewind(req, failed=not op.succeeded, end_tokens=end)
         return False
 
