@@ -42,7 +42,7 @@ class EngineCollector(Collector):
             return fam
 
         yield counter("hicache_hit_tokens", "prompt tokens served from each tier", m["hit_tokens"], ["tier"])
-        yield counter("hicache_recomputed_tokens", "prompt tokens computed by prefill (not served from a tier; a forward discarded after a failed restore counts once, when run again)", m["recomputed_tokens"])
+        yield counter("hicache_recomputed_tokens", "prompt tokens computed by prefill, each counted once as kept", m["recomputed_tokens"])
         yield counter("hicache_evicted_pages", "pages evicted from each tier", m["evictions_pages"], ["tier"])
         for key, doc in (("restores_started", "restores started"), ("restores_done", "restores completed"),
                          ("backups_started", "backups started"), ("backups_done", "backups completed"),
