@@ -5,6 +5,8 @@ import argparse
 import os
 from dataclasses import dataclass, field, fields, replace
 
+import torch
+
 from hicache.config import MAX_TIER_PAGES, HiCacheConfig
 
 MAX_SEED = (1 << 64) - 1  # torch.manual_seed's range (a larger one failed naming no flag)
@@ -249,3 +251,18 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 def config_fields() -> list[str]:
     return [f.name for f in fields(EngineConfig)]
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The device (auto: CUDA where there is one) and the dtype (auto: bf16 on CUDA, else float32)."""
+    name = config.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but CUDA is not available")
+    dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return device, dtype

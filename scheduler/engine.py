@@ -13,8 +13,6 @@ ran `start()`: the queues, the tree and the cache manager are not thread-safe.
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
@@ -26,40 +24,15 @@ import torch
 from hicache.faults import FaultInjector
 from hicache.manager import CacheManager
 from scheduler.admission import Admission
-from scheduler.config import EngineConfig
+from scheduler.config import EngineConfig, resolve_device
 from scheduler.logs import configure_logging, info_enabled
 from scheduler.model import load_model
-from scheduler.presets import PRESETS, ModelConfig
+from scheduler.presets import model_config_of
 from scheduler.request import (GenerationResult, Request, RequestError, RequestState, SamplingParams,
                                TokenEvent, kv_tokens)
 from scheduler.runner import ModelRunner, SimRunner
 
 log = structlog.get_logger("scheduler.engine")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    name = config.device
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but CUDA is not available")
-    dtype = _DTYPES.get(config.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return device, dtype
-
-
-def model_config_of(name_or_path: str) -> ModelConfig:
-    """The shapes of a preset or of a checkpoint's config.json, without loading weights."""
-    if name_or_path in PRESETS:
-        return PRESETS[name_or_path]
-    path = os.path.join(name_or_path, "config.json")
-    if not os.path.isfile(path):
-        raise ValueError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint dir")
-    with open(path) as f:
-        return ModelConfig.from_hf_config(json.load(f))
-
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, faults: FaultInjector | None = None) -> None:
@@ -477,47 +450,12 @@ class Engine:
 
     def _settle_aborts(self) -> None:
         """End the requests aborted since the last tick; each stays in `_aborts` until all have
-        ended, so that none keeps another's restore going for its sake (`_op_wanted`)."""
+        ended, so that none keeps another's restore going for its sake (`Restoring.drop_ops`)."""
         for rid in list(self._aborts):
             req = self.requests.get(rid)
             if req is not None and not req.state.done:
                 self.finish(req, RequestState.ABORTED, "abort")
         self._aborts.clear()
-
-    def _drop_ops(self, req: Request) -> None:
-        """A request ends: cancel its restore and prefetch, and a restore it followed whose own request
-        ended before, unless another live request waits for it (regression: an aborted request's read
-        was cancelled under the requests parked on it, which then read the same pages again); cancel
-        its L3 hint query (regression: it outlived the request, and shutdown, and its timeout counted
-        as a store failure)."""
-        if req.hint_task is not None and not req.hint_task.done():
-            req.hint_task.cancel()
-        for op in (req.restore_op, req.prefetch_op, req.follow_op):
-            if op is None or op.done or op.payload.get("cancel"):
-                continue
-            if self._op_wanted(op, req):
-                self.cache.runner.start_checks(op)  # (held for a take-on by `req`: none will come)
-            else:
-                self.cache.runner.cancel(op)
-
-    def _op_wanted(self, op, req: Request) -> bool:
-        """Whether a live request other than `req`, and not being aborted with it, waits for `op`:
-        its own request, one parked on it, or one queued that will (admission follows a read in
-        flight rather than start its own: the first page `op` brings is that request's next)."""
-        def other(r) -> bool:
-            return r is not None and r is not req and not r.state.done and r.rid not in self._aborts
-
-        if other(self.requests.get(op.request_id) if op.request_id is not None else None):
-            return True
-        if any(other(r) and r.follow_op is op for r in self.parked):
-            return True
-        theirs = op.payload.get("tokens")
-        if theirs is None or not self.waiting:
-            return False
-        start = min(op.payload.get("l1_start", len(theirs)), op.payload.get("l2_start", len(theirs)))
-        upto = min(start + self.page_size, len(theirs))  # (starts are page aligned)
-        return any(other(r) and len(r.prompt) > upto and tuple(r.prompt[:upto]) == theirs[:upto]
-                   for r in self.waiting)
 
     def finish(self, req: Request, state: RequestState, reason: str, error: str | None = None) -> None:
         """End the request: cancel its restore or prefetch, publish what it computed (only when
@@ -531,7 +469,7 @@ class Engine:
             self.waiting.remove(req)
         if req in self.parked:
             self.parked.remove(req)
-        self._drop_ops(req)
+        self.admission.drop_ops(req, aborting=self._aborts)
         self.admission.release(req, publish=state is RequestState.FINISHED)
         req.state, req.finish_reason, req.error = state, reason, error
         req.finish_s = time.perf_counter()

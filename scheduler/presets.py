@@ -7,7 +7,9 @@ an arbitrary step, so generations run to their max_new_tokens and lengths stay p
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,3 +215,14 @@ def get_preset(name: str) -> ModelConfig:
         return PRESETS[name]
     except KeyError:
         raise ValueError(f"unknown model preset {name!r}; presets: {', '.join(PRESETS)}") from None
+
+
+def model_config_of(name_or_path: str) -> ModelConfig:
+    """The shapes of a preset or of a checkpoint's config.json, without loading weights."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]
+    path = os.path.join(name_or_path, "config.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint dir")
+    with open(path) as f:
+        return ModelConfig.from_hf_config(json.load(f))

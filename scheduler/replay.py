@@ -33,6 +33,7 @@ from pathlib import Path
 
 from scheduler import replay_args, replay_memory
 from scheduler.config import EngineConfig
+from scheduler.presets import model_config_of
 from scheduler.replay_args import (REPLAY_OPTIONS, check_replay_args, check_writable, config_from_replay_args,
                                    fill_defaults, shown)
 from scheduler.replay_memory import flag_name as _flag
@@ -319,7 +320,6 @@ def run_cli(argv: list[str] | None = None) -> dict:
         config = config_from_replay_args(args)
     except ValueError as exc:
         parser.exit(2, f"replay_trace.py: {exc}\n")
-    from scheduler.engine import model_config_of
     model = model_config_of(config.model)
     if args.block_tokens > model.max_position_embeddings:
         # regression: a block is synthesized whole (4 bytes a token) and scales every prompt by

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from hicache.config import MAX_TIER_PAGES
 from scheduler import replay_memory
-from scheduler.config import HICACHE_NEEDS_PREFIX_CACHE, EngineConfig, add_engine_args, config_from_args
+from scheduler.config import (HICACHE_NEEDS_PREFIX_CACHE, EngineConfig, add_engine_args, config_from_args,
+                              resolve_device)
+from scheduler.presets import model_config_of
 from scheduler.replay_memory import flag_name as _flag
 
 SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "data" / "sample_trace.jsonl"
@@ -121,8 +123,6 @@ def config_from_replay_args(args: argparse.Namespace) -> EngineConfig:
     """EngineConfig from the engine flags plus --simulate, --disable-hicache and the capacity flags
     (tokens -> pages of this geometry; GiB stay GiB, sized exactly as the engine sizes them).
     Hicache is on unless --disable-hicache or --disable-prefix-cache (said on stderr) turns it off."""
-    from scheduler.engine import model_config_of, resolve_device
-
     if args.disable_hicache:
         args.enable_hicache = False
     elif args.disable_prefix_cache:

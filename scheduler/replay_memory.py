@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import argparse
 
-from scheduler.config import EngineConfig
+from scheduler.config import EngineConfig, resolve_device
+from scheduler.presets import model_config_of
 
 GIB = 1 << 30
 # The options that size each tier, in the order they win (the last is the fallback): the one to lower
@@ -21,8 +22,6 @@ def flag_name(key: str) -> str:
 
 def pool_pages(cfg: EngineConfig) -> dict[str, int]:
     """The pages of each tier, sized as the engine sizes them (Engine, CacheManager)."""
-    from scheduler.engine import model_config_of, resolve_device
-
     device, dtype = resolve_device(cfg)
     page_size = cfg.page_size_on(device.type)
     bpp = model_config_of(cfg.model).kv_geometry(page_size, dtype).bytes_per_page

@@ -134,7 +134,7 @@ class Request:
     prefetch_op: object = None
     follow_op: object = None      # another request's restore or prefetch of its prefix that it is parked on
                                   # (Restoring._try_restore; cancelled for it only once no live request
-                                  # waits for it: Engine._drop_ops)
+                                  # waits for it: Restoring.drop_ops)
     landed_offered: bool = False  # its prefetch's read landed and the request was offered to take it on
     promoted_tokens: int = 0      # tokens an L3 -> L2 prefetch brought up for this request
     hint_task: object = None      # shared L3: the existence query that must finish before admission

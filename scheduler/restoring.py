@@ -65,6 +65,41 @@ class Restoring:
             req.promoted_tokens = l3 - l2  # served from L3 when this request later restores from L2
             self._plan(req, "l3", decision, len(req.prompt) - l3)
 
+    def drop_ops(self, req: Request, aborting: set[str]) -> None:
+        """A request ends: cancel its restore and prefetch, and a restore it followed whose own request
+        ended before, unless another live request waits for it (regression: an aborted request's read
+        was cancelled under the requests parked on it, which then read the same pages again); cancel
+        its L3 hint query (regression: it outlived the request, and shutdown, and its timeout counted
+        as a store failure). `aborting`: ids of requests ending with it (none waits)."""
+        if req.hint_task is not None and not req.hint_task.done():
+            req.hint_task.cancel()
+        for op in (req.restore_op, req.prefetch_op, req.follow_op):
+            if op is None or op.done or op.payload.get("cancel"):
+                continue
+            if self._op_wanted(op, req, aborting):
+                self.cache.runner.start_checks(op)  # (held for a take-on by `req`: none will come)
+            else:
+                self.cache.runner.cancel(op)
+
+    def _op_wanted(self, op, req: Request, aborting: set[str]) -> bool:
+        """Whether a live request other than `req`, and not being aborted with it, waits for `op`:
+        its own request, one parked on it, or one queued that will (admission follows a read in
+        flight rather than start its own: the first page `op` brings is that request's next)."""
+        def other(r) -> bool:
+            return r is not None and r is not req and not r.state.done and r.rid not in aborting
+
+        if other(self.engine.requests.get(op.request_id) if op.request_id is not None else None):
+            return True
+        if any(other(r) and r.follow_op is op for r in self.engine.parked):
+            return True
+        theirs = op.payload.get("tokens")
+        if theirs is None or not self.engine.waiting:
+            return False
+        start = min(op.payload.get("l1_start", len(theirs)), op.payload.get("l2_start", len(theirs)))
+        upto = min(start + self.page_size, len(theirs))  # (starts are page aligned)
+        return any(other(r) and len(r.prompt) > upto and tuple(r.prompt[:upto]) == theirs[:upto]
+                   for r in self.engine.waiting)
+
     def _plan(self, req: Request, source: str, decision, uncached_tokens: int) -> None:
         """Note the path the request's prefix takes if it comes from `source`: what its restore was
         priced from and the tokens left to compute (priced at the first token, `score_outcome`). The

@@ -326,7 +326,7 @@ async def measure(args, tier: str, prefix_tokens: int, prompts, bdir: BenchDir) 
 
 
 async def amain(args) -> list[dict]:
-    from scheduler.engine import model_config_of
+    from scheduler.presets import model_config_of
 
     vocab = model_config_of(args.model).vocab_size
     results = []

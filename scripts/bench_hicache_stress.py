@@ -334,7 +334,7 @@ async def decode_run(args, tier: str, vocab: int, bdir: BenchDir) -> dict:
 
 
 async def amain(args) -> dict:
-    from scheduler.engine import model_config_of
+    from scheduler.presets import model_config_of
 
     vocab = model_config_of(args.model).vocab_size
     out: dict = {"model": args.model, "device": args.device, "policy": args.policy,

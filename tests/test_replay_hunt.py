@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from scheduler.engine import model_config_of
+from scheduler.presets import model_config_of
 from scheduler.replay import build_items, main, run_cli
 from scheduler.timeline import build_timeline, read_events
 from scheduler.timeline_views import format_tables, render_png, to_chrome

@@ -15,7 +15,8 @@ import structlog
 from hicache.config import HiCacheConfig
 from hicache.faults import Fault, FaultInjector
 from scheduler.config import EngineConfig
-from scheduler.engine import Engine, model_config_of
+from scheduler.engine import Engine
+from scheduler.presets import model_config_of
 from scheduler.replay import build_items, main
 from scheduler.request import SamplingParams
 from scheduler.timeline import build_timeline, read_events
