@@ -18,21 +18,9 @@ from hicache_helpers import WriteGate, finish, until
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
+from test_prefix_edges_hunt import reference
 
 VOCAB = 512
-_REFERENCE: dict = {}
-
-
-async def reference(prompts: list[list[int]], max_tokens: int, page_size: int) -> list[list[int]]:
-    """Greedy outputs of an engine without any cache (no prefix reuse, no hierarchy)."""
-    missing = sorted({tuple(p) for p in prompts if (tuple(p), max_tokens) not in _REFERENCE})
-    if missing:
-        eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=4096 // page_size, page_size=page_size,
-                                  enable_prefix_cache=False, max_running_requests=64))
-        out = await eng.generate_async([list(p) for p in missing], SamplingParams(max_tokens=max_tokens))
-        await eng.shutdown()
-        _REFERENCE.update({(p, max_tokens): r.output_ids for p, r in zip(missing, out)})
-    return [_REFERENCE[(tuple(p), max_tokens)] for p in prompts]
 
 
 def make_engine(page_size: int = 4, num_pages: int = 256, faults: FaultInjector | None = None,
