@@ -38,12 +38,16 @@ class CompletionGate:
 
         def relay():
             self.gate.wait(30)
+            self.released(inner)
             try:
                 outer.set_result(inner.result())
             except BaseException as exc:
                 outer.set_exception(exc)
         threading.Thread(target=relay, daemon=True).start()
         return outer
+
+    def released(self, inner) -> None:
+        """Called with a held call's own future once the gate opened, before its result is relayed."""
 
     def release(self) -> None:
         self.gate.set()
