@@ -274,9 +274,19 @@ class _SSEResponse(StreamingResponse):
                 await _abort_quietly(self._gen.st.engine, self._gen.req)
             return message
 
+        async def watch() -> None:
+            while (await receive_watching())["type"] != "http.disconnect":
+                pass
+
+        # from ASGI 2.4 Starlette listens for no disconnect (a write to a gone client raises): a
+        # stream still waiting for its first token would run on until it wrote one (regression)
+        spec = tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
+        watcher = asyncio.ensure_future(watch()) if spec >= (2, 4) else None
         try:
             await super().__call__(scope, receive_watching, send)
         finally:
+            if watcher is not None:
+                watcher.cancel()
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
                 await self._gen.close()

@@ -386,18 +386,30 @@ def _until_status(url: str, predicate, timeout_s: float = 30.0) -> dict:
     return status
 
 
+def _asgi_spec(app, version: str):
+    """`app` told by its server that it speaks ASGI `version` (Starlette's streams listen for the
+    client's disconnect themselves only below 2.4)."""
+    async def wrapped(scope, receive, send):
+        if scope["type"] == "http":
+            scope = {**scope, "asgi": {**scope.get("asgi", {}), "spec_version": version}}
+        await app(scope, receive, send)
+    return wrapped
+
+
+@pytest.mark.parametrize("spec", ["2.3", "2.4"])
 @pytest.mark.parametrize("waiting_as", ["queued", "parked_on_a_read"])
-def test_a_stream_whose_client_leaves_before_its_first_token_is_freed_at_once(waiting_as):
+def test_a_stream_whose_client_leaves_before_its_first_token_is_freed_at_once(waiting_as, spec):
     """A streaming request that has no token yet (queued behind a running one, or parked on a held
     L3 read) whose client goes away: its request ends, aborted, while the other still runs (not
     once it would have been admitted or its read landed), its slot is free and it is counted once
-    as aborted; once idle, every tier is whole."""
+    as aborted; once idle, every tier is whole. Under ASGI 2.4 too (regression: Starlette then
+    listens for no disconnect, and such a stream ran on until it wrote its first token)."""
     from test_server import ServerThread, metric_samples
 
     from scheduler.server import ServerLimits, create_app
 
     engine = make_engine(num_pages=300, max_running_requests=1, max_new_tokens_limit=1000)
-    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0))) as s:
+    with ServerThread(_asgi_spec(create_app(engine, ServerLimits(shutdown_grace_s=1.0)), spec)) as s:
         gate = None
         if waiting_as == "parked_on_a_read":
             httpx.post(s.url + "/v1/completions", json={"prompt": FIRST, "max_tokens": 2}, timeout=30)
