@@ -2,7 +2,9 @@
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": "..."}}
 
-Request models are strict: unknown fields and wrong JSON types are errors (400), never coerced.
+Request models are strict: unknown fields and wrong JSON types are errors (400), never coerced; OpenAI
+fields this server does not implement (penalties, logit_bias, tools, ...) are served at their neutral values
+only (any other value: an 'unsupported_value' 400).
 Token ids are what this engine speaks: `stop` / `stop_token_ids` are token ids (the stop token is in
 `token_ids` but its text is left out), and every choice carries the generated `token_ids` next to
 the text. A completion's `prompt` is a string, token ids, or a list holding one of them (OpenAI's
@@ -17,9 +19,10 @@ import dataclasses
 import enum
 import json
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams
 
@@ -71,6 +74,11 @@ class _SamplingFields(_Strict):
     logprobs: StrictInt | StrictBool | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
+    logit_bias: dict[str, Any] | None = None  # (LangChain's OpenAI LLM sends {} by default)
+
+    # OpenAI fields this server takes only at a value that changes nothing: (name, neutral values);
+    # any other value is an "unsupported" 400 (it was "unknown field", as if the name were a typo)
+    NEUTRAL: ClassVar[tuple[tuple[str, tuple], ...]] = (("logit_bias", (None, {})),)
 
     def stop_ids(self) -> tuple[int, ...]:
         stop: list[int] = []
@@ -97,6 +105,11 @@ class _SamplingFields(_Strict):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0.0):
                 raise APIError(400, f"'{name}' is not supported (only 0)", param=name, code="unsupported_value")
+        for name, neutral in self.NEUTRAL:
+            value = getattr(self, name)
+            if not any(value == v and type(value) is type(v) for v in neutral):
+                raise APIError(400, f"'{name}' is not supported (only {' or '.join(json.dumps(v) for v in neutral)})",
+                               param=name, code="unsupported_value")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "'stream_options' is only allowed with 'stream': true", param="stream_options",
                            code="invalid_value")
@@ -131,6 +144,18 @@ class ChatMessage(_Strict):
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        # an image (or audio, file) part was a 400 listing every union branch's complaint
+        parts = data.get("content") if isinstance(data, dict) else None
+        for part in parts if isinstance(parts, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise PydanticCustomError("unsupported_value", "content parts of type '{kind}' are not supported "
+                                          "(this server takes text only: 'text' parts or a string)", {"kind": kind})
+        return data
+
     @model_validator(mode="after")
     def _content_required(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
@@ -150,6 +175,13 @@ class ChatMessage(_Strict):
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
+    top_logprobs: StrictInt | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    NEUTRAL: ClassVar = (*_SamplingFields.NEUTRAL, ("top_logprobs", (None, 0)),
+                         ("response_format", (None, {"type": "text"})), ("tools", (None, [])),
+                         ("tool_choice", (None, "none", "auto")))  # (no tools: nothing to call)
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -233,6 +265,8 @@ def validation_error(exc: ValidationError | Any) -> APIError:
     if kind == "extra_forbidden":
         return APIError(400, f"unknown field '{field}' (extra fields are not permitted)", param=param,
                         code="unknown_field")
+    if kind == "unsupported_value":
+        return APIError(400, f"{field}: {err.get('msg')}", param=param, code="unsupported_value")
     if kind == "missing":
         return APIError(400, f"missing required field '{field}'", param=param, code="missing_field")
     branches = [e.get("msg", "") for e in errors if e.get("loc", ())[:1] == err.get("loc", ())[:1]]

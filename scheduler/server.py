@@ -2,7 +2,8 @@
 
     POST /v1/completions        prompt: token ids or text; stream: server-sent events
     POST /v1/chat/completions   only with a model directory whose tokenizer has a chat template
-    GET  /v1/models   GET /health   GET /metrics (Prometheus)   GET /hicache/status (engine.status())
+    GET  /v1/models   GET /v1/models/{id}   GET /health   GET /metrics (Prometheus)
+    GET  /hicache/status (engine.status())     (each GET route answers HEAD too)
 
 The engine runs on the server's event loop: the app lifespan starts it and, at shutdown, stops
 admitting (503), lets in-flight requests (queued or running) finish within --shutdown-grace-s,
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -134,8 +136,9 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         if isinstance(exc, RequestValidationError):  # FastAPI's 422 becomes a 400 naming the field
             exc = validation_error(exc)
         elif isinstance(exc, StarletteHTTPException):  # unknown route (404), wrong method (405)
-            exc = APIError(exc.status_code, str(exc.detail), code=f"http_{exc.status_code}",
-                           type="invalid_request_error")
+            # (its headers too: a 405's Allow, which RFC 9110 requires, was dropped)
+            exc = APIError(exc.status_code, f"{exc.detail}: {_request.method} {_request.url.path}",
+                           code=f"http_{exc.status_code}", type="invalid_request_error", headers=exc.headers)
         elif not isinstance(exc, APIError):
             exc = APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -151,22 +154,34 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     async def chat_completions(request: Request):
         return await _generate(request, st, chat=True)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{
-            "id": st.model_name, "object": "model", "created": st.created, "owned_by": "hicache",
-            "root": engine.model_id, "max_model_len": engine.max_kv_tokens}]}
+    def model_card() -> dict:
+        return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "hicache",
+                "root": engine.model_id, "max_model_len": engine.max_kv_tokens}
 
-    @app.get("/health")
+    # GET routes answer HEAD too (RFC 9110; `curl -I`, uptime checks): FastAPI's got a 405
+    get = functools.partial(app.api_route, methods=["GET", "HEAD"])
+
+    @get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @get("/v1/models/{model:path}")
+    async def model(model: str):  # the openai SDK's models.retrieve (it was a 404 for the served model)
+        if model not in st.served_names:
+            raise APIError(404, f"model {model!r} is not served here; this server serves {st.model_name!r}",
+                           param="model", code="model_not_found")
+        return model_card()
+
+    @get("/health")
     async def health():
         st.check_admitting()
         return {"status": "ok", "model": st.model_name}
 
-    @app.get("/metrics")
+    @get("/metrics")
     async def metrics():
         return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/hicache/status")
+    @get("/hicache/status")
     async def status():
         s = engine.status()
         s["server"] = {"in_flight": st.in_flight, "draining": st.draining, "limits": dataclasses.asdict(limits),

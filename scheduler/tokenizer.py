@@ -9,7 +9,8 @@ Two tokenizers, chosen by `load_tokenizer(model, vocab_size)`:
   (bos/eos/unk/sep/pad/cls/mask_token as strings, additional_special_tokens a list; from
   tokenizer_config.json, and from special_tokens_map.json, winning, where the config has no
   `added_tokens_decoder`, as transformers reads them; bos/eos_token are "" when not defined),
-  raise_exception, strftime_now, and a `tojson` that does not HTML-escape.
+  raise_exception, strftime_now, and a `tojson` that does not HTML-escape. A "developer" message is
+  rendered as a "system" one unless the template names the role.
 
 * `ByteTokenizer` — the documented fallback for the random-weight presets (tiny, qwen3-*), which ship
   no vocabulary. Text is encoded as its UTF-8 bytes shifted by `BYTE_OFFSET`:
@@ -109,6 +110,10 @@ class HFTokenizer:
             try:
                 self._compiled = _compile_template(template)
                 self.chat_template = template
+                # OpenAI's "developer" messages are its newer system messages: a template that never
+                # names the role (Qwen's renders system / user / assistant / tool) dropped them silently,
+                # so they reach it as "system"; one that names it (gpt-oss's) gets them as they are
+                self.developer_as_system = "developer" not in template
             except ImportError:
                 self.no_chat_reason = "jinja2 is not installed, so the chat template cannot be rendered"
             except Exception as exc:  # jinja2.TemplateError: chat is refused, completions still served
@@ -123,6 +128,8 @@ class HFTokenizer:
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         if self.chat_template is None:
             raise ValueError(self.no_chat_reason)
+        if self.developer_as_system:
+            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         # what transformers passes: tools / documents are None, not undefined (`tools is not none`), and
         # the tokenizer's special tokens (bos / eos "" rather than undefined, as here before)
         text = self._compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
