@@ -25,7 +25,8 @@ class Backups:
 
     def write_back_keep(self, node: Node) -> bool:
         """Eviction veto for write_back: an L1 leaf not yet in L2 is backed up first, unless its last
-        backup failed: then it goes unsaved (as a write-through backup that failed only costs time)."""
+        backup failed and nothing used it since: then it goes unsaved (as a write-through backup that
+        failed only costs time)."""
         if self.mgr.config.write_policy != "write_back" or node.pages[Tier.L2] is not None:
             return False
         tokens: list[int] = []
@@ -34,9 +35,9 @@ class Backups:
             tokens[:0] = n.key
             n = n.parent
         key = tuple(tokens)
-        if key in self._backup_failed:
-            del self._backup_failed[key]
-            return False
+        failed_at = self._backup_failed.pop(key, None)
+        if failed_at is not None and node.stamp[Tier.L1] <= failed_at:
+            return False  # (one used since is backed up again; regression: it went unsaved)
         # kept while a backup of it runs, or waits for the one of its prefix (start_backup defers it)
         return self.start_backup(key) is not None or any(key in waiting for waiting in self._deferred.values())
 
@@ -138,7 +139,7 @@ class Backups:
             if self._cancelled(op):
                 return
             apply(op, OpEvent.D2H_DONE)
-            self._publish(op, tokens, Tier.L2, host_pages, start)
+            self._publish(op, tokens, Tier.L2, host_pages, start, stamp_from=Tier.L1)  # (no use: LRU as in L1)
             self._unlock_all(op)
             # its L1 pages may be evicted now: a request waiting for pages must not sleep through
             # the L3 write that follows (regression: it waited for the whole op)
@@ -189,7 +190,7 @@ class Backups:
             if self._cancelled(op):
                 return
             apply(op, OpEvent.H2S_DONE)
-            self._publish(op, tokens[:n2], Tier.L3, slots, n3)
+            self._publish(op, tokens[:n2], Tier.L3, slots, n3, stamp_from=Tier.L2)
             self._unlock_all(op)
             mgr.metrics.backups_done += 1
         finally:

@@ -30,7 +30,7 @@ from hicache.faults import FaultInjector
 from hicache.geometry import KVGeometry
 from hicache.metrics import Metrics
 from hicache.operations import OpRunner
-from hicache.ops import OpKind
+from hicache.ops import OpKind, OpState
 from hicache.pools import DevicePool, HostPool
 from hicache.radix import MatchResult, Node, RadixTree, Tier
 from hicache.reuse import TierReuse
@@ -206,9 +206,32 @@ class CacheManager:
                 self.runner.start_due()
             if alloc.num_free + self.tree.evictable_pages(tier) < num_pages:
                 return None
-            keep = self.runner.write_back_keep if (tier is Tier.L1 and self.has_l2) else None
+            keep = self._write_back_keep(num_pages - alloc.num_free) if tier is Tier.L1 else None
             self.tree.evict(tier, num_pages - alloc.num_free, keep=keep)
         return alloc.alloc(num_pages, claim)
+
+    def _write_back_keep(self, want_pages: int) -> Callable[[Node], bool] | None:
+        """Under write_back, the veto of an L1 eviction that frees `want_pages`: unsaved LRU leaves
+        are backed up first (Backups.write_back_keep), until backups of `want_pages` are on their
+        way (those whose copy runs count: a retry while they run is no reason for more); later
+        unsaved leaves stay unsaved, saved ones still go (regression: every unsaved leaf of L1 was
+        vetoed and copied to L2 to free one page, and each retry copied more)."""
+        if not self.has_l2 or self.config.write_policy != "write_back":
+            return None
+        on_way_pages = sum(op.num_pages for op in self.runner.live.values()
+                           if op.kind is OpKind.BACKUP and op.state is OpState.D2H_PENDING)
+
+        def keep(node: Node) -> bool:
+            nonlocal on_way_pages
+            if node.pages[Tier.L2] is not None:
+                return False
+            if on_way_pages >= want_pages:
+                return True
+            if self.runner.write_back_keep(node):
+                on_way_pages += len(node.pages[Tier.L1])
+                return True
+            return False
+        return keep
 
     def alloc_l1(self, num_pages: int, claim: int) -> list[int] | None:
         return self.alloc_pages(Tier.L1, num_pages, claim)

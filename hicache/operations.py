@@ -73,7 +73,8 @@ class OpRunner(Backups, Restores):
         # keys whose last backup failed: under write_back their L1 leaf is evicted unsaved on the next
         # ask instead of vetoed again (regression: while copies kept failing, the veto restarted the
         # backup on every retry and the request that needed the pages never got them)
-        self._backup_failed: dict[tuple[int, ...], None] = {}
+        # (-> the tree's tick at the failure: a leaf used again since is backed up again; regression)
+        self._backup_failed: dict[tuple[int, ...], int] = {}
 
     # -- shared helpers ------------------------------------------------------------------------
     def _new(self, kind: OpKind, num_pages: int, request_id: str | None) -> Op:
@@ -113,11 +114,12 @@ class OpRunner(Backups, Restores):
         self.mgr.release_claim(claim, tier)
 
     def _publish(self, op: Op, tokens: Sequence[int], tier: Tier, pages: list[int], start: int,
-                 keep_claim: bool = False) -> None:
+                 keep_claim: bool = False, stamp_from: Tier | None = None) -> None:
         """Hand `pages` (tokens[start:]) to the tree. keep_claim: a copy still reads them, so
-        duplicates (pages another op published first) stay the op's until it releases them."""
+        duplicates (pages another op published first) stay the op's until it releases them.
+        stamp_from: a backup's source tier, whose last use the pages keep (RadixTree.insert)."""
         claim = op.payload["claims"][tier]
-        dups = self.mgr.tree.insert(tokens, tier, pages, claim, start_tokens=start)
+        dups = self.mgr.tree.insert(tokens, tier, pages, claim, start_tokens=start, stamp_from=stamp_from)
         if dups and tier is Tier.L3 and self.mgr.store is not None:
             self.mgr.store.invalidate(dups)
         if not keep_claim:
@@ -190,7 +192,7 @@ class OpRunner(Backups, Restores):
     def _fail(self, op: Op, error: str, kind: str) -> None:
         key = op.payload.get("backup_key") if op.kind is OpKind.BACKUP else None
         if key is not None:
-            self._backup_failed[key] = None
+            self._backup_failed[key] = self.mgr.tree.tick
             if len(self._backup_failed) > 1024:  # (only the latest matter: their leaves are being evicted)
                 del self._backup_failed[next(iter(self._backup_failed))]
         apply(op, OpEvent.FAIL, error=error)

@@ -96,6 +96,11 @@ class RadixTree:
         self._tick += 1
         return self._tick
 
+    @property
+    def tick(self) -> int:
+        """The latest LRU stamp handed out: a node touched after this moment has a larger one."""
+        return self._tick
+
     def _page_key(self, tokens: Sequence[int], pos: int) -> tuple[int, ...]:
         return tuple(tokens[pos: pos + self.page_size])
 
@@ -166,12 +171,16 @@ class RadixTree:
 
     # -- insertion / publication -------------------------------------------------------------
     def insert(self, tokens: Sequence[int], tier: Tier, pages: Sequence[int], claim: int,
-               start_tokens: int = 0) -> list[int]:
+               start_tokens: int = 0, stamp_from: Tier | None = None) -> list[int]:
         """Publish `pages` (private to `claim`) as tier residency of tokens[start_tokens:].
 
         tokens[:start_tokens] must already be resident in `tier` (contiguity). Pages for tokens
         that the tier already holds are not taken: they are returned, still private, for the caller
         to free. Returns those duplicate pages.
+
+        stamp_from: a copy down from that tier (a backup), which is no use of the prefix: its nodes
+        keep their last use there as their LRU stamp in `tier`, instead of now (regression: under
+        write_back a prefix is backed up as it leaves L1, the coldest, and became L2's most recent).
         """
         tokens = tuple(tokens)
         num_tokens = len(tokens)
@@ -193,6 +202,7 @@ class RadixTree:
                 if common < len(child.key):
                     child = self._split(child, common)
             end = pos + len(child.key)
+            use = stamp if stamp_from is None or child.pages[stamp_from] is None else child.stamp[stamp_from]
             if end > start_tokens:
                 lo = max(pos, start_tokens)
                 mine = list(pages[(lo - start_tokens) // self.page_size: (end - start_tokens) // self.page_size])
@@ -204,14 +214,14 @@ class RadixTree:
                     alloc.give_to_tree(mine, claim)  # per node, so a later error leaves no half state
                     child.pages[tier] = mine
                     self.num_resident_pages[tier] += len(mine)
-                    child.stamp[tier] = stamp
+                    child.stamp[tier] = use
                     self._offer(child, tier)
                 else:
                     duplicates.extend(mine)
             elif child.pages[tier] is None:
                 self._maybe_remove(child)
                 raise ValueError(f"insert: tokens before token {start_tokens} are not resident in {tier.name}")
-            child.stamp[tier] = stamp
+            child.stamp[tier] = use if stamp_from is None else max(child.stamp[tier], use)  # (never older)
             node, pos = child, end
         return duplicates
 
