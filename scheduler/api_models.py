@@ -78,7 +78,9 @@ class _SamplingFields(_Strict):
 
     # OpenAI fields this server takes only at a value that changes nothing: (name, neutral values);
     # any other value is an "unsupported" 400 (it was "unknown field", as if the name were a typo)
-    NEUTRAL: ClassVar[tuple[tuple[str, tuple], ...]] = (("logit_bias", (None, {})),)
+    # (penalties arrive as floats: a JSON 0 is 0.0)
+    NEUTRAL: ClassVar[tuple[tuple[str, tuple], ...]] = (
+        ("presence_penalty", (None, 0.0)), ("frequency_penalty", (None, 0.0)), ("logit_bias", (None, {})))
 
     def stop_ids(self) -> tuple[int, ...]:
         stop: list[int] = []
@@ -102,9 +104,6 @@ class _SamplingFields(_Strict):
         # (0 is not neutral: OpenAI then still returns the sampled tokens' logprobs; `is`, as 0 == False)
         if self.logprobs is not None and self.logprobs is not False:
             raise APIError(400, "'logprobs' is not supported", param="logprobs", code="unsupported_value")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0.0):
-                raise APIError(400, f"'{name}' is not supported (only 0)", param=name, code="unsupported_value")
         for name, neutral in self.NEUTRAL:
             value = getattr(self, name)
             if not any(value == v and type(value) is type(v) for v in neutral):
