@@ -39,17 +39,14 @@ def test_graphs_equal_eager():
     assert graphs == eager
 
 
-@pytest.mark.parametrize("tier,overlap,graphs,kernel_tokens,whole,burst", [
-    ("l2", True, True, 1024, False, False), ("l2", True, True, 0, False, False),
-    ("l2", True, False, 1024, False, False), ("l2", False, True, 1024, False, False),
-    ("l3", True, True, 1024, False, False), ("l3", True, True, 1024, False, True),
-    ("l2", True, True, 0, True, False)])
-def test_restores_equal_recompute_on_gpu(tier, overlap, graphs, kernel_tokens, whole, burst, monkeypatch):
+@pytest.mark.parametrize("tier,overlap,graphs,kernel_tokens,whole", [
+    ("l2", True, True, 1024, False), ("l2", True, True, 0, False), ("l2", True, False, 1024, False),
+    ("l2", False, True, 1024, False), ("l3", True, True, 1024, False), ("l2", True, True, 0, True)])
+def test_restores_equal_recompute_on_gpu(tier, overlap, graphs, kernel_tokens, whole, monkeypatch):
     """kernel_tokens: restores up to this long by the copy kernel (1024; the default is 4096), 0: by 2-D DMAs
     (the tiny model's 2 KiB slabs would take the kernel anyway: allowed 2-D DMAs here). whole: every
     layer-ordered restore moves all but its last page whole first (its forward is far shorter than
-    the tiny model's restores would need for the engine to choose that itself). burst: all requests
-    at once (else, for L3, one at a time)."""
+    the tiny model's restores would need for the engine to choose that itself)."""
     import hicache.transfer_layered as layered
 
     if kernel_tokens == 0:
@@ -68,12 +65,10 @@ def test_restores_equal_recompute_on_gpu(tier, overlap, graphs, kernel_tokens, w
     ref, _ = run(EngineConfig(**{**base.__dict__, "num_pages": 1024, "enable_prefix_cache": False}), ps)
     cfg = base.with_hicache(enable=True, policy="always", host_ratio=4.0 if tier == "l2" else 1.0,
                             storage_ratio=0.0 if tier == "l2" else 8.0, kernel_restore_max_tokens=kernel_tokens)
-    # L3 one request at a time: a prefix in L3 is prefetched at queue time and its read taken on to
-    # L1 under the tail forward. All at once, nothing is in L3 when they are queued: the reads start
-    # at admission, each as its request's own prefetch, taken on the same way (until session 30 they
-    # were RESTORE_L3s, copied whole after the read; until session 29 they overlapped only after an
-    # H2D that found no L1 room, later requests having taken its room).
-    out, eng = run(cfg, ps, one_by_one=tier == "l3" and not burst)
+    # L3: one request at a time, so a prefix in L3 is prefetched at queue time and its read taken on
+    # to L1 under the tail forward. (All at once, the L3 restores ran whole: until session 29 they
+    # overlapped only after an H2D that found no L1 room, later requests having taken its room.)
+    out, eng = run(cfg, ps, one_by_one=tier == "l3")
     assert out == ref
     assert eng.metrics()["hit_tokens"][tier] > 0
     assert (eng.stats["restore_overlaps"] > 0) == overlap
