@@ -216,9 +216,9 @@ class CostModel:
         overlap_h2d: an L2 restore's H2D would land layer by layer under the tail's forward, so it
         costs only what exceeds one forward (the recompute intercept, learned from tail forwards
         that include such copies; counting the H2D in full would charge it twice).
-        l3_taken_on: the same for an L3 hit, whose prefetch (started at queue time, or at admission
-        for a request that would run alone) would be taken on to L1 once its bytes landed (an L3
-        restore that is no prefetch is not: its H2D follows the read). The read is charged in full.
+        l3_taken_on: the same for an L3 hit, whose prefetch would be taken on to L1 once its bytes
+        landed (an L3 restore started at admission is not: its H2D follows the read). The read is
+        charged in full.
         A restore is also charged what its source's requests took end to end beyond this price,
         relative to a recompute's (`outcomes`, hicache/outcomes.py; 0 until its source's is learned).
         lookahead: a prefetch's decision at queue time, which acts on an L3 pick only: it neither

@@ -258,15 +258,7 @@ class Restoring:
         cache.unlock(m.handles[Tier.L1])
         l2_end = m.lengths[Tier.L2]
         may_overlap = may_overlap and (l2_end - m.lengths[Tier.L1]) // ps + self._pages_after(req, l2_end) <= room
-        # an L3 hit read now, as a prefetch, can be taken on to L1 under the tail forward once its
-        # bytes landed (`_take_landed`), as a prefetch started at queue time is (regression: a
-        # prefix that reached L3 only, or left L2, while its request waited was read and then
-        # copied to L1 whole, its H2D ahead of the forward)
-        l3_end = max(l2_end, m.lengths[Tier.L3])
-        may_take_on = (cache.has_l3 and cache.config.prefetch and l3_end > l2_end
-                       and self._may_overlap(req, l3_end, alone, budget)
-                       and (l3_end - m.lengths[Tier.L1]) // ps + self._pages_after(req, l3_end) <= room)
-        decision = cache.decide(m, overlap_h2d=may_overlap, l3_taken_on=may_take_on)
+        decision = cache.decide(m, overlap_h2d=may_overlap)
         if decision.tier not in ("l2", "l3"):
             return None
         # another request's restore or prefetch brings (part of) the same pages: wait for it, then
@@ -284,8 +276,6 @@ class Restoring:
         restore_l1_pages = (end - m.lengths[Tier.L1]) // ps
         if restore_l1_pages > room:
             return None
-        if decision.tier == "l3" and may_take_on and self._read_to_take_on(req, m, decision):
-            return "parked"
         overlap = may_overlap and decision.tier == "l2" and restore_l1_pages + self._pages_after(req, end) <= room
         op = cache.runner.start_restore(self._reusable(req), m, decision.tier, req.rid, layerwise=overlap,
                                         tail_tokens=len(req.prompt) - end)
@@ -315,18 +305,6 @@ class Restoring:
                 self._unpark(req, op)
                 return "ended"
         return "parked"
-
-    def _read_to_take_on(self, req: Request, m, decision) -> bool:
-        """Start `req`'s L3 read as its own prefetch, to be taken on to L1 once landed, and park
-        it on that read (with the room its H2D will need). False: the read did not start."""
-        op = self.cache.runner.start_restore(self._reusable(req), m, "prefetch", req.rid, take_soon=True)
-        if op is None:
-            return False
-        l2_end, l3_end = m.lengths[Tier.L2], op.payload["l3_end"]
-        req.prefetch_op, req.promoted_tokens = op, l3_end - l2_end
-        self._plan(req, "l3", decision, len(req.prompt) - l3_end)
-        self._park(req, op, self._read_room_pages(req, l3_end))
-        return True
 
     def _may_overlap(self, req: Request, cached_tokens: int, alone: bool, budget: int) -> bool:
         """Whether a restore up to `cached_tokens` could land layer by layer under the request's

@@ -34,14 +34,12 @@ async def reference(prompts: list[list[int]], max_tokens: int) -> list[list[int]
     return [_REFERENCE[(tuple(p), max_tokens)] for p in prompts]
 
 
-def make_engine(faults: FaultInjector | None = None, num_pages: int = 64, restore_overlap: bool = True,
-                **hicache) -> Engine:
+def make_engine(faults: FaultInjector | None = None, num_pages: int = 64, **hicache) -> Engine:
     hicache.setdefault("transfer_backend", "torch")
     hicache.setdefault("policy", "always")
     hicache.setdefault("host_ratio", 2.0)
     hicache.setdefault("storage_ratio", 4.0)
-    config = EngineConfig(model="tiny", device="cpu", num_pages=num_pages, page_size=PAGE,
-                          restore_overlap=restore_overlap)
+    config = EngineConfig(model="tiny", device="cpu", num_pages=num_pages, page_size=PAGE)
     return Engine(config.with_hicache(enable=True, **hicache), faults=faults or FaultInjector())
 
 
@@ -154,12 +152,10 @@ async def test_an_l3_restore_whose_h2d_lost_its_l1_room_decides_again():
     tests/test_restore_bookkeeping_hunt.py). Its read lands and is published in L2, its H2D finds
     no L1 pages and fails, and its request was marked restore_failed: it recomputed its whole
     32-token prefix although L2 held it. It now decides again, as a request whose L2 restore lacks
-    room does: it waits for room and restores from L2 (no second read). (Without restore overlap:
-    with it, the read at admission is a prefetch of the request's own, whose take-on checks the
-    room, `Restoring._read_to_take_on`.)"""
+    room does: it waits for room and restores from L2 (no second read)."""
     rng = random.Random(21)
     prefix = [rng.randrange(VOCAB) for _ in range(32)]
-    eng = make_engine(num_pages=32, restore_overlap=False)
+    eng = make_engine(num_pages=32)
     await eng.start()
     await _prefix_in_l3(eng, prefix)
     [warm] = await eng.generate_async([prefix + [2]], SamplingParams(max_tokens=1))  # L3 -> L2 -> L1

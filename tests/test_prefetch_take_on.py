@@ -17,7 +17,7 @@ from hicache.radix import Tier
 from hicache_helpers import assert_whole, capture_op_logs, flip_l3_byte, op_transitions
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
-from test_faults import (OTHER, PAGE, PARAMS, PROMPT, REUSABLE, TransferGate, finish, make_engine, only_in_l3, reference,
+from test_faults import (PAGE, PARAMS, PROMPT, REUSABLE, TransferGate, finish, make_engine, only_in_l3, reference,
                          run_one, until)
 
 
@@ -353,47 +353,4 @@ async def test_an_abort_between_landing_and_take_on_releases_the_held_read(monke
     assert_whole(eng.cache)
     await eng.start()
     assert (await run_one(eng)).output_ids == await reference(PROMPT)
-    await finish(eng)
-
-
-@pytest.mark.parametrize("alone", [True, False])
-@pytest.mark.asyncio
-async def test_an_l3_hit_found_at_admission_is_read_as_a_prefetch_and_taken_on(alone, monkeypatch):
-    """Regression (session 29's note): a prefix that L2 still held when its request was queued (so
-    no prefetch started), and that left L2 before the request was admitted, was read from L3 by a
-    RESTORE_L3 and then copied to L1 whole, its H2D ahead of the tail's forward. It is now read as
-    the request's own prefetch and taken on under that forward, as a queue-time prefetch is. A
-    request that does not run alone (another is in its batch) cannot take it on: the read lands in
-    L2 and the request restores from there, as a queue-time prefetch's would."""
-    from scheduler.restoring import Restoring
-    want = await reference(PROMPT)
-    eng = await _served_then_only_in_l3(True, "always")
-    await eng.cache.drain()
-    # back to "in L2 and L3": what a request queued now would find, so it starts no prefetch
-    eng.cache.runner.start_restore(PROMPT[:REUSABLE], eng.cache.tree.match(PROMPT[:REUSABLE], include_storage=True),
-                                   "prefetch", None)
-    await eng.cache.drain()
-    assert eng.cache.tree.match(PROMPT[:REUSABLE], touch=False).lengths == [0, REUSABLE, REUSABLE]
-    queued = Restoring.maybe_prefetch
-
-    def then_evicted_from_l2(self, req):  # L2 evicts it while the request waits
-        queued(self, req)
-        if self.cache is eng.cache and req.prompt == PROMPT:
-            assert req.prefetch_op is None
-            self.cache.tree.evict(Tier.L2, self.cache.l2.num_pages)
-
-    monkeypatch.setattr(Restoring, "maybe_prefetch", then_evicted_from_l2)
-    prompts = [PROMPT] if alone else [OTHER, PROMPT]
-    with capture_op_logs() as logs:
-        results = await eng.generate_async(prompts, PARAMS)
-    assert results[-1].output_ids == want
-    assert results[-1].cached_tokens == {"l1": 0, "l2": 0, "l3": REUSABLE}
-    if alone:  # read as a prefetch, taken on under the forward
-        assert not op_transitions(logs, "restore_l3")
-        assert list(op_transitions(logs, "prefetch_l3").values()) == [
-            ["L3", "S2H_PENDING", "S2H_LANDED", "H2D_VERIFYING", "H2D_PENDING", "L1_L2_L3"]]
-        assert eng.stats["restore_overlaps"] == 1
-    else:  # no forward to take it on under: read and copied by one restore
-        assert len(op_transitions(logs, "restore_l3")) == 1 and not op_transitions(logs, "prefetch_l3")
-    assert eng.metrics()["fallbacks"] == 0
     await finish(eng)

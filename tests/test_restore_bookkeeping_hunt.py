@@ -72,38 +72,36 @@ def admission_order(logs: list[dict]) -> list[str]:
 
 # -- 1. a parked L3 read keeps the L1 room its H2D will need --------------------------------------
 @pytest.mark.asyncio
-@pytest.mark.parametrize("read", ["restore", "prefetch", "prefetch_at_admission"])
+@pytest.mark.parametrize("read", ["restore", "prefetch"])
 async def test_a_parked_l3_read_keeps_the_l1_room_its_h2d_needs(read):
     """Regression: a request parked while its prefix was read from L3 (a RESTORE_L3 started at
     admission, or its own prefetch) reserved none of the L1 pages its H2D would need, so requests
     queued after it were admitted on that room meanwhile: the RESTORE_L3's H2D then found none
     (`no_pages`, the l1_room_lost retry), and a prefetch's request waited for them all to finish.
     Now the parked read keeps its room (Admission.reserved_pages): a later request is admitted only
-    on what is left, and the restore lands with no failure. (A RESTORE_L3 at admission is what a
-    request gets without restore overlap; with it, the read at admission is a prefetch of its own,
-    to be taken on under its forward: `Restoring._read_to_take_on`.)
+    on what is left, and the restore lands with no failure.
 
     L1 32 pages: the read needs 8; each other request reserves 16 (50 + 15 - 1 tokens), so one of them
     fits beside the read's room, the second must wait."""
     rng = random.Random(31)
     prefix = [rng.randrange(VOCAB) for _ in range(32)]
     others = [[rng.randrange(VOCAB) for _ in range(50)] for _ in range(2)]
-    eng = make_engine(num_pages=32, restore_overlap=read != "restore")
+    eng = make_engine(num_pages=32)
     await eng.start()
-    await prefix_in_l3(eng, prefix, l2_too=read != "prefetch")
+    await prefix_in_l3(eng, prefix, l2_too=read == "restore")
     before = eng.metrics()
     gate = HeldReads(eng.cache.store)
     prompts = [prefix + [3]] + others
     params = [SamplingParams(max_tokens=4)] + [SamplingParams(max_tokens=15, ignore_eos=True)] * 2
     reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-    if read != "prefetch":
+    if read == "restore":
         assert reqs[0].prefetch_op is None  # (queued while L2 held it: nothing to promote)
-        eng.cache.flush(Tier.L2)  # L2 loses it before the request is admitted: a read at admission
+        eng.cache.flush(Tier.L2)  # L2 loses it before the request is admitted: a RESTORE_L3 at admission
     else:
         assert reqs[0].prefetch_op is not None
     await until(lambda: reqs[1].output)  # one later request runs beside the read ...
     parked_on = reqs[0].restore_op or reqs[0].prefetch_op
-    assert parked_on.kind is (OpKind.RESTORE_L3 if read == "restore" else OpKind.PREFETCH_L3), parked_on.kind
+    assert parked_on.kind is (OpKind.RESTORE_L3 if read == "restore" else OpKind.PREFETCH_L3)
     assert reqs[0].state is RequestState.PARKED
     assert reqs[2].state is RequestState.WAITING  # ... the other would take the read's room
     gate.release()
@@ -258,8 +256,7 @@ async def test_a_restore_that_could_not_start_is_a_fallback_only_if_its_request_
 @pytest.mark.asyncio
 async def test_a_failed_prefetch_whose_request_reads_l3_itself_is_no_fallback():
     """Regression: a prefetch whose read timed out counted a fallback, although its request then
-    read the prefix from L3 itself (at admission: a prefix of its own, taken on under its forward)
-    and recomputed none of it."""
+    read the prefix from L3 itself (a RESTORE_L3 at admission) and recomputed none of it."""
     rng = random.Random(34)
     prefix = [rng.randrange(VOCAB) for _ in range(24)]
     faults = FaultInjector()
@@ -271,9 +268,9 @@ async def test_a_failed_prefetch_whose_request_reads_l3_itself_is_no_fallback():
         [out] = await eng.generate_async([prefix + [9]], SamplingParams(max_tokens=3))
         await eng.cache.drain()
     assert out.output_ids == (await reference([prefix + [9]], 3))[0]
-    ended = [(e["kind"], e["to_state"]) for e in logs if e.get("event") == "op" and e["kind"] != "backup"
-             and e["to_state"] in ("FAILED", "L1_L2_L3")]
-    assert ended == [("prefetch_l3", "FAILED"), ("prefetch_l3", "L1_L2_L3")], ended  # (the premise)
+    ended = {e["kind"]: e["to_state"] for e in logs if e.get("event") == "op" and e["kind"] != "backup"
+             and e["to_state"] in ("FAILED", "L1_L2_L3")}
+    assert ended == {"prefetch_l3": "FAILED", "restore_l3": "L1_L2_L3"}, ended  # (the premise)
     assert out.cached_tokens == {"l1": 0, "l2": 0, "l3": 24}
     m = eng.metrics()
     assert m["failures"] == {"timeout": 1} and m["fallbacks"] == 0
@@ -284,11 +281,10 @@ async def test_a_failed_prefetch_whose_request_reads_l3_itself_is_no_fallback():
 async def test_an_l3_restore_whose_h2d_lost_its_room_and_restored_from_l2_is_no_fallback():
     """Regression: an L3 restore whose H2D found no L1 pages (`l1_room_lost`: its read is published
     in L2, its request decides again and restores from there) counted a fallback. The room is taken
-    here by a claim of the test's: requests admitted meanwhile no longer can take it. (Without
-    restore overlap: with it, the read at admission is a prefetch, whose take-on checks the room.)"""
+    here by a claim of the test's: requests admitted meanwhile no longer can take it."""
     rng = random.Random(35)
     prefix = [rng.randrange(VOCAB) for _ in range(32)]
-    eng = make_engine(num_pages=32, restore_overlap=False)
+    eng = make_engine(num_pages=32)
     await eng.start()
     await prefix_in_l3(eng, prefix, l2_too=True)
     gate = HeldReads(eng.cache.store)
