@@ -8,8 +8,11 @@ allocator (the capacity of this instance's hint table); the key is what addresse
 `invalidate()` is a no-op: another instance may still use the page, and Redis's own eviction policy
 (maxmemory + allkeys-lru) decides what stays.
 
-Values. `HKV1` magic, payload length (u32), xxh3_64 of the payload (u64), then the page's bytes
-(one page-major L2 page). A read checks all three; a missing key or a bad value fails the operation
+Values. `HKV2` magic, payload length (u32), xxh3_64 of the value's own key (u64), xxh3_64 of the
+payload (u64), then the page's bytes (one page-major L2 page). A read checks all four (the payload's
+checksum only when checksums are on; the key's, 8 bytes, always): a value copied under another key
+(a tool or a buggy client that moved keys) is another prefix's KV, refused like a corrupt one rather
+than restored into the wrong prefix (regression). A missing key or a bad value fails the operation
 with StorageError("missing" / "checksum", bad_slots=...) so the caller drops the hint and recomputes:
 never a wrong output. Connection errors and timeouts -> "eio" (and a short back-off during which
 operations fail at once instead of waiting on a dead server; a command is sent once more only after
@@ -18,7 +21,14 @@ its connection dropped, never after a timeout); OOM under `noeviction` -> "enosp
 Start. One PING: a server that cannot be used is one warning line with the server's reason (the
 engine starts all the same); a server whose maxmemory-policy is not allkeys-* is warned of too: it
 never evicts a page, so it grows until the host runs out of memory (no maxmemory, Redis's default)
-or refuses every write once full. Run it with maxmemory and allkeys-lru.
+or refuses every write once full. Run it with maxmemory and allkeys-lru. A server whose
+proto-max-bulk-len (default 512 MiB, at least 1 MiB) is below one page's value resets the
+connection of every write: writes are then refused for good, at once, with one warning naming the
+setting and the page size (reads and hints go on: pages stored before still serve). Refusing
+rather than splitting values keeps one page one key (splitting would need all-or-nothing reads and
+evictions of a page's parts). Where CONFIG GET is refused (an application ACL), the first write
+that fails so tells: the server answers "invalid bulk length", or (a value of a few MiB) resets the
+connection while it still answers a PING.
 
 I/O. redis.asyncio on the running loop (a new client when the loop changes: `Engine.generate` runs
 each call on a fresh loop). Each operation is one command per chunk of at most `chunk_bytes`
@@ -50,6 +60,7 @@ import redis.asyncio as aioredis
 import redis.retry
 import structlog
 import torch
+import xxhash
 from redis import exceptions as rexc
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -66,9 +77,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger("hicache.storage_redis")
 
 KEY_PREFIX = b"hicache:kv:"
-HEADER = struct.Struct("<4sIQ")  # magic, payload bytes, xxh3_64(payload)
-MAGIC = b"HKV1"
+HEADER = struct.Struct("<4sIQQ")  # magic, payload bytes, xxh3_64(key), xxh3_64(payload)
+MAGIC = b"HKV2"  # (HKV1 values carried no key; page_keys.KEY_FORMAT v2 keeps them apart)
 OFFLOAD_BYTES = 1 << 20  # chunks at least this large are packed / unpacked on the helper thread
+MIN_BULK_LIMIT_BYTES = 1 << 20  # the smallest proto-max-bulk-len a server takes: smaller values always fit
 # How many keys exist contiguously from the first one (TOUCH also refreshes their LRU age).
 _PREFIX_SCRIPT = """
 for i, k in ipairs(KEYS) do
@@ -94,19 +106,24 @@ def redact_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts)
 
 
-def pack_value(page: memoryview) -> bytes:
-    """One stored value: header + the page's bytes."""
-    return b"".join((HEADER.pack(MAGIC, len(page), page_checksum(page)), page))
+def key_digest(key: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(key)
 
 
-def check_value(value: bytes | None, page_bytes: int, verify: bool) -> str | None:
-    """None when `value` is a valid page of `page_bytes` bytes, else why not ("missing"/"checksum")."""
+def pack_value(page: memoryview, key: bytes) -> bytes:
+    """One stored value of `key`: header + the page's bytes."""
+    return b"".join((HEADER.pack(MAGIC, len(page), key_digest(key), page_checksum(page)), page))
+
+
+def check_value(value: bytes | None, key: bytes, page_bytes: int, verify: bool) -> str | None:
+    """None when `value` is a valid page of `page_bytes` bytes stored under `key`, else why not
+    ("missing"/"checksum")."""
     if value is None:
         return "missing"
     if len(value) != HEADER.size + page_bytes:
         return "checksum"
-    magic, length, digest = HEADER.unpack_from(value)
-    if magic != MAGIC or length != page_bytes:
+    magic, length, key_hash, digest = HEADER.unpack_from(value)
+    if magic != MAGIC or length != page_bytes or key_hash != key_digest(key):
         return "checksum"
     if verify and page_checksum(memoryview(value)[HEADER.size:]) != digest:
         return "checksum"
@@ -138,7 +155,8 @@ class RedisStore:
         self.model_id, self.checksum, self.faults = model_id, bool(checksum), faults
         self.salt = kv_salt(model_id, geometry, rank=rank)
         self.keyer = PageKeyer(self.salt, geometry.page_size)
-        self.pages_per_chunk = max(1, min(1024, chunk_bytes // (HEADER.size + self.bytes_per_page)))
+        self.value_bytes = HEADER.size + self.bytes_per_page  # one stored value
+        self.pages_per_chunk = max(1, min(1024, chunk_bytes // self.value_bytes))
         self.hint_timeout_s, self.backoff_s = hint_timeout_s, backoff_s
         self._client_kwargs = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
                                    retry=_retry_dropped_connections(), decode_responses=False,
@@ -152,6 +170,7 @@ class RedisStore:
         self._closed = False
         self._down_until = 0.0
         self._consecutive_failures = 0
+        self._writes_refused: str | None = None  # why, once the server refuses a page's value
         self.counters = {"writes": 0, "reads": 0, "pages_written": 0, "pages_read": 0, "bytes_written": 0,
                          "bytes_read": 0, "round_trips": 0, "missing_pages": 0, "corrupt_pages": 0,
                          "hint_queries": 0, "hint_pages_found": 0, "hint_pages_published": 0,
@@ -172,6 +191,10 @@ class RedisStore:
                     info = client.info("memory")
                 except rexc.NoPermissionError:  # (the usual application ACL, "+@all -@dangerous", has no INFO)
                     info = {}
+                try:
+                    limits = client.config_get("proto-max-bulk-len")
+                except rexc.ResponseError:  # CONFIG refused (ACL) or renamed: the first write tells
+                    limits = {}
         except Exception as exc:  # noqa: BLE001 - any failure only means "not usable now"
             # (redis-py 8's repr is "network:ConnectionError": the server's reason is in str())
             log.warning("l3_redis_unreachable", url=redact_url(self.url), error=f"{type(exc).__name__}: {exc}",
@@ -179,11 +202,48 @@ class RedisStore:
             return
         maxmemory, policy = info.get("maxmemory"), info.get("maxmemory_policy")
         log.info("l3_redis_connected", url=redact_url(self.url), maxmemory=maxmemory, maxmemory_policy=policy)
+        bulk_limit = str(limits.get("proto-max-bulk-len", ""))
+        if bulk_limit.isdigit() and int(bulk_limit) < self.value_bytes:  # (a look-alike server may say "")
+            self._refuse_writes(int(bulk_limit))
         if policy is not None and not (maxmemory and str(policy).startswith("allkeys-")):
             log.warning("l3_redis_never_evicts", url=redact_url(self.url), maxmemory=maxmemory, maxmemory_policy=policy,
                         effect=("pages are never evicted: it grows until the host runs out of memory" if not maxmemory
                                 else "pages are never evicted: once full, every write fails"),
                         fix="set maxmemory and maxmemory-policy allkeys-lru")
+
+    def _refuse_writes(self, bulk_limit: int | None) -> None:
+        """The server refuses a page's value (proto-max-bulk-len): every later write fails at once."""
+        self._writes_refused = (f"the server refuses values of {self.value_bytes} bytes (one page of "
+                                f"{self.geometry.page_size} tokens) over its proto-max-bulk-len"
+                                + (f" of {bulk_limit} bytes" if bulk_limit is not None else "")
+                                + ": no page is written to this L3")
+        log.warning("l3_redis_value_too_large", url=redact_url(self.url), proto_max_bulk_len=bulk_limit,
+                    value_bytes=self.value_bytes, page_size_tokens=self.geometry.page_size,
+                    effect="no page is written to L3 (pages already there are still read)",
+                    fix=f"CONFIG SET proto-max-bulk-len {self.value_bytes} or more and restart the engine, "
+                        "or a smaller --page-size")
+
+    async def _value_refused(self, client: aioredis.Redis, exc: BaseException) -> bool:
+        """Whether a failed write says the server refuses a page's value (module docstring, "Start");
+        if so writes are refused from now on."""
+        if self._writes_refused is not None:
+            return True
+        if self.value_bytes <= MIN_BULK_LIMIT_BYTES:
+            return False
+        if isinstance(exc, rexc.ResponseError):
+            refused = "invalid bulk length" in str(exc)
+        elif isinstance(exc, rexc.ConnectionError) and isinstance(exc.__cause__, (ConnectionResetError,
+                                                                                  BrokenPipeError)):
+            # reset while sending, on the retry's fresh connection (not refused: a server restarting)
+            try:
+                refused = bool(await client.ping())  # up and answering: it is the write it drops
+            except Exception:  # noqa: BLE001 - down: an ordinary outage
+                refused = False
+        else:
+            refused = False
+        if refused:
+            self._refuse_writes(None)
+        return refused
 
     def _client(self) -> aioredis.Redis:
         loop = asyncio.get_running_loop()
@@ -287,14 +347,14 @@ class RedisStore:
             return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
         return fn(*args)
 
-    def _pack(self, pages: np.ndarray, host: np.ndarray) -> list[bytes]:
-        return [pack_value(memoryview(pages[h])) for h in host.tolist()]
+    def _pack(self, pages: np.ndarray, keys: list[bytes], host: np.ndarray) -> list[bytes]:
+        return [pack_value(memoryview(pages[h]), key) for key, h in zip(keys, host.tolist())]
 
-    def _unpack(self, pages: np.ndarray, values: list, host: np.ndarray) -> list[tuple[int, str]]:
+    def _unpack(self, pages: np.ndarray, values: list, keys: list[bytes], host: np.ndarray) -> list[tuple[int, str]]:
         """Copy valid values into their host pages; returns (index, why) of the invalid ones."""
         bad = []
-        for i, (value, h) in enumerate(zip(values, host.tolist())):
-            why = check_value(value, self.bytes_per_page, self.checksum)
+        for i, (value, key, h) in enumerate(zip(values, keys, host.tolist())):
+            why = check_value(value, key, self.bytes_per_page, self.checksum)
             if why is None:
                 pages[h] = np.frombuffer(value, dtype=np.uint8, offset=HEADER.size)
             else:
@@ -315,6 +375,8 @@ class RedisStore:
 
     async def _write(self, pages, buffer_ref, host_arr, slot_arr, keys, submit_ns) -> IoResult:
         self._check_available()
+        if self._writes_refused is not None:
+            raise self._error(StorageError("enospc", f"redis write: {self._writes_refused}"), "write")
         injected = self._injected(False)
         if injected is not None:
             raise self._error(injected, "write")
@@ -322,10 +384,12 @@ class RedisStore:
         first_ns, chunks = time.monotonic_ns(), self._chunks(len(keys))
         try:
             for lo, hi in chunks:
-                values = await self._on_cpu(self._pack, pages, host_arr[lo:hi])
+                values = await self._on_cpu(self._pack, pages, keys[lo:hi], host_arr[lo:hi])
                 await client.mset(dict(zip(keys[lo:hi], values)))
                 self.counters["round_trips"] += 1
         except Exception as exc:
+            if await self._value_refused(client, exc):
+                raise self._error(StorageError("enospc", f"redis write: {self._writes_refused}"), "write") from exc
             raise self._error(exc, "write") from exc
         self._succeeded()
         num_bytes = len(keys) * self.bytes_per_page
@@ -349,7 +413,7 @@ class RedisStore:
                 values = await client.mget(keys[lo:hi])
                 self.counters["round_trips"] += 1
                 self._succeeded()  # (before a missing page fails the read; regression: it did not count)
-                bad = await self._on_cpu(self._unpack, pages, values, host_arr[lo:hi])
+                bad = await self._on_cpu(self._unpack, pages, values, keys[lo:hi], host_arr[lo:hi])
             except Exception as exc:
                 raise self._error(exc, "read") from exc
             if bad:
@@ -385,8 +449,8 @@ class RedisStore:
                 try:
                     return int(await self._prefix_script(keys=list(keys)))
                 except rexc.ResponseError as exc:
-                    if str(exc).startswith("OOM"):
-                        raise
+                    if str(exc).startswith(("OOM", "BUSY", "MASTERDOWN")):
+                        raise  # the server's passing state, not scripting refused (regression: BUSY was)
                     self._script_ok = False  # scripting refused (ACL, disabled): plain EXISTS instead
                     log.warning("l3_redis_no_scripting", error=str(exc))
             pipe = client.pipeline(transaction=False)
@@ -466,5 +530,6 @@ class RedisStore:
         return {"backend": "redis", "url": redact_url(self.url), "num_slots": self.num_slots,
                 "bytes_per_page": self.bytes_per_page, "model_id": self.model_id, "checksum": self.checksum,
                 "closed": self._closed, "available": self._consecutive_failures == 0, "retry_in_s": retry_in_s,
+                "writes_refused": self._writes_refused,
                 "in_flight": sum(not t.done() for t in self._tasks), "errors": dict(self.errors),
                 "key_cache": {"hits": self.keyer.hits, "misses": self.keyer.misses}, **self.counters}

@@ -113,7 +113,7 @@ async def test_round_trip_byte_identical(server, dtype, pages_per_chunk):
     for i, h in enumerate([0, 1, 2, 5, 6, 9, 11]):
         assert same_bytes(dst[11 - i], src[h])
     value = server.client().get(keys[0])
-    assert len(value) == 16 + geom.bytes_per_page and value[:4] == b"HKV1"
+    assert len(value) == 24 + geom.bytes_per_page and value[:4] == b"HKV2"
     assert await store.count_present(store.page_keys(tokens, 0, 48)) == 7
     st = store.stats()
     assert st["pages_written"] == st["pages_read"] == 7 and st["errors"] == {}
