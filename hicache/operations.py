@@ -190,7 +190,10 @@ class OpRunner(Backups, Restores):
             self._wake(op)
 
     def _fail(self, op: Op, error: str, kind: str) -> None:
-        key = op.payload.get("backup_key") if op.kind is OpKind.BACKUP else None
+        # only write_back's eviction veto reads `_backup_failed` (regression: under the other policies
+        # every failed backup's prompt-long key was kept for nothing, up to its cap)
+        write_back = self.mgr.config.write_policy == "write_back"
+        key = op.payload.get("backup_key") if op.kind is OpKind.BACKUP and write_back else None
         if key is not None:
             self._backup_failed[key] = self.mgr.tree.tick
             if len(self._backup_failed) > 1024:  # (only the latest matter: their leaves are being evicted)

@@ -163,6 +163,9 @@ class StorageOp:
     def _finish(self) -> None:
         self.view = None  # type: ignore[assignment]
         self.buffer_ref = None  # type: ignore[assignment]
+        if self._checks_held:  # a read that failed before its checks were let go: none ever will be
+            with self.store._state_lock:  # (regression: the store kept every such read for good)
+                self.store._held.discard(self)
         if self._error is not None:
             if isinstance(self.future, ReadFuture) and not self.future.landed.done():  # a read failed
                 self.future.landed.set_exception(self._error)
