@@ -125,6 +125,21 @@ class Restores:
         op.payload["read"] = op.payload["inflight"] = future
         return future
 
+    def hold_published(self, op: Op) -> None:
+        """A request runs its forward on `op`'s L1 pages before they are published (a layer-ordered
+        restore, or a prefetch taken on): once published, keep them locked for it (`release_held`)."""
+        op.payload["hold_l1"] = True
+
+    def release_held(self, op: Op | None) -> None:
+        """The request of `hold_published` took the pages over, dropped them or ended: the restore
+        stops holding them, or will not hold them once done."""
+        if op is None:
+            return
+        op.payload["hold_l1"] = False
+        held = op.payload.pop("held_l1", None)
+        if held is not None:
+            self.mgr.tree.unlock(held, Tier.L1)
+
     def start_checks(self, op: Op | None) -> None:
         """Let a prefetch read opened with held checksums (`hold_checks`, a read expected to
         be taken on) start them: at its forward's launch, when its request declines it, when the op
@@ -254,6 +269,14 @@ class Restores:
         if op.kind is OpKind.RESTORE_L2:
             mgr.reuse[Tier.L2].on_read(len(l1_pages))
         self._publish(op, tokens, Tier.L1, l1_pages, op.payload["l1_start"])
+        if op.payload.get("hold_l1"):
+            # the request whose forward read these pages layer by layer takes them over at its next
+            # tick (scheduler/restoring.py adopt_restored): held for it until then (`release_held`).
+            # Unlocked, they were evictable in between: admission counted them as room, and a
+            # request admitted on it found no page mid-decode (l1_overcommit), or they were evicted
+            held = mgr.tree.match(tokens[:op.payload["l1_end"]], include_storage=False).handles[Tier.L1]
+            mgr.tree.lock(held, Tier.L1)
+            op.payload["held_l1"] = held
         self._release(op)  # unlocks; a taken prefetch's duplicate L2 pages (if any) are freed now
         mgr.metrics.restores_done += 1
         mgr.metrics.restore_s += (time.monotonic_ns() - t0) / 1e9

@@ -5,7 +5,8 @@ Page rules for a request (page aligned throughout):
   pages[: locked_len / S]  tree-owned prefix, protected by an L1 lock on `locked_node`;
   pages[locked_len / S :]  private to the request's claim until published by `insert_l1`;
   except while an overlapped restore lands (`overlap_op`, scheduler/restoring.py): then the pages
-  [locked_len, cached_len) are the op's, private to it until `adopt_restored`.
+  [locked_len, cached_len) are the op's, private to it until it publishes them, then locked by it
+  for the request (`hold_published`) until `adopt_restored`.
 Admission reserves every page the request can still need (`kv_tokens`: prompt + max_tokens - 1), so a running request
 never waits for memory (under write_back, admission itself may wait for the backups of the leaves
 it must evict) and nothing is preempted.
@@ -289,6 +290,8 @@ class Admission(Restoring):
         self.fallback_end_tokens.pop(req.rid, None)
         self.reserved_pages -= req.reserved_pages
         req.reserved_pages = 0
+        if req.overlap_op is not None:  # it ends before taking over the restore its forward ran behind
+            self.cache.runner.release_held(req.overlap_op)
         if req.claim is None:
             return
         if publish:

@@ -2,7 +2,9 @@
 
 Two kinds:
 * observed by the server as requests are served: request counts by outcome, TTFT and end-to-end
-  latency histograms, prompt / generated token counters, requests in flight;
+  latency histograms, prompt / generated token counters, requests in flight (TTFT counts every
+  request that got a first token, aborted or failed ones too; end-to-end only those that finished,
+  at max_tokens or a stop token);
 * read from the engine at scrape time by `EngineCollector` (engine.metrics() / engine.status()):
   hit tokens per tier, recomputed tokens, evictions, restores / backups / fallbacks, bytes, count,
   seconds and GiB/s per transfer direction (d2h, h2d, h2s, s2h), pending operations, pool
@@ -114,7 +116,8 @@ class ServerMetrics:
             self.requests.labels(outcome)
         self.ttft = Histogram("hicache_time_to_first_token_seconds", "request arrival to first token",
                               buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.e2e = Histogram("hicache_e2e_request_latency_seconds", "request arrival to last token",
+        self.e2e = Histogram("hicache_e2e_request_latency_seconds",
+                             "request arrival to last token, of requests that finished (success)",
                              buckets=_LATENCY_BUCKETS_S, registry=r)
         self.prompt_tokens = Counter("hicache_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("hicache_generation_tokens", "generated tokens", registry=r)

@@ -372,6 +372,7 @@ class Restoring:
         req.reserved_pages = self._pages_after(req, end)
         self.reserved_pages += req.reserved_pages
         req.overlap_op = op
+        cache.runner.hold_published(op)  # (its pages stay locked from their publication to `adopt_restored`)
         req.rng_state = req.generator.get_state() if req.generator is not None else None
         eng.stats["restore_overlaps"] += 1
         req.state = RequestState.PREFILL
@@ -413,21 +414,27 @@ class Restoring:
         op, req.overlap_op = req.overlap_op, None
         if op is None:
             return True
+        # the op held its published pages for this request since it ended (Restores.hold_published):
+        # they are this request's lock's from here, or no one's
+        cache = self.cache
         if req.state.done:  # aborted meanwhile: finish() already released everything
+            cache.runner.release_held(op)
             return False
         req.restore_op = None
-        cache, ps, end = self.cache, self.page_size, op.payload["l1_end"]
+        ps, end = self.page_size, op.payload["l1_end"]
         if op.succeeded:
             m = cache.tree.match(self._reusable(req)[:end], include_storage=False)
             # another request may have published the same prefix first: the op's pages were then
             # duplicates (freed), and this forward read pages the tree does not hold
             if m.lengths[Tier.L1] == end and list(m.pages[Tier.L1]) == req.pages[: end // ps]:
                 cache.lock(m.handles[Tier.L1])
+                cache.runner.release_held(op)
                 cache.unlock(req.locked_node)
                 req.locked_node, req.locked_len = m.handles[Tier.L1], end
                 for tier in ("l1", "l2", "l3"):
                     cache.metrics.hit_tokens[tier] += req.hit_tokens[tier]
                 return True  # (the tail's forward counts its recomputed tokens once kept: `after_step`)
+        cache.runner.release_held(op)
         self._rewind(req, failed=not op.succeeded, end_tokens=end)
         return False
 

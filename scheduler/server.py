@@ -184,7 +184,11 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     @get("/hicache/status")
     async def status():
         s = engine.status()
-        s["server"] = {"in_flight": st.in_flight, "draining": st.draining, "limits": dataclasses.asdict(limits),
+        # the limits requests are held to: a 0 in ServerLimits means the engine's, reported as such
+        # (regression: hicache-serve reported a prompt limit of 0)
+        effective = {**dataclasses.asdict(limits), "max_prompt_tokens": st.prompt_limit,
+                     "max_tokens_limit": st.max_tokens_limit}
+        s["server"] = {"in_flight": st.in_flight, "draining": st.draining, "limits": effective,
                        "tokenizer": getattr(tokenizer, "kind", None),
                        "chat_template": getattr(tokenizer, "chat_template", None) is not None}
         return JSONResponse(jsonable(s))
