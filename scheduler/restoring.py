@@ -298,6 +298,10 @@ class Restoring:
         self._park(req, op, restore_l1_pages if op.kind is OpKind.RESTORE_L3 else 0)
         if not cache.config.prefetch:  # blocking restore: the whole loop waits for it
             await cache.runner.wait_op(op)
+            # an overlapped restore that ended meanwhile published its pages unlocked: its request
+            # locks them now, before this one is admitted on room that counted them as evictable
+            # (regression: both were admitted on those pages, and one failed, "no KV page available")
+            self.settle_overlaps()
             # ... and its request goes on now, ahead of the requests queued behind it: admitted
             # first, they evicted the pages it had restored (unlocked once published) before the
             # next tick brought it back (regression: it recomputed its whole prefix)
