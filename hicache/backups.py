@@ -24,22 +24,63 @@ class Backups:
     """Mixin of `OpRunner`: the backup half of its drivers."""
 
     def write_back_keep(self, node: Node) -> bool:
-        """Eviction veto for write_back: an L1 leaf not yet in L2 is backed up first, unless its last
-        backup failed and nothing used it since: then it goes unsaved (as a write-through backup that
-        failed only costs time)."""
-        if self.mgr.config.write_policy != "write_back" or node.pages[Tier.L2] is not None:
+        """Eviction veto for write_back: an L1 leaf that neither L2 nor L3 holds is backed up first,
+        unless its last backup failed and nothing used it since: then it goes unsaved (as a
+        write-through backup that failed only costs time). One that L3 holds is saved (regression:
+        it was copied to L2 again, L1 waiting for it, when L2 had evicted it)."""
+        if self.mgr.config.write_policy != "write_back" or self.saved_below(node):
             return False
-        tokens: list[int] = []
-        n = node
-        while n is not None and n is not self.mgr.tree.root:
-            tokens[:0] = n.key
-            n = n.parent
-        key = tuple(tokens)
+        key = self._tokens_of(node)
         failed_at = self._backup_failed.pop(key, None)
         if failed_at is not None and node.stamp[Tier.L1] <= failed_at:
             return False  # (one used since is backed up again; regression: it went unsaved)
         # kept while a backup of it runs, or waits for the one of its prefix (start_backup defers it)
         return self.start_backup(key) is not None or any(key in waiting for waiting in self._deferred.values())
+
+    @staticmethod
+    def saved_below(node: Node) -> bool:
+        """Whether L1 may lose `node` without losing its KV under write_back (L2 or L3 holds it)."""
+        return node.pages[Tier.L2] is not None or node.pages[Tier.L3] is not None
+
+    def _tokens_of(self, node: Node) -> tuple[int, ...]:
+        """The tokens from the root through `node`."""
+        tokens: list[int] = []
+        while node is not None and node is not self.mgr.tree.root:
+            tokens[:0] = node.key
+            node = node.parent
+        return tuple(tokens)
+
+    async def write_back_l1(self, unsaved: bool) -> None:
+        """Before a flush of L1: start due backups and, with `unsaved` (write_back), a backup of every
+        unlocked L1 leaf that L2 and L3 lack (a write-back cache's flush writes its dirty pages back, then
+        invalidates; regression: the flush dropped every unsaved prefix from every tier); then wait
+        until those backups, the ones in flight and the ones waiting on them have copied their pages
+        to L2 (their L1 sources stay locked until then, and the flush would skip them). Their L3
+        writes go on after. A backup refused (admission, an L2 full of locked pages) or failed leaves
+        its pages unsaved, and the flush evicts them, as an eviction evicts what its policy did not save."""
+        self.start_due()
+        if unsaved:
+            leaves = [n for n in self.mgr.tree.iter_nodes()
+                      if n is not self.mgr.tree.root and n.pages[Tier.L1] is not None and not self.saved_below(n)
+                      and not n.locks[Tier.L1] and not any(c.pages[Tier.L1] is not None for c in n.children.values())]
+            for node in leaves:
+                self.start_backup(self._tokens_of(node))
+        # only these keys' backups (and those they defer) are waited for, so that a flush during
+        # load ends although new backups keep starting
+        keys = set(self._backing_up) | {w for waiting in self._deferred.values() for w in waiting}
+        while True:
+            waits = []
+            for op in self.live.values():
+                if op.kind is not OpKind.BACKUP:
+                    continue
+                key = op.payload.get("backup_key", ())  # (gone: it is ending)
+                if not op.payload["l1_free"].done() and any(k[:len(key)] == key for k in keys):
+                    waits.append(op.payload["l1_free"])
+                elif any(w in keys for w in self._deferred.get(key, ())) and op.op_id in self._tasks:
+                    waits.append(self._tasks[op.op_id])  # one of ours starts when this one ends (its L3 write too)
+            if not waits:
+                return
+            await asyncio.wait(waits)
 
     def backup_soon(self, tokens: Sequence[int]) -> None:
         """Start a backup of `tokens` once every callback ready now has run. The engine publishes a
@@ -118,8 +159,12 @@ class Backups:
         mgr.metrics.backups_started += 1
         key = tokens[:n1]
         self._backing_up.add(key)
-        op.payload.update(transfer=tr, backup_key=key)
-        return self._register(op, self._drive_backup(op, key, n2, host_pages))
+        # set once its L1 source is unlocked: its D2H ended, or the op did (write_back_l1 waits on it)
+        l1_free = asyncio.get_running_loop().create_future()
+        op.payload.update(transfer=tr, backup_key=key, l1_free=l1_free)
+        self._register(op, self._drive_backup(op, key, n2, host_pages))
+        self._tasks[op.op_id].add_done_callback(lambda _: l1_free.done() or l1_free.set_result(None))
+        return op
 
     def _defer(self, key: tuple[int, ...], tokens: tuple[int, ...]) -> None:
         """`tokens` waits for the backup of `key` in flight; a waiting prefix of it is covered by it."""
@@ -141,6 +186,7 @@ class Backups:
             apply(op, OpEvent.D2H_DONE)
             self._publish(op, tokens, Tier.L2, host_pages, start, stamp_from=Tier.L1)  # (no use: LRU as in L1)
             self._unlock_all(op)
+            op.payload["l1_free"].set_result(None)
             # its L1 pages may be evicted now: a request waiting for pages must not sleep through
             # the L3 write that follows (regression: it waited for the whole op)
             self._wake(op)

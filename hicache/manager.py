@@ -17,6 +17,7 @@ Contract (what callers may rely on):
 """
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Callable, Sequence
 
@@ -139,15 +140,38 @@ class CacheManager:
             self.store.invalidate(pages)
 
     def flush(self, tier: Tier) -> int:
-        """Evict every unlocked page of `tier` (an operator's flush, a benchmark's reset). Says
-        nothing about the workload, so write admission does not count it. Returns pages freed."""
+        """Evict every unlocked page of `tier` (an operator's flush, a benchmark's reset), but for
+        what write_back has not saved yet. Under write_back an L1 page that L2 and L3 lack is
+        written back first: its backup starts (OpRunner.write_back_keep; without a running loop,
+        none can) and it stays in L1, like a write_through backup's source in flight, until a later
+        flush (regression: the flush dropped every unsaved prefix from every tier, where
+        write_through keeps it in L2).
+        `flush_async` waits for those backups and leaves L1 empty. Says nothing about the
+        workload, so write admission does not count it. Returns pages freed."""
+        keep = None
         if tier is Tier.L1:
             self.runner.start_due()
+            if self.has_l2 and self.config.write_policy == "write_back":
+                try:
+                    asyncio.get_running_loop()
+                    keep = self.runner.write_back_keep
+                except RuntimeError:  # no loop to copy on: unsaved pages stay
+                    keep = lambda node: not self.runner.saved_below(node)  # noqa: E731
         self._flushing = True
         try:
-            return self.tree.evict(tier, self.allocator(tier).num_pages)
+            return self.tree.evict(tier, self.allocator(tier).num_pages, keep=keep)
         finally:
             self._flushing = False
+
+    async def flush_async(self, tier: Tier) -> int:
+        """`flush`, having first let the backups in flight copy their L1 pages to L2 and, under
+        write_back, written back every unlocked L1 page that L2 and L3 lack (OpRunner.write_back_l1):
+        a write-back cache's flush writes its dirty pages back, then invalidates. Every unlocked page
+        of L1 goes; what the write policy saved is in L2 (its L3 writes may still run). Returns
+        pages freed."""
+        if tier is Tier.L1:
+            await self.runner.write_back_l1(unsaved=self.has_l2 and self.config.write_policy == "write_back")
+        return self.flush(tier)
 
     # -- matching and L1 pages for requests ----------------------------------------------------
     def match(self, tokens: Sequence[int]) -> MatchResult:
@@ -223,7 +247,7 @@ class CacheManager:
 
         def keep(node: Node) -> bool:
             nonlocal on_way_pages
-            if node.pages[Tier.L2] is not None:
+            if self.runner.saved_below(node):
                 return False
             if on_way_pages >= want_pages:
                 return True
@@ -232,6 +256,14 @@ class CacheManager:
                 return True
             return False
         return keep
+
+    def l1_room_coming(self) -> bool:
+        """Whether L1 pages that an allocation could not have now are on their way: under write_back
+        the backups of the leaves an eviction must free are still copying (those leaves go once
+        saved), so a caller that found no room waits for them rather than give up."""
+        return (self.has_l2 and self.config.write_policy == "write_back"
+                and any(op.kind is OpKind.BACKUP and op.state is OpState.D2H_PENDING
+                        for op in self.runner.live.values()))
 
     def alloc_l1(self, num_pages: int, claim: int) -> list[int] | None:
         return self.alloc_pages(Tier.L1, num_pages, claim)

@@ -106,6 +106,8 @@ class Admission(Restoring):
                 return None
             if started == "overlapped":
                 return True
+            if started == "wait":
+                return False
             req.hit_tokens["l1"] = m.lengths[Tier.L1]
             self._plan(req, "l1", None, len(req.prompt) - m.lengths[Tier.L1])
         else:

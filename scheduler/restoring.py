@@ -240,7 +240,8 @@ class Restoring:
     async def _try_restore(self, req: Request, m, alone: bool, budget: int) -> str | None:
         """Start a restore if the cost model says so. Returns "parked" (the request waits for it),
         "overlapped" (admitted now: its tail forward runs behind the layer-ordered copy), "ended"
-        (a blocking restore ended: the request is back in the queue, to be admitted now) or None."""
+        (a blocking restore ended: the request is back in the queue, to be admitted now), "wait"
+        (its L1 room is on its way: the request waits, as for memory) or None."""
         cache, ps = self.cache, self.page_size
         if not cache.has_l2 or getattr(req, "restore_failed", False):
             return None
@@ -280,6 +281,8 @@ class Restoring:
         op = cache.runner.start_restore(self._reusable(req), m, decision.tier, req.rid, layerwise=overlap,
                                         tail_tokens=len(req.prompt) - end)
         if op is None:
+            if cache.l1_room_coming():  # write_back is saving the leaves it evicts: restore once saved
+                return "wait"  # (regression: it recomputed a prefix L2 held)
             self._fell_back(req, end)  # (a fallback only if it is admitted without it now)
             return None
         req.restore_op, req.restore_tier = op, decision.tier

@@ -244,7 +244,10 @@ async def evict(engine, tiers) -> None:
     for tier in tiers:
         t = {"l1": Tier.L1, "l2": Tier.L2, "l3": Tier.L3}[tier]
         if t in engine.cache.tree.allocators:
-            engine.cache.flush(t)  # a reset, not workload: write admission does not learn from it
+            # a reset, not workload: write admission does not learn from it; under write_back L1's
+            # unsaved pages are written back first (what write_through had saved already)
+            await engine.cache.flush_async(t)
+            await engine.cache.drain()  # (their L3 writes, which hold their L2 pages)
 
 
 async def run_one(engine, prompt: list[int], max_tokens: int = 1):
