@@ -139,8 +139,13 @@ class Backups:
             if key[:n2 + ps] == tokens[:n2 + ps]:
                 self._defer(key, tokens)
                 return None
-        if (not mgr.worth_writing("l2", n1) or not mgr.backup_worth_its_cost(n1 - n2)
-                or not mgr.backup_pays_off(n1)):
+        # a probe of refused L2 writes (CostModel.worth_writing) goes ahead: the checks after it
+        # price the same H2D estimate (saving recompute minus that H2D, <= 0 once the write is
+        # refused; break-even reads 100 % of what is written, and nothing is read back from a tier
+        # restores skip), so they refused it, and counted their own probes only on its asks
+        # (regression: one L2 write in restore_explore_every**2 refused asks, 1 in 1,024)
+        if not mgr.worth_writing("l2", n1) or not (
+                mgr.cost.write_probe or (mgr.backup_worth_its_cost(n1 - n2) and mgr.backup_pays_off(n1))):
             mgr.metrics.policy_skips["write_l2"] += 1
             return None
         op = self._new(OpKind.BACKUP, (n1 - n2) // ps, request_id)

@@ -74,6 +74,9 @@ class CostModel:
         self._probe_out: dict[str, tuple[int, bool]] = {}  # probed tier -> (interval, charge decided)
         self._backups_refused = 0  # in a row, by backup_worth_its_cost
         self._writes_refused = {"l2": 0, "l3": 0}  # in a row, by worth_writing (its probes)
+        # the last counted worth_writing ask went through as a probe (Backups.start_backup lets its
+        # backup go ahead whatever the checks that price the same estimate say)
+        self.write_probe = False
         if bytes_per_token < 1:
             raise ValueError(f"bytes_per_token must be >= 1, got {bytes_per_token}")
         if not config.recompute_us_per_token > 0:  # (0: recompute looks free and nothing could correct it)
@@ -104,8 +107,14 @@ class CostModel:
         if self.learning:
             self.directions[direction].observe(num_bytes, seconds)
             if direction in ("h2d", "s2h"):  # the tier was just timed: no need to re-explore it
-                self._not_restored["l2" if direction == "h2d" else "l3"] = 0
-                self._writes_refused["l2" if direction == "h2d" else "l3"] = 0
+                tier = "l2" if direction == "h2d" else "l3"
+                # ... unless its requests are charged an end-to-end overhead (outcomes): an L3
+                # restore's H2D re-times L2's price, not that, which only L2's own restores score
+                # again (regression: with an L3 restore between any two L2 hits, an L2 charged a
+                # 30 ms overhead that went away was never probed, and its hits recomputed for good)
+                if tier == "l3" or self._outcome_extra_s(tier) <= 0:
+                    self._not_restored[tier] = 0
+                self._writes_refused[tier] = 0
             elif direction == "d2h":
                 self._backups_refused = 0
 
@@ -193,6 +202,12 @@ class CostModel:
         """Marginal seconds of prefilling `num_tokens` more tokens (see the module docstring)."""
         return max(0, num_tokens) * self.directions["recompute"].slope
 
+    def busy_s(self, prefill_tokens: int, forwards: int) -> float:
+        """Seconds of GPU work in `forwards` forwards that prefill `prefill_tokens` tokens in all
+        (each forward its fixed cost, the recompute line's intercept): what a restore started now
+        would run beside (`decide`'s hidden_s)."""
+        return max(0, forwards) * self.directions["recompute"].fixed_s + self.recompute_cost_s(prefill_tokens)
+
     def break_even_read_fraction(self) -> float:
         """How much of what is backed up to L2 must be read back for the backups to pay: the D2H
         cost per token over what restoring a token saves (recompute's marginal cost minus the H2D).
@@ -208,7 +223,8 @@ class CostModel:
 
     # -- decisions ------------------------------------------------------------------------------
     def decide(self, l1_tokens: int, l2_tokens: int, l3_tokens: int, policy: Policy = "cost",
-               overlap_h2d: bool = False, l3_taken_on: bool = False, lookahead: bool = False) -> Decision:
+               overlap_h2d: bool = False, l3_taken_on: bool = False, lookahead: bool = False,
+               hidden_s: float = 0.0) -> Decision:
         """Pick the source of a prefix hit from cumulative matched lengths per tier.
 
         An L2/L3 hit only counts beyond l1_tokens. An L3 restore whose first part is already in L2
@@ -226,6 +242,11 @@ class CostModel:
         where nothing restores from L2 and a hit is not counted twice. The request's admission
         decides again unless the prefetch was started (its read then restarts the L3 count, and a
         take-on's H2D the L2 count). Storage exploration, an L3 read, still applies.
+        hidden_s: GPU work queued besides this request (`busy_s`), which its restore's reads and
+        copies run beside: only the restore's time beyond it delays anyone, while a recompute
+        takes GPU time from all of them. Priced alone (hidden_s 0), an L3 read slower than
+        recompute was declined under load too, and the cost policy ran at 0.6 x "always" with 8
+        requests in flight (H200, docs/benchmarks.md, session 30).
         """
         if min(l1_tokens, l2_tokens, l3_tokens) < 0:
             raise ValueError("matched lengths must be >= 0")
@@ -241,11 +262,13 @@ class CostModel:
             restore_s = self._restore_price_s(tier, n, l1_tokens, l2_tokens, l3_tokens, overlap_h2d, l3_taken_on)
             recompute_s = self.recompute_cost_s(n)
             extra_s = self._outcome_extra_s(tier)  # what this source costs beyond its price
-            benefit_s[tier] = recompute_s - self.margin * restore_s - extra_s
+            benefit_s[tier] = recompute_s - self.margin * max(0.0, restore_s - hidden_s) - extra_s
             costs[f"{tier}_restore_s"] = restore_s
             costs[f"{tier}_recompute_s"] = recompute_s
             costs[f"{tier}_extra_s"] = extra_s
             costs[f"{tier}_benefit_s"] = benefit_s[tier]
+        if hidden_s > 0:
+            costs["hidden_s"] = hidden_s
 
         if policy == "never":
             tier = "l1"
@@ -311,7 +334,7 @@ class CostModel:
         costs["explore"] = 1.0
         return probe
 
-    def worth_writing(self, tier: str, num_tokens: int, probe: bool = True) -> bool:
+    def worth_writing(self, tier: str, num_tokens: int, probe: bool = True, hidden_s: float = 0.0) -> bool:
         """Admission for a backup into `tier` ("l2" or "l3") of `num_tokens` tokens.
 
         False when a restore from that tier can never beat recompute at its slope-only price, even
@@ -323,10 +346,14 @@ class CostModel:
         to time it). And after `explore_every` refusals in a row one write goes through, as a probe
         (`probe`: count this ask; False for a look that writes nothing): a refused tier is never
         read back, so its estimate would never be timed again (regression: one slow H2D estimate
-        stopped every L2 write for good).
+        stopped every L2 write for good). Such a probe sets `write_probe`.
+        hidden_s: as for `decide`, the GPU work that a restore of these tokens would run beside
+        (the load now stands for the load when it is read back).
         """
         if tier not in ("l2", "l3"):
             raise ValueError(f"write tier must be 'l2' or 'l3', got {tier!r}")
+        if probe:
+            self.write_probe = False
         if num_tokens <= 0:
             return False
         if (tier == "l3" and self.exploring_storage) or (tier == "l2" and self.exploring_host):
@@ -335,12 +362,13 @@ class CostModel:
         restore_s = num_bytes * self.directions["h2d"].slope
         if tier == "l3":
             restore_s += num_bytes * self.directions["s2h"].slope
-        if self.margin * restore_s < self.recompute_cost_s(num_tokens):
+        if self.margin * max(0.0, restore_s - hidden_s) < self.recompute_cost_s(num_tokens):
             return True
         if probe and self.learning and self.explore_every:
             self._writes_refused[tier] += 1
             if self._writes_refused[tier] >= self.explore_every:
                 self._writes_refused[tier] = 0
+                self.write_probe = True
                 return True
         return False
 

@@ -93,6 +93,9 @@ class CacheManager:
         # the engine sets this: write-through backups of what insert_l1 publishes start once the
         # step's tokens reached their clients (OpRunner.backup_soon), not in the middle of the step
         self.defer_backups = False
+        # the engine's loop sets this each admission pass (Admission.prefill_batch): seconds of GPU
+        # work queued, which a restore of what is written now would run beside (worth_writing)
+        self.busy_s = 0.0
         # the engine's loop sets these: wakeup ends a decode chain (a request may be runnable),
         # wakeup_idle only wakes a loop that has nothing to run (see OpRunner._wake)
         self.wakeup: Callable[[], None] = lambda: None
@@ -294,25 +297,27 @@ class CacheManager:
 
     # -- restore decisions ---------------------------------------------------------------------
     def decide(self, match: MatchResult, overlap_h2d: bool = False, l3_taken_on: bool = False,
-               lookahead: bool = False) -> Decision:
+               lookahead: bool = False, hidden_s: float = 0.0) -> Decision:
         """overlap_h2d: the caller would run the tail forward behind a layer-ordered L2 restore;
         l3_taken_on: behind an L3 prefetch taken on to L1; lookahead: a prefetch's decision at
-        queue time, which counts no probe and no policy skip (CostModel.decide)."""
+        queue time, which counts no probe and no policy skip; hidden_s: GPU work queued besides
+        the request, which its restore would run beside (CostModel.decide)."""
         l1, l2, l3 = match.lengths
         policy = self.config.policy if self.has_l2 else "never"
         decision = self.cost.decide(l1, l2 if self.has_l2 else 0, l3 if self.has_l3 else 0, policy, overlap_h2d,
-                                    l3_taken_on, lookahead)
+                                    l3_taken_on, lookahead, hidden_s)
         if decision.tier == "l1" and max(l2, l3) > l1 and policy != "never" and not lookahead:
             self.metrics.policy_skips["restore"] += 1
         return decision
 
     def worth_writing(self, tier: str, num_tokens: int) -> bool:
         """Write admission by cost: a forced policy decides alone ("always" writes, "never" does not);
-        "cost" writes only where a restore can beat recompute for this length. Whether writes to a
-        tier get read back at all is the other gate: backup_pays_off / l3_write_pays_off."""
+        "cost" writes only where a restore can beat recompute for this length, beside the GPU work
+        queued now (`busy_s`). Whether writes to a tier get read back at all is the other gate:
+        backup_pays_off / l3_write_pays_off."""
         if self.config.policy != "cost":
             return self.config.policy == "always"
-        return self.cost.worth_writing(tier, num_tokens)
+        return self.cost.worth_writing(tier, num_tokens, hidden_s=self.busy_s)
 
     def backup_worth_its_cost(self, new_tokens: int) -> bool:
         """Cost policy: is a backup of this many new tokens cheaper than one recompute of them
@@ -331,7 +336,8 @@ class CacheManager:
         back, or while it feeds an L3 worth writing that gets read back; otherwise only as a probe."""
         if self.config.policy != "cost":
             return True
-        l3_wants_it = self.has_l3 and self.cost.worth_writing("l3", num_tokens, probe=False) and self.reuse[Tier.L3].productive
+        l3_wants_it = (self.has_l3 and self.cost.worth_writing("l3", num_tokens, probe=False, hidden_s=self.busy_s)
+                       and self.reuse[Tier.L3].productive)
         if l3_wants_it:
             return True
         l2 = self.reuse[Tier.L2]

@@ -53,6 +53,7 @@ class Admission(Restoring):
     async def prefill_batch(self):
         eng = self.engine
         budget = eng.config.max_prefill_tokens
+        self.cache.busy_s = self.busy_s()  # (the load that the backups started now are admitted by)
         reqs, chunks = [], []
         binput = BatchInput([], [], [], [], [], [], [], is_decode=False)
         for req in [r for r in eng.running if r.state is RequestState.PREFILL]:

@@ -57,13 +57,33 @@ class Restoring:
                                     budget=self.engine.config.max_prefill_tokens)
         if l3 <= max(l1, l2) or cache.runner.restore_in_flight(tokens, m, req.rid, L3_READS, through=l3):
             return  # (another request's read brings all of it: admission waits for that)
-        decision = cache.decide(m, overlap_h2d=overlap, l3_taken_on=overlap, lookahead=True)
+        decision = cache.decide(m, overlap_h2d=overlap, l3_taken_on=overlap, lookahead=True,
+                                hidden_s=self.busy_s(req))
         if decision.tier != "l3":
             return
         req.prefetch_op = cache.runner.start_restore(tokens, m, "prefetch", req.rid, take_soon=overlap)
         if req.prefetch_op is not None:
             req.promoted_tokens = l3 - l2  # served from L3 when this request later restores from L2
             self._plan(req, "l3", decision, len(req.prompt) - l3)
+
+    def busy_s(self, req: Request | None = None) -> float:
+        """Seconds of GPU work queued besides `req` (CostModel.busy_s), which a restore of its
+        prefix runs its reads and copies beside (the decision's hidden_s): the prompt tokens the
+        running requests still prefill and the waiting ones would (priced as recomputed: what
+        they will restore is not known yet), in forwards of at most max_prefill_tokens, and the
+        decode steps the running requests may still take, one forward each. Parked requests wait
+        on reads and count nothing: as more park, the next hit sees less to hide its read behind."""
+        eng = self.engine
+        prefill_tokens = decode_steps = 0
+        for r in eng.running:
+            if r is req:
+                continue
+            if r.state is RequestState.PREFILL:
+                prefill_tokens += len(r.prompt) - r.cached_len
+            decode_steps = max(decode_steps, r.params.max_tokens - max(len(r.output), 1))
+        prefill_tokens += sum(len(r.prompt) for r in eng.waiting if r is not req)
+        forwards = -(-prefill_tokens // eng.config.max_prefill_tokens) + decode_steps
+        return self.cache.cost.busy_s(prefill_tokens, forwards)
 
     def drop_ops(self, req: Request, aborting: set[str]) -> None:
         """A request ends: cancel its restore and prefetch, and a restore it followed whose own request
@@ -259,7 +279,7 @@ class Restoring:
         cache.unlock(m.handles[Tier.L1])
         l2_end = m.lengths[Tier.L2]
         may_overlap = may_overlap and (l2_end - m.lengths[Tier.L1]) // ps + self._pages_after(req, l2_end) <= room
-        decision = cache.decide(m, overlap_h2d=may_overlap)
+        decision = cache.decide(m, overlap_h2d=may_overlap, hidden_s=self.busy_s(req))
         if decision.tier not in ("l2", "l3"):
             return None
         # another request's restore or prefetch brings (part of) the same pages: wait for it, then
