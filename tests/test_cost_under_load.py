@@ -10,12 +10,10 @@ import pytest
 
 from hicache.cost_model import CostModel
 from hicache.config import HiCacheConfig
-from hicache.faults import FaultInjector
 from hicache_helpers import capture_op_logs, finish, op_transitions
-from scheduler.config import EngineConfig
 from scheduler.engine import Engine
-from scheduler.request import SamplingParams
-from test_faults import OTHER, PAGE, PARAMS, PROMPT, REUSABLE, only_in_l3, reference, run_one
+from test_faults import OTHER, PARAMS, PROMPT, REUSABLE, reference
+from test_prefetch_take_on import _served_then_only_in_l3
 
 BYTES_PER_TOKEN = 1024
 
@@ -55,14 +53,7 @@ def test_busy_s_is_the_recompute_line_over_the_queued_forwards():
 async def _only_in_l3_with_slow_reads() -> Engine:
     """An engine (cost policy, fixed cost lines) whose PROMPT prefix only L3 holds, where reading it
     costs 3 ms against the 1 ms of recomputing it, and a forward 5 ms."""
-    config = EngineConfig(model="tiny", device="cpu", num_pages=48, page_size=PAGE).with_hicache(
-        enable=True, policy="cost", transfer_backend="torch")
-    eng = Engine(config, faults=FaultInjector())
-    await eng.start()
-    await run_one(eng)
-    eng.cache.runner.start_backup(PROMPT[:REUSABLE])
-    await eng.cache.drain()
-    only_in_l3(eng, PROMPT[:REUSABLE])
+    eng = await _served_then_only_in_l3(True, "cost")
     cost = eng.cache.cost
     cost.learning = False
     per_byte = 1.0 / (REUSABLE * cost.bytes_per_token)
