@@ -202,12 +202,21 @@ class Backups:
                 apply(op, OpEvent.SKIP_L3)
                 mgr.metrics.backups_done += 1
                 return
+            rechecked = False
             while True:
                 m = mgr.tree.match(tokens, include_storage=True, touch=False)
                 n2, n3 = m.lengths[Tier.L2], m.lengths[Tier.L3]
                 writer = self._l3_writer_of(tokens[:n2], n3) if n3 < n2 else None
                 if writer is None:
-                    break
+                    # a shared L3's hints of the pages it would skip may be stale (flushed, restarted,
+                    # evicted) while L1/L2 serve them: dropped, the write puts them back (regression:
+                    # they never reached Redis again; RedisStore.recheck_hints says why here)
+                    if rechecked or not n3 or not await mgr.recheck_l3_hints(tokens, n3):
+                        break
+                    rechecked = True
+                    if self._cancelled(op):
+                        return
+                    continue
                 # an L3 write in flight writes the page after L3's end (a sibling's: another prompt
                 # sharing the prefix L3 lacks, which L2 held, so their D2Hs did not overlap): wait
                 # for it, then write only what L3 still lacks; after a failed one the first to go

@@ -362,6 +362,17 @@ class CacheManager:
         if refresh is not None:
             await refresh(self, tokens)
 
+    async def recheck_l3_hints(self, tokens: Sequence[int], hinted_tokens: int) -> bool:
+        """Before a backup writes to a shared store past tokens[:hinted_tokens], which the tree hints
+        are there: drop the hints of pages gone since (RedisStore.recheck_hints). A local file L3's
+        residency is this process's own writes, never a hint: nothing to check. Returns whether the
+        store was asked (the tree may have changed)."""
+        recheck = getattr(self.store, "recheck_hints", None)
+        if recheck is None:
+            return False
+        await recheck(self, tokens, hinted_tokens)
+        return True
+
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         if num_tokens > 0:
             self.cost.observe_prefill(num_tokens, seconds)

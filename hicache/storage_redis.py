@@ -42,7 +42,9 @@ Hints. `refresh_hints(mgr, tokens)` asks which of the prompt's full pages exist,
 (a tiny Lua script that TOUCHes the keys in order and returns how many exist contiguously from the
 first; TOUCH refreshes their LRU age, as a read is likely to follow; a plain pipeline of EXISTS where
 scripting is refused), then publishes local L3 slots for the pages beyond the tree's current L3
-match and drops hints whose pages are gone.
+match and drops hints whose pages are gone. A backup about to write to L3 past hinted pages asks the
+same of those pages first (`recheck_hints`): hints of a prefix that L1/L2 serve are never refreshed
+otherwise, and a flush, a restart or an eviction would keep it out of Redis for good.
 """
 from __future__ import annotations
 
@@ -174,7 +176,8 @@ class RedisStore:
         self.counters = {"writes": 0, "reads": 0, "pages_written": 0, "pages_read": 0, "bytes_written": 0,
                          "bytes_read": 0, "round_trips": 0, "missing_pages": 0, "corrupt_pages": 0,
                          "hint_queries": 0, "hint_pages_found": 0, "hint_pages_published": 0,
-                         "stale_hints_dropped": 0, "hint_skips": 0, "hints_not_needed": 0}
+                         "stale_hints_dropped": 0, "hint_skips": 0, "hints_not_needed": 0,
+                         "hint_rechecks": 0}
         self.errors: dict[str, int] = {}
         self._probe()
 
@@ -488,6 +491,40 @@ class RedisStore:
         published, dropped = publish_l3_hints(mgr, tokens, present * ps)
         self.counters["hint_pages_published"] += published
         self.counters["stale_hints_dropped"] += dropped
+
+    async def recheck_hints(self, mgr: "CacheManager", tokens: Sequence[int], hinted_tokens: int) -> None:
+        """A backup is about to write tokens' pages to L3 past tokens[:hinted_tokens] (page aligned),
+        which the tree hints are there: check that they still are, in one round trip, and drop the
+        hints from the first page gone on, so that the write puts them back.
+        Why at the write: an engine holding a prefix in L1/L2 never queries its hints (refresh_hints
+        skips them by design) nor reads its pages, so its hints outlived a flush, a restart or an LRU
+        eviction of the pages, and its backups wrote only the new pages: the prefix never reached
+        Redis again and other instances lost its hits (regression). A restart's run_id or a sentinel
+        key would miss single keys that LRU evicts (the usual case under allkeys-lru: this engine
+        never touches the keys of what it serves locally), and aged hints would re-query per request;
+        this costs one small script call per backup that gets to its L3 write over hinted pages, off
+        the request's path; its TOUCH also keeps the prefix this engine extends young in Redis's LRU.
+        A check that fails (a server down) leaves the hints: the write that follows tells (as it
+        does at once where writes are refused: no check then)."""
+        ps = self.geometry.page_size
+        hinted_tokens -= hinted_tokens % ps
+        if (hinted_tokens <= 0 or self._closed or self._writes_refused is not None
+                or time.monotonic() < self._down_until):
+            return
+        tokens = tuple(tokens[:hinted_tokens])
+        self.counters["hint_rechecks"] += 1
+        try:
+            present = await asyncio.wait_for(self.count_present(self.page_keys(tokens, 0, hinted_tokens)),
+                                             self.hint_timeout_s)
+        except asyncio.TimeoutError:
+            self._error(asyncio.TimeoutError(), f"existence query slower than {self.hint_timeout_s} s")
+            return
+        except StorageError:  # (counted by count_present)
+            return
+        self._succeeded()
+        if present * ps < hinted_tokens:
+            _, dropped = publish_l3_hints(mgr, tokens, present * ps)
+            self.counters["stale_hints_dropped"] += dropped
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def invalidate(self, slots: Sequence[int]) -> None:
