@@ -5,9 +5,10 @@ A backup locks its L1 source (and the L2 prefix it extends), reserves private L2
 D2H copy and publishes the pages once it completed; then, where L3 is worth writing, the same for
 H2S. A backup asked for while one of its prefixes is being backed up, or a sibling that copies a page
 it would copy (two prompts sharing a prefix that L2 lacks), waits for that one and, once it ended
-(failed too), copies only the pages beyond what it published. Likewise an L3 write that would write a
-page an L3 write in flight writes (siblings sharing a prefix that L2 holds and L3 lacks) waits for it
-and then writes only what L3 still lacks. Backups that the engine's step processing asks for start
+(failed too) or its L3 write holds its pages in L2, copies only the pages beyond what it published.
+Likewise an L3 write that would write a page an L3 write in flight writes (siblings sharing a prefix
+that L2 holds and L3 lacks, or one that waited as above) waits for it and then writes only what L3
+still lacks. Backups that the engine's step processing asks for start
 once that step's tokens reached their clients (`backup_soon`).
 """
 from __future__ import annotations
@@ -118,12 +119,18 @@ class Backups:
         for tokens in due:
             self.start_backup(tokens)
 
-    def start_backup(self, tokens: Sequence[int], request_id: str | None = None) -> Op | None:
+    def start_backup(self, tokens: Sequence[int], request_id: str | None = None,
+                     l3_writer_key: tuple[int, ...] | None = None) -> Op | None:
+        """l3_writer_key: the backup this one waited for, whose L3 write (in flight) locks its L2
+        pages (`_start_waiting`): no longer waited for, unless L2 is full of locked pages (then
+        until it ends)."""
         mgr, ps = self.mgr, self.mgr.page_size
         tokens = tuple(tokens[: len(tokens) - len(tokens) % ps])
         if tokens in self._backing_up or not tokens or any(tokens in w for w in self._deferred.values()):
             return None  # (a waiting one starts when the backup it waits for ends)
         for key in self._backing_up:
+            if key == l3_writer_key:
+                continue
             if tokens[:len(key)] == key or key[:len(tokens)] == tokens:
                 if len(tokens) > len(key):  # extends an in-flight backup: start when it ends
                     self._defer(key, tokens)
@@ -157,6 +164,9 @@ class Backups:
         host_pages = mgr.alloc_pages(Tier.L2, (n1 - n2) // ps, claim)
         if host_pages is None:  # L2 full of locked pages: skip, never wait
             self._release(op)
+            if l3_writer_key is not None:  # (but for the L3 write whose end unlocks some)
+                self._defer(l3_writer_key, tokens)
+                return None
             mgr.metrics.policy_skips["write_l2"] += 1
             return None
         apply(op, OpEvent.START)
@@ -242,6 +252,10 @@ class Backups:
             future = mgr.store.write_pages(mgr.l2.page_buffer, m.pages[Tier.L2][n3 // ps: n2 // ps], slots,
                                            **mgr.page_keys(tokens, n3, n2))
             self._l3_writing[op.op_id] = tokens[:n2]
+            # its pages are in L2, locked by this write: the backups waiting for its D2H start now
+            # (their L3 writes wait for this one where they share a page), not after slow storage
+            # (regression: a write_back eviction needing both leaves, and a flush, waited for it)
+            self._start_waiting(tokens, failed=False, stopped=False, l2_locked=True)
             try:
                 await self._wait_io(op, future, "h2s")
             except StorageError as exc:
@@ -272,14 +286,17 @@ class Backups:
                 return self._tasks.get(op_id)
         return None
 
-    def _start_waiting(self, key: tuple[int, ...], failed: bool, stopped: bool) -> None:
+    def _start_waiting(self, key: tuple[int, ...], failed: bool, stopped: bool, l2_locked: bool = False) -> None:
         """The backup of `key` ended: each backup waiting for it starts now and copies what L2 still
         lacks, succeeded or failed (regression: a failed one dropped them, and under write_through
         their pages never reached L2 unless published again). After a failure they all share pages
         it left unsaved in L2 or L3, which backups running side by side would each copy or write:
         so the first that starts goes alone, the others wait for it (and start when it ends). A
         backup asked to stop (a drain that cancels) or whose driver task was cancelled drops them,
-        as that drain drops due backups."""
+        as that drain drops due backups. l2_locked: it has not ended, its L3 write started and
+        locks its pages in L2, so they start already; one that finds L2 full of locked pages waits
+        on for its end (regression: started at its D2H's end, before that lock, one evicted its
+        pages from L2 unwritten to L3; waiting for its end, they waited for slow storage)."""
         later = self._deferred.pop(key, [])
         if stopped:
             return
@@ -288,6 +305,6 @@ class Backups:
             if first is not None:
                 self._defer(first, waiting)
                 continue
-            op = self.start_backup(waiting)
+            op = self.start_backup(waiting, l3_writer_key=key if l2_locked else None)
             if op is not None and failed:
                 first = op.payload["backup_key"]

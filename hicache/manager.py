@@ -268,6 +268,14 @@ class CacheManager:
                 and any(op.kind is OpKind.BACKUP and op.state is OpState.D2H_PENDING
                         for op in self.runner.live.values()))
 
+    async def l1_room_saved(self) -> None:
+        """Wait until a backup that `l1_room_coming` counts has copied its L1 pages (its leaf may go
+        now; the caller allocates again)."""
+        copying = [op.payload["l1_free"] for op in self.runner.live.values()
+                   if op.kind is OpKind.BACKUP and op.state is OpState.D2H_PENDING]
+        if copying:
+            await asyncio.wait(copying, return_when=asyncio.FIRST_COMPLETED)
+
     def alloc_l1(self, num_pages: int, claim: int) -> list[int] | None:
         return self.alloc_pages(Tier.L1, num_pages, claim)
 

@@ -61,7 +61,8 @@ class OpRunner(Backups, Restores):
         # a backup asked for while one of its prefixes (or a sibling copying a page it would) is
         # being backed up waits for it, so no page is copied (D2H) or written (H2S) twice: in-flight
         # key -> the sequences waiting on it (none a prefix of another: siblings, e.g. two
-        # continuations of one prompt, all wait), started when it ends, failed or not (`_start_waiting`)
+        # continuations of one prompt, all wait), started when it ends, failed or not, or once its L3
+        # write locks its L2 pages (`_start_waiting`)
         self._deferred: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
         # backups whose L3 write is in flight: op id -> the tokens it writes (through L2's end), so a
         # sibling's backup about to write a page of them waits for it instead (`_drive_backup`)

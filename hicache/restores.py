@@ -243,12 +243,28 @@ class Restores:
             else:
                 self._unlock_all_but_l1(op)
         if op.kind is OpKind.RESTORE_L3 and future is not None:
-            match = mgr.tree.match(tokens, include_storage=False)
-            l1_start = match.lengths[Tier.L1]
-            # L1 may have grown meanwhile (another request computed or restored part of it): the
-            # restored pages land after that prefix, so lock it: allocating may evict it
-            self._lock(op, match.handles[Tier.L1], Tier.L1)
-            if match.lengths[Tier.L2] < len(tokens) or not self._start_h2d(op, tokens, match, l1_start):
+            tried = len(op.payload["locks"])
+            while True:
+                match = mgr.tree.match(tokens, include_storage=False)
+                l1_start = match.lengths[Tier.L1]
+                # L1 may have grown meanwhile (another request computed or restored part of it): the
+                # restored pages land after that prefix, so lock it: allocating may evict it
+                self._lock(op, match.handles[Tier.L1], Tier.L1)
+                if match.lengths[Tier.L2] >= len(tokens) and self._start_h2d(op, tokens, match, l1_start):
+                    break
+                if match.lengths[Tier.L2] < len(tokens) or not mgr.l1_room_coming():
+                    break
+                # write_back is saving the leaves its room comes from: wait for their copies (the read
+                # locked in L2), then try again, as a request computing its prompt does (regression:
+                # failed, counted in failures["no_pages"], and its request then restored it from L2)
+                self._close_claim(op, Tier.L1)
+                await mgr.l1_room_saved()
+                if self._cancelled(op):
+                    return
+                for node, tier in reversed(op.payload["locks"][tried:]):
+                    mgr.tree.unlock(node, tier)
+                del op.payload["locks"][tried:]
+            if op.state is not OpState.H2D_PENDING:
                 # its read stays published in L2; only L1 lacked room (requests admitted while it
                 # read took it): its request decides again rather than recompute (regression:
                 # scheduler/restoring.py `_unpark`)
