@@ -224,7 +224,7 @@ class CostModel:
     # -- decisions ------------------------------------------------------------------------------
     def decide(self, l1_tokens: int, l2_tokens: int, l3_tokens: int, policy: Policy = "cost",
                overlap_h2d: bool = False, l3_taken_on: bool = False, lookahead: bool = False,
-               hidden_s: float = 0.0) -> Decision:
+               hidden_s: float = 0.0, reading_s: float = 0.0) -> Decision:
         """Pick the source of a prefix hit from cumulative matched lengths per tier.
 
         An L2/L3 hit only counts beyond l1_tokens. An L3 restore whose first part is already in L2
@@ -247,6 +247,13 @@ class CostModel:
         takes GPU time from all of them. Priced alone (hidden_s 0), an L3 read slower than
         recompute was declined under load too, and the cost policy ran at 0.6 x "always" with 8
         requests in flight (H200, docs/benchmarks.md, session 30).
+        An overlapped L2 restore (overlap_h2d) hides behind nothing: its request's forward, alone
+        in its batch, waits for the copy layer by layer, and the requests queued behind wait for
+        that forward (regression: their work was taken to hide an H2D dearer than its recompute).
+        reading_s: the storage reads in flight (`OpRunner.reading_s`), which an L3 read queues
+        behind: it hides only behind what they leave of hidden_s (regression: each of 20 requests
+        queued together priced the others as recomputing, and all of them parked on slow reads,
+        one behind the other, while the GPU had nothing to run).
         """
         if min(l1_tokens, l2_tokens, l3_tokens) < 0:
             raise ValueError("matched lengths must be >= 0")
@@ -262,7 +269,10 @@ class CostModel:
             restore_s = self._restore_price_s(tier, n, l1_tokens, l2_tokens, l3_tokens, overlap_h2d, l3_taken_on)
             recompute_s = self.recompute_cost_s(n)
             extra_s = self._outcome_extra_s(tier)  # what this source costs beyond its price
-            benefit_s[tier] = recompute_s - self.margin * max(0.0, restore_s - hidden_s) - extra_s
+            # (an overlapped L2 restore lands under its own tail's forward, which waits for it:
+            # nothing else runs beside it, and its price already credits that forward)
+            hides_s = (0.0 if overlap_h2d else hidden_s) if tier == "l2" else max(0.0, hidden_s - reading_s)
+            benefit_s[tier] = recompute_s - self.margin * max(0.0, restore_s - hides_s) - extra_s
             costs[f"{tier}_restore_s"] = restore_s
             costs[f"{tier}_recompute_s"] = recompute_s
             costs[f"{tier}_extra_s"] = extra_s
@@ -334,7 +344,8 @@ class CostModel:
         costs["explore"] = 1.0
         return probe
 
-    def worth_writing(self, tier: str, num_tokens: int, probe: bool = True, hidden_s: float = 0.0) -> bool:
+    def worth_writing(self, tier: str, num_tokens: int, probe: bool = True, hidden_s: float = 0.0,
+                      reading_s: float = 0.0) -> bool:
         """Admission for a backup into `tier` ("l2" or "l3") of `num_tokens` tokens.
 
         False when a restore from that tier can never beat recompute at its slope-only price, even
@@ -348,7 +359,8 @@ class CostModel:
         read back, so its estimate would never be timed again (regression: one slow H2D estimate
         stopped every L2 write for good). Such a probe sets `write_probe`.
         hidden_s: as for `decide`, the GPU work that a restore of these tokens would run beside
-        (the load now stands for the load when it is read back).
+        (the load now stands for the load when it is read back), less for L3 the storage reads in
+        flight (`reading_s`, as for `decide`).
         """
         if tier not in ("l2", "l3"):
             raise ValueError(f"write tier must be 'l2' or 'l3', got {tier!r}")
@@ -362,6 +374,7 @@ class CostModel:
         restore_s = num_bytes * self.directions["h2d"].slope
         if tier == "l3":
             restore_s += num_bytes * self.directions["s2h"].slope
+            hidden_s = max(0.0, hidden_s - reading_s)
         if self.margin * max(0.0, restore_s - hidden_s) < self.recompute_cost_s(num_tokens):
             return True
         if probe and self.learning and self.explore_every:

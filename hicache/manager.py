@@ -305,18 +305,27 @@ class CacheManager:
 
     # -- restore decisions ---------------------------------------------------------------------
     def decide(self, match: MatchResult, overlap_h2d: bool = False, l3_taken_on: bool = False,
-               lookahead: bool = False, hidden_s: float = 0.0) -> Decision:
+               lookahead: bool = False, hidden_s: float = 0.0, count_skip: bool = True) -> Decision:
         """overlap_h2d: the caller would run the tail forward behind a layer-ordered L2 restore;
         l3_taken_on: behind an L3 prefetch taken on to L1; lookahead: a prefetch's decision at
         queue time, which counts no probe and no policy skip; hidden_s: GPU work queued besides
-        the request, which its restore would run beside (CostModel.decide)."""
+        the request, which its restore would run beside (CostModel.decide); count_skip=False: the
+        caller counts the policy skip (`declines_restore`) itself (the engine: once per request,
+        as it is admitted, though one waiting for memory is decided again on every loop turn)."""
         l1, l2, l3 = match.lengths
         policy = self.config.policy if self.has_l2 else "never"
+        # (an L3 read queues behind the storage reads in flight: what they take hides nothing for it)
+        reading_s = self.runner.reading_s() if hidden_s > 0 else 0.0
         decision = self.cost.decide(l1, l2 if self.has_l2 else 0, l3 if self.has_l3 else 0, policy, overlap_h2d,
-                                    l3_taken_on, lookahead, hidden_s)
-        if decision.tier == "l1" and max(l2, l3) > l1 and policy != "never" and not lookahead:
+                                    l3_taken_on, lookahead, hidden_s, reading_s)
+        if count_skip and not lookahead and self.declines_restore(match, decision):
             self.metrics.policy_skips["restore"] += 1
         return decision
+
+    def declines_restore(self, match: MatchResult, decision: Decision) -> bool:
+        """The policy recomputes what a lower tier holds beyond L1 (a restore policy skip)."""
+        l1, l2, l3 = match.lengths
+        return decision.tier == "l1" and max(l2, l3) > l1 and self.has_l2 and self.config.policy != "never"
 
     def worth_writing(self, tier: str, num_tokens: int) -> bool:
         """Write admission by cost: a forced policy decides alone ("always" writes, "never" does not);
@@ -325,7 +334,7 @@ class CacheManager:
         backup_pays_off / l3_write_pays_off."""
         if self.config.policy != "cost":
             return self.config.policy == "always"
-        return self.cost.worth_writing(tier, num_tokens, hidden_s=self.busy_s)
+        return self.cost.worth_writing(tier, num_tokens, hidden_s=self.busy_s, reading_s=self.runner.reading_s())
 
     def backup_worth_its_cost(self, new_tokens: int) -> bool:
         """Cost policy: is a backup of this many new tokens cheaper than one recompute of them
@@ -344,7 +353,8 @@ class CacheManager:
         back, or while it feeds an L3 worth writing that gets read back; otherwise only as a probe."""
         if self.config.policy != "cost":
             return True
-        l3_wants_it = (self.has_l3 and self.cost.worth_writing("l3", num_tokens, probe=False, hidden_s=self.busy_s)
+        l3_wants_it = (self.has_l3 and self.cost.worth_writing("l3", num_tokens, probe=False, hidden_s=self.busy_s,
+                                                               reading_s=self.runner.reading_s())
                        and self.reuse[Tier.L3].productive)
         if l3_wants_it:
             return True

@@ -4,6 +4,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
+# every kind `Metrics.count_failure` is given: an L3 error (StorageError.KINDS), a failed copy, a
+# driver's bug, an L3 read with no L1 room for its H2D, a running request that found no page it had
+# reserved (L1 promised twice), a shared store's hints that could not be refreshed. Listed so
+# /metrics exports each at 0 before it first happens.
+FAILURE_KINDS = ("eio", "short", "enospc", "checksum", "timeout", "closed", "missing",
+                 "transfer", "driver", "no_pages", "l1_overcommit", "hint_refresh")
 
 
 @dataclass
@@ -69,10 +75,15 @@ class Metrics:
     fallbacks: int = 0
     failures: dict[str, int] = field(default_factory=dict)  # by kind: eio, short, checksum, transfer ...
     cancellations: int = 0
+    # restore: requests admitted to recompute a hit a lower tier held, by policy (once per request,
+    # however many loop turns it waited); write_l2 / write_l3: backups refused or without a free page
     policy_skips: dict[str, int] = field(default_factory=lambda: {"restore": 0, "write_l2": 0, "write_l3": 0})
     restore_s: float = 0.0
     restore_overlapped_s: float = 0.0  # wall time decode batches ran while a restore was pending
-    storage_missing_pages: int = 0     # L3 pages dropped after a read: vanished, corrupt or unreadable
+    # L3 pages dropped after a failed read: the vanished, corrupt or unreadable ones and those the drop
+    # takes with them (the rest of their tree nodes, the prefixes below); with evictions_pages["l3"],
+    # what left L3 (redis: stale shared-store hints are the store's own `stale_hints_dropped`)
+    storage_missing_pages: int = 0
     directions: dict[str, DirectionStats] = field(
         default_factory=lambda: {d: DirectionStats() for d in DIRECTIONS})
 

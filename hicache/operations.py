@@ -325,16 +325,21 @@ class OpRunner(Backups, Restores):
         else:
             self._fail(op, str(exc), exc.kind)
         if exc.bad_slots:
-            self.mgr.metrics.storage_missing_pages += len(exc.bad_slots)
-            self._drop_l3_slots(set(exc.bad_slots))
+            # every page the drop frees, not only the bad slots: the rest of their nodes and the
+            # prefixes below leave L3 too (regression: they left uncounted, and L3's residency was
+            # no longer what was written less what was evicted or lost)
+            self.mgr.metrics.storage_missing_pages += self._drop_l3_slots(set(exc.bad_slots))
 
-    def _drop_l3_slots(self, bad: set[int]) -> None:
-        """Corrupt or vanished L3 pages lose their residency (and everything below them)."""
+    def _drop_l3_slots(self, bad: set[int]) -> int:
+        """Corrupt or vanished L3 pages lose their residency (and everything below them). Returns
+        the pages dropped."""
+        dropped = 0
         for node in list(self.mgr.tree.iter_nodes()):
             pages = node.pages[Tier.L3]
             if pages is not None and bad.intersection(pages) and node.locks[Tier.L3] == 0:
                 if node.parent is not None:  # still in the tree
-                    self.mgr.tree.drop(node, Tier.L3)  # (the manager invalidates the slots: on_drop)
+                    dropped += len(self.mgr.tree.drop(node, Tier.L3))  # (the manager invalidates the slots: on_drop)
+        return dropped
 
     def _read_bytes(self, op: Op) -> int:
         """What an L3 op reads: its pages [l2, l3) (`_start_s2h`), not its longest copy (num_pages)."""

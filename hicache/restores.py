@@ -100,6 +100,14 @@ class Restores:
                 return op
         return None
 
+    def reading_s(self) -> float:
+        """Seconds of the storage reads in flight (restores' and prefetches' whose bytes have not
+        landed), each priced alone on the s2h line: a read started now lands behind them
+        (CostModel.decide's reading_s)."""
+        predict = self.mgr.cost.directions["s2h"].predict
+        return sum(predict(self._read_bytes(op)) for op in self.live.values()
+                   if op.kind in L3_READS and op.state is OpState.S2H_PENDING and not op.payload["cancel"])
+
     def _start_s2h(self, op: Op, match, tokens: Sequence[int], take_soon: bool = False):
         mgr, ps = self.mgr, self.mgr.page_size
         l2, l3 = match.lengths[Tier.L2], match.lengths[Tier.L3]

@@ -53,7 +53,7 @@ class Admission(Restoring):
     async def prefill_batch(self):
         eng = self.engine
         budget = eng.config.max_prefill_tokens
-        self.cache.busy_s = self.busy_s()  # (the load that the backups started now are admitted by)
+        self.cache.busy_s = self.write_busy_s()  # (the load that the backups started now are admitted by)
         reqs, chunks = [], []
         binput = BatchInput([], [], [], [], [], [], [], is_decode=False)
         for req in [r for r in eng.running if r.state is RequestState.PREFILL]:
@@ -140,6 +140,8 @@ class Admission(Restoring):
             cache.metrics.hit_tokens[tier] += req.hit_tokens[tier]
         if self.fallback_end_tokens.pop(req.rid, 0) > l1_len:  # (Restoring._fell_back)
             cache.metrics.fallbacks += 1
+        if req.restore_tier == "none" and req.restore_declined:  # (Restoring._try_restore)
+            cache.metrics.policy_skips["restore"] += 1
         eng._event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
                    hit_l2=req.hit_tokens["l2"], hit_l3=req.hit_tokens["l3"], restore_tier=req.restore_tier,
                    restore_tokens=req.hit_tokens["l2"] + req.hit_tokens["l3"])

@@ -6,22 +6,74 @@ Two kinds:
   request that got a first token, aborted or failed ones too; end-to-end only those that finished,
   at max_tokens or a stop token);
 * read from the engine at scrape time by `EngineCollector` (engine.metrics() / engine.status()):
-  hit tokens per tier, recomputed tokens, evictions, restores / backups / fallbacks, bytes, count,
-  seconds and GiB/s per transfer direction (d2h, h2d, h2s, s2h), pending operations, pool
-  occupancy per tier (used / capacity pages and the page states), engine queue lengths, overlapped
-  decode steps and restores.
+  the cache's counters (`_CACHE_COUNTERS`: hit tokens per tier, recomputed tokens, evictions,
+  restores / backups / fallbacks / failures, policy skips, L3 pages lost after a read, restore time
+  and its overlap with decode), per transfer direction (d2h, h2d, h2s, s2h) bytes, count, recurring
+  and end-to-end seconds, the latency split by phase, GiB/s and L3 extents, the cost model's
+  current estimates (GiB/s per direction, fixed costs, recompute seconds per token), pending
+  operations, pool occupancy per tier (used / capacity pages and the page states), engine queue
+  lengths, overlapped decode steps and restores. These say what /hicache/status says.
 
 Scrapes run on the event loop (the /metrics handler is async), so they read a consistent snapshot.
 """
 from __future__ import annotations
 
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from hicache.metrics import DIRECTIONS, FAILURE_KINDS
+
 OUTCOMES = ("success", "aborted", "failed", "rejected")
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _TIERS = ("l1", "l2", "l3")
+
+
+# engine.metrics() key -> (counter, the label a dict value is keyed by or None, HELP). The keys of
+# every dict are fixed up front (hicache/metrics.py), so each series exists at 0 from the start.
+_CACHE_COUNTERS = (
+    ("hit_tokens", "hicache_hit_tokens", "tier", "prompt tokens served from each tier"),
+    ("recomputed_tokens", "hicache_recomputed_tokens", None,
+     "prompt tokens computed by prefill, each counted once as kept"),
+    ("evictions_pages", "hicache_evicted_pages", "tier", "pages evicted from each tier"),
+    ("restores_started", "hicache_restores_started", None, "restores started"),
+    ("restores_done", "hicache_restores_done", None, "restores completed"),
+    ("backups_started", "hicache_backups_started", None, "backups started"),
+    ("backups_done", "hicache_backups_done", None, "backups completed"),
+    ("fallbacks", "hicache_fallbacks", None,
+     "requests that computed what a restore of theirs, failed or not started, was to bring"),
+    ("promotions", "hicache_promotions", None, "L3 -> L2 promotions"),
+    ("cancellations", "hicache_cancellations", None, "cancelled operations"),
+    ("failures", "hicache_operation_failures", "kind", "failed operations by kind"),
+    ("policy_skips", "hicache_policy_skips", "kind", "requests that recomputed a lower-tier hit rather "
+     "than restore it (restore) and backups not written to L2 / L3 (write_l2, write_l3): refused by the "
+     "cost policy, or no free page in the tier"),
+    ("storage_missing_pages", "hicache_storage_missing_pages", None,
+     "L3 pages dropped after a failed read: vanished, corrupt or unreadable, and those under them"),
+    ("restore_s", "hicache_restore_seconds", None, "wall time of completed restores, start to publication in L1"),
+    ("restore_overlapped_s", "hicache_restore_overlapped_seconds", None,
+     "wall time decode batches ran while a restore was pending"),
+)
+# per direction (d2h, h2d, h2s, s2h): DirectionStats key -> (counter, HELP)
+_DIRECTION_COUNTERS = (
+    ("bytes", "hicache_transfer_bytes", "bytes moved per direction"),
+    ("count", "hicache_transfers", "transfers per direction"),
+    ("recurring_s", "hicache_transfer_seconds", "recurring transfer time per direction, what the cost model "
+     "learns (no one-time workspace setup, no wait for the caller's stream)"),
+    ("end_to_end_s", "hicache_transfer_end_to_end_seconds", "transfer time per direction, start to completion seen"),
+)
+_PHASES = ("enqueue", "setup", "compute_wait", "queue_wait", "seen_wait", "service")
+_COST_LINES = ("d2h", "h2d", "h2s", "s2h", "recompute")
+
+
+def _family(cls, name: str, doc: str, value, label: str | None = None):
+    """One metric family: a number, or a dict of numbers keyed by `label`'s values."""
+    fam = cls(name, doc, labels=[label] if label else None)
+    for key, v in (value.items() if label else [(None, value)]):
+        fam.add_metric([key] if label else [], float(v))
+    return fam
 
 
 class EngineCollector(Collector):
@@ -33,41 +85,43 @@ class EngineCollector(Collector):
     def collect(self):
         status = self.engine.status()
         m = self.engine.metrics()
-
-        def counter(name, doc, value, labels=None, **label_values):
-            fam = CounterMetricFamily(name, doc, labels=labels)
-            if labels:
-                for key, v in value.items():
-                    fam.add_metric([key], float(v))
-            else:
-                fam.add_metric([], float(value))
-            return fam
-
-        yield counter("hicache_hit_tokens", "prompt tokens served from each tier", m["hit_tokens"], ["tier"])
-        yield counter("hicache_recomputed_tokens", "prompt tokens computed by prefill, each counted once as kept", m["recomputed_tokens"])
-        yield counter("hicache_evicted_pages", "pages evicted from each tier", m["evictions_pages"], ["tier"])
-        for key, doc in (("restores_started", "restores started"), ("restores_done", "restores completed"),
-                         ("backups_started", "backups started"), ("backups_done", "backups completed"),
-                         ("fallbacks", "restores that fell back to recompute"),
-                         ("promotions", "L3 -> L2 promotions"), ("cancellations", "cancelled operations")):
-            yield counter(f"hicache_{key}", doc, m[key])
-        yield counter("hicache_restore_overlapped_seconds", "restore time overlapped with decode",
-                      m["restore_overlapped_s"])
-        yield counter("hicache_operation_failures", "failed operations by kind", m.get("failures", {}), ["kind"])
+        m["failures"] = {**dict.fromkeys(FAILURE_KINDS, 0), **m["failures"]}
+        for key, name, label, doc in _CACHE_COUNTERS:
+            yield _family(CounterMetricFamily, name, doc, m[key], label)
 
         dirs = m["directions"]
-        nbytes = CounterMetricFamily("hicache_transfer_bytes", "bytes moved per direction", labels=["direction"])
-        count = CounterMetricFamily("hicache_transfers", "transfers per direction", labels=["direction"])
-        secs = CounterMetricFamily("hicache_transfer_seconds", "recurring transfer time per direction",
-                                   labels=["direction"])
-        rate = GaugeMetricFamily("hicache_transfer_gib_per_second", "achieved bandwidth per direction",
-                                 labels=["direction"])
+        for key, name, doc in _DIRECTION_COUNTERS:
+            yield _family(CounterMetricFamily, name, doc, {d: s[key] for d, s in dirs.items()}, "direction")
+        yield _family(GaugeMetricFamily, "hicache_transfer_gib_per_second", "achieved bandwidth per direction "
+                      "(bytes over recurring seconds, since start)", {d: s["gib_s"] for d, s in dirs.items()},
+                      "direction")
+        phases = CounterMetricFamily(
+            "hicache_transfer_phase_seconds", "transfer time per direction by phase: enqueue, setup (one-time "
+            "workspace allocation), compute_wait (behind the caller's stream), queue_wait (behind other "
+            "transfers or L3 I/O), seen_wait (device done to a thread seeing it), service (the copy or L3 "
+            "I/O); phases can overlap (a CPU copy runs inside its enqueue)", labels=["direction", "phase"])
         for d, s in dirs.items():
-            nbytes.add_metric([d], float(s["bytes"]))
-            count.add_metric([d], float(s["count"]))
-            secs.add_metric([d], float(s["recurring_s"]))
-            rate.add_metric([d], float(s["gib_s"]))
-        yield from (nbytes, count, secs, rate)
+            for phase in _PHASES:
+                phases.add_metric([d, phase], float(s[f"{phase}_s"]))
+        yield phases
+        yield _family(CounterMetricFamily, "hicache_storage_extents", "L3 I/O calls per direction, after "
+                      "coalescing adjacent slots", {d: dirs[d]["extents"] for d in ("h2s", "s2h")}, "direction")
+
+        # what the cost policy decides with now: is a restore from L2 / L3 cheaper than recomputing?
+        lines = status["cost_model"]["directions"]
+        yield _family(GaugeMetricFamily, "hicache_cost_model_gib_per_second", "the cost model's current bandwidth "
+                      "estimate per direction (+Inf: no per-byte cost learned); an L3 restore pays s2h then h2d",
+                      {d: math.inf if lines[d]["gib_s"] is None else lines[d]["gib_s"] for d in DIRECTIONS},
+                      "direction")
+        yield _family(GaugeMetricFamily, "hicache_cost_model_recompute_seconds_per_token", "the cost model's "
+                      "current prefill cost per prompt token: what a restore saves per token it brings",
+                      lines["recompute"]["us_per_token"] * 1e-6)
+        yield _family(GaugeMetricFamily, "hicache_cost_model_fixed_seconds", "the cost model's current fixed "
+                      "cost of one transfer per direction, or of one prefill (recompute)",
+                      {line: lines[line]["fixed_s"] for line in _COST_LINES}, "line")
+        yield _family(GaugeMetricFamily, "hicache_cost_model_samples", "samples in each cost line's window "
+                      "(0: the estimate is the configured prior)",
+                      {line: lines[line]["samples"] for line in _COST_LINES}, "line")
 
         pending = GaugeMetricFamily("hicache_pending_operations", "operations in flight by kind", labels=["kind"])
         for kind, v in (status.get("pending") or {}).items():
@@ -92,16 +146,16 @@ class EngineCollector(Collector):
         for state in ("waiting", "parked", "running"):
             queue.add_metric([state], float(eng.get(state, 0)))
         yield queue
-        yield counter("hicache_engine_batches", "batches run", eng.get("batches", 0))
-        yield counter("hicache_engine_tokens", "tokens computed by kind",
-                      {"prefill": eng.get("prefill_tokens", 0), "decode": eng.get("decode_tokens", 0)}, ["kind"])
-        yield counter("hicache_engine_overlapped_steps", "work overlapped with the device by kind: decode steps "
-                      "enqueued before the previous step's tokens were back, restores whose tail forward ran "
-                      "behind the layer-ordered copy",
+        yield _family(CounterMetricFamily, "hicache_engine_batches", "batches run", eng.get("batches", 0))
+        yield _family(CounterMetricFamily, "hicache_engine_tokens", "tokens computed by kind",
+                      {"prefill": eng.get("prefill_tokens", 0), "decode": eng.get("decode_tokens", 0)}, "kind")
+        yield _family(CounterMetricFamily, "hicache_engine_overlapped_steps", "work overlapped with the device by "
+                      "kind: decode steps enqueued before the previous step's tokens were back, restores whose "
+                      "tail forward ran behind the layer-ordered copy",
                       {"decode_chain": eng.get("chained_steps", 0), "restore": eng.get("restore_overlaps", 0)},
-                      ["kind"])
-        yield counter("hicache_engine_restore_waits_timed_out", "forwards whose wait for a layer-ordered "
-                      "restore gave up on the device (output discarded, tail run again)",
+                      "kind")
+        yield _family(CounterMetricFamily, "hicache_engine_restore_waits_timed_out", "forwards whose wait for a "
+                      "layer-ordered restore gave up on the device (output discarded, tail run again)",
                       eng.get("restore_waits_timed_out", 0))
 
 

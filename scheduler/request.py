@@ -128,6 +128,7 @@ class Request:
     restore_l1_start: int = 0     # L1 prefix length when its parked restore started
     restore_op: object = None
     restore_failed: bool = False  # a restore failed: this request recomputes, never retries
+    restore_declined: bool = False  # its last decision recomputes a lower-tier hit (a policy skip at admission)
     overlap_op: object = None     # a restore its tail forward runs behind (an L2 restore layer by layer, or a
                                   # prefetch taken on to L1), until settled
     overlap_result: object = None  # (chunk, token) of that forward, held until the restore has published

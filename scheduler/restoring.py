@@ -70,19 +70,60 @@ class Restoring:
         """Seconds of GPU work queued besides `req` (CostModel.busy_s), which a restore of its
         prefix runs its reads and copies beside (the decision's hidden_s): the prompt tokens the
         running requests still prefill and the waiting ones would (priced as recomputed: what
-        they will restore is not known yet), in forwards of at most max_prefill_tokens, and the
-        decode steps the running requests may still take, one forward each. Parked requests wait
-        on reads and count nothing: as more park, the next hit sees less to hide its read behind."""
-        eng = self.engine
-        prefill_tokens = decode_steps = 0
-        for r in eng.running:
-            if r is req:
+        they will restore is not known yet, but for the part a prefetch in flight reads), in
+        forwards of at most max_prefill_tokens, and one decode forward if another request is
+        decoding: the step in flight, which `req` would wait for anyway. Later steps hide nothing:
+        prefills go first, so recomputed now `req` would run before them (regression: one long
+        generation's 100k remaining steps made every slow read look free, its request waiting the
+        read where its prefill would have run at once). Parked requests wait on reads and count
+        nothing: as more park, the next hit sees less to hide its read behind.
+        0 with prefetch off: a restore then blocks the loop until it lands (`_try_restore`), and
+        nothing runs beside it (regression: the requests queued behind a blocking read made it look
+        free, and every one of them waited for a read dearer than the recompute it saved)."""
+        if not self.cache.config.prefetch:
+            return 0.0
+        prefill_tokens = decoding = 0
+        for r, tokens, decodes in self._loads():
+            if r is not req:
+                prefill_tokens += tokens
+                decoding |= decodes
+        return self._busy_s(prefill_tokens, decoding)
+
+    def write_busy_s(self) -> float:
+        """The load the writes started now are admitted by (CacheManager.busy_s): as `busy_s`, the
+        GPU work besides the request whose pages are written, the least for any running request
+        (a backup is asked for as a request's prefill ends or as it finishes, of its own pages).
+        Regression: the load with the writer in it, so a request running alone had its prompt
+        written to L3 on the strength of its own remaining decode steps, where a later request
+        alone would recompute rather than read it."""
+        if not self.cache.config.prefetch:
+            return 0.0
+        loads = list(self._loads())
+        prefill_tokens = sum(tokens for _, tokens, _ in loads)
+        decoding = sum(decodes for _, _, decodes in loads)
+        running = [(tokens, decodes) for r, tokens, decodes in loads if r.state is not RequestState.WAITING]
+        if not running:
+            return self._busy_s(prefill_tokens, decoding > 0)
+        return min(self._busy_s(prefill_tokens - tokens, decoding - decodes > 0) for tokens, decodes in running)
+
+    def _loads(self):
+        """(request, prompt tokens it still prefills, whether it will decode) for each running and
+        waiting request (`busy_s`), but those aborted and not yet ended (the loop's next tick ends
+        them: regression, an aborted generation's remaining steps hid the next request's read)."""
+        aborting = self.engine._aborts
+        for r in self.engine.running:
+            if r.rid in aborting:
                 continue
-            if r.state is RequestState.PREFILL:
-                prefill_tokens += len(r.prompt) - r.cached_len
-            decode_steps = max(decode_steps, r.params.max_tokens - max(len(r.output), 1))
-        prefill_tokens += sum(len(r.prompt) for r in eng.waiting if r is not req)
-        forwards = -(-prefill_tokens // eng.config.max_prefill_tokens) + decode_steps
+            yield (r, len(r.prompt) - r.cached_len if r.state is RequestState.PREFILL else 0,
+                   r.params.max_tokens > max(len(r.output), 1))
+        for r in self.engine.waiting:  # (one whose prefetch reads its prefix prefills only the tail after it)
+            if r.rid in aborting:
+                continue
+            op = r.prefetch_op
+            yield r, len(r.prompt) - (op.payload["l3_end"] if op is not None and not op.done else 0), False
+
+    def _busy_s(self, prefill_tokens: int, decoding: bool) -> float:
+        forwards = -(-prefill_tokens // self.engine.config.max_prefill_tokens) + int(decoding)
         return self.cache.cost.busy_s(prefill_tokens, forwards)
 
     def drop_ops(self, req: Request, aborting: set[str]) -> None:
@@ -279,7 +320,10 @@ class Restoring:
         cache.unlock(m.handles[Tier.L1])
         l2_end = m.lengths[Tier.L2]
         may_overlap = may_overlap and (l2_end - m.lengths[Tier.L1]) // ps + self._pages_after(req, l2_end) <= room
-        decision = cache.decide(m, overlap_h2d=may_overlap, hidden_s=self.busy_s(req))
+        decision = cache.decide(m, overlap_h2d=may_overlap, hidden_s=self.busy_s(req), count_skip=False)
+        # a policy skip counts once, as the request is admitted (Admission._admit): waiting for
+        # memory it is decided again on every loop turn (regression: each turn counted a skip)
+        req.restore_declined = cache.declines_restore(m, decision)
         if decision.tier not in ("l2", "l3"):
             return None
         # another request's restore or prefetch brings (part of) the same pages: wait for it, then
