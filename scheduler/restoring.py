@@ -96,8 +96,9 @@ class Restoring:
         Regression: the load with the writer in it, so a request running alone had its prompt
         written to L3 on the strength of its own remaining decode steps, where a later request
         alone would recompute rather than read it."""
-        if not self.cache.config.prefetch:
-            return 0.0
+        config = self.cache.config
+        if not (self.cache.has_l2 and config.policy == "cost" and config.prefetch):
+            return 0.0  # (nothing written, a forced policy, or blocking restores: as `busy_s`)
         loads = list(self._loads())
         prefill_tokens = sum(tokens for _, tokens, _ in loads)
         decoding = sum(decodes for _, _, decodes in loads)
@@ -320,7 +321,10 @@ class Restoring:
         cache.unlock(m.handles[Tier.L1])
         l2_end = m.lengths[Tier.L2]
         may_overlap = may_overlap and (l2_end - m.lengths[Tier.L1]) // ps + self._pages_after(req, l2_end) <= room
-        decision = cache.decide(m, overlap_h2d=may_overlap, hidden_s=self.busy_s(req), count_skip=False)
+        # (the load only where a lower tier has more to offer: `busy_s` walks the queue, and most
+        # decisions, misses and L1 hits, have nothing to price it against)
+        hidden_s = self.busy_s(req) if max(m.lengths[Tier.L2], m.lengths[Tier.L3]) > m.lengths[Tier.L1] else 0.0
+        decision = cache.decide(m, overlap_h2d=may_overlap, hidden_s=hidden_s, count_skip=False)
         # a policy skip counts once, as the request is admitted (Admission._admit): waiting for
         # memory it is decided again on every loop turn (regression: each turn counted a skip)
         req.restore_declined = cache.declines_restore(m, decision)
