@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from hicache.radix import Tier
+from scheduler import load
 from scheduler.request import Request, RequestState, TokenEvent, kv_tokens
 from scheduler.restoring import Restoring
 from scheduler.runner import BatchInput
@@ -53,7 +54,7 @@ class Admission(Restoring):
     async def prefill_batch(self):
         eng = self.engine
         budget = eng.config.max_prefill_tokens
-        self.cache.busy_s = self.write_busy_s()  # (the load that the backups started now are admitted by)
+        self.cache.busy_s = load.write_busy_s(eng)  # (the load that the backups started now are admitted by)
         reqs, chunks = [], []
         binput = BatchInput([], [], [], [], [], [], [], is_decode=False)
         for req in [r for r in eng.running if r.state is RequestState.PREFILL]:

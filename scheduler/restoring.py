@@ -14,6 +14,7 @@ import structlog
 from hicache.ops import OpKind, OpState
 from hicache.radix import Tier
 from hicache.restores import L3_READS, RESTORE_KINDS
+from scheduler import load
 from scheduler.request import Request, RequestState
 
 log = structlog.get_logger("scheduler.engine")
@@ -58,74 +59,13 @@ class Restoring:
         if l3 <= max(l1, l2) or cache.runner.restore_in_flight(tokens, m, req.rid, L3_READS, through=l3):
             return  # (another request's read brings all of it: admission waits for that)
         decision = cache.decide(m, overlap_h2d=overlap, l3_taken_on=overlap, lookahead=True,
-                                hidden_s=self.busy_s(req))
+                                hidden_s=load.busy_s(self.engine, req))
         if decision.tier != "l3":
             return
         req.prefetch_op = cache.runner.start_restore(tokens, m, "prefetch", req.rid, take_soon=overlap)
         if req.prefetch_op is not None:
             req.promoted_tokens = l3 - l2  # served from L3 when this request later restores from L2
             self._plan(req, "l3", decision, len(req.prompt) - l3)
-
-    def busy_s(self, req: Request | None = None) -> float:
-        """Seconds of GPU work queued besides `req` (CostModel.busy_s), which a restore of its
-        prefix runs its reads and copies beside (the decision's hidden_s): the prompt tokens the
-        running requests still prefill and the waiting ones would (priced as recomputed: what
-        they will restore is not known yet, but for the part a prefetch in flight reads), in
-        forwards of at most max_prefill_tokens, and one decode forward if another request is
-        decoding: the step in flight, which `req` would wait for anyway. Later steps hide nothing:
-        prefills go first, so recomputed now `req` would run before them (regression: one long
-        generation's 100k remaining steps made every slow read look free, its request waiting the
-        read where its prefill would have run at once). Parked requests wait on reads and count
-        nothing: as more park, the next hit sees less to hide its read behind.
-        0 with prefetch off: a restore then blocks the loop until it lands (`_try_restore`), and
-        nothing runs beside it (regression: the requests queued behind a blocking read made it look
-        free, and every one of them waited for a read dearer than the recompute it saved)."""
-        if not self.cache.config.prefetch:
-            return 0.0
-        prefill_tokens = decoding = 0
-        for r, tokens, decodes in self._loads():
-            if r is not req:
-                prefill_tokens += tokens
-                decoding |= decodes
-        return self._busy_s(prefill_tokens, decoding)
-
-    def write_busy_s(self) -> float:
-        """The load the writes started now are admitted by (CacheManager.busy_s): as `busy_s`, the
-        GPU work besides the request whose pages are written, the least for any running request
-        (a backup is asked for as a request's prefill ends or as it finishes, of its own pages).
-        Regression: the load with the writer in it, so a request running alone had its prompt
-        written to L3 on the strength of its own remaining decode steps, where a later request
-        alone would recompute rather than read it."""
-        config = self.cache.config
-        if not (self.cache.has_l2 and config.policy == "cost" and config.prefetch):
-            return 0.0  # (nothing written, a forced policy, or blocking restores: as `busy_s`)
-        loads = list(self._loads())
-        prefill_tokens = sum(tokens for _, tokens, _ in loads)
-        decoding = sum(decodes for _, _, decodes in loads)
-        running = [(tokens, decodes) for r, tokens, decodes in loads if r.state is not RequestState.WAITING]
-        if not running:
-            return self._busy_s(prefill_tokens, decoding > 0)
-        return min(self._busy_s(prefill_tokens - tokens, decoding - decodes > 0) for tokens, decodes in running)
-
-    def _loads(self):
-        """(request, prompt tokens it still prefills, whether it will decode) for each running and
-        waiting request (`busy_s`), but those aborted and not yet ended (the loop's next tick ends
-        them: regression, an aborted generation's remaining steps hid the next request's read)."""
-        aborting = self.engine._aborts
-        for r in self.engine.running:
-            if r.rid in aborting:
-                continue
-            yield (r, len(r.prompt) - r.cached_len if r.state is RequestState.PREFILL else 0,
-                   r.params.max_tokens > max(len(r.output), 1))
-        for r in self.engine.waiting:  # (one whose prefetch reads its prefix prefills only the tail after it)
-            if r.rid in aborting:
-                continue
-            op = r.prefetch_op
-            yield r, len(r.prompt) - (op.payload["l3_end"] if op is not None and not op.done else 0), False
-
-    def _busy_s(self, prefill_tokens: int, decoding: bool) -> float:
-        forwards = -(-prefill_tokens // self.engine.config.max_prefill_tokens) + int(decoding)
-        return self.cache.cost.busy_s(prefill_tokens, forwards)
 
     def drop_ops(self, req: Request, aborting: set[str]) -> None:
         """A request ends: cancel its restore and prefetch, and a restore it followed whose own request
@@ -323,7 +263,7 @@ class Restoring:
         may_overlap = may_overlap and (l2_end - m.lengths[Tier.L1]) // ps + self._pages_after(req, l2_end) <= room
         # (the load only where a lower tier has more to offer: `busy_s` walks the queue, and most
         # decisions, misses and L1 hits, have nothing to price it against)
-        hidden_s = self.busy_s(req) if max(m.lengths[Tier.L2], m.lengths[Tier.L3]) > m.lengths[Tier.L1] else 0.0
+        hidden_s = load.busy_s(self.engine, req) if max(m.lengths[Tier.L2], m.lengths[Tier.L3]) > m.lengths[Tier.L1] else 0.0
         decision = cache.decide(m, overlap_h2d=may_overlap, hidden_s=hidden_s, count_skip=False)
         # a policy skip counts once, as the request is admitted (Admission._admit): waiting for
         # memory it is decided again on every loop turn (regression: each turn counted a skip)

@@ -1,5 +1,5 @@
 """The cost policy under load: a restore's reads and copies take no GPU time, so the GPU work queued
-besides a request (`Restoring.busy_s`) hides that much of its restore, while a recompute takes GPU
+besides a request (`scheduler.load.busy_s`) hides that much of its restore, while a recompute takes GPU
 time from every request queued (`CostModel.decide`'s and `worth_writing`'s hidden_s). Regression
 (session 30, H200, 8 requests in flight on the L3 stress tier): every L3 read was priced as if its
 request ran alone, L3 reads slower than recompute were declined and L3 writes refused, and the cost
@@ -11,6 +11,7 @@ import pytest
 from hicache.cost_model import CostModel
 from hicache.config import HiCacheConfig
 from hicache_helpers import capture_op_logs, finish, op_transitions
+from scheduler import load
 from scheduler.engine import Engine
 from test_faults import OTHER, PARAMS, PROMPT, REUSABLE, reference
 from test_prefetch_take_on import _served_then_only_in_l3
@@ -80,5 +81,5 @@ async def test_an_l3_hit_is_restored_under_load_and_recomputed_alone(queued):
         assert results[0].cached_tokens == {"l1": 0, "l2": 0, "l3": REUSABLE} and len(reads) == 1
     else:
         assert results[0].cached_tokens == {"l1": 0, "l2": 0, "l3": 0} and not reads
-    assert eng.admission.busy_s() == 0.0  # (idle again)
+    assert load.busy_s(eng) == 0.0  # (idle again)
     await finish(eng)

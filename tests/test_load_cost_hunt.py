@@ -1,4 +1,4 @@
-"""The cost policy's load awareness (`Restoring.busy_s` -> `decide`/`worth_writing` hidden_s) as a
+"""The cost policy's load awareness (`scheduler.load.busy_s` -> `decide`/`worth_writing` hidden_s) as a
 running engine meets it: tiny preset on the CPU, fixed cost lines (learning off) so that every
 decision is deterministic; what is asserted is decisions and counters, never wall time."""
 from __future__ import annotations
