@@ -331,14 +331,17 @@ class OpRunner(Backups, Restores):
             self.mgr.metrics.storage_missing_pages += self._drop_l3_slots(set(exc.bad_slots))
 
     def _drop_l3_slots(self, bad: set[int]) -> int:
-        """Corrupt or vanished L3 pages lose their residency (and everything below them). Returns
-        the pages dropped."""
+        """Corrupt or vanished L3 pages lose their residency (and everything below them), from the
+        first bad page of their node on: the valid pages before it stay (regression: the whole node
+        went, and the next request recomputed a prefix L3 still held). Returns the pages dropped."""
         dropped = 0
         for node in list(self.mgr.tree.iter_nodes()):
             pages = node.pages[Tier.L3]
             if pages is not None and bad.intersection(pages) and node.locks[Tier.L3] == 0:
                 if node.parent is not None:  # still in the tree
-                    dropped += len(self.mgr.tree.drop(node, Tier.L3))  # (the manager invalidates the slots: on_drop)
+                    first_bad = next(i for i, slot in enumerate(pages) if slot in bad)
+                    # (the manager invalidates the slots: on_drop)
+                    dropped += len(self.mgr.tree.drop(node, Tier.L3, from_pages=first_bad))
         return dropped
 
     def _read_bytes(self, op: Op) -> int:

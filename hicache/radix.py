@@ -312,9 +312,14 @@ class RadixTree:
             self._offer(node, tier)
         return freed
 
-    def drop(self, node: Node, tier: Tier) -> list[int]:
+    def drop(self, node: Node, tier: Tier, from_pages: int = 0) -> list[int]:
         """Remove `node` and its whole subtree from `tier` (e.g. a corrupt or vanished L3 page).
-        Returns the freed pages. Locked nodes raise."""
+        from_pages: keep the node's first pages, valid ones before a bad page (the node is split
+        there and only its lower half goes). Returns the freed pages. Locked nodes raise."""
+        if 0 < from_pages * self.page_size < len(node.key):
+            if node.locks[tier]:  # (before splitting: a refused drop leaves the tree as it was)
+                raise ValueError(f"drop: {node} is locked in {tier.name}")
+            self._split(node, from_pages * self.page_size)  # `node` stays the lower half
         freed: list[int] = []
         stack = [node]
         order: list[Node] = []

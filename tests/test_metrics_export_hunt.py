@@ -127,8 +127,9 @@ async def test_metrics_export_what_status_says_after_hits_of_every_tier_and_a_co
 
 @pytest.mark.asyncio
 async def test_every_l3_page_a_failed_read_drops_is_counted():
-    """Regression: one corrupt page in the middle of a prefix's L3 node drops the whole node and
-    the prefixes under it (7 pages here), but storage_missing_pages counted the 1 corrupt slot: L3
+    """Regression: one corrupt page in the middle of a prefix's L3 node drops that node from the
+    corrupt page on and the prefixes under it (5 of 7 pages here; the 2 valid pages before it stay:
+    tests/test_l3_drop_hunt.py), but storage_missing_pages counted the 1 corrupt slot: L3
     lost pages that no counter accounted for (written - evicted - missing != resident)."""
     eng = make_engine()
     await eng.start()
