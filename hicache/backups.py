@@ -5,7 +5,8 @@ A backup locks its L1 source (and the L2 prefix it extends), reserves private L2
 D2H copy and publishes the pages once it completed; then, where L3 is worth writing, the same for
 H2S. A backup asked for while one of its prefixes is being backed up, or a sibling that copies a page
 it would copy (two prompts sharing a prefix that L2 lacks), waits for that one and, once it ended
-(failed too) or its L3 write holds its pages in L2, copies only the pages beyond what it published.
+(failed too) or its L3 write holds its pages in L2, copies only the pages beyond what it published
+(one asked for once that L3 write started starts at once: its key is no longer in flight).
 Likewise an L3 write that would write a page an L3 write in flight writes (siblings sharing a prefix
 that L2 holds and L3 lacks, or one that waited as above) waits for it and then writes only what L3
 still lacks. Backups that the engine's step processing asks for start
@@ -123,14 +124,12 @@ class Backups:
                      l3_writer_key: tuple[int, ...] | None = None) -> Op | None:
         """l3_writer_key: the backup this one waited for, whose L3 write (in flight) locks its L2
         pages (`_start_waiting`): no longer waited for, unless L2 is full of locked pages (then
-        until it ends)."""
+        until it ends), as one that extends a backup whose L3 write is in flight waits then."""
         mgr, ps = self.mgr, self.mgr.page_size
         tokens = tuple(tokens[: len(tokens) - len(tokens) % ps])
         if tokens in self._backing_up or not tokens or any(tokens in w for w in self._deferred.values()):
             return None  # (a waiting one starts when the backup it waits for ends)
         for key in self._backing_up:
-            if key == l3_writer_key:
-                continue
             if tokens[:len(key)] == key or key[:len(tokens)] == tokens:
                 if len(tokens) > len(key):  # extends an in-flight backup: start when it ends
                     self._defer(key, tokens)
@@ -150,12 +149,16 @@ class Backups:
         # price the same H2D estimate (saving recompute minus that H2D, <= 0 once the write is
         # refused; break-even reads 100 % of what is written, and nothing is read back from a tier
         # restores skip), so they refused it, and counted their own probes only on its asks
-        # (regression: one L2 write in restore_explore_every**2 refused asks, 1 in 1,024)
+        # (regression: one L2 write in restore_explore_every**2 refused asks, 1 in 1,024); so does
+        # one that L2's checks refuse for an L3 write probe (`_l3_write_probe`)
+        l3_probe = False
         if not mgr.worth_writing("l2", n1) or not (
-                mgr.cost.write_probe or (mgr.backup_worth_its_cost(n1 - n2) and mgr.backup_pays_off(n1))):
+                mgr.cost.write_probe or (mgr.backup_worth_its_cost(n1 - n2) and mgr.backup_pays_off(n1))
+                or (l3_probe := self._l3_write_probe(n1))):
             mgr.metrics.policy_skips["write_l2"] += 1
             return None
         op = self._new(OpKind.BACKUP, (n1 - n2) // ps, request_id)
+        op.payload["l3_probe"] = l3_probe
         # lock the sources first: allocating L2 pages evicts L2 leaves, and the L2 prefix [0, n2)
         # that the new pages extend must survive it
         self._lock(op, m.handles[Tier.L1], Tier.L1)
@@ -164,6 +167,7 @@ class Backups:
         host_pages = mgr.alloc_pages(Tier.L2, (n1 - n2) // ps, claim)
         if host_pages is None:  # L2 full of locked pages: skip, never wait
             self._release(op)
+            l3_writer_key = l3_writer_key or self._extended_l3_writer(tokens)
             if l3_writer_key is not None:  # (but for the L3 write whose end unlocks some)
                 self._defer(l3_writer_key, tokens)
                 return None
@@ -180,6 +184,15 @@ class Backups:
         self._register(op, self._drive_backup(op, key, n2, host_pages))
         self._tasks[op.op_id].add_done_callback(lambda _: l1_free.done() or l1_free.set_result(None))
         return op
+
+    def _l3_write_probe(self, num_tokens: int) -> bool:
+        """A backup L2's checks refused asks for its L3 write here (counted by worth_writing, once:
+        `_drive_backup` does not ask again), and goes ahead if that is the probe of refused L3
+        writes: an L3 write goes through L2, so asked only after the backups L2 lets through, the
+        probe of an L3 whose estimate refuses its writes came once in restore_explore_every * 16
+        asks where L2 is not read back (regression)."""
+        mgr = self.mgr
+        return mgr.has_l3 and mgr.worth_writing("l3", num_tokens) and mgr.cost.write_probe
 
     def _defer(self, key: tuple[int, ...], tokens: tuple[int, ...]) -> None:
         """`tokens` waits for the backup of `key` in flight; a waiting prefix of it is covered by it."""
@@ -206,7 +219,12 @@ class Backups:
             # the L3 write that follows (regression: it waited for the whole op)
             self._wake(op)
             n = len(tokens)
-            if not mgr.has_l3 or not mgr.worth_writing("l3", n) or not mgr.l3_write_pays_off():
+            # a probe of refused L3 writes goes ahead as an L2 one does (start_backup): the reuse
+            # gate finds nothing read back from a tier restores skip on that same estimate, and
+            # counted its own probes only on these asks (regression: one L3 write in
+            # restore_explore_every * 16 refused asks once L3 was unproductive)
+            if not mgr.has_l3 or not (op.payload["l3_probe"] or (mgr.worth_writing("l3", n) and (
+                    mgr.cost.write_probe or mgr.l3_write_pays_off()))):
                 if mgr.has_l3:
                     mgr.metrics.policy_skips["write_l3"] += 1
                 apply(op, OpEvent.SKIP_L3)
@@ -252,9 +270,12 @@ class Backups:
             future = mgr.store.write_pages(mgr.l2.page_buffer, m.pages[Tier.L2][n3 // ps: n2 // ps], slots,
                                            **mgr.page_keys(tokens, n3, n2))
             self._l3_writing[op.op_id] = tokens[:n2]
-            # its pages are in L2, locked by this write: the backups waiting for its D2H start now
-            # (their L3 writes wait for this one where they share a page), not after slow storage
-            # (regression: a write_back eviction needing both leaves, and a flush, waited for it)
+            # its pages are in L2, locked by this write: the backups waiting for its D2H start now,
+            # and those asked for from now on (extensions) at once (their L3 writes wait for this
+            # one where they share a page), not after slow storage (regression: a write_back
+            # eviction needing both leaves, and a flush, waited for it; then an extension asked for
+            # during the write did)
+            self._backing_up.discard(tokens)
             self._start_waiting(tokens, failed=False, stopped=False, l2_locked=True)
             try:
                 await self._wait_io(op, future, "h2s")
@@ -271,8 +292,10 @@ class Backups:
             # (the key goes with it: a cancelled task's done-callback must not clear it a second
             # time, under a newer backup of the same tokens; regression)
             op.payload.pop("backup_key", None)
-            self._backing_up.discard(tokens)
-            self._l3_writing.pop(op.op_id, None)  # (its waiters wake when this task ends)
+            # (a key whose L3 write started went then: a newer backup of `tokens`, copying a tail
+            # that L2 lost before that write locked it, may hold it now)
+            if self._l3_writing.pop(op.op_id, None) is None:  # (its waiters wake when this task ends)
+                self._backing_up.discard(tokens)
             task = asyncio.current_task()
             self._start_waiting(tokens, failed=not op.succeeded,
                                 stopped=op.payload["cancel"] or (task is not None and task.cancelling() > 0))
@@ -284,6 +307,14 @@ class Backups:
         for op_id, written in self._l3_writing.items():
             if written[:end_tokens] == tokens[:end_tokens] and len(written) >= end_tokens:
                 return self._tasks.get(op_id)
+        return None
+
+    def _extended_l3_writer(self, tokens: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The key of a backup whose L3 write is in flight and which `tokens` extends, or None."""
+        for op_id in self._l3_writing:
+            key = self.live[op_id].payload.get("backup_key", ()) if op_id in self.live else ()
+            if key and tokens[:len(key)] == key:
+                return key
         return None
 
     def _start_waiting(self, key: tuple[int, ...], failed: bool, stopped: bool, l2_locked: bool = False) -> None:

@@ -57,6 +57,7 @@ class OpRunner(Backups, Restores):
         self._tasks: dict[int, asyncio.Task] = {}
         self._settling: set[asyncio.Task] = set()
         self._ids = itertools.count(1)
+        # keys of the backups in flight, until their L3 write starts (`_l3_writing` then)
         self._backing_up: set[tuple[int, ...]] = set()
         # a backup asked for while one of its prefixes (or a sibling copying a page it would) is
         # being backed up waits for it, so no page is copied (D2H) or written (H2S) twice: in-flight

@@ -185,7 +185,17 @@ class Engine:
         self.requests[req.rid] = req
         self.waiting.append(req)
         self._event(req, "queued", prompt_tokens=len(req.prompt))
-        self.admission.maybe_prefetch(req)
+        try:
+            self.admission.maybe_prefetch(req)
+        except BaseException:
+            # the caller is told it failed: it must not stay queued, to run later or hold up an
+            # idle check, nor keep a read it started (regression: a shared L3's hint task, which
+            # needs a running loop, raised outside one and left the request queued)
+            self.waiting.remove(req)
+            self.requests.pop(req.rid, None)
+            self.admission.drop_ops(req, aborting=set())
+            self.admission.release(req, publish=False)
+            raise
         self._wake_soon()
         return req
 

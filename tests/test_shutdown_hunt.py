@@ -12,30 +12,36 @@ import pytest
 
 from hicache.ops import OpState
 from hicache.radix import Tier
-from hicache_helpers import (WriteGate, assert_abandoned_read_missed_reused_pages, assert_whole,
+from hicache_helpers import (assert_abandoned_read_missed_reused_pages, assert_whole,
                              l3_only_prefix_with_slow_reads, make_manager, toks, until, write_prefix)
 
 
 @pytest.mark.asyncio
 async def test_a_cancelling_drain_starts_none_of_the_backups_waiting_on_one_in_flight():
-    """Backup A is writing L3 (H2S_PENDING) while two continuations of it wait for it (deferred).
-    drain(cancel=True) begins, then A's write completes: A ends cancelled, and neither waiting
-    backup starts (no D2H, no L3 write during shutdown); every tier is whole afterwards."""
+    """Backup A is copying to L2 (D2H_PENDING, held) while two continuations of it wait for it
+    (deferred; once A's L3 write started they would start at once). drain(cancel=True) begins, then
+    A's copy completes: A ends cancelled, and neither waiting backup starts (no D2H, no L3 write
+    during shutdown); every tier is whole afterwards."""
     mgr = make_manager()
-    held = WriteGate(mgr.store)
+    held, wait = asyncio.Event(), mgr.transfer.wait
+
+    async def held_wait(tr):
+        await held.wait()
+        return await wait(tr)
+    mgr.transfer.wait = held_wait
     a = toks((0, 8))
     write_prefix(mgr, a)
-    await until(lambda: any(op.state is OpState.H2S_PENDING for op in mgr.runner.live.values()))
+    await until(lambda: any(op.state is OpState.D2H_PENDING for op in mgr.runner.live.values()))
     write_prefix(mgr, a + toks((100, 108)), 8, seed=1)
     write_prefix(mgr, a + toks((200, 208)), 8, seed=2)
     assert len(mgr.runner._deferred[a]) == 2 and mgr.metrics.backups_started == 1
     draining = asyncio.create_task(mgr.drain(cancel=True))
     await asyncio.sleep(0)
-    held.release()
+    held.set()
     await draining
     assert mgr.metrics.backups_started == 1, "a backup started while a cancelling drain ran"
     assert mgr.metrics.cancellations == 1 and not mgr.runner.live and not mgr.runner._deferred
-    assert mgr.tree.match(a + toks((100, 108)), touch=False).lengths == [16, 8, 0]
+    assert mgr.tree.match(a + toks((100, 108)), touch=False).lengths == [16, 0, 0]
     assert_whole(mgr)
     await mgr.close()
 

@@ -1,0 +1,130 @@
+"""Leftovers of earlier hunts: a request that `add_request` refused with an error stays queued; an L3
+write probe of the cost policy vetoed by the checks after it."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
+from scheduler.request import SamplingParams
+from redis_server import needs_redis, redis_server, server  # noqa: F401
+
+PROMPT = [5 + i for i in range(20)]
+
+
+@needs_redis
+def test_add_request_that_raises_leaves_nothing_queued(server):
+    """With the Redis L3 (content-addressed: its prefetch first refreshes the tree's hints in a
+    task) `add_request` outside a running loop raises; the caller was told it failed, so the
+    request must not stay queued (regression: it stayed in `requests` and `waiting`, and the next
+    `generate` ran it, or an idle check waited on it)."""
+    eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=4).with_hicache(
+        enable=True, policy="always", storage_backend="redis", storage_url=server.url()))
+    with pytest.raises(RuntimeError):
+        eng.add_request(PROMPT, SamplingParams(max_tokens=2), rid="lost")
+    assert not eng.requests and not eng.waiting, (list(eng.requests), [r.rid for r in eng.waiting])
+    try:
+        [result] = eng.generate([PROMPT], SamplingParams(max_tokens=2))  # (runs on a loop of its own)
+        assert result.error is None and eng.stats["finished"] == 1, (result, eng.stats)
+        eng.check_integrity()
+    finally:
+        asyncio.run(eng.shutdown())
+
+
+def test_a_refused_l3_write_is_probed_every_restore_explore_every_backups():
+    """The storage estimate is bad from the start (a pessimistic prior, nothing read back to
+    correct it), so `worth_writing("l3")` refuses L3 writes and lets one in `restore_explore_every`
+    through as a probe. L3 is small: each probe's write evicts the last one's pages unread, so after
+    a few probes the reuse gate (`l3_write_pays_off`) calls L3 unproductive. Regression: that gate
+    then refused the probe itself (nothing is read back from a tier restores skip, for the same
+    estimate), and counted its own probes only on those asks: one L3 write in
+    restore_explore_every * 16 asks, so a tier whose first estimate was wrong was hardly re-timed."""
+    import random
+
+    from hicache.radix import Tier
+
+    every = 2
+    eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=4).with_hicache(
+        enable=True, host_ratio=8.0, storage_ratio=16 / 512, policy="cost", restore_explore_every=every,
+        storage_explore_reads=0, storage_bandwidth_gib_s=1e-6))
+    assert eng.cache.allocator(Tier.L3).num_pages == 16
+    writes = []
+    write_pages = eng.cache.store.write_pages
+
+    def counted(*args, **kwargs):
+        writes.append(1)
+        return write_pages(*args, **kwargs)
+
+    eng.cache.store.write_pages = counted
+    rng = random.Random(0)
+
+    async def main() -> tuple[int, int]:
+        await eng.start()
+        asks = 0
+        for i in range(10 + 12 * every):
+            if i == 10:  # L3 evicted 64 pages nobody read: unproductive by now
+                assert not eng.cache.reuse[Tier.L3].productive, eng.cache.reuse[Tier.L3].state()
+                written, asks = len(writes), 0
+            backups = eng.cache.metrics.backups_started
+            await eng.generate_async([[rng.randrange(256) for _ in range(64)]], SamplingParams(max_tokens=1))
+            await eng.cache.drain()
+            asks += eng.cache.metrics.backups_started - backups  # (each L2 backup asks for an L3 write)
+        await eng.stop_loop()
+        return len(writes) - written, asks
+
+    try:
+        probes, asks = asyncio.run(main())
+        assert asks >= 12 * every, asks
+        assert probes >= asks // every - 1, (
+            f"{probes} L3 writes in {asks} refused asks (one expected every {every}): "
+            f"{eng.cache.metrics.policy_skips}, {eng.cache.reuse[Tier.L3].state()}")
+        eng.check_integrity()
+    finally:
+        asyncio.run(eng.shutdown())
+
+
+def test_an_l3_write_probe_is_asked_for_when_l2_refuses_the_backup():
+    """As above, L3 writes are refused on a bad first estimate, but L3 is large (its reuse gate
+    never objects) and L2 small: every prompt is new, so L2 evicts its backups unread and its reuse
+    gate (`backup_pays_off`) refuses all but one L1 -> L2 backup in 16. An L3 write goes through L2:
+    refused there, it was never asked for, so the L3 probe counted only the asks of the backups L2
+    let through. Regression: one L3 write in restore_explore_every * 16 prompts."""
+    import random
+
+    from hicache.radix import Tier
+
+    every = 2
+    eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=4).with_hicache(
+        enable=True, host_ratio=0.5, storage_ratio=16.0, policy="cost", restore_explore_every=every,
+        storage_explore_reads=0, storage_bandwidth_gib_s=1e-6))
+    writes = []
+    write_pages = eng.cache.store.write_pages
+
+    def counted(*args, **kwargs):
+        writes.append(1)
+        return write_pages(*args, **kwargs)
+
+    eng.cache.store.write_pages = counted
+    rng = random.Random(1)
+
+    async def main() -> int:
+        await eng.start()
+        for i in range(10 + 12 * every):
+            if i == 10:  # L2 evicted 64 pages nobody read: unproductive by now
+                assert not eng.cache.reuse[Tier.L2].productive, eng.cache.reuse[Tier.L2].state()
+                written = len(writes)
+            await eng.generate_async([[rng.randrange(256) for _ in range(64)]], SamplingParams(max_tokens=1))
+            await eng.cache.drain()
+        await eng.stop_loop()
+        return len(writes) - written
+
+    try:
+        probes = asyncio.run(main())
+        assert probes >= 12 - 1, (
+            f"{probes} L3 writes in {12 * every} prompts (one expected every {every}): "
+            f"{eng.cache.metrics.policy_skips}, {eng.cache.reuse[Tier.L2].state()}")
+        eng.check_integrity()
+    finally:
+        asyncio.run(eng.shutdown())
