@@ -42,6 +42,18 @@ async def test_a_corrupt_l3_page_keeps_the_valid_pages_before_it():
     await mgr.close()
 
 
+async def _served_then_only_in_l3(eng) -> tuple[list[int], tuple[int, ...]]:
+    """Start `eng`, serve PROMPT once (checked against the no-cache output) and leave its prefix in
+    L3 only: (that output, the prefix)."""
+    await eng.start()
+    want = await reference(PROMPT)
+    tokens = tuple(PROMPT[:REUSABLE])
+    assert (await run_one(eng)).output_ids == want
+    await eng.cache.drain()
+    only_in_l3(eng, tokens)
+    return want, tokens
+
+
 @pytest.mark.asyncio
 async def test_after_a_corrupt_l3_page_the_prefix_before_it_is_still_an_l3_hit():
     """Through the engine: after a read of an L3-only prompt fails on its page k, the next request
@@ -49,12 +61,7 @@ async def test_after_a_corrupt_l3_page_the_prefix_before_it_is_still_an_l3_hit()
     without any cache."""
     k = 2
     eng = make_engine()
-    await eng.start()
-    want = await reference(PROMPT)
-    tokens = tuple(PROMPT[:REUSABLE])
-    assert (await run_one(eng)).output_ids == want
-    await eng.cache.drain()
-    only_in_l3(eng, tokens)
+    want, tokens = await _served_then_only_in_l3(eng)
     m = eng.cache.tree.match(tokens, touch=False)
     before = eng.cache.tree.num_resident_pages[Tier.L3]  # the prompt's pages and the answer's
     flip_l3_byte(eng.cache, int(m.pages[Tier.L3][k]))
@@ -81,12 +88,7 @@ async def test_a_corrupt_redis_page_keeps_the_hints_before_it(server):
     before page k stay; the next request gets them as an L3 hit, with no new hint published."""
     k = 3
     eng = make_engine(storage_backend="redis", storage_url=server.url(), prefetch=False)
-    await eng.start()
-    want = await reference(PROMPT)
-    tokens = tuple(PROMPT[:REUSABLE])
-    assert (await run_one(eng)).output_ids == want
-    await eng.cache.drain()
-    only_in_l3(eng, tokens)
+    want, tokens = await _served_then_only_in_l3(eng)
     before = eng.cache.tree.num_resident_pages[Tier.L3]
     key = eng.cache.store.page_keys(tokens, 0, len(tokens))[k]
     client = server.client()

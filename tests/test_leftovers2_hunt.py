@@ -33,6 +33,23 @@ def test_add_request_that_raises_leaves_nothing_queued(server):
         asyncio.run(eng.shutdown())
 
 
+def _engine_counting_l3_writes(every: int, host_ratio: float, storage_ratio: float) -> tuple[Engine, list]:
+    """A cost-policy engine whose storage estimate refuses every L3 write (a read at 1e-6 GiB/s,
+    no exploration), probing one refused write in `every`; `writes` gets an entry per L3 write."""
+    eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=4).with_hicache(
+        enable=True, host_ratio=host_ratio, storage_ratio=storage_ratio, policy="cost", restore_explore_every=every,
+        storage_explore_reads=0, storage_bandwidth_gib_s=1e-6))
+    writes: list = []
+    write_pages = eng.cache.store.write_pages
+
+    def counted(*args, **kwargs):
+        writes.append(1)
+        return write_pages(*args, **kwargs)
+
+    eng.cache.store.write_pages = counted
+    return eng, writes
+
+
 def test_a_refused_l3_write_is_probed_every_restore_explore_every_backups():
     """The storage estimate is bad from the start (a pessimistic prior, nothing read back to
     correct it), so `worth_writing("l3")` refuses L3 writes and lets one in `restore_explore_every`
@@ -46,18 +63,8 @@ def test_a_refused_l3_write_is_probed_every_restore_explore_every_backups():
     from hicache.radix import Tier
 
     every = 2
-    eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=4).with_hicache(
-        enable=True, host_ratio=8.0, storage_ratio=16 / 512, policy="cost", restore_explore_every=every,
-        storage_explore_reads=0, storage_bandwidth_gib_s=1e-6))
+    eng, writes = _engine_counting_l3_writes(every, host_ratio=8.0, storage_ratio=16 / 512)
     assert eng.cache.allocator(Tier.L3).num_pages == 16
-    writes = []
-    write_pages = eng.cache.store.write_pages
-
-    def counted(*args, **kwargs):
-        writes.append(1)
-        return write_pages(*args, **kwargs)
-
-    eng.cache.store.write_pages = counted
     rng = random.Random(0)
 
     async def main() -> tuple[int, int]:
@@ -96,17 +103,7 @@ def test_an_l3_write_probe_is_asked_for_when_l2_refuses_the_backup():
     from hicache.radix import Tier
 
     every = 2
-    eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=4).with_hicache(
-        enable=True, host_ratio=0.5, storage_ratio=16.0, policy="cost", restore_explore_every=every,
-        storage_explore_reads=0, storage_bandwidth_gib_s=1e-6))
-    writes = []
-    write_pages = eng.cache.store.write_pages
-
-    def counted(*args, **kwargs):
-        writes.append(1)
-        return write_pages(*args, **kwargs)
-
-    eng.cache.store.write_pages = counted
+    eng, writes = _engine_counting_l3_writes(every, host_ratio=0.5, storage_ratio=16.0)
     rng = random.Random(1)
 
     async def main() -> int:
