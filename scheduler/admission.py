@@ -247,6 +247,7 @@ class Admission(Restoring):
             # kept (not at admission: a request aborted between chunks computed only those that ran;
             # an overlapped forward's output dropped by `Restoring` counts nothing, its rerun counts)
             self.cache.metrics.recomputed_tokens += chunk
+            req.recomputed_tokens += chunk  # (the replay's per-request records)
             if req.cached_len < len(req.prompt):
                 return  # more chunks to go; the sampled token is meaningless
             eng._event(req, "prefill_end")

@@ -91,6 +91,9 @@ class Outcome:
     error: str | None = None
     finish_reason: str | None = None
     ttft_s: float | None = None  # submission to first token
+    latency_s: float | None = None  # submission to its last event (None: refused at submission)
+    hit_tokens: dict[str, int] | None = None  # per tier, as counted in the engine's metrics
+    recomputed_tokens: int = 0
 
 
 def build_parser():
@@ -123,16 +126,28 @@ async def _one(engine, item: ReplayItem, rid_prefix: str) -> Outcome:
     params = SamplingParams(max_tokens=item.output_tokens, temperature=0.0, ignore_eos=True)
     out = Outcome(item, [])
     start = time.perf_counter()
+    req = None
     try:
-        async for ev in engine.submit(item.prompt, params, rid=f"{rid_prefix}{item.index}-line{item.line_no}"):
+        # Engine.submit's loop, keeping the request to read its hits and recomputed tokens at the end
+        # (only those: its prompt goes with it)
+        req = engine.add_request(item.prompt, params, rid=f"{rid_prefix}{item.index}-line{item.line_no}")
+        while True:
+            ev = await req.queue.get()
             if ev.token_id is not None:
                 if out.ttft_s is None:
                     out.ttft_s = time.perf_counter() - start
                 out.output_ids.append(ev.token_id)
             if ev.finished:
                 out.finish_reason, out.error = ev.finish_reason, ev.error
+                break
     except Exception as exc:  # RequestError (bad request) or anything else: this request failed
         out.error = str(exc) or repr(exc)
+    finally:
+        if req is not None:
+            if not req.state.done:  # (cancelled: an engine crash)
+                await engine.abort(req.rid)
+            out.hit_tokens, out.recomputed_tokens = dict(req.hit_tokens), req.recomputed_tokens
+            out.latency_s = time.perf_counter() - start
     if out.error is None and out.finish_reason not in ("length", "stop"):
         out.error = f"finished with reason {out.finish_reason!r}"
     return out
@@ -241,6 +256,25 @@ def _percentile(values: list[float], q: float) -> float | None:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def request_records(outcomes: list[Outcome], timed: bool = True) -> list[dict]:
+    """One small record per replayed trace line, in trace order (malformed lines are `problems`, not
+    records). Arrivals are before --time-scale; TTFT is null for a request that got no token, the
+    latency for one refused at submission, and both for every request of a `--simulate` run (it
+    times nothing)."""
+    def ms(s: float | None) -> float | None:
+        return None if s is None or not timed else s * 1e3
+    records = []
+    for o in sorted(outcomes, key=lambda o: o.item.line_no):
+        hits = o.hit_tokens or {}
+        records.append({"line": o.item.line_no, "arrival_ms": o.item.arrival_s * 1e3,
+                        "prompt_tokens": o.item.prompt_tokens, "output_tokens": len(o.output_ids),
+                        "hit_tokens": {t: int(hits.get(t, 0)) for t in TIERS},
+                        "recomputed_tokens": o.recomputed_tokens, "ttft_ms": ms(o.ttft_s),
+                        "latency_ms": ms(o.latency_s),
+                        "finish_reason": o.finish_reason, "error": o.error})
+    return records
+
+
 def summarize(run: dict, problems: list[TraceProblem], config: EngineConfig, replay_options: dict) -> dict:
     outcomes, m = run["outcomes"], run["metrics"]
     ok = [o for o in outcomes if o.error is None]
@@ -266,6 +300,8 @@ def summarize(run: dict, problems: list[TraceProblem], config: EngineConfig, rep
         "engine_crash": run["engine_crash"],
         "config": {"engine": dataclasses.asdict(config), "replay": replay_options},
         "metrics": m,
+        # per trace line (`requests` is the count above); a --simulate run times nothing
+        "request_records": request_records(outcomes, timed=not config.simulate),
     }
 
 

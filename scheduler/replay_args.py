@@ -62,7 +62,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     r.add_argument("--concurrency", type=int, default=None,
                    help="max in-flight requests; 1 also drains cache operations between requests [1 | 64]")
     r.add_argument("--strict", action="store_true", help="reject a trace with any malformed line")
-    r.add_argument("--json-out", default=None, help="write the summary as JSON here")
+    r.add_argument("--json-out", default=None,
+                   help="write the summary, with a record per request (request_records), as JSON here")
     r.add_argument("--no-progress", action="store_true", help="no progress bar")
     r.add_argument("--simulate", action="store_true", help="no model, no KV bytes: scheduler + cache bookkeeping")
     r.add_argument("--compare-no-cache", action="store_true",

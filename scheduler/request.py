@@ -124,6 +124,7 @@ class Request:
     locked_len: int = 0          # tokens covered by locked_node's path
     reserved_pages: int = 0      # pages this request may still need (admission reservation)
     hit_tokens: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
+    recomputed_tokens: int = 0   # prompt tokens its prefill computed and kept (metrics.recomputed_tokens's share)
     restore_tier: str = "none"
     restore_l1_start: int = 0     # L1 prefix length when its parked restore started
     restore_op: object = None
