@@ -24,7 +24,11 @@ never evicts a page, so it grows until the host runs out of memory (no maxmemory
 or refuses every write once full. Run it with maxmemory and allkeys-lru. A server whose
 proto-max-bulk-len (default 512 MiB, at least 1 MiB) is below one page's value resets the
 connection of every write: writes are then refused for good, at once, with one warning naming the
-setting and the page size (reads and hints go on: pages stored before still serve). Refusing
+setting and the page size (reads and hints go on: pages stored before still serve); so are they
+where the client-query-buffer-limit (at least 1 MiB) is below one value, which the server holds
+whole in a client's query buffer. A `client-output-buffer-limit normal` hard limit sizes the MGET
+chunks (the server drops the connection of a reply over it); below one value, reads are refused at
+once and hints not queried, with one warning naming the setting (writes go on). Refusing
 rather than splitting values keeps one page one key (splitting would need all-or-nothing reads and
 evictions of a page's parts). Where CONFIG GET is refused (an application ACL), the first write
 that fails so tells: the server answers "invalid bulk length", or (a value of a few MiB) resets the
@@ -32,7 +36,8 @@ connection while it still answers a PING.
 
 I/O. redis.asyncio on the running loop (a new client when the loop changes: `Engine.generate` runs
 each call on a fresh loop). Each operation is one command per chunk of at most `chunk_bytes`
-(MSET / MGET, 8 MiB: a few round trips a restore); packing values (hash + copy) and unpacking them
+(MSET / MGET, 8 MiB: a few round trips a restore; an MGET within the server's output buffer
+limit, "Start"); packing values (hash + copy) and unpacking them
 (verify + copy into the host pages) run on one helper thread when a chunk is large, so the loop
 keeps serving. A reply is parsed on the loop, by hiredis (C): a 32 MiB chunk held the loop 13-25 ms
 (20-25 with redis-py's Python parser), an 8 MiB one 2.5-3 ms (this 2-core machine; an 8B read of
@@ -83,6 +88,12 @@ HEADER = struct.Struct("<4sIQQ")  # magic, payload bytes, xxh3_64(key), xxh3_64(
 MAGIC = b"HKV2"  # (HKV1 values carried no key; page_keys.KEY_FORMAT v2 keeps them apart)
 OFFLOAD_BYTES = 1 << 20  # chunks at least this large are packed / unpacked on the helper thread
 MIN_BULK_LIMIT_BYTES = 1 << 20  # the smallest proto-max-bulk-len a server takes: smaller values always fit
+# What one value may cost in a reply's output buffer (client-output-buffer-limit): its own reply
+# block, which the allocator (jemalloc) rounds up by less than a quarter, plus its "$<len>" framing;
+# and what the reply's first blocks may add. Measured on redis 7.0: 1 MiB held ten 100 kB values.
+REPLY_FRAMING_BYTES = 64
+REPLY_SLACK_BYTES = 16 << 10
+_LIMITS = ("proto-max-bulk-len", "client-query-buffer-limit", "client-output-buffer-limit")
 # How many keys exist contiguously from the first one (TOUCH also refreshes their LRU age).
 _PREFIX_SCRIPT = """
 for i, k in ipairs(KEYS) do
@@ -159,6 +170,7 @@ class RedisStore:
         self.keyer = PageKeyer(self.salt, geometry.page_size)
         self.value_bytes = HEADER.size + self.bytes_per_page  # one stored value
         self.pages_per_chunk = max(1, min(1024, chunk_bytes // self.value_bytes))
+        self._reply_pages: int | None = None  # the most values one MGET reply may hold (server limit)
         self.hint_timeout_s, self.backoff_s = hint_timeout_s, backoff_s
         self._client_kwargs = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
                                    retry=_retry_dropped_connections(), decode_responses=False,
@@ -173,6 +185,7 @@ class RedisStore:
         self._down_until = 0.0
         self._consecutive_failures = 0
         self._writes_refused: str | None = None  # why, once the server refuses a page's value
+        self._reads_refused: str | None = None  # why, where the server cannot send back a page's value
         self.counters = {"writes": 0, "reads": 0, "pages_written": 0, "pages_read": 0, "bytes_written": 0,
                          "bytes_read": 0, "round_trips": 0, "missing_pages": 0, "corrupt_pages": 0,
                          "hint_queries": 0, "hint_pages_found": 0, "hint_pages_published": 0,
@@ -194,10 +207,12 @@ class RedisStore:
                     info = client.info("memory")
                 except rexc.NoPermissionError:  # (the usual application ACL, "+@all -@dangerous", has no INFO)
                     info = {}
-                try:
-                    limits = client.config_get("proto-max-bulk-len")
-                except rexc.ResponseError:  # CONFIG refused (ACL) or renamed: the first write tells
-                    limits = {}
+                limits = {}
+                for name in _LIMITS:  # (one name a call: CONFIG GET takes several only from redis 7)
+                    try:
+                        limits.update(client.config_get(name))
+                    except rexc.ResponseError:  # CONFIG refused (ACL) or renamed: the first write tells
+                        break
         except Exception as exc:  # noqa: BLE001 - any failure only means "not usable now"
             # (redis-py 8's repr is "network:ConnectionError": the server's reason is in str())
             log.warning("l3_redis_unreachable", url=redact_url(self.url), error=f"{type(exc).__name__}: {exc}",
@@ -206,25 +221,57 @@ class RedisStore:
         maxmemory, policy = info.get("maxmemory"), info.get("maxmemory_policy")
         log.info("l3_redis_connected", url=redact_url(self.url), maxmemory=maxmemory, maxmemory_policy=policy)
         bulk_limit = str(limits.get("proto-max-bulk-len", ""))
+        query_limit = str(limits.get("client-query-buffer-limit", ""))
         if bulk_limit.isdigit() and int(bulk_limit) < self.value_bytes:  # (a look-alike server may say "")
             self._refuse_writes(int(bulk_limit))
+        elif query_limit.isdigit() and int(query_limit) < self.value_bytes + 2:
+            # a value's bulk (+ CRLF) is held whole in the query buffer, over which the server drops
+            # the connection (the MSET around it is not: its earlier values have left the buffer)
+            self._refuse_writes(int(query_limit), "client-query-buffer-limit")
+        self._limit_replies(str(limits.get("client-output-buffer-limit", "")))
         if policy is not None and not (maxmemory and str(policy).startswith("allkeys-")):
             log.warning("l3_redis_never_evicts", url=redact_url(self.url), maxmemory=maxmemory, maxmemory_policy=policy,
                         effect=("pages are never evicted: it grows until the host runs out of memory" if not maxmemory
                                 else "pages are never evicted: once full, every write fails"),
                         fix="set maxmemory and maxmemory-policy allkeys-lru")
 
-    def _refuse_writes(self, bulk_limit: int | None) -> None:
-        """The server refuses a page's value (proto-max-bulk-len): every later write fails at once."""
+    def _refuse_writes(self, bulk_limit: int | None, setting: str = "proto-max-bulk-len") -> None:
+        """The server refuses a page's value (proto-max-bulk-len, client-query-buffer-limit): every
+        later write fails at once."""
         self._writes_refused = (f"the server refuses values of {self.value_bytes} bytes (one page of "
-                                f"{self.geometry.page_size} tokens) over its proto-max-bulk-len"
+                                f"{self.geometry.page_size} tokens) over its {setting}"
                                 + (f" of {bulk_limit} bytes" if bulk_limit is not None else "")
                                 + ": no page is written to this L3")
-        log.warning("l3_redis_value_too_large", url=redact_url(self.url), proto_max_bulk_len=bulk_limit,
+        log.warning("l3_redis_value_too_large", url=redact_url(self.url), **{setting.replace("-", "_"): bulk_limit},
                     value_bytes=self.value_bytes, page_size_tokens=self.geometry.page_size,
                     effect="no page is written to L3 (pages already there are still read)",
-                    fix=f"CONFIG SET proto-max-bulk-len {self.value_bytes} or more and restart the engine, "
+                    fix=f"CONFIG SET {setting} {self.value_bytes + 2} or more and restart the engine, "
                         "or a smaller --page-size")
+
+    def _limit_replies(self, output_limits: str) -> None:
+        """Size MGET chunks to the server's `client-output-buffer-limit normal` hard limit: it drops
+        the connection of a reply over it (every read then failed as "eio" with a back-off). Where
+        not even one page's value fits, no read can succeed: reads are refused at once and hints not
+        queried (no restore is tried), with one warning naming the setting."""
+        fields = output_limits.split()
+        if "normal" not in fields[:-1]:
+            return  # CONFIG refused, or a look-alike server: the reads tell
+        hard = fields[fields.index("normal") + 1]
+        hard_bytes = int(hard) if hard.isdigit() else 0
+        if hard_bytes == 0:  # (0: no limit, Redis's default)
+            return
+        value_cost_bytes = self.value_bytes + self.value_bytes // 4 + REPLY_FRAMING_BYTES
+        self._reply_pages = (hard_bytes - REPLY_SLACK_BYTES) // value_cost_bytes
+        if self._reply_pages >= 1:
+            return
+        self._reads_refused = (f"the server cannot send back values of {self.value_bytes} bytes (one page "
+                               f"of {self.geometry.page_size} tokens) under its client-output-buffer-limit "
+                               f"normal of {hard_bytes} bytes: no page is read from this L3")
+        log.warning("l3_redis_reply_too_large", url=redact_url(self.url), client_output_buffer_limit=hard_bytes,
+                    value_bytes=self.value_bytes, page_size_tokens=self.geometry.page_size,
+                    effect="no page is read from L3 (requests recompute it)",
+                    fix=f"CONFIG SET client-output-buffer-limit \"normal {value_cost_bytes + REPLY_SLACK_BYTES} "
+                        "0 0\" or more (0: no limit) and restart the engine, or a smaller --page-size")
 
     async def _value_refused(self, client: aioredis.Redis, exc: BaseException) -> bool:
         """Whether a failed write says the server refuses a page's value (module docstring, "Start");
@@ -341,8 +388,11 @@ class RedisStore:
                              f"store pages are {self.bytes_per_page} bytes")
         return flat.numpy().reshape(host_buffer.shape[0], self.bytes_per_page)
 
-    def _chunks(self, n: int):
-        return [(s, min(n, s + self.pages_per_chunk)) for s in range(0, n, self.pages_per_chunk)]
+    def _chunks(self, n: int, is_read: bool = False):
+        per = self.pages_per_chunk
+        if is_read and self._reply_pages is not None:
+            per = min(per, self._reply_pages)  # (each reply within the server's output buffer limit)
+        return [(s, min(n, s + per)) for s in range(0, n, per)]
 
     async def _on_cpu(self, fn, *args):
         """Run fn on the helper thread when the work is large, inline when it is not."""
@@ -406,11 +456,14 @@ class RedisStore:
         faults = self.faults
         if faults is not None and faults.should_fire(Fault.SLOW_READ):
             await asyncio.sleep(faults.delay_s(Fault.SLOW_READ))
+        if self._reads_refused is not None:  # (no back-off: hints and writes go on)
+            raise self._error(StorageError("eio", f"redis read: {self._reads_refused}",
+                                           bad_slots=slot_arr.tolist()), "read")
         injected = self._injected(True)
         if injected is not None:
             raise self._error(injected, "read")
         client = self._client()
-        first_ns, chunks = time.monotonic_ns(), self._chunks(len(keys))
+        first_ns, chunks = time.monotonic_ns(), self._chunks(len(keys), True)
         for lo, hi in chunks:
             try:
                 values = await client.mget(keys[lo:hi])
@@ -469,7 +522,7 @@ class RedisStore:
         No query when L3 cannot help: restores disabled, or L1/L2 already hold every full page."""
         ps = self.geometry.page_size
         end = len(tokens) - len(tokens) % ps
-        if end == 0 or self._closed or mgr.config.policy == "never":
+        if end == 0 or self._closed or mgr.config.policy == "never" or self._reads_refused is not None:
             return
         tokens = tuple(tokens[:end])
         local = mgr.tree.match(tokens, include_storage=False, touch=False)
@@ -567,6 +620,6 @@ class RedisStore:
         return {"backend": "redis", "url": redact_url(self.url), "num_slots": self.num_slots,
                 "bytes_per_page": self.bytes_per_page, "model_id": self.model_id, "checksum": self.checksum,
                 "closed": self._closed, "available": self._consecutive_failures == 0, "retry_in_s": retry_in_s,
-                "writes_refused": self._writes_refused,
+                "writes_refused": self._writes_refused, "reads_refused": self._reads_refused,
                 "in_flight": sum(not t.done() for t in self._tasks), "errors": dict(self.errors),
                 "key_cache": {"hits": self.keyer.hits, "misses": self.keyer.misses}, **self.counters}
