@@ -186,13 +186,13 @@ class Backups:
         return op
 
     def _l3_write_probe(self, num_tokens: int) -> bool:
-        """A backup L2's checks refused asks for its L3 write here (counted by worth_writing, once:
-        `_drive_backup` does not ask again), and goes ahead if that is the probe of refused L3
-        writes: an L3 write goes through L2, so asked only after the backups L2 lets through, the
-        probe of an L3 whose estimate refuses its writes came once in restore_explore_every * 16
-        asks where L2 is not read back (regression)."""
+        """A backup L2's checks refused asks for its L3 write here (counted by worth_writing and, past
+        it, by L3's reuse gate, once: `_drive_backup` does not ask again), and goes ahead if that is
+        the probe of refused L3 writes or of an unproductive L3 (`l3_reuse_probe`): an L3 write goes
+        through L2, so asked only after the backups L2 lets through, either probe came once in
+        16 times its period where L2 is not read back (regression)."""
         mgr = self.mgr
-        return mgr.has_l3 and mgr.worth_writing("l3", num_tokens) and mgr.cost.write_probe
+        return mgr.has_l3 and mgr.worth_writing("l3", num_tokens) and (mgr.cost.write_probe or mgr.l3_reuse_probe())
 
     def _defer(self, key: tuple[int, ...], tokens: tuple[int, ...]) -> None:
         """`tokens` waits for the backup of `key` in flight; a waiting prefix of it is covered by it."""

@@ -348,6 +348,16 @@ class CacheManager:
         """Cost policy: L3 writes go on while L3 gets read back (or has not evicted enough to tell)."""
         return self.config.policy != "cost" or self.reuse[Tier.L3].admit()
 
+    def l3_reuse_probe(self) -> bool:
+        """Cost policy, an L3 write asked for where L2's checks refused its backup
+        (`Backups._l3_write_probe`): is it the probe of an unproductive L3's reuse gate? Counted as
+        l3_write_pays_off counts, so that the probe comes once in `probe_every` L3 write asks, not
+        once in `probe_every` of those L2 lets through (regression: once in 16 * 16 behind an L2
+        not read back). A productive L3 lets no refused backup through here: backup_pays_off
+        already takes the backups it wants."""
+        l3 = self.reuse[Tier.L3]
+        return self.config.policy == "cost" and not l3.productive and l3.admit()
+
     def backup_pays_off(self, num_tokens: int) -> bool:
         """Cost policy: is an L1 -> L2 backup of this prefix worth its traffic? Yes while L2 gets read
         back, or while it feeds an L3 worth writing that gets read back; otherwise only as a probe."""

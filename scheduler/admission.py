@@ -66,6 +66,8 @@ class Admission(Restoring):
             if chunk:
                 reqs.append(req), chunks.append(chunk)
                 budget -= chunk
+        if not eng._stopping:  # (else they stay queued, as they are, for the next start())
+            self.start_deferred_hints()
         for req in list(eng.waiting):
             if budget <= 0 or len(eng.running) >= eng.config.max_running_requests or eng._stopping:
                 break

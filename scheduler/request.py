@@ -140,6 +140,7 @@ class Request:
     landed_offered: bool = False  # its prefetch's read landed and the request was offered to take it on
     promoted_tokens: int = 0      # tokens an L3 -> L2 prefetch brought up for this request
     hint_task: object = None      # shared L3: the existence query that must finish before admission
+    hint_deferred: bool = False   # queued outside a running loop: that query starts on the loop's next plan
     # scored once at the first token if it ran alone (hicache/outcomes.py): how many batches had ended
     # when it arrived, and per prefix source the seconds the cost model predicted to its first token
     arrival_batch: int = 0

@@ -25,13 +25,34 @@ class Restoring:
     engine, cache, page_size, reserved_pages, fallback_end_tokens, `_reusable`, `_pages_after`, `release`
     and `after_step`."""
 
+    _hints_deferred = False  # some queued request's hint refresh waits for a running loop
+
     def maybe_prefetch(self, req: Request) -> None:
         """Start an L3 -> L2 promotion as soon as a request is queued (for a shared L3, after
         refreshing the tree's hints of what the store holds; the request waits for that refresh)."""
         if getattr(self.cache.store, "content_addressed", False):
-            req.hint_task = asyncio.get_running_loop().create_task(self._refresh_then_prefetch(req))
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                # queued outside a running loop, as add_request allows with every backend (the loop
+                # that runs it later admits it: generate()'s own, or start()'s): the refresh starts
+                # on that loop's next plan (`start_deferred_hints`) and the request waits for it
+                # there, as it would here (regression: asyncio's bare RuntimeError, with Redis only)
+                req.hint_deferred = self._hints_deferred = True
+                return
+            req.hint_task = loop.create_task(self._refresh_then_prefetch(req))
             return
         self._prefetch(req)
+
+    def start_deferred_hints(self) -> None:
+        """On the running loop: start the hint refreshes of requests queued outside one."""
+        if not self._hints_deferred:
+            return
+        self._hints_deferred = False
+        for req in self.engine.waiting:
+            if req.hint_deferred:
+                req.hint_deferred = False
+                req.hint_task = asyncio.get_running_loop().create_task(self._refresh_then_prefetch(req))
 
     async def _refresh_then_prefetch(self, req: Request) -> None:
         try:
