@@ -18,21 +18,9 @@ never a wrong output. Connection errors and timeouts -> "eio" (and a short back-
 operations fail at once instead of waiting on a dead server; a command is sent once more only after
 its connection dropped, never after a timeout); OOM under `noeviction` -> "enospc".
 
-Start. One PING: a server that cannot be used is one warning line with the server's reason (the
-engine starts all the same); a server whose maxmemory-policy is not allkeys-* is warned of too: it
-never evicts a page, so it grows until the host runs out of memory (no maxmemory, Redis's default)
-or refuses every write once full. Run it with maxmemory and allkeys-lru. A server whose
-proto-max-bulk-len (default 512 MiB, at least 1 MiB) is below one page's value resets the
-connection of every write: writes are then refused for good, at once, with one warning naming the
-setting and the page size (reads and hints go on: pages stored before still serve); so are they
-where the client-query-buffer-limit (at least 1 MiB) is below one value, which the server holds
-whole in a client's query buffer. A `client-output-buffer-limit normal` hard limit sizes the MGET
-chunks (the server drops the connection of a reply over it); below one value, reads are refused at
-once and hints not queried, with one warning naming the setting (writes go on). Refusing
-rather than splitting values keeps one page one key (splitting would need all-or-nothing reads and
-evictions of a page's parts). Where CONFIG GET is refused (an application ACL), the first write
-that fails so tells: the server answers "invalid bulk length", or (a value of a few MiB) resets the
-connection while it still answers a PING.
+Start. One PING, and the server's limits read (hicache/redis_limits.py): a server that cannot be
+used, one that never evicts, and one whose limits refuse a page's value (writes or reads refused at
+once, one warning naming the setting) are each one log line; the engine starts all the same.
 
 I/O. redis.asyncio on the running loop (a new client when the loop changes: `Engine.generate` runs
 each call on a fresh loop). Each operation is one command per chunk of at most `chunk_bytes`
@@ -57,14 +45,11 @@ import asyncio
 import concurrent.futures as cf
 import struct
 import time
-import urllib.parse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
-import redis
 import redis.asyncio as aioredis
-import redis.retry
 import structlog
 import torch
 import xxhash
@@ -72,10 +57,12 @@ from redis import exceptions as rexc
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
+from hicache import redis_limits
 from hicache.faults import Fault, FaultInjector
 from hicache.geometry import KVGeometry
 from hicache.page_keys import PageKeyer, kv_salt, publish_l3_hints
 from hicache.radix import Tier
+from hicache.redis_limits import check_server, redact_url
 from hicache.storage import IoResult, StorageError, page_checksum
 
 if TYPE_CHECKING:
@@ -87,13 +74,6 @@ KEY_PREFIX = b"hicache:kv:"
 HEADER = struct.Struct("<4sIQQ")  # magic, payload bytes, xxh3_64(key), xxh3_64(payload)
 MAGIC = b"HKV2"  # (HKV1 values carried no key; page_keys.KEY_FORMAT v2 keeps them apart)
 OFFLOAD_BYTES = 1 << 20  # chunks at least this large are packed / unpacked on the helper thread
-MIN_BULK_LIMIT_BYTES = 1 << 20  # the smallest proto-max-bulk-len a server takes: smaller values always fit
-# What one value may cost in a reply's output buffer (client-output-buffer-limit): its own reply
-# block, which the allocator (jemalloc) rounds up by less than a quarter, plus its "$<len>" framing;
-# and what the reply's first blocks may add. Measured on redis 7.0: 1 MiB held ten 100 kB values.
-REPLY_FRAMING_BYTES = 64
-REPLY_SLACK_BYTES = 16 << 10
-_LIMITS = ("proto-max-bulk-len", "client-query-buffer-limit", "client-output-buffer-limit")
 # How many keys exist contiguously from the first one (TOUCH also refreshes their LRU age).
 _PREFIX_SCRIPT = """
 for i, k in ipairs(KEYS) do
@@ -101,22 +81,6 @@ for i, k in ipairs(KEYS) do
 end
 return #KEYS
 """
-
-
-_SECRET_QUERY_KEYS = frozenset({"password", "username"})  # redis-py also takes them as query arguments
-
-
-def redact_url(url: str) -> str:
-    """The URL with its password masked, in the userinfo (redis://user:pass@host) or the query
-    (redis://host/0?password=...), for logs and status."""
-    parts = urllib.parse.urlsplit(url)
-    if parts.password is not None:
-        parts = parts._replace(netloc=parts.netloc.replace(f":{parts.password}@", ":***@", 1))
-    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
-    if any(k in _SECRET_QUERY_KEYS for k, _ in query):
-        masked = [(k, "***" if k in _SECRET_QUERY_KEYS else v) for k, v in query]
-        parts = parts._replace(query=urllib.parse.urlencode(masked, safe="*"))
-    return urllib.parse.urlunsplit(parts)
 
 
 def key_digest(key: bytes) -> int:
@@ -170,7 +134,6 @@ class RedisStore:
         self.keyer = PageKeyer(self.salt, geometry.page_size)
         self.value_bytes = HEADER.size + self.bytes_per_page  # one stored value
         self.pages_per_chunk = max(1, min(1024, chunk_bytes // self.value_bytes))
-        self._reply_pages: int | None = None  # the most values one MGET reply may hold (server limit)
         self.hint_timeout_s, self.backoff_s = hint_timeout_s, backoff_s
         self._client_kwargs = dict(socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
                                    retry=_retry_dropped_connections(), decode_responses=False,
@@ -184,101 +147,24 @@ class RedisStore:
         self._closed = False
         self._down_until = 0.0
         self._consecutive_failures = 0
-        self._writes_refused: str | None = None  # why, once the server refuses a page's value
-        self._reads_refused: str | None = None  # why, where the server cannot send back a page's value
+        limits = check_server(url, self.value_bytes, geometry.page_size)
+        self._writes_refused = limits.writes_refused  # why, once the server refuses a page's value
+        self._reads_refused = limits.reads_refused  # why, where the server cannot send back a page's value
+        self._reply_pages = limits.reply_pages  # the most values one MGET reply may hold
         self.counters = {"writes": 0, "reads": 0, "pages_written": 0, "pages_read": 0, "bytes_written": 0,
                          "bytes_read": 0, "round_trips": 0, "missing_pages": 0, "corrupt_pages": 0,
                          "hint_queries": 0, "hint_pages_found": 0, "hint_pages_published": 0,
                          "stale_hints_dropped": 0, "hint_skips": 0, "hints_not_needed": 0,
                          "hint_rechecks": 0}
         self.errors: dict[str, int] = {}
-        self._probe()
 
     # ---- connection ------------------------------------------------------------------------------
-    def _probe(self) -> None:
-        """One synchronous PING at start, so a server that cannot be used shows up in the log as one
-        line with the server's reason (the engine still starts: a store that cannot be reached only
-        costs hits); and one warning for a server that never evicts (the module docstring's "Start")."""
-        try:
-            with redis.Redis.from_url(self.url, socket_timeout=1.0, socket_connect_timeout=1.0,
-                                      retry=redis.retry.Retry(NoBackoff(), 0)) as client:
-                client.ping()
-                try:
-                    info = client.info("memory")
-                except rexc.NoPermissionError:  # (the usual application ACL, "+@all -@dangerous", has no INFO)
-                    info = {}
-                limits = {}
-                for name in _LIMITS:  # (one name a call: CONFIG GET takes several only from redis 7)
-                    try:
-                        limits.update(client.config_get(name))
-                    except rexc.ResponseError:  # CONFIG refused (ACL) or renamed: the first write tells
-                        break
-        except Exception as exc:  # noqa: BLE001 - any failure only means "not usable now"
-            # (redis-py 8's repr is "network:ConnectionError": the server's reason is in str())
-            log.warning("l3_redis_unreachable", url=redact_url(self.url), error=f"{type(exc).__name__}: {exc}",
-                        effect="requests recompute what L3 would restore until it answers")
-            return
-        maxmemory, policy = info.get("maxmemory"), info.get("maxmemory_policy")
-        log.info("l3_redis_connected", url=redact_url(self.url), maxmemory=maxmemory, maxmemory_policy=policy)
-        bulk_limit = str(limits.get("proto-max-bulk-len", ""))
-        query_limit = str(limits.get("client-query-buffer-limit", ""))
-        if bulk_limit.isdigit() and int(bulk_limit) < self.value_bytes:  # (a look-alike server may say "")
-            self._refuse_writes(int(bulk_limit))
-        elif query_limit.isdigit() and int(query_limit) < self.value_bytes + 2:
-            # a value's bulk (+ CRLF) is held whole in the query buffer, over which the server drops
-            # the connection (the MSET around it is not: its earlier values have left the buffer)
-            self._refuse_writes(int(query_limit), "client-query-buffer-limit")
-        self._limit_replies(str(limits.get("client-output-buffer-limit", "")))
-        if policy is not None and not (maxmemory and str(policy).startswith("allkeys-")):
-            log.warning("l3_redis_never_evicts", url=redact_url(self.url), maxmemory=maxmemory, maxmemory_policy=policy,
-                        effect=("pages are never evicted: it grows until the host runs out of memory" if not maxmemory
-                                else "pages are never evicted: once full, every write fails"),
-                        fix="set maxmemory and maxmemory-policy allkeys-lru")
-
-    def _refuse_writes(self, bulk_limit: int | None, setting: str = "proto-max-bulk-len") -> None:
-        """The server refuses a page's value (proto-max-bulk-len, client-query-buffer-limit): every
-        later write fails at once."""
-        self._writes_refused = (f"the server refuses values of {self.value_bytes} bytes (one page of "
-                                f"{self.geometry.page_size} tokens) over its {setting}"
-                                + (f" of {bulk_limit} bytes" if bulk_limit is not None else "")
-                                + ": no page is written to this L3")
-        log.warning("l3_redis_value_too_large", url=redact_url(self.url), **{setting.replace("-", "_"): bulk_limit},
-                    value_bytes=self.value_bytes, page_size_tokens=self.geometry.page_size,
-                    effect="no page is written to L3 (pages already there are still read)",
-                    fix=f"CONFIG SET {setting} {self.value_bytes + 2} or more and restart the engine, "
-                        "or a smaller --page-size")
-
-    def _limit_replies(self, output_limits: str) -> None:
-        """Size MGET chunks to the server's `client-output-buffer-limit normal` hard limit: it drops
-        the connection of a reply over it (every read then failed as "eio" with a back-off). Where
-        not even one page's value fits, no read can succeed: reads are refused at once and hints not
-        queried (no restore is tried), with one warning naming the setting."""
-        fields = output_limits.split()
-        if "normal" not in fields[:-1]:
-            return  # CONFIG refused, or a look-alike server: the reads tell
-        hard = fields[fields.index("normal") + 1]
-        hard_bytes = int(hard) if hard.isdigit() else 0
-        if hard_bytes == 0:  # (0: no limit, Redis's default)
-            return
-        value_cost_bytes = self.value_bytes + self.value_bytes // 4 + REPLY_FRAMING_BYTES
-        self._reply_pages = (hard_bytes - REPLY_SLACK_BYTES) // value_cost_bytes
-        if self._reply_pages >= 1:
-            return
-        self._reads_refused = (f"the server cannot send back values of {self.value_bytes} bytes (one page "
-                               f"of {self.geometry.page_size} tokens) under its client-output-buffer-limit "
-                               f"normal of {hard_bytes} bytes: no page is read from this L3")
-        log.warning("l3_redis_reply_too_large", url=redact_url(self.url), client_output_buffer_limit=hard_bytes,
-                    value_bytes=self.value_bytes, page_size_tokens=self.geometry.page_size,
-                    effect="no page is read from L3 (requests recompute it)",
-                    fix=f"CONFIG SET client-output-buffer-limit \"normal {value_cost_bytes + REPLY_SLACK_BYTES} "
-                        "0 0\" or more (0: no limit) and restart the engine, or a smaller --page-size")
-
     async def _value_refused(self, client: aioredis.Redis, exc: BaseException) -> bool:
-        """Whether a failed write says the server refuses a page's value (module docstring, "Start");
+        """Whether a failed write says the server refuses a page's value (hicache/redis_limits.py);
         if so writes are refused from now on."""
         if self._writes_refused is not None:
             return True
-        if self.value_bytes <= MIN_BULK_LIMIT_BYTES:
+        if self.value_bytes <= redis_limits.MIN_BULK_LIMIT_BYTES:
             return False
         if isinstance(exc, rexc.ResponseError):
             refused = "invalid bulk length" in str(exc)
@@ -292,7 +178,7 @@ class RedisStore:
         else:
             refused = False
         if refused:
-            self._refuse_writes(None)
+            self._writes_refused = redis_limits.refuse_writes(self.url, self.value_bytes, self.geometry.page_size)
         return refused
 
     def _client(self) -> aioredis.Redis:
