@@ -16,7 +16,6 @@ limit (api_models.APIError); bad input is always a 4xx.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import json

@@ -3,6 +3,7 @@ write probe of the cost policy vetoed by the checks after it."""
 from __future__ import annotations
 
 import asyncio
+import random
 
 import pytest
 
@@ -37,12 +38,11 @@ def test_add_request_that_raises_leaves_nothing_queued(monkeypatch):
         asyncio.run(eng.shutdown())
 
 
-def _engine_counting_l3_writes(every: int, host_ratio: float, storage_ratio: float) -> tuple[Engine, list]:
-    """A cost-policy engine whose storage estimate refuses every L3 write (a read at 1e-6 GiB/s,
-    no exploration), probing one refused write in `every`; `writes` gets an entry per L3 write."""
+def engine_counting_l3_writes(**hicache) -> tuple[Engine, list]:
+    """A cost-policy engine (64 L1 pages of 4 tokens, no storage exploration, `hicache` on top);
+    `writes` gets an entry per L3 write. (Also tests/test_leftovers3_hunt.py.)"""
     eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=4).with_hicache(
-        enable=True, host_ratio=host_ratio, storage_ratio=storage_ratio, policy="cost", restore_explore_every=every,
-        storage_explore_reads=0, storage_bandwidth_gib_s=1e-6))
+        enable=True, policy="cost", storage_explore_reads=0, **hicache))
     writes: list = []
     write_pages = eng.cache.store.write_pages
 
@@ -54,6 +54,22 @@ def _engine_counting_l3_writes(every: int, host_ratio: float, storage_ratio: flo
     return eng, writes
 
 
+async def l3_writes_over_new_prompts(eng: Engine, writes: list, prompts: int, seed: int, unproductive=()) -> int:
+    """Start `eng`, serve 10 new 64-token prompts (L2 and L3 evict 64 pages nobody read: the tiers
+    in `unproductive` are asserted so by then), then `prompts` more: the L3 writes those made."""
+    rng = random.Random(seed)
+    await eng.start()
+    for i in range(10 + prompts):
+        if i == 10:
+            for tier in unproductive:
+                assert not eng.cache.reuse[tier].productive, (tier, eng.cache.reuse[tier].state())
+            written = len(writes)
+        await eng.generate_async([[rng.randrange(256) for _ in range(64)]], SamplingParams(max_tokens=1))
+        await eng.cache.drain()
+    await eng.stop_loop()
+    return len(writes) - written
+
+
 def test_a_refused_l3_write_is_probed_every_restore_explore_every_backups():
     """The storage estimate is bad from the start (a pessimistic prior, nothing read back to
     correct it), so `worth_writing("l3")` refuses L3 writes and lets one in `restore_explore_every`
@@ -62,12 +78,11 @@ def test_a_refused_l3_write_is_probed_every_restore_explore_every_backups():
     then refused the probe itself (nothing is read back from a tier restores skip, for the same
     estimate), and counted its own probes only on those asks: one L3 write in
     restore_explore_every * 16 asks, so a tier whose first estimate was wrong was hardly re-timed."""
-    import random
-
     from hicache.radix import Tier
 
-    every = 2
-    eng, writes = _engine_counting_l3_writes(every, host_ratio=8.0, storage_ratio=16 / 512)
+    every = 2  # (a storage read at 1e-6 GiB/s: every L3 write is refused but the probes)
+    eng, writes = engine_counting_l3_writes(host_ratio=8.0, storage_ratio=16 / 512, restore_explore_every=every,
+                                            storage_bandwidth_gib_s=1e-6)
     assert eng.cache.allocator(Tier.L3).num_pages == 16
     rng = random.Random(0)
 
@@ -102,27 +117,13 @@ def test_an_l3_write_probe_is_asked_for_when_l2_refuses_the_backup():
     gate (`backup_pays_off`) refuses all but one L1 -> L2 backup in 16. An L3 write goes through L2:
     refused there, it was never asked for, so the L3 probe counted only the asks of the backups L2
     let through. Regression: one L3 write in restore_explore_every * 16 prompts."""
-    import random
-
     from hicache.radix import Tier
 
     every = 2
-    eng, writes = _engine_counting_l3_writes(every, host_ratio=0.5, storage_ratio=16.0)
-    rng = random.Random(1)
-
-    async def main() -> int:
-        await eng.start()
-        for i in range(10 + 12 * every):
-            if i == 10:  # L2 evicted 64 pages nobody read: unproductive by now
-                assert not eng.cache.reuse[Tier.L2].productive, eng.cache.reuse[Tier.L2].state()
-                written = len(writes)
-            await eng.generate_async([[rng.randrange(256) for _ in range(64)]], SamplingParams(max_tokens=1))
-            await eng.cache.drain()
-        await eng.stop_loop()
-        return len(writes) - written
-
+    eng, writes = engine_counting_l3_writes(host_ratio=0.5, storage_ratio=16.0, restore_explore_every=every,
+                                            storage_bandwidth_gib_s=1e-6)
     try:
-        probes = asyncio.run(main())
+        probes = asyncio.run(l3_writes_over_new_prompts(eng, writes, 12 * every, seed=1, unproductive=(Tier.L2,)))
         assert probes >= 12 - 1, (
             f"{probes} L3 writes in {12 * every} prompts (one expected every {every}): "
             f"{eng.cache.metrics.policy_skips}, {eng.cache.reuse[Tier.L2].state()}")

@@ -3,13 +3,13 @@ reuse gate's probe behind an L2 whose reuse gate refuses most backups."""
 from __future__ import annotations
 
 import asyncio
-import random
 
 from hicache.radix import Tier
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
 from redis_server import needs_redis, redis_server, server  # noqa: F401
+from test_leftovers2_hunt import engine_counting_l3_writes, l3_writes_over_new_prompts
 
 PROMPT = [5 + i for i in range(20)]
 
@@ -59,35 +59,12 @@ def test_the_l3_reuse_probe_is_counted_where_l2_refuses_the_backup():
     gate refuses 15 backups in 16. Regression: the L3 gate counted its probe only on the asks of
     the backups L2 let through, so an L3 write came once in 16 * 16 = 256 prompts, not once in 16:
     an L3 that would become productive was hardly re-tested."""
-    eng = Engine(EngineConfig(model="tiny", num_pages=64, page_size=4).with_hicache(
-        enable=True, host_ratio=0.5, storage_ratio=0.5, policy="cost", storage_explore_reads=0))
+    eng, writes = engine_counting_l3_writes(host_ratio=0.5, storage_ratio=0.5)
     assert (eng.cache.allocator(Tier.L2).num_pages, eng.cache.allocator(Tier.L3).num_pages) == (32, 16)
     probe_every = eng.cache.reuse[Tier.L3].probe_every
-    writes: list = []
-    write_pages = eng.cache.store.write_pages
-
-    def counted(*args, **kwargs):
-        writes.append(1)
-        return write_pages(*args, **kwargs)
-
-    eng.cache.store.write_pages = counted
-    rng = random.Random(1)
     prompts = 4 * probe_every
-
-    async def main() -> int:
-        await eng.start()
-        for i in range(10 + prompts):
-            if i == 10:  # both evicted 64 pages nobody read: unproductive by now
-                assert not eng.cache.reuse[Tier.L2].productive, eng.cache.reuse[Tier.L2].state()
-                assert not eng.cache.reuse[Tier.L3].productive, eng.cache.reuse[Tier.L3].state()
-                written = len(writes)
-            await eng.generate_async([[rng.randrange(256) for _ in range(64)]], SamplingParams(max_tokens=1))
-            await eng.cache.drain()
-        await eng.stop_loop()
-        return len(writes) - written
-
     try:
-        probes = asyncio.run(main())
+        probes = asyncio.run(l3_writes_over_new_prompts(eng, writes, prompts, seed=1, unproductive=(Tier.L2, Tier.L3)))
         assert probes >= prompts // probe_every - 1, (
             f"{probes} L3 writes in {prompts} prompts (one expected every {probe_every}): "
             f"{eng.cache.metrics.policy_skips}, L2 {eng.cache.reuse[Tier.L2].state()}, "

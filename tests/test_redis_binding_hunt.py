@@ -19,7 +19,7 @@ from hicache_helpers import capture_op_logs
 from redis_server import (GEOM, needs_redis, private_server, random_pages, redis_server, same_bytes,  # noqa: F401
                           server)
 from scheduler.engine import Engine
-from test_redis_engine import BASE, P1, engine_config, reference, serve, serve_once
+from test_redis_engine import P1, engine_config, reference, serve, serve_once
 
 
 def make_store(url: str, geometry: KVGeometry = GEOM, model_id: str = "test", **kw):

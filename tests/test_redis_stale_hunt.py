@@ -5,15 +5,13 @@ tree still hints them in L3 (hicache/storage_redis.py, hicache/backups.py).
 Tests start `redis-server` on a free loopback port (skipped without the binary)."""
 from __future__ import annotations
 
-import asyncio
 import os
 
 import pytest
 
-from hicache.radix import Tier
 from redis_server import needs_redis, private_server, redis_server, server  # noqa: F401
 from scheduler.engine import Engine
-from test_redis_engine import BASE, P1, P2, engine_config, reference, serve
+from test_redis_engine import P1, P2, engine_config, reference, serve
 
 # P1's 11 full pages are all in A's L1 (no hint query), its last 2 tokens and the output make a new page
 P1_MORE = P1 + [9, 9]
