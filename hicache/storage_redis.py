@@ -8,12 +8,9 @@ allocator (the capacity of this instance's hint table); the key is what addresse
 `invalidate()` is a no-op: another instance may still use the page, and Redis's own eviction policy
 (maxmemory + allkeys-lru) decides what stays.
 
-Values. `HKV2` magic, payload length (u32), xxh3_64 of the value's own key (u64), xxh3_64 of the
-payload (u64), then the page's bytes (one page-major L2 page). A read checks all four (the payload's
-checksum only when checksums are on; the key's, 8 bytes, always): a value copied under another key
-(a tool or a buggy client that moved keys) is another prefix's KV, refused like a corrupt one rather
-than restored into the wrong prefix (regression). A missing key or a bad value fails the operation
-with StorageError("missing" / "checksum", bad_slots=...) so the caller drops the hint and recomputes:
+Values. A header binding the value to its key, then the page (hicache/redis_values.py). A missing
+key or a bad value fails the operation with StorageError("missing" / "checksum", bad_slots=...) so
+the caller drops the hint and recomputes:
 never a wrong output. Connection errors and timeouts -> "eio" (and a short back-off during which
 operations fail at once instead of waiting on a dead server; a command is sent once more only after
 its connection dropped, never after a timeout); OOM under `noeviction` -> "enospc".
@@ -43,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
-import struct
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -52,7 +48,6 @@ import numpy as np
 import redis.asyncio as aioredis
 import structlog
 import torch
-import xxhash
 from redis import exceptions as rexc
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -63,7 +58,8 @@ from hicache.geometry import KVGeometry
 from hicache.page_keys import PageKeyer, kv_salt, publish_l3_hints
 from hicache.radix import Tier
 from hicache.redis_limits import check_server, redact_url
-from hicache.storage import IoResult, StorageError, page_checksum
+from hicache.redis_values import HEADER, check_value, pack_value
+from hicache.storage import IoResult, StorageError
 
 if TYPE_CHECKING:
     from hicache.manager import CacheManager
@@ -71,8 +67,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("hicache.storage_redis")
 
 KEY_PREFIX = b"hicache:kv:"
-HEADER = struct.Struct("<4sIQQ")  # magic, payload bytes, xxh3_64(key), xxh3_64(payload)
-MAGIC = b"HKV2"  # (HKV1 values carried no key; page_keys.KEY_FORMAT v2 keeps them apart)
 OFFLOAD_BYTES = 1 << 20  # chunks at least this large are packed / unpacked on the helper thread
 # How many keys exist contiguously from the first one (TOUCH also refreshes their LRU age).
 _PREFIX_SCRIPT = """
@@ -81,30 +75,6 @@ for i, k in ipairs(KEYS) do
 end
 return #KEYS
 """
-
-
-def key_digest(key: bytes) -> int:
-    return xxhash.xxh3_64_intdigest(key)
-
-
-def pack_value(page: memoryview, key: bytes) -> bytes:
-    """One stored value of `key`: header + the page's bytes."""
-    return b"".join((HEADER.pack(MAGIC, len(page), key_digest(key), page_checksum(page)), page))
-
-
-def check_value(value: bytes | None, key: bytes, page_bytes: int, verify: bool) -> str | None:
-    """None when `value` is a valid page of `page_bytes` bytes stored under `key`, else why not
-    ("missing"/"checksum")."""
-    if value is None:
-        return "missing"
-    if len(value) != HEADER.size + page_bytes:
-        return "checksum"
-    magic, length, key_hash, digest = HEADER.unpack_from(value)
-    if magic != MAGIC or length != page_bytes or key_hash != key_digest(key):
-        return "checksum"
-    if verify and page_checksum(memoryview(value)[HEADER.size:]) != digest:
-        return "checksum"
-    return None
 
 
 def _retry_dropped_connections() -> Retry:
