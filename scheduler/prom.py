@@ -66,6 +66,9 @@ _DIRECTION_COUNTERS = (
 )
 _PHASES = ("enqueue", "setup", "compute_wait", "queue_wait", "seen_wait", "service")
 _COST_LINES = ("d2h", "h2d", "h2s", "s2h", "recompute")
+_REDIS_EVENTS = ("writes", "reads", "pages_written", "pages_read", "bytes_written", "bytes_read", "round_trips",
+                 "missing_pages", "corrupt_pages", "hint_queries", "hint_skips", "hints_not_needed",
+                 "hint_pages_found", "hint_pages_published", "hint_rechecks", "stale_hints_dropped")
 
 
 def _family(cls, name: str, doc: str, value, label: str | None = None):
@@ -106,6 +109,12 @@ class EngineCollector(Collector):
         yield phases
         yield _family(CounterMetricFamily, "hicache_storage_extents", "L3 I/O calls per direction, after "
                       "coalescing adjacent slots", {d: dirs[d]["extents"] for d in ("h2s", "s2h")}, "direction")
+        store = status.get("storage") or {}
+        if store.get("backend") == "redis":  # the shared store's own events (hicache/storage_redis.py)
+            yield _family(CounterMetricFamily, "hicache_redis_events", "the shared Redis L3's counters by event: "
+                          "round trips, pages read / written / missing / corrupt, hint queries and the pages they "
+                          "found, and stale hints dropped (pages the "
+                          "server lost behind this engine's tree)", {k: store[k] for k in _REDIS_EVENTS}, "event")
 
         # what the cost policy decides with now: is a restore from L2 / L3 cheaper than recomputing?
         lines = status["cost_model"]["directions"]

@@ -65,3 +65,28 @@ async def test_pages_lost_from_redis_are_written_again_by_an_engine_holding_them
     assert b.metrics()["hit_tokens"]["l3"] == 40 and not b.metrics()["failures"]
     await a.shutdown()
     await b.shutdown()
+
+
+@needs_redis
+@pytest.mark.asyncio
+async def test_metrics_export_the_redis_stores_counters_stale_hints_included(private_server):
+    """regression: stale hints dropped (pages the server lost behind the tree) were counted only in
+    the store's own `stale_hints_dropped`, which /metrics did not export."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from scheduler.prom import ServerMetrics
+
+    a = Engine(engine_config(private_server.url()))
+    a.cache.store.backoff_s = (0.0, 0.0)
+    metrics = ServerMetrics(a)
+    await serve(a, [P1])
+    _lose_pages("flushall", private_server, a.cache.store.page_keys(P1, 0, 44))
+    await serve(a, [P1_MORE])
+    counters = a.cache.store.counters
+    assert counters["stale_hints_dropped"] > 0
+    events = {s.labels["event"]: s.value for fam in text_string_to_metric_families(metrics.render().decode())
+              if fam.name == "hicache_redis_events" for s in fam.samples if s.name.endswith("_total")}
+    assert events["stale_hints_dropped"] == counters["stale_hints_dropped"]
+    assert events["pages_written"] == counters["pages_written"] > 0
+    assert events["hint_queries"] == counters["hint_queries"]
+    await a.shutdown()
