@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
 # every kind `Metrics.count_failure` is given: an L3 error (StorageError.KINDS), a failed copy, a
 # driver's bug, an L3 read with no L1 room for its H2D, a running request that found no page it had
-# reserved (L1 promised twice), a shared store's hints that could not be refreshed. Listed so
-# /metrics exports each at 0 before it first happens.
+# reserved (L1 promised twice), a shared store's hints that could not be refreshed, a request whose
+# logits were NaN (Admission._fail_nan). Listed so /metrics exports each at 0 before it first happens.
 FAILURE_KINDS = ("eio", "short", "enospc", "checksum", "timeout", "closed", "missing",
-                 "transfer", "driver", "no_pages", "l1_overcommit", "hint_refresh")
+                 "transfer", "driver", "no_pages", "l1_overcommit", "hint_refresh", "nan_logits")
 
 
 @dataclass

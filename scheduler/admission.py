@@ -17,12 +17,14 @@ import time
 from typing import TYPE_CHECKING
 
 import structlog
+import torch
 
 from hicache.radix import Tier
 from scheduler import load
 from scheduler.request import Request, RequestState, TokenEvent, kv_tokens
 from scheduler.restoring import Restoring
 from scheduler.runner import BatchInput
+from scheduler.sampling import NAN_TOKEN
 
 if TYPE_CHECKING:
     from scheduler.engine import Engine
@@ -243,6 +245,9 @@ class Admission(Restoring):
         eng = self.engine
         if req.state.done:
             return
+        if token == NAN_TOKEN:  # (ModelRunner.launch) nothing of this forward is kept or published
+            self._fail_nan(req)
+            return
         if req.state is RequestState.PREFILL:
             req.cached_len += chunk
             # recomputed_tokens: prompt tokens prefill computed, each counted once, as its chunk is
@@ -267,6 +272,20 @@ class Admission(Restoring):
             eng.finish(req, RequestState.FINISHED, "stop")
         elif len(req.output) >= p.max_tokens:
             eng.finish(req, RequestState.FINISHED, "length")
+
+    def _fail_nan(self, req: Request) -> None:
+        """Its logits were NaN: fail it, and zero its private pages first (its forward wrote NaN K/V
+        there). The pool must hold finite values (scheduler/attention.py: the unwritten tail of a
+        page is read and masked, and NaN * 0 is NaN): the next request given one of them failed too.
+        On the device the zeroing is enqueued after any step still writing them (`finish`)."""
+        self.cache.metrics.count_failure("nan_logits")
+        log.error("nan_logits", rid=req.rid, state=req.state.value, output_tokens=len(req.output))
+        private = req.pages[req.locked_len // self.page_size:]
+        if private:
+            kv = self.cache.l1.kv
+            kv[:, :, torch.tensor(private, dtype=torch.int64, device=kv.device)] = 0
+        self.engine.finish(req, RequestState.FAILED, "error", "the model's logits for this request were NaN "
+                           "(a non-finite forward): its prefix's KV or the model is broken")
 
     def _publish(self, req: Request, tokens: list[int]) -> None:
         """Insert the request's full pages of `tokens` into the tree and move its lock down.

@@ -12,7 +12,8 @@ Two paths:
   Python), so a whole decode step can be captured in a CUDA graph.
 
 The pool must hold finite values everywhere (allocate it with torch.zeros): padded page-table entries
-and the tail of a sequence's last page are read and masked, and NaN * 0 is still NaN.
+(a sequence's own first page) and the tail of a sequence's last page are read and masked, and NaN * 0
+is still NaN (a request whose logits went NaN has its private pages zeroed: Admission._fail_nan).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ class AttentionBatch:
     is_decode: bool
     prefix_lens: list[int]  # tokens already in the pool before this step, per sequence
     new_lens: list[int]  # tokens computed this step, per sequence
-    page_tables: torch.Tensor  # [B, max_pages] int64: pages covering prefix + new, padded with 0
+    page_tables: torch.Tensor  # [B, max_pages] int64: pages covering prefix + new, padded with the first
     seq_lens: torch.Tensor  # [B] int64: prefix + new
     out_slots: torch.Tensor  # [T] int64: page * S + offset of each new token, T = sum(new_lens)
     positions: torch.Tensor  # [T] int64: position of each new token in its sequence
@@ -89,7 +90,9 @@ class AttentionBatch:
                 slots.append(pages[pos // page_size] * page_size + pos % page_size)
                 positions.append(pos)
             last_rows.append(len(slots) - 1)
-        padded = [pt + [0] * (max_pages - len(pt)) for pt in page_tables_list]
+        # padded with the sequence's own first page: the padding is read (and masked), so page 0 let a
+        # request whose forward went NaN there make the batch's shorter sequences NaN too
+        padded = [pt + pt[:1] * (max_pages - len(pt)) for pt in page_tables_list]
 
         def dev(values) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)

@@ -31,6 +31,7 @@ from scheduler.presets import model_config_of
 from scheduler.request import (GenerationResult, Request, RequestError, RequestState, SamplingParams,
                                TokenEvent, kv_tokens)
 from scheduler.runner import ModelRunner, SimRunner
+from scheduler.sampling import seeded_generator
 
 log = structlog.get_logger("scheduler.engine")
 
@@ -179,7 +180,7 @@ class Engine:
         if req.rid in self.requests:
             raise RequestError(f"duplicate request id {req.rid!r}")
         if params.seed is not None:
-            req.generator = torch.Generator(device=self.device).manual_seed(int(params.seed))  # (numpy ints too)
+            req.generator = seeded_generator(params.seed, self.device)
         req.queue = asyncio.Queue()
         req.arrival_batch = self.stats["batches"]
         self.requests[req.rid] = req

@@ -14,7 +14,7 @@ from kernels import cuda_rt
 from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch
 from scheduler.model import Qwen3Model
-from scheduler.sampling import sample
+from scheduler.sampling import mark_nan, sample
 
 
 @dataclass
@@ -99,12 +99,15 @@ class ModelRunner:
                 wait_layer = LayerWait(self.layer_flags, self.layer_flags.expected)
             logits = self.model(ids, attn, self.kv_pool, wait_layer)  # [B, V]
         next_ids = sample(logits, batch.temperatures, batch.top_ps, batch.generators)  # [B]
+        # the host's ids mark a NaN row (its request fails); a chained step reads the unmarked ones (an
+        # id out of the vocabulary would fail the embedding, and every request with it)
+        out_ids = mark_nan(logits, next_ids)  # [B]
         if not self.cuda:
-            return StepHandle(next_ids, None, next_ids)
+            return StepHandle(out_ids, None, next_ids)
         if batch.wait_restore and self.layer_flags is not None:
             self.layer_flags.stage_status()  # read after this step's event: restore_wait_timed_out
         host, event = self._out_slot(len(next_ids))
-        host.copy_(next_ids, non_blocking=True)
+        host.copy_(out_ids, non_blocking=True)
         event.record(cuda_rt.current_stream(self.device))
         return StepHandle(host, event, next_ids)
 

@@ -3,6 +3,40 @@ from __future__ import annotations
 
 import torch
 
+_MASK_32, _MASK_64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def _mix_32(x: int) -> int:
+    """murmur3's 32-bit finaliser: a bijection of [0, 2**32) that keeps 0 at 0."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & _MASK_32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & _MASK_32
+    return x ^ (x >> 16)
+
+
+def seeded_generator(seed: int, device: torch.device) -> torch.Generator:
+    """A request's generator for `seed` (any 64-bit integer, signed or not: its two's-complement bits).
+    CUDA's Philox takes all 64 bits; the CPU's mt19937 only the low 32, so seeds that differed only
+    above them (7, 7 + 2**32, 7 + 2**63) drew the same tokens: a CPU seed's high half is mixed into
+    its low half first (a seed below 2**32 keeps its stream; two others collide about once in 2**32)."""
+    seed = int(seed) & _MASK_64  # (numpy ints too)
+    if torch.device(device).type == "cpu":
+        seed = (seed & _MASK_32) ^ _mix_32(seed >> 32)
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+NAN_TOKEN = -1  # a row whose chosen token's logit is NaN (`mark_nan`): its request fails
+
+
+def mark_nan(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
+    """next_ids [B] with NAN_TOKEN where the chosen token's logit is NaN: a greedy row with any NaN
+    (argmax takes a NaN), or a sampled row of nothing but NaN (drawn uniformly); a sampled row's
+    other NaNs have no probability. Regression: such a request was streamed those tokens, with no
+    error. A gather of B logits, not a pass over the vocabulary."""
+    chosen = logits.gather(-1, next_ids[:, None])[:, 0]  # [B]
+    return torch.where(torch.isnan(chosen), NAN_TOKEN, next_ids)
+
 
 def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
            generators: list[torch.Generator | None]) -> torch.Tensor:
