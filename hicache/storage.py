@@ -294,8 +294,9 @@ class FileStore:
             self._active_tasks += 1
             self._peak_active_tasks = max(self._peak_active_tasks, self._active_tasks)
         error: BaseException | None = None
+        unread = [0, pieces[0][2]]  # (piece index, slot): the first page this task has not read whole
         try:
-            self._do_pieces(op, pieces)
+            self._do_pieces(op, pieces, unread)
         except OSError as exc:
             error = _error_from_oserror(exc, f"L3 {'read' if op.is_read else 'write'} of {self.path!r}")
         except BaseException as exc:  # StorageError, or a bug: report it through the future
@@ -305,16 +306,23 @@ class FileStore:
                 self._active_tasks -= 1
         if op.is_read and isinstance(error, StorageError) and error.kind in ("eio", "short"):
             # the file cannot give these pages back (truncated, a bad sector): name them, so that
-            # their residency is dropped and the next backup writes them again
-            error.bad_slots = tuple(s for _, _, slot, n in pieces for s in range(slot, slot + n))
+            # their residency is dropped and the next backup writes them again; from the first one
+            # not read whole on (regression: a file truncated inside a prefix named every slot of
+            # the task, and the pages before its end, which had landed, left L3 with the rest)
+            index, first_slot = unread
+            _, _, slot, n = pieces[index]
+            error.bad_slots = (*range(first_slot, slot + n),
+                               *(s for _, _, later, m in pieces[index + 1:] for s in range(later, later + m)))
         op.task_done(error, time.monotonic_ns())
 
-    def _do_pieces(self, op: StorageOp, pieces: list[tuple[int, int, int, int]]) -> None:
+    def _do_pieces(self, op: StorageOp, pieces: list[tuple[int, int, int, int]], unread: list[int]) -> None:
+        """unread: set to (piece index, slot) of the first page not yet moved whole."""
         bpp, faults, is_read = self.bytes_per_page, self.faults, op.is_read
         if is_read and faults is not None and faults.should_fire(Fault.SLOW_READ):
             time.sleep(faults.delay_s(Fault.SLOW_READ))
         step_pages = max(1, VERIFY_CHUNK_BYTES // bpp) if op.expected is not None else 1 << 62
-        for op_index, host_page, slot, n in pieces:
+        for index, (op_index, host_page, slot, n) in enumerate(pieces):
+            unread[:] = [index, slot]
             view = op.view[host_page * bpp:(host_page + n) * bpp]
             if op.hashes is not None:  # write: hash the bytes being written, off the event loop
                 for k in range(n):
@@ -329,7 +337,7 @@ class FileStore:
             for k0 in range(0, n, step_pages):  # one piece, or (verified reads) sub-pieces
                 k1 = min(n, k0 + step_pages)
                 self._transfer_all(is_read, view[k0 * bpp:k1 * bpp], self.offset(slot + k0), short,
-                                   slot + k0, k1 - k0)
+                                   slot + k0, k1 - k0, unread)
                 if op.expected is not None:  # read: its checksums, beside the next read or once all landed
                     op.verify(view[k0 * bpp:k1 * bpp], op.expected[op_index + k0:op_index + k1], slot + k0)
         if op.expected is not None:
@@ -343,9 +351,10 @@ class FileStore:
                 if page_checksum(view[k * bpp:(k + 1) * bpp]) != int(expected[k])]
 
     def _transfer_all(self, is_read: bool, view: memoryview, offset_bytes: int, short: bool, slot: int,
-                      num_pages: int) -> None:
+                      num_pages: int, unread: list[int]) -> None:
         """Loop one extent's syscall over partial transfers; 0 before completion fails it.
-        `short` (fault injection) makes the first call move half the extent and the next report 0."""
+        `short` (fault injection) makes the first call move half the extent and the next report 0.
+        unread[1]: the first slot not moved whole yet."""
         syscall = os.preadv if is_read else os.pwritev
         total_bytes, done_bytes = len(view), 0
         while done_bytes < total_bytes:
@@ -358,3 +367,4 @@ class FileStore:
                 raise StorageError("short", f"short {'read' if is_read else 'write'} of L3 slots [{slot}, "
                                             f"{slot + num_pages}) in {self.path!r}: {done_bytes} of {total_bytes} bytes")
             done_bytes += moved
+            unread[1] = slot + done_bytes // self.bytes_per_page

@@ -12,28 +12,53 @@ import os
 import stat
 import tempfile
 
+import structlog
+
+log = structlog.get_logger("hicache.storage")
+
 
 def open_store_file(path: str | os.PathLike | None, size_bytes: int) -> tuple[int, str]:
-    """(fd, absolute path) of a store file of `size_bytes`; path None: a fresh temporary file."""
+    """(fd, absolute path) of a store file of `size_bytes`; path None: a fresh temporary file.
+    What the OS refuses (a size over the file system's largest file, no locks, no free-space
+    figure) is a ValueError naming the file and the flags (regression: a bare OSError, "[Errno 27]
+    File too large", naming neither)."""
     if path is not None:
         path = os.path.abspath(os.fspath(path))
-        return _open_path(path, size_bytes), path
-    fd, temp_path = tempfile.mkstemp(prefix="hicache-l3-", suffix=".kv")
+        try:
+            return _open_path(path, size_bytes), path
+        except OSError as exc:
+            raise ValueError(f"L3 storage file {path!r}: {exc.strerror or exc}; choose another "
+                             f"--hicache-storage-path or lower --hicache-storage-size-gb / "
+                             f"--hicache-storage-ratio") from exc
+    temp_path = tempfile.gettempdir()
     try:
-        _check_free_space(fd, temp_path, size_bytes, 0)
-        os.ftruncate(fd, size_bytes)
-    except BaseException:
-        release_file(fd, temp_path)
-        raise
+        fd, temp_path = tempfile.mkstemp(prefix="hicache-l3-", suffix=".kv")
+        try:
+            _check_free_space(fd, temp_path, size_bytes, 0)
+            os.ftruncate(fd, size_bytes)
+        except BaseException:
+            release_file(fd, temp_path)
+            raise
+    except OSError as exc:
+        raise ValueError(f"L3 storage file {temp_path!r} (a temporary file: no --hicache-storage-path "
+                         f"given): {exc.strerror or exc}; give --hicache-storage-path or lower "
+                         f"--hicache-storage-size-gb / --hicache-storage-ratio") from exc
     return fd, temp_path
 
 
 def release_file(fd: int, temp_path: str | None) -> None:
+    """Close the file and remove `temp_path` (None: keep it). A file that cannot be removed (its
+    file system went read-only) is a warning naming it, not an error (regression: the OSError
+    escaped the engine's shutdown and skipped the rest of it)."""
     with contextlib.suppress(OSError):
         os.close(fd)
     if temp_path is not None:
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.unlink(temp_path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("l3_file_left_behind", path=temp_path, error=exc.strerror or str(exc))
 
 
 def _check_free_space(fd: int, path: str, needed_bytes: int, occupied_bytes: int) -> None:
@@ -72,6 +97,9 @@ def _open_path(path: str, size_bytes: int) -> int:
         st = os.fstat(fd)  # re-check what was really opened (the path may have changed meanwhile)
         _check_existing(path, st)
         _lock(fd, path)
+    except OSError:  # (the OS failed us, e.g. a file system without locks: one we created goes)
+        release_file(fd, path if created else None)
+        raise
     except BaseException:
         release_file(fd, None)  # (a file another store holds, or one it opened since we created it)
         raise

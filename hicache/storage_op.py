@@ -155,6 +155,8 @@ class StorageOp:
             self._tasks_left -= 1
             if error is not None and self._error is None:
                 self._error = error
+            elif isinstance(error, StorageError):  # a second task's failure: its slots are bad too
+                self._bad_slots.extend(error.bad_slots)
             self._last_end_ns = max(self._last_end_ns, end_ns)
             if self._tasks_left > 0 or self._verify_left > 0:
                 return
@@ -167,6 +169,11 @@ class StorageOp:
             with self.store._state_lock:  # (regression: the store kept every such read for good)
                 self.store._held.discard(self)
         if self._error is not None:
+            if isinstance(self._error, StorageError) and self._bad_slots:
+                # every slot the read found bad names, not only the first failed task's (regression:
+                # another task's failure and the checksums that failed were dropped, and their
+                # pages kept their residency: the next read failed on them again)
+                self._error.bad_slots = tuple(sorted({*self._error.bad_slots, *self._bad_slots}))
             if isinstance(self.future, ReadFuture) and not self.future.landed.done():  # a read failed
                 self.future.landed.set_exception(self._error)
             self.future.set_exception(self._error)
