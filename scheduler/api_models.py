@@ -136,12 +136,18 @@ class TextPart(_Strict):
     text: StrictStr
 
 
+# OpenAI's assistant-message fields (and the SDK's `parsed`) at the values that change nothing
+_MESSAGE_NEUTRAL: dict[str, tuple] = {"refusal": (None,), "annotations": (None, []), "audio": (None,),
+                                      "function_call": (None,), "tool_calls": (None, []), "parsed": (None,)}
+
+
 class ChatMessage(_Strict):
     """The OpenAI API's roles; only an assistant's message may come without content (400 otherwise:
     a typo'd role or a forgotten content used to be rendered into a prompt the model never saw)."""
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None  # (the SDK's tool messages need it: it was an 'unknown field')
 
     @model_validator(mode="before")
     @classmethod
@@ -153,6 +159,15 @@ class ChatMessage(_Strict):
             if isinstance(kind, str) and kind != "text":
                 raise PydanticCustomError("unsupported_value", "content parts of type '{kind}' are not supported "
                                           "(this server takes text only: 'text' parts or a string)", {"kind": kind})
+        # an assistant message the openai SDK built (its stream helper's, model_dump()) carries these at
+        # null, and a conversation sends it back (a 400 "unknown field 'messages.1.refusal'")
+        if isinstance(data, dict) and any(k in data for k in _MESSAGE_NEUTRAL):
+            for key, neutral in _MESSAGE_NEUTRAL.items():
+                value = data.get(key)
+                if not any(value == v and type(value) is type(v) for v in neutral):
+                    raise PydanticCustomError("unsupported_value", "'{key}' is not supported (only {neutral})",
+                                              {"key": key, "neutral": " or ".join(json.dumps(v) for v in neutral)})
+            data = {k: v for k, v in data.items() if k not in _MESSAGE_NEUTRAL}
         return data
 
     @model_validator(mode="after")
@@ -166,8 +181,9 @@ class ChatMessage(_Strict):
         if isinstance(content, list):  # text parts, joined as vLLM's default ("string" content format) joins them
             content = "\n".join(p.text for p in content)
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            out["name"] = self.name
+        for key in ("name", "tool_call_id"):  # (as transformers passes a message: a template may use them)
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
 
@@ -392,7 +408,7 @@ def _check_unicode(req: CompletionRequest | ChatCompletionRequest, param: str) -
     """Text a tokenizer can take: JSON allows lone surrogates ("\ud800"), which UTF-8 cannot encode
     (a 500 from the tokenizer, or a misleading 'the chat template rejected the messages')."""
     if isinstance(req, ChatCompletionRequest):
-        texts = [m.name or "" for m in req.messages] + [
+        texts = [m.name or "" for m in req.messages] + [m.tool_call_id or "" for m in req.messages] + [
             p.text for m in req.messages for p in (m.content if isinstance(m.content, list) else [])]
         texts += [m.content for m in req.messages if isinstance(m.content, str)]
     else:

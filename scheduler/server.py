@@ -114,6 +114,9 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     limits = limits or ServerLimits()
     if tokenizer is None:
         tokenizer = load_tokenizer(engine.config.model, engine.vocab_size)
+        if tokenizer is None:
+            log.warning("no_tokenizer", model=engine.config.model,
+                        detail="no tokenizer.json: prompts are taken as token ids only, chat is refused")
     st = _ServerState(engine, limits, tokenizer)
 
     @asynccontextmanager

@@ -13,7 +13,8 @@ Two tokenizers, chosen by `load_tokenizer(model, vocab_size)`:
   rendered as a "system" one unless the template names the role.
 
 * `ByteTokenizer` — the documented fallback for the random-weight presets (tiny, qwen3-*), which ship
-  no vocabulary. Text is encoded as its UTF-8 bytes shifted by `BYTE_OFFSET`:
+  no vocabulary (a checkpoint directory without tokenizer.json gets no tokenizer: token ids only).
+  Text is encoded as its UTF-8 bytes shifted by `BYTE_OFFSET`:
 
       id = byte + 3          (ids 0, 1, 2 are reserved and never produced by encode)
 
@@ -198,10 +199,11 @@ def _compile_template(template: str):
 
 
 def load_tokenizer(model: str, vocab_size: int) -> ByteTokenizer | HFTokenizer | None:
-    """The model directory's tokenizer.json, else the byte-level fallback; None when neither fits
-    (text prompts are then refused with a 400)."""
-    if os.path.isdir(model) and os.path.isfile(os.path.join(model, "tokenizer.json")):
-        return HFTokenizer(model)
+    """A model directory's tokenizer.json, a preset's byte-level fallback; None when neither fits
+    (text prompts are then refused with a 400). A directory without tokenizer.json gets None: its
+    weights speak their own vocabulary (bytes were the wrong ids for them, served with a 200)."""
+    if os.path.isdir(model):
+        return HFTokenizer(model) if os.path.isfile(os.path.join(model, "tokenizer.json")) else None
     try:
         return ByteTokenizer(vocab_size)
     except ValueError:
