@@ -26,6 +26,7 @@ from hicache.manager import CacheManager
 from scheduler.admission import Admission
 from scheduler.config import EngineConfig, resolve_device
 from scheduler.logs import configure_logging, info_enabled
+from scheduler.loop_task import check_loop, join_loop
 from scheduler.model import load_model
 from scheduler.presets import model_config_of
 from scheduler.request import (GenerationResult, Request, RequestError, RequestState, SamplingParams,
@@ -136,10 +137,15 @@ class Engine:
 
     def validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
         if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:
-            raise RequestError("prompt must be a non-empty list of token ids")
+            kind = "" if isinstance(prompt, (list, tuple)) else f", got a {type(prompt).__name__}"
+            hint = " (convert it with .tolist())" if hasattr(prompt, "tolist") else ""
+            raise RequestError(f"prompt must be a non-empty list of token ids{kind}{hint}")
         vocab = self.vocab_size
         if set(map(type, prompt)) != {int} or min(prompt) < 0 or max(prompt) >= vocab:  # C-speed scans
             bad = next(t for t in prompt if type(t) is not int or not 0 <= t < vocab)
+            if type(bad) is not int:  # (regression: np.int64(1) was said to be outside the vocabulary)
+                raise RequestError(f"token id {bad!r} is a {type(bad).__name__}, not an int: a prompt is a list "
+                                   "of Python ints (convert an array with .tolist())")
             raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
         params.validate(self.config.max_new_tokens_limit)
         if len(prompt) > self.max_prompt_tokens:
@@ -164,6 +170,7 @@ class Engine:
         while shutdown drained, or after it, restarted the loop on closed tiers)."""
         if self._closing:
             return
+        check_loop(self._loop_task, asyncio.get_running_loop())
         if self._loop_task is None or self._loop_task.done():
             self._wake = asyncio.Event()
             self._stopping = False
@@ -174,7 +181,9 @@ class Engine:
         """Queue a request (raises RequestError on bad input; nothing else is affected)."""
         if not self.accepting:
             raise RequestError("the engine is shutting down")
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):  # (regression: a dict raised AttributeError out of generate())
+            raise RequestError(f"params must be a SamplingParams, got a {type(params).__name__}")
         self.validate(prompt, params)
         req = Request(prompt=list(prompt), params=params, **({"rid": rid} if rid else {}))
         if req.rid in self.requests:
@@ -188,7 +197,7 @@ class Engine:
         self._event(req, "queued", prompt_tokens=len(req.prompt))
         try:
             self.admission.maybe_prefetch(req)
-        except BaseException:
+        except BaseException as exc:
             # the caller is told it failed: it must not stay queued, to run later or hold up an
             # idle check, nor keep a read it started (regression: a shared L3's hint task, which
             # needs a running loop, raised outside one and left the request queued)
@@ -196,6 +205,8 @@ class Engine:
             self.requests.pop(req.rid, None)
             self.admission.drop_ops(req, aborting=set())
             self.admission.release(req, publish=False)
+            # nor stay queued in the log (regression: the timeline showed it running to the run's end)
+            self._event(req, "failed", output_tokens=0, reason="error", error=f"not queued: {exc!r}")
             raise
         self._wake_soon()
         return req
@@ -223,15 +234,15 @@ class Engine:
         if len(plist) != len(prompts):  # (zip would drop prompts silently)
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling parameters")
         reqs: list[Request | GenerationResult] = []
-        for prompt, p in zip(prompts, plist):
-            try:
-                reqs.append(self.add_request(prompt, p))
-            except RequestError as exc:
-                reqs.append(GenerationResult(rid="", prompt_tokens=len(prompt) if hasattr(prompt, "__len__") else 0,
-                                             output_ids=[], finish_reason="error", error=str(exc),
-                                             cached_tokens={}, ttft_s=None, latency_s=None))
         out = []
         try:
+            for prompt, p in zip(prompts, plist):
+                try:
+                    reqs.append(self.add_request(prompt, p))
+                except RequestError as exc:
+                    reqs.append(GenerationResult(rid="", prompt_tokens=len(prompt) if hasattr(prompt, "__len__") else 0,
+                                                 output_ids=[], finish_reason="error", error=str(exc),
+                                                 cached_tokens={}, ttft_s=None, latency_s=None))
             for r in reqs:
                 if isinstance(r, Request):
                     while not r.state.done:
@@ -241,7 +252,8 @@ class Engine:
                     out.append(r.result())
                 else:
                     out.append(r)
-        except asyncio.CancelledError:  # nobody waits for them any more: as submit() does, abort them
+        except BaseException:  # nobody waits for them any more: as submit() does, abort them (regression:
+            # a prompt that failed to queue, other than by a RequestError, left those before it queued)
             for r in reqs:
                 if isinstance(r, Request) and not r.state.done:
                     await self.abort(r.rid)
@@ -249,8 +261,15 @@ class Engine:
         return out
 
     def generate(self, prompts, params=None) -> list[GenerationResult]:
-        """Synchronous batch generation on a private uvloop loop."""
+        """Synchronous batch generation on a private uvloop loop; inside a running event loop (a
+        Jupyter notebook's), `await engine.generate_async(...)` instead."""
         import uvloop
+
+        if asyncio._get_running_loop() is not None:  # (regression: asyncio.run's error, and a
+            # RuntimeWarning for the coroutine built here and never awaited)
+            raise RuntimeError("Engine.generate() cannot run inside a running event loop (a Jupyter notebook "
+                               "runs one): use `await engine.generate_async(prompts, params)`")
+        check_loop(self._loop_task, None)
 
         async def run():
             try:
@@ -279,10 +298,11 @@ class Engine:
     async def stop_loop(self) -> None:
         """Stop admitting, let the running requests finish, end the loop task and drain the
         operations in flight; waiting and parked requests stay queued (`start()` resumes them)."""
+        check_loop(self._loop_task, asyncio.get_running_loop())
         if self._loop_task is not None:
             self._stopping = True
             self._wake_soon()
-            await self._loop_task
+            await join_loop(self._loop_task, shield=True)
             self._loop_task = None
             self._stopping = False
         await self.cache.drain()
@@ -298,6 +318,7 @@ class Engine:
         abort the rest, drain every transfer and close the tiers (a temporary L3 file is removed).
         (Regression: queued requests were never admitted during the grace, which was then waited
         out in full before they were aborted.)"""
+        check_loop(self._loop_task, asyncio.get_running_loop())  # (else: closed tiers under a loop that runs on)
         self._closing = True
         deadline = time.monotonic() + grace_s
         while ((self.running or self.waiting or self.parked) and time.monotonic() < deadline
@@ -310,7 +331,7 @@ class Engine:
         self._wake_soon()
         try:
             if self._loop_task is not None:
-                await self._loop_task  # re-raises a loop crash, after which we still clean up
+                await join_loop(self._loop_task, shield=False)  # re-raises a loop crash; we still clean up
         finally:
             self._loop_task = None
             self._settle_aborts()
@@ -427,7 +448,9 @@ class Engine:
         self.stats["batches"] += 1
         if info_enabled():
             kind = "decode" if binput.is_decode else "prefill"
-            log.info("batch", batch_id=self._batch_id, kind=kind, num_seqs=len(reqs),
+            # (new_lens: reqs is empty for a forward whose output waits for its restore; regression:
+            # logged as a batch of no sequence)
+            log.info("batch", batch_id=self._batch_id, kind=kind, num_seqs=len(binput.new_lens),
                      num_tokens=len(binput.input_ids), start_ns=start_ns, end_ns=end_ns)
             self._log_occupancy()
         if binput.is_decode:
@@ -485,6 +508,11 @@ class Engine:
         req.state, req.finish_reason, req.error = state, reason, error
         req.finish_s = time.perf_counter()
         self.stats[{"finished": "finished", "aborted": "aborted", "failed": "failed"}[state.value]] += 1
+        if req.overlap_op is not None:
+            # it ends before taking over the restore its forward ran behind: that admission's hits
+            # never count (Restoring.adopt_restored), so its log says it was discarded (regression:
+            # the timeline kept the hits of its prefill_start, which the metrics never counted)
+            self._event(req, "restore_overlap_discarded", restore_failed=False)
         self._event(req, state.value, output_tokens=len(req.output), reason=reason, error=error)
         req.emit(TokenEvent(req.rid, None, len(req.output), finished=True, finish_reason=reason, error=error))
         self.requests.pop(req.rid, None)

@@ -3,6 +3,8 @@
 Every log line is a JSON object with "event" and "ts_ns" (time.monotonic_ns()). Events read here:
   request    rid, state in REQUEST_STATES; prefill_start adds prompt_tokens, hit_l1/hit_l2/hit_l3
              (tokens), restore_tier ("none"|"l2"|"l3"), restore_tokens; parked may add restore_tier;
+             restore_overlap_discarded drops the last admission's hits (its forward's output was
+             discarded, or the request ended before taking over its restore);
              finished / aborted / failed add output_tokens (and the engine's reason, error).
   batch      batch_id, kind ("prefill"|"decode"), num_seqs, num_tokens, start_ns, end_ns (once, at end).
   op         op_id, kind in OP_KINDS, from_state, to_state, bytes, pages, request_id, error: one per
@@ -282,6 +284,9 @@ def _add_request(b: _Builder, e: dict) -> bool:
         req.restore_tier, req.restore_tokens = tier or req.restore_tier, _opt_int(e.get("restore_tokens"))
     elif state == "parked" and req.first_ns("prefill_start") is None:
         req.restore_tier = tier or req.restore_tier
+    elif state == "restore_overlap_discarded":  # as the engine does (Restoring._rewind): that admission
+        # counted no hit, restored nothing (regression: kept when the request ended before the next)
+        req.hit_tokens, req.restore_tier, req.restore_tokens = {t: 0 for t in TIERS}, "none", 0
     elif state in REQUEST_END_STATES:
         req.output_tokens = _opt_int(e.get("output_tokens"))
         why = [str(e[k]) for k in ("reason", "error") if e.get(k) not in (None, "")]

@@ -253,5 +253,9 @@ def render_png(tl: Timeline, path: str | Path, *, max_request_rows: int = 40) ->
     if tl.occupancy:
         ax_occ.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    # a PNG unless the name asks for another format matplotlib writes, and at `path` itself
+    # (regression: a name without one got ".png" added; an unknown one raised ValueError)
+    suffix_format = Path(path).suffix[1:].lower()
+    fig.savefig(path, dpi=100,
+                format=suffix_format if suffix_format in fig.canvas.get_supported_filetypes() else "png")
     plt.close(fig)

@@ -365,7 +365,7 @@ BAD_INPUTS = {
     "empty_prompt": ([], PARAMS, "non-empty"),
     "out_of_vocab": ([1, 2, VOCAB], PARAMS, "vocabulary"),
     "negative_id": ([1, -1, 2], PARAMS, "vocabulary"),
-    "not_int": ([1, 2.0, 3], PARAMS, "vocabulary"),
+    "not_int": ([1, 2.0, 3], PARAMS, "not an int"),
     "max_tokens_zero": ([1, 2, 3], SamplingParams(max_tokens=0), "max_tokens"),
     "max_tokens_negative": ([1, 2, 3], SamplingParams(max_tokens=-3), "max_tokens"),
     "longer_than_pool": (list(range(48 * PAGE + 1)), PARAMS, "exceeds"),
