@@ -7,7 +7,7 @@ and runs prefill and decode batches over the paged L1 pool.
 
 In-process API: `await engine.start()`, `async for ev in engine.submit(prompt, params)`,
 `await engine.abort(rid)`, `engine.status()`, `await engine.shutdown()`; and the synchronous
-`Engine(...).generate(prompts, params)` for batches. Call it only from the thread whose event loop
+`Engine(...).generate(prompts, params)` for batches (scheduler/batch_api.py). Call it only from the thread whose event loop
 ran `start()`: the queues, the tree and the cache manager are not thread-safe.
 """
 from __future__ import annotations
@@ -24,19 +24,20 @@ import torch
 from hicache.faults import FaultInjector
 from hicache.manager import CacheManager
 from scheduler.admission import Admission
+from scheduler.batch_api import BatchAPI
 from scheduler.config import EngineConfig, resolve_device
 from scheduler.logs import configure_logging, info_enabled
 from scheduler.loop_task import check_loop, join_loop
 from scheduler.model import load_model
 from scheduler.presets import model_config_of
-from scheduler.request import (GenerationResult, Request, RequestError, RequestState, SamplingParams,
+from scheduler.request import (Request, RequestError, RequestState, SamplingParams,
                                TokenEvent, kv_tokens)
 from scheduler.runner import ModelRunner, SimRunner
 from scheduler.sampling import seeded_generator
 
 log = structlog.get_logger("scheduler.engine")
 
-class Engine:
+class Engine(BatchAPI):
     def __init__(self, config: EngineConfig | None = None, faults: FaultInjector | None = None) -> None:
         self.config = config = config or EngineConfig()
         if config.log_json or not structlog.is_configured():
@@ -226,58 +227,6 @@ class Engine:
         finally:
             if not req.state.done:
                 await self.abort(req.rid)
-
-    async def generate_async(self, prompts: Sequence[Sequence[int]],
-                             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
-        await self.start()
-        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
-        if len(plist) != len(prompts):  # (zip would drop prompts silently)
-            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling parameters")
-        reqs: list[Request | GenerationResult] = []
-        out = []
-        try:
-            for prompt, p in zip(prompts, plist):
-                try:
-                    reqs.append(self.add_request(prompt, p))
-                except RequestError as exc:
-                    reqs.append(GenerationResult(rid="", prompt_tokens=len(prompt) if hasattr(prompt, "__len__") else 0,
-                                                 output_ids=[], finish_reason="error", error=str(exc),
-                                                 cached_tokens={}, ttft_s=None, latency_s=None))
-            for r in reqs:
-                if isinstance(r, Request):
-                    while not r.state.done:
-                        ev = await r.queue.get()
-                        if ev.finished:
-                            break
-                    out.append(r.result())
-                else:
-                    out.append(r)
-        except BaseException:  # nobody waits for them any more: as submit() does, abort them (regression:
-            # a prompt that failed to queue, other than by a RequestError, left those before it queued)
-            for r in reqs:
-                if isinstance(r, Request) and not r.state.done:
-                    await self.abort(r.rid)
-            raise
-        return out
-
-    def generate(self, prompts, params=None) -> list[GenerationResult]:
-        """Synchronous batch generation on a private uvloop loop; inside a running event loop (a
-        Jupyter notebook's), `await engine.generate_async(...)` instead."""
-        import uvloop
-
-        if asyncio._get_running_loop() is not None:  # (regression: asyncio.run's error, and a
-            # RuntimeWarning for the coroutine built here and never awaited)
-            raise RuntimeError("Engine.generate() cannot run inside a running event loop (a Jupyter notebook "
-                               "runs one): use `await engine.generate_async(prompts, params)`")
-        check_loop(self._loop_task, None)
-
-        async def run():
-            try:
-                return await self.generate_async(prompts, params)
-            finally:
-                await self.stop_loop()
-                await self.cache.release_loop()
-        return uvloop.run(run())
 
     async def abort(self, rid: str) -> bool:
         """End a live request (False for an unknown or ended one). A parked request, in no batch, ends

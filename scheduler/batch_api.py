@@ -1,0 +1,66 @@
+"""The in-process batch API, mixed into the Engine: `await engine.generate_async(prompts, params)` and
+its synchronous form `engine.generate(prompts, params)`, which runs the engine on a private uvloop
+loop and stops it after. Each prompt is one request through `add_request`; a prompt the engine
+refuses gets a result carrying its error, and the others run. Uses the Engine's `start`,
+`add_request`, `abort`, `stop_loop` and `cache`."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from scheduler.loop_task import check_loop
+from scheduler.request import GenerationResult, Request, RequestError, SamplingParams
+
+
+class BatchAPI:
+    async def generate_async(self, prompts: Sequence[Sequence[int]],
+                             params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
+        await self.start()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):  # (zip would drop prompts silently)
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling parameters")
+        reqs: list[Request | GenerationResult] = []
+        out = []
+        try:
+            for prompt, p in zip(prompts, plist):
+                try:
+                    reqs.append(self.add_request(prompt, p))
+                except RequestError as exc:
+                    reqs.append(GenerationResult(rid="", prompt_tokens=len(prompt) if hasattr(prompt, "__len__") else 0,
+                                                 output_ids=[], finish_reason="error", error=str(exc),
+                                                 cached_tokens={}, ttft_s=None, latency_s=None))
+            for r in reqs:
+                if isinstance(r, Request):
+                    while not r.state.done:
+                        ev = await r.queue.get()
+                        if ev.finished:
+                            break
+                    out.append(r.result())
+                else:
+                    out.append(r)
+        except BaseException:  # nobody waits for them any more: as submit() does, abort them (regression:
+            # a prompt that failed to queue, other than by a RequestError, left those before it queued)
+            for r in reqs:
+                if isinstance(r, Request) and not r.state.done:
+                    await self.abort(r.rid)
+            raise
+        return out
+
+    def generate(self, prompts, params=None) -> list[GenerationResult]:
+        """Synchronous batch generation on a private uvloop loop; inside a running event loop (a
+        Jupyter notebook's), `await engine.generate_async(...)` instead."""
+        import uvloop
+
+        if asyncio._get_running_loop() is not None:  # (regression: asyncio.run's error, and a
+            # RuntimeWarning for the coroutine built here and never awaited)
+            raise RuntimeError("Engine.generate() cannot run inside a running event loop (a Jupyter notebook "
+                               "runs one): use `await engine.generate_async(prompts, params)`")
+        check_loop(self._loop_task, None)
+
+        async def run():
+            try:
+                return await self.generate_async(prompts, params)
+            finally:
+                await self.stop_loop()
+                await self.cache.release_loop()
+        return uvloop.run(run())
