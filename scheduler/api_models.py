@@ -5,11 +5,13 @@
 Request models are strict: unknown fields and wrong JSON types are errors (400), never coerced; OpenAI
 fields this server does not implement (penalties, logit_bias, tools, ...) are served at their neutral values
 only (any other value: an 'unsupported_value' 400).
-Token ids are what this engine speaks: `stop` / `stop_token_ids` are token ids (the stop token is in
-`token_ids` but its text is left out), and every choice carries the generated `token_ids` next to
-the text. A completion's `prompt` is a string, token ids, or a list holding one of them (OpenAI's
-batch of prompts; a batch of two or more is a 400). `read_json_body` (size limits, JSON) and
-`parse_request` (validation, limits, prompt ids, SamplingParams) turn an HTTP body into engine
+Token ids are what this engine speaks: `stop` as integers and `stop_token_ids` are token ids (the stop
+token is in `token_ids` but its text is left out); `stop` as a string or a list of up to 4 strings is
+matched on the generated text (scheduler/stop_strings.py: the text ends before the match, finish_reason
+"stop"). Every choice carries the generated `token_ids` next to the text. A completion's `prompt` is a
+string, token ids, or a list of either (OpenAI's batch: one choice per prompt, `index` its position,
+usage summed; each prompt is its own engine request). `read_json_body` (size limits, JSON) and
+`parse_prompts` (validation, limits, prompt ids, SamplingParams) turn an HTTP body into engine
 input; `response_body` / `stream_chunk` render results.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pydantic_core import PydanticCustomError
 
 from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams
+from scheduler.stop_strings import check_stop_strings
 
 Float = Annotated[float, Field(strict=True)]  # accepts JSON numbers (ints too), never strings
 TokenIds = list[StrictInt]
@@ -82,15 +85,20 @@ class _SamplingFields(_Strict):
     NEUTRAL: ClassVar[tuple[tuple[str, tuple], ...]] = (
         ("presence_penalty", (None, 0.0)), ("frequency_penalty", (None, 0.0)), ("logit_bias", (None, {})))
 
+    def stop_strings(self) -> tuple[str, ...]:
+        """`stop` given as text (a string or a list of strings), matched on the generated text."""
+        stops = [self.stop] if isinstance(self.stop, str) else [s for s in self.stop or () if isinstance(s, str)]
+        try:
+            return check_stop_strings(stops)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="stop", code="invalid_value") from None
+
     def stop_ids(self) -> tuple[int, ...]:
         stop: list[int] = []
-        if isinstance(self.stop, str) or (isinstance(self.stop, list) and any(isinstance(s, str) for s in self.stop)):
-            raise APIError(400, "'stop' takes token ids (an integer or a list of integers); stop strings are "
-                                "not supported", param="stop", code="unsupported_value")
         if isinstance(self.stop, int):
             stop.append(self.stop)
-        elif self.stop:
-            stop.extend(self.stop)
+        elif self.stop and not isinstance(self.stop, str):
+            stop.extend(t for t in self.stop if isinstance(t, int))
         stop.extend(self.stop_token_ids or ())
         for t in stop:
             if t < 0:
@@ -115,7 +123,7 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    # OpenAI's four shapes; a list of prompts is a batch, served when it holds one (parse_request)
+    # OpenAI's four shapes; a list of prompts is a batch: one choice per prompt (parse_prompts)
     prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
     echo: StrictBool | None = False
     best_of: StrictInt | None = None
@@ -225,6 +233,12 @@ class Usage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=tiers.l1 + tiers.l2 + tiers.l3),
                    cached_tokens_per_tier=tiers)
 
+    @classmethod
+    def summed(cls, usages: list["Usage"]) -> "Usage":
+        """A batch of prompts' usage: its choices' added up (OpenAI's one usage per response)."""
+        tiers = {k: sum(getattr(u.cached_tokens_per_tier, k) for u in usages) for k in ("l1", "l2", "l3")}
+        return cls.of(sum(u.prompt_tokens for u in usages), sum(u.completion_tokens for u in usages), tiers)
+
 
 class CompletionChoice(BaseModel):
     index: int = 0
@@ -294,14 +308,16 @@ def _is_type_tag(part: str) -> bool:
             or part.startswith(("constrained-", "function-")))
 
 
-def response_body(chat: bool, rid: str, created: int, model: str, text: str, finish_reason: str,
-                  token_ids: list[int], usage: Usage) -> dict:
+def response_body(chat: bool, rid: str, created: int, model: str, choices: list[tuple[str, str, list[int]]],
+                  usage: Usage) -> dict:
+    """`choices`: (text, finish_reason, token_ids) per prompt, in the prompts' order (their `index`)."""
     common = dict(id=rid, created=created, model=model, usage=usage)
     if chat:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason, token_ids=token_ids)
-        return ChatCompletionResponse(choices=[choice], **common).model_dump()
-    choice = CompletionChoice(text=text, finish_reason=finish_reason, token_ids=token_ids)
-    return CompletionResponse(choices=[choice], **common).model_dump()
+        return ChatCompletionResponse(choices=[
+            ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=finish, token_ids=ids)
+            for i, (text, finish, ids) in enumerate(choices)], **common).model_dump()
+    return CompletionResponse(choices=[CompletionChoice(index=i, text=text, finish_reason=finish, token_ids=ids)
+                                       for i, (text, finish, ids) in enumerate(choices)], **common).model_dump()
 
 
 def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: Usage) -> dict:
@@ -311,10 +327,10 @@ def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: Usage) ->
 
 
 def stream_chunk(chat: bool, rid: str, created: int, model: str, text: str, token_ids: list[int],
-                 finish_reason: str | None, first: bool, usage: Usage | None | Literal[False]) -> dict:
-    """One SSE chunk; `usage` False leaves the key out (no stream_options.include_usage), None is
-    the null that OpenAI puts in every choice chunk (the usage follows in `usage_chunk`)."""
-    choice: dict = {"index": 0, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+                 finish_reason: str | None, first: bool, usage: Usage | None | Literal[False], index: int = 0) -> dict:
+    """One SSE chunk of choice `index`; `usage` False leaves the key out (no stream_options.include_usage),
+    None is the null that OpenAI puts in every choice chunk (the usage follows in `usage_chunk`)."""
+    choice: dict = {"index": index, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
     if chat:
         choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
     else:
@@ -352,14 +368,15 @@ async def read_json_body(request, max_bytes: int) -> dict:
 
 
 # -- body -> engine input ------------------------------------------------------------------------------
-def parse_request(body: dict, chat: bool, *, tokenizer, served_names: set[str], model_name: str, vocab_size: int,
+def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], model_name: str, vocab_size: int,
                   prompt_limit: int, max_tokens_limit: int, default_max_tokens: int = 16,
                   context_tokens: int | None = None,
-                  ) -> tuple[CompletionRequest | ChatCompletionRequest, list[int], SamplingParams]:
-    """Validate a decoded JSON body: (the request model, prompt token ids, sampling parameters).
-    Raises APIError (400 / 404) naming the field or limit. Without max_tokens a completion gets
-    `default_max_tokens` (OpenAI's legacy default, 16) and a chat what is left of `context_tokens`
-    (the tokens a request can hold; OpenAI's chat has no default), each within max_tokens_limit."""
+                  ) -> tuple[CompletionRequest | ChatCompletionRequest, list[list[int]], SamplingParams]:
+    """Validate a decoded JSON body: (the request model, each prompt's token ids in order: one, or a
+    completion's batch, sampling parameters). Raises APIError (400 / 404) naming the field or limit (a
+    batch's prompt by its position: "prompt.2"). Without max_tokens a completion gets `default_max_tokens`
+    (OpenAI's legacy default, 16) and a chat what is left of `context_tokens` (the tokens a request can
+    hold; OpenAI's chat has no default), each within max_tokens_limit."""
     try:
         req = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
     except ValidationError as exc:
@@ -369,27 +386,45 @@ def parse_request(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
         raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
                        param="model", code="model_not_found")
     param = "messages" if chat else "prompt"
-    if not chat and isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
-        # a list of prompts (OpenAI's batch): ["text"] or [[ids]] is that one prompt
-        if len(req.prompt) != 1:
-            raise APIError(400, f"'prompt' holds {len(req.prompt)} prompts; this server takes one prompt per "
-                                f"request (a string, a list of token ids, or a list holding one of them)",
-                           param=param, code="unsupported_value")
-        req.prompt = req.prompt[0]
     _check_unicode(req, param)
+    if req.stop_strings() and tokenizer is None:
+        raise APIError(400, "this model has no tokenizer, so stop strings cannot be matched; send 'stop' as "
+                            "token ids", param="stop", code="invalid_value")
     if chat:
+        prompts: list = [None]
+    elif isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
+        prompts = list(req.prompt)  # a list of prompts (OpenAI's batch): ["text"] or [[ids]] is one prompt
+    else:
+        prompts = [req.prompt]
+    ids = []
+    for i, prompt in enumerate(prompts):
+        try:
+            ids.append(_prompt_ids(req, prompt, param, tokenizer, vocab_size, prompt_limit))
+        except APIError as exc:  # the whole request fails, naming the batch's prompt
+            if len(prompts) > 1:
+                exc.param, exc.message = f"{param}.{i}", f"prompt {i} of the batch: {exc.message}"
+            raise
+    if chat and context_tokens is not None:  # prompt + max_tokens - 1 tokens of K/V
+        default_max_tokens = max(1, context_tokens + 1 - len(ids[0]))
+    return req, ids, _sampling(req, max_tokens_limit, default_max_tokens)
+
+
+def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, prompt: str | list[int] | None, param: str,
+                tokenizer, vocab_size: int, prompt_limit: int) -> list[int]:
+    """One prompt's token ids (a chat's: its rendered messages), checked against the limits."""
+    if isinstance(req, ChatCompletionRequest):
         try:
             ids = tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
         except Exception as exc:  # a template may reject a conversation (raise_exception)
             raise APIError(400, f"the chat template rejected the messages: {exc}", param=param,
                            code="invalid_messages") from None
-    elif isinstance(req.prompt, str):
+    elif isinstance(prompt, str):
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids",
                            param=param, code="invalid_value")
-        ids = tokenizer.encode(req.prompt)
+        ids = tokenizer.encode(prompt)
     else:
-        ids = list(req.prompt)
+        ids = list(prompt)
     if not ids:
         raise APIError(400, "the prompt is empty", param=param, code="invalid_value")
     if len(ids) > prompt_limit:
@@ -399,9 +434,7 @@ def parse_request(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
         if not 0 <= t < vocab_size:
             raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab_size})", param=param,
                            code="invalid_token_id")
-    if chat and context_tokens is not None:  # prompt + max_tokens - 1 tokens of K/V
-        default_max_tokens = max(1, context_tokens + 1 - len(ids))
-    return req, ids, _sampling(req, max_tokens_limit, default_max_tokens)
+    return ids
 
 
 def _check_unicode(req: CompletionRequest | ChatCompletionRequest, param: str) -> None:
@@ -412,7 +445,7 @@ def _check_unicode(req: CompletionRequest | ChatCompletionRequest, param: str) -
             p.text for m in req.messages for p in (m.content if isinstance(m.content, list) else [])]
         texts += [m.content for m in req.messages if isinstance(m.content, str)]
     else:
-        texts = [req.prompt] if isinstance(req.prompt, str) else []
+        texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
     for text in texts:
         try:
             text.encode("utf-8")

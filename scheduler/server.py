@@ -1,6 +1,7 @@
 """OpenAI-compatible HTTP server (FastAPI on uvicorn + uvloop) in front of one Engine.
 
-    POST /v1/completions        prompt: token ids or text; stream: server-sent events
+    POST /v1/completions        prompt: token ids or text, or a list of prompts (one choice each);
+                                stream: server-sent events; stop: token ids or strings
     POST /v1/chat/completions   only with a model directory whose tokenizer has a chat template
     GET  /v1/models   GET /v1/models/{id}   GET /health   GET /metrics (Prometheus)
     GET  /hicache/status (engine.status())     (each GET route answers HEAD too)
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import os
 import sys
 import time
@@ -35,13 +35,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from scheduler.api_models import (APIError, Usage, jsonable, parse_request, read_json_body, response_body,
-                                  stream_chunk, usage_chunk, validation_error)
+from scheduler.api_models import APIError, Usage, jsonable, parse_prompts, read_json_body, validation_error
+from scheduler.choices import Choices
 from scheduler.engine import Engine
 from scheduler.prom import ServerMetrics
 from scheduler.request import Request as EngineRequest
-from scheduler.request import RequestError
-from scheduler.tokenizer import IncrementalDecoder, completion_context, decode_completion, load_tokenizer
+from scheduler.request import RequestError, TokenEvent
+from scheduler.stop_strings import CompletionText
+from scheduler.tokenizer import load_tokenizer
 
 log = structlog.get_logger("scheduler.server")
 
@@ -200,21 +201,27 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
 
 # -- generation --------------------------------------------------------------------------------------
 class _Slot:
-    """One of --max-concurrent-requests; released exactly once."""
+    """Places of --max-concurrent-requests, one per engine request (a batch of K prompts holds K);
+    released exactly once."""
 
     def __init__(self, st: _ServerState) -> None:
-        if st.in_flight >= st.limits.max_concurrent_requests:
+        self.st, self.count = st, 0
+        self.add(1)
+
+    def add(self, count: int) -> None:
+        st = self.st
+        if st.in_flight + count > st.limits.max_concurrent_requests:
             raise APIError(429, f"too many concurrent requests (limit {st.limits.max_concurrent_requests}, "
                                 f"--max-concurrent-requests); retry later", code="too_many_requests",
                            headers={"Retry-After": "1"})
-        self.st = st
-        st.in_flight += 1
-        st.metrics.in_flight.inc()
+        st.in_flight += count
+        self.count += count
+        st.metrics.in_flight.inc(count)
 
     def release(self) -> None:
         if self.st is not None:
-            self.st.in_flight -= 1
-            self.st.metrics.in_flight.dec()
+            self.st.in_flight -= self.count
+            self.st.metrics.in_flight.dec(self.count)
             self.st = None
 
 
@@ -233,40 +240,69 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
     except ClientDisconnect:  # the client left while its body was read: nothing to answer
         st.metrics.outcome("aborted")
         return Response(status_code=499)
+    gens: list[_Generation] = []
     try:
         if chat and getattr(st.tokenizer, "chat_template", None) is None:
             reason = getattr(st.tokenizer, "no_chat_reason", "the model has no tokenizer")
             raise APIError(400, f"no chat template is available for model {st.model_name!r} ({reason}); "
                                 f"use /v1/completions with a prompt of text or token ids",
                            code="chat_template_unavailable")
-        api_req, ids, params = parse_request(
+        api_req, prompts, params = parse_prompts(
             body, chat, tokenizer=st.tokenizer, served_names=st.served_names, model_name=st.model_name,
             vocab_size=st.engine.vocab_size, prompt_limit=st.prompt_limit, max_tokens_limit=st.max_tokens_limit,
             default_max_tokens=st.limits.default_max_tokens, context_tokens=st.engine.max_kv_tokens)
+        k = len(prompts)
+        if k > st.limits.max_concurrent_requests:  # each prompt is a request: waiting would never do
+            raise APIError(400, f"a batch of {k} prompts exceeds --max-concurrent-requests "
+                                f"({st.limits.max_concurrent_requests}); each prompt counts as a request",
+                           param="prompt", code="batch_too_large")
+        slot.add(k - 1)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        try:
-            ereq = st.engine.add_request(ids, params, rid=rid)
-        except RequestError as exc:
-            if st.draining or not st.engine.accepting:
-                raise APIError(503, f"the server is shutting down: {exc}", code="shutting_down") from None
-            raise APIError(400, str(exc), param=exc.param or "prompt", code="invalid_request") from None
+        for i, ids in enumerate(prompts):  # every prompt is checked before any is queued
+            try:
+                st.engine.validate(ids, params)
+            except RequestError as exc:
+                raise _refused(st, exc, i, k) from None
+        for i, ids in enumerate(prompts):
+            try:
+                ereq = st.engine.add_request(ids, params, rid=rid if k == 1 else f"{rid}-{i}")
+            except RequestError as exc:
+                raise _refused(st, exc, i, k) from None
+            gens.append(_Generation(st, ereq, api_req, chat, arrival, index=i, batch_size=k))
     except APIError:
+        await _abort_all(st, gens)  # a batch's prompts queued before one was refused
         slot.release()
         st.metrics.outcome("rejected")
         raise
     except BaseException as exc:  # cancelled (the client went away), or a bug (a 500)
+        await _abort_all(st, gens)
         slot.release()
         st.metrics.outcome("aborted" if isinstance(exc, asyncio.CancelledError) else "failed")
         raise
-    st.metrics.prompt_tokens.inc(len(ids))
-    gen = _Generation(st, ereq, api_req, chat, arrival)
+    st.metrics.prompt_tokens.inc(sum(map(len, prompts)))
+    choices = Choices(gens, chat, rid, api_req, st.model_name)
     if api_req.stream:
-        return _SSEResponse(gen.sse(), gen, slot, media_type="text/event-stream",
+        return _SSEResponse(choices.sse(), choices, slot, media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        return await gen.complete(request)
+        return await choices.complete(request)
     finally:
         slot.release()
+
+
+def _refused(st: _ServerState, exc: RequestError, index: int, batch_size: int) -> APIError:
+    """The engine refused prompt `index` of a request: a 400 naming it (a 503 while shutting down)."""
+    if st.draining or not st.engine.accepting:
+        return APIError(503, f"the server is shutting down: {exc}", code="shutting_down")
+    if batch_size == 1:
+        return APIError(400, str(exc), param=exc.param or "prompt", code="invalid_request")
+    return APIError(400, f"prompt {index} of the batch: {exc}", param=exc.param or f"prompt.{index}",
+                    code="invalid_request")
+
+
+async def _abort_all(st: _ServerState, gens: list["_Generation"]) -> None:
+    for gen in gens:
+        await _abort_quietly(st.engine, gen.req)
 
 
 async def _abort_quietly(engine: Engine, req: EngineRequest) -> None:
@@ -279,20 +315,20 @@ async def _abort_quietly(engine: Engine, req: EngineRequest) -> None:
 
 
 class _SSEResponse(StreamingResponse):
-    """A streaming response that always closes its generator, aborts its request and frees its slot,
+    """A streaming response that always closes its generator, aborts its requests and frees its slot,
     whether it ended, the client went away (starlette cancels the send) or the server stopped."""
 
-    def __init__(self, content, gen: "_Generation", slot: _Slot, **kw) -> None:
+    def __init__(self, content, choices: Choices, slot: _Slot, **kw) -> None:
         super().__init__(content, **kw)
-        self._gen, self._slot = gen, slot
+        self._choices, self._slot = choices, slot
 
     async def __call__(self, scope, receive, send) -> None:
         async def receive_watching():
             # Starlette stops the stream on a disconnect by cancelling it, which never lands while
-            # a token arrives every loop turn (a CPU forward): abort the request, and its stream ends
+            # a token arrives every loop turn (a CPU forward): abort the requests, and the stream ends
             message = await receive()
             if message["type"] == "http.disconnect":
-                await _abort_quietly(self._gen.st.engine, self._gen.req)
+                await self._choices.abort()
             return message
 
         async def watch() -> None:
@@ -310,19 +346,23 @@ class _SSEResponse(StreamingResponse):
                 watcher.cancel()
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
-                await self._gen.close()
+                await self._choices.close()
             self._slot.release()
 
 
 class _Generation:
-    """One admitted request: reads its token events and renders them as a response or as SSE."""
+    """One admitted engine request (choice `index` of a request of `batch_size` prompts; rendered by
+    scheduler/choices.py): reads its token events as text, with its stop strings matched."""
 
-    def __init__(self, st: _ServerState, req: EngineRequest, api_req, chat: bool, arrival: float) -> None:
-        self.st, self.req, self.api_req, self.chat, self.arrival = st, req, api_req, chat, arrival
-        self.created = int(time.time())
+    def __init__(self, st: _ServerState, req: EngineRequest, api_req, chat: bool, arrival: float,
+                 index: int = 0, batch_size: int = 1) -> None:
+        self.st, self.req, self.chat, self.arrival = st, req, chat, arrival
+        self.index, self.batch_size = index, batch_size
+        self.stop_strings = api_req.stop_strings()
         self.stop_ids = set(req.params.stop_token_ids)
         if not req.params.ignore_eos:
             self.stop_ids.update(st.engine.model_config.eos_token_ids)
+        self.output_tokens = 0  # tokens read (a stop string ends them before the engine's abort lands)
         self.first_token_at: float | None = None
         self._buf: deque = deque()
         self._closed = self._counted = False
@@ -356,18 +396,25 @@ class _Generation:
         outcome = {"length": "success", "stop": "success", "abort": "aborted"}.get(fin.finish_reason, "failed")
         self._counted = True
         m.outcome(outcome)
-        m.generation_tokens.inc(len(self.req.output))
+        m.generation_tokens.inc(self.output_tokens)
         if outcome == "success":
             m.e2e.observe(time.perf_counter() - self.arrival)
 
-    def _usage(self) -> Usage:
-        return Usage.of(len(self.req.prompt), len(self.req.output), self.req.hit_tokens)
+    def usage(self) -> Usage:
+        # the tokens read: after a stop string, those up to and including the one that completed its
+        # match (vLLM's count), not the ones the engine made before the abort landed
+        return Usage.of(len(self.req.prompt), self.output_tokens, self.req.hit_tokens)
 
-    def _fail(self, fin) -> APIError:
+    def fail(self, fin) -> APIError:
+        where, param = (f"prompt {self.index} of the batch: ", f"prompt.{self.index}") if self.batch_size > 1 \
+            else ("", None)
         if fin.finish_reason == "abort":
-            return APIError(503, "the request was aborted (the server is shutting down or the client went away)",
-                            code="aborted")
-        return APIError(500, f"the engine failed this request: {fin.error}", code="engine_error")
+            return APIError(503, f"{where}the request was aborted (the server is shutting down or the client went "
+                                 f"away)", param=param, code="aborted")
+        return APIError(500, f"{where}the engine failed this request: {fin.error}", param=param, code="engine_error")
+
+    async def abort(self) -> None:
+        await _abort_quietly(self.st.engine, self.req)
 
     async def close(self) -> None:
         """Abort the request unless it ended (the client went away, or the server is stopping)."""
@@ -377,72 +424,30 @@ class _Generation:
                 self._counted = True
                 self.st.metrics.outcome("aborted")
                 self.st.metrics.generation_tokens.inc(len(self.req.output))
-            await _abort_quietly(self.st.engine, self.req)
+            await self.abort()
 
-    async def complete(self, request: Request):
-        watcher = asyncio.ensure_future(self._abort_on_disconnect(request))
-        ids: list[int] = []
-        try:
-            async for token, fin in self.steps():
-                if token is not None:
-                    ids.append(token)
-                if fin is not None:
-                    self._finish(fin)
-                    break
-        finally:
-            watcher.cancel()
-            await self.close()
-        if fin.finish_reason not in ("length", "stop"):
-            raise self._fail(fin)
-        shown = ids if not ids or self._shows_text(ids[-1], fin) else ids[:-1]
-        text = "" if self.st.tokenizer is None else decode_completion(self.st.tokenizer, self._context(), shown)
-        return JSONResponse(response_body(self.chat, self.req.rid, self.created, self.st.model_name, text,
-                                          fin.finish_reason, ids, self._usage()))
-
-    async def _abort_on_disconnect(self, request: Request) -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        await _abort_quietly(self.st.engine, self.req)
-
-    @property
-    def _includes_usage(self) -> bool:
-        opts = self.api_req.stream_options
-        return opts is not None and opts.include_usage
-
-    def _chunk(self, text: str, token_ids: list[int], fin, first: bool) -> str:
-        chunk = stream_chunk(self.chat, self.req.rid, self.created, self.st.model_name, text, token_ids,
-                             None if fin is None else fin.finish_reason, first,
-                             None if self._includes_usage else False)
-        return f"data: {json.dumps(chunk)}\n\n"
-
-    def _context(self) -> list[int]:
-        """A completion's text continues its prompt's (a chat's answer is a new message: no context)."""
-        return [] if self.chat else self.req.prompt
-
-    async def sse(self):
-        tok = self.st.tokenizer
-        decoder = None if tok is None else IncrementalDecoder(tok, completion_context(tok, self._context()))
-        first = True
-        try:
-            async for token, fin in self.steps():
-                text = ""
-                if decoder is not None and token is not None and self._shows_text(token, fin):
-                    text = decoder.feed(token)
-                if fin is not None:
-                    self._finish(fin)
-                    if fin.finish_reason not in ("length", "stop"):
-                        yield f"data: {json.dumps(self._fail(fin).body())}\n\n"
-                        break
-                    if decoder is not None:
-                        text += decoder.flush()
-                yield self._chunk(text, [] if token is None else [token], fin, first)
-                first = False
-                if fin is not None and self._includes_usage:
-                    usage = usage_chunk(self.chat, self.req.rid, self.created, self.st.model_name, self._usage())
-                    yield f"data: {json.dumps(usage)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            await self.close()
+    async def events(self):
+        """(text, token ids, the finishing event or None) per token as it arrives; the last token and
+        the end come together. A completion's text continues its prompt's (a chat's answer is a new
+        message: no context). A stop string's match ends it ("stop", the text before the match) and
+        aborts the engine request, which may still be generating."""
+        text = CompletionText(self.st.tokenizer, [] if self.chat else self.req.prompt, self.stop_strings)
+        async for token, fin in self.steps():
+            delta = ""
+            if token is not None:
+                self.output_tokens += 1
+                if self._shows_text(token, fin):
+                    delta = text.feed(token)
+            if fin is not None and fin.finish_reason in ("length", "stop"):
+                delta += text.flush()
+            if text.stopped:
+                fin = TokenEvent(self.req.rid, None, self.output_tokens, finished=True, finish_reason="stop")
+                await self.abort()
+            if fin is not None:
+                self._finish(fin)
+            yield delta, [] if token is None else [token], fin
+            if fin is not None:
+                return
 
 
 if __name__ == "__main__":  # python -m scheduler.server: the command line (scheduler/serve.py)

@@ -194,7 +194,7 @@ BAD = [
     ("empty prompt", {**GOOD, "prompt": []}, 400, "prompt", "empty"),
     ("prompt too long", {**GOOD, "prompt": [1] * 300}, 400, "prompt", "exceeds the limit"),
     ("n=2", {**GOOD, "n": 2}, 400, "n", "'n' must be 1"),
-    ("stop strings", {**GOOD, "stop": ["\n"]}, 400, "stop", "token ids"),
+    ("empty stop string", {**GOOD, "stop": ["\n", ""]}, 400, "stop", "empty string"),
     ("top_p zero", {**GOOD, "top_p": 0.0}, 400, "top_p", "top_p"),
     ("nan temperature", b'{"prompt": [1], "temperature": NaN}', 400, "temperature", "finite"),
     ("seed over 64 bits", {**GOOD, "seed": 1 << 64}, 400, "seed", "64-bit integer"),

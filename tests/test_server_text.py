@@ -119,16 +119,16 @@ def test_a_chat_template_in_its_own_file_is_read(tmp_path):
 def test_a_chat_without_max_tokens_gets_what_is_left_of_its_context():
     from types import SimpleNamespace
 
-    from scheduler.api_models import parse_request
+    from scheduler.api_models import parse_prompts
 
     tokenizer = SimpleNamespace(apply_chat_template=lambda messages: list(range(1, 101)))  # 100 prompt tokens
     body = {"messages": [{"role": "user", "content": "hi"}]}
     kw = dict(tokenizer=tokenizer, served_names={"tiny"}, model_name="tiny", vocab_size=512, prompt_limit=1000)
-    _, ids, params = parse_request(body, True, max_tokens_limit=64, context_tokens=120, **kw)
+    _, [ids], params = parse_prompts(body, True, max_tokens_limit=64, context_tokens=120, **kw)
     assert len(ids) == 100 and params.max_tokens == 21  # 100 + 21 - 1 = 120 tokens of K/V
-    _, _, params = parse_request(body, True, max_tokens_limit=64, context_tokens=4096, **kw)
+    _, _, params = parse_prompts(body, True, max_tokens_limit=64, context_tokens=4096, **kw)
     assert params.max_tokens == 64
-    _, _, params = parse_request({"prompt": [1, 2]}, False, max_tokens_limit=64, context_tokens=4096, **kw)
+    _, _, params = parse_prompts({"prompt": [1, 2]}, False, max_tokens_limit=64, context_tokens=4096, **kw)
     assert params.max_tokens == 16  # a completion keeps OpenAI's legacy default
 
 

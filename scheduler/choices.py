@@ -1,0 +1,145 @@
+"""The choices of one API request, rendered as one JSON response or one event stream (scheduler/server.py).
+
+A completion's `prompt` may be a list of prompts (OpenAI's batch): each is its own engine request (a
+server `_Generation`), all run concurrently, and each is a choice whose `index` is its prompt's position
+(`n` is 1). A response carries the choices in that order and one usage, their sum; a stream interleaves
+their chunks as their tokens arrive (each chunk names its choice's `index`), then sends one usage chunk
+(with stream_options.include_usage) and one `data: [DONE]`. A single prompt is a batch of one.
+
+A choice that fails (the engine failed it, or it was aborted at shutdown) fails the whole request, as a
+single request fails: the other choices are aborted; a response is that error (500, or 503 for an abort)
+and a stream ends with it as an error event, then `data: [DONE]`; in a batch the error names the
+prompt ("prompt 2 of the batch: ...", param "prompt.2"). A client that goes away aborts them all.
+Each prompt holds one of --max-concurrent-requests (server._Slot) and is counted in the metrics as a
+request (its outcome, its tokens); a refused batch counts one rejection.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+
+import anyio
+from fastapi.responses import JSONResponse
+
+from scheduler.api_models import APIError, Usage, response_body, stream_chunk, usage_chunk
+
+_END = object()
+
+
+class Choices:
+    """The engine requests (`_Generation`s, one per prompt, in order) of one API request."""
+
+    def __init__(self, gens: list, chat: bool, rid: str, api_req, model: str) -> None:
+        self.gens, self.chat, self.rid, self.model = gens, chat, rid, model
+        self.created = int(time.time())
+        opts = api_req.stream_options
+        self.includes_usage = opts is not None and opts.include_usage
+
+    async def abort(self) -> None:
+        """The client went away: end every engine request (each stream then ends with 'abort')."""
+        for g in self.gens:
+            await g.abort()
+
+    async def close(self) -> None:
+        """Abort what has not ended (counted as aborted), once the response is over."""
+        for g in self.gens:
+            await g.close()
+
+    def usage(self) -> Usage:
+        return Usage.summed([g.usage() for g in self.gens])
+
+    def _events(self) -> AsyncIterator[tuple[int, tuple]]:
+        return merge([g.events() for g in self.gens])
+
+    @staticmethod
+    def _failed(gen, fin) -> APIError | None:
+        return None if fin is None or fin.finish_reason in ("length", "stop") else gen.fail(fin)
+
+    async def complete(self, request) -> JSONResponse:
+        watcher = asyncio.ensure_future(self._abort_on_disconnect(request))
+        texts: list[list[str]] = [[] for _ in self.gens]
+        ids: list[list[int]] = [[] for _ in self.gens]
+        finish: list[str] = [""] * len(self.gens)
+        failed = None
+        try:
+            async with contextlib.aclosing(self._events()) as events:
+                async for i, (text, token_ids, fin) in events:
+                    texts[i].append(text)
+                    ids[i] += token_ids
+                    if (failed := self._failed(self.gens[i], fin)) is not None:
+                        break
+                    if fin is not None:
+                        finish[i] = fin.finish_reason
+        finally:
+            watcher.cancel()
+            await self.close()
+        if failed is not None:
+            raise failed
+        body = response_body(self.chat, self.rid, self.created, self.model,
+                             [("".join(t), f, i) for t, f, i in zip(texts, finish, ids)], self.usage())
+        return JSONResponse(body)
+
+    async def _abort_on_disconnect(self, request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        await self.abort()
+
+    async def sse(self):
+        first = [True] * len(self.gens)
+        try:
+            async with contextlib.aclosing(self._events()) as events:
+                async for i, (text, token_ids, fin) in events:
+                    if (failed := self._failed(self.gens[i], fin)) is not None:
+                        yield f"data: {json.dumps(failed.body())}\n\n"
+                        break
+                    chunk = stream_chunk(self.chat, self.rid, self.created, self.model, text, token_ids,
+                                         None if fin is None else fin.finish_reason, first[i],
+                                         None if self.includes_usage else False, index=i)
+                    first[i] = False
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                else:
+                    if self.includes_usage:
+                        usage = usage_chunk(self.chat, self.rid, self.created, self.model, self.usage())
+                        yield f"data: {json.dumps(usage)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await self.close()
+
+
+async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(position, item) of several async iterators, in the order their items arrive; one iterator is
+    read as it is. Closing it cancels the readers."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def read(i: int, stream: AsyncIterator) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item))
+        except Exception as exc:  # raised to the reader of the merge (a bug: a 500 / a broken stream)
+            queue.put_nowait((i, exc))
+        finally:
+            queue.put_nowait((i, _END))
+
+    readers = [asyncio.ensure_future(read(i, s)) for i, s in enumerate(streams)]
+    try:
+        live = len(readers)
+        while live:
+            i, item = await queue.get()
+            if item is _END:
+                live -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for r in readers:
+            r.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*readers, return_exceptions=True)

@@ -1,0 +1,110 @@
+"""Stop strings: OpenAI's `stop` given as text, matched on a completion's generated text.
+
+The engine speaks token ids (its `stop_token_ids` end a request at a token); a stop string ends it when
+the TEXT generated so far contains it, wherever the tokens split it (one string over several tokens,
+or a multi-byte character over several byte tokens: the text is matched after incremental decoding,
+`tokenizer.IncrementalDecoder`, so a character is matched once it is whole). Only generated text is
+matched, never the prompt's. As OpenAI / vLLM do:
+
+* the text returned ends just before the first (leftmost) match, the stop string left out;
+* the finish_reason is "stop";
+* the tokens counted (usage.completion_tokens, `token_ids`) are those generated up to and including
+  the one whose text completed the match (vLLM's count); the server then aborts the engine request.
+
+Streaming sends no text that might still become a stop string: `StopMatcher` holds back the longest
+suffix of the text so far that is a prefix of some stop string, releases it once it can no longer
+match, and drops it at a match; so the streamed deltas add up to the non-streamed text.
+
+`stop` takes at most MAX_STOP_STRINGS strings (OpenAI's limit); an empty string is refused (vLLM's
+"stop cannot contain an empty string": it would match before the first token).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduler.tokenizer import IncrementalDecoder, completion_context
+
+MAX_STOP_STRINGS = 4  # OpenAI: "Up to 4 sequences where the API will stop generating further tokens"
+
+
+def check_stop_strings(stops: Sequence[str]) -> tuple[str, ...]:
+    """The stop strings of a request, deduplicated; ValueError for an empty one or too many."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    if any(s == "" for s in stops):
+        raise ValueError("'stop' cannot contain an empty string")
+    return tuple(dict.fromkeys(stops))
+
+
+class StopMatcher:
+    """Text deltas in, text that may be sent out; `matched` is the stop string once one matched
+    (nothing more may be fed then)."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        if not stops or any(not s for s in stops):
+            raise ValueError("StopMatcher needs non-empty stop strings")
+        self.stops = tuple(stops)
+        self._longest = max(map(len, self.stops))
+        self._held = ""  # the text's suffix that is a prefix of a stop string: not sent yet
+        self.matched: str | None = None
+
+    def feed(self, delta: str) -> str:
+        """The text that can be sent after `delta` arrived. A match can only start in the held
+        text or in `delta` (any earlier start would have been held), so only those are searched."""
+        if self.matched is not None:
+            raise RuntimeError("a stop string already matched")
+        text = self._held + delta
+        hits = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
+        if hits:
+            at, self.matched = min(hits)
+            self._held = ""
+            return text[:at]
+        keep = self._held_len(text)
+        self._held = text[len(text) - keep:]
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        """The held text, at the end of a generation that matched nothing (it can match no more)."""
+        held, self._held = self._held, ""
+        return held
+
+    def _held_len(self, text: str) -> int:
+        for k in range(min(len(text), self._longest - 1), 0, -1):
+            tail = text[len(text) - k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0
+
+
+class CompletionText:
+    """One choice's text as its tokens arrive: incremental decoding after the prompt's context
+    (`completion_context`; a chat passes none), then stop-string matching. Without a tokenizer
+    there is no text (token ids only; the API refuses stop strings then)."""
+
+    def __init__(self, tokenizer, context: Sequence[int], stops: Sequence[str] = ()) -> None:
+        self.decoder = None
+        if tokenizer is not None:
+            self.decoder = IncrementalDecoder(tokenizer, completion_context(tokenizer, context))
+        self.matcher = StopMatcher(stops) if stops and tokenizer is not None else None
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string matched: the generation ends at the token just fed."""
+        return self.matcher is not None and self.matcher.matched is not None
+
+    def feed(self, token_id: int) -> str:
+        if self.decoder is None or self.stopped:
+            return ""
+        delta = self.decoder.feed(token_id)
+        return delta if self.matcher is None else self.matcher.feed(delta)
+
+    def flush(self) -> str:
+        """What is still held at the end of the generation (an incomplete character, text that
+        might have begun a stop string); it may complete a match itself (`stopped` then)."""
+        if self.decoder is None or self.stopped:
+            return ""
+        tail = self.decoder.flush()
+        if self.matcher is None:
+            return tail
+        text = self.matcher.feed(tail)
+        return text if self.stopped else text + self.matcher.flush()
