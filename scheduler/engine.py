@@ -76,6 +76,7 @@ class Engine(BatchAPI):
         self.running: list[Request] = []      # admitted: PREFILL (chunked) or DECODE
         self.requests: dict[str, Request] = {}
         self._aborts: set[str] = set()
+        self._stops: set[str] = set()  # of those, the ones a caller's stop condition ended (`abort`)
         self._wake: asyncio.Event | None = None
         self._end_chain = False  # set by _wake_soon, not by _wake_idle: a decode chain stops for it
         self._loop_task: asyncio.Task | None = None
@@ -228,15 +229,20 @@ class Engine(BatchAPI):
             if not req.state.done:
                 await self.abort(req.rid)
 
-    async def abort(self, rid: str) -> bool:
+    async def abort(self, rid: str, stop: bool = False) -> bool:
         """End a live request (False for an unknown or ended one). A parked request, in no batch, ends
         now; others at the loop's next tick (regression: a request aborted while the loop waited for
-        its blocking restore was admitted after it, prefilled and sent a token before it ended)."""
+        its blocking restore was admitted after it, prefilled and sent a token before it ended).
+        stop: the caller's own stop condition ended it (an API stop string): it FINISHES ("stop") and
+        publishes what it computed, as a stop token would (regression: counted as aborted, its answer's
+        KV left out of the prefix cache)."""
         req = self.requests.get(rid)
         if req is None or req.state.done:
             return False
+        if stop:
+            self._stops.add(rid)
         if req.state is RequestState.PARKED:
-            self.finish(req, RequestState.ABORTED, "abort")
+            self._end_aborted(req)
             return True
         self._aborts.add(rid)
         self._wake_soon()
@@ -437,8 +443,17 @@ class Engine(BatchAPI):
         for rid in list(self._aborts):
             req = self.requests.get(rid)
             if req is not None and not req.state.done:
-                self.finish(req, RequestState.ABORTED, "abort")
+                self._end_aborted(req)
         self._aborts.clear()
+        self._stops.clear()
+
+    def _end_aborted(self, req: Request) -> None:
+        stop = req.rid in self._stops
+        self._stops.discard(req.rid)
+        if stop and req.state is RequestState.DECODE:
+            self.finish(req, RequestState.FINISHED, "stop")
+        else:
+            self.finish(req, RequestState.ABORTED, "abort")
 
     def finish(self, req: Request, state: RequestState, reason: str, error: str | None = None) -> None:
         """End the request: cancel its restore or prefetch, publish what it computed (only when

@@ -305,11 +305,12 @@ async def _abort_all(st: _ServerState, gens: list["_Generation"]) -> None:
         await _abort_quietly(st.engine, gen.req)
 
 
-async def _abort_quietly(engine: Engine, req: EngineRequest) -> None:
+async def _abort_quietly(engine: Engine, req: EngineRequest, stop: bool = False) -> None:
+    """stop: a stop string ended it (it finishes and its KV is published: Engine.abort)."""
     if not req.state.done:
         with anyio.CancelScope(shield=True):
             try:
-                await engine.abort(req.rid)
+                await engine.abort(req.rid, stop=stop)
             except Exception:  # only after the loop crashed; the client has its error already
                 log.exception("abort failed", rid=req.rid)
 
@@ -413,8 +414,8 @@ class _Generation:
                                  f"away)", param=param, code="aborted")
         return APIError(500, f"{where}the engine failed this request: {fin.error}", param=param, code="engine_error")
 
-    async def abort(self) -> None:
-        await _abort_quietly(self.st.engine, self.req)
+    async def abort(self, stop: bool = False) -> None:
+        await _abort_quietly(self.st.engine, self.req, stop)
 
     async def close(self) -> None:
         """Abort the request unless it ended (the client went away, or the server is stopping)."""
@@ -430,7 +431,7 @@ class _Generation:
         """(text, token ids, the finishing event or None) per token as it arrives; the last token and
         the end come together. A completion's text continues its prompt's (a chat's answer is a new
         message: no context). A stop string's match ends it ("stop", the text before the match) and
-        aborts the engine request, which may still be generating."""
+        the engine request, which may still be generating (it finishes: Engine.abort's stop)."""
         text = CompletionText(self.st.tokenizer, [] if self.chat else self.req.prompt, self.stop_strings)
         async for token, fin in self.steps():
             delta = ""
@@ -442,7 +443,7 @@ class _Generation:
                 delta += text.flush()
             if text.stopped:
                 fin = TokenEvent(self.req.rid, None, self.output_tokens, finished=True, finish_reason="stop")
-                await self.abort()
+                await self.abort(stop=True)
             if fin is not None:
                 self._finish(fin)
             yield delta, [] if token is None else [token], fin

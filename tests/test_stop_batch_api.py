@@ -180,9 +180,10 @@ def test_a_stop_string_over_a_token_boundary_ends_the_text_before_it(srv):
     choice = r["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["token_ids"]) == (text, "stop", kept)
     assert r["usage"]["completion_tokens"] == len(kept) and r["usage"]["total_tokens"] == 5 + len(kept)
-    assert_pools_whole(srv)  # the engine request was aborted: its pages are back
+    assert_pools_whole(srv)  # the engine request ended: its private pages are back
     after = httpx.get(srv.url + "/hicache/status").json()["engine"]
-    assert after["aborted"] == before["aborted"] + 1
+    # it finished (a stop), not aborted: its KV is published like a stop token's
+    assert (after["finished"] - before["finished"], after["aborted"] - before["aborted"]) == (1, 0)
     assert after["decode_tokens"] - before["decode_tokens"] < body["max_tokens"] - 1  # it did not run on
     # streamed: the same text in pieces, nothing of the stop string sent, "stop" on the last chunk
     chunks = _stream(srv.url, {**body, "stop": [stop]})
@@ -327,10 +328,10 @@ def test_stop_strings_apply_to_each_prompt_of_a_batch(srv):
     r = _post(srv.url, {**body, "prompt": prompts, "stop": stops})
     assert [(c["text"], c["token_ids"], c["finish_reason"]) for c in r["choices"]] == expected
     assert r["usage"]["completion_tokens"] == sum(len(e[1]) for e in expected)
-    # a choice ended by its stop string is aborted then, not when the batch ends (it would run on to
-    # max_tokens beside the other one)
+    # a choice ended by its stop string ends then (finished, not aborted), not when the batch ends (it
+    # would run on to max_tokens beside the other one)
     after = wait_idle(srv)["engine"]
-    assert (after["aborted"] - before["aborted"], after["finished"] - before["finished"]) == (1, 1)
+    assert (after["aborted"] - before["aborted"], after["finished"] - before["finished"]) == (0, 2)
     chunks = _stream(srv.url, {**body, "prompt": prompts, "stop": stops})
     for i, (text, ids, finish) in enumerate(expected):
         mine = [ch["choices"][0] for ch in chunks if ch["choices"][0]["index"] == i]
@@ -467,3 +468,37 @@ def test_an_engine_failure_of_one_prompt_fails_the_batch_naming_it(tmp_path):
         s.call(engine.check_integrity)
         ok = _post(s.url, {"prompt": [[30, 31, 32], [40, 41, 42]], "max_tokens": 4})
         assert [c["finish_reason"] for c in ok["choices"]] == ["length", "length"]
+
+
+def test_a_request_a_stop_condition_ends_finishes_and_publishes_its_kv():
+    """regression: a stop string's end was an abort: counted as aborted, and the KV of the answer it
+    had generated never reached the prefix cache (a chat's next turn recomputed it)."""
+    import asyncio
+
+    from hicache.radix import Tier
+    from scheduler.config import EngineConfig
+    from scheduler.engine import Engine
+    from scheduler.request import SamplingParams
+
+    async def main():
+        eng = Engine(EngineConfig(model="tiny", page_size=4))
+        await eng.start()
+        prompt = list(range(10, 30))
+        req = eng.add_request(prompt, SamplingParams(max_tokens=40))
+        while len(req.output) < 9:
+            await asyncio.sleep(0.001)
+        assert await eng.abort(req.rid, stop=True)
+        while not req.state.done:
+            await asyncio.sleep(0.001)
+        result = req.result()
+        assert result.finish_reason == "stop" and result.error is None
+        assert eng.stats["finished"] == 1 and eng.stats["aborted"] == 0
+        # the answer's KV is in L1: prompt + answer is matched to its last full page of computed KV
+        # (every output token but the last has KV; a chained step may have computed one more)
+        computed = len(prompt) + len(result.output_ids) - 1
+        l1_tokens = eng.cache.match(prompt + result.output_ids).length(Tier.L1)
+        assert l1_tokens >= computed // 4 * 4 > len(prompt)
+        eng.check_integrity()
+        await eng.shutdown()
+
+    asyncio.run(main())
