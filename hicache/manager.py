@@ -142,19 +142,18 @@ class CacheManager:
         if tier is Tier.L3 and self.store is not None:
             self.store.invalidate(pages)
 
-    def flush(self, tier: Tier) -> int:
+    def flush(self, tier: Tier, written_back: bool = False) -> int:
         """Evict every unlocked page of `tier` (an operator's flush, a benchmark's reset), but for
-        what write_back has not saved yet. Under write_back an L1 page that L2 and L3 lack is
-        written back first: its backup starts (OpRunner.write_back_keep; without a running loop,
-        none can) and it stays in L1, like a write_through backup's source in flight, until a later
-        flush (regression: the flush dropped every unsaved prefix from every tier, where
-        write_through keeps it in L2).
-        `flush_async` waits for those backups and leaves L1 empty. Says nothing about the
-        workload, so write admission does not count it. Returns pages freed."""
+        what write_back has not saved yet: such an L1 page starts its backup (OpRunner.write_back_keep;
+        not without a running loop) and stays in L1 until a later flush (regression: the flush
+        dropped every unsaved prefix from every tier, where write_through keeps it in L2).
+        `flush_async` waits for those backups and leaves L1 empty (written_back: the write-back was
+        tried already, what it did not save goes). Says nothing about the workload, so write
+        admission does not count it. Returns pages freed."""
         keep = None
         if tier is Tier.L1:
             self.runner.start_due()
-            if self.has_l2 and self.config.write_policy == "write_back":
+            if self.has_l2 and self.config.write_policy == "write_back" and not written_back:
                 try:
                     asyncio.get_running_loop()
                     keep = self.runner.write_back_keep
@@ -174,7 +173,9 @@ class CacheManager:
         pages freed."""
         if tier is Tier.L1:
             await self.runner.write_back_l1(unsaved=self.has_l2 and self.config.write_policy == "write_back")
-        return self.flush(tier)
+        # (no veto asks write admission again: a backup it declined above went through as a probe,
+        # and the leaf stayed in L1 with its backup in flight after the flush; regression)
+        return self.flush(tier, written_back=True)
 
     # -- matching and L1 pages for requests ----------------------------------------------------
     def match(self, tokens: Sequence[int]) -> MatchResult:
@@ -279,18 +280,26 @@ class CacheManager:
     def alloc_l1(self, num_pages: int, claim: int) -> list[int] | None:
         return self.alloc_pages(Tier.L1, num_pages, claim)
 
-    def insert_l1(self, tokens: Sequence[int], pages: Sequence[int], claim: int, start_tokens: int) -> list[int]:
+    def insert_l1(self, tokens: Sequence[int], pages: Sequence[int], claim: int, start_tokens: int,
+                  backup: bool = True) -> list[int]:
         """Publish a request's private pages for tokens[start_tokens:] (page aligned). Returns the
-        duplicates of what L1 already held: still private to `claim`, for the caller to free."""
+        duplicates of what L1 already held: still private to `claim`, for the caller to free.
+        backup=False: no write-through backup now (a prompt chunk's pages: `back_up_l1` with the
+        prompt's, later)."""
         if len(tokens) <= start_tokens:
             return []
         duplicates = self.tree.insert(tokens, Tier.L1, pages, claim, start_tokens=start_tokens)
+        if backup:
+            self.back_up_l1(tokens)
+        return duplicates
+
+    def back_up_l1(self, tokens: Sequence[int]) -> None:
+        """Under write_through, back up the published L1 prefix `tokens` (what L2 lacks of it)."""
         if self.has_l2 and self.config.write_policy == "write_through":
             if self.defer_backups:
                 self.runner.backup_soon(tokens)
             else:
                 self.runner.start_backup(tokens)
-        return duplicates
 
     def free_pages(self, tier: Tier, pages: Sequence[int], claim: int) -> None:
         self.allocator(tier).free(pages, claim)

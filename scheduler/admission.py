@@ -73,6 +73,10 @@ class Admission(Restoring):
         for req in list(eng.waiting):
             if budget <= 0 or len(eng.running) >= eng.config.max_running_requests or eng._stopping:
                 break
+            if req.rid in eng._aborts:
+                # aborted while this pass waited for a blocking restore (the list was taken before):
+                # the next tick ends it (regression: admitted, prefilled, sent a token after abort())
+                continue
             if req.hint_task is not None and not req.hint_task.done():
                 continue  # its shared-L3 hints are still being fetched
             if req.prefetch_op is not None and req.prefetch_op.done:
@@ -256,7 +260,11 @@ class Admission(Restoring):
             self.cache.metrics.recomputed_tokens += chunk
             req.recomputed_tokens += chunk  # (the replay's per-request records)
             if req.cached_len < len(req.prompt):
-                return  # more chunks to go; the sampled token is meaningless
+                # more chunks to go; the sampled token is meaningless. The full pages computed so far
+                # are published now (regression: only once the whole prompt was, so a request sharing
+                # the prefix admitted meanwhile computed all of it again); backed up with the prompt
+                self._publish(req, req.prompt, backup=False)
+                return
             eng._event(req, "prefill_end")
             self._publish(req, req.prompt)
             req.state = RequestState.DECODE
@@ -287,8 +295,9 @@ class Admission(Restoring):
         self.engine.finish(req, RequestState.FAILED, "error", "the model's logits for this request were NaN "
                            "(a non-finite forward): its prefix's KV or the model is broken")
 
-    def _publish(self, req: Request, tokens: list[int]) -> None:
-        """Insert the request's full pages of `tokens` into the tree and move its lock down.
+    def _publish(self, req: Request, tokens: list[int], backup: bool = True) -> None:
+        """Insert the request's full pages of `tokens` into the tree and move its lock down
+        (backup=False: a prompt chunk's, which the write policy backs up with the whole prompt).
 
         Pages the tree already held (an identical prompt computed alongside, or a page-aligned
         prompt whose last page was recomputed) come back as duplicates: the request switches to the
@@ -299,11 +308,16 @@ class Admission(Restoring):
         ps = self.page_size
         aligned = min(len(tokens), req.cached_len)
         aligned -= aligned % ps
-        if aligned <= req.locked_len:
-            return
         cache = self.cache
+        if aligned <= req.locked_len:
+            if backup and req.chunks_unbacked:  # (its chunks published every full page of `tokens`)
+                req.chunks_unbacked = False
+                cache.back_up_l1(tokens[:req.locked_len])
+            return
         first, end = req.locked_len // ps, aligned // ps
-        duplicates = cache.insert_l1(tokens[:aligned], req.pages[first:end], req.claim, start_tokens=req.locked_len)
+        duplicates = cache.insert_l1(tokens[:aligned], req.pages[first:end], req.claim, start_tokens=req.locked_len,
+                                     backup=backup)
+        req.chunks_unbacked = not backup
         m = cache.tree.match(tokens[:aligned], include_storage=False)
         cache.lock(m.handles[Tier.L1])
         cache.unlock(req.locked_node)
@@ -313,8 +327,9 @@ class Admission(Restoring):
             cache.free_pages(Tier.L1, duplicates, req.claim)
 
     def release(self, req: Request, publish: bool) -> None:
-        """End of a request: publish its computed pages (when it finished), free the rest, give
-        back its reservation (a parked request's too: the room its read's H2D was to take)."""
+        """End of a request: publish its computed pages (when it finished; its prompt chunks' are
+        already), free the rest, give back its reservation (a parked request's too: the room its
+        read's H2D was to take)."""
         self.fallback_end_tokens.pop(req.rid, None)
         self.reserved_pages -= req.reserved_pages
         req.reserved_pages = 0
@@ -325,6 +340,8 @@ class Admission(Restoring):
         if publish:
             # KV exists for every token but the last generated one
             self._publish(req, (req.prompt + req.output)[: req.cached_len])
+        elif req.chunks_unbacked:  # it ends between prompt chunks: back up those it published
+            self.cache.back_up_l1(req.prompt[: req.locked_len])
         self.cache.unlock(req.locked_node)
         req.locked_node = None
         self.cache.release_claim(req.claim)

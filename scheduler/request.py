@@ -122,6 +122,7 @@ class Request:
     cached_len: int = 0          # tokens whose KV is in L1 and may be read
     locked_node: object = None   # tree node locked in L1 (protects the shared prefix we read)
     locked_len: int = 0          # tokens covered by locked_node's path
+    chunks_unbacked: bool = False  # prompt chunks it published still wait for their write-through backup
     reserved_pages: int = 0      # pages this request may still need (admission reservation)
     hit_tokens: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
     recomputed_tokens: int = 0   # prompt tokens its prefill computed and kept (metrics.recomputed_tokens's share)
@@ -140,7 +141,8 @@ class Request:
     landed_offered: bool = False  # its prefetch's read landed and the request was offered to take it on
     promoted_tokens: int = 0      # tokens an L3 -> L2 prefetch brought up for this request
     hint_task: object = None      # shared L3: the existence query that must finish before admission
-    hint_deferred: bool = False   # queued outside a running loop: that query starts on the loop's next plan
+    hint_deferred: bool = False   # queued outside a running loop: that query (or its prefetch) starts on the
+                                  # loop's next plan
     # scored once at the first token if it ran alone (hicache/outcomes.py): how many batches had ended
     # when it arrived, and per prefix source the seconds the cost model predicted to its first token
     arrival_batch: int = 0

@@ -25,34 +25,36 @@ class Restoring:
     engine, cache, page_size, reserved_pages, fallback_end_tokens, `_reusable`, `_pages_after`, `release`
     and `after_step`."""
 
-    _hints_deferred = False  # some queued request's hint refresh waits for a running loop
+    _hints_deferred = False  # some queued request's hint refresh or prefetch waits for a running loop
 
     def maybe_prefetch(self, req: Request) -> None:
         """Start an L3 -> L2 promotion as soon as a request is queued (for a shared L3, after
         refreshing the tree's hints of what the store holds; the request waits for that refresh)."""
+        if self.cache.store is None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            # queued outside a running loop, as add_request allows with every backend (the loop that
+            # runs it admits it: generate()'s own, or start()'s): the refresh or prefetch starts on that
+            # loop's next plan (`start_deferred_hints`), before admission (regressions: a bare
+            # RuntimeError, with Redis; with a file L3 too, its read held L2 pages no driver freed)
+            req.hint_deferred = self._hints_deferred = True
+            return
         if getattr(self.cache.store, "content_addressed", False):
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                # queued outside a running loop, as add_request allows with every backend (the loop
-                # that runs it later admits it: generate()'s own, or start()'s): the refresh starts
-                # on that loop's next plan (`start_deferred_hints`) and the request waits for it
-                # there, as it would here (regression: asyncio's bare RuntimeError, with Redis only)
-                req.hint_deferred = self._hints_deferred = True
-                return
             req.hint_task = loop.create_task(self._refresh_then_prefetch(req))
             return
         self._prefetch(req)
 
     def start_deferred_hints(self) -> None:
-        """On the running loop: start the hint refreshes of requests queued outside one."""
+        """On the running loop: start the hint refreshes and prefetches of requests queued outside one."""
         if not self._hints_deferred:
             return
         self._hints_deferred = False
         for req in self.engine.waiting:
             if req.hint_deferred:
                 req.hint_deferred = False
-                req.hint_task = asyncio.get_running_loop().create_task(self._refresh_then_prefetch(req))
+                self.maybe_prefetch(req)
 
     async def _refresh_then_prefetch(self, req: Request) -> None:
         try:
@@ -334,10 +336,11 @@ class Restoring:
             # locks them now, before this one is admitted on room that counted them as evictable
             # (regression: both were admitted on those pages, and one failed, "no KV page available")
             self.settle_overlaps()
-            # ... and its request goes on now, ahead of the requests queued behind it: admitted
-            # first, they evicted the pages it had restored (unlocked once published) before the
-            # next tick brought it back (regression: it recomputed its whole prefix)
-            if req.state is RequestState.PARKED:
+            # ... and its request goes on now, ahead of those queued behind it, which evicted its
+            # unlocked restored pages (regression: it recomputed its prefix); unless aborted or
+            # stopping: parked till then (regression: prefilled, sent a token, then aborted)
+            eng = self.engine
+            if req.state is RequestState.PARKED and req.rid not in eng._aborts and not eng._stopping:
                 self._unpark(req, op)
                 return "ended"
         return "parked"
