@@ -20,6 +20,7 @@ import structlog
 import torch
 
 from hicache.radix import Tier
+from hicache.suspect import drop_suspect_prefix
 from scheduler import load
 from scheduler.request import Request, RequestState, TokenEvent, kv_tokens
 from scheduler.restoring import Restoring
@@ -285,7 +286,10 @@ class Admission(Restoring):
         """Its logits were NaN: fail it, and zero its private pages first (its forward wrote NaN K/V
         there). The pool must hold finite values (scheduler/attention.py: the unwritten tail of a
         page is read and masked, and NaN * 0 is NaN): the next request given one of them failed too.
-        On the device the zeroing is enqueued after any step still writing them (`finish`)."""
+        On the device the zeroing is enqueued after any step still writing them (`finish`).
+        A prompt that reused cached pages: that prefix is the likely culprit, and leaves every tier
+        but where others lock it (hicache/suspect.py; regression: it stayed, and every later request
+        that hit it failed too)."""
         self.cache.metrics.count_failure("nan_logits")
         log.error("nan_logits", rid=req.rid, state=req.state.value, output_tokens=len(req.output))
         private = req.pages[req.locked_len // self.page_size:]
@@ -294,6 +298,11 @@ class Admission(Restoring):
             kv[:, :, torch.tensor(private, dtype=torch.int64, device=kv.device)] = 0
         self.engine.finish(req, RequestState.FAILED, "error", "the model's logits for this request were NaN "
                            "(a non-finite forward): its prefix's KV or the model is broken")
+        reused = sum(req.hit_tokens.values())  # (after finish: its own lock is gone)
+        if reused:
+            dropped, kept_tokens = drop_suspect_prefix(self.cache, req.prompt[:reused])
+            log.warning("nan_prefix_dropped", rid=req.rid, reused_tokens=reused, dropped_tokens=reused - kept_tokens,
+                        kept_locked_tokens=kept_tokens, dropped_pages=dropped)
 
     def _publish(self, req: Request, tokens: list[int], backup: bool = True) -> None:
         """Insert the request's full pages of `tokens` into the tree and move its lock down
