@@ -192,7 +192,15 @@ class Backups:
         through L2, so asked only after the backups L2 lets through, either probe came once in
         16 times its period where L2 is not read back (regression)."""
         mgr = self.mgr
-        return mgr.has_l3 and mgr.worth_writing("l3", num_tokens) and (mgr.cost.write_probe or mgr.l3_reuse_probe())
+        return (mgr.has_l3 and not self._l3_writes_paused() and mgr.worth_writing("l3", num_tokens)
+                and (mgr.cost.write_probe or mgr.l3_reuse_probe()))
+
+    def _l3_writes_paused(self) -> bool:
+        """L3 refuses writes for now (FileStore backs off after an ENOSPC: a sparse file on a full
+        disk): the backup skips its L3 write, a `write_l3` policy skip, instead of failing (regression:
+        every backup tried and failed), before the cost model is asked (its probes stay for writes)."""
+        retry_in_s = getattr(self.mgr.store, "write_retry_in_s", None)
+        return retry_in_s is not None and retry_in_s() > 0
 
     def _defer(self, key: tuple[int, ...], tokens: tuple[int, ...]) -> None:
         """`tokens` waits for the backup of `key` in flight; a waiting prefix of it is covered by it."""
@@ -223,8 +231,8 @@ class Backups:
             # gate finds nothing read back from a tier restores skip on that same estimate, and
             # counted its own probes only on these asks (regression: one L3 write in
             # restore_explore_every * 16 refused asks once L3 was unproductive)
-            if not mgr.has_l3 or not (op.payload["l3_probe"] or (mgr.worth_writing("l3", n) and (
-                    mgr.cost.write_probe or mgr.l3_write_pays_off()))):
+            if not mgr.has_l3 or self._l3_writes_paused() or not (op.payload["l3_probe"] or (
+                    mgr.worth_writing("l3", n) and (mgr.cost.write_probe or mgr.l3_write_pays_off()))):
                 if mgr.has_l3:
                     mgr.metrics.policy_skips["write_l3"] += 1
                 apply(op, OpEvent.SKIP_L3)
@@ -252,7 +260,9 @@ class Backups:
                 await asyncio.wait((writer,))
                 if self._cancelled(op):
                     return
-            if n3 >= n2:
+            if n3 >= n2 or self._l3_writes_paused():  # (paused while it waited for a write above)
+                if n3 < n2:
+                    mgr.metrics.policy_skips["write_l3"] += 1
                 apply(op, OpEvent.SKIP_L3)
                 mgr.metrics.backups_done += 1
                 return

@@ -78,7 +78,8 @@ class FileStore:
     can_check_after_landing = True
 
     def __init__(self, geometry: KVGeometry, num_slots: int, path: str | None = None, io_workers: int = 4,
-                 checksum: bool = True, faults: FaultInjector | None = None) -> None:
+                 checksum: bool = True, faults: FaultInjector | None = None,
+                 enospc_backoff_s: tuple[float, float] = (1.0, 60.0)) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if io_workers < 1:
@@ -87,7 +88,7 @@ class FileStore:
         self.bytes_per_page = geometry.bytes_per_page
         self.size_bytes = self.num_slots * self.bytes_per_page
         self.checksum, self.faults, self.is_temp = bool(checksum), faults, path is None
-        fd, self.path = open_store_file(path, self.size_bytes)
+        fd, self.path, self.reserved = open_store_file(path, self.size_bytes)
         self._fd = fd
         self._finalizer = weakref.finalize(self, release_file, fd, self.path if self.is_temp else None)
         self._checksums = np.zeros(self.num_slots, dtype=np.uint64)
@@ -97,6 +98,10 @@ class FileStore:
         self._state_lock = threading.Lock()  # guards closing, submission order and task counters
         self._closed = False
         self._active_tasks = self._peak_active_tasks = 0
+        # after an ENOSPC write (a sparse file, storage_file._reserve) writes are refused until
+        # _writes_paused_until (clock() seconds), lo doubling to hi per ENOSPC, reset by a success
+        self.enospc_backoff_s, self.clock = enospc_backoff_s, time.monotonic
+        self._writes_paused_until, self._enospc_streak, self.enospc_backoffs = 0.0, 0, 0
         self._pool = cf.ThreadPoolExecutor(max_workers=self.io_workers, thread_name_prefix="hicache-l3-io")
         self._held: set[StorageOp] = set()  # reads with hold_checks whose checksums have not been let go
         # read verification: an I/O thread hands each landed piece's checksums to this pool and reads
@@ -110,8 +115,18 @@ class FileStore:
         return slot * self.bytes_per_page
 
     def write_pages(self, host_buffer: torch.Tensor, host_pages: Sequence[int], slots: Sequence[int]) -> cf.Future:
-        """Write host_buffer[host_pages[i]] into slot slots[i]; resolves to IoResult."""
+        """Write host_buffer[host_pages[i]] into slot slots[i]; resolves to IoResult. Refused
+        (StorageError "enospc") while backing off after an ENOSPC (`write_retry_in_s`)."""
+        wait_s = self.write_retry_in_s()
+        if wait_s > 0 and not self._closed:
+            return _done_future(error=StorageError(
+                "enospc", f"L3 writes to {self.path!r} paused after ENOSPC (retry in {wait_s:.2f} s)"))
         return self._submit(False, host_buffer, host_pages, slots)
+
+    def write_retry_in_s(self) -> float:
+        """Seconds until writes are tried again after an ENOSPC (0: they go ahead); the backups skip
+        their L3 write meanwhile (hicache/backups.py), as RedisStore backs off a dead server."""
+        return max(0.0, self._writes_paused_until - self.clock())
 
     def read_pages(self, slots: Sequence[int], host_buffer: torch.Tensor, host_pages: Sequence[int],
                    checksums_after_landing: bool = False, hold_checks: bool = False) -> cf.Future:
@@ -177,7 +192,8 @@ class FileStore:
         return {"path": self.path, "num_slots": self.num_slots, "bytes_per_page": self.bytes_per_page,
                 "is_temp": self.is_temp, "size_bytes": self.size_bytes, "io_workers": self.io_workers,
                 "checksum": self.checksum, "closed": self._closed, "valid_slots": valid_slots,
-                "active_tasks": active, "peak_active_tasks": peak}
+                "active_tasks": active, "peak_active_tasks": peak, "reserved": self.reserved,
+                "write_retry_in_s": self.write_retry_in_s(), "enospc_backoffs": self.enospc_backoffs}
 
     def __enter__(self) -> FileStore:
         return self
@@ -286,6 +302,21 @@ class FileStore:
             if hashes is not None:
                 self._checksums[idx] = hashes[fresh]
             self._valid[idx] = True
+        with self._state_lock:  # a write went through: the disk has room again
+            self._enospc_streak, self._writes_paused_until = 0, 0.0
+
+    def _enospc_seen(self) -> None:
+        """A write failed with ENOSPC: refuse writes for lo * 2**(n-1) s (at most hi), n counting
+        ENOSPCs since the last success (its exponent capped: a disk full for days must not overflow
+        the float); one while already backing off (another task's) does not count."""
+        with self._state_lock:
+            now_s = self.clock()
+            if now_s < self._writes_paused_until:
+                return
+            self._enospc_streak += 1
+            self.enospc_backoffs += 1
+            lo, hi = self.enospc_backoff_s
+            self._writes_paused_until = now_s + min(hi, lo * 2.0 ** min(self._enospc_streak - 1, 32))
 
     # ---- worker side -----------------------------------------------------------------------------
     def _run_task(self, op: StorageOp, pieces: list[tuple[int, int, int, int]]) -> None:
@@ -299,6 +330,8 @@ class FileStore:
             self._do_pieces(op, pieces, unread)
         except OSError as exc:
             error = _error_from_oserror(exc, f"L3 {'read' if op.is_read else 'write'} of {self.path!r}")
+            if not op.is_read and error.kind == "enospc":
+                self._enospc_seen()
         except BaseException as exc:  # StorageError, or a bug: report it through the future
             error = exc
         finally:

@@ -2,7 +2,8 @@
 path opened safely (no symbolic links, no other owner's file, no non-regular file; created 0600,
 truncated: old content is meaningless without this process's slot metadata; locked, so a second
 store on the same path, in this process or another, is refused instead of truncating and
-overwriting the first's pages), each checked for room on its filesystem before it is sized."""
+overwriting the first's pages), each checked for room on its filesystem before it is sized, and
+its size reserved (`_reserve`: posix_fallocate; sparse, with a warning, where the file system cannot)."""
 from __future__ import annotations
 
 import contextlib
@@ -17,15 +18,17 @@ import structlog
 log = structlog.get_logger("hicache.storage")
 
 
-def open_store_file(path: str | os.PathLike | None, size_bytes: int) -> tuple[int, str]:
-    """(fd, absolute path) of a store file of `size_bytes`; path None: a fresh temporary file.
+def open_store_file(path: str | os.PathLike | None, size_bytes: int) -> tuple[int, str, bool]:
+    """(fd, absolute path, reserved) of a store file of `size_bytes`; path None: a fresh temporary
+    file. reserved: its blocks are allocated (False: a sparse file, see `_reserve`).
     What the OS refuses (a size over the file system's largest file, no locks, no free-space
     figure) is a ValueError naming the file and the flags (regression: a bare OSError, "[Errno 27]
     File too large", naming neither)."""
     if path is not None:
         path = os.path.abspath(os.fspath(path))
         try:
-            return _open_path(path, size_bytes), path
+            fd, reserved = _open_path(path, size_bytes)
+            return fd, path, reserved
         except OSError as exc:
             raise ValueError(f"L3 storage file {path!r}: {exc.strerror or exc}; choose another "
                              f"--hicache-storage-path or lower --hicache-storage-size-gb / "
@@ -36,6 +39,7 @@ def open_store_file(path: str | os.PathLike | None, size_bytes: int) -> tuple[in
         try:
             _check_free_space(fd, temp_path, size_bytes, 0)
             os.ftruncate(fd, size_bytes)
+            reserved = _reserve(fd, temp_path, size_bytes)
         except BaseException:
             release_file(fd, temp_path)
             raise
@@ -43,7 +47,7 @@ def open_store_file(path: str | os.PathLike | None, size_bytes: int) -> tuple[in
         raise ValueError(f"L3 storage file {temp_path!r} (a temporary file: no --hicache-storage-path "
                          f"given): {exc.strerror or exc}; give --hicache-storage-path or lower "
                          f"--hicache-storage-size-gb / --hicache-storage-ratio") from exc
-    return fd, temp_path
+    return fd, temp_path, reserved
 
 
 def release_file(fd: int, temp_path: str | None) -> None:
@@ -59,6 +63,27 @@ def release_file(fd: int, temp_path: str | None) -> None:
             pass
         except OSError as exc:
             log.warning("l3_file_left_behind", path=temp_path, error=exc.strerror or str(exc))
+
+
+def _reserve(fd: int, path: str, size_bytes: int) -> bool:
+    """Allocate the file's blocks (it is already `size_bytes` long), so that a disk other processes
+    fill later cannot fail its writes with ENOSPC (regression: the file stayed sparse, its free-space
+    check reserved nothing). Extent allocation, no zeroing: ~5 ms for 1-2 GiB on ext4. A file system
+    that cannot (EOPNOTSUPP / ENOSYS / EINVAL: some network or FUSE ones) keeps a sparse file, one
+    warning naming it (FileStore then backs off after an ENOSPC write); False. Any other failure
+    (ENOSPC, EDQUOT) empties the file, giving a partial reservation back, and raises."""
+    try:
+        os.posix_fallocate(fd, 0, size_bytes)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            log.warning("l3_file_sparse", path=path, size_bytes=size_bytes, error=exc.strerror or str(exc),
+                        hint="the file system cannot reserve the L3 file's space: writes may hit ENOSPC "
+                             "if the disk fills")
+            return False
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+        raise
+    return True
 
 
 def _check_free_space(fd: int, path: str, needed_bytes: int, occupied_bytes: int) -> None:
@@ -80,8 +105,8 @@ def _check_existing(path: str, st: os.stat_result) -> None:
         raise ValueError(f"refusing L3 storage path {path!r}: {why}")
 
 
-def _open_path(path: str, size_bytes: int) -> int:
-    """Open (create) a user-given store path safely, truncated and sized; returns the fd."""
+def _open_path(path: str, size_bytes: int) -> tuple[int, bool]:
+    """Open (create) a user-given store path safely, truncated and sized; returns (fd, reserved)."""
     with contextlib.suppress(FileNotFoundError):
         _check_existing(path, os.lstat(path))
     flags, created = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, False
@@ -108,10 +133,11 @@ def _open_path(path: str, size_bytes: int) -> int:
         os.ftruncate(fd, 0)  # old content is meaningless: the metadata lives in this process
         os.fchmod(fd, 0o600)
         os.ftruncate(fd, size_bytes)
+        reserved = _reserve(fd, path, size_bytes)
     except BaseException:
         release_file(fd, path if created else None)
         raise
-    return fd
+    return fd, reserved
 
 
 def _lock(fd: int, path: str) -> None:

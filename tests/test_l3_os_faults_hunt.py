@@ -144,6 +144,7 @@ async def test_a_write_the_disk_refuses_fails_clean_and_l3_is_written_once_it_cl
 
     eng = make_engine()
     await eng.start()
+    eng.cache.store.enospc_backoff_s = (0.0, 0.0)  # (the backoff after ENOSPC: test_l3_reserve_hunt.py)
     want = await reference(PROMPT)
     tokens = tuple(PROMPT[:REUSABLE])
     monkeypatch.setattr(os, "pwritev", pwritev)

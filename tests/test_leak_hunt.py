@@ -114,6 +114,7 @@ async def test_failed_write_through_backups_are_not_remembered():
     faults = FaultInjector()
     faults.arm(Fault.ENOSPC_WRITE, times=None)
     eng = make_engine(faults, write_policy="write_through")
+    eng.cache.store.enospc_backoff_s = (0.0, 0.0)  # every backup tries (the backoff: test_l3_reserve_hunt.py)
     await eng.start()
     rng = random.Random(5)
     prompts = [[rng.randrange(VOCAB) for _ in range(5 * PAGE + 1)] for _ in range(6)]
