@@ -183,7 +183,8 @@ class RedisStore:
             if isinstance(exc, (rexc.ConnectionError, rexc.TimeoutError, OSError, asyncio.TimeoutError)):
                 self._consecutive_failures += 1
                 lo, hi = self.backoff_s
-                self._down_until = time.monotonic() + min(hi, lo * 2 ** (self._consecutive_failures - 1))
+                # (the exponent capped: after ~1,025 failures in a row, 2 ** n overflowed a float)
+                self._down_until = time.monotonic() + min(hi, lo * 2 ** min(self._consecutive_failures - 1, 32))
         self.errors[err.kind] = self.errors.get(err.kind, 0) + 1
         return err
 

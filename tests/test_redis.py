@@ -235,3 +235,20 @@ def test_replies_are_parsed_in_c_and_in_chunks_that_do_not_hold_the_loop():
     store = RedisStore(geometry, 64, "redis://127.0.0.1:1/0", model_id="m")  # (connects on first use)
     assert store.pages_per_chunk * (HEADER.size + geometry.bytes_per_page) <= 8 << 20
     store.close()
+
+
+def test_a_long_outage_backs_off_at_the_cap_without_overflowing():
+    """regression: the backoff was lo * 2 ** (failures - 1), uncapped: after ~1,025 connection errors
+    in a row (2.3 hours of a dead server at the 8 s cap) the float overflowed inside the error
+    handling, and every later request to the store raised OverflowError."""
+    import time
+
+    from redis import exceptions as rexc
+
+    from hicache.storage_redis import RedisStore
+
+    store = RedisStore(GEOM, 64, "redis://127.0.0.1:1/0", model_id="m", backoff_s=(0.05, 8.0))  # (no connection)
+    store._consecutive_failures = 5000
+    err = store._error(rexc.ConnectionError("refused"), "read")
+    assert err.kind == "eio" and 7.0 < store._down_until - time.monotonic() <= 8.0
+    store.close()
