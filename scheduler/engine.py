@@ -27,7 +27,7 @@ from scheduler.admission import Admission
 from scheduler.batch_api import BatchAPI
 from scheduler.config import EngineConfig, resolve_device
 from scheduler.logs import configure_logging, info_enabled
-from scheduler.loop_task import check_loop, join_loop
+from scheduler.loop_task import check_loop, crash_of, fail_live_requests, join_loop
 from scheduler.model import load_model
 from scheduler.presets import model_config_of
 from scheduler.request import (Request, RequestError, RequestState, SamplingParams,
@@ -183,6 +183,8 @@ class Engine(BatchAPI):
         """Queue a request (raises RequestError on bad input; nothing else is affected)."""
         if not self.accepting:
             raise RequestError("the engine is shutting down")
+        if (crash := crash_of(self._loop_task)) is not None:  # (regression: queued where nothing ran it)
+            raise RequestError(f"the engine loop crashed ({crash!r}); start() runs a new one")
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):  # (regression: a dict raised AttributeError out of generate())
             raise RequestError(f"params must be a SamplingParams, got a {type(params).__name__}")
@@ -272,8 +274,11 @@ class Engine(BatchAPI):
         """Take no new requests; let the ones already queued or running finish within `grace_s`,
         abort the rest, drain every transfer and close the tiers (a temporary L3 file is removed).
         (Regression: queued requests were never admitted during the grace, which was then waited
-        out in full before they were aborted.)"""
+        out in full before they were aborted.) On an engine whose loop stop_loop() ended, or that
+        never started, the grace runs the loop for the requests queued (regression: aborted at once)."""
         check_loop(self._loop_task, asyncio.get_running_loop())  # (else: closed tiers under a loop that runs on)
+        if grace_s > 0 and self._loop_task is None and (self.waiting or self.parked):
+            await self.start()  # (not after a crash: that loop failed them all; a no-op once closing)
         self._closing = True
         deadline = time.monotonic() + grace_s
         while ((self.running or self.waiting or self.parked) and time.monotonic() < deadline
@@ -332,9 +337,7 @@ class Engine(BatchAPI):
         except Exception as exc:
             # a bug must not leave clients waiting forever: fail every live request, then re-raise
             log.exception("engine_loop_crashed")
-            for req in list(self.requests.values()):
-                if not req.state.done:
-                    self.finish(req, RequestState.FAILED, "error", f"engine loop crashed: {exc!r}")
+            fail_live_requests(self, exc)
             raise
 
     async def _ticks(self) -> None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import structlog
+
+log = structlog.get_logger("scheduler.engine")
+
 
 def check_loop(task: asyncio.Task | None, loop: asyncio.AbstractEventLoop | None) -> None:
     """Refuse to serve from `loop` (None: no loop runs) while the engine's loop task lives on another
@@ -26,3 +30,34 @@ async def join_loop(task: asyncio.Task, shield: bool) -> None:
         current = asyncio.current_task()
         if current is not None and current.cancelling():
             raise
+
+
+def crash_of(task: asyncio.Task | None) -> BaseException | None:
+    """What the loop task died of; None while it runs, once it stopped cleanly or was cancelled."""
+    if task is None or not task.done() or task.cancelled():
+        return None
+    return task.exception()
+
+
+def fail_live_requests(engine, exc: BaseException) -> None:
+    """The loop crashed: end every live request FAILED, so that no client waits forever. Failing one
+    may raise too (the state that crashed the loop is its own): that request still gets its final
+    event, and the others are failed (regression: the first such error left every later client waiting)."""
+    from scheduler.request import RequestState, TokenEvent
+
+    error = f"engine loop crashed: {exc!r}"
+    for req in list(engine.requests.values()):
+        if req.state.done:
+            continue
+        try:
+            engine.finish(req, RequestState.FAILED, "error", error)
+        except Exception:
+            log.exception("failing_request_after_loop_crash", rid=req.rid)
+            for queue in (engine.running, engine.waiting, engine.parked):
+                if req in queue:
+                    queue.remove(req)
+            if not req.state.done:
+                req.state, req.finish_reason, req.error = RequestState.FAILED, "error", error
+                engine.stats["failed"] += 1
+            req.emit(TokenEvent(req.rid, None, len(req.output), finished=True, finish_reason="error", error=error))
+            engine.requests.pop(req.rid, None)

@@ -95,6 +95,9 @@ class _ServerState:
             self.engine_error = f"the engine loop failed: {task.exception()!r}"
 
     def check_admitting(self) -> None:
+        task = getattr(self.engine, "_loop_task", None)
+        if task is not None and task.done():  # (its done-callback runs a turn later: regression, a request
+            self.on_loop_done(task)           # admitted in the crash's turn was queued into the dead engine)
         if self.engine_error:
             raise APIError(503, self.engine_error, code="engine_failed")
         if self.draining:
@@ -291,7 +294,12 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
 
 
 def _refused(st: _ServerState, exc: RequestError, index: int, batch_size: int) -> APIError:
-    """The engine refused prompt `index` of a request: a 400 naming it (a 503 while shutting down)."""
+    """The engine refused prompt `index` of a request: a 400 naming it (a 503 while shutting down, or
+    once the engine loop failed)."""
+    try:
+        st.check_admitting()
+    except APIError as err:
+        return err
     if st.draining or not st.engine.accepting:
         return APIError(503, f"the server is shutting down: {exc}", code="shutting_down")
     if batch_size == 1:
