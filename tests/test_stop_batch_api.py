@@ -453,6 +453,9 @@ def test_an_engine_failure_of_one_prompt_fails_the_batch_naming_it(tmp_path):
         assert err["param"] == "prompt.1" and err["code"] == "engine_error", err
         assert err["message"].startswith("prompt 1 of the batch: the engine failed this request") and "NaN" in \
             err["message"], err
+        # the failure dropped the poisoned prefix (hicache/suspect.py): cache and poison it again
+        _post(s.url, {"prompt": bad, "max_tokens": 2})
+        s.call(_poison_l1_prefix, engine, bad[:8])
         with httpx.Client(timeout=60) as c, c.stream("POST", s.url + "/v1/completions",
                                                      json={**body, "stream": True}) as resp:
             events = resp.read().decode().split("\n\n")
