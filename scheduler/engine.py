@@ -353,7 +353,10 @@ class Engine(BatchAPI):
             if batch is None:
                 batch = self.admission.decode_batch()
             if batch is None:
-                if not (self._aborts or self._wake.is_set()):
+                # (stopping: this tick may have ended the last running request, e.g. an overlapped
+                # restore's adopted by settle_overlaps; regression: it then waited for a wake-up that
+                # never came, and stop_loop() hung)
+                if not (self._aborts or self._wake.is_set() or (self._stopping and not self.running)):
                     await self._wake.wait()
                 continue
             await self._run(batch)
