@@ -123,6 +123,31 @@ def assert_whole(mgr: CacheManager) -> None:
             assert node.locks == [0, 0, 0], f"{node} still locked: {node.locks}"
 
 
+async def served_then_below_l1(eng, prefix: list[int], tier: str) -> None:
+    """Start `eng`, serve `prefix` + one token (one output token) and leave its pages in `tier` only
+    ("l2", or "l3": L2 flushed too)."""
+    from scheduler.request import SamplingParams
+
+    await eng.start()
+    await eng.generate_async([prefix + [1]], SamplingParams(max_tokens=1))
+    await eng.cache.drain()
+    eng.cache.flush(Tier.L1)
+    if tier == "l3":
+        eng.cache.flush(Tier.L2)
+
+
+async def read_stream(req) -> tuple[list[int], str]:
+    """A queued request's token events up to its end: (its tokens, its finish reason)."""
+    tokens, reason = [], None
+    while reason is None:
+        ev = await req.queue.get()
+        if ev.finished:
+            reason = ev.finish_reason
+        else:
+            tokens.append(ev.token_id)
+    return tokens, reason
+
+
 async def finish(eng) -> None:
     """End of an engine test: every request ended, the cache drained -> every tier whole, then close."""
     await eng.stop_loop()

@@ -11,7 +11,7 @@ import random
 import pytest
 
 from hicache.radix import Tier
-from hicache_helpers import assert_whole, finish, until
+from hicache_helpers import assert_whole, finish, served_then_below_l1, until
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import RequestError, SamplingParams
@@ -161,12 +161,7 @@ async def test_requests_sharing_a_lower_tier_prefix_with_chunked_tails_copy_it_o
     base = random_tokens(5, 32)
     prompts = [base + random_tokens(50 + i, 20 + 7 * i) for i in range(3)]
     eng = make_engine(storage_ratio=4.0 if tier == "l3" else 0.0, prefetch=prefetch, restore_overlap=overlap)
-    await eng.start()
-    await eng.generate_async([base + [1]], SamplingParams(max_tokens=1))
-    await eng.cache.drain()
-    eng.cache.flush(Tier.L1)
-    if tier == "l3":
-        eng.cache.flush(Tier.L2)
+    await served_then_below_l1(eng, base, tier)
     before = eng.metrics()
     out = await eng.generate_async(prompts, SamplingParams(max_tokens=3))
     assert [r.output_ids for r in out] == await reference(prompts, 3)
@@ -242,12 +237,7 @@ async def test_a_restore_overlaps_its_tail_only_where_the_tail_is_one_chunk(tier
     base = random_tokens(9, 32)
     prompt = base + random_tokens(10, tail_tokens)
     eng = make_engine(storage_ratio=4.0 if tier == "l3" else 0.0, prefetch=True)
-    await eng.start()
-    await eng.generate_async([base + [1]], SamplingParams(max_tokens=1))
-    await eng.cache.drain()
-    eng.cache.flush(Tier.L1)
-    if tier == "l3":
-        eng.cache.flush(Tier.L2)
+    await served_then_below_l1(eng, base, tier)
     [r] = await eng.generate_async([prompt], SamplingParams(max_tokens=3))
     assert r.output_ids == (await reference([prompt], 3))[0]
     assert r.cached_tokens == {"l1": 0, "l2": 32 if tier == "l2" else 0, "l3": 32 if tier == "l3" else 0}

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from hicache.radix import Tier
-from hicache_helpers import assert_whole, until
+from hicache_helpers import assert_whole, read_stream, until
 from hicache.faults import Fault, FaultInjector
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
@@ -213,13 +213,7 @@ async def run_case(case: Case, rounds: int = 2) -> list[str]:
             return
         if spec.abort is not None:
             asyncio.get_running_loop().call_later(spec.abort[1], lambda: asyncio.ensure_future(eng.abort(req.rid)))
-        tokens, reason = [], None
-        while reason is None:
-            ev = await req.queue.get()
-            if ev.finished:
-                reason = ev.finish_reason
-            else:
-                tokens.append(ev.token_id)
+        tokens, reason = await read_stream(req)
         results.append((i, spec, tokens, reason, req))
 
     async def submit_round(r: int, order: list[int]) -> list:

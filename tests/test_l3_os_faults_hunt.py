@@ -19,19 +19,10 @@ from hicache.ops import OpState
 from hicache.radix import Tier
 from hicache.storage import FileStore
 from hicache_helpers import assert_whole, flip_l3_byte, make_manager, write_prefix
+from test_l3_drop_hunt import _served_then_only_in_l3
 from test_faults import PAGE, PROMPT, REUSABLE, finish, make_engine, only_in_l3, reference, run_one
 
 SMALL = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, dtype=torch.float32)
-
-
-async def _served_then_only_in_l3(eng) -> tuple[list[int], tuple[int, ...]]:
-    await eng.start()
-    want = await reference(PROMPT)
-    tokens = tuple(PROMPT[:REUSABLE])
-    assert (await run_one(eng)).output_ids == want
-    await eng.cache.drain()
-    only_in_l3(eng, tokens)
-    return want, tokens
 
 
 # -- a file that lost its tail ----------------------------------------------------------------------

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from hicache.radix import Tier
-from hicache_helpers import WriteGate, assert_whole, finish, make_manager, toks, until, write_prefix
+from hicache_helpers import (WriteGate, assert_whole, finish, make_manager, served_then_below_l1, toks, until,
+                             write_prefix)
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
@@ -57,12 +58,7 @@ async def test_requests_sharing_a_lower_tier_prefix_copy_it_once(tier, prefetch,
     base = [rng.randrange(VOCAB) for _ in range(32)]
     prompts = [base + [2, 3], base + [4, 5, 6], base + [7]]
     eng = make_engine(storage=tier == "l3", restore_overlap=overlap, prefetch=prefetch)
-    await eng.start()
-    await eng.generate_async([base + [1]], SamplingParams(max_tokens=1))
-    await eng.cache.drain()
-    eng.cache.flush(Tier.L1)
-    if tier == "l3":
-        eng.cache.flush(Tier.L2)
+    await served_then_below_l1(eng, base, tier)
     assert eng.cache.tree.match(base, touch=False).lengths == ([0, 32, 0] if tier == "l2" else [0, 0, 32])
     before = eng.metrics()
     out = await eng.generate_async(prompts, SamplingParams(max_tokens=3))

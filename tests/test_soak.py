@@ -15,7 +15,7 @@ import pytest
 
 from hicache.faults import Fault, FaultInjector
 from hicache.radix import Tier
-from hicache_helpers import assert_whole, flip_l3_byte
+from hicache_helpers import assert_whole, flip_l3_byte, read_stream
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
@@ -76,13 +76,7 @@ async def soak(num_requests: int, seed: int = 0, concurrency: int = 12) -> dict:
             req = eng.add_request(prompt, SamplingParams(max_tokens=max_tokens))
             if abort_after_s is not None:
                 asyncio.get_running_loop().call_later(abort_after_s, lambda: asyncio.ensure_future(eng.abort(req.rid)))
-            tokens, reason = [], None
-            while reason is None:
-                ev = await req.queue.get()
-                if ev.finished:
-                    reason = ev.finish_reason
-                else:
-                    tokens.append(ev.token_id)
+            tokens, reason = await read_stream(req)
             results[i] = (tokens, reason, req)
             if rng.random() < 0.05 and eng.cache.has_l3:  # corrupt a random published L3 page
                 slots_l3 = eng.cache.tree.tree_pages(Tier.L3)

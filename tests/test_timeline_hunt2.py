@@ -147,11 +147,7 @@ async def test_abort_during_an_overlapped_restore_counts_no_hit(tmp_path, restor
     counted."""
     log = tmp_path / "run.jsonl"
     eng = engine(log)
-    await eng.start()
-    await _prefix_only_in_l2(eng)
-    gate = TransferGate(eng, "h2d")
-    task = asyncio.create_task(run_one(eng))
-    await until(lambda: any(r.overlap_result is not None for r in eng.running))
+    gate, task = await _forward_ahead_of_its_restore(eng)
     [r] = eng.running
     op = r.overlap_op
     assert await eng.abort(r.rid)
@@ -200,6 +196,17 @@ def test_hits_of_a_discarded_overlapped_admission_are_dropped():
     assert " l2 " not in row, row
 
 
+async def _forward_ahead_of_its_restore(eng):
+    """Start `eng` with PROMPT's prefix in L2 only, send PROMPT, and hold its restore's H2D until
+    its forward (run behind the restore) has finished: (the H2D's gate, the request's task)."""
+    await eng.start()
+    await _prefix_only_in_l2(eng)
+    gate = TransferGate(eng, "h2d")
+    task = asyncio.create_task(run_one(eng))
+    await until(lambda: any(r.overlap_result is not None for r in eng.running))
+    return gate, task
+
+
 @pytest.mark.asyncio
 async def test_a_forward_run_behind_its_restore_is_logged_with_its_sequence(tmp_path, restore_logging):
     """Regression: a tail forward whose overlapped restore had not published yet when it ended has
@@ -207,11 +214,7 @@ async def test_a_forward_run_behind_its_restore_is_logged_with_its_sequence(tmp_
     with num_seqs 0, a prefill of no sequence computing a token."""
     log = tmp_path / "run.jsonl"
     eng = engine(log)
-    await eng.start()
-    await _prefix_only_in_l2(eng)
-    gate = TransferGate(eng, "h2d")
-    task = asyncio.create_task(run_one(eng))
-    await until(lambda: any(r.overlap_result is not None for r in eng.running))
+    gate, task = await _forward_ahead_of_its_restore(eng)
     gate.release.set()
     await task
     await eng.cache.drain()
