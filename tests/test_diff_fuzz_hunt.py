@@ -5,20 +5,25 @@ restore policies, prefetch, page sizes, tiny capacities forcing evictions). Ever
 greedy tokens must equal a no-cache engine's for the same prompt (an aborted request's partial output
 a prefix of them), no request may hang, and every tier must be whole after each run.
 
-`python tests/test_diff_fuzz_hunt.py FIRST LAST` runs seeds FIRST..LAST and prints the failures.
+`python tests/test_diff_fuzz_hunt.py FIRST LAST` runs seeds FIRST..LAST (three rounds each) and prints
+each case and its failures; ROUNDS_MODE=restart (etc.) forces a rounds mode, MAX_REQUESTS=50 larger
+workloads. A hang prints where the loop waits (`hang_state`).
 """
 from __future__ import annotations
 
 import asyncio
+import io
+import os
 import random
 import sys
+import time
 from dataclasses import dataclass, field
 
 import pytest
 
+from hicache.faults import Fault, FaultInjector
 from hicache.radix import Tier
 from hicache_helpers import assert_whole, read_stream, until
-from hicache.faults import Fault, FaultInjector
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import RequestError, RequestState, SamplingParams
@@ -26,6 +31,7 @@ from scheduler.request import RequestError, RequestState, SamplingParams
 VOCAB = 512
 MAX_TOKENS = 8
 RUN_TIMEOUT_S = 30.0
+MAX_REQUESTS = 20  # per round (the hunt raises it)
 
 
 @dataclass
@@ -35,7 +41,8 @@ class Spec:
     prompt: object
     max_tokens: int
     delay_s: float = 0.0  # before it is submitted
-    abort: tuple | None = None  # ("after_s", s): aborted s seconds after it; ("close", n): its stream closed after n tokens
+    # ("after_s", s): aborted s seconds after it is queued; ("close", n): its stream closed after n tokens
+    abort: tuple | None = None
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
@@ -74,7 +81,8 @@ def make_case(seed: int) -> Case:
              for _ in range(rng.choice([1, 1, 2, 3, 4, 5]))]
     requests = []
     sampled = rng.random() < 0.3
-    for n in range(rng.randrange(4, 20)):
+    abort_rate = rng.choice([0.0, 0.15, 0.15, 0.5])
+    for n in range(rng.randrange(4, MAX_REQUESTS)):
         tail = [rng.randrange(VOCAB) for _ in range(rng.randrange(0, 2 * page_size + 2))]
         if n and rng.random() < 0.25:  # a next turn: an earlier prompt, k of its output tokens, a tail
             prompt = ("turn", rng.randrange(n), rng.randrange(0, MAX_TOKENS + 1), tail + [rng.randrange(VOCAB)])
@@ -83,10 +91,12 @@ def make_case(seed: int) -> Case:
             cut = rng.choice([rng.randrange(0, len(base) + 1), len(base) - len(base) % page_size])
             prompt = base[:cut] + (tail or [rng.randrange(VOCAB)] if not cut else tail)
         spec = Spec(prompt, rng.randrange(1, MAX_TOKENS + 1), delay_s=rng.choice([0.0, 0.0, 0.0, rng.uniform(0, 0.02)]))
-        if rng.random() < 0.15:
-            spec.abort = rng.choice([("after_s", 0.0), ("after_s", rng.uniform(0, 0.02)), ("close", rng.randrange(0, 4))])
+        if rng.random() < abort_rate:
+            spec.abort = rng.choice([("after_s", 0.0), ("after_s", rng.uniform(0, 0.02)),
+                                     ("close", rng.randrange(0, 4))])
         if sampled and rng.random() < 0.5:
-            spec.temperature, spec.top_p, spec.seed = rng.choice([0.7, 1.0]), rng.choice([1.0, 0.9]), rng.randrange(1000)
+            spec.temperature, spec.top_p = rng.choice([0.7, 1.0]), rng.choice([1.0, 0.9])
+            spec.seed = rng.randrange(1000)
         if rng.random() < 0.1:
             spec.stop_token_ids = tuple(rng.randrange(VOCAB) for _ in range(40))
         requests.append(spec)
@@ -103,7 +113,7 @@ def make_case(seed: int) -> Case:
                "prefetch": rng.random() < 0.7, "whole_first": rng.random() < 0.5,
                "kernel_restore_max_tokens": rng.choice([0, 4096]),
                "storage_checksum": rng.random() < 0.8, "io_workers": rng.choice([1, 2, 4]),
-               "transfer_backend": "torch"}
+               "transfer_backend": rng.choice(["torch"] * 5 + ["triton"])}  # (triton: interpreted kernels)
     if hicache["policy"] == "cost":
         hicache["recompute_us_per_token"] = rng.choice([1.0, 50.0, 5000.0])
         hicache["restore_explore_every"] = rng.choice([0, 1, 3, 32])
@@ -112,8 +122,8 @@ def make_case(seed: int) -> Case:
     if faults != "none":
         hicache["io_timeout_s"] = rng.choice([30.0, 0.005, 0.02])  # (a slow read past it fails its restore)
     rounds_mode = rng.choice(["drained", "drained", "overlapping", "restart", "shutdown"])
-    flushes = [(rng.choice([None, None, "l1", "l2", "l3", "l1_async"]), rng.choice([None, None, None, "l1", "l1_async"]))
-               for _ in range(4)]
+    flushes = [(rng.choice([None, None, "l1", "l2", "l3", "l1_async"]),
+                rng.choice([None, None, None, "l1", "l1_async"])) for _ in range(4)]
     return Case(seed, page_size, num_pages, engine, hicache, requests, faults, rng.randrange(1 << 30), rounds_mode,
                 flushes)
 
@@ -260,9 +270,11 @@ async def run_case(case: Case, rounds: int = 2) -> list[str]:
             if case.rounds_mode == "restart" or (case.rounds_mode == "shutdown" and last):
                 await asyncio.sleep(rng.uniform(0, 0.03))
                 if case.rounds_mode == "restart":
-                    phase = f"round {r}: restart's stop_loop"
-                    await asyncio.wait_for(eng.stop_loop(), RUN_TIMEOUT_S)
-                    await eng.start()
+                    for _ in range(rng.randrange(1, 4)):  # stopped and started again, 1-3 times
+                        phase = f"round {r}: restart's stop_loop"
+                        await asyncio.wait_for(eng.stop_loop(), RUN_TIMEOUT_S)
+                        await eng.start()
+                        await asyncio.sleep(rng.uniform(0, 0.01))
                 else:
                     shut = True
                     await asyncio.wait_for(eng.shutdown(grace_s=rng.choice([0.0, 0.01])), RUN_TIMEOUT_S)
@@ -298,12 +310,14 @@ async def run_case(case: Case, rounds: int = 2) -> list[str]:
                 problems.append(why)
         elif reason != ("stop" if stops else "length") or tokens != expected:
             problems.append(why)
+        elif req is not None and sum(req.hit_tokens.values()) + req.recomputed_tokens != len(spec.prompt):
+            problems.append(f"request {i}: hits {req.hit_tokens} + recomputed {req.recomputed_tokens} != "
+                            f"its {len(spec.prompt)} prompt tokens")
     return problems
 
 
 def hang_state(eng: Engine) -> str:
     """What a hung engine holds: its requests' states and ops, the ops in flight, the loop's stack."""
-    import io
     out = io.StringIO()
     for req in eng.requests.values():
         ops = {n: (op.op_id, op.kind, op.state) for n in ("restore_op", "prefetch_op", "follow_op", "overlap_op")
@@ -371,7 +385,7 @@ async def test_stop_loop_while_an_overlapped_restore_lands_returns(max_tokens):
 
 
 # -- the fuzz ------------------------------------------------------------------------------------
-FUZZ_SEEDS = list(range(6))
+FUZZ_SEEDS = list(range(24))  # ~20 s here: every rounds mode, fault mode, write and restore policy
 
 
 @pytest.mark.asyncio
@@ -381,16 +395,16 @@ async def test_random_workloads_match_a_no_cache_engine(seed):
     problems = await run_case(case)
     assert not problems, describe(case) + "\n" + "\n".join(problems)
 
+
 if __name__ == "__main__":
-    import time
+    import traceback
 
     import uvloop
 
     import conftest  # noqa: F401  (the test setup: interpreted Triton, one torch thread, quiet logs)
 
-    import os
-
     first, last = int(sys.argv[1]), int(sys.argv[2])
+    MAX_REQUESTS = int(os.environ.get("MAX_REQUESTS", MAX_REQUESTS))
     for seed in range(first, last + 1):
         case = make_case(seed)
         if os.environ.get("ROUNDS_MODE"):
@@ -401,7 +415,6 @@ if __name__ == "__main__":
         except BaseException as exc:  # noqa: BLE001  (a CancelledError out of the engine too)
             if isinstance(exc, KeyboardInterrupt):
                 raise
-            import traceback
             problems = ["exception: " + "".join(traceback.format_exception(exc))]
         dt = time.perf_counter() - t0
         m = getattr(case, "metrics", {})
