@@ -5,6 +5,7 @@ import torch
 
 from hicache.allocator import PageAllocator
 from hicache.geometry import KVGeometry
+from hicache.pinned import pinned_zeros
 
 
 class DevicePool:
@@ -25,13 +26,16 @@ class DevicePool:
 
 class HostPool:
     """L2: `page_buffer` is page-major [page, 2, layer, token_in_page, kv_head, head_dim], pinned when
-    CUDA is present, so one page is one contiguous run of bytes across all layers."""
+    CUDA is present (hicache/pinned.py), so one page is one contiguous run of bytes across all layers."""
 
     def __init__(self, geometry: KVGeometry, num_pages: int, pin: bool, simulate: bool = False) -> None:
         self.geometry = geometry
         self.num_pages = num_pages
         shape = geometry.page_major_shape(0 if simulate else num_pages)
-        self.page_buffer = torch.zeros(shape, dtype=geometry.dtype, pin_memory=pin and not simulate)
+        if pin and not simulate:
+            self.page_buffer = pinned_zeros(self, shape, geometry.dtype)
+        else:
+            self.page_buffer = torch.zeros(shape, dtype=geometry.dtype)
         self.pinned = pin
         self.allocator = PageAllocator(num_pages, "l2")
 

@@ -398,3 +398,46 @@ def test_only_a_restore_a_forward_waits_beside_takes_the_wide_copy_kernel():
     assert [grid for _, grid in launched] == [(wide,), (host_copy.BACKGROUND_PROGRAMS,),
                                               (host_copy.BACKGROUND_PROGRAMS,)]
     te.close()
+
+
+def test_l2_is_pinned_at_its_exact_size_outside_torchs_host_allocator():
+    """Regression: L2 came from torch's caching host allocator, which pinned it on one thread (41.7 s
+    for 64 GiB on the H200's host) and rounded it up to a power of two (40 GiB pinned 64 GiB). Now
+    its exact bytes are registered (hicache/pinned.py): pinned, nothing taken from torch's host
+    allocator, unregistered when the pool goes (pools made again and again register again), and
+    a DMA each way plus the copy kernel that reads L2 by its host address move it byte for byte."""
+    import gc
+
+    from hicache.geometry import KVGeometry
+    from hicache.pools import DevicePool, HostPool
+    from hicache.transfer import TransferEngine
+    from kernels.chooser import choose_backends
+
+    geo = KVGeometry(num_layers=4, num_kv_heads=8, head_dim=128, page_size=16, dtype=torch.bfloat16)
+    def host_allocator_bytes():
+        stats = torch.cuda.host_memory_stats()
+        held = {k: v for k, v in stats.items() if k.endswith("bytes.current")}
+        assert held, f"torch's host allocator reports no byte counts: {sorted(stats)}"
+        return held
+
+    before = host_allocator_bytes()
+    for _ in range(3):
+        l2 = HostPool(geo, 100, pin=True)
+        assert l2.page_buffer.is_pinned()
+        assert host_allocator_bytes() == before
+        del l2
+        gc.collect()
+    l1, l2 = DevicePool(geo, 64, torch.device("cuda")), HostPool(geo, 64, pin=True)
+    l2.page_buffer.view(torch.int16).random_(1, 1000)
+    dev = l2.page_buffer.to("cuda", non_blocking=True)
+    back = torch.empty_like(l2.page_buffer, pin_memory=True)
+    back.copy_(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, l2.page_buffer)
+    te = TransferEngine(l1, l2, choose_backends(l1.kv, "triton"), kernel_max_pages=64)
+    host, pages = [5, 9, 2, 40, 33, 17], [60, 3, 8, 21, 0, 44]   # fragmented: the copy kernel
+    tr = te.h2d_layerwise(host, pages)
+    te.wait_blocking(tr)
+    assert not tr.fail
+    assert torch.equal(l1.kv[:, :, pages].cpu(), l2.buffer[:, :, host])
+    te.close()
