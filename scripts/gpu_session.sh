@@ -52,6 +52,7 @@ for s in "$@"; do
     spans_ab_4b) step spans_ab_4b 400 python3 scripts/profile_stages.py --model qwen3-4b --spans --ab split-k ;;
     spans_pdl) step spans_pdl 400 python3 scripts/profile_stages.py --model qwen3-8b --spans --ab pdl ;;
     pin) step pin 300 python3 scripts/probe_pin.py --gib 64 --torch-gib 8 ;;
+    start) step start 300 python3 scripts/probe_start.py --model qwen3-8b --device cuda --l1-tokens 65536 --l2-gib 64 --l3-gib 24 ;;
     probe_wait) step probe_wait 200 python3 scripts/probe_wait.py ;;
     engine_nopdl) HICACHE_PDL=0 step engine_nopdl 300 python3 scripts/bench_engine.py --model qwen3-8b --profile --skip-eager --out "$OUT/engine_nopdl.json" ;;
     spans_dma) step spans_dma 300 python3 scripts/profile_stages.py --model qwen3-8b --spans --kernel-restore-max-tokens 0 ;;
