@@ -354,6 +354,7 @@ def test_single_worker_serialises_operations():
     with FileStore(SMALL, num_slots=16, io_workers=1, faults=faults) as s:
         s.write_pages(src, range(8), range(8)).result(timeout=10)
         faults.arm(Fault.SLOW_READ, times=1, delay_s=0.05)
+        faults.arm(Fault.SLOW_VERIFY, times=1, delay_s=0.3)  # the slow read's checksums end after the writes
         order: list[str] = []
         futures = [
             ("slow_read", s.read_pages(range(8), torch.empty_like(src), range(8))),
@@ -362,7 +363,9 @@ def test_single_worker_serialises_operations():
             ("write_c", s.write_pages(src, [7], [15])),
         ]
         for name, fut in futures:
-            io_done = fut.landed if name.startswith("read") else fut
+            # (regression: `name.startswith("read")` took the slow read's whole future, which
+            # resolves after its checksums: under load it came after the later writes, a flaky failure)
+            io_done = fut.landed if "read" in name else fut
             io_done.add_done_callback(lambda f, name=name: order.append(name))
         for _, fut in futures:
             fut.result(timeout=10)
