@@ -51,7 +51,7 @@ from hicache.transfer_plan import (DIRECT_FIRST_BYTES, DIRECT_MAX_PAGES, MAX_DMA
                                    RAMP_GROWTH, gathered_chunks, host_runs, ramp_chunks)
 from hicache.transfer_layered import LayeredRestores
 from hicache.transfer_record import Transfer, TransferError
-from hicache.workspaces import Workspace, Workspaces
+from hicache.workspaces import PageLists, Workspace, Workspaces
 from kernels import cuda_rt, host_copy
 from kernels.chooser import ChosenBackends
 from kernels.layer_flags import EPOCH_LIMIT, LayerFlags
@@ -82,6 +82,7 @@ class TransferEngine(LayeredRestores):
         row_min_bytes = MIN_DMA_ROW_BYTES if min_dma_row_bytes is None else min_dma_row_bytes
         self.narrow_slabs = self.geometry.slab_elements * self.geometry.itemsize < row_min_bytes
         self.workspaces = Workspaces(self.geometry, l1.device)
+        self.page_lists = PageLists()
         # completions are awaited on worker threads, a pool per direction: a restore's must never
         # queue behind backups' (a busy trace replay had restores waiting ~19 ms each behind them)
         self._waiters = {d: ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"hicache-{d}-wait")
@@ -145,21 +146,18 @@ class TransferEngine(LayeredRestores):
     def _copy_kernel(self, tr: Transfer, stream: torch.cuda.Stream, host_pages: list[int], l1_pages: list[int],
                      flags: LayerFlags | None, launch) -> None:
         """`launch(pages, stream)` of a copy kernel (kernels/host_copy.py), timed by the
-        transfer's events; pages [2, n] int32 on the device. The stream first waits for the caller's
-        (where the L1 pages were last read, or the KV being backed up was written). A launch that
-        raises fails the transfer, not the caller; `flags` (a layer-ordered restore's) are then
-        all written anyway, so no forward waits for them."""
+        transfer's events; pages [2, n] int32 in pinned memory (`PageLists`), which the kernel
+        reads over PCIe as it reads L2. The stream first waits for the caller's (where the L1 pages
+        were last read, or the KV being backed up was written). A launch that raises fails the
+        transfer, not the caller; `flags` (a layer-ordered restore's) are then all written anyway,
+        so no forward waits for them."""
         self._events(tr)
-        caller = cuda_rt.current_stream(self.l1.device)
-        stream.wait_stream(caller)
+        stream.wait_stream(cuda_rt.current_stream(self.l1.device))
         tr.start_event.record(stream)
         try:
-            # (numpy builds it from the lists ~3x faster than torch.tensor: 8,000 one-token pages
-            # took 1.6 ms that way on the H200's host)
-            pages = torch.from_numpy(np.array([host_pages, l1_pages], dtype=np.int32)).to(self.l1.device,
-                                                                                          non_blocking=True)  # [2, n]
-            tr.keepalive.append(pages)  # alive until the transfer completes
-            stream.wait_stream(caller)  # the page list crossed on the caller's stream
+            # (until session 32 the list went by a non-blocking copy on the caller's stream, which
+            # this stream then waited for again: 3 more runtime calls before the launch)
+            tr.page_list, pages = self.page_lists.acquire(host_pages, l1_pages)  # [2, n], the transfer's until it settles
             launch(pages, stream)
         except Exception as exc:
             tr.fail, tr.error = True, f"{tr.direction}: copy kernel not launched: {exc!r}"
@@ -415,7 +413,8 @@ class TransferEngine(LayeredRestores):
 
     def _settled(self, tr: Transfer) -> None:
         self.workspaces.release(tr.workspace)
-        tr.workspace = None
+        self.page_lists.release(tr.page_list)
+        tr.workspace = tr.page_list = None
         tr.keepalive.clear()
 
     def wait_blocking(self, tr: Transfer) -> Transfer:
@@ -424,7 +423,8 @@ class TransferEngine(LayeredRestores):
             tr.complete(poll=True)
         finally:
             self.workspaces.release(tr.workspace)
-            tr.workspace = None
+            self.page_lists.release(tr.page_list)
+            tr.workspace = tr.page_list = None
         if tr.fail:
             raise TransferError(tr.error or f"{tr.direction}: injected transfer failure")
         return tr

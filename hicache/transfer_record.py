@@ -36,6 +36,7 @@ class Transfer:
     finish: object = None               # callable run after completion (CPU index copy), off-loop
     workspace: Workspace | None = None
     keepalive: list = field(default_factory=list)
+    page_list: object = None            # a copy kernel's pinned page list (PageLists), until it settles
     fail: bool = False                  # completion raises TransferError: not enqueued (`error`), or an injected fault
     done_ns: int = 0
     service_ns: int = 0

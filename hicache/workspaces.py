@@ -1,9 +1,9 @@
 """Scratch buffers of the transfer engine (hicache/transfer.py): every gather/scatter transfer (and
 a layer-ordered restore's whole pages) packs its pages into a page-major device workspace; only the
 fallback CPU gather (fragmented L2 pages without the copy kernels) also uses a pinned host half.
-Copy-kernel transfers take none. Allocating them costs far more than the copy (pinned memory
-especially), so they are reused: best fit, at most one idle one kept (the largest), the pinned half
-allocated only when a transfer needs it. The time a first allocation takes is the transfer's `setup_ns`, a one-time cost the cost
+Copy-kernel transfers take none, only a pinned page list (`PageLists`). Allocating them costs far
+more than the copy (pinned memory especially), so they are reused: best fit, at most one idle one
+kept (the largest), the pinned half allocated only when a transfer needs it. The time a first allocation takes is the transfer's `setup_ns`, a one-time cost the cost
 model never learns from."""
 from __future__ import annotations
 
@@ -81,3 +81,39 @@ class Workspaces:
 
     def __len__(self) -> int:
         return len(self._all)
+
+
+class PageLists:
+    """Pinned page lists for the copy kernels (kernels/host_copy.py), which read them over PCIe as
+    they read L2: the host writes a transfer's list and the launch follows, with no H2D copy of the
+    list and no stream wait for that copy (3 of the ~8 runtime calls of a restore's enqueue, each
+    20-40 us on the H200's host; docs/benchmarks.md session 32). A list is its transfer's until the
+    transfer settles; given back, it is reused best fit. One not given back (a transfer never
+    waited for) goes with its transfer."""
+
+    MAX_IDLE = 8
+
+    def __init__(self, pin: bool = True) -> None:
+        self.pin = pin  # (False: tests of the bookkeeping on a machine without CUDA)
+        self._idle: list[torch.Tensor] = []  # flat [2 * capacity] int32, pinned
+
+    def acquire(self, host_pages: list[int], l1_pages: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the buffer, to give back; [2, n] int32 pinned in it: row 0 the L2 pages, row 1 the L1 pages)."""
+        n = len(host_pages)
+        fits = [i for i, buf in enumerate(self._idle) if buf.numel() >= 2 * n]
+        if fits:
+            buf = self._idle.pop(min(fits, key=lambda i: self._idle[i].numel()))
+        else:
+            buf = torch.empty(2 * max(64, 1 << (n - 1).bit_length()), dtype=torch.int32, pin_memory=self.pin)
+        pages = buf[:2 * n].view(2, n)
+        rows = pages.numpy()
+        rows[0], rows[1] = host_pages, l1_pages
+        return buf, pages
+
+    def release(self, buf: torch.Tensor | None) -> None:
+        if buf is None:
+            return
+        self._idle.append(buf)
+        if len(self._idle) > self.MAX_IDLE:
+            smallest = min(range(len(self._idle)), key=lambda i: self._idle[i].numel())
+            self._idle.pop(smallest)
