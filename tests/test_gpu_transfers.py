@@ -27,7 +27,7 @@ def test_one_token_pages_restore_by_the_copy_kernel_at_any_length():
     l2.page_buffer.view(torch.int16).random_(1, 1000)
     host, dev = list(range(50, 1050)), random.Random(2).sample(range(1200), 1000)
     tr = te.h2d_layerwise(host, dev)
-    assert tr is not None and tr.keepalive  # the kernel's page list, not a DMA plan
+    assert tr is not None and tr.page_list is not None  # the kernel's page list, not a DMA plan
     te.wait_blocking(tr)
     assert not tr.fail
     assert torch.equal(l1.kv[:, :, dev].cpu(), l2.buffer[:, :, host])
