@@ -15,7 +15,7 @@ once that step's tokens reached their clients (`backup_soon`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hicache.ops import Op, OpEvent, OpKind, apply
 from hicache.radix import Node, Tier
@@ -51,6 +51,35 @@ class Backups:
             tokens[:0] = node.key
             node = node.parent
         return tuple(tokens)
+
+    def stop_backups_of(self, path: Sequence[Node], then: Callable[[frozenset[Tier]], object]) -> int:
+        """The prefix whose nodes are `path` was dropped as suspect (hicache/suspect.py) but where
+        locked. Each backup that locks one of them, or a node below (pages computed on top of them),
+        stops at its next step: its copy settles, it publishes nothing and frees its destination
+        pages (`_cancelled`), and the backups waiting for it are dropped. Once it ended, its locks
+        gone, `then(tiers)` runs with the tiers it held the prefix in (regression: it published its
+        L2, then L3, copy of the corrupt pages, and its locked source stayed, so the next request
+        for the prompt failed on them again). Returns how many it stopped."""
+        on_path = set(path)
+
+        def holds(node: Node | None) -> bool:
+            while node is not None:
+                if node in on_path:
+                    return True
+                node = node.parent
+            return False
+
+        stopped = 0
+        for op in list(self.live.values()):
+            task = self._tasks.get(op.op_id)
+            if op.kind is not OpKind.BACKUP or op.done or op.payload["cancel"] or task is None:
+                continue
+            held = frozenset(tier for node, tier in op.payload["locks"] if holds(node))
+            if held:
+                self.cancel(op)
+                task.add_done_callback(lambda _, held=held: then(held))
+                stopped += 1
+        return stopped
 
     async def write_back_l1(self, unsaved: bool) -> None:
         """Before a flush of L1: start due backups and, with `unsaved` (write_back), a backup of every

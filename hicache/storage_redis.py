@@ -114,6 +114,7 @@ class RedisStore:
         self._script_ok, self._prefix_script = True, None
         self._cpu = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-redis-cpu")
         self._tasks: set[asyncio.Task] = set()
+        self._deletes: set[asyncio.Task] = set()  # suspect pages' deletions in flight (a hint refresh waits)
         self._closed = False
         self._down_until = 0.0
         self._consecutive_failures = 0
@@ -125,7 +126,7 @@ class RedisStore:
                          "bytes_read": 0, "round_trips": 0, "missing_pages": 0, "corrupt_pages": 0,
                          "hint_queries": 0, "hint_pages_found": 0, "hint_pages_published": 0,
                          "stale_hints_dropped": 0, "hint_skips": 0, "hints_not_needed": 0,
-                         "hint_rechecks": 0}
+                         "hint_rechecks": 0, "suspect_pages_deleted": 0}
         self.errors: dict[str, int] = {}
 
     # ---- connection ------------------------------------------------------------------------------
@@ -389,6 +390,7 @@ class RedisStore:
         if time.monotonic() < self._down_until:
             self.counters["hint_skips"] += 1  # backing off a dead server: no hints, no wait
             return
+        await self.settle_deletes()  # (else it could find a suspect prefix about to be deleted)
         keys = self.page_keys(tokens, 0, end)
         self.counters["hint_queries"] += 1
         try:
@@ -435,6 +437,37 @@ class RedisStore:
         if present * ps < hinted_tokens:
             _, dropped = publish_l3_hints(mgr, tokens, present * ps)
             self.counters["stale_hints_dropped"] += dropped
+
+    # ---- suspect pages ---------------------------------------------------------------------------
+    def delete_suspect(self, keys: Sequence[bytes]) -> None:
+        """Delete `keys`, pages of a prefix whose reuse gave NaN logits (hicache/suspect.py), best
+        effort and off the request's path. A NaN page passes its checks (the checksum is its own), so
+        the next hint refresh found the pages again and every request for that prefix, on every
+        instance, restored them and failed (regression). A read of a deleted key fails "missing" and
+        recomputes; with the server down or backed off they stay (a later failure deletes them)."""
+        if not keys or self._closed or time.monotonic() < self._down_until:
+            return
+        task = asyncio.get_running_loop().create_task(self._delete(list(keys)))
+        self._tasks.add(task)
+        self._deletes.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._deletes.discard)
+
+    async def _delete(self, keys: list[bytes]) -> None:
+        try:
+            deleted = await self._client().delete(*keys)
+        except Exception as exc:  # noqa: BLE001 - best effort (counted; a connection error backs off)
+            self._error(exc, "delete")
+            return
+        self._succeeded()
+        self.counters["suspect_pages_deleted"] += int(deleted)
+
+    async def settle_deletes(self) -> None:
+        """Wait for this loop's deletions in flight, at most the hint timeout."""
+        loop = asyncio.get_running_loop()
+        pending = [t for t in self._deletes if t.get_loop() is loop]
+        if pending:
+            await asyncio.wait(pending, timeout=self.hint_timeout_s)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def invalidate(self, slots: Sequence[int]) -> None:

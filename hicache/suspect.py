@@ -2,7 +2,7 @@
 scheduler/admission.py `_fail_nan`). Kept out of the manager (hicache/manager.py), which it only uses."""
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -13,20 +13,24 @@ if TYPE_CHECKING:
     from hicache.manager import CacheManager
 
 
-def drop_suspect_prefix(mgr: "CacheManager", tokens: Sequence[int]) -> tuple[dict[str, int], int]:
+def drop_suspect_prefix(mgr: "CacheManager", tokens: Sequence[int],
+                        tiers: Collection[Tier] | None = None) -> tuple[dict[str, int], int]:
     """Every tier's copy of the cached prefix `tokens` (page aligned) leaves the tree with everything
     below it (computed on top of it), except what is locked in a tier: a running request reads it, an
     operation copies it. Per tier, the shallowest node of the prefix unlocked there goes with its
     subtree (RadixTree.drop: the tier allocators get the pages back, L3 slots are invalidated); the
-    locked nodes above it stay, and a request that fails on them later drops them then. Dropped L1
+    locked nodes above it stay, and a request that fails on them later drops them then; a backup
+    locking them publishes nothing more and, once it ended, they are dropped again in the tiers it
+    held (`tiers`: only those; OpRunner.stop_backups_of). Dropped L1
     pages are zeroed (the pool holds finite values: the unwritten tail of a page a request is given
     is read and masked, and NaN * 0 is NaN; on the device the zeroing is enqueued after every step
-    that read them). Returns (pages dropped per tier label, tokens of the prefix some tier still
-    matches)."""
+    that read them). A shared L3 (Redis) also loses the keys of the prefix's pages from the first
+    one L3 no longer holds here to the prefix's end (`_delete_shared`). Returns (pages dropped per
+    tier label, tokens of the prefix some tier still matches)."""
     tree = mgr.tree
     m = tree.match(tokens, include_storage=True, touch=False)
     dropped: dict[str, int] = {}
-    for tier in tree.allocators:
+    for tier in tree.allocators if tiers is None else sorted(tiers):
         for node in m.path:
             if node.pages[tier] is None:
                 break
@@ -39,5 +43,21 @@ def drop_suspect_prefix(mgr: "CacheManager", tokens: Sequence[int]) -> tuple[dic
                 break
     for label, num_pages in dropped.items():
         mgr.metrics.nan_dropped_pages[label] += num_pages
+    # (regression: a backup copying the prefix kept its source locked, then published its L2 and L3
+    # copy of the corrupt pages, and the next request for the prompt failed on them again)
+    mgr.runner.stop_backups_of(m.path, lambda held: drop_suspect_prefix(mgr, tokens, held))
     kept = tree.match(tokens, include_storage=True, touch=False, split=False)
+    _delete_shared(mgr, tokens, kept.lengths[Tier.L3])
     return dropped, max(kept.lengths)
+
+
+def _delete_shared(mgr: "CacheManager", tokens: Sequence[int], kept_tokens: int) -> None:
+    """Delete from a shared store the keys of tokens[kept_tokens:] (page aligned), kept_tokens being
+    what L3 still holds here (a head an operation locks). Regression: the pages stayed in Redis,
+    valid but NaN, so each later hint refresh found them and every request with that prefix, on
+    every instance, failed. Pages the tree never hinted count too (another instance wrote them:
+    the next refresh would find them). A file L3 is this process's own: the drop freed its slots."""
+    delete = getattr(mgr.store, "delete_suspect", None)
+    end_tokens = len(tokens) - len(tokens) % mgr.tree.page_size
+    if delete is not None and kept_tokens < end_tokens:
+        delete(mgr.store.page_keys(tokens, kept_tokens, end_tokens))

@@ -70,7 +70,8 @@ _PHASES = ("enqueue", "setup", "compute_wait", "queue_wait", "seen_wait", "servi
 _COST_LINES = ("d2h", "h2d", "h2s", "s2h", "recompute")
 _REDIS_EVENTS = ("writes", "reads", "pages_written", "pages_read", "bytes_written", "bytes_read", "round_trips",
                  "missing_pages", "corrupt_pages", "hint_queries", "hint_skips", "hints_not_needed",
-                 "hint_pages_found", "hint_pages_published", "hint_rechecks", "stale_hints_dropped")
+                 "hint_pages_found", "hint_pages_published", "hint_rechecks", "stale_hints_dropped",
+                 "suspect_pages_deleted")
 
 
 def _family(cls, name: str, doc: str, value, label: str | None = None):
@@ -115,8 +116,8 @@ class EngineCollector(Collector):
         if store.get("backend") == "redis":  # the shared store's own events (hicache/storage_redis.py)
             yield _family(CounterMetricFamily, "hicache_redis_events", "the shared Redis L3's counters by event: "
                           "round trips, pages read / written / missing / corrupt, hint queries and the pages they "
-                          "found, and stale hints dropped (pages the "
-                          "server lost behind this engine's tree)", {k: store[k] for k in _REDIS_EVENTS}, "event")
+                          "found, stale hints dropped (pages the server lost behind this engine's tree) and "
+                          "pages of a NaN prefix deleted", {k: store[k] for k in _REDIS_EVENTS}, "event")
 
         # what the cost policy decides with now: is a restore from L2 / L3 cheaper than recomputing?
         lines = status["cost_model"]["directions"]
