@@ -31,14 +31,15 @@ class HiCacheConfig:
     storage_url: str | None = None
     storage_checksum: bool = True
     io_workers: int = 4
-    io_timeout_s: float = 30.0  # an L3 read slower than this fails its restore (the request recomputes)
+    io_timeout_s: float = 30.0  # an L3 read slower than this and than 4x its prediction fails
     policy: Policy = "cost"
     write_policy: WritePolicy = "write_through"
     transfer_backend: TransferBackend = "auto"
     # layer-ordered L2 restores of at most this many tokens go by the copy kernel that reads pinned L2
     # over PCIe (kernels/host_copy.py: one launch) instead of the copy engine (2 DMAs + a flag write per
-    # layer); fragmented ones always do; 0: only fragmented ones. On the H200 the kernel's enqueue
-    # takes 0.2-0.35 ms of host time before the forward may launch against 0.65-0.94 for the DMAs.
+    # layer); fragmented ones, and slabs too narrow for 2-D DMAs, always do; 0: only those. On the
+    # H200 the kernel's enqueue takes 0.2-0.35 ms of host time before the forward may launch against
+    # 0.65-0.94 for the DMAs.
     # Session 5 (16 programs) saw the kernel's lower bandwidth lose from 2,000 tokens; session 26's
     # probe, beside the forward, had even 16 programs ahead of the DMAs at 2,000 / 3,500 tokens (7.0 /
     # 11.25 ms against 7.2 / 12.0), 64 more so (6.27 at 2,000), and a forced L2 restore took 7.00 /

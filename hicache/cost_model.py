@@ -241,7 +241,8 @@ class CostModel:
         counts the hit towards a probe nor takes one (`_reexplore`), so a probe of L2 is not spent
         where nothing restores from L2 and a hit is not counted twice. The request's admission
         decides again unless the prefetch was started (its read then restarts the L3 count, and a
-        take-on's H2D the L2 count). Storage exploration, an L3 read, still applies.
+        take-on's H2D the L2 count, unless L2 carries an outcome charge). Storage exploration, an
+        L3 read, still applies.
         hidden_s: GPU work queued besides this request (`busy_s`), which its restore's reads and
         copies run beside: only the restore's time beyond it delays anyone, while a recompute
         takes GPU time from all of them. Priced alone (hidden_s 0), an L3 read slower than
@@ -319,7 +320,8 @@ class CostModel:
         hit whose shorter L2 part wins every time). At most one probe per tier in `explore_every`
         decisions, or sooner after a probe of a charged source that came back without the charge
         (`_follow_probe`; L2's and L3's may fall due together, on consecutive decisions); any timed
-        transfer of the tier's line restarts its count (an L3 restore's H2D restarts L2's). And
+        transfer of the tier's line restarts its count (an L3 restore's H2D restarts L2's), except an
+        H2D while L2 carries an outcome charge (`observe_transfer`). And
         while no restore from host memory has been timed (see exploring_host) every L2 hit is a
         probe. Counted once per admission attempt (a request waiting for memory is decided again
         on each loop turn); a prefetch's decision at queue time is a `lookahead` and not counted."""

@@ -15,7 +15,7 @@ OUTLIER_FACTOR = 8.0
 CONFIRM_WITHIN = 8
 HOLD_AFTER_SAMPLES = 4  # before, the fit is too young to call anything an outlier
 # Sizes must span this fraction of the largest before slope and intercept are fitted apart: a
-# narrower spread (tails of 14 and 18 tokens) fits noise.
+# narrower spread (tails of 16 and 18 tokens) fits noise.
 MIN_SPREAD_FRACTION = 1 / 3
 
 

@@ -57,7 +57,7 @@ from hicache.log_gate import info_enabled
 
 
 class OpKind(enum.Enum):
-    BACKUP = "backup"            # L1 -> L2 (-> L3), write-through
+    BACKUP = "backup"            # L1 -> L2 (-> L3), write-through or write-back
     RESTORE_L2 = "restore_l2"    # L2 -> L1
     RESTORE_L3 = "restore_l3"    # L3 -> L2 -> L1
     PREFETCH_L3 = "prefetch_l3"  # L3 -> L2, or on to L1 when its request takes it on (take_to_l1)
@@ -195,8 +195,9 @@ class Op:
     kind: OpKind
     state: OpState
     request_id: str | None
-    # the op's longest copy, in pages and bytes: a backup's D2H, an L2 restore's H2D; for the L3
-    # kinds the pages of l3 - min(l1, l2) tokens (its read or its H2D, whichever is longer)
+    # the op's copy, in pages and bytes: a backup's D2H (its L3 write may be longer), an L2
+    # restore's H2D; for the L3 kinds the pages of l3 - min(l1, l2) tokens (its read or its H2D,
+    # whichever is longer)
     num_pages: int
     num_bytes: int
     created_ns: int

@@ -5,8 +5,9 @@ This class only moves bytes: which slot holds what is decided by the cache tree 
 
 I/O goes straight between the file and the caller's CPU tensor through memoryviews (os.preadv /
 os.pwritev, no copies), one syscall per extent (a run where both host pages and slots are
-consecutive), on a bounded thread pool, never on the caller's thread. Each operation returns a
-concurrent.futures.Future resolving to an IoResult or raising StorageError; a failed operation never
+consecutive; a large one split between threads, a verified read's in ~8 MiB pieces), on a bounded
+thread pool, never on the caller's thread. Each operation returns a concurrent.futures.Future
+resolving to an IoResult or raising StorageError; a failed operation never
 returns garbage: short transfers, I/O errors and (when enabled) checksum mismatches all fail it.
 One operation in flight, its checksum jobs and its result: hicache/storage_op.py.
 """

@@ -30,8 +30,9 @@ DIRECT_MAX_PAGES = 8
 
 
 def ramp_chunks(num_pages: int, first_pages: int, growth: int) -> list[int]:
-    """Chunk lengths in pages, in pipeline order, summing to num_pages: `first_pages`, then each
-    at most `growth` times the one before (the last takes what is left)."""
+    """Chunk lengths in pages, in a D2H's pipeline order (an H2D runs them reversed), summing to
+    num_pages: `first_pages`, then each at most `growth` times the one before (the last takes
+    what is left)."""
     if num_pages < 1 or first_pages < 1 or growth < 1:
         raise ValueError(f"ramp_chunks: {num_pages} pages, first {first_pages}, growth {growth}")
     sizes = [min(num_pages, first_pages)]
