@@ -87,7 +87,9 @@ class _SamplingFields(_Strict):
 
     def stop_strings(self) -> tuple[str, ...]:
         """`stop` given as text (a string or a list of strings), matched on the generated text."""
-        stops = [self.stop] if isinstance(self.stop, str) else [s for s in self.stop or () if isinstance(s, str)]
+        # (`stop` as one token id is an int: iterating it was a 500, regression)
+        stop = [self.stop] if isinstance(self.stop, (str, int)) else self.stop or ()
+        stops = [s for s in stop if isinstance(s, str)]
         try:
             return check_stop_strings(stops)
         except ValueError as exc:
