@@ -269,10 +269,16 @@ class RadixTree:
         resident child): it became resident, its last lock went, or its last resident child left.
         Every candidate has an entry no later than its stamp; touches are caught up when popped."""
         if node is not None and node is not self.root and node.pages[tier] is not None and not node.locks[tier]:
-            heap = self._candidates[tier]
-            heapq.heappush(heap, (node.stamp[tier], node.node_id, node))
-            if len(heap) > 2 * self.num_resident_pages[tier] + 64:  # mostly stale: start afresh
-                self._rebuild_candidates(tier)  # (a walk, once entries exceed twice the resident pages + 64)
+            heapq.heappush(self._candidates[tier], (node.stamp[tier], node.node_id, node))
+            self._bound_candidates(tier)
+
+    def _bound_candidates(self, tier: Tier) -> None:
+        """Mostly stale entries: start afresh (a walk, once entries exceed twice the resident pages
+        + 64). Checked when an entry comes in and when pages leave the tier by a drop (regression:
+        failed L3 reads dropped most of L3 with no offer after them, and an idle tree kept 110
+        entries for 19 resident pages)."""
+        if len(self._candidates[tier]) > 2 * self.num_resident_pages[tier] + 64:
+            self._rebuild_candidates(tier)
 
     def _rebuild_candidates(self, tier: Tier) -> None:
         heap = self._candidates[tier]  # in place: an eviction in progress holds this list
@@ -343,6 +349,7 @@ class RadixTree:
                 self._maybe_remove(n)
         if above is not None and above.parent is not None and self._is_tier_leaf(above, tier):
             self._offer(above, tier)
+        self._bound_candidates(tier)
         if freed and self.on_drop is not None:
             self.on_drop(tier, freed)
         return freed

@@ -209,3 +209,24 @@ def test_candidate_heap_stays_bounded_without_evictions():
     tree.check_integrity()
     assert tree.evict(Tier.L1, 100) == 6
     tree.check_integrity()
+
+
+def test_candidate_heap_stays_bounded_when_drops_empty_a_tier():
+    """Regression (a flaky tests/test_leak_hunt.py run): the heap was bounded only when a node was
+    offered, so after failed L3 reads dropped most of L3 (no offer after them) an idle tree held 110
+    entries for 19 resident pages, stale ones of nodes no tier held any more."""
+    tree, allocs = make_tree(page_size=2, pages=256)
+    prompts = [[i, *range(100, 139)] for i in range(6)]  # 6 branches of 20 pages in L3
+    for p in prompts:
+        put(tree, allocs, p, tier=Tier.L3)
+        m = tree.match(p, include_storage=True)  # offered again on every unlock
+        for _ in range(20):
+            tree.lock(m.handles[Tier.L3], Tier.L3)
+            tree.unlock(m.handles[Tier.L3], Tier.L3)
+    for p in prompts[1:]:
+        m = tree.match(p, include_storage=True)
+        tree.drop(m.path[0], Tier.L3)
+    assert tree.num_resident_pages[Tier.L3] == 20
+    assert len(tree._candidates[Tier.L3]) <= 2 * tree.num_resident_pages[Tier.L3] + 64
+    tree.check_integrity()
+    assert tree.evict(Tier.L3, 100) == 20
