@@ -62,19 +62,12 @@ class Backups:
         for the prompt failed on them again). Returns how many it stopped."""
         on_path = set(path)
 
-        def holds(node: Node | None) -> bool:
-            while node is not None:
-                if node in on_path:
-                    return True
-                node = node.parent
-            return False
-
         stopped = 0
         for op in list(self.live.values()):
             task = self._tasks.get(op.op_id)
             if op.kind is not OpKind.BACKUP or op.done or op.payload["cancel"] or task is None:
                 continue
-            held = frozenset(tier for node, tier in op.payload["locks"] if holds(node))
+            held = frozenset(tier for node, tier in op.payload["locks"] if node.on_or_below(on_path))
             if held:
                 self.cancel(op)
                 task.add_done_callback(lambda _, held=held: then(held))

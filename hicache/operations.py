@@ -27,6 +27,7 @@ from hicache.ops import Op, OpEvent, OpKind, apply, new_op
 from hicache.radix import Node, Tier
 from hicache.restores import Restores
 from hicache.storage import StorageError
+from hicache.suspect import zero_l1_pages
 
 if TYPE_CHECKING:
     from hicache.manager import CacheManager
@@ -95,6 +96,9 @@ class OpRunner(Backups, Restores):
         for node, tier in reversed(op.payload["locks"]):
             self.mgr.tree.unlock(node, tier)
         op.payload["locks"].clear()
+        if op.done:  # its last locks went: the suspect prefix they kept goes too (`stop_restores_of`)
+            for drop in op.payload.get("suspect_drops", ()):
+                drop()
 
     def _claim(self, op: Op, tier: Tier) -> int:
         claim = self.mgr.allocator(tier).new_claim(f"op{op.op_id}:{op.kind.value}")
@@ -104,15 +108,19 @@ class OpRunner(Backups, Restores):
     def _close_claim(self, op: Op, tier: Tier) -> None:
         claim = op.payload["claims"].pop(tier, None)
         if claim is not None:
-            self._free_claim(claim, tier)
+            self._free_claim(claim, tier, op.payload.get("suspect", False))
 
-    def _free_claim(self, claim, tier: Tier) -> None:
+    def _free_claim(self, claim, tier: Tier, suspect: bool = False) -> None:
         """Give a claim's pages back. L3 slots freed here must hold nothing readable: a write
         invalidates its slots when submitted and validates them on success, so a backup cancelled
-        after its write succeeded (or a duplicate) leaves valid slots behind: invalidated here."""
+        after its write succeeded (or a duplicate) leaves valid slots behind: invalidated here.
+        suspect: the op was stopped as suspect (`stop_restores_of`): its L1 pages are zeroed, as a
+        dropped suspect prefix's are (its H2D may have copied NaN into them)."""
         slots = self.mgr.allocator(tier).pages_of(claim) if tier is Tier.L3 else []
         if slots and self.mgr.store is not None:
             self.mgr.store.invalidate(slots)
+        if suspect and tier is Tier.L1:
+            zero_l1_pages(self.mgr, self.mgr.allocator(tier).pages_of(claim))
         self.mgr.release_claim(claim, tier)
 
     def _publish(self, op: Op, tokens: Sequence[int], tier: Tier, pages: list[int], start: int,
@@ -309,8 +317,8 @@ class OpRunner(Backups, Restores):
                     await (future if isinstance(future, asyncio.Future) else asyncio.wrap_future(future))
             except BaseException:
                 pass
-            for tier, claim in claims.items():
-                self._free_claim(claim, tier)  # (an abandoned L3 write that finished left its slots valid)
+            for tier, claim in claims.items():  # (an abandoned L3 write that finished left its slots valid)
+                self._free_claim(claim, tier, op.payload.get("suspect", False))
             self._wake(op)
 
         task = asyncio.get_running_loop().create_task(settle())

@@ -54,6 +54,16 @@ class Node:
     def resident(self, tier: Tier) -> bool:
         return self.pages[tier] is not None
 
+    def on_or_below(self, nodes: "set[Node] | frozenset[Node]") -> bool:
+        """Whether this node is one of `nodes` or lies below one of them (its K/V was computed on
+        top of theirs)."""
+        node: Node | None = self
+        while node is not None:
+            if node in nodes:
+                return True
+            node = node.parent
+        return False
+
     def __repr__(self) -> str:
         return f"Node({self.node_id}, len={len(self.key)}, tiers={[p is not None for p in self.pages]})"
 

@@ -11,11 +11,12 @@ the tail's forward instead of before them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from hicache.ops import Op, OpEvent, OpKind, OpState, apply
-from hicache.radix import Tier
+from hicache.radix import Node, Tier
 from hicache.storage import StorageError
 
 # A prefetch that will be taken on to L1 once its bytes land verifies them after the landing only
@@ -99,6 +100,42 @@ class Restores:
             if upto <= min(len(theirs), len(tokens)) and tuple(tokens[:upto]) == theirs[:upto]:
                 return op
         return None
+
+    def stop_restores_of(self, path: Sequence[Node], then: Callable[[frozenset[Tier]], object]) -> int:
+        """`stop_backups_of` for restores and prefetches: the prefix whose nodes are `path` was
+        dropped as suspect (hicache/suspect.py) but where locked. Each op of RESTORE_KINDS that locks
+        one of them, or a node below (the pages it copies were computed on top of them), stops at its
+        next step: its copy settles, it publishes nothing (a prefetch taken on to L1 neither, though
+        its read verified: `_drive_restore`), its private L1 pages, which its H2D may have filled
+        with the suspect K/V, go back zeroed (`_free_claim`), and its request recomputes as after a
+        failed restore (scheduler/restoring.py). As it ends, its locks gone, `then(tiers)` runs with
+        the tiers it held the prefix in (`_unlock_all`: not in a done-callback, as for a backup, since
+        a loop turn before it could unpark its request onto the kept head), and once more when a
+        request that ran its forward behind it lets go of the L1 head it locked meanwhile
+        (`drop_suspect_again`). Regression: it published its copy of the corrupt pages and its
+        request (or the next one) failed on them too. One cancelled before (its request aborted) is
+        stopped as well. Returns how many it stopped."""
+        on_path = set(path)
+
+        stopped = 0
+        for op in list(self.live.values()):
+            if op.kind not in RESTORE_KINDS or op.done:
+                continue
+            held = frozenset(tier for node, tier in op.payload["locks"] if node.on_or_below(on_path))
+            if held:
+                op.payload["suspect"] = True
+                op.payload.setdefault("suspect_drops", []).append(functools.partial(then, held))
+                self.cancel(op)
+                stopped += 1
+        return stopped
+
+    def drop_suspect_again(self, op: Op | None) -> None:
+        """A request ran its forward behind `op` (`hold_published`), stopped as suspect
+        (`stop_restores_of`), and locked the L1 head below its pages until now: the drops that ran
+        as the op ended, under that lock, run again (regression: the head stayed in L1, and the
+        request, back in the queue to recompute, reused it and failed)."""
+        for drop in op.payload.pop("suspect_drops", ()) if op is not None else ():
+            drop()
 
     def reading_s(self) -> float:
         """Seconds of the storage reads in flight (restores' and prefetches' whose bytes have not
@@ -237,6 +274,11 @@ class Restores:
                 self._storage_failed(op, exc, future)
                 return
             taken = op.state is OpState.H2D_VERIFYING  # its H2D is in flight: cancel after it settled
+            if taken and op.payload.get("suspect"):  # (`stop_restores_of`: not even its L2 pages)
+                apply(op, OpEvent.CANCEL, error="suspect prefix")
+                self._settle_then_release(op, self._in_flight(op))  # (its H2D still reads them)
+                mgr.metrics.cancellations += 1
+                return
             if not taken and self._cancelled(op):
                 return
             apply(op, OpEvent.S2H_DONE)

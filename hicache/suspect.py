@@ -19,9 +19,10 @@ def drop_suspect_prefix(mgr: "CacheManager", tokens: Sequence[int],
     below it (computed on top of it), except what is locked in a tier: a running request reads it, an
     operation copies it. Per tier, the shallowest node of the prefix unlocked there goes with its
     subtree (RadixTree.drop: the tier allocators get the pages back, L3 slots are invalidated); the
-    locked nodes above it stay, and a request that fails on them later drops them then; a backup
-    locking them publishes nothing more and, once it ended, they are dropped again in the tiers it
-    held (`tiers`: only those; OpRunner.stop_backups_of). Dropped L1
+    locked nodes above it stay, and a request that fails on them later drops them then; a backup,
+    restore or prefetch locking them publishes nothing more and, once it ended, they are dropped
+    again in the tiers it held (`tiers`: only those; OpRunner.stop_backups_of, stop_restores_of:
+    the request waiting for a restore recomputes). Dropped L1
     pages are zeroed (the pool holds finite values: the unwritten tail of a page a request is given
     is read and masked, and NaN * 0 is NaN; on the device the zeroing is enqueued after every step
     that read them). A shared L3 (Redis) also loses the keys of the prefix's pages from the first
@@ -37,18 +38,28 @@ def drop_suspect_prefix(mgr: "CacheManager", tokens: Sequence[int],
             if not node.locks[tier]:  # (nor its subtree's: a lock counts on every ancestor)
                 pages = tree.drop(node, tier)
                 dropped[tier.label] = len(pages)
-                if tier is Tier.L1 and pages and not mgr.simulate:
-                    kv = mgr.l1.kv
-                    kv[:, :, torch.tensor(pages, dtype=torch.int64, device=kv.device)] = 0
+                if tier is Tier.L1:
+                    zero_l1_pages(mgr, pages)
                 break
     for label, num_pages in dropped.items():
         mgr.metrics.nan_dropped_pages[label] += num_pages
     # (regression: a backup copying the prefix kept its source locked, then published its L2 and L3
     # copy of the corrupt pages, and the next request for the prompt failed on them again)
-    mgr.runner.stop_backups_of(m.path, lambda held: drop_suspect_prefix(mgr, tokens, held))
+    again = lambda held: drop_suspect_prefix(mgr, tokens, held)  # noqa: E731
+    mgr.runner.stop_backups_of(m.path, again)
+    # (regression: a restore or prefetch copying the pages below it published its copy, and the
+    # request waiting for it, or the next, ran on the corrupt K/V and failed too)
+    mgr.runner.stop_restores_of(m.path, again)
     kept = tree.match(tokens, include_storage=True, touch=False, split=False)
     _delete_shared(mgr, tokens, kept.lengths[Tier.L3])
     return dropped, max(kept.lengths)
+
+
+def zero_l1_pages(mgr: "CacheManager", pages: Sequence[int]) -> None:
+    """Zero L1 pages leaving a suspect prefix for the free pool (drop_suspect_prefix's reason)."""
+    if pages and not mgr.simulate:
+        kv = mgr.l1.kv
+        kv[:, :, torch.tensor(list(pages), dtype=torch.int64, device=kv.device)] = 0
 
 
 def _delete_shared(mgr: "CacheManager", tokens: Sequence[int], kept_tokens: int) -> None:

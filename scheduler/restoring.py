@@ -458,6 +458,7 @@ class Restoring:
         cache = self.cache
         if req.state.done:  # aborted meanwhile: finish() already released everything
             cache.runner.release_held(op)
+            cache.runner.drop_suspect_again(op)
             return False
         req.restore_op = None
         ps, end = self.page_size, op.payload["l1_end"]
@@ -475,6 +476,7 @@ class Restoring:
                 return True  # (the tail's forward counts its recomputed tokens once kept: `after_step`)
         cache.runner.release_held(op)
         self._rewind(req, failed=not op.succeeded, end_tokens=end)
+        cache.runner.drop_suspect_again(op)  # (a restore stopped as suspect: the head it locked goes now)
         return False
 
     @staticmethod
