@@ -4,7 +4,7 @@
 
 Request models are strict: unknown fields and wrong JSON types are errors (400), never coerced; OpenAI
 fields this server does not implement (penalties, logit_bias, tools, ...) are served at their neutral values
-only (any other value: an 'unsupported_value' 400).
+only (any other value: an 'unsupported_value' 400). Token logprobs: scheduler/logprobs.py.
 Token ids are what this engine speaks: `stop` as integers and `stop_token_ids` are token ids (the stop
 token is in `token_ids` but its text is left out); `stop` as a string or a list of up to 4 strings is
 matched on the generated text (scheduler/stop_strings.py: the text ends before the match, finish_reason
@@ -26,6 +26,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from scheduler.logprobs import ChatLogprobsFields, CompletionLogprobsField
 from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams
 from scheduler.stop_strings import check_stop_strings
 
@@ -74,7 +75,6 @@ class _SamplingFields(_Strict):
     n: StrictInt | None = 1
     user: StrictStr | None = None
     # accepted for client compatibility; only their neutral values are supported
-    logprobs: StrictInt | StrictBool | None = None
     presence_penalty: Float | None = None
     frequency_penalty: Float | None = None
     logit_bias: dict[str, Any] | None = None  # (LangChain's OpenAI LLM sends {} by default)
@@ -111,9 +111,6 @@ class _SamplingFields(_Strict):
         if self.n not in (None, 1):
             raise APIError(400, f"'n' must be 1 (got {self.n}); this server generates one choice per request",
                            param="n", code="unsupported_value")
-        # (0 is not neutral: OpenAI then still returns the sampled tokens' logprobs; `is`, as 0 == False)
-        if self.logprobs is not None and self.logprobs is not False:
-            raise APIError(400, "'logprobs' is not supported", param="logprobs", code="unsupported_value")
         for name, neutral in self.NEUTRAL:
             value = getattr(self, name)
             if not any(value == v and type(value) is type(v) for v in neutral):
@@ -124,7 +121,7 @@ class _SamplingFields(_Strict):
                            code="invalid_value")
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(_SamplingFields, CompletionLogprobsField):
     # OpenAI's four shapes; a list of prompts is a batch: one choice per prompt (parse_prompts)
     prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
     echo: StrictBool | None = False
@@ -197,15 +194,13 @@ class ChatMessage(_Strict):
         return out
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_SamplingFields, ChatLogprobsFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
-    top_logprobs: StrictInt | None = None
     response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
-    NEUTRAL: ClassVar = (*_SamplingFields.NEUTRAL, ("top_logprobs", (None, 0)),
-                         ("response_format", (None, {"type": "text"})), ("tools", (None, [])),
+    NEUTRAL: ClassVar = (*_SamplingFields.NEUTRAL, ("response_format", (None, {"type": "text"})), ("tools", (None, [])),
                          ("tool_choice", (None, "none", "auto")))  # (no tools: nothing to call)
 
 
@@ -246,7 +241,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict | None = None  # (scheduler/logprobs.py's shapes)
     token_ids: list[int]
 
 
@@ -268,7 +263,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict | None = None
     token_ids: list[int]
 
 
@@ -302,7 +297,8 @@ def validation_error(exc: ValidationError | Any) -> APIError:
         return APIError(400, f"missing required field '{field}'", param=param, code="missing_field")
     branches = [e.get("msg", "") for e in errors if e.get("loc", ())[:1] == err.get("loc", ())[:1]]
     msg = "; or ".join(dict.fromkeys(branches)) if len(branches) > 1 else err.get("msg", "invalid value")
-    return APIError(400, f"invalid value for field '{field}': {msg}", param=param, code="invalid_type")
+    code = "invalid_value" if kind.startswith(("less_than", "greater_than")) else "invalid_type"  # (a range: logprobs)
+    return APIError(400, f"invalid value for field '{field}': {msg}", param=param, code=code)
 
 
 def _is_type_tag(part: str) -> bool:
@@ -310,16 +306,17 @@ def _is_type_tag(part: str) -> bool:
             or part.startswith(("constrained-", "function-")))
 
 
-def response_body(chat: bool, rid: str, created: int, model: str, choices: list[tuple[str, str, list[int]]],
-                  usage: Usage) -> dict:
-    """`choices`: (text, finish_reason, token_ids) per prompt, in the prompts' order (their `index`)."""
+def response_body(chat: bool, rid: str, created: int, model: str,
+                  choices: list[tuple[str, str, list[int], dict | None]], usage: Usage) -> dict:
+    """`choices`: (text, finish_reason, token_ids, logprobs) per prompt, in the prompts' order (their `index`)."""
     common = dict(id=rid, created=created, model=model, usage=usage)
     if chat:
         return ChatCompletionResponse(choices=[
-            ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=finish, token_ids=ids)
-            for i, (text, finish, ids) in enumerate(choices)], **common).model_dump()
-    return CompletionResponse(choices=[CompletionChoice(index=i, text=text, finish_reason=finish, token_ids=ids)
-                                       for i, (text, finish, ids) in enumerate(choices)], **common).model_dump()
+            ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=finish, token_ids=ids,
+                       logprobs=lps) for i, (text, finish, ids, lps) in enumerate(choices)], **common).model_dump()
+    return CompletionResponse(choices=[
+        CompletionChoice(index=i, text=text, finish_reason=finish, token_ids=ids, logprobs=lps)
+        for i, (text, finish, ids, lps) in enumerate(choices)], **common).model_dump()
 
 
 def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: Usage) -> dict:
@@ -329,10 +326,12 @@ def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: Usage) ->
 
 
 def stream_chunk(chat: bool, rid: str, created: int, model: str, text: str, token_ids: list[int],
-                 finish_reason: str | None, first: bool, usage: Usage | None | Literal[False], index: int = 0) -> dict:
+                 finish_reason: str | None, first: bool, usage: Usage | None | Literal[False], index: int = 0,
+                 logprobs: dict | None = None) -> dict:
     """One SSE chunk of choice `index`; `usage` False leaves the key out (no stream_options.include_usage),
-    None is the null that OpenAI puts in every choice chunk (the usage follows in `usage_chunk`)."""
-    choice: dict = {"index": index, "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+    None is the null that OpenAI puts in every choice chunk (the usage follows in `usage_chunk`); `logprobs`:
+    the chunk's tokens' (scheduler/logprobs.py)."""
+    choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason, "token_ids": token_ids}
     if chat:
         choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
     else:
@@ -477,7 +476,7 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
     # no temperature: OpenAI's default of 1 (it was greedy here, so a seed or top_p alone changed nothing)
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
-                          stop_token_ids=req.stop_ids(), ignore_eos=req.ignore_eos)
+                          stop_token_ids=req.stop_ids(), ignore_eos=req.ignore_eos, logprobs=req.logprob_count())
 
 
 def jsonable(x: Any) -> Any:

@@ -63,12 +63,14 @@ class Choices:
         texts: list[list[str]] = [[] for _ in self.gens]
         ids: list[list[int]] = [[] for _ in self.gens]
         finish: list[str] = [""] * len(self.gens)
+        logprobs: list[list] = [[] for _ in self.gens]
         failed = None
         try:
             async with contextlib.aclosing(self._events()) as events:
-                async for i, (text, token_ids, fin) in events:
+                async for i, (text, token_ids, fin, entries) in events:
                     texts[i].append(text)
                     ids[i] += token_ids
+                    logprobs[i] += entries
                     if (failed := self._failed(self.gens[i], fin)) is not None:
                         break
                     if fin is not None:
@@ -78,8 +80,9 @@ class Choices:
             await self.close()
         if failed is not None:
             raise failed
+        shaped = [None if g.logprobs is None else g.logprobs.render(lps) for g, lps in zip(self.gens, logprobs)]
         body = response_body(self.chat, self.rid, self.created, self.model,
-                             [("".join(t), f, i) for t, f, i in zip(texts, finish, ids)], self.usage())
+                             [("".join(t), f, i, lp) for t, f, i, lp in zip(texts, finish, ids, shaped)], self.usage())
         return JSONResponse(body)
 
     async def _abort_on_disconnect(self, request) -> None:
@@ -91,13 +94,14 @@ class Choices:
         first = [True] * len(self.gens)
         try:
             async with contextlib.aclosing(self._events()) as events:
-                async for i, (text, token_ids, fin) in events:
+                async for i, (text, token_ids, fin, entries) in events:
                     if (failed := self._failed(self.gens[i], fin)) is not None:
                         yield f"data: {json.dumps(failed.body())}\n\n"
                         break
                     chunk = stream_chunk(self.chat, self.rid, self.created, self.model, text, token_ids,
                                          None if fin is None else fin.finish_reason, first[i],
-                                         None if self.includes_usage else False, index=i)
+                                         None if self.includes_usage else False, index=i,
+                                         logprobs=self.gens[i].logprobs.render(entries) if entries else None)
                     first[i] = False
                     yield f"data: {json.dumps(chunk)}\n\n"
                 else:

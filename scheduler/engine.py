@@ -150,6 +150,9 @@ class Engine(BatchAPI):
                                    "of Python ints (convert an array with .tolist())")
             raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
         params.validate(self.config.max_new_tokens_limit)
+        if params.logprobs is not None and self.config.simulate:
+            raise RequestError("logprobs need the model's logits: a simulated engine (--simulate) has none",
+                               "logprobs")
         if len(prompt) > self.max_prompt_tokens:
             raise RequestError(f"prompt of {len(prompt)} tokens exceeds the limit of {self.max_prompt_tokens}")
         kv = kv_tokens(len(prompt), params.max_tokens)
@@ -366,10 +369,11 @@ class Engine(BatchAPI):
             await self._run_decode_chain(work)
             return
         start_ns, restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
-        handle = self.runner.launch(work[2])
+        handle = self._launch(work)
         if work[2].wait_restore:
             self.admission.restore_launched(work)
         next_ids = await self.runner.collect(handle)
+        self._take_logprobs(work, handle, next_ids)
         await asyncio.sleep(0)  # on the CPU nothing above yields: let streams and aborts run
         if work[2].wait_restore:
             work, next_ids = self.admission.after_overlapped_forward(work, next_ids)
@@ -384,22 +388,39 @@ class Engine(BatchAPI):
         abort, a finished restore (`_wake_soon`; a finished write-through backup makes nothing
         runnable and does not end it), or a request that needs a page it cannot get."""
         start_ns, restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
-        handle = self.runner.launch(work[2])
+        handle = self._launch(work)
         while True:
             nxt = None if self._end_chain or self._stopping else self.admission.chain_decode_batch(work[0])
             next_handle = None
             if nxt is not None:
                 rows = [work[0].index(r) for r in nxt[0]]
                 next_start_ns, next_restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
-                next_handle = self.runner.launch(nxt[2], chain=(handle, rows))
+                next_handle = self._launch(nxt, chain=(handle, rows))
                 self.stats["chained_steps"] += 1
             next_ids = await self.runner.collect(handle)
+            self._take_logprobs(work, handle, next_ids)
             await asyncio.sleep(0)
             self._after_batch(work, next_ids, start_ns, restoring)
             self._settle_aborts()
             if nxt is None:
                 return
             work, handle, start_ns, restoring = nxt, next_handle, next_start_ns, next_restoring
+
+    def _launch(self, work, chain=None):
+        """Launch a batch, asking the runner for logprobs only when one of its requests wants them."""
+        reqs, _, binput = work
+        if any(r.params.logprobs is not None for r in reqs):
+            binput.logprobs = [r.params.logprobs for r in reqs]
+        return self.runner.launch(binput, chain=chain)
+
+    def _take_logprobs(self, work, handle, next_ids: list[int]) -> None:
+        """Each asking request's logprobs of the step just collected, kept with their token until
+        it is emitted (Request.emit; an overlapped restore's forward may be applied later)."""
+        lps = self.runner.logprobs_of(handle, work[2].logprobs)
+        if lps is not None:
+            for req, token, lp in zip(work[0], next_ids, lps):
+                if lp is not None:
+                    req.step_logprobs = (token, lp)
 
     def _after_batch(self, work, next_ids: list[int], start_ns: int, restoring: bool) -> None:
         reqs, chunks, binput = work

@@ -7,6 +7,7 @@ import itertools
 import numbers
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class RequestError(ValueError):
@@ -19,6 +20,7 @@ class RequestError(ValueError):
 
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
+MAX_LOGPROBS = 20  # alternatives a request may ask for at each position (OpenAI's top_logprobs limit)
 
 
 def kv_tokens(prompt_tokens: int, max_tokens: int) -> int:
@@ -43,6 +45,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k: each generated token's logprob and the k likeliest tokens'
 
     def validate(self, max_new_tokens_limit: int) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -62,6 +65,9 @@ class SamplingParams:
                                "stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", "ignore_eos")
+        if self.logprobs is not None and not (_is_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+                               "logprobs")
 
     @property
     def greedy(self) -> bool:
@@ -83,6 +89,13 @@ class RequestState(enum.Enum):
         return self in (RequestState.FINISHED, RequestState.ABORTED, RequestState.FAILED)
 
 
+class TokenLogprobs(NamedTuple):
+    """A generated token's log-probability and the k likeliest tokens' at its position: log_softmax of
+    the model's raw logits, before temperature and top-p (vLLM's default), whatever was drawn."""
+    logprob: float                  # the generated token's (in `top` too when it is one of the k)
+    top: list[tuple[int, float]]    # (token id, logprob), the likeliest first; SamplingParams.logprobs of them
+
+
 @dataclass
 class TokenEvent:
     """One streamed item: a generated token, or the end of the request."""
@@ -92,6 +105,7 @@ class TokenEvent:
     finished: bool = False
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     error: str | None = None
+    logprobs: TokenLogprobs | None = None  # the token's, when its request asked (SamplingParams.logprobs)
 
 
 @dataclass
@@ -104,6 +118,7 @@ class GenerationResult:
     cached_tokens: dict[str, int]
     ttft_s: float | None
     latency_s: float | None
+    logprobs: list[TokenLogprobs] | None = None  # one per output id, when asked (SamplingParams.logprobs)
 
 
 _rid_counter = itertools.count()
@@ -155,6 +170,11 @@ class Request:
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     finish_s: float | None = None
+    # its last forward's sampled token and that token's logprobs, set after each step of a request that
+    # asked (Engine._take_logprobs) and attached to the token's event by `emit` (the token may be
+    # emitted later: an overlapped restore's forward is applied once the restore has published)
+    step_logprobs: tuple[int, TokenLogprobs] | None = None
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -166,6 +186,9 @@ class Request:
         return len(self.prompt) + max(0, len(self.output) - 1)
 
     def emit(self, event: TokenEvent) -> None:
+        if event.token_id is not None and self.step_logprobs is not None and self.step_logprobs[0] == event.token_id:
+            event.logprobs, self.step_logprobs = self.step_logprobs[1], None
+            self.output_logprobs.append(event.logprobs)
         if self.queue is not None:
             self.queue.put_nowait(event)
 
@@ -174,4 +197,5 @@ class Request:
             rid=self.rid, prompt_tokens=len(self.prompt), output_ids=list(self.output),
             finish_reason=self.finish_reason or "", error=self.error, cached_tokens=dict(self.hit_tokens),
             ttft_s=None if self.first_token_s is None else self.first_token_s - self.arrival_s,
-            latency_s=None if self.finish_s is None else self.finish_s - self.arrival_s)
+            latency_s=None if self.finish_s is None else self.finish_s - self.arrival_s,
+            logprobs=None if self.params.logprobs is None else list(self.output_logprobs))

@@ -14,7 +14,8 @@ from kernels import cuda_rt
 from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch
 from scheduler.model import Qwen3Model
-from scheduler.sampling import mark_nan, sample
+from scheduler.request import MAX_LOGPROBS
+from scheduler.sampling import mark_nan, sample, token_logprobs, unpack_logprobs
 
 
 @dataclass
@@ -29,6 +30,8 @@ class BatchInput:
     is_decode: bool
     wait_restore: bool = False    # the one sequence's prefix is still landing layer by layer (layer flags)
     restore_epoch: int = 0        # ... up to this epoch of the transfer engine's layer flags (CUDA)
+    logprobs: list[int | None] | None = None  # per sequence, the k its request asked for (None: it did
+                                              # not); None: no sequence asked, and nothing extra runs
 
 
 class StepHandle(NamedTuple):
@@ -37,6 +40,7 @@ class StepHandle(NamedTuple):
     host: Any                             # sampled ids on the host once `event` passed: pinned [B] int64, or a list
     event: torch.cuda.Event | None        # recorded after the copy to `host`; None: `host` holds them already
     ids: Any                              # the sampled ids where they were produced: [B] on the device, or a list
+    logprobs: Any = None                  # (values, ids) of `token_logprobs`, on the host with `host`; None: not asked
 
 
 class ModelRunner:
@@ -58,6 +62,8 @@ class ModelRunner:
         # step cost ~30 us of host time
         self._out_ring: list[tuple[torch.Tensor, torch.cuda.Event]] = []
         self._out_next = 0
+        # beside each, where a step's logprobs land: made the first time a request asks for them
+        self._lp_ring: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def enable_graphs(self, graphs) -> None:
         """Small forwards replay captured CUDA graphs (scheduler/cuda_graphs.py): decode batches,
@@ -102,23 +108,45 @@ class ModelRunner:
         # the host's ids mark a NaN row (its request fails); a chained step reads the unmarked ones (an
         # id out of the vocabulary would fail the embedding, and every request with it)
         out_ids = mark_nan(logits, next_ids)  # [B]
+        logprobs = None
+        if batch.logprobs is not None:  # some row asked: one pass over [B, V] for all rows (the host drops the others)
+            logprobs = token_logprobs(logits, next_ids, max(k for k in batch.logprobs if k is not None))
         if not self.cuda:
-            return StepHandle(out_ids, None, next_ids)
+            return StepHandle(out_ids, None, next_ids, logprobs)
         if batch.wait_restore and self.layer_flags is not None:
             self.layer_flags.stage_status()  # read after this step's event: restore_wait_timed_out
-        host, event = self._out_slot(len(next_ids))
+        host, event, slot = self._out_slot(len(next_ids))
         host.copy_(out_ids, non_blocking=True)
+        if logprobs is not None:
+            logprobs = self._logprobs_to_host(slot, *logprobs)
         event.record(cuda_rt.current_stream(self.device))
-        return StepHandle(host, event, next_ids)
+        return StepHandle(host, event, next_ids, logprobs)
 
-    def _out_slot(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+    def _out_slot(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event, int]:
         if not self._out_ring or self._out_ring[0][0].numel() < n:
             size = max(n, 256)
             self._out_ring = [(torch.empty(size, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
                               for _ in range(self.OUT_RING)]
-        buf, event = self._out_ring[self._out_next % self.OUT_RING]
+        slot = self._out_next % self.OUT_RING
+        buf, event = self._out_ring[slot]
         self._out_next += 1
-        return buf[:n], event
+        return buf[:n], event, slot
+
+    def _logprobs_to_host(self, slot: int, values: torch.Tensor,
+                          ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Enqueue the copy of a step's logprobs into the pinned buffers of its ring slot (reused as
+        the ids' buffer is: `collect` reads them before the slot comes round again)."""
+        rows = self._out_ring[0][0].numel()
+        if not self._lp_ring or self._lp_ring[0][1].numel() < rows * MAX_LOGPROBS:
+            self._lp_ring = [(torch.empty(rows * (1 + MAX_LOGPROBS), dtype=torch.float32, pin_memory=True),
+                              torch.empty(rows * MAX_LOGPROBS, dtype=torch.int64, pin_memory=True))
+                             for _ in range(self.OUT_RING)]
+        value_buf, id_buf = self._lp_ring[slot]
+        host_values = value_buf[:values.numel()].view(values.shape)
+        host_ids = id_buf[:ids.numel()].view(ids.shape)
+        host_values.copy_(values, non_blocking=True)
+        host_ids.copy_(ids, non_blocking=True)
+        return host_values, host_ids
 
     def restore_wait_timed_out(self) -> bool:
         """After collecting a forward that waited for a layer-ordered restore: whether a layer wait
@@ -135,6 +163,12 @@ class ModelRunner:
         else:
             await asyncio.get_running_loop().run_in_executor(self._waiter, event.synchronize)
         return host.tolist()
+
+    @staticmethod
+    def logprobs_of(handle: StepHandle, wants: list[int | None] | None) -> list | None:
+        """After `collect`: per row, the TokenLogprobs its request asked for (`BatchInput.logprobs`)
+        or None; None when no row asked."""
+        return None if handle.logprobs is None else unpack_logprobs(*handle.logprobs, wants)
 
     def close(self) -> None:
         self._waiter.shutdown(wait=True)
@@ -157,6 +191,10 @@ class SimRunner:
 
     async def collect(self, handle: StepHandle) -> list[int]:
         return handle.host
+
+    @staticmethod
+    def logprobs_of(handle: StepHandle, wants) -> None:
+        return None  # no logits (Engine.validate refuses logprobs with --simulate)
 
     def restore_wait_timed_out(self) -> bool:
         return False

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from scheduler.request import TokenLogprobs
+
 _MASK_32, _MASK_64 = (1 << 32) - 1, (1 << 64) - 1
 
 
@@ -69,3 +71,25 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
             choice = torch.multinomial(probs, 1, generator=gen)
         next_ids[i] = choice[0]
     return next_ids
+
+
+def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs of a batch's rows, on the logits' device: (values [B, 1 + k] float32: the sampled token's,
+    then the k likeliest tokens' in descending order; their ids [B, k] int64). log_softmax of the raw
+    logits, before temperature and top-p (vLLM's default), so greedy and sampled rows read alike.
+    A NaN logit counts as -inf (no probability, as `sample` draws it): a sampled row with a few keeps
+    finite logprobs; a row whose sampled token's logit is NaN fails anyway (`mark_nan`)."""
+    logprobs = torch.log_softmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=-1)  # [B, V]
+    chosen = logprobs.gather(-1, next_ids[:, None])  # [B, 1]
+    if k == 0:
+        return chosen, next_ids.new_empty((len(next_ids), 0))
+    top_values, top_ids = torch.topk(logprobs, k, dim=-1)  # [B, k], sorted
+    return torch.cat([chosen, top_values], dim=1), top_ids
+
+
+def unpack_logprobs(values: torch.Tensor, ids: torch.Tensor, wants: list[int | None]) -> list:
+    """`token_logprobs`' output on the host -> per row, None where its request did not ask, else
+    TokenLogprobs with the k it asked for (the batch computed the largest k of its rows)."""
+    vals, tops = values.tolist(), ids.tolist()
+    return [None if k is None else TokenLogprobs(v[0], list(zip(t[:k], v[1:k + 1])))
+            for k, v, t in zip(wants, vals, tops)]

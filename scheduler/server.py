@@ -38,6 +38,7 @@ from starlette.requests import ClientDisconnect
 from scheduler.api_models import APIError, Usage, jsonable, parse_prompts, read_json_body, validation_error
 from scheduler.choices import Choices
 from scheduler.engine import Engine
+from scheduler.logprobs import LogprobsShaper
 from scheduler.prom import ServerMetrics
 from scheduler.request import Request as EngineRequest
 from scheduler.request import RequestError, TokenEvent
@@ -372,6 +373,7 @@ class _Generation:
         if not req.params.ignore_eos:
             self.stop_ids.update(st.engine.model_config.eos_token_ids)
         self.output_tokens = 0  # tokens read (a stop string ends them before the engine's abort lands)
+        self.logprobs = None if req.params.logprobs is None else LogprobsShaper(st.tokenizer, chat)
         self.first_token_at: float | None = None
         self._buf: deque = deque()
         self._closed = self._counted = False
@@ -380,7 +382,7 @@ class _Generation:
         return self._buf.popleft() if self._buf else await self.req.queue.get()
 
     async def steps(self):
-        """(token id or None, the finishing event or None); the last token and the end come together."""
+        """(token event or None, the finishing event or None); the last token and the end come together."""
         q = self.req.queue
         while True:
             ev = await self._next()
@@ -393,9 +395,9 @@ class _Generation:
             if not self._buf and not q.empty():
                 self._buf.append(q.get_nowait())
             if self._buf and self._buf[0].finished:
-                yield ev.token_id, self._buf.popleft()
+                yield ev, self._buf.popleft()
                 return
-            yield ev.token_id, None
+            yield ev, None
 
     def _shows_text(self, token: int, fin) -> bool:
         return not (fin is not None and fin.finish_reason == "stop" and token in self.stop_ids)
@@ -436,13 +438,16 @@ class _Generation:
             await self.abort()
 
     async def events(self):
-        """(text, token ids, the finishing event or None) per token as it arrives; the last token and
-        the end come together. A completion's text continues its prompt's (a chat's answer is a new
-        message: no context). A stop string's match ends it ("stop", the text before the match) and
-        the engine request, which may still be generating (it finishes: Engine.abort's stop)."""
+        """(text, token ids, the finishing event or None, logprobs entries: its `LogprobsShaper.entry`
+        when asked) per token as it arrives; the last token and the end come together. A completion's
+        text continues its prompt's (a chat's answer is a new message: no context). A stop string's
+        match ends it ("stop", the text before the match) and the engine request, which may still be
+        generating (it finishes: Engine.abort's stop)."""
         text = CompletionText(self.st.tokenizer, [] if self.chat else self.req.prompt, self.stop_strings)
-        async for token, fin in self.steps():
-            delta = ""
+        async for ev, fin in self.steps():
+            delta, token, entries = "", None if ev is None else ev.token_id, []
+            if token is not None and self.logprobs is not None and ev.logprobs is not None:
+                entries.append(self.logprobs.entry(token, ev.logprobs))
             if token is not None:
                 self.output_tokens += 1
                 if self._shows_text(token, fin):
@@ -454,7 +459,7 @@ class _Generation:
                 await self.abort(stop=True)
             if fin is not None:
                 self._finish(fin)
-            yield delta, [] if token is None else [token], fin
+            yield delta, [] if token is None else [token], fin, entries
             if fin is not None:
                 return
 

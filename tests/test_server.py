@@ -406,12 +406,18 @@ def test_a_request_without_temperature_samples_at_openais_default_of_1(client):
     assert at_1 == outs[3]
 
 
-def test_logprobs_zero_is_refused_like_any_other_count(srv):
+def test_logprobs_zero_answers_the_sampled_tokens_logprobs(srv):
     """Regression: logprobs 0 was taken as a neutral value and answered with "logprobs": null, where
-    OpenAI returns the sampled tokens' logprobs for it; logprobs are not supported: a 400."""
+    OpenAI returns the sampled tokens' logprobs for it (then logprobs were refused; now served: one
+    logprob a generated token, no alternatives beyond the sampled token's own entry)."""
     r = httpx.post(srv.url + "/v1/completions", json={**GOOD, "logprobs": 0}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
-    assert httpx.post(srv.url + "/v1/completions", json={**GOOD, "logprobs": None}, timeout=30).status_code == 200
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["token_logprobs"]) == len(choice["token_ids"]) > 0
+    assert all(v <= 0 for v in lp["token_logprobs"]) and all(len(t) == 1 for t in lp["top_logprobs"])
+    r = httpx.post(srv.url + "/v1/completions", json={**GOOD, "logprobs": None}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
 
 
 def test_a_context_refusal_names_the_field_to_lower(srv):

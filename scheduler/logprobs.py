@@ -1,0 +1,103 @@
+"""Token log-probabilities in the OpenAI API: the request fields that ask for them and the shapes they
+are answered in (the engine's side: SamplingParams.logprobs, scheduler/sampling.py `token_logprobs`).
+
+Asked for as OpenAI and vLLM take them (up to MAX_LOGPROBS alternatives; no prompt logprobs: `echo` is
+refused):
+
+* /v1/completions: `logprobs: k` (0..20): each generated token's logprob and the k likeliest tokens'
+  (0: the sampled token's alone); false or null: none.
+* /v1/chat/completions: `logprobs: true`, with `top_logprobs: k` (0..20; 0 when left out). A
+  `top_logprobs` above 0 without `logprobs` is an 'unsupported_value' 400 (0 changes nothing).
+
+Answered per choice, and per streamed chunk for that chunk's tokens (the chunks add up to the response):
+
+* completions, OpenAI's legacy shape: {"tokens": [piece], "token_logprobs": [logprob],
+  "top_logprobs": [{piece: logprob}], "text_offset": [characters of the pieces before it]}; a
+  top_logprobs dict holds the k likeliest and the sampled token (k + 1 entries when it is not one of
+  them; pieces that decode alike share one entry, as in vLLM).
+* chat: {"content": [{"token": piece, "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+  "bytes"}]}]}, the k likeliest in order.
+
+A token's piece is its id decoded alone, or "token_id:N" (vLLM's form) where that decodes to nothing or
+there is no tokenizer; `bytes` is the piece's UTF-8. A logprob below -9999 (-inf: no probability) is
+-9999.0, as vLLM clamps it (JSON has no -inf).
+"""
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import BaseModel, Field, StrictBool, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
+
+from scheduler.request import MAX_LOGPROBS, TokenLogprobs
+
+LOWEST_LOGPROB = -9999.0
+
+Count = Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]
+
+
+class CompletionLogprobsField(BaseModel):
+    """/v1/completions' `logprobs` (mixed into api_models.CompletionRequest)."""
+    logprobs: Count | None = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_is_off(cls, value):
+        return None if value is False else value  # (`is`: 0 == False, and 0 asks for the sampled tokens')
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
+
+
+class ChatLogprobsFields(BaseModel):
+    """/v1/chat/completions' `logprobs` and `top_logprobs` (mixed into api_models.ChatCompletionRequest)."""
+    logprobs: StrictBool | None = None
+    top_logprobs: Count | None = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value, info: ValidationInfo):
+        if value and not info.data.get("logprobs"):
+            raise PydanticCustomError("unsupported_value", "'top_logprobs' is not supported without 'logprobs': true")
+        return value
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class LogprobsShaper:
+    """One choice's token logprobs in its endpoint's shape: `entry` per token as it arrives (in order:
+    a completion's text offsets run on), `render` for a response's or a chunk's entries."""
+
+    def __init__(self, tokenizer, chat: bool) -> None:
+        self.tokenizer, self.chat = tokenizer, chat
+        self.offset_chars = 0  # a completion's text_offset: characters of the pieces so far
+
+    def piece(self, token_id: int) -> str:
+        text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+        return text or f"token_id:{token_id}"
+
+    def entry(self, token_id: int, lp: TokenLogprobs):
+        if self.chat:
+            return {**self._chat_item(token_id, lp.logprob),
+                    "top_logprobs": [self._chat_item(t, v) for t, v in lp.top]}
+        piece = self.piece(token_id)
+        top: dict[str, float] = {}
+        for t, v in [*lp.top, (token_id, lp.logprob)]:  # the sampled token's, where it is not one of the k
+            top.setdefault(self.piece(t), _finite(v))
+        offset, self.offset_chars = self.offset_chars, self.offset_chars + len(piece)
+        return piece, _finite(lp.logprob), top, offset
+
+    def _chat_item(self, token_id: int, logprob: float) -> dict:
+        piece = self.piece(token_id)
+        return {"token": piece, "logprob": _finite(logprob), "bytes": list(piece.encode("utf-8"))}
+
+    def render(self, entries: list) -> dict:
+        if self.chat:
+            return {"content": list(entries)}
+        tokens, values, tops, offsets = (list(col) for col in zip(*entries)) if entries else ([], [], [], [])
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob >= LOWEST_LOGPROB else LOWEST_LOGPROB  # (NaN too: it fails the comparison)
