@@ -15,6 +15,7 @@ once that step's tokens reached their clients (`backup_soon`).
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Sequence
 
 from hicache.ops import Op, OpEvent, OpKind, apply
@@ -56,22 +57,26 @@ class Backups:
         """The prefix whose nodes are `path` was dropped as suspect (hicache/suspect.py) but where
         locked. Each backup that locks one of them, or a node below (pages computed on top of them),
         stops at its next step: its copy settles, it publishes nothing and frees its destination
-        pages (`_cancelled`), and the backups waiting for it are dropped. Once it ended, its locks
-        gone, `then(tiers)` runs with the tiers it held the prefix in (regression: it published its
-        L2, then L3, copy of the corrupt pages, and its locked source stayed, so the next request
-        for the prompt failed on them again). Returns how many it stopped."""
+        pages (`_cancelled`), and the backups waiting for it are dropped. As it ends, its locks gone,
+        `then(tiers)` runs with the tiers it held the prefix in (`_unlock_all`; regression: it
+        published its L2, then L3, copy of the corrupt pages, and its locked source stayed, so the
+        next request for the prompt failed on them again; then, run in a done-callback of its task,
+        loop turns after its locks went, it left the kept prefix to a request admitted in between).
+        One already cancelled (a drain that cancels) is not stopped again, but its `then` runs as
+        well (regression: it was skipped, and the head it locked stayed cached). Returns how many it
+        stopped."""
         on_path = set(path)
 
         stopped = 0
         for op in list(self.live.values()):
-            task = self._tasks.get(op.op_id)
-            if op.kind is not OpKind.BACKUP or op.done or op.payload["cancel"] or task is None:
+            if op.kind is not OpKind.BACKUP or op.done:
                 continue
             held = frozenset(tier for node, tier in op.payload["locks"] if node.on_or_below(on_path))
             if held:
-                self.cancel(op)
-                task.add_done_callback(lambda _, held=held: then(held))
-                stopped += 1
+                op.payload.setdefault("suspect_drops", []).append(functools.partial(then, held))
+                if not op.payload["cancel"]:
+                    self.cancel(op)
+                    stopped += 1
         return stopped
 
     async def write_back_l1(self, unsaved: bool) -> None:

@@ -96,7 +96,8 @@ class OpRunner(Backups, Restores):
         for node, tier in reversed(op.payload["locks"]):
             self.mgr.tree.unlock(node, tier)
         op.payload["locks"].clear()
-        if op.done:  # its last locks went: the suspect prefix they kept goes too (`stop_restores_of`)
+        # its last locks went: the suspect prefix they kept goes too (`stop_backups_of`, `stop_restores_of`)
+        if op.done:
             for drop in op.payload.get("suspect_drops", ()):
                 drop()
 

@@ -109,12 +109,12 @@ class Restores:
         its read verified: `_drive_restore`), its private L1 pages, which its H2D may have filled
         with the suspect K/V, go back zeroed (`_free_claim`), and its request recomputes as after a
         failed restore (scheduler/restoring.py). As it ends, its locks gone, `then(tiers)` runs with
-        the tiers it held the prefix in (`_unlock_all`: not in a done-callback, as for a backup, since
-        a loop turn before it could unpark its request onto the kept head), and once more when a
-        request that ran its forward behind it lets go of the L1 head it locked meanwhile
-        (`drop_suspect_again`). Regression: it published its copy of the corrupt pages and its
-        request (or the next one) failed on them too. One cancelled before (its request aborted) is
-        stopped as well. Returns how many it stopped."""
+        the tiers it held the prefix in (`_unlock_all`: not in a done-callback, since a loop turn
+        before it could unpark its request onto the kept head), and once more when a request that
+        ran its forward behind it lets go of the L1 head it locked meanwhile (`drop_suspect_again`).
+        Regression: it published its copy of the corrupt pages and its request (or the next one)
+        failed on them too. One cancelled before (its request aborted) is stopped as well. Returns
+        how many it stopped."""
         on_path = set(path)
 
         stopped = 0

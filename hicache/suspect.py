@@ -20,14 +20,14 @@ def drop_suspect_prefix(mgr: "CacheManager", tokens: Sequence[int],
     operation copies it. Per tier, the shallowest node of the prefix unlocked there goes with its
     subtree (RadixTree.drop: the tier allocators get the pages back, L3 slots are invalidated); the
     locked nodes above it stay, and a request that fails on them later drops them then; a backup,
-    restore or prefetch locking them publishes nothing more and, once it ended, they are dropped
-    again in the tiers it held (`tiers`: only those; OpRunner.stop_backups_of, stop_restores_of:
-    the request waiting for a restore recomputes). Dropped L1
-    pages are zeroed (the pool holds finite values: the unwritten tail of a page a request is given
-    is read and masked, and NaN * 0 is NaN; on the device the zeroing is enqueued after every step
-    that read them). A shared L3 (Redis) also loses the keys of the prefix's pages from the first
-    one L3 no longer holds here to the prefix's end (`_delete_shared`). Returns (pages dropped per
-    tier label, tokens of the prefix some tier still matches)."""
+    restore or prefetch locking them publishes nothing more and, as its last locks go, they are
+    dropped again in the tiers it held (`tiers`: only those; OpRunner.stop_backups_of, also for a
+    backup a drain had cancelled already, stop_restores_of: the request waiting for a restore
+    recomputes). Dropped L1 pages are zeroed (the pool holds finite values: the unwritten tail of a
+    page a request is given is read and masked, and NaN * 0 is NaN; on the device the zeroing is
+    enqueued after every step that read them). A shared L3 (Redis) also loses the keys of the
+    prefix's pages from the first one L3 no longer holds here to the prefix's end (`_delete_shared`).
+    Returns (pages dropped per tier label, tokens of the prefix some tier still matches)."""
     tree = mgr.tree
     m = tree.match(tokens, include_storage=True, touch=False)
     dropped: dict[str, int] = {}
