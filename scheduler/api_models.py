@@ -9,8 +9,8 @@ Token ids are what this engine speaks: `stop` as integers and `stop_token_ids` a
 token is in `token_ids` but its text is left out); `stop` as a string or a list of up to 4 strings is
 matched on the generated text (scheduler/stop_strings.py: the text ends before the match, finish_reason
 "stop"). Every choice carries the generated `token_ids` next to the text. A completion's `prompt` is a
-string, token ids, or a list of either (OpenAI's batch: one choice per prompt, `index` its position,
-usage summed; each prompt is its own engine request). `read_json_body` (size limits, JSON) and
+string, token ids, or a list of either (OpenAI's batch); each prompt gets `n` choices (1..N_MAX), each its
+own engine request, `index` prompt_index * n + j (scheduler/choices.py). `read_json_body` (size limits, JSON) and
 `parse_prompts` (validation, limits, prompt ids, SamplingParams) turn an HTTP body into engine
 input; `response_body` / `stream_chunk` render results.
 """
@@ -32,6 +32,7 @@ from scheduler.stop_strings import check_stop_strings
 
 Float = Annotated[float, Field(strict=True)]  # accepts JSON numbers (ints too), never strings
 TokenIds = list[StrictInt]
+N_MAX = 16  # `n`'s cap: each choice is an engine request (a decode, a concurrency slot): one body's fan-out stays small
 
 
 class APIError(Exception):
@@ -108,9 +109,8 @@ class _SamplingFields(_Strict):
         return tuple(dict.fromkeys(stop))
 
     def check_unsupported(self) -> None:
-        if self.n not in (None, 1):
-            raise APIError(400, f"'n' must be 1 (got {self.n}); this server generates one choice per request",
-                           param="n", code="unsupported_value")
+        if self.n is not None and not 1 <= self.n <= N_MAX:
+            raise APIError(400, f"'n' must be in [1, {N_MAX}], got {self.n}", param="n", code="invalid_value")
         for name, neutral in self.NEUTRAL:
             value = getattr(self, name)
             if not any(value == v and type(value) is type(v) for v in neutral):
@@ -122,7 +122,7 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields, CompletionLogprobsField):
-    # OpenAI's four shapes; a list of prompts is a batch: one choice per prompt (parse_prompts)
+    # OpenAI's four shapes; a list of prompts is a batch: n choices per prompt (parse_prompts)
     prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
     echo: StrictBool | None = False
     best_of: StrictInt | None = None

@@ -1,16 +1,18 @@
 """The choices of one API request, rendered as one JSON response or one event stream (scheduler/server.py).
 
-A completion's `prompt` may be a list of prompts (OpenAI's batch): each is its own engine request (a
-server `_Generation`), all run concurrently, and each is a choice whose `index` is its prompt's position
-(`n` is 1). A response carries the choices in that order and one usage, their sum; a stream interleaves
-their chunks as their tokens arrive (each chunk names its choice's `index`), then sends one usage chunk
-(with stream_options.include_usage) and one `data: [DONE]`. A single prompt is a batch of one.
+A completion's `prompt` may be a list of prompts (OpenAI's batch), and each prompt gets `n` choices: each
+choice is its own engine request (a server `_Generation`; n of one prompt share its K/V through the prefix
+cache), all run concurrently, and choice j of prompt p has `index` p * n + j (OpenAI's order). A response
+carries the choices in that order and one usage: each prompt's tokens once (as OpenAI counts them), every
+choice's completion tokens; a stream interleaves their chunks as their tokens arrive (each chunk names its
+choice's `index`), then sends one usage chunk (with stream_options.include_usage) and one `data: [DONE]`.
+A single prompt is a batch of one.
 
 A choice that fails (the engine failed it, or it was aborted at shutdown) fails the whole request, as a
 single request fails: the other choices are aborted; a response is that error (500, or 503 for an abort)
 and a stream ends with it as an error event, then `data: [DONE]`; in a batch the error names the
 prompt ("prompt 2 of the batch: ...", param "prompt.2"). A client that goes away aborts them all.
-Each prompt holds one of --max-concurrent-requests (server._Slot) and is counted in the metrics as a
+Each choice holds one of --max-concurrent-requests (server._Slot) and is counted in the metrics as a
 request (its outcome, its tokens); a refused batch counts one rejection.
 """
 from __future__ import annotations
@@ -30,10 +32,11 @@ _END = object()
 
 
 class Choices:
-    """The engine requests (`_Generation`s, one per prompt, in order) of one API request."""
+    """The engine requests (`_Generation`s, n per prompt, in choice order) of one API request."""
 
     def __init__(self, gens: list, chat: bool, rid: str, api_req, model: str) -> None:
         self.gens, self.chat, self.rid, self.model = gens, chat, rid, model
+        self.n = api_req.n or 1
         self.created = int(time.time())
         opts = api_req.stream_options
         self.includes_usage = opts is not None and opts.include_usage
@@ -49,7 +52,15 @@ class Choices:
             await g.close()
 
     def usage(self) -> Usage:
-        return Usage.summed([g.usage() for g in self.gens])
+        """Each prompt once, with the cached tokens of its choice that hit least (what every choice had from
+        the cache), and all its choices' completion tokens; then the prompts' summed."""
+        per_prompt = []
+        for p in range(0, len(self.gens), self.n):
+            usages = [g.usage() for g in self.gens[p:p + self.n]]
+            least = min(usages, key=lambda u: u.prompt_tokens_details.cached_tokens)
+            per_prompt.append(Usage.of(least.prompt_tokens, sum(u.completion_tokens for u in usages),
+                                       least.cached_tokens_per_tier.model_dump()))
+        return Usage.summed(per_prompt)
 
     def _events(self) -> AsyncIterator[tuple[int, tuple]]:
         return merge([g.events() for g in self.gens])

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server (FastAPI on uvicorn + uvloop) in front of one Engine.
 
-    POST /v1/completions        prompt: token ids or text, or a list of prompts (one choice each);
-                                stream: server-sent events; stop: token ids or strings
+    POST /v1/completions        prompt: token ids or text, or a list of prompts (`n` choices each, one
+                                engine request a choice); stream: server-sent events; stop: token ids or strings
     POST /v1/chat/completions   only with a model directory whose tokenizer has a chat template
     GET  /v1/models   GET /v1/models/{id}   GET /health   GET /metrics (Prometheus)
     GET  /hicache/status (engine.status())     (each GET route answers HEAD too)
@@ -41,7 +41,7 @@ from scheduler.engine import Engine
 from scheduler.logprobs import LogprobsShaper
 from scheduler.prom import ServerMetrics
 from scheduler.request import Request as EngineRequest
-from scheduler.request import RequestError, TokenEvent
+from scheduler.request import SEED_MAX, RequestError, SamplingParams, TokenEvent
 from scheduler.stop_strings import CompletionText
 from scheduler.tokenizer import load_tokenizer
 
@@ -205,7 +205,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
 
 # -- generation --------------------------------------------------------------------------------------
 class _Slot:
-    """Places of --max-concurrent-requests, one per engine request (a batch of K prompts holds K);
+    """Places of --max-concurrent-requests, one per engine request (K prompts with n choices hold K * n);
     released exactly once."""
 
     def __init__(self, st: _ServerState) -> None:
@@ -255,24 +255,28 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
             body, chat, tokenizer=st.tokenizer, served_names=st.served_names, model_name=st.model_name,
             vocab_size=st.engine.vocab_size, prompt_limit=st.prompt_limit, max_tokens_limit=st.max_tokens_limit,
             default_max_tokens=st.limits.default_max_tokens, context_tokens=st.engine.max_kv_tokens)
-        k = len(prompts)
-        if k > st.limits.max_concurrent_requests:  # each prompt is a request: waiting would never do
-            raise APIError(400, f"a batch of {k} prompts exceeds --max-concurrent-requests "
-                                f"({st.limits.max_concurrent_requests}); each prompt counts as a request",
-                           param="prompt", code="batch_too_large")
-        slot.add(k - 1)
+        k, n = len(prompts), api_req.n or 1
+        total = k * n  # engine requests: choice prompt_index * n + j, OpenAI's order
+        if total > st.limits.max_concurrent_requests:  # each choice is a request: waiting would never do
+            what = f"a batch of {k} prompts" if n == 1 else f"{k} prompt(s) with n={n} ({total} choices)"
+            raise APIError(400, f"{what} exceeds --max-concurrent-requests ({st.limits.max_concurrent_requests}); "
+                                f"each choice counts as a request", param="prompt" if n == 1 else "n",
+                           code="batch_too_large")
+        slot.add(total - 1)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        for i, ids in enumerate(prompts):  # every prompt is checked before any is queued
+        for i, ids in enumerate(prompts):  # every prompt is checked before any is queued (choices' seeds: in range)
             try:
                 st.engine.validate(ids, params)
             except RequestError as exc:
                 raise _refused(st, exc, i, k) from None
         for i, ids in enumerate(prompts):
-            try:
-                ereq = st.engine.add_request(ids, params, rid=rid if k == 1 else f"{rid}-{i}")
-            except RequestError as exc:
-                raise _refused(st, exc, i, k) from None
-            gens.append(_Generation(st, ereq, api_req, chat, arrival, index=i, batch_size=k))
+            for j in range(n):
+                try:
+                    ereq = st.engine.add_request(ids, _choice_params(params, j),
+                                                 rid=rid if total == 1 else f"{rid}-{i * n + j}")
+                except RequestError as exc:
+                    raise _refused(st, exc, i, k) from None
+                gens.append(_Generation(st, ereq, api_req, chat, arrival, index=i, batch_size=k))
     except APIError:
         await _abort_all(st, gens)  # a batch's prompts queued before one was refused
         slot.release()
@@ -292,6 +296,17 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
         return await choices.complete(request)
     finally:
         slot.release()
+
+
+def _choice_params(params: SamplingParams, j: int) -> SamplingParams:
+    """Choice j's sampling parameters. With a seed, seed + j (vLLM's derivation), wrapped within a seed's 64 bits
+    (the generator reads a seed's two's-complement bits, so the wrap keeps the stream): the n choices differ, a
+    repeat of the request repeats them, and choice 0 is the n=1 request's. Without a seed each choice draws on
+    its own; greedy choices are all the greedy text (as OpenAI's and vLLM's)."""
+    if params.seed is None or j == 0:
+        return params
+    seed = params.seed + j
+    return dataclasses.replace(params, seed=seed - (1 << 64) if seed > SEED_MAX else seed)
 
 
 def _refused(st: _ServerState, exc: RequestError, index: int, batch_size: int) -> APIError:
@@ -361,8 +376,8 @@ class _SSEResponse(StreamingResponse):
 
 
 class _Generation:
-    """One admitted engine request (choice `index` of a request of `batch_size` prompts; rendered by
-    scheduler/choices.py): reads its token events as text, with its stop strings matched."""
+    """One admitted engine request (a choice of prompt `index` of a request of `batch_size` prompts; rendered
+    by scheduler/choices.py): reads its token events as text, with its stop strings matched."""
 
     def __init__(self, st: _ServerState, req: EngineRequest, api_req, chat: bool, arrival: float,
                  index: int = 0, batch_size: int = 1) -> None:

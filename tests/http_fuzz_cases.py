@@ -332,7 +332,7 @@ class Builder:
         body: dict = {"prompt": ids, "max_tokens": 4, "temperature": 0}
         body["stream"] = rng.random() < 0.5
         status = 400
-        what = rng.choice(["max0", "over_limit", "too_long", "capacity", "bad_id", "empty", "n2", "stop5",
+        what = rng.choice(["max0", "over_limit", "too_long", "capacity", "bad_id", "empty", "n17", "stop5",
                            "stop_empty", "batch_bad", "neg_stop", "options", "model", "value", "type"])
         if what == "max0":
             body["max_tokens"] = rng.choice([0, -1])
@@ -351,8 +351,8 @@ class Builder:
             body["prompt"] = ids + [VOCAB]
         elif what == "empty":
             body["prompt"] = []
-        elif what == "n2":
-            body["n"] = 2
+        elif what == "n17":  # past N_MAX (n > 1 is served: tests/test_n_choices.py)
+            body["n"] = 17
         elif what == "stop5":
             body["stop"] = ["a", "b", "c", "d", "e"]
         elif what == "stop_empty":

@@ -189,7 +189,7 @@ BAD = [
     ("negative id", {**GOOD, "prompt": [-1]}, 400, "prompt", "outside the vocabulary"),
     ("empty prompt", {**GOOD, "prompt": []}, 400, "prompt", "empty"),
     ("prompt too long", {**GOOD, "prompt": [1] * 300}, 400, "prompt", "exceeds the limit"),
-    ("n=2", {**GOOD, "n": 2}, 400, "n", "'n' must be 1"),
+    ("n=0", {**GOOD, "n": 0}, 400, "n", "'n' must be in [1, 16]"),  # (n > 1: tests/test_n_choices.py)
     ("empty stop string", {**GOOD, "stop": ["\n", ""]}, 400, "stop", "empty string"),
     ("top_p zero", {**GOOD, "top_p": 0.0}, 400, "top_p", "top_p"),
     ("nan temperature", b'{"prompt": [1], "temperature": NaN}', 400, "temperature", "finite"),
