@@ -3,8 +3,9 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": "..."}}
 
 Request models are strict: unknown fields and wrong JSON types are errors (400), never coerced; OpenAI
-fields this server does not implement (penalties, logit_bias, tools, ...) are served at their neutral values
-only (any other value: an 'unsupported_value' 400). Token logprobs: scheduler/logprobs.py.
+fields this server does not implement (logit_bias, tools, ...) are served at their neutral values
+only (any other value: an 'unsupported_value' 400). Token logprobs: scheduler/logprobs.py; penalties:
+scheduler/penalties.py.
 Token ids are what this engine speaks: `stop` as integers and `stop_token_ids` are token ids (the stop
 token is in `token_ids` but its text is left out); `stop` as a string or a list of up to 4 strings is
 matched on the generated text (scheduler/stop_strings.py: the text ends before the match, finish_reason
@@ -27,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pydantic_core import PydanticCustomError
 
 from scheduler.logprobs import ChatLogprobsFields, CompletionLogprobsField
+from scheduler.penalties import PenaltyFields
 from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams
 from scheduler.stop_strings import check_stop_strings
 
@@ -62,7 +64,7 @@ class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(_Strict, PenaltyFields):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: Float | None = None
@@ -75,16 +77,12 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     n: StrictInt | None = 1
     user: StrictStr | None = None
-    # accepted for client compatibility; only their neutral values are supported
-    presence_penalty: Float | None = None
-    frequency_penalty: Float | None = None
+    # accepted for client compatibility; only its neutral values are supported
     logit_bias: dict[str, Any] | None = None  # (LangChain's OpenAI LLM sends {} by default)
 
     # OpenAI fields this server takes only at a value that changes nothing: (name, neutral values);
     # any other value is an "unsupported" 400 (it was "unknown field", as if the name were a typo)
-    # (penalties arrive as floats: a JSON 0 is 0.0)
-    NEUTRAL: ClassVar[tuple[tuple[str, tuple], ...]] = (
-        ("presence_penalty", (None, 0.0)), ("frequency_penalty", (None, 0.0)), ("logit_bias", (None, {})))
+    NEUTRAL: ClassVar[tuple[tuple[str, tuple], ...]] = (("logit_bias", (None, {})),)
 
     def stop_strings(self) -> tuple[str, ...]:
         """`stop` given as text (a string or a list of strings), matched on the generated text."""
@@ -476,7 +474,8 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
     # no temperature: OpenAI's default of 1 (it was greedy here, so a seed or top_p alone changed nothing)
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
-                          stop_token_ids=req.stop_ids(), ignore_eos=req.ignore_eos, logprobs=req.logprob_count())
+                          stop_token_ids=req.stop_ids(), ignore_eos=req.ignore_eos, logprobs=req.logprob_count(),
+                          **req.penalty_params())
 
 
 def jsonable(x: Any) -> Any:

@@ -33,7 +33,7 @@ from scheduler.presets import model_config_of
 from scheduler.request import (Request, RequestError, RequestState, SamplingParams,
                                TokenEvent, kv_tokens)
 from scheduler.runner import ModelRunner, SimRunner
-from scheduler.sampling import seeded_generator
+from scheduler.sampling import RowPenalties, seeded_generator
 
 log = structlog.get_logger("scheduler.engine")
 
@@ -153,6 +153,10 @@ class Engine(BatchAPI):
         if params.logprobs is not None and self.config.simulate:
             raise RequestError("logprobs need the model's logits: a simulated engine (--simulate) has none",
                                "logprobs")
+        if params.penalized and self.config.simulate:
+            name = next(n for n, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                                         ("repetition_penalty", 1.0)) if getattr(params, n) != off)
+            raise RequestError("penalties need the model's logits: a simulated engine (--simulate) has none", name)
         if len(prompt) > self.max_prompt_tokens:
             raise RequestError(f"prompt of {len(prompt)} tokens exceeds the limit of {self.max_prompt_tokens}")
         kv = kv_tokens(len(prompt), params.max_tokens)
@@ -407,10 +411,17 @@ class Engine(BatchAPI):
             work, handle, start_ns, restoring = nxt, next_handle, next_start_ns, next_restoring
 
     def _launch(self, work, chain=None):
-        """Launch a batch, asking the runner for logprobs only when one of its requests wants them."""
+        """Launch a batch, asking the runner for logprobs and penalties only when one of its requests
+        wants them. A penalized row's ids are the host's at launch: a chained step's newest token is
+        still on the device, and the runner counts it from there (`apply_penalties`)."""
         reqs, _, binput = work
         if any(r.params.logprobs is not None for r in reqs):
             binput.logprobs = [r.params.logprobs for r in reqs]
+        if any(r.params.penalized for r in reqs):
+            binput.penalties = [RowPenalties(
+                r.params.presence_penalty, r.params.frequency_penalty, r.params.repetition_penalty,
+                r.prompt if r.params.repetition_penalty != 1.0 else [], r.output) if r.params.penalized else None
+                for r in reqs]
         return self.runner.launch(binput, chain=chain)
 
     def _take_logprobs(self, work, handle, next_ids: list[int]) -> None:

@@ -21,6 +21,8 @@ class RequestError(ValueError):
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
 MAX_LOGPROBS = 20  # alternatives a request may ask for at each position (OpenAI's top_logprobs limit)
+PRESENCE_FREQUENCY_MAX = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
+REPETITION_MAX = 10.0  # repetition_penalty in (0, REPETITION_MAX] (vLLM: > 0; a bound keeps it sane)
 
 
 def kv_tokens(prompt_tokens: int, max_tokens: int) -> int:
@@ -46,6 +48,11 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: each generated token's logprob and the k likeliest tokens'
+    # vLLM's penalties (scheduler/sampling.py `apply_penalties`): presence and frequency over the tokens
+    # generated so far, repetition over the prompt's and those; 0, 0 and 1 change nothing
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def validate(self, max_new_tokens_limit: int) -> None:
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
@@ -68,10 +75,23 @@ class SamplingParams:
         if self.logprobs is not None and not (_is_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
                                "logprobs")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -PRESENCE_FREQUENCY_MAX <= value <= PRESENCE_FREQUENCY_MAX:
+                raise RequestError(f"{name} must be a number in [-{PRESENCE_FREQUENCY_MAX}, {PRESENCE_FREQUENCY_MAX}], "
+                                   f"got {value!r}", name)
+        if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= REPETITION_MAX:
+            raise RequestError(f"repetition_penalty must be a number in (0, {REPETITION_MAX}] (1: off), "
+                               f"got {self.repetition_penalty!r}", "repetition_penalty")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty changes its logits (else its batches build no penalty inputs)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
 class RequestState(enum.Enum):

@@ -367,7 +367,7 @@ class Builder:
             body["model"], status = "not-served", 404
         elif what == "value":
             name, value = rng.choice([("temperature", 101), ("temperature", -0.5), ("top_p", 0), ("top_p", 1.5),
-                                      ("seed", 1 << 64), ("presence_penalty", 0.5), ("echo", True), ("best_of", 2)])
+                                      ("seed", 1 << 64), ("presence_penalty", 2.5), ("echo", True), ("best_of", 2)])
             body[name] = value
         else:  # a JSON type the schema does not coerce
             name, value = rng.choice([("max_tokens", True), ("max_tokens", "4"), ("prompt", 5),
