@@ -11,7 +11,7 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@
 for s in "$@"; do
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; df -h . | tail -1 ;;
-    tests) step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_transfers.py tests/test_gpu_logprobs.py ;;
+    tests) step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_transfers.py tests/test_gpu_sampling.py ;;
     kernels) step kernels 200 python3 scripts/bench_kernels.py --out "$OUT/kernels.json" ;;
     transfer) step transfer 200 python3 scripts/bench_transfer.py --out "$OUT/transfer.json" ;;
     transfer_direct) for i in 1 2; do step "transfer_direct$i" 200 python3 scripts/bench_transfer.py --backends triton --layouts consecutive --direct-pages 0,7,14,0,7,14 --tokens 1000,3504 --directions-only --out "$OUT/transfer_direct$i.json"; done ;;

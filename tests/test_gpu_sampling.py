@@ -1,0 +1,94 @@
+"""Logprobs and penalties on the GPU (skipped without CUDA), decode batches replayed from CUDA graphs
+and chained on the device: logprobs, copied to pinned memory with the step's ids (scheduler/runner.py),
+equal a dense forward's log_softmax; penalties count the chained step's in-flight token (only on the
+device) and give the greedy tokens of a host reference; a batch's rows that did not ask are sampled as if
+nobody had. The CPU checks of the same: tests/test_logprobs.py, tests/test_penalties.py."""
+import asyncio
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
+from scheduler.request import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11] * 5, [40, 41, 42], [100, 7, 300, 12, 13] * 9, [9, 8, 7, 6, 5, 4, 3, 2, 1]]
+
+
+async def _events(eng: Engine, params) -> list[list]:
+    async def one(prompt, p):
+        return [ev async for ev in eng.submit(prompt, p) if not ev.finished]
+    await eng.start()
+    out = await asyncio.gather(*(one(pr, p) for pr, p in zip(PROMPTS, params)))
+    await eng.stop_loop()
+    return out
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_logprobs_on_cuda_equal_a_dense_forwards_log_softmax(graphs):
+    eng = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=512, page_size=16,
+                              cuda_graphs=graphs))
+    assert (eng.runner.graphs is not None) == graphs
+    asking = [SamplingParams(max_tokens=12, logprobs=k) for k in (5, None, 20, 0)]
+    nobody = [SamplingParams(max_tokens=12) for _ in PROMPTS]
+    for _ in range(2):  # the second time over cached prefixes: tails and decode graphs
+        events = asyncio.run(_events(eng, asking))
+        plain = asyncio.run(_events(eng, nobody))
+        for prompt, evs, plain_evs, p in zip(PROMPTS, events, plain, asking):
+            output = [ev.token_id for ev in evs]
+            assert output == [ev.token_id for ev in plain_evs]  # asking changes no token
+            assert all(ev.logprobs is None for ev in plain_evs)
+            if p.logprobs is None:
+                assert all(ev.logprobs is None for ev in evs)
+                continue
+            with torch.inference_mode():
+                ref = torch.log_softmax(eng.model.forward_dense(
+                    torch.tensor(prompt + output[:-1], device="cuda"))[len(prompt) - 1:].float(), dim=-1)
+            for i, ev in enumerate(evs):
+                lp = ev.logprobs
+                assert math.isclose(lp.logprob, float(ref[i, ev.token_id]), abs_tol=1e-3)
+                assert math.isclose(lp.logprob, float(ref[i].max()), abs_tol=1e-3)  # greedy: the likeliest
+                assert len(lp.top) == p.logprobs
+                for (tid, v), want in zip(lp.top, torch.topk(ref[i], p.logprobs).values.tolist()):
+                    assert math.isclose(v, want, abs_tol=1e-3) and math.isclose(v, float(ref[i, tid]), abs_tol=1e-3)
+    assert eng.stats["chained_steps"] > 0
+    eng.check_integrity()
+
+
+def _penalized_on_host(logits: torch.Tensor, prompt: list[int], output: list[int], p: SamplingParams) -> torch.Tensor:
+    """vLLM's formulas on the host: repetition over prompt and output, then frequency * count and
+    presence * (count > 0) over the output."""
+    out = logits.double().clone()
+    for t in set(prompt) | set(output):
+        out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
+    for t, n in Counter(output).items():
+        out[t] -= p.frequency_penalty * n + p.presence_penalty
+    return out
+
+
+def test_penalties_on_cuda_graphs_under_chained_decode_equal_a_host_reference():
+    eng = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=512, page_size=16,
+                              cuda_graphs=True))
+    asking = [SamplingParams(max_tokens=16, ignore_eos=True, presence_penalty=2.0),
+              SamplingParams(max_tokens=16, ignore_eos=True),
+              SamplingParams(max_tokens=16, ignore_eos=True, frequency_penalty=1.5, repetition_penalty=1.8),
+              SamplingParams(max_tokens=16, ignore_eos=True, presence_penalty=-0.5, repetition_penalty=0.6)]
+    nobody = [SamplingParams(max_tokens=16, ignore_eos=True) for _ in PROMPTS]
+    for _ in range(2):
+        events = asyncio.run(_events(eng, asking))
+        plain = asyncio.run(_events(eng, nobody))
+        assert [ev.token_id for ev in events[1]] == [ev.token_id for ev in plain[1]]  # the row that did not ask
+        for prompt, evs, p in zip(PROMPTS, events, asking):
+            output = [ev.token_id for ev in evs]
+            assert len(output) == p.max_tokens
+            with torch.inference_mode():
+                logits = eng.model.forward_dense(torch.tensor(prompt + output[:-1], device="cuda"))
+            for i, token in enumerate(output):
+                ref = _penalized_on_host(logits[len(prompt) - 1 + i].float().cpu(), prompt, output[:i], p)
+                assert float(ref[token]) >= float(ref.max()) - 1e-3, (i, token, int(ref.argmax()), output)
+    assert eng.stats["chained_steps"] > 0
+    eng.check_integrity()
