@@ -28,7 +28,8 @@ class BatchAPI:
                 except RequestError as exc:
                     reqs.append(GenerationResult(rid="", prompt_tokens=len(prompt) if hasattr(prompt, "__len__") else 0,
                                                  output_ids=[], finish_reason="error", error=str(exc),
-                                                 cached_tokens={}, ttft_s=None, latency_s=None))
+                                                 cached_tokens={}, ttft_s=None, latency_s=None,
+                                                 logprobs=None if getattr(p, "logprobs", None) is None else []))
             for r in reqs:
                 if isinstance(r, Request):
                     while not r.state.done:

@@ -196,6 +196,17 @@ def test_token_logprobs_of_a_batch():
     assert mark_nan(logits, next_ids).tolist() == next_ids.tolist()  # (a sampled row: it does not fail)
 
 
+def test_a_refused_request_that_asked_has_an_empty_logprobs_list():
+    """As a request that failed after admission (NaN) has: [] where it asked, None where it did not
+    (regression: a request refused by validation had None either way)."""
+    eng = make_engine()
+    too_long = list(range(1, 300)) * 8
+    asked, plain = eng.generate([too_long, too_long], [SamplingParams(max_tokens=2, logprobs=3),
+                                                       SamplingParams(max_tokens=2)])
+    assert asked.finish_reason == plain.finish_reason == "error"
+    assert asked.logprobs == [] and plain.logprobs is None
+
+
 @pytest.mark.parametrize("value", [-1, 21, True, 2.0, "3"])
 def test_logprobs_out_of_range_is_a_request_error(value):
     with pytest.raises(RequestError) as err:
