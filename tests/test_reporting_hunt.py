@@ -318,6 +318,15 @@ def test_health_under_load_and_through_shutdown():
     stops routing here) while the request in flight still finishes, and /metrics and
     /hicache/status keep answering through it."""
     engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=PAGE, num_pages=64, max_new_tokens_limit=64))
+    # the request's first step is held until the shutdown began (regression: a flaky race, the tiny
+    # model's 64 tokens sometimes ended before the test saw the request running: CI, session 33)
+    held, real_collect = threading.Event(), engine.runner.collect
+
+    async def collect(handle):
+        if not held.is_set():
+            await asyncio.get_running_loop().run_in_executor(None, held.wait, 60)
+        return await real_collect(handle)
+    engine.runner.collect = collect
     with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=30.0))) as s:
         assert httpx.get(s.url + "/health", timeout=30).json() == {"status": "ok", "model": "tiny"}
         result = {}
@@ -335,6 +344,8 @@ def test_health_under_load_and_through_shutdown():
         r = httpx.get(s.url + "/health", timeout=30)
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down", r.text
         assert status(s.url)["server"]["draining"] is True
+        assert t.is_alive()  # the request is still in flight: the shutdown lets it finish
+        held.set()
         t.join(60)
         assert result["r"].status_code == 200 and result["r"].json()["usage"]["completion_tokens"] == 64
         samples, _ = scrape(s.url)
