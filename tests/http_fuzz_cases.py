@@ -8,6 +8,8 @@ import dataclasses
 import random
 from dataclasses import dataclass, field
 
+from http_fuzz_features import (INVALID_VALUES, choice_params, draw_logprobs, draw_n, draw_penalties,
+                                reference_entries)
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
@@ -41,16 +43,18 @@ def byte_level_tokenizer_dir() -> str:
 # -- a case: the server, the calls of each round ------------------------------------------------------
 @dataclass
 class Choice:
-    """One prompt of a call: its ids, the SamplingParams the server should make of the body, and the
-    decoding context of its text (a chat's answer has none)."""
+    """One choice of a call (choice j of its prompt_index-th prompt): its prompt's ids, the SamplingParams
+    the server should make of the body for it, and the decoding context of its text (a chat's answer has none)."""
     ids: list[int]
     params: SamplingParams | None
     chat: bool = False
     expected: tuple | None = None  # (text, token ids, finish_reason)
+    prompt_index: int = 0
+    j: int = 0
+    ref_logprobs: list | None = None  # the reference's per expected token (http_fuzz_features.reference_entries)
 
     def key(self) -> tuple:
-        p = self.params
-        return (tuple(self.ids), p.max_tokens, p.temperature, p.top_p, p.seed, p.stop_token_ids, p.ignore_eos)
+        return (tuple(self.ids), self.params)
 
 
 @dataclass
@@ -177,7 +181,7 @@ class Builder:
             return messages, [], True
         return messages, self.tok.apply_chat_template(messages), True
 
-    def sampling(self, body: dict) -> tuple[float, float, int | None]:
+    def sampling(self, body: dict) -> tuple[float, float, int | None, tuple]:
         rng = self.rng
         mode = rng.choice(["greedy", "greedy", "greedy_seed", "seeded", "seeded_default"])
         temperature, top_p, seed = 0.0, 1.0, None
@@ -194,7 +198,7 @@ class Builder:
                     top_p = body["top_p"] = rng.choice([0.5, 0.9, 1.0])
             else:  # no temperature: OpenAI's default of 1
                 temperature = 1.0
-        return temperature, top_p, seed
+        return temperature, top_p, seed, draw_penalties(rng, body)
 
     def max_tokens(self, body: dict, ids_list: list[list[int]], chat: bool) -> int:
         rng, case = self.rng, self.case
@@ -239,12 +243,12 @@ class Builder:
 
     def call(self, draft: tuple, probes: dict) -> Call:
         rng, case = self.rng, self.case
-        path, body, ids_list, chat, (temperature, top_p, seed) = draft
+        path, body, ids_list, chat, (temperature, top_p, seed, pen) = draft
         mt = self.max_tokens(body, ids_list, chat)
         # stop ids and strings, from the probe outputs where they would match
         stop_ids: list[int] = []
         stops: list[str] = []
-        probe_ids = [probes.get((tuple(i), temperature, top_p, seed), []) for i in ids_list]
+        probe_ids = [probes.get((tuple(i), temperature, top_p, seed, pen), []) for i in ids_list]
         if rng.random() < 0.3:
             pool = [t for out in probe_ids for t in out[:mt + 2]] or [rng.randrange(VOCAB)]
             stop_ids = [rng.choice(pool) for _ in range(rng.randrange(1, 3))]
@@ -286,18 +290,24 @@ class Builder:
             body["stream"] = stream
         if stream and rng.random() < 0.5:
             body["stream_options"] = {"include_usage": rng.random() < 0.7}
+        n, logprobs = draw_n(rng, body), draw_logprobs(rng, body, chat)
         neutral = [("n", 1), ("n", None), ("logprobs", None), ("logprobs", False), ("presence_penalty", 0),
                    ("frequency_penalty", 0.0), ("logit_bias", {}), ("user", "u")]
         neutral += [("tools", []), ("tool_choice", "none"), ("response_format", {"type": "text"})] if chat else \
             [("echo", False), ("best_of", 1), ("suffix", None)]
         for name, value in neutral:
-            if rng.random() < 0.05:
+            if rng.random() < 0.05 and name not in body:
                 body[name] = value
         if chat and "max_tokens" in body and rng.random() < 0.3:  # the newer name
             body["max_completion_tokens"] = body.pop("max_tokens")
         params = SamplingParams(max_tokens=mt, temperature=temperature, top_p=top_p, seed=seed,
-                                stop_token_ids=tuple(dict.fromkeys(stop_ids)), ignore_eos=ignore_eos)
-        call = Call(path, body, [Choice(i, params, chat) for i in ids_list], tuple(stops))
+                                stop_token_ids=tuple(dict.fromkeys(stop_ids)), ignore_eos=ignore_eos,
+                                logprobs=logprobs, presence_penalty=pen[0], frequency_penalty=pen[1],
+                                repetition_penalty=pen[2])
+        # choice p * n + j: prompt p, seed + j (OpenAI's order; scheduler/choices.py)
+        choices = [Choice(i, choice_params(params, j), chat, prompt_index=p, j=j)
+                   for p, i in enumerate(ids_list) for j in range(n)]
+        call = Call(path, body, choices, tuple(stops))
         call.status = self.expected_status(call, chat)
         self.client_side(call)
         return call
@@ -367,7 +377,8 @@ class Builder:
             body["model"], status = "not-served", 404
         elif what == "value":
             name, value = rng.choice([("temperature", 101), ("temperature", -0.5), ("top_p", 0), ("top_p", 1.5),
-                                      ("seed", 1 << 64), ("presence_penalty", 2.5), ("echo", True), ("best_of", 2)])
+                                      ("seed", 1 << 64), ("presence_penalty", 2.5), ("echo", True), ("best_of", 2),
+                                      *INVALID_VALUES])
             body[name] = value
         else:  # a JSON type the schema does not coerce
             name, value = rng.choice([("max_tokens", True), ("max_tokens", "4"), ("prompt", 5),
@@ -393,7 +404,8 @@ async def build_case(seed: int, probe_engine: Engine, max_calls: int) -> Case:
     async def probe() -> None:
         keys = list(dict.fromkeys((tuple(ids), *d[4]) for d in drafts if d is not None for ids in d[2] if ids))
         keys = [k for k in keys if k not in probes]
-        params = [SamplingParams(max_tokens=PROBE_TOKENS, temperature=k[1], top_p=k[2], seed=k[3], ignore_eos=True)
+        params = [SamplingParams(max_tokens=PROBE_TOKENS, temperature=k[1], top_p=k[2], seed=k[3], ignore_eos=True,
+                                 presence_penalty=k[4][0], frequency_penalty=k[4][1], repetition_penalty=k[4][2])
                   for k in keys]
         probes.update(zip(keys, await run_reference(probe_engine, list(zip([list(k[0]) for k in keys], params)))))
 
@@ -418,6 +430,11 @@ async def build_case(seed: int, probe_engine: Engine, max_calls: int) -> Case:
     valid = [c for c in case.calls if c.status == 200]
     for _ in range(rng.choice([0, 0, 1, 3]) if valid else 0):  # the same request twice in a round
         twin = copy.deepcopy(rng.choice(valid))
+        if rng.random() < 0.5:  # the same choices streamed, or not: each must reassemble to the reference's
+            stream = not twin.body.pop("stream", False)
+            twin.body.pop("stream_options", None)
+            if stream:
+                twin.body["stream"] = True
         b.client_side(twin)
         case.calls.append(twin)
     return case
@@ -457,6 +474,8 @@ async def expect(case: Case) -> None:
         for c in call.choices if call.status == 200 else ():
             r = got[c.key()]
             c.expected = apply_stops(tok, [] if c.chat else c.ids, r.output_ids, r.finish_reason, call.stops)
+            if r.logprobs is not None:
+                c.ref_logprobs = reference_entries(tok, c.expected[1], r.logprobs)
 
 
 def apply_stops(tok, context: list[int], ids: list[int], finish: str, stops: tuple) -> tuple:

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from hicache.faults import Fault, FaultInjector
 from hicache.radix import Tier
 from hicache_helpers import assert_whole
+from http_fuzz_features import check_logprobs, feature_tags, merge_logprobs, prompt_count
+from http_fuzz_features import prompt_tokens as prompt_tokens_of
 from http_fuzz_cases import (ENGINE_MAX_TOKENS, HANG_GUARD_S, Call, Case, build_case, expect, make_skeleton,
                              make_tokenizer, reference_engine, set_eos)
 from scheduler.config import EngineConfig
@@ -148,6 +150,7 @@ def check_reply(call: Call, reply: Reply, seen: dict | None = None, tolerate: tu
     chat = call.path.endswith("chat/completions")
     k = len(call.choices)
     got: list[list] = [["", [], None] for _ in range(k)]  # text, ids, finish per choice
+    lps: list = [None] * k  # logprobs per choice (a stream's merged)
     usage = None
     if call.stream:
         events = reply.events
@@ -173,6 +176,9 @@ def check_reply(call: Call, reply: Reply, seen: dict | None = None, tolerate: tu
                 out.append("a chunk carries 'usage' without stream_options.include_usage")
             ch = ev["choices"][0]
             i = ch["index"]
+            if len(ev["choices"]) != 1 or not 0 <= i < k:
+                out.append(f"a chunk's choices {ev['choices']} (of {k})")
+                continue
             if got[i][2] is not None:
                 out.append(f"choice {i}: a chunk after its finish_reason: {ch}")
             if chat:
@@ -185,6 +191,9 @@ def check_reply(call: Call, reply: Reply, seen: dict | None = None, tolerate: tu
             seen_first[i] = True
             got[i][1] += ch["token_ids"]
             got[i][2] = ch["finish_reason"]
+            if ch["logprobs"] is not None and not ch["token_ids"]:
+                out.append(f"choice {i}: logprobs in a chunk without tokens: {ch}")
+            lps[i] = merge_logprobs(lps[i], ch["logprobs"])
         if call.body.get("stream_options", {}).get("include_usage") and not (reply.disconnected or cut) \
                 and usage is None:
             out.append("no usage chunk")
@@ -195,6 +204,7 @@ def check_reply(call: Call, reply: Reply, seen: dict | None = None, tolerate: tu
             out.append(f"choice indexes {[c['index'] for c in body['choices']]}")
         for i, ch in enumerate(body["choices"][:k]):
             got[i] = [ch["message"]["content"] if chat else ch["text"], ch["token_ids"], ch["finish_reason"]]
+            lps[i] = ch["logprobs"]
     complete = not call.stream or (not cut and bool(events) and events[-1] == "[DONE]")
     for i, c in enumerate(call.choices):
         text, ids, finish = c.expected
@@ -202,20 +212,26 @@ def check_reply(call: Call, reply: Reply, seen: dict | None = None, tolerate: tu
         how = "string" if call.stops and finish == "stop" and len(ids) <= len(g_ids) else ""
         tag = f"{'stream' if call.stream else 'whole'} {finish}{how and ' (string)'}{'' if complete else ' gone'}"
         seen[tag] = seen.get(tag, 0) + 1
+        for feature in feature_tags(c, chat, call.stream):
+            seen[feature] = seen.get(feature, 0) + 1
         if complete and (g_text, g_ids, g_finish) != (text, ids, finish):
             out.append(f"choice {i}: got {g_finish} {g_ids} {g_text!r}\n      want {finish} {ids} {text!r}"
                        f"\n      prompt {len(c.ids)} tokens, {c.params}, stops {call.stops}")
         elif not complete and (g_ids != ids[:len(g_ids)] or not text.startswith(g_text)):
             out.append(f"choice {i} (client gone): got {g_ids} {g_text!r}, not a prefix of {ids} {text!r}")
+        else:
+            k_asked = None if c.params is None else c.params.logprobs
+            for p in check_logprobs(chat, k_asked, lps[i], g_ids, c.ref_logprobs, complete):
+                out.append(f"choice {i} logprobs: {p}\n      prompt {len(c.ids)} tokens, {c.params}")
     if usage is not None and complete:
-        prompt_tokens = sum(len(c.ids) for c in call.choices)
+        prompt_tokens, prompts = prompt_tokens_of(call.choices), prompt_count(call.choices)  # (each prompt once)
         completion_tokens = sum(len(c.expected[1]) for c in call.choices)
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         if (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) != (
                 prompt_tokens, completion_tokens, prompt_tokens + completion_tokens):
             out.append(f"usage {usage} for {prompt_tokens} prompt + {completion_tokens} completion tokens")
         # (each prompt's last token is always computed: its logits give the first token)
-        if cached != sum(usage["cached_tokens_per_tier"].values()) or not 0 <= cached <= prompt_tokens - k:
+        if cached != sum(usage["cached_tokens_per_tier"].values()) or not 0 <= cached <= prompt_tokens - prompts:
             out.append(f"usage's cached tokens: {usage}")
     return out
 
@@ -232,7 +248,7 @@ def check_metrics(registry, replies: list[tuple[Call, Reply]]) -> list[str]:
         admitted = reply.sent_status == 200 or (reply.sent_status in (500, 503) and
                                                 error_code(reply.sent_body) in ("aborted", "engine_error"))
         outcomes += len(call.choices) if admitted else 1
-        admitted_prompt_tokens += sum(len(c.ids) for c in call.choices) if admitted else 0
+        admitted_prompt_tokens += prompt_tokens_of(call.choices) if admitted else 0
         if reply.status == 200 and not reply.disconnected and not call.stream:
             succeeded += len(call.choices)
     out = []

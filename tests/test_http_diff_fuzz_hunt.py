@@ -4,13 +4,15 @@ few pages, so L2 and L3 serve the later rounds' prefixes), each answer compared 
 Engine without any cache gives for the same prompt ids and SamplingParams.
 
 A round mixes: completions with token-id or text prompts (the byte-level fallback tokenizer, or a
-byte-level tokenizer.json with a chat template: then chats too), lists of prompts (one choice each),
+byte-level tokenizer.json with a chat template: then chats too), lists of prompts (n choices each),
 next turns (an earlier prompt, some of its output, a tail), the same request twice at once, streaming
 and not (with and without stream_options.include_usage), greedy and seeded sampling, stop token ids
 (`stop` as ids, `stop_token_ids`), an EOS and ignore_eos, stop strings (often substrings of the text the
 model will write, so they match, mid-token too, or two ending on the same token), max_tokens at 1, at
 the limit, absent (max_completion_tokens for a chat), at the L1's capacity and one past it, OpenAI
-fields at their neutral values, requests the server must refuse (400, 404; 429 under a small
+fields at their neutral values, `n` choices (2..4; choice j of a seeded request: seed + j), token
+logprobs (completions' `logprobs: k`, chat's `logprobs` and `top_logprobs`), presence / frequency /
+repetition penalties (the probes run them too), requests the server must refuse (400, 404; 429 under a small
 --max-concurrent-requests), and clients that go away: before their body arrives, mid-stream after n
 events, or after a delay (ASGI spec 2.3 as uvicorn speaks it, or 2.4 where a write to a gone client may
 raise). Rounds run drained, overlapping, or the last is cut by the server's shutdown; L3 reads may be slow.
@@ -20,7 +22,11 @@ decoded after the prompt, cut before the leftmost match of the first stop string
 completion, total, cached = the tiers' sum, at most each prompt's length less one); a stream's deltas
 and token ids add up to the same choice, every chunk but the last of a choice has no finish_reason, the
 usage chunk and `data: [DONE]` end it; a client that went away, or a request cut by the shutdown, saw a
-prefix of the answer. After each round: no request left in the engine, nothing in flight at the server,
+prefix of the answer; a twin streamed where the other is not. Per choice (index p * n + j, in order): the
+reference's answer for its prompt and derived params (so greedy choices are all alike); logprobs null
+unless asked, else their endpoint's shape, one entry per token id, top-k sorted, <= 0, text_offset the
+pieces' running length, values within 1e-4 of the reference's (asked with the same k); usage counts each
+prompt's tokens once and every choice's completion tokens (tests/http_fuzz_features.py). After each round: no request left in the engine, nothing in flight at the server,
 `check_integrity()`, and (stopped and drained) every tier whole; at the end the server's request
 counters (outcomes, prompt tokens, in flight) agree with what it answered.
 
@@ -74,7 +80,9 @@ async def test_stop_as_one_token_id_ends_at_that_token(stream):
 
 # -- the fuzz ------------------------------------------------------------------------------------------
 # ~10 s here: every rounds mode, both tokenizers, slow L3 reads, 429s, each write policy (HTTP_FUZZ_SEEDS=N:
-# seeds 0..N-1; the hunt ran seeds 0-319, 1000-1300, 2000-2300, 3000-3300, 4000-4200, 5000-5199 by hand)
+# seeds 0..N-1; the hunt ran seeds 0-319, 1000-1300, 2000-2300, 3000-3300, 4000-4200, 5000-5199 by hand; with
+# n / logprobs / penalties: 0-239, 1000-1119, 2000-2119, 3000-3079 and 4000-4079 (24 calls), and with wider draws
+# (n up to 16, most requests penalized, logprobs often) 5000-5099, 6000-6099, 7000-7099)
 FUZZ_SEEDS = list(range(int(os.environ["HTTP_FUZZ_SEEDS"]))) if "HTTP_FUZZ_SEEDS" in os.environ else [0, 4, 6, 8, 10, 24]
 
 
