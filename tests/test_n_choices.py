@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import time
 
 import httpx
 import openai
@@ -24,6 +23,7 @@ from scheduler.tokenizer import HFTokenizer
 from test_http_hunt2 import _open_stream
 from test_server import ServerThread, assert_pools_whole, wait_idle
 from test_server_text import _write_byte_level_tokenizer
+from test_stop_batch_api import leave_and_check_aborts
 
 HI = [{"role": "user", "content": "hi"}]
 SAMPLED = {"temperature": 1.0, "seed": 1234, "ignore_eos": True}
@@ -257,31 +257,4 @@ def test_each_choice_counts_against_max_concurrent_requests(small_srv):
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 def test_a_client_leaving_aborts_all_n_engine_requests(small_srv, stream):
-    s = small_srv
-    before = wait_idle(s)["engine"]
-
-    async def scenario():
-        body = {"prompt": [3, 4, 5], "n": 3, "max_tokens": 1000, **SAMPLED}
-        if stream:
-            reader, writer = await _open_stream(s.url, body)
-            seen = b""
-            while seen.count(b"data: ") < 3:  # a few chunks arrived; then the client goes away
-                seen += await reader.read(65536)
-        else:
-            host, port = s.url.removeprefix("http://").split(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
-            data = json.dumps(body).encode()
-            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n" % len(data) + data)
-            async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
-                while (await c.get("/hicache/status")).json()["engine"]["decode_tokens"] < before["decode_tokens"] + 6:
-                    await asyncio.sleep(0.02)
-        writer.close()
-    asyncio.run(scenario())
-    deadline = time.monotonic() + 60
-    while (eng := httpx.get(s.url + "/hicache/status").json()["engine"])["running"] + eng["waiting"]:
-        assert time.monotonic() < deadline, eng
-        time.sleep(0.05)
-    assert eng["aborted"] - before["aborted"] == 3, eng
-    assert eng["decode_tokens"] - before["decode_tokens"] < 3 * 999
-    assert_pools_whole(s)
+    leave_and_check_aborts(small_srv, {"prompt": [3, 4, 5], "n": 3, "max_tokens": 1000, **SAMPLED}, stream, requests=3)

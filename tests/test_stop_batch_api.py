@@ -328,11 +328,17 @@ def test_a_batch_counts_one_request_per_prompt_against_max_concurrent_requests(s
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 def test_a_client_leaving_a_batch_aborts_every_prompt(small_srv, stream):
-    s = small_srv
+    body = {"prompt": [[3, 4, 5], [6, 7, 8], [9, 10, 11]], "max_tokens": 1000, **GREEDY}
+    leave_and_check_aborts(small_srv, body, stream, requests=3)
+
+
+def leave_and_check_aborts(s, body: dict, stream: bool, requests: int) -> None:
+    """A client sends `body` to /v1/completions (streamed: reads a few chunks; whole: waits until a few
+    tokens were generated), then goes away: every one of the `requests` engine requests it started
+    is aborted, long before its max_tokens, and the pools are whole."""
     before = wait_idle(s)["engine"]
 
     async def scenario():
-        body = {"prompt": [[3, 4, 5], [6, 7, 8], [9, 10, 11]], "max_tokens": 1000, **GREEDY}
         if stream:
             reader, writer = await _open_stream(s.url, body)
             seen = b""
@@ -353,8 +359,8 @@ def test_a_client_leaving_a_batch_aborts_every_prompt(small_srv, stream):
     while (eng := httpx.get(s.url + "/hicache/status").json()["engine"])["running"] + eng["waiting"]:
         assert time.monotonic() < deadline, eng
         time.sleep(0.05)
-    assert eng["aborted"] - before["aborted"] == 3, eng
-    assert eng["decode_tokens"] - before["decode_tokens"] < 3 * 999
+    assert eng["aborted"] - before["aborted"] == requests, eng
+    assert eng["decode_tokens"] - before["decode_tokens"] < requests * (body["max_tokens"] - 1)
     assert_pools_whole(s)
 
 
