@@ -23,7 +23,7 @@ import pytest
 
 from hicache.faults import Fault, FaultInjector
 from hicache.radix import Tier
-from hicache_helpers import assert_whole, read_stream, until
+from hicache_helpers import assert_whole, until
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import RequestError, RequestState, SamplingParams
@@ -54,6 +54,10 @@ class Spec:
 
     def key(self) -> tuple:
         return (tuple(self.prompt), self.temperature, self.top_p, self.seed, self.stop_token_ids)
+
+    def reference_params(self) -> SamplingParams:
+        """What the no-cache reference asks for it (MAX_TOKENS tokens; a subclass drops its extras)."""
+        return self.params(MAX_TOKENS)
 
 
 @dataclass
@@ -168,7 +172,7 @@ def make_injector(case: Case) -> FaultInjector | None:
     return faults
 
 
-def make_engine(case: Case) -> Engine:
+def make_engine(case: Case, injector=make_injector) -> Engine:
     # host_ratio applies to L1 pages: keep at least one L2 page (a zero-page L2 is refused elsewhere)
     base = EngineConfig(model="tiny", device="cpu", page_size=case.page_size, num_pages=case.num_pages,
                         **case.engine)
@@ -178,7 +182,7 @@ def make_engine(case: Case) -> Engine:
         hc["host_ratio"], host_pages = 1.0, case.num_pages
     if hc["storage_ratio"] and int(host_pages * hc["storage_ratio"]) < 1:  # (at least one L3 page)
         hc["storage_ratio"] = 1.0
-    return Engine(base.with_hicache(enable=True, **hc), faults=make_injector(case))
+    return Engine(base.with_hicache(enable=True, **hc), faults=injector(case))
 
 
 async def reference(specs, page_size: int) -> dict[tuple, list[int]]:
@@ -188,32 +192,35 @@ async def reference(specs, page_size: int) -> dict[tuple, list[int]]:
     keys = sorted(distinct)
     eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=4096, page_size=page_size,
                               enable_prefix_cache=False, max_running_requests=1))
-    out = await eng.generate_async([list(k[0]) for k in keys], [distinct[k].params(MAX_TOKENS) for k in keys])
+    out = await eng.generate_async([list(k[0]) for k in keys], [distinct[k].reference_params() for k in keys])
     await eng.shutdown()
     return {k: r.output_ids for k, r in zip(keys, out)}
 
 
-async def run_case(case: Case, rounds: int = 2) -> list[str]:
+async def run_rounds(case: Case, rounds: int = 2, injector=make_injector, between_rounds=None):
     """Runs the workload `rounds` times through one engine (the later rounds hit what the first
-    left in each tier); returns what went wrong (empty: nothing)."""
+    left in each tier), checking that no request hangs and every tier is whole after each drained
+    round; `between_rounds(eng, r, rng)` runs after each drained round's flush. Returns (the engine,
+    its results: (index, spec, [(token, logprobs)] per token event, reason, request or None), whether
+    it was shut down, the problems so far)."""
     await resolve_turns(case)
-    eng = make_engine(case)
+    eng = make_engine(case, injector)
     problems: list[str] = []
     results = []
 
     async def one(i: int, spec: Spec):
         if spec.abort is not None and spec.abort[0] == "close":  # the client goes away after n tokens
-            tokens, reason = [], "abort"
+            events, reason = [], "abort"
             stream = eng.submit(spec.prompt, spec.params())
             async for ev in stream:
                 if ev.finished:
                     reason = ev.finish_reason
                     break
-                tokens.append(ev.token_id)
-                if len(tokens) >= spec.abort[1]:
+                events.append((ev.token_id, ev.logprobs))
+                if len(events) >= spec.abort[1]:
                     break
             await stream.aclose()
-            results.append((i, spec, tokens, reason, None))
+            results.append((i, spec, events, reason, None))
             return
         await eng.start()
         try:
@@ -221,10 +228,20 @@ async def run_case(case: Case, rounds: int = 2) -> list[str]:
         except RequestError as exc:  # (only while stop_loop or shutdown runs)
             results.append((i, spec, [], "refused: " + str(exc), None))
             return
-        if spec.abort is not None:
-            asyncio.get_running_loop().call_later(spec.abort[1], lambda: asyncio.ensure_future(eng.abort(req.rid)))
-        tokens, reason = await read_stream(req)
-        results.append((i, spec, tokens, reason, req))
+        if spec.abort is not None:  # ("stop_after_s", s): a caller's stop condition (an API stop string)
+            stop = spec.abort[0] == "stop_after_s"
+            asyncio.get_running_loop().call_later(
+                spec.abort[1], lambda: asyncio.ensure_future(eng.abort(req.rid, stop=stop)))
+        events, reason = [], None
+        while reason is None:
+            ev = await req.queue.get()
+            if ev.finished:
+                reason = ev.finish_reason
+                if ev.logprobs is not None:
+                    problems.append(f"request {i}: its end event carries logprobs")
+            else:
+                events.append((ev.token_id, ev.logprobs))
+        results.append((i, spec, events, reason, req))
 
     async def submit_round(r: int, order: list[int]) -> list:
         tasks = []
@@ -288,31 +305,51 @@ async def run_case(case: Case, rounds: int = 2) -> list[str]:
                 await check_whole(r)
                 phase = f"round {r}: flush {between} between rounds"
                 await asyncio.wait_for(flush(eng, between), RUN_TIMEOUT_S)
+                if between_rounds is not None:
+                    between_rounds(eng, r, rng)
     except asyncio.TimeoutError:
         problems.append(f"hang in {phase}: {len(results)} requests ended; waiting {len(eng.waiting)} parked "
                         f"{len(eng.parked)} running {len(eng.running)}; " + hang_state(eng))
     finally:
-        case.metrics = eng.metrics()
+        case.metrics, case.stats = eng.metrics(), dict(eng.stats)
         if not shut:
             await asyncio.wait_for(eng.shutdown(), RUN_TIMEOUT_S)
-    want = await reference(case.requests, case.page_size)
-    for i, spec, tokens, reason, req in sorted(results, key=lambda r: r[0]):
-        full = want[spec.key()]
-        expected = full[:spec.max_tokens]
-        stops = [n for n, t in enumerate(expected) if t in spec.stop_token_ids]
-        if stops:
-            expected = expected[:stops[0] + 1]
-        why = f"request {i}: {reason} {tokens} != {expected}; prompt {len(spec.prompt)} tokens, {spec}"
-        if req is not None:
-            why += f", hits {req.hit_tokens}, restore {req.restore_tier}, restore_failed {req.restore_failed}"
-        if reason == "abort" or (shut and reason.startswith("refused")):
-            if tokens != expected[:len(tokens)]:
-                problems.append(why)
-        elif reason != ("stop" if stops else "length") or tokens != expected:
+    return eng, sorted(results, key=lambda r: r[0]), shut, problems
+
+
+def check_tokens(i: int, spec: Spec, tokens: list[int], reason: str, req, full: list[int], shut: bool,
+                 may_fail: bool = False, check_hits: bool = False) -> tuple[list[str], str]:
+    """One request's tokens against the reference's `full` output: a finished request's exactly (cut by
+    max_tokens and its first stop id), an aborted, stopped, refused-at-shutdown (or, `may_fail`, failed)
+    one's a prefix; `check_hits`: a finished one's hits and recomputed tokens cover its prompt. Returns
+    (the problems, the request described)."""
+    expected = full[:spec.max_tokens]
+    stops = [n for n, t in enumerate(expected) if t in spec.stop_token_ids]
+    if stops:
+        expected = expected[:stops[0] + 1]
+    why = f"request {i}: {reason} {tokens} != {expected}; prompt {len(spec.prompt)} tokens, {spec}"
+    if req is not None:
+        why += f", hits {req.hit_tokens}, restore {req.restore_tier}, restore_failed {req.restore_failed}"
+    problems = []
+    stopped = spec.abort is not None and spec.abort[0] == "stop_after_s" and reason == "stop"
+    if reason == "abort" or stopped or (shut and reason.startswith("refused")) or (may_fail and reason == "error"):
+        if tokens != expected[:len(tokens)]:
             problems.append(why)
-        elif req is not None and sum(req.hit_tokens.values()) + req.recomputed_tokens != len(spec.prompt):
-            problems.append(f"request {i}: hits {req.hit_tokens} + recomputed {req.recomputed_tokens} != "
-                            f"its {len(spec.prompt)} prompt tokens")
+    elif reason != ("stop" if stops else "length") or tokens != expected:
+        problems.append(why)
+    elif check_hits and req is not None and sum(req.hit_tokens.values()) + req.recomputed_tokens != len(spec.prompt):
+        problems.append(f"request {i}: hits {req.hit_tokens} + recomputed {req.recomputed_tokens} != "
+                        f"its {len(spec.prompt)} prompt tokens")
+    return problems, why
+
+
+async def run_case(case: Case, rounds: int = 2) -> list[str]:
+    """Runs the workload `rounds` times through one engine; returns what went wrong (empty: nothing)."""
+    eng, results, shut, problems = await run_rounds(case, rounds)
+    want = await reference(case.requests, case.page_size)
+    for i, spec, events, reason, req in results:
+        problems += check_tokens(i, spec, [t for t, _ in events], reason, req, want[spec.key()], shut,
+                                 check_hits=True)[0]
     return problems
 
 
@@ -384,6 +421,12 @@ async def test_stop_loop_while_an_overlapped_restore_lands_returns(max_tokens):
     await eng.shutdown()
 
 
+async def assert_seed_passes(seed: int, make_case, run_case, describe) -> None:
+    case = make_case(seed)
+    problems = await run_case(case)
+    assert not problems, describe(case) + "\n" + "\n".join(problems)
+
+
 # -- the fuzz ------------------------------------------------------------------------------------
 FUZZ_SEEDS = list(range(24))  # ~20 s here: every rounds mode, fault mode, write and restore policy
 
@@ -391,12 +434,12 @@ FUZZ_SEEDS = list(range(24))  # ~20 s here: every rounds mode, fault mode, write
 @pytest.mark.asyncio
 @pytest.mark.parametrize("seed", FUZZ_SEEDS)
 async def test_random_workloads_match_a_no_cache_engine(seed):
-    case = make_case(seed)
-    problems = await run_case(case)
-    assert not problems, describe(case) + "\n" + "\n".join(problems)
+    await assert_seed_passes(seed, make_case, run_case, describe)
 
 
-if __name__ == "__main__":
+def hunt(make_case, run_case, describe, summary) -> None:
+    """By hand: seeds argv[1]..argv[2], three rounds each; prints each case (`summary(case)`, a line or
+    None, first), its failures and how many failed. ROUNDS_MODE forces a rounds mode."""
     import traceback
 
     import uvloop
@@ -404,7 +447,7 @@ if __name__ == "__main__":
     import conftest  # noqa: F401  (the test setup: interpreted Triton, one torch thread, quiet logs)
 
     first, last = int(sys.argv[1]), int(sys.argv[2])
-    MAX_REQUESTS = int(os.environ.get("MAX_REQUESTS", MAX_REQUESTS))
+    failed = 0
     for seed in range(first, last + 1):
         case = make_case(seed)
         if os.environ.get("ROUNDS_MODE"):
@@ -416,11 +459,22 @@ if __name__ == "__main__":
             if isinstance(exc, KeyboardInterrupt):
                 raise
             problems = ["exception: " + "".join(traceback.format_exception(exc))]
-        dt = time.perf_counter() - t0
-        m = getattr(case, "metrics", {})
-        if m:
-            print(f"     hits {m['hit_tokens']} evict {m['evictions_pages']} restores {m['restores_done']} "
-                  f"failures {m['failures']}", flush=True)
-        print(f"{'FAIL' if problems else 'ok  '} {dt:5.1f}s {describe(case)}", flush=True)
+        failed += bool(problems)
+        line = summary(case)
+        if line:
+            print("     " + line, flush=True)
+        print(f"{'FAIL' if problems else 'ok  '} {time.perf_counter() - t0:5.1f}s {describe(case)}", flush=True)
         for p in problems:
             print("    " + p, flush=True)
+    print(f"{failed} of {last - first + 1} seeds failed", flush=True)
+
+
+def summary(case: Case) -> str | None:
+    m = getattr(case, "metrics", {})
+    return m and (f"hits {m['hit_tokens']} evict {m['evictions_pages']} restores {m['restores_done']} "
+                  f"failures {m['failures']}")
+
+
+if __name__ == "__main__":
+    MAX_REQUESTS = int(os.environ.get("MAX_REQUESTS", MAX_REQUESTS))
+    hunt(make_case, run_case, describe, summary)

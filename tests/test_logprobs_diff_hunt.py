@@ -17,13 +17,10 @@ prints each case and its failures.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 import os
 import random
-import sys
-import time
 from dataclasses import dataclass
 
 import pytest
@@ -31,12 +28,11 @@ import torch
 
 from hicache.faults import Fault, FaultInjector
 from hicache.radix import Tier
-from hicache_helpers import assert_whole, flip_l3_byte
-from scheduler.config import EngineConfig
+from hicache_helpers import flip_l3_byte
 from scheduler.engine import Engine
-from scheduler.request import RequestError, SamplingParams, TokenLogprobs
-from test_diff_fuzz_hunt import (MAX_TOKENS, RUN_TIMEOUT_S, Case, Spec, describe, flush, hang_state,
-                                 make_case as base_case, make_injector)
+from scheduler.request import SamplingParams, TokenLogprobs
+from test_diff_fuzz_hunt import (Case, Spec, assert_seed_passes, check_tokens, describe, hunt,
+                                 make_case as base_case, make_injector as base_injector, reference, run_rounds)
 
 ABS_TOL = 1e-4  # float32 paged forward vs the dense reference, on the CPU (as tests/test_logprobs.py)
 
@@ -45,8 +41,11 @@ ABS_TOL = 1e-4  # float32 paged forward vs the dense reference, on the CPU (as t
 class LpSpec(Spec):
     logprobs: int | None = None
 
-    def params(self, max_tokens: int | None = None, asking: bool = True) -> SamplingParams:
-        return dataclasses.replace(super().params(max_tokens), logprobs=self.logprobs if asking else None)
+    def params(self, max_tokens: int | None = None) -> SamplingParams:
+        return dataclasses.replace(super().params(max_tokens), logprobs=self.logprobs)
+
+    def reference_params(self) -> SamplingParams:  # (asking must not change a token)
+        return dataclasses.replace(super().reference_params(), logprobs=None)
 
 
 def make_case(seed: int) -> Case:
@@ -78,25 +77,16 @@ def make_case(seed: int) -> Case:
     return case
 
 
-def make_engine(case: Case) -> Engine:
-    """As the diff fuzz's, with the "restore" fault mode's injector."""
-    base = EngineConfig(model="tiny", device="cpu", page_size=case.page_size, num_pages=case.num_pages,
-                        **case.engine)
-    host_pages = int(case.num_pages * case.hicache["host_ratio"])
-    hc = dict(case.hicache)
-    if host_pages < 1:
-        hc["host_ratio"], host_pages = 1.0, case.num_pages
-    if hc["storage_ratio"] and int(host_pages * hc["storage_ratio"]) < 1:
-        hc["storage_ratio"] = 1.0
-    if case.faults == "restore":
-        faults = FaultInjector()
-        for n, (fault, probability) in enumerate([(Fault.TRANSFER_RAISE, 0.2), (Fault.EIO_READ, 0.1),
-                                                  (Fault.SLOW_VERIFY, 0.5), (Fault.SLOW_READ, 0.2)]):
-            faults.arm(fault, times=None, probability=probability, seed=case.seed * 31 + n,
-                       delay_s=0.01 if fault in (Fault.SLOW_VERIFY, Fault.SLOW_READ) else 0.0)
-    else:
-        faults = make_injector(case)
-    return Engine(base.with_hicache(enable=True, **hc), faults=faults)
+def make_injector(case: Case) -> FaultInjector | None:
+    """As the diff fuzz's, with the "restore" fault mode's."""
+    if case.faults != "restore":
+        return base_injector(case)
+    faults = FaultInjector()
+    for n, (fault, probability) in enumerate([(Fault.TRANSFER_RAISE, 0.2), (Fault.EIO_READ, 0.1),
+                                              (Fault.SLOW_VERIFY, 0.5), (Fault.SLOW_READ, 0.2)]):
+        faults.arm(fault, times=None, probability=probability, seed=case.seed * 31 + n,
+                   delay_s=0.01 if fault in (Fault.SLOW_VERIFY, Fault.SLOW_READ) else 0.0)
+    return faults
 
 
 def flip_some_l3(eng: Engine, rng: random.Random) -> None:
@@ -106,29 +96,6 @@ def flip_some_l3(eng: Engine, rng: random.Random) -> None:
     slots = [p for node in eng.cache.tree.iter_nodes() if node.pages[Tier.L3] for p in node.pages[Tier.L3]]
     for slot in rng.sample(slots, min(len(slots), rng.randrange(1, 4))):
         flip_l3_byte(eng.cache, slot)
-
-
-async def resolve_turns(case: Case) -> None:
-    """Each next turn's prompt from its parent's prompt and the reference's output."""
-    while any(isinstance(r.prompt, tuple) for r in case.requests):
-        want = await reference([r for r in case.requests if isinstance(r.prompt, list)], case.page_size)
-        for r in case.requests:
-            parent = case.requests[r.prompt[1]] if isinstance(r.prompt, tuple) else None
-            if parent is not None and isinstance(parent.prompt, list) and parent.key() in want:
-                r.prompt = parent.prompt + want[parent.key()][:r.prompt[2]] + r.prompt[3]
-
-
-async def reference(specs, page_size: int) -> dict[tuple, list[int]]:
-    """MAX_TOKENS tokens per distinct (prompt, sampling) from an engine without any cache, one
-    request at a time, asking for no logprobs (asking must not change a token)."""
-    distinct = {s.key(): s for s in specs}
-    keys = sorted(distinct)
-    eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=4096, page_size=page_size,
-                              enable_prefix_cache=False, max_running_requests=1))
-    out = await eng.generate_async([list(k[0]) for k in keys],
-                                   [distinct[k].params(MAX_TOKENS, asking=False) for k in keys])
-    await eng.shutdown()
-    return {k: r.output_ids for k, r in zip(keys, out)}
 
 
 def poison(eng: Engine, case: Case, rng: random.Random) -> bool:
@@ -146,144 +113,27 @@ def poison(eng: Engine, case: Case, rng: random.Random) -> bool:
 
 async def run_case(case: Case, rounds: int = 2) -> list[str]:
     """Runs the workload `rounds` times through one engine; returns what went wrong (empty: nothing)."""
-    await resolve_turns(case)
-    eng = make_engine(case)
-    problems: list[str] = []
-    results = []  # (index, spec, [(token, logprobs)], reason, request or None)
+    poisoned_from = []  # results index from which a request may fail on the NaN prefix
 
-    async def one(i: int, spec: LpSpec):
-        if spec.abort is not None and spec.abort[0] == "close":  # the client goes away after n tokens
-            events, reason = [], "abort"
-            stream = eng.submit(spec.prompt, spec.params())
-            async for ev in stream:
-                if ev.finished:
-                    reason = ev.finish_reason
-                    break
-                events.append((ev.token_id, ev.logprobs))
-                if len(events) >= spec.abort[1]:
-                    break
-            await stream.aclose()
-            results.append((i, spec, events, reason, None))
-            return
-        await eng.start()
-        try:
-            req = eng.add_request(spec.prompt, spec.params())
-        except RequestError as exc:  # (only while stop_loop or shutdown runs)
-            results.append((i, spec, [], "refused: " + str(exc), None))
-            return
-        if spec.abort is not None:
-            stop = spec.abort[0] == "stop_after_s"
-            asyncio.get_running_loop().call_later(
-                spec.abort[1], lambda: asyncio.ensure_future(eng.abort(req.rid, stop=stop)))
-        events, reason = [], None
-        while reason is None:
-            ev = await req.queue.get()
-            if ev.finished:
-                reason = ev.finish_reason
-                if ev.logprobs is not None:
-                    problems.append(f"request {i}: its end event carries logprobs")
-            else:
-                events.append((ev.token_id, ev.logprobs))
-        results.append((i, spec, events, reason, req))
+    def between_rounds(eng: Engine, r: int, rng: random.Random) -> None:
+        if case.flip_l3:
+            flip_some_l3(eng, rng)
+        if case.nan_round == r and not poisoned_from and poison(eng, case, rng):
+            poisoned_from.append((r + 1) * len(case.requests))
 
-    async def submit_round(r: int, order: list[int]) -> list:
-        tasks = []
-        for i in order:
-            spec = case.requests[i]
-            if spec.delay_s:
-                await asyncio.sleep(spec.delay_s)
-            tasks.append(asyncio.ensure_future(one(i + r * len(case.requests), spec)))
-        return tasks
-
-    async def check_whole(r: int) -> None:
-        await asyncio.wait_for(eng.stop_loop(), RUN_TIMEOUT_S)
-        await asyncio.wait_for(eng.cache.drain(), RUN_TIMEOUT_S)
-        if eng.requests:
-            problems.append(f"round {r}: requests left {list(eng.requests)}")
-        try:
-            assert_whole(eng.cache)
-        except AssertionError as exc:
-            problems.append(f"round {r}: not whole: {exc}")
-
-    rng = random.Random(case.order_seed)
-    shut = False
-    phase = "start"
-    poisoned_from = None  # results index from which a request may fail on the NaN prefix
-    try:
-        order = list(range(len(case.requests)))
-        pending = []
-        for r in range(rounds):
-            if r:
-                rng.shuffle(order)
-            last = r == rounds - 1
-            if case.rounds_mode == "overlapping" and not last:
-                pending += await submit_round(r, list(order))
-                await asyncio.sleep(rng.uniform(0, 0.03))
-                continue
-            tasks = pending + await submit_round(r, list(order))
-            pending = []
-            between, mid = case.flushes[r % len(case.flushes)]
-            if mid is not None:
-                await asyncio.sleep(rng.uniform(0, 0.01))
-                phase = f"round {r}: flush {mid} mid-round"
-                await asyncio.wait_for(flush(eng, mid), RUN_TIMEOUT_S)
-            if case.rounds_mode == "restart" or (case.rounds_mode == "shutdown" and last):
-                await asyncio.sleep(rng.uniform(0, 0.03))
-                if case.rounds_mode == "restart":
-                    for _ in range(rng.randrange(1, 4)):
-                        phase = f"round {r}: restart's stop_loop"
-                        await asyncio.wait_for(eng.stop_loop(), RUN_TIMEOUT_S)
-                        await eng.start()
-                        await asyncio.sleep(rng.uniform(0, 0.01))
-                else:
-                    shut = True
-                    await asyncio.wait_for(eng.shutdown(grace_s=rng.choice([0.0, 0.01])), RUN_TIMEOUT_S)
-            phase = f"round {r}: requests"
-            await asyncio.wait_for(asyncio.gather(*tasks), RUN_TIMEOUT_S)
-            phase = f"round {r}: check"
-            if shut:
-                if eng.requests:
-                    problems.append(f"after shutdown: requests left {list(eng.requests)}")
-            else:
-                await check_whole(r)
-                phase = f"round {r}: flush {between} between rounds"
-                await asyncio.wait_for(flush(eng, between), RUN_TIMEOUT_S)
-                if case.flip_l3:
-                    flip_some_l3(eng, rng)
-                if case.nan_round == r and poisoned_from is None and poison(eng, case, rng):
-                    poisoned_from = (r + 1) * len(case.requests)
-    except asyncio.TimeoutError:
-        problems.append(f"hang in {phase}: {len(results)} requests ended; waiting {len(eng.waiting)} parked "
-                        f"{len(eng.parked)} running {len(eng.running)}; " + hang_state(eng))
-    finally:
-        case.metrics, case.stats = eng.metrics(), dict(eng.stats)
-        if not shut:
-            await asyncio.wait_for(eng.shutdown(), RUN_TIMEOUT_S)
+    eng, results, shut, problems = await run_rounds(case, rounds, make_injector, between_rounds)
     want = await reference(case.requests, case.page_size)
     dense: dict[tuple, torch.Tensor] = {}
-    for i, spec, events, reason, req in sorted(results, key=lambda r: r[0]):
+    for i, spec, events, reason, req in results:
         problems += check_request(eng, dense, i, spec, events, reason, req, want[spec.key()], shut,
-                                  poisoned_from is not None and i >= poisoned_from)
+                                  bool(poisoned_from) and i >= poisoned_from[0])
     return problems
 
 
 def check_request(eng: Engine, dense: dict, i: int, spec: LpSpec, events: list, reason: str, req, full: list[int],
                   shut: bool, may_fail: bool) -> list[str]:
     tokens = [t for t, _ in events]
-    expected = full[:spec.max_tokens]
-    stops = [n for n, t in enumerate(expected) if t in spec.stop_token_ids]
-    if stops:
-        expected = expected[:stops[0] + 1]
-    why = f"request {i}: {reason} {tokens} != {expected}; prompt {len(spec.prompt)} tokens, {spec}"
-    if req is not None:
-        why += f", hits {req.hit_tokens}, restore {req.restore_tier}, restore_failed {req.restore_failed}"
-    problems = []
-    stopped = spec.abort is not None and spec.abort[0] == "stop_after_s" and reason == "stop"
-    if reason == "abort" or stopped or (shut and reason.startswith("refused")) or (may_fail and reason == "error"):
-        if tokens != expected[:len(tokens)]:
-            problems.append(why)
-    elif reason != ("stop" if stops else "length") or tokens != expected:
-        problems.append(why)
+    problems, why = check_tokens(i, spec, tokens, reason, req, full, shut, may_fail)
     # each event: logprobs exactly when asked, of the right shape and value
     asking = spec.logprobs is not None
     for n, (token, lp) in enumerate(events):
@@ -340,38 +190,17 @@ FUZZ_SEEDS = [9, 16, 74, 76, 78, 247]  # seeded sampling, held and discarded ove
 @pytest.mark.asyncio
 @pytest.mark.parametrize("seed", FUZZ_SEEDS)
 async def test_random_workloads_logprobs_match_a_dense_forward(seed):
-    case = make_case(seed)
-    problems = await run_case(case)
-    assert not problems, describe_lp(case) + "\n" + "\n".join(problems)
+    await assert_seed_passes(seed, make_case, run_case, describe_lp)
+
+
+def summary(case: Case) -> str:
+    st = getattr(case, "stats", {})
+    return (f"overlaps {st.get('restore_overlaps')} chained {st.get('chained_steps')} failed {st.get('failed')} "
+            f"restore failures {getattr(case, 'metrics', {}).get('failures')}")
 
 
 if __name__ == "__main__":
-    import traceback
-
-    import uvloop
-
-    import conftest  # noqa: F401  (the test setup: interpreted Triton, one torch thread, quiet logs)
     import test_diff_fuzz_hunt
 
-    first, last = int(sys.argv[1]), int(sys.argv[2])
     test_diff_fuzz_hunt.MAX_REQUESTS = int(os.environ.get("MAX_REQUESTS", test_diff_fuzz_hunt.MAX_REQUESTS))
-    failed = 0
-    for seed in range(first, last + 1):
-        case = make_case(seed)
-        if os.environ.get("ROUNDS_MODE"):
-            case.rounds_mode = os.environ["ROUNDS_MODE"]
-        t0 = time.perf_counter()
-        try:
-            problems = uvloop.run(run_case(case, rounds=3))
-        except BaseException as exc:  # noqa: BLE001
-            if isinstance(exc, KeyboardInterrupt):
-                raise
-            problems = ["exception: " + "".join(traceback.format_exception(exc))]
-        failed += bool(problems)
-        st = getattr(case, "stats", {})
-        print(f"     overlaps {st.get('restore_overlaps')} chained {st.get('chained_steps')} failed {st.get('failed')} "
-              f"restore failures {getattr(case, 'metrics', {}).get('failures')}", flush=True)
-        print(f"{'FAIL' if problems else 'ok  '} {time.perf_counter() - t0:5.1f}s {describe_lp(case)}", flush=True)
-        for p in problems:
-            print("    " + p, flush=True)
-    print(f"{failed} of {last - first + 1} seeds failed", flush=True)
+    hunt(make_case, run_case, describe_lp, summary)
