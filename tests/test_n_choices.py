@@ -23,7 +23,7 @@ from scheduler.tokenizer import HFTokenizer
 from test_http_hunt2 import _open_stream
 from test_server import ServerThread, assert_pools_whole, wait_idle
 from test_server_text import _write_byte_level_tokenizer
-from test_stop_batch_api import leave_and_check_aborts
+from test_stop_batch_api import leave_and_check_aborts, small_srv  # noqa: F401  (small_srv: the fixture)
 
 HI = [{"role": "user", "content": "hi"}]
 SAMPLED = {"temperature": 1.0, "seed": 1234, "ignore_eos": True}
@@ -217,16 +217,6 @@ def test_n_at_its_cap_is_served_and_best_of_is_still_refused(srv):
 
 
 # -- limits and disconnects ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def small_srv():
-    """Three requests in flight at most; room for three long ones."""
-    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=1100, max_new_tokens_limit=1000,
-                                 ).with_hicache(enable=True, host_ratio=2.0))
-    with ServerThread(create_app(engine, ServerLimits(max_concurrent_requests=3, shutdown_grace_s=1.0))) as s:
-        s.engine = engine
-        yield s
-
-
 def test_each_choice_counts_against_max_concurrent_requests(small_srv):
     s = small_srv
     for body in ({"prompt": [1, 2], "n": 4}, {"prompt": [[1, 2], [3, 4]], "n": 2}):  # more than 3 in all: never
