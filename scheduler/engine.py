@@ -23,6 +23,7 @@ import torch
 
 from hicache.faults import FaultInjector
 from hicache.manager import CacheManager
+from scheduler import step_extras
 from scheduler.admission import Admission
 from scheduler.batch_api import BatchAPI
 from scheduler.config import EngineConfig, resolve_device
@@ -33,7 +34,7 @@ from scheduler.presets import model_config_of
 from scheduler.request import (Request, RequestError, RequestState, SamplingParams,
                                TokenEvent, kv_tokens)
 from scheduler.runner import ModelRunner, SimRunner
-from scheduler.sampling import RowPenalties, seeded_generator
+from scheduler.sampling import seeded_generator
 
 log = structlog.get_logger("scheduler.engine")
 
@@ -150,13 +151,8 @@ class Engine(BatchAPI):
                                    "of Python ints (convert an array with .tolist())")
             raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
         params.validate(self.config.max_new_tokens_limit)
-        if params.logprobs is not None and self.config.simulate:
-            raise RequestError("logprobs need the model's logits: a simulated engine (--simulate) has none",
-                               "logprobs")
-        if params.penalized and self.config.simulate:
-            name = next(n for n, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                                         ("repetition_penalty", 1.0)) if getattr(params, n) != off)
-            raise RequestError("penalties need the model's logits: a simulated engine (--simulate) has none", name)
+        if self.config.simulate:
+            step_extras.refuse_without_logits(params)
         if len(prompt) > self.max_prompt_tokens:
             raise RequestError(f"prompt of {len(prompt)} tokens exceeds the limit of {self.max_prompt_tokens}")
         kv = kv_tokens(len(prompt), params.max_tokens)
@@ -377,7 +373,7 @@ class Engine(BatchAPI):
         if work[2].wait_restore:
             self.admission.restore_launched(work)
         next_ids = await self.runner.collect(handle)
-        self._take_logprobs(work, handle, next_ids)
+        step_extras.keep_logprobs(self.runner, work[0], work[2], handle, next_ids)
         await asyncio.sleep(0)  # on the CPU nothing above yields: let streams and aborts run
         if work[2].wait_restore:
             work, next_ids = self.admission.after_overlapped_forward(work, next_ids)
@@ -402,7 +398,7 @@ class Engine(BatchAPI):
                 next_handle = self._launch(nxt, chain=(handle, rows))
                 self.stats["chained_steps"] += 1
             next_ids = await self.runner.collect(handle)
-            self._take_logprobs(work, handle, next_ids)
+            step_extras.keep_logprobs(self.runner, work[0], work[2], handle, next_ids)
             await asyncio.sleep(0)
             self._after_batch(work, next_ids, start_ns, restoring)
             self._settle_aborts()
@@ -411,27 +407,8 @@ class Engine(BatchAPI):
             work, handle, start_ns, restoring = nxt, next_handle, next_start_ns, next_restoring
 
     def _launch(self, work, chain=None):
-        """Launch a batch, asking the runner for logprobs and penalties only when one of its requests
-        wants them. A penalized row's ids are the host's at launch: a chained step's newest token is
-        still on the device, and the runner counts it from there (`apply_penalties`)."""
-        reqs, _, binput = work
-        if any(r.params.logprobs is not None for r in reqs):
-            binput.logprobs = [r.params.logprobs for r in reqs]
-        if any(r.params.penalized for r in reqs):
-            binput.penalties = [RowPenalties(
-                r.params.presence_penalty, r.params.frequency_penalty, r.params.repetition_penalty,
-                r.prompt if r.params.repetition_penalty != 1.0 else [], r.output) if r.params.penalized else None
-                for r in reqs]
-        return self.runner.launch(binput, chain=chain)
-
-    def _take_logprobs(self, work, handle, next_ids: list[int]) -> None:
-        """Each asking request's logprobs of the step just collected, kept with their token until
-        it is emitted (Request.emit; an overlapped restore's forward may be applied later)."""
-        lps = self.runner.logprobs_of(handle, work[2].logprobs)
-        if lps is not None:
-            for req, token, lp in zip(work[0], next_ids, lps):
-                if lp is not None:
-                    req.step_logprobs = (token, lp)
+        step_extras.ask(work[0], work[2])  # logprobs, penalties: only where a request asks
+        return self.runner.launch(work[2], chain=chain)
 
     def _after_batch(self, work, next_ids: list[int], start_ns: int, restoring: bool) -> None:
         reqs, chunks, binput = work
