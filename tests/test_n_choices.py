@@ -7,7 +7,6 @@ derivation), so the choices differ and a repeat repeats them. Real servers on th
 harness is tests/test_server.py's."""
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 
@@ -20,10 +19,9 @@ from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.server import ServerLimits, create_app
 from scheduler.tokenizer import HFTokenizer
-from test_http_hunt2 import _open_stream
 from test_server import ServerThread, assert_pools_whole, wait_idle
 from test_server_text import _write_byte_level_tokenizer
-from test_stop_batch_api import leave_and_check_aborts, small_srv  # noqa: F401  (small_srv: the fixture)
+from test_stop_batch_api import busy_then_fits, leave_and_check_aborts, small_srv  # noqa: F401  (small_srv: the fixture)
 
 HI = [{"role": "user", "content": "hi"}]
 SAMPLED = {"temperature": 1.0, "seed": 1234, "ignore_eos": True}
@@ -227,22 +225,7 @@ def test_each_choice_counts_against_max_concurrent_requests(small_srv):
             err["message"], err
     assert len(_post(s.url, "/v1/completions", {"prompt": [1, 2], "max_tokens": 2, "n": 3})["choices"]) == 3
 
-    async def scenario():
-        reader, writer = await _open_stream(s.url, {"prompt": [1, 2, 9], "max_tokens": 1000, **GREEDY})
-        try:
-            while b"data: " not in await reader.read(65536):  # it runs: one place of three is taken
-                pass
-            async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
-                busy = await c.post("/v1/completions", json={"prompt": [1, 2], "n": 3, "max_tokens": 2})
-                fits = await c.post("/v1/completions", json={"prompt": [1, 2], "n": 2, "max_tokens": 2})
-        finally:
-            writer.close()
-        return busy, fits
-    busy, fits = asyncio.run(scenario())
-    assert busy.status_code == 429 and busy.headers["retry-after"] == "1", busy.text
-    assert fits.status_code == 200 and len(fits.json()["choices"]) == 2
-    assert_pools_whole(s)
-    assert httpx.get(s.url + "/hicache/status").json()["server"]["in_flight"] == 0
+    busy_then_fits(s, {"prompt": [1, 2], "n": 3, "max_tokens": 2}, {"prompt": [1, 2], "n": 2, "max_tokens": 2})
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])

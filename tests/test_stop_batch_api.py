@@ -308,14 +308,20 @@ def test_a_batch_counts_one_request_per_prompt_against_max_concurrent_requests(s
     assert "--max-concurrent-requests" in r.json()["error"]["message"]
     assert len(_post(s.url, {"prompt": [[1, 2]] * 3, "max_tokens": 2})["choices"]) == 3
 
+    busy_then_fits(s, {"prompt": [[1, 2]] * 3, "max_tokens": 2}, {"prompt": [[1, 2]] * 2, "max_tokens": 2})
+
+
+def busy_then_fits(s, busy_body: dict, fits_body: dict) -> None:
+    """With one of the three places taken by a running request, `busy_body` (three engine requests) is
+    a 429 to retry, and `fits_body` (two) is served; nothing is left held after."""
     async def scenario():
         reader, writer = await _open_stream(s.url, {"prompt": [1, 2, 9], "max_tokens": 1000, **GREEDY})
         try:
             while b"data: " not in await reader.read(65536):  # it runs: one place of three is taken
                 pass
             async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
-                busy = await c.post("/v1/completions", json={"prompt": [[1, 2]] * 3, "max_tokens": 2})
-                fits = await c.post("/v1/completions", json={"prompt": [[1, 2]] * 2, "max_tokens": 2})
+                busy = await c.post("/v1/completions", json=busy_body)
+                fits = await c.post("/v1/completions", json=fits_body)
         finally:
             writer.close()
         return busy, fits
