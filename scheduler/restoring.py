@@ -2,8 +2,7 @@
 which mixes this in): L3 prefetches started at queue time, restores that park a request until
 their pages land, and restores overlapped with the request's tail forward (an L2 restore landing
 layer by layer under it, or an L3 prefetch taken on to L1 while its checksums run) whose output
-counts only once the restore has published its pages.
-"""
+counts only once the restore has published its pages."""
 from __future__ import annotations
 
 import asyncio
@@ -21,9 +20,8 @@ log = structlog.get_logger("scheduler.engine")
 
 
 class Restoring:
-    """Mixin of `Admission`: prefetches, parked restores and overlapped restores. Uses the host's
-    engine, cache, page_size, reserved_pages, fallback_end_tokens, `_reusable`, `_pages_after`, `release`
-    and `after_step`."""
+    """Mixin of `Admission`: prefetches, parked restores and overlapped restores. Uses the host's engine, cache,
+    page_size, reserved_pages, fallback_end_tokens, `_reusable`, `_pages_after`, `release` and `after_step`."""
 
     _hints_deferred = False  # some queued request's hint refresh or prefetch waits for a running loop
 
