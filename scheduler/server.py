@@ -276,7 +276,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
                                                  rid=rid if total == 1 else f"{rid}-{i * n + j}")
                 except RequestError as exc:
                     raise _refused(st, exc, i, k) from None
-                gens.append(_Generation(st, ereq, api_req, chat, arrival, index=i, batch_size=k))
+                gens.append(_Generation(st, ereq, api_req, chat, arrival, index=i, batch_size=k, choice=j, n=n))
     except APIError:
         await _abort_all(st, gens)  # a batch's prompts queued before one was refused
         slot.release()
@@ -376,13 +376,13 @@ class _SSEResponse(StreamingResponse):
 
 
 class _Generation:
-    """One admitted engine request (a choice of prompt `index` of a request of `batch_size` prompts; rendered
-    by scheduler/choices.py): reads its token events as text, with its stop strings matched."""
+    """One admitted engine request (choice `choice` of `n` of prompt `index` of a request of `batch_size`
+    prompts; rendered by scheduler/choices.py): reads its token events as text, with its stop strings matched."""
 
     def __init__(self, st: _ServerState, req: EngineRequest, api_req, chat: bool, arrival: float,
-                 index: int = 0, batch_size: int = 1) -> None:
+                 index: int = 0, batch_size: int = 1, choice: int = 0, n: int = 1) -> None:
         self.st, self.req, self.chat, self.arrival = st, req, chat, arrival
-        self.index, self.batch_size = index, batch_size
+        self.index, self.batch_size, self.choice, self.n = index, batch_size, choice, n
         self.stop_strings = api_req.stop_strings()
         self.stop_ids = set(req.params.stop_token_ids)
         if not req.params.ignore_eos:
@@ -432,8 +432,12 @@ class _Generation:
         return Usage.of(len(self.req.prompt), self.output_tokens, self.req.hit_tokens)
 
     def fail(self, fin) -> APIError:
-        where, param = (f"prompt {self.index} of the batch: ", f"prompt.{self.index}") if self.batch_size > 1 \
-            else ("", None)
+        """The error of a failed or aborted choice, naming its prompt in a batch and its choice under n > 1
+        (regression: under n the message named the prompt only)."""
+        where = [f"prompt {self.index} of the batch"] if self.batch_size > 1 else []
+        where += [f"choice {self.choice} of {self.n}"] if self.n > 1 else []
+        param = f"prompt.{self.index}" if self.batch_size > 1 else None
+        where = f"{', '.join(where)}: " if where else ""
         if fin.finish_reason == "abort":
             return APIError(503, f"{where}the request was aborted (the server is shutting down or the client went "
                                  f"away)", param=param, code="aborted")

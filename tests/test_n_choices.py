@@ -231,3 +231,27 @@ def test_each_choice_counts_against_max_concurrent_requests(small_srv):
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
 def test_a_client_leaving_aborts_all_n_engine_requests(small_srv, stream):
     leave_and_check_aborts(small_srv, {"prompt": [3, 4, 5], "n": 3, "max_tokens": 1000, **SAMPLED}, stream, requests=3)
+
+
+# -- failures ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("batch", [True, False], ids=["batch", "one_prompt"])
+def test_an_engine_failure_under_n_names_the_choice(batch):
+    """A choice the engine fails (its cached prefix is corrupt: NaN K/V) fails the request, and the error
+    names that choice, and its prompt in a batch (regression: under n it named the prompt only)."""
+    from test_sampling_hunt import _poison_l1_prefix
+
+    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=256, max_new_tokens_limit=64))
+    bad = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0))) as s:
+        _post(s.url, "/v1/completions", {"prompt": bad, "max_tokens": 2})  # its prefix is now in L1
+        s.call(_poison_l1_prefix, engine, bad[:8])
+        body = {"prompt": [[30, 31, 32], bad] if batch else bad, "max_tokens": 40, "n": 2, **GREEDY}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 500, r.text
+        err = r.json()["error"]
+        where = "prompt 1 of the batch, choice " if batch else "choice "
+        assert err["message"].startswith(where) and err["message"][len(where)] in "01", err
+        assert err["message"][len(where) + 1:].startswith(" of 2: the engine failed this request"), err
+        assert (err["param"], err["code"]) == ("prompt.1" if batch else None, "engine_error"), err
+        wait_idle(s)
+        s.call(engine.check_integrity)
