@@ -11,7 +11,10 @@ that forward too.
 
 Recompute is charged at its *marginal* cost `num_tokens * slope`: whether a hit is restored or
 recomputed, the uncached tail still runs one forward, so the learned fixed cost of a prefill is paid
-either way and is not a saving of a restore. (It is still learned and reported in `state()`.)
+either way and is not a saving of a restore. (It is still learned and reported in `state()`.) But
+a prompt longer than a prefill chunk (max_prefill_tokens) runs in several forwards, and recomputing
+its prefix may take more of them than the tail a restore leaves: those forwards' fixed costs are a
+saving of the restore (`decide`'s prompt_tokens and chunk_tokens, `prefill_forwards`).
 
 What the transfer lines do not price (a source's host work, waits and checksums around its
 transfers) is learned end to end per source from requests that ran alone (hicache/outcomes.py).
@@ -47,6 +50,12 @@ def _restore_tokens(l1_tokens: int, l2_tokens: int, l3_tokens: int) -> dict[str,
     least as much: it is faster)."""
     return {"l2": max(0, l2_tokens - l1_tokens),
             "l3": max(0, l3_tokens - l1_tokens) if l3_tokens > l2_tokens else 0}
+
+
+def prefill_forwards(uncached_tokens: int, chunk_tokens: int) -> int:
+    """Forwards that prefill `uncached_tokens` in chunks of at most `chunk_tokens`: at least one (a
+    prompt's last token is always computed, for its first output)."""
+    return max(1, -(-uncached_tokens // chunk_tokens))
 
 
 def _seconds_per_byte(bandwidth_gib_s: float, name: str) -> float:
@@ -224,7 +233,8 @@ class CostModel:
     # -- decisions ------------------------------------------------------------------------------
     def decide(self, l1_tokens: int, l2_tokens: int, l3_tokens: int, policy: Policy = "cost",
                overlap_h2d: bool = False, l3_taken_on: bool = False, lookahead: bool = False,
-               hidden_s: float = 0.0, reading_s: float = 0.0) -> Decision:
+               hidden_s: float = 0.0, reading_s: float = 0.0, prompt_tokens: int = 0,
+               chunk_tokens: int = 0) -> Decision:
         """Pick the source of a prefix hit from cumulative matched lengths per tier.
 
         An L2/L3 hit only counts beyond l1_tokens. An L3 restore whose first part is already in L2
@@ -255,9 +265,16 @@ class CostModel:
         behind: it hides only behind what they leave of hidden_s (regression: each of 20 requests
         queued together priced the others as recomputing, and all of them parked on slow reads,
         one behind the other, while the GPU had nothing to run).
+        prompt_tokens, chunk_tokens: the prompt's length and the most tokens one prefill forward takes
+        (the engine's max_prefill_tokens); 0, unknown: each option's tail is taken as one forward. A
+        recompute's forwards beyond a restore's (`prefill_forwards` of the tokens left uncached by
+        each) cost the recompute line's fixed cost each, on the recompute side
+        (`{tier}_recompute_forwards_s`): a 3,500-token hit of a 3,513-token prompt is two forwards
+        recomputed (2,048 + 1,465) and one restored, an 8,000-token hit four and one; priced at the
+        marginal cost only, a restore from a storage a little slower than that recomputed them.
         """
-        if min(l1_tokens, l2_tokens, l3_tokens) < 0:
-            raise ValueError("matched lengths must be >= 0")
+        if min(l1_tokens, l2_tokens, l3_tokens, prompt_tokens, chunk_tokens) < 0:
+            raise ValueError("matched lengths, prompt_tokens and chunk_tokens must be >= 0")
         if policy not in ("cost", "always", "never"):
             raise ValueError(f"unknown policy {policy!r}")
         restore_tokens = _restore_tokens(l1_tokens, l2_tokens, l3_tokens)
@@ -269,6 +286,11 @@ class CostModel:
                 continue
             restore_s = self._restore_price_s(tier, n, l1_tokens, l2_tokens, l3_tokens, overlap_h2d, l3_taken_on)
             recompute_s = self.recompute_cost_s(n)
+            if prompt_tokens and chunk_tokens:  # (the tier's restore leaves prompt_tokens - l1_tokens - n)
+                forwards = (prefill_forwards(prompt_tokens - l1_tokens, chunk_tokens)
+                            - prefill_forwards(prompt_tokens - l1_tokens - n, chunk_tokens))
+                costs[f"{tier}_recompute_forwards_s"] = forwards * self.directions["recompute"].fixed_s
+                recompute_s += costs[f"{tier}_recompute_forwards_s"]
             extra_s = self._outcome_extra_s(tier)  # what this source costs beyond its price
             # (an overlapped L2 restore lands under its own tail's forward, which waits for it:
             # nothing else runs beside it, and its price already credits that forward)

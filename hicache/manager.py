@@ -314,19 +314,20 @@ class CacheManager:
 
     # -- restore decisions ---------------------------------------------------------------------
     def decide(self, match: MatchResult, overlap_h2d: bool = False, l3_taken_on: bool = False,
-               lookahead: bool = False, hidden_s: float = 0.0, count_skip: bool = True) -> Decision:
-        """overlap_h2d: the caller would run the tail forward behind a layer-ordered L2 restore;
-        l3_taken_on: behind an L3 prefetch taken on to L1; lookahead: a prefetch's decision at
-        queue time, which counts no probe and no policy skip; hidden_s: GPU work queued besides
-        the request, which its restore would run beside (CostModel.decide); count_skip=False: the
-        caller counts the policy skip (`declines_restore`) itself (the engine: once per request,
-        as it is admitted, though one waiting for memory is decided again on every loop turn)."""
+               lookahead: bool = False, hidden_s: float = 0.0, count_skip: bool = True,
+               prompt_tokens: int = 0, chunk_tokens: int = 0) -> Decision:
+        """overlap_h2d: the caller would run the tail forward behind a layer-ordered L2 restore; l3_taken_on:
+        behind an L3 prefetch taken on to L1; lookahead: a prefetch's decision at queue time, which counts no
+        probe and no policy skip; hidden_s: GPU work queued besides the request, which its restore would run
+        beside; prompt_tokens, chunk_tokens (max_prefill_tokens): count each option's forwards (CostModel.decide);
+        count_skip=False: the caller counts the policy skip (`declines_restore`) itself (the engine: once per
+        request, as it is admitted, though one waiting for memory is decided again on every loop turn)."""
         l1, l2, l3 = match.lengths
         policy = self.config.policy if self.has_l2 else "never"
         # (an L3 read queues behind the storage reads in flight: what they take hides nothing for it)
         reading_s = self.runner.reading_s() if hidden_s > 0 else 0.0
         decision = self.cost.decide(l1, l2 if self.has_l2 else 0, l3 if self.has_l3 else 0, policy, overlap_h2d,
-                                    l3_taken_on, lookahead, hidden_s, reading_s)
+                                    l3_taken_on, lookahead, hidden_s, reading_s, prompt_tokens, chunk_tokens)
         if count_skip and not lookahead and self.declines_restore(match, decision):
             self.metrics.policy_skips["restore"] += 1
         return decision

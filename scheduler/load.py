@@ -6,8 +6,11 @@ docs/design.md, cost model, "Load"). Priced on the cost model's recompute line:
   busy_s(engine, req)    the load besides `req`, for its restore or prefetch decision
   write_busy_s(engine)   the load besides a writer, for the write admission of the backups that
                          start after this admission pass (CacheManager.busy_s)
+  pricing(engine, req, match)
+                         what `decide` prices `req`'s hit `match` against: `busy_s`, its prompt's
+                         length and the chunk (max_prefill_tokens), to count each option's forwards
 
-Both walk the running and waiting requests once: O(queue).
+Each walks the running and waiting requests at most once: O(queue).
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING, Iterator
 from scheduler.request import Request, RequestState
 
 if TYPE_CHECKING:
+    from hicache.radix import MatchResult
     from scheduler.engine import Engine
 
 
@@ -57,6 +61,18 @@ def write_busy_s(engine: "Engine") -> float:
     if not running:
         return _busy_s(engine, prefill_tokens, decoding > 0)
     return min(_busy_s(engine, prefill_tokens - tokens, decoding - decodes > 0) for tokens, decodes in running)
+
+
+def pricing(engine: "Engine", req: Request, match: "MatchResult") -> dict:
+    """`CacheManager.decide`'s hidden_s, prompt_tokens and chunk_tokens for `req`'s hit `match`.
+    hidden_s: `busy_s`, only where a lower tier has more to offer than L1 (`busy_s` walks the queue,
+    and most decisions, misses and L1 hits, have nothing to price it against). prompt_tokens,
+    chunk_tokens: a prompt longer than max_prefill_tokens is prefilled one forward per chunk, and a
+    recompute of its prefix may run more forwards than the tail a restore leaves, each at the
+    recompute line's fixed cost (`CostModel.decide`)."""
+    l1, l2, l3 = match.lengths
+    return {"hidden_s": busy_s(engine, req) if max(l2, l3) > l1 else 0.0,
+            "prompt_tokens": len(req.prompt), "chunk_tokens": engine.config.max_prefill_tokens}
 
 
 def _loads(engine: "Engine") -> Iterator[tuple[Request, int, bool]]:

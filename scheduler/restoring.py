@@ -80,7 +80,7 @@ class Restoring:
         if l3 <= max(l1, l2) or cache.runner.restore_in_flight(tokens, m, req.rid, L3_READS, through=l3):
             return  # (another request's read brings all of it: admission waits for that)
         decision = cache.decide(m, overlap_h2d=overlap, l3_taken_on=overlap, lookahead=True,
-                                hidden_s=load.busy_s(self.engine, req))
+                                **load.pricing(self.engine, req, m))
         if decision.tier != "l3":
             return
         req.prefetch_op = cache.runner.start_restore(tokens, m, "prefetch", req.rid, take_soon=overlap)
@@ -282,10 +282,7 @@ class Restoring:
         cache.unlock(m.handles[Tier.L1])
         l2_end = m.lengths[Tier.L2]
         may_overlap = may_overlap and (l2_end - m.lengths[Tier.L1]) // ps + self._pages_after(req, l2_end) <= room
-        # (the load only where a lower tier has more to offer: `busy_s` walks the queue, and most
-        # decisions, misses and L1 hits, have nothing to price it against)
-        hidden_s = load.busy_s(self.engine, req) if max(m.lengths[Tier.L2], m.lengths[Tier.L3]) > m.lengths[Tier.L1] else 0.0
-        decision = cache.decide(m, overlap_h2d=may_overlap, hidden_s=hidden_s, count_skip=False)
+        decision = cache.decide(m, overlap_h2d=may_overlap, count_skip=False, **load.pricing(self.engine, req, m))
         # a policy skip counts once, as the request is admitted (Admission._admit): waiting for
         # memory it is decided again on every loop turn (regression: each turn counted a skip)
         req.restore_declined = cache.declines_restore(m, decision)
