@@ -3,9 +3,9 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": "..."}}
 
 Request models are strict: unknown fields and wrong JSON types are errors (400), never coerced; OpenAI
-fields this server does not implement (logit_bias, tools, ...) are served at their neutral values
-only (any other value: an 'unsupported_value' 400). Token logprobs: scheduler/logprobs.py; penalties:
-scheduler/penalties.py.
+fields this server does not implement (tools, response_format, ...) are served at their neutral values
+only (any other value: an 'unsupported_value' 400). Token logprobs: scheduler/logprobs.py; penalties and
+logit_bias: scheduler/penalties.py.
 Token ids are what this engine speaks: `stop` as integers and `stop_token_ids` are token ids (the stop
 token is in `token_ids` but its text is left out); `stop` as a string or a list of up to 4 strings is
 matched on the generated text (scheduler/stop_strings.py: the text ends before the match, finish_reason
@@ -77,12 +77,10 @@ class _SamplingFields(_Strict, PenaltyFields):
     stream_options: StreamOptions | None = None
     n: StrictInt | None = 1
     user: StrictStr | None = None
-    # accepted for client compatibility; only its neutral values are supported
-    logit_bias: dict[str, Any] | None = None  # (LangChain's OpenAI LLM sends {} by default)
 
     # OpenAI fields this server takes only at a value that changes nothing: (name, neutral values);
     # any other value is an "unsupported" 400 (it was "unknown field", as if the name were a typo)
-    NEUTRAL: ClassVar[tuple[tuple[str, tuple], ...]] = (("logit_bias", (None, {})),)
+    NEUTRAL: ClassVar[tuple[tuple[str, tuple], ...]] = ()
 
     def stop_strings(self) -> tuple[str, ...]:
         """`stop` given as text (a string or a list of strings), matched on the generated text."""
@@ -377,7 +375,8 @@ def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
     (OpenAI's legacy default, 16) and a chat what is left of `context_tokens` (the tokens a request can
     hold; OpenAI's chat has no default), each within max_tokens_limit."""
     try:
-        req = (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+        request_model = ChatCompletionRequest if chat else CompletionRequest
+        req = request_model.model_validate(body, context={"vocab_size": vocab_size})  # (logit_bias' token ids)
     except ValidationError as exc:
         raise validation_error(exc) from None
     req.check_unsupported()

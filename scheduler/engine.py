@@ -150,7 +150,7 @@ class Engine(BatchAPI):
                 raise RequestError(f"token id {bad!r} is a {type(bad).__name__}, not an int: a prompt is a list "
                                    "of Python ints (convert an array with .tolist())")
             raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
-        params.validate(self.config.max_new_tokens_limit)
+        params.validate(self.config.max_new_tokens_limit, vocab)
         if self.config.simulate:
             step_extras.refuse_without_logits(params)
         if len(prompt) > self.max_prompt_tokens:
@@ -485,7 +485,7 @@ class Engine(BatchAPI):
         self.admission.drop_ops(req, aborting=self._aborts)
         self.admission.release(req, publish=state is RequestState.FINISHED)
         req.state, req.finish_reason, req.error = state, reason, error
-        req.finish_s = time.perf_counter()
+        req.finish_s, req.penalty_state = time.perf_counter(), None  # (its device tensors go now, not with the Request)
         self.stats[{"finished": "finished", "aborted": "aborted", "failed": "failed"}[state.value]] += 1
         if req.overlap_op is not None:
             # it ends before taking over the restore its forward ran behind: that admission's hits

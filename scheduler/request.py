@@ -6,6 +6,7 @@ import enum
 import itertools
 import numbers
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -23,6 +24,8 @@ SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_se
 MAX_LOGPROBS = 20  # alternatives a request may ask for at each position (OpenAI's top_logprobs limit)
 PRESENCE_FREQUENCY_MAX = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 REPETITION_MAX = 10.0  # repetition_penalty in (0, REPETITION_MAX] (vLLM: > 0; a bound keeps it sane)
+LOGIT_BIAS_MAX = 100.0  # a logit_bias value in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] (OpenAI's range)
+LOGIT_BIAS_MAX_TOKENS = 1024  # token ids one request may bias (each is uploaded and added at every step)
 
 
 def kv_tokens(prompt_tokens: int, max_tokens: int) -> int:
@@ -48,13 +51,17 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: each generated token's logprob and the k likeliest tokens'
-    # vLLM's penalties (scheduler/sampling.py `apply_penalties`): presence and frequency over the tokens
+    # vLLM's penalties (scheduler/penalty_state.py `apply_penalties`): presence and frequency over the tokens
     # generated so far, repetition over the prompt's and those; 0, 0 and 1 change nothing
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # OpenAI's logit_bias: token id -> a bias added to its logit before the penalties (vLLM's order);
+    # None or {}: none (scheduler/penalty_state.py). Not hashed: a dict
+    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
 
-    def validate(self, max_new_tokens_limit: int) -> None:
+    def validate(self, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:
+        """Raises RequestError naming the field; token ids (logit_bias') within [0, vocab_size) when given."""
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if self.max_tokens > max_new_tokens_limit:
@@ -83,6 +90,11 @@ class SamplingParams:
         if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= REPETITION_MAX:
             raise RequestError(f"repetition_penalty must be a number in (0, {REPETITION_MAX}] (1: off), "
                                f"got {self.repetition_penalty!r}", "repetition_penalty")
+        if self.logit_bias is not None:
+            _check_logit_bias(self.logit_bias, vocab_size)
+            # a copy of what was checked: the caller's dict may change after this check (an id outside
+            # the vocabulary would reach the device's index_put)
+            object.__setattr__(self, "logit_bias", dict(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -92,6 +104,26 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether a penalty changes its logits (else its batches build no penalty inputs)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias changes its logits (else its batches build no such inputs)."""
+        return self.penalized or bool(self.logit_bias)
+
+
+def _check_logit_bias(bias, vocab_size: int | None) -> None:
+    if not isinstance(bias, Mapping):
+        raise RequestError(f"logit_bias must be a dict of token id -> bias, got a {type(bias).__name__}", "logit_bias")
+    if len(bias) > LOGIT_BIAS_MAX_TOKENS:
+        raise RequestError(f"logit_bias may bias at most {LOGIT_BIAS_MAX_TOKENS} token ids, got {len(bias)}",
+                           "logit_bias")
+    top = "" if vocab_size is None else f", below the vocabulary size {vocab_size}"
+    for token, value in bias.items():
+        if not _is_integer(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
+            raise RequestError(f"logit_bias' token ids must be integers >= 0{top}, got {token!r}", "logit_bias")
+        if not _is_real(value) or not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:  # (NaN fails both)
+            raise RequestError(f"logit_bias' values must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], "
+                               f"got {value!r} for token {token}", "logit_bias")
 
 
 class RequestState(enum.Enum):
@@ -195,6 +227,8 @@ class Request:
     # emitted later: an overlapped restore's forward is applied once the restore has published)
     step_logprobs: tuple[int, TokenLogprobs] | None = None
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    penalty_state: object = None  # its penalties' and logit_bias' inputs on the device, kept across its steps
+                                  # (scheduler/penalty_state.py PenaltyState; made by step_extras.ask)
 
     @property
     def all_tokens(self) -> list[int]:

@@ -14,8 +14,9 @@ from kernels import cuda_rt
 from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch
 from scheduler.model import Qwen3Model
+from scheduler.penalty_state import RowPenalties, apply_penalties
 from scheduler.request import MAX_LOGPROBS
-from scheduler.sampling import RowPenalties, apply_penalties, mark_nan, sample, token_logprobs, unpack_logprobs
+from scheduler.sampling import mark_nan, sample, token_logprobs, unpack_logprobs
 
 
 @dataclass
@@ -32,8 +33,8 @@ class BatchInput:
     restore_epoch: int = 0        # ... up to this epoch of the transfer engine's layer flags (CUDA)
     logprobs: list[int | None] | None = None  # per sequence, the k its request asked for (None: it did
                                               # not); None: no sequence asked, and nothing extra runs
-    penalties: list[RowPenalties | None] | None = None  # per sequence, its penalties' inputs (None: it has
-                                                        # none); None: no sequence has, and nothing extra runs
+    penalties: list[RowPenalties | None] | None = None  # per sequence, its penalties' and logit_bias' inputs (None:
+                                                        # it has none); None: no sequence has, and nothing extra runs
 
 
 class StepHandle(NamedTuple):
@@ -107,7 +108,7 @@ class ModelRunner:
                 wait_layer = LayerWait(self.layer_flags, self.layer_flags.expected)
             logits = self.model(ids, attn, self.kv_pool, wait_layer)  # [B, V]
         penalized = logits
-        if batch.penalties is not None:  # some row asked: a penalized copy (logprobs and NaN marks read the raw)
+        if batch.penalties is not None:  # some row asked: a biased, penalized copy (logprobs, NaN marks: the raw)
             penalized = apply_penalties(logits, batch.penalties, ids_dev)
         next_ids = sample(penalized, batch.temperatures, batch.top_ps, batch.generators)  # [B]
         # the host's ids mark a NaN row (its request fails); a chained step reads the unmarked ones (an

@@ -1,8 +1,6 @@
 """Next-token sampling: greedy, or temperature + top-p with a per-request seeded generator."""
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from scheduler.request import TokenLogprobs
@@ -40,51 +38,6 @@ def mark_nan(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
     error. A gather of B logits, not a pass over the vocabulary."""
     chosen = logits.gather(-1, next_ids[:, None])[:, 0]  # [B]
     return torch.where(torch.isnan(chosen), NAN_TOKEN, next_ids)
-
-
-class RowPenalties(NamedTuple):
-    """A batch row's penalty inputs (SamplingParams' penalties), for a row whose request asks."""
-    presence: float
-    frequency: float
-    repetition: float
-    prompt_ids: list[int]   # the prompt's tokens (repetition only: empty when repetition is 1)
-    output_ids: list[int]   # its generated tokens the host has (a chained step's newest is on the device)
-
-
-def apply_penalties(logits: torch.Tensor, rows: list[RowPenalties | None],
-                    inflight_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, V] -> a float32 copy with the asking rows penalized as vLLM does: repetition over the
-    prompt's and generated tokens (a positive logit divided by it, another multiplied), then
-    frequency * count and presence * (count > 0) over the generated tokens subtracted.
-
-    inflight_ids: a chained decode step's input ids on the device ([B], `ModelRunner.launch`): each
-    row's newest generated token, which the host does not have yet (regression test: without it a
-    chained step took the token before it as unseen). Counts are built on the device from one copy of
-    the host's ids: nothing here runs unless a row asks."""
-    asking = [i for i, r in enumerate(rows) if r is not None]
-    n, vocab, device = len(asking), logits.shape[-1], logits.device
-    out_rows = [j for j, i in enumerate(asking) for _ in rows[i].output_ids]
-    prompt_rows = [j for j, i in enumerate(asking) for _ in rows[i].prompt_ids]
-    out_ids = [t for i in asking for t in rows[i].output_ids]
-    prompt_ids = [t for i in asking for t in rows[i].prompt_ids]
-    index = torch.tensor(asking + out_rows + out_ids + prompt_rows + prompt_ids,
-                         dtype=torch.int64).to(device, non_blocking=True)  # one copy of them all
-    weights = torch.tensor([[rows[i].presence, rows[i].frequency, rows[i].repetition] for i in asking],
-                           dtype=torch.float32).to(device, non_blocking=True)  # [n, 3]
-    rows_dev, out_r, out_t, prompt_r, prompt_t = index.split(
-        [n, len(out_rows), len(out_rows), len(prompt_rows), len(prompt_rows)])
-    counts = torch.zeros((n, vocab), dtype=torch.float32, device=device)
-    counts.index_put_((out_r, out_t), torch.ones_like(out_r, dtype=torch.float32), accumulate=True)
-    if inflight_ids is not None:
-        counts.index_put_((torch.arange(n, device=device), inflight_ids.index_select(0, rows_dev)),
-                          torch.ones(n, dtype=torch.float32, device=device), accumulate=True)
-    generated = counts > 0  # [n, V]
-    seen = generated.index_put((prompt_r, prompt_t), torch.ones_like(prompt_r, dtype=torch.bool))
-    x = logits.index_select(0, rows_dev).float()  # [n, V]
-    repetition = weights[:, 2:3]
-    x = torch.where(seen, torch.where(x > 0, x / repetition, x * repetition), x)
-    x = x - weights[:, 1:2] * counts - weights[:, 0:1] * generated
-    return logits.to(torch.float32, copy=True).index_copy_(0, rows_dev, x)
 
 
 def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],

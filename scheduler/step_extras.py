@@ -1,37 +1,46 @@
-"""What a step computes beside its tokens for the requests that ask: logprobs and penalties. A batch
-where no request asks gets neither: no extra kernel, no extra copy (scheduler/runner.py reads
+"""What a step computes beside its tokens for the requests that ask: logprobs, and penalties with logit_bias.
+A batch where no request asks gets neither: no extra kernel, no extra copy (scheduler/runner.py reads
 `BatchInput.logprobs` / `BatchInput.penalties`, None then). Used by the engine's loop
 (scheduler/engine.py); docs/design.md, "Overlap scheduling", says how both meet chained decode."""
 from __future__ import annotations
 
+from scheduler.penalty_state import PenaltyState, RowPenalties
 from scheduler.request import Request, RequestError, SamplingParams
 from scheduler.runner import BatchInput, StepHandle
-from scheduler.sampling import RowPenalties
 
 _NEUTRAL_PENALTIES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
 
 
 def refuse_without_logits(params: SamplingParams) -> None:
-    """A simulated engine (--simulate) has no logits: a request asking for logprobs or penalties is
-    refused, naming the field."""
+    """A simulated engine (--simulate) has no logits: a request asking for logprobs, penalties or a
+    logit_bias is refused, naming the field."""
     if params.logprobs is not None:
         raise RequestError("logprobs need the model's logits: a simulated engine (--simulate) has none", "logprobs")
     if params.penalized:
         name = next(n for n, off in _NEUTRAL_PENALTIES if getattr(params, n) != off)
         raise RequestError("penalties need the model's logits: a simulated engine (--simulate) has none", name)
+    if params.logit_bias:
+        raise RequestError("logit_bias needs the model's logits: a simulated engine (--simulate) has none",
+                           "logit_bias")
 
 
 def ask(reqs: list[Request], binput: BatchInput) -> None:
-    """Fill the batch's logprobs and penalties inputs where one of its requests wants them. A penalized
-    row's ids are the host's at launch: a chained step's newest token is still on the device, and the
-    runner counts it from there (`sampling.apply_penalties`)."""
+    """Fill the batch's logprobs and penalties (with logit_bias) inputs where one of its requests wants
+    them. A penalized row's ids are the host's at launch (the runner uploads those its request's state
+    has not counted): a chained step's newest token is still on the device, and the runner counts it
+    from there (`penalty_state.apply_penalties`)."""
     if any(r.params.logprobs is not None for r in reqs):
         binput.logprobs = [r.params.logprobs for r in reqs]
-    if any(r.params.penalized for r in reqs):
-        binput.penalties = [RowPenalties(
-            r.params.presence_penalty, r.params.frequency_penalty, r.params.repetition_penalty,
-            r.prompt if r.params.repetition_penalty != 1.0 else [], r.output) if r.params.penalized else None
-            for r in reqs]
+    if any(r.params.adjusts_logits for r in reqs):
+        binput.penalties = [_row(r) if r.params.adjusts_logits else None for r in reqs]
+
+
+def _row(req: Request) -> RowPenalties:
+    if req.penalty_state is None:  # its first step that asks: the runner fills it on the logits' device
+        req.penalty_state = PenaltyState()
+    p = req.params
+    return RowPenalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, req.prompt, req.output,
+                        req.penalty_state, p.logit_bias)
 
 
 def keep_logprobs(runner, reqs: list[Request], binput: BatchInput, handle: StepHandle, next_ids: list[int]) -> None:

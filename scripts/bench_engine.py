@@ -42,13 +42,18 @@ async def ttft(engine: Engine, prompt, n=1) -> float:
     return time.perf_counter() - t
 
 
-async def decode_rate(engine: Engine, batch: int, prompt_tokens: int, new_tokens: int, rng) -> float:
+PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
+
+
+async def decode_rate(engine: Engine, batch: int, prompt_tokens: int, new_tokens: int, rng, **params) -> float:
+    """Decode tokens/s of `batch` requests decoding together (from the last first token to the last token);
+    params: SamplingParams' extra fields (e.g. PENALTIES)."""
     prompts = [[rng.randrange(VOCAB_LO, vocab_hi) for _ in range(prompt_tokens)] for _ in range(batch)]
     marks = {}
 
     async def one(i, p):
         first = None
-        async for ev in engine.submit(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True)):
+        async for ev in engine.submit(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True, **params)):
             if first is None:
                 first = time.perf_counter()
             if ev.finished:
@@ -179,6 +184,11 @@ async def run(args) -> dict:
             await tail_forward_s(engine, cached, r["tail_tokens"], args.repeats)) * 1e3
         r["decode_tok_s"] = {b: await decode_rate(engine, b, args.decode_prompt, args.decode_tokens, rng)
                              for b in args.decode_batches}
+        if args.penalized_decode:  # what the penalties cost a decode step, over long outputs
+            b, p, t = args.penalized_decode
+            r["penalized_decode_tok_s"] = {"batch": b, "prompt_tokens": p, "new_tokens": t,
+                                           "plain": await decode_rate(engine, b, p, t, rng),
+                                           "penalized": await decode_rate(engine, b, p, t, rng, **PENALTIES)}
         # the profiles last, in the last mode: after torch.profiler this process's CUDA calls stay
         # slower (its CUPTI hooks; a graph replay's host time 3-9x, session 26), so a timing taken
         # after it counts them (session 25's run 9: the one-token launch at 0.52 ms of host time
@@ -212,6 +222,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-prompt", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--tail-context", type=int, default=3500)
+    ap.add_argument("--penalized-decode", metavar="BATCH,PROMPT,TOKENS",
+                    help="also decode BATCH requests of PROMPT tokens for TOKENS tokens with and without "
+                         "presence, frequency and repetition penalties (e.g. 32,2000,512)")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of the tail request (CUDA), after every timing of the last mode")
@@ -229,6 +242,8 @@ def main(argv=None) -> int:
         args.decode_prompt, args.decode_tokens, args.tail_context, args.repeats = 16, 4, 64, 2
     args.prefill_tokens = [int(x) for x in args.prefill_tokens.split(",")]
     args.decode_batches = [int(x) for x in args.decode_batches.split(",")]
+    if args.penalized_decode:
+        args.penalized_decode = [int(x) for x in args.penalized_decode.split(",")]
     out = asyncio.run(run(args))
     text = json.dumps(out, indent=1)
     if args.out:
@@ -249,6 +264,11 @@ def main(argv=None) -> int:
             print(f"  [{mode}] x floor: {r['tail_tokens']}-token tail forward {r['forward_tail_ms']:.2f} ms = "
                   f"{r['forward_tail_ms'] / floor:.2f}, one-token forward {r['forward_1tok_ms'] / floor:.2f}, "
                   f"batch-1 decode step {b1_ms:.2f} ms = {b1_ms / floor:.2f}")
+        if "penalized_decode_tok_s" in r:
+            pd = r["penalized_decode_tok_s"]
+            print(f"  [{mode}] decode b{pd['batch']} over {pd['prompt_tokens']}-token prompts, {pd['new_tokens']} "
+                  f"tokens: {pd['plain']:.0f} tok/s plain, {pd['penalized']:.0f} penalized "
+                  f"({pd['penalized'] / pd['plain']:.3f})")
     return 0
 
 
