@@ -18,6 +18,7 @@ its connection dropped, never after a timeout); OOM under `noeviction` -> "enosp
 Start. One PING, and the server's limits read (hicache/redis_limits.py): a server that cannot be
 used, one that never evicts, and one whose limits refuse a page's value (writes or reads refused at
 once, one warning naming the setting) are each one log line; the engine starts all the same.
+While they refuse, the limits are read again at most every 30 s (`Refusals`): a fix needs no restart.
 
 I/O. redis.asyncio on the running loop (a new client when the loop changes: `Engine.generate` runs
 each call on a fresh loop). Each operation is one command per chunk of at most `chunk_bytes`
@@ -52,12 +53,11 @@ from redis import exceptions as rexc
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from hicache import redis_limits
 from hicache.faults import Fault, FaultInjector
 from hicache.geometry import KVGeometry
 from hicache.page_keys import PageKeyer, kv_salt, publish_l3_hints
 from hicache.radix import Tier
-from hicache.redis_limits import check_server, redact_url
+from hicache.redis_limits import Refusals, check_server, redact_url
 from hicache.redis_values import HEADER, check_value, pack_value
 from hicache.storage import IoResult, StorageError
 
@@ -92,7 +92,8 @@ class RedisStore:
     def __init__(self, geometry: KVGeometry, num_slots: int, url: str | None, model_id: str,
                  checksum: bool = True, faults: FaultInjector | None = None, *, rank: int = 0,
                  chunk_bytes: int = 8 << 20, hint_timeout_s: float = 2.0, socket_timeout_s: float = 5.0,
-                 connect_timeout_s: float = 2.0, backoff_s: tuple[float, float] = (0.25, 8.0)) -> None:
+                 connect_timeout_s: float = 2.0, backoff_s: tuple[float, float] = (0.25, 8.0),
+                 limits_recheck_s: float | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if not url:
@@ -118,10 +119,8 @@ class RedisStore:
         self._closed = False
         self._down_until = 0.0
         self._consecutive_failures = 0
-        limits = check_server(url, self.value_bytes, geometry.page_size)
-        self._writes_refused = limits.writes_refused  # why, once the server refuses a page's value
-        self._reads_refused = limits.reads_refused  # why, where the server cannot send back a page's value
-        self._reply_pages = limits.reply_pages  # the most values one MGET reply may hold
+        self.refusals = Refusals(url, self.value_bytes, geometry.page_size, check_server(url, self.value_bytes),
+                                 limits_recheck_s, hint_timeout_s)  # what the server's limits refuse now
         self.counters = {"writes": 0, "reads": 0, "pages_written": 0, "pages_read": 0, "bytes_written": 0,
                          "bytes_read": 0, "round_trips": 0, "missing_pages": 0, "corrupt_pages": 0,
                          "hint_queries": 0, "hint_pages_found": 0, "hint_pages_published": 0,
@@ -130,28 +129,6 @@ class RedisStore:
         self.errors: dict[str, int] = {}
 
     # ---- connection ------------------------------------------------------------------------------
-    async def _value_refused(self, client: aioredis.Redis, exc: BaseException) -> bool:
-        """Whether a failed write says the server refuses a page's value (hicache/redis_limits.py);
-        if so writes are refused from now on."""
-        if self._writes_refused is not None:
-            return True
-        if self.value_bytes <= redis_limits.MIN_BULK_LIMIT_BYTES:
-            return False
-        if isinstance(exc, rexc.ResponseError):
-            refused = "invalid bulk length" in str(exc)
-        elif isinstance(exc, rexc.ConnectionError) and isinstance(exc.__cause__, (ConnectionResetError,
-                                                                                  BrokenPipeError)):
-            # reset while sending, on the retry's fresh connection (not refused: a server restarting)
-            try:
-                refused = bool(await client.ping())  # up and answering: it is the write it drops
-            except Exception:  # noqa: BLE001 - down: an ordinary outage
-                refused = False
-        else:
-            refused = False
-        if refused:
-            self._writes_refused = redis_limits.refuse_writes(self.url, self.value_bytes, self.geometry.page_size)
-        return refused
-
     def _client(self) -> aioredis.Redis:
         loop = asyncio.get_running_loop()
         if self._redis is None or self._loop is not loop:
@@ -248,8 +225,8 @@ class RedisStore:
 
     def _chunks(self, n: int, is_read: bool = False):
         per = self.pages_per_chunk
-        if is_read and self._reply_pages is not None:
-            per = min(per, self._reply_pages)  # (each reply within the server's output buffer limit)
+        if is_read and self.refusals.reply_pages is not None:
+            per = min(per, self.refusals.reply_pages)  # (each reply within the server's output buffer limit)
         return [(s, min(n, s + per)) for s in range(0, n, per)]
 
     async def _on_cpu(self, fn, *args):
@@ -286,8 +263,8 @@ class RedisStore:
 
     async def _write(self, pages, buffer_ref, host_arr, slot_arr, keys, submit_ns) -> IoResult:
         self._check_available()
-        if self._writes_refused is not None:
-            raise self._error(StorageError("enospc", f"redis write: {self._writes_refused}"), "write")
+        if await self.refusals.refused_writes(self._client) is not None:
+            raise self._error(StorageError("enospc", f"redis write: {self.refusals.writes}"), "write")
         injected = self._injected(False)
         if injected is not None:
             raise self._error(injected, "write")
@@ -299,10 +276,11 @@ class RedisStore:
                 await client.mset(dict(zip(keys[lo:hi], values)))
                 self.counters["round_trips"] += 1
         except Exception as exc:
-            if await self._value_refused(client, exc):
-                raise self._error(StorageError("enospc", f"redis write: {self._writes_refused}"), "write") from exc
+            if await self.refusals.write_failed(self._client, exc) is not None:
+                raise self._error(StorageError("enospc", f"redis write: {self.refusals.writes}"), "write") from exc
             raise self._error(exc, "write") from exc
         self._succeeded()
+        self.refusals.write_succeeded()
         num_bytes = len(keys) * self.bytes_per_page
         self.counters["writes"] += 1
         self.counters["pages_written"] += len(keys)
@@ -314,9 +292,8 @@ class RedisStore:
         faults = self.faults
         if faults is not None and faults.should_fire(Fault.SLOW_READ):
             await asyncio.sleep(faults.delay_s(Fault.SLOW_READ))
-        if self._reads_refused is not None:  # (no back-off: hints and writes go on)
-            raise self._error(StorageError("eio", f"redis read: {self._reads_refused}",
-                                           bad_slots=slot_arr.tolist()), "read")
+        if await self.refusals.refused_reads(self._client) is not None:  # (no back-off: hints and writes go on)
+            raise self._reads_refused(slot_arr)
         injected = self._injected(True)
         if injected is not None:
             raise self._error(injected, "read")
@@ -329,6 +306,8 @@ class RedisStore:
                 self._succeeded()  # (before a missing page fails the read; regression: it did not count)
                 bad = await self._on_cpu(self._unpack, pages, values, keys[lo:hi], host_arr[lo:hi])
             except Exception as exc:
+                if await self.refusals.read_failed(self._client, exc) is not None:  # (a limit lowered meanwhile)
+                    raise self._reads_refused(slot_arr) from exc
                 raise self._error(exc, "read") from exc
             if bad:
                 await self._fail_read(client, bad, lo, slot_arr, keys)
@@ -337,6 +316,10 @@ class RedisStore:
         self.counters["pages_read"] += len(keys)
         self.counters["bytes_read"] += num_bytes
         return IoResult(num_bytes, len(chunks), first_ns - submit_ns, time.monotonic_ns() - first_ns)
+
+    def _reads_refused(self, slot_arr) -> StorageError:
+        return self._error(StorageError("eio", f"redis read: {self.refusals.reads}", bad_slots=slot_arr.tolist()),
+                           "read")
 
     async def _fail_read(self, client, bad: list[tuple[int, str]], lo: int, slot_arr, keys) -> None:
         missing = [lo + i for i, why in bad if why == "missing"]
@@ -380,7 +363,7 @@ class RedisStore:
         No query when L3 cannot help: restores disabled, or L1/L2 already hold every full page."""
         ps = self.geometry.page_size
         end = len(tokens) - len(tokens) % ps
-        if end == 0 or self._closed or mgr.config.policy == "never" or self._reads_refused is not None:
+        if end == 0 or self._closed or mgr.config.policy == "never" or await self.refusals.refused_reads(self._client):
             return
         tokens = tuple(tokens[:end])
         local = mgr.tree.match(tokens, include_storage=False, touch=False)
@@ -420,7 +403,7 @@ class RedisStore:
         does at once where writes are refused: no check then)."""
         ps = self.geometry.page_size
         hinted_tokens -= hinted_tokens % ps
-        if (hinted_tokens <= 0 or self._closed or self._writes_refused is not None
+        if (hinted_tokens <= 0 or self._closed or self.refusals.writes is not None
                 or time.monotonic() < self._down_until):
             return
         tokens = tuple(tokens[:hinted_tokens])
@@ -510,6 +493,6 @@ class RedisStore:
         return {"backend": "redis", "url": redact_url(self.url), "num_slots": self.num_slots,
                 "bytes_per_page": self.bytes_per_page, "model_id": self.model_id, "checksum": self.checksum,
                 "closed": self._closed, "available": self._consecutive_failures == 0, "retry_in_s": retry_in_s,
-                "writes_refused": self._writes_refused, "reads_refused": self._reads_refused,
+                "writes_refused": self.refusals.writes, "reads_refused": self.refusals.reads,
                 "in_flight": sum(not t.done() for t in self._tasks), "errors": dict(self.errors),
                 "key_cache": {"hits": self.keyer.hits, "misses": self.keyer.misses}, **self.counters}

@@ -63,6 +63,8 @@ def _penalized_on_host(logits: torch.Tensor, prompt: list[int], output: list[int
     """vLLM's formulas on the host: repetition over prompt and output, then frequency * count and
     presence * (count > 0) over the output."""
     out = logits.double().clone()
+    for t, v in (p.logit_bias or {}).items():  # (the bias first, as vLLM V1)
+        out[t] += v
     for t in set(prompt) | set(output):
         out[t] = out[t] / p.repetition_penalty if out[t] > 0 else out[t] * p.repetition_penalty
     for t, n in Counter(output).items():
@@ -71,12 +73,15 @@ def _penalized_on_host(logits: torch.Tensor, prompt: list[int], output: list[int
 
 
 def test_penalties_on_cuda_graphs_under_chained_decode_equal_a_host_reference():
+    """Penalties (and a logit_bias) kept per request on the device across steps (scheduler/penalty_state.py):
+    each token is the best of the host's reference over the dense forward's logits."""
     eng = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=512, page_size=16,
                               cuda_graphs=True))
     asking = [SamplingParams(max_tokens=16, ignore_eos=True, presence_penalty=2.0),
               SamplingParams(max_tokens=16, ignore_eos=True),
               SamplingParams(max_tokens=16, ignore_eos=True, frequency_penalty=1.5, repetition_penalty=1.8),
-              SamplingParams(max_tokens=16, ignore_eos=True, presence_penalty=-0.5, repetition_penalty=0.6)]
+              SamplingParams(max_tokens=40, ignore_eos=True, presence_penalty=-0.5, repetition_penalty=0.6,
+                             logit_bias={7: 3.0, 100: -2.0, 255: 1.5})]
     nobody = [SamplingParams(max_tokens=16, ignore_eos=True) for _ in PROMPTS]
     for _ in range(2):
         events = asyncio.run(_events(eng, asking))
