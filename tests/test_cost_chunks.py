@@ -11,10 +11,8 @@ import pytest
 
 from hicache.config import HiCacheConfig
 from hicache.cost_model import CostModel
-from hicache.faults import FaultInjector
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from test_faults import PAGE, PROMPT, REUSABLE, finish, only_in_l3, reference, run_one
+from test_faults import PAGE, PROMPT, REUSABLE, finish, reference, run_one
+from test_prefetch_take_on import served_then_only_in_l3
 
 BYTES_PER_TOKEN = 1024
 CHUNK = 2048
@@ -89,15 +87,7 @@ async def test_an_engine_prices_the_forwards_its_chunked_prompt_would_recompute(
     chunks of 8 tokens: recomputed, the prompt takes 4 forwards of 5 ms; restored, its last token
     one. The request's decisions (the prefetch's at queue time and the admission's) record 3
     forwards more on the recompute side, and the hit is read from L3."""
-    config = EngineConfig(model="tiny", device="cpu", num_pages=48, page_size=PAGE, max_prefill_tokens=2 * PAGE,
-                          restore_overlap=False).with_hicache(enable=True, policy="cost", transfer_backend="torch",
-                                                              prefetch=prefetch)
-    eng = Engine(config, faults=FaultInjector())
-    await eng.start()
-    await run_one(eng)
-    eng.cache.runner.start_backup(PROMPT[:REUSABLE])
-    await eng.cache.drain()
-    only_in_l3(eng, PROMPT[:REUSABLE])
+    eng = await served_then_only_in_l3(False, "cost", max_prefill_tokens=2 * PAGE, prefetch=prefetch)
     cost = eng.cache.cost
     cost.learning = False  # the costs below, fixed: no exploration, no new samples
     per_byte = 1.0 / (REUSABLE * cost.bytes_per_token)

@@ -14,7 +14,7 @@ from hicache_helpers import capture_op_logs, finish, op_transitions
 from scheduler import load
 from scheduler.engine import Engine
 from test_faults import OTHER, PARAMS, PROMPT, REUSABLE, reference
-from test_prefetch_take_on import _served_then_only_in_l3
+from test_prefetch_take_on import served_then_only_in_l3
 
 BYTES_PER_TOKEN = 1024
 
@@ -54,7 +54,7 @@ def test_busy_s_is_the_recompute_line_over_the_queued_forwards():
 async def _only_in_l3_with_slow_reads() -> Engine:
     """An engine (cost policy, fixed cost lines) whose PROMPT prefix only L3 holds, where reading it
     costs 3 ms against the 1 ms of recomputing it, and a forward 5 ms."""
-    eng = await _served_then_only_in_l3(True, "cost")
+    eng = await served_then_only_in_l3(True, "cost")
     cost = eng.cache.cost
     cost.learning = False
     per_byte = 1.0 / (REUSABLE * cost.bytes_per_token)

@@ -16,12 +16,8 @@ import torch
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import LOGIT_BIAS_MAX_TOKENS, RequestError, SamplingParams
-from scheduler.server import ServerLimits, create_app
-from scheduler.tokenizer import HFTokenizer
 from test_n_choices import _stream
-from test_penalties import PROMPTS, make_engine, penalized_on_host, run
-from test_server import ServerThread
-from test_server_text import _write_byte_level_tokenizer
+from test_penalties import PROMPTS, make_engine, penalized_on_host, run, srv  # noqa: F401  (srv: the fixture)
 
 VOCAB = 512  # the tiny preset's
 
@@ -134,16 +130,6 @@ def test_a_simulated_engine_refuses_it():
 
 
 # -- HTTP -----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    _write_byte_level_tokenizer(path)
-    engine = make_engine(max_new_tokens_limit=16)
-    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=HFTokenizer(str(path)))) as s:
-        s.engine = engine
-        yield s
-
-
 HI = [{"role": "user", "content": "hi"}]
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 

@@ -187,10 +187,11 @@ async def test_prefetch_is_not_taken_without_restore_overlap():
     await finish(eng)
 
 
-async def _served_then_only_in_l3(restore_overlap: bool, policy: str, **hicache) -> Engine:
-    """An engine (the given restore overlap and policy) that served PROMPT once and backed its
-    prefix up to L3, then lost it from L1 and L2: the next request's prefetch finds it in L3 only."""
-    config = EngineConfig(model="tiny", device="cpu", num_pages=48, page_size=PAGE,
+async def served_then_only_in_l3(restore_overlap: bool, policy: str, max_prefill_tokens: int = 2048,
+                                 **hicache) -> Engine:
+    """An engine (the given restore overlap, policy and prefill chunk) that served PROMPT once and backed
+    its prefix up to L3, then lost it from L1 and L2: the next request's prefetch finds it in L3 only."""
+    config = EngineConfig(model="tiny", device="cpu", num_pages=48, page_size=PAGE, max_prefill_tokens=max_prefill_tokens,
                           restore_overlap=restore_overlap).with_hicache(enable=True, policy=policy,
                                                                         transfer_backend="torch", **hicache)
     eng = Engine(config, faults=FaultInjector())
@@ -212,7 +213,7 @@ async def test_the_prefetch_decision_credits_an_h2d_the_forward_will_hide(overla
     prefetch is started and the hit served from L3; without, it is recomputed. So is it without
     prefetches: an L3 restore started at admission reads, then copies (regression, session 18: it
     got the credit too)."""
-    eng = await _served_then_only_in_l3(overlap, "cost", prefetch=prefetch)
+    eng = await served_then_only_in_l3(overlap, "cost", prefetch=prefetch)
     cost = eng.cache.cost
     cost.learning = False  # the costs below, fixed: no exploration, no new samples
     per_byte = 1.0 / (REUSABLE * cost.bytes_per_token)
@@ -249,7 +250,7 @@ async def test_a_prefetch_expected_to_be_taken_on_verifies_after_landing(overlap
     if max_bytes is not None:
         import hicache.restores as restores_mod
         monkeypatch.setattr(restores_mod, "VERIFY_AFTER_LANDING_MAX_BYTES", max_bytes)
-    eng = await _served_then_only_in_l3(overlap, "always")
+    eng = await served_then_only_in_l3(overlap, "always")
     store, reads = eng.cache.store, []
     read_pages = store.read_pages
 
