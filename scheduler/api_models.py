@@ -5,7 +5,7 @@
 Request models are strict: unknown fields and wrong JSON types are errors (400), never coerced; OpenAI
 fields this server does not implement (tools, response_format, ...) are served at their neutral values
 only (any other value: an 'unsupported_value' 400). Token logprobs: scheduler/logprobs.py; penalties and
-logit_bias: scheduler/penalties.py.
+logit_bias, min_tokens: scheduler/penalties.py.
 Token ids are what this engine speaks: `stop` as integers and `stop_token_ids` are token ids (the stop
 token is in `token_ids` but its text is left out); `stop` as a string or a list of up to 4 strings is
 matched on the generated text (scheduler/stop_strings.py: the text ends before the match, finish_reason
@@ -474,7 +474,7 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
                           stop_token_ids=req.stop_ids(), ignore_eos=req.ignore_eos, logprobs=req.logprob_count(),
-                          **req.penalty_params())
+                          **req.penalty_params(max_tokens))
 
 
 def jsonable(x: Any) -> Any:

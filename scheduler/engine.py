@@ -407,7 +407,7 @@ class Engine(BatchAPI):
             work, handle, start_ns, restoring = nxt, next_handle, next_start_ns, next_restoring
 
     def _launch(self, work, chain=None):
-        step_extras.ask(work[0], work[2])  # logprobs, penalties: only where a request asks
+        step_extras.ask(work[0], work[2], self.model_config.eos_token_ids)  # logprobs, penalties: where asked
         return self.runner.launch(work[2], chain=chain)
 
     def _after_batch(self, work, next_ids: list[int], start_ns: int, restoring: bool) -> None:

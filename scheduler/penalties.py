@@ -1,7 +1,7 @@
-"""Penalties and logit_bias in the OpenAI API: OpenAI's `presence_penalty` and `frequency_penalty` ([-2, 2]),
-vLLM's extra `repetition_penalty` ((0, 10]; 1: off) and OpenAI's `logit_bias`, on /v1/completions and
-/v1/chat/completions, served as vLLM serves them (the engine's side: SamplingParams' fields of these
-names, scheduler/penalty_state.py `apply_penalties`):
+"""Penalties, logit_bias and min_tokens in the OpenAI API: OpenAI's `presence_penalty` and `frequency_penalty`
+([-2, 2]), vLLM's extra `repetition_penalty` ((0, 10]; 1: off), OpenAI's `logit_bias` and vLLM's extra
+`min_tokens`, on /v1/completions and /v1/chat/completions, served as vLLM serves them (the engine's side:
+SamplingParams' fields of these names, scheduler/penalty_state.py `apply_penalties`):
 
 * logit_bias: a JSON object of token ids (as strings: {"50256": -100}) to a bias in [-100, 100], at most
   1,024 of them, each added to its token's logit first (-100 bans a token in practice, 100 forces it);
@@ -10,10 +10,15 @@ names, scheduler/penalty_state.py `apply_penalties`):
 * presence and frequency: over the tokens this choice generated so far, a token's logit less
   frequency_penalty * its count + presence_penalty * (count > 0);
 
+* min_tokens: an integer in [0, max_tokens] (max_tokens left out: its default, within the limit): the
+  stop token ids and EOS (unless ignore_eos) at -inf while fewer tokens were generated, and no stop
+  string matched before (scheduler/stop_strings.py);
+
 on the logits before temperature and top-p (and before greedy's argmax); logprobs stay those of the
-raw logits. Left out or null (or {}): the neutral value. A JSON string or bool is an 'invalid_type' 400,
-a value outside the range (a token id outside the vocabulary) an 'invalid_value' 400, each naming the
-field; a logit_bias key that is not an integer is an 'invalid_type' 400.
+raw logits. Left out or null (or {}): the neutral value. A JSON string or bool (for min_tokens, any
+non-integer) is an 'invalid_type' 400, a value outside the range (a token id outside the vocabulary)
+an 'invalid_value' 400, each naming the field; a logit_bias key that is not an integer is an
+'invalid_type' 400.
 """
 from __future__ import annotations
 
@@ -38,6 +43,8 @@ class PenaltyFields(BaseModel):
     frequency_penalty: Penalty | None = None
     repetition_penalty: Repetition | None = None  # (vLLM's extra field)
     logit_bias: dict[str, Bias] | None = None  # (LangChain's OpenAI LLM sends {} by default)
+    min_tokens: Annotated[int, Field(strict=True, ge=0)] | None = None  # (vLLM's extra field; <= max_tokens:
+                                                                         # `penalty_params`)
 
     @field_validator("logit_bias")
     @classmethod
@@ -58,9 +65,16 @@ class PenaltyFields(BaseModel):
                                           ">= 0{top}, without leading zeros)", {"key": key, "top": top})
         return bias
 
-    def penalty_params(self) -> dict[str, Any]:
-        """SamplingParams' penalty and logit_bias fields, a field left out at its neutral value."""
+    def penalty_params(self, max_tokens: int) -> dict[str, Any]:
+        """SamplingParams' penalty, logit_bias and min_tokens fields, a field left out at its neutral value.
+        max_tokens: the request's, its default where left out (unknown to the fields' validators)."""
+        min_tokens = self.min_tokens or 0
+        if min_tokens > max_tokens:
+            from scheduler.api_models import APIError  # (api_models imports this module)
+            raise APIError(400, f"'min_tokens' must be in [0, max_tokens = {max_tokens}], got {min_tokens}",
+                           param="min_tokens", code="invalid_value")
         return {"presence_penalty": float(self.presence_penalty or 0.0),
                 "frequency_penalty": float(self.frequency_penalty or 0.0),
                 "repetition_penalty": 1.0 if self.repetition_penalty is None else float(self.repetition_penalty),
-                "logit_bias": {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None}
+                "logit_bias": {int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                "min_tokens": min_tokens}

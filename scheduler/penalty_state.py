@@ -1,6 +1,7 @@
-"""Penalties and logit_bias on the device, as vLLM V1 applies them: a row's bias added to its logits, then
-repetition over the prompt's and generated tokens, then frequency and presence over the generated ones,
-on a float32 copy (logprobs and NaN marks read the raw logits; scheduler/runner.py).
+"""Penalties, logit_bias and min_tokens on the device, as vLLM V1 applies them: a row's bias added to its
+logits, then repetition over the prompt's and generated tokens, then frequency and presence over the
+generated ones, then its stop ids at -inf while min_tokens holds them back, on a float32 copy (logprobs
+and NaN marks read the raw logits; scheduler/runner.py).
 
 A request keeps its inputs on the device across its steps (`PenaltyState`, Request.penalty_state): the
 counts of the generated tokens the host has counted so far, its prompt's tokens as a mask (repetition
@@ -39,16 +40,27 @@ class RowPenalties(NamedTuple):
                             # only those past state.counted are read
     state: PenaltyState     # the request's, kept across its steps
     logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0     # its stop ids are masked while this step's token is one of its first min_tokens
+    stop_ids: tuple[int, ...] = ()  # those ids (stop_token_ids, and the EOS ids unless ignore_eos); ()
+                                    # once past min_tokens
 
     @property
     def penalized(self) -> bool:
         return self.presence != 0.0 or self.frequency != 0.0 or self.repetition != 1.0
 
+    def holds_stops(self, chained: bool) -> bool:
+        """Whether this step masks its stop ids: its token's index is the host's count of generated
+        tokens, plus one in a chained step (the token in flight; regression test: without it the mask
+        held one step past min_tokens). A non-final prompt chunk's token is thrown away: masking it
+        changes nothing."""
+        return bool(self.stop_ids) and len(self.output_ids) + chained < self.min_tokens
+
 
 class StepUpload(NamedTuple):
     """What a step copies to the device: one int64 tensor and one float32 tensor (on the host), in parts."""
     index: torch.Tensor    # int64: penalized rows [p], new tokens' (row, id) [u] + [u], new masks' prompt ids [q],
-                           # biased rows [b], their bias sizes [b], new biases' ids [c]
+                           # biased rows [b], their bias sizes [b], new biases' ids [c], held stop ids' (row, id)
+                           # [s] + [s]
     values: torch.Tensor   # float32: the penalized rows' (presence, frequency, repetition) [p * 3], new biases [c]
     index_sizes: list[int]
     penalized: list[int]   # batch rows (their order in the step's [p, V] matrices)
@@ -59,11 +71,14 @@ class StepUpload(NamedTuple):
     biased: list[int]      # batch rows
     new_biases: list[int]  # positions in `biased` whose bias is uploaded this step
     bias_sizes: list[int]  # each biased row's number of ids
+    held_stops: int = 0    # (row, id) pairs masked this step (min_tokens)
 
 
-def step_upload(rows: list[RowPenalties | None]) -> StepUpload:
+def step_upload(rows: list[RowPenalties | None], vocab_size: int | None = None, chained: bool = False) -> StepUpload:
     """The host's side of a step: its rows' inputs that their states lack. Its size is the batch's rows
-    plus their tokens generated since their last step (and, once per request, its prompt and bias)."""
+    plus their tokens generated since their last step (and, once per request, its prompt and bias), plus
+    the stop ids min_tokens holds back (a few per row, for its first min_tokens steps). Stop ids outside
+    [0, vocab_size) are never sampled: left out (a negative index_put index counts from the end)."""
     penalized = [i for i, r in enumerate(rows) if r is not None and r.penalized]
     new_rows, new_ids, prompt_ids, recount, new_masks, mask_sizes = [], [], [], [], [], []
     for j, i in enumerate(penalized):
@@ -85,34 +100,43 @@ def step_upload(rows: list[RowPenalties | None]) -> StepUpload:
     bias_ids = [t for j in new_biases for t in rows[biased[j]].logit_bias]
     bias_values = [v for j in new_biases for v in rows[biased[j]].logit_bias.values()]
     weights = [w for i in penalized for w in (rows[i].presence, rows[i].frequency, rows[i].repetition)]
-    index = torch.tensor(penalized + new_rows + new_ids + prompt_ids + biased + bias_sizes + bias_ids,
-                         dtype=torch.int64)
-    sizes = [len(penalized), len(new_rows), len(new_ids), len(prompt_ids), len(biased), len(biased), len(bias_ids)]
+    held = [(i, t) for i, r in enumerate(rows) if r is not None and r.holds_stops(chained)
+            for t in r.stop_ids if 0 <= t and (vocab_size is None or t < vocab_size)]
+    held_rows, held_ids = [i for i, _ in held], [t for _, t in held]
+    index = torch.tensor(penalized + new_rows + new_ids + prompt_ids + biased + bias_sizes + bias_ids + held_rows
+                         + held_ids, dtype=torch.int64)
+    sizes = [len(penalized), len(new_rows), len(new_ids), len(prompt_ids), len(biased), len(biased), len(bias_ids),
+             len(held), len(held)]
     return StepUpload(index, torch.tensor(weights + bias_values, dtype=torch.float32), sizes, penalized,
-                      recount, new_masks, mask_sizes, biased, new_biases, bias_sizes)
+                      recount, new_masks, mask_sizes, biased, new_biases, bias_sizes, len(held))
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[RowPenalties | None],
                     inflight_ids: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] -> a float32 copy with the asking rows' bias added, then their penalties applied as
     vLLM does: repetition over the prompt's and generated tokens (a positive logit divided by it, another
-    multiplied), then frequency * count and presence * (count > 0) over the generated tokens subtracted.
+    multiplied), then frequency * count and presence * (count > 0) over the generated tokens subtracted;
+    last, the stop ids that min_tokens holds back at -inf (nothing above can lift them again).
 
     inflight_ids: a chained decode step's input ids on the device ([B], `ModelRunner.launch`): each row's
     newest generated token, which the host does not have yet (regression test: without it a chained step
     took the token before it as unseen). It counts in this step's copy of the counts, never in a state
-    (the host counts it at a later step, once it has it). Nothing here runs unless a row asks."""
+    (the host counts it at a later step, once it has it), and in the index of this step's token (min_tokens).
+    Nothing here runs unless a row asks."""
     device = logits.device
-    up = step_upload(rows)
+    up = step_upload(rows, logits.shape[-1], chained=inflight_ids is not None)
     index = up.index.to(device, non_blocking=True)  # one copy of what the states lack
     values = up.values.to(device, non_blocking=True)
-    penalized_dev, new_rows, new_ids, prompt_ids, biased_dev, bias_sizes, bias_ids = index.split(up.index_sizes)
+    (penalized_dev, new_rows, new_ids, prompt_ids, biased_dev, bias_sizes, bias_ids, held_rows,
+     held_ids) = index.split(up.index_sizes)
     weights, bias_values = values.split([3 * len(up.penalized), len(bias_ids)])
     out = logits.to(torch.float32, copy=True)  # [B, V]
     if up.biased:
         _add_bias(out, rows, up, biased_dev, bias_sizes, bias_ids, bias_values)
     if up.penalized:
         _penalize(out, rows, up, penalized_dev, new_rows, new_ids, prompt_ids, weights.view(-1, 3), inflight_ids)
+    if up.held_stops:  # (a fill kernel for the value: no copy of it to the device)
+        out.index_put_((held_rows, held_ids), out.new_full((), float("-inf")))
     return out
 
 

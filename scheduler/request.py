@@ -59,6 +59,9 @@ class SamplingParams:
     # OpenAI's logit_bias: token id -> a bias added to its logit before the penalties (vLLM's order);
     # None or {}: none (scheduler/penalty_state.py). Not hashed: a dict
     logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
+    # vLLM's min_tokens: no stop condition but max_tokens ends it before it has generated this many tokens
+    # (its stop ids masked on the device, scheduler/penalty_state.py; stop strings: scheduler/stop_strings.py)
+    min_tokens: int = 0
 
     def validate(self, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:
         """Raises RequestError naming the field; token ids (logit_bias') within [0, vocab_size) when given."""
@@ -66,6 +69,9 @@ class SamplingParams:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
         if self.max_tokens > max_new_tokens_limit:
             raise RequestError(f"max_tokens {self.max_tokens} exceeds the limit {max_new_tokens_limit}", "max_tokens")
+        if not _is_integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise RequestError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], "
+                               f"got {self.min_tokens!r}", "min_tokens")
         # every field's type too: a bad one raised out of add_request, or (stop_token_ids=None) in the loop
         if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise RequestError(f"temperature must be a number in [0, 100], got {self.temperature!r}", "temperature")

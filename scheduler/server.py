@@ -462,7 +462,8 @@ class _Generation:
         text continues its prompt's (a chat's answer is a new message: no context). A stop string's
         match ends it ("stop", the text before the match) and the engine request, which may still be
         generating (it finishes: Engine.abort's stop)."""
-        text = CompletionText(self.st.tokenizer, [] if self.chat else self.req.prompt, self.stop_strings)
+        text = CompletionText(self.st.tokenizer, [] if self.chat else self.req.prompt, self.stop_strings,
+                              self.req.params.min_tokens)
         async for ev, fin in self.steps():
             delta, token, entries = "", None if ev is None else ev.token_id, []
             if token is not None and self.logprobs is not None and ev.logprobs is not None:

@@ -1,4 +1,5 @@
-"""What a step computes beside its tokens for the requests that ask: logprobs, and penalties with logit_bias.
+"""What a step computes beside its tokens for the requests that ask: logprobs, and penalties with logit_bias
+and min_tokens' stop ids.
 A batch where no request asks gets neither: no extra kernel, no extra copy (scheduler/runner.py reads
 `BatchInput.logprobs` / `BatchInput.penalties`, None then). Used by the engine's loop
 (scheduler/engine.py); docs/design.md, "Overlap scheduling", says how both meet chained decode."""
@@ -12,8 +13,8 @@ _NEUTRAL_PENALTIES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("r
 
 
 def refuse_without_logits(params: SamplingParams) -> None:
-    """A simulated engine (--simulate) has no logits: a request asking for logprobs, penalties or a
-    logit_bias is refused, naming the field."""
+    """A simulated engine (--simulate) has no logits: a request asking for logprobs, penalties, a
+    logit_bias or min_tokens (whose stop ids are masked on the logits) is refused, naming the field."""
     if params.logprobs is not None:
         raise RequestError("logprobs need the model's logits: a simulated engine (--simulate) has none", "logprobs")
     if params.penalized:
@@ -22,25 +23,40 @@ def refuse_without_logits(params: SamplingParams) -> None:
     if params.logit_bias:
         raise RequestError("logit_bias needs the model's logits: a simulated engine (--simulate) has none",
                            "logit_bias")
+    if params.min_tokens:
+        raise RequestError("min_tokens masks stop ids on the model's logits: a simulated engine (--simulate) "
+                           "has none", "min_tokens")
 
 
-def ask(reqs: list[Request], binput: BatchInput) -> None:
-    """Fill the batch's logprobs and penalties (with logit_bias) inputs where one of its requests wants
-    them. A penalized row's ids are the host's at launch (the runner uploads those its request's state
-    has not counted): a chained step's newest token is still on the device, and the runner counts it
-    from there (`penalty_state.apply_penalties`)."""
+def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) -> None:
+    """Fill the batch's logprobs and penalties (with logit_bias and min_tokens) inputs where one of its
+    requests wants them. A penalized row's ids are the host's at launch (the runner uploads those its
+    request's state has not counted): a chained step's newest token is still on the device, and the
+    runner counts it from there (`penalty_state.apply_penalties`). eos_ids: the model's, which min_tokens
+    holds back unless a request ignores EOS."""
     if any(r.params.logprobs is not None for r in reqs):
         binput.logprobs = [r.params.logprobs for r in reqs]
-    if any(r.params.adjusts_logits for r in reqs):
-        binput.penalties = [_row(r) if r.params.adjusts_logits else None for r in reqs]
+    if any(r.params.adjusts_logits or len(r.output) < r.params.min_tokens for r in reqs):
+        held = [_held_stops(r, eos_ids) for r in reqs]  # (min_tokens with nothing to mask asks nothing)
+        if any(r.params.adjusts_logits or h for r, h in zip(reqs, held)):
+            binput.penalties = [_row(r, h) if r.params.adjusts_logits or h else None for r, h in zip(reqs, held)]
 
 
-def _row(req: Request) -> RowPenalties:
+def _held_stops(req: Request, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids min_tokens may still mask for it: () once it has min_tokens tokens (then its rows ask
+    nothing for it; a chained step may be one token past that, `RowPenalties.holds_stops`)."""
+    p = req.params
+    if len(req.output) >= p.min_tokens:
+        return ()
+    return tuple(dict.fromkeys((*p.stop_token_ids, *(() if p.ignore_eos else eos_ids))))
+
+
+def _row(req: Request, held_stops: tuple[int, ...]) -> RowPenalties:
     if req.penalty_state is None:  # its first step that asks: the runner fills it on the logits' device
         req.penalty_state = PenaltyState()
     p = req.params
     return RowPenalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, req.prompt, req.output,
-                        req.penalty_state, p.logit_bias)
+                        req.penalty_state, p.logit_bias, p.min_tokens, held_stops)
 
 
 def keep_logprobs(runner, reqs: list[Request], binput: BatchInput, handle: StepHandle, next_ids: list[int]) -> None:

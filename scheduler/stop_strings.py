@@ -11,6 +11,11 @@ matched, never the prompt's. As OpenAI / vLLM do:
 * the tokens counted (usage.completion_tokens, `token_ids`) are those generated up to and including
   the one whose text completed the match (vLLM's count); the server then aborts the engine request.
 
+With vLLM's `min_tokens` (SamplingParams.min_tokens), as vLLM V1's detokenizer: a stop string matches only
+once the text of a token past the first min_tokens completes it (it may start in their text); one that
+ends in their text never matches. Those are the tokens a stop token id may be (scheduler/penalty_state.py
+masks the ids before them).
+
 Streaming sends no text that might still become a stop string: `StopMatcher` holds back the longest
 suffix of the text so far that is a prefix of some stop string, releases it once it can no longer
 match, and drops it at a match; so the streamed deltas add up to the non-streamed text.
@@ -48,13 +53,15 @@ class StopMatcher:
         self._held = ""  # the text's suffix that is a prefix of a stop string: not sent yet
         self.matched: str | None = None
 
-    def feed(self, delta: str) -> str:
+    def feed(self, delta: str, can_match: bool = True) -> str:
         """The text that can be sent after `delta` arrived. A match can only start in the held
-        text or in `delta` (any earlier start would have been held), so only those are searched."""
+        text or in `delta` (any earlier start would have been held), so only those are searched, for
+        a match that `delta` completes: the held text may hold a whole stop string fed with
+        can_match=False (min_tokens), which never matches."""
         if self.matched is not None:
             raise RuntimeError("a stop string already matched")
-        text = self._held + delta
-        hits = [(i, s) for s in self.stops if (i := text.find(s)) >= 0]
+        text, held = self._held + delta, len(self._held)
+        hits = [(i, s) for s in self.stops if can_match and (i := text.find(s, max(0, held - len(s) + 1))) >= 0]
         if hits:
             at, self.matched = min(hits)
             self._held = ""
@@ -78,14 +85,16 @@ class StopMatcher:
 
 class CompletionText:
     """One choice's text as its tokens arrive: incremental decoding after the prompt's context
-    (`completion_context`; a chat passes none), then stop-string matching. Without a tokenizer
+    (`completion_context`; a chat passes none), then stop-string matching, from the token past the
+    first `min_tokens` on (the text a token's feed returns is that token's). Without a tokenizer
     there is no text (token ids only; the API refuses stop strings then)."""
 
-    def __init__(self, tokenizer, context: Sequence[int], stops: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer, context: Sequence[int], stops: Sequence[str] = (), min_tokens: int = 0) -> None:
         self.decoder = None
         if tokenizer is not None:
             self.decoder = IncrementalDecoder(tokenizer, completion_context(tokenizer, context))
         self.matcher = StopMatcher(stops) if stops and tokenizer is not None else None
+        self.min_tokens, self.fed_tokens = min_tokens, 0
 
     @property
     def stopped(self) -> bool:
@@ -96,7 +105,8 @@ class CompletionText:
         if self.decoder is None or self.stopped:
             return ""
         delta = self.decoder.feed(token_id)
-        return delta if self.matcher is None else self.matcher.feed(delta)
+        self.fed_tokens += 1
+        return delta if self.matcher is None else self.matcher.feed(delta, self.fed_tokens > self.min_tokens)
 
     def flush(self) -> str:
         """What is still held at the end of the generation (an incomplete character, text that
@@ -106,5 +116,5 @@ class CompletionText:
         tail = self.decoder.flush()
         if self.matcher is None:
             return tail
-        text = self.matcher.feed(tail)
+        text = self.matcher.feed(tail, self.fed_tokens > self.min_tokens)  # (the last token's text)
         return text if self.stopped else text + self.matcher.flush()
