@@ -33,8 +33,9 @@ class BatchInput:
     restore_epoch: int = 0        # ... up to this epoch of the transfer engine's layer flags (CUDA)
     logprobs: list[int | None] | None = None  # per sequence, the k its request asked for (None: it did
                                               # not); None: no sequence asked, and nothing extra runs
-    penalties: list[RowPenalties | None] | None = None  # per sequence, its penalties' and logit_bias' inputs (None:
-                                                        # it has none); None: no sequence has, and nothing extra runs
+    penalties: list[RowPenalties | None] | None = None  # per sequence, its penalties', logit_bias' and min_tokens'
+                                                        # inputs (None: it has none); None: no sequence has, and
+                                                        # nothing extra runs
 
 
 class StepHandle(NamedTuple):

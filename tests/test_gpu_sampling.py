@@ -97,3 +97,22 @@ def test_penalties_on_cuda_graphs_under_chained_decode_equal_a_host_reference():
                 assert float(ref[token]) >= float(ref.max()) - 1e-3, (i, token, int(ref.argmax()), output)
     assert eng.stats["chained_steps"] > 0
     eng.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_min_tokens_on_cuda_graphs_holds_the_stop_id_exactly_min_tokens_steps(overlap):
+    """min_tokens' mask (scheduler/penalty_state.py) on CUDA graphs, chained or not: a stop id forced by a
+    +100 bias comes exactly as the (min_tokens + 1)-th token; a chained step's index counts the token
+    still in flight (one off either way, the stop would come a token late or early)."""
+    eng = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=512, page_size=16,
+                              cuda_graphs=True, overlap_schedule=overlap))
+    stop = 77
+    params = [SamplingParams(max_tokens=16, min_tokens=m, stop_token_ids=(stop,), logit_bias={stop: 100.0})
+              for m in (0, 3, 7, 12)]
+    for _ in range(2):
+        results = eng.generate(PROMPTS, params)
+        for p, res in zip(params, results):
+            assert (len(res.output_ids), res.output_ids[-1], res.finish_reason) == (p.min_tokens + 1, stop, "stop"), \
+                (p.min_tokens, res.output_ids)
+    assert (eng.stats["chained_steps"] > 0) == overlap
+    eng.check_integrity()
