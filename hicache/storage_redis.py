@@ -400,11 +400,12 @@ class RedisStore:
         this costs one small script call per backup that gets to its L3 write over hinted pages, off
         the request's path; its TOUCH also keeps the prefix this engine extends young in Redis's LRU.
         A check that fails (a server down) leaves the hints: the write that follows tells (as it
-        does at once where writes are refused: no check then)."""
+        does at once where writes are refused: no check then; the limits read again first where due,
+        else a write that a raised limit lets through skipped the check: regression)."""
         ps = self.geometry.page_size
         hinted_tokens -= hinted_tokens % ps
-        if (hinted_tokens <= 0 or self._closed or self.refusals.writes is not None
-                or time.monotonic() < self._down_until):
+        if (hinted_tokens <= 0 or self._closed or time.monotonic() < self._down_until
+                or await self.refusals.refused_writes(self._client) is not None):
             return
         tokens = tuple(tokens[:hinted_tokens])
         self.counters["hint_rechecks"] += 1
