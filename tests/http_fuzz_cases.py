@@ -8,8 +8,8 @@ import dataclasses
 import random
 from dataclasses import dataclass, field
 
-from http_fuzz_features import (INVALID_VALUES, choice_params, draw_logprobs, draw_n, draw_penalties,
-                                reference_entries)
+from http_fuzz_features import (INVALID_BIASES, INVALID_VALUES, choice_params, draw_logit_bias, draw_logprobs,
+                                draw_min_tokens, draw_n, draw_penalties, reference_entries)
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
@@ -147,6 +147,7 @@ class Builder:
 
     def __init__(self, case: Case, rng: random.Random) -> None:
         self.case, self.rng = case, rng
+        self.bias_rng = random.Random(case.seed * 104729 + 5)  # (logit_bias, min_tokens: their own stream)
         self.tok = make_tokenizer(case.tokenizer)
         self.id_bases = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(rng.randrange(1, 4))]
         self.text_bases = [random_text(rng, rng.randrange(2, 30)) for _ in range(rng.randrange(1, 3))]
@@ -300,10 +301,12 @@ class Builder:
                 body[name] = value
         if chat and "max_tokens" in body and rng.random() < 0.3:  # the newer name
             body["max_completion_tokens"] = body.pop("max_tokens")
+        bias = draw_logit_bias(self.bias_rng, body, ids_list, [out[:mt] for out in probe_ids])
+        min_tokens = draw_min_tokens(self.bias_rng, body, mt, bool(stops))
         params = SamplingParams(max_tokens=mt, temperature=temperature, top_p=top_p, seed=seed,
                                 stop_token_ids=tuple(dict.fromkeys(stop_ids)), ignore_eos=ignore_eos,
                                 logprobs=logprobs, presence_penalty=pen[0], frequency_penalty=pen[1],
-                                repetition_penalty=pen[2])
+                                repetition_penalty=pen[2], logit_bias=bias, min_tokens=min_tokens)
         # choice p * n + j: prompt p, seed + j (OpenAI's order; scheduler/choices.py)
         choices = [Choice(i, choice_params(params, j), chat, prompt_index=p, j=j)
                    for p, i in enumerate(ids_list) for j in range(n)]
@@ -376,6 +379,8 @@ class Builder:
         elif what == "model":
             body["model"], status = "not-served", 404
         elif what == "value":
+            if self.bias_rng.random() < 0.3:  # (and a bad logit_bias beside it)
+                body["logit_bias"] = dict(self.bias_rng.choice(INVALID_BIASES))
             name, value = rng.choice([("temperature", 101), ("temperature", -0.5), ("top_p", 0), ("top_p", 1.5),
                                       ("seed", 1 << 64), ("presence_penalty", 2.5), ("echo", True), ("best_of", 2),
                                       *INVALID_VALUES])

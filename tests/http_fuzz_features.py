@@ -1,4 +1,4 @@
-"""The HTTP differential fuzz's requests with `n` choices, token logprobs and penalties
+"""The HTTP differential fuzz's requests with `n` choices, token logprobs, penalties, logit_bias and min_tokens
 (tests/test_http_diff_fuzz_hunt.py): drawing their fields (tests/http_fuzz_cases.py) and checking what
 the server answered for them (tests/http_fuzz_run.py) against the no-cache reference engine's.
 
@@ -6,7 +6,9 @@ A request's choice j of prompt p is index p * n + j; with a seed it samples with
 64 bits), so the reference runs it as an n=1 request with that seed. Logprobs are asked of the reference
 with the same k, and the answer's are compared with them (1e-4) and checked for shape: one entry per
 token id, each top-k sorted and <= 0, a completion's text_offset the running sum of its pieces' lengths.
-Penalties: the reference runs the same ones (its tokens are the check)."""
+Penalties, logit_bias and min_tokens: the reference runs the same ones (its tokens are the check); a bias
+names ids the model picks unbiased (its probe's output), random ones and the prompt's, at values across
+[-100, 100]; bias and min_tokens on their own random stream (a seed's other draws stay what they were)."""
 from __future__ import annotations
 
 import dataclasses
@@ -38,6 +40,41 @@ def draw_penalties(rng, body: dict) -> tuple[float, float, float]:
                 if body[name] is not None:
                     pen[i] = float(body[name])
     return tuple(pen)
+
+
+BIAS_VALUES = (-100, -100.0, 100, -5, -0.5, 0, 0.5, 5.0)
+INVALID_BIASES = ({"-1": 1}, {"1": 100.5}, {"x": 1}, {"05": 1}, {"1": "1"}, {"1": True}, {"512": 0})
+
+
+def draw_logit_bias(rng, body: dict, prompts: list[list[int]], likely: list[list[int]]) -> dict[int, float] | None:
+    """SamplingParams.logit_bias of a request (the body's: ids as strings): most carry none; some ids
+    each prompt's probe output holds (`likely`: what the model picks unbiased), random ones, a prompt's."""
+    if rng.random() >= 0.3:
+        return None
+    bias: dict[int, float] = {}
+
+    def value() -> float:
+        return rng.choice(BIAS_VALUES) if rng.random() < 0.8 else round(rng.uniform(-100, 100), 3)
+    for out in likely:
+        for _ in range(rng.choice([0, 1, 1, 2]) if out else 0):
+            bias[rng.choice(out[:rng.randrange(1, len(out) + 1)])] = value()
+    for _ in range(rng.choice([0, 0, 1, 3, 30])):
+        bias[rng.randrange(512)] = value()
+    if rng.random() < 0.2 and prompts[0]:
+        bias[rng.choice(prompts[0])] = value()
+    bias = bias or {rng.randrange(512): value()}
+    body["logit_bias"] = {str(t): v for t, v in bias.items()}
+    return {t: float(v) for t, v in bias.items()}
+
+
+def draw_min_tokens(rng, body: dict, max_tokens: int, stop_strings: bool) -> int:
+    """vLLM's min_tokens (its stop ids and EOS held back for the first min_tokens tokens: a penalty
+    state's row for those steps only), on some requests without stop strings (the expected text here
+    does not follow min_tokens' rule for those: tests/test_min_tokens.py does)."""
+    if stop_strings or rng.random() >= 0.2 or max_tokens < 1:  # (a max_tokens below 1: a 400 for that)
+        return 0
+    body["min_tokens"] = rng.randrange(0, max_tokens + 1)
+    return body["min_tokens"]
 
 
 def draw_n(rng, body: dict) -> int:
@@ -197,4 +234,8 @@ def feature_tags(choice, chat: bool, stream: bool) -> list[str]:
         tags.append(f"logprobs {'chat' if chat else 'completion'} {how}")
     if p.penalized:
         tags.append(f"penalized {'greedy' if p.greedy else 'sampled'}")
+    if p.logit_bias:
+        tags.append(f"logit_bias {'greedy' if p.greedy else 'sampled'}{' penalized' if p.penalized else ''}")
+    if p.min_tokens and (p.stop_token_ids or not p.ignore_eos):
+        tags.append("min_tokens")
     return tags

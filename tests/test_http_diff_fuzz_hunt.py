@@ -12,10 +12,12 @@ model will write, so they match, mid-token too, or two ending on the same token)
 the limit, absent (max_completion_tokens for a chat), at the L1's capacity and one past it, OpenAI
 fields at their neutral values, `n` choices (2..4; choice j of a seeded request: seed + j), token
 logprobs (completions' `logprobs: k`, chat's `logprobs` and `top_logprobs`), presence / frequency /
-repetition penalties (the probes run them too), requests the server must refuse (400, 404; 429 under a small
---max-concurrent-requests), and clients that go away: before their body arrives, mid-stream after n
-events, or after a delay (ASGI spec 2.3 as uvicorn speaks it, or 2.4 where a write to a gone client may
-raise). Rounds run drained, overlapping, or the last is cut by the server's shutdown; L3 reads may be slow.
+repetition penalties (the probes run them too), logit_bias (ids the probes wrote, random ones, the
+prompt's; values across [-100, 100]) and min_tokens (without stop strings), requests the server must
+refuse (400, 404; 429 under a small --max-concurrent-requests), and clients that go away: before their
+body arrives, mid-stream after n events, or after a delay (ASGI spec 2.3 as uvicorn speaks it, or 2.4
+where a write to a gone client may raise). Rounds run drained, overlapping, or the last is cut by the
+server's shutdown; L3 reads may be slow.
 
 Checked for every answer: the status; each choice's token ids, text and finish_reason (text: the ids
 decoded after the prompt, cut before the leftmost match of the first stop string seen); usage (prompt,
@@ -82,7 +84,8 @@ async def test_stop_as_one_token_id_ends_at_that_token(stream):
 # ~10 s here: every rounds mode, both tokenizers, slow L3 reads, 429s, each write policy (HTTP_FUZZ_SEEDS=N:
 # seeds 0..N-1; the hunt ran seeds 0-319, 1000-1300, 2000-2300, 3000-3300, 4000-4200, 5000-5199 by hand; with
 # n / logprobs / penalties: 0-239, 1000-1119, 2000-2119, 3000-3079 and 4000-4079 (24 calls), and with wider draws
-# (n up to 16, most requests penalized, logprobs often) 5000-5099, 6000-6099, 7000-7099)
+# (n up to 16, most requests penalized, logprobs often) 5000-5099, 6000-6099, 7000-7099; with logit_bias 0-149,
+# 1000-1099 (24 calls), 2000-2149, and min_tokens too 3000-3019, 4000-4199, 5000-5149 (24 calls))
 FUZZ_SEEDS = list(range(int(os.environ["HTTP_FUZZ_SEEDS"]))) if "HTTP_FUZZ_SEEDS" in os.environ else [0, 4, 6, 8, 10, 24]
 
 

@@ -4,16 +4,23 @@ seeded sampled requests, aborts, stop ids, tiny tiers that evict to L2/L3 and re
 overlapped with the tail's forward, prefetches taken on, chunked prefill, chained decode, restarts,
 flushes, injected faults that make restores fail and requests recompute), where some requests ask
 for logprobs with a random k (0..20) and the others do not, and, in some cases, a cached prefix is
-poisoned with NaN between rounds (its requests fail; the others must not notice).
+poisoned with NaN between rounds (its requests fail; the others must not notice). Some requests carry
+penalties, a logit_bias (ids the model would pick, random ones, a prompt's, values across [-100, 100])
+and min_tokens (over stop ids the model would write), beside requests that carry none in the same
+batches (scheduler/penalty_state.py: a device state per request, kept across its steps, restores,
+chained steps and rounds; a min_tokens row asks for its first steps only).
 
 Per request: every token event of an asking request carries logprobs and none of a non-asking one;
 its GenerationResult has one per output token (the events' own, in order); top-k has k entries, sorted,
 all <= 0; each event's logprob is the log_softmax of a dense forward over prompt + output so far at
 that event's token (and the top-k its k largest); its tokens equal a no-cache engine's that asked for
-no logprobs (a finished request's exactly, an aborted one's a prefix). Every tier whole after each round.
+no logprobs (a finished request's exactly, an aborted one's a prefix); a greedy one's each the argmax of
+that dense forward's logits (biased then penalized on the host, over the tokens before it, where it
+asks: an oracle that shares no state with either engine); an ended request holds no penalty state.
+Every tier whole after each round.
 
 `python tests/test_logprobs_diff_hunt.py FIRST LAST` runs seeds FIRST..LAST (three rounds each) and
-prints each case and its failures.
+prints each case and its failures; MAX_TOKENS=24 (etc.) longer outputs, MAX_REQUESTS=50 larger workloads.
 """
 from __future__ import annotations
 
@@ -21,6 +28,7 @@ import dataclasses
 import math
 import os
 import random
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
@@ -31,8 +39,9 @@ from hicache.radix import Tier
 from hicache_helpers import flip_l3_byte
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams, TokenLogprobs
-from test_diff_fuzz_hunt import (Case, Spec, assert_seed_passes, check_tokens, describe, hunt,
-                                 make_case as base_case, make_injector as base_injector, reference, run_rounds)
+from test_diff_fuzz_hunt import (VOCAB, Case, Spec, assert_seed_passes, check_tokens, describe, hunt,
+                                 make_case as base_case, make_injector as base_injector, reference,
+                                 resolve_turns, run_rounds)
 
 ABS_TOL = 1e-4  # float32 paged forward vs the dense reference, on the CPU (as tests/test_logprobs.py)
 
@@ -40,12 +49,88 @@ ABS_TOL = 1e-4  # float32 paged forward vs the dense reference, on the CPU (as t
 @dataclass
 class LpSpec(Spec):
     logprobs: int | None = None
+    penalties: tuple = (0.0, 0.0, 1.0)  # (presence, frequency, repetition)
+    logit_bias: dict | None = None
+    bias_seed: int | None = None  # its logit_bias is still to draw (`resolve_drawn`), from this seed
+    min_tokens: int = 0
+    stops_seed: int | None = None  # its stop ids are still to draw (`resolve_drawn`): ids it would write
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
-        return dataclasses.replace(super().params(max_tokens), logprobs=self.logprobs)
+        presence, frequency, repetition = self.penalties
+        return dataclasses.replace(super().params(max_tokens), logprobs=self.logprobs, presence_penalty=presence,
+                                   frequency_penalty=frequency, repetition_penalty=repetition,
+                                   logit_bias=self.logit_bias, min_tokens=self.min_tokens)
+
+    def key(self) -> tuple:  # (penalties, a bias, min_tokens change the tokens: the reference runs each)
+        return super().key() + (self.penalties, tuple(sorted((self.logit_bias or {}).items())), self.min_tokens)
 
     def reference_params(self) -> SamplingParams:  # (asking must not change a token)
         return dataclasses.replace(super().reference_params(), logprobs=None)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.penalties != NEUTRAL_PENALTIES or bool(self.logit_bias) or self.min_tokens > 0
+
+
+NEUTRAL_PENALTIES = (0.0, 0.0, 1.0)
+PRESENCE_FREQUENCY = (-2.0, -1.0, -0.3, 0.0, 0.5, 1.5, 2.0)
+REPETITION = (0.5, 0.9, 1.0, 1.3, 2.0, 10.0)
+BIAS_VALUES = (-100.0, -100.0, 100.0, -5.0, -0.5, 0.0, 0.5, 5.0)
+
+
+def draw_adjustments(case: Case) -> None:
+    """Penalties, min_tokens and (to draw once its no-cache output is known) a logit_bias and stop ids
+    on some requests; their own random stream, so that the rest of a seed's case stays what it was."""
+    rng = random.Random(case.seed * 104729 + 3)
+    rate = rng.choice([0.0, 0.3, 0.6, 1.0])
+    for spec in case.requests:
+        if rng.random() >= rate:
+            continue
+        kind = rng.choice(["penalties", "bias", "both"])
+        if kind != "bias":
+            spec.penalties = (rng.choice(PRESENCE_FREQUENCY) if rng.random() < 0.5 else 0.0,
+                              rng.choice(PRESENCE_FREQUENCY) if rng.random() < 0.5 else 0.0,
+                              rng.choice(REPETITION) if rng.random() < 0.5 else 1.0)
+        if kind != "penalties":
+            spec.bias_seed = rng.randrange(1 << 30)
+        if rng.random() < 0.3:  # (its stop ids held back for its first min_tokens tokens: its row asks, then not)
+            spec.min_tokens = rng.randrange(0, spec.max_tokens + 1)
+            spec.stops_seed = rng.randrange(1 << 30) if rng.random() < 0.8 else None
+
+
+def draw_bias(seed: int, prompt: list[int], likely: list[int]) -> dict[int, float]:
+    """A logit_bias: ids the model picks unbiased (`likely`: its no-cache output), random ids, one of
+    the prompt's, each at a value across [-100, 100]."""
+    rng = random.Random(seed)
+    bias: dict[int, float] = {}
+
+    def value() -> float:
+        return rng.choice(BIAS_VALUES) if rng.random() < 0.8 else rng.uniform(-100.0, 100.0)
+    for _ in range(rng.choice([0, 1, 1, 2, 3]) if likely else 0):
+        bias[rng.choice(likely[:rng.randrange(1, len(likely) + 1)])] = value()
+    for _ in range(rng.choice([0, 0, 1, 3, 20])):
+        bias[rng.randrange(VOCAB)] = value()
+    if prompt and rng.random() < 0.2:
+        bias[rng.choice(prompt)] = value()
+    return bias or {rng.choice(likely or prompt or [0]): value()}
+
+
+async def resolve_drawn(case: Case) -> None:
+    """Each request's logit_bias and stop ids to draw, over the no-cache engine's output of its prompt
+    without them (a next turn's prompt first: from its parent's output)."""
+    await resolve_turns(case)
+    pending = [s for s in case.requests if s.bias_seed is not None or s.stops_seed is not None]
+    probes = [dataclasses.replace(s, bias_seed=None, stops_seed=None, min_tokens=0) for s in pending]
+    want = await reference(probes, case.page_size) if pending else {}
+    for spec, probe in zip(pending, probes):
+        likely = want[probe.key()]
+        if spec.bias_seed is not None:
+            spec.logit_bias, spec.bias_seed = draw_bias(spec.bias_seed, spec.prompt, likely), None
+        if spec.stops_seed is not None:  # ids it writes before and after its min_tokens (and maybe others)
+            rng = random.Random(spec.stops_seed)
+            spec.stop_token_ids = tuple(dict.fromkeys(rng.sample(likely, min(len(likely), rng.randrange(1, 4)))
+                                                      + list(spec.stop_token_ids)))
+            spec.stops_seed = None
 
 
 def make_case(seed: int) -> Case:
@@ -64,6 +149,7 @@ def make_case(seed: int) -> Case:
             lp.abort = ("stop_after_s", lp.abort[1])  # a caller's stop condition (an API stop string)
         specs.append(lp)
     case.requests = specs
+    draw_adjustments(case)
     case.nan_round = rng.randrange(2) if (rng.random() < 0.15 and case.rounds_mode == "drained") else None
     # restores that fail or land late, so that the forward behind one is held and then kept or thrown
     # away: transfers that raise, L3 reads that fail, checksums that run late (a landed prefetch is taken
@@ -121,6 +207,7 @@ async def run_case(case: Case, rounds: int = 2) -> list[str]:
         if case.nan_round == r and not poisoned_from and poison(eng, case, rng):
             poisoned_from.append((r + 1) * len(case.requests))
 
+    await resolve_drawn(case)
     eng, results, shut, problems = await run_rounds(case, rounds, make_injector, between_rounds)
     want = await reference(case.requests, case.page_size)
     dense: dict[tuple, torch.Tensor] = {}
@@ -149,20 +236,20 @@ def check_request(eng: Engine, dense: dict, i: int, spec: LpSpec, events: list, 
                 or not lp.logprob <= 0.0:
             problems.append(f"request {i}: event {n}: bad shape {lp} for k={spec.logprobs}")
             continue
-        key = tuple(spec.prompt + tokens)
-        if key not in dense:
-            with torch.inference_mode():
-                logits = eng.model.forward_dense(torch.tensor(spec.prompt + tokens[:-1]))[len(spec.prompt) - 1:]
-            dense[key] = torch.log_softmax(logits.float(), dim=-1)
-        ref = dense[key][n]
+        ref = torch.log_softmax(dense_logits(eng, dense, spec.prompt, tokens)[n], dim=-1)
         ref_top = torch.topk(ref, spec.logprobs).values.tolist() if spec.logprobs else []
         if not math.isclose(lp.logprob, float(ref[token]), abs_tol=ABS_TOL) or any(
                 not math.isclose(v, w, abs_tol=ABS_TOL) or not math.isclose(v, float(ref[t]), abs_tol=ABS_TOL)
                 for (t, v), w in zip(lp.top, ref_top)):
             problems.append(f"request {i}: event {n} (token {token}): logprobs {lp.logprob} top {lp.top[:3]} != "
                             f"dense {float(ref[token])} top {ref_top[:3]}; {why}")
-        if spec.temperature == 0.0 and not math.isclose(lp.logprob, float(ref.max()), abs_tol=ABS_TOL):
+        if spec.temperature == 0.0 and not spec.adjusts_logits and not math.isclose(lp.logprob, float(ref.max()),
+                                                                                   abs_tol=ABS_TOL):
             problems.append(f"request {i}: event {n}: a greedy token below the top logprob; {why}")
+    if spec.temperature == 0.0 and spec.adjusts_logits and tokens:
+        problems += check_adjusted_greedy(dense_logits(eng, dense, spec.prompt, tokens), spec, tokens, why)
+    if req is not None and req.penalty_state is not None:
+        problems.append(f"request {i}: ended ({reason}) holding its penalty state; {why}")
     if req is not None:  # its result: one logprob per output token, the events' own
         result = req.result()
         if result.output_ids[:len(tokens)] != tokens:
@@ -177,14 +264,58 @@ def check_request(eng: Engine, dense: dict, i: int, spec: LpSpec, events: list, 
     return problems
 
 
+def dense_logits(eng: Engine, dense: dict, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """[len(tokens), V] float32: a dense forward's logits at each generated position (kept per sequence)."""
+    key = tuple(prompt + tokens)
+    if key not in dense:
+        with torch.inference_mode():
+            dense[key] = eng.model.forward_dense(torch.tensor(prompt + tokens[:-1]))[len(prompt) - 1:].float()
+    return dense[key]
+
+
+def host_adjusted(logits: torch.Tensor, spec: LpSpec, prompt: list[int], before: list[int]) -> torch.Tensor:
+    """[V] -> vLLM's order, token by token in float64: the bias added, then repetition over the prompt's
+    and generated tokens, then frequency * count and presence * (count > 0) over the generated ones,
+    then its stop ids at -inf while fewer than min_tokens tokens came before (the tiny model has no EOS)."""
+    presence, frequency, repetition = spec.penalties
+    out = logits.double().clone()
+    for t, v in (spec.logit_bias or {}).items():
+        out[t] += v
+    for t in set(prompt) | set(before):
+        out[t] = out[t] / repetition if out[t] > 0 else out[t] * repetition
+    for t, n in Counter(before).items():
+        out[t] -= frequency * n + presence
+    if len(before) < spec.min_tokens and spec.stop_token_ids:
+        out[[t for t in spec.stop_token_ids if 0 <= t < len(out)]] = float("-inf")
+    return out
+
+
+def check_adjusted_greedy(logits: torch.Tensor, spec: LpSpec, tokens: list[int], why: str) -> list[str]:
+    """Each greedy token of a request with penalties, a bias or min_tokens: the argmax of the dense
+    forward's logits adjusted on the host over the tokens before it (within the paged forward's rounding)."""
+    for n, token in enumerate(tokens):
+        ref = host_adjusted(logits[n], spec, spec.prompt, tokens[:n])
+        if float(ref[token]) < float(ref.max()) - ABS_TOL:
+            return [f"token {n} ({token}) is not the adjusted argmax {int(ref.argmax())} ({float(ref[token])} < "
+                    f"{float(ref.max())}); {why}"]
+    return []
+
+
 def describe_lp(case: Case) -> str:
     asks = [r.logprobs for r in case.requests]
+    penalized = sum(r.penalties != NEUTRAL_PENALTIES for r in case.requests)
+    biased = sum(bool(r.logit_bias) or r.bias_seed is not None for r in case.requests)
+    held = sum(r.min_tokens > 0 for r in case.requests)
     return (describe(case) + f", logprobs {sum(k is not None for k in asks)}/{len(asks)} asking "
-            f"k {sorted({k for k in asks if k is not None})}, nan_round {case.nan_round}, flip_l3 {case.flip_l3}")
+            f"k {sorted({k for k in asks if k is not None})}, penalized {penalized} biased {biased} min_tokens {held}, "
+            f"nan_round {case.nan_round}, flip_l3 {case.flip_l3}")
 
 
 # -- the fuzz ------------------------------------------------------------------------------------
-FUZZ_SEEDS = [9, 16, 74, 76, 78, 247]  # seeded sampling, held and discarded overlapped forwards, take-ons, a NaN prefix
+# seeded sampling, held and discarded overlapped forwards, take-ons, a NaN prefix; penalties, logit_bias and
+# min_tokens in all but 76 (by hand, with them: 0-299, 1000-1199 at MAX_TOKENS=24, 2000-2099 at MAX_REQUESTS=50
+# MAX_TOKENS=16; with min_tokens too: 3000-3040, 4000-4299, 6000-6199 at MAX_TOKENS=24 MAX_REQUESTS=40)
+FUZZ_SEEDS = [9, 16, 74, 76, 78, 247]
 
 
 @pytest.mark.asyncio
@@ -203,4 +334,6 @@ if __name__ == "__main__":
     import test_diff_fuzz_hunt
 
     test_diff_fuzz_hunt.MAX_REQUESTS = int(os.environ.get("MAX_REQUESTS", test_diff_fuzz_hunt.MAX_REQUESTS))
+    # (longer outputs: more chained steps, counts that grow; the penalties' state lives longer)
+    test_diff_fuzz_hunt.MAX_TOKENS = int(os.environ.get("MAX_TOKENS", test_diff_fuzz_hunt.MAX_TOKENS))
     hunt(make_case, run_case, describe_lp, summary)
