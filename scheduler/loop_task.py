@@ -59,5 +59,6 @@ def fail_live_requests(engine, exc: BaseException) -> None:
             if not req.state.done:
                 req.state, req.finish_reason, req.error = RequestState.FAILED, "error", error
                 engine.stats["failed"] += 1
+            req.penalty_state = None  # (its device tensors go now, as Engine.finish frees them)
             req.emit(TokenEvent(req.rid, None, len(req.output), finished=True, finish_reason="error", error=error))
             engine.requests.pop(req.rid, None)

@@ -96,7 +96,9 @@ def step_upload(rows: list[RowPenalties | None], vocab_size: int | None = None, 
             prompt_ids += row.prompt_ids
     biased = [i for i, r in enumerate(rows) if r is not None and r.logit_bias]
     new_biases = [j for j, i in enumerate(biased) if rows[i].state.bias_ids is None]
-    bias_sizes = [len(rows[i].logit_bias) for i in biased]
+    # a kept bias' size is its state's (what the device holds), not the live dict's
+    bias_sizes = [len(rows[i].logit_bias) if rows[i].state.bias_ids is None else rows[i].state.bias_ids.numel()
+                  for i in biased]
     bias_ids = [t for j in new_biases for t in rows[biased[j]].logit_bias]
     bias_values = [v for j in new_biases for v in rows[biased[j]].logit_bias.values()]
     weights = [w for i in penalized for w in (rows[i].presence, rows[i].frequency, rows[i].repetition)]

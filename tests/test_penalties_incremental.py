@@ -154,3 +154,46 @@ def test_nothing_runs_for_a_batch_of_rows_that_do_not_ask():
     assert up.penalized == [] and up.biased == [] and len(up.index) == 0
     assert torch.equal(apply_penalties(logits, [None, neutral.row(), None]), logits)
     assert neutral.state.counts is None and neutral.state.bias_ids is None
+
+
+def test_a_kept_bias_is_the_one_uploaded_even_if_the_dict_changes():
+    """Regression: a step took a kept bias' size from the live logit_bias dict: a dict that grew after
+    its first step split the kept ids at the wrong size (a shape error on the step). The state's bias is
+    the one applied from its first step on."""
+    rng = random.Random(4)
+    req = FakeRequest(rng, bias={3: 4.0, 9: -2.0})
+    kept = dict(req.bias)
+    apply_penalties(torch.randn(1, VOCAB), [req.row()])
+    req.bias[20] = 100.0  # after the first step
+    logits = torch.randn(2, VOCAB)
+    other = FakeRequest(rng, bias={5: 1.0})
+    got = apply_penalties(logits, [req.row(), other.row()])
+    want = logits.clone()
+    for t, v in kept.items():
+        want[0, t] += v
+    want[1, 5] += 1.0
+    assert torch.equal(got, want)
+
+
+def test_a_request_failed_by_the_crash_fallback_frees_its_device_state():
+    """Regression: when finishing a request failed after the loop crashed, the fallback ended it FAILED
+    but kept its penalty state (device tensors held as long as the Request object)."""
+    from scheduler.config import EngineConfig
+    from scheduler.engine import Engine
+    from scheduler.loop_task import fail_live_requests
+    from scheduler.request import Request, RequestState, SamplingParams
+
+    eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=64))
+    req = Request([1, 2, 3], SamplingParams(max_tokens=4, presence_penalty=0.5))
+    req.penalty_state = PenaltyState()
+    req.penalty_state.counts = torch.zeros(VOCAB)
+    eng.requests[req.rid] = req
+    eng.running.append(req)
+
+    def broken_finish(*args, **kwargs):
+        raise RuntimeError("finish broke too")
+
+    eng.finish = broken_finish
+    fail_live_requests(eng, RuntimeError("loop crashed"))
+    assert req.state == RequestState.FAILED and req.finish_reason == "error"
+    assert req.penalty_state is None and not eng.requests and req not in eng.running
