@@ -190,6 +190,8 @@ class Admission(Restoring):
         binput.page_tables.append(req.pages)
         binput.temperatures.append(float(req.params.temperature) if sampled else 0.0)
         binput.top_ps.append(float(req.params.top_p))
+        binput.top_ks.append(int(req.params.top_k))
+        binput.min_ps.append(float(req.params.min_p))
         binput.generators.append(req.generator if sampled else None)
 
     # -- decode --------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
 Request models are strict: unknown fields and wrong JSON types are errors (400), never coerced; OpenAI
 fields this server does not implement (tools, response_format, ...) are served at their neutral values
 only (any other value: an 'unsupported_value' 400). Token logprobs: scheduler/logprobs.py; penalties and
-logit_bias, min_tokens: scheduler/penalties.py.
+logit_bias, min_tokens: scheduler/penalties.py; top_k, min_p: scheduler/sampler_fields.py.
 Token ids are what this engine speaks: `stop` as integers and `stop_token_ids` are token ids (the stop
 token is in `token_ids` but its text is left out); `stop` as a string or a list of up to 4 strings is
 matched on the generated text (scheduler/stop_strings.py: the text ends before the match, finish_reason
@@ -30,6 +30,7 @@ from pydantic_core import PydanticCustomError
 from scheduler.logprobs import ChatLogprobsFields, CompletionLogprobsField
 from scheduler.penalties import PenaltyFields
 from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams
+from scheduler.sampler_fields import SamplerFields
 from scheduler.stop_strings import check_stop_strings
 
 Float = Annotated[float, Field(strict=True)]  # accepts JSON numbers (ints too), never strings
@@ -64,7 +65,7 @@ class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
-class _SamplingFields(_Strict, PenaltyFields):
+class _SamplingFields(_Strict, PenaltyFields, SamplerFields):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: Float | None = None
@@ -474,7 +475,7 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
                           stop_token_ids=req.stop_ids(), ignore_eos=req.ignore_eos, logprobs=req.logprob_count(),
-                          **req.penalty_params(max_tokens))
+                          **req.penalty_params(max_tokens), **req.sampler_params())
 
 
 def jsonable(x: Any) -> Any:

@@ -48,6 +48,10 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int | None = None
+    # vLLM's top_k and min_p (scheduler/sampling.py): the k likeliest tokens (0 or -1: all), the tokens at
+    # least min_p times as likely as the likeliest (0: all); greedy rows (temperature 0) ignore both
+    top_k: int = 0
+    min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k: each generated token's logprob and the k likeliest tokens'
@@ -77,6 +81,10 @@ class SamplingParams:
             raise RequestError(f"temperature must be a number in [0, 100], got {self.temperature!r}", "temperature")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}", "top_p")
+        if not _is_integer(self.top_k) or self.top_k < -1:
+            raise RequestError(f"top_k must be an integer >= -1 (0 or -1: all tokens), got {self.top_k!r}", "top_k")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise RequestError(f"min_p must be a number in [0, 1], got {self.min_p!r}", "min_p")
         if self.seed is not None and not (_is_integer(self.seed) and SEED_MIN <= self.seed <= SEED_MAX):
             raise RequestError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a 64-bit integer), got {self.seed!r}",
                                "seed")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
@@ -29,6 +29,8 @@ class BatchInput:
     top_ps: list[float]
     generators: list[torch.Generator | None]
     is_decode: bool
+    top_ks: list[int] = field(default_factory=list)    # per sequence (empty: no top-k in the batch)
+    min_ps: list[float] = field(default_factory=list)  # per sequence (empty: no min_p in the batch)
     wait_restore: bool = False    # the one sequence's prefix is still landing layer by layer (layer flags)
     restore_epoch: int = 0        # ... up to this epoch of the transfer engine's layer flags (CUDA)
     logprobs: list[int | None] | None = None  # per sequence, the k its request asked for (None: it did
@@ -111,7 +113,8 @@ class ModelRunner:
         penalized = logits
         if batch.penalties is not None:  # some row asked: a biased, penalized copy (logprobs, NaN marks: the raw)
             penalized = apply_penalties(logits, batch.penalties, ids_dev)
-        next_ids = sample(penalized, batch.temperatures, batch.top_ps, batch.generators)  # [B]
+        next_ids = sample(penalized, batch.temperatures, batch.top_ps, batch.generators, batch.top_ks,
+                          batch.min_ps)  # [B]
         # the host's ids mark a NaN row (its request fails); a chained step reads the unmarked ones (an
         # id out of the vocabulary would fail the embedding, and every request with it)
         out_ids = mark_nan(logits, next_ids)  # [B]

@@ -1,5 +1,9 @@
-"""Next-token sampling: greedy, or temperature + top-p with a per-request seeded generator."""
+"""Next-token sampling: greedy, or temperature, min_p, top-k and top-p with a per-request seeded generator,
+the sampled rows of a batch drawn together."""
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 import torch
 
@@ -41,8 +45,17 @@ def mark_nan(logits: torch.Tensor, next_ids: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
-           generators: list[torch.Generator | None]) -> torch.Tensor:
-    """logits: [B, vocab] -> token ids [B] (int64, same device). Greedy rows stay on argmax.
+           generators: list[torch.Generator | None], top_ks: Sequence[int] = (),
+           min_ps: Sequence[float] = ()) -> torch.Tensor:
+    """logits: [B, vocab] -> token ids [B] (int64, same device). Greedy rows (temperature 0) stay on
+    argmax; the sampled rows are drawn together, as vLLM V1 draws them: temperature, then min_p, then
+    top-k, then top-p, then one draw per row by the exponential race (the argmax of probs / q, q ~ Exp(1)
+    per token: a draw from probs), a seeded row's q from its own generator, the others' from the default
+    one. A batch of sampled rows costs the same few kernels as one row (it was ~15 torch calls a row).
+
+    top_ks / min_ps: per row (empty: off for every row). top_k k > 0 keeps the tokens at least as likely as
+    the k-th likeliest (ties kept, as vLLM); 0 or -1, or k >= vocab: all. min_p keeps the tokens at least
+    min_p times as likely as the likeliest (0: all).
 
     Any temperature in (0, 100] and top_p in (0, 1] gives a valid distribution: the logits are
     shifted so their largest is 0 before the division (a tiny temperature sends the others to -inf
@@ -50,27 +63,62 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
     that float32 rounds to 0 made the largest 0 / 0, NaN), and top-p always keeps the likeliest token
     (a top_p below float32's smallest value would otherwise keep none)."""
     next_ids = torch.argmax(logits, dim=-1)  # [B]
-    sampled_rows = [i for i, t in enumerate(temperatures) if t > 0.0]
+    rows = [i for i, t in enumerate(temperatures) if t > 0.0]
+    if not rows:
+        return next_ids
+    vocab, device = logits.shape[-1], logits.device
     lowest, smallest = torch.finfo(torch.float32).min, torch.finfo(torch.float32).tiny
-    for i in sampled_rows:  # sampled rows are rare in benchmarks; keep them exact and simple
-        row = torch.nan_to_num(logits[i].float(), nan=lowest)  # [vocab], finite
-        probs = torch.softmax((row - row.max()) / max(temperatures[i], smallest), dim=-1)  # [vocab]
-        if top_ps[i] < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_ps[i]
-            keep[0] = True
-            sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    ks = [top_ks[i] if top_ks and 0 < top_ks[i] < vocab else 0 for i in rows]
+    ps = [top_ps[i] for i in rows]
+    min_logs = [math.log(min_ps[i]) if min_ps and min_ps[i] > 0.0 else -math.inf for i in rows]
+    # one upload: per sampled row its temperature, top_p, log(min_p) and top-k's index in the sorted
+    # row (the last for "all": its value is the row's least, so nothing falls below it)
+    params = torch.tensor([[max(temperatures[i], smallest) for i in rows], ps, min_logs,
+                           [k - 1 if k else vocab - 1 for k in ks]], dtype=torch.float32)
+    params = params.to(device, non_blocking=True)  # [4, S]
+    temps, p_dev, min_log, k_index = params[0, :, None], params[1, :, None], params[2, :, None], params[3, :, None]
+    whole = rows == list(range(len(next_ids)))
+    index = None if whole else torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)  # [S]
+    x = logits if whole else logits.index_select(0, index)
+    x = torch.nan_to_num(x.float(), nan=lowest)  # [S, V], finite
+    x = (x - x.amax(dim=-1, keepdim=True)) / temps  # the likeliest at 0
+    neg_inf = x.new_full((), -math.inf)
+    if any(m > -math.inf for m in min_logs):  # p < min_p * p_max  <=>  x < log(min_p) (x's max is 0)
+        x = torch.where(x < min_log, neg_inf, x)
+    if any(ks) or any(p < 1.0 for p in ps):
+        x = _top_k_top_p(x, k_index.long(), p_dev, any(ks), any(p < 1.0 for p in ps), neg_inf)
+    q = torch.empty_like(x).exponential_()  # [S, V]: the unseeded rows' draws
+    for j, i in enumerate(rows):
         gen = generators[i]
-        # a CPU generator samples on the CPU; any other is on the logits' kind of device (regression:
-        # comparing devices, a generator made for "cuda" is not on "cuda:0", and its CPU sample raised
+        if gen is None:
+            continue
+        # a CPU generator draws on the CPU; any other is on the logits' kind of device (regression:
+        # comparing devices, a generator made for "cuda" is not on "cuda:0", and its CPU draw raised
         # inside the loop, failing every request of the engine)
-        if gen is not None and gen.device.type == "cpu" and probs.device.type != "cpu":
-            choice = torch.multinomial(probs.cpu(), 1, generator=gen).to(probs.device)
+        if gen.device.type == "cpu" and device.type != "cpu":
+            q[j].copy_(torch.empty(vocab).exponential_(generator=gen), non_blocking=True)
         else:
-            choice = torch.multinomial(probs, 1, generator=gen)
-        next_ids[i] = choice[0]
-    return next_ids
+            q[j].exponential_(generator=gen)
+    # argmax of exp(x) / q, as x - log q (a masked token stays at -inf; q is never 0: no +inf)
+    choice = (x - q.clamp_min_(smallest).log_()).argmax(dim=-1)  # [S]
+    return choice if whole else next_ids.index_copy_(0, index, choice)
+
+
+def _top_k_top_p(x: torch.Tensor, k_index: torch.Tensor, top_p: torch.Tensor, top_k: bool, nucleus: bool,
+                 neg_inf: torch.Tensor) -> torch.Tensor:
+    """x [S, V] (tempered logits) with the tokens outside each row's top-k, then outside its top-p
+    nucleus, at -inf: one sort of the batch. k_index [S, 1]: the k-th likeliest's place in the sorted
+    row; top_p [S, 1]: a token stays while the mass of the likelier ones is below it (the likeliest
+    always)."""
+    ordered, order = x.sort(dim=-1, descending=True)  # [S, V]
+    if top_k:  # ties with the k-th kept
+        ordered = torch.where(ordered < ordered.gather(1, k_index), neg_inf, ordered)
+    if nucleus:
+        probs = ordered.softmax(dim=-1)
+        keep = probs.cumsum(dim=-1) - probs < top_p
+        keep[:, 0] = True
+        ordered = torch.where(keep, ordered, neg_inf)
+    return torch.empty_like(x).scatter_(1, order, ordered)
 
 
 def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

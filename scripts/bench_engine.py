@@ -43,6 +43,10 @@ async def ttft(engine: Engine, prompt, n=1) -> float:
 
 
 PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.1}
+# --sampled-decode's variants: what a chat client sends, unseeded and seeded, then with vLLM's top_k and min_p
+SAMPLED = {"sampled": {"temperature": 0.8, "top_p": 0.95},
+           "seeded": {"temperature": 0.8, "top_p": 0.95, "seed": 1},
+           "top_k_min_p": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "min_p": 0.05, "seed": 1}}
 
 
 async def decode_rate(engine: Engine, batch: int, prompt_tokens: int, new_tokens: int, rng, **params) -> float:
@@ -189,6 +193,12 @@ async def run(args) -> dict:
             r["penalized_decode_tok_s"] = {"batch": b, "prompt_tokens": p, "new_tokens": t,
                                            "plain": await decode_rate(engine, b, p, t, rng),
                                            "penalized": await decode_rate(engine, b, p, t, rng, **PENALTIES)}
+        if args.sampled_decode:  # what sampling costs a decode step against greedy
+            b, p, t = args.sampled_decode
+            r["sampled_decode_tok_s"] = {"batch": b, "prompt_tokens": p, "new_tokens": t,
+                                         "greedy": await decode_rate(engine, b, p, t, rng)}
+            for name, params in SAMPLED.items():
+                r["sampled_decode_tok_s"][name] = await decode_rate(engine, b, p, t, rng, **params)
         # the profiles last, in the last mode: after torch.profiler this process's CUDA calls stay
         # slower (its CUPTI hooks; a graph replay's host time 3-9x, session 26), so a timing taken
         # after it counts them (session 25's run 9: the one-token launch at 0.52 ms of host time
@@ -225,6 +235,9 @@ def main(argv=None) -> int:
     ap.add_argument("--penalized-decode", metavar="BATCH,PROMPT,TOKENS",
                     help="also decode BATCH requests of PROMPT tokens for TOKENS tokens with and without "
                          "presence, frequency and repetition penalties (e.g. 32,2000,512)")
+    ap.add_argument("--sampled-decode", metavar="BATCH,PROMPT,TOKENS",
+                    help="also decode BATCH requests of PROMPT tokens for TOKENS tokens greedily and sampled "
+                         "(temperature 0.8, top_p 0.95; seeded; with top_k 50 and min_p 0.05), e.g. 32,512,256")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of the tail request (CUDA), after every timing of the last mode")
@@ -244,6 +257,8 @@ def main(argv=None) -> int:
     args.decode_batches = [int(x) for x in args.decode_batches.split(",")]
     if args.penalized_decode:
         args.penalized_decode = [int(x) for x in args.penalized_decode.split(",")]
+    if args.sampled_decode:
+        args.sampled_decode = [int(x) for x in args.sampled_decode.split(",")]
     out = asyncio.run(run(args))
     text = json.dumps(out, indent=1)
     if args.out:
@@ -269,6 +284,11 @@ def main(argv=None) -> int:
             print(f"  [{mode}] decode b{pd['batch']} over {pd['prompt_tokens']}-token prompts, {pd['new_tokens']} "
                   f"tokens: {pd['plain']:.0f} tok/s plain, {pd['penalized']:.0f} penalized "
                   f"({pd['penalized'] / pd['plain']:.3f})")
+        if "sampled_decode_tok_s" in r:
+            sd = r["sampled_decode_tok_s"]
+            print(f"  [{mode}] decode b{sd['batch']} over {sd['prompt_tokens']}-token prompts, {sd['new_tokens']} "
+                  f"tokens: {sd['greedy']:.0f} tok/s greedy; "
+                  + ", ".join(f"{name} {sd[name]:.0f} ({sd[name] / sd['greedy']:.3f})" for name in SAMPLED))
     return 0
 
 

@@ -116,3 +116,33 @@ def test_min_tokens_on_cuda_graphs_holds_the_stop_id_exactly_min_tokens_steps(ov
                 (p.min_tokens, res.output_ids)
     assert (eng.stats["chained_steps"] > 0) == overlap
     eng.check_integrity()
+
+
+def test_sampled_rows_on_cuda_draw_together_follow_top_k_and_repeat_with_their_seeds():
+    """A batch's sampled rows drawn together on the device (scheduler/sampling.py), chained decode on CUDA
+    graphs: top_k 1 and min_p 1 give the greedy tokens; a seeded row repeats its stream whatever shares its
+    batch; draws of one row on the device follow vLLM's distribution (a CUDA generator per seeded row)."""
+    from scheduler.sampling import sample
+    from sampling_reference import VOCAB, reference_probs
+
+    eng = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=512, page_size=16,
+                              cuda_graphs=True))
+    greedy = [SamplingParams(max_tokens=12, ignore_eos=True) for _ in PROMPTS]
+    sampled = [SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.5, top_k=1, seed=1),
+               SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.5, seed=2, top_p=0.9, top_k=20),
+               SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.5, min_p=1.0),
+               SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0, seed=3, min_p=0.05)]
+    plain = [r.output_ids for r in eng.generate(PROMPTS, greedy)]
+    first = [r.output_ids for r in eng.generate(PROMPTS, sampled)]
+    assert first[0] == plain[0] and first[2] == plain[2]
+    alone = [r.output_ids for r in eng.generate(PROMPTS[1:2] + PROMPTS[3:], [sampled[1], sampled[3]])]
+    assert alone == [first[1], first[3]]  # seeded rows: the same with or without the others
+    assert eng.stats["chained_steps"] > 0
+    eng.check_integrity()
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(0)).cuda() * 2
+    n = 20_000
+    gens = [torch.Generator(device="cuda").manual_seed(i) if i % 2 else None for i in range(n)]
+    ids = sample(logits.expand(n, VOCAB), [0.9] * n, [0.85] * n, gens, [6] * n, [0.02] * n)
+    freq = torch.bincount(ids.cpu(), minlength=VOCAB).double() / n
+    want = reference_probs(logits.cpu(), 0.9, 0.85, 6, 0.02)
+    assert (freq[want == 0] == 0).all() and (freq - want).abs().max() < 0.02, (freq, want)
