@@ -20,7 +20,10 @@ class EngineConfig:
     seed: int = 0
     page_size: int = 0  # 0: 16 on cuda, 4 on cpu
     num_pages: int = 0  # L1 pages; 0: sized from max_total_tokens
-    max_total_tokens: int = 8192  # L1 capacity in tokens when num_pages == 0
+    # L1 capacity in tokens when num_pages == 0; 0: on CUDA what gpu_memory_fraction of the GPU's memory
+    # leaves after the weights and a reserve (scheduler/memory_plan.py), elsewhere DEFAULT_L1_TOKENS
+    max_total_tokens: int = 8192
+    gpu_memory_fraction: float = 0.9  # (0, 1]: the share of the GPU's memory weights, L1 and activations take
     max_prefill_tokens: int = 2048  # token budget of one prefill batch (chunked prefill above it)
     max_running_requests: int = 64
     max_context_tokens: int = 16384  # longest sequence a captured decode graph serves (longer: eager)
@@ -54,7 +57,10 @@ class EngineConfig:
             if getattr(self, name) > maximum:
                 raise ValueError(f"{_field_name(name, FLAGS.get(name))} must be <= {maximum:,}"
                                  f"{MAXIMUM_REASONS[name]}, got {getattr(self, name)!r}")
-        if self.num_pages == 0 and self.page_size > self.max_total_tokens:  # (the pool became that one page)
+        if not 0.0 < self.gpu_memory_fraction <= 1.0:  # (also NaN)
+            raise ValueError("gpu_memory_fraction (--gpu-memory-fraction) must be in (0, 1], "
+                             f"got {self.gpu_memory_fraction!r}")
+        if self.num_pages == 0 and self.page_size > (self.max_total_tokens or DEFAULT_L1_TOKENS):  # (one page)
             raise ValueError(f"page_size (--page-size) {self.page_size} is larger than the L1 pool it divides "
                              f"(--max-total-tokens {self.max_total_tokens}); lower it, or give --num-pages")
         if not 0 <= self.seed <= MAX_SEED:
@@ -71,13 +77,17 @@ class EngineConfig:
         return self.page_size or (16 if device_type == "cuda" else 4)
 
     def l1_pages(self, page_size: int) -> int:
-        """L1 pages: --num-pages, else --max-total-tokens in pages of `page_size`."""
-        return self.num_pages or -(-self.max_total_tokens // page_size)
+        """L1 pages: --num-pages, else --max-total-tokens (0: DEFAULT_L1_TOKENS; on CUDA the engine sizes it
+        from the GPU's memory instead, scheduler/memory_plan.py) in pages of `page_size`."""
+        return self.num_pages or -(-(self.max_total_tokens or DEFAULT_L1_TOKENS) // page_size)
+
+
+DEFAULT_L1_TOKENS = 8192  # L1 with max_total_tokens 0 where there is no GPU memory to size it from
 
 
 # The smallest valid value of each numeric EngineConfig field (0 where 0 means "the default"). Below
 # them the engine hangs (no prefill budget, no running slot) or crashes building its pools.
-ENGINE_MINIMUMS = {"page_size": 0, "num_pages": 0, "max_total_tokens": 1, "max_prefill_tokens": 1,
+ENGINE_MINIMUMS = {"page_size": 0, "num_pages": 0, "max_total_tokens": 0, "max_prefill_tokens": 1,
                    "max_running_requests": 1, "max_context_tokens": 1, "max_prompt_tokens": 0,
                    "max_new_tokens_limit": 1, "cpu_threads": 0}
 # The largest valid value of the fields that have one: an L1 of more pages (or tokens: a page holds at
@@ -120,8 +130,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of a preset's random weights, 0 to 2**64 - 1 (default 0)")
     g.add_argument("--page-size", type=int, default=0, help="tokens per page (default 16 on cuda, 4 on cpu)")
     g.add_argument("--num-pages", type=int, default=0, help="L1 pages (default: from --max-total-tokens)")
-    g.add_argument("--max-total-tokens", type=int, default=8192,
-                   help="L1 capacity in tokens, rounded up to whole pages (when --num-pages is 0)")
+    g.add_argument("--max-total-tokens", type=int, default=0,
+                   help="L1 capacity in tokens, rounded up to whole pages (when --num-pages is 0); 0: on CUDA "
+                        "what --gpu-memory-fraction leaves after the weights and activations, on the CPU 8192")
+    g.add_argument("--gpu-memory-fraction", type=float, default=EngineConfig.gpu_memory_fraction,
+                   help="share of the GPU's memory the weights, L1 and activations may take, in (0, 1] "
+                        "(with --max-total-tokens 0)")
     g.add_argument("--max-prefill-tokens", type=int, default=2048,
                    help="tokens one prefill batch computes; longer prompts are prefilled in chunks")
     g.add_argument("--max-running-requests", type=int, default=64, help="requests admitted (prefill or decode) at once")
@@ -234,6 +248,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size,
         num_pages=args.num_pages,
         max_total_tokens=args.max_total_tokens,
+        gpu_memory_fraction=args.gpu_memory_fraction,
         max_prefill_tokens=args.max_prefill_tokens,
         max_running_requests=args.max_running_requests,
         max_prompt_tokens=args.max_prompt_tokens,

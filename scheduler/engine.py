@@ -16,7 +16,6 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import replace
 
 import structlog
 import torch
@@ -28,6 +27,7 @@ from scheduler.admission import Admission
 from scheduler.batch_api import BatchAPI
 from scheduler.config import EngineConfig, resolve_device
 from scheduler.logs import configure_logging, info_enabled
+from scheduler.memory_plan import plan_pools
 from scheduler.loop_task import check_loop, crash_of, fail_live_requests, join_loop
 from scheduler.model import load_model
 from scheduler.presets import model_config_of
@@ -55,8 +55,7 @@ class Engine(BatchAPI):
             self.model.skinny = self.model.fused and config.small_gemm == "triton"
         page_size = config.page_size_on(self.device.type)
         geometry = self.model_config.kv_geometry(page_size, self.dtype)
-        num_pages = config.l1_pages(page_size)
-        hc = replace(config.hicache, model_id=self.model_id)
+        num_pages, hc = plan_pools(config, self.device, self.model_config, geometry, self.model_id)
         self.cache = CacheManager(geometry, num_pages, self.device, hc, faults=faults, simulate=config.simulate)
         self.cache.wakeup = self._wake_soon
         self.cache.defer_backups = True  # a step's tokens reach their clients before its backups start

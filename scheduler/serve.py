@@ -21,6 +21,7 @@ import uvicorn
 
 from scheduler.config import HICACHE_NEEDS_PREFIX_CACHE, add_engine_args, config_from_args
 from scheduler.engine import Engine
+from scheduler.memory_plan import pools_line
 from scheduler.server import ServerLimits, create_app
 from scheduler.server import __doc__ as SERVER_DOC
 
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hicache-serve: cannot start the engine: {str(exc).splitlines()[0] if str(exc) else repr(exc)}",
               file=sys.stderr)
         return 2
+    print(f"hicache-serve: {pools_line(engine.status())}", file=sys.stderr)
     limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                           max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
                           shutdown_grace_s=max(0.0, args.shutdown_grace_s))

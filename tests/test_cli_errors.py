@@ -43,8 +43,9 @@ def exit_code(capsys, argv: list[str]) -> tuple[int, str]:
 # -- EngineConfig ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("field, value", [
     ("max_prefill_tokens", 0), ("max_prefill_tokens", -1), ("max_running_requests", 0), ("num_pages", -5),
-    ("page_size", -4), ("max_total_tokens", 0), ("max_context_tokens", 0), ("max_prompt_tokens", -1),
-    ("max_new_tokens_limit", 0), ("cpu_threads", -1),
+    ("page_size", -4), ("max_total_tokens", -1), ("max_context_tokens", 0), ("max_prompt_tokens", -1),
+    ("max_new_tokens_limit", 0), ("cpu_threads", -1), ("gpu_memory_fraction", 0.0), ("gpu_memory_fraction", 1.01),
+    ("gpu_memory_fraction", float("nan")),
 ])
 def test_engine_config_refuses_out_of_range_fields(field, value):
     with pytest.raises(ValueError, match=field):

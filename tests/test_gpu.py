@@ -362,3 +362,30 @@ def test_a_seeded_sampled_request_runs_on_cuda_beside_a_greedy_one():
     out = eng.generate([[5, 6, 7, 8, 9], [10, 11, 12]], [seeded, greedy])
     assert [(r.finish_reason, r.error) for r in out] == [("length", None), ("length", None)]
     assert eng.generate([[5, 6, 7, 8, 9]], seeded)[0].output_ids == out[0].output_ids
+
+
+def test_l1_sized_from_the_gpus_memory_serves_a_full_prefill_and_decode_batch_within_the_fraction():
+    """max_total_tokens 0 on CUDA (the CLI's default): L1 takes what gpu_memory_fraction of the device
+    leaves after what is in use and the activation reserve (scheduler/memory_plan.py); a batch of
+    max_running_requests prompts of max_prefill_tokens each then prefills and decodes, and torch's peak
+    reservation stays within the fraction (the reserve was enough)."""
+    import gc
+
+    from scheduler.engine import Engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    fraction = 0.6  # (leaves the rest to whatever else this test process holds)
+    eng = Engine(EngineConfig(model="qwen3-0.6b", device="cuda", max_total_tokens=0, gpu_memory_fraction=fraction,
+                              max_prefill_tokens=2048, max_running_requests=32))
+    l1_bytes = eng.cache.l1.num_pages * eng.cache.geometry.bytes_per_page
+    assert l1_bytes > 0.3 * total, (l1_bytes / 2**30, total / 2**30)  # sized from the device, not 8,192 tokens
+    torch.cuda.reset_peak_memory_stats()
+    rng = random.Random(5)
+    ps = [[rng.randrange(1, 150_000) for _ in range(2048)] for _ in range(32)]
+    results = eng.generate(ps, SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, top_p=0.9))
+    assert all(len(r.output_ids) == 4 and r.error is None for r in results)
+    # (what was in use before counted against the fraction too, so torch's peak alone must fit it)
+    assert torch.cuda.max_memory_reserved() <= fraction * total, \
+        (torch.cuda.max_memory_reserved() / 2**30, fraction * total / 2**30)
+    eng.check_integrity()
