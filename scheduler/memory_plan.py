@@ -10,9 +10,13 @@ the 10 that fit.
 
 An L2 sized by its ratio to L1 (no --hicache-size-gb) is held to half the host memory this process may
 have: twice an auto-sized L1 of ~110 GiB would not fit a host of 128 GiB (pinned memory cannot be
-swapped: the machine would thrash or the process be killed)."""
+swapped: the machine would thrash or the process be killed). Likewise an L3 file sized by its ratio to
+L2 (no --hicache-storage-size-gb) is held to half the free space of its file system (twice that L2 is
+~120 GiB, where the H200 machine's disk has 64 GiB: the file's reservation refused to start)."""
 from __future__ import annotations
 
+import os
+import tempfile
 from dataclasses import replace
 
 import structlog
@@ -31,6 +35,7 @@ SAMPLING_COPIES = 8            # float32 [rows, V] tensors a decode step may hol
                                # a penalized copy, the sort's values and int64 ids, its probabilities, the
                                # exponential draws and what they make (scheduler/sampling.py)
 HOST_SHARE = 0.5               # of the host memory this process may have, the most a ratio-sized L2 takes
+DISK_SHARE = 0.5               # of its file system's free space, the most a ratio-sized L3 file takes
 
 
 def activation_reserve_bytes(model: ModelConfig, config: EngineConfig, elem_bytes: int) -> int:
@@ -101,7 +106,36 @@ def plan_pools(config: EngineConfig, device: torch.device, model: ModelConfig, g
     else:
         l1_pages = config.l1_pages(geometry.page_size)
     hc = replace(config.hicache, model_id=model_id)
-    return l1_pages, host_config_within_memory(hc, l1_pages, geometry.bytes_per_page, memory_limit_bytes())
+    hc = host_config_within_memory(hc, l1_pages, geometry.bytes_per_page, memory_limit_bytes())
+    return l1_pages, storage_config_within_disk(hc, l1_pages, geometry.bytes_per_page, disk_free_bytes(hc))
+
+
+def disk_free_bytes(hc: HiCacheConfig) -> int | None:
+    """Free bytes (for this user) of the file system the L3 file goes on: its path's directory, or the
+    temporary directory (hicache/storage_file.py); None when unknown."""
+    directory = os.path.dirname(os.path.abspath(hc.storage_path)) if hc.storage_path else tempfile.gettempdir()
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def storage_config_within_disk(hc: HiCacheConfig, l1_pages: int, bytes_per_page: int,
+                               free_bytes: int | None) -> HiCacheConfig:
+    """hc, with an L3 file sized by its ratio held to DISK_SHARE of `free_bytes` (None: unknown, nothing
+    held). An L3 given in GiB, or on Redis, is left as asked; so is one where even the held size would
+    not hold a page (the file's own check refuses it, naming the flags)."""
+    if (not hc.enable or hc.storage_backend != "file" or hc.storage_size_gb is not None or hc.storage_ratio == 0
+            or free_bytes is None):
+        return hc
+    asked_bytes = int(hc.host_pages(l1_pages, bytes_per_page) * hc.storage_ratio) * bytes_per_page
+    most_bytes = int(DISK_SHARE * free_bytes) // bytes_per_page * bytes_per_page
+    if asked_bytes <= most_bytes or most_bytes < bytes_per_page:
+        return hc
+    log.warning("l3_held_to_free_disk", asked_gib=round(asked_bytes / GIB, 2), gib=round(most_bytes / GIB, 2),
+                free_gib=round(free_bytes / GIB, 1), ratio=hc.storage_ratio)
+    return replace(hc, storage_size_gb=most_bytes / GIB)
 
 
 def pools_line(status: dict) -> str:

@@ -93,3 +93,40 @@ def test_the_servers_start_line_says_what_each_tier_holds():
     eng.check_integrity()
     plain = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=100))
     assert pools_line(plain.status()) == "tiny on cpu (float32): L1 400 tokens (0.00 GiB)"  # (regression: L2 None)
+
+
+def test_a_ratio_sized_l3_file_is_held_to_half_the_free_disk():
+    from scheduler.memory_plan import DISK_SHARE, storage_config_within_disk
+    bpp = GEOMETRY.bytes_per_page
+    hc = HiCacheConfig(enable=True, host_size_gb=60.0, storage_ratio=2.0)  # 120 GiB of L3 asked
+    held = storage_config_within_disk(hc, 1000, bpp, 47 * GIB)  # the H200 machine's free disk
+    assert held.storage_size_gb is not None and held.storage_size_gb <= DISK_SHARE * 47
+    assert held.storage_pages(held.host_pages(1000, bpp), bpp) == int(DISK_SHARE * 47 * GIB) // bpp
+    assert storage_config_within_disk(hc, 1000, bpp, 500 * GIB) is hc  # room enough: as asked
+    for kept in (HiCacheConfig(enable=True, host_size_gb=60.0, storage_size_gb=100.0),  # given in GiB
+                 HiCacheConfig(enable=True, host_size_gb=60.0, storage_backend="redis",
+                               storage_url="redis://127.0.0.1:6379/0"),
+                 HiCacheConfig(enable=True, host_size_gb=60.0, storage_ratio=0.0)):
+        assert storage_config_within_disk(kept, 1000, bpp, 47 * GIB) is kept
+    assert storage_config_within_disk(hc, 1000, bpp, None) is hc
+    assert storage_config_within_disk(hc, 1000, bpp, bpp) is hc  # not a page: the file's check says so
+
+
+def test_an_engine_asked_for_more_l3_than_the_disk_has_starts_with_less():
+    """End to end on the CPU: a ratio that asks for more L3 than twice the free space of its file
+    system (10**6 x L2) starts, holding L3 to half that space, where the file's check refused it. (The
+    temporary file's blocks are reserved without being written, and go with the engine.)"""
+    import asyncio
+
+    from scheduler.memory_plan import disk_free_bytes
+    hc = HiCacheConfig(enable=True, host_ratio=1.0, storage_ratio=1e6)
+    free = disk_free_bytes(hc)
+    bpp = get_preset("tiny").kv_geometry(4, torch.float32).bytes_per_page
+    if free is None or 100 * 1e6 * bpp < free:
+        pytest.skip("this file system has more free space than the test asks for")
+    eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=100, hicache=hc))
+    try:
+        assert 0 < eng.cache.store.num_slots * bpp <= 0.5 * free
+        eng.check_integrity()
+    finally:
+        asyncio.run(eng.cache.close())  # the temporary L3 file goes
