@@ -109,13 +109,15 @@ def _top_k_top_p(x: torch.Tensor, k_index: torch.Tensor, top_p: torch.Tensor, to
     """x [S, V] (tempered logits) with the tokens outside each row's top-k, then outside its top-p
     nucleus, at -inf: one sort of the batch. k_index [S, 1]: the k-th likeliest's place in the sorted
     row; top_p [S, 1]: a token stays while the mass of the likelier ones is below it (the likeliest
-    always)."""
+    always; 1: every token)."""
     ordered, order = x.sort(dim=-1, descending=True)  # [S, V]
     if top_k:  # ties with the k-th kept
         ordered = torch.where(ordered < ordered.gather(1, k_index), neg_inf, ordered)
     if nucleus:
         probs = ordered.softmax(dim=-1)
-        keep = probs.cumsum(dim=-1) - probs < top_p
+        # a top_p of 1 keeps all (regression: beside a top_p < 1 row, float32's running sum reached 1.0
+        # before a row's least likely tokens and dropped them, so a seeded row's draw depended on its batch)
+        keep = (probs.cumsum(dim=-1) - probs < top_p) | (top_p >= 1.0)
         keep[:, 0] = True
         ordered = torch.where(keep, ordered, neg_inf)
     return torch.empty_like(x).scatter_(1, order, ordered)

@@ -472,3 +472,13 @@ def file_read_limit(directory: str, num_bytes: int, threads: int, cold: bool, pi
             # H200's host: 50 MiB read at ~33 GiB/s, ~19 after the cache was flushed; session 14)
             "file_read_llc_cold_gib_s": num_bytes / GIB / median(llc_cold) if llc_cold else None,
             "cache": "cold" if cold else "warm", "page_cache_dropped": dropped, "bytes": num_bytes}
+
+
+def write_result(out: dict, path: str | None, to_stdout: bool) -> None:
+    """A benchmark's result as indented JSON: into `path` (--out) and/or on stdout (--json)."""
+    text = json.dumps(out, indent=1)
+    if path:
+        with open(path, "w") as f:
+            f.write(text)
+    if to_stdout:
+        print(text)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
@@ -18,7 +17,8 @@ import time
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from bench_common import device_read_gib_s, forward_read_bytes, free_memory, tail_forward_s  # noqa: E402
+from bench_common import (device_read_gib_s, forward_read_bytes, free_memory, tail_forward_s,  # noqa: E402
+                          write_result)
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
@@ -260,12 +260,7 @@ def main(argv=None) -> int:
     if args.sampled_decode:
         args.sampled_decode = [int(x) for x in args.sampled_decode.split(",")]
     out = asyncio.run(run(args))
-    text = json.dumps(out, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    if args.json:
-        print(text)
+    write_result(out, args.out, args.json)
     floor = out["weight_read_floor_ms"]
     print(f"\n{args.model} on {args.device}; weight-read floor {floor and round(floor, 2)} ms")
     for mode, r in out["results"].items():

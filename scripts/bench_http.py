@@ -28,6 +28,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_common import write_result  # noqa: E402
 from scheduler.config import add_engine_args, config_from_args  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.presets import model_config_of  # noqa: E402
@@ -204,12 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
-    text = json.dumps(out, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    if args.json:
-        print(text)
+    write_result(out, args.out, args.json)
     base, base_ms = out["in_process"]["tok_s"], out["in_process"]["batch_ms"]
     print(f"\n{args.model} on {args.device}: batch {args.batch} x {args.prompt_tokens}-token prompts, "
           f"{args.new_tokens} new tokens, temperature {args.temperature}")

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
-import json
 import os
 import pstats
 import statistics
@@ -24,7 +23,9 @@ import time
 import torch
 import xxhash
 
-from hicache.config import HiCacheConfig
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_common import write_result  # noqa: E402
+from hicache.config import HiCacheConfig  # noqa: E402
 from hicache.geometry import KVGeometry
 from hicache.manager import CacheManager
 from hicache.pools import DevicePool, HostPool
@@ -322,12 +323,7 @@ def main(argv=None) -> int:
         out["layerwise_h2d"] = bench_layerwise(geometry, device, tokens_list, args.repeats)
         out["round_trip_identical"] = {b: asyncio.run(round_trip(geometry, device, tokens_list[0], b)) for b in backends}
         out["storage"] = bench_storage(geometry, tokens_list[-1] if not args.quick else 256, args.io_workers)
-    text = json.dumps(out, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    if args.json:
-        print(text)
+    write_result(out, args.out, args.json)
     print(f"\n{out['device']}: round trip byte-identical {out['round_trip_identical']}; storage {out['storage']}")
     print(f"{'tokens':>6} {'backend':>7} {'host':>11} {'direct':>6} {'D2H GiB/s':>10} {'ratio':>6} {'H2D GiB/s':>10} {'ratio':>6}"
           f"  device-time ratio D2H/H2D")

@@ -8,8 +8,9 @@ import dataclasses
 import random
 from dataclasses import dataclass, field
 
-from http_fuzz_features import (INVALID_BIASES, INVALID_VALUES, choice_params, draw_logit_bias, draw_logprobs,
-                                draw_min_tokens, draw_n, draw_penalties, reference_entries)
+from http_fuzz_features import (INVALID_BIASES, INVALID_SAMPLER_VALUES, INVALID_VALUES, apply_stops, choice_params,
+                                draw_logit_bias, draw_logprobs, draw_min_tokens, draw_n, draw_penalties,
+                                draw_top_k_min_p, forced_greedy, forced_greedy_problems, reference_entries)
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
@@ -91,6 +92,7 @@ class Case:
     flushes: list = field(default_factory=list)  # per round: tiers flushed after it
     calls: list = field(default_factory=list)
     seen: dict = field(default_factory=dict)  # what the run exercised (the hunt prints it)
+    oracle_problems: list = field(default_factory=list)  # the reference against its forced-greedy twins (`expect`)
 
     @property
     def pool_tokens(self) -> int:
@@ -148,6 +150,7 @@ class Builder:
     def __init__(self, case: Case, rng: random.Random) -> None:
         self.case, self.rng = case, rng
         self.bias_rng = random.Random(case.seed * 104729 + 5)  # (logit_bias, min_tokens: their own stream)
+        self.sampler_rng = random.Random(case.seed * 104729 + 11)  # (top_k, min_p: theirs)
         self.tok = make_tokenizer(case.tokenizer)
         self.id_bases = [[rng.randrange(VOCAB) for _ in range(rng.randrange(4, 40))] for _ in range(rng.randrange(1, 4))]
         self.text_bases = [random_text(rng, rng.randrange(2, 30)) for _ in range(rng.randrange(1, 3))]
@@ -182,7 +185,8 @@ class Builder:
             return messages, [], True
         return messages, self.tok.apply_chat_template(messages), True
 
-    def sampling(self, body: dict) -> tuple[float, float, int | None, tuple]:
+    def sampling(self, body: dict) -> tuple[float, float, int | None, tuple, int, float]:
+        """(temperature, top_p, seed, penalties, top_k, min_p): what the probes and SamplingParams take."""
         rng = self.rng
         mode = rng.choice(["greedy", "greedy", "greedy_seed", "seeded", "seeded_default"])
         temperature, top_p, seed = 0.0, 1.0, None
@@ -199,7 +203,9 @@ class Builder:
                     top_p = body["top_p"] = rng.choice([0.5, 0.9, 1.0])
             else:  # no temperature: OpenAI's default of 1
                 temperature = 1.0
-        return temperature, top_p, seed, draw_penalties(rng, body)
+        pen = draw_penalties(rng, body)
+        top_k, min_p = draw_top_k_min_p(self.sampler_rng, body, temperature > 0.0, VOCAB)  # (may take its seed out)
+        return temperature, top_p, body.get("seed"), pen, top_k, min_p
 
     def max_tokens(self, body: dict, ids_list: list[list[int]], chat: bool) -> int:
         rng, case = self.rng, self.case
@@ -244,12 +250,12 @@ class Builder:
 
     def call(self, draft: tuple, probes: dict) -> Call:
         rng, case = self.rng, self.case
-        path, body, ids_list, chat, (temperature, top_p, seed, pen) = draft
+        path, body, ids_list, chat, (temperature, top_p, seed, pen, top_k, min_p) = draft
         mt = self.max_tokens(body, ids_list, chat)
         # stop ids and strings, from the probe outputs where they would match
         stop_ids: list[int] = []
         stops: list[str] = []
-        probe_ids = [probes.get((tuple(i), temperature, top_p, seed, pen), []) for i in ids_list]
+        probe_ids = [probes.get((tuple(i), *draft[4]), []) for i in ids_list]
         if rng.random() < 0.3:
             pool = [t for out in probe_ids for t in out[:mt + 2]] or [rng.randrange(VOCAB)]
             stop_ids = [rng.choice(pool) for _ in range(rng.randrange(1, 3))]
@@ -306,7 +312,8 @@ class Builder:
         params = SamplingParams(max_tokens=mt, temperature=temperature, top_p=top_p, seed=seed,
                                 stop_token_ids=tuple(dict.fromkeys(stop_ids)), ignore_eos=ignore_eos,
                                 logprobs=logprobs, presence_penalty=pen[0], frequency_penalty=pen[1],
-                                repetition_penalty=pen[2], logit_bias=bias, min_tokens=min_tokens)
+                                repetition_penalty=pen[2], logit_bias=bias, min_tokens=min_tokens, top_k=top_k,
+                                min_p=min_p)
         # choice p * n + j: prompt p, seed + j (OpenAI's order; scheduler/choices.py)
         choices = [Choice(i, choice_params(params, j), chat, prompt_index=p, j=j)
                    for p, i in enumerate(ids_list) for j in range(n)]
@@ -384,6 +391,8 @@ class Builder:
             name, value = rng.choice([("temperature", 101), ("temperature", -0.5), ("top_p", 0), ("top_p", 1.5),
                                       ("seed", 1 << 64), ("presence_penalty", 2.5), ("echo", True), ("best_of", 2),
                                       *INVALID_VALUES])
+            if self.sampler_rng.random() < 0.3:  # (or a bad top_k / min_p)
+                name, value = self.sampler_rng.choice(INVALID_SAMPLER_VALUES)
             body[name] = value
         else:  # a JSON type the schema does not coerce
             name, value = rng.choice([("max_tokens", True), ("max_tokens", "4"), ("prompt", 5),
@@ -410,7 +419,8 @@ async def build_case(seed: int, probe_engine: Engine, max_calls: int) -> Case:
         keys = list(dict.fromkeys((tuple(ids), *d[4]) for d in drafts if d is not None for ids in d[2] if ids))
         keys = [k for k in keys if k not in probes]
         params = [SamplingParams(max_tokens=PROBE_TOKENS, temperature=k[1], top_p=k[2], seed=k[3], ignore_eos=True,
-                                 presence_penalty=k[4][0], frequency_penalty=k[4][1], repetition_penalty=k[4][2])
+                                 presence_penalty=k[4][0], frequency_penalty=k[4][1], repetition_penalty=k[4][2],
+                                 top_k=k[5], min_p=k[6])
                   for k in keys]
         probes.update(zip(keys, await run_reference(probe_engine, list(zip([list(k[0]) for k in keys], params)))))
 
@@ -466,31 +476,24 @@ def set_eos(engine: Engine, eos: tuple) -> None:
 
 async def expect(case: Case) -> None:
     """Each valid choice's (text, token ids, finish_reason): the no-cache engine's tokens for its
-    prompt and params, then the stop strings, on the text decoded after the prompt."""
+    prompt and params, then the stop strings, on the text decoded after the prompt. A forced-greedy
+    choice's (top_k 1 or min_p 1) also at temperature 0: the same tokens and logprobs, else
+    `case.oracle_problems` says so."""
     tok = make_tokenizer(case.tokenizer)
     eng = reference_engine(case.page_size, case.eos)
     choices = [c for call in case.calls if call.status == 200 for c in call.choices]
-    keys = list(dict.fromkeys(c.key() for c in choices))
-    by_key = {c.key(): c for c in choices}
-    results = await eng.generate_async([list(k[0]) for k in keys], [by_key[k].params for k in keys]) if keys else []
+    twins = {c.key(): (tuple(c.ids), dataclasses.replace(c.params, temperature=0.0))
+             for c in choices if forced_greedy(c.params)}
+    params = {c.key(): c.params for c in choices} | {t: t[1] for t in twins.values()}
+    keys = list(params)
+    results = await eng.generate_async([list(k[0]) for k in keys], [params[k] for k in keys]) if keys else []
     await eng.shutdown()
     got = {k: r for k, r in zip(keys, results)}
+    for key, twin in twins.items():
+        case.oracle_problems += forced_greedy_problems(key, got[key], got[twin])
     for call in case.calls:
         for c in call.choices if call.status == 200 else ():
             r = got[c.key()]
             c.expected = apply_stops(tok, [] if c.chat else c.ids, r.output_ids, r.finish_reason, call.stops)
             if r.logprobs is not None:
                 c.ref_logprobs = reference_entries(tok, c.expected[1], r.logprobs)
-
-
-def apply_stops(tok, context: list[int], ids: list[int], finish: str, stops: tuple) -> tuple:
-    """What the API answers for generated `ids` (`finish`: the engine's reason): a stop token's text
-    (an engine "stop") is left out; the first stop string seen in the text so far (a character counts
-    once whole) ends it there, with the tokens up to the one that completed it."""
-    shown = ids[:-1] if finish == "stop" else ids
-    for k in range(1, len(shown) + 1) if stops else ():
-        text = decode_completion(tok, context, shown[:k]).rstrip("\ufffd")
-        hits = [text.find(s) for s in stops if s in text]
-        if hits:
-            return text[:min(hits)], list(ids[:k]), "stop"
-    return decode_completion(tok, context, shown), list(ids), finish

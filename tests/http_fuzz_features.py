@@ -8,13 +8,18 @@ with the same k, and the answer's are compared with them (1e-4) and checked for 
 token id, each top-k sorted and <= 0, a completion's text_offset the running sum of its pieces' lengths.
 Penalties, logit_bias and min_tokens: the reference runs the same ones (its tokens are the check); a bias
 names ids the model picks unbiased (its probe's output), random ones and the prompt's, at values across
-[-100, 100]; bias and min_tokens on their own random stream (a seed's other draws stay what they were)."""
+[-100, 100]; bias and min_tokens on their own random stream (a seed's other draws stay what they were).
+top_k and min_p (scheduler/sampler_fields.py): on greedy requests (ignored) and seeded sampled ones, at values
+across their ranges (neutral ones, the vocabulary's size and past it); some sampled requests are forced greedy
+(top_k 1 or min_p 1; some of them unseeded, their tokens then known too): the reference also runs each of those
+at temperature 0, and its tokens and logprobs must be the same (`forced_greedy`: an oracle beside the diff)."""
 from __future__ import annotations
 
 import dataclasses
 import math
 
 from scheduler.request import SEED_MAX
+from scheduler.tokenizer import decode_completion
 
 LOGPROB_TOL = 1e-4
 LOWEST_LOGPROB = -9999.0  # (scheduler/logprobs.py: what a -inf is answered as)
@@ -77,6 +82,39 @@ def draw_min_tokens(rng, body: dict, max_tokens: int, stop_strings: bool) -> int
     return body["min_tokens"]
 
 
+TOP_K_VALUES = (-1, 0, 1, 2, 5, 40, None)  # (and the vocabulary's size less one, it, past it)
+MIN_P_VALUES = (0, 0.0, 1e-9, 0.02, 0.1, 0.3, 0.9, 1, 1.0, None)
+INVALID_SAMPLER_VALUES = (("top_k", -2), ("top_k", 1.5), ("top_k", "3"), ("top_k", True), ("min_p", 1.5),
+                          ("min_p", -0.1), ("min_p", "0.1"), ("min_p", False))
+
+
+def draw_top_k_min_p(rng, body: dict, sampled: bool, vocab: int) -> tuple[int, float]:
+    """SamplingParams' (top_k, min_p) of a request as the server makes them of its body's (left out or null: 0;
+    -1 kept): most carry neither; some one or both; some sampled ones are forced greedy (top_k 1 or min_p 1,
+    beside any other value), half of those with their seed taken out of the body (their tokens are known)."""
+    if rng.random() >= 0.4:
+        return 0, 0.0
+    top_ks = TOP_K_VALUES + (vocab - 1, vocab, vocab + 88)
+    forced = sampled and rng.random() < 0.4
+    if forced:
+        other_k, other_p = rng.choice(top_ks), rng.choice(MIN_P_VALUES)
+        fields = rng.choice([{"top_k": 1}, {"min_p": 1}, {"min_p": 1.0}, {"top_k": 1, "min_p": other_p},
+                             {"min_p": 1.0, "top_k": other_k}])
+    else:
+        fields = {"top_k": rng.choice(top_ks)} if rng.random() < 0.6 else {}
+        if rng.random() < 0.6 or not fields:
+            fields["min_p"] = rng.choice(MIN_P_VALUES)
+    body.update(fields)
+    if forced and rng.random() < 0.5:
+        body.pop("seed")
+    return fields.get("top_k") or 0, float(fields.get("min_p") or 0.0)
+
+
+def forced_greedy(params) -> bool:
+    """Sampled, with only the likeliest token left to draw: the greedy tokens (ties aside: the tiny model has none)."""
+    return params is not None and not params.greedy and (params.top_k == 1 or params.min_p == 1.0)
+
+
 def draw_n(rng, body: dict) -> int:
     if rng.random() < 0.25:
         body["n"] = rng.choice([2, 2, 3, 4])
@@ -121,6 +159,19 @@ def reference_entries(tok, ids: list[int], lps: list) -> list[tuple]:
         return v if v >= LOWEST_LOGPROB else LOWEST_LOGPROB
     return [(piece(tok, t), clamp(lp.logprob), [(piece(tok, a), clamp(v)) for a, v in lp.top])
             for t, lp in zip(ids, lps)]
+
+
+def apply_stops(tok, context: list[int], ids: list[int], finish: str, stops: tuple) -> tuple:
+    """What the API answers for generated `ids` (`finish`: the engine's reason): a stop token's text
+    (an engine "stop") is left out; the first stop string seen in the text so far (a character counts
+    once whole) ends it there, with the tokens up to the one that completed it."""
+    shown = ids[:-1] if finish == "stop" else ids
+    for k in range(1, len(shown) + 1) if stops else ():
+        text = decode_completion(tok, context, shown[:k]).rstrip("\ufffd")
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            return text[:min(hits)], list(ids[:k]), "stop"
+    return decode_completion(tok, context, shown), list(ids), finish
 
 
 # -- checking an answer ------------------------------------------------------------------------------------
@@ -215,6 +266,21 @@ def check_logprobs(chat: bool, k: int | None, got: dict | None, ids: list[int], 
     return out
 
 
+def forced_greedy_problems(key: tuple, forced, greedy) -> list[str]:
+    """A forced-greedy request's result against its temperature-0 twin's: the same tokens, finish_reason and
+    logprobs (the raw logits', whatever top_k or min_p)."""
+    where = f"prompt {len(key[0])} tokens, {key[1]}"
+    if (forced.output_ids, forced.finish_reason) != (greedy.output_ids, greedy.finish_reason):
+        return [f"forced greedy {forced.finish_reason} {forced.output_ids} != temperature 0's "
+                f"{greedy.finish_reason} {greedy.output_ids}; {where}"]
+    for n, (a, b) in enumerate(zip(forced.logprobs or [], greedy.logprobs or [])):
+        if [t for t, _ in a.top] != [t for t, _ in b.top] or any(
+                abs(x - y) > LOGPROB_TOL for x, y in zip([a.logprob, *(v for _, v in a.top)],
+                                                         [b.logprob, *(v for _, v in b.top)])):
+            return [f"forced greedy token {n}: logprobs {a} != temperature 0's {b}; {where}"]
+    return []
+
+
 def prompt_count(choices: list) -> int:
     return sum(1 for c in choices if c.j == 0)
 
@@ -238,4 +304,7 @@ def feature_tags(choice, chat: bool, stream: bool) -> list[str]:
         tags.append(f"logit_bias {'greedy' if p.greedy else 'sampled'}{' penalized' if p.penalized else ''}")
     if p.min_tokens and (p.stop_token_ids or not p.ignore_eos):
         tags.append("min_tokens")
+    if p.top_k or p.min_p:
+        tags.append(f"top_k/min_p {'greedy' if p.greedy else 'forced greedy' if forced_greedy(p) else 'sampled'}"
+                    f"{' unseeded' if p.seed is None and not p.greedy else ''}")
     return tags

@@ -13,8 +13,10 @@ the limit, absent (max_completion_tokens for a chat), at the L1's capacity and o
 fields at their neutral values, `n` choices (2..4; choice j of a seeded request: seed + j), token
 logprobs (completions' `logprobs: k`, chat's `logprobs` and `top_logprobs`), presence / frequency /
 repetition penalties (the probes run them too), logit_bias (ids the probes wrote, random ones, the
-prompt's; values across [-100, 100]) and min_tokens (without stop strings), requests the server must
-refuse (400, 404; 429 under a small --max-concurrent-requests), and clients that go away: before their
+prompt's; values across [-100, 100]) and min_tokens (without stop strings), top_k and min_p (on greedy
+and seeded sampled requests; some sampled ones forced greedy by top_k 1 or min_p 1, seeded or not),
+requests the server must refuse (400, 404; 429 under a small --max-concurrent-requests; a bad top_k or
+min_p), and clients that go away: before their
 body arrives, mid-stream after n events, or after a delay (ASGI spec 2.3 as uvicorn speaks it, or 2.4
 where a write to a gone client may raise). Rounds run drained, overlapping, or the last is cut by the
 server's shutdown; L3 reads may be slow.
@@ -28,12 +30,14 @@ prefix of the answer; a twin streamed where the other is not. Per choice (index 
 reference's answer for its prompt and derived params (so greedy choices are all alike); logprobs null
 unless asked, else their endpoint's shape, one entry per token id, top-k sorted, <= 0, text_offset the
 pieces' running length, values within 1e-4 of the reference's (asked with the same k); usage counts each
-prompt's tokens once and every choice's completion tokens (tests/http_fuzz_features.py). After each round: no request left in the engine, nothing in flight at the server,
-`check_integrity()`, and (stopped and drained) every tier whole; at the end the server's request
-counters (outcomes, prompt tokens, in flight) agree with what it answered.
+prompt's tokens once and every choice's completion tokens (tests/http_fuzz_features.py); a forced-greedy
+request's reference tokens and logprobs are its temperature-0 twin's (an oracle: both engines could share
+a top_k / min_p bug, not this one). After each round: no request left in the engine, nothing in flight at
+the server, `check_integrity()`, and (stopped and drained) every tier whole; at the end the server's
+request counters (outcomes, prompt tokens, in flight) agree with what it answered.
 
-Not compared, by design: sampling without a seed (random), and stop strings holding U+FFFD (the text
-is matched once a character is whole; an incomplete one is only rendered U+FFFD at the end).
+Not compared, by design: sampling without a seed (random; forced greedy aside), and stop strings holding
+U+FFFD (the text is matched once a character is whole; an incomplete one is only rendered U+FFFD at the end).
 
 `python tests/test_http_diff_fuzz_hunt.py FIRST LAST` runs seeds FIRST..LAST and prints each case and
 its failures; HTTP_FUZZ_SEEDS=N runs N seeds under pytest.
@@ -47,7 +51,8 @@ import time
 
 import pytest
 
-from http_fuzz_cases import VOCAB, Call, Choice, apply_stops, reference_engine
+from http_fuzz_cases import VOCAB, Call, Choice, reference_engine
+from http_fuzz_features import apply_stops
 from http_fuzz_run import asgi_call, check_reply, describe, fuzz
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
@@ -85,7 +90,8 @@ async def test_stop_as_one_token_id_ends_at_that_token(stream):
 # seeds 0..N-1; the hunt ran seeds 0-319, 1000-1300, 2000-2300, 3000-3300, 4000-4200, 5000-5199 by hand; with
 # n / logprobs / penalties: 0-239, 1000-1119, 2000-2119, 3000-3079 and 4000-4079 (24 calls), and with wider draws
 # (n up to 16, most requests penalized, logprobs often) 5000-5099, 6000-6099, 7000-7099; with logit_bias 0-149,
-# 1000-1099 (24 calls), 2000-2149, and min_tokens too 3000-3019, 4000-4199, 5000-5149 (24 calls))
+# 1000-1099 (24 calls), 2000-2149, and min_tokens too 3000-3019, 4000-4199, 5000-5149 (24 calls); with top_k and
+# min_p 0-300, 1000-1099 (24 calls))
 FUZZ_SEEDS = list(range(int(os.environ["HTTP_FUZZ_SEEDS"]))) if "HTTP_FUZZ_SEEDS" in os.environ else [0, 4, 6, 8, 10, 24]
 
 
@@ -93,6 +99,7 @@ FUZZ_SEEDS = list(range(int(os.environ["HTTP_FUZZ_SEEDS"]))) if "HTTP_FUZZ_SEEDS
 @pytest.mark.parametrize("seed", FUZZ_SEEDS)
 async def test_random_http_rounds_match_a_no_cache_engine(seed):
     case, problems = await fuzz(seed)
+    problems += case.oracle_problems
     assert not problems, describe(case) + "\n" + "\n".join(problems)
 
 
@@ -111,6 +118,7 @@ if __name__ == "__main__":
         case = None
         try:
             case, problems = uvloop.run(fuzz(seed, max_calls))
+            problems += case.oracle_problems
         except BaseException as exc:  # noqa: BLE001
             if isinstance(exc, KeyboardInterrupt):
                 raise

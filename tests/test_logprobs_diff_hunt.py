@@ -8,15 +8,18 @@ poisoned with NaN between rounds (its requests fail; the others must not notice)
 penalties, a logit_bias (ids the model would pick, random ones, a prompt's, values across [-100, 100])
 and min_tokens (over stop ids the model would write), beside requests that carry none in the same
 batches (scheduler/penalty_state.py: a device state per request, kept across its steps, restores,
-chained steps and rounds; a min_tokens row asks for its first steps only).
+chained steps and rounds; a min_tokens row asks for its first steps only). Some carry top_k and min_p
+(greedy ones ignore them; seeded sampled ones draw as the reference does), and some greedy requests are
+sampled instead, seeded or not, with top_k 1 or min_p 1: only the likeliest token left to draw.
 
 Per request: every token event of an asking request carries logprobs and none of a non-asking one;
 its GenerationResult has one per output token (the events' own, in order); top-k has k entries, sorted,
 all <= 0; each event's logprob is the log_softmax of a dense forward over prompt + output so far at
-that event's token (and the top-k its k largest); its tokens equal a no-cache engine's that asked for
-no logprobs (a finished request's exactly, an aborted one's a prefix); a greedy one's each the argmax of
-that dense forward's logits (biased then penalized on the host, over the tokens before it, where it
-asks: an oracle that shares no state with either engine); an ended request holds no penalty state.
+that event's token (and the top-k its k largest: the raw logits', whatever top_k or min_p); its tokens
+equal a no-cache engine's that asked for no logprobs (a finished request's exactly, an aborted one's a
+prefix); a greedy or forced-greedy one's each the argmax of that dense forward's logits (biased then
+penalized on the host, over the tokens before it, where it asks: an oracle that shares no state with
+either engine); an ended request holds no penalty state.
 Every tier whole after each round.
 
 `python tests/test_logprobs_diff_hunt.py FIRST LAST` runs seeds FIRST..LAST (three rounds each) and
@@ -54,15 +57,20 @@ class LpSpec(Spec):
     bias_seed: int | None = None  # its logit_bias is still to draw (`resolve_drawn`), from this seed
     min_tokens: int = 0
     stops_seed: int | None = None  # its stop ids are still to draw (`resolve_drawn`): ids it would write
+    top_k: int = 0
+    min_p: float = 0.0
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
         presence, frequency, repetition = self.penalties
         return dataclasses.replace(super().params(max_tokens), logprobs=self.logprobs, presence_penalty=presence,
                                    frequency_penalty=frequency, repetition_penalty=repetition,
-                                   logit_bias=self.logit_bias, min_tokens=self.min_tokens)
+                                   logit_bias=self.logit_bias, min_tokens=self.min_tokens, top_k=self.top_k,
+                                   min_p=self.min_p)
 
-    def key(self) -> tuple:  # (penalties, a bias, min_tokens change the tokens: the reference runs each)
-        return super().key() + (self.penalties, tuple(sorted((self.logit_bias or {}).items())), self.min_tokens)
+    def key(self) -> tuple:  # (penalties, a bias, min_tokens, top_k, min_p change the tokens: the reference runs each)
+        prompt, temperature, top_p, seed, stops = super().key()  # (no seed: -1, as keys are sorted)
+        return (prompt, temperature, top_p, -1 if seed is None else seed, stops, self.penalties,
+                tuple(sorted((self.logit_bias or {}).items())), self.min_tokens, self.top_k, self.min_p)
 
     def reference_params(self) -> SamplingParams:  # (asking must not change a token)
         return dataclasses.replace(super().reference_params(), logprobs=None)
@@ -70,6 +78,11 @@ class LpSpec(Spec):
     @property
     def adjusts_logits(self) -> bool:
         return self.penalties != NEUTRAL_PENALTIES or bool(self.logit_bias) or self.min_tokens > 0
+
+    @property
+    def takes_argmax(self) -> bool:
+        """Greedy, or sampled with only the likeliest token left to draw (the tiny model's logits have no ties)."""
+        return self.temperature == 0.0 or self.top_k == 1 or self.min_p == 1.0
 
 
 NEUTRAL_PENALTIES = (0.0, 0.0, 1.0)
@@ -96,6 +109,26 @@ def draw_adjustments(case: Case) -> None:
         if rng.random() < 0.3:  # (its stop ids held back for its first min_tokens tokens: its row asks, then not)
             spec.min_tokens = rng.randrange(0, spec.max_tokens + 1)
             spec.stops_seed = rng.randrange(1 << 30) if rng.random() < 0.8 else None
+
+
+TOP_KS = (-1, 0, 1, 2, 5, 40, VOCAB - 1, VOCAB, VOCAB + 7)
+MIN_PS = (0.0, 1e-9, 0.02, 0.1, 0.3, 0.9, 1.0)
+
+
+def draw_sampler(case: Case) -> None:
+    """top_k and min_p on some requests, at values across their ranges (greedy ones ignore them); some greedy
+    ones sampled instead (seeded or not) and forced greedy by top_k 1 or min_p 1. Their own random stream."""
+    rng = random.Random(case.seed * 104729 + 7)
+    rate = rng.choice([0.0, 0.3, 0.6, 1.0])
+    for spec in case.requests:
+        if rng.random() >= rate:
+            continue
+        spec.top_k = rng.choice(TOP_KS) if rng.random() < 0.6 else 0
+        spec.min_p = rng.choice(MIN_PS) if rng.random() < 0.6 or not spec.top_k else 0.0
+        if spec.temperature == 0.0 and rng.random() < 0.5:
+            spec.temperature, spec.top_p = rng.choice([0.7, 1.0, 1.5, 100.0]), rng.choice([1.0, 1.0, 0.9, 0.3])
+            spec.seed = rng.randrange(1000) if rng.random() < 0.5 else None
+            spec.top_k, spec.min_p = rng.choice([(1, spec.min_p), (spec.top_k, 1.0), (1, 1.0)])
 
 
 def draw_bias(seed: int, prompt: list[int], likely: list[int]) -> dict[int, float]:
@@ -150,6 +183,7 @@ def make_case(seed: int) -> Case:
         specs.append(lp)
     case.requests = specs
     draw_adjustments(case)
+    draw_sampler(case)
     case.nan_round = rng.randrange(2) if (rng.random() < 0.15 and case.rounds_mode == "drained") else None
     # restores that fail or land late, so that the forward behind one is held and then kept or thrown
     # away: transfers that raise, L3 reads that fail, checksums that run late (a landed prefetch is taken
@@ -243,10 +277,10 @@ def check_request(eng: Engine, dense: dict, i: int, spec: LpSpec, events: list, 
                 for (t, v), w in zip(lp.top, ref_top)):
             problems.append(f"request {i}: event {n} (token {token}): logprobs {lp.logprob} top {lp.top[:3]} != "
                             f"dense {float(ref[token])} top {ref_top[:3]}; {why}")
-        if spec.temperature == 0.0 and not spec.adjusts_logits and not math.isclose(lp.logprob, float(ref.max()),
-                                                                                   abs_tol=ABS_TOL):
+        if spec.takes_argmax and not spec.adjusts_logits and not math.isclose(lp.logprob, float(ref.max()),
+                                                                              abs_tol=ABS_TOL):
             problems.append(f"request {i}: event {n}: a greedy token below the top logprob; {why}")
-    if spec.temperature == 0.0 and spec.adjusts_logits and tokens:
+    if spec.takes_argmax and (spec.adjusts_logits or spec.temperature > 0.0) and tokens:  # (forced greedy: always)
         problems += check_adjusted_greedy(dense_logits(eng, dense, spec.prompt, tokens), spec, tokens, why)
     if req is not None and req.penalty_state is not None:
         problems.append(f"request {i}: ended ({reason}) holding its penalty state; {why}")
@@ -306,15 +340,20 @@ def describe_lp(case: Case) -> str:
     penalized = sum(r.penalties != NEUTRAL_PENALTIES for r in case.requests)
     biased = sum(bool(r.logit_bias) or r.bias_seed is not None for r in case.requests)
     held = sum(r.min_tokens > 0 for r in case.requests)
+    top_k_min_p = sum(bool(r.top_k or r.min_p) for r in case.requests)
+    forced = sum(r.temperature > 0.0 and r.takes_argmax for r in case.requests)
     return (describe(case) + f", logprobs {sum(k is not None for k in asks)}/{len(asks)} asking "
             f"k {sorted({k for k in asks if k is not None})}, penalized {penalized} biased {biased} min_tokens {held}, "
+            f"top_k/min_p {top_k_min_p} (forced greedy {forced}), "
             f"nan_round {case.nan_round}, flip_l3 {case.flip_l3}")
 
 
 # -- the fuzz ------------------------------------------------------------------------------------
 # seeded sampling, held and discarded overlapped forwards, take-ons, a NaN prefix; penalties, logit_bias and
-# min_tokens in all but 76 (by hand, with them: 0-299, 1000-1199 at MAX_TOKENS=24, 2000-2099 at MAX_REQUESTS=50
-# MAX_TOKENS=16; with min_tokens too: 3000-3040, 4000-4299, 6000-6199 at MAX_TOKENS=24 MAX_REQUESTS=40)
+# min_tokens in all but 76; top_k / min_p (forced greedy too) in 9, 76, 78 and 247 (by hand, with them: 0-299,
+# 1000-1199 at MAX_TOKENS=24, 2000-2099 at MAX_REQUESTS=50 MAX_TOKENS=16; with min_tokens too: 3000-3040,
+# 4000-4299, 6000-6199 at MAX_TOKENS=24 MAX_REQUESTS=40; with top_k and min_p: 0-300, 1000-1099 at MAX_TOKENS=24
+# MAX_REQUESTS=40)
 FUZZ_SEEDS = [9, 16, 74, 76, 78, 247]
 
 
