@@ -15,7 +15,9 @@ L2 (no --hicache-storage-size-gb) is held to half the free space of its file sys
 ~120 GiB, where the H200 machine's disk has 64 GiB: the file's reservation refused to start)."""
 from __future__ import annotations
 
+import gc
 import os
+import stat
 import tempfile
 from dataclasses import replace
 
@@ -52,6 +54,10 @@ def l1_pages_from_memory(config: EngineConfig, device: torch.device, model: Mode
                          geometry: KVGeometry) -> int:
     """L1 pages that config.gpu_memory_fraction of `device`'s memory leaves, read now (after the
     weights are loaded; `l1_budget_pages`), logged."""
+    # what this process freed (an engine before this one, once gc collects its reference cycle) still
+    # sits in torch's cache and reads as in use: give it back first (SGLang empties it as it sizes too)
+    gc.collect()
+    torch.cuda.empty_cache()
     free_bytes, total_bytes = torch.cuda.mem_get_info(device)
     pages = l1_budget_pages(config, model, geometry, total_bytes, total_bytes - free_bytes)
     log.info("l1_sized", pages=pages, tokens=pages * geometry.page_size,
@@ -106,19 +112,28 @@ def plan_pools(config: EngineConfig, device: torch.device, model: ModelConfig, g
     else:
         l1_pages = config.l1_pages(geometry.page_size)
     hc = replace(config.hicache, model_id=model_id)
+    if config.simulate:  # no L2 or L3 byte is held: the tiers of the deployment simulated, as asked
+        return l1_pages, hc
     hc = host_config_within_memory(hc, l1_pages, geometry.bytes_per_page, memory_limit_bytes())
     return l1_pages, storage_config_within_disk(hc, l1_pages, geometry.bytes_per_page, disk_free_bytes(hc))
 
 
 def disk_free_bytes(hc: HiCacheConfig) -> int | None:
     """Free bytes (for this user) of the file system the L3 file goes on: its path's directory, or the
-    temporary directory (hicache/storage_file.py); None when unknown."""
+    temporary directory (hicache/storage_file.py); None when unknown. A regular file already at the path
+    (the last run's L3) counts too: the new one is truncated into its blocks, as the file's own check
+    counts them (else each restart held L3 to half of what the last one left free)."""
     directory = os.path.dirname(os.path.abspath(hc.storage_path)) if hc.storage_path else tempfile.gettempdir()
     try:
         st = os.statvfs(directory)
     except OSError:
         return None
-    return st.f_bavail * st.f_frsize
+    try:
+        old = os.lstat(hc.storage_path) if hc.storage_path else None
+    except OSError:
+        old = None
+    old_bytes = old.st_blocks * 512 if old is not None and stat.S_ISREG(old.st_mode) else 0
+    return st.f_bavail * st.f_frsize + old_bytes
 
 
 def storage_config_within_disk(hc: HiCacheConfig, l1_pages: int, bytes_per_page: int,
