@@ -85,9 +85,12 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
     neg_inf = x.new_full((), -math.inf)
     if any(m > -math.inf for m in min_logs):  # p < min_p * p_max  <=>  x < log(min_p) (x's max is 0)
         x = torch.where(x < min_log, neg_inf, x)
-    if any(ks) or any(p < 1.0 for p in ps):
-        x = _top_k_top_p(x, k_index.long(), p_dev, any(ks), any(p < 1.0 for p in ps), neg_inf)
-    q = torch.empty_like(x).exponential_()  # [S, V]: the unseeded rows' draws
+    top_k, nucleus = any(ks), any(p < 1.0 for p in ps)
+    if top_k or nucleus:
+        x = _top_k_top_p(x, k_index.long(), p_dev, top_k, nucleus, neg_inf)
+    q = torch.empty_like(x)  # [S, V]
+    if any(generators[i] is None for i in rows):  # the unseeded rows' draws, in one call
+        q.exponential_()
     for j, i in enumerate(rows):
         gen = generators[i]
         if gen is None:

@@ -28,16 +28,11 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import write_result  # noqa: E402
+from bench_common import percentile, write_result  # noqa: E402
 from scheduler.config import add_engine_args, config_from_args  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.presets import model_config_of  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
-
-
-def quantile_ms(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else float("nan")
 
 
 def summary(marks: list[list[float]], start_s: float, new_tokens: int) -> dict:
@@ -47,9 +42,9 @@ def summary(marks: list[list[float]], start_s: float, new_tokens: int) -> dict:
     window_s = max(lasts) - max(firsts)
     gaps = [b - a for m in marks for a, b in zip(m, m[1:])]
     return {"tok_s": len(marks) * (new_tokens - 1) / max(window_s, 1e-9), "batch_ms": (max(lasts) - start_s) * 1e3,
-            "ttft_p50_ms": quantile_ms([f - start_s for f in firsts], 0.5),
+            "ttft_p50_ms": percentile([f - start_s for f in firsts], 50) * 1e3,
             "ttft_max_ms": max(firsts) * 1e3 - start_s * 1e3,
-            "itl_p50_ms": quantile_ms(gaps, 0.5), "itl_p99_ms": quantile_ms(gaps, 0.99)}
+            "itl_p50_ms": percentile(gaps, 50) * 1e3, "itl_p99_ms": percentile(gaps, 99) * 1e3}
 
 
 async def in_process(args, batches) -> dict:
