@@ -114,6 +114,9 @@ class HiCacheConfig:
         if self.storage_url is not None and self.storage_backend != "redis":
             raise ValueError("--hicache-storage-url is only used by --hicache-storage-backend redis "
                              f"(the backend is {self.storage_backend!r})")
+        if self.storage_path == "":  # (regression: an unset variable's "" was taken as the current directory)
+            raise ValueError("--hicache-storage-path is empty: give a file's path, or leave it out for a "
+                             "temporary file")
         if self.storage_path is not None and self.storage_backend != "file":
             raise ValueError("--hicache-storage-path is only used by --hicache-storage-backend file "
                              f"(the backend is {self.storage_backend!r})")

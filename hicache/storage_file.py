@@ -102,7 +102,7 @@ def _check_existing(path: str, st: os.stat_result) -> None:
            else f"it is owned by uid {st.st_uid}, not by this process (uid {os.geteuid()})"
            if st.st_uid != os.geteuid() else None)
     if why is not None:
-        raise ValueError(f"refusing L3 storage path {path!r}: {why}")
+        raise ValueError(f"refusing --hicache-storage-path {path!r}: {why}")
 
 
 def _open_path(path: str, size_bytes: int) -> tuple[int, bool]:
@@ -117,7 +117,7 @@ def _open_path(path: str, size_bytes: int) -> tuple[int, bool]:
             fd = os.open(path, flags)
     except OSError as exc:
         why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror or str(exc)
-        raise ValueError(f"refusing L3 storage path {path!r}: {why}") from exc
+        raise ValueError(f"refusing --hicache-storage-path {path!r}: {why}") from exc
     try:
         st = os.fstat(fd)  # re-check what was really opened (the path may have changed meanwhile)
         _check_existing(path, st)
@@ -145,5 +145,5 @@ def _lock(fd: int, path: str) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        raise ValueError(f"refusing L3 storage path {path!r}: another store has it open (this process or "
+        raise ValueError(f"refusing --hicache-storage-path {path!r}: another store has it open (this process or "
                          f"another); give each engine its own --hicache-storage-path") from None

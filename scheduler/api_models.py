@@ -428,7 +428,8 @@ def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, prompt: str | li
         raise APIError(400, "the prompt is empty", param=param, code="invalid_value")
     if len(ids) > prompt_limit:
         raise APIError(400, f"prompt of {len(ids)} tokens exceeds the limit of {prompt_limit} tokens "
-                            f"(--max-prompt-tokens)", param=param, code="prompt_too_long")
+                            f"(--max-prompt-tokens, within the L1 pool and the model's positions)", param=param,
+                       code="prompt_too_long")
     for t in ids:
         if not 0 <= t < vocab_size:
             raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab_size})", param=param,

@@ -27,7 +27,7 @@ class EngineConfig:
     max_prefill_tokens: int = 2048  # token budget of one prefill batch (chunked prefill above it)
     max_running_requests: int = 64
     max_context_tokens: int = 16384  # longest sequence a captured decode graph serves (longer: eager)
-    max_prompt_tokens: int = 0  # 0: no limit beyond what the pool can ever hold
+    max_prompt_tokens: int = 0  # 0: no limit beyond what the pool and the model's positions can hold
     max_new_tokens_limit: int = 4096
     enable_prefix_cache: bool = True
     cuda_graphs: bool = True  # CUDA only: small forwards (decode, short tails) replay captured graphs
@@ -60,9 +60,12 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_fraction <= 1.0:  # (also NaN)
             raise ValueError("gpu_memory_fraction (--gpu-memory-fraction) must be in (0, 1], "
                              f"got {self.gpu_memory_fraction!r}")
-        if self.num_pages == 0 and self.page_size > (self.max_total_tokens or DEFAULT_L1_TOKENS):  # (one page)
+        if (self.num_pages == 0 and self.page_size > (self.max_total_tokens or DEFAULT_L1_TOKENS)  # (one page)
+                and not self.l1_from_gpu_memory()):  # (regression: refused there, L1 not yet sized)
+            given = (f"--max-total-tokens {self.max_total_tokens}" if self.max_total_tokens
+                     else f"--max-total-tokens 0: {DEFAULT_L1_TOKENS:,} tokens without a GPU to size it from")
             raise ValueError(f"page_size (--page-size) {self.page_size} is larger than the L1 pool it divides "
-                             f"(--max-total-tokens {self.max_total_tokens}); lower it, or give --num-pages")
+                             f"({given}); lower it, or give --num-pages")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"{_field_name('seed', FLAGS['seed'])} must be in [0, 2**64 - 1], got {self.seed!r}")
         if self.hicache.enable and not self.enable_prefix_cache:  # (L2/L3 sat idle, taking backups)
@@ -75,6 +78,12 @@ class EngineConfig:
     def page_size_on(self, device_type: str) -> int:
         """Tokens a page: --page-size, else 16 on CUDA and 4 on the CPU."""
         return self.page_size or (16 if device_type == "cuda" else 4)
+
+    def l1_from_gpu_memory(self) -> bool:
+        """Whether the engine sizes L1 from the GPU's memory (scheduler/memory_plan.py plan_pools): no
+        --num-pages, --max-total-tokens 0, on CUDA (auto: where there is one), not simulated."""
+        return (self.num_pages == 0 and self.max_total_tokens == 0 and not self.simulate
+                and (self.device == "cuda" or self.device == "auto" and torch.cuda.is_available()))
 
     def l1_pages(self, page_size: int) -> int:
         """L1 pages: --num-pages, else --max-total-tokens (0: DEFAULT_L1_TOKENS; on CUDA the engine sizes it
@@ -140,7 +149,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="tokens one prefill batch computes; longer prompts are prefilled in chunks")
     g.add_argument("--max-running-requests", type=int, default=64, help="requests admitted (prefill or decode) at once")
     g.add_argument("--max-prompt-tokens", type=int, default=0,
-                   help="longest prompt in tokens (0: what the L1 pool holds; never above it)")
+                   help="longest prompt in tokens (0: what the L1 pool holds, within the model's positions; "
+                        "never above either)")
     g.add_argument("--disable-prefix-cache", action="store_true", help="no prefix reuse, in L1 or below")
     g.add_argument("--disable-cuda-graphs", action="store_true",
                    help="run small forwards eagerly instead of replaying captured CUDA graphs (CUDA only)")

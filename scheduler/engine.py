@@ -133,9 +133,9 @@ class Engine(BatchAPI):
 
     @property
     def max_prompt_tokens(self) -> int:
-        pool_tokens = self.usable_l1_pages * self.page_size
-        limit = self.config.max_prompt_tokens or pool_tokens
-        return min(limit, pool_tokens)
+        """--max-prompt-tokens within `max_kv_tokens` (regression: the L1 pool alone; a prompt past the
+        model's positions but within the pool was refused by a second check with another message)."""
+        return min(self.config.max_prompt_tokens or self.max_kv_tokens, self.max_kv_tokens)
 
     def validate(self, prompt: Sequence[int], params: SamplingParams) -> None:
         if not isinstance(prompt, (list, tuple)) or len(prompt) == 0:

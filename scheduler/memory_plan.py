@@ -77,12 +77,14 @@ def l1_budget_pages(config: EngineConfig, model: ModelConfig, geometry: KVGeomet
     budget_bytes = int(config.gpu_memory_fraction * total_bytes) - used_bytes - reserve_bytes
     pages = min(MAX_TIER_PAGES, max(0, budget_bytes // geometry.bytes_per_page))
     least_pages = 2 + -(-min(config.max_context_tokens, 4096) // geometry.page_size)
-    if pages < least_pages:
+    if pages < least_pages:  # (at a fraction of 1 already, "raise it" was the advice)
+        raise_it = "raise --gpu-memory-fraction, " if config.gpu_memory_fraction < 1 else ""
         raise ValueError(
             f"--gpu-memory-fraction {config.gpu_memory_fraction} of this GPU's {total_bytes / GIB:.1f} GiB leaves "
             f"{max(0, budget_bytes) / GIB:.2f} GiB for L1 once {used_bytes / GIB:.1f} GiB in use (the weights "
             f"among it) and a {reserve_bytes / GIB:.1f} GiB reserve for activations are counted: fewer than the "
-            f"{least_pages} pages a request needs; raise it, or give --max-total-tokens")
+            f"{least_pages} pages a request needs; {raise_it}lower --max-prefill-tokens / --max-running-requests "
+            f"(the reserve), or give --max-total-tokens")
     return pages
 
 
@@ -93,9 +95,16 @@ def host_config_within_memory(hc: HiCacheConfig, l1_pages: int, bytes_per_page: 
     if not hc.enable or hc.host_size_gb is not None or limit_bytes is None:
         return hc
     asked_bytes = int(l1_pages * hc.host_ratio) * bytes_per_page
-    most_bytes = int(HOST_SHARE * limit_bytes) // bytes_per_page * bytes_per_page
+    # (at most a tier's pages: half a host of terabytes was refused naming --hicache-size-gb, not given)
+    most_bytes = min(int(HOST_SHARE * limit_bytes) // bytes_per_page, MAX_TIER_PAGES) * bytes_per_page
     if asked_bytes <= most_bytes:
         return hc
+    if most_bytes == 0:  # (was "raise --hicache-ratio / --hicache-size-gb": the ratio had not sized it)
+        raise ValueError(
+            f"hicache: --hicache-ratio {hc.host_ratio} asks L2 of {asked_bytes / GIB:.2f} GiB, held to half the "
+            f"memory this process may have ({limit_bytes / GIB:.2f} GiB: the machine's, ulimit -v or the "
+            f"cgroup's memory.max): no page of {bytes_per_page:,} bytes; allow it more memory, lower --page-size, "
+            f"or give --hicache-size-gb")
     log.warning("l2_held_to_host_memory", asked_gib=round(asked_bytes / GIB, 2), gib=round(most_bytes / GIB, 2),
                 host_gib=round(limit_bytes / GIB, 1), ratio=hc.host_ratio)
     return replace(hc, host_size_gb=most_bytes / GIB)
@@ -112,10 +121,23 @@ def plan_pools(config: EngineConfig, device: torch.device, model: ModelConfig, g
     else:
         l1_pages = config.l1_pages(geometry.page_size)
     hc = replace(config.hicache, model_id=model_id)
-    if config.simulate:  # no L2 or L3 byte is held: the tiers of the deployment simulated, as asked
-        return l1_pages, hc
-    hc = host_config_within_memory(hc, l1_pages, geometry.bytes_per_page, memory_limit_bytes())
-    return l1_pages, storage_config_within_disk(hc, l1_pages, geometry.bytes_per_page, disk_free_bytes(hc))
+    if not config.simulate:  # (simulated: no L2 or L3 byte is held; the deployment's tiers, as asked)
+        hc = host_config_within_memory(hc, l1_pages, geometry.bytes_per_page, memory_limit_bytes())
+        hc = storage_config_within_disk(hc, l1_pages, geometry.bytes_per_page, disk_free_bytes(hc))
+    check_l2_holds_a_page(hc, l1_pages, geometry.bytes_per_page)
+    return l1_pages, hc
+
+
+def check_l2_holds_a_page(hc: HiCacheConfig, l1_pages: int, bytes_per_page: int) -> None:
+    """Raises ValueError naming the flag that sized an L2 of no page (the pool manager's own refusal
+    advised raising --hicache-ratio beside --hicache-size-gb, which overrides it, and the reverse)."""
+    if not hc.enable or hc.host_pages(l1_pages, bytes_per_page) >= 1:
+        return
+    if hc.host_size_gb is not None:
+        raise ValueError(f"hicache: --hicache-size-gb {hc.host_size_gb} holds no L2 page of {bytes_per_page:,} "
+                         f"bytes; raise it")
+    raise ValueError(f"hicache: --hicache-ratio {hc.host_ratio} x {l1_pages:,} L1 pages gives L2 no page; raise it, "
+                     f"or give --hicache-size-gb")
 
 
 def disk_free_bytes(hc: HiCacheConfig) -> int | None:
@@ -145,7 +167,7 @@ def storage_config_within_disk(hc: HiCacheConfig, l1_pages: int, bytes_per_page:
             or free_bytes is None):
         return hc
     asked_bytes = int(hc.host_pages(l1_pages, bytes_per_page) * hc.storage_ratio) * bytes_per_page
-    most_bytes = int(DISK_SHARE * free_bytes) // bytes_per_page * bytes_per_page
+    most_bytes = min(int(DISK_SHARE * free_bytes) // bytes_per_page, MAX_TIER_PAGES) * bytes_per_page
     if asked_bytes <= most_bytes or most_bytes < bytes_per_page:
         return hc
     log.warning("l3_held_to_free_disk", asked_gib=round(asked_bytes / GIB, 2), gib=round(most_bytes / GIB, 2),
@@ -157,6 +179,11 @@ def pools_line(status: dict) -> str:
     """One line of what the tiers hold, from Engine.status(): what the server prints as it starts (the
     L1 that --gpu-memory-fraction gave is not otherwise shown)."""
     engine, tiers = status["engine"], status["tiers"]
-    parts = [f"{tier.upper()} {t['capacity_pages'] * engine['page_size']:,} tokens ({t['capacity_bytes'] / GIB:.2f} GiB)"
+    parts = [f"{tier.upper()} {t['capacity_pages'] * engine['page_size']:,} tokens ({_size(t['capacity_bytes'])})"
              for tier, t in tiers.items() if t]  # (a tier that is off: None)
     return f"{engine['model']} on {engine['device']} ({engine['dtype']}): " + ", ".join(parts)
+
+
+def _size(num_bytes: int) -> str:
+    """GiB, or MiB below one GiB (regression: a tier under 5 MiB was "(0.00 GiB)")."""
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= GIB else f"{num_bytes / (1 << 20):.2f} MiB"

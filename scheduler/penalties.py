@@ -54,15 +54,17 @@ class PenaltyFields(BaseModel):
             raise PydanticCustomError("less_than_equal", "at most {most} token ids may be biased, got {n}",
                                       {"most": LOGIT_BIAS_MAX_TOKENS, "n": len(bias)})
         vocab = (info.context or {}).get("vocab_size")
+        # (pydantic fills "{key}" from the context, not "{key!r}": the key goes in quoted; regression:
+        # the errors showed a literal "{key!r}")
         for key in bias or ():
             if not _INTEGER.fullmatch(key):
                 raise PydanticCustomError("int_parsing", "a key must be a token id as an integer string "
-                                          "(such as \"50256\"), got {key!r}", {"key": key})
+                                          "(such as \"50256\"), got {key}", {"key": repr(key)})
             # (no leading zeros: "05" and "5" would name one token twice; a long one is not a token id)
             if key.startswith(("-", "0")) and key != "0" or len(key) > 12 or vocab is not None and int(key) >= vocab:
                 top = "" if vocab is None else f" below the vocabulary size {vocab}"
-                raise PydanticCustomError("less_than", "key {key!r} is not a token id of this model (an integer "
-                                          ">= 0{top}, without leading zeros)", {"key": key, "top": top})
+                raise PydanticCustomError("less_than", "key {key} is not a token id of this model (an integer "
+                                          ">= 0{top}, without leading zeros)", {"key": repr(key), "top": top})
         return bias
 
     def penalty_params(self, max_tokens: int) -> dict[str, Any]:

@@ -22,6 +22,7 @@ check or --compare-no-cache found other outputs. Prompt tokens are those of comp
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import dataclasses
 import hashlib
@@ -182,14 +183,19 @@ async def _dispatch(engine, items: list[ReplayItem], time_scale: float, concurre
 
 
 async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_scale: float = 0.0,
-                       concurrency: int = 1, progress: bool = False, rid_prefix: str = "r") -> dict:
-    """Replays `items` on a fresh engine; returns the run's figures (see `summarize`)."""
+                       concurrency: int = 1, progress: bool = False, rid_prefix: str = "r",
+                       announce: str | None = None) -> dict:
+    """Replays `items` on a fresh engine; returns the run's figures (see `summarize`). announce: a
+    prefix to print on stderr, once the engine is built, before what it runs (model, device, tiers)."""
     from scheduler.engine import Engine
+    from scheduler.memory_plan import pools_line
 
     try:
         engine = Engine(config)
     except (OSError, RuntimeError) as exc:
         raise EngineStartError(f"cannot start the engine: {exc}") from exc
+    if announce is not None:  # (regression: the replay never said what it ran; the server's start line)
+        print(f"{announce}{pools_line(engine.status())}", file=sys.stderr, flush=True)
     outcomes: list[Outcome | None] = [None] * len(items)
     bar = None
     if progress:
@@ -346,6 +352,17 @@ def print_summary(s: dict, file=None) -> None:
 
 
 # -- entry point ----------------------------------------------------------------------------------
+def _replay_or_exit(parser: argparse.ArgumentParser, args: argparse.Namespace, config: EngineConfig,
+                    items: list[ReplayItem], what: str = "", **kw) -> dict:
+    """replay(), or exit 2 with one line when the engine refuses its configuration or its pools."""
+    try:
+        return replay(config, items, **kw)
+    except (ValueError, EngineStartError) as exc:  # a configuration the engine refuses (an L2 of no page)
+        parser.exit(2, f"replay_trace.py: {what}{exc}\n")
+    except MemoryError as exc:  # pools larger than this process may have after all (a traceback before)
+        parser.exit(2, f"replay_trace.py: {what}{replay_memory.out_of_memory(args, config, exc)}\n")
+
+
 def run_cli(argv: list[str] | None = None) -> dict:
     """Parses, replays, prints; returns the summary. Raises SystemExit on bad input or --strict."""
     parser = build_parser()
@@ -384,18 +401,20 @@ def run_cli(argv: list[str] | None = None) -> dict:
     options = {k: getattr(args, k) for k in REPLAY_OPTIONS}
     progress = sys.stdout.isatty() and not args.no_progress
     kw = dict(time_scale=args.time_scale, concurrency=args.concurrency)
-    try:
-        summary = summarize(replay(config, items, progress=progress, **kw), problems, config, options)
-    except (ValueError, EngineStartError) as exc:  # a configuration the engine refuses (an L2 of no page)
-        parser.exit(2, f"replay_trace.py: {exc}\n")
-    except MemoryError as exc:  # pools larger than this process may have after all (a traceback before)
-        parser.exit(2, f"replay_trace.py: {replay_memory.out_of_memory(args, config, exc)}\n")
+    simulated = " (simulated)" if config.simulate else ""
+    summary = summarize(_replay_or_exit(parser, args, config, items, progress=progress,
+                                        announce=f"replay_trace.py: replaying {args.trace}{simulated}: ", **kw),
+                        problems, config, options)
     if args.compare_no_cache:
         if config.log_json:  # keep the baseline's events out of this run's timeline
             from scheduler.logs import configure_logging
             configure_logging(None)
         base_cfg = dataclasses.replace(config.with_hicache(enable=False), enable_prefix_cache=False, log_json=None)
-        base = replay(base_cfg, items, progress=progress, rid_prefix="nocache-", **kw)
+        # (regression: a baseline engine that could not start was a traceback after the replay's summary)
+        base = _replay_or_exit(parser, args, base_cfg, items, progress=progress, rid_prefix="nocache-",
+                               what="--compare-no-cache baseline: ",
+                               announce=f"replay_trace.py: replaying {args.trace}{simulated} (--compare-no-cache "
+                                        "baseline): ", **kw)
         digest = outputs_digest(base["outcomes"])
         summary["compare_no_cache"] = {"outputs_digest": digest, "match": digest == summary["outputs_digest"],
                                        "failed": sum(o.error is not None for o in base["outcomes"]),

@@ -49,6 +49,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     # device is the CPU for the sample and auto for --trace
     # (enable_hicache None: on, unless --disable-prefix-cache turns it off; config_from_replay_args)
     p.set_defaults(enable_hicache=None, device=None, page_size=16)
+    # (regression: its help was the engine's, "default 16 on cuda, 4 on cpu", beside "(default: 16)")
+    next(a for a in p._actions if a.dest == "page_size").help = "tokens per page, on every device"
     p.add_argument("--disable-hicache", action="store_true",
                    help="turn L2/L3 off (the replay enables them unless --disable-prefix-cache is given)")
     r = p.add_argument_group("replay (defaults in [sample | --trace] form where they differ)")

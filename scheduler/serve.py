@@ -95,6 +95,10 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
         return "--shutdown-grace-s must be a number of seconds, got nan"
     if args.enable_hicache and args.disable_prefix_cache:  # (served, with L2/L3 idle)
         return f"--enable-hicache cannot be used with --disable-prefix-cache: {HICACHE_NEEDS_PREFIX_CACHE}"
+    if args.enable_hicache and args.hicache_storage_path is not None:
+        problem = _storage_path_problem(args.hicache_storage_path)
+        if problem:
+            return f"--hicache-storage-path {args.hicache_storage_path!r}: {problem}"
     if args.log_json:  # created here so that a path that cannot be is one line, not a traceback
         try:
             Path(args.log_json).parent.mkdir(parents=True, exist_ok=True)
@@ -102,6 +106,21 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
             return f"--log-json: cannot create the directory of {args.log_json}: {exc.strerror or exc}"
         if Path(args.log_json).is_dir() or not os.access(Path(args.log_json).parent, os.W_OK):
             return f"--log-json: cannot write {args.log_json}"
+    return None
+
+
+def _storage_path_problem(path: str) -> str | None:
+    """Why the L3 file cannot go at `path`, where that is plain before the model loads (an empty path,
+    an unset variable's, was read as the current directory; a directory, or one that does not exist,
+    was refused after the weights were loaded, naming no flag); None: the file's own checks decide
+    (hicache/storage_file.py: links, other owners, locks, free space)."""
+    if not path:
+        return "empty (leave it out for a temporary file)"
+    if os.path.isdir(path):
+        return "a directory; give a file's path"
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        return f"its directory {directory} does not exist"
     return None
 
 

@@ -50,7 +50,7 @@ log = structlog.get_logger("scheduler.server")
 
 @dataclass(frozen=True)
 class ServerLimits:
-    max_prompt_tokens: int = 0          # 0: the engine's limit (--max-prompt-tokens, else the L1 pool)
+    max_prompt_tokens: int = 0          # 0: the engine's limit (_ServerState.prompt_limit)
     max_tokens_limit: int = 0           # 0: the engine's max_new_tokens_limit
     max_concurrent_requests: int = 1024  # generation requests being served at once (429 above)
     max_body_bytes: int = 2 << 20       # request body (413 above)
@@ -106,6 +106,9 @@ class _ServerState:
 
     @property
     def prompt_limit(self) -> int:
+        """--max-prompt-tokens (the server's or the engine's), within the tokens one request can hold: the
+        L1 pool and the model's positions (Engine.max_prompt_tokens; regression: the pool's 8,192 tokens
+        were reported and enforced first, past the tiny preset's 4,096 positions)."""
         limit = self.engine.max_prompt_tokens
         return min(limit, self.limits.max_prompt_tokens) if self.limits.max_prompt_tokens > 0 else limit
 

@@ -151,7 +151,9 @@ async def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # allow_abbrev off: the engine's flags are passed on to the server as typed, and an abbreviated
+    # bench flag (--batch-s 8 for --batch) would reach the server too (regression: tests/test_review_s36.py)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     add_engine_args(ap)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=512)
@@ -167,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.batch, args.prompt_tokens, args.new_tokens = 8, 32, 64
     if not any(a.split("=")[0] in ("--max-total-tokens", "--num-pages") for a in argv):
-        # L1 for the whole batch at once (the CLI's default, 8,192 tokens, would queue most of it), in
-        # process and in the server alike
+        # L1 for the whole batch at once, the same in process and in the server (the CLI's default sizes
+        # L1 from the GPU's free memory, which the other engine's weights share)
         args.max_total_tokens = args.batch * (args.prompt_tokens + args.new_tokens + 64)
         args.engine_flags += ["--max-total-tokens", str(args.max_total_tokens)]
     if args.device == "auto":

@@ -4,8 +4,10 @@
 """
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
+import sys
 import threading
 import time
 
@@ -21,7 +23,11 @@ def host_us(fn, n=400):
     return statistics.median(out) / 1e3, statistics.mean(out) / 1e3
 
 
-def main() -> None:
+def main(argv=None) -> int:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
+    if not torch.cuda.is_available():  # (regression: --help ran the probe; the CPU got a traceback)
+        print("probe_contention.py needs CUDA", file=sys.stderr)
+        return 2
     try:
         print("cpu.max:", open("/sys/fs/cgroup/cpu.max").read().strip())
     except OSError as exc:
@@ -58,7 +64,8 @@ def main() -> None:
         if th is not None:
             th.join()
         print(f"{mode:22s} us median/mean: " + "  ".join(row))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -41,12 +42,21 @@ def host_us(fn, n=300, sync_every=50):
     return statistics.median(out) / 1e3
 
 
-def main() -> int:
-    if "--transfers" in sys.argv[1:]:  # part 2 only; --pool-pages N, --sleepy: see stamp_d2h
-        argv = sys.argv[1:]
-        pool = int(argv[argv.index("--pool-pages") + 1]) if "--pool-pages" in argv else 0
-        direct = int(argv[argv.index("--direct-pages") + 1]) if "--direct-pages" in argv else None
-        stamp_d2h(pool_pages=pool, sleepy="--sleepy" in argv, direct_pages=direct)
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--transfers", action="store_true", help="part 2 only")
+    ap.add_argument("--pool-pages", type=int, default=0,
+                    help="part 2's L1 pages (0: twice the transfer's, plus 8; see stamp_d2h)")
+    ap.add_argument("--direct-pages", type=int, default=None,
+                    help="part 2's TransferEngine.direct_pages (default: the engine's)")
+    ap.add_argument("--sleepy", action="store_true",
+                    help="part 2 waits as bench_transfer.py's harness does (sleep-poll, then synchronize)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():  # (regression: --help ran the probe; the CPU got a traceback)
+        print("probe_host.py needs CUDA", file=sys.stderr)
+        return 2
+    if args.transfers:
+        stamp_d2h(pool_pages=args.pool_pages, sleepy=args.sleepy, direct_pages=args.direct_pages)
         return 0
     dev = torch.device("cuda")
     pool_pages = 160
@@ -121,7 +131,7 @@ def main() -> int:
     print(f"{'call':45s} host us")
     for k, v in rows.items():
         print(f"{k:45s} {v if isinstance(v, str) else f'{v:8.1f}'}")
-    stamp_d2h()
+    stamp_d2h(pool_pages=args.pool_pages, sleepy=args.sleepy, direct_pages=args.direct_pages)
     return 0
 
 

@@ -98,6 +98,9 @@ def main() -> int:
     ap.add_argument("--copy-mib", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
+    if not torch.cuda.is_available():  # (regression: a "Torch not compiled with CUDA enabled" traceback)
+        print("probe_pin.py needs CUDA", file=sys.stderr)
+        return 2
     torch.cuda.init()
     with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
         print("transparent_hugepage:", f.read().strip())

@@ -22,6 +22,7 @@ admission), so the rows do not add up.
 """
 from __future__ import annotations
 
+import argparse
 import collections
 import cProfile
 import functools
@@ -183,9 +184,39 @@ def print_spans(tier: str, first: int, last: int) -> None:
         print(f"  {'finish':>11s} -> {'arrive':<11s} {statistics.median(gaps):7.3f}  host: the client's next request")
 
 
+def own_parser() -> argparse.ArgumentParser:
+    """The flags main() takes itself, parsed by hand there (the rest go to bench_hicache_stress.py):
+    for --help only (regression: --help showed only bench_hicache_stress.py's options and description)."""
+    p = argparse.ArgumentParser(prog="profile_stages.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                usage="%(prog)s [-h] [--fine] [--cprofile N] [--spans [--ab NAME]] "
+                                      "[bench_hicache_stress.py options]",
+                                epilog="bench_hicache_stress.py's options, passed on to it, follow.")
+    p.add_argument("--fine", action="store_true", help="also time the calls inside the stages")
+    p.add_argument("--cprofile", metavar="N", type=int, help="also print cProfile's top N functions (l2 tier)")
+    p.add_argument("--spans", action="store_true", help="stamp a request's span on the device clock, no timers")
+    p.add_argument("--ab", metavar="NAME", help="with --spans: variants in turn in one process (split-k, pdl)")
+    return p
+
+
+def print_help() -> None:
+    own_parser().print_help()
+    print()
+    prog, sys.argv[0] = sys.argv[0], "bench_hicache_stress.py"  # (its parser's prog)
+    try:
+        stress.parse_args(["--help"])
+    except SystemExit:
+        pass
+    finally:
+        sys.argv[0] = prog
+
+
 def main(argv=None) -> int:
     totals.clear()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print_help()
+        return 0
     if "--spans" in argv:
         return main_spans([a for a in argv if a != "--spans"])
     fine = "--fine" in argv

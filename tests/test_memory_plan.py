@@ -88,11 +88,11 @@ def test_the_servers_start_line_says_what_each_tier_holds():
     eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=100).with_hicache(
         enable=True, host_ratio=2.0, storage_ratio=0.0))
     line = pools_line(eng.status())
-    assert line.startswith("tiny on cpu (float32): L1 400 tokens (0.00 GiB), L2 800 tokens"), line
+    assert line.startswith("tiny on cpu (float32): L1 400 tokens (0.20 MiB), L2 800 tokens"), line
     assert "L3" not in line
     eng.check_integrity()
     plain = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=100))
-    assert pools_line(plain.status()) == "tiny on cpu (float32): L1 400 tokens (0.00 GiB)"  # (regression: L2 None)
+    assert pools_line(plain.status()) == "tiny on cpu (float32): L1 400 tokens (0.20 MiB)"  # (regression: L2 None)
 
 
 def test_a_ratio_sized_l3_file_is_held_to_half_the_free_disk():

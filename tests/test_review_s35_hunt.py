@@ -63,7 +63,7 @@ def test_an_l3_file_left_at_the_storage_path_counts_as_free_space(tmp_path):
     assert other is not None and abs(other - free_without_file) < size_bytes // 2
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the GPU's memory is read)")
+@pytest.mark.gpu  # (the GPU's memory is read; skipped without CUDA: tests/conftest.py)
 def test_an_engine_sized_from_memory_after_another_counts_what_that_one_freed():
     """regression (CUDA): L1 was sized from `torch.cuda.mem_get_info` as it read, where the blocks of an
     engine already gone (replay_trace.py --compare-no-cache builds its baseline's engine after the
