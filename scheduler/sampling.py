@@ -3,6 +3,7 @@ the sampled rows of a batch drawn together."""
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -71,6 +72,8 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
     ks = [top_ks[i] if top_ks and 0 < top_ks[i] < vocab else 0 for i in rows]
     ps = [top_ps[i] for i in rows]
     min_logs = [math.log(min_ps[i]) if min_ps and min_ps[i] > 0.0 else -math.inf for i in rows]
+    if _use_kernel(logits, ks, ps):
+        return _sample_by_kernel(logits, next_ids, rows, temperatures, ps, min_logs, ks, generators)
     # one upload: per sampled row its temperature, top_p, log(min_p) and top-k's index in the sorted
     # row (the last for "all": its value is the row's least, so nothing falls below it)
     params = torch.tensor([[max(temperatures[i], smallest) for i in rows], ps, min_logs,
@@ -105,6 +108,53 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
     # argmax of exp(x) / q, as x - log q (a masked token stays at -inf; q is never 0: no +inf)
     choice = (x - q.clamp_min_(smallest).log_()).argmax(dim=-1)  # [S]
     return choice if whole else next_ids.index_copy_(0, index, choice)
+
+
+# Rows with top-k or top-p drawn by kernels/rejection_sampling.py (no sort) on CUDA: None (the default;
+# HICACHE_SAMPLING_KERNEL=0 in the environment: False); True: on any device (tests, on the CPU under
+# TRITON_INTERPRET=1); False: always the torch path below.
+USE_KERNEL: bool | None = False if os.environ.get("HICACHE_SAMPLING_KERNEL") == "0" else None
+
+
+def _use_kernel(logits: torch.Tensor, ks: list[int], ps: list[float]) -> bool:
+    """Whether the kernel draws this batch: it has a top-k or top-p row and none with both (the kernel
+    does not find the top-k set's mass a top-p of it needs), and the logits' rows are contiguous."""
+    if USE_KERNEL is False or (USE_KERNEL is None and logits.device.type != "cuda"):
+        return False
+    if not any(ks) and all(p >= 1.0 for p in ps):  # (temperature / min_p only: no sort to spare)
+        return False
+    return logits.stride(-1) == 1 and not any(k and p < 1.0 for k, p in zip(ks, ps))
+
+
+def _sample_by_kernel(logits: torch.Tensor, next_ids: torch.Tensor, rows: list[int], temperatures: list[float],
+                      ps: list[float], min_logs: list[float], ks: list[int],
+                      generators: list[torch.Generator | None]) -> torch.Tensor:
+    """`sample`'s sampled rows drawn by the rejection kernel: every row's parameters and 64-bit Philox seed
+    made on the host (a seeded row's from its own generator, `_step_seed`: its draw whatever its batch)
+    and uploaded at once, one launch."""
+    from kernels.rejection_sampling import pack_params, sample_rows
+
+    smallest, device = torch.finfo(torch.float32).tiny, logits.device
+    unseeded = iter(torch.randint(0, 2**62, (len(rows),)).tolist())  # (the default generator, as the torch path)
+    seeds = [next(unseeded) if generators[i] is None else _step_seed(generators[i]) for i in rows]
+    params = pack_params(rows, [max(temperatures[i], smallest) for i in rows], ps, min_logs, ks, seeds)
+    params = params.to(device, non_blocking=True)  # [7, S]
+    choice = sample_rows(logits, params)  # [S]
+    return choice if len(rows) == len(next_ids) else next_ids.index_copy_(0, params[4].long(), choice)
+
+
+def _step_seed(gen: torch.Generator) -> int:
+    """A seeded row's Philox seed for this draw, on the host: a CPU generator draws it; a CUDA one's is
+    its seed mixed with its Philox offset, which then moves on (as one of its own draws would), so the
+    request's n-th token always gets the same seed and no kernel is launched for it."""
+    if gen.device.type == "cpu":
+        return int(torch.randint(0, 2**62, (1,), generator=gen))
+    offset = gen.get_offset()
+    gen.set_offset(offset + 4)
+    x = (gen.initial_seed() ^ (offset * 0x9E3779B97F4A7C15)) & _MASK_64  # splitmix64 of (seed, offset)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return x ^ (x >> 31)
 
 
 def _top_k_top_p(x: torch.Tensor, k_index: torch.Tensor, top_p: torch.Tensor, top_k: bool, nucleus: bool,

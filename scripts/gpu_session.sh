@@ -11,7 +11,7 @@ step() { local name=$1 limit=$2; shift 2; echo "=== $name"; timeout "$limit" "$@
 for s in "$@"; do
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; df -h . | tail -1 ;;
-    tests) step tests 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_gpu_transfers.py tests/test_gpu_sampling.py ;;
+    tests) step tests 360 python3 -m pytest -q -p no:cacheprovider -m gpu $(grep -l "mark\.gpu" tests/test_*.py) ;;  # every gpu-marked test, wherever it lives
     kernels) step kernels 200 python3 scripts/bench_kernels.py --out "$OUT/kernels.json" ;;
     transfer) step transfer 200 python3 scripts/bench_transfer.py --out "$OUT/transfer.json" ;;
     transfer_direct) for i in 1 2; do step "transfer_direct$i" 200 python3 scripts/bench_transfer.py --backends triton --layouts consecutive --direct-pages 0,7,14,0,7,14 --tokens 1000,3504 --directions-only --out "$OUT/transfer_direct$i.json"; done ;;
@@ -53,6 +53,10 @@ for s in "$@"; do
     spans_pdl) step spans_pdl 400 python3 scripts/profile_stages.py --model qwen3-8b --spans --ab pdl ;;
     pin) step pin 300 python3 scripts/probe_pin.py --gib 64 --torch-gib 8 ;;
     start) step start 300 python3 scripts/probe_start.py --model qwen3-8b --device cuda --l1-tokens 65536 --l2-gib 64 --l3-gib 24 ;;
+    probe_sample) step probe_sample 300 python3 scripts/probe_sample.py --json ;;
+    sample_sweep) step sample_sweep 300 python3 scripts/probe_sample.py --sweep --batches 1,32,64 --iterations 20 ;;
+    sampled_ab) i=0; for v in 1 0 1 0; do i=$((i+1))  # the rejection kernel (1) and the sort (0) in turn
+        HICACHE_SAMPLING_KERNEL=$v step "sampled_k${v}_$i" 300 python3 scripts/bench_engine.py --model qwen3-8b --skip-eager --prefill-tokens 350 --decode-batches 1 --repeats 3 --sampled-decode 32,512,256 --out "$OUT/sampled_k${v}_$i.json"; done ;;
     probe_wait) step probe_wait 200 python3 scripts/probe_wait.py ;;
     engine_nopdl) HICACHE_PDL=0 step engine_nopdl 300 python3 scripts/bench_engine.py --model qwen3-8b --profile --skip-eager --out "$OUT/engine_nopdl.json" ;;
     spans_dma) step spans_dma 300 python3 scripts/profile_stages.py --model qwen3-8b --spans --kernel-restore-max-tokens 0 ;;

@@ -1,0 +1,180 @@
+"""Top-p / top-k / min_p sampling without a sort: one program a row, rejection rounds over the row.
+
+`scheduler/sampling.py` draws a batch's sampled rows as vLLM V1 does: temperature, min_p, top-k,
+top-p, then one draw. Its torch path sorts the whole batch for top-k/top-p ([32, 151,936] on the
+H200: most of the ~1 ms a sampled decode step costs over a greedy one). This kernel draws the same
+distribution without sorting (the idea of FlashInfer's sampling kernels):
+
+  1. one pass: the row's largest logit m and Z = sum of exp((l - m) / T) over the tokens min_p keeps;
+  2. a round: draw a token t from the tokens likelier than `low` (at first: every token min_p
+     keeps) by the exponential race (argmax of x - log q, q ~ Exp(1), x = (l - m) / T), then count
+     what is likelier than t: t is in the top-k iff fewer than k tokens are likelier, and in the
+     top-p nucleus iff their mass is below top_p * Z. Accepted: t is the draw. Rejected: every token
+     no likelier than t is outside too (both sets are closed upwards), so `low` = x_t and again.
+
+A draw from a superset, kept only when it lands in the set, is a draw from the set: the result has
+exactly the distribution of the sort-based path. Ties differ only in which of a tie at the edge of
+the nucleus is kept: here all of it, there the sort's choice (vLLM's too). The likeliest token is
+always accepted, so a round never lacks a candidate; each rejection removes about half of what is
+left (in expectation e-fold of the mass), so rounds are ~1 for a top_p near 1 and ~ln(1 / top_p)
+for small ones. After MAX_ROUNDS rejections (not met in practice) the likeliest token is taken.
+
+Not here: a row with both top-k and top-p (the nucleus of the top-k set needs that set's mass; the
+caller sorts such a batch). Randomness: Philox (tl.rand) keyed by a per-row 64-bit seed the caller
+draws from the row's generator, offset by round and token: a seeded row's draw does not depend on
+its batch. Runs on the CPU under TRITON_INTERPRET=1 in tests.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a dependency
+    triton = None
+
+MAX_ROUNDS = 64
+BLOCK = 2048  # tokens a program handles per step of its loop over the row (fewer for a small vocabulary)
+NUM_WARPS = 8
+
+if triton is not None:
+    # (a jit function reads a module global only as a constexpr; the interpreter reads any: session 36)
+    _LOWEST, _HIGHEST = tl.constexpr(-3.4028234663852886e38), tl.constexpr(3.4028234663852886e38)  # float32's range
+    _SMALLEST = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal: an Exp(1) draw is never 0
+
+    @triton.jit
+    def _clean(logits_row, offs, ok):
+        """The logits of tokens `offs` in float32, NaN counted as float32's lowest and +-inf as its
+        largest / lowest (torch.nan_to_num, as the torch path); out-of-row tokens the lowest."""
+        lg = tl.load(logits_row + offs, mask=ok, other=_LOWEST).to(tl.float32)
+        lg = tl.where(lg != lg, _LOWEST, lg)
+        return tl.minimum(tl.maximum(lg, _LOWEST), _HIGHEST)
+
+    @triton.jit
+    def _tempered(logits_row, offs, ok, m, temperature):
+        """x = (l - m) / T for tokens `offs` of the row (`_clean`'s l); out-of-row tokens -inf."""
+        return tl.where(ok, (_clean(logits_row, offs, ok) - m) / temperature, -float("inf"))
+
+    @triton.jit
+    def _race(logits_row, offs, V, m, temperature, min_log, low, u, best_score, best_idx):
+        """One step of the exponential race over tokens `offs` with uniforms u: a candidate (min_p keeps
+        it, x > low) scores x - log q, q = -log(1 - u) ~ Exp(1); the best score per lane so far."""
+        x = _tempered(logits_row, offs, offs < V, m, temperature)
+        q = tl.maximum(-tl.log(1.0 - u), _SMALLEST)
+        score = tl.where((x >= min_log) & (x > low), x - tl.log(q), -float("inf"))
+        better = score > best_score
+        return tl.where(better, score, best_score), tl.where(better, offs, best_idx)
+
+    @triton.jit
+    def _sample_rows_kernel(logits_ptr, row_stride, params_ptr, out_ptr, S, V,
+                            BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+        """Program s: a draw from logits row params[4, s] into out[s]. params [7, S] int32: temperature,
+        top_p, log(min_p) (-inf: off), top_k (0: off) as float32 bits, the row, the 64-bit seed's low and
+        high halves. Every pass reads the row a block at a time as four independent quarter blocks (more
+        loads in flight: one program streams a row alone)."""
+        s = tl.program_id(0)
+        temperature = tl.load(params_ptr + s).to(tl.float32, bitcast=True)
+        top_p = tl.load(params_ptr + S + s).to(tl.float32, bitcast=True)
+        min_log = tl.load(params_ptr + 2 * S + s).to(tl.float32, bitcast=True)
+        top_k = tl.load(params_ptr + 3 * S + s).to(tl.float32, bitcast=True)
+        logits_row = logits_ptr + tl.load(params_ptr + 4 * S + s).to(tl.int64) * row_stride
+        seed_lo = tl.load(params_ptr + 5 * S + s).to(tl.uint32, bitcast=True).to(tl.uint64)
+        seed_hi = tl.load(params_ptr + 6 * S + s).to(tl.uint32, bitcast=True).to(tl.uint64)
+        seed = (seed_hi << 32) | seed_lo
+        QUARTER: tl.constexpr = BLOCK // 4
+        quarter = tl.arange(0, QUARTER)
+        round_stride = tl.cdiv(V, BLOCK) * QUARTER  # Philox counters a round uses
+
+        # pass 1: the row's largest logit m and sum of exp((l - m) / T), online (rescaled as m grows)
+        run_m = tl.full([QUARTER], _LOWEST, tl.float32)
+        run_s = tl.zeros([QUARTER], tl.float32)
+        for v0 in range(0, V, BLOCK):
+            for j in tl.static_range(4):
+                offs = v0 + j * QUARTER + quarter
+                lg = _clean(logits_row, offs, offs < V)
+                new_m = tl.maximum(run_m, lg)
+                run_s = run_s * tl.exp((run_m - new_m) / temperature) + tl.where(
+                    offs < V, tl.exp((lg - new_m) / temperature), 0.0)
+                run_m = new_m
+        m = tl.max(run_m, axis=0)
+        z_all = tl.sum(run_s * tl.exp((run_m - m) / temperature), axis=0)
+
+        low = m * 0.0 - float("inf")  # candidates: tokens min_p keeps with x > low (fp32 scalars below)
+        chosen = s * 0  # int32 scalars
+        done = s * 0
+        r = s * 0
+        while (done == 0) & (r < MAX_ROUNDS):
+            # the race among the candidates: one Philox call gives a uniform to each quarter
+            best_score = tl.full([QUARTER], -float("inf"), tl.float32)
+            best_idx = tl.zeros([QUARTER], tl.int32)
+            for v0 in range(0, V, BLOCK):
+                u0, u1, u2, u3 = tl.rand4x(seed, r * round_stride + v0 // 4 + quarter)  # [0, 1) each
+                best_score, best_idx = _race(logits_row, v0 + quarter, V, m, temperature, min_log, low, u0,
+                                             best_score, best_idx)
+                best_score, best_idx = _race(logits_row, v0 + QUARTER + quarter, V, m, temperature, min_log, low,
+                                             u1, best_score, best_idx)
+                best_score, best_idx = _race(logits_row, v0 + 2 * QUARTER + quarter, V, m, temperature, min_log,
+                                             low, u2, best_score, best_idx)
+                best_score, best_idx = _race(logits_row, v0 + 3 * QUARTER + quarter, V, m, temperature, min_log,
+                                             low, u3, best_score, best_idx)
+            t = tl.sum(tl.where(quarter == tl.argmax(best_score, axis=0), best_idx, 0), axis=0)
+            x_t = _tempered(logits_row, t, t < V, m, temperature)
+            mass = tl.zeros([QUARTER], tl.float32)  # what is likelier than t
+            count = tl.zeros([QUARTER], tl.float32)
+            dropped = tl.zeros([QUARTER], tl.float32)  # the mass min_p drops
+            for v0 in range(0, V, BLOCK):
+                for j in tl.static_range(4):
+                    x = _tempered(logits_row, v0 + j * QUARTER + quarter, v0 + j * QUARTER + quarter < V, m,
+                                  temperature)
+                    e = tl.exp(x)
+                    above = (x >= min_log) & (x > x_t)
+                    mass += tl.where(above, e, 0.0)
+                    count += tl.where(above, 1.0, 0.0)
+                    dropped += tl.where(x < min_log, e, 0.0)
+            z = z_all - tl.sum(dropped, axis=0)
+            in_p = (top_p >= 1.0) | (tl.sum(mass, axis=0) < top_p * z)
+            in_k = (top_k <= 0.0) | (tl.sum(count, axis=0) < top_k)
+            accepted = in_p & in_k
+            chosen = tl.where(accepted, t, chosen)
+            low = tl.where(accepted, low, x_t)
+            done = accepted.to(tl.int32)
+            r += 1
+        if done == 0:  # MAX_ROUNDS rejections: the likeliest token (always in both sets)
+            best = tl.full([QUARTER], -float("inf"), tl.float32)
+            best_idx = tl.zeros([QUARTER], tl.int32)
+            for v0 in range(0, V, BLOCK):
+                for j in tl.static_range(4):
+                    offs = v0 + j * QUARTER + quarter
+                    x = _tempered(logits_row, offs, offs < V, m, temperature)
+                    better = x > best
+                    best = tl.where(better, x, best)
+                    best_idx = tl.where(better, offs, best_idx)
+            chosen = tl.sum(tl.where(quarter == tl.argmax(best, axis=0), best_idx, 0), axis=0)
+        tl.store(out_ptr + s, chosen.to(tl.int64))
+
+
+def pack_params(rows: list[int], temperatures: list[float], top_ps: list[float], min_logs: list[float],
+                top_ks: list[int], seeds: list[int]) -> torch.Tensor:
+    """The kernel's per-row inputs as one host tensor [7, S] int32 (one upload): temperature, top_p,
+    log(min_p), top_k as float32 bits, the row, the seed's low and high 32 bits (seeds in [0, 2**64))."""
+    floats = np.array([temperatures, top_ps, min_logs, top_ks], dtype=np.float32).view(np.int32)  # [4, S]
+    halves = np.array(seeds, dtype=np.uint64).view(np.uint32).reshape(-1, 2).T.view(np.int32)  # [2, S]: low, high
+    return torch.from_numpy(np.concatenate([floats, np.array([rows], dtype=np.int32), halves]))
+
+
+def sample_rows(logits: torch.Tensor, params: torch.Tensor, **config) -> torch.Tensor:
+    """logits [B, V] (any float dtype, rows contiguous), params [7, S] int32 on the logits' device
+    (`pack_params`; temperature > 0, top_p in (0, 1], not top_k > 0 with top_p < 1 in one row) -> token
+    ids [S] int64. config overrides BLOCK / num_warps / num_stages (benchmarks)."""
+    if logits.stride(-1) != 1:
+        raise ValueError("logits rows must be contiguous")
+    num_rows = params.shape[1]
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows:
+        block = max(16, min(BLOCK, triton.next_power_of_2(logits.shape[-1])))
+        cfg = {"BLOCK": block, "num_warps": NUM_WARPS, **config}
+        _sample_rows_kernel[(num_rows,)](logits, logits.stride(0), params, out, num_rows, logits.shape[-1],
+                                         MAX_ROUNDS=MAX_ROUNDS, **cfg)
+    return out

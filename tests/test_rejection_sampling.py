@@ -1,0 +1,124 @@
+"""kernels/rejection_sampling.py, the sort-free draw of top-p / top-k / min_p rows, under TRITON_INTERPRET=1,
+and when `scheduler.sampling.sample` hands a batch to it. The interpreter runs a program (one draw) in
+~30 ms, so the frequency checks here are small, on small vocabularies, with fixed seeds (deterministic);
+tests/test_gpu_sampling.py draws 20,000 rows over Qwen3's vocabulary on the GPU."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import rejection_sampling
+from kernels.rejection_sampling import pack_params, sample_rows
+from scheduler import sampling
+from scheduler.sampling import sample, seeded_generator
+
+
+def draw(logits: torch.Tensor, rows: list[int], temperature, top_p, min_p, top_k, seeds: list[int]) -> torch.Tensor:
+    """sample_rows over `rows`, each setting a value for every row or a list of one a row."""
+    def each(v):
+        return list(v) if isinstance(v, (list, tuple)) else [v] * len(rows)
+    min_logs = [math.log(p) if p else -math.inf for p in each(min_p)]
+    return sample_rows(logits, pack_params(rows, each(temperature), each(top_p), min_logs, each(top_k), seeds))
+
+
+def reference(row: torch.Tensor, temperature: float, top_p: float, min_p: float, top_k: int) -> torch.Tensor:
+    """float64 probabilities [V] of vLLM V1's order (temperature, min_p, top-k, top-p), a tie at the
+    nucleus' edge kept whole (the kernel's rule; the sort keeps the sort's choice of it)."""
+    p = torch.softmax((row.double() - row.double().max()) / temperature, dim=-1)
+    keep = p >= min_p * p.max()
+    if top_k:
+        keep &= p >= torch.where(keep, p, 0.0).sort(descending=True).values[top_k - 1]
+    p = torch.where(keep, p, 0.0)
+    p = p / p.sum()
+    if top_p < 1.0:
+        above = torch.stack([p[p > v].sum() for v in p])
+        p = torch.where(keep & (above < top_p), p, 0.0)
+    return p / p.sum()
+
+
+LOGITS = torch.tensor([2.0, 1.4, 1.0, 0.3, 0.0, -0.5, -1.0, -3.0])
+
+
+@pytest.mark.parametrize("temperature,top_p,min_p,top_k", [(1.0, 0.7, 0.0, 0), (0.6, 1.0, 0.15, 0),
+                                                           (1.3, 1.0, 0.0, 3), (0.9, 0.9, 0.05, 0)])
+def test_draws_follow_the_reference_distribution(temperature, top_p, min_p, top_k):
+    n = 160
+    ids = draw(LOGITS.expand(n, -1), list(range(n)), temperature, top_p, min_p, top_k, list(range(1000, 1000 + n)))
+    want = reference(LOGITS, temperature, top_p, min_p, top_k)
+    freq = torch.bincount(ids, minlength=len(LOGITS)).double() / n
+    assert freq[want == 0].sum() == 0, (freq, want)  # never outside the kept set
+    tolerance = 4 * (want * (1 - want) / n).sqrt() + 0.01
+    assert ((freq - want).abs() <= tolerance).all(), (freq, want)
+
+
+def test_a_tiny_top_p_keeps_the_likeliest_and_top_k_1_the_argmax():
+    n = 12
+    for setting in ((1.0, 1e-9, 0.0, 0), (5.0, 1.0, 0.0, 1), (1.0, 1.0, 1.0, 0)):
+        assert draw(LOGITS.expand(n, -1), list(range(n)), *setting, seeds=list(range(n))).eq(0).all()
+
+
+def test_a_tie_at_the_nucleus_edge_is_kept_whole():
+    row = torch.tensor([1.0, 1.0, -2.0, -2.0, -4.0])
+    n = 40
+    ids = draw(row.expand(n, -1), list(range(n)), 1.0, 0.3, 0.0, 0, list(range(n)))
+    assert set(ids.tolist()) == {0, 1}
+
+
+def test_non_finite_logits_and_extreme_temperatures():
+    rows = torch.tensor([[0.0, float("inf"), 1.0, float("nan")],  # +inf: the likeliest by far
+                         [float("nan")] * 4,  # nothing but NaN: any token (the caller fails the request)
+                         [float("-inf"), 0.5, 0.4, float("-inf")],
+                         [0.1, 0.2, 0.3, 0.25]])
+    for seed in range(6):
+        ids = draw(rows, [0, 1, 2, 3], [1.0, 1.0, 1.0, torch.finfo(torch.float32).tiny], [0.9, 0.9, 0.9, 0.5], 0.0,
+                   0, [seed] * 4)
+        assert ids[0] == 1 and 0 <= ids[1] < 4 and ids[2] in (1, 2) and ids[3] == 2, ids
+
+
+def test_a_rows_draw_depends_on_its_seed_not_on_its_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 40) * 2
+    setting = ([1.0, 0.7, 1.2, 0.9, 1.0], [0.9, 1.0, 0.5, 1.0, 0.8], [0.0, 0.1, 0.0, 0.0, 0.0], [0, 0, 0, 4, 0])
+    seeds = [11, 22, 33, 44, 2**64 - 5]
+    together = draw(logits, list(range(5)), *setting, seeds)
+    for i in range(5):
+        alone = draw(logits, [i], *([v[i]] for v in setting), [seeds[i]])
+        assert alone[0] == together[i]
+    assert any(not draw(logits, list(range(5)), *setting, [x + k for x in seeds[:4]] + [k]).equal(together)
+               for k in (1, 2))  # (another seed, another draw: at least once in two)
+
+
+@pytest.fixture
+def kernel_on(monkeypatch):
+    monkeypatch.setattr(sampling, "USE_KERNEL", True)
+
+
+def test_sample_hands_top_p_and_top_k_batches_to_the_kernel(kernel_on, monkeypatch):
+    calls = []
+    real = rejection_sampling.sample_rows
+    monkeypatch.setattr(rejection_sampling, "sample_rows", lambda *a, **k: calls.append(a) or real(*a, **k))
+    logits = LOGITS.expand(4, -1).contiguous()
+    sample(logits, [0.0, 1.0, 0.8, 1.0], [1.0, 0.9, 1.0, 1.0], [None] * 4, [0, 0, 3, 0])
+    assert len(calls) == 1 and calls[0][1][4].tolist() == [1, 2, 3]  # the sampled rows, greedy row 0 aside
+    # a row with both top-k and top-p (the kernel does not have the top-k set's mass): the sort, for the batch
+    sample(logits, [1.0, 1.0], [0.9, 1.0], [None] * 2, [2, 0])
+    # temperature and min_p only: no sort to spare, the torch path
+    sample(logits, [1.0, 1.0], [1.0, 1.0], [None] * 2, min_ps=[0.1, 0.0])
+    assert len(calls) == 1
+    monkeypatch.setattr(sampling, "USE_KERNEL", None)  # the default: CUDA only
+    sample(logits, [1.0], [0.9], [None])
+    assert len(calls) == 1
+
+
+def test_a_seeded_request_draws_the_same_alone_and_in_a_batch_through_sample(kernel_on):
+    torch.manual_seed(1)
+    logits = torch.randn(4, 48) * 2
+    temps, top_ps = [1.0, 0.0, 0.8, 1.1], [0.9, 1.0, 0.95, 0.7]
+    gens = [seeded_generator(7, torch.device("cpu")), None, None, seeded_generator(2**40 + 3, torch.device("cpu"))]
+    batch = sample(logits, temps, top_ps, gens)
+    gens_alone = [seeded_generator(7, torch.device("cpu")), seeded_generator(2**40 + 3, torch.device("cpu"))]
+    assert batch[0] == sample(logits[0:1], [1.0], [0.9], [gens_alone[0]])[0]
+    assert batch[3] == sample(logits[3:4], [1.1], [0.7], [gens_alone[1]])[0]
+    assert batch[1] == logits[1].argmax()
