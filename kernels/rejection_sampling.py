@@ -5,22 +5,23 @@ top-p, then one draw. Its torch path sorts the whole batch for top-k/top-p ([32,
 H200: most of the ~1 ms a sampled decode step costs over a greedy one). This kernel draws the same
 distribution without sorting (the idea of FlashInfer's sampling kernels):
 
-  1. one pass: the row's largest logit m and Z = sum of exp((l - m) / T) over the tokens min_p keeps;
-  2. a round: draw a token t from the tokens likelier than `low` (at first: every token min_p
-     keeps) by the exponential race (argmax of x - log q, q ~ Exp(1), x = (l - m) / T), then count
-     what is likelier than t: t is in the top-k iff fewer than k tokens are likelier, and in the
-     top-p nucleus iff their mass is below top_p * Z. Accepted: t is the draw. Rejected: every token
-     no likelier than t is outside too (both sets are closed upwards), so `low` = x_t and again.
+  1. one pass: the row's largest logit m, Z = sum of exp((l - m) / T), and round 0's draw t among all
+     tokens by the exponential race (argmax of x - log q, q ~ Exp(1), x = (l - m) / T; kept per lane
+     as (l, log q) pairs, so it needs no m);
+  2. a pass over what is likelier than t: t is kept iff min_p keeps it, fewer than k tokens are
+     likelier (top-k) and their mass is below top_p times the mass min_p keeps (top-p). Kept: t is
+     the draw (two passes in all). Not kept: every token no likelier than t is out too (each set is
+     closed upwards), so a race among the tokens likelier than t (a pass) draws the next t, and again.
 
 A draw from a superset, kept only when it lands in the set, is a draw from the set: the result has
 exactly the distribution of the sort-based path. Ties differ only in which of a tie at the edge of
 the nucleus is kept: here all of it, there the sort's choice (vLLM's too). The likeliest token is
 always accepted, so a round never lacks a candidate; each rejection removes about half of what is
-left (in expectation e-fold of the mass), so rounds are ~1 for a top_p near 1 and ~ln(1 / top_p)
+left (in expectation e-fold of the mass), so races are ~1 for a top_p near 1 and ~ln(1 / top_p)
 for small ones. After MAX_ROUNDS rejections (not met in practice) the likeliest token is taken.
 
 Not here: a row with both top-k and top-p (the nucleus of the top-k set needs that set's mass; the
-caller sorts such a batch). Randomness: Philox (tl.rand) keyed by a per-row 64-bit seed the caller
+caller sorts such a batch). Randomness: Philox (tl.rand4x) keyed by a per-row 64-bit seed the caller
 draws from the row's generator, offset by round and token: a seeded row's draw does not depend on
 its batch. Runs on the CPU under TRITON_INTERPRET=1 in tests.
 """
@@ -68,6 +69,20 @@ if triton is not None:
         return tl.where(better, score, best_score), tl.where(better, offs, best_idx)
 
     @triton.jit
+    def _first_pass(logits_row, offs, V, temperature, u, run_m, run_s, best_l, best_lq, best_idx):
+        """Pass 1 over tokens `offs`: the running max and rescaled sum of exp(l / T), and the exponential
+        race among all tokens kept as (l, log q) per lane: t beats the lane's best b iff
+        (l_t - l_b) / T > log q_t - log q_b, which needs no max (l / T itself overflows for a tiny T)."""
+        ok = offs < V
+        lg = _clean(logits_row, offs, ok)
+        new_m = tl.maximum(run_m, lg)
+        run_s = run_s * tl.exp((run_m - new_m) / temperature) + tl.where(ok, tl.exp((lg - new_m) / temperature), 0.0)
+        lq = tl.log(tl.maximum(-tl.log(1.0 - u), _SMALLEST))  # log q, q ~ Exp(1)
+        better = ok & ((lg - best_l) / temperature > lq - best_lq)
+        return (new_m, run_s, tl.where(better, lg, best_l), tl.where(better, lq, best_lq),
+                tl.where(better, offs, best_idx))
+
+    @triton.jit
     def _sample_rows_kernel(logits_ptr, row_stride, params_ptr, out_ptr, S, V,
                             BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr):
         """Program s: a draw from logits row params[4, s] into out[s]. params [7, S] int32: temperature,
@@ -87,39 +102,35 @@ if triton is not None:
         quarter = tl.arange(0, QUARTER)
         round_stride = tl.cdiv(V, BLOCK) * QUARTER  # Philox counters a round uses
 
-        # pass 1: the row's largest logit m and sum of exp((l - m) / T), online (rescaled as m grows)
+        # pass 1: the row's largest logit m and Z = sum of exp((l - m) / T), online (rescaled as m grows),
+        # and round 0's race among every token: no candidate filter yet, so it needs no m (a token min_p
+        # drops is rejected instead, as one outside the nucleus is)
         run_m = tl.full([QUARTER], _LOWEST, tl.float32)
         run_s = tl.zeros([QUARTER], tl.float32)
+        best_l = tl.full([QUARTER], _LOWEST, tl.float32)
+        best_lq = tl.full([QUARTER], float("inf"), tl.float32)
+        best_idx = tl.zeros([QUARTER], tl.int32)
         for v0 in range(0, V, BLOCK):
-            for j in tl.static_range(4):
-                offs = v0 + j * QUARTER + quarter
-                lg = _clean(logits_row, offs, offs < V)
-                new_m = tl.maximum(run_m, lg)
-                run_s = run_s * tl.exp((run_m - new_m) / temperature) + tl.where(
-                    offs < V, tl.exp((lg - new_m) / temperature), 0.0)
-                run_m = new_m
+            u0, u1, u2, u3 = tl.rand4x(seed, v0 // 4 + quarter)  # round 0's counters; [0, 1) each
+            run_m, run_s, best_l, best_lq, best_idx = _first_pass(logits_row, v0 + quarter, V, temperature, u0, run_m,
+                                                                  run_s, best_l, best_lq, best_idx)
+            run_m, run_s, best_l, best_lq, best_idx = _first_pass(logits_row, v0 + QUARTER + quarter, V, temperature,
+                                                                  u1, run_m, run_s, best_l, best_lq, best_idx)
+            run_m, run_s, best_l, best_lq, best_idx = _first_pass(logits_row, v0 + 2 * QUARTER + quarter, V,
+                                                                  temperature, u2, run_m, run_s, best_l, best_lq,
+                                                                  best_idx)
+            run_m, run_s, best_l, best_lq, best_idx = _first_pass(logits_row, v0 + 3 * QUARTER + quarter, V,
+                                                                  temperature, u3, run_m, run_s, best_l, best_lq,
+                                                                  best_idx)
         m = tl.max(run_m, axis=0)
         z_all = tl.sum(run_s * tl.exp((run_m - m) / temperature), axis=0)
+        score = (best_l - m) / temperature - best_lq  # each lane's winner, now on one scale
+        t = tl.sum(tl.where(quarter == tl.argmax(score, axis=0), best_idx, 0), axis=0)
 
-        low = m * 0.0 - float("inf")  # candidates: tokens min_p keeps with x > low (fp32 scalars below)
         chosen = s * 0  # int32 scalars
         done = s * 0
         r = s * 0
         while (done == 0) & (r < MAX_ROUNDS):
-            # the race among the candidates: one Philox call gives a uniform to each quarter
-            best_score = tl.full([QUARTER], -float("inf"), tl.float32)
-            best_idx = tl.zeros([QUARTER], tl.int32)
-            for v0 in range(0, V, BLOCK):
-                u0, u1, u2, u3 = tl.rand4x(seed, r * round_stride + v0 // 4 + quarter)  # [0, 1) each
-                best_score, best_idx = _race(logits_row, v0 + quarter, V, m, temperature, min_log, low, u0,
-                                             best_score, best_idx)
-                best_score, best_idx = _race(logits_row, v0 + QUARTER + quarter, V, m, temperature, min_log, low,
-                                             u1, best_score, best_idx)
-                best_score, best_idx = _race(logits_row, v0 + 2 * QUARTER + quarter, V, m, temperature, min_log,
-                                             low, u2, best_score, best_idx)
-                best_score, best_idx = _race(logits_row, v0 + 3 * QUARTER + quarter, V, m, temperature, min_log,
-                                             low, u3, best_score, best_idx)
-            t = tl.sum(tl.where(quarter == tl.argmax(best_score, axis=0), best_idx, 0), axis=0)
             x_t = _tempered(logits_row, t, t < V, m, temperature)
             mass = tl.zeros([QUARTER], tl.float32)  # what is likelier than t
             count = tl.zeros([QUARTER], tl.float32)
@@ -136,11 +147,24 @@ if triton is not None:
             z = z_all - tl.sum(dropped, axis=0)
             in_p = (top_p >= 1.0) | (tl.sum(mass, axis=0) < top_p * z)
             in_k = (top_k <= 0.0) | (tl.sum(count, axis=0) < top_k)
-            accepted = in_p & in_k
+            accepted = (x_t >= min_log) & in_p & in_k
             chosen = tl.where(accepted, t, chosen)
-            low = tl.where(accepted, low, x_t)
             done = accepted.to(tl.int32)
             r += 1
+            if done == 0:  # every token no likelier than t is out too: race again among the likelier ones
+                best_score = tl.full([QUARTER], -float("inf"), tl.float32)
+                best_idx = tl.zeros([QUARTER], tl.int32)
+                for v0 in range(0, V, BLOCK):
+                    u0, u1, u2, u3 = tl.rand4x(seed, r * round_stride + v0 // 4 + quarter)  # [0, 1) each
+                    best_score, best_idx = _race(logits_row, v0 + quarter, V, m, temperature, min_log, x_t, u0,
+                                                 best_score, best_idx)
+                    best_score, best_idx = _race(logits_row, v0 + QUARTER + quarter, V, m, temperature, min_log,
+                                                 x_t, u1, best_score, best_idx)
+                    best_score, best_idx = _race(logits_row, v0 + 2 * QUARTER + quarter, V, m, temperature,
+                                                 min_log, x_t, u2, best_score, best_idx)
+                    best_score, best_idx = _race(logits_row, v0 + 3 * QUARTER + quarter, V, m, temperature,
+                                                 min_log, x_t, u3, best_score, best_idx)
+                t = tl.sum(tl.where(quarter == tl.argmax(best_score, axis=0), best_idx, 0), axis=0)
         if done == 0:  # MAX_ROUNDS rejections: the likeliest token (always in both sets)
             best = tl.full([QUARTER], -float("inf"), tl.float32)
             best_idx = tl.zeros([QUARTER], tl.int32)
