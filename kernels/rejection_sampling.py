@@ -21,9 +21,9 @@ left (in expectation e-fold of the mass), so races are ~1 for a top_p near 1 and
 for small ones. After MAX_ROUNDS rejections (not met in practice) the likeliest token is taken.
 
 Not here: a row with both top-k and top-p (the nucleus of the top-k set needs that set's mass; the
-caller sorts such a batch). Randomness: Philox (tl.rand4x) keyed by a per-row 64-bit seed the caller
-draws from the row's generator, offset by round and token: a seeded row's draw does not depend on
-its batch. Runs on the CPU under TRITON_INTERPRET=1 in tests.
+caller sorts such a row). Randomness: a counter hash (`_uniform`) keyed by a per-row 64-bit seed the
+caller draws from the row's generator, the counter the round and the token: a seeded row's draw does
+not depend on its batch. Runs on the CPU under TRITON_INTERPRET=1 in tests.
 """
 from __future__ import annotations
 
@@ -38,12 +38,30 @@ except ImportError:  # pragma: no cover - triton is a dependency
 
 MAX_ROUNDS = 64
 BLOCK = 2048  # tokens a program handles per step of its loop over the row (fewer for a small vocabulary)
-NUM_WARPS = 8
+NUM_WARPS = 16  # (with BLOCK: the fastest of scripts/probe_sample.py --sweep on the H200, session 36)
+NUM_STAGES = 1
 
 if triton is not None:
     # (a jit function reads a module global only as a constexpr; the interpreter reads any: session 36)
     _LOWEST, _HIGHEST = tl.constexpr(-3.4028234663852886e38), tl.constexpr(3.4028234663852886e38)  # float32's range
     _SMALLEST = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal: an Exp(1) draw is never 0
+    _MUL_1, _MUL_2 = tl.constexpr(0x7FEB352D), tl.constexpr(0x846CA68B)
+
+    @triton.jit
+    def _hash32(x):
+        """A 32-bit integer hash with full avalanche (Chris Wellons' lowbias32): x uint32 -> uint32."""
+        x ^= x >> 16
+        x *= _MUL_1
+        x ^= x >> 15
+        x *= _MUL_2
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _uniform(counter, key_lo, key_hi):
+        """A uniform in [0, 1) (24 bits) for each counter (uint32) under the row's 64-bit key: two hashes,
+        ~16 integer operations, where Philox-4x32-10 costs ~50 a number; one program streams a whole row,
+        so the draws' arithmetic, not the loads, bounded a pass (session 36)."""
+        return (_hash32(_hash32(counter ^ key_lo) ^ key_hi) >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
     @triton.jit
     def _clean(logits_row, offs, ok):
@@ -57,16 +75,6 @@ if triton is not None:
     def _tempered(logits_row, offs, ok, m, temperature):
         """x = (l - m) / T for tokens `offs` of the row (`_clean`'s l); out-of-row tokens -inf."""
         return tl.where(ok, (_clean(logits_row, offs, ok) - m) / temperature, -float("inf"))
-
-    @triton.jit
-    def _race(logits_row, offs, V, m, temperature, min_log, low, u, best_score, best_idx):
-        """One step of the exponential race over tokens `offs` with uniforms u: a candidate (min_p keeps
-        it, x > low) scores x - log q, q = -log(1 - u) ~ Exp(1); the best score per lane so far."""
-        x = _tempered(logits_row, offs, offs < V, m, temperature)
-        q = tl.maximum(-tl.log(1.0 - u), _SMALLEST)
-        score = tl.where((x >= min_log) & (x > low), x - tl.log(q), -float("inf"))
-        better = score > best_score
-        return tl.where(better, score, best_score), tl.where(better, offs, best_idx)
 
     @triton.jit
     def _first_pass(logits_row, offs, V, temperature, u, run_m, run_s, best_l, best_lq, best_idx):
@@ -95,12 +103,11 @@ if triton is not None:
         min_log = tl.load(params_ptr + 2 * S + s).to(tl.float32, bitcast=True)
         top_k = tl.load(params_ptr + 3 * S + s).to(tl.float32, bitcast=True)
         logits_row = logits_ptr + tl.load(params_ptr + 4 * S + s).to(tl.int64) * row_stride
-        seed_lo = tl.load(params_ptr + 5 * S + s).to(tl.uint32, bitcast=True).to(tl.uint64)
-        seed_hi = tl.load(params_ptr + 6 * S + s).to(tl.uint32, bitcast=True).to(tl.uint64)
-        seed = (seed_hi << 32) | seed_lo
+        key_lo = tl.load(params_ptr + 5 * S + s).to(tl.uint32, bitcast=True)
+        key_hi = tl.load(params_ptr + 6 * S + s).to(tl.uint32, bitcast=True)
         QUARTER: tl.constexpr = BLOCK // 4
         quarter = tl.arange(0, QUARTER)
-        round_stride = tl.cdiv(V, BLOCK) * QUARTER  # Philox counters a round uses
+        round_stride = tl.cdiv(V, BLOCK) * BLOCK  # counters a round uses: one a token
 
         # pass 1: the row's largest logit m and Z = sum of exp((l - m) / T), online (rescaled as m grows),
         # and round 0's race among every token: no candidate filter yet, so it needs no m (a token min_p
@@ -111,17 +118,11 @@ if triton is not None:
         best_lq = tl.full([QUARTER], float("inf"), tl.float32)
         best_idx = tl.zeros([QUARTER], tl.int32)
         for v0 in range(0, V, BLOCK):
-            u0, u1, u2, u3 = tl.rand4x(seed, v0 // 4 + quarter)  # round 0's counters; [0, 1) each
-            run_m, run_s, best_l, best_lq, best_idx = _first_pass(logits_row, v0 + quarter, V, temperature, u0, run_m,
-                                                                  run_s, best_l, best_lq, best_idx)
-            run_m, run_s, best_l, best_lq, best_idx = _first_pass(logits_row, v0 + QUARTER + quarter, V, temperature,
-                                                                  u1, run_m, run_s, best_l, best_lq, best_idx)
-            run_m, run_s, best_l, best_lq, best_idx = _first_pass(logits_row, v0 + 2 * QUARTER + quarter, V,
-                                                                  temperature, u2, run_m, run_s, best_l, best_lq,
-                                                                  best_idx)
-            run_m, run_s, best_l, best_lq, best_idx = _first_pass(logits_row, v0 + 3 * QUARTER + quarter, V,
-                                                                  temperature, u3, run_m, run_s, best_l, best_lq,
-                                                                  best_idx)
+            for j in tl.static_range(4):
+                offs = v0 + j * QUARTER + quarter
+                u = _uniform(offs.to(tl.uint32), key_lo, key_hi)  # round 0's counters: the token ids
+                run_m, run_s, best_l, best_lq, best_idx = _first_pass(logits_row, offs, V, temperature, u, run_m,
+                                                                      run_s, best_l, best_lq, best_idx)
         m = tl.max(run_m, axis=0)
         z_all = tl.sum(run_s * tl.exp((run_m - m) / temperature), axis=0)
         score = (best_l - m) / temperature - best_lq  # each lane's winner, now on one scale
@@ -155,15 +156,17 @@ if triton is not None:
                 best_score = tl.full([QUARTER], -float("inf"), tl.float32)
                 best_idx = tl.zeros([QUARTER], tl.int32)
                 for v0 in range(0, V, BLOCK):
-                    u0, u1, u2, u3 = tl.rand4x(seed, r * round_stride + v0 // 4 + quarter)  # [0, 1) each
-                    best_score, best_idx = _race(logits_row, v0 + quarter, V, m, temperature, min_log, x_t, u0,
-                                                 best_score, best_idx)
-                    best_score, best_idx = _race(logits_row, v0 + QUARTER + quarter, V, m, temperature, min_log,
-                                                 x_t, u1, best_score, best_idx)
-                    best_score, best_idx = _race(logits_row, v0 + 2 * QUARTER + quarter, V, m, temperature,
-                                                 min_log, x_t, u2, best_score, best_idx)
-                    best_score, best_idx = _race(logits_row, v0 + 3 * QUARTER + quarter, V, m, temperature,
-                                                 min_log, x_t, u3, best_score, best_idx)
+                    for j in tl.static_range(4):
+                        offs = v0 + j * QUARTER + quarter
+                        x = _tempered(logits_row, offs, offs < V, m, temperature)
+                        candidate = (x >= min_log) & (x > x_t)
+                        if tl.max(candidate.to(tl.int32), axis=0) > 0:  # (most quarters have none after a round)
+                            u = _uniform((r * round_stride + offs).to(tl.uint32), key_lo, key_hi)
+                            q = tl.maximum(-tl.log(1.0 - u), _SMALLEST)
+                            score = tl.where(candidate, x - tl.log(q), -float("inf"))
+                            better = score > best_score
+                            best_score = tl.where(better, score, best_score)
+                            best_idx = tl.where(better, offs, best_idx)
                 t = tl.sum(tl.where(quarter == tl.argmax(best_score, axis=0), best_idx, 0), axis=0)
         if done == 0:  # MAX_ROUNDS rejections: the likeliest token (always in both sets)
             best = tl.full([QUARTER], -float("inf"), tl.float32)
@@ -198,7 +201,7 @@ def sample_rows(logits: torch.Tensor, params: torch.Tensor, **config) -> torch.T
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
     if num_rows:
         block = max(16, min(BLOCK, triton.next_power_of_2(logits.shape[-1])))
-        cfg = {"BLOCK": block, "num_warps": NUM_WARPS, **config}
+        cfg = {"BLOCK": block, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES, **config}
         _sample_rows_kernel[(num_rows,)](logits, logits.stride(0), params, out, num_rows, logits.shape[-1],
                                          MAX_ROUNDS=MAX_ROUNDS, **cfg)
     return out

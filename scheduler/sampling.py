@@ -53,6 +53,8 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
     top-k, then top-p, then one draw per row by the exponential race (the argmax of probs / q, q ~ Exp(1)
     per token: a draw from probs), a seeded row's q from its own generator, the others' from the default
     one. A batch of sampled rows costs the same few kernels as one row (it was ~15 torch calls a row).
+    On CUDA the rows with top-k or top-p (not both) are drawn without the sort by
+    kernels/rejection_sampling.py (`_kernel_rows`): the same distribution, a seed a row made on the host.
 
     top_ks / min_ps: per row (empty: off for every row). top_k k > 0 keeps the tokens at least as likely as
     the k-th likeliest (ties kept, as vLLM); 0 or -1, or k >= vocab: all. min_p keeps the tokens at least
@@ -72,8 +74,15 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
     ks = [top_ks[i] if top_ks and 0 < top_ks[i] < vocab else 0 for i in rows]
     ps = [top_ps[i] for i in rows]
     min_logs = [math.log(min_ps[i]) if min_ps and min_ps[i] > 0.0 else -math.inf for i in rows]
-    if _use_kernel(logits, ks, ps):
-        return _sample_by_kernel(logits, next_ids, rows, temperatures, ps, min_logs, ks, generators)
+    by_kernel = _kernel_rows(logits, ks, ps)  # (positions in rows)
+    if by_kernel:
+        next_ids = _sample_by_kernel(logits, next_ids, [rows[j] for j in by_kernel], temperatures,
+                                     [ps[j] for j in by_kernel], [min_logs[j] for j in by_kernel],
+                                     [ks[j] for j in by_kernel], generators)
+        rest = sorted(set(range(len(rows))) - set(by_kernel))
+        if not rest:
+            return next_ids
+        rows, ks, ps, min_logs = ([v[j] for j in rest] for v in (rows, ks, ps, min_logs))
     # one upload: per sampled row its temperature, top_p, log(min_p) and top-k's index in the sorted
     # row (the last for "all": its value is the row's least, so nothing falls below it)
     params = torch.tensor([[max(temperatures[i], smallest) for i in rows], ps, min_logs,
@@ -116,14 +125,14 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
 USE_KERNEL: bool | None = False if os.environ.get("HICACHE_SAMPLING_KERNEL") == "0" else None
 
 
-def _use_kernel(logits: torch.Tensor, ks: list[int], ps: list[float]) -> bool:
-    """Whether the kernel draws this batch: it has a top-k or top-p row and none with both (the kernel
-    does not find the top-k set's mass a top-p of it needs), and the logits' rows are contiguous."""
-    if USE_KERNEL is False or (USE_KERNEL is None and logits.device.type != "cuda"):
-        return False
-    if not any(ks) and all(p >= 1.0 for p in ps):  # (temperature / min_p only: no sort to spare)
-        return False
-    return logits.stride(-1) == 1 and not any(k and p < 1.0 for k, p in zip(ks, ps))
+def _kernel_rows(logits: torch.Tensor, ks: list[int], ps: list[float]) -> list[int]:
+    """Which sampled rows (positions in `sample`'s rows) the kernel draws: those with top-k or top-p but
+    not both (the kernel does not find the top-k set's mass a top-p of it needs). Decided row by row,
+    on the row's own parameters: a seeded row takes one path whatever shares its batch (regression: the
+    batch went one way or the other as a whole, so a seeded row's draw depended on its batch)."""
+    if USE_KERNEL is False or (USE_KERNEL is None and logits.device.type != "cuda") or logits.stride(-1) != 1:
+        return []
+    return [j for j, (k, p) in enumerate(zip(ks, ps)) if (k > 0) != (p < 1.0)]
 
 
 def _sample_by_kernel(logits: torch.Tensor, next_ids: torch.Tensor, rows: list[int], temperatures: list[float],

@@ -60,9 +60,9 @@ def sweep(vocab: int, batches: list[int], iterations: int) -> list[dict]:
         logits = torch.randn(b, vocab, device="cuda") * 3
         params = pack_params(list(range(b)), [0.8] * b, [0.95] * b, [-float("inf")] * b, [0] * b,
                              list(range(b))).cuda()
-        for block in (1024, 2048, 4096):
-            for warps in (4, 8, 16):
-                for stages in (1, 3):
+        for block in (2048, 4096):
+            for warps in (8, 16):
+                for stages in (1,):
                     cfg = dict(BLOCK=block, num_warps=warps, num_stages=stages)
                     try:
                         for _ in range(2):

@@ -161,7 +161,7 @@ def test_the_rejection_kernel_draws_vllms_distribution_over_qwens_vocabulary():
     for temperature, top_p, top_k, min_p in [(0.8, 0.95, 0, 0.0), (1.0, 0.5, 0, 0.0), (1.0, 1.0, 40, 0.0),
                                              (0.7, 0.9, 0, 0.01)]:
         rows = logits.expand(n, vocab)
-        assert sampling._use_kernel(rows, [top_k] * n, [top_p] * n)
+        assert sampling._kernel_rows(rows, [top_k] * n, [top_p] * n) == list(range(n))
         gens = [None if i % 2 else torch.Generator(device="cuda").manual_seed(i) for i in range(n)]
         ids = sample(rows, [temperature] * n, [top_p] * n, gens, [top_k] * n, [min_p] * n)
         freq = torch.bincount(ids.cpu(), minlength=vocab).double() / n
@@ -176,3 +176,11 @@ def test_the_rejection_kernel_draws_vllms_distribution_over_qwens_vocabulary():
     first, second = gens()[:2]
     assert together[0] == sample(batch[0:1], [0.8], [0.9], [first])[0]
     assert together[1] == sample(batch[1:2], [1.0], [0.8], [second])[0]
+
+
+def test_the_rejection_kernels_uniforms_on_cuda_are_the_hash_they_document():
+    """Compiled (not interpreted): the counter hash's constants typed as uint32, as the interpreter's
+    numpy computes them (tests/test_rejection_sampling.py)."""
+    from test_rejection_sampling import check_uniforms_equal_the_reference
+
+    check_uniforms_equal_the_reference("cuda")

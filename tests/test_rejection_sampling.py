@@ -95,21 +95,32 @@ def kernel_on(monkeypatch):
     monkeypatch.setattr(sampling, "USE_KERNEL", True)
 
 
-def test_sample_hands_top_p_and_top_k_batches_to_the_kernel(kernel_on, monkeypatch):
+def test_sample_hands_the_top_p_and_top_k_rows_to_the_kernel(kernel_on, monkeypatch):
     calls = []
     real = rejection_sampling.sample_rows
     monkeypatch.setattr(rejection_sampling, "sample_rows", lambda *a, **k: calls.append(a) or real(*a, **k))
-    logits = LOGITS.expand(4, -1).contiguous()
-    sample(logits, [0.0, 1.0, 0.8, 1.0], [1.0, 0.9, 1.0, 1.0], [None] * 4, [0, 0, 3, 0])
-    assert len(calls) == 1 and calls[0][1][4].tolist() == [1, 2, 3]  # the sampled rows, greedy row 0 aside
-    # a row with both top-k and top-p (the kernel does not have the top-k set's mass): the sort, for the batch
-    sample(logits, [1.0, 1.0], [0.9, 1.0], [None] * 2, [2, 0])
-    # temperature and min_p only: no sort to spare, the torch path
-    sample(logits, [1.0, 1.0], [1.0, 1.0], [None] * 2, min_ps=[0.1, 0.0])
-    assert len(calls) == 1
+    logits = LOGITS.expand(6, -1).contiguous()
+    # greedy; top_p; top_k; temperature only; min_p only; top_k and top_p (the kernel lacks the top-k set's mass)
+    ids = sample(logits, [0.0, 1.0, 0.8, 1.0, 1.0, 1.0], [1.0, 0.9, 1.0, 1.0, 1.0, 0.5], [None] * 6,
+                 [0, 0, 3, 0, 0, 2], [0.0, 0.0, 0.0, 0.0, 0.1, 0.0])
+    assert len(calls) == 1 and calls[0][1][4].tolist() == [1, 2]  # rows 1, 2; the others by the torch path
+    assert ids[0] == 0 and ids[5] in (0, 1) and ((ids >= 0) & (ids < len(LOGITS))).all()
     monkeypatch.setattr(sampling, "USE_KERNEL", None)  # the default: CUDA only
     sample(logits, [1.0], [0.9], [None])
     assert len(calls) == 1
+
+
+def test_a_seeded_row_takes_its_path_whatever_shares_its_batch(kernel_on):
+    """regression (the property hunt below, through the kernel): a batch went to the kernel or to the sort
+    as a whole, by whether any row had both top-k and top-p; a seeded top-p row drew one token beside such
+    a row and another alone."""
+    logits = torch.zeros(2, 18)
+    logits[1, 9] = logits[1, 15] = 3e38
+    params = dict(temperatures=[5e-324, 5e-324], top_ps=[1e-147, 0.83], top_ks=[2, 0])
+    batch = sample(logits, params["temperatures"], params["top_ps"], [None, seeded_generator(0, torch.device("cpu"))],
+                   params["top_ks"])
+    alone = sample(logits[1:], [5e-324], [0.83], [seeded_generator(0, torch.device("cpu"))], [0])
+    assert batch[1] == alone[0]
 
 
 def test_a_seeded_request_draws_the_same_alone_and_in_a_batch_through_sample(kernel_on):
@@ -122,3 +133,66 @@ def test_a_seeded_request_draws_the_same_alone_and_in_a_batch_through_sample(ker
     assert batch[0] == sample(logits[0:1], [1.0], [0.9], [gens_alone[0]])[0]
     assert batch[3] == sample(logits[3:4], [1.1], [0.7], [gens_alone[1]])[0]
     assert batch[1] == logits[1].argmax()
+
+
+def test_sample_properties_through_the_kernel():
+    """tests/test_sampling_props_hunt.py's property hunt (random batches with ties, NaN, +-inf, three dtypes,
+    greedy / seeded / unseeded rows, any temperature, top_p, top_k, min_p) with the kernel drawing every
+    batch it takes: each token within the reference's support (a tie at the edge kept whole), top_k 1 and
+    min_p 1 an argmax, a seeded row the same alone as in its batch. 30 derandomized examples of at most 24
+    tokens in CI (the interpreter takes ~30 ms a draw); SAMPLING_PROPS_EXAMPLES=N runs N of any size."""
+    import os
+
+    from hypothesis import HealthCheck, given, settings
+
+    from test_sampling_props_hunt import batches, test_sample_properties
+
+    examples = int(os.environ.get("SAMPLING_PROPS_EXAMPLES", 0))
+    small = batches().filter(lambda b: b[0].shape[-1] <= 24)
+
+    @settings(max_examples=examples or 30, deadline=None, derandomize=not examples,
+              suppress_health_check=list(HealthCheck))
+    @given(batch=batches() if examples else small)
+    def check(batch):
+        test_sample_properties.hypothesis.inner_test(batch)
+
+    saved = sampling.USE_KERNEL
+    sampling.USE_KERNEL = True
+    try:
+        check()
+    finally:
+        sampling.USE_KERNEL = saved
+
+
+def _hash32_reference(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def check_uniforms_equal_the_reference(device: str) -> None:
+    """The kernel's counter-hash uniforms (`_uniform`) against a Python reference of the same hash, over
+    counters past 2**31 and keys with the top bit set: uint32 arithmetic, on `device` (the compiler types
+    the constants; the interpreter is numpy)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def uniforms(out_ptr, base, key_lo, key_hi, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        u = rejection_sampling._uniform(offs.to(tl.uint32) + base.to(tl.uint32), key_lo.to(tl.uint32),
+                                        key_hi.to(tl.uint32))
+        tl.store(out_ptr + offs, u)
+
+    for base, lo, hi in ((0, 0, 0), (2**31 - 8, 0x89ABCDEF, 0xFEDCBA98), (123456789, 0x12345678, 0x0ABCDEF0)):
+        out = torch.empty(64, device=device)
+        uniforms[(1,)](out, base, lo, hi, N=64)
+        want = [(_hash32_reference(_hash32_reference(((base + i) & 0xFFFFFFFF) ^ lo) ^ hi) >> 8) / 2**24
+                for i in range(64)]
+        assert out.cpu().tolist() == want
+
+
+def test_the_kernels_uniforms_are_the_hash_they_document():
+    check_uniforms_equal_the_reference("cpu")
