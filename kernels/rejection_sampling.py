@@ -5,11 +5,12 @@ top-p, then one draw. Its torch path sorts the whole batch for top-k/top-p ([32,
 H200: most of the ~1 ms a sampled decode step costs over a greedy one). This kernel draws the same
 distribution without sorting (the idea of FlashInfer's sampling kernels):
 
-  1. one pass: the row's largest logit m, Z = sum of exp((l - m) / T), and round 0's draw t among all
+  1. one pass: the row's largest logit m and round 0's draw t among all
      tokens by the exponential race (argmax of x - log q, q ~ Exp(1), x = (l - m) / T; kept per lane
      as (l, log q) pairs, so it needs no m);
   2. a pass over what is likelier than t: t is kept iff min_p keeps it, fewer than k tokens are
-     likelier (top-k) and their mass is below top_p times the mass min_p keeps (top-p). Kept: t is
+     likelier (top-k) and their mass is below top_p times the mass min_p keeps (top-p; the likeliest
+     always). Kept: t is
      the draw (two passes in all). Not kept: every token no likelier than t is out too (each set is
      closed upwards), so a race among the tokens likelier than t (a pass) draws the next t, and again.
 
@@ -44,7 +45,10 @@ NUM_STAGES = 1
 if triton is not None:
     # (a jit function reads a module global only as a constexpr; the interpreter reads any: session 36)
     _LOWEST, _HIGHEST = tl.constexpr(-3.4028234663852886e38), tl.constexpr(3.4028234663852886e38)  # float32's range
-    _SMALLEST = tl.constexpr(1.1754943508222875e-38)  # float32's smallest normal: an Exp(1) draw is never 0
+    # the least Exp(1) draw: -log(1 - u) of the least nonzero uniform (2**-24); u = 0 (once in 2**24 tokens)
+    # counts as that (regression: clamped at float32's smallest normal, its log, -87, let a token of any
+    # probability win about one race in a hundred over 151,936 tokens; torch's exponential_ never goes below ~2**-25)
+    _SMALLEST = tl.constexpr(5.960464477539063e-08)
     _MUL_1, _MUL_2 = tl.constexpr(0x7FEB352D), tl.constexpr(0x846CA68B)
 
     @triton.jit
@@ -77,17 +81,15 @@ if triton is not None:
         return tl.where(ok, (_clean(logits_row, offs, ok) - m) / temperature, -float("inf"))
 
     @triton.jit
-    def _first_pass(logits_row, offs, V, temperature, u, run_m, run_s, best_l, best_lq, best_idx):
-        """Pass 1 over tokens `offs`: the running max and rescaled sum of exp(l / T), and the exponential
+    def _first_pass(logits_row, offs, V, temperature, u, run_m, best_l, best_lq, best_idx):
+        """Pass 1 over tokens `offs`: the running max, and the exponential
         race among all tokens kept as (l, log q) per lane: t beats the lane's best b iff
         (l_t - l_b) / T > log q_t - log q_b, which needs no max (l / T itself overflows for a tiny T)."""
         ok = offs < V
         lg = _clean(logits_row, offs, ok)
-        new_m = tl.maximum(run_m, lg)
-        run_s = run_s * tl.exp((run_m - new_m) / temperature) + tl.where(ok, tl.exp((lg - new_m) / temperature), 0.0)
         lq = tl.log(tl.maximum(-tl.log(1.0 - u), _SMALLEST))  # log q, q ~ Exp(1)
         better = ok & ((lg - best_l) / temperature > lq - best_lq)
-        return (new_m, run_s, tl.where(better, lg, best_l), tl.where(better, lq, best_lq),
+        return (tl.maximum(run_m, lg), tl.where(better, lg, best_l), tl.where(better, lq, best_lq),
                 tl.where(better, offs, best_idx))
 
     @triton.jit
@@ -109,11 +111,9 @@ if triton is not None:
         quarter = tl.arange(0, QUARTER)
         round_stride = tl.cdiv(V, BLOCK) * BLOCK  # counters a round uses: one a token
 
-        # pass 1: the row's largest logit m and Z = sum of exp((l - m) / T), online (rescaled as m grows),
-        # and round 0's race among every token: no candidate filter yet, so it needs no m (a token min_p
+        # pass 1: the row's largest logit m and round 0's race among every token: no candidate filter yet, so it needs no m (a token min_p
         # drops is rejected instead, as one outside the nucleus is)
         run_m = tl.full([QUARTER], _LOWEST, tl.float32)
-        run_s = tl.zeros([QUARTER], tl.float32)
         best_l = tl.full([QUARTER], _LOWEST, tl.float32)
         best_lq = tl.full([QUARTER], float("inf"), tl.float32)
         best_idx = tl.zeros([QUARTER], tl.int32)
@@ -121,10 +121,9 @@ if triton is not None:
             for j in tl.static_range(4):
                 offs = v0 + j * QUARTER + quarter
                 u = _uniform(offs.to(tl.uint32), key_lo, key_hi)  # round 0's counters: the token ids
-                run_m, run_s, best_l, best_lq, best_idx = _first_pass(logits_row, offs, V, temperature, u, run_m,
-                                                                      run_s, best_l, best_lq, best_idx)
+                run_m, best_l, best_lq, best_idx = _first_pass(logits_row, offs, V, temperature, u, run_m, best_l,
+                                                               best_lq, best_idx)
         m = tl.max(run_m, axis=0)
-        z_all = tl.sum(run_s * tl.exp((run_m - m) / temperature), axis=0)
         score = (best_l - m) / temperature - best_lq  # each lane's winner, now on one scale
         t = tl.sum(tl.where(quarter == tl.argmax(score, axis=0), best_idx, 0), axis=0)
 
@@ -135,7 +134,7 @@ if triton is not None:
             x_t = _tempered(logits_row, t, t < V, m, temperature)
             mass = tl.zeros([QUARTER], tl.float32)  # what is likelier than t
             count = tl.zeros([QUARTER], tl.float32)
-            dropped = tl.zeros([QUARTER], tl.float32)  # the mass min_p drops
+            kept = tl.zeros([QUARTER], tl.float32)  # the mass min_p keeps (summed, not Z less what it drops)
             for v0 in range(0, V, BLOCK):
                 for j in tl.static_range(4):
                     x = _tempered(logits_row, v0 + j * QUARTER + quarter, v0 + j * QUARTER + quarter < V, m,
@@ -144,9 +143,10 @@ if triton is not None:
                     above = (x >= min_log) & (x > x_t)
                     mass += tl.where(above, e, 0.0)
                     count += tl.where(above, 1.0, 0.0)
-                    dropped += tl.where(x < min_log, e, 0.0)
-            z = z_all - tl.sum(dropped, axis=0)
-            in_p = (top_p >= 1.0) | (tl.sum(mass, axis=0) < top_p * z)
+                    kept += tl.where(x >= min_log, e, 0.0)
+            # the likeliest is always in (regression: a top_p that float32 rounds to 0 rejected it too, and
+            # every row of the batch waited for 64 rounds and the fallback)
+            in_p = (top_p >= 1.0) | (tl.sum(mass, axis=0) < top_p * tl.sum(kept, axis=0)) | (tl.sum(count, axis=0) == 0.0)
             in_k = (top_k <= 0.0) | (tl.sum(count, axis=0) < top_k)
             accepted = (x_t >= min_log) & in_p & in_k
             chosen = tl.where(accepted, t, chosen)

@@ -144,7 +144,7 @@ def _sample_by_kernel(logits: torch.Tensor, next_ids: torch.Tensor, rows: list[i
     from kernels.rejection_sampling import pack_params, sample_rows
 
     smallest, device = torch.finfo(torch.float32).tiny, logits.device
-    unseeded = iter(torch.randint(0, 2**62, (len(rows),)).tolist())  # (the default generator, as the torch path)
+    unseeded = iter(torch.randint(0, 2**62, (len(rows),)).tolist())  # (torch's default CPU generator)
     seeds = [next(unseeded) if generators[i] is None else _step_seed(generators[i]) for i in rows]
     params = pack_params(rows, [max(temperatures[i], smallest) for i in rows], ps, min_logs, ks, seeds)
     params = params.to(device, non_blocking=True)  # [7, S]

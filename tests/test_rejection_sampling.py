@@ -196,3 +196,23 @@ def check_uniforms_equal_the_reference(device: str) -> None:
 
 def test_the_kernels_uniforms_are_the_hash_they_document():
     check_uniforms_equal_the_reference("cpu")
+
+
+def test_a_uniform_of_0_does_not_win_the_race():
+    """regression (review): `_uniform` is 0 once in 2**24 tokens, and its Exp(1) draw was clamped at float32's
+    smallest normal: log q = -87 beat every other token's score, so about one race in a hundred over 151,936
+    tokens went to a token of any probability. Under this key token 1815 of 4,096 draws u = 0; the row
+    puts all but ~2e-14 of its mass on token 0."""
+    row = torch.full((1, 4096), -40.0)
+    row[0, 0] = 0.0
+    for top_k in (4095, 100):
+        assert draw(row, [0], 1.0, 1.0, 0.0, top_k, [9187157742993245334])[0] == 0
+
+
+def test_a_top_p_that_float32_rounds_to_0_draws_the_likeliest():
+    """A top_p of 1e-46 is 0 in float32: the likeliest token all the same (the kernel keeps it at once
+    since the review: before, it was reached only by MAX_ROUNDS rejections and the fallback, which no
+    test can tell apart but by time)."""
+    row = torch.tensor([[0.3, 2.0, -1.0, 1.9, 0.0, 0.5, -3.0, 1.0]])
+    for top_p in (1e-46, 1e-300, 1e-30):
+        assert draw(row, [0], 1.0, top_p, 0.0, 0, [7])[0] == 1
