@@ -95,7 +95,8 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
         return "--shutdown-grace-s must be a number of seconds, got nan"
     if args.enable_hicache and args.disable_prefix_cache:  # (served, with L2/L3 idle)
         return f"--enable-hicache cannot be used with --disable-prefix-cache: {HICACHE_NEEDS_PREFIX_CACHE}"
-    if args.enable_hicache and args.hicache_storage_path is not None:
+    if args.enable_hicache and args.hicache_storage_path is not None and args.hicache_storage_backend == "file":
+        # (another backend: HiCacheConfig's "only used by --hicache-storage-backend file" is the problem)
         problem = _storage_path_problem(args.hicache_storage_path)
         if problem:
             return f"--hicache-storage-path {args.hicache_storage_path!r}: {problem}"

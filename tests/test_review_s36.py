@@ -68,3 +68,14 @@ def test_a_prompt_past_the_models_positions_meets_the_one_prompt_limit():
             eng.validate([1] * n, SamplingParams(max_tokens=1))
         messages.add(str(info.value).replace(str(n), "N"))
     assert len(messages) == 1 and "4096" in messages.pop()
+
+
+def test_a_storage_path_beside_the_redis_backend_is_refused_for_that_not_for_its_directory(capsys):
+    """review: the server checked --hicache-storage-path's directory before the config said the path is
+    only used by the file backend: a missing directory was the message, not the real problem."""
+    from scheduler.serve import main
+
+    code = main(["--model", "tiny", "--enable-hicache", "--hicache-storage-backend", "redis",
+                 "--hicache-storage-url", "redis://127.0.0.1:1/0", "--hicache-storage-path", "/no/such/dir/l3.kv"])
+    err = capsys.readouterr().err
+    assert code == 2 and "only used by --hicache-storage-backend file" in err, err
