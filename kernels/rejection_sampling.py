@@ -81,15 +81,16 @@ if triton is not None:
         return tl.where(ok, (_clean(logits_row, offs, ok) - m) / temperature, -float("inf"))
 
     @triton.jit
-    def _first_pass(logits_row, offs, V, temperature, u, run_m, best_l, best_lq, best_idx):
-        """Pass 1 over tokens `offs`: the running max, and the exponential
+    def _first_pass(logits_row, offs, V, temperature, u, run_m, run_idx, best_l, best_lq, best_idx):
+        """Pass 1 over tokens `offs`: the running max and where it is, and the exponential
         race among all tokens kept as (l, log q) per lane: t beats the lane's best b iff
         (l_t - l_b) / T > log q_t - log q_b, which needs no max (l / T itself overflows for a tiny T)."""
         ok = offs < V
         lg = _clean(logits_row, offs, ok)
         lq = tl.log(tl.maximum(-tl.log(1.0 - u), _SMALLEST))  # log q, q ~ Exp(1)
         better = ok & ((lg - best_l) / temperature > lq - best_lq)
-        return (tl.maximum(run_m, lg), tl.where(better, lg, best_l), tl.where(better, lq, best_lq),
+        above = ok & (lg > run_m)
+        return (tl.where(above, lg, run_m), tl.where(above, offs, run_idx), tl.where(better, lg, best_l), tl.where(better, lq, best_lq),
                 tl.where(better, offs, best_idx))
 
     @triton.jit
@@ -113,7 +114,8 @@ if triton is not None:
 
         # pass 1: the row's largest logit m and round 0's race among every token: no candidate filter yet, so it needs no m (a token min_p
         # drops is rejected instead, as one outside the nucleus is)
-        run_m = tl.full([QUARTER], _LOWEST, tl.float32)
+        run_m = tl.full([QUARTER], -float("inf"), tl.float32)
+        run_idx = tl.zeros([QUARTER], tl.int32)
         best_l = tl.full([QUARTER], _LOWEST, tl.float32)
         best_lq = tl.full([QUARTER], float("inf"), tl.float32)
         best_idx = tl.zeros([QUARTER], tl.int32)
@@ -121,9 +123,10 @@ if triton is not None:
             for j in tl.static_range(4):
                 offs = v0 + j * QUARTER + quarter
                 u = _uniform(offs.to(tl.uint32), key_lo, key_hi)  # round 0's counters: the token ids
-                run_m, best_l, best_lq, best_idx = _first_pass(logits_row, offs, V, temperature, u, run_m, best_l,
-                                                               best_lq, best_idx)
+                run_m, run_idx, best_l, best_lq, best_idx = _first_pass(logits_row, offs, V, temperature, u, run_m,
+                                                                        run_idx, best_l, best_lq, best_idx)
         m = tl.max(run_m, axis=0)
+        likeliest = tl.sum(tl.where(quarter == tl.argmax(run_m, axis=0), run_idx, 0), axis=0)
         score = (best_l - m) / temperature - best_lq  # each lane's winner, now on one scale
         t = tl.sum(tl.where(quarter == tl.argmax(score, axis=0), best_idx, 0), axis=0)
 
@@ -168,17 +171,7 @@ if triton is not None:
                             best_score = tl.where(better, score, best_score)
                             best_idx = tl.where(better, offs, best_idx)
                 t = tl.sum(tl.where(quarter == tl.argmax(best_score, axis=0), best_idx, 0), axis=0)
-        if done == 0:  # MAX_ROUNDS rejections: the likeliest token (always in both sets)
-            best = tl.full([QUARTER], -float("inf"), tl.float32)
-            best_idx = tl.zeros([QUARTER], tl.int32)
-            for v0 in range(0, V, BLOCK):
-                for j in tl.static_range(4):
-                    offs = v0 + j * QUARTER + quarter
-                    x = _tempered(logits_row, offs, offs < V, m, temperature)
-                    better = x > best
-                    best = tl.where(better, x, best)
-                    best_idx = tl.where(better, offs, best_idx)
-            chosen = tl.sum(tl.where(quarter == tl.argmax(best, axis=0), best_idx, 0), axis=0)
+        chosen = tl.where(done == 0, likeliest, chosen)  # MAX_ROUNDS rejections: the likeliest (in every set)
         tl.store(out_ptr + s, chosen.to(tl.int64))
 
 
