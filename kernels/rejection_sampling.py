@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - triton is a dependency
 
 MAX_ROUNDS = 64
 BLOCK = 2048  # tokens a program handles per step of its loop over the row (fewer for a small vocabulary)
-NUM_WARPS = 16  # (with BLOCK: the fastest of scripts/probe_sample.py --sweep on the H200, session 36)
+NUM_WARPS = 16  # (the fastest of scripts/probe_sample.py --sweep on the H200 at every batch, session 36)
 NUM_STAGES = 1
 
 if triton is not None:
@@ -63,8 +63,9 @@ if triton is not None:
     @triton.jit
     def _uniform(counter, key_lo, key_hi):
         """A uniform in [0, 1) (24 bits) for each counter (uint32) under the row's 64-bit key: two hashes,
-        ~16 integer operations, where Philox-4x32-10 costs ~50 a number; one program streams a whole row,
-        so the draws' arithmetic, not the loads, bounded a pass (session 36)."""
+        ~16 integer operations where Philox-4x32-10 costs ~50 a number (the kernel ran no faster for it on
+        the H200, session 36: a program streaming a whole row is the bound; kept as the simpler stream,
+        checked against a Python reference on both devices)."""
         return (_hash32(_hash32(counter ^ key_lo) ^ key_hi) >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
     @triton.jit
