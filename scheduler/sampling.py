@@ -54,7 +54,7 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
     per token: a draw from probs), a seeded row's q from its own generator, the others' from the default
     one. A batch of sampled rows costs the same few kernels as one row (it was ~15 torch calls a row).
     On CUDA the rows with top-k or top-p (not both) are drawn without the sort by
-    kernels/rejection_sampling.py (`_kernel_rows`): the same distribution, a seed a row made on the host.
+    kernels/rejection_sampling.py (`_kernel_rows`): the same distribution, a key a row made on the host.
 
     top_ks / min_ps: per row (empty: off for every row). top_k k > 0 keeps the tokens at least as likely as
     the k-th likeliest (ties kept, as vLLM); 0 or -1, or k >= vocab: all. min_p keeps the tokens at least
@@ -138,13 +138,14 @@ def _kernel_rows(logits: torch.Tensor, ks: list[int], ps: list[float]) -> list[i
 def _sample_by_kernel(logits: torch.Tensor, next_ids: torch.Tensor, rows: list[int], temperatures: list[float],
                       ps: list[float], min_logs: list[float], ks: list[int],
                       generators: list[torch.Generator | None]) -> torch.Tensor:
-    """`sample`'s sampled rows drawn by the rejection kernel: every row's parameters and 64-bit Philox seed
+    """`sample`'s sampled rows drawn by the rejection kernel: every row's parameters and 64-bit key
     made on the host (a seeded row's from its own generator, `_step_seed`: its draw whatever its batch)
     and uploaded at once, one launch."""
     from kernels.rejection_sampling import pack_params, sample_rows
 
     smallest, device = torch.finfo(torch.float32).tiny, logits.device
-    unseeded = iter(torch.randint(0, 2**62, (len(rows),)).tolist())  # (torch's default CPU generator)
+    unseeded = sum(generators[i] is None for i in rows)
+    unseeded = iter(torch.randint(0, 2**62, (unseeded,)).tolist() if unseeded else ())  # (torch's default CPU generator)
     seeds = [next(unseeded) if generators[i] is None else _step_seed(generators[i]) for i in rows]
     params = pack_params(rows, [max(temperatures[i], smallest) for i in rows], ps, min_logs, ks, seeds)
     params = params.to(device, non_blocking=True)  # [7, S]
@@ -153,7 +154,7 @@ def _sample_by_kernel(logits: torch.Tensor, next_ids: torch.Tensor, rows: list[i
 
 
 def _step_seed(gen: torch.Generator) -> int:
-    """A seeded row's Philox seed for this draw, on the host: a CPU generator draws it; a CUDA one's is
+    """A seeded row's kernel key for this draw, on the host: a CPU generator draws it; a CUDA one's is
     its seed mixed with its Philox offset, which then moves on (as one of its own draws would), so the
     request's n-th token always gets the same seed and no kernel is launched for it."""
     if gen.device.type == "cpu":
