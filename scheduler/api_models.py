@@ -27,6 +27,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from scheduler.generation_defaults import GenerationDefaults, range_problem
 from scheduler.logprobs import ChatLogprobsFields, CompletionLogprobsField
 from scheduler.penalties import PenaltyFields
 from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams
@@ -368,13 +369,14 @@ async def read_json_body(request, max_bytes: int) -> dict:
 # -- body -> engine input ------------------------------------------------------------------------------
 def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], model_name: str, vocab_size: int,
                   prompt_limit: int, max_tokens_limit: int, default_max_tokens: int = 16,
-                  context_tokens: int | None = None,
+                  context_tokens: int | None = None, sampling_defaults: GenerationDefaults = GenerationDefaults(),
                   ) -> tuple[CompletionRequest | ChatCompletionRequest, list[list[int]], SamplingParams]:
     """Validate a decoded JSON body: (the request model, each prompt's token ids in order: one, or a
     completion's batch, sampling parameters). Raises APIError (400 / 404) naming the field or limit (a
     batch's prompt by its position: "prompt.2"). Without max_tokens a completion gets `default_max_tokens`
     (OpenAI's legacy default, 16) and a chat what is left of `context_tokens` (the tokens a request can
-    hold; OpenAI's chat has no default), each within max_tokens_limit."""
+    hold; OpenAI's chat has no default), each within max_tokens_limit. `sampling_defaults`: for the sampling
+    fields the request leaves out or sets to null (scheduler/generation_defaults.py; none given: OpenAI's)."""
     try:
         request_model = ChatCompletionRequest if chat else CompletionRequest
         req = request_model.model_validate(body, context={"vocab_size": vocab_size})  # (logit_bias' token ids)
@@ -405,7 +407,7 @@ def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
             raise
     if chat and context_tokens is not None:  # prompt + max_tokens - 1 tokens of K/V
         default_max_tokens = max(1, context_tokens + 1 - len(ids[0]))
-    return req, ids, _sampling(req, max_tokens_limit, default_max_tokens)
+    return req, ids, _sampling(sampling_defaults.fill(req), max_tokens_limit, default_max_tokens)
 
 
 def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, prompt: str | list[int] | None, param: str,
@@ -464,11 +466,9 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
     if max_tokens > max_tokens_limit:
         raise APIError(400, f"'{name}' of {max_tokens} exceeds the limit of {max_tokens_limit} "
                             f"(--max-tokens-limit)", param=name, code="max_tokens_too_large")
-    if req.temperature is not None and not 0.0 <= req.temperature <= 100.0:
-        raise APIError(400, f"'temperature' must be in [0, 100], got {req.temperature}", param="temperature",
-                       code="invalid_value")
-    if req.top_p is not None and not 0.0 < req.top_p <= 1.0:
-        raise APIError(400, f"'top_p' must be in (0, 1], got {req.top_p}", param="top_p", code="invalid_value")
+    for field in ("temperature", "top_p"):
+        if problem := range_problem(field, getattr(req, field)):
+            raise APIError(400, f"'{field}' {problem}", param=field, code="invalid_value")
     if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
         raise APIError(400, f"'seed' must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], got {req.seed}",
                        param="seed", code="invalid_value")

@@ -21,7 +21,9 @@ import uvicorn
 
 from scheduler.config import HICACHE_NEEDS_PREFIX_CACHE, add_engine_args, config_from_args
 from scheduler.engine import Engine
+from scheduler.generation_defaults import GenerationDefaults, read_generation_defaults
 from scheduler.memory_plan import pools_line
+from scheduler.presets import PRESETS
 from scheduler.server import ServerLimits, create_app
 from scheduler.server import __doc__ as SERVER_DOC
 
@@ -78,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body in bytes (413 above)")
     s.add_argument("--shutdown-grace-s", type=float, default=ServerLimits.shutdown_grace_s,
                    help="seconds in-flight requests get to finish at shutdown (negative: 0)")
+    s.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="auto: a checkpoint's generation_config.json sets the temperature, top_p, top_k, min_p "
+                        "and repetition_penalty of requests that leave them out (as vLLM's default); vllm: "
+                        "OpenAI's neutral defaults")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     s.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
@@ -110,6 +116,15 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _generation_defaults(args: argparse.Namespace) -> GenerationDefaults:
+    """The sampling defaults of requests: with --generation-config auto and a checkpoint directory, its
+    generation_config.json's (read before the model loads: a bad value is one line, naming the file and
+    the key); a preset or --generation-config vllm: OpenAI's neutral ones."""
+    if args.generation_config == "vllm" or args.model in PRESETS or not os.path.isdir(args.model):
+        return GenerationDefaults()
+    return read_generation_defaults(args.model)
+
+
 def _storage_path_problem(path: str) -> str | None:
     """Why the L3 file cannot go at `path`, where that is plain before the model loads (an empty path,
     an unset variable's, was read as the current directory; a directory, or one that does not exist,
@@ -133,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         config = replace(config_from_args(args), max_new_tokens_limit=args.max_tokens_limit)
-    except ValueError as exc:
+        sampling_defaults = _generation_defaults(args)
+    except ValueError as exc:  # (a CheckpointError is one)
         print(f"hicache-serve: {exc}", file=sys.stderr)
         return 2
     try:
@@ -146,9 +162,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     print(f"hicache-serve: {pools_line(engine.status())}", file=sys.stderr)
+    if sampling_defaults.describe():
+        print(f"hicache-serve: {sampling_defaults.describe()}", file=sys.stderr)
     limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                           max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
-                          shutdown_grace_s=max(0.0, args.shutdown_grace_s))
+                          shutdown_grace_s=max(0.0, args.shutdown_grace_s), sampling_defaults=sampling_defaults)
     app = create_app(engine, limits)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", lifespan="on",
                                log_level=args.log_level, access_log=not args.disable_access_log,

@@ -38,6 +38,7 @@ from starlette.requests import ClientDisconnect
 from scheduler.api_models import APIError, Usage, jsonable, parse_prompts, read_json_body, validation_error
 from scheduler.choices import Choices
 from scheduler.engine import Engine
+from scheduler.generation_defaults import GenerationDefaults
 from scheduler.logprobs import LogprobsShaper
 from scheduler.prom import ServerMetrics
 from scheduler.request import Request as EngineRequest
@@ -56,6 +57,9 @@ class ServerLimits:
     max_body_bytes: int = 2 << 20       # request body (413 above)
     shutdown_grace_s: float = 10.0      # time in-flight requests get to finish at shutdown
     default_max_tokens: int = 16
+    # for the sampling fields a request leaves out (hicache-serve --generation-config auto: the checkpoint's
+    # generation_config.json); all None: OpenAI's neutral defaults
+    sampling_defaults: GenerationDefaults = GenerationDefaults()
 
 
 class _ServerState:
@@ -257,7 +261,8 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
         api_req, prompts, params = parse_prompts(
             body, chat, tokenizer=st.tokenizer, served_names=st.served_names, model_name=st.model_name,
             vocab_size=st.engine.vocab_size, prompt_limit=st.prompt_limit, max_tokens_limit=st.max_tokens_limit,
-            default_max_tokens=st.limits.default_max_tokens, context_tokens=st.engine.max_kv_tokens)
+            default_max_tokens=st.limits.default_max_tokens, context_tokens=st.engine.max_kv_tokens,
+            sampling_defaults=st.limits.sampling_defaults)
         k, n = len(prompts), api_req.n or 1
         total = k * n  # engine requests: choice prompt_index * n + j, OpenAI's order
         if total > st.limits.max_concurrent_requests:  # each choice is a request: waiting would never do
