@@ -9,8 +9,8 @@ distribution without sorting (the idea of FlashInfer's sampling kernels):
      tokens by the exponential race (argmax of x - log q, q ~ Exp(1), x = (l - m) / T; kept per lane
      as (l, log q) pairs, so it needs no m);
   2. a pass over what is likelier than t: t is kept iff min_p keeps it, fewer than k tokens are
-     likelier (top-k) and their mass is below top_p times the mass min_p keeps (top-p; the likeliest
-     always). Kept: t is
+     likelier (top-k) and their mass is below top_p times the mass min_p and top-k keep (top-p of the
+     top-k set, as the sort renormalizes it; the likeliest always). Kept: t is
      the draw (two passes in all). Not kept: every token no likelier than t is out too (each set is
      closed upwards), so a race among the tokens likelier than t (a pass) draws the next t, and again.
 
@@ -21,8 +21,9 @@ always accepted, so a round never lacks a candidate; each rejection removes abou
 left (in expectation e-fold of the mass), so races are ~1 for a top_p near 1 and ~ln(1 / top_p)
 for small ones. After MAX_ROUNDS rejections (not met in practice) the likeliest token is taken.
 
-Not here: a row with both top-k and top-p (the nucleus of the top-k set needs that set's mass; the
-caller sorts such a row). Randomness: a counter hash (`_uniform`) keyed by a per-row 64-bit seed the
+A row with both top-k and top-p needs the top-k set's mass before its first test: the caller finds the
+row's k-th likeliest logit (`set_kth_logits`, torch.topk: a partial selection, not a sort) and every
+token below it counts as min_p's rejects do (ties with it kept, as the sort keeps them). Randomness: a counter hash (`_uniform`) keyed by a per-row 64-bit seed the
 caller draws from the row's generator, the counter the round and the token: a seeded row's draw does
 not depend on its batch. Runs on the CPU under TRITON_INTERPRET=1 in tests.
 """
@@ -97,9 +98,9 @@ if triton is not None:
     @triton.jit
     def _sample_rows_kernel(logits_ptr, row_stride, params_ptr, out_ptr, S, V,
                             BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr):
-        """Program s: a draw from logits row params[4, s] into out[s]. params [7, S] int32: temperature,
+        """Program s: a draw from logits row params[4, s] into out[s]. params [8, S] int32: temperature,
         top_p, log(min_p) (-inf: off), top_k (0: off) as float32 bits, the row, the 64-bit seed's low and
-        high halves. Every pass reads the row a block at a time as four independent quarter blocks (more
+        high halves, the row's k-th likeliest logit as float32 bits (-inf: unknown; `set_kth_logits`). Every pass reads the row a block at a time as four independent quarter blocks (more
         loads in flight: one program streams a row alone)."""
         s = tl.program_id(0)
         temperature = tl.load(params_ptr + s).to(tl.float32, bitcast=True)
@@ -109,6 +110,7 @@ if triton is not None:
         logits_row = logits_ptr + tl.load(params_ptr + 4 * S + s).to(tl.int64) * row_stride
         key_lo = tl.load(params_ptr + 5 * S + s).to(tl.uint32, bitcast=True)
         key_hi = tl.load(params_ptr + 6 * S + s).to(tl.uint32, bitcast=True)
+        kth = tl.load(params_ptr + 7 * S + s).to(tl.float32, bitcast=True)
         QUARTER: tl.constexpr = BLOCK // 4
         quarter = tl.arange(0, QUARTER)
         round_stride = tl.cdiv(V, BLOCK) * BLOCK  # counters a round uses: one a token
@@ -130,6 +132,9 @@ if triton is not None:
         likeliest = tl.sum(tl.where(quarter == tl.argmax(run_m, axis=0), run_idx, 0), axis=0)
         score = (best_l - m) / temperature - best_lq  # each lane's winner, now on one scale
         t = tl.sum(tl.where(quarter == tl.argmax(score, axis=0), best_idx, 0), axis=0)
+        # the least x a token may have: min_p's bound and the k-th likeliest's x (-inf when unknown), computed
+        # as `_tempered` computes every token's (a monotone map: the k-th largest x is the k-th largest l's)
+        floor_x = tl.maximum(min_log, (kth - m) / temperature)
 
         chosen = s * 0  # int32 scalars
         done = s * 0
@@ -138,21 +143,21 @@ if triton is not None:
             x_t = _tempered(logits_row, t, t < V, m, temperature)
             mass = tl.zeros([QUARTER], tl.float32)  # what is likelier than t
             count = tl.zeros([QUARTER], tl.float32)
-            kept = tl.zeros([QUARTER], tl.float32)  # the mass min_p keeps (summed, not Z less what it drops)
+            kept = tl.zeros([QUARTER], tl.float32)  # the mass min_p and top-k keep (summed, not Z less the rest)
             for v0 in range(0, V, BLOCK):
                 for j in tl.static_range(4):
                     x = _tempered(logits_row, v0 + j * QUARTER + quarter, v0 + j * QUARTER + quarter < V, m,
                                   temperature)
                     e = tl.exp(x)
-                    above = (x >= min_log) & (x > x_t)
+                    above = (x >= floor_x) & (x > x_t)
                     mass += tl.where(above, e, 0.0)
                     count += tl.where(above, 1.0, 0.0)
-                    kept += tl.where(x >= min_log, e, 0.0)
+                    kept += tl.where(x >= floor_x, e, 0.0)
             # the likeliest is always in (regression: a top_p that float32 rounds to 0 rejected it too, and
             # every row of the batch waited for 64 rounds and the fallback)
             in_p = (top_p >= 1.0) | (tl.sum(mass, axis=0) < top_p * tl.sum(kept, axis=0)) | (tl.sum(count, axis=0) == 0.0)
             in_k = (top_k <= 0.0) | (tl.sum(count, axis=0) < top_k)
-            accepted = (x_t >= min_log) & in_p & in_k
+            accepted = (x_t >= floor_x) & in_p & in_k
             chosen = tl.where(accepted, t, chosen)
             done = accepted.to(tl.int32)
             r += 1
@@ -163,7 +168,7 @@ if triton is not None:
                     for j in tl.static_range(4):
                         offs = v0 + j * QUARTER + quarter
                         x = _tempered(logits_row, offs, offs < V, m, temperature)
-                        candidate = (x >= min_log) & (x > x_t)
+                        candidate = (x >= floor_x) & (x > x_t)
                         if tl.max(candidate.to(tl.int32), axis=0) > 0:  # (most quarters have none after a round)
                             u = _uniform((r * round_stride + offs).to(tl.uint32), key_lo, key_hi)
                             q = tl.maximum(-tl.log(1.0 - u), _SMALLEST)
@@ -178,17 +183,33 @@ if triton is not None:
 
 def pack_params(rows: list[int], temperatures: list[float], top_ps: list[float], min_logs: list[float],
                 top_ks: list[int], seeds: list[int]) -> torch.Tensor:
-    """The kernel's per-row inputs as one host tensor [7, S] int32 (one upload): temperature, top_p,
-    log(min_p), top_k as float32 bits, the row, the seed's low and high 32 bits (seeds in [0, 2**64))."""
+    """The kernel's per-row inputs as one host tensor [8, S] int32 (one upload): temperature, top_p,
+    log(min_p), top_k as float32 bits, the row, the seed's low and high 32 bits (seeds in [0, 2**64)), the
+    k-th likeliest logit's bits as -inf (`set_kth_logits` fills it in on the device)."""
     floats = np.array([temperatures, top_ps, min_logs, top_ks], dtype=np.float32).view(np.int32)  # [4, S]
     halves = np.array(seeds, dtype=np.uint64).view(np.uint32).reshape(-1, 2).T.view(np.int32)  # [2, S]: low, high
-    return torch.from_numpy(np.concatenate([floats, np.array([rows], dtype=np.int32), halves]))
+    kth = np.full((1, len(rows)), -np.inf, dtype=np.float32).view(np.int32)  # [1, S]
+    return torch.from_numpy(np.concatenate([floats, np.array([rows], dtype=np.int32), halves, kth]))
+
+
+def set_kth_logits(logits: torch.Tensor, params: torch.Tensor, columns: list[int], ks: list[int]) -> None:
+    """params[7, c] for each column c (a row with both top-k and top-p) := its row's ks[j]-th largest logit,
+    NaN counted as float32's lowest and +-inf clamped (the kernel's `_clean`); queued on the device (no
+    sync). One torch.topk of those rows: a partial selection of the largest k, not the sort of the row."""
+    if not columns:
+        return
+    device, ks = params.device, [min(k, logits.shape[-1]) for k in ks]  # (k >= the vocabulary: the least, all kept)
+    index = torch.tensor([columns, [k - 1 for k in ks]], dtype=torch.int64).to(device, non_blocking=True)  # [2, J]
+    lowest = torch.finfo(torch.float32).min
+    x = torch.nan_to_num(logits.index_select(0, params[4, index[0]].long()).float(), nan=lowest)  # [J, V]
+    kth = torch.topk(x, max(ks), dim=-1, sorted=True).values.gather(1, index[1, :, None])[:, 0]  # [J]
+    params[7].index_copy_(0, index[0], kth.view(torch.int32))
 
 
 def sample_rows(logits: torch.Tensor, params: torch.Tensor, **config) -> torch.Tensor:
-    """logits [B, V] (any float dtype, rows contiguous), params [7, S] int32 on the logits' device
-    (`pack_params`; temperature > 0, top_p in (0, 1], not top_k > 0 with top_p < 1 in one row) -> token
-    ids [S] int64. config overrides BLOCK / num_warps / num_stages (benchmarks)."""
+    """logits [B, V] (any float dtype, rows contiguous), params [8, S] int32 on the logits' device
+    (`pack_params`; temperature > 0, top_p in (0, 1]; a row with top_k > 0 and top_p < 1 after
+    `set_kth_logits`) -> token ids [S] int64. config overrides BLOCK / num_warps / num_stages (benchmarks)."""
     if logits.stride(-1) != 1:
         raise ValueError("logits rows must be contiguous")
     num_rows = params.shape[1]

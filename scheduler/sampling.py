@@ -53,8 +53,8 @@ def sample(logits: torch.Tensor, temperatures: list[float], top_ps: list[float],
     top-k, then top-p, then one draw per row by the exponential race (the argmax of probs / q, q ~ Exp(1)
     per token: a draw from probs), a seeded row's q from its own generator, the others' from the default
     one. A batch of sampled rows costs the same few kernels as one row (it was ~15 torch calls a row).
-    On CUDA the rows with top-k or top-p (not both) are drawn without the sort by
-    kernels/rejection_sampling.py (`_kernel_rows`): the same distribution, a key a row made on the host.
+    On CUDA the rows with top-k or top-p are drawn without the sort by kernels/rejection_sampling.py
+    (`_kernel_rows`): the same distribution, a key a row made on the host.
 
     top_ks / min_ps: per row (empty: off for every row). top_k k > 0 keeps the tokens at least as likely as
     the k-th likeliest (ties kept, as vLLM); 0 or -1, or k >= vocab: all. min_p keeps the tokens at least
@@ -126,13 +126,13 @@ USE_KERNEL: bool | None = False if os.environ.get("HICACHE_SAMPLING_KERNEL") == 
 
 
 def _kernel_rows(logits: torch.Tensor, ks: list[int], ps: list[float]) -> list[int]:
-    """Which sampled rows (positions in `sample`'s rows) the kernel draws: those with top-k or top-p but
-    not both (the kernel does not find the top-k set's mass a top-p of it needs). Decided row by row,
-    on the row's own parameters: a seeded row takes one path whatever shares its batch (regression: the
-    batch went one way or the other as a whole, so a seeded row's draw depended on its batch)."""
+    """Which sampled rows (positions in `sample`'s rows) the kernel draws: those with top-k or top-p (a
+    row with neither needs no sort). Decided row by row, on the row's own parameters: a seeded row takes
+    one path whatever shares its batch (regression: the batch went one way or the other as a whole, by
+    whether a row had both, so a seeded row's draw depended on its batch)."""
     if USE_KERNEL is False or (USE_KERNEL is None and logits.device.type != "cuda") or logits.stride(-1) != 1:
         return []
-    return [j for j, (k, p) in enumerate(zip(ks, ps)) if (k > 0) != (p < 1.0)]
+    return [j for j, (k, p) in enumerate(zip(ks, ps)) if k > 0 or p < 1.0]
 
 
 def _sample_by_kernel(logits: torch.Tensor, next_ids: torch.Tensor, rows: list[int], temperatures: list[float],
@@ -140,15 +140,18 @@ def _sample_by_kernel(logits: torch.Tensor, next_ids: torch.Tensor, rows: list[i
                       generators: list[torch.Generator | None]) -> torch.Tensor:
     """`sample`'s sampled rows drawn by the rejection kernel: every row's parameters and 64-bit key
     made on the host (a seeded row's from its own generator, `_step_seed`: its draw whatever its batch)
-    and uploaded at once, one launch."""
-    from kernels.rejection_sampling import pack_params, sample_rows
+    and uploaded at once, the k-th likeliest logit of the rows with both top-k and top-p found on the
+    device, one launch."""
+    from kernels.rejection_sampling import pack_params, sample_rows, set_kth_logits
 
     smallest, device = torch.finfo(torch.float32).tiny, logits.device
     unseeded = sum(generators[i] is None for i in rows)
     unseeded = iter(torch.randint(0, 2**62, (unseeded,)).tolist() if unseeded else ())  # (torch's default CPU generator)
     seeds = [next(unseeded) if generators[i] is None else _step_seed(generators[i]) for i in rows]
     params = pack_params(rows, [max(temperatures[i], smallest) for i in rows], ps, min_logs, ks, seeds)
-    params = params.to(device, non_blocking=True)  # [7, S]
+    params = params.to(device, non_blocking=True)  # [8, S]
+    joint = [j for j, (k, p) in enumerate(zip(ks, ps)) if k > 0 and p < 1.0]
+    set_kth_logits(logits, params, joint, [ks[j] for j in joint])
     choice = sample_rows(logits, params)  # [S]
     return choice if len(rows) == len(next_ids) else next_ids.index_copy_(0, params[4].long(), choice)
 

@@ -46,7 +46,8 @@ PENALTIES = {"presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_pena
 # --sampled-decode's variants: what a chat client sends, unseeded and seeded, then with vLLM's top_k and min_p
 SAMPLED = {"sampled": {"temperature": 0.8, "top_p": 0.95},
            "seeded": {"temperature": 0.8, "top_p": 0.95, "seed": 1},
-           "top_k_min_p": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "min_p": 0.05, "seed": 1}}
+           "top_k_min_p": {"temperature": 0.8, "top_p": 0.95, "top_k": 50, "min_p": 0.05, "seed": 1},
+           "qwen3_defaults": {"temperature": 0.6, "top_p": 0.95, "top_k": 20}}  # Qwen3's generation_config.json
 
 
 async def decode_rate(engine: Engine, batch: int, prompt_tokens: int, new_tokens: int, rng, **params) -> float:
@@ -237,7 +238,8 @@ def main(argv=None) -> int:
                          "presence, frequency and repetition penalties (e.g. 32,2000,512)")
     ap.add_argument("--sampled-decode", metavar="BATCH,PROMPT,TOKENS",
                     help="also decode BATCH requests of PROMPT tokens for TOKENS tokens greedily and sampled "
-                         "(temperature 0.8, top_p 0.95; seeded; with top_k 50 and min_p 0.05), e.g. 32,512,256")
+                         "(temperature 0.8, top_p 0.95; seeded; with top_k 50 and min_p 0.05; Qwen3's defaults: temperature "
+                         "0.6, top_k 20, top_p 0.95), e.g. 32,512,256")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of the tail request (CUDA), after every timing of the last mode")

@@ -12,6 +12,7 @@ for s in "$@"; do
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; df -h . | tail -1 ;;
     tests) step tests 360 python3 -m pytest -q -p no:cacheprovider -m gpu $(grep -l "mark\.gpu" tests/test_*.py) ;;  # every gpu-marked test, wherever it lives
+    tests_sampling) step tests_sampling 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_sampling.py ;;
     kernels) step kernels 200 python3 scripts/bench_kernels.py --out "$OUT/kernels.json" ;;
     transfer) step transfer 200 python3 scripts/bench_transfer.py --out "$OUT/transfer.json" ;;
     transfer_direct) for i in 1 2; do step "transfer_direct$i" 200 python3 scripts/bench_transfer.py --backends triton --layouts consecutive --direct-pages 0,7,14,0,7,14 --tokens 1000,3504 --directions-only --out "$OUT/transfer_direct$i.json"; done ;;

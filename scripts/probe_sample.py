@@ -26,6 +26,7 @@ SETTINGS = {  # name: (temperature, top_p, top_k, min_p, seeded)
     "top_p 0.5": (1.0, 0.5, 0, 0.0, False),
     "top_k 50": (0.8, 1.0, 50, 0.0, False),
     "min_p 0.05 + top_p 0.9": (0.8, 0.9, 0, 0.05, False),
+    "top_k 20 + top_p 0.95": (0.6, 0.95, 20, 0.0, False),  # Qwen3's generation_config.json
 }
 
 

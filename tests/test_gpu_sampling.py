@@ -150,8 +150,9 @@ def test_sampled_rows_on_cuda_draw_together_follow_top_k_and_repeat_with_their_s
 
 def test_the_rejection_kernel_draws_vllms_distribution_over_qwens_vocabulary():
     """kernels/rejection_sampling.py, which draws top-p / top-k / min_p rows on CUDA without a sort: 20,000
-    draws a setting over 151,936 tokens follow vLLM's distribution (float64 reference); seeded rows (CUDA
-    and CPU generators) draw the same alone as in a batch."""
+    draws a setting over 151,936 tokens follow vLLM's distribution (float64 reference; top-p of the top-k
+    set with both, as Qwen3's generation_config.json asks); seeded rows (CUDA and CPU generators) draw the
+    same alone as in a batch."""
     from scheduler import sampling
     from scheduler.sampling import sample
     from sampling_reference import reference_probs
@@ -159,7 +160,7 @@ def test_the_rejection_kernel_draws_vllms_distribution_over_qwens_vocabulary():
     vocab, n = 151_936, 20_000
     logits = (torch.randn(vocab, generator=torch.Generator().manual_seed(0)) * 3).cuda()
     for temperature, top_p, top_k, min_p in [(0.8, 0.95, 0, 0.0), (1.0, 0.5, 0, 0.0), (1.0, 1.0, 40, 0.0),
-                                             (0.7, 0.9, 0, 0.01)]:
+                                             (0.7, 0.9, 0, 0.01), (0.6, 0.95, 20, 0.0), (1.0, 0.8, 300, 0.0)]:
         rows = logits.expand(n, vocab)
         assert sampling._kernel_rows(rows, [top_k] * n, [top_p] * n) == list(range(n))
         gens = [None if i % 2 else torch.Generator(device="cuda").manual_seed(i) for i in range(n)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kernels import rejection_sampling
-from kernels.rejection_sampling import pack_params, sample_rows
+from kernels.rejection_sampling import pack_params, sample_rows, set_kth_logits
 from scheduler import sampling
 from scheduler.sampling import sample, seeded_generator
 
@@ -20,7 +20,10 @@ def draw(logits: torch.Tensor, rows: list[int], temperature, top_p, min_p, top_k
     def each(v):
         return list(v) if isinstance(v, (list, tuple)) else [v] * len(rows)
     min_logs = [math.log(p) if p else -math.inf for p in each(min_p)]
-    return sample_rows(logits, pack_params(rows, each(temperature), each(top_p), min_logs, each(top_k), seeds))
+    params = pack_params(rows, each(temperature), each(top_p), min_logs, each(top_k), seeds)
+    joint = [j for j, (k, p) in enumerate(zip(each(top_k), each(top_p))) if k and p < 1.0]
+    set_kth_logits(logits, params, joint, [each(top_k)[j] for j in joint])
+    return sample_rows(logits, params)
 
 
 def reference(row: torch.Tensor, temperature: float, top_p: float, min_p: float, top_k: int) -> torch.Tensor:
@@ -28,7 +31,7 @@ def reference(row: torch.Tensor, temperature: float, top_p: float, min_p: float,
     nucleus' edge kept whole (the kernel's rule; the sort keeps the sort's choice of it)."""
     p = torch.softmax((row.double() - row.double().max()) / temperature, dim=-1)
     keep = p >= min_p * p.max()
-    if top_k:
+    if 0 < top_k < len(p):  # (k >= the vocabulary: every token)
         keep &= p >= torch.where(keep, p, 0.0).sort(descending=True).values[top_k - 1]
     p = torch.where(keep, p, 0.0)
     p = p / p.sum()
@@ -42,7 +45,9 @@ LOGITS = torch.tensor([2.0, 1.4, 1.0, 0.3, 0.0, -0.5, -1.0, -3.0])
 
 
 @pytest.mark.parametrize("temperature,top_p,min_p,top_k", [(1.0, 0.7, 0.0, 0), (0.6, 1.0, 0.15, 0),
-                                                           (1.3, 1.0, 0.0, 3), (0.9, 0.9, 0.05, 0)])
+                                                           (1.3, 1.0, 0.0, 3), (0.9, 0.9, 0.05, 0),
+                                                           (1.2, 0.8, 0.0, 5), (0.7, 0.95, 0.02, 6),
+                                                           (0.7, 0.9, 0.0, 20)])
 def test_draws_follow_the_reference_distribution(temperature, top_p, min_p, top_k):
     n = 160
     ids = draw(LOGITS.expand(n, -1), list(range(n)), temperature, top_p, min_p, top_k, list(range(1000, 1000 + n)))
@@ -57,6 +62,24 @@ def test_a_tiny_top_p_keeps_the_likeliest_and_top_k_1_the_argmax():
     n = 12
     for setting in ((1.0, 1e-9, 0.0, 0), (5.0, 1.0, 0.0, 1), (1.0, 1.0, 1.0, 0)):
         assert draw(LOGITS.expand(n, -1), list(range(n)), *setting, seeds=list(range(n))).eq(0).all()
+
+
+def test_top_p_with_top_k_takes_the_nucleus_of_the_top_k_set():
+    """top-k first, then top-p of what it kept, renormalized (vLLM V1's order): with k 2 the two likeliest
+    weigh 0.645 / 0.355, so a top_p of 0.6 keeps the first alone; top-p over the whole row (0.42 / 0.23)
+    would keep both."""
+    n = 24
+    ids = draw(LOGITS.expand(n, -1), list(range(n)), 1.0, 0.6, 0.0, 2, list(range(n)))
+    assert ids.eq(0).all(), ids
+    ids = draw(LOGITS.expand(n, -1), list(range(n)), 1.0, 0.7, 0.0, 2, list(range(n)))
+    assert set(ids.tolist()) == {0, 1}, ids
+
+
+def test_a_tie_at_the_kth_logit_is_kept_whole_with_top_p():
+    row = torch.tensor([3.0, 1.0, 1.0, 1.0, -2.0, -9.0])
+    n = 48
+    ids = draw(row.expand(n, -1), list(range(n)), 1.0, 0.99, 0.0, 2, list(range(n)))
+    assert set(ids.tolist()) == {0, 1, 2, 3}, ids  # the three tied with the 2nd stay; token 4 never
 
 
 def test_a_tie_at_the_nucleus_edge_is_kept_whole():
@@ -100,11 +123,13 @@ def test_sample_hands_the_top_p_and_top_k_rows_to_the_kernel(kernel_on, monkeypa
     real = rejection_sampling.sample_rows
     monkeypatch.setattr(rejection_sampling, "sample_rows", lambda *a, **k: calls.append(a) or real(*a, **k))
     logits = LOGITS.expand(6, -1).contiguous()
-    # greedy; top_p; top_k; temperature only; min_p only; top_k and top_p (the kernel lacks the top-k set's mass)
-    ids = sample(logits, [0.0, 1.0, 0.8, 1.0, 1.0, 1.0], [1.0, 0.9, 1.0, 1.0, 1.0, 0.5], [None] * 6,
+    # greedy; top_p; top_k; temperature only; min_p only; top_k and top_p
+    ids = sample(logits, [0.0, 1.0, 0.8, 1.0, 1.0, 1.0], [1.0, 0.9, 1.0, 1.0, 1.0, 0.6], [None] * 6,
                  [0, 0, 3, 0, 0, 2], [0.0, 0.0, 0.0, 0.0, 0.1, 0.0])
-    assert len(calls) == 1 and calls[0][1][4].tolist() == [1, 2]  # rows 1, 2; the others by the torch path
-    assert ids[0] == 0 and ids[5] in (0, 1) and ((ids >= 0) & (ids < len(LOGITS))).all()
+    assert len(calls) == 1 and calls[0][1][4].tolist() == [1, 2, 5]  # rows 1, 2, 5; the others by the torch path
+    kth = calls[0][1][7].view(torch.float32).tolist()  # the k-th logit found for row 5 only
+    assert kth[:2] == [-math.inf, -math.inf] and kth[2] == LOGITS[1].item()
+    assert ids[0] == 0 and ids[5] == 0 and ((ids >= 0) & (ids < len(LOGITS))).all()
     monkeypatch.setattr(sampling, "USE_KERNEL", None)  # the default: CUDA only
     sample(logits, [1.0], [0.9], [None])
     assert len(calls) == 1
