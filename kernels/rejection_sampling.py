@@ -24,7 +24,7 @@ for small ones. After MAX_ROUNDS rejections (not met in practice) the likeliest 
 A row with both top-k and top-p needs the top-k set's mass before its first test: the caller finds the
 row's k-th likeliest logit (`set_kth_logits`, torch.topk: a partial selection, not a sort) and every
 token below it counts as min_p's rejects do (ties with it kept, as the sort keeps them). Randomness: a counter hash (`_uniform`) keyed by a per-row 64-bit seed the
-caller draws from the row's generator, the counter the round and the token: a seeded row's draw does
+caller draws from the row's generator, the counter round * V + token: a seeded row's draw does
 not depend on its batch. Runs on the CPU under TRITON_INTERPRET=1 in tests.
 """
 from __future__ import annotations
@@ -38,10 +38,18 @@ try:
 except ImportError:  # pragma: no cover - triton is a dependency
     triton = None
 
+from kernels.direct_launch import DirectLaunch
+
 MAX_ROUNDS = 64
-BLOCK = 2048  # tokens a program handles per step of its loop over the row (fewer for a small vocabulary)
-NUM_WARPS = 16  # (the fastest of scripts/probe_sample.py --sweep on the H200 at every batch, session 36)
+BLOCK = 2048  # tokens a program handles per step of its loop (fewer for a small vocabulary)
+# (CHUNK, ROUNDS, NUM_WARPS: the fastest of scripts/probe_sample.py --sweep on the H200 for top_p rows at
+# B = 8, 32, 64, session 37; 8 rounds suit top_k 50 rows better, 0.01 ms slower for top_p ones)
+CHUNK = 4096  # tokens of a row a program takes (151,936: 38 programs a row)
+ROUNDS = 4  # rounds decided by all of a row's programs; a row needing more goes on in one program
+NUM_WARPS = 4
+FINISH_WARPS = 16  # (one program streams a whole row: the fastest of the sweep on the H200, session 36)
 NUM_STAGES = 1
+TOPK_CHUNK = 4096  # tokens a torch.topk slice takes when finding a row's k-th likeliest (set_kth_logits)
 
 if triton is not None:
     # (a jit function reads a module global only as a constexpr; the interpreter reads any: session 36)
@@ -51,6 +59,9 @@ if triton is not None:
     # probability win about one race in a hundred over 151,936 tokens; torch's exponential_ never goes below ~2**-25)
     _SMALLEST = tl.constexpr(5.960464477539063e-08)
     _MUL_1, _MUL_2 = tl.constexpr(0x7FEB352D), tl.constexpr(0x846CA68B)
+    # ws[s, c, :] (float32, indices as their bits): chunk c of row s's pass 1 (its max, where, its race
+    # winner's l, log q and token) at 0..4, then two slots (rounds alternate) of a round's pass at 5..9, 10..14
+    WS_FIELDS = tl.constexpr(16)
 
     @triton.jit
     def _hash32(x):
@@ -96,89 +107,188 @@ if triton is not None:
                 tl.where(better, offs, best_idx))
 
     @triton.jit
-    def _sample_rows_kernel(logits_ptr, row_stride, params_ptr, out_ptr, S, V,
-                            BLOCK: tl.constexpr, MAX_ROUNDS: tl.constexpr):
-        """Program s: a draw from logits row params[4, s] into out[s]. params [8, S] int32: temperature,
-        top_p, log(min_p) (-inf: off), top_k (0: off) as float32 bits, the row, the 64-bit seed's low and
-        high halves, the row's k-th likeliest logit as float32 bits (-inf: unknown; `set_kth_logits`). Every pass reads the row a block at a time as four independent quarter blocks (more
-        loads in flight: one program streams a row alone)."""
-        s = tl.program_id(0)
+    def _row_params(params_ptr, S, s):
+        """Row s's parameters (`pack_params`): temperature, top_p, log(min_p), top_k, the logits row, the
+        key's halves, the k-th likeliest logit."""
         temperature = tl.load(params_ptr + s).to(tl.float32, bitcast=True)
         top_p = tl.load(params_ptr + S + s).to(tl.float32, bitcast=True)
         min_log = tl.load(params_ptr + 2 * S + s).to(tl.float32, bitcast=True)
         top_k = tl.load(params_ptr + 3 * S + s).to(tl.float32, bitcast=True)
-        logits_row = logits_ptr + tl.load(params_ptr + 4 * S + s).to(tl.int64) * row_stride
+        row = tl.load(params_ptr + 4 * S + s).to(tl.int64)
         key_lo = tl.load(params_ptr + 5 * S + s).to(tl.uint32, bitcast=True)
         key_hi = tl.load(params_ptr + 6 * S + s).to(tl.uint32, bitcast=True)
         kth = tl.load(params_ptr + 7 * S + s).to(tl.float32, bitcast=True)
+        return temperature, top_p, min_log, top_k, row, key_lo, key_hi, kth
+
+    @triton.jit
+    def _first_kernel(logits_ptr, row_stride, params_ptr, ws_ptr, state_ptr, S, V,
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (s, c): pass 1 over chunk c of row s: its largest logit and where, and its winner of
+        round 0's race among all its tokens -> ws[s, c, 0:5]. Program (s, 0) marks the row undecided."""
+        s, c = tl.program_id(0), tl.program_id(1)
+        temperature, top_p, min_log, top_k, row, key_lo, key_hi, kth = _row_params(params_ptr, S, s)
+        logits_row = logits_ptr + row * row_stride
         QUARTER: tl.constexpr = BLOCK // 4
         quarter = tl.arange(0, QUARTER)
-        round_stride = tl.cdiv(V, BLOCK) * BLOCK  # counters a round uses: one a token
-
-        # pass 1: the row's largest logit m and round 0's race among every token: no candidate filter yet, so it needs no m (a token min_p
-        # drops is rejected instead, as one outside the nucleus is)
         run_m = tl.full([QUARTER], -float("inf"), tl.float32)
         run_idx = tl.zeros([QUARTER], tl.int32)
         best_l = tl.full([QUARTER], _LOWEST, tl.float32)
         best_lq = tl.full([QUARTER], float("inf"), tl.float32)
         best_idx = tl.zeros([QUARTER], tl.int32)
-        for v0 in range(0, V, BLOCK):
-            for j in tl.static_range(4):
+        hi = tl.minimum(V, (c + 1) * CHUNK)
+        for v0 in range(c * CHUNK, hi, BLOCK):
+            for j in tl.static_range(4):  # four independent quarter blocks: more loads in flight
                 offs = v0 + j * QUARTER + quarter
                 u = _uniform(offs.to(tl.uint32), key_lo, key_hi)  # round 0's counters: the token ids
-                run_m, run_idx, best_l, best_lq, best_idx = _first_pass(logits_row, offs, V, temperature, u, run_m,
+                run_m, run_idx, best_l, best_lq, best_idx = _first_pass(logits_row, offs, hi, temperature, u, run_m,
                                                                         run_idx, best_l, best_lq, best_idx)
         m = tl.max(run_m, axis=0)
-        likeliest = tl.sum(tl.where(quarter == tl.argmax(run_m, axis=0), run_idx, 0), axis=0)
-        score = (best_l - m) / temperature - best_lq  # each lane's winner, now on one scale
-        t = tl.sum(tl.where(quarter == tl.argmax(score, axis=0), best_idx, 0), axis=0)
-        # the least x a token may have: min_p's bound and the k-th likeliest's x (-inf when unknown), computed
-        # as `_tempered` computes every token's (a monotone map: the k-th largest x is the k-th largest l's)
-        floor_x = tl.maximum(min_log, (kth - m) / temperature)
+        lane = tl.argmax((best_l - m) / temperature - best_lq, axis=0)  # the chunk's winner, on one scale
+        out = ws_ptr + (s * tl.num_programs(1) + c) * WS_FIELDS
+        tl.store(out, m)
+        tl.store(out + 1, tl.sum(tl.where(quarter == tl.argmax(run_m, axis=0), run_idx, 0), axis=0).to(tl.float32, bitcast=True))
+        tl.store(out + 2, tl.sum(tl.where(quarter == lane, best_l, 0.0), axis=0))
+        tl.store(out + 3, tl.sum(tl.where(quarter == lane, best_lq, 0.0), axis=0))
+        tl.store(out + 4, tl.sum(tl.where(quarter == lane, best_idx, 0), axis=0).to(tl.float32, bitcast=True))
+        if c == 0:
+            tl.store(state_ptr + s * 4, 0)
 
-        chosen = s * 0  # int32 scalars
-        done = s * 0
-        r = s * 0
-        while (done == 0) & (r < MAX_ROUNDS):
-            x_t = _tempered(logits_row, t, t < V, m, temperature)
-            mass = tl.zeros([QUARTER], tl.float32)  # what is likelier than t
-            count = tl.zeros([QUARTER], tl.float32)
-            kept = tl.zeros([QUARTER], tl.float32)  # the mass min_p and top-k keep (summed, not Z less the rest)
-            for v0 in range(0, V, BLOCK):
-                for j in tl.static_range(4):
-                    x = _tempered(logits_row, v0 + j * QUARTER + quarter, v0 + j * QUARTER + quarter < V, m,
-                                  temperature)
-                    e = tl.exp(x)
-                    above = (x >= floor_x) & (x > x_t)
-                    mass += tl.where(above, e, 0.0)
-                    count += tl.where(above, 1.0, 0.0)
-                    kept += tl.where(x >= floor_x, e, 0.0)
-            # the likeliest is always in (regression: a top_p that float32 rounds to 0 rejected it too, and
-            # every row of the batch waited for 64 rounds and the fallback)
-            in_p = (top_p >= 1.0) | (tl.sum(mass, axis=0) < top_p * tl.sum(kept, axis=0)) | (tl.sum(count, axis=0) == 0.0)
-            in_k = (top_k <= 0.0) | (tl.sum(count, axis=0) < top_k)
-            accepted = (x_t >= floor_x) & in_p & in_k
-            chosen = tl.where(accepted, t, chosen)
-            done = accepted.to(tl.int32)
-            r += 1
-            if done == 0:  # every token no likelier than t is out too: race again among the likelier ones
-                best_score = tl.full([QUARTER], -float("inf"), tl.float32)
-                best_idx = tl.zeros([QUARTER], tl.int32)
-                for v0 in range(0, V, BLOCK):
-                    for j in tl.static_range(4):
-                        offs = v0 + j * QUARTER + quarter
-                        x = _tempered(logits_row, offs, offs < V, m, temperature)
-                        candidate = (x >= floor_x) & (x > x_t)
-                        if tl.max(candidate.to(tl.int32), axis=0) > 0:  # (most quarters have none after a round)
-                            u = _uniform((r * round_stride + offs).to(tl.uint32), key_lo, key_hi)
-                            q = tl.maximum(-tl.log(1.0 - u), _SMALLEST)
-                            score = tl.where(candidate, x - tl.log(q), -float("inf"))
-                            better = score > best_score
-                            best_score = tl.where(better, score, best_score)
-                            best_idx = tl.where(better, offs, best_idx)
-                t = tl.sum(tl.where(quarter == tl.argmax(best_score, axis=0), best_idx, 0), axis=0)
-        chosen = tl.where(done == 0, likeliest, chosen)  # MAX_ROUNDS rejections: the likeliest (in every set)
-        tl.store(out_ptr + s, chosen.to(tl.int64))
+    @triton.jit
+    def _combine_first(ws_row, P, temperature, P_POW2: tl.constexpr):
+        """The row's chunks' pass 1 combined: (largest logit m, the likeliest token, round 0's draw t)."""
+        cs = tl.arange(0, P_POW2)
+        ok = cs < P
+        run_m = tl.load(ws_row + cs * WS_FIELDS, mask=ok, other=-float("inf"))
+        run_idx = tl.load(ws_row + cs * WS_FIELDS + 1, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+        m = tl.max(run_m, axis=0)
+        likeliest = tl.sum(tl.where(cs == tl.argmax(run_m, axis=0), run_idx, 0), axis=0)
+        best_l = tl.load(ws_row + cs * WS_FIELDS + 2, mask=ok, other=_LOWEST)
+        best_lq = tl.load(ws_row + cs * WS_FIELDS + 3, mask=ok, other=float("inf"))
+        best_idx = tl.load(ws_row + cs * WS_FIELDS + 4, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+        score = tl.where(ok, (best_l - m) / temperature - best_lq, -float("inf"))
+        return m, likeliest, tl.sum(tl.where(cs == tl.argmax(score, axis=0), best_idx, 0), axis=0)
+
+    @triton.jit
+    def _accept(x_t, floor_x, mass, count, kept, top_p, top_k):
+        """Whether candidate t is the draw: min_p and top-k keep it (x_t >= floor_x), fewer than top_k tokens
+        are likelier and their mass is below top_p times the kept mass (the likeliest always: regression,
+        a top_p that float32 rounds to 0 rejected it too, and every row waited for the fallback)."""
+        in_p = (top_p >= 1.0) | (mass < top_p * kept) | (count == 0.0)
+        in_k = (top_k <= 0.0) | (count < top_k)
+        return (x_t >= floor_x) & in_p & in_k
+
+    @triton.jit
+    def _combine_round(ws_row, P, slot, x_t, floor_x, top_p, top_k, P_POW2: tl.constexpr):
+        """The row's chunks' pass for candidate t (ws fields at `slot`) combined: (t accepted, the next
+        race's winner: the draw among the tokens likelier than t, when t is not)."""
+        cs = tl.arange(0, P_POW2)
+        ok = cs < P
+        at = ws_row + cs * WS_FIELDS + slot
+        mass = tl.sum(tl.load(at, mask=ok, other=0.0), axis=0)
+        count = tl.sum(tl.load(at + 1, mask=ok, other=0.0), axis=0)
+        kept = tl.sum(tl.load(at + 2, mask=ok, other=0.0), axis=0)
+        score = tl.load(at + 3, mask=ok, other=-float("inf"))
+        idx = tl.load(at + 4, mask=ok, other=0.0).to(tl.int32, bitcast=True)
+        return (_accept(x_t, floor_x, mass, count, kept, top_p, top_k),
+                tl.sum(tl.where(cs == tl.argmax(score, axis=0), idx, 0), axis=0))
+
+    @triton.jit
+    def _pass(logits_row, lo, hi, m, temperature, x_t, floor_x, counter_base, key_lo, key_hi, BLOCK: tl.constexpr):
+        """One pass over tokens [lo, hi) for candidate t: the mass and count of the kept tokens likelier
+        than t and the mass of all kept (for t's test), and the next race among those likelier tokens
+        (uniforms at counter_base + token; the blocks without such a token skip it: most, after a round)
+        -> (mass, count, kept, the race's best score, its token)."""
+        QUARTER: tl.constexpr = BLOCK // 4
+        quarter = tl.arange(0, QUARTER)
+        mass = tl.zeros([QUARTER], tl.float32)
+        count = tl.zeros([QUARTER], tl.float32)
+        kept = tl.zeros([QUARTER], tl.float32)  # summed, not Z less the rest
+        best_score = tl.full([QUARTER], -float("inf"), tl.float32)
+        best_idx = tl.zeros([QUARTER], tl.int32)
+        for v0 in range(lo, hi, BLOCK):
+            for j in tl.static_range(4):
+                offs = v0 + j * QUARTER + quarter
+                ok = offs < hi
+                x = _tempered(logits_row, offs, ok, m, temperature)
+                e = tl.exp(x)
+                inside = ok & (x >= floor_x)
+                above = inside & (x > x_t)
+                mass += tl.where(above, e, 0.0)
+                count += tl.where(above, 1.0, 0.0)
+                kept += tl.where(inside, e, 0.0)
+                if tl.max(above.to(tl.int32), axis=0) > 0:
+                    u = _uniform((counter_base + offs).to(tl.uint32), key_lo, key_hi)
+                    score = tl.where(above, x - tl.log(tl.maximum(-tl.log(1.0 - u), _SMALLEST)), -float("inf"))
+                    better = score > best_score
+                    best_score = tl.where(better, score, best_score)
+                    best_idx = tl.where(better, offs, best_idx)
+        lane = tl.argmax(best_score, axis=0)
+        return (tl.sum(mass, axis=0), tl.sum(count, axis=0), tl.sum(kept, axis=0),
+                tl.max(best_score, axis=0), tl.sum(tl.where(quarter == lane, best_idx, 0), axis=0))
+
+    @triton.jit(do_not_specialize=["r"])
+    def _round_kernel(logits_ptr, row_stride, params_ptr, ws_ptr, state_ptr, out_ptr, S, V, P, r,
+                      CHUNK: tl.constexpr, BLOCK: tl.constexpr, P_POW2: tl.constexpr):
+        """Program (s, c), round r: candidate t_{r-1} decided from the chunks' last pass (accepted: (s, 0)
+        writes the draw and marks the row done), else t_r (round 0: pass 1's draw) and one pass over chunk c
+        for it -> ws[s, c] at slot r % 2 (each program combines its row's chunks itself: P numbers)."""
+        s, c = tl.program_id(0), tl.program_id(1)
+        if tl.load(state_ptr + s * 4) == 0:
+            temperature, top_p, min_log, top_k, row, key_lo, key_hi, kth = _row_params(params_ptr, S, s)
+            logits_row = logits_ptr + row * row_stride
+            ws_row = ws_ptr + s * P * WS_FIELDS
+            m, likeliest, t = _combine_first(ws_row, P, temperature, P_POW2)
+            # the least x a token may have: min_p's bound and the k-th likeliest's x (-inf when unknown),
+            # computed as `_tempered` computes every token's (monotone: the k-th largest x is the k-th l's)
+            floor_x = tl.maximum(min_log, (kth - m) / temperature)
+            accepted = r < 0
+            if r > 0:
+                last = tl.load(state_ptr + s * 4 + 1 + (r - 1) % 2)
+                accepted, t = _combine_round(ws_row, P, 5 + 5 * ((r - 1) % 2),
+                                             _tempered(logits_row, last, last < V, m, temperature), floor_x,
+                                             top_p, top_k, P_POW2)
+                if accepted & (c == 0):
+                    tl.store(out_ptr + s, last.to(tl.int64))
+                    tl.store(state_ptr + s * 4, 1)
+            if accepted == 0:
+                if c == 0:
+                    tl.store(state_ptr + s * 4 + 1 + r % 2, t)
+                mass, count, kept, score, idx = _pass(logits_row, c * CHUNK, tl.minimum(V, (c + 1) * CHUNK), m,
+                                                      temperature, _tempered(logits_row, t, t < V, m, temperature),
+                                                      floor_x, (r + 1) * V, key_lo, key_hi, BLOCK)
+                at = ws_row + c * WS_FIELDS + 5 + 5 * (r % 2)
+                tl.store(at, mass)
+                tl.store(at + 1, count)
+                tl.store(at + 2, kept)
+                tl.store(at + 3, score)
+                tl.store(at + 4, idx.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _finish_kernel(logits_ptr, row_stride, params_ptr, ws_ptr, state_ptr, out_ptr, S, V, P, R,
+                       BLOCK: tl.constexpr, P_POW2: tl.constexpr, MAX_ROUNDS: tl.constexpr):
+        """Program s, after R rounds: candidate t_{R-1} decided; a row still undecided (rare) goes on alone
+        over its whole row a round a pass; after MAX_ROUNDS rejections in all, the likeliest token."""
+        s = tl.program_id(0)
+        if tl.load(state_ptr + s * 4) == 0:
+            temperature, top_p, min_log, top_k, row, key_lo, key_hi, kth = _row_params(params_ptr, S, s)
+            logits_row = logits_ptr + row * row_stride
+            ws_row = ws_ptr + s * P * WS_FIELDS
+            m, likeliest, t = _combine_first(ws_row, P, temperature, P_POW2)
+            floor_x = tl.maximum(min_log, (kth - m) / temperature)
+            chosen = tl.load(state_ptr + s * 4 + 1 + (R - 1) % 2)
+            accepted, t = _combine_round(ws_row, P, 5 + 5 * ((R - 1) % 2),
+                                         _tempered(logits_row, chosen, chosen < V, m, temperature), floor_x,
+                                         top_p, top_k, P_POW2)
+            r = R
+            while (accepted == 0) & (r < MAX_ROUNDS):
+                x_t = _tempered(logits_row, t, t < V, m, temperature)
+                mass, count, kept, score, idx = _pass(logits_row, 0, V, m, temperature, x_t, floor_x,
+                                                      (r + 1) * V, key_lo, key_hi, BLOCK)
+                accepted = _accept(x_t, floor_x, mass, count, kept, top_p, top_k)
+                chosen = t
+                t = idx
+                r += 1
+            tl.store(out_ptr + s, tl.where(accepted, chosen, likeliest).to(tl.int64))
 
 
 def pack_params(rows: list[int], temperatures: list[float], top_ps: list[float], min_logs: list[float],
@@ -192,31 +302,69 @@ def pack_params(rows: list[int], temperatures: list[float], top_ps: list[float],
     return torch.from_numpy(np.concatenate([floats, np.array([rows], dtype=np.int32), halves, kth]))
 
 
-def set_kth_logits(logits: torch.Tensor, params: torch.Tensor, columns: list[int], ks: list[int]) -> None:
+def set_kth_logits(logits: torch.Tensor, params: torch.Tensor, columns: list[int], ks: list[int],
+                   chunk_tokens: int = TOPK_CHUNK) -> None:
     """params[7, c] for each column c (a row with both top-k and top-p) := its row's ks[j]-th largest logit,
     NaN counted as float32's lowest and +-inf clamped (the kernel's `_clean`); queued on the device (no
-    sync). One torch.topk of those rows: a partial selection of the largest k, not the sort of the row."""
+    sync). A partial selection, not a sort: torch.topk over chunks of `chunk_tokens` (many blocks at once,
+    where torch.topk gives a row one), then over the chunks' top k (the k largest are among them)."""
     if not columns:
         return
-    device, ks = params.device, [min(k, logits.shape[-1]) for k in ks]  # (k >= the vocabulary: the least, all kept)
+    device, vocab = params.device, logits.shape[-1]
+    ks = [min(k, vocab) for k in ks]  # (k >= the vocabulary: the least, all kept)
     index = torch.tensor([columns, [k - 1 for k in ks]], dtype=torch.int64).to(device, non_blocking=True)  # [2, J]
-    lowest = torch.finfo(torch.float32).min
+    lowest, k_max = torch.finfo(torch.float32).min, max(ks)
     x = torch.nan_to_num(logits.index_select(0, params[4, index[0]].long()).float(), nan=lowest)  # [J, V]
-    kth = torch.topk(x, max(ks), dim=-1, sorted=True).values.gather(1, index[1, :, None])[:, 0]  # [J]
+    if vocab > chunk_tokens >= 4 * k_max:
+        chunks = triton.cdiv(vocab, chunk_tokens)
+        x = torch.nn.functional.pad(x, (0, chunks * chunk_tokens - vocab), value=lowest)  # [J, chunks * chunk]
+        x = torch.topk(x.view(len(columns), chunks, chunk_tokens), k_max, dim=-1, sorted=False).values
+        x = x.reshape(len(columns), chunks * k_max)  # [J, chunks * k_max]: every row's k largest among them
+    kth = torch.topk(x, k_max, dim=-1, sorted=True).values.gather(1, index[1, :, None])[:, 0]  # [J]
     params[7].index_copy_(0, index[0], kth.view(torch.int32))
 
 
 def sample_rows(logits: torch.Tensor, params: torch.Tensor, **config) -> torch.Tensor:
     """logits [B, V] (any float dtype, rows contiguous), params [8, S] int32 on the logits' device
     (`pack_params`; temperature > 0, top_p in (0, 1]; a row with top_k > 0 and top_p < 1 after
-    `set_kth_logits`) -> token ids [S] int64. config overrides BLOCK / num_warps / num_stages (benchmarks)."""
+    `set_kth_logits`) -> token ids [S] int64: `_first_kernel`, ROUNDS `_round_kernel`s, `_finish_kernel`,
+    each row in chunks of CHUNK tokens a program. config overrides BLOCK, CHUNK, ROUNDS, MAX_ROUNDS,
+    num_warps, finish_warps, num_stages (tests, benchmarks)."""
     if logits.stride(-1) != 1:
         raise ValueError("logits rows must be contiguous")
-    num_rows = params.shape[1]
+    num_rows, vocab = params.shape[1], logits.shape[-1]
     out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    if num_rows:
-        block = max(16, min(BLOCK, triton.next_power_of_2(logits.shape[-1])))
-        cfg = {"BLOCK": block, "num_warps": NUM_WARPS, "num_stages": NUM_STAGES, **config}
-        _sample_rows_kernel[(num_rows,)](logits, logits.stride(0), params, out, num_rows, logits.shape[-1],
-                                         MAX_ROUNDS=MAX_ROUNDS, **cfg)
+    if not num_rows:
+        return out
+    block = config.get("BLOCK", max(16, min(BLOCK, triton.next_power_of_2(vocab))))
+    chunk = config.get("CHUNK", max(block, CHUNK))  # (a multiple of the block: the chunks' loops stay aligned)
+    max_rounds = config.get("MAX_ROUNDS", MAX_ROUNDS)
+    rounds = max(1, min(config.get("ROUNDS", ROUNDS), max_rounds))
+    chunks = triton.cdiv(vocab, chunk)  # (of the vocabulary only: a row's sums do not depend on its batch)
+    ws = torch.empty((num_rows, chunks, 16), dtype=torch.float32, device=logits.device)  # WS_FIELDS
+    state = torch.empty((num_rows, 4), dtype=torch.int32, device=logits.device)  # done, a candidate a slot
+    meta = {"num_warps": config.get("num_warps", NUM_WARPS), "num_stages": config.get("num_stages", NUM_STAGES)}
+    common = (logits, logits.stride(0), params, ws, state)
+    p_pow2 = max(2, triton.next_power_of_2(chunks))
+    _launch(_first_kernel, (num_rows, chunks), (*common, num_rows, vocab), CHUNK=chunk, BLOCK=block, **meta)
+    for r in range(rounds):
+        _launch(_round_kernel, (num_rows, chunks), (*common, out, num_rows, vocab, chunks, r), CHUNK=chunk,
+                BLOCK=block, P_POW2=p_pow2, **meta)
+    _launch(_finish_kernel, (num_rows,), (*common, out, num_rows, vocab, chunks, rounds), BLOCK=block,
+            P_POW2=p_pow2, MAX_ROUNDS=max_rounds, num_warps=config.get("finish_warps", FINISH_WARPS),
+            num_stages=meta["num_stages"])
     return out
+
+
+_DIRECT: dict = {}  # kernel -> DirectLaunch (CUDA)
+
+
+def _launch(kernel, grid: tuple, args: tuple, **meta) -> None:
+    """kernel[grid](*args, **meta), on CUDA without the JIT's per-call dispatch (kernels/direct_launch.py:
+    five launches a call)."""
+    if args[0].device.type != "cuda":
+        kernel[grid](*args, **meta)
+        return
+    if kernel not in _DIRECT:
+        _DIRECT[kernel] = DirectLaunch(kernel)
+    _DIRECT[kernel](grid, torch.cuda.current_stream(args[0].device), *args, **meta)

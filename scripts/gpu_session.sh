@@ -55,7 +55,7 @@ for s in "$@"; do
     pin) step pin 300 python3 scripts/probe_pin.py --gib 64 --torch-gib 8 ;;
     start) step start 300 python3 scripts/probe_start.py --model qwen3-8b --device cuda --l1-tokens 65536 --l2-gib 64 --l3-gib 24 ;;
     probe_sample) step probe_sample 300 python3 scripts/probe_sample.py --json ;;
-    sample_sweep) step sample_sweep 300 python3 scripts/probe_sample.py --sweep --batches 1,32,64 --iterations 20 ;;
+    sample_sweep) step sample_sweep 300 python3 scripts/probe_sample.py --sweep --batches 1,8,32,64 --iterations 15 ;;
     sampled_ab) i=0; for v in 1 0; do i=$((i+1))  # the rejection kernel (1) and the sort (0) in turn
         HICACHE_SAMPLING_KERNEL=$v step "sampled_k${v}_$i" 300 python3 scripts/bench_engine.py --model qwen3-8b --skip-eager --prefill-tokens 350 --decode-batches 1 --repeats 3 --sampled-decode 32,512,256 --out "$OUT/sampled_k${v}_$i.json"; done ;;
     probe_wait) step probe_wait 200 python3 scripts/probe_wait.py ;;

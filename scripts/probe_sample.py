@@ -30,8 +30,13 @@ SETTINGS = {  # name: (temperature, top_p, top_k, min_p, seeded)
 }
 
 
+QUEUE_CYCLES = 4_000_000  # ~2 ms of torch.cuda._sleep before each timed call: its launches queue behind it
+
+
 def time_sample(logits: torch.Tensor, setting: tuple, iterations: int) -> tuple[float, float]:
-    """(device ms, host ms) a call, medians."""
+    """(device ms, host ms) a call, medians. The device's from events around the call's kernels queued
+    behind a ~2 ms sleep kernel, as they queue behind a decode step's forward in the engine: what the
+    device spends on them, not how fast the host launches them (the rejection kernels are 6 launches)."""
     temperature, top_p, top_k, min_p, seeded = setting
     b = logits.shape[0]
     gens = [torch.Generator(device="cuda").manual_seed(i) if seeded else None for i in range(b)]
@@ -42,6 +47,7 @@ def time_sample(logits: torch.Tensor, setting: tuple, iterations: int) -> tuple[
     device_ms, host_ms = [], []
     for _ in range(iterations):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(QUEUE_CYCLES)
         t0 = time.perf_counter()
         start.record()
         sampling.sample(logits, *args)
@@ -53,33 +59,36 @@ def time_sample(logits: torch.Tensor, setting: tuple, iterations: int) -> tuple[
 
 
 def sweep(vocab: int, batches: list[int], iterations: int) -> list[dict]:
-    """Device ms of the kernel alone (params packed beforehand), top_p 0.95 at temperature 0.8, per config."""
+    """Device ms of the kernels alone (params packed beforehand; queued, as `time_sample`), top_p 0.95 at
+    temperature 0.8 and top_k 50, per chunk size, warps and rounds split over a row's programs."""
     from kernels.rejection_sampling import pack_params, sample_rows
 
     rows = []
     for b in batches:
         logits = torch.randn(b, vocab, device="cuda") * 3
-        params = pack_params(list(range(b)), [0.8] * b, [0.95] * b, [-float("inf")] * b, [0] * b,
-                             list(range(b))).cuda()
-        for block in (2048, 4096):
-            for warps in (8, 16):
-                for stages in (1,):
-                    cfg = dict(BLOCK=block, num_warps=warps, num_stages=stages)
-                    try:
-                        for _ in range(2):
+        for top_p, top_k in ((0.95, 0), (1.0, 50)):
+            params = pack_params(list(range(b)), [0.8] * b, [top_p] * b, [-float("inf")] * b, [top_k] * b,
+                                 list(range(b))).cuda()
+            for chunk in (4096, 8192, 16384):
+                for warps in (4, 8, 16):
+                    for rounds in (1, 4, 8):
+                        cfg = dict(CHUNK=chunk, num_warps=warps, ROUNDS=rounds)
+                        try:
+                            for _ in range(2):
+                                sample_rows(logits, params, **cfg)
+                        except Exception as exc:  # noqa: BLE001 - a config the compiler refuses (registers)
+                            rows.append({"batch": b, "top_k": top_k, **cfg, "error": str(exc).splitlines()[0][:80]})
+                            continue
+                        times = []
+                        for _ in range(iterations):
+                            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                            torch.cuda._sleep(QUEUE_CYCLES)  # (the launches queue: the device's time)
+                            start.record()
                             sample_rows(logits, params, **cfg)
-                    except Exception as exc:  # noqa: BLE001 - a config the compiler refuses (registers)
-                        rows.append({"batch": b, **cfg, "error": str(exc).splitlines()[0][:80]})
-                        continue
-                    times = []
-                    for _ in range(iterations):
-                        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                        start.record()
-                        sample_rows(logits, params, **cfg)
-                        end.record()
-                        end.synchronize()
-                        times.append(start.elapsed_time(end))
-                    rows.append({"batch": b, **cfg, "device_ms": statistics.median(times)})
+                            end.record()
+                            end.synchronize()
+                            times.append(start.elapsed_time(end))
+                        rows.append({"batch": b, "top_k": top_k, **cfg, "device_ms": statistics.median(times)})
     return rows
 
 

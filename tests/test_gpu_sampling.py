@@ -179,6 +179,23 @@ def test_the_rejection_kernel_draws_vllms_distribution_over_qwens_vocabulary():
     assert together[1] == sample(batch[1:2], [1.0], [0.8], [second])[0]
 
 
+def test_the_rejection_kernel_draws_the_same_split_over_programs_or_not_on_cuda():
+    """Compiled: a row of 151,936 tokens in 19 chunks (the default) or in one, its rounds split or all in
+    one program, draws the same tokens (the same uniforms; sums in another order could differ only at an
+    exact tie of mass and top_p)."""
+    from kernels.rejection_sampling import pack_params, sample_rows, set_kth_logits
+
+    vocab, n = 151_936, 64
+    logits = torch.randn(n, vocab, device="cuda") * 3
+    for temperature, top_p, top_k in [(0.8, 0.95, 0), (1.0, 0.5, 0), (1.0, 1.0, 50), (0.6, 0.95, 20)]:
+        params = pack_params(list(range(n)), [temperature] * n, [top_p] * n, [-math.inf] * n, [top_k] * n,
+                             [2**40 + i for i in range(n)]).cuda()
+        set_kth_logits(logits, params, list(range(n)) if top_k and top_p < 1 else [], [top_k] * n)
+        runs = [sample_rows(logits, params, **config) for config in
+                ({}, {"CHUNK": 2048 * 75}, {"ROUNDS": 1}, {"ROUNDS": 8, "CHUNK": 4096})]
+        assert all(run.equal(runs[0]) for run in runs[1:]), (temperature, top_p, top_k)
+
+
 def test_the_rejection_kernels_uniforms_on_cuda_are_the_hash_they_document():
     """Compiled (not interpreted): the counter hash's constants typed as uint32, as the interpreter's
     numpy computes them (tests/test_rejection_sampling.py)."""

@@ -15,15 +15,17 @@ from scheduler import sampling
 from scheduler.sampling import sample, seeded_generator
 
 
-def draw(logits: torch.Tensor, rows: list[int], temperature, top_p, min_p, top_k, seeds: list[int]) -> torch.Tensor:
-    """sample_rows over `rows`, each setting a value for every row or a list of one a row."""
+def draw(logits: torch.Tensor, rows: list[int], temperature, top_p, min_p, top_k, seeds: list[int],
+         **config) -> torch.Tensor:
+    """sample_rows over `rows`, each setting a value for every row or a list of one a row (config: the
+    kernels' BLOCK, CHUNK, ROUNDS, MAX_ROUNDS)."""
     def each(v):
         return list(v) if isinstance(v, (list, tuple)) else [v] * len(rows)
     min_logs = [math.log(p) if p else -math.inf for p in each(min_p)]
     params = pack_params(rows, each(temperature), each(top_p), min_logs, each(top_k), seeds)
     joint = [j for j, (k, p) in enumerate(zip(each(top_k), each(top_p))) if k and p < 1.0]
     set_kth_logits(logits, params, joint, [each(top_k)[j] for j in joint])
-    return sample_rows(logits, params)
+    return sample_rows(logits, params, **config)
 
 
 def reference(row: torch.Tensor, temperature: float, top_p: float, min_p: float, top_k: int) -> torch.Tensor:
@@ -58,6 +60,36 @@ def test_draws_follow_the_reference_distribution(temperature, top_p, min_p, top_
     assert ((freq - want).abs() <= tolerance).all(), (freq, want)
 
 
+@pytest.mark.parametrize("temperature,top_p,min_p,top_k", [(1.0, 0.7, 0.0, 0), (2.0, 1.0, 0.0, 3),
+                                                           (1.5, 0.8, 0.0, 6), (0.9, 0.3, 0.1, 0), (2.0, 1.0, 0.0, 1)])
+def test_a_row_split_over_programs_draws_what_one_program_draws(temperature, top_p, min_p, top_k):
+    """The same uniforms, so the same draw, whatever the chunks (a program each) and however many rounds
+    all of a row's programs take before one program goes on alone: 48 tokens as 1 or 3 chunks of 16,
+    1 or 8 rounds split (top_k 1 over 48 tokens needs several)."""
+    torch.manual_seed(3)
+    n = 12
+    logits = torch.randn(n, 48) * 1.5
+    seeds = [2**63 + 9 * i for i in range(n)]
+    runs = [draw(logits, list(range(n)), temperature, top_p, min_p, top_k, seeds, BLOCK=16, CHUNK=chunk, ROUNDS=rounds)
+            for chunk, rounds in ((64, 1), (16, 1), (16, 8), (64, 8))]
+    assert all(run.equal(runs[0]) for run in runs[1:]), runs
+    if top_k == 1:
+        assert runs[0].equal(logits.argmax(dim=-1))
+
+
+def test_after_max_rounds_rejections_the_likeliest():
+    """regression for a path no setting reaches in practice: the top-2 set of this row holds ~4 % of the
+    mass, so round 0's draw is nearly always rejected; with MAX_ROUNDS 1 the fallback (the likeliest) is
+    the draw, with the default the next round draws 0 or 1 about evenly."""
+    row = torch.zeros(48)
+    row[0], row[1] = 0.01, 0.005
+    n = 24
+    capped = draw(row.expand(n, -1), list(range(n)), 1.0, 1.0, 0.0, 2, list(range(n)), MAX_ROUNDS=1)
+    free = draw(row.expand(n, -1), list(range(n)), 1.0, 1.0, 0.0, 2, list(range(n)))
+    assert set(capped.tolist()) <= {0, 1} and capped.eq(0).sum() >= 20, capped
+    assert set(free.tolist()) == {0, 1} and free.eq(1).sum() >= 6, free
+
+
 def test_a_tiny_top_p_keeps_the_likeliest_and_top_k_1_the_argmax():
     n = 12
     for setting in ((1.0, 1e-9, 0.0, 0), (5.0, 1.0, 0.0, 1), (1.0, 1.0, 1.0, 0)):
@@ -73,6 +105,21 @@ def test_top_p_with_top_k_takes_the_nucleus_of_the_top_k_set():
     assert ids.eq(0).all(), ids
     ids = draw(LOGITS.expand(n, -1), list(range(n)), 1.0, 0.7, 0.0, 2, list(range(n)))
     assert set(ids.tolist()) == {0, 1}, ids
+
+
+@pytest.mark.parametrize("chunk_tokens", [8, 4096])
+def test_the_kth_logit_is_the_rows_kth_largest_whole_or_in_chunks(chunk_tokens):
+    """set_kth_logits: torch.topk of the row, or of 8-token chunks then of their top k (k <= 2 here takes
+    chunks: 48 tokens, the last chunk padded), NaN as float32's lowest, +inf clamped, k >= the row: the least."""
+    torch.manual_seed(5)
+    logits = torch.randn(5, 45)
+    logits[1, 3], logits[2, 7], logits[3, :40] = float("nan"), float("inf"), float("-inf")
+    clean = torch.nan_to_num(logits, nan=torch.finfo(torch.float32).min)
+    for ks in ([1, 2, 2, 2, 1], [2, 9, 1, 3, 50]):  # (chunks of 8 take k_max <= 2 only)
+        params = pack_params(list(range(5)), [1.0] * 5, [0.9] * 5, [-math.inf] * 5, ks, list(range(5)))
+        set_kth_logits(logits, params, [0, 1, 2, 3, 4], ks, chunk_tokens=chunk_tokens)
+        want = [clean[i].sort(descending=True).values[min(k, 45) - 1].item() for i, k in enumerate(ks)]
+        assert params[7].view(torch.float32).tolist() == want, ks
 
 
 def test_a_tie_at_the_kth_logit_is_kept_whole_with_top_p():
