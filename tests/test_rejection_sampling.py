@@ -107,19 +107,17 @@ def test_top_p_with_top_k_takes_the_nucleus_of_the_top_k_set():
     assert set(ids.tolist()) == {0, 1}, ids
 
 
-@pytest.mark.parametrize("chunk_tokens", [8, 4096])
-def test_the_kth_logit_is_the_rows_kth_largest_whole_or_in_chunks(chunk_tokens):
-    """set_kth_logits: torch.topk of the row, or of 8-token chunks then of their top k (k <= 2 here takes
-    chunks: 48 tokens, the last chunk padded), NaN as float32's lowest, +inf clamped, k >= the row: the least."""
+def test_the_kth_logit_is_the_rows_kth_largest():
+    """set_kth_logits: NaN as float32's lowest, +inf clamped, k >= the row: the least."""
     torch.manual_seed(5)
     logits = torch.randn(5, 45)
     logits[1, 3], logits[2, 7], logits[3, :40] = float("nan"), float("inf"), float("-inf")
     clean = torch.nan_to_num(logits, nan=torch.finfo(torch.float32).min)
-    for ks in ([1, 2, 2, 2, 1], [2, 9, 1, 3, 50]):  # (chunks of 8 take k_max <= 2 only)
-        params = pack_params(list(range(5)), [1.0] * 5, [0.9] * 5, [-math.inf] * 5, ks, list(range(5)))
-        set_kth_logits(logits, params, [0, 1, 2, 3, 4], ks, chunk_tokens=chunk_tokens)
-        want = [clean[i].sort(descending=True).values[min(k, 45) - 1].item() for i, k in enumerate(ks)]
-        assert params[7].view(torch.float32).tolist() == want, ks
+    ks = [2, 9, 1, 3, 50]
+    params = pack_params(list(range(5)), [1.0] * 5, [0.9] * 5, [-math.inf] * 5, ks, list(range(5)))
+    set_kth_logits(logits, params, [0, 1, 2, 3, 4], ks)
+    want = [clean[i].sort(descending=True).values[min(k, 45) - 1].item() for i, k in enumerate(ks)]
+    assert params[7].view(torch.float32).tolist() == want
 
 
 def test_a_tie_at_the_kth_logit_is_kept_whole_with_top_p():
