@@ -29,9 +29,10 @@ one program. The chunks' count depends on the vocabulary only, so a row's sums (
 on its batch. On the H200, queued behind a forward as in a decode step: 0.04 / 0.09 / 0.14 ms for 1 / 32
 / 64 top_p rows, against 0.18 / 0.98 / 1.57 ms for the sort (session 37).
 
-A row with both top-k and top-p needs the top-k set's mass before its first test: the caller finds the
-row's k-th likeliest logit (`set_kth_logits`, torch.topk) and every token below it counts as min_p's
-rejects do (ties with it kept, as the sort keeps them). Randomness: a counter hash (`_uniform`) keyed
+A row with top-k gets its k-th likeliest logit first (`set_kth_logits`: each chunk's k largest by k
+rounds of max, then the k-th of those; torch.topk for a k above K_LIMIT), and every token below it counts
+as min_p's rejects do (ties with it kept, as the sort keeps them): top-p of the top-k set needs that set's
+mass before its first test, and a top-k row's second candidate is then always in its set. Randomness: a counter hash (`_uniform`) keyed
 by a per-row 64-bit seed the caller draws from the row's generator, the counter round * V + token: a
 seeded row's draw does not depend on its batch or its chunks. Runs on the CPU under TRITON_INTERPRET=1
 in tests.
@@ -58,6 +59,7 @@ ROUNDS = 4  # rounds decided by all of a row's programs; a row needing more goes
 NUM_WARPS = 4
 FINISH_WARPS = 16  # (one program streams a whole row: the fastest of the sweep on the H200, session 36)
 NUM_STAGES = 1
+K_LIMIT = 128  # a top_k up to this is found by the chunk kernels (k rounds of max each), a larger one by torch.topk
 
 if triton is not None:
     # (a jit function reads a module global only as a constexpr; the interpreter reads any: session 36)
@@ -298,6 +300,44 @@ if triton is not None:
                 r += 1
             tl.store(out_ptr + s, tl.where(accepted, chosen, likeliest).to(tl.int64))
 
+    @triton.jit
+    def _largest(x, k, K_POW2: tl.constexpr):
+        """The k largest of x (1-D, k <= K_POW2), largest first, each taken out once (ties as often as they
+        occur): k rounds of max and argmax -> [K_POW2] (-inf past k)."""
+        slots = tl.arange(0, K_POW2)
+        at = tl.arange(0, x.shape[0])
+        largest = tl.full([K_POW2], -float("inf"), tl.float32)
+        for i in range(0, k):
+            largest = tl.where(slots == i, tl.max(x, axis=0), largest)
+            x = tl.where(at == tl.argmax(x, axis=0), -float("inf"), x)
+        return largest
+
+    @triton.jit
+    def _chunk_top_kernel(logits_ptr, row_stride, params_ptr, top_ptr, S, V, CHUNK: tl.constexpr,
+                          K_POW2: tl.constexpr):
+        """Program (s, c): the k largest logits of chunk c of row s (k: the row's top_k if at most K_POW2,
+        else none; `_clean`'s values) -> top[s, c, :] (-inf past k)."""
+        s, c = tl.program_id(0), tl.program_id(1)
+        k = tl.load(params_ptr + 3 * S + s).to(tl.float32, bitcast=True).to(tl.int32)
+        k = tl.where(k > K_POW2, 0, k)  # (a larger one is torch.topk's)
+        logits_row = logits_ptr + tl.load(params_ptr + 4 * S + s).to(tl.int64) * row_stride
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        ok = offs < V
+        x = tl.where(ok, _clean(logits_row, offs, ok), -float("inf"))
+        tl.store(top_ptr + (s * tl.num_programs(1) + c) * K_POW2 + tl.arange(0, K_POW2), _largest(x, k, K_POW2))
+
+    @triton.jit
+    def _kth_kernel(params_ptr, top_ptr, S, P, K_POW2: tl.constexpr, P_POW2: tl.constexpr):
+        """Program s: the k-th largest logit of row s from its chunks' k largest (the row's k largest are
+        among them) -> params[7, s] as float32 bits; a row without top_k keeps its -inf."""
+        s = tl.program_id(0)
+        k = tl.load(params_ptr + 3 * S + s).to(tl.float32, bitcast=True).to(tl.int32)
+        if (k > 0) & (k <= K_POW2):
+            at = tl.arange(0, P_POW2 * K_POW2)
+            x = tl.load(top_ptr + s * P * K_POW2 + at, mask=at < P * K_POW2, other=-float("inf"))
+            kth = tl.sum(tl.where(tl.arange(0, K_POW2) == k - 1, _largest(x, k, K_POW2), 0.0), axis=0)
+            tl.store(params_ptr + 7 * S + s, kth.to(tl.int32, bitcast=True))
+
 
 def pack_params(rows: list[int], temperatures: list[float], top_ps: list[float], min_logs: list[float],
                 top_ks: list[int], seeds: list[int]) -> torch.Tensor:
@@ -310,21 +350,34 @@ def pack_params(rows: list[int], temperatures: list[float], top_ps: list[float],
     return torch.from_numpy(np.concatenate([floats, np.array([rows], dtype=np.int32), halves, kth]))
 
 
-def set_kth_logits(logits: torch.Tensor, params: torch.Tensor, columns: list[int], ks: list[int]) -> None:
-    """params[7, c] for each column c (a row with both top-k and top-p) := its row's ks[j]-th largest logit,
-    NaN counted as float32's lowest and +-inf clamped (the kernel's `_clean`); queued on the device (no
-    sync). One torch.topk of those rows: a radix selection, not a sort (~0.12 ms of device time for 32
-    rows of 151,936 on the H200, most of what such a row costs here; a topk over 4,096-token chunks
-    first was slower: session 37)."""
-    if not columns:
-        return
-    device, vocab = params.device, logits.shape[-1]
-    ks = [min(k, vocab) for k in ks]  # (k >= the vocabulary: the least, all kept)
-    index = torch.tensor([columns, [k - 1 for k in ks]], dtype=torch.int64).to(device, non_blocking=True)  # [2, J]
-    lowest = torch.finfo(torch.float32).min
-    x = torch.nan_to_num(logits.index_select(0, params[4, index[0]].long()).float(), nan=lowest)  # [J, V]
-    kth = torch.topk(x, max(ks), dim=-1, sorted=True).values.gather(1, index[1, :, None])[:, 0]  # [J]
-    params[7].index_copy_(0, index[0], kth.view(torch.int32))
+def set_kth_logits(logits: torch.Tensor, params: torch.Tensor, columns: list[int], ks: list[int],
+                   **config) -> None:
+    """params[7, c] for each column c (a row with top_k k = ks[j] in params) := its row's k-th largest
+    logit, NaN counted as float32's lowest and +-inf clamped (the kernels' `_clean`); queued on the device
+    (no sync). k <= K_LIMIT: `_chunk_top_kernel` (each chunk's k largest) and `_kth_kernel` (the k-th of
+    those), ~0.01 ms; a larger k: torch.topk of those rows (~0.12 ms for 32 rows of 151,936 on the H200).
+    config: CHUNK (tests)."""
+    vocab = logits.shape[-1]  # (k beyond the row: none, -inf, every token kept)
+    small = [(c, k) for c, k in zip(columns, ks) if k <= min(K_LIMIT, vocab)]
+    large = [(c, k) for c, k in zip(columns, ks) if K_LIMIT < k <= vocab]
+    num_rows = params.shape[1]
+    if small:
+        k_pow2 = max(2, triton.next_power_of_2(max(k for _, k in small)))
+        chunk = config.get("CHUNK", CHUNK)
+        chunks = triton.cdiv(vocab, chunk)
+        top = torch.empty((num_rows, chunks, k_pow2), dtype=torch.float32, device=logits.device)
+        # (every row's top_k is in params: the kernels take k from there, rows without one do nothing)
+        _launch(_chunk_top_kernel, (num_rows, chunks), (logits, logits.stride(0), params, top, num_rows, vocab),
+                CHUNK=chunk, K_POW2=k_pow2, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+        _launch(_kth_kernel, (num_rows,), (params, top, num_rows, chunks), K_POW2=k_pow2,
+                P_POW2=max(2, triton.next_power_of_2(chunks)), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    if large:
+        device, lowest = params.device, torch.finfo(torch.float32).min
+        index = torch.tensor([[c for c, _ in large], [k - 1 for _, k in large]],
+                             dtype=torch.int64).to(device, non_blocking=True)  # [2, J]
+        x = torch.nan_to_num(logits.index_select(0, params[4, index[0]].long()).float(), nan=lowest)  # [J, V]
+        kth = torch.topk(x, max(k for _, k in large), dim=-1, sorted=True).values.gather(1, index[1, :, None])[:, 0]
+        params[7].index_copy_(0, index[0], kth.view(torch.int32))
 
 
 def sample_rows(logits: torch.Tensor, params: torch.Tensor, **config) -> torch.Tensor:

@@ -23,8 +23,8 @@ def draw(logits: torch.Tensor, rows: list[int], temperature, top_p, min_p, top_k
         return list(v) if isinstance(v, (list, tuple)) else [v] * len(rows)
     min_logs = [math.log(p) if p else -math.inf for p in each(min_p)]
     params = pack_params(rows, each(temperature), each(top_p), min_logs, each(top_k), seeds)
-    joint = [j for j, (k, p) in enumerate(zip(each(top_k), each(top_p))) if k and p < 1.0]
-    set_kth_logits(logits, params, joint, [each(top_k)[j] for j in joint])
+    top_k_rows = [j for j, k in enumerate(each(top_k)) if k]
+    set_kth_logits(logits, params, top_k_rows, [each(top_k)[j] for j in top_k_rows], **config)
     return sample_rows(logits, params, **config)
 
 
@@ -107,17 +107,23 @@ def test_top_p_with_top_k_takes_the_nucleus_of_the_top_k_set():
     assert set(ids.tolist()) == {0, 1}, ids
 
 
-def test_the_kth_logit_is_the_rows_kth_largest():
-    """set_kth_logits: NaN as float32's lowest, +inf clamped, k >= the row: the least."""
+@pytest.mark.parametrize("k_limit", [128, 4])
+def test_the_kth_logit_is_the_rows_kth_largest(monkeypatch, k_limit):
+    """set_kth_logits, by the chunk kernels (k <= K_LIMIT; 45 tokens in chunks of 16, one partly past the
+    row) or torch.topk: NaN as float32's lowest, +inf clamped, ties as often as they occur, a row without
+    top_k or with a k beyond its length: -inf (every token kept)."""
+    monkeypatch.setattr(rejection_sampling, "K_LIMIT", k_limit)
     torch.manual_seed(5)
-    logits = torch.randn(5, 45)
+    logits = torch.randn(6, 45)
     logits[1, 3], logits[2, 7], logits[3, :40] = float("nan"), float("inf"), float("-inf")
+    logits[4, 10:14] = 9.0  # a 4-way tie for the largest
     clean = torch.nan_to_num(logits, nan=torch.finfo(torch.float32).min)
-    ks = [2, 9, 1, 3, 50]
-    params = pack_params(list(range(5)), [1.0] * 5, [0.9] * 5, [-math.inf] * 5, ks, list(range(5)))
-    set_kth_logits(logits, params, [0, 1, 2, 3, 4], ks)
-    want = [clean[i].sort(descending=True).values[min(k, 45) - 1].item() for i, k in enumerate(ks)]
+    ks = [2, 9, 1, 43, 3, 46]
+    params = pack_params(list(range(6)), [1.0] * 6, [0.9] * 6, [-math.inf] * 6, ks, list(range(6)))
+    set_kth_logits(logits, params, [0, 1, 2, 3, 4, 5], ks, CHUNK=16)
+    want = [clean[i].sort(descending=True).values[k - 1].item() if k <= 45 else -math.inf for i, k in enumerate(ks)]
     assert params[7].view(torch.float32).tolist() == want
+    assert want[4] == 9.0
 
 
 def test_a_tie_at_the_kth_logit_is_kept_whole_with_top_p():
@@ -172,8 +178,8 @@ def test_sample_hands_the_top_p_and_top_k_rows_to_the_kernel(kernel_on, monkeypa
     ids = sample(logits, [0.0, 1.0, 0.8, 1.0, 1.0, 1.0], [1.0, 0.9, 1.0, 1.0, 1.0, 0.6], [None] * 6,
                  [0, 0, 3, 0, 0, 2], [0.0, 0.0, 0.0, 0.0, 0.1, 0.0])
     assert len(calls) == 1 and calls[0][1][4].tolist() == [1, 2, 5]  # rows 1, 2, 5; the others by the torch path
-    kth = calls[0][1][7].view(torch.float32).tolist()  # the k-th logit found for row 5 only
-    assert kth[:2] == [-math.inf, -math.inf] and kth[2] == LOGITS[1].item()
+    kth = calls[0][1][7].view(torch.float32).tolist()  # the k-th logit found for the top-k rows 2 and 5
+    assert kth == [-math.inf, LOGITS[2].item(), LOGITS[1].item()]
     assert ids[0] == 0 and ids[5] == 0 and ((ids >= 0) & (ids < len(LOGITS))).all()
     monkeypatch.setattr(sampling, "USE_KERNEL", None)  # the default: CUDA only
     sample(logits, [1.0], [0.9], [None])
