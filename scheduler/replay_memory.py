@@ -61,7 +61,10 @@ def check_simulated_memory(args: argparse.Namespace, cfg: EngineConfig) -> None:
 
 def out_of_memory(args: argparse.Namespace, cfg: EngineConfig, exc: MemoryError) -> str:
     """One line for a MemoryError that building the pools raised (where the estimate fit)."""
-    pages = pool_pages(cfg)
     detail = str(exc).splitlines()[0] if str(exc) else "MemoryError"
+    if cfg.l1_from_gpu_memory():  # (pool_pages counts such an L1 at 8,192 tokens: regression, it said so)
+        return (f"out of memory building the pools, L1 sized from the GPU's memory ({detail}); lower "
+                f"--gpu-memory-fraction or give --l1-tokens, and the L2 / L3 sizes")
+    pages = pool_pages(cfg)
     return (f"{_sizing_flag(args, pages)}: out of memory building a pool of {_pool_text(pages)} ({detail}); "
             f"lower it")

@@ -102,7 +102,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=200)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("probe_wait.py needs a GPU")
+        print("probe_wait.py needs CUDA", file=sys.stderr)
+        return 2
     import uvloop
     print(open("/proc/cpuinfo").read().split("model name")[1].split("\n")[0].strip(": \t"))
     for f in sorted(Path("/sys/devices/system/cpu/vulnerabilities").glob("*")):

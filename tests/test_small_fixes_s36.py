@@ -104,10 +104,11 @@ def test_the_probes_help_prints_help(script, flags):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
-@pytest.mark.parametrize("script", ["probe_host.py", "probe_contention.py", "probe_pin.py"])
+@pytest.mark.parametrize("script", ["probe_host.py", "probe_contention.py", "probe_pin.py", "probe_wait.py",
+                                    "probe_sample.py"])
 def test_the_gpu_probes_refuse_the_cpu_in_one_line(script):
     """regression: on the CPU they ended in a "Torch not compiled with CUDA enabled" traceback, not
-    the one line "needs CUDA" (exit 2) of bench_kernels.py."""
+    the one line "needs CUDA" (exit 2) of bench_kernels.py (probe_wait.py: "needs a GPU", exit 1)."""
     proc = _script(f"scripts/{script}")
     assert proc.returncode == 2 and "needs CUDA" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
 
@@ -141,3 +142,16 @@ def test_the_start_lines_small_tiers_show_mib():
     eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=100))
     line = pools_line(eng.status())
     assert line == "tiny on cpu (float32): L1 400 tokens (0.20 MiB)", line  # 204,800 bytes
+
+
+def test_the_replays_out_of_memory_line_does_not_count_a_gpu_sized_l1_at_8192_tokens():
+    """regression: a replay whose pools raised MemoryError named "2,048 L1 pages" (8,192 tokens, the CPU's
+    default) where the engine had sized L1 from the GPU's memory."""
+    from scheduler.replay_args import build_parser
+    from scheduler.replay_memory import out_of_memory
+
+    args = build_parser().parse_args([])
+    line = out_of_memory(args, EngineConfig(device="cuda", max_total_tokens=0), MemoryError("cannot allocate"))
+    assert "GPU's memory" in line and "cannot allocate" in line and "L1 pages" not in line, line
+    line = out_of_memory(args, EngineConfig(device="cpu", max_total_tokens=0, page_size=4), MemoryError("x"))
+    assert "2,048 L1" in line, line
