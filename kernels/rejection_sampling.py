@@ -236,6 +236,19 @@ if triton is not None:
         return (tl.sum(mass, axis=0), tl.sum(count, axis=0), tl.sum(kept, axis=0),
                 tl.max(best_score, axis=0), tl.sum(tl.where(quarter == lane, best_idx, 0), axis=0))
 
+    @triton.jit
+    def _row_start(logits_ptr, row_stride, params_ptr, ws_ptr, S, s, P, P_POW2: tl.constexpr):
+        """What a round needs of row s after pass 1: its parameters, its logits and ws rows, the chunks'
+        pass 1 combined (m, the likeliest, round 0's draw) and the least x a token may have: min_p's bound
+        and the k-th likeliest's x (-inf when unknown), computed as `_tempered` computes every token's
+        (monotone: the k-th largest x is the k-th largest l's)."""
+        temperature, top_p, min_log, top_k, row, key_lo, key_hi, kth = _row_params(params_ptr, S, s)
+        ws_row = ws_ptr + s * P * WS_FIELDS
+        m, likeliest, t = _combine_first(ws_row, P, temperature, P_POW2)
+        floor_x = tl.maximum(min_log, (kth - m) / temperature)
+        return (temperature, top_p, top_k, key_lo, key_hi, logits_ptr + row * row_stride, ws_row, m, likeliest, t,
+                floor_x)
+
     @triton.jit(do_not_specialize=["r"])
     def _round_kernel(logits_ptr, row_stride, params_ptr, ws_ptr, state_ptr, out_ptr, S, V, P, r,
                       CHUNK: tl.constexpr, BLOCK: tl.constexpr, P_POW2: tl.constexpr):
@@ -244,13 +257,8 @@ if triton is not None:
         for it -> ws[s, c] at slot r % 2 (each program combines its row's chunks itself: P numbers)."""
         s, c = tl.program_id(0), tl.program_id(1)
         if tl.load(state_ptr + s * 4) == 0:
-            temperature, top_p, min_log, top_k, row, key_lo, key_hi, kth = _row_params(params_ptr, S, s)
-            logits_row = logits_ptr + row * row_stride
-            ws_row = ws_ptr + s * P * WS_FIELDS
-            m, likeliest, t = _combine_first(ws_row, P, temperature, P_POW2)
-            # the least x a token may have: min_p's bound and the k-th likeliest's x (-inf when unknown),
-            # computed as `_tempered` computes every token's (monotone: the k-th largest x is the k-th l's)
-            floor_x = tl.maximum(min_log, (kth - m) / temperature)
+            (temperature, top_p, top_k, key_lo, key_hi, logits_row, ws_row, m, likeliest, t,
+             floor_x) = _row_start(logits_ptr, row_stride, params_ptr, ws_ptr, S, s, P, P_POW2)
             accepted = r < 0
             if r > 0:
                 last = tl.load(state_ptr + s * 4 + 1 + (r - 1) % 2)
@@ -280,11 +288,8 @@ if triton is not None:
         over its whole row a round a pass; after MAX_ROUNDS rejections in all, the likeliest token."""
         s = tl.program_id(0)
         if tl.load(state_ptr + s * 4) == 0:
-            temperature, top_p, min_log, top_k, row, key_lo, key_hi, kth = _row_params(params_ptr, S, s)
-            logits_row = logits_ptr + row * row_stride
-            ws_row = ws_ptr + s * P * WS_FIELDS
-            m, likeliest, t = _combine_first(ws_row, P, temperature, P_POW2)
-            floor_x = tl.maximum(min_log, (kth - m) / temperature)
+            (temperature, top_p, top_k, key_lo, key_hi, logits_row, ws_row, m, likeliest, t,
+             floor_x) = _row_start(logits_ptr, row_stride, params_ptr, ws_ptr, S, s, P, P_POW2)
             chosen = tl.load(state_ptr + s * 4 + 1 + (R - 1) % 2)
             accepted, t = _combine_round(ws_row, P, 5 + 5 * ((R - 1) % 2),
                                          _tempered(logits_row, chosen, chosen < V, m, temperature), floor_x,
