@@ -29,10 +29,11 @@ one program. The chunks' count depends on the vocabulary only, so a row's sums (
 on its batch. On the H200, queued behind a forward as in a decode step: 0.04 / 0.09 / 0.14 ms for 1 / 32
 / 64 top_p rows, against 0.18 / 0.98 / 1.57 ms for the sort (session 37).
 
-A row with top-k gets its k-th likeliest logit first (`set_kth_logits`: each chunk's k largest by k
-rounds of max, then the k-th of those; torch.topk for a k above K_LIMIT), and every token below it counts
-as min_p's rejects do (ties with it kept, as the sort keeps them): top-p of the top-k set needs that set's
-mass before its first test, and a top-k row's second candidate is then always in its set. Randomness: a counter hash (`_uniform`) keyed
+A row with both top-k and top-p gets its k-th likeliest logit first (`set_kth_logits`: each chunk's k
+largest by k rounds of max, then the k-th of those; torch.topk for a k above K_LIMIT), and every token
+below it counts as min_p's rejects do (ties with it kept, as the sort keeps them): top-p of the top-k set
+needs that set's mass before its first test. A row with top-k alone is tested by its count (cheaper than
+finding the k-th logit). Randomness: a counter hash (`_uniform`) keyed
 by a per-row 64-bit seed the caller draws from the row's generator, the counter round * V + token: a
 seeded row's draw does not depend on its batch or its chunks. Runs on the CPU under TRITON_INTERPRET=1
 in tests.
@@ -59,7 +60,9 @@ ROUNDS = 4  # rounds decided by all of a row's programs; a row needing more goes
 NUM_WARPS = 4
 FINISH_WARPS = 16  # (one program streams a whole row: the fastest of the sweep on the H200, session 36)
 NUM_STAGES = 1
-K_LIMIT = 128  # a top_k up to this is found by the chunk kernels (k rounds of max each), a larger one by torch.topk
+# a k-th logit for a top_k up to this by the chunk kernels (k rounds of max each: ~0.075 ms for 32 rows at k 20,
+# ~0.18 at k 50 on the H200), a larger one by torch.topk (~0.12 whatever k; session 37)
+K_LIMIT = 32
 
 if triton is not None:
     # (a jit function reads a module global only as a constexpr; the interpreter reads any: session 36)
@@ -360,8 +363,7 @@ def set_kth_logits(logits: torch.Tensor, params: torch.Tensor, columns: list[int
     """params[7, c] for each column c (a row with top_k k = ks[j] in params) := its row's k-th largest
     logit, NaN counted as float32's lowest and +-inf clamped (the kernels' `_clean`); queued on the device
     (no sync). k <= K_LIMIT: `_chunk_top_kernel` (each chunk's k largest) and `_kth_kernel` (the k-th of
-    those), ~0.01 ms; a larger k: torch.topk of those rows (~0.12 ms for 32 rows of 151,936 on the H200).
-    config: CHUNK (tests)."""
+    those); a larger k: torch.topk of those rows. config: CHUNK (tests)."""
     vocab = logits.shape[-1]  # (k beyond the row: none, -inf, every token kept)
     small = [(c, k) for c, k in zip(columns, ks) if k <= min(K_LIMIT, vocab)]
     large = [(c, k) for c, k in zip(columns, ks) if K_LIMIT < k <= vocab]

@@ -181,8 +181,8 @@ def test_sample_hands_the_top_p_and_top_k_rows_to_the_kernel(kernel_on, monkeypa
     ids = sample(logits, [0.0, 1.0, 0.8, 1.0, 1.0, 1.0], [1.0, 0.9, 1.0, 1.0, 1.0, 0.6], [None] * 6,
                  [0, 0, 3, 0, 0, 2], [0.0, 0.0, 0.0, 0.0, 0.1, 0.0])
     assert len(calls) == 1 and calls[0][1][4].tolist() == [1, 2, 5]  # rows 1, 2, 5; the others by the torch path
-    kth = calls[0][1][7].view(torch.float32).tolist()  # the k-th logit found for the top-k rows 2 and 5
-    assert kth == [-math.inf, LOGITS[2].item(), LOGITS[1].item()]
+    kth = calls[0][1][7].view(torch.float32).tolist()  # the k-th logit found for row 5 only (top-k and top-p)
+    assert kth == [-math.inf, -math.inf, LOGITS[1].item()]
     assert ids[0] == 0 and ids[5] == 0 and ((ids >= 0) & (ids < len(LOGITS))).all()
     monkeypatch.setattr(sampling, "USE_KERNEL", None)  # the default: CUDA only
     sample(logits, [1.0], [0.9], [None])
