@@ -36,7 +36,7 @@ QUEUE_CYCLES = 4_000_000  # ~2 ms of torch.cuda._sleep before each timed call: i
 def time_sample(logits: torch.Tensor, setting: tuple, iterations: int) -> tuple[float, float]:
     """(device ms, host ms) a call, medians. The device's from events around the call's kernels queued
     behind a ~2 ms sleep kernel, as they queue behind a decode step's forward in the engine: what the
-    device spends on them, not how fast the host launches them (the rejection kernels are 6 launches)."""
+    device spends on them, not how fast the host launches them (the rejection kernels are 6 launches, 8 for a row with both top-k and top-p)."""
     temperature, top_p, top_k, min_p, seeded = setting
     b = logits.shape[0]
     gens = [torch.Generator(device="cuda").manual_seed(i) if seeded else None for i in range(b)]
@@ -61,7 +61,7 @@ def time_sample(logits: torch.Tensor, setting: tuple, iterations: int) -> tuple[
 def sweep(vocab: int, batches: list[int], iterations: int) -> list[dict]:
     """Device ms of the kernels alone (params packed beforehand; queued, as `time_sample`), top_p 0.95 at
     temperature 0.8 and top_k 50, per chunk size, warps and rounds split over a row's programs."""
-    from kernels.rejection_sampling import pack_params, sample_rows, set_kth_logits
+    from kernels.rejection_sampling import pack_params, sample_rows
 
     rows = []
     for b in batches:
@@ -69,7 +69,6 @@ def sweep(vocab: int, batches: list[int], iterations: int) -> list[dict]:
         for top_p, top_k in ((0.95, 0), (1.0, 50)):
             params = pack_params(list(range(b)), [0.8] * b, [top_p] * b, [-float("inf")] * b, [top_k] * b,
                                  list(range(b))).cuda()
-            set_kth_logits(logits, params, list(range(b)) if top_k else [], [top_k] * b)  # (as sample() does)
             for chunk in (4096, 8192, 16384):
                 for warps in (4, 8, 16):
                     for rounds in (1, 4, 8):
