@@ -321,30 +321,30 @@ if triton is not None:
         return largest
 
     @triton.jit
-    def _chunk_top_kernel(logits_ptr, row_stride, params_ptr, top_ptr, S, V, CHUNK: tl.constexpr,
+    def _chunk_top_kernel(logits_ptr, row_stride, params_ptr, cols_ptr, top_ptr, S, V, CHUNK: tl.constexpr,
                           K_POW2: tl.constexpr):
-        """Program (s, c): the k largest logits of chunk c of row s (k: the row's top_k if at most K_POW2,
-        else none; `_clean`'s values) -> top[s, c, :] (-inf past k)."""
-        s, c = tl.program_id(0), tl.program_id(1)
+        """Program (j, c): the k largest logits of chunk c of row s = cols[j] (k: its top_k, at most K_POW2;
+        `_clean`'s values) -> top[j, c, :] (-inf past k)."""
+        j, c = tl.program_id(0), tl.program_id(1)
+        s = tl.load(cols_ptr + j)
         k = tl.load(params_ptr + 3 * S + s).to(tl.float32, bitcast=True).to(tl.int32)
-        k = tl.where(k > K_POW2, 0, k)  # (a larger one is torch.topk's)
         logits_row = logits_ptr + tl.load(params_ptr + 4 * S + s).to(tl.int64) * row_stride
         offs = c * CHUNK + tl.arange(0, CHUNK)
         ok = offs < V
         x = tl.where(ok, _clean(logits_row, offs, ok), -float("inf"))
-        tl.store(top_ptr + (s * tl.num_programs(1) + c) * K_POW2 + tl.arange(0, K_POW2), _largest(x, k, K_POW2))
+        tl.store(top_ptr + (j * tl.num_programs(1) + c) * K_POW2 + tl.arange(0, K_POW2), _largest(x, k, K_POW2))
 
     @triton.jit
-    def _kth_kernel(params_ptr, top_ptr, S, P, K_POW2: tl.constexpr, P_POW2: tl.constexpr):
-        """Program s: the k-th largest logit of row s from its chunks' k largest (the row's k largest are
-        among them) -> params[7, s] as float32 bits; a row without top_k keeps its -inf."""
-        s = tl.program_id(0)
+    def _kth_kernel(params_ptr, cols_ptr, top_ptr, S, P, K_POW2: tl.constexpr, P_POW2: tl.constexpr):
+        """Program j: the k-th largest logit of row s = cols[j] from its chunks' k largest (the row's k
+        largest are among them) -> params[7, s] as float32 bits."""
+        j = tl.program_id(0)
+        s = tl.load(cols_ptr + j)
         k = tl.load(params_ptr + 3 * S + s).to(tl.float32, bitcast=True).to(tl.int32)
-        if (k > 0) & (k <= K_POW2):
-            at = tl.arange(0, P_POW2 * K_POW2)
-            x = tl.load(top_ptr + s * P * K_POW2 + at, mask=at < P * K_POW2, other=-float("inf"))
-            kth = tl.sum(tl.where(tl.arange(0, K_POW2) == k - 1, _largest(x, k, K_POW2), 0.0), axis=0)
-            tl.store(params_ptr + 7 * S + s, kth.to(tl.int32, bitcast=True))
+        at = tl.arange(0, P_POW2 * K_POW2)
+        x = tl.load(top_ptr + j * P * K_POW2 + at, mask=at < P * K_POW2, other=-float("inf"))
+        kth = tl.sum(tl.where(tl.arange(0, K_POW2) == k - 1, _largest(x, k, K_POW2), 0.0), axis=0)
+        tl.store(params_ptr + 7 * S + s, kth.to(tl.int32, bitcast=True))
 
 
 def pack_params(rows: list[int], temperatures: list[float], top_ps: list[float], min_logs: list[float],
@@ -365,18 +365,20 @@ def set_kth_logits(logits: torch.Tensor, params: torch.Tensor, columns: list[int
     (no sync). k <= K_LIMIT: `_chunk_top_kernel` (each chunk's k largest) and `_kth_kernel` (the k-th of
     those); a larger k: torch.topk of those rows. config: CHUNK (tests)."""
     vocab = logits.shape[-1]  # (k beyond the row: none, -inf, every token kept)
-    small = [(c, k) for c, k in zip(columns, ks) if k <= min(K_LIMIT, vocab)]
+    small = [(c, k) for c, k in zip(columns, ks) if 0 < k <= min(K_LIMIT, vocab)]
     large = [(c, k) for c, k in zip(columns, ks) if K_LIMIT < k <= vocab]
     num_rows = params.shape[1]
     if small:
         k_pow2 = max(2, triton.next_power_of_2(max(k for _, k in small)))
         chunk = config.get("CHUNK", CHUNK)
         chunks = triton.cdiv(vocab, chunk)
-        top = torch.empty((num_rows, chunks, k_pow2), dtype=torch.float32, device=logits.device)
-        # (every row's top_k is in params: the kernels take k from there, rows without one do nothing)
-        _launch(_chunk_top_kernel, (num_rows, chunks), (logits, logits.stride(0), params, top, num_rows, vocab),
+        # only these columns (regression: the kernels took every row with a top_k in params, so a top-k-only
+        # row beside a row with both got a k-th logit, and its draw depended on its batch)
+        cols = torch.tensor([c for c, _ in small], dtype=torch.int32).to(logits.device, non_blocking=True)  # [J]
+        top = torch.empty((len(small), chunks, k_pow2), dtype=torch.float32, device=logits.device)
+        _launch(_chunk_top_kernel, (len(small), chunks), (logits, logits.stride(0), params, cols, top, num_rows, vocab),
                 CHUNK=chunk, K_POW2=k_pow2, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-        _launch(_kth_kernel, (num_rows,), (params, top, num_rows, chunks), K_POW2=k_pow2,
+        _launch(_kth_kernel, (len(small),), (params, cols, top, num_rows, chunks), K_POW2=k_pow2,
                 P_POW2=max(2, triton.next_power_of_2(chunks)), num_warps=NUM_WARPS, num_stages=NUM_STAGES)
     if large:
         device, lowest = params.device, torch.finfo(torch.float32).min

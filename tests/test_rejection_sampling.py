@@ -295,3 +295,11 @@ def test_a_top_p_that_float32_rounds_to_0_draws_the_likeliest():
     row = torch.tensor([[0.3, 2.0, -1.0, 1.9, 0.0, 0.5, -3.0, 1.0]])
     for top_p in (1e-46, 1e-300, 1e-30):
         assert draw(row, [0], 1.0, top_p, 0.0, 0, [7])[0] == 1
+
+
+def test_the_kth_logit_is_found_for_the_rows_asked_only():
+    """regression: the chunk kernels read every row's top_k from params, so a top-k-only row (k 2) beside a
+    row with both top-k and top-p (k 3) got a k-th logit too, and its draw took another path than alone."""
+    params = pack_params([0, 1], [1.0, 1.0], [1.0, 0.6], [-math.inf] * 2, [2, 3], [7, 8])
+    set_kth_logits(LOGITS.expand(2, -1).contiguous(), params, [1], [3])
+    assert params[7].view(torch.float32).tolist() == [-math.inf, LOGITS[2].item()]
