@@ -157,13 +157,13 @@ class ChatMessage(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _text_parts_only(cls, data: Any) -> Any:
-        # an image (or audio, file) part was a 400 listing every union branch's complaint
+        # an image part was a 400 listing every union branch's complaint; the type's repr: a lone surrogate was a 500
         parts = data.get("content") if isinstance(data, dict) else None
         for part in parts if isinstance(parts, list) else ():
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind != "text":
-                raise PydanticCustomError("unsupported_value", "content parts of type '{kind}' are not supported "
-                                          "(this server takes text only: 'text' parts or a string)", {"kind": kind})
+                raise PydanticCustomError("unsupported_value", "content parts of type {kind} are not supported (this "
+                                          "server takes text only: 'text' parts or a string)", {"kind": repr(kind)})
         # an assistant message the openai SDK built (its stream helper's, model_dump()) carries these at
         # null, and a conversation sends it back (a 400 "unknown field 'messages.1.refusal'")
         if isinstance(data, dict) and any(k in data for k in _MESSAGE_NEUTRAL):

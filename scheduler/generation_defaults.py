@@ -4,7 +4,8 @@ or sets to null, as vLLM's `--generation-config auto` (its default) serves them:
 model's creator recommends. `hicache-serve --generation-config vllm`, a preset (no file), a checkpoint
 without the file or a key the file leaves out (or sets to null): OpenAI's neutral default (temperature 1,
 top_p 1, top_k and min_p off, repetition_penalty 1). A request's own value always wins (temperature 0:
-greedy). The in-process Engine API (SamplingParams) takes no defaults from here.
+greedy). `--generation-config DIR` (vLLM's third form) reads DIR's file instead of the checkpoint's, for any
+model. The in-process Engine API (SamplingParams) takes no defaults from here.
 
 Only the five keys below are read, as vLLM reads them (do_sample and the rest are ignored; vLLM's sixth,
 max_new_tokens, is not taken: max_tokens keeps the server's defaults). Each value is held to the range

@@ -21,7 +21,7 @@ import uvicorn
 
 from scheduler.config import HICACHE_NEEDS_PREFIX_CACHE, add_engine_args, config_from_args
 from scheduler.engine import Engine
-from scheduler.generation_defaults import GenerationDefaults, read_generation_defaults
+from scheduler.generation_defaults import GENERATION_CONFIG_FILE, GenerationDefaults, read_generation_defaults
 from scheduler.memory_plan import pools_line
 from scheduler.presets import PRESETS
 from scheduler.server import ServerLimits, create_app
@@ -80,10 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body in bytes (413 above)")
     s.add_argument("--shutdown-grace-s", type=float, default=ServerLimits.shutdown_grace_s,
                    help="seconds in-flight requests get to finish at shutdown (negative: 0)")
-    s.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+    s.add_argument("--generation-config", default="auto", metavar="{auto,vllm,DIR}",
                    help="auto: a checkpoint's generation_config.json sets the temperature, top_p, top_k, min_p "
                         "and repetition_penalty of requests that leave them out (as vLLM's default); vllm: "
-                        "OpenAI's neutral defaults")
+                        "OpenAI's neutral defaults; a directory: its generation_config.json's (as vLLM's)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     s.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
@@ -97,6 +97,10 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1"
     if not 0 <= args.port <= 65535:  # (65536 + n bound port n while the log said 65536 + n)
         return f"--port must be in [0, 65535], got {args.port}"
+    if args.generation_config not in ("auto", "vllm") and (not args.generation_config or not os.path.isfile(
+            os.path.join(args.generation_config, GENERATION_CONFIG_FILE))):  # (vLLM's third form; "": not the cwd)
+        return f"--generation-config must be auto, vllm or a directory holding {GENERATION_CONFIG_FILE}, " \
+               f"got {args.generation_config!r}"
     if math.isnan(args.shutdown_grace_s):  # (NaN was a grace of 0)
         return "--shutdown-grace-s must be a number of seconds, got nan"
     if args.enable_hicache and args.disable_prefix_cache:  # (served, with L2/L3 idle)
@@ -119,7 +123,9 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
 def _generation_defaults(args: argparse.Namespace) -> GenerationDefaults:
     """The sampling defaults of requests: with --generation-config auto and a checkpoint directory, its
     generation_config.json's (read before the model loads: a bad value is one line, naming the file and
-    the key); a preset or --generation-config vllm: OpenAI's neutral ones."""
+    the key), with a directory that one's; a preset or --generation-config vllm: OpenAI's neutral ones."""
+    if args.generation_config not in ("auto", "vllm"):
+        return read_generation_defaults(args.generation_config)
     if args.generation_config == "vllm" or args.model in PRESETS or not os.path.isdir(args.model):
         return GenerationDefaults()
     return read_generation_defaults(args.model)
