@@ -234,8 +234,10 @@ class Admission(Restoring):
         requests that will surely still run then (not finished, not at their last token by length),
         each one position further. Input ids are left to the runner (taken on the device). None when
         nothing can be chained."""
-        if self.engine.waiting:
-            return None  # prefill first: go back to the loop
+        eng = self.engine
+        if eng.waiting and len(eng.running) < eng.config.max_running_requests:
+            return None  # prefill first: go back to the loop (a request waiting for a running slot gets one
+            # only when another finishes, so it does not end the chain: regression, it unchained every step)
         nxt = [r for r in reqs if r.state is RequestState.DECODE and len(r.output) + 2 <= r.params.max_tokens]
         if not nxt:
             return None
