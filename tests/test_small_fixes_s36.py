@@ -105,7 +105,7 @@ def test_the_probes_help_prints_help(script, flags):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal of a machine without CUDA")
 @pytest.mark.parametrize("script", ["probe_host.py", "probe_contention.py", "probe_pin.py", "probe_wait.py",
-                                    "probe_sample.py"])
+                                    "probe_sample.py", "probe_chain_wait.py"])
 def test_the_gpu_probes_refuse_the_cpu_in_one_line(script):
     """regression: on the CPU they ended in a "Torch not compiled with CUDA enabled" traceback, not
     the one line "needs CUDA" (exit 2) of bench_kernels.py (probe_wait.py: "needs a GPU", exit 1)."""
