@@ -146,8 +146,18 @@ def _storage_path_problem(path: str) -> str | None:
     return None
 
 
+def _idle_hicache_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The --hicache-* flags given away from their defaults while --enable-hicache is off (they change
+    nothing then: the server used to start without a word, L1 alone)."""
+    if args.enable_hicache:
+        return []
+    return [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+            if "hicache" in name and name != "enable_hicache" and value != parser.get_default(name)]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     problem = _check_server_args(args)
     if problem:
         print(f"hicache-serve: {problem}", file=sys.stderr)
@@ -168,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     print(f"hicache-serve: {pools_line(engine.status())}", file=sys.stderr)
+    if idle := _idle_hicache_flags(parser, args):
+        print(f"hicache-serve: ignored without --enable-hicache (L1 only): {', '.join(idle)}", file=sys.stderr)
     if sampling_defaults.describe():
         print(f"hicache-serve: {sampling_defaults.describe()}", file=sys.stderr)
     limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,

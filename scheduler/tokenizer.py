@@ -53,7 +53,7 @@ class ByteTokenizer:
             raise ValueError(f"the byte-level tokenizer needs a vocabulary of >= {BYTE_OFFSET + 256} ids, "
                              f"this model has {vocab_size}")
         self.vocab_size = vocab_size
-        self.no_chat_reason = "random-weight presets have no tokenizer and no chat template"
+        self.no_chat_reason = "a random-weight preset has a byte tokenizer but no chat template"
 
     def encode(self, text: str) -> list[int]:
         return [b + BYTE_OFFSET for b in text.encode("utf-8")]

@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_hicache_stress as stress  # noqa: E402
+import torch  # noqa: E402
 
 # (module, class, method): the stages of a request, in order
 STAGES = [
@@ -280,6 +281,10 @@ def ab_variants(name: str) -> list[tuple[str, object]]:
 
 def main_spans(argv) -> int:
     """--ab NAME: the l2 tier twice per variant of ab_variants(NAME), in turn, after one none tier."""
+    device = argv[argv.index("--device") + 1] if "--device" in argv[:-1] else "cuda"
+    if not (device.startswith("cuda") and torch.cuda.is_available()):  # (regression: a traceback after the none tier)
+        print("profile_stages.py --spans needs CUDA (its spans are CUDA events on the device clock)", file=sys.stderr)
+        return 2
     spans.clear()
     tier = {"name": "none"}
     restore = install_spans(lambda: tier["name"])

@@ -155,3 +155,32 @@ def test_the_replays_out_of_memory_line_does_not_count_a_gpu_sized_l1_at_8192_to
     assert "GPU's memory" in line and "cannot allocate" in line and "L1 pages" not in line, line
     line = out_of_memory(args, EngineConfig(device="cpu", max_total_tokens=0, page_size=4), MemoryError("x"))
     assert "2,048 L1" in line, line
+
+
+@pytest.mark.parametrize("extra", [[], ["--device", "cpu"]])
+def test_profile_stages_spans_refuses_a_device_without_cuda_before_it_runs(extra):
+    """regression (session 38): `--spans` on the CPU ran the whole "none" tier, then ended in a "Torch not
+    compiled with CUDA enabled" traceback from print_spans."""
+    if torch.cuda.is_available() and not extra:
+        pytest.skip("CUDA here: --spans runs")
+    proc = _script("scripts/profile_stages.py", "--model", "tiny", "--spans", *extra)
+    assert proc.returncode == 2 and "needs CUDA" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert "none" not in proc.stdout, proc.stdout  # refused before any tier ran
+
+
+def test_hicache_flags_without_enable_hicache_are_named_at_start(monkeypatch, capsys):
+    """regression (session 38): `hicache-serve --hicache-size-gb 1` without --enable-hicache started with L1
+    alone and said nothing of the flag; the start-up lines now name the flags that change nothing."""
+    from scheduler import serve
+
+    parser = serve.build_parser()
+    given = ["--hicache-size-gb", "1", "--disable-hicache-prefetch", "--hicache-policy", "always"]
+    assert serve._idle_hicache_flags(parser, parser.parse_args(given)) == [
+        "--hicache-size-gb", "--hicache-policy", "--disable-hicache-prefetch"]
+    assert serve._idle_hicache_flags(parser, parser.parse_args(["--enable-hicache", *given])) == []
+    assert serve._idle_hicache_flags(parser, parser.parse_args(["--hicache-policy", "cost"])) == []  # (the default)
+    ran = []
+    monkeypatch.setattr(serve._Server, "run", lambda self: ran.append(True))  # start, then return at once
+    assert serve.main(["--device", "cpu", "--model", "tiny", "--hicache-size-gb", "1"]) == 0 and ran
+    err = capsys.readouterr().err
+    assert "ignored without --enable-hicache (L1 only): --hicache-size-gb\n" in err, err
