@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -358,9 +359,9 @@ def _replay_or_exit(parser: argparse.ArgumentParser, args: argparse.Namespace, c
     try:
         return replay(config, items, **kw)
     except (ValueError, EngineStartError) as exc:  # a configuration the engine refuses (an L2 of no page)
-        parser.exit(2, f"replay_trace.py: {what}{exc}\n")
+        parser.exit(2, f"{parser.prog}: {what}{exc}\n")
     except MemoryError as exc:  # pools larger than this process may have after all (a traceback before)
-        parser.exit(2, f"replay_trace.py: {what}{replay_memory.out_of_memory(args, config, exc)}\n")
+        parser.exit(2, f"{parser.prog}: {what}{replay_memory.out_of_memory(args, config, exc)}\n")
 
 
 def run_cli(argv: list[str] | None = None) -> dict:
@@ -372,19 +373,19 @@ def run_cli(argv: list[str] | None = None) -> dict:
     try:
         config = config_from_replay_args(args)
     except ValueError as exc:
-        parser.exit(2, f"replay_trace.py: {exc}\n")
+        parser.exit(2, f"{parser.prog}: {exc}\n")
     model = model_config_of(config.model)
     if args.block_tokens > model.max_position_embeddings:
         # regression: a block is synthesized whole (4 bytes a token) and scales every prompt by
         # block_tokens / 512: 10**9 was a MemoryError traceback, 10**400 an OverflowError one
-        parser.exit(2, f"replay_trace.py: --block-tokens {shown(args.block_tokens)}: more than the model's "
+        parser.exit(2, f"{parser.prog}: --block-tokens {shown(args.block_tokens)}: more than the model's "
                        f"{model.max_position_embeddings:,} positions (a hash id's block is part of one prompt)\n")
     try:
         records, problems = load_trace(args.trace, strict=args.strict, max_requests=args.max_requests)
     except TraceError as exc:
-        parser.exit(2, f"replay_trace.py: --strict: {exc}\n")
+        parser.exit(2, f"{parser.prog}: --strict: {exc}\n")
     except OSError as exc:
-        parser.exit(2, f"replay_trace.py: cannot read trace: {exc}\n")
+        parser.exit(2, f"{parser.prog}: cannot read trace: {exc}\n")
     for p in problems[:MAX_PROBLEMS_SHOWN]:
         print(f"{args.trace}:{p.line_no}: skipped: {p.reason}", file=sys.stderr)
     if len(problems) > MAX_PROBLEMS_SHOWN:  # regression: a trace of bad lines printed each one
@@ -392,7 +393,7 @@ def run_cli(argv: list[str] | None = None) -> dict:
         print(f"{args.trace}: ... and {len(problems) - MAX_PROBLEMS_SHOWN:,} more malformed lines skipped{listed}",
               file=sys.stderr)
     if not records:
-        parser.exit(2, f"replay_trace.py: {args.trace}: no usable request\n")
+        parser.exit(2, f"{parser.prog}: {args.trace}: no usable request\n")
     check_writable(parser, args.log_json, "log_json")
     check_writable(parser, args.json_out, "json_out")
     items = build_items(records, model.vocab_size, args.block_tokens,
@@ -403,7 +404,7 @@ def run_cli(argv: list[str] | None = None) -> dict:
     kw = dict(time_scale=args.time_scale, concurrency=args.concurrency)
     simulated = " (simulated)" if config.simulate else ""
     summary = summarize(_replay_or_exit(parser, args, config, items, progress=progress,
-                                        announce=f"replay_trace.py: replaying {args.trace}{simulated}: ", **kw),
+                                        announce=f"{parser.prog}: replaying {args.trace}{simulated}: ", **kw),
                         problems, config, options)
     if args.compare_no_cache:
         if config.log_json:  # keep the baseline's events out of this run's timeline
@@ -413,7 +414,7 @@ def run_cli(argv: list[str] | None = None) -> dict:
         # (regression: a baseline engine that could not start was a traceback after the replay's summary)
         base = _replay_or_exit(parser, args, base_cfg, items, progress=progress, rid_prefix="nocache-",
                                what="--compare-no-cache baseline: ",
-                               announce=f"replay_trace.py: replaying {args.trace}{simulated} (--compare-no-cache "
+                               announce=f"{parser.prog}: replaying {args.trace}{simulated} (--compare-no-cache "
                                         "baseline): ", **kw)
         digest = outputs_digest(base["outcomes"])
         summary["compare_no_cache"] = {"outputs_digest": digest, "match": digest == summary["outputs_digest"],
@@ -431,7 +432,7 @@ def run_cli(argv: list[str] | None = None) -> dict:
 def main(argv: list[str] | None = None) -> int:
     summary = run_cli(argv)
     if summary["completed"] == 0:
-        print("replay_trace.py: no request completed", file=sys.stderr)
+        print(f"{os.path.basename(sys.argv[0])}: no request completed", file=sys.stderr)
         return 1
     if summary["engine_crash"] or summary["integrity"] != "passed":
         return 1

@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from hicache.config import MAX_TIER_PAGES
@@ -42,8 +43,14 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
         return super()._get_help_string(action)
 
 
-def build_parser(description: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="replay_trace.py", description=description, formatter_class=_HelpFormatter)
+def build_parser(description: str | None = None,
+                 own_args: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.ArgumentParser:
+    """The replay's parser; `own_args` adds a script's own flags, listed before the replay's. Its prog is
+    argparse's, the name the user ran (regression: forced to replay_trace.py, also for hicache-replay
+    and probe_start.py)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=_HelpFormatter)
+    if own_args is not None:
+        own_args(p)
     add_engine_args(p)
     # the replay's engine defaults: all tiers on, 16-token pages (one sample block per page); the
     # device is the CPU for the sample and auto for --trace
@@ -133,8 +140,8 @@ def config_from_replay_args(args: argparse.Namespace) -> EngineConfig:
             raise ValueError("--enable-hicache cannot be used with --disable-prefix-cache: "
                              + HICACHE_NEEDS_PREFIX_CACHE)
         if args.enable_hicache is None:
-            print("replay_trace.py: --disable-prefix-cache: L2 and L3 are off too (they only serve prefix-cache hits)",
-                  file=sys.stderr)
+            print(f"{os.path.basename(sys.argv[0])}: --disable-prefix-cache: L2 and L3 are off too (they only serve "
+                  "prefix-cache hits)", file=sys.stderr)
         args.enable_hicache = False
     elif args.enable_hicache is None:
         args.enable_hicache = True

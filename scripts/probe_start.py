@@ -19,8 +19,8 @@ from scheduler.replay_args import build_parser, check_replay_args, config_from_r
 
 
 def main() -> int:
-    parser = build_parser(__doc__)
-    parser.add_argument("--top", type=int, default=25, help="functions to list")
+    # (its own flag first: regression, --top came last in the usage line, after every replay flag)
+    parser = build_parser(__doc__, lambda p: p.add_argument("--top", type=int, default=25, help="functions to list"))
     args = parser.parse_args()
     fill_defaults(args)
     check_replay_args(parser, args)

@@ -1,6 +1,8 @@
 """Regressions for what session 36 fixed in the replay driver and the pool-sizing messages."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from scheduler.replay import run_cli
@@ -23,6 +25,7 @@ def test_a_baseline_that_cannot_start_is_one_line_not_a_traceback(small_trace, m
     first, session 35's review) ended the run in a traceback after the replay's own summary."""
     from scheduler import engine as engine_mod
 
+    monkeypatch.setattr(sys, "argv", ["replay_trace.py"])  # (the program's name starts its lines)
     real_init = engine_mod.Engine.__init__
 
     def init(self, config=None, faults=None):

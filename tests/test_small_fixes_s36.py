@@ -71,9 +71,10 @@ def test_the_prompt_limit_is_within_the_models_positions(srv):
     assert _complete(srv, prompt=[1] * 4096, max_tokens=1).status_code == 200
 
 
-def test_the_replay_says_what_it_runs_in_one_line_at_start(capsys):
+def test_the_replay_says_what_it_runs_in_one_line_at_start(capsys, monkeypatch):
     """regression: the replay never said which trace, model, device and tier sizes it ran."""
     from scheduler.replay import run_cli
+    monkeypatch.setattr(sys, "argv", ["replay_trace.py"])  # (the program's name starts its lines)
     s = run_cli(SIM)
     out, err = capsys.readouterr()
     lines = [line for line in err.splitlines() if line.startswith("replay_trace.py: replaying")]
