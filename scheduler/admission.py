@@ -42,6 +42,8 @@ class Admission(Restoring):
         # rid -> the end (tokens) of what a restore or prefetch of its own was to bring before it
         # failed or could not start: a fallback once it is admitted computing part of that
         self.fallback_end_tokens: dict[str, int] = {}
+        # (rid, L1 room in pages) of the request the last prefill pass found no room for (`chain_decode_batch`)
+        self.memory_blocked: tuple[str, int] | None = None
 
     # -- prefixes ------------------------------------------------------------------------------
     def _reusable(self, req: Request) -> list[int]:
@@ -59,6 +61,7 @@ class Admission(Restoring):
         budget = eng.config.max_prefill_tokens
         self.cache.busy_s = load.write_busy_s(eng)  # (the load that the backups started now are admitted by)
         reqs, chunks = [], []
+        self.memory_blocked = None
         binput = BatchInput([], [], [], [], [], [], [], is_decode=False)
         for req in [r for r in eng.running if r.state is RequestState.PREFILL]:
             if budget <= 0:
@@ -134,6 +137,7 @@ class Admission(Restoring):
         need = -(-kv_tokens(len(req.prompt), req.params.max_tokens) // ps) - l1_len // ps
         if need > cache.available_l1_pages() - self.reserved_pages:
             cache.unlock(m.handles[Tier.L1])
+            self.memory_blocked = (req.rid, self._l1_room_pages())
             return False
         cache.note_hit(tokens, m)
         eng.waiting.remove(req)
@@ -235,7 +239,7 @@ class Admission(Restoring):
         each one position further. Input ids are left to the runner (taken on the device). None when
         nothing can be chained."""
         eng = self.engine
-        if eng.waiting and len(eng.running) < eng.config.max_running_requests:
+        if eng.waiting and len(eng.running) < eng.config.max_running_requests and not self._head_still_blocked():
             return None  # prefill first: go back to the loop (a request waiting for a running slot gets one
             # only when another finishes, so it does not end the chain: regression, it unchained every step)
         nxt = [r for r in reqs if r.state is RequestState.DECODE and len(r.output) + 2 <= r.params.max_tokens]
@@ -248,6 +252,16 @@ class Admission(Restoring):
                 return None
             self._append(binput, req, [0], pos)  # placeholder id: the runner takes the real one on the device
         return nxt, [1] * len(nxt), binput
+
+    def _l1_room_pages(self) -> int:
+        return self.cache.available_l1_pages() - self.reserved_pages
+
+    def _head_still_blocked(self) -> bool:
+        """Whether the queue's head is the request the last prefill pass found no L1 room for, and no room
+        came since. Room comes back as requests finish (then the chain ends and the head is tried again);
+        until then a tick would only try it in vain. (Regression: it ended the chain every step.)"""
+        blocked, waiting = self.memory_blocked, self.engine.waiting
+        return blocked is not None and waiting[0].rid == blocked[0] and self._l1_room_pages() <= blocked[1]
 
     # -- after a step --------------------------------------------------------------------------
     def after_step(self, req: Request, chunk: int, token: int) -> None:

@@ -132,6 +132,8 @@ class CompletionRequest(_SamplingFields, CompletionLogprobsField):
             raise APIError(400, "'echo' is not supported", param="echo", code="unsupported_value")
         if self.best_of not in (None, 1):
             raise APIError(400, "'best_of' must be 1", param="best_of", code="unsupported_value")
+        if self.best_of == 1 and (self.n or 1) > 1:  # (OpenAI's and vLLM's 400; it was accepted)
+            raise APIError(400, f"'best_of' must be >= 'n' (got 1 and {self.n})", param="best_of", code="invalid_value")
         if self.suffix:
             raise APIError(400, "'suffix' is not supported", param="suffix", code="unsupported_value")
 
@@ -293,6 +295,11 @@ def validation_error(exc: ValidationError | Any) -> APIError:
         return APIError(400, f"{field}: {err.get('msg')}", param=param, code="unsupported_value")
     if kind == "missing":
         return APIError(400, f"missing required field '{field}'", param=param, code="missing_field")
+    if kind == "string_unicode":  # a field name (a value may hold "\\ud800", as JSON allows; a key may not)
+        # (regression: "invalid value for field 'body': Input should be a valid string, unable to parse ...")
+        where = f" in '{field}'" if path else ""
+        return APIError(400, f"field name {err.get('input')!r}{where} holds a lone surrogate, which UTF-8 cannot "
+                             f"carry", param=param, code="invalid_value")
     branches = [e.get("msg", "") for e in errors if e.get("loc", ())[:1] == err.get("loc", ())[:1]]
     msg = "; or ".join(dict.fromkeys(branches)) if len(branches) > 1 else err.get("msg", "invalid value")
     code = "invalid_value" if kind.startswith(("less_than", "greater_than")) else "invalid_type"  # (a range: logprobs)

@@ -59,6 +59,8 @@ for s in "$@"; do
     sampled_ab) i=0; for v in 1 0; do i=$((i+1))  # the rejection kernel (1) and the sort (0) in turn
         HICACHE_SAMPLING_KERNEL=$v step "sampled_k${v}_$i" 300 python3 scripts/bench_engine.py --model qwen3-8b --skip-eager --prefill-tokens 350 --decode-batches 1 --repeats 3 --sampled-decode 32,512,256 --out "$OUT/sampled_k${v}_$i.json"; done ;;
     probe_wait) step probe_wait 200 python3 scripts/probe_wait.py ;;
+    chain_wait) step chain_wait 300 python3 scripts/probe_chain_wait.py --model qwen3-8b --rounds 3 ;;
+    chain_wait_mem) step chain_wait_mem 300 python3 scripts/probe_chain_wait.py --model qwen3-8b --wait-for memory --rounds 3 ;;
     engine_nopdl) HICACHE_PDL=0 step engine_nopdl 300 python3 scripts/bench_engine.py --model qwen3-8b --profile --skip-eager --out "$OUT/engine_nopdl.json" ;;
     spans_dma) step spans_dma 300 python3 scripts/profile_stages.py --model qwen3-8b --spans --kernel-restore-max-tokens 0 ;;
     stages_fine) step stages_fine 200 python3 scripts/profile_stages.py --model qwen3-8b --fine ;;

@@ -68,6 +68,38 @@ BAD = [("temperature", 100.5), ("temperature", "0.6"), ("temperature", True), ("
        ("n", 17), ("n", 1.0), ("max_tokens", 65), ("max_tokens", 1 << 80), ("min_tokens", 99)]
 
 
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("key", ["\\ud800", "x\\udc00y"])
+def test_a_field_name_holding_a_lone_surrogate_is_a_400_that_says_so(srv, chat, key):
+    """Session 39. Regression: "invalid value for field 'body': Input should be a valid string, unable to
+    parse raw data as a unicode string", naming neither the key nor what is wrong with it."""
+    body = '"messages": [{"role": "user", "content": "hi"}]' if chat else '"prompt": "hi"'
+    for raw in (f'{{{body}, "max_tokens": 2, "{key}": 1}}',
+                f'{{{body[:-2]}, "{key}": 1}}], "max_tokens": 2}}' if chat else None):
+        if raw is None:
+            continue
+        r = post_raw(srv, chat, raw)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "invalid_value", err
+        assert "holds a lone surrogate, which UTF-8 cannot carry" in err["message"], err
+        assert repr(json.loads(f'"{key}"')) in err["message"], err
+
+
+def test_best_of_below_n_is_a_400_naming_best_of(srv):
+    """Session 39. Regression: best_of 1 with n 3 was served (three choices); OpenAI and vLLM answer
+    a 400, as best_of counts the candidates that the n choices are taken from."""
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "best_of": 1, "n": 3},
+                   timeout=60)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == ("best_of", "invalid_value"), err
+    assert "'best_of' must be >= 'n'" in err["message"], err
+    ok = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2, "best_of": 1, "n": 1},
+                    timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
 def test_bad_sampling_fields_are_400s_naming_them_while_a_defaulted_stream_runs(srv):
     """Each endpoint, each bad value (NaN and Infinity as JSON's extensions too): a 400 whose param is the
     field; a seeded stream that takes the checkpoint's defaults, open meanwhile, gets the tokens it gets alone."""

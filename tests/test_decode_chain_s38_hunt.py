@@ -165,3 +165,46 @@ def test_a_request_waiting_for_a_running_slot_does_not_unchain_decode():
     assert chained_pair > 0
     assert chained_six == 3 * chained_pair
     assert outputs_six[:2] == outputs_pair
+
+
+@pytest.mark.parametrize("write_policy", [None, "write_back"])
+def test_a_request_waiting_for_l1_room_does_not_unchain_decode(write_policy):
+    """Session 39. Regression: a request that no L1 room could take ended the chain every step (6 requests
+    whose pages fit two at a time: 8 chained steps, not 24), and each tick tried it again in vain. Room
+    comes back only as a request finishes; then the chain ends and the head is admitted. Three pairs of
+    equal requests must chain as three times one pair does, with the same tokens (under write_back too,
+    whose admission may wait for the backups of the leaves it evicts)."""
+    def run(n: int) -> tuple[int, list]:
+        cfg = EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=12)  # 5 pages a request
+        eng = Engine(cfg.with_hicache(enable=True, write_policy=write_policy) if write_policy else cfg)
+        results = eng.generate([[i + 1] * 9 for i in range(n)], SamplingParams(max_tokens=10))
+        eng.check_integrity()
+        return eng.stats["chained_steps"], [r.output_ids for r in results]
+
+    chained_pair, outputs_pair = run(2)
+    chained_six, outputs_six = run(6)
+    assert chained_pair > 0
+    assert chained_six >= 3 * chained_pair
+    assert outputs_six[:2] == outputs_pair
+
+
+@pytest.mark.parametrize("wait_for", ["slot", "memory"])
+def test_probe_chain_wait_times_the_kept_rule_against_the_old_one(wait_for, capsys):
+    """scripts/probe_chain_wait.py on the CPU (a smoke run): its "old" rule, patched in, chains fewer steps
+    than the kept one on the same workload, and the kept rule is back in place after."""
+    import importlib.util
+    from pathlib import Path
+
+    from scheduler import admission
+    path = Path(__file__).resolve().parents[1] / "scripts" / "probe_chain_wait.py"
+    spec = importlib.util.spec_from_file_location("probe_chain_wait", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    kept = admission.Admission.chain_decode_batch
+    assert probe.main(["--model", "tiny", "--device", "cpu", "--requests", "6", "--slots", "2", "--prompt-tokens",
+                       "9", "--new-tokens", "10", "--rounds", "1", "--wait-for", wait_for]) == 0
+    assert admission.Admission.chain_decode_batch is kept
+    out = capsys.readouterr().out
+    chained = {name: int(out.split(f"round 0 {name}: ")[1].split(" tokens/s, ")[1].split(" chained")[0])
+               for name in ("new", "old")}
+    assert chained["new"] > chained["old"] > 0, out
