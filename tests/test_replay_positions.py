@@ -1,0 +1,21 @@
+from pathlib import Path
+
+from scheduler import replay
+
+SAMPLE = str(Path(__file__).resolve().parents[1] / "data" / "sample_trace.jsonl")
+
+
+def test_a_replay_says_up_front_how_many_requests_cannot_fit_the_models_positions(capsys):
+    """Session 39. Regression: the bundled sample given as --trace runs at the trace's 512 tokens a hash id,
+    and on the tiny preset (4,096 positions) 214 of its 300 requests failed; the replay said so only after
+    it ran, ten errors at a time. Now one line before it names how many and the flags that clip them."""
+    summary = replay.run_cli(["--trace", SAMPLE, "--max-requests", "6", "--simulate", "--no-progress"])
+    err = capsys.readouterr().err
+    failed = sum("exceeds" in e["error"] or "positions" in e["error"] for e in summary["errors"])
+    assert failed > 0
+    line = next(ln for ln in err.splitlines() if "positions" in ln and "will fail" in ln)
+    assert f"{failed} of 6 requests need more than the model's 4,096 positions" in line, err
+    assert "--max-input-tokens" in line and "--block-tokens 512" in line, line
+    replay.run_cli(["--trace", SAMPLE, "--max-requests", "6", "--simulate", "--no-progress", "--max-input-tokens",
+                    "2048", "--max-output-tokens", "8"])
+    assert "will fail" not in capsys.readouterr().err
