@@ -141,10 +141,6 @@ class PageAllocator:
         """Publish private pages: the tree owns them from now on."""
         self._move(pages, expect=claim, to=TREE)
 
-    def take_from_tree(self, pages: Sequence[int], claim: int) -> None:
-        """A tree page becomes private again (unused today; kept symmetric for tests)."""
-        self._move(pages, expect=TREE, to=claim)
-
     def free_from_tree(self, pages: Sequence[int]) -> None:
         """Eviction: tree pages go back to the free set."""
         self._move(pages, expect=TREE, to=FREE)

@@ -57,9 +57,6 @@ class KVGeometry:
     def pages_for_tokens(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
-    def align_down(self, num_tokens: int) -> int:
-        return num_tokens - num_tokens % self.page_size
-
     def describe(self) -> dict:
         return {
             "num_layers": self.num_layers,

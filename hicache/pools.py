@@ -19,10 +19,6 @@ class DevicePool:
         self.kv = torch.zeros(shape, dtype=geometry.dtype, device=self.device)
         self.allocator = PageAllocator(num_pages, "l1")
 
-    @property
-    def capacity_bytes(self) -> int:
-        return self.num_pages * self.geometry.bytes_per_page
-
 
 class HostPool:
     """L2: `page_buffer` is page-major [page, 2, layer, token_in_page, kv_head, head_dim], pinned when
@@ -43,7 +39,3 @@ class HostPool:
     def buffer(self) -> torch.Tensor:
         """The same memory viewed in L1 order: [2, layer, page, token_in_page, kv_head, head_dim]."""
         return self.page_buffer.permute(1, 2, 0, 3, 4, 5)
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.num_pages * self.geometry.bytes_per_page

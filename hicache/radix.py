@@ -271,9 +271,6 @@ class RadixTree:
         """Pages that eviction could free in this tier (resident and not locked)."""
         return self.num_resident_pages[tier] - self.num_locked_pages[tier]
 
-    def protected_pages(self, tier: Tier) -> int:
-        return self.num_resident_pages[tier] - self.evictable_pages(tier)
-
     def _offer(self, node: Node | None, tier: Tier) -> None:
         """`node` may have just become an eviction candidate of `tier` (resident, unlocked, no
         resident child): it became resident, its last lock went, or its last resident child left.

@@ -65,10 +65,6 @@ class AttentionBatch:
     def num_tokens(self) -> int:
         return sum(self.new_lens)
 
-    @property
-    def max_seq_len(self) -> int:
-        return max(p + n for p, n in zip(self.prefix_lens, self.new_lens))
-
     @classmethod
     def build(cls, prefix_lens: list[int], new_lens: list[int], page_tables_list: list[list[int]],
               page_size: int, device: torch.device | str, is_decode: bool) -> "AttentionBatch":

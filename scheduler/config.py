@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -272,10 +272,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         log_json=args.log_json,
         hicache=hc,
     )
-
-
-def config_fields() -> list[str]:
-    return [f.name for f in fields(EngineConfig)]
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

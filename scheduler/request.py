@@ -245,10 +245,6 @@ class Request:
                                   # (scheduler/penalty_state.py PenaltyState; made by step_extras.ask)
 
     @property
-    def all_tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
     def seq_len(self) -> int:
         """Tokens whose KV exists or is being computed: prompt + generated, minus the newest token."""
         return len(self.prompt) + max(0, len(self.output) - 1)

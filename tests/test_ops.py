@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from hicache.ops import (
-    ACTIONS, INITIAL, TERMINAL, TRANSITIONS, Action, IllegalTransition, Op, OpEvent, OpKind, OpState,
-    apply, mermaid_diagram, new_op, states_of,
+    ACTIONS, INITIAL, PENDING_STEPS, TERMINAL, TRANSITIONS, Action, IllegalTransition, Op, OpEvent, OpKind,
+    OpState, apply, mermaid_diagram, new_op, states_of,
 )
 
 K, S, E, A = OpKind, OpState, OpEvent, Action
@@ -57,6 +57,22 @@ def test_terminal_sets() -> None:
     assert TERMINAL[K.RESTORE_L2] == {S.L1_L2} | fail
     assert TERMINAL[K.RESTORE_L3] == {S.L1_L2_L3} | fail
     assert TERMINAL[K.PREFETCH_L3] == {S.L2_L3, S.L1_L2_L3} | fail
+
+
+def test_pending_steps_name_the_copy_each_state_waits_for() -> None:
+    """PENDING_STEPS (documentation the drivers do not read) matches the tables: a state entered by a
+    START_<copy> action waits for that copy, and one entered from it with no action (S2H_LANDED) still does."""
+    tiers = {"D2H": ("l1", "l2"), "H2S": ("l2", "l3"), "S2H": ("l3", "l2"), "H2D": ("l2", "l1")}
+    derived: dict[OpState, tuple[str, str]] = {}
+    for kind in OpKind:
+        for src, events in TRANSITIONS[kind].items():
+            for event, dst in events.items():
+                action = ACTIONS[kind][src][event]
+                if action.name.startswith("START_"):
+                    derived[dst] = tiers[action.name.removeprefix("START_")]
+                elif action is Action.NONE and src in derived and dst not in TERMINAL[kind]:
+                    derived[dst] = derived[src]
+    assert derived == dict(PENDING_STEPS)
 
 
 @pytest.mark.parametrize("kind,path", HAPPY_PATHS)
