@@ -18,9 +18,13 @@ import asyncio
 import functools
 from collections.abc import Callable, Sequence
 
+import structlog
+
 from hicache.ops import Op, OpEvent, OpKind, apply
 from hicache.radix import Node, Tier
 from hicache.storage import StorageError
+
+log = structlog.get_logger("hicache.ops")
 
 
 class Backups:
@@ -110,6 +114,24 @@ class Backups:
             if not waits:
                 return
             await asyncio.wait(waits)
+
+    async def save_for_others(self, timeout_s: float) -> None:
+        """Before a shared L3's instance closes its tiers: let the backups under way write their pages
+        to L3 and, under write_back, back up every unsaved L1 leaf, for at most `timeout_s`; the drain
+        that cancels, after, ends the rest. (Regression: a shutdown cancelled them, and other instances
+        never got the pages; under write_back, none that L1 had not evicted.) A local L3 file goes with
+        the process, so nothing waits for it."""
+        if timeout_s <= 0 or not getattr(self.mgr.store, "content_addressed", False):
+            return
+
+        async def save() -> None:
+            await self.write_back_l1(unsaved=self.mgr.has_l2 and self.mgr.config.write_policy == "write_back")
+            await self.drain()  # (their L3 writes: drain waits for every op)
+
+        try:
+            await asyncio.wait_for(save(), timeout_s)
+        except TimeoutError:
+            log.warning("l3_save_timed_out", timeout_s=round(timeout_s, 3), live_ops=len(self.live))
 
     def backup_soon(self, tokens: Sequence[int]) -> None:
         """Start a backup of `tokens` once every callback ready now has run. The engine publishes a

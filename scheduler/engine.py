@@ -273,11 +273,12 @@ class Engine(BatchAPI):
         return not (self._closing or self._stopping)
 
     async def shutdown(self, grace_s: float = 0.0) -> None:
-        """Take no new requests; let the ones already queued or running finish within `grace_s`,
-        abort the rest, drain every transfer and close the tiers (a temporary L3 file is removed).
-        (Regression: queued requests were never admitted during the grace, which was then waited
-        out in full before they were aborted.) On an engine whose loop stop_loop() ended, or that
-        never started, the grace runs the loop for the requests queued (regression: aborted at once)."""
+        """Take no new requests; let the ones already queued or running finish within `grace_s`, abort
+        the rest, drain every transfer and close the tiers (a temporary L3 file is removed); a shared L3's
+        backups first finish within what is left of `grace_s` (`Backups.save_for_others`). (Regression:
+        queued requests were never admitted during the grace, which was then waited out in full before
+        they were aborted.) On an engine whose loop stop_loop() ended, or that never started, the grace
+        runs the loop for the requests queued (regression: aborted at once)."""
         check_loop(self._loop_task, asyncio.get_running_loop())  # (else: closed tiers under a loop that runs on)
         if grace_s > 0 and self._loop_task is None and (self.waiting or self.parked):
             await self.start()  # (not after a crash: that loop failed them all; a no-op once closing)
@@ -294,6 +295,8 @@ class Engine(BatchAPI):
         try:
             if self._loop_task is not None:
                 await join_loop(self._loop_task, shield=False)  # re-raises a loop crash; we still clean up
+            self._settle_aborts()
+            await self.cache.runner.save_for_others(deadline - time.monotonic())  # (a shared L3's pages)
         finally:
             self._loop_task = None
             self._settle_aborts()

@@ -4,6 +4,7 @@ one model never serve another."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from structlog.testing import capture_logs
 
 from hicache.radix import Tier
 from scheduler.config import EngineConfig
@@ -290,3 +292,38 @@ async def test_the_cost_policy_keeps_writing_pages_other_instances_read(server):
         written.append(client.dbsize() - before)
     await writer.shutdown()
     assert written == [10] * len(prompts)  # every prompt's 10 full pages reach the shared store
+
+
+@needs_redis
+@pytest.mark.asyncio
+@pytest.mark.parametrize("write_policy,grace_s", [("write_back", 30), ("write_through", 30), ("write_through", 0.5)])
+async def test_a_shutdown_saves_its_pages_for_other_instances_within_its_grace(server, write_policy, grace_s):
+    """Session 39. Regression: `shutdown()` cancelled the backups under way, so the pages of the last
+    requests never reached the shared Redis; under write_back no page L1 had not evicted ever did. Now
+    what a shared L3 would lose is saved within what is left of the grace: the next instance hits it. A
+    grace too short for it cancels the rest, with a warning."""
+    rng = random.Random(f"shutdown-{write_policy}")
+    prompt = [rng.randrange(VOCAB) for _ in range(45)]  # (a prefix no other test wrote)
+    cfg = dataclasses.replace(engine_config(server.url()), hicache=dataclasses.replace(
+        engine_config(server.url()).hicache, write_policy=write_policy))
+    first = Engine(cfg)
+    write = first.cache.store._write
+
+    async def slow_write(*args):  # (so that its writes are still under way as the shutdown starts)
+        await asyncio.sleep(0.3 if grace_s > 1 else 1.5)
+        return await write(*args)
+
+    first.cache.store._write = slow_write
+    out = (await first.generate_async([prompt], SamplingParams(max_tokens=MAX_TOKENS)))[0].output_ids
+    assert [out] == await reference([prompt])
+    with capture_logs() as logs:
+        await first.shutdown(grace_s=grace_s)  # (no stop_loop first: that drains backups itself)
+    assert any(e["event"] == "l3_save_timed_out" for e in logs) == (grace_s < 1), logs
+    if grace_s < 1:  # the rest was cancelled: the tiers whole, the last page unsaved
+        first.check_integrity()
+        return
+    follow_up = prompt + out[:MAX_TOKENS - 1] + [5]  # its 12 full pages: the last one holds generated tokens
+    second = Engine(cfg)
+    assert await serve(second, [follow_up]) == await reference([follow_up])
+    assert second.metrics()["hit_tokens"]["l3"] == 48  # (44: the last page's backup waited for the
+    await second.shutdown()                            # prompt's, and the shutdown dropped it)
