@@ -36,10 +36,10 @@ from pathlib import Path
 from scheduler import replay_args, replay_memory
 from scheduler.config import EngineConfig
 from scheduler.presets import model_config_of
-from scheduler.request import kv_tokens
 from scheduler.replay_args import (REPLAY_OPTIONS, check_replay_args, check_writable, config_from_replay_args,
                                    fill_defaults, shown)
 from scheduler.replay_memory import flag_name as _flag
+from scheduler.request import kv_tokens
 from scheduler.trace import (MAX_PROBLEMS_SHOWN, TokenSynth, TraceError, TraceProblem, TraceRecord, load_trace,
                              scale_record)
 
