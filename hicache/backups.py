@@ -120,13 +120,32 @@ class Backups:
         to L3 and, under write_back, back up every unsaved L1 leaf, for at most `timeout_s`; the drain
         that cancels, after, ends the rest. (Regression: a shutdown cancelled them, and other instances
         never got the pages; under write_back, none that L1 had not evicted.) A local L3 file goes with
-        the process, so nothing waits for it."""
-        if timeout_s <= 0 or not getattr(self.mgr.store, "content_addressed", False):
+        the process, so nothing waits for it; nor does a closed store (regression: a second shutdown,
+        after one without grace, backed write_back's leaves up onto the closed tiers, and the L3 write
+        raised out of the backup's driver). Under write_back, rounds of backups go on while each saves
+        something (regression: started at once, the backups L2 could not hold beside the first ones'
+        L3 writes were skipped, as L2 full of locked pages, and their pages lost within the grace)."""
+        store = self.mgr.store
+        if timeout_s <= 0 or not getattr(store, "content_addressed", False) or getattr(store, "closed", False):
             return
+        write_back = self.mgr.has_l2 and self.mgr.config.write_policy == "write_back"
+        tree = self.mgr.tree
+
+        def unsaved_nodes() -> int:  # (unlocked: write_back_l1 skips locked leaves, and locks hold their path)
+            return sum(1 for n in tree.iter_nodes() if n is not tree.root and n.pages[Tier.L1] is not None
+                       and not n.locks[Tier.L1] and not self.saved_below(n))
 
         async def save() -> None:
-            await self.write_back_l1(unsaved=self.mgr.has_l2 and self.mgr.config.write_policy == "write_back")
-            await self.drain()  # (their L3 writes: drain waits for every op)
+            left = unsaved_nodes() if write_back else 0
+            while True:
+                await self.write_back_l1(unsaved=write_back)
+                await self.drain()  # (their L3 writes: drain waits for every op)
+                if not write_back:
+                    return
+                now = unsaved_nodes()
+                if not now or now >= left:
+                    return  # (all saved, or the last round saved nothing: refused or failed)
+                left = now
 
         try:
             await asyncio.wait_for(save(), timeout_s)
