@@ -18,9 +18,9 @@ Fragmented L2 pages (more runs than the DMA plans take), either direction, layer
       gather (H2D) or a workspace and a CPU index copy at completion (D2H).
 Work runs on private CUDA streams, kernels and DMAs one stream each per direction (PCIe is full
 duplex: a backup never queues a restore). Kernels, and every DMA that reads L1, first wait on the
-caller's stream (the KV being copied is produced there). An H2D's DMAs into a workspace do not:
-they write only that workspace, reused only after its last transfer was seen complete, and read L2
-pages locked until completion. The caller's stream never waits for a transfer: nothing there may
+caller's stream (the KV being copied is produced there). An H2D's DMAs into a workspace do not
+(but for a workspace allocated just now, `ws.fresh`): they write only that workspace, reused only
+after its last transfer was seen complete, and read L2 pages locked until completion. The caller's stream never waits for a transfer: nothing there may
 touch the destination pages until `wait()` returns (layer-ordered: until that layer's flag).
 Completion is a `Transfer` whose `wait()` awaits the
 CUDA event from a worker thread of its direction (`Event.synchronize` releases the GIL), so the loop
@@ -58,6 +58,9 @@ from kernels.layer_flags import EPOCH_LIMIT, LayerFlags
 from kernels.page_copy import gather_pages, scatter_pages, triton_available
 
 
+COMPLETED = object()  # `_completions`' value for a transfer `wait_blocking` completed
+
+
 class TransferEngine(LayeredRestores):
     def __init__(self, l1: DevicePool, l2: HostPool, backends: ChosenBackends,
                  faults: FaultInjector | None = None, kernel_max_pages: int = 0,
@@ -88,7 +91,7 @@ class TransferEngine(LayeredRestores):
         self._waiters = {d: ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"hicache-{d}-wait")
                          for d in ("d2h", "h2d")}
         # each transfer's completion (wait): awaited again, never run again
-        self._completions: weakref.WeakKeyDictionary[Transfer, asyncio.Future] = weakref.WeakKeyDictionary()
+        self._completions: weakref.WeakKeyDictionary[Transfer, asyncio.Future | object] = weakref.WeakKeyDictionary()
         # layer-ordered restores (h2d_layerwise) have a copy stream of their own: a forward waits on
         # the device for them (kernels/layer_flags.py) and must not also wait for a parked restore's
         # classic H2D queued ahead of them. Behind each layer's DMAs the stream sets that layer's
@@ -406,7 +409,8 @@ class TransferEngine(LayeredRestores):
                 done = asyncio.get_running_loop().run_in_executor(self._waiters[tr.direction], tr.complete)
                 done.add_done_callback(lambda _: self._settled(tr))
             self._completions[tr] = done
-        await asyncio.shield(done)
+        if done is not COMPLETED:
+            await asyncio.shield(done)
         if tr.fail:
             raise TransferError(tr.error or f"{tr.direction}: injected transfer failure")
         return tr
@@ -418,13 +422,15 @@ class TransferEngine(LayeredRestores):
         tr.keepalive.clear()
 
     def wait_blocking(self, tr: Transfer) -> Transfer:
-        """Wait on this thread, polling (benchmarks, tests)."""
-        try:
-            tr.complete(poll=True)
-        finally:
-            self.workspaces.release(tr.workspace)
-            self.page_lists.release(tr.page_list)
-            tr.workspace = tr.page_list = None
+        """Wait on this thread, polling (benchmarks, tests). It completes the transfer once, as `wait`
+        does (regression: a `wait` after it ran a fragmented D2H's `finish` again, and it kept the
+        transfer's sources alive)."""
+        if tr not in self._completions:
+            try:
+                tr.complete(poll=True)
+            finally:
+                self._settled(tr)
+            self._completions[tr] = COMPLETED
         if tr.fail:
             raise TransferError(tr.error or f"{tr.direction}: injected transfer failure")
         return tr

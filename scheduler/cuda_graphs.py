@@ -10,8 +10,8 @@ captured once with static input buffers; a step copies its inputs into them and 
     rows of a sequence (kernels/decode_attention.py), where one-row sequences would read it per row;
   - prefill (one sequence, no cached prefix, padded to a PREFILL_BUCKETS length);
   - restore (one sequence, 1 or TAIL_ROWS rows) when the transfer engine copies restores in layer
-    order: the same forward with a wait kernel before each layer's attention, on the transfer
-    engine's layer flags (kernels/layer_flags.py), so the tail runs while later layers of its
+    order: the same forward whose paged attention kernel first spins on that layer's flag of the
+    transfer engine (kernels/layer_flags.py), so the tail runs while later layers of its
     prefix are still crossing PCIe (hicache/layer_copy.py). The epoch it waits for is staged with
     the other inputs.
 Padding (rows beyond a sequence's new tokens, sequences beyond the real batch, rows beyond a prefill)
@@ -32,13 +32,25 @@ from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch
 from scheduler.model import Qwen3Model
 
-DECODE_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # captured up to the engine's max batch (at most 64)
+DECODE_SIZES = (1, 2, 4, 8, 16, 32, 48, 64)  # captured up to the first that holds the engine's max batch
 TAIL_ROWS = 16
 TAIL_SIZES = (1, 2, 4)
 PREFILL_BUCKETS = tuple(range(64, 513, 64))  # fresh one-sequence prefills, padded up to these lengths
 
 
+def graph_shapes(max_batch: int) -> list[tuple[int, int]]:
+    """The (sequences, rows per sequence) captured: decode batches up to the first of DECODE_SIZES that
+    holds `max_batch` (regression: up to `max_batch` only, so with 50 running requests batches of 49 and
+    50 ran eagerly), then tails of TAIL_SIZES sequences."""
+    cover = next((b for b in DECODE_SIZES if b >= max_batch), DECODE_SIZES[-1])
+    return ([(b, 1) for b in DECODE_SIZES if b <= cover]
+            + [(b, TAIL_ROWS) for b in TAIL_SIZES if b * TAIL_ROWS <= max(64, max_batch)])
+
+
 class DecodeGraphs:
+    """One engine's captured small forwards (the module doc's four families) with their static inputs:
+    `shape_for` picks the graph a batch fits, `run` stages its inputs and replays it."""
+
     def __init__(self, model: Qwen3Model, kv_pool: torch.Tensor, page_size: int, max_pages_per_seq: int,
                  scratch_page: int, max_batch: int = 32, layer_flags=None) -> None:
         self.model, self.kv_pool, self.page_size = model, kv_pool, page_size
@@ -48,8 +60,7 @@ class DecodeGraphs:
         self.device = kv_pool.device
         self.max_pages = max_pages_per_seq
         self.scratch_slot = scratch_page * page_size
-        self.shapes = [(b, 1) for b in DECODE_SIZES if b <= max_batch]
-        self.shapes += [(b, TAIL_ROWS) for b in TAIL_SIZES if b * TAIL_ROWS <= max(64, max_batch)]
+        self.shapes = graph_shapes(max_batch)
         rows = max(b * r for b, r in self.shapes)
         seqs = max(b for b, _ in self.shapes)
         i64 = dict(dtype=torch.int64, device=self.device)

@@ -379,3 +379,23 @@ async def test_a_cancelled_waiter_leaves_the_buffers_to_the_copy_until_it_settle
         await asyncio.sleep(0.01)
     assert [w.busy for w in engine.workspaces] == [False]
     engine.close()
+
+
+def test_a_transfer_wait_blocking_completed_is_not_completed_again_by_wait():
+    """Session 39. Regression: `wait_blocking` settled a transfer by hand (it kept the sources alive) and
+    left no completion, so a later `wait` ran a fragmented D2H's `finish` (its CPU index copy) again,
+    from a workspace already given back."""
+    import asyncio
+    geometry = KVGeometry(2, 2, 8, 4, torch.float32)
+    l1, l2 = DevicePool(geometry, 64, torch.device("cpu")), HostPool(geometry, 64, pin=False)
+    engine = TransferEngine(l1, l2, ChosenBackends("torch", "torch", {}, "test"))
+    l1.kv.normal_()
+    tr = engine.d2h(list(range(20)), list(range(0, 40, 2)))  # 20 runs of one page: a CPU index copy at the end
+    assert tr.finish is not None
+    calls, finish = [], tr.finish
+    tr.finish = lambda: (calls.append(1), finish())
+    engine.wait_blocking(tr)
+    assert not tr.keepalive and tr.workspace is None
+    asyncio.run(engine.wait(tr))
+    assert calls == [1]
+    assert torch.equal(l2.buffer[:, :, 0:40:2], l1.kv[:, :, :20])
