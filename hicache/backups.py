@@ -35,7 +35,7 @@ class Backups:
         unless its last backup failed and nothing used it since: then it goes unsaved (as a
         write-through backup that failed only costs time). One that L3 holds is saved (regression:
         it was copied to L2 again, L1 waiting for it, when L2 had evicted it)."""
-        if self.mgr.config.write_policy != "write_back" or self.saved_below(node):
+        if not self.mgr.write_back or self.saved_below(node):
             return False
         key = self._tokens_of(node)
         failed_at = self._backup_failed.pop(key, None)
@@ -106,7 +106,7 @@ class Backups:
             for op in self.live.values():
                 if op.kind is not OpKind.BACKUP:
                     continue
-                key = op.payload.get("backup_key", ())  # (gone: it is ending)
+                key = op.payload.get("backup_key", ())  # (gone: it is ending; () matches every key: waited for)
                 if not op.payload["l1_free"].done() and any(k[:len(key)] == key for k in keys):
                     waits.append(op.payload["l1_free"])
                 elif any(w in keys for w in self._deferred.get(key, ())) and op.op_id in self._tasks:
@@ -116,19 +116,16 @@ class Backups:
             await asyncio.wait(waits)
 
     async def save_for_others(self, timeout_s: float) -> None:
-        """Before a shared L3's instance closes its tiers: let the backups under way write their pages
-        to L3 and, under write_back, back up every unsaved L1 leaf, for at most `timeout_s`; the drain
-        that cancels, after, ends the rest. (Regression: a shutdown cancelled them, and other instances
-        never got the pages; under write_back, none that L1 had not evicted.) A local L3 file goes with
-        the process, so nothing waits for it; nor does a closed store (regression: a second shutdown,
-        after one without grace, backed write_back's leaves up onto the closed tiers, and the L3 write
-        raised out of the backup's driver). Under write_back, rounds of backups go on while each saves
-        something (regression: started at once, the backups L2 could not hold beside the first ones'
-        L3 writes were skipped, as L2 full of locked pages, and their pages lost within the grace)."""
+        """A shared L3 only (an open one: a local file goes with the process): for at most `timeout_s`,
+        let the backups under way finish their L3 writes and, under write_back, back up the unsaved L1
+        leaves, in rounds while a round saves something (L2 may not hold them all beside the L3 writes);
+        the shutdown's cancelling drain then ends the rest. (Regressions, tests/test_redis_engine.py and
+        tests/test_shutdown_save_s39_hunt.py: a shutdown cancelled them, other instances never got the
+        pages; a second shutdown backed up onto the closed tiers; one round saved 11 of 44 pages.)"""
         store = self.mgr.store
         if timeout_s <= 0 or not getattr(store, "content_addressed", False) or getattr(store, "closed", False):
             return
-        write_back = self.mgr.has_l2 and self.mgr.config.write_policy == "write_back"
+        write_back = self.mgr.write_back
         tree = self.mgr.tree
 
         def unsaved_nodes() -> int:  # (unlocked: write_back_l1 skips locked leaves, and locks hold their path)

@@ -27,7 +27,6 @@ class Fault(enum.Enum):
 class _Arm:
     times_left: int | None  # None: unlimited
     probability: float
-    delay_s: float
     rng: random.Random
 
 
@@ -60,7 +59,7 @@ class FaultInjector:
         if delay_s < 0:
             raise ValueError(f"delay_s must be >= 0, got {delay_s}")
         with self._lock:
-            self._armed[fault] = _Arm(times, float(probability), float(delay_s), random.Random(seed))
+            self._armed[fault] = _Arm(times, float(probability), random.Random(seed))
             self._delays_s[fault] = float(delay_s)
 
     def disarm(self, fault: Fault | None = None) -> None:

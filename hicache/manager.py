@@ -7,7 +7,9 @@ Contract (what callers may rely on):
     changes no residency but may split nodes. Lock a handle before reading its pages across an
     await; an unlocked handle may be evicted by the next allocation.
   - `alloc_l1()` evicts unlocked L1 leaves (LRU) to make room; it never evicts a locked node, and
-    nothing when eviction could not make room.
+    nothing when eviction could not make room, except under write_back: there it evicts the saved
+    leaves, starts backups of the unsaved ones and may still return None; the caller then waits for
+    the room they free (`l1_room_coming()`).
   - `insert_l1()` publishes a caller's private pages (and, under write_through, queues their
     L1 -> L2 backup); pages the tree already had come back, still private, to free.
   - Everything here runs on the event loop's thread; nothing is thread-safe.
@@ -123,6 +125,11 @@ class CacheManager:
     def has_l3(self) -> bool:
         return self.store is not None
 
+    @property
+    def write_back(self) -> bool:
+        """L1 keeps a prefix until L2 or L3 saved it (write_policy "write_back", with an L2)."""
+        return self.has_l2 and self.config.write_policy == "write_back"
+
     def allocator(self, tier: Tier) -> PageAllocator:
         return self.tree.allocators[tier]
 
@@ -143,17 +150,15 @@ class CacheManager:
             self.store.invalidate(pages)
 
     def flush(self, tier: Tier, written_back: bool = False) -> int:
-        """Evict every unlocked page of `tier` (an operator's flush, a benchmark's reset), but for
-        what write_back has not saved yet: such an L1 page starts its backup (OpRunner.write_back_keep;
-        not without a running loop) and stays in L1 until a later flush (regression: the flush
-        dropped every unsaved prefix from every tier, where write_through keeps it in L2).
-        `flush_async` waits for those backups and leaves L1 empty (written_back: the write-back was
-        tried already, what it did not save goes). Says nothing about the workload, so write
-        admission does not count it. Returns pages freed."""
+        """Evict every unlocked page of `tier` (an operator's flush, a benchmark's reset), but an L1 page
+        write_back has not saved: it starts its backup (OpRunner.write_back_keep; not without a running
+        loop) and stays (regression: the flush dropped every unsaved prefix). `flush_async` waits for
+        those backups and leaves L1 empty. Write admission does not count a flush (it says nothing
+        about the workload). Returns pages freed."""
         keep = None
         if tier is Tier.L1:
             self.runner.start_due()
-            if self.has_l2 and self.config.write_policy == "write_back" and not written_back:
+            if self.write_back and not written_back:
                 try:
                     asyncio.get_running_loop()
                     keep = self.runner.write_back_keep
@@ -166,15 +171,13 @@ class CacheManager:
             self._flushing = False
 
     async def flush_async(self, tier: Tier) -> int:
-        """`flush`, having first let the backups in flight copy their L1 pages to L2 and, under
-        write_back, written back every unlocked L1 page that L2 and L3 lack (OpRunner.write_back_l1):
-        a write-back cache's flush writes its dirty pages back, then invalidates. Every unlocked page
-        of L1 goes; what the write policy saved is in L2 (its L3 writes may still run). Returns
-        pages freed."""
+        """`flush` after the backups in flight copied their L1 pages to L2 and, under write_back, every
+        unlocked L1 page L2 and L3 lack was written back (OpRunner.write_back_l1), as a write-back cache
+        writes its dirty pages back, then invalidates. Every unlocked L1 page goes (L3 writes may still
+        run). written_back=True: the flush must not ask the write-back veto again (regression: it started
+        a probe backup and left the leaf in L1 mid-copy). Returns pages freed."""
         if tier is Tier.L1:
-            await self.runner.write_back_l1(unsaved=self.has_l2 and self.config.write_policy == "write_back")
-        # (no veto asks write admission again: a backup it declined above went through as a probe,
-        # and the leaf stayed in L1 with its backup in flight after the flush; regression)
+            await self.runner.write_back_l1(unsaved=self.write_back)
         return self.flush(tier, written_back=True)
 
     # -- matching and L1 pages for requests ----------------------------------------------------
@@ -244,7 +247,7 @@ class CacheManager:
         way (those whose copy runs count: a retry while they run is no reason for more); later
         unsaved leaves stay unsaved, saved ones still go (regression: every unsaved leaf of L1 was
         vetoed and copied to L2 to free one page, and each retry copied more)."""
-        if not self.has_l2 or self.config.write_policy != "write_back":
+        if not self.write_back:
             return None
         on_way_pages = sum(op.num_pages for op in self.runner.live.values()
                            if op.kind is OpKind.BACKUP and op.state is OpState.D2H_PENDING)
@@ -265,9 +268,8 @@ class CacheManager:
         """Whether L1 pages that an allocation could not have now are on their way: under write_back
         the backups of the leaves an eviction must free are still copying (those leaves go once
         saved), so a caller that found no room waits for them rather than give up."""
-        return (self.has_l2 and self.config.write_policy == "write_back"
-                and any(op.kind is OpKind.BACKUP and op.state is OpState.D2H_PENDING
-                        for op in self.runner.live.values()))
+        return self.write_back and any(op.kind is OpKind.BACKUP and op.state is OpState.D2H_PENDING
+                                       for op in self.runner.live.values())
 
     async def l1_room_saved(self) -> None:
         """Wait until a backup that `l1_room_coming` counts has copied its L1 pages (its leaf may go

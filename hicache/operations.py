@@ -34,9 +34,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("hicache.ops")
 
-_TIER_OF = {"l1": Tier.L1, "l2": Tier.L2, "l3": Tier.L3}
-
-
 # An enqueue of a few kernels and DMAs takes well under a millisecond; one this slow included a Triton
 # JIT compile (a new specialisation of the gather/scatter kernels), which the cost model must not learn
 # as a recurring cost (a single stall would make every later restore look too slow to be tried again).
@@ -171,7 +168,7 @@ class OpRunner(Backups, Restores):
         next). A write-through backup unblocks no request at once, only an idle loop waiting for
         its L1 lock to go: `wakeup_idle` (one finished backup per decode step ended every chain
         and cost batch-32 decode its overlap). Under write_back, evictions wait for backups."""
-        if op.kind is OpKind.BACKUP and self.mgr.config.write_policy != "write_back":
+        if op.kind is OpKind.BACKUP and not self.mgr.write_back:
             self.mgr.wakeup_idle()
         else:
             self.mgr.wakeup()
@@ -203,7 +200,7 @@ class OpRunner(Backups, Restores):
     def _fail(self, op: Op, error: str, kind: str) -> None:
         # only write_back's eviction veto reads `_backup_failed` (regression: under the other policies
         # every failed backup's prompt-long key was kept for nothing, up to its cap)
-        write_back = self.mgr.config.write_policy == "write_back"
+        write_back = self.mgr.write_back
         key = op.payload.get("backup_key") if op.kind is OpKind.BACKUP and write_back else None
         if key is not None:
             self._backup_failed[key] = self.mgr.tree.tick

@@ -32,7 +32,7 @@ from hicache.radix import Tier
 if TYPE_CHECKING:
     from hicache.manager import CacheManager
 
-KEY_FORMAT = "hicache-kv-v2"  # v2: Redis values carry their key's digest (storage_redis HKV2)
+KEY_FORMAT = "hicache-kv-v2"  # v2: Redis values carry their key's digest (redis_values.MAGIC)
 DIGEST_BYTES = 32
 _TOKEN_BYTES = 8  # tokens are hashed as little-endian int64
 

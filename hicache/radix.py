@@ -51,9 +51,6 @@ class Node:
         self.hits = 0  # times a request matched through this node (write_through_selective)
         self.node_id = next(Node._ids)
 
-    def resident(self, tier: Tier) -> bool:
-        return self.pages[tier] is not None
-
     def on_or_below(self, nodes: "set[Node] | frozenset[Node]") -> bool:
         """Whether this node is one of `nodes` or lies below one of them (its K/V was computed on
         top of theirs)."""

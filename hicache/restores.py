@@ -210,8 +210,8 @@ class Restores:
         op.payload["layerwise"] = transfer is not None
         if transfer is None and l1_pages:
             transfer = mgr.transfer.h2d(host_pages, l1_pages)
-        # payload["transfer"] is set from the enqueue until the driver has awaited the copy (it pops
-        # it): `_in_flight` and `_storage_failed` read "a copy may still run" from it, and admission
+        # payload["transfer"] is set from the enqueue until the driver starts awaiting the copy (it pops
+        # it into payload["inflight"]): `_in_flight` and `_storage_failed` read "a copy may still run" from it, and admission
         # reads a layer-ordered copy's epoch from it in the same loop turn (no await in between)
         op.payload.update(l1_pages=l1_pages, l1_start=l1_start, l1_end=end, transfer=transfer)
         return True

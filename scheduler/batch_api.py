@@ -2,7 +2,7 @@
 its synchronous form `engine.generate(prompts, params)`, which runs the engine on a private uvloop
 loop and stops it after. Each prompt is one request through `add_request`; a prompt the engine
 refuses gets a result carrying its error, and the others run. Uses the Engine's `start`,
-`add_request`, `abort`, `stop_loop` and `cache`."""
+`add_request`, `abort`, `stop_loop`, `cache` and `_loop_task`."""
 from __future__ import annotations
 
 import asyncio

@@ -237,7 +237,7 @@ class Engine(BatchAPI):
         """End a live request (False for an unknown or ended one). A parked request, in no batch, ends
         now; others at the loop's next tick (regression: a request aborted while the loop waited for
         its blocking restore was admitted after it, prefilled and sent a token before it ended).
-        stop: the caller's own stop condition ended it (an API stop string): it FINISHES ("stop") and
+        stop: the caller's own stop condition ended it (an API stop string): a decoding request FINISHES ("stop") and
         publishes what it computed, as a stop token would (regression: counted as aborted, its answer's
         KV left out of the prefix cache)."""
         req = self.requests.get(rid)
@@ -488,7 +488,7 @@ class Engine(BatchAPI):
         self.admission.release(req, publish=state is RequestState.FINISHED)
         req.state, req.finish_reason, req.error = state, reason, error
         req.finish_s, req.penalty_state = time.perf_counter(), None  # (its device tensors go now, not with the Request)
-        self.stats[{"finished": "finished", "aborted": "aborted", "failed": "failed"}[state.value]] += 1
+        self.stats[state.value] += 1  # (finished / aborted / failed)
         if req.overlap_op is not None:
             # it ends before taking over the restore its forward ran behind: that admission's hits
             # never count (Restoring.adopt_restored), so its log says it was discarded (regression:

@@ -220,14 +220,14 @@ class Request:
                                   # (Restoring._try_restore; cancelled for it only once no live request
                                   # waits for it: Restoring.drop_ops)
     landed_offered: bool = False  # its prefetch's read landed and the request was offered to take it on
-    promoted_tokens: int = 0      # tokens an L3 -> L2 prefetch brought up for this request
+    promoted_tokens: int = 0      # tokens an L3 read (its prefetch, its restore, or one it followed) promoted to L2
     hint_task: object = None      # shared L3: the existence query that must finish before admission
     hint_deferred: bool = False   # queued outside a running loop: that query (or its prefetch) starts on the
                                   # loop's next plan
     # scored once at the first token if it ran alone (hicache/outcomes.py): how many batches had ended
     # when it arrived, and per prefix source the seconds the cost model predicted to its first token
     arrival_batch: int = 0
-    span_plan: dict | None = field(default_factory=dict)  # None: a fault meddled, nothing to learn
+    span_plan: dict | None = field(default_factory=dict)  # None: its path changed (a fault, a fallback): nothing to learn
     finish_reason: str | None = None
     error: str | None = None
     generator: object = None     # torch.Generator for seeded sampling
@@ -237,17 +237,12 @@ class Request:
     first_token_s: float | None = None
     finish_s: float | None = None
     # its last forward's sampled token and that token's logprobs, set after each step of a request that
-    # asked (Engine._take_logprobs) and attached to the token's event by `emit` (the token may be
+    # asked (step_extras.keep_logprobs) and attached to the token's event by `emit` (the token may be
     # emitted later: an overlapped restore's forward is applied once the restore has published)
     step_logprobs: tuple[int, TokenLogprobs] | None = None
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     penalty_state: object = None  # its penalties' and logit_bias' inputs on the device, kept across its steps
                                   # (scheduler/penalty_state.py PenaltyState; made by step_extras.ask)
-
-    @property
-    def seq_len(self) -> int:
-        """Tokens whose KV exists or is being computed: prompt + generated, minus the newest token."""
-        return len(self.prompt) + max(0, len(self.output) - 1)
 
     def emit(self, event: TokenEvent) -> None:
         if event.token_id is not None and self.step_logprobs is not None and self.step_logprobs[0] == event.token_id:

@@ -266,7 +266,7 @@ class Restoring:
         (a blocking restore ended: the request is back in the queue, to be admitted now), "wait"
         (its L1 room is on its way: the request waits, as for memory) or None."""
         cache, ps = self.cache, self.page_size
-        if not cache.has_l2 or getattr(req, "restore_failed", False):
+        if not cache.has_l2 or req.restore_failed:
             return None
         # overlap: an L2 restore of a request that runs alone in this batch and whose tail is one
         # forward (and, below, whose every page can be reserved now: its forward starts before the

@@ -2,7 +2,7 @@
 
 Every log line is a JSON object with "event" and "ts_ns" (time.monotonic_ns()). Events read here:
   request    rid, state in REQUEST_STATES; prefill_start adds prompt_tokens, hit_l1/hit_l2/hit_l3
-             (tokens), restore_tier ("none"|"l2"|"l3"), restore_tokens; parked may add restore_tier;
+             (tokens), restore_tier ("none"|"l2"|"l3"), restore_tokens; parked adds restore_tier and room_pages;
              restore_overlap_discarded drops the last admission's hits (its forward's output was
              discarded, or the request ended before taking over its restore);
              finished / aborted / failed add output_tokens (and the engine's reason, error).
