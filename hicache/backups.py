@@ -35,7 +35,7 @@ class Backups:
         unless its last backup failed and nothing used it since: then it goes unsaved (as a
         write-through backup that failed only costs time). One that L3 holds is saved (regression:
         it was copied to L2 again, L1 waiting for it, when L2 had evicted it)."""
-        if not self.mgr.write_back or self.saved_below(node):
+        if not self.mgr.write_back or self.saved_in_l2_or_l3(node):
             return False
         key = self._tokens_of(node)
         failed_at = self._backup_failed.pop(key, None)
@@ -45,7 +45,7 @@ class Backups:
         return self.start_backup(key) is not None or any(key in waiting for waiting in self._deferred.values())
 
     @staticmethod
-    def saved_below(node: Node) -> bool:
+    def saved_in_l2_or_l3(node: Node) -> bool:
         """Whether L1 may lose `node` without losing its KV under write_back (L2 or L3 holds it)."""
         return node.pages[Tier.L2] is not None or node.pages[Tier.L3] is not None
 
@@ -94,7 +94,7 @@ class Backups:
         self.start_due()
         if unsaved:
             leaves = [n for n in self.mgr.tree.iter_nodes()
-                      if n is not self.mgr.tree.root and n.pages[Tier.L1] is not None and not self.saved_below(n)
+                      if n is not self.mgr.tree.root and n.pages[Tier.L1] is not None and not self.saved_in_l2_or_l3(n)
                       and not n.locks[Tier.L1] and not any(c.pages[Tier.L1] is not None for c in n.children.values())]
             for node in leaves:
                 self.start_backup(self._tokens_of(node))
@@ -130,7 +130,7 @@ class Backups:
 
         def unsaved_nodes() -> int:  # (unlocked: write_back_l1 skips locked leaves, and locks hold their path)
             return sum(1 for n in tree.iter_nodes() if n is not tree.root and n.pages[Tier.L1] is not None
-                       and not n.locks[Tier.L1] and not self.saved_below(n))
+                       and not n.locks[Tier.L1] and not self.saved_in_l2_or_l3(n))
 
         async def save() -> None:
             left = unsaved_nodes() if write_back else 0
@@ -187,7 +187,10 @@ class Backups:
 
     def start_backup(self, tokens: Sequence[int], request_id: str | None = None,
                      l3_writer_key: tuple[int, ...] | None = None) -> Op | None:
-        """l3_writer_key: the backup this one waited for, whose L3 write (in flight) locks its L2
+        """Back up the L1 pages of `tokens` (page-aligned) that L2 lacks; L3 follows in the driver. The
+        op, or None when there is nothing to copy, a backup in flight covers it, it waits for one
+        (`_defer`), write admission refuses it, or L2 has no unlocked room.
+        l3_writer_key: the backup this one waited for, whose L3 write (in flight) locks its L2
         pages (`_start_waiting`): no longer waited for, unless L2 is full of locked pages (then
         until it ends), as one that extends a backup whose L3 write is in flight waits then."""
         mgr, ps = self.mgr, self.mgr.page_size

@@ -163,7 +163,7 @@ class CacheManager:
                     asyncio.get_running_loop()
                     keep = self.runner.write_back_keep
                 except RuntimeError:  # no loop to copy on: unsaved pages stay
-                    keep = lambda node: not self.runner.saved_below(node)  # noqa: E731
+                    keep = lambda node: not self.runner.saved_in_l2_or_l3(node)  # noqa: E731
         self._flushing = True
         try:
             return self.tree.evict(tier, self.allocator(tier).num_pages, keep=keep)
@@ -254,7 +254,7 @@ class CacheManager:
 
         def keep(node: Node) -> bool:
             nonlocal on_way_pages
-            if self.runner.saved_below(node):
+            if self.runner.saved_in_l2_or_l3(node):
                 return False
             if on_way_pages >= want_pages:
                 return True

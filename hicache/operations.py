@@ -353,7 +353,7 @@ class OpRunner(Backups, Restores):
 
     def _read_bytes(self, op: Op) -> int:
         """What an L3 op reads: its pages [l2, l3) (`_start_s2h`), not its longest copy (num_pages)."""
-        return op.payload.get("read_pages", op.num_pages) * self.mgr.geometry.bytes_per_page
+        return op.payload.get("num_read_pages", op.num_pages) * self.mgr.geometry.bytes_per_page
 
     def _io_deadline_s(self, num_bytes: int) -> float:
         return max(self.mgr.config.io_timeout_s, 4 * self.mgr.cost.directions["s2h"].predict(num_bytes))

@@ -29,9 +29,9 @@ VERIFY_AFTER_LANDING_MAX_BYTES = 192 << 20
 # launched (`start_checks`): the verify threads hashing beside the loop had made the forward's launch
 # ~1.2 ms instead of ~0.6 (H200, 8B, 350 tokens, 49 MB, session 22). Longer reads hash for longer
 # than that forward runs and start at the landing. If no one starts them, the driver does,
-# CHECKS_HOLD_MAX_S after the landing (a request that did not take the prefetch on, or went away).
+# HOLD_CHECKS_MAX_S after the landing (a request that did not take the prefetch on, or went away).
 HOLD_CHECKS_MAX_BYTES = 64 << 20
-CHECKS_HOLD_MAX_S = 0.005
+HOLD_CHECKS_MAX_S = 0.005
 # ops a request may wait for rather than copy their pages again (`restore_in_flight`); those reading L3
 RESTORE_KINDS = (OpKind.RESTORE_L2, OpKind.RESTORE_L3, OpKind.PREFETCH_L3)
 L3_READS = (OpKind.RESTORE_L3, OpKind.PREFETCH_L3)
@@ -156,7 +156,7 @@ class Restores:
             return None
         apply(op, OpEvent.START)
         op.payload["host_pages"] = host_pages
-        op.payload["read_pages"] = len(host_pages)  # [l2, l3): shorter than num_pages when L2 holds more than L1
+        op.payload["num_read_pages"] = len(host_pages)  # [l2, l3): shorter than num_pages when L2 holds more than L1
         options = mgr.page_keys(tokens, l2, l3)
         if (take_soon and getattr(mgr.store, "can_check_after_landing", False)
                 and len(host_pages) * mgr.l2.geometry.bytes_per_page <= VERIFY_AFTER_LANDING_MAX_BYTES):
@@ -188,7 +188,7 @@ class Restores:
     def start_checks(self, op: Op | None) -> None:
         """Let a prefetch read opened with held checksums (`hold_checks`, a read expected to
         be taken on) start them: at its forward's launch, when its request declines it, when the op
-        is cancelled or abandoned, or `CHECKS_HOLD_MAX_S` after its landing. Idempotent; a no-op for
+        is cancelled or abandoned, or `HOLD_CHECKS_MAX_S` after its landing. Idempotent; a no-op for
         any other op."""
         read = op.payload.get("read") if op is not None else None
         if read is not None and hasattr(read, "start_checks"):
@@ -210,9 +210,9 @@ class Restores:
         op.payload["layerwise"] = transfer is not None
         if transfer is None and l1_pages:
             transfer = mgr.transfer.h2d(host_pages, l1_pages)
-        # payload["transfer"] is set from the enqueue until the driver starts awaiting the copy (it pops
-        # it into payload["inflight"]): `_in_flight` and `_storage_failed` read "a copy may still run" from it, and admission
-        # reads a layer-ordered copy's epoch from it in the same loop turn (no await in between)
+        # payload["transfer"] is set from the enqueue until the driver starts awaiting the copy (it
+        # pops it into payload["inflight"]): `_in_flight` and `_storage_failed` read "a copy may still
+        # run" from it, and admission reads a layer-ordered copy's epoch from it in the same loop turn
         op.payload.update(l1_pages=l1_pages, l1_start=l1_start, l1_end=end, transfer=transfer)
         return True
 
@@ -268,7 +268,7 @@ class Restores:
                         mgr.wakeup()  # the request parked on this prefetch may take it on to L1 now
                     if hasattr(future, "start_checks"):  # held for the take-on's launch, or not held
                         asyncio.get_running_loop().call_later(
-                            0.0 if op.payload["cancel"] else CHECKS_HOLD_MAX_S, future.start_checks)
+                            0.0 if op.payload["cancel"] else HOLD_CHECKS_MAX_S, future.start_checks)
                 await self._wait_io(op, future, "s2h", deadline_s, since_ns=t0)
             except StorageError as exc:
                 self._storage_failed(op, exc, future)
@@ -284,7 +284,7 @@ class Restores:
             apply(op, OpEvent.S2H_DONE)
             self._publish(op, tokens, Tier.L2, op.payload.pop("host_pages"), l2_start, keep_claim=taken)
             mgr.metrics.promotions += 1
-            mgr.reuse[Tier.L3].on_read(op.payload["read_pages"])
+            mgr.reuse[Tier.L3].on_read(op.payload["num_read_pages"])
             if taken:  # the H2D still reads these pages: nothing may evict them (locks go at the end)
                 self._lock(op, mgr.tree.match(tokens, include_storage=False).handles[Tier.L2], Tier.L2)
             elif op.kind is OpKind.PREFETCH_L3:

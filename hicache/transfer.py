@@ -20,8 +20,9 @@ Work runs on private CUDA streams, kernels and DMAs one stream each per directio
 duplex: a backup never queues a restore). Kernels, and every DMA that reads L1, first wait on the
 caller's stream (the KV being copied is produced there). An H2D's DMAs into a workspace do not
 (but for a workspace allocated just now, `ws.fresh`): they write only that workspace, reused only
-after its last transfer was seen complete, and read L2 pages locked until completion. The caller's stream never waits for a transfer: nothing there may
-touch the destination pages until `wait()` returns (layer-ordered: until that layer's flag).
+after its last transfer was seen complete, and read L2 pages locked until completion. The caller's
+stream never waits for a transfer: nothing there may touch the destination pages until `wait()`
+returns (layer-ordered: until that layer's flag).
 Completion is a `Transfer` whose `wait()` awaits the
 CUDA event from a worker thread of its direction (`Event.synchronize` releases the GIL), so the loop
 never spins and a restore's completion never queues behind backups'.

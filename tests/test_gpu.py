@@ -39,6 +39,18 @@ def test_graphs_equal_eager():
     assert graphs == eager
 
 
+def test_a_decode_batch_between_graph_sizes_replays_the_next_size_up():
+    """Session 39. Regression: with --max-running-requests 50, decode graphs stopped at 48 and batches of
+    49-50 ran eagerly. Now the 64 graph is captured; its 14 padding rows change no output."""
+    base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=2048, page_size=16,
+                        cuda_graphs=True, max_running_requests=50)
+    ps = prompts(n=50)
+    eager, _ = run(EngineConfig(**{**base.__dict__, "cuda_graphs": False}), ps)
+    graphs, eng = run(base, ps)
+    assert eng.runner.graphs.shape_for([1] * 50, [[0]] * 50) == (64, 1)
+    assert graphs == eager
+
+
 @pytest.mark.parametrize("tier,overlap,graphs,kernel_tokens,whole", [
     ("l2", True, True, 1024, False), ("l2", True, True, 0, False), ("l2", True, False, 1024, False),
     ("l2", False, True, 1024, False), ("l3", True, True, 1024, False), ("l2", True, True, 0, True)])

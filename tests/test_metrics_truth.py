@@ -64,7 +64,7 @@ def test_s2h_recurring_seconds_are_the_cost_models_samples():
     """Regression (session 26): DirectionStats.recurring_s is documented as "what the cost model learns" and is exported as
     hicache_transfer_seconds (and divides hicache_transfer_gib_per_second). For h2d/d2h it is the
     sample the cost model took; for L3 reads (_wait_io) it is the driver's end-to-end wait, which
-    for a prefetch includes the deliberate checksum hold (CHECKS_HOLD_MAX_S) and the time after
+    for a prefetch includes the deliberate checksum hold (HOLD_CHECKS_MAX_S) and the time after
     the landing, so the reported s2h time is inflated and the bandwidth understated."""
     eng = make("l3", "always", prefetch=True)
     samples = {"s2h": 0.0, "h2d": 0.0}

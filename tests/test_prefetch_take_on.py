@@ -70,7 +70,7 @@ async def test_a_taken_prefetch_starts_its_checksums_once_its_forward_was_launch
     the take-on's H2D enqueue ~1 ms and the launch after it ~1 ms slower (session 22). With the
     driver's fallback far away, only the launch can have started them."""
     import hicache.restores as restores_mod
-    monkeypatch.setattr(restores_mod, "CHECKS_HOLD_MAX_S", 30.0)
+    monkeypatch.setattr(restores_mod, "HOLD_CHECKS_MAX_S", 30.0)
     faults = FaultInjector()
     eng = await _prefix_only_in_l3(faults)
     faults.disarm(Fault.SLOW_VERIFY)
@@ -96,9 +96,9 @@ async def test_a_taken_prefetch_starts_its_checksums_once_its_forward_was_launch
 async def test_a_landed_prefetch_no_one_takes_on_verifies_after_the_drivers_fallback(monkeypatch, fallback_s):
     """A prefetch expected to be taken on whose request never comes to take it (here the loop is
     stopped) still verifies and publishes its L2 pages: its driver starts the held checksums
-    CHECKS_HOLD_MAX_S after the landing. (None: no fallback within the test, the read stays held.)"""
+    HOLD_CHECKS_MAX_S after the landing. (None: no fallback within the test, the read stays held.)"""
     import hicache.restores as restores_mod
-    monkeypatch.setattr(restores_mod, "CHECKS_HOLD_MAX_S", fallback_s or 3600.0)
+    monkeypatch.setattr(restores_mod, "HOLD_CHECKS_MAX_S", fallback_s or 3600.0)
     faults = FaultInjector()
     eng = await _prefix_only_in_l3(faults)
     faults.disarm(Fault.SLOW_VERIFY)
@@ -299,10 +299,10 @@ async def test_a_driver_that_raises_with_a_copy_in_flight_keeps_its_pages_until_
 
 async def _held_prefetch(monkeypatch, prompts_first=()):
     """An engine whose loop is stopped, PROMPT's prefix only in L3, no driver fallback within the
-    test (CHECKS_HOLD_MAX_S far away), and `prompts_first` queued before PROMPT; returns the engine
+    test (HOLD_CHECKS_MAX_S far away), and `prompts_first` queued before PROMPT; returns the engine
     and PROMPT's request, whose prefetch read has landed with its checksums held for a take-on."""
     import hicache.restores as restores_mod
-    monkeypatch.setattr(restores_mod, "CHECKS_HOLD_MAX_S", 3600.0)
+    monkeypatch.setattr(restores_mod, "HOLD_CHECKS_MAX_S", 3600.0)
     faults = FaultInjector()
     eng = await _prefix_only_in_l3(faults)
     faults.disarm(Fault.SLOW_VERIFY)
