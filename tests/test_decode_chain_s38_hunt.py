@@ -176,7 +176,8 @@ def test_a_request_waiting_for_l1_room_does_not_unchain_decode(write_policy):
     whose admission may wait for the backups of the leaves it evicts)."""
     def run(n: int) -> tuple[int, list]:
         cfg = EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=12)  # 5 pages a request
-        eng = Engine(cfg.with_hicache(enable=True, write_policy=write_policy) if write_policy else cfg)
+        eng = Engine(cfg.with_hicache(enable=True, write_policy=write_policy, storage_ratio=0.0)  # (no L3: its
+                     if write_policy else cfg)  # thread-timed writes each end the chain at a step of their own)
         results = eng.generate([[i + 1] * 9 for i in range(n)], SamplingParams(max_tokens=10))
         eng.check_integrity()
         return eng.stats["chained_steps"], [r.output_ids for r in results]
