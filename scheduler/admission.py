@@ -7,9 +7,9 @@ Page rules for a request (page aligned throughout):
   except while an overlapped restore lands (`overlap_op`, scheduler/restoring.py): then the pages
   [locked_len, cached_len) are the op's, private to it until it publishes them, then locked by it
   for the request (`hold_published`) until `adopt_restored`.
-Admission reserves every page the request can still need (`kv_tokens`: prompt + max_tokens - 1), so a running request
-never waits for memory (under write_back, admission itself may wait for the backups of the leaves
-it must evict) and nothing is preempted.
+Admission reserves every page the request can still need (`kv_tokens`: prompt + max_tokens - 1), so
+nothing is preempted and a running request never waits for memory, except under write_back: there a
+reserved page may have to wait a tick for the backups of the LRU leaves it must evict.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ class Admission(Restoring):
         self.cache.busy_s = load.write_busy_s(eng)  # (the load that the backups started now are admitted by)
         reqs, chunks = [], []
         self.memory_blocked = None
-        binput = BatchInput([], [], [], [], [], [], [], is_decode=False)
+        binput = BatchInput(is_decode=False)
         for req in [r for r in eng.running if r.state is RequestState.PREFILL]:
             if budget <= 0:
                 break
@@ -135,7 +135,7 @@ class Admission(Restoring):
         l1_len = m.lengths[Tier.L1]
         cache.lock(m.handles[Tier.L1])
         need = -(-kv_tokens(len(req.prompt), req.params.max_tokens) // ps) - l1_len // ps
-        if need > cache.available_l1_pages() - self.reserved_pages:
+        if need > self._l1_room_pages():
             cache.unlock(m.handles[Tier.L1])
             self.memory_blocked = (req.rid, self._l1_room_pages())
             return False
@@ -204,7 +204,7 @@ class Admission(Restoring):
         reqs = [r for r in eng.running if r.state is RequestState.DECODE]
         if not reqs:
             return None
-        binput = BatchInput([], [], [], [], [], [], [], is_decode=True)
+        binput = BatchInput(is_decode=True)
         ready = []
         for req in reqs:
             pos = len(req.prompt) + len(req.output) - 1
@@ -245,16 +245,13 @@ class Admission(Restoring):
         nxt = [r for r in reqs if r.state is RequestState.DECODE and len(r.output) + 2 <= r.params.max_tokens]
         if not nxt:
             return None
-        binput = BatchInput([], [], [], [], [], [], [], is_decode=True)
+        binput = BatchInput(is_decode=True)
         for req in nxt:
             pos = len(req.prompt) + len(req.output)  # the in-flight step's token goes here
             if not self._grow(req, pos + 1):
                 return None
             self._append(binput, req, [0], pos)  # placeholder id: the runner takes the real one on the device
         return nxt, [1] * len(nxt), binput
-
-    def _l1_room_pages(self) -> int:
-        return self.cache.available_l1_pages() - self.reserved_pages
 
     def _head_still_blocked(self) -> bool:
         """Whether the queue's head is the request the last prefill pass found no L1 room for, and no room

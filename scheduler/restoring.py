@@ -249,15 +249,25 @@ class Restoring:
         self.reserved_pages -= req.reserved_pages
         req.reserved_pages = 0
 
+    def _l1_room_pages(self) -> int:
+        """L1 pages a request could still reserve: free or evictable, less what others reserved."""
+        return self.cache.available_l1_pages() - self.reserved_pages
+
+    def _room_beside(self, handle) -> int:
+        """`_l1_room_pages` with the L1 prefix at `handle` kept (it is no room: its user holds it)."""
+        self.cache.lock(handle)
+        try:
+            return self._l1_room_pages()
+        finally:
+            self.cache.unlock(handle)
+
     def _read_room_pages(self, req: Request, end_tokens: int) -> int:
         """L1 pages a request parked on its prefetch keeps for the H2D of its prefix up to
         `end_tokens` (that H2D starts at its L1 hit): as many as no running request or other parked
         read has reserved, up to what it needs."""
         cache = self.cache
         m = cache.tree.match(self._reusable(req)[:end_tokens], include_storage=False, touch=False)
-        cache.lock(m.handles[Tier.L1])  # (the H2D keeps that prefix: it is no room)
-        room = cache.available_l1_pages() - self.reserved_pages
-        cache.unlock(m.handles[Tier.L1])
+        room = self._room_beside(m.handles[Tier.L1])  # (the H2D keeps that prefix)
         return max(0, min((end_tokens - m.lengths[Tier.L1]) // self.page_size, room))
 
     async def _try_restore(self, req: Request, m, alone: bool, budget: int) -> str | None:
@@ -272,14 +282,10 @@ class Restoring:
         # forward (and, below, whose every page can be reserved now: its forward starts before the
         # copy ends) lands layer by layer under that forward
         may_overlap = self._may_overlap(req, m.lengths[Tier.L2], alone, budget)
-        # the restore takes L1 pages (and locks the L1 prefix): only out of what no running request
-        # has reserved, or a running request's decode later finds no page (server-test regression).
-        # The room is known before the decision: the overlap's credit is priced only where the
-        # restore and its tail's pages fit now (regression: a restore priced as overlapped was
-        # parked for want of pages and ran its whole H2D, a path its own price said loses)
-        cache.lock(m.handles[Tier.L1])
-        room = cache.available_l1_pages() - self.reserved_pages
-        cache.unlock(m.handles[Tier.L1])
+        # the restore takes L1 pages only out of what no running request reserved (regression: a
+        # decode later found no page), and the overlap's credit is priced only where the restore and
+        # its tail's pages fit now (regression: one priced as overlapped was parked, its H2D whole)
+        room = self._room_beside(m.handles[Tier.L1])
         l2_end = m.lengths[Tier.L2]
         may_overlap = may_overlap and (l2_end - m.lengths[Tier.L1]) // ps + self._pages_after(req, l2_end) <= room
         decision = cache.decide(m, overlap_h2d=may_overlap, count_skip=False, **load.pricing(self.engine, req, m))
@@ -374,9 +380,7 @@ class Restoring:
             return False
         m = cache.match(self._reusable(req))
         end = op.payload["l3_end"]
-        cache.lock(m.handles[Tier.L1])
-        room = cache.available_l1_pages() - self.reserved_pages
-        cache.unlock(m.handles[Tier.L1])
+        room = self._room_beside(m.handles[Tier.L1])
         if (end - m.lengths[Tier.L1]) // ps + self._pages_after(req, end) > room:
             return False
         if not cache.runner.take_to_l1(op, m, tail_tokens=len(req.prompt) - end):

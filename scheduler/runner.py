@@ -21,14 +21,14 @@ from scheduler.sampling import mark_nan, sample, token_logprobs, unpack_logprobs
 
 @dataclass
 class BatchInput:
-    input_ids: list[int]          # new tokens of all sequences, batch order
-    prefix_lens: list[int]
-    new_lens: list[int]
-    page_tables: list[list[int]]
-    temperatures: list[float]
-    top_ps: list[float]
-    generators: list[torch.Generator | None]
-    is_decode: bool
+    input_ids: list[int] = field(default_factory=list)  # new tokens of all sequences, batch order
+    prefix_lens: list[int] = field(default_factory=list)  # per sequence, as every list below
+    new_lens: list[int] = field(default_factory=list)
+    page_tables: list[list[int]] = field(default_factory=list)
+    temperatures: list[float] = field(default_factory=list)
+    top_ps: list[float] = field(default_factory=list)
+    generators: list[torch.Generator | None] = field(default_factory=list)
+    is_decode: bool = False
     top_ks: list[int] = field(default_factory=list)    # per sequence (empty: no top-k in the batch)
     min_ps: list[float] = field(default_factory=list)  # per sequence (empty: no min_p in the batch)
     wait_restore: bool = False    # the one sequence's prefix is still landing layer by layer (layer flags)
