@@ -96,6 +96,19 @@ async def run_alone(workload):
     return out
 
 
+def assert_as_alone(got, ref, workload) -> None:
+    """Each request of `run_staggered` got what it got alone (`run_alone`): tokens, finish, logprobs."""
+    for i, ((tokens, lps, fin), alone, (_, params, _, _)) in enumerate(zip(got, ref, workload)):
+        if fin is None:  # its stream was closed: what it had is where the request alone went
+            assert tokens == alone.output_ids[:len(tokens)], (i, params)
+            continue
+        assert (tokens, fin.finish_reason) == (alone.output_ids, alone.finish_reason), (i, params)
+        if params.logprobs is not None:
+            assert all(same_logprobs(a, b) for a, b in zip(lps, alone.logprobs)), (i, params)
+        else:
+            assert all(lp is None for lp in lps)
+
+
 def same_logprobs(a, b) -> bool:
     return (a is not None and math.isclose(a.logprob, b.logprob, abs_tol=1e-4) and len(a.top) == len(b.top)
             and all(math.isclose(x, y, abs_tol=1e-4) for (_, x), (_, y) in zip(a.top, b.top)))
@@ -112,17 +125,7 @@ async def test_each_request_of_a_chained_workload_gets_what_it_gets_alone(seed, 
     if "hicache" in engine_kw:  # each prompt twice: the second may come back from L2 (a few behind their tail)
         workload = workload + workload
     eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, **{"num_pages": 256, **engine_kw}))
-    got = await run_staggered(eng, workload)
-    ref = await run_alone(workload)
-    for i, ((tokens, lps, fin), alone, (_, params, _, _)) in enumerate(zip(got, ref, workload)):
-        if fin is None:  # its stream was closed: what it had is where the request alone went
-            assert tokens == alone.output_ids[:len(tokens)], (i, params)
-            continue
-        assert (tokens, fin.finish_reason) == (alone.output_ids, alone.finish_reason), (i, params)
-        if params.logprobs is not None:
-            assert all(same_logprobs(a, b) for a, b in zip(lps, alone.logprobs)), (i, params)
-        else:
-            assert all(lp is None for lp in lps)
+    assert_as_alone(await run_staggered(eng, workload), await run_alone(workload), workload)
     assert eng.stats["chained_steps"] > 0
     assert_whole(eng.cache)
     await eng.shutdown()
@@ -149,33 +152,17 @@ def test_chained_and_unchained_decode_agree_bit_for_bit_on_cuda(seed):
         assert a.logprobs == b.logprobs, p
 
 
-def test_a_request_waiting_for_a_running_slot_does_not_unchain_decode():
-    """Regression: `chain_decode_batch` ended the chain whenever a request waited, though one waiting for a
-    running slot (max_running_requests reached) can be admitted only once another finishes: every decode step
-    of a saturated engine ran unchained (6 requests in 2 slots: 8 chained steps, not 24). Three pairs of equal
-    requests must chain as three times one pair does, with the same tokens."""
+@pytest.mark.parametrize("wait_for,write_policy", [("slot", None), ("memory", None), ("memory", "write_back")])
+def test_a_request_waiting_for_a_slot_or_l1_room_does_not_unchain_decode(wait_for, write_policy):
+    """Regressions: `chain_decode_batch` ended the chain whenever a request waited, though one waiting for a
+    running slot (max_running_requests reached) is admitted only once another finishes (session 38), and one
+    that no L1 room could take only once room comes back as another finishes (session 39; each tick tried it
+    in vain): 6 requests run two at a time chained 8 steps, not 24. Three pairs of equal requests must chain
+    as three times one pair does, with the same tokens (under write_back too, whose admission may wait for
+    the backups of the leaves it evicts)."""
     def run(n: int) -> tuple[int, list]:
-        eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=256, max_running_requests=2))
-        results = eng.generate([[i + 1] * 9 for i in range(n)], SamplingParams(max_tokens=10))
-        eng.check_integrity()
-        return eng.stats["chained_steps"], [r.output_ids for r in results]
-
-    chained_pair, outputs_pair = run(2)
-    chained_six, outputs_six = run(6)
-    assert chained_pair > 0
-    assert chained_six == 3 * chained_pair
-    assert outputs_six[:2] == outputs_pair
-
-
-@pytest.mark.parametrize("write_policy", [None, "write_back"])
-def test_a_request_waiting_for_l1_room_does_not_unchain_decode(write_policy):
-    """Session 39. Regression: a request that no L1 room could take ended the chain every step (6 requests
-    whose pages fit two at a time: 8 chained steps, not 24), and each tick tried it again in vain. Room
-    comes back only as a request finishes; then the chain ends and the head is admitted. Three pairs of
-    equal requests must chain as three times one pair does, with the same tokens (under write_back too,
-    whose admission may wait for the backups of the leaves it evicts)."""
-    def run(n: int) -> tuple[int, list]:
-        cfg = EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=12)  # 5 pages a request
+        limit = dict(max_running_requests=2, num_pages=256) if wait_for == "slot" else dict(num_pages=12)
+        cfg = EngineConfig(model="tiny", device="cpu", page_size=4, **limit)  # (12 pages: 5 a request)
         eng = Engine(cfg.with_hicache(enable=True, write_policy=write_policy, storage_ratio=0.0)  # (no L3: its
                      if write_policy else cfg)  # thread-timed writes each end the chain at a step of their own)
         results = eng.generate([[i + 1] * 9 for i in range(n)], SamplingParams(max_tokens=10))
@@ -185,7 +172,7 @@ def test_a_request_waiting_for_l1_room_does_not_unchain_decode(write_policy):
     chained_pair, outputs_pair = run(2)
     chained_six, outputs_six = run(6)
     assert chained_pair > 0
-    assert chained_six >= 3 * chained_pair
+    assert chained_six >= 3 * chained_pair  # (write_back: one more, where a backup's end met a step)
     assert outputs_six[:2] == outputs_pair
 
 

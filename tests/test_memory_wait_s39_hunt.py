@@ -23,7 +23,8 @@ from scheduler.admission import Admission
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams, kv_tokens
-from test_decode_chain_s38_hunt import VOCAB, random_params, run_alone, run_staggered, same_logprobs
+from test_decode_chain_s38_hunt import (VOCAB, assert_as_alone, random_params, run_alone, run_staggered,
+                                        same_logprobs)
 
 PAGE_TOKENS = 4
 TIMEOUT_S = 60  # a hang fails the test instead of the CI job
@@ -88,16 +89,6 @@ def watch_chain(monkeypatch):
 def old_rule(monkeypatch) -> None:
     """The rule before session 39: a head waiting for L1 room ends the chain every step."""
     monkeypatch.setattr(Admission, "_head_still_blocked", lambda self: False)
-
-
-def assert_as_alone(got, ref, workload) -> None:
-    for i, ((tokens, lps, fin), alone, (_, params, _, _)) in enumerate(zip(got, ref, workload)):
-        if fin is None:  # its stream was closed: what it had is where the request alone went
-            assert tokens == alone.output_ids[:len(tokens)], (i, params)
-            continue
-        assert (tokens, fin.finish_reason) == (alone.output_ids, alone.finish_reason), (i, params)
-        if params.logprobs is not None:
-            assert all(same_logprobs(a, b) for a, b in zip(lps, alone.logprobs)), (i, params)
 
 
 WT_SMALL_L2 = HiCacheConfig(enable=True, policy="always", write_policy="write_through", host_ratio=1.0)  # (L3 reads)

@@ -55,6 +55,17 @@ async def shut(eng: Engine, grace_s: float) -> None:
     await asyncio.wait_for(eng.shutdown(grace_s), 4 * grace_s + 5)
 
 
+def slowed(store, method: str, delay_s: float) -> None:
+    """The store's `method` (its `_read` or `_write` coroutine) starts `delay_s` late."""
+    run = getattr(store, method)
+
+    async def late(*args):
+        await asyncio.sleep(delay_s)
+        return await run(*args)
+
+    setattr(store, method, late)
+
+
 def whole(eng: Engine) -> None:
     eng.check_integrity()
     assert_whole(eng.cache)
@@ -175,13 +186,7 @@ async def test_a_shutdown_with_l3_prefetches_in_flight_ends_whole_with_outputs_o
     written = server.client().dbsize()
     ps = [base + [6, 7, 8, 9, 10], base + [11, 12, 13, 14, 15]]
     eng = Engine(config(server.url()))
-    read = eng.cache.store._read
-
-    async def slow_read(*args):
-        await asyncio.sleep(0.3)
-        return await read(*args)
-
-    eng.cache.store._read = slow_read
+    slowed(eng.cache.store, "_read", 0.3)
     await eng.start()
     reqs = [eng.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in ps]
     await until(lambda: eng.cache.runner.pending_counts()["prefetches"] >= 1)
@@ -248,13 +253,7 @@ async def test_a_shutdown_cancelled_during_its_save_still_closes_the_tiers(serve
     """The shutdown's task is cancelled while its save waits for slow L3 writes: the cancellation
     propagates, the cancelling drain still ends every op and the tiers are closed, whole."""
     eng = Engine(config(server.url()))
-    write = eng.cache.store._write
-
-    async def slow_write(*args):
-        await asyncio.sleep(0.5)
-        return await write(*args)
-
-    eng.cache.store._write = slow_write
+    slowed(eng.cache.store, "_write", 0.5)
     await eng.generate_async(prompts("cancelled", 1), SamplingParams(max_tokens=MAX_TOKENS))
     task = asyncio.ensure_future(eng.shutdown(20))
     while not eng.cache.runner.live:  # (its save's backup is under way)
