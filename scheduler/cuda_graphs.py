@@ -32,7 +32,7 @@ from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch
 from scheduler.model import Qwen3Model
 
-DECODE_SIZES = (1, 2, 4, 8, 16, 32, 48, 64)  # captured up to the first that holds the engine's max batch
+DECODE_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # captured up to the first that holds the max batch
 TAIL_ROWS = 16
 TAIL_SIZES = (1, 2, 4)
 PREFILL_BUCKETS = tuple(range(64, 513, 64))  # fresh one-sequence prefills, padded up to these lengths

@@ -91,11 +91,11 @@ class Engine(BatchAPI):
                       "restore_waits_timed_out": 0}
 
     def _capture_graphs(self) -> None:
-        from scheduler.cuda_graphs import DecodeGraphs
+        from scheduler.cuda_graphs import DECODE_SIZES, DecodeGraphs
         scratch = self.hold_l1_page("cuda-graph-scratch")  # one page padding rows may scribble on
         max_pages = min(self.cache.l1.num_pages, -(-self.config.max_context_tokens // self.page_size))
         graphs = DecodeGraphs(self.model, self.cache.l1.kv, self.page_size, max_pages, scratch,
-                              max_batch=min(self.config.max_running_requests, 64),
+                              max_batch=min(self.config.max_running_requests, DECODE_SIZES[-1]),
                               layer_flags=self.runner.layer_flags)
         graphs.capture()
         self.runner.enable_graphs(graphs)

@@ -39,15 +39,17 @@ def test_graphs_equal_eager():
     assert graphs == eager
 
 
-def test_a_decode_batch_between_graph_sizes_replays_the_next_size_up():
+@pytest.mark.parametrize("max_running,graph", [(50, 64), (100, 128)])
+def test_a_decode_batch_between_graph_sizes_replays_the_next_size_up(max_running, graph):
     """Session 39. Regression: with --max-running-requests 50, decode graphs stopped at 48 and batches of
-    49-50 ran eagerly. Now the 64 graph is captured; its 14 padding rows change no output."""
-    base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=2048, page_size=16,
-                        cuda_graphs=True, max_running_requests=50)
-    ps = prompts(n=50)
+    49-50 ran eagerly (and every batch over 64 did). Now the next size up is captured; its padding rows
+    change no output."""
+    base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=4096, page_size=16,
+                        cuda_graphs=True, max_running_requests=max_running)
+    ps = prompts(n=max_running)
     eager, _ = run(EngineConfig(**{**base.__dict__, "cuda_graphs": False}), ps)
     graphs, eng = run(base, ps)
-    assert eng.runner.graphs.shape_for([1] * 50, [[0]] * 50) == (64, 1)
+    assert eng.runner.graphs.shape_for([1] * max_running, [[0]] * max_running) == (graph, 1)
     assert graphs == eager
 
 
