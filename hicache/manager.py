@@ -7,9 +7,8 @@ Contract (what callers may rely on):
     changes no residency but may split nodes. Lock a handle before reading its pages across an
     await; an unlocked handle may be evicted by the next allocation.
   - `alloc_l1()` evicts unlocked L1 leaves (LRU) to make room; it never evicts a locked node, and
-    nothing when eviction could not make room, except under write_back: there it evicts the saved
-    leaves, starts backups of the unsaved ones and may still return None; the caller then waits for
-    the room they free (`l1_room_coming()`).
+    nothing when eviction could not make room; but under write_back it evicts the saved leaves, backs
+    up the unsaved ones and may return None, the caller waiting for that room (`l1_room_coming()`).
   - `insert_l1()` publishes a caller's private pages (and, under write_through, queues their
     L1 -> L2 backup); pages the tree already had come back, still private, to free.
   - Everything here runs on the event loop's thread; nothing is thread-safe.
@@ -126,8 +125,7 @@ class CacheManager:
         return self.store is not None
 
     @property
-    def write_back(self) -> bool:
-        """L1 keeps a prefix until L2 or L3 saved it (write_policy "write_back", with an L2)."""
+    def write_back(self) -> bool:  # (write_policy "write_back", with an L2: L1 keeps a prefix until it is saved)
         return self.has_l2 and self.config.write_policy == "write_back"
 
     def allocator(self, tier: Tier) -> PageAllocator:

@@ -295,11 +295,10 @@ def validation_error(exc: ValidationError | Any) -> APIError:
         return APIError(400, f"{field}: {err.get('msg')}", param=param, code="unsupported_value")
     if kind == "missing":
         return APIError(400, f"missing required field '{field}'", param=param, code="missing_field")
-    if kind == "string_unicode":  # a field name (a value may hold "\\ud800", as JSON allows; a key may not)
-        # (regression: "invalid value for field 'body': Input should be a valid string, unable to parse ...")
-        where = f" in '{field}'" if path else ""
-        return APIError(400, f"field name {err.get('input')!r}{where} holds a lone surrogate, which UTF-8 cannot "
-                             f"carry", param=param, code="invalid_value")
+    if kind == "string_unicode":  # a key holding "\\ud800" (a value may; regression: "... field 'body' ...")
+        where, key = f" in '{field}'" if path else "", err.get("input")
+        return APIError(400, f"field name {key!r}{where} holds a lone surrogate, which UTF-8 cannot carry",
+                        param=param, code="invalid_value")
     branches = [e.get("msg", "") for e in errors if e.get("loc", ())[:1] == err.get("loc", ())[:1]]
     msg = "; or ".join(dict.fromkeys(branches)) if len(branches) > 1 else err.get("msg", "invalid value")
     code = "invalid_value" if kind.startswith(("less_than", "greater_than")) else "invalid_type"  # (a range: logprobs)

@@ -91,11 +91,11 @@ class Engine(BatchAPI):
                       "restore_waits_timed_out": 0}
 
     def _capture_graphs(self) -> None:
-        from scheduler.cuda_graphs import DECODE_SIZES, DecodeGraphs
+        from scheduler.cuda_graphs import DecodeGraphs
         scratch = self.hold_l1_page("cuda-graph-scratch")  # one page padding rows may scribble on
         max_pages = min(self.cache.l1.num_pages, -(-self.config.max_context_tokens // self.page_size))
         graphs = DecodeGraphs(self.model, self.cache.l1.kv, self.page_size, max_pages, scratch,
-                              max_batch=min(self.config.max_running_requests, DECODE_SIZES[-1]),
+                              max_batch=self.config.max_running_requests,  # (graph_shapes caps it)
                               layer_flags=self.runner.layer_flags)
         graphs.capture()
         self.runner.enable_graphs(graphs)
@@ -275,10 +275,9 @@ class Engine(BatchAPI):
     async def shutdown(self, grace_s: float = 0.0) -> None:
         """Take no new requests; let the ones already queued or running finish within `grace_s`, abort
         the rest, drain every transfer and close the tiers (a temporary L3 file is removed); a shared L3's
-        backups first finish within what is left of `grace_s` (`Backups.save_for_others`). (Regression:
-        queued requests were never admitted during the grace, which was then waited out in full before
-        they were aborted.) On an engine whose loop stop_loop() ended, or that never started, the grace
-        runs the loop for the requests queued (regression: aborted at once)."""
+        backups first finish within what is left of `grace_s` (`Backups.save_for_others`). The grace also
+        runs a loop that stop_loop() ended or that never started, for the requests queued. (Regressions:
+        queued requests were not admitted in the grace, then aborted after it; or aborted at once.)"""
         check_loop(self._loop_task, asyncio.get_running_loop())  # (else: closed tiers under a loop that runs on)
         if grace_s > 0 and self._loop_task is None and (self.waiting or self.parked):
             await self.start()  # (not after a crash: that loop failed them all; a no-op once closing)

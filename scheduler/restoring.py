@@ -256,10 +256,9 @@ class Restoring:
     def _room_beside(self, handle) -> int:
         """`_l1_room_pages` with the L1 prefix at `handle` kept (it is no room: its user holds it)."""
         self.cache.lock(handle)
-        try:
-            return self._l1_room_pages()
-        finally:
-            self.cache.unlock(handle)
+        room = self._l1_room_pages()
+        self.cache.unlock(handle)
+        return room
 
     def _read_room_pages(self, req: Request, end_tokens: int) -> int:
         """L1 pages a request parked on its prefetch keeps for the H2D of its prefix up to

@@ -136,7 +136,7 @@ def test_decode_graphs_cover_the_engines_max_batch():
     """Session 39. Regression: decode graphs were captured for sizes up to max_batch only, so with 50
     running requests (--max-running-requests 50) decode batches of 49 and 50 ran eagerly."""
     from scheduler.cuda_graphs import TAIL_ROWS, graph_shapes
-    for max_batch, largest in ((50, 64), (32, 32), (33, 48), (1, 1), (64, 64), (100, 128), (128, 128)):
+    for max_batch, largest in ((50, 64), (32, 32), (33, 48), (1, 1), (64, 64), (100, 128), (128, 128), (500, 128)):
         decode = [b for b, rows in graph_shapes(max_batch) if rows == 1]
         assert max(decode) == largest and decode == sorted(decode), (max_batch, decode)
     assert [b for b, rows in graph_shapes(50) if rows == TAIL_ROWS] == [1, 2, 4]
