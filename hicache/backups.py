@@ -84,9 +84,10 @@ class Backups:
         return stopped
 
     async def write_back_l1(self, unsaved: bool) -> None:
-        """Before a flush of L1: start due backups and, with `unsaved` (write_back), a backup of every
-        unlocked L1 leaf that L2 and L3 lack (a write-back cache's flush writes its dirty pages back, then
-        invalidates; regression: the flush dropped every unsaved prefix from every tier); then wait
+        """Before a flush of L1 (and a shared L3's save at shutdown): start due backups and, with
+        `unsaved`, a backup of every unlocked L1 leaf that L2 and L3 lack (a write-back cache's flush
+        writes its dirty pages back, then invalidates; regression: the flush dropped every unsaved
+        prefix from every tier); then wait
         until those backups, the ones in flight and the ones waiting on them have copied their pages
         to L2 (their L1 sources stay locked until then, and the flush would skip them). Their L3
         writes go on after. A backup refused (admission, an L2 full of locked pages) or failed leaves
@@ -117,15 +118,18 @@ class Backups:
 
     async def save_for_others(self, timeout_s: float) -> None:
         """A shared L3 only (an open one: a local file goes with the process): for at most `timeout_s`,
-        let the backups under way finish their L3 writes and, under write_back, back up the unsaved L1
-        leaves, in rounds while a round saves something (L2 may not hold them all beside the L3 writes);
+        let the backups under way finish their L3 writes and, under write_back or write_through, back up
+        the unsaved L1 leaves, in rounds while a round saves something (L2 may not hold them all beside the L3 writes);
         the shutdown's cancelling drain then ends the rest. (Regressions, tests/test_redis_engine.py and
         tests/test_shutdown_save_s39_hunt.py: a shutdown cancelled them, other instances never got the
-        pages; a second shutdown backed up onto the closed tiers; one round saved 11 of 44 pages.)"""
+        pages; a second shutdown backed up onto the closed tiers; one round saved 11 of 44 pages;
+        write_through's refused backups were never saved.)"""
         store = self.mgr.store
         if timeout_s <= 0 or not getattr(store, "content_addressed", False) or getattr(store, "closed", False):
             return
-        write_back = self.mgr.write_back
+        # write_back's unsaved leaves, and write_through's whose backups were refused (L2 full of locked
+        # pages); write_through_selective saved what it chose to
+        every_leaf = self.mgr.write_back or (self.mgr.has_l2 and self.mgr.config.write_policy == "write_through")
         tree = self.mgr.tree
 
         def unsaved_nodes() -> int:  # (unlocked: write_back_l1 skips locked leaves, and locks hold their path)
@@ -133,11 +137,11 @@ class Backups:
                        and not n.locks[Tier.L1] and not self.saved_in_l2_or_l3(n))
 
         async def save() -> None:
-            left = unsaved_nodes() if write_back else 0
+            left = unsaved_nodes() if every_leaf else 0
             while True:
-                await self.write_back_l1(unsaved=write_back)
+                await self.write_back_l1(unsaved=every_leaf)
                 await self.drain()  # (their L3 writes: drain waits for every op)
-                if not write_back:
+                if not every_leaf:
                     return
                 now = unsaved_nodes()
                 if not now or now >= left:

@@ -26,7 +26,7 @@ from scheduler import step_extras
 from scheduler.admission import Admission
 from scheduler.batch_api import BatchAPI
 from scheduler.config import EngineConfig, resolve_device
-from scheduler.logs import configure_logging, info_enabled
+from scheduler.logs import OccupancyLog, configure_logging, info_enabled
 from scheduler.memory_plan import plan_pools
 from scheduler.loop_task import check_loop, crash_of, fail_live_requests, join_loop
 from scheduler.model import load_model
@@ -85,7 +85,7 @@ class Engine(BatchAPI):
         self._batch_id = 0
         self._overlap_counted_ns = 0  # restore_overlapped_s counts decode time up to here (chained spans overlap)
         self.last_batch_seqs = 0  # sequences in the last batch that ended (Restoring.score_outcome)
-        self._occupancy_logged: dict = {}  # tier -> used pages in its last occupancy event
+        self._log_occupancy = OccupancyLog(self.cache.tree.allocators)  # after batches, at stops
         self.stats = {"batches": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
                       "failed": 0, "chained_steps": 0, "restore_overlaps": 0,
                       "restore_waits_timed_out": 0}
@@ -277,32 +277,38 @@ class Engine(BatchAPI):
         the rest, drain every transfer and close the tiers (a temporary L3 file is removed); a shared L3's
         backups first finish within what is left of `grace_s` (`Backups.save_for_others`). The grace also
         runs a loop that stop_loop() ended or that never started, for the requests queued. (Regressions:
-        queued requests were not admitted in the grace, then aborted after it; or aborted at once.)"""
+        queued requests were not admitted in the grace, then aborted after it; or aborted at once; a
+        shutdown cancelled in the grace left the loop running and the tiers open.)"""
         check_loop(self._loop_task, asyncio.get_running_loop())  # (else: closed tiers under a loop that runs on)
         if grace_s > 0 and self._loop_task is None and (self.waiting or self.parked):
             await self.start()  # (not after a crash: that loop failed them all; a no-op once closing)
         self._closing = True
         deadline = time.monotonic() + grace_s
-        while ((self.running or self.waiting or self.parked) and time.monotonic() < deadline
-               and self._loop_task is not None and not self._loop_task.done()):
-            await asyncio.sleep(0.01)
-        self._stopping = True
-        for rid in list(self.requests):
-            if not self.requests[rid].state.done:
-                self._aborts.add(rid)
-        self._wake_soon()
         try:
+            while ((self.running or self.waiting or self.parked) and time.monotonic() < deadline
+                   and self._loop_task is not None and not self._loop_task.done()):
+                await asyncio.sleep(0.01)
+            self._abort_all()
             if self._loop_task is not None:
                 await join_loop(self._loop_task, shield=False)  # re-raises a loop crash; we still clean up
             self._settle_aborts()
             await self.cache.runner.save_for_others(deadline - time.monotonic())  # (a shared L3's pages)
         finally:
+            if self._loop_task is not None and not self._loop_task.done():  # (cancelled in the grace)
+                self._abort_all()
+                await join_loop(self._loop_task, shield=False)
             self._loop_task = None
             self._settle_aborts()
             await self.cache.drain(cancel=True)
             self._log_occupancy()
             await self.cache.close()
             self.runner.close()
+
+    def _abort_all(self) -> None:
+        """Stop: the loop admits nothing more and ends once every live request was aborted."""
+        self._stopping = True
+        self._aborts.update(rid for rid, req in self.requests.items() if not req.state.done)
+        self._wake_soon()
 
     def status(self) -> dict:
         s = self.cache.status()
@@ -441,18 +447,6 @@ class Engine(BatchAPI):
             self.admission.after_step(req, chunk, token)
 
     # -- finishing -----------------------------------------------------------------------------
-    def _log_occupancy(self) -> None:
-        """Each tier's used pages, logged when they moved since the last time: after every batch, and
-        once more when the loop stops or the engine shuts down, past the last batch's backups
-        (regression: the timeline showed L2 and L3 emptier than they ended)."""
-        if not info_enabled():
-            return
-        for tier, alloc in self.cache.tree.allocators.items():
-            used = alloc.num_pages - alloc.num_free
-            if self._occupancy_logged.get(tier) != used:
-                self._occupancy_logged[tier] = used
-                log.info("occupancy", tier=tier.label, used_pages=used, capacity_pages=alloc.num_pages)
-
     def _settle_aborts(self) -> None:
         """End the requests aborted since the last tick; each stays in `_aborts` until all have
         ended, so that none keeps another's restore going for its sake (`Restoring.drop_ops`)."""

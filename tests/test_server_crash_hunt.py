@@ -171,3 +171,26 @@ async def test_shutdown_grace_serves_the_requests_a_stopped_engine_holds(how):
     assert eng._loop_task is None
     with pytest.raises(RequestError, match="shutting down"):
         eng.add_request([1, 2, 3])
+
+
+@pytest.mark.asyncio
+async def test_a_shutdown_cancelled_during_its_grace_still_stops_the_loop_and_closes_the_tiers():
+    """Regression (session 40): a shutdown's task cancelled while it waited for the grace (as
+    `asyncio.wait_for(engine.shutdown(30), 5)` does) left the loop running its requests, every
+    transfer undrained and the tiers open, the engine refusing new requests: closed by nothing."""
+    eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=PAGE, num_pages=128, max_new_tokens_limit=64)
+                 .with_hicache(enable=True))
+    await eng.start()
+    req = eng.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=64, ignore_eos=True))
+    while not req.output:
+        await asyncio.sleep(0.001)
+    task = asyncio.ensure_future(eng.shutdown(HANG_GUARD_S))
+    await asyncio.sleep(0)  # (in its grace wait)
+    assert eng.running, "the request ended before the cancel: the test no longer tests the grace wait"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, HANG_GUARD_S)
+    assert eng._loop_task is None and req.state.done and req.finish_reason == "abort"
+    assert not eng.cache.runner.live and eng.cache.store.closed
+    eng.check_integrity()
+    await asyncio.wait_for(eng.shutdown(), HANG_GUARD_S)  # a later attempt ends too

@@ -317,3 +317,22 @@ def test_the_http_servers_shutdown_saves_write_back_leaves(server):
     assert reply["usage"]["completion_tokens"] == MAX_TOKENS
     outs = asyncio.run(reference(ps))  # (greedy: what the server generated)
     assert asyncio.run(restored_by_another(server.url(), ps, outs))["hit_tokens"]["l3"] == PAGES * 4
+
+
+@needs_redis
+@pytest.mark.asyncio
+async def test_write_through_saves_the_leaves_whose_backups_l2_refused(server):
+    """Regression (session 40): under write_through with an L2 of 16 pages, four 11-page prompts
+    served at once each start a backup; those that find L2 full of locked pages are refused and their
+    pages stay in L1 only. The shutdown's save backed up write_back's unsaved leaves only, so those
+    pages never reached the shared L3 although the grace had time for them."""
+    ps = prompts("wt-small-l2", 4)
+    eng = Engine(config(server.url(), "write_through", l2_pages=16))
+    outs = [r.output_ids for r in await eng.generate_async(ps, SamplingParams(max_tokens=MAX_TOKENS))]
+    assert outs == await reference(ps)
+    await eng.cache.drain()
+    assert server.client().dbsize() < 4 * PAGES, "every backup went: the test no longer tests a refusal"
+    await shut(eng, 10)
+    whole(eng)
+    assert server.client().dbsize() == 4 * PAGES
+    assert (await restored_by_another(server.url(), ps, outs))["hit_tokens"]["l3"] == 4 * PAGES * 4
