@@ -294,10 +294,10 @@ class Backups:
             apply(op, OpEvent.D2H_DONE)
             self._publish(op, tokens, Tier.L2, host_pages, start, stamp_from=Tier.L1)  # (no use: LRU as in L1)
             self._unlock_all(op)
-            op.payload["l1_free"].set_result(None)
             # its L1 pages may be evicted now: a request waiting for pages must not sleep through
             # the L3 write that follows (regression: it waited for the whole op)
-            self._wake(op)
+            self._wake(op)  # (before l1_free is set: under write_back, `_wake` ends the chain for it)
+            op.payload["l1_free"].set_result(None)
             n = len(tokens)
             # a probe of refused L3 writes goes ahead as an L2 one does (start_backup): the reuse
             # gate finds nothing read back from a tier restores skip on that same estimate, and

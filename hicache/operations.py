@@ -165,10 +165,13 @@ class OpRunner(Backups, Restores):
     def _wake(self, op: Op) -> None:
         """An op ended (or its pages were freed): wake the engine's loop. Restores and prefetches
         may unblock a parked request: `wakeup` (ends a decode chain, so the request is admitted
-        next). A write-through backup unblocks no request at once, only an idle loop waiting for
-        its L1 lock to go: `wakeup_idle` (one finished backup per decode step ended every chain
-        and cost batch-32 decode its overlap). Under write_back, evictions wait for backups."""
-        if op.kind is OpKind.BACKUP and not self.mgr.write_back:
+        next). A backup unblocks no request at once, only an idle loop waiting for its L1 lock to go:
+        `wakeup_idle` (one finished backup per decode step ended every chain and cost batch-32 decode
+        its overlap). Under write_back, evictions wait for backups: `wakeup` once its L1 copy is done,
+        or as it ends without one (a failed backup's leaf goes unsaved, `write_back_keep`), but not
+        after its L3 write, which frees no L1 room (regression: that ended a chain too)."""
+        l1_free = op.payload.get("l1_free")
+        if op.kind is OpKind.BACKUP and not (self.mgr.write_back and l1_free is not None and not l1_free.done()):
             self.mgr.wakeup_idle()
         else:
             self.mgr.wakeup()

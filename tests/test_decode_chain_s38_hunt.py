@@ -163,8 +163,8 @@ def test_a_request_waiting_for_a_slot_or_l1_room_does_not_unchain_decode(wait_fo
     def run(n: int) -> tuple[int, list]:
         limit = dict(max_running_requests=2, num_pages=256) if wait_for == "slot" else dict(num_pages=12)
         cfg = EngineConfig(model="tiny", device="cpu", page_size=4, **limit)  # (12 pages: 5 a request)
-        eng = Engine(cfg.with_hicache(enable=True, write_policy=write_policy, storage_ratio=0.0)  # (no L3: its
-                     if write_policy else cfg)  # thread-timed writes each end the chain at a step of their own)
+        eng = Engine(cfg.with_hicache(enable=True, write_policy=write_policy, storage_ratio=0.0)  # (no L3:
+                     if write_policy else cfg)  # tests/test_write_back_wake_s40.py has it)
         results = eng.generate([[i + 1] * 9 for i in range(n)], SamplingParams(max_tokens=10))
         eng.check_integrity()
         return eng.stats["chained_steps"], [r.output_ids for r in results]
@@ -172,7 +172,7 @@ def test_a_request_waiting_for_a_slot_or_l1_room_does_not_unchain_decode(wait_fo
     chained_pair, outputs_pair = run(2)
     chained_six, outputs_six = run(6)
     assert chained_pair > 0
-    assert chained_six >= 3 * chained_pair  # (write_back: one more, where a backup's end met a step)
+    assert chained_six >= 3 * chained_pair
     assert outputs_six[:2] == outputs_pair
 
 
