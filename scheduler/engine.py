@@ -296,7 +296,8 @@ class Engine(BatchAPI):
         finally:
             if self._loop_task is not None and not self._loop_task.done():  # (cancelled in the grace)
                 self._abort_all()
-                await join_loop(self._loop_task, shield=False)
+                await asyncio.wait([self._loop_task])
+                crash_of(self._loop_task)  # (a crash now was logged: taken, not raised; the cancel goes on)
             self._loop_task = None
             self._settle_aborts()
             await self.cache.drain(cancel=True)

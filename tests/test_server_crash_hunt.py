@@ -194,3 +194,31 @@ async def test_a_shutdown_cancelled_during_its_grace_still_stops_the_loop_and_cl
     assert not eng.cache.runner.live and eng.cache.store.closed
     eng.check_integrity()
     await asyncio.wait_for(eng.shutdown(), HANG_GUARD_S)  # a later attempt ends too
+
+
+@pytest.mark.asyncio
+async def test_a_shutdown_cancelled_in_its_grace_closes_the_tiers_though_the_loop_crashes_stopping(monkeypatch):
+    """The loop, told to stop by a shutdown cancelled in its grace, crashes on the way: the crash is the
+    loop's (logged, its requests failed), the cancel still propagates and the tiers are closed."""
+    eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=PAGE, num_pages=128, max_new_tokens_limit=64)
+                 .with_hicache(enable=True))
+    await eng.start()
+    req = eng.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=64, ignore_eos=True))
+    while not req.output:
+        await asyncio.sleep(0.001)
+    settle = eng._settle_aborts
+
+    def crash_once_stopping():
+        if eng._stopping and asyncio.current_task() is eng._loop_task:
+            raise RuntimeError("injected crash while stopping")
+        settle()
+    monkeypatch.setattr(eng, "_settle_aborts", crash_once_stopping)
+    task = asyncio.ensure_future(eng.shutdown(HANG_GUARD_S))
+    await asyncio.sleep(0)
+    assert eng.running
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, HANG_GUARD_S)
+    assert eng._loop_task is None and req.state.done
+    assert not eng.cache.runner.live and eng.cache.store.closed
+    eng.check_integrity()
