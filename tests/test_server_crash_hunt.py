@@ -173,17 +173,23 @@ async def test_shutdown_grace_serves_the_requests_a_stopped_engine_holds(how):
         eng.add_request([1, 2, 3])
 
 
-@pytest.mark.asyncio
-async def test_a_shutdown_cancelled_during_its_grace_still_stops_the_loop_and_closes_the_tiers():
-    """Regression (session 40): a shutdown's task cancelled while it waited for the grace (as
-    `asyncio.wait_for(engine.shutdown(30), 5)` does) left the loop running its requests, every
-    transfer undrained and the tiers open, the engine refusing new requests: closed by nothing."""
+async def decoding_with_hicache() -> tuple[Engine, object]:
+    """An engine with L2 and an L3 file, running one request of 64 tokens that has begun to decode."""
     eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=PAGE, num_pages=128, max_new_tokens_limit=64)
                  .with_hicache(enable=True))
     await eng.start()
     req = eng.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=64, ignore_eos=True))
     while not req.output:
         await asyncio.sleep(0.001)
+    return eng, req
+
+
+@pytest.mark.asyncio
+async def test_a_shutdown_cancelled_during_its_grace_still_stops_the_loop_and_closes_the_tiers():
+    """Regression (session 40): a shutdown's task cancelled while it waited for the grace (as
+    `asyncio.wait_for(engine.shutdown(30), 5)` does) left the loop running its requests, every
+    transfer undrained and the tiers open, the engine refusing new requests: closed by nothing."""
+    eng, req = await decoding_with_hicache()
     task = asyncio.ensure_future(eng.shutdown(HANG_GUARD_S))
     await asyncio.sleep(0)  # (in its grace wait)
     assert eng.running, "the request ended before the cancel: the test no longer tests the grace wait"
@@ -200,12 +206,7 @@ async def test_a_shutdown_cancelled_during_its_grace_still_stops_the_loop_and_cl
 async def test_a_shutdown_cancelled_in_its_grace_closes_the_tiers_though_the_loop_crashes_stopping(monkeypatch):
     """The loop, told to stop by a shutdown cancelled in its grace, crashes on the way: the crash is the
     loop's (logged, its requests failed), the cancel still propagates and the tiers are closed."""
-    eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=PAGE, num_pages=128, max_new_tokens_limit=64)
-                 .with_hicache(enable=True))
-    await eng.start()
-    req = eng.add_request([1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(max_tokens=64, ignore_eos=True))
-    while not req.output:
-        await asyncio.sleep(0.001)
+    eng, req = await decoding_with_hicache()
     settle = eng._settle_aborts
 
     def crash_once_stopping():
