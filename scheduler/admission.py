@@ -7,7 +7,8 @@ Page rules for a request (page aligned throughout):
   except while an overlapped restore lands (`overlap_op`, scheduler/restoring.py): then the pages
   [locked_len, cached_len) are the op's, private to it until it publishes them, then locked by it
   for the request (`hold_published`) until `adopt_restored`.
-Admission reserves every page the request can still need (`kv_tokens`: prompt + max_tokens - 1), so
+Admission reserves every page the request can still need (`kv_tokens`: prompt + max_tokens - 1; a
+prefill alone, max_tokens 0: prompt), so
 nothing is preempted and a running request never waits for memory, except under write_back: there a
 reserved page may have to wait a tick for the backups of the LRU leaves it must evict.
 """
@@ -48,8 +49,11 @@ class Admission(Restoring):
     # -- prefixes ------------------------------------------------------------------------------
     def _reusable(self, req: Request) -> list[int]:
         """Tokens whose KV may come from the cache: the prompt minus its last token (which must be
-        computed to produce the first output), page aligned by the tree."""
-        return req.prompt[:-1] if self.engine.config.enable_prefix_cache else []
+        computed to produce the first output), page aligned by the tree; none for a request asking for
+        prompt logprobs, whose every row's logits are computed (as vLLM V1: it still publishes its pages)."""
+        if not self.engine.config.enable_prefix_cache or req.params.prompt_logprobs is not None:
+            return []
+        return req.prompt[:-1]
 
     def _pages_after(self, req: Request, cached_tokens: int) -> int:
         """Pages the request still needs once `cached_tokens` of its prompt are in L1."""
@@ -287,6 +291,9 @@ class Admission(Restoring):
             req.first_token_s = time.perf_counter()
             eng._event(req, "first_token")
             self.score_outcome(req)
+            if req.params.max_tokens == 0:  # the prefill alone (prompt logprobs): its token is thrown away
+                eng.finish(req, RequestState.FINISHED, "length")
+                return
         else:
             req.cached_len += 1
         req.output.append(int(token))

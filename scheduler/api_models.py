@@ -12,8 +12,8 @@ matched on the generated text (scheduler/stop_strings.py: the text ends before t
 "stop"). Every choice carries the generated `token_ids` next to the text. A completion's `prompt` is a
 string, token ids, or a list of either (OpenAI's batch); each prompt gets `n` choices (1..N_MAX), each its
 own engine request, `index` prompt_index * n + j (scheduler/choices.py). `read_json_body` (size limits, JSON) and
-`parse_prompts` (validation, limits, prompt ids, SamplingParams) turn an HTTP body into engine
-input; `response_body` / `stream_chunk` render results.
+scheduler/api_inputs.py's `parse_prompts` (validation, limits, prompt ids, SamplingParams; `echo`) turn an HTTP
+body into engine input; `response_body` / `stream_chunk` render results.
 """
 from __future__ import annotations
 
@@ -27,10 +27,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from scheduler.generation_defaults import GenerationDefaults, range_problem
 from scheduler.logprobs import ChatLogprobsFields, CompletionLogprobsField
 from scheduler.penalties import PenaltyFields
-from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams
 from scheduler.sampler_fields import SamplerFields
 from scheduler.stop_strings import check_stop_strings
 
@@ -122,14 +120,12 @@ class _SamplingFields(_Strict, PenaltyFields, SamplerFields):
 class CompletionRequest(_SamplingFields, CompletionLogprobsField):
     # OpenAI's four shapes; a list of prompts is a batch: n choices per prompt (parse_prompts)
     prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
-    echo: StrictBool | None = False
+    echo: StrictBool | None = False  # the prompt ahead of each choice (scheduler/api_inputs.py)
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.echo:
-            raise APIError(400, "'echo' is not supported", param="echo", code="unsupported_value")
         if self.best_of not in (None, 1):
             raise APIError(400, "'best_of' must be 1", param="best_of", code="unsupported_value")
         if self.best_of == 1 and (self.n or 1) > 1:  # (OpenAI's and vLLM's 400; it was accepted)
@@ -370,119 +366,6 @@ async def read_json_body(request, max_bytes: int) -> dict:
     if not isinstance(obj, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
     return obj
-
-
-# -- body -> engine input ------------------------------------------------------------------------------
-def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], model_name: str, vocab_size: int,
-                  prompt_limit: int, max_tokens_limit: int, default_max_tokens: int = 16,
-                  context_tokens: int | None = None, sampling_defaults: GenerationDefaults = GenerationDefaults(),
-                  ) -> tuple[CompletionRequest | ChatCompletionRequest, list[list[int]], SamplingParams]:
-    """Validate a decoded JSON body: (the request model, each prompt's token ids in order: one, or a
-    completion's batch, sampling parameters). Raises APIError (400 / 404) naming the field or limit (a
-    batch's prompt by its position: "prompt.2"). Without max_tokens a completion gets `default_max_tokens`
-    (OpenAI's legacy default, 16) and a chat what is left of `context_tokens` (the tokens a request can
-    hold; OpenAI's chat has no default), each within max_tokens_limit. `sampling_defaults`: for the sampling
-    fields the request leaves out or sets to null (scheduler/generation_defaults.py; none given: OpenAI's)."""
-    try:
-        request_model = ChatCompletionRequest if chat else CompletionRequest
-        req = request_model.model_validate(body, context={"vocab_size": vocab_size})  # (logit_bias' token ids)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-    req.check_unsupported()
-    if req.model not in (None, "") and req.model not in served_names:
-        raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
-                       param="model", code="model_not_found")
-    param = "messages" if chat else "prompt"
-    _check_unicode(req, param)
-    if req.stop_strings() and tokenizer is None:
-        raise APIError(400, "this model has no tokenizer, so stop strings cannot be matched; send 'stop' as "
-                            "token ids", param="stop", code="invalid_value")
-    if chat:
-        prompts: list = [None]
-    elif isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
-        prompts = list(req.prompt)  # a list of prompts (OpenAI's batch): ["text"] or [[ids]] is one prompt
-    else:
-        prompts = [req.prompt]
-    ids = []
-    for i, prompt in enumerate(prompts):
-        try:
-            ids.append(_prompt_ids(req, prompt, param, tokenizer, vocab_size, prompt_limit))
-        except APIError as exc:  # the whole request fails, naming the batch's prompt
-            if len(prompts) > 1:
-                exc.param, exc.message = f"{param}.{i}", f"prompt {i} of the batch: {exc.message}"
-            raise
-    if chat and context_tokens is not None:  # prompt + max_tokens - 1 tokens of K/V
-        default_max_tokens = max(1, context_tokens + 1 - len(ids[0]))
-    return req, ids, _sampling(sampling_defaults.fill(req), max_tokens_limit, default_max_tokens)
-
-
-def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, prompt: str | list[int] | None, param: str,
-                tokenizer, vocab_size: int, prompt_limit: int) -> list[int]:
-    """One prompt's token ids (a chat's: its rendered messages), checked against the limits."""
-    if isinstance(req, ChatCompletionRequest):
-        try:
-            ids = tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
-        except Exception as exc:  # a template may reject a conversation (raise_exception)
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param=param,
-                           code="invalid_messages") from None
-    elif isinstance(prompt, str):
-        if tokenizer is None:
-            raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids",
-                           param=param, code="invalid_value")
-        ids = tokenizer.encode(prompt)
-    else:
-        ids = list(prompt)
-    if not ids:
-        raise APIError(400, "the prompt is empty", param=param, code="invalid_value")
-    if len(ids) > prompt_limit:
-        raise APIError(400, f"prompt of {len(ids)} tokens exceeds the limit of {prompt_limit} tokens "
-                            f"(--max-prompt-tokens, within the L1 pool and the model's positions)", param=param,
-                       code="prompt_too_long")
-    for t in ids:
-        if not 0 <= t < vocab_size:
-            raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab_size})", param=param,
-                           code="invalid_token_id")
-    return ids
-
-
-def _check_unicode(req: CompletionRequest | ChatCompletionRequest, param: str) -> None:
-    """Text a tokenizer can take: JSON allows lone surrogates ("\ud800"), which UTF-8 cannot encode
-    (a 500 from the tokenizer, or a misleading 'the chat template rejected the messages')."""
-    if isinstance(req, ChatCompletionRequest):
-        texts = [m.name or "" for m in req.messages] + [m.tool_call_id or "" for m in req.messages] + [
-            p.text for m in req.messages for p in (m.content if isinstance(m.content, list) else [])]
-        texts += [m.content for m in req.messages if isinstance(m.content, str)]
-    else:
-        texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
-    for text in texts:
-        try:
-            text.encode("utf-8")
-        except UnicodeError as exc:
-            raise APIError(400, f"the {param} is not valid Unicode text: {exc}", param=param,
-                           code="invalid_value") from None
-
-
-def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: int) -> SamplingParams:
-    name, max_tokens = "max_tokens", req.max_tokens
-    if getattr(req, "max_completion_tokens", None) is not None:
-        name, max_tokens = "max_completion_tokens", req.max_completion_tokens
-    max_tokens = min(default_max_tokens, max_tokens_limit) if max_tokens is None else max_tokens
-    if max_tokens < 1:
-        raise APIError(400, f"'{name}' must be >= 1, got {max_tokens}", param=name, code="invalid_value")
-    if max_tokens > max_tokens_limit:
-        raise APIError(400, f"'{name}' of {max_tokens} exceeds the limit of {max_tokens_limit} "
-                            f"(--max-tokens-limit)", param=name, code="max_tokens_too_large")
-    for field in ("temperature", "top_p"):
-        if problem := range_problem(field, getattr(req, field)):
-            raise APIError(400, f"'{field}' {problem}", param=field, code="invalid_value")
-    if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
-        raise APIError(400, f"'seed' must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], got {req.seed}",
-                       param="seed", code="invalid_value")
-    # no temperature: OpenAI's default of 1 (it was greedy here, so a seed or top_p alone changed nothing)
-    return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                          top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
-                          stop_token_ids=req.stop_ids(), ignore_eos=req.ignore_eos, logprobs=req.logprob_count(),
-                          **req.penalty_params(max_tokens), **req.sampler_params())
 
 
 def jsonable(x: Any) -> Any:

@@ -6,7 +6,9 @@ cache), all run concurrently, and choice j of prompt p has `index` p * n + j (Op
 carries the choices in that order and one usage: each prompt's tokens once (as OpenAI counts them), every
 choice's completion tokens; a stream interleaves their chunks as their tokens arrive (each chunk names its
 choice's `index`), then sends one usage chunk (with stream_options.include_usage) and one `data: [DONE]`.
-A single prompt is a batch of one.
+A single prompt is a batch of one. A completion with `echo` (scheduler/api_inputs.py) sends each choice's
+prompt text ahead of its own, in its first item (a stream's first chunk), with its prompt tokens' logprobs
+first where `logprobs` is asked (the engine request's Request.prompt_logprobs, there by its first event).
 
 A choice that fails (the engine failed it, or it was aborted at shutdown) fails the whole request, as a
 single request fails: the other choices are aborted; a response is that error (500, or 503 for an abort)
@@ -26,6 +28,7 @@ from collections.abc import AsyncIterator
 import anyio
 from fastapi.responses import JSONResponse
 
+from scheduler.api_inputs import echo_text
 from scheduler.api_models import APIError, Usage, response_body, stream_chunk, usage_chunk
 
 _END = object()
@@ -40,6 +43,11 @@ class Choices:
         self.created = int(time.time())
         opts = api_req.stream_options
         self.includes_usage = opts is not None and opts.include_usage
+        # per choice, the prompt text its `echo` sends first (None: no echo)
+        self.echoes = [echo_text(api_req, g.index, g.req.prompt, g.st.tokenizer) for g in gens]
+        for g, echo in zip(gens, self.echoes):
+            if echo is not None and g.logprobs is not None:
+                g.logprobs.follow_prompt(g.req.prompt)  # (before any token's entry is made)
 
     async def abort(self) -> None:
         """The client went away: end every engine request (each stream then ends with 'abort')."""
@@ -63,7 +71,7 @@ class Choices:
         return Usage.summed(per_prompt)
 
     def _events(self) -> AsyncIterator[tuple[int, tuple]]:
-        return merge([g.events() for g in self.gens])
+        return merge([g.events() if echo is None else _echoed(g, echo) for g, echo in zip(self.gens, self.echoes)])
 
     @staticmethod
     def _failed(gen, fin) -> APIError | None:
@@ -122,6 +130,19 @@ class Choices:
             yield "data: [DONE]\n\n"
         finally:
             await self.close()
+
+
+async def _echoed(gen, text: str) -> AsyncIterator[tuple]:
+    """A choice's `events` with its prompt's text, and its prompt tokens' logprobs entries where asked, ahead
+    of its first item's (a token's, or the end's: max_tokens 0)."""
+    first = True
+    async with contextlib.aclosing(gen.events()) as events:
+        async for delta, token_ids, fin, entries in events:
+            if first:
+                first, delta = False, text + delta
+                if gen.logprobs is not None:
+                    entries = gen.logprobs.prompt_entries(gen.req.prompt, gen.req.prompt_logprobs) + entries
+            yield delta, token_ids, fin, entries
 
 
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:

@@ -1,11 +1,11 @@
 """Token log-probabilities in the OpenAI API: the request fields that ask for them and the shapes they
 are answered in (the engine's side: SamplingParams.logprobs, scheduler/sampling.py `token_logprobs`).
 
-Asked for as OpenAI and vLLM take them (up to MAX_LOGPROBS alternatives; no prompt logprobs: `echo` is
-refused):
+Asked for as OpenAI and vLLM take them (up to MAX_LOGPROBS alternatives):
 
 * /v1/completions: `logprobs: k` (0..20): each generated token's logprob and the k likeliest tokens'
-  (0: the sampled token's alone); false or null: none.
+  (0: the sampled token's alone); false or null: none. With `echo`, the prompt's tokens' come first
+  (SamplingParams.prompt_logprobs; scheduler/choices.py), the first one's logprob and top_logprobs null.
 * /v1/chat/completions: `logprobs: true`, with `top_logprobs: k` (0..20; 0 when left out). A
   `top_logprobs` above 0 without `logprobs` is an 'unsupported_value' 400 (0 changes nothing).
 
@@ -77,16 +77,29 @@ class LogprobsShaper:
         text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
         return text or f"token_id:{token_id}"
 
-    def entry(self, token_id: int, lp: TokenLogprobs):
+    def entry(self, token_id: int, lp: TokenLogprobs | None):
+        """lp None: an echoed prompt's first token (a completion's; nothing precedes it: no logprob)."""
         if self.chat:
             return {**self._chat_item(token_id, lp.logprob),
                     "top_logprobs": [self._chat_item(t, v) for t, v in lp.top]}
         piece = self.piece(token_id)
+        offset, self.offset_chars = self.offset_chars, self.offset_chars + len(piece)
+        if lp is None:
+            return piece, None, None, offset
         top: dict[str, float] = {}
         for t, v in [*lp.top, (token_id, lp.logprob)]:  # the sampled token's, where it is not one of the k
             top.setdefault(self.piece(t), _finite(v))
-        offset, self.offset_chars = self.offset_chars, self.offset_chars + len(piece)
         return piece, _finite(lp.logprob), top, offset
+
+    def follow_prompt(self, prompt_ids: list[int]) -> None:
+        """An echoed completion's: its tokens' text offsets run on after its prompt's pieces (whose
+        entries, `prompt_entries`, come first)."""
+        self.offset_chars = sum(len(self.piece(t)) for t in prompt_ids)
+
+    def prompt_entries(self, prompt_ids: list[int], lps: list[TokenLogprobs | None]) -> list:
+        """An echoed prompt's entries, text offsets from 0 (Request.prompt_logprobs: the first None)."""
+        shaper = LogprobsShaper(self.tokenizer, self.chat)
+        return [shaper.entry(t, lp) for t, lp in zip(prompt_ids, lps)]
 
     def _chat_item(self, token_id: int, logprob: float) -> dict:
         piece = self.piece(token_id)

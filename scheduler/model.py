@@ -154,9 +154,9 @@ class Qwen3Model(nn.Module):
             x = layer(x, cos, sin, attn)
         return x
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [B, H] -> float32 logits [B, V]
-        return F.linear(self.norm(x), self.lm_head_weight).float()
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: the final norm's output [R, H] -> float32 logits [R, V]."""
+        return F.linear(hidden, self.lm_head_weight).float()
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
                 wait_layer: LayerWait | None = None) -> torch.Tensor:
@@ -167,20 +167,26 @@ class Qwen3Model(nn.Module):
         wait_layer: layer l's attention first waits, on the device, for layer l of a prefix still
         being restored layer by layer (hicache/layer_copy.py, kernels/layer_flags.py).
         """
+        return self.logits_of(self.hidden_states(input_ids, batch, kv_pool, wait_layer, batch.logit_rows))
+
+    def hidden_states(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
+                      wait_layer: LayerWait | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """`forward` up to the final norm, whose output it returns at `rows` ([R] row numbers in T; None:
+        every row): [R, H] (`logits_of` makes their logits; a prompt's logprobs need every row's)."""
         def attn(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             write_kv(kv_pool, layer, k, v, batch.out_slots)
             return paged_attention(q, kv_pool, layer, batch, self.scale, wait_layer)
 
         max_positions = max(p + n for p, n in zip(batch.prefix_lens, batch.new_lens))
         if self.fused:
-            return self._forward_fused(input_ids, batch, kv_pool, max_positions, wait_layer)
+            return self._hidden_fused(input_ids, batch, kv_pool, max_positions, wait_layer, rows)
         x = self._run_layers(input_ids, batch.positions, max_positions, attn)  # [T, H]
-        if batch.logit_rows is not None:  # (plain decode: every row is a last row already)
-            x = x.index_select(0, batch.logit_rows)  # [B, H]
-        return self._logits(x)
+        if rows is not None:
+            x = x.index_select(0, rows)  # [R, H]
+        return self.norm(x)
 
-    def _forward_fused(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
-                       max_positions: int, wait_layer: LayerWait | None) -> torch.Tensor:
+    def _hidden_fused(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
+                      max_positions: int, wait_layer: LayerWait | None, rows: torch.Tensor | None) -> torch.Tensor:
         def attn(layer: int, q: torch.Tensor) -> torch.Tensor:
             return paged_attention(q, kv_pool, layer, batch, self.scale, wait_layer)
 
@@ -191,10 +197,9 @@ class Qwen3Model(nn.Module):
         for layer in self.layers:
             h, residual = layer.forward_fused(h, residual, rope, batch, kv_pool, attn, skinny,
                                               rows=input_ids if residual is None else None)
-        # the norm reads only the last rows (plain decode: every row is one)
-        x, _ = fused_ops.add_rms_norm_triton(h, residual, self.norm.weight, self.cfg.rms_norm_eps,
-                                             rows=batch.logit_rows)  # [B, H]
-        return F.linear(x, self.lm_head_weight).float()  # [B, V]
+        # the norm reads only those rows (plain decode: every row is a last row)
+        x, _ = fused_ops.add_rms_norm_triton(h, residual, self.norm.weight, self.cfg.rms_norm_eps, rows=rows)
+        return x  # [R, H]
 
     def forward_dense(self, input_ids: torch.Tensor, last_only: bool = False) -> torch.Tensor:
         """Reference: one sequence, no cache, plain causal SDPA. input_ids: [N] -> float32 logits [N, V]
@@ -207,7 +212,7 @@ class Qwen3Model(nn.Module):
         n = input_ids.shape[0]
         positions = torch.arange(n, device=input_ids.device)
         x = self._run_layers(input_ids, positions, n, attn)  # [N, H]
-        return self._logits(x[-1:] if last_only else x)
+        return self.logits_of(self.norm(x[-1:] if last_only else x))
 
 
 @torch.no_grad()

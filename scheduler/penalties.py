@@ -38,7 +38,7 @@ _INTEGER = re.compile(r"-?[0-9]+")
 
 class PenaltyFields(BaseModel):
     """The penalty and logit_bias fields of both endpoints (mixed into api_models' request models). The
-    vocabulary's size comes in the validation context ({"vocab_size": V}, api_models.parse_prompts)."""
+    vocabulary's size comes in the validation context ({"vocab_size": V}, api_inputs.parse_prompts)."""
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
     repetition_penalty: Repetition | None = None  # (vLLM's extra field)

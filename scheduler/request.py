@@ -30,8 +30,8 @@ LOGIT_BIAS_MAX_TOKENS = 1024  # token ids one request may bias (each is uploaded
 
 def kv_tokens(prompt_tokens: int, max_tokens: int) -> int:
     """Tokens whose K/V a request can write: its prompt and every generated token but the last
-    (nothing runs after the last one)."""
-    return prompt_tokens + max_tokens - 1
+    (nothing runs after the last one); max_tokens 0 (a prefill alone): its prompt."""
+    return prompt_tokens + max(max_tokens - 1, 0)
 
 
 def _is_integer(x) -> bool:
@@ -66,11 +66,18 @@ class SamplingParams:
     # vLLM's min_tokens: no stop condition but max_tokens ends it before it has generated this many tokens
     # (its stop ids masked on the device, scheduler/penalty_state.py; stop strings: scheduler/stop_strings.py)
     min_tokens: int = 0
+    # vLLM's prompt_logprobs: None off; k: each prompt token's logprob given the tokens before it (the first
+    # has none) and the k likeliest tokens'. Its prompt is computed whole: it takes no cached prefix
+    # (Admission._reusable). Only with it may max_tokens be 0: the prefill alone (OpenAI's echo, lm-eval)
+    prompt_logprobs: int | None = None
 
     def validate(self, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:
         """Raises RequestError naming the field; token ids (logit_bias') within [0, vocab_size) when given."""
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}", "max_tokens")
+        self._check_logprobs("prompt_logprobs")
+        least = 0 if self.prompt_logprobs is not None else 1  # (0: the prefill alone, for its prompt logprobs)
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < least:
+            raise RequestError(f"max_tokens must be an integer >= 1 (0 only with prompt_logprobs), "
+                               f"got {self.max_tokens!r}", "max_tokens")
         if self.max_tokens > max_new_tokens_limit:
             raise RequestError(f"max_tokens {self.max_tokens} exceeds the limit {max_new_tokens_limit}", "max_tokens")
         if not _is_integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
@@ -93,9 +100,7 @@ class SamplingParams:
                                "stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", "ignore_eos")
-        if self.logprobs is not None and not (_is_integer(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise RequestError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
-                               "logprobs")
+        self._check_logprobs("logprobs")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -PRESENCE_FREQUENCY_MAX <= value <= PRESENCE_FREQUENCY_MAX:
@@ -109,6 +114,11 @@ class SamplingParams:
             # a copy of what was checked: the caller's dict may change after this check (an id outside
             # the vocabulary would reach the device's index_put)
             object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+
+    def _check_logprobs(self, name: str) -> None:
+        value = getattr(self, name)
+        if value is not None and not (_is_integer(value) and 0 <= value <= MAX_LOGPROBS):
+            raise RequestError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {value!r}", name)
 
     @property
     def greedy(self) -> bool:
@@ -156,9 +166,9 @@ class RequestState(enum.Enum):
 
 
 class TokenLogprobs(NamedTuple):
-    """A generated token's log-probability and the k likeliest tokens' at its position: log_softmax of
-    the model's raw logits, before temperature and top-p (vLLM's default), whatever was drawn."""
-    logprob: float                  # the generated token's (in `top` too when it is one of the k)
+    """A generated (or prompt) token's log-probability and the k likeliest tokens' at its position:
+    log_softmax of the model's raw logits, before temperature and top-p (vLLM's default), whatever was drawn."""
+    logprob: float                  # the token's (in `top` too when it is one of the k)
     top: list[tuple[int, float]]    # (token id, logprob), the likeliest first; SamplingParams.logprobs of them
 
 
@@ -185,6 +195,8 @@ class GenerationResult:
     ttft_s: float | None
     latency_s: float | None
     logprobs: list[TokenLogprobs] | None = None  # one per output id, when asked (SamplingParams.logprobs)
+    # one per prompt token, the first None, when asked (SamplingParams.prompt_logprobs)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 _rid_counter = itertools.count()
@@ -241,6 +253,9 @@ class Request:
     # emitted later: an overlapped restore's forward is applied once the restore has published)
     step_logprobs: tuple[int, TokenLogprobs] | None = None
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # its prompt tokens' logprobs so far (SamplingParams.prompt_logprobs), the first None: each prefill
+    # chunk's rows add theirs (step_extras.keep_logprobs), all there before its first token is emitted
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     penalty_state: object = None  # its penalties' and logit_bias' inputs on the device, kept across its steps
                                   # (scheduler/penalty_state.py PenaltyState; made by step_extras.ask)
 
@@ -257,4 +272,5 @@ class Request:
             finish_reason=self.finish_reason or "", error=self.error, cached_tokens=dict(self.hit_tokens),
             ttft_s=None if self.first_token_s is None else self.first_token_s - self.arrival_s,
             latency_s=None if self.finish_s is None else self.finish_s - self.arrival_s,
-            logprobs=None if self.params.logprobs is None else list(self.output_logprobs))
+            logprobs=None if self.params.logprobs is None else list(self.output_logprobs),
+            prompt_logprobs=None if self.params.prompt_logprobs is None else list(self.prompt_logprobs))

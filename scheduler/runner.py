@@ -16,7 +16,7 @@ from scheduler.attention import AttentionBatch
 from scheduler.model import Qwen3Model
 from scheduler.penalty_state import RowPenalties, apply_penalties
 from scheduler.request import MAX_LOGPROBS
-from scheduler.sampling import mark_nan, sample, token_logprobs, unpack_logprobs
+from scheduler.sampling import mark_nan, prompt_row_logprobs, sample, token_logprobs, unpack_logprobs
 
 
 @dataclass
@@ -38,6 +38,9 @@ class BatchInput:
     penalties: list[RowPenalties | None] | None = None  # per sequence, its penalties', logit_bias' and min_tokens'
                                                         # inputs (None: it has none); None: no sequence has, and
                                                         # nothing extra runs
+    # per sequence, (k, the prompt tokens its first rows predict) where its request asks for prompt logprobs, or
+    # None; None: no sequence asks (else the batch runs eagerly, keeping every row's hidden state)
+    prompt_logprobs: list[tuple[int, list[int]] | None] | None = None
 
 
 class StepHandle(NamedTuple):
@@ -47,6 +50,7 @@ class StepHandle(NamedTuple):
     event: torch.cuda.Event | None        # recorded after the copy to `host`; None: `host` holds them already
     ids: Any                              # the sampled ids where they were produced: [B] on the device, or a list
     logprobs: Any = None                  # (values, ids) of `token_logprobs`, on the host with `host`; None: not asked
+    prompt_logprobs: Any = None           # (values, ids) of the prompt rows that asked, on the host with `host`
 
 
 class ModelRunner:
@@ -89,17 +93,20 @@ class ModelRunner:
             prev_ids, rows = chain[0].ids, chain[1]
             ids_dev = prev_ids if rows == list(range(len(prev_ids))) else \
                 prev_ids.index_select(0, torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True))
-        shape = self.graphs.shape_for(batch.new_lens, batch.page_tables) if self.graphs is not None else None
-        if shape is not None and batch.wait_restore and not self.graphs.has_restore_graph(shape):
+        # a graph makes the last rows' logits only: prompt logprobs need every row's (eager)
+        graphs = self.graphs if batch.prompt_logprobs is None else None
+        shape = graphs.shape_for(batch.new_lens, batch.page_tables) if graphs is not None else None
+        if shape is not None and batch.wait_restore and not graphs.has_restore_graph(shape):
             shape = None  # no graph of this shape waits for a restore: run eagerly with the waits
-        bucket = (self.graphs.prefill_bucket(batch.prefix_lens, batch.new_lens)
-                  if self.graphs is not None and shape is None else None)
+        bucket = graphs.prefill_bucket(batch.prefix_lens, batch.new_lens) if graphs is not None and shape is None \
+            else None
+        prompt_lps = None
         if bucket is not None:  # a fresh short prefill: replay the graph of its padded length
-            logits = self.graphs.run_prefill(bucket, batch.input_ids, batch.page_tables[0])  # [1, V]
+            logits = graphs.run_prefill(bucket, batch.input_ids, batch.page_tables[0])  # [1, V]
         elif shape is not None:  # small forward (decode, or a short tail after a restore): replay a graph
-            logits = self.graphs.run(shape, batch.input_ids, batch.prefix_lens, batch.new_lens,
-                                     batch.page_tables, ids_dev, wait_restore=batch.wait_restore,
-                                     restore_epoch=batch.restore_epoch)  # [B, V]
+            logits = graphs.run(shape, batch.input_ids, batch.prefix_lens, batch.new_lens,
+                                batch.page_tables, ids_dev, wait_restore=batch.wait_restore,
+                                restore_epoch=batch.restore_epoch)  # [B, V]
         else:
             attn = AttentionBatch.build(batch.prefix_lens, batch.new_lens, batch.page_tables, self.page_size,
                                         self.device, batch.is_decode)
@@ -109,7 +116,12 @@ class ModelRunner:
             if batch.wait_restore and self.layer_flags is not None:  # CUDA; on the CPU copies are synchronous
                 self.layer_flags.expected.fill_(batch.restore_epoch)
                 wait_layer = LayerWait(self.layer_flags, self.layer_flags.expected)
-            logits = self.model(ids, attn, self.kv_pool, wait_layer)  # [B, V]
+            if batch.prompt_logprobs is None:
+                logits = self.model(ids, attn, self.kv_pool, wait_layer)  # [B, V]
+            else:  # every row's hidden state: the last rows' logits sample, the asking rows' give prompt logprobs
+                hidden = self.model.hidden_states(ids, attn, self.kv_pool, wait_layer)  # [T, H]
+                logits = self.model.logits_of(hidden.index_select(0, attn.last_rows))  # [B, V]
+                prompt_lps = self._prompt_logprobs(hidden, batch)
         penalized = logits
         if batch.penalties is not None:  # some row asked: a biased, penalized copy (logprobs, NaN marks: the raw)
             penalized = apply_penalties(logits, batch.penalties, ids_dev)
@@ -122,15 +134,31 @@ class ModelRunner:
         if batch.logprobs is not None:  # some row asked: one pass over [B, V] for all rows (the host drops the others)
             logprobs = token_logprobs(logits, next_ids, max(k for k in batch.logprobs if k is not None))
         if not self.cuda:
-            return StepHandle(out_ids, None, next_ids, logprobs)
+            return StepHandle(out_ids, None, next_ids, logprobs, prompt_lps)
         if batch.wait_restore and self.layer_flags is not None:
             self.layer_flags.stage_status()  # read after this step's event: restore_wait_timed_out
         host, event, slot = self._out_slot(len(next_ids))
         host.copy_(out_ids, non_blocking=True)
         if logprobs is not None:
             logprobs = self._logprobs_to_host(slot, *logprobs)
+        if prompt_lps is not None:  # (rare, and up to a chunk's rows: fresh pinned buffers, not a ring)
+            prompt_lps = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                               for t in prompt_lps)
         event.record(cuda_rt.current_stream(self.device))
-        return StepHandle(host, event, next_ids, logprobs)
+        return StepHandle(host, event, next_ids, logprobs, prompt_lps)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: BatchInput) -> tuple[torch.Tensor, torch.Tensor]:
+        """The asking sequences' prompt rows' `token_logprobs` (values [R, 1 + k], ids [R, k]; k the largest
+        asked), in batch order: each sequence's first len(targets) rows, each for the prompt token after it."""
+        rows, targets, row = [], [], 0
+        for new, want in zip(batch.new_lens, batch.prompt_logprobs):
+            if want is not None:
+                rows.extend(range(row, row + len(want[1])))
+                targets.extend(want[1])
+            row += new
+        index = torch.tensor([rows, targets], dtype=torch.int64).to(self.device, non_blocking=True)  # [2, R]
+        k = max(want[0] for want in batch.prompt_logprobs if want is not None)
+        return prompt_row_logprobs(self.model.logits_of, self.model.cfg.vocab_size, hidden, index[0], index[1], k)
 
     def _out_slot(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event, int]:
         if not self._out_ring or self._out_ring[0][0].numel() < n:
@@ -180,6 +208,15 @@ class ModelRunner:
         or None; None when no row asked."""
         return None if handle.logprobs is None else unpack_logprobs(*handle.logprobs, wants)
 
+    @staticmethod
+    def prompt_logprobs_of(handle: StepHandle, wants: list[tuple[int, list[int]] | None] | None) -> list | None:
+        """After `collect`: per row, the TokenLogprobs of its prompt rows (`BatchInput.prompt_logprobs`),
+        or None; None when no row asked."""
+        if handle.prompt_logprobs is None:
+            return None
+        flat = iter(unpack_logprobs(*handle.prompt_logprobs, [w[0] for w in wants if w is not None for _ in w[1]]))
+        return [None if w is None else [next(flat) for _ in w[1]] for w in wants]
+
     def close(self) -> None:
         self._waiter.shutdown(wait=True)
 
@@ -205,6 +242,8 @@ class SimRunner:
     @staticmethod
     def logprobs_of(handle: StepHandle, wants) -> None:
         return None  # no logits (Engine.validate refuses logprobs with --simulate)
+
+    prompt_logprobs_of = logprobs_of  # (and prompt logprobs)
 
     def restore_wait_timed_out(self) -> bool:
         return False

@@ -203,6 +203,21 @@ def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> tupl
     return torch.cat([chosen, top_values], dim=1), top_ids
 
 
+PROMPT_LOGITS_SLICE_BYTES = 128 << 20  # float32 logits of one slice of prompt rows (`prompt_row_logprobs`)
+
+
+def prompt_row_logprobs(logits_of, vocab_size: int, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
+                        k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` of prompt rows, each for the prompt token after it: hidden [T, H] (the final norm's
+    output of every row), rows [R] of them, targets [R] -> (values [R, 1 + k], ids [R, k]). Their logits
+    (`logits_of`: [n, H] -> [n, V] float32) are made a slice of rows at a time, within
+    PROMPT_LOGITS_SLICE_BYTES: a long chunk's rows x vocab never exist at once."""
+    step = max(1, PROMPT_LOGITS_SLICE_BYTES // (4 * vocab_size))
+    parts = [token_logprobs(logits_of(hidden.index_select(0, rows[i:i + step])), targets[i:i + step], k)
+             for i in range(0, len(rows), step)]
+    return torch.cat([v for v, _ in parts]), torch.cat([t for _, t in parts])
+
+
 def unpack_logprobs(values: torch.Tensor, ids: torch.Tensor, wants: list[int | None]) -> list:
     """`token_logprobs`' output on the host -> per row, None where its request did not ask, else
     TokenLogprobs with the k it asked for (the batch computed the largest k of its rows)."""

@@ -35,14 +35,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from scheduler.api_models import APIError, Usage, jsonable, parse_prompts, read_json_body, validation_error
+from scheduler.api_inputs import choice_params, parse_prompts
+from scheduler.api_models import APIError, Usage, jsonable, read_json_body, validation_error
 from scheduler.choices import Choices
 from scheduler.engine import Engine
 from scheduler.generation_defaults import GenerationDefaults
 from scheduler.logprobs import LogprobsShaper
 from scheduler.prom import ServerMetrics
 from scheduler.request import Request as EngineRequest
-from scheduler.request import SEED_MAX, RequestError, SamplingParams, TokenEvent
+from scheduler.request import RequestError, TokenEvent
 from scheduler.stop_strings import CompletionText
 from scheduler.tokenizer import load_tokenizer
 
@@ -280,7 +281,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
         for i, ids in enumerate(prompts):
             for j in range(n):
                 try:
-                    ereq = st.engine.add_request(ids, _choice_params(params, j),
+                    ereq = st.engine.add_request(ids, choice_params(params, j),
                                                  rid=rid if total == 1 else f"{rid}-{i * n + j}")
                 except RequestError as exc:
                     raise _refused(st, exc, i, k) from None
@@ -304,17 +305,6 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
         return await choices.complete(request)
     finally:
         slot.release()
-
-
-def _choice_params(params: SamplingParams, j: int) -> SamplingParams:
-    """Choice j's sampling parameters. With a seed, seed + j (vLLM's derivation), wrapped within a seed's 64 bits
-    (the generator reads a seed's two's-complement bits, so the wrap keeps the stream): the n choices differ, a
-    repeat of the request repeats them, and choice 0 is the n=1 request's. Without a seed each choice draws on
-    its own; greedy choices are all the greedy text (as OpenAI's and vLLM's)."""
-    if params.seed is None or j == 0:
-        return params
-    seed = params.seed + j
-    return dataclasses.replace(params, seed=seed - (1 << 64) if seed > SEED_MAX else seed)
 
 
 def _refused(st: _ServerState, exc: RequestError, index: int, batch_size: int) -> APIError:

@@ -1,7 +1,7 @@
-"""What a step computes beside its tokens for the requests that ask: logprobs, and penalties with logit_bias
-and min_tokens' stop ids.
+"""What a step computes beside its tokens for the requests that ask: logprobs (of its tokens, and of a
+prefill chunk's prompt tokens), and penalties with logit_bias and min_tokens' stop ids.
 A batch where no request asks gets neither: no extra kernel, no extra copy (scheduler/runner.py reads
-`BatchInput.logprobs` / `BatchInput.penalties`, None then). Used by the engine's loop
+`BatchInput.logprobs` / `BatchInput.prompt_logprobs` / `BatchInput.penalties`, None then). Used by the engine's loop
 (scheduler/engine.py); docs/design.md, "Overlap scheduling", says how both meet chained decode."""
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ _NEUTRAL_PENALTIES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("r
 def refuse_without_logits(params: SamplingParams) -> None:
     """A simulated engine (--simulate) has no logits: a request asking for logprobs, penalties, a
     logit_bias or min_tokens (whose stop ids are masked on the logits) is refused, naming the field."""
-    if params.logprobs is not None:
-        raise RequestError("logprobs need the model's logits: a simulated engine (--simulate) has none", "logprobs")
+    for name in ("logprobs", "prompt_logprobs"):
+        if getattr(params, name) is not None:
+            raise RequestError(f"{name} need the model's logits: a simulated engine (--simulate) has none", name)
     if params.penalized:
         name = next(n for n, off in _NEUTRAL_PENALTIES if getattr(params, n) != off)
         raise RequestError("penalties need the model's logits: a simulated engine (--simulate) has none", name)
@@ -29,13 +30,19 @@ def refuse_without_logits(params: SamplingParams) -> None:
 
 
 def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) -> None:
-    """Fill the batch's logprobs and penalties (with logit_bias and min_tokens) inputs where one of its
-    requests wants them. A penalized row's ids are the host's at launch (the runner uploads those its
-    request's state has not counted): a chained step's newest token is still on the device, and the
-    runner counts it from there (`penalty_state.apply_penalties`). eos_ids: the model's, which min_tokens
-    holds back unless a request ignores EOS."""
+    """Fill the batch's logprobs (a prefill chunk's prompt logprobs too) and penalties (with logit_bias and
+    min_tokens) inputs where one of its requests wants them. A penalized row's ids are the host's at launch
+    (the runner uploads those its request's state has not counted): a chained step's newest token is still on
+    the device, and the runner counts it from there (`penalty_state.apply_penalties`). eos_ids: the model's,
+    which min_tokens holds back unless a request ignores EOS."""
     if any(r.params.logprobs is not None for r in reqs):
         binput.logprobs = [r.params.logprobs for r in reqs]
+    if not binput.is_decode and any(r.params.prompt_logprobs is not None for r in reqs):
+        # a chunk's row at position p gives the logprobs of prompt token p + 1 (the last prompt row samples)
+        targets = [r.prompt[start + 1:start + new + 1] if r.params.prompt_logprobs is not None else []
+                   for r, start, new in zip(reqs, binput.prefix_lens, binput.new_lens)]
+        if any(targets):
+            binput.prompt_logprobs = [(r.params.prompt_logprobs, t) if t else None for r, t in zip(reqs, targets)]
     if any(r.params.adjusts_logits or len(r.output) < r.params.min_tokens for r in reqs):
         held = [_held_stops(r, eos_ids) for r in reqs]  # (min_tokens with nothing to mask asks nothing)
         if any(r.params.adjusts_logits or h for r, h in zip(reqs, held)):
@@ -61,9 +68,18 @@ def _row(req: Request, held_stops: tuple[int, ...]) -> RowPenalties:
 
 def keep_logprobs(runner, reqs: list[Request], binput: BatchInput, handle: StepHandle, next_ids: list[int]) -> None:
     """After `collect`: each asking request's logprobs of that step, kept with their token until it is
-    emitted (Request.emit; an overlapped restore's forward may be applied later)."""
+    emitted (Request.emit; an overlapped restore's forward may be applied later); a prefill chunk's
+    prompt logprobs, added to its request's."""
     lps = runner.logprobs_of(handle, binput.logprobs)
     if lps is not None:
         for req, token, lp in zip(reqs, next_ids, lps):
             if lp is not None:
                 req.step_logprobs = (token, lp)
+    if binput.is_decode:
+        return
+    prompt_lps = runner.prompt_logprobs_of(handle, binput.prompt_logprobs) or [None] * len(reqs)
+    for req, start, lp in zip(reqs, binput.prefix_lens, prompt_lps):
+        if req.params.prompt_logprobs is not None:
+            if start == 0:  # its first chunk (its prompt is computed whole, from position 0: Admission._reusable)
+                req.prompt_logprobs = [None]
+            req.prompt_logprobs += lp or []

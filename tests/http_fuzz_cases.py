@@ -389,7 +389,7 @@ class Builder:
             if self.bias_rng.random() < 0.3:  # (and a bad logit_bias beside it)
                 body["logit_bias"] = dict(self.bias_rng.choice(INVALID_BIASES))
             name, value = rng.choice([("temperature", 101), ("temperature", -0.5), ("top_p", 0), ("top_p", 1.5),
-                                      ("seed", 1 << 64), ("presence_penalty", 2.5), ("echo", True), ("best_of", 2),
+                                      ("seed", 1 << 64), ("presence_penalty", 2.5), ("max_tokens", 0), ("best_of", 2),
                                       *INVALID_VALUES])
             if self.sampler_rng.random() < 0.3:  # (or a bad top_k / min_p)
                 name, value = self.sampler_rng.choice(INVALID_SAMPLER_VALUES)

@@ -1,6 +1,6 @@
 """A checkpoint's generation_config.json sampling defaults (scheduler/generation_defaults.py), as vLLM's
 `--generation-config auto` serves them: reading and checking each key, the request fields they fill
-(api_models.parse_prompts), and through the real app on a tiny checkpoint: a request without the fields
+(api_inputs.parse_prompts), and through the real app on a tiny checkpoint: a request without the fields
 samples as one that gives the file's values, a request's own values win, `--generation-config vllm`
 ignores the file, and a bad value stops hicache-serve before the model loads, naming the file and key."""
 from __future__ import annotations
@@ -16,7 +16,8 @@ from test_loader import random_model, write_checkpoint
 from test_server import ServerThread
 
 from scheduler import serve
-from scheduler.api_models import APIError, parse_prompts
+from scheduler.api_inputs import parse_prompts
+from scheduler.api_models import APIError
 from scheduler.config import config_from_args
 from scheduler.engine import Engine
 from scheduler.generation_defaults import GenerationDefaults, read_generation_defaults

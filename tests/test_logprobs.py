@@ -314,7 +314,6 @@ BAD = [
     (True, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (True, {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     (True, {"logprobs": 3}, "logprobs"), (True, {"top_logprobs": 2}, "top_logprobs"),
-    (False, {"logprobs": 2, "echo": True}, "echo"),
 ]
 
 

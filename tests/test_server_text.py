@@ -119,7 +119,7 @@ def test_a_chat_template_in_its_own_file_is_read(tmp_path):
 def test_a_chat_without_max_tokens_gets_what_is_left_of_its_context():
     from types import SimpleNamespace
 
-    from scheduler.api_models import parse_prompts
+    from scheduler.api_inputs import parse_prompts
 
     tokenizer = SimpleNamespace(apply_chat_template=lambda messages: list(range(1, 101)))  # 100 prompt tokens
     body = {"messages": [{"role": "user", "content": "hi"}]}

@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from scheduler.api_models import APIError, parse_prompts
+from scheduler.api_inputs import parse_prompts
+from scheduler.api_models import APIError
 from scheduler.stop_strings import CompletionText, StopMatcher
 from scheduler.tokenizer import ByteTokenizer
 
