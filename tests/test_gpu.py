@@ -403,3 +403,31 @@ def test_l1_sized_from_the_gpus_memory_serves_a_full_prefill_and_decode_batch_wi
     assert torch.cuda.max_memory_reserved() <= fraction * total, \
         (torch.cuda.max_memory_reserved() / 2**30, fraction * total / 2**30)
     eng.check_integrity()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompt_logprobs_on_cuda_with_graphs_and_a_batch_beside(dtype):
+    """CUDA, the fused forward and CUDA graphs on: a prompt-logprobs request's prefill runs eagerly (every
+    row's final norm, `add_rms_norm_triton(rows=None)`), chunked, beside plain requests that may replay
+    graphs; its values match the dense forward's, its tokens and the others' equal those of the same
+    requests without it, and k = 0 (the chosen token's alone) comes back too."""
+    from scheduler.engine import Engine
+    eng = Engine(EngineConfig(model="tiny", device="cuda", dtype=dtype, page_size=16, num_pages=256,
+                              max_prefill_tokens=64))
+    prompt = [(7 * i + 3) % 500 for i in range(150)]  # 3 chunks of 64
+    others = [[(11 * i + j) % 500 for i in range(20 + j)] for j in range(3)]
+    params = [SamplingParams(max_tokens=4, prompt_logprobs=3)] + [SamplingParams(max_tokens=4)] * 3
+    got = eng.generate([prompt] + others, params)
+    plain = eng.generate([prompt] + others, SamplingParams(max_tokens=4))
+    assert [r.output_ids for r in got] == [r.output_ids for r in plain]
+    with torch.inference_mode():
+        ref = torch.log_softmax(eng.model.forward_dense(torch.tensor(prompt, device="cuda")).float(), dim=-1)
+    tol = 1e-3 if dtype == "float32" else 0.15  # (bf16: the paged forward and the dense one round apart)
+    lps = got[0].prompt_logprobs
+    assert len(lps) == len(prompt) and lps[0] is None
+    for i in range(1, len(prompt)):
+        assert abs(lps[i].logprob - float(ref[i - 1][prompt[i]])) < tol, i
+        assert len(lps[i].top) == 3
+    [zero] = eng.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert zero.output_ids == [] and all(lp.top == [] for lp in zero.prompt_logprobs[1:])
+    eng.check_integrity()
