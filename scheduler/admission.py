@@ -25,7 +25,7 @@ from hicache.suspect import drop_suspect_prefix
 from scheduler import load
 from scheduler.request import Request, RequestState, TokenEvent, kv_tokens
 from scheduler.restoring import Restoring
-from scheduler.runner import BatchInput
+from scheduler.runner import Batch, BatchInput
 from scheduler.sampling import NAN_TOKEN
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class Admission(Restoring):
         return -(-kv_tokens(len(req.prompt), req.params.max_tokens) // self.page_size) - cached_tokens // self.page_size
 
     # -- prefill -------------------------------------------------------------------------------
-    async def prefill_batch(self):
+    async def prefill_batch(self) -> Batch | None:
         eng = self.engine
         budget = eng.config.max_prefill_tokens
         self.cache.busy_s = load.write_busy_s(eng)  # (the load that the backups started now are admitted by)
@@ -110,7 +110,7 @@ class Admission(Restoring):
                 break
         if not reqs:
             return None
-        return reqs, chunks, binput
+        return Batch(reqs, chunks, binput)
 
     async def _admit(self, req: Request, alone: bool = False, budget: int = 0) -> bool | None:
         eng, cache, ps = self.engine, self.cache, self.page_size
@@ -203,7 +203,7 @@ class Admission(Restoring):
         binput.generators.append(req.generator if sampled else None)
 
     # -- decode --------------------------------------------------------------------------------
-    def decode_batch(self):
+    def decode_batch(self) -> Batch | None:
         eng = self.engine
         reqs = [r for r in eng.running if r.state is RequestState.DECODE]
         if not reqs:
@@ -224,7 +224,7 @@ class Admission(Restoring):
             ready.append(req)
         if not ready:
             return None
-        return ready, [1] * len(ready), binput
+        return Batch(ready, [1] * len(ready), binput)
 
     def _log_overcommit(self, req: Request) -> None:
         """A running request cannot get a page it had reserved and nothing pending will free one:
@@ -237,7 +237,7 @@ class Admission(Restoring):
                   running=len(running), parked=len(self.engine.parked), waiting=len(self.engine.waiting),
                   request_pages=len(req.pages), request_reserved=req.reserved_pages)
 
-    def chain_decode_batch(self, reqs: list[Request]):
+    def chain_decode_batch(self, reqs: list[Request]) -> Batch | None:
         """The decode step after the one in flight for `reqs` (whose tokens are not back yet): the
         requests that will surely still run then (not finished, not at their last token by length),
         each one position further. Input ids are left to the runner (taken on the device). None when
@@ -255,7 +255,7 @@ class Admission(Restoring):
             if not self._grow(req, pos + 1):
                 return None
             self._append(binput, req, [0], pos)  # placeholder id: the runner takes the real one on the device
-        return nxt, [1] * len(nxt), binput
+        return Batch(nxt, [1] * len(nxt), binput)
 
     def _head_still_blocked(self) -> bool:
         """Whether the queue's head is the request the last prefill pass found no L1 room for, and no room

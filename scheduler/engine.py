@@ -33,7 +33,7 @@ from scheduler.model import load_model
 from scheduler.presets import model_config_of
 from scheduler.request import (Request, RequestError, RequestState, SamplingParams,
                                TokenEvent, kv_tokens)
-from scheduler.runner import ModelRunner, SimRunner
+from scheduler.runner import Batch, ModelRunner, SimRunner
 from scheduler.sampling import seeded_generator
 
 log = structlog.get_logger("scheduler.engine")
@@ -372,22 +372,22 @@ class Engine(BatchAPI):
                 continue
             await self._run(batch)
 
-    async def _run(self, work) -> None:
-        if work[2].is_decode and self.config.overlap_schedule:
+    async def _run(self, work: Batch) -> None:
+        if work.binput.is_decode and self.config.overlap_schedule:
             await self._run_decode_chain(work)
             return
         start_ns, restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
         handle = self._launch(work)
-        if work[2].wait_restore:
+        if work.binput.wait_restore:
             self.admission.restore_launched(work)
         next_ids = await self.runner.collect(handle)
-        step_extras.keep_logprobs(self.runner, work[0], work[2], handle, next_ids)
+        step_extras.keep_logprobs(self.runner, work.reqs, work.binput, handle, next_ids)
         await asyncio.sleep(0)  # on the CPU nothing above yields: let streams and aborts run
-        if work[2].wait_restore:
+        if work.binput.wait_restore:
             work, next_ids = self.admission.after_overlapped_forward(work, next_ids)
         self._after_batch(work, next_ids, start_ns, restoring)
 
-    async def _run_decode_chain(self, work) -> None:
+    async def _run_decode_chain(self, work: Batch) -> None:
         """Decode with overlap scheduling: while step N runs on the device, step N+1 of the requests
         that will surely continue is enqueued with its input ids taken from step N's sampled ids on
         the device; only then are N's tokens awaited and processed. A request that ends at step N (a
@@ -398,15 +398,15 @@ class Engine(BatchAPI):
         start_ns, restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
         handle = self._launch(work)
         while True:
-            nxt = None if self._end_chain or self._stopping else self.admission.chain_decode_batch(work[0])
+            nxt = None if self._end_chain or self._stopping else self.admission.chain_decode_batch(work.reqs)
             next_handle = None
             if nxt is not None:
-                rows = [work[0].index(r) for r in nxt[0]]
+                rows = [work.reqs.index(r) for r in nxt.reqs]
                 next_start_ns, next_restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
                 next_handle = self._launch(nxt, chain=(handle, rows))
                 self.stats["chained_steps"] += 1
             next_ids = await self.runner.collect(handle)
-            step_extras.keep_logprobs(self.runner, work[0], work[2], handle, next_ids)
+            step_extras.keep_logprobs(self.runner, work.reqs, work.binput, handle, next_ids)
             await asyncio.sleep(0)
             self._after_batch(work, next_ids, start_ns, restoring)
             self._settle_aborts()
@@ -414,11 +414,11 @@ class Engine(BatchAPI):
                 return
             work, handle, start_ns, restoring = nxt, next_handle, next_start_ns, next_restoring
 
-    def _launch(self, work, chain=None):
-        step_extras.ask(work[0], work[2], self.model_config.eos_token_ids)  # logprobs, penalties: where asked
-        return self.runner.launch(work[2], chain=chain)
+    def _launch(self, work: Batch, chain=None):
+        step_extras.ask(work.reqs, work.binput, self.model_config.eos_token_ids)  # logprobs, penalties: where asked
+        return self.runner.launch(work.binput, chain=chain)
 
-    def _after_batch(self, work, next_ids: list[int], start_ns: int, restoring: bool) -> None:
+    def _after_batch(self, work: Batch, next_ids: list[int], start_ns: int, restoring: bool) -> None:
         reqs, chunks, binput = work
         self._batch_id += 1
         self.last_batch_seqs = len(binput.new_lens)

@@ -365,7 +365,7 @@ class Restoring:
     def restore_launched(self, work) -> None:
         """The forward of a request admitted behind its restore was launched: a taken-on prefetch's
         checksums may start (their threads would have slowed the take-on and the launch)."""
-        for req in work[0]:
+        for req in work.reqs:
             self.cache.runner.start_checks(req.overlap_op)
 
     def _take_on(self, req: Request, alone: bool, budget: int) -> bool:
@@ -433,9 +433,9 @@ class Restoring:
             self._undo_draw(req)
         if req.overlap_op is not None and not req.overlap_op.done:
             req.overlap_result = result
-            return ([], [], binput), []
+            return work._replace(reqs=[], chunk_tokens=[]), []
         if not self.adopt_restored(req) or result is None:
-            return ([], [], binput), []
+            return work._replace(reqs=[], chunk_tokens=[]), []
         return work, next_ids
 
     def settle_overlaps(self) -> None:

@@ -43,6 +43,13 @@ class BatchInput:
     prompt_logprobs: list[tuple[int, list[int]] | None] | None = None
 
 
+class Batch(NamedTuple):
+    """One forward of the engine's loop (scheduler/admission.py makes them)."""
+    reqs: list                # [Request], in the batch's order
+    chunk_tokens: list[int]   # per request, the tokens it computes in this forward (1 a decode step)
+    binput: BatchInput
+
+
 class StepHandle(NamedTuple):
     """A launched step, for `collect` (and for chaining the next decode step to it)."""
 
