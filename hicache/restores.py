@@ -40,10 +40,10 @@ L3_READS = (OpKind.RESTORE_L3, OpKind.PREFETCH_L3)
 class Restores:
     """Mixin of `OpRunner`: the restore and prefetch half of its drivers."""
 
-    def start_restore(self, tokens: Sequence[int], match, tier: str, request_id: str | None,
+    def start_restore(self, tokens: Sequence[int], match, source: str, request_id: str | None,
                       layerwise: bool = False, take_soon: bool = False, tail_tokens: int = 0) -> Op | None:
-        """tier "l2" / "l3": restore tokens[l1_len : tier_len] into L1 (through L2 for an L3 hit).
-        tier "prefetch": promote the L3 part into L2 only (PREFETCH_L3), which the request that
+        """source "l2" / "l3": restore tokens[l1_len : tier_len] into L1 (through L2 for an L3 hit).
+        source "prefetch": promote the L3 part into L2 only (PREFETCH_L3), which the request that
         queued it restores from L2 later or takes on to L1 once the read landed (`take_to_l1`).
         None when the needed pages cannot be had right now (a restore's caller recomputes; a
         prefetch is simply not made).
@@ -57,9 +57,9 @@ class Restores:
         layer-ordered restore computes (CacheManager.whole_first_pages)."""
         mgr, ps = self.mgr, self.mgr.page_size
         l1, l2, l3 = match.lengths
-        if (l2 <= l1) if tier == "l2" else (l3 <= max(l1, l2)):
+        if (l2 <= l1) if source == "l2" else (l3 <= max(l1, l2)):
             return None  # nothing to copy (a stale match): zero-page copies are not transfers
-        if tier == "l2":
+        if source == "l2":
             op = self._new(OpKind.RESTORE_L2, (l2 - l1) // ps, request_id)
             op.payload["tokens"] = tuple(tokens[:l2])  # what it publishes (restore_in_flight)
             self._lock(op, match.handles[Tier.L1], Tier.L1)
@@ -68,7 +68,7 @@ class Restores:
                 return None
             mgr.metrics.restores_started += 1
             return self._register(op, self._drive_restore(op, tuple(tokens[:l2])))
-        kind = OpKind.RESTORE_L3 if tier == "l3" else OpKind.PREFETCH_L3
+        kind = OpKind.RESTORE_L3 if source == "l3" else OpKind.PREFETCH_L3
         op = self._new(kind, (l3 - min(l1, l2)) // ps, request_id)
         op.payload["tokens"] = tuple(tokens[:l3])
         self._lock(op, match.handles[Tier.L1], Tier.L1)
