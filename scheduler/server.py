@@ -3,6 +3,7 @@
     POST /v1/completions        prompt: token ids or text, or a list of prompts (`n` choices each, one
                                 engine request a choice); stream: server-sent events; stop: token ids or strings
     POST /v1/chat/completions   only with a model directory whose tokenizer has a chat template
+    POST /tokenize   POST /detokenize       vLLM's: text <-> token ids with the server's tokenizer (api_tokenize.py)
     GET  /v1/models   GET /v1/models/{id}   GET /health   GET /metrics (Prometheus)
     GET  /hicache/status (engine.status())     (each GET route answers HEAD too)
 
@@ -37,6 +38,7 @@ from starlette.requests import ClientDisconnect
 
 from scheduler.api_inputs import choice_params, parse_prompts
 from scheduler.api_models import APIError, Usage, jsonable, read_json_body, validation_error
+from scheduler.api_tokenize import chat_unavailable, detokenize, tokenize
 from scheduler.choices import Choices
 from scheduler.engine import Engine
 from scheduler.generation_defaults import GenerationDefaults
@@ -169,6 +171,14 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     async def chat_completions(request: Request):
         return await _generate(request, st, chat=True)
 
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request):  # (no generation slot: the engine is not involved)
+        return await tokenize(request, st)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request):
+        return await detokenize(request, st)
+
     def model_card() -> dict:
         return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "hicache",
                 "root": engine.model_id, "max_model_len": engine.max_kv_tokens}
@@ -254,11 +264,8 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
         return Response(status_code=499)
     gens: list[_Generation] = []
     try:
-        if chat and getattr(st.tokenizer, "chat_template", None) is None:
-            reason = getattr(st.tokenizer, "no_chat_reason", "the model has no tokenizer")
-            raise APIError(400, f"no chat template is available for model {st.model_name!r} ({reason}); "
-                                f"use /v1/completions with a prompt of text or token ids",
-                           code="chat_template_unavailable")
+        if chat and (err := chat_unavailable(st.tokenizer, st.model_name)):
+            raise err
         api_req, prompts, params = parse_prompts(
             body, chat, tokenizer=st.tokenizer, served_names=st.served_names, model_name=st.model_name,
             vocab_size=st.engine.vocab_size, prompt_limit=st.prompt_limit, max_tokens_limit=st.max_tokens_limit,

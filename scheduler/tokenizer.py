@@ -21,7 +21,9 @@ Two tokenizers, chosen by `load_tokenizer(model, vocab_size)`:
   so the 256 byte ids are 3..258 and fit the tiny preset's vocabulary of 512. Decoding is the inverse
   for ids in [3, 259); runs of bytes are decoded as UTF-8 with invalid sequences replaced by U+FFFD,
   and every other id (reserved, or >= 259 — a random-weight model emits those freely) is rendered as
-  the placeholder "<id:N>". There are no special tokens, no BOS/EOS and no chat template.
+  the placeholder "<id:N>". There are no special tokens, no BOS/EOS and no chat template. A token's own
+  string (`token_strs`, /tokenize's return_token_strs) is its byte's character when printable ASCII, else
+  "<0xHH>".
 
 `IncrementalDecoder` turns a stream of ids into text deltas: it re-decodes a short window of recent
 ids and holds back text while it ends in an incomplete UTF-8 character. A completion is decoded after
@@ -55,10 +57,12 @@ class ByteTokenizer:
         self.vocab_size = vocab_size
         self.no_chat_reason = "a random-weight preset has a byte tokenizer but no chat template"
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """(add_special_tokens: HFTokenizer's signature; there are none to add)"""
         return [b + BYTE_OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """(skip_special_tokens: HFTokenizer's signature; there are none to skip)"""
         out: list[str] = []
         run = bytearray()
         for t in ids:
@@ -73,6 +77,18 @@ class ByteTokenizer:
         if run:
             out.append(run.decode("utf-8", errors="replace"))
         return "".join(out)
+
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token alone: its byte as the character when printable ASCII, else <0xHH> (SentencePiece's
+        byte-fallback notation); an id that is no byte as `decode` renders it."""
+        out: list[str] = []
+        for t in map(int, ids):
+            b = t - BYTE_OFFSET
+            if not 0 <= b < 256:
+                out.append(f"<id:{t}>")
+            else:
+                out.append(chr(b) if 0x20 <= b < 0x7F else f"<0x{b:02X}>")
+        return out
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         raise ValueError(self.no_chat_reason)
@@ -123,20 +139,43 @@ class HFTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode([int(t) for t in ids], skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def token_strs(self, ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it ("Ġthe"; transformers' convert_ids_to_tokens)."""
+        return [self.tok.id_to_token(int(t)) for t in ids]
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+        """The messages rendered and encoded (as transformers' apply_chat_template with tokenize=True);
+        continue_final_message: the text ends where the last message's content does, its end-of-turn
+        markup cut off, for the model to continue it."""
         if self.chat_template is None:
             raise ValueError(self.no_chat_reason)
         if self.developer_as_system:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         # what transformers passes: tools / documents are None, not undefined (`tools is not none`), and
         # the tokenizer's special tokens (bos / eos "" rather than undefined, as here before)
-        text = self._compiled.render(messages=messages, tools=None, documents=None, add_generation_prompt=True,
+        text = self._compiled.render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt,
                                      **{**self.special_tokens, "bos_token": self.bos_token,
                                         "eos_token": self.eos_token})
-        return self.encode(text, add_special_tokens=False)
+        if continue_final_message:
+            text = _cut_after_final_message(text, messages[-1].get("content") or "")
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _cut_after_final_message(text: str, content: str) -> str:
+    """`text` up to the end of the final message's `content` (transformers' continue_final_message: its
+    content stripped where the template strips it)."""
+    if content.strip() not in text:
+        raise ValueError("continue_final_message is set but the final message does not appear in the chat "
+                         "after applying the chat template")
+    at = text.rindex(content.strip())
+    if text[at:at + len(content.lstrip())] == content:  # the template kept the content's trailing space
+        return text[:at + len(content.lstrip())]
+    return text[:at + len(content.strip())]
 
 
 def _token_text(tok) -> str:

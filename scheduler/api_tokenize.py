@@ -1,0 +1,154 @@
+"""vLLM's /tokenize and /detokenize (routed by scheduler/server.py): text <-> token ids with the server's
+own tokenizer, for clients that count tokens (lm-eval, guidance, benchmark clients).
+
+    POST /tokenize    {"model"?, "prompt": str, "add_special_tokens"?: true, "return_token_strs"?: false}
+                      or a chat: {"model"?, "messages": [...], "add_generation_prompt"?: true,
+                      "continue_final_message"?: false, "add_special_tokens"?: false, "return_token_strs"?}
+                      -> {"count", "max_model_len", "tokens", "token_strs": [str] or null}
+    POST /detokenize  {"model"?, "tokens": [int]} -> {"prompt": str}
+
+A prompt is encoded as /v1/completions encodes a text prompt, messages rendered as /v1/chat/completions
+renders them (the tokenizer's apply_chat_template), so `count` is the usage.prompt_tokens those report.
+Bodies are strict as /v1/completions' (unknown fields: 400); a `model` must name the served one (404).
+`max_model_len` is /v1/models' (Engine.max_kv_tokens): the prompt + generated tokens one request may hold,
+what a client plans a request with (a prompt alone is also held to --max-prompt-tokens, /hicache/status's
+limits.max_prompt_tokens). Neither endpoint touches the engine: no generation slot (--max-concurrent-requests),
+no completion metrics, no length limit (only --max-body-bytes bounds a text to count)."""
+from __future__ import annotations
+
+from fastapi.responses import Response
+from pydantic import BaseModel, Field, StrictBool, StrictStr, ValidationError
+from starlette.requests import ClientDisconnect
+
+from scheduler.api_models import APIError, ChatMessage, TokenIds, _Strict, read_json_body, validation_error
+
+
+class TokenizeCompletionRequest(_Strict):
+    model: StrictStr | None = None
+    prompt: StrictStr
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool | None = False
+
+
+class TokenizeChatRequest(_Strict):
+    model: StrictStr | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # the last message left open for the model to continue
+    add_special_tokens: StrictBool = False  # (the template writes them)
+    return_token_strs: StrictBool | None = False
+
+
+class DetokenizeRequest(_Strict):
+    model: StrictStr | None = None
+    tokens: TokenIds
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+def check_model(st, model: str | None) -> None:
+    """A request's `model`, when given, names the served model: /v1/completions' 404 otherwise."""
+    if model not in (None, "") and model not in st.served_names:
+        raise APIError(404, f"model {model!r} is not served here; this server serves {st.model_name!r}",
+                       param="model", code="model_not_found")
+
+
+def chat_unavailable(tokenizer, model_name: str) -> APIError | None:
+    """The 400 a chat gets (/v1/chat/completions, /tokenize's chat form) when the tokenizer has no chat template."""
+    if getattr(tokenizer, "chat_template", None) is not None:
+        return None
+    reason = getattr(tokenizer, "no_chat_reason", "the model has no tokenizer")
+    return APIError(400, f"no chat template is available for model {model_name!r} ({reason}); "
+                         f"use /v1/completions with a prompt of text or token ids", code="chat_template_unavailable")
+
+
+async def tokenize(request, st) -> dict | Response:
+    body = await _read_body(request, st)
+    if body is None:
+        return Response(status_code=499)
+    chat = "messages" in body
+    if not chat and "prompt" not in body:
+        raise APIError(400, "missing required field 'prompt' (the text to tokenize; or 'messages', a chat)",
+                       param="prompt", code="missing_field")
+    req = _parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+    check_model(st, req.model)
+    tokenizer = st.tokenizer
+    if chat:
+        ids = _chat_ids(req, tokenizer, st.model_name)
+    else:
+        _no_tokenizer(tokenizer, "text cannot be tokenized", "prompt")
+        _check_unicode([req.prompt], "prompt")
+        ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    return TokenizeResponse(count=len(ids), max_model_len=st.engine.max_kv_tokens, tokens=ids,
+                            token_strs=tokenizer.token_strs(ids) if req.return_token_strs else None).model_dump()
+
+
+async def detokenize(request, st) -> dict | Response:
+    body = await _read_body(request, st)
+    if body is None:
+        return Response(status_code=499)
+    req = _parse(DetokenizeRequest, body)
+    check_model(st, req.model)
+    vocab_size = st.engine.vocab_size
+    bad = next((t for t in req.tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab_size})", param="tokens",
+                       code="invalid_token_id")
+    _no_tokenizer(st.tokenizer, "token ids cannot be turned into text", "tokens")
+    # special tokens kept (vLLM's decode): the text of what was tokenized, BOS and all
+    return {"prompt": st.tokenizer.decode(req.tokens, skip_special_tokens=False)}
+
+
+async def _read_body(request, st) -> dict | None:
+    """The JSON body (api_models.read_json_body's limits); None when the client left while it was read."""
+    try:
+        return await read_json_body(request, st.limits.max_body_bytes)
+    except ClientDisconnect:
+        return None
+
+
+def _parse(model: type[_Strict], body: dict):
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def _no_tokenizer(tokenizer, what: str, param: str) -> None:
+    if tokenizer is None:
+        raise APIError(400, f"this model has no tokenizer (no tokenizer.json), so {what}", param=param,
+                       code="tokenizer_unavailable")
+
+
+def _chat_ids(req: TokenizeChatRequest, tokenizer, model_name: str) -> list[int]:
+    """The messages rendered by the chat template /v1/chat/completions uses, with the request's options."""
+    if err := chat_unavailable(tokenizer, model_name):
+        raise err
+    if req.continue_final_message and req.add_generation_prompt:  # (vLLM's 400)
+        raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true (the "
+                            "default of 'add_generation_prompt' is true)", param="continue_final_message",
+                       code="invalid_value")
+    messages = [m.as_template_dict() for m in req.messages]
+    _check_unicode([v for m in messages for v in m.values()], "messages")
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message,
+                                             add_special_tokens=req.add_special_tokens)
+    except Exception as exc:  # a template may reject a conversation (raise_exception)
+        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages",
+                       code="invalid_messages") from None
+
+
+def _check_unicode(texts: list[str], param: str) -> None:
+    """Text UTF-8 can encode: JSON allows lone surrogates ("\\ud800"), which a tokenizer fails on (a 500)."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeError as exc:
+            raise APIError(400, f"the {param} is not valid Unicode text: {exc}", param=param,
+                           code="invalid_value") from None
