@@ -290,7 +290,8 @@ class Admission(Restoring):
             req.state = RequestState.DECODE
             req.first_token_s = time.perf_counter()
             eng._event(req, "first_token")
-            self.score_outcome(req)
+            if req.params.prompt_logprobs is None:  # (else its prefill also made every prompt row's logits)
+                self.score_outcome(req)
             if req.params.max_tokens == 0:  # the prefill alone (prompt logprobs): its token is thrown away
                 eng.finish(req, RequestState.FINISHED, "length")
                 return

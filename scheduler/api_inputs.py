@@ -126,8 +126,8 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
     max_tokens = min(default_max_tokens, max_tokens_limit) if max_tokens is None else max_tokens
     echo = bool(getattr(req, "echo", False))
     if max_tokens < (0 if echo else 1):  # (0: vLLM's prefill alone, the prompt echoed with its logprobs)
-        raise APIError(400, f"'{name}' must be >= 1 (0 only with 'echo': true), got {max_tokens}", param=name,
-                       code="invalid_value")
+        with_echo = " (0 only with 'echo': true)" if hasattr(req, "echo") else ""  # (a chat has no echo)
+        raise APIError(400, f"'{name}' must be >= 1{with_echo}, got {max_tokens}", param=name, code="invalid_value")
     if max_tokens > max_tokens_limit:
         raise APIError(400, f"'{name}' of {max_tokens} exceeds the limit of {max_tokens_limit} "
                             f"(--max-tokens-limit)", param=name, code="max_tokens_too_large")

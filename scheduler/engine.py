@@ -442,7 +442,9 @@ class Engine(BatchAPI):
             # one forward over an uncached tail, also behind an overlapped restore (then it is what
             # a restore's tail really costs, copy included): these samples give the recompute model
             # its intercept, without which a full prefill's fixed cost would count as a restore's saving
-            if len(binput.new_lens) == 1:  # (binput: reqs is empty while such a restore is unsettled)
+            # (binput: reqs is empty while such a restore is unsettled); not one that also made its prompt
+            # rows' logits (prompt logprobs: eager, and slower)
+            if len(binput.new_lens) == 1 and binput.prompt_logprobs is None:
                 self.cache.observe_prefill(len(binput.input_ids), (end_ns - start_ns) / 1e9)
         for req, chunk, token in zip(reqs, chunks, next_ids):
             self.admission.after_step(req, chunk, token)
