@@ -33,9 +33,7 @@ def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
     except ValidationError as exc:
         raise validation_error(exc) from None
     req.check_unsupported()
-    if req.model not in (None, "") and req.model not in served_names:
-        raise APIError(404, f"model {req.model!r} is not served here; this server serves {model_name!r}",
-                       param="model", code="model_not_found")
+    check_model(req.model, served_names, model_name)
     param = "messages" if chat else "prompt"
     _check_unicode(req, param)
     if req.stop_strings() and tokenizer is None:
@@ -111,12 +109,24 @@ def _check_unicode(req: CompletionRequest | ChatCompletionRequest, param: str) -
         texts += [m.content for m in req.messages if isinstance(m.content, str)]
     else:
         texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
+    check_texts(texts, param)
+
+
+def check_texts(texts: list[str], param: str) -> None:
+    """Each text UTF-8 can encode (a 400 naming `param` otherwise)."""
     for text in texts:
         try:
             text.encode("utf-8")
         except UnicodeError as exc:
             raise APIError(400, f"the {param} is not valid Unicode text: {exc}", param=param,
                            code="invalid_value") from None
+
+
+def check_model(model: str | None, served_names, model_name: str) -> None:
+    """A request's `model`, when given, names the served model (a 404 otherwise)."""
+    if model not in (None, "") and model not in served_names:
+        raise APIError(404, f"model {model!r} is not served here; this server serves {model_name!r}",
+                       param="model", code="model_not_found")
 
 
 def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: int) -> SamplingParams:

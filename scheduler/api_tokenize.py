@@ -20,6 +20,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field, StrictBool, StrictStr, ValidationError
 from starlette.requests import ClientDisconnect
 
+from scheduler.api_inputs import check_model, check_texts
 from scheduler.api_models import APIError, ChatMessage, TokenIds, _Strict, read_json_body, validation_error
 
 
@@ -51,13 +52,6 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-def check_model(st, model: str | None) -> None:
-    """A request's `model`, when given, names the served model: /v1/completions' 404 otherwise."""
-    if model not in (None, "") and model not in st.served_names:
-        raise APIError(404, f"model {model!r} is not served here; this server serves {st.model_name!r}",
-                       param="model", code="model_not_found")
-
-
 def chat_unavailable(tokenizer, model_name: str) -> APIError | None:
     """The 400 a chat gets (/v1/chat/completions, /tokenize's chat form) when the tokenizer has no chat template."""
     if getattr(tokenizer, "chat_template", None) is not None:
@@ -76,13 +70,13 @@ async def tokenize(request, st) -> dict | Response:
         raise APIError(400, "missing required field 'prompt' (the text to tokenize; or 'messages', a chat)",
                        param="prompt", code="missing_field")
     req = _parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
-    check_model(st, req.model)
+    check_model(req.model, st.served_names, st.model_name)
     tokenizer = st.tokenizer
     if chat:
         ids = _chat_ids(req, tokenizer, st.model_name)
     else:
         _no_tokenizer(tokenizer, "text cannot be tokenized", "prompt")
-        _check_unicode([req.prompt], "prompt")
+        check_texts([req.prompt], "prompt")
         ids = tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
     return TokenizeResponse(count=len(ids), max_model_len=st.engine.max_kv_tokens, tokens=ids,
                             token_strs=tokenizer.token_strs(ids) if req.return_token_strs else None).model_dump()
@@ -93,7 +87,7 @@ async def detokenize(request, st) -> dict | Response:
     if body is None:
         return Response(status_code=499)
     req = _parse(DetokenizeRequest, body)
-    check_model(st, req.model)
+    check_model(req.model, st.served_names, st.model_name)
     vocab_size = st.engine.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
@@ -134,7 +128,7 @@ def _chat_ids(req: TokenizeChatRequest, tokenizer, model_name: str) -> list[int]
                             "default of 'add_generation_prompt' is true)", param="continue_final_message",
                        code="invalid_value")
     messages = [m.as_template_dict() for m in req.messages]
-    _check_unicode([v for m in messages for v in m.values()], "messages")
+    check_texts([v for m in messages for v in m.values()], "messages")
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
                                              continue_final_message=req.continue_final_message,
@@ -142,13 +136,3 @@ def _chat_ids(req: TokenizeChatRequest, tokenizer, model_name: str) -> list[int]
     except Exception as exc:  # a template may reject a conversation (raise_exception)
         raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages",
                        code="invalid_messages") from None
-
-
-def _check_unicode(texts: list[str], param: str) -> None:
-    """Text UTF-8 can encode: JSON allows lone surrogates ("\\ud800"), which a tokenizer fails on (a 500)."""
-    for text in texts:
-        try:
-            text.encode("utf-8")
-        except UnicodeError as exc:
-            raise APIError(400, f"the {param} is not valid Unicode text: {exc}", param=param,
-                           code="invalid_value") from None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import math
 import time
 
@@ -17,6 +16,7 @@ from hicache.radix import Tier
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
+from test_echo_prompt_logprobs import GREEDY, _post, _stream
 
 A = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]  # 17 tokens: 4 full pages of 4 and one more
 B = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]
@@ -236,9 +236,6 @@ def test_a_chats_max_tokens_0_is_refused_without_pointing_at_echo(field):
 
 
 # -- HTTP -------------------------------------------------------------------------------------------------
-GREEDY = {"temperature": 0, "ignore_eos": True}
-
-
 @pytest.fixture(scope="module")
 def srv():
     from scheduler.server import ServerLimits, create_app
@@ -249,23 +246,6 @@ def srv():
     with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=ByteTokenizer(512))) as s:
         s.engine = engine
         yield s
-
-
-def _post(srv, body: dict) -> dict:
-    import httpx
-    r = httpx.post(srv.url + "/v1/completions", json={**GREEDY, **body}, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _stream(srv, body: dict) -> list[dict]:
-    import httpx
-    with httpx.Client(timeout=60) as c, c.stream("POST", srv.url + "/v1/completions",
-                                                 json={**GREEDY, **body, "stream": True}) as r:
-        assert r.status_code == 200, r.read()
-        events = r.read().decode().split("\n\n")
-    assert events[-2:] == ["data: [DONE]", ""]
-    return [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
 
 
 def test_echo_stop_strings_match_the_generated_text_only(srv):
