@@ -87,11 +87,11 @@ class Backups:
         """Before a flush of L1 (and a shared L3's save at shutdown): start due backups and, with
         `unsaved`, a backup of every unlocked L1 leaf that L2 and L3 lack (a write-back cache's flush
         writes its dirty pages back, then invalidates; regression: the flush dropped every unsaved
-        prefix from every tier); then wait
-        until those backups, the ones in flight and the ones waiting on them have copied their pages
-        to L2 (their L1 sources stay locked until then, and the flush would skip them). Their L3
-        writes go on after. A backup refused (admission, an L2 full of locked pages) or failed leaves
-        its pages unsaved, and the flush evicts them, as an eviction evicts what its policy did not save."""
+        prefix from every tier); then wait until those backups, the ones in flight and the ones
+        waiting on them have copied their pages to L2 (their L1 sources stay locked until then, and
+        the flush would skip them). Their L3 writes go on after. A backup refused (admission, an L2
+        full of locked pages) or failed leaves its pages unsaved, and the flush evicts them, as an
+        eviction evicts what its policy did not save."""
         self.start_due()
         if unsaved:
             leaves = [n for n in self.mgr.tree.iter_nodes()
@@ -119,8 +119,8 @@ class Backups:
     async def save_for_others(self, timeout_s: float) -> None:
         """A shared L3 only (an open one: a local file goes with the process): for at most `timeout_s`,
         let the backups under way finish their L3 writes and, under write_back or write_through, back up
-        the unsaved L1 leaves, in rounds while a round saves something (L2 may not hold them all beside the L3 writes);
-        the shutdown's cancelling drain then ends the rest. (Regressions, tests/test_redis_engine.py and
+        the unsaved L1 leaves, in rounds while a round saves something (L2 may not hold them all beside
+        the L3 writes); the shutdown's cancelling drain then ends the rest. (Regressions, tests/test_redis_engine.py and
         tests/test_shutdown_save_s39_hunt.py: a shutdown cancelled them, other instances never got the
         pages; a second shutdown backed up onto the closed tiers; one round saved 11 of 44 pages;
         write_through's refused backups were never saved.)"""
