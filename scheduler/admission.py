@@ -113,7 +113,7 @@ class Admission(Restoring):
         return Batch(reqs, chunks, binput)
 
     async def _admit(self, req: Request, alone: bool = False, budget: int = 0) -> bool | None:
-        eng, cache, ps = self.engine, self.cache, self.page_size
+        eng, cache = self.engine, self.cache
         tokens = self._reusable(req)
         m = cache.match(tokens)
         if req.restore_tier == "none":  # (else its restore ended and published: back from parking, use L1)
@@ -138,7 +138,7 @@ class Admission(Restoring):
             req.hit_tokens["l1"] = max(0, m.lengths[Tier.L1] - req.hit_tokens["l2"] - req.hit_tokens["l3"])
         l1_len = m.lengths[Tier.L1]
         cache.lock(m.handles[Tier.L1])
-        need = -(-kv_tokens(len(req.prompt), req.params.max_tokens) // ps) - l1_len // ps
+        need = self._pages_after(req, l1_len)
         if need > self._l1_room_pages():
             cache.unlock(m.handles[Tier.L1])
             self.memory_blocked = (req.rid, self._l1_room_pages())
