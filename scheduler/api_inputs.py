@@ -9,12 +9,15 @@ prompt is the whole answer, finish_reason "length")."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from pydantic import ValidationError
 
-from scheduler.api_models import APIError, ChatCompletionRequest, CompletionRequest, _SamplingFields, validation_error
+from scheduler.api_models import (APIError, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
+                                  _SamplingFields, validation_error)
 from scheduler.generation_defaults import GenerationDefaults, range_problem
 from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams
+from scheduler.tokenizer import TEMPLATE_VARIABLES
 
 
 def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], model_name: str, vocab_size: int,
@@ -75,11 +78,7 @@ def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, prompt: str | li
                 tokenizer, vocab_size: int, prompt_limit: int) -> list[int]:
     """One prompt's token ids (a chat's: its rendered messages), checked against the limits."""
     if isinstance(req, ChatCompletionRequest):
-        try:
-            ids = tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages])
-        except Exception as exc:  # a template may reject a conversation (raise_exception)
-            raise APIError(400, f"the chat template rejected the messages: {exc}", param=param,
-                           code="invalid_messages") from None
+        ids = chat_ids(req, tokenizer)
     elif isinstance(prompt, str):
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids",
@@ -98,6 +97,30 @@ def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, prompt: str | li
             raise APIError(400, f"token id {t} is outside the vocabulary [0, {vocab_size})", param=param,
                            code="invalid_token_id")
     return ids
+
+
+def chat_ids(req: ChatTemplateFields, tokenizer) -> list[int]:
+    """A chat's messages (`req.messages`) rendered by the chat template with the request's options (vLLM's:
+    both `continue_final_message` and `add_generation_prompt` is a 400; `chat_template_kwargs` may set no
+    variable the server sets itself), encoded. A template's own refusal (raise_exception) is a 400."""
+    if req.continue_final_message and req.add_generation_prompt:  # (vLLM's 400)
+        raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true (the "
+                            "default of 'add_generation_prompt' is true)", param="continue_final_message",
+                       code="invalid_value")
+    kwargs = req.chat_template_kwargs or {}
+    if taken := [k for k in kwargs if k in (*TEMPLATE_VARIABLES, "continue_final_message")]:
+        field = "; use the request's field" if taken[0] in ChatTemplateFields.model_fields else ""
+        raise APIError(400, f"'chat_template_kwargs' may not set {taken[0]!r} (the server sets it{field})",
+                       param="chat_template_kwargs", code="invalid_value")
+    check_texts([json.dumps(kwargs, ensure_ascii=False)], "chat_template_kwargs")
+    try:
+        return tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages],
+                                             add_generation_prompt=req.add_generation_prompt,
+                                             continue_final_message=req.continue_final_message,
+                                             add_special_tokens=req.add_special_tokens, template_kwargs=kwargs)
+    except Exception as exc:  # a template may reject a conversation (raise_exception)
+        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages",
+                       code="invalid_messages") from None
 
 
 def _check_unicode(req: CompletionRequest | ChatCompletionRequest, param: str) -> None:

@@ -190,7 +190,15 @@ class ChatMessage(_Strict):
         return out
 
 
-class ChatCompletionRequest(_SamplingFields, ChatLogprobsFields):
+class ChatTemplateFields(BaseModel):
+    """vLLM's options for rendering a chat (a chat completion's, /tokenize's chat form; api_inputs.chat_ids)."""
+    add_generation_prompt: StrictBool = True  # the assistant turn's opening markup after the messages
+    continue_final_message: StrictBool = False  # the last message left open for the model to continue
+    add_special_tokens: StrictBool = False  # (the template writes them)
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables: Qwen3's enable_thinking
+
+
+class ChatCompletionRequest(_SamplingFields, ChatLogprobsFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     response_format: dict[str, Any] | None = None

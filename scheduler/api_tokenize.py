@@ -3,7 +3,8 @@ own tokenizer, for clients that count tokens (lm-eval, guidance, benchmark clien
 
     POST /tokenize    {"model"?, "prompt": str, "add_special_tokens"?: true, "return_token_strs"?: false}
                       or a chat: {"model"?, "messages": [...], "add_generation_prompt"?: true,
-                      "continue_final_message"?: false, "add_special_tokens"?: false, "return_token_strs"?}
+                      "continue_final_message"?: false, "add_special_tokens"?: false,
+                      "chat_template_kwargs"?: {...}, "return_token_strs"?}
                       -> {"count", "max_model_len", "tokens", "token_strs": [str] or null}
     POST /detokenize  {"model"?, "tokens": [int]} -> {"prompt": str}
 
@@ -20,8 +21,9 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field, StrictBool, StrictStr, ValidationError
 from starlette.requests import ClientDisconnect
 
-from scheduler.api_inputs import check_model, check_texts
-from scheduler.api_models import APIError, ChatMessage, TokenIds, _Strict, read_json_body, validation_error
+from scheduler.api_inputs import chat_ids, check_model, check_texts
+from scheduler.api_models import (APIError, ChatMessage, ChatTemplateFields, TokenIds, _Strict, read_json_body,
+                                  validation_error)
 
 
 class TokenizeCompletionRequest(_Strict):
@@ -31,12 +33,9 @@ class TokenizeCompletionRequest(_Strict):
     return_token_strs: StrictBool | None = False
 
 
-class TokenizeChatRequest(_Strict):
+class TokenizeChatRequest(_Strict, ChatTemplateFields):
     model: StrictStr | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: StrictBool = True
-    continue_final_message: StrictBool = False  # the last message left open for the model to continue
-    add_special_tokens: StrictBool = False  # (the template writes them)
     return_token_strs: StrictBool | None = False
 
 
@@ -123,16 +122,5 @@ def _chat_ids(req: TokenizeChatRequest, tokenizer, model_name: str) -> list[int]
     """The messages rendered by the chat template /v1/chat/completions uses, with the request's options."""
     if err := chat_unavailable(tokenizer, model_name):
         raise err
-    if req.continue_final_message and req.add_generation_prompt:  # (vLLM's 400)
-        raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true (the "
-                            "default of 'add_generation_prompt' is true)", param="continue_final_message",
-                       code="invalid_value")
-    messages = [m.as_template_dict() for m in req.messages]
-    check_texts([v for m in messages for v in m.values()], "messages")
-    try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                             continue_final_message=req.continue_final_message,
-                                             add_special_tokens=req.add_special_tokens)
-    except Exception as exc:  # a template may reject a conversation (raise_exception)
-        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages",
-                       code="invalid_messages") from None
+    check_texts([v for m in req.messages for v in m.as_template_dict().values()], "messages")
+    return chat_ids(req, tokenizer)

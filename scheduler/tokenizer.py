@@ -42,6 +42,9 @@ BYTE_OFFSET = 3
 _REPLACEMENT = "\ufffd"
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: what `apply_chat_template` passes a template (special_tokens_map)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# the template variables HFTokenizer.apply_chat_template sets itself (template_kwargs may set none of them)
+TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", *SPECIAL_TOKEN_KEYS,
+                      "additional_special_tokens")
 
 
 class ByteTokenizer:
@@ -147,17 +150,19 @@ class HFTokenizer:
         return [self.tok.id_to_token(int(t)) for t in ids]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, add_special_tokens: bool = False) -> list[int]:
+                            continue_final_message: bool = False, add_special_tokens: bool = False,
+                            template_kwargs: dict | None = None) -> list[int]:
         """The messages rendered and encoded (as transformers' apply_chat_template with tokenize=True);
         continue_final_message: the text ends where the last message's content does, its end-of-turn
-        markup cut off, for the model to continue it."""
+        markup cut off, for the model to continue it; template_kwargs: more variables for the template
+        (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking), none of those set here."""
         if self.chat_template is None:
             raise ValueError(self.no_chat_reason)
         if self.developer_as_system:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         # what transformers passes: tools / documents are None, not undefined (`tools is not none`), and
         # the tokenizer's special tokens (bos / eos "" rather than undefined, as here before)
-        text = self._compiled.render(messages=messages, tools=None, documents=None,
+        text = self._compiled.render(**(template_kwargs or {}), messages=messages, tools=None, documents=None,
                                      add_generation_prompt=add_generation_prompt,
                                      **{**self.special_tokens, "bos_token": self.bos_token,
                                         "eos_token": self.eos_token})

@@ -218,7 +218,7 @@ def test_a_prompt_logprobs_prefill_teaches_the_cost_model_nothing():
 class _ChatTokenizer:
     chat_template = "(any)"
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], **_) -> list[int]:
         return [1, 2, 3]
 
 

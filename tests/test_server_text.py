@@ -121,7 +121,7 @@ def test_a_chat_without_max_tokens_gets_what_is_left_of_its_context():
 
     from scheduler.api_inputs import parse_prompts
 
-    tokenizer = SimpleNamespace(apply_chat_template=lambda messages: list(range(1, 101)))  # 100 prompt tokens
+    tokenizer = SimpleNamespace(apply_chat_template=lambda messages, **_: list(range(1, 101)))  # 100 prompt tokens
     body = {"messages": [{"role": "user", "content": "hi"}]}
     kw = dict(tokenizer=tokenizer, served_names={"tiny"}, model_name="tiny", vocab_size=512, prompt_limit=1000)
     _, [ids], params = parse_prompts(body, True, max_tokens_limit=64, context_tokens=120, **kw)
