@@ -73,6 +73,8 @@ class _SamplingFields(_Strict, PenaltyFields, SamplerFields):
     stop: StrictInt | TokenIds | StrictStr | list[StrictStr] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False  # vLLM's: the text ends after a stop string, or a stop token's
+    skip_special_tokens: StrictBool = True  # vLLM's: special tokens' text left out of the choice's text
     stream: StrictBool | None = False  # (null: the default, as OpenAI's schema allows)
     stream_options: StreamOptions | None = None
     n: StrictInt | None = 1

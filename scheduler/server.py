@@ -388,7 +388,7 @@ class _Generation:
                  index: int = 0, batch_size: int = 1, choice: int = 0, n: int = 1) -> None:
         self.st, self.req, self.chat, self.arrival = st, req, chat, arrival
         self.index, self.batch_size, self.choice, self.n = index, batch_size, choice, n
-        self.stop_strings = api_req.stop_strings()
+        self.stop_strings, self.api_req = api_req.stop_strings(), api_req
         self.stop_ids = set(req.params.stop_token_ids)
         if not req.params.ignore_eos:
             self.stop_ids.update(st.engine.model_config.eos_token_ids)
@@ -420,7 +420,9 @@ class _Generation:
             yield ev, None
 
     def _shows_text(self, token: int, fin) -> bool:
-        return not (fin is not None and fin.finish_reason == "stop" and token in self.stop_ids)
+        """A stop token's text is left out, as vLLM leaves it (unless include_stop_str_in_output)."""
+        stop = fin is not None and fin.finish_reason == "stop" and token in self.stop_ids
+        return not stop or self.api_req.include_stop_str_in_output
 
     def _finish(self, fin) -> None:
         m = self.st.metrics
@@ -465,10 +467,11 @@ class _Generation:
         """(text, token ids, the finishing event or None, logprobs entries: its `LogprobsShaper.entry`
         when asked) per token as it arrives; the last token and the end come together. A completion's
         text continues its prompt's (a chat's answer is a new message: no context). A stop string's
-        match ends it ("stop", the text before the match) and the engine request, which may still be
-        generating (it finishes: Engine.abort's stop)."""
+        match ends it ("stop", the text before the match; through it with include_stop_str_in_output)
+        and the engine request, which may still be generating (it finishes: Engine.abort's stop)."""
         text = CompletionText(self.st.tokenizer, [] if self.chat else self.req.prompt, self.stop_strings,
-                              self.req.params.min_tokens)
+                              self.req.params.min_tokens, self.api_req.include_stop_str_in_output,
+                              self.api_req.skip_special_tokens)
         async for ev, fin in self.steps():
             delta, token, entries = "", None if ev is None else ev.token_id, []
             if token is not None and self.logprobs is not None and ev.logprobs is not None:

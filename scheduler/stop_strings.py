@@ -6,7 +6,8 @@ or a multi-byte character over several byte tokens: the text is matched after in
 `tokenizer.IncrementalDecoder`, so a character is matched once it is whole). Only generated text is
 matched, never the prompt's. As OpenAI / vLLM do:
 
-* the text returned ends just before the first (leftmost) match, the stop string left out;
+* the text returned ends just before the first (leftmost) match, the stop string left out (with vLLM's
+  `include_stop_str_in_output`, just after it);
 * the finish_reason is "stop";
 * the tokens counted (usage.completion_tokens, `token_ids`) are those generated up to and including
   the one whose text completed the match (vLLM's count); the server then aborts the engine request.
@@ -45,10 +46,10 @@ class StopMatcher:
     """Text deltas in, text that may be sent out; `matched` is the stop string once one matched
     (nothing more may be fed then)."""
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], include_stop: bool = False) -> None:
         if not stops or any(not s for s in stops):
             raise ValueError("StopMatcher needs non-empty stop strings")
-        self.stops = tuple(stops)
+        self.stops, self.include_stop = tuple(stops), include_stop
         self._longest = max(map(len, self.stops))
         self._held = ""  # the text's suffix that is a prefix of a stop string: not sent yet
         self.matched: str | None = None
@@ -65,7 +66,7 @@ class StopMatcher:
         if hits:
             at, self.matched = min(hits)
             self._held = ""
-            return text[:at]
+            return text[:at + len(self.matched)] if self.include_stop else text[:at]
         keep = self._held_len(text)
         self._held = text[len(text) - keep:]
         return text[:len(text) - keep]
@@ -87,13 +88,15 @@ class CompletionText:
     """One choice's text as its tokens arrive: incremental decoding after the prompt's context
     (`completion_context`; a chat passes none), then stop-string matching, from the token past the
     first `min_tokens` on (the text a token's feed returns is that token's). Without a tokenizer
-    there is no text (token ids only; the API refuses stop strings then)."""
+    there is no text (token ids only; the API refuses stop strings then). include_stop: a matched stop
+    string ends the text (vLLM's include_stop_str_in_output); skip_special_tokens: IncrementalDecoder's."""
 
-    def __init__(self, tokenizer, context: Sequence[int], stops: Sequence[str] = (), min_tokens: int = 0) -> None:
+    def __init__(self, tokenizer, context: Sequence[int], stops: Sequence[str] = (), min_tokens: int = 0,
+                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
         self.decoder = None
         if tokenizer is not None:
-            self.decoder = IncrementalDecoder(tokenizer, completion_context(tokenizer, context))
-        self.matcher = StopMatcher(stops) if stops and tokenizer is not None else None
+            self.decoder = IncrementalDecoder(tokenizer, completion_context(tokenizer, context), skip_special_tokens)
+        self.matcher = StopMatcher(stops, include_stop) if stops and tokenizer is not None else None
         self.min_tokens, self.fed_tokens = min_tokens, 0
 
     @property

@@ -93,7 +93,7 @@ class ByteTokenizer:
                 out.append(chr(b) if 0x20 <= b < 0x7F else f"<0x{b:02X}>")
         return out
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], **_) -> list[int]:
         raise ValueError(self.no_chat_reason)
 
 
@@ -277,18 +277,19 @@ def decode_completion(tokenizer, prompt: Sequence[int], ids: Sequence[int]) -> s
 
 class IncrementalDecoder:
     """Text deltas of a growing id sequence (a window of the last ids is re-decoded each step),
-    after `context` ids whose text is not emitted (completion_context)."""
+    after `context` ids whose text is not emitted (completion_context); special tokens left out of
+    the text unless skip_special_tokens is False (vLLM's field)."""
 
-    def __init__(self, tokenizer, context: Sequence[int] = ()) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, context: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.ids: list[int] = [int(t) for t in context]
         self.prefix_offset = 0              # window start: ids before it are already text
         self.read_offset = len(self.ids)    # ids before it have been emitted
 
     def feed(self, token_id: int) -> str:
         self.ids.append(int(token_id))
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
         if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
             delta = new_text[len(prefix_text):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -297,7 +298,10 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the end becomes U+FFFD)."""
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.ids)
         return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
