@@ -263,6 +263,7 @@ class CompletionResponse(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    reasoning_content: str | None = None  # only with --reasoning-parser (scheduler/reasoning.py)
 
 
 class ChatChoice(BaseModel):
@@ -317,13 +318,19 @@ def _is_type_tag(part: str) -> bool:
 
 
 def response_body(chat: bool, rid: str, created: int, model: str,
-                  choices: list[tuple[str, str, list[int], dict | None]], usage: Usage) -> dict:
-    """`choices`: (text, finish_reason, token_ids, logprobs) per prompt, in the prompts' order (their `index`)."""
+                  choices: list[tuple[str, str, list[int], dict | None]], usage: Usage,
+                  reasoning: list[str | None] | None = None) -> dict:
+    """`choices`: (text, finish_reason, token_ids, logprobs) per prompt, in the prompts' order (their `index`);
+    `reasoning`: a chat's per choice with --reasoning-parser (None: the message has no such key)."""
     common = dict(id=rid, created=created, model=model, usage=usage)
     if chat:
-        return ChatCompletionResponse(choices=[
-            ChatChoice(index=i, message=AssistantMessage(content=text), finish_reason=finish, token_ids=ids,
-                       logprobs=lps) for i, (text, finish, ids, lps) in enumerate(choices)], **common).model_dump()
+        body = ChatCompletionResponse(choices=[
+            ChatChoice(index=i, message=AssistantMessage(content=text, reasoning_content=reasoning and reasoning[i]),
+                       finish_reason=finish, token_ids=ids, logprobs=lps)
+            for i, (text, finish, ids, lps) in enumerate(choices)], **common).model_dump()
+        for choice in body["choices"] if reasoning is None else ():
+            del choice["message"]["reasoning_content"]
+        return body
     return CompletionResponse(choices=[
         CompletionChoice(index=i, text=text, finish_reason=finish, token_ids=ids, logprobs=lps)
         for i, (text, finish, ids, lps) in enumerate(choices)], **common).model_dump()
@@ -337,13 +344,19 @@ def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: Usage) ->
 
 def stream_chunk(chat: bool, rid: str, created: int, model: str, text: str, token_ids: list[int],
                  finish_reason: str | None, first: bool, usage: Usage | None | Literal[False], index: int = 0,
-                 logprobs: dict | None = None) -> dict:
+                 logprobs: dict | None = None, reasoning: str = "") -> dict:
     """One SSE chunk of choice `index`; `usage` False leaves the key out (no stream_options.include_usage),
     None is the null that OpenAI puts in every choice chunk (the usage follows in `usage_chunk`); `logprobs`:
-    the chunk's tokens' (scheduler/logprobs.py)."""
+    the chunk's tokens' (scheduler/logprobs.py); `reasoning`: a chat's thinking text of the chunk, sent as
+    the delta's reasoning_content (vLLM's; its `content` then only when the chunk has some)."""
     choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason, "token_ids": token_ids}
     if chat:
-        choice["delta"] = {"role": "assistant", "content": text} if first else {"content": text}
+        delta = {"role": "assistant"} if first else {}
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if text or not reasoning:
+            delta["content"] = text
+        choice["delta"] = delta
     else:
         choice["text"] = text
     chunk = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,

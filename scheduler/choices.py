@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse
 
 from scheduler.api_inputs import echo_text
 from scheduler.api_models import APIError, Usage, response_body, stream_chunk, usage_chunk
+from scheduler.reasoning import PROMPT_TAIL_TOKENS, ReasoningSplitter, opens_thinking
 
 _END = object()
 
@@ -48,6 +49,13 @@ class Choices:
         for g, echo in zip(gens, self.echoes):
             if echo is not None and g.logprobs is not None:
                 g.logprobs.follow_prompt(g.req.prompt)  # (before any token's entry is made)
+        self.thinks = chat and gens[0].st.limits.reasoning_parser is not None and gens[0].st.tokenizer is not None
+
+    def _splitter(self, gen) -> ReasoningSplitter:
+        """A chat choice's thinking / answer split (--reasoning-parser), thinking from the start when its
+        prompt left a think block open."""
+        tail = gen.st.tokenizer.decode(gen.req.prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
+        return ReasoningSplitter(thinking=opens_thinking(tail))
 
     async def abort(self) -> None:
         """The client went away: end every engine request (each stream then ends with 'abort')."""
@@ -100,8 +108,14 @@ class Choices:
         if failed is not None:
             raise failed
         shaped = [None if g.logprobs is None else g.logprobs.render(lps) for g, lps in zip(self.gens, logprobs)]
+        texts, reasoning = ["".join(t) for t in texts], None
+        if self.thinks:
+            splitters = [self._splitter(g) for g in self.gens]
+            splits = [s.split(text) for s, text in zip(splitters, texts)]
+            reasoning = [r if s.reasoned else None for (r, _), s in zip(splits, splitters)]  # (None: it never thought)
+            texts = [content for _, content in splits]
         body = response_body(self.chat, self.rid, self.created, self.model,
-                             [("".join(t), f, i, lp) for t, f, i, lp in zip(texts, finish, ids, shaped)], self.usage())
+                             [(t, f, i, lp) for t, f, i, lp in zip(texts, finish, ids, shaped)], self.usage(), reasoning)
         return JSONResponse(body)
 
     async def _abort_on_disconnect(self, request) -> None:
@@ -111,16 +125,24 @@ class Choices:
 
     async def sse(self):
         first = [True] * len(self.gens)
+        splitters = [self._splitter(g) for g in self.gens] if self.thinks else None
         try:
             async with contextlib.aclosing(self._events()) as events:
                 async for i, (text, token_ids, fin, entries) in events:
                     if (failed := self._failed(self.gens[i], fin)) is not None:
                         yield f"data: {json.dumps(failed.body())}\n\n"
                         break
+                    reasoning = ""
+                    if splitters is not None:
+                        reasoning, text = splitters[i].feed(text)
+                        if fin is not None:
+                            held_reasoning, held_text = splitters[i].flush()
+                            reasoning, text = reasoning + held_reasoning, text + held_text
                     chunk = stream_chunk(self.chat, self.rid, self.created, self.model, text, token_ids,
                                          None if fin is None else fin.finish_reason, first[i],
                                          None if self.includes_usage else False, index=i,
-                                         logprobs=self.gens[i].logprobs.render(entries) if entries else None)
+                                         logprobs=self.gens[i].logprobs.render(entries) if entries else None,
+                                         reasoning=reasoning)
                     first[i] = False
                     yield f"data: {json.dumps(chunk)}\n\n"
                 else:

@@ -24,6 +24,7 @@ from scheduler.engine import Engine
 from scheduler.generation_defaults import GENERATION_CONFIG_FILE, GenerationDefaults, read_generation_defaults
 from scheduler.memory_plan import pools_line
 from scheduler.presets import PRESETS
+from scheduler.reasoning import PARSERS
 from scheduler.server import ServerLimits, create_app
 from scheduler.server import __doc__ as SERVER_DOC
 
@@ -84,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: a checkpoint's generation_config.json sets the temperature, top_p, top_k, min_p "
                         "and repetition_penalty of requests that leave them out (as vLLM's default); vllm: "
                         "OpenAI's neutral defaults; a directory: its generation_config.json's (as vLLM's)")
+    s.add_argument("--reasoning-parser", choices=PARSERS, default=None,
+                   help="a chat answer's thinking (<think> ... </think>) sent as the message's reasoning_content, "
+                        "the rest as its content (vLLM's flag; qwen3 and deepseek_r1 split alike)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     s.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
@@ -184,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hicache-serve: {sampling_defaults.describe()}", file=sys.stderr)
     limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                           max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
-                          shutdown_grace_s=max(0.0, args.shutdown_grace_s), sampling_defaults=sampling_defaults)
+                          shutdown_grace_s=max(0.0, args.shutdown_grace_s), sampling_defaults=sampling_defaults,
+                          reasoning_parser=args.reasoning_parser)
     app = create_app(engine, limits)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", lifespan="on",
                                log_level=args.log_level, access_log=not args.disable_access_log,

@@ -63,6 +63,7 @@ class ServerLimits:
     # for the sampling fields a request leaves out (hicache-serve --generation-config auto: the checkpoint's
     # generation_config.json); all None: OpenAI's neutral defaults
     sampling_defaults: GenerationDefaults = GenerationDefaults()
+    reasoning_parser: str | None = None  # a chat's thinking as reasoning_content (scheduler/reasoning.py)
 
 
 class _ServerState:
