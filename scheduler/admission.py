@@ -76,12 +76,12 @@ class Admission(Restoring):
             if chunk:
                 reqs.append(req), chunks.append(chunk)
                 budget -= chunk
-        if not eng._stopping:  # (else they stay queued, as they are, for the next start())
+        if not eng.stopping:  # (else they stay queued, as they are, for the next start())
             self.start_deferred_hints()
         for req in list(eng.waiting):
-            if budget <= 0 or len(eng.running) >= eng.config.max_running_requests or eng._stopping:
+            if budget <= 0 or len(eng.running) >= eng.config.max_running_requests or eng.stopping:
                 break
-            if req.rid in eng._aborts:
+            if req.rid in eng.aborting:
                 # aborted while this pass waited for a blocking restore (the list was taken before):
                 # the next tick ends it (regression: admitted, prefilled, sent a token after abort())
                 continue
@@ -160,7 +160,7 @@ class Admission(Restoring):
             cache.metrics.fallbacks += 1
         if req.restore_tier == "none" and req.restore_declined:  # (Restoring._try_restore)
             cache.metrics.policy_skips["restore"] += 1
-        eng._event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
+        eng.log_event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
                    hit_l2=req.hit_tokens["l2"], hit_l3=req.hit_tokens["l3"], restore_tier=req.restore_tier,
                    restore_tokens=req.hit_tokens["l2"] + req.hit_tokens["l3"])
         return True
@@ -285,11 +285,11 @@ class Admission(Restoring):
                 # the prefix admitted meanwhile computed all of it again); backed up with the prompt
                 self._publish(req, req.prompt, backup=False)
                 return
-            eng._event(req, "prefill_end")
+            eng.log_event(req, "prefill_end")
             self._publish(req, req.prompt)
             req.state = RequestState.DECODE
             req.first_token_s = time.perf_counter()
-            eng._event(req, "first_token")
+            eng.log_event(req, "first_token")
             if req.params.prompt_logprobs is None:  # (else its prefill also made every prompt row's logits)
                 self.score_outcome(req)
             if req.params.max_tokens == 0:  # the prefill alone (prompt logprobs): its token is thrown away

@@ -57,7 +57,7 @@ class Engine(BatchAPI):
         geometry = self.model_config.kv_geometry(page_size, self.dtype)
         num_pages, hc = plan_pools(config, self.device, self.model_config, geometry, self.model_id)
         self.cache = CacheManager(geometry, num_pages, self.device, hc, faults=faults, simulate=config.simulate)
-        self.cache.wakeup = self._wake_soon
+        self.cache.wakeup = self.wake_soon
         self.cache.defer_backups = True  # a step's tokens reach their clients before its backups start
         self.cache.wakeup_idle = self._wake_idle
         self.page_size = page_size
@@ -75,12 +75,12 @@ class Engine(BatchAPI):
         self.parked: list[Request] = []
         self.running: list[Request] = []      # admitted: PREFILL (chunked) or DECODE
         self.requests: dict[str, Request] = {}
-        self._aborts: set[str] = set()
+        self.aborting: set[str] = set()  # rids aborted, ended at the next tick (admission and pricing skip them)
         self._stops: set[str] = set()  # of those, the ones a caller's stop condition ended (`abort`)
         self._wake: asyncio.Event | None = None
-        self._end_chain = False  # set by _wake_soon, not by _wake_idle: a decode chain stops for it
+        self._end_chain = False  # set by wake_soon, not by _wake_idle: a decode chain stops for it
         self._loop_task: asyncio.Task | None = None
-        self._stopping = False
+        self.stopping = False  # the loop is asked to stop: nothing more is admitted (a restart clears it)
         self._closing = False  # shutdown() began: no new requests ever; queued ones run within its grace
         self._batch_id = 0
         self._overlap_counted_ns = 0  # restore_overlapped_s counts decode time up to here (chained spans overlap)
@@ -177,7 +177,7 @@ class Engine(BatchAPI):
         check_loop(self._loop_task, asyncio.get_running_loop())
         if self._loop_task is None or self._loop_task.done():
             self._wake = asyncio.Event()
-            self._stopping = False
+            self.stopping = False
             self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
@@ -200,7 +200,7 @@ class Engine(BatchAPI):
         req.arrival_batch = self.stats["batches"]
         self.requests[req.rid] = req
         self.waiting.append(req)
-        self._event(req, "queued", prompt_tokens=len(req.prompt))
+        self.log_event(req, "queued", prompt_tokens=len(req.prompt))
         try:
             self.admission.maybe_prefetch(req)
         except BaseException as exc:
@@ -212,9 +212,9 @@ class Engine(BatchAPI):
             self.admission.drop_ops(req, aborting=set())
             self.admission.release(req, publish=False)
             # nor stay queued in the log (regression: the timeline showed it running to the run's end)
-            self._event(req, "failed", output_tokens=0, reason="error", error=f"not queued: {exc!r}")
+            self.log_event(req, "failed", output_tokens=0, reason="error", error=f"not queued: {exc!r}")
             raise
-        self._wake_soon()
+        self.wake_soon()
         return req
 
     async def submit(self, prompt: Sequence[int], params: SamplingParams | None = None,
@@ -248,8 +248,8 @@ class Engine(BatchAPI):
         if req.state is RequestState.PARKED:
             self._end_aborted(req)
             return True
-        self._aborts.add(rid)
-        self._wake_soon()
+        self.aborting.add(rid)
+        self.wake_soon()
         if self._loop_task is None or self._loop_task.done():
             self._settle_aborts()
         return True
@@ -259,18 +259,18 @@ class Engine(BatchAPI):
         operations in flight; waiting and parked requests stay queued (`start()` resumes them)."""
         check_loop(self._loop_task, asyncio.get_running_loop())
         if self._loop_task is not None:
-            self._stopping = True
-            self._wake_soon()
+            self.stopping = True
+            self.wake_soon()
             await join_loop(self._loop_task, shield=True)
             self._loop_task = None
-            self._stopping = False
+            self.stopping = False
         await self.cache.drain()
         self._log_occupancy()
 
     @property
     def accepting(self) -> bool:
         """Whether add_request takes new requests (False once shutdown() or stop_loop() began)."""
-        return not (self._closing or self._stopping)
+        return not (self._closing or self.stopping)
 
     async def shutdown(self, grace_s: float = 0.0) -> None:
         """Take no new requests; let the ones already queued or running finish within `grace_s`, abort
@@ -307,9 +307,9 @@ class Engine(BatchAPI):
 
     def _abort_all(self) -> None:
         """Stop: the loop admits nothing more and ends once every live request was aborted."""
-        self._stopping = True
-        self._aborts.update(rid for rid, req in self.requests.items() if not req.state.done)
-        self._wake_soon()
+        self.stopping = True
+        self.aborting.update(rid for rid, req in self.requests.items() if not req.state.done)
+        self.wake_soon()
 
     def status(self) -> dict:
         s = self.cache.status()
@@ -326,7 +326,7 @@ class Engine(BatchAPI):
         self.cache.check_integrity()
 
     # -- loop ----------------------------------------------------------------------------------
-    def _wake_soon(self) -> None:
+    def wake_soon(self) -> None:
         """Something may be runnable (a request, an abort, a finished restore): the next tick
         re-plans, and a decode chain in progress stops to let it."""
         self._end_chain = True
@@ -338,7 +338,8 @@ class Engine(BatchAPI):
         if self._wake is not None:
             self._wake.set()
 
-    def _event(self, req: Request, state: str, **fields) -> None:
+    def log_event(self, req: Request, state: str, **fields) -> None:
+        """One line of a request's timeline (scheduler/timeline.py reads them back)."""
         if info_enabled():
             log.info("request", rid=req.rid, state=state, **fields)
 
@@ -356,7 +357,7 @@ class Engine(BatchAPI):
             self._wake.clear()
             self._end_chain = False
             self._settle_aborts()
-            if self._stopping and not self.running:
+            if self.stopping and not self.running:
                 return  # (nothing is admitted while stopping: waiting and parked requests stay as they are)
             self.admission.settle_parked()
             self.admission.settle_overlaps()
@@ -367,7 +368,7 @@ class Engine(BatchAPI):
                 # (stopping: this tick may have ended the last running request, e.g. an overlapped
                 # restore's adopted by settle_overlaps; regression: it then waited for a wake-up that
                 # never came, and stop_loop() hung)
-                if not (self._aborts or self._wake.is_set() or (self._stopping and not self.running)):
+                if not (self.aborting or self._wake.is_set() or (self.stopping and not self.running)):
                     await self._wake.wait()
                 continue
             await self._run(batch)
@@ -393,12 +394,12 @@ class Engine(BatchAPI):
         the device; only then are N's tokens awaited and processed. A request that ends at step N (a
         stop token, an abort) has its step N+1 result discarded (after_step ignores finished
         requests). The chain ends when anything else wants the loop: a new or returning request, an
-        abort, a finished restore (`_wake_soon`; a finished write-through backup makes nothing
+        abort, a finished restore (`wake_soon`; a finished write-through backup makes nothing
         runnable and does not end it), or a request that needs a page it cannot get."""
         start_ns, restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
         handle = self._launch(work)
         while True:
-            nxt = None if self._end_chain or self._stopping else self.admission.chain_decode_batch(work.reqs)
+            nxt = None if self._end_chain or self.stopping else self.admission.chain_decode_batch(work.reqs)
             next_handle = None
             if nxt is not None:
                 rows = [work.reqs.index(r) for r in nxt.reqs]
@@ -451,13 +452,13 @@ class Engine(BatchAPI):
 
     # -- finishing -----------------------------------------------------------------------------
     def _settle_aborts(self) -> None:
-        """End the requests aborted since the last tick; each stays in `_aborts` until all have
+        """End the requests aborted since the last tick; each stays in `aborting` until all have
         ended, so that none keeps another's restore going for its sake (`Restoring.drop_ops`)."""
-        for rid in list(self._aborts):
+        for rid in list(self.aborting):
             req = self.requests.get(rid)
             if req is not None and not req.state.done:
                 self._end_aborted(req)
-        self._aborts.clear()
+        self.aborting.clear()
         self._stops.clear()
 
     def _end_aborted(self, req: Request) -> None:
@@ -480,7 +481,7 @@ class Engine(BatchAPI):
             self.waiting.remove(req)
         if req in self.parked:
             self.parked.remove(req)
-        self.admission.drop_ops(req, aborting=self._aborts)
+        self.admission.drop_ops(req, aborting=self.aborting)
         self.admission.release(req, publish=state is RequestState.FINISHED)
         req.state, req.finish_reason, req.error = state, reason, error
         req.finish_s, req.penalty_state = time.perf_counter(), None  # (its device tensors go now, not with the Request)
@@ -489,8 +490,8 @@ class Engine(BatchAPI):
             # it ends before taking over the restore its forward ran behind: that admission's hits
             # never count (Restoring.adopt_restored), so its log says it was discarded (regression:
             # the timeline kept the hits of its prefill_start, which the metrics never counted)
-            self._event(req, "restore_overlap_discarded", restore_failed=False)
-        self._event(req, state.value, output_tokens=len(req.output), reason=reason, error=error)
+            self.log_event(req, "restore_overlap_discarded", restore_failed=False)
+        self.log_event(req, state.value, output_tokens=len(req.output), reason=reason, error=error)
         req.emit(TokenEvent(req.rid, None, len(req.output), finished=True, finish_reason=reason, error=error))
         self.requests.pop(req.rid, None)
         if self.waiting or self.running:  # its pages may let one of them on: a loop about to sleep plans again

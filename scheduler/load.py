@@ -79,7 +79,7 @@ def _loads(engine: "Engine") -> Iterator[tuple[Request, int, bool]]:
     """(request, prompt tokens it still prefills, whether it will decode) for each running and
     waiting request, but those aborted and not yet ended (the loop's next tick ends them:
     regression, an aborted generation's remaining steps hid the next request's read)."""
-    aborting = engine._aborts
+    aborting = engine.aborting
     for r in engine.running:
         if r.rid in aborting:
             continue

@@ -63,7 +63,7 @@ class Restoring:
             log.warning("l3_hint_refresh_failed", rid=req.rid, error=repr(exc))
             self.cache.metrics.count_failure("hint_refresh")
         finally:
-            self.engine._wake_soon()
+            self.engine.wake_soon()
 
     def _prefetch(self, req: Request) -> None:
         cache = self.cache
@@ -242,7 +242,7 @@ class Restoring:
         req.reserved_pages += room_pages
         self.reserved_pages += room_pages
         self.fallback_end_tokens.pop(req.rid, None)  # (a restore, its own or one it follows, brings it)
-        self.engine._event(req, "parked", restore_tier=req.restore_tier, room_pages=room_pages)
+        self.engine.log_event(req, "parked", restore_tier=req.restore_tier, room_pages=room_pages)
 
     def _give_back_room(self, req: Request) -> None:
         """The room a parked request kept for its read's H2D (`_park`) goes back."""
@@ -340,7 +340,7 @@ class Restoring:
             # unlocked restored pages (regression: it recomputed its prefix); unless aborted or
             # stopping: parked till then (regression: prefilled, sent a token, then aborted)
             eng = self.engine
-            if req.state is RequestState.PARKED and req.rid not in eng._aborts and not eng._stopping:
+            if req.state is RequestState.PARKED and req.rid not in eng.aborting and not eng.stopping:
                 self._unpark(req, op)
                 return "ended"
         return "parked"
@@ -414,7 +414,7 @@ class Restoring:
         eng.stats["restore_overlaps"] += 1
         req.state = RequestState.PREFILL
         eng.running.append(req)
-        eng._event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
+        eng.log_event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
                    hit_l2=req.hit_tokens["l2"], hit_l3=req.hit_tokens["l3"], restore_tier=req.restore_tier,
                    restore_tokens=req.hit_tokens["l2"] + req.hit_tokens["l3"], restore_overlap=True)
 
@@ -497,4 +497,4 @@ class Restoring:
         req.restore_tier = "none"
         req.state = RequestState.WAITING
         self._requeue(req)
-        eng._event(req, "restore_overlap_discarded", restore_failed=failed)
+        eng.log_event(req, "restore_overlap_discarded", restore_failed=failed)

@@ -363,7 +363,7 @@ def hang_state(eng: Engine) -> str:
               file=out)
     for op in eng.cache.runner.live.values():
         print(f"  live op {op.op_id} {op.kind} {op.state} rid {op.request_id}", file=out)
-    print(f"  stopping {eng._stopping} loop task {eng._loop_task}", file=out)
+    print(f"  stopping {eng.stopping} loop task {eng._loop_task}", file=out)
     if eng._loop_task is not None:  # the chain of awaits the loop is suspended in
         coro = eng._loop_task.get_coro()
         while coro is not None and hasattr(coro, "cr_frame"):

@@ -176,7 +176,7 @@ async def test_an_l3_restore_whose_h2d_lost_its_l1_room_decides_again():
     gate.release()
     await until(lambda: eng.metrics()["failures"])
     eng.cache.release_claim(squatter)  # room again: the request's L2 restore may start
-    eng._wake_soon()
+    eng.wake_soon()
     results = []
     for req in reqs:
         while True:

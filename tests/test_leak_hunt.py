@@ -59,7 +59,7 @@ def assert_idle(eng: Engine) -> None:
     op runner's, every allocator's claims and the L3 store's held reads are back to idle; bounded
     ones within their bounds; integrity holds."""
     runner, adm, tree = eng.cache.runner, eng.admission, eng.cache.tree
-    assert not (eng.requests or eng.waiting or eng.running or eng.parked or eng._aborts)
+    assert not (eng.requests or eng.waiting or eng.running or eng.parked or eng.aborting)
     assert adm.reserved_pages == 0 and not adm.fallback_end_tokens
     assert not (runner.live or runner._tasks or runner._settling or runner._backing_up or runner._deferred
                 or runner._l3_writing or runner._due), runner.pending_counts()

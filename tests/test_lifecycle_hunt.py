@@ -156,7 +156,7 @@ async def test_a_timed_out_stop_loop_leaves_the_running_request_to_finish():
     await until(lambda: eng.stats["decode_tokens"] >= 3)
     stop = asyncio.create_task(eng.stop_loop())  # (as wait_for does when its time is up:)
     await asyncio.sleep(0)
-    assert eng._stopping and eng.running, "stop_loop() had not begun to wait for the running request"
+    assert eng.stopping and eng.running, "stop_loop() had not begun to wait for the running request"
     stop.cancel()
     with pytest.raises(asyncio.CancelledError):
         await stop

@@ -152,7 +152,7 @@ async def test_shutdown_during_a_blocking_restore_prefills_none_of_the_requests_
     await until(lambda: a.state is RequestState.PARKED)
     prefill_before = eng.stats["prefill_tokens"]
     closing = asyncio.create_task(eng.shutdown())
-    await until(lambda: eng._stopping)
+    await until(lambda: eng.stopping)
     gate.release()
     await asyncio.wait_for(closing, WAIT_S)
     await ended(a)

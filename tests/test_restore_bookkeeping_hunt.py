@@ -297,7 +297,7 @@ async def test_an_l3_restore_whose_h2d_lost_its_room_and_restored_from_l2_is_no_
     await until(lambda: eng.metrics()["failures"])
     assert eng.metrics()["failures"] == {"no_pages": 1}  # (the premise: its H2D lost the room)
     eng.cache.release_claim(squatter)
-    eng._wake_soon()
+    eng.wake_soon()
     [out] = await results([req])
     assert out.output_ids == (await reference([prefix + [3]], 4))[0]
     assert out.cached_tokens == {"l1": 0, "l2": 0, "l3": 32}

@@ -210,7 +210,7 @@ async def test_a_shutdown_cancelled_in_its_grace_closes_the_tiers_though_the_loo
     settle = eng._settle_aborts
 
     def crash_once_stopping():
-        if eng._stopping and asyncio.current_task() is eng._loop_task:
+        if eng.stopping and asyncio.current_task() is eng._loop_task:
             raise RuntimeError("injected crash while stopping")
         settle()
     monkeypatch.setattr(eng, "_settle_aborts", crash_once_stopping)
