@@ -24,7 +24,6 @@ import os
 import sys
 import time
 import uuid
-from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -37,16 +36,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from scheduler.api_inputs import choice_params, parse_prompts
-from scheduler.api_models import APIError, Usage, jsonable, read_json_body, validation_error
+from scheduler.api_models import APIError, jsonable, read_json_body, validation_error
 from scheduler.api_tokenize import chat_unavailable, detokenize, tokenize
 from scheduler.choices import Choices
 from scheduler.engine import Engine
+from scheduler.generation import Generation, abort_quietly
 from scheduler.generation_defaults import GenerationDefaults
-from scheduler.logprobs import LogprobsShaper
 from scheduler.prom import ServerMetrics
-from scheduler.request import Request as EngineRequest
-from scheduler.request import RequestError, TokenEvent
-from scheduler.stop_strings import CompletionText
+from scheduler.request import RequestError
 from scheduler.tokenizer import load_tokenizer
 
 log = structlog.get_logger("scheduler.server")
@@ -263,7 +260,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
     except ClientDisconnect:  # the client left while its body was read: nothing to answer
         st.metrics.outcome("aborted")
         return Response(status_code=499)
-    gens: list[_Generation] = []
+    gens: list[Generation] = []
     try:
         if chat and (err := chat_unavailable(st.tokenizer, st.model_name)):
             raise err
@@ -293,7 +290,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
                                                  rid=rid if total == 1 else f"{rid}-{i * n + j}")
                 except RequestError as exc:
                     raise _refused(st, exc, i, k) from None
-                gens.append(_Generation(st, ereq, api_req, chat, arrival, index=i, batch_size=k, choice=j, n=n))
+                gens.append(Generation(st, ereq, api_req, chat, arrival, index=i, batch_size=k, choice=j, n=n))
     except APIError:
         await _abort_all(st, gens)  # a batch's prompts queued before one was refused
         slot.release()
@@ -330,19 +327,9 @@ def _refused(st: _ServerState, exc: RequestError, index: int, batch_size: int) -
                     code="invalid_request")
 
 
-async def _abort_all(st: _ServerState, gens: list["_Generation"]) -> None:
+async def _abort_all(st: _ServerState, gens: list[Generation]) -> None:
     for gen in gens:
-        await _abort_quietly(st.engine, gen.req)
-
-
-async def _abort_quietly(engine: Engine, req: EngineRequest, stop: bool = False) -> None:
-    """stop: a stop string ended it (it finishes and its KV is published: Engine.abort)."""
-    if not req.state.done:
-        with anyio.CancelScope(shield=True):
-            try:
-                await engine.abort(req.rid, stop=stop)
-            except Exception:  # only after the loop crashed; the client has its error already
-                log.exception("abort failed", rid=req.rid)
+        await abort_quietly(st.engine, gen.req)
 
 
 class _SSEResponse(StreamingResponse):
@@ -379,118 +366,6 @@ class _SSEResponse(StreamingResponse):
                 await self.body_iterator.aclose()
                 await self._choices.close()
             self._slot.release()
-
-
-class _Generation:
-    """One admitted engine request (choice `choice` of `n` of prompt `index` of a request of `batch_size`
-    prompts; rendered by scheduler/choices.py): reads its token events as text, with its stop strings matched."""
-
-    def __init__(self, st: _ServerState, req: EngineRequest, api_req, chat: bool, arrival: float,
-                 index: int = 0, batch_size: int = 1, choice: int = 0, n: int = 1) -> None:
-        self.st, self.req, self.chat, self.arrival = st, req, chat, arrival
-        self.index, self.batch_size, self.choice, self.n = index, batch_size, choice, n
-        self.stop_strings, self.api_req = api_req.stop_strings(), api_req
-        self.stop_ids = set(req.params.stop_token_ids)
-        if not req.params.ignore_eos:
-            self.stop_ids.update(st.engine.model_config.eos_token_ids)
-        self.output_tokens = 0  # tokens read (a stop string ends them before the engine's abort lands)
-        self.logprobs = None if req.params.logprobs is None else LogprobsShaper(st.tokenizer, chat)
-        self.first_token_at: float | None = None
-        self._buf: deque = deque()
-        self._closed = self._counted = False
-
-    async def _next(self):
-        return self._buf.popleft() if self._buf else await self.req.queue.get()
-
-    async def steps(self):
-        """(token event or None, the finishing event or None); the last token and the end come together."""
-        q = self.req.queue
-        while True:
-            ev = await self._next()
-            if ev.finished:
-                yield None, ev
-                return
-            if self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
-                self.st.metrics.ttft.observe(self.first_token_at - self.arrival)
-            if not self._buf and not q.empty():
-                self._buf.append(q.get_nowait())
-            if self._buf and self._buf[0].finished:
-                yield ev, self._buf.popleft()
-                return
-            yield ev, None
-
-    def _shows_text(self, token: int, fin) -> bool:
-        """A stop token's text is left out, as vLLM leaves it (unless include_stop_str_in_output)."""
-        stop = fin is not None and fin.finish_reason == "stop" and token in self.stop_ids
-        return not stop or self.api_req.include_stop_str_in_output
-
-    def _finish(self, fin) -> None:
-        m = self.st.metrics
-        outcome = {"length": "success", "stop": "success", "abort": "aborted"}.get(fin.finish_reason, "failed")
-        self._counted = True
-        m.outcome(outcome)
-        m.generation_tokens.inc(self.output_tokens)
-        if outcome == "success":
-            m.e2e.observe(time.perf_counter() - self.arrival)
-
-    def usage(self) -> Usage:
-        # the tokens read: after a stop string, those up to and including the one that completed its
-        # match (vLLM's count), not the ones the engine made before the abort landed
-        return Usage.of(len(self.req.prompt), self.output_tokens, self.req.hit_tokens)
-
-    def fail(self, fin) -> APIError:
-        """The error of a failed or aborted choice, naming its prompt in a batch and its choice under n > 1
-        (regression: under n the message named the prompt only)."""
-        where = [f"prompt {self.index} of the batch"] if self.batch_size > 1 else []
-        where += [f"choice {self.choice} of {self.n}"] if self.n > 1 else []
-        param = f"prompt.{self.index}" if self.batch_size > 1 else None
-        where = f"{', '.join(where)}: " if where else ""
-        if fin.finish_reason == "abort":
-            return APIError(503, f"{where}the request was aborted (the server is shutting down or the client went "
-                                 f"away)", param=param, code="aborted")
-        return APIError(500, f"{where}the engine failed this request: {fin.error}", param=param, code="engine_error")
-
-    async def abort(self, stop: bool = False) -> None:
-        await _abort_quietly(self.st.engine, self.req, stop)
-
-    async def close(self) -> None:
-        """Abort the request unless it ended (the client went away, or the server is stopping)."""
-        if not self._closed:
-            self._closed = True
-            if not self._counted:
-                self._counted = True
-                self.st.metrics.outcome("aborted")
-                self.st.metrics.generation_tokens.inc(len(self.req.output))
-            await self.abort()
-
-    async def events(self):
-        """(text, token ids, the finishing event or None, logprobs entries: its `LogprobsShaper.entry`
-        when asked) per token as it arrives; the last token and the end come together. A completion's
-        text continues its prompt's (a chat's answer is a new message: no context). A stop string's
-        match ends it ("stop", the text before the match; through it with include_stop_str_in_output)
-        and the engine request, which may still be generating (it finishes: Engine.abort's stop)."""
-        text = CompletionText(self.st.tokenizer, [] if self.chat else self.req.prompt, self.stop_strings,
-                              self.req.params.min_tokens, self.api_req.include_stop_str_in_output,
-                              self.api_req.skip_special_tokens)
-        async for ev, fin in self.steps():
-            delta, token, entries = "", None if ev is None else ev.token_id, []
-            if token is not None and self.logprobs is not None and ev.logprobs is not None:
-                entries.append(self.logprobs.entry(token, ev.logprobs))
-            if token is not None:
-                self.output_tokens += 1
-                if self._shows_text(token, fin):
-                    delta = text.feed(token)
-            if fin is not None and fin.finish_reason in ("length", "stop"):
-                delta += text.flush()
-            if text.stopped:
-                fin = TokenEvent(self.req.rid, None, self.output_tokens, finished=True, finish_reason="stop")
-                await self.abort(stop=True)
-            if fin is not None:
-                self._finish(fin)
-            yield delta, [] if token is None else [token], fin, entries
-            if fin is not None:
-                return
 
 
 if __name__ == "__main__":  # python -m scheduler.server: the command line (scheduler/serve.py)

@@ -1,4 +1,4 @@
-"""vLLM's text options of a choice (scheduler/stop_strings.py, scheduler/server.py `_Generation`):
+"""vLLM's text options of a choice (scheduler/stop_strings.py, scheduler/generation.py `Generation`):
 `include_stop_str_in_output` (the text ends after the stop string that matched, or with the stop token's
 text) and `skip_special_tokens` (false: special tokens' text kept). Both were a 400 "unknown field"."""
 from __future__ import annotations
