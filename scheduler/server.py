@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import importlib.metadata
 import os
 import sys
 import time
@@ -200,6 +201,10 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         st.check_admitting()
         return {"status": "ok", "model": st.model_name}
 
+    @get("/version")
+    async def version():  # (vLLM's: what clients and dashboards probe)
+        return {"version": _version()}
+
     @get("/metrics")
     async def metrics():
         return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -217,6 +222,14 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         return JSONResponse(jsonable(s))
 
     return app
+
+
+def _version() -> str:
+    """The installed project's version ("unknown" when it runs from a checkout without being installed)."""
+    try:
+        return importlib.metadata.version("hicache")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 # -- generation --------------------------------------------------------------------------------------

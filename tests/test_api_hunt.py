@@ -127,7 +127,7 @@ def test_a_template_that_names_the_developer_role_gets_it_as_it_is(tmp_path):
 
 
 # -- HTTP: methods and routes ------------------------------------------------------------------------------
-@pytest.mark.parametrize("path", ["/health", "/v1/models", "/v1/models/tiny", "/metrics", "/hicache/status"])
+@pytest.mark.parametrize("path", ["/health", "/version", "/v1/models", "/v1/models/tiny", "/metrics", "/hicache/status"])
 def test_get_routes_answer_head(srv, path):
     """Regression: HEAD (`curl -I`, uptime checks) was a 405 on every GET route; RFC 9110 requires
     a server to answer HEAD wherever it answers GET."""

@@ -161,7 +161,10 @@ def test_streaming_matches_non_streaming(client):
 
 
 def test_models_health_status(srv):
+    import importlib.metadata
+
     assert httpx.get(srv.url + "/health").json()["status"] == "ok"
+    assert httpx.get(srv.url + "/version").json() == {"version": importlib.metadata.version("hicache")}  # (vLLM's)
     assert httpx.get(srv.url + "/v1/models").json()["data"][0]["id"] == "tiny"
     st = httpx.get(srv.url + "/hicache/status")
     assert st.status_code == 200 and st.headers["content-type"].startswith("application/json")
