@@ -32,7 +32,7 @@ from scheduler.loop_task import check_loop, crash_of, fail_live_requests, join_l
 from scheduler.model import load_model
 from scheduler.presets import model_config_of
 from scheduler.request import (Request, RequestError, RequestState, SamplingParams,
-                               TokenEvent, kv_tokens)
+                               TokenEvent, enqueue, kv_tokens)
 from scheduler.runner import Batch, ModelRunner, SimRunner
 from scheduler.sampling import seeded_generator
 
@@ -150,6 +150,8 @@ class Engine(BatchAPI):
                                    "of Python ints (convert an array with .tolist())")
             raise RequestError(f"token id {bad!r} is outside the vocabulary [0, {vocab})")
         params.validate(self.config.max_new_tokens_limit, vocab)
+        if params.priority and self.config.scheduling_policy != "priority":  # (vLLM's refusal)
+            raise RequestError(f"priority {params.priority} needs --scheduling-policy priority", "priority")
         if self.config.simulate:
             step_extras.refuse_without_logits(params)
         if len(prompt) > self.max_prompt_tokens:
@@ -199,8 +201,8 @@ class Engine(BatchAPI):
         req.queue = asyncio.Queue()
         req.arrival_batch = self.stats["batches"]
         self.requests[req.rid] = req
-        self.waiting.append(req)
-        self.log_event(req, "queued", prompt_tokens=len(req.prompt))
+        enqueue(self.waiting, req)
+        self.log_event(req, "queued", prompt_tokens=len(req.prompt), priority=params.priority)
         try:
             self.admission.maybe_prefetch(req)
         except BaseException as exc:

@@ -6,6 +6,7 @@ import enum
 import itertools
 import numbers
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -21,6 +22,7 @@ class RequestError(ValueError):
 
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
+PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1  # (vLLM's is any int; a 64-bit one here)
 MAX_LOGPROBS = 20  # alternatives a request may ask for at each position (OpenAI's top_logprobs limit)
 PRESENCE_FREQUENCY_MAX = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
 REPETITION_MAX = 10.0  # repetition_penalty in (0, REPETITION_MAX] (vLLM: > 0; a bound keeps it sane)
@@ -70,6 +72,9 @@ class SamplingParams:
     # has none) and the k likeliest tokens'. Its prompt is computed whole: it takes no cached prefix
     # (Admission._reusable). Only with it may max_tokens be 0: the prefill alone (OpenAI's echo, lm-eval)
     prompt_logprobs: int | None = None
+    # vLLM's priority (EngineConfig.scheduling_policy "priority"): the queue admits lower values first, in
+    # arrival order among equals; a running request is never preempted for it
+    priority: int = 0
 
     def validate(self, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:
         """Raises RequestError naming the field; token ids (logit_bias') within [0, vocab_size) when given."""
@@ -101,6 +106,9 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", "ignore_eos")
         self._check_logprobs("logprobs")
+        if not _is_integer(self.priority) or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+            raise RequestError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {self.priority!r}",
+                               "priority")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -PRESENCE_FREQUENCY_MAX <= value <= PRESENCE_FREQUENCY_MAX:
@@ -200,6 +208,19 @@ class GenerationResult:
 
 
 _rid_counter = itertools.count()
+
+
+def enqueue(waiting: deque["Request"], req: "Request") -> None:
+    """Put `req` in the queue in admission order: by priority (lower first), then arrival; behind every
+    request of its key or less, ahead of the rest (a new request is usually the last: O(1) then)."""
+    key = (req.params.priority, req.arrival_s)
+    if not waiting or (waiting[-1].params.priority, waiting[-1].arrival_s) <= key:
+        waiting.append(req)
+        return
+    for i, other in enumerate(waiting):
+        if (other.params.priority, other.arrival_s) > key:
+            waiting.insert(i, req)
+            return
 
 
 @dataclass(eq=False)

@@ -14,7 +14,7 @@ from hicache.ops import OpKind, OpState
 from hicache.radix import Tier
 from hicache.restores import L3_READS, RESTORE_KINDS
 from scheduler import load
-from scheduler.request import Request, RequestState
+from scheduler.request import Request, RequestState, enqueue
 
 log = structlog.get_logger("scheduler.engine")
 
@@ -157,16 +157,11 @@ class Restoring:
             self._unpark(req, op)
 
     def _requeue(self, req: Request) -> None:
-        """Put `req` back in the queue in arrival order: ahead of every request that arrived after
-        it, behind those before it (regression: put at the head, a request parked again after a
-        later one, its prefetch's read seen landed and not taken on, went back behind it when both
-        ops ended, and the later one was admitted first and restored what its read had brought)."""
-        waiting = self.engine.waiting
-        for i, other in enumerate(waiting):
-            if other.arrival_s > req.arrival_s:
-                waiting.insert(i, req)
-                return
-        waiting.append(req)
+        """Put `req` back in the queue in admission order (`request.enqueue`: by priority, then arrival;
+        regression: put at the head, a request parked again after a later one, its prefetch's read seen
+        landed and not taken on, went back behind it when both ops ended, and the later one was admitted
+        first and restored what its read had brought)."""
+        enqueue(self.engine.waiting, req)
 
     def _unpark(self, req: Request, op) -> None:
         """The op `req` was parked on ended: back to the queue (`_requeue`). After a failed restore
