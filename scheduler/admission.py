@@ -246,6 +246,8 @@ class Admission(Restoring):
         if eng.waiting and len(eng.running) < eng.config.max_running_requests and not self._head_still_blocked():
             return None  # prefill first: go back to the loop (a request waiting for a running slot gets one
             # only when another finishes, so it does not end the chain: regression, it unchained every step)
+        if any(r.guide is not None for r in reqs):
+            return None  # a guided request's next mask needs this step's token (scheduler/guided.py)
         nxt = [r for r in reqs if r.state is RequestState.DECODE and len(r.output) + 2 <= r.params.max_tokens]
         if not nxt:
             return None
@@ -297,10 +299,15 @@ class Admission(Restoring):
                 return
         else:
             req.cached_len += 1
+        if req.guide is not None and (broken := req.guide.accept(int(token))) is not None:
+            eng.finish(req, RequestState.FAILED, "error", f"the token sampled broke the request's grammar: {broken}")
+            return
         req.output.append(int(token))
         req.emit(TokenEvent(req.rid, int(token), len(req.output) - 1))
         p = req.params
         if int(token) in p.stop_token_ids or (not p.ignore_eos and int(token) in eng.model_config.eos_token_ids):
+            eng.finish(req, RequestState.FINISHED, "stop")
+        elif req.guide is not None and req.guide.complete:  # (only EOS could follow: the answer is whole)
             eng.finish(req, RequestState.FINISHED, "stop")
         elif len(req.output) >= p.max_tokens:
             eng.finish(req, RequestState.FINISHED, "length")

@@ -5,10 +5,9 @@ and runs prefill and decode batches over the paged L1 pool.
            ->  launch it on the device  ->  await its tokens (restores and I/O progress meanwhile)
            ->  post-process: stream tokens, publish prefixes, finish requests
 
-In-process API: `await engine.start()`, `async for ev in engine.submit(prompt, params)`,
-`await engine.abort(rid)`, `engine.status()`, `await engine.shutdown()`; and the synchronous
-`Engine(...).generate(prompts, params)` for batches (scheduler/batch_api.py). Call it only from the thread whose event loop
-ran `start()`: the queues, the tree and the cache manager are not thread-safe.
+In-process API: `await engine.start()`, `async for ev in engine.submit(prompt, params)`, `await engine.abort(rid)`,
+`engine.status()`, `await engine.shutdown()`; and the synchronous `Engine(...).generate(prompts, params)` for
+batches (scheduler/batch_api.py). Only from the thread whose loop ran `start()`: nothing here is thread-safe.
 """
 from __future__ import annotations
 
@@ -30,6 +29,7 @@ from scheduler.logs import OccupancyLog, configure_logging, info_enabled
 from scheduler.memory_plan import plan_pools
 from scheduler.loop_task import check_loop, crash_of, fail_live_requests, join_loop
 from scheduler.model import load_model
+from scheduler.guided import Guides
 from scheduler.presets import model_config_of
 from scheduler.request import (Request, RequestError, RequestState, SamplingParams,
                                TokenEvent, enqueue, kv_tokens)
@@ -71,6 +71,7 @@ class Engine(BatchAPI):
         if self.device.type == "cuda" and config.cuda_graphs and not config.simulate:
             self._capture_graphs()
         self.admission = Admission(self)
+        self.guides = Guides(config.model, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.parked: list[Request] = []
         self.running: list[Request] = []      # admitted: PREFILL (chunked) or DECODE
@@ -87,8 +88,7 @@ class Engine(BatchAPI):
         self.last_batch_seqs = 0  # sequences in the last batch that ended (Restoring.score_outcome)
         self._log_occupancy = OccupancyLog(self.cache.tree.allocators)  # after batches, at stops
         self.stats = {"batches": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
-                      "failed": 0, "chained_steps": 0, "restore_overlaps": 0,
-                      "restore_waits_timed_out": 0}
+                      "failed": 0, "chained_steps": 0, "restore_overlaps": 0, "restore_waits_timed_out": 0}
 
     def _capture_graphs(self) -> None:
         from scheduler.cuda_graphs import DecodeGraphs
@@ -99,14 +99,12 @@ class Engine(BatchAPI):
                               layer_flags=self.runner.layer_flags)
         graphs.capture()
         self.runner.enable_graphs(graphs)
-        # what a layer-ordered restore's forward takes: the pages its H2D moves in that time go in
-        # layers under it, the rest first, whole (CacheManager.whole_first_pages)
+        # a layer-ordered restore's forward time: pages its H2D moves meanwhile go in layers (whole_first_pages)
         self.cache.overlap_forward_s = graphs.tail_forward_s()
 
     def hold_l1_page(self, label: str) -> int:
-        """Take one L1 page for good (before any request): requests are sized without it. Refuses
-        to take the last one (regression: a one-page L1 with CUDA graphs started, then refused
-        every request for want of a page)."""
+        """Take one L1 page for good (before any request): requests are sized without it. Refuses the last one
+        (regression: a one-page L1 with CUDA graphs started, then refused every request for want of a page)."""
         if self.usable_l1_pages <= 1:
             raise ValueError(f"an L1 pool of {self.cache.l1.num_pages} page(s) leaves none for requests once "
                              f"{label!r} holds one: give --num-pages >= {self.held_l1_pages + 2}"
@@ -154,6 +152,8 @@ class Engine(BatchAPI):
             raise RequestError(f"priority {params.priority} needs --scheduling-policy priority", "priority")
         if self.config.simulate:
             step_extras.refuse_without_logits(params)
+        if params.guided is not None:
+            self.guides.check(params.guided)  # (its grammar compiles, once per spec)
         if len(prompt) > self.max_prompt_tokens:
             raise RequestError(f"prompt of {len(prompt)} tokens exceeds the limit of {self.max_prompt_tokens}")
         kv = kv_tokens(len(prompt), params.max_tokens)
@@ -198,7 +198,7 @@ class Engine(BatchAPI):
             raise RequestError(f"duplicate request id {req.rid!r}")
         if params.seed is not None:
             req.generator = seeded_generator(params.seed, self.device)
-        req.queue = asyncio.Queue()
+        req.queue, req.guide = asyncio.Queue(), self.guides.start(params.guided)
         req.arrival_batch = self.stats["batches"]
         self.requests[req.rid] = req
         enqueue(self.waiting, req)

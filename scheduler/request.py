@@ -9,7 +9,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 
 class RequestError(ValueError):
@@ -22,6 +22,9 @@ class RequestError(ValueError):
 
 
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1  # what torch.Generator.manual_seed takes
+if TYPE_CHECKING:
+    from scheduler.guided import GuidedSpec
+
 PRIORITY_MIN, PRIORITY_MAX = -(1 << 63), (1 << 63) - 1  # (vLLM's is any int; a 64-bit one here)
 MAX_LOGPROBS = 20  # alternatives a request may ask for at each position (OpenAI's top_logprobs limit)
 PRESENCE_FREQUENCY_MAX = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI's range)
@@ -75,6 +78,8 @@ class SamplingParams:
     # vLLM's priority (EngineConfig.scheduling_policy "priority"): the queue admits lower values first, in
     # arrival order among equals; a running request is never preempted for it
     priority: int = 0
+    # structured outputs (scheduler/guided.py): what the answer must be (a JSON schema, a regex, ...); None: free
+    guided: GuidedSpec | None = None
 
     def validate(self, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:
         """Raises RequestError naming the field; token ids (logit_bias') within [0, vocab_size) when given."""
@@ -263,6 +268,7 @@ class Request:
     span_plan: dict | None = field(default_factory=dict)  # None: its path changed (a fault, a fallback): nothing to learn
     finish_reason: str | None = None
     error: str | None = None
+    guide: object = None         # its grammar's matcher (scheduler/guided.py Guide) when params.guided
     generator: object = None     # torch.Generator for seeded sampling
     rng_state: object = None     # the generator's state before an overlapped forward (undone if it is discarded)
     queue: asyncio.Queue | None = None

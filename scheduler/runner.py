@@ -13,6 +13,7 @@ import torch
 from kernels import cuda_rt
 from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch
+from scheduler.guided import apply_masks
 from scheduler.model import Qwen3Model
 from scheduler.penalty_state import RowPenalties, apply_penalties
 from scheduler.request import MAX_LOGPROBS
@@ -41,6 +42,9 @@ class BatchInput:
     # per sequence, (k, the prompt tokens its first rows predict) where its request asks for prompt logprobs, or
     # None; None: no sequence asks (else the batch runs eagerly, keeping every row's hidden state)
     prompt_logprobs: list[tuple[int, list[int]] | None] | None = None
+    # (the guided sequences' positions, their allowed tokens as bitmasks [R, words] int32 on the host;
+    # scheduler/guided.py); None: no sequence is guided
+    token_masks: tuple[list[int], torch.Tensor] | None = None
 
 
 class Batch(NamedTuple):
@@ -132,6 +136,8 @@ class ModelRunner:
         penalized = logits
         if batch.penalties is not None:  # some row asked: a biased, penalized copy (logprobs, NaN marks: the raw)
             penalized = apply_penalties(logits, batch.penalties, ids_dev)
+        if batch.token_masks is not None:  # guided rows: what their grammars do not allow at -inf (a copy)
+            penalized = apply_masks(penalized, *batch.token_masks)
         next_ids = sample(penalized, batch.temperatures, batch.top_ps, batch.generators, batch.top_ks,
                           batch.min_ps)  # [B]
         # the host's ids mark a NaN row (its request fails); a chained step reads the unmarked ones (an

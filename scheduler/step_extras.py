@@ -1,9 +1,11 @@
 """What a step computes beside its tokens for the requests that ask: logprobs (of its tokens, and of a
-prefill chunk's prompt tokens), and penalties with logit_bias and min_tokens' stop ids.
+prefill chunk's prompt tokens), penalties with logit_bias and min_tokens' stop ids, and guided rows' masks.
 A batch where no request asks gets neither: no extra kernel, no extra copy (scheduler/runner.py reads
 `BatchInput.logprobs` / `BatchInput.prompt_logprobs` / `BatchInput.penalties`, None then). Used by the engine's loop
 (scheduler/engine.py); docs/design.md, "Overlap scheduling", says how both meet chained decode."""
 from __future__ import annotations
+
+import torch
 
 from scheduler.penalty_state import PenaltyState, RowPenalties
 from scheduler.request import Request, RequestError, SamplingParams
@@ -21,6 +23,9 @@ def refuse_without_logits(params: SamplingParams) -> None:
     if params.penalized:
         name = next(n for n, off in _NEUTRAL_PENALTIES if getattr(params, n) != off)
         raise RequestError("penalties need the model's logits: a simulated engine (--simulate) has none", name)
+    if params.guided is not None:
+        raise RequestError("structured outputs mask the model's logits: a simulated engine (--simulate) has none",
+                           "guided")
     if params.logit_bias:
         raise RequestError("logit_bias needs the model's logits: a simulated engine (--simulate) has none",
                            "logit_bias")
@@ -43,6 +48,12 @@ def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) 
                    for r, start, new in zip(reqs, binput.prefix_lens, binput.new_lens)]
         if any(targets):
             binput.prompt_logprobs = [(r.params.prompt_logprobs, t) if t else None for r, t in zip(reqs, targets)]
+    if any(r.guide is not None for r in reqs):  # (each row's from its grammar's state after its last token)
+        rows = [i for i, r in enumerate(reqs) if r.guide is not None]
+        masks = torch.empty(len(rows), reqs[rows[0]].guide.words, dtype=torch.int32)  # [R, words]
+        for j, i in enumerate(rows):
+            reqs[i].guide.fill_mask(masks[j])
+        binput.token_masks = (rows, masks)
     if any(r.params.adjusts_logits or len(r.output) < r.params.min_tokens for r in reqs):
         held = [_held_stops(r, eos_ids) for r in reqs]  # (min_tokens with nothing to mask asks nothing)
         if any(r.params.adjusts_logits or h for r, h in zip(reqs, held)):

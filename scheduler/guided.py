@@ -1,0 +1,163 @@
+"""Structured outputs: a request's tokens held to a grammar (OpenAI's `response_format`, vLLM's `guided_*`
+fields; SamplingParams.guided), by llguidance's matcher (https://github.com/guidance-ai/llguidance).
+
+A `GuidedSpec` names what the answer must be: text matching a JSON schema (a JSON object: the schema
+{"type": "object"}), a regex, one of a list of strings, or a Lark grammar. JSON is compact: no whitespace
+between tokens unless a schema's "x-guidance" asks for it (a model could otherwise spend its tokens on
+blanks). The engine's `Guides` turns a spec into a grammar (checked before the request is queued: a bad
+schema is that request's error) and each request into a `Guide`, its matcher:
+
+* before each step that samples for the request, its row's allowed tokens are a bitmask the host fills
+  from the matcher's state (`step_extras.ask`); the runner sets every other logit to -inf (`apply_masks`)
+  after the penalties, so sampling (greedy, top-p, seeded) picks among the allowed ones only;
+* the sampled token advances the matcher (`Admission.after_step`); once the grammar is complete (only EOS
+  could follow) the request ends with finish_reason "stop";
+* a step's mask needs the token before it, so a batch with a guided request is not chained (its next
+  step is not enqueued before its tokens are back: `Admission.chain_decode_batch`).
+
+A model without EOS ids (the random-weight presets) gets a stand-in EOS that its masks never allow: such
+a request ends when its grammar does, or at max_tokens. llguidance is imported on the first guided
+request: an engine without it serves everything else (and refuses guided requests with a clear error).
+"""
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.request import RequestError
+from scheduler.tokenizer import BYTE_OFFSET, ByteTokenizer, load_tokenizer
+
+KINDS = ("json_schema", "regex", "choice", "grammar")
+JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON (a schema's "x-guidance" may say otherwise)
+
+
+@dataclass(frozen=True)
+class GuidedSpec:
+    """What a guided answer must be. value: a JSON schema as JSON text, a regex, the JSON text of a list of
+    strings (choice), or a Lark grammar."""
+    kind: str
+    value: str
+
+    @classmethod
+    def json_object(cls) -> "GuidedSpec":
+        return cls("json_schema", json.dumps({"type": "object"}))
+
+    def grammar(self) -> str:
+        """llguidance's grammar text (no check: `Guides.check` compiles it)."""
+        from llguidance import LLMatcher
+
+        if self.kind == "json_schema":
+            return LLMatcher.grammar_from_json_schema(self.value, defaults=JSON_OPTIONS)
+        if self.kind == "regex":
+            return LLMatcher.grammar_from_regex(self.value)
+        if self.kind == "choice":
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(self.value)))
+        return LLMatcher.grammar_from_lark(self.value)
+
+
+def check_spec(spec: object) -> None:
+    """A well-formed GuidedSpec (its grammar is checked by `Guides.check`); RequestError otherwise."""
+    if not isinstance(spec, GuidedSpec) or spec.kind not in KINDS or not isinstance(spec.value, str):
+        raise RequestError(f"guided must be a GuidedSpec of kind {' / '.join(KINDS)}, got {spec!r}", "guided")
+    if spec.kind == "choice":
+        choices = json.loads(spec.value)
+        if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
+            raise RequestError("a guided choice is a non-empty list of non-empty strings", "guided")
+
+
+class Guide:
+    """One request's matcher: the tokens it may take next, and the tokens it took."""
+
+    def __init__(self, matcher, words: int, blocked_id: int | None) -> None:
+        self.matcher, self.words, self.blocked_id = matcher, words, blocked_id  # (words: int32s of a mask row)
+
+    def fill_mask(self, row: torch.Tensor) -> None:
+        """row: [words] int32 on the host, bit t of word t // 32 set where token t may come next."""
+        self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        if self.blocked_id is not None:  # (the stand-in EOS of a model that has none)
+            row[self.blocked_id // 32] &= ~(1 << (self.blocked_id % 32))
+
+    def accept(self, token: int) -> str | None:
+        """Advance by a sampled token; the matcher's error when the token broke the grammar (it cannot, but for
+        a token the mask did not hold: a NaN row's)."""
+        return None if self.matcher.consume_token(token) else self.matcher.get_error() or "rejected token"
+
+    @property
+    def complete(self) -> bool:
+        """The grammar is satisfied and nothing but EOS may follow."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
+
+
+class Guides:
+    """The engine's grammar compiler: its tokenizer as llguidance sees it (built on first use)."""
+
+    def __init__(self, model: str, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+        self.model, self.vocab_size, self.eos_ids = model, vocab_size, eos_ids
+        self.words = (vocab_size + 31) // 32  # int32 words of a row's bitmask
+
+    @functools.cached_property
+    def _tokenizer(self):
+        try:
+            from llguidance import LLTokenizer, TokenizerWrapper
+        except ImportError:
+            raise RequestError("structured outputs need the llguidance package (pip install llguidance)",
+                               "guided") from None
+        tok = load_tokenizer(self.model, self.vocab_size)
+        if tok is None:
+            raise RequestError("structured outputs need the model's tokenizer; this model has none", "guided")
+        eos = list(self.eos_ids) or [self.vocab_size - 1]  # (a stand-in, never allowed: `blocked_id`)
+        if isinstance(tok, ByteTokenizer):
+            return LLTokenizer(TokenizerWrapper(_ByteTokens(self.vocab_size, eos[0])), n_vocab=self.vocab_size)
+        return LLTokenizer(tok.tok.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+
+    @functools.lru_cache(maxsize=64)  # (a server sees the same schema again and again; specs are hashable)
+    def check(self, spec: GuidedSpec) -> str:
+        """The spec's grammar, compiled once to check it; RequestError with llguidance's message if it fails."""
+        check_spec(spec)
+        from llguidance import LLMatcher
+
+        try:
+            grammar = spec.grammar()
+        except ValueError as exc:  # (a schema that is not JSON)
+            raise RequestError(f"guided {spec.kind}: {exc}", "guided") from None
+        if problem := LLMatcher.validate_grammar(grammar, self._tokenizer):
+            raise RequestError(f"guided {spec.kind} does not compile: {problem.strip()}", "guided")
+        return grammar
+
+    def start(self, spec: GuidedSpec | None) -> Guide | None:
+        if spec is None:
+            return None
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self._tokenizer, self.check(spec), log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"guided {spec.kind}: {matcher.get_error()}", "guided")
+        return Guide(matcher, self.words, None if self.eos_ids else self.vocab_size - 1)
+
+
+class _ByteTokens:
+    """A ByteTokenizer as llguidance's TokenizerWrapper reads one: each id's bytes (ids that are not a byte
+    are special: no text a grammar could match)."""
+
+    def __init__(self, vocab_size: int, eos_id: int) -> None:
+        self.eos_token_id, self.bos_token_id = eos_id, None
+        self.tokens = [bytes([i - BYTE_OFFSET]) if 0 <= i - BYTE_OFFSET < 256 else b"" for i in range(vocab_size)]
+        self.special_token_ids = [i for i in range(vocab_size) if not 0 <= i - BYTE_OFFSET < 256]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return [b + BYTE_OFFSET for b in (text.encode("utf-8") if isinstance(text, str) else text)]
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] with every token a row's mask does not allow at -inf (a copy); masks [len(rows), words]
+    int32 on the host, one per guided row."""
+    words = masks.to(logits.device, non_blocking=True)  # [R, W]
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).reshape(len(rows), -1)[:, :logits.shape[1]]  # [R, V]
+    index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+    out = logits.clone()
+    out[index] = logits.index_select(0, index).masked_fill(allowed == 0, float("-inf"))
+    return out
