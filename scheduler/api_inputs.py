@@ -9,10 +9,12 @@ prompt is the whole answer, finish_reason "length")."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 from pydantic import ValidationError
 
+from scheduler.api_guided import GuidedFieldError
 from scheduler.api_models import (APIError, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
                                   _SamplingFields, validation_error)
 from scheduler.generation_defaults import GenerationDefaults, range_problem
@@ -65,13 +67,15 @@ def prompt_list(req: CompletionRequest) -> list[str | list[int]]:
 
 def echo_text(req: CompletionRequest | ChatCompletionRequest, index: int, ids: list[int], tokenizer) -> str | None:
     """The text a completion with `echo` sends ahead of choice text of prompt `index` (ids: its token ids):
-    the prompt as given, or its ids decoded ("" without a tokenizer); None without echo (a chat has none)."""
+    the prompt as given, or its ids decoded ("" without a tokenizer) as the choice's text is, special tokens
+    kept with skip_special_tokens false (regression: the prompt's were dropped, the generated ones kept);
+    None without echo (a chat has none)."""
     if not getattr(req, "echo", False):
         return None
     prompt = prompt_list(req)[index]
     if isinstance(prompt, str):
         return prompt
-    return tokenizer.decode(ids) if tokenizer is not None else ""
+    return tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens) if tokenizer is not None else ""
 
 
 def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, prompt: str | list[int] | None, param: str,
@@ -102,7 +106,8 @@ def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, prompt: str | li
 def chat_ids(req: ChatTemplateFields, tokenizer) -> list[int]:
     """A chat's messages (`req.messages`) rendered by the chat template with the request's options (vLLM's:
     both `continue_final_message` and `add_generation_prompt` is a 400; `chat_template_kwargs` may set no
-    variable the server sets itself), encoded. A template's own refusal (raise_exception) is a 400."""
+    variable the server sets itself), encoded. A template's own refusal (raise_exception) is a 400, naming
+    'chat_template_kwargs' where the messages render without them."""
     if req.continue_final_message and req.add_generation_prompt:  # (vLLM's 400)
         raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true (the "
                             "default of 'add_generation_prompt' is true)", param="continue_final_message",
@@ -113,14 +118,28 @@ def chat_ids(req: ChatTemplateFields, tokenizer) -> list[int]:
         raise APIError(400, f"'chat_template_kwargs' may not set {taken[0]!r} (the server sets it{field})",
                        param="chat_template_kwargs", code="invalid_value")
     check_texts([json.dumps(kwargs, ensure_ascii=False)], "chat_template_kwargs")
+    render = functools.partial(tokenizer.apply_chat_template, [m.as_template_dict() for m in req.messages],
+                               add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message,
+                               add_special_tokens=req.add_special_tokens)
     try:
-        return tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages],
-                                             add_generation_prompt=req.add_generation_prompt,
-                                             continue_final_message=req.continue_final_message,
-                                             add_special_tokens=req.add_special_tokens, template_kwargs=kwargs)
-    except Exception as exc:  # a template may reject a conversation (raise_exception)
-        raise APIError(400, f"the chat template rejected the messages: {exc}", param="messages",
-                       code="invalid_messages") from None
+        return render(template_kwargs=kwargs)
+    except Exception as exc:  # a template may reject a conversation (raise_exception), or fail on a kwarg's value
+        failed = exc
+    if kwargs and _renders(render):  # (regression: a kwarg the template failed on was blamed on 'messages')
+        raise APIError(400, f"the chat template failed on 'chat_template_kwargs': {failed}",
+                       param="chat_template_kwargs", code="invalid_value")
+    raise APIError(400, f"the chat template rejected the messages: {failed}", param="messages",
+                   code="invalid_messages")
+
+
+def _renders(render) -> bool:
+    """Whether the messages render without chat_template_kwargs (a failure's second look: what it was on)."""
+    try:
+        render(template_kwargs={})
+    except Exception:
+        return False
+    return True
 
 
 def _check_unicode(req: CompletionRequest | ChatCompletionRequest, param: str) -> None:
@@ -170,6 +189,10 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
     if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
         raise APIError(400, f"'seed' must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], got {req.seed}",
                        param="seed", code="invalid_value")
+    try:
+        guided = req.guided()[1]  # (scheduler/api_guided.py)
+    except GuidedFieldError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     logprobs = req.logprob_count()
     prompt_logprobs = logprobs if echo else None  # (vLLM's: an echoed prompt's where the tokens' are asked)
     if echo and max_tokens == 0 and logprobs is None:
@@ -178,7 +201,8 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
                           stop_token_ids=req.stop_ids(), ignore_eos=req.ignore_eos, logprobs=logprobs,
-                          prompt_logprobs=prompt_logprobs, **req.penalty_params(max_tokens), **req.sampler_params())
+                          prompt_logprobs=prompt_logprobs, guided=guided, **req.penalty_params(max_tokens),
+                          **req.sampler_params())
 
 
 def choice_params(params: SamplingParams, j: int) -> SamplingParams:

@@ -3,7 +3,7 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": "..."}}
 
 Request models are strict: unknown fields and wrong JSON types are errors (400), never coerced; OpenAI
-fields this server does not implement (tools, response_format, ...) are served at their neutral values
+fields this server does not implement (tools, tool_choice) are served at their neutral values
 only (any other value: an 'unsupported_value' 400). Token logprobs: scheduler/logprobs.py; penalties and
 logit_bias, min_tokens: scheduler/penalties.py; top_k, min_p: scheduler/sampler_fields.py.
 Token ids are what this engine speaks: `stop` as integers and `stop_token_ids` are token ids (the stop
@@ -27,6 +27,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from scheduler.api_guided import GuidedFields
 from scheduler.logprobs import ChatLogprobsFields, CompletionLogprobsField
 from scheduler.penalties import PenaltyFields
 from scheduler.sampler_fields import SamplerFields
@@ -64,7 +65,7 @@ class StreamOptions(_Strict):
     include_usage: StrictBool = False
 
 
-class _SamplingFields(_Strict, PenaltyFields, SamplerFields):
+class _SamplingFields(_Strict, PenaltyFields, SamplerFields, GuidedFields):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: Float | None = None
@@ -203,10 +204,9 @@ class ChatTemplateFields(BaseModel):
 class ChatCompletionRequest(_SamplingFields, ChatLogprobsFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: StrictStr | dict[str, Any] | None = None
-    NEUTRAL: ClassVar = (*_SamplingFields.NEUTRAL, ("response_format", (None, {"type": "text"})), ("tools", (None, [])),
+    NEUTRAL: ClassVar = (*_SamplingFields.NEUTRAL, ("tools", (None, [])),
                          ("tool_choice", (None, "none", "auto")))  # (no tools: nothing to call)
 
 

@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse
 
 from scheduler.api_inputs import echo_text
 from scheduler.api_models import APIError, Usage, response_body, stream_chunk, usage_chunk
-from scheduler.reasoning import PROMPT_TAIL_TOKENS, ReasoningSplitter, opens_thinking
+from scheduler.reasoning import ReasoningSplitter, prompt_opens_thinking
 
 _END = object()
 
@@ -50,12 +50,17 @@ class Choices:
             if echo is not None and g.logprobs is not None:
                 g.logprobs.follow_prompt(g.req.prompt)  # (before any token's entry is made)
         self.thinks = chat and gens[0].st.limits.reasoning_parser is not None and gens[0].st.tokenizer is not None
+        # the final message the answer continues (continue_final_message): a thought it began is open
+        final = api_req.messages[-1] if self.thinks and api_req.continue_final_message else None
+        self.continued = None if final is None else final.as_template_dict()["content"]
+        self._opens_thinking: bool | None = None  # (a chat has one prompt: looked at once for its n choices)
 
     def _splitter(self, gen) -> ReasoningSplitter:
         """A chat choice's thinking / answer split (--reasoning-parser), thinking from the start when its
         prompt left a think block open."""
-        tail = gen.st.tokenizer.decode(gen.req.prompt[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-        return ReasoningSplitter(thinking=opens_thinking(tail))
+        if self._opens_thinking is None:
+            self._opens_thinking = prompt_opens_thinking(gen.st.tokenizer, gen.req.prompt, self.continued)
+        return ReasoningSplitter(thinking=self._opens_thinking)
 
     async def abort(self) -> None:
         """The client went away: end every engine request (each stream then ends with 'abort')."""

@@ -16,7 +16,8 @@ schema is that request's error) and each request into a `Guide`, its matcher:
   step is not enqueued before its tokens are back: `Admission.chain_decode_batch`).
 
 A model without EOS ids (the random-weight presets) gets a stand-in EOS that its masks never allow: such
-a request ends when its grammar does, or at max_tokens. llguidance is imported on the first guided
+a request ends when its grammar does, or at max_tokens. (With a checkpoint tokenizer that has no EOS either,
+llguidance's stand-in is id 0, which such a grammar then cannot use.) llguidance is imported on the first guided
 request: an engine without it serves everything else (and refuses guided requests with a clear error).
 """
 from __future__ import annotations
@@ -97,6 +98,13 @@ class Guides:
     def __init__(self, model: str, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         self.model, self.vocab_size, self.eos_ids = model, vocab_size, eos_ids
         self.words = (vocab_size + 31) // 32  # int32 words of a row's bitmask
+        self.tokenizer = None  # None: the model's own (load_tokenizer), loaded on first use
+
+    def use(self, tokenizer) -> None:
+        """Compile grammars for `tokenizer` (the server's, which may not be the model directory's)."""
+        self.tokenizer = tokenizer
+        self.__dict__.pop("_tokenizer", None)
+        self.check.cache_clear()
 
     @functools.cached_property
     def _tokenizer(self):
@@ -105,13 +113,14 @@ class Guides:
         except ImportError:
             raise RequestError("structured outputs need the llguidance package (pip install llguidance)",
                                "guided") from None
-        tok = load_tokenizer(self.model, self.vocab_size)
+        tok = self.tokenizer or load_tokenizer(self.model, self.vocab_size)
         if tok is None:
             raise RequestError("structured outputs need the model's tokenizer; this model has none", "guided")
-        eos = list(self.eos_ids) or [self.vocab_size - 1]  # (a stand-in, never allowed: `blocked_id`)
-        if isinstance(tok, ByteTokenizer):
-            return LLTokenizer(TokenizerWrapper(_ByteTokens(self.vocab_size, eos[0])), n_vocab=self.vocab_size)
-        return LLTokenizer(tok.tok.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+        if isinstance(tok, ByteTokenizer):  # (its stand-in EOS without one: an id that is no byte)
+            eos = self.eos_ids[0] if self.eos_ids else self.vocab_size - 1
+            return LLTokenizer(TokenizerWrapper(_ByteTokens(self.vocab_size, eos)), n_vocab=self.vocab_size)
+        # (without EOS ids llguidance takes the tokenizer's EOS, or its id 0, as the stand-in)
+        return LLTokenizer(tok.tok.to_str(), n_vocab=self.vocab_size, eos_token=list(self.eos_ids) or None)
 
     @functools.lru_cache(maxsize=64)  # (a server sees the same schema again and again; specs are hashable)
     def check(self, spec: GuidedSpec) -> str:
@@ -135,7 +144,7 @@ class Guides:
         matcher = LLMatcher(self._tokenizer, self.check(spec), log_level=0)
         if matcher.is_error():
             raise RequestError(f"guided {spec.kind}: {matcher.get_error()}", "guided")
-        return Guide(matcher, self.words, None if self.eos_ids else self.vocab_size - 1)
+        return Guide(matcher, self.words, None if self.eos_ids else self._tokenizer.eos_token)
 
 
 class _ByteTokens:

@@ -132,6 +132,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
             log.warning("no_tokenizer", model=engine.config.model,
                         detail="no tokenizer.json: prompts are taken as token ids only, chat is refused")
     st = _ServerState(engine, limits, tokenizer)
+    engine.guides.use(tokenizer)  # (structured outputs' grammars see the bytes of each id this server's text has)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -295,14 +296,14 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
             try:
                 st.engine.validate(ids, params)
             except RequestError as exc:
-                raise _refused(st, exc, i, k) from None
+                raise _refused(st, exc, i, k, api_req) from None
         for i, ids in enumerate(prompts):
             for j in range(n):
                 try:
                     ereq = st.engine.add_request(ids, choice_params(params, j),
                                                  rid=rid if total == 1 else f"{rid}-{i * n + j}")
                 except RequestError as exc:
-                    raise _refused(st, exc, i, k) from None
+                    raise _refused(st, exc, i, k, api_req) from None
                 gens.append(Generation(st, ereq, api_req, chat, arrival, index=i, batch_size=k, choice=j, n=n))
     except APIError:
         await _abort_all(st, gens)  # a batch's prompts queued before one was refused
@@ -325,9 +326,11 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
         slot.release()
 
 
-def _refused(st: _ServerState, exc: RequestError, index: int, batch_size: int) -> APIError:
+def _refused(st: _ServerState, exc: RequestError, index: int, batch_size: int, api_req) -> APIError:
     """The engine refused prompt `index` of a request: a 400 naming it (a 503 while shutting down, or
-    once the engine loop failed)."""
+    once the engine loop failed); a grammar it refused, by the field that asked for it."""
+    if exc.param == "guided":
+        exc.param = api_req.guided()[0]
     try:
         st.check_admitting()
     except APIError as err:

@@ -161,11 +161,11 @@ class HFTokenizer:
         if self.developer_as_system:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
         # what transformers passes: tools / documents are None, not undefined (`tools is not none`), and
-        # the tokenizer's special tokens (bos / eos "" rather than undefined, as here before)
-        text = self._compiled.render(**(template_kwargs or {}), messages=messages, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt,
-                                     **{**self.special_tokens, "bos_token": self.bos_token,
-                                        "eos_token": self.eos_token})
+        # the tokenizer's special tokens (bos / eos "" rather than undefined, as here before); one dict, not
+        # keyword arguments (regression: a template_kwargs key "self" was render()'s own, a TypeError)
+        text = self._compiled.render({**(template_kwargs or {}), "messages": messages, "tools": None,
+                                      "documents": None, "add_generation_prompt": add_generation_prompt,
+                                      **self.special_tokens, "bos_token": self.bos_token, "eos_token": self.eos_token})
         if continue_final_message:
             text = _cut_after_final_message(text, messages[-1].get("content") or "")
         return self.encode(text, add_special_tokens=add_special_tokens)
