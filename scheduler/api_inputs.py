@@ -201,7 +201,8 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
                           stop_token_ids=req.stop_ids(), ignore_eos=req.ignore_eos, logprobs=logprobs,
-                          prompt_logprobs=prompt_logprobs, guided=guided, **req.penalty_params(max_tokens),
+                          prompt_logprobs=prompt_logprobs, guided=guided, priority=req.priority,
+                          **req.penalty_params(max_tokens),
                           **req.sampler_params())
 
 

@@ -80,6 +80,7 @@ class _SamplingFields(_Strict, PenaltyFields, SamplerFields, GuidedFields):
     stream_options: StreamOptions | None = None
     n: StrictInt | None = 1
     user: StrictStr | None = None
+    priority: StrictInt = 0  # vLLM's: lower is admitted first (only under --scheduling-policy priority)
 
     # OpenAI fields this server takes only at a value that changes nothing: (name, neutral values);
     # any other value is an "unsupported" 400 (it was "unknown field", as if the name were a typo)

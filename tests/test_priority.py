@@ -81,3 +81,23 @@ def test_enqueue_keeps_priority_then_arrival_order():
         made.append(req)
         enqueue(queue, req)
     assert [made.index(r) for r in queue] == [3, 0, 5, 2, 4, 1]
+
+
+def test_the_api_field_reaches_the_queue_and_fcfs_refuses_it():
+    """`priority` is a field of completions and chat alike (api_models._SamplingFields)."""
+    import httpx
+
+    from scheduler.server import ServerLimits, create_app
+    from test_server import ServerThread
+
+    for policy, status in (("fcfs", 400), ("priority", 200)):
+        engine = Engine(EngineConfig(model="tiny", device="cpu", max_total_tokens=512, scheduling_policy=policy))
+        with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0))) as s:
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "priority": -2},
+                           timeout=60)
+            assert r.status_code == status, r.text
+            if status == 400:
+                assert r.json()["error"]["param"] == "priority" and "--scheduling-policy" in r.text
+            r = httpx.post(s.url + "/v1/completions", json={"prompt": [5], "max_tokens": 1, "priority": "high"},
+                           timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
