@@ -21,6 +21,7 @@ from bench_common import (device_read_gib_s, forward_read_bytes, free_memory, ta
                           write_result)
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
+from scheduler.guided import GuidedSpec  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 from scheduler.runner import BatchInput  # noqa: E402
 
@@ -50,15 +51,20 @@ SAMPLED = {"sampled": {"temperature": 0.8, "top_p": 0.95},
            "qwen3_defaults": {"temperature": 0.6, "top_p": 0.95, "top_k": 20}}  # Qwen3's generation_config.json
 
 
-async def decode_rate(engine: Engine, batch: int, prompt_tokens: int, new_tokens: int, rng, **params) -> float:
+GUIDED = GuidedSpec("regex", "[a-z ]+")  # --guided-decode's grammar: never complete, so each row runs its tokens
+
+
+async def decode_rate(engine: Engine, batch: int, prompt_tokens: int, new_tokens: int, rng, guided: int = 0,
+                      **params) -> float:
     """Decode tokens/s of `batch` requests decoding together (from the last first token to the last token);
-    params: SamplingParams' extra fields (e.g. PENALTIES)."""
+    params: SamplingParams' extra fields (e.g. PENALTIES); the first `guided` requests also held to GUIDED."""
     prompts = [[rng.randrange(VOCAB_LO, vocab_hi) for _ in range(prompt_tokens)] for _ in range(batch)]
     marks = {}
 
     async def one(i, p):
         first = None
-        async for ev in engine.submit(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True, **params)):
+        grammar = {"guided": GUIDED} if i < guided else {}
+        async for ev in engine.submit(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True, **params, **grammar)):
             if first is None:
                 first = time.perf_counter()
             if ev.finished:
@@ -200,6 +206,11 @@ async def run(args) -> dict:
                                          "greedy": await decode_rate(engine, b, p, t, rng)}
             for name, params in SAMPLED.items():
                 r["sampled_decode_tok_s"][name] = await decode_rate(engine, b, p, t, rng, **params)
+        if args.guided_decode:  # what structured outputs cost a decode batch: none, one, every row guided
+            b, p, t = args.guided_decode
+            r["guided_decode_tok_s"] = {"batch": b, "prompt_tokens": p, "new_tokens": t}
+            for k in (0, 1, b):
+                r["guided_decode_tok_s"][f"guided_{k}"] = await decode_rate(engine, b, p, t, rng, guided=k)
         # the profiles last, in the last mode: after torch.profiler this process's CUDA calls stay
         # slower (its CUPTI hooks; a graph replay's host time 3-9x, session 26), so a timing taken
         # after it counts them (session 25's run 9: the one-token launch at 0.52 ms of host time
@@ -240,6 +251,9 @@ def main(argv=None) -> int:
                     help="also decode BATCH requests of PROMPT tokens for TOKENS tokens greedily and sampled "
                          "(temperature 0.8, top_p 0.95; seeded; with top_k 50 and min_p 0.05; Qwen3's defaults: temperature "
                          "0.6, top_k 20, top_p 0.95), e.g. 32,512,256")
+    ap.add_argument("--guided-decode", metavar="BATCH,PROMPT,TOKENS",
+                    help="also decode BATCH requests with none, one and all of them held to a regex (structured "
+                         "outputs: host-made masks, steps not chained), e.g. 32,512,128")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of the tail request (CUDA), after every timing of the last mode")
@@ -261,6 +275,8 @@ def main(argv=None) -> int:
         args.penalized_decode = [int(x) for x in args.penalized_decode.split(",")]
     if args.sampled_decode:
         args.sampled_decode = [int(x) for x in args.sampled_decode.split(",")]
+    if args.guided_decode:
+        args.guided_decode = [int(x) for x in args.guided_decode.split(",")]
     out = asyncio.run(run(args))
     write_result(out, args.out, args.json)
     floor = out["weight_read_floor_ms"]
@@ -286,6 +302,11 @@ def main(argv=None) -> int:
             print(f"  [{mode}] decode b{sd['batch']} over {sd['prompt_tokens']}-token prompts, {sd['new_tokens']} "
                   f"tokens: {sd['greedy']:.0f} tok/s greedy; "
                   + ", ".join(f"{name} {sd[name]:.0f} ({sd[name] / sd['greedy']:.3f})" for name in SAMPLED))
+        if "guided_decode_tok_s" in r:
+            gd = r["guided_decode_tok_s"]
+            rates = {k: v for k, v in gd.items() if k.startswith("guided_")}
+            print(f"  [{mode}] decode b{gd['batch']}, {gd['new_tokens']} tokens, rows guided: "
+                  + ", ".join(f"{k[7:]} {v:.0f} tok/s ({v / rates['guided_0']:.3f})" for k, v in rates.items()))
     return 0
 
 

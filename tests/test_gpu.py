@@ -431,3 +431,37 @@ def test_prompt_logprobs_on_cuda_with_graphs_and_a_batch_beside(dtype):
     [zero] = eng.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0))
     assert zero.output_ids == [] and all(lp.top == [] for lp in zero.prompt_logprobs[1:])
     eng.check_integrity()
+
+
+def test_structured_outputs_on_cuda_with_graphs_beside_unguided_rows():
+    """Guided rows' masks applied on the device to the decode graphs' logits (scheduler/guided.py): every
+    guided answer is what its grammar allows, sampled and greedy; the unguided rows beside them get the
+    answers they get alone (their batch unchained)."""
+    import json
+    import re
+
+    pytest.importorskip("llguidance")
+    from scheduler.engine import Engine
+    from scheduler.guided import GuidedSpec
+    from scheduler.tokenizer import ByteTokenizer
+
+    eng = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=512, page_size=16))
+    assert eng.runner.graphs is not None
+    tok = ByteTokenizer(eng.vocab_size)
+    ps = [tok.encode(f"request {i}: ") for i in range(8)]
+    alone = [r.output_ids for r in eng.generate(ps[::2], SamplingParams(max_tokens=24))]
+    regex = GuidedSpec("regex", "[a-z]{3}-[0-9]{2,4}")
+    schema = GuidedSpec("json_schema", json.dumps({"type": "object", "properties": {"k": {"enum": ["a", "b"]}},
+                                                   "required": ["k"], "additionalProperties": False}))
+    params = [SamplingParams(max_tokens=24) if i % 2 == 0 else
+              SamplingParams(max_tokens=24, guided=regex if i % 4 == 1 else schema, temperature=1.0 * (i > 4), seed=i)
+              for i in range(8)]
+    out = eng.generate(ps, params)
+    assert [r.output_ids for r in out[::2]] == alone
+    for i, r in enumerate(out):
+        if i % 2:
+            text = tok.decode(r.output_ids)
+            assert r.finish_reason == "stop", (i, text)
+            assert re.fullmatch("[a-z]{3}-[0-9]{2,4}", text) if i % 4 == 1 else json.loads(text) in ({"k": "a"},
+                                                                                                     {"k": "b"})
+    eng.check_integrity()
