@@ -64,7 +64,7 @@ FINE_STAGES = [
     ("kernels.layer_flags", "LayerFlags", "stage_status"),
     ("scheduler.admission", "Admission", "_publish"),
     ("scheduler.admission", "Admission", "release"),
-    ("scheduler.engine", "Engine", "_event"),
+    ("scheduler.engine", "Engine", "log_event"),
 ]
 
 totals: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])  # label -> [calls, ns]
