@@ -299,6 +299,11 @@ class Admission(Restoring):
                 return
         else:
             req.cached_len += 1
+        if req.guide is not None and req.guide.allows_none:  # (its mask was empty: this token is no answer's)
+            error = req.guide.stuck_error()  # (None: its grammar is whole, only an EOS the model lacks could follow)
+            state, reason = (RequestState.FAILED, "error") if error else (RequestState.FINISHED, "stop")
+            eng.finish(req, state, reason, error)
+            return
         if req.guide is not None and (broken := req.guide.accept(int(token))) is not None:
             eng.finish(req, RequestState.FAILED, "error", f"the token sampled broke the request's grammar: {broken}")
             return

@@ -11,7 +11,10 @@ schema is that request's error) and each request into a `Guide`, its matcher:
   from the matcher's state (`step_extras.ask`); the runner sets every other logit to -inf (`apply_masks`)
   after the penalties, so sampling (greedy, top-p, seeded) picks among the allowed ones only;
 * the sampled token advances the matcher (`Admission.after_step`); once the grammar is complete (only EOS
-  could follow) the request ends with finish_reason "stop";
+  could follow) the request ends with finish_reason "stop"; a grammar wins over min_tokens: where it allows
+  only the stop ids min_tokens holds back, they are not held (`step_extras.ask`), and where a mask allows
+  nothing (a grammar whole before its first token, on a model without EOS) the step's token is dropped and
+  the request ends ("stop", or an error where the grammar is not whole);
 * a step's mask needs the token before it, so a batch with a guided request is not chained (its next
   step is not enqueued before its tokens are back: `Admission.chain_decode_batch`).
 
@@ -64,7 +67,10 @@ def check_spec(spec: object) -> None:
     if not isinstance(spec, GuidedSpec) or spec.kind not in KINDS or not isinstance(spec.value, str):
         raise RequestError(f"guided must be a GuidedSpec of kind {' / '.join(KINDS)}, got {spec!r}", "guided")
     if spec.kind == "choice":
-        choices = json.loads(spec.value)
+        try:
+            choices = json.loads(spec.value)
+        except ValueError:  # (regression: json's error, out of add_request)
+            choices = None
         if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
             raise RequestError("a guided choice is a non-empty list of non-empty strings", "guided")
 
@@ -74,22 +80,52 @@ class Guide:
 
     def __init__(self, matcher, words: int, blocked_id: int | None) -> None:
         self.matcher, self.words, self.blocked_id = matcher, words, blocked_id  # (words: int32s of a mask row)
+        self.allows_none = False  # the last mask allowed no token (that step's token is no answer's: `stuck_error`)
 
-    def fill_mask(self, row: torch.Tensor) -> None:
-        """row: [words] int32 on the host, bit t of word t // 32 set where token t may come next."""
+    def fill_mask(self, row: torch.Tensor, held_ids: tuple[int, ...] = ()) -> bool:
+        """row: [words] int32 on the host, bit t of word t // 32 set where token t may come next. held_ids: the
+        stop ids min_tokens masks on the device after this mask; False when the grammar allows nothing else (then
+        they must not be held: no valid answer is longer, and the grammar wins, as at its end)."""
         self.matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
         if self.blocked_id is not None:  # (the stand-in EOS of a model that has none)
-            row[self.blocked_id // 32] &= ~(1 << (self.blocked_id % 32))
+            _clear(row, (self.blocked_id,))
+        self.allows_none = not bool(row.any())  # (e.g. a grammar whole before its first token, without an EOS)
+        if not held_ids or self.allows_none:
+            return True
+        rest = row.clone()
+        _clear(rest, held_ids)
+        return bool(rest.any())
+
+    def stuck_error(self) -> str | None:
+        """After a step whose mask allowed no token: None where the grammar is whole (only an EOS this model lacks
+        could follow: the answer ends there), else why it cannot go on."""
+        if self.matcher.is_accepting() and not self.matcher.is_error():
+            return None
+        problem = _brief(self.matcher.get_error() or "") if self.matcher.is_error() else ""
+        return "the request's grammar allows no token this model can sample here" + (f": {problem}" if problem else "")
 
     def accept(self, token: int) -> str | None:
         """Advance by a sampled token; the matcher's error when the token broke the grammar (it cannot, but for
-        a token the mask did not hold: a NaN row's)."""
-        return None if self.matcher.consume_token(token) else self.matcher.get_error() or "rejected token"
+        a token the mask did not hold: a NaN row's; or where llguidance gives up: a grammar too ambiguous)."""
+        return None if self.matcher.consume_token(token) else _brief(self.matcher.get_error() or "rejected token")
 
     @property
     def complete(self) -> bool:
         """The grammar is satisfied and nothing but EOS may follow."""
         return self.matcher.is_stopped() and not self.matcher.is_error()
+
+
+def _clear(row: torch.Tensor, ids) -> None:
+    """Clear the bits of `ids` in a mask row (those within it)."""
+    for t in ids:
+        if 0 <= t < row.numel() * 32:
+            row[t // 32] &= ~(1 << (t % 32))
+
+
+def _brief(message: str, limit_chars: int = 400) -> str:
+    """llguidance's message without the parser state and grammar it appends (kilobytes, to a client), cut."""
+    text = message.split("\n<state>")[0].strip()
+    return text if len(text) <= limit_chars else text[:limit_chars] + "..."
 
 
 class Guides:
@@ -99,12 +135,15 @@ class Guides:
         self.model, self.vocab_size, self.eos_ids = model, vocab_size, eos_ids
         self.words = (vocab_size + 31) // 32  # int32 words of a row's bitmask
         self.tokenizer = None  # None: the model's own (load_tokenizer), loaded on first use
+        # each spec's matcher in its first state, compiled once (a server sees the same schema again and again);
+        # this engine's own (regression: an lru_cache on the method kept every Guides alive, and `use` cleared all)
+        self.compiled = functools.lru_cache(maxsize=64)(self._compile)
 
     def use(self, tokenizer) -> None:
         """Compile grammars for `tokenizer` (the server's, which may not be the model directory's)."""
         self.tokenizer = tokenizer
         self.__dict__.pop("_tokenizer", None)
-        self.check.cache_clear()
+        self.compiled.cache_clear()
 
     @functools.cached_property
     def _tokenizer(self):
@@ -116,35 +155,43 @@ class Guides:
         tok = self.tokenizer or load_tokenizer(self.model, self.vocab_size)
         if tok is None:
             raise RequestError("structured outputs need the model's tokenizer; this model has none", "guided")
-        if isinstance(tok, ByteTokenizer):  # (its stand-in EOS without one: an id that is no byte)
-            eos = self.eos_ids[0] if self.eos_ids else self.vocab_size - 1
-            return LLTokenizer(TokenizerWrapper(_ByteTokens(self.vocab_size, eos)), n_vocab=self.vocab_size)
-        # (without EOS ids llguidance takes the tokenizer's EOS, or its id 0, as the stand-in)
-        return LLTokenizer(tok.tok.to_str(), n_vocab=self.vocab_size, eos_token=list(self.eos_ids) or None)
+        try:
+            if isinstance(tok, ByteTokenizer):  # (its stand-in EOS without one: an id that is no byte)
+                eos = self.eos_ids[0] if self.eos_ids else self.vocab_size - 1
+                return LLTokenizer(TokenizerWrapper(_ByteTokens(self.vocab_size, eos)), n_vocab=self.vocab_size)
+            # (without EOS ids llguidance takes the tokenizer's EOS, or its id 0, as the stand-in)
+            return LLTokenizer(tok.tok.to_str(), n_vocab=self.vocab_size, eos_token=list(self.eos_ids) or None)
+        except ValueError as exc:  # (regression: llguidance's error, out of validate, for every guided request)
+            raise RequestError(f"structured outputs cannot use this model's tokenizer: {_brief(str(exc))}",
+                               "guided") from None
 
-    @functools.lru_cache(maxsize=64)  # (a server sees the same schema again and again; specs are hashable)
-    def check(self, spec: GuidedSpec) -> str:
-        """The spec's grammar, compiled once to check it; RequestError with llguidance's message if it fails."""
+    def check(self, spec: GuidedSpec):
+        """The spec's matcher, compiled once (its grammar checked); RequestError with llguidance's message if it
+        fails. (A malformed spec first: one that is unhashable raised lru_cache's TypeError.)"""
         check_spec(spec)
+        return self.compiled(spec)
+
+    def _compile(self, spec: GuidedSpec):
+        """A matcher of the spec's grammar in its first state, never advanced (`start` copies it)."""
         from llguidance import LLMatcher
 
         try:
             grammar = spec.grammar()
         except ValueError as exc:  # (a schema that is not JSON)
-            raise RequestError(f"guided {spec.kind}: {exc}", "guided") from None
+            raise RequestError(f"guided {spec.kind}: {_brief(str(exc))}", "guided") from None
         if problem := LLMatcher.validate_grammar(grammar, self._tokenizer):
-            raise RequestError(f"guided {spec.kind} does not compile: {problem.strip()}", "guided")
-        return grammar
+            raise RequestError(f"guided {spec.kind} does not compile: {_brief(problem)}", "guided")
+        matcher = LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"guided {spec.kind}: {_brief(matcher.get_error())}", "guided")
+        return matcher
 
     def start(self, spec: GuidedSpec | None) -> Guide | None:
+        """A request's matcher: a copy of its spec's (microseconds; compiling a large schema for each request
+        held the loop: ~25 ms at 1,000 properties)."""
         if spec is None:
             return None
-        from llguidance import LLMatcher
-
-        matcher = LLMatcher(self._tokenizer, self.check(spec), log_level=0)
-        if matcher.is_error():
-            raise RequestError(f"guided {spec.kind}: {matcher.get_error()}", "guided")
-        return Guide(matcher, self.words, None if self.eos_ids else self._tokenizer.eos_token)
+        return Guide(self.check(spec).deep_copy(), self.words, None if self.eos_ids else self._tokenizer.eos_token)
 
 
 class _ByteTokens:

@@ -39,7 +39,8 @@ def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) 
     min_tokens) inputs where one of its requests wants them. A penalized row's ids are the host's at launch
     (the runner uploads those its request's state has not counted): a chained step's newest token is still on
     the device, and the runner counts it from there (`penalty_state.apply_penalties`). eos_ids: the model's,
-    which min_tokens holds back unless a request ignores EOS."""
+    which min_tokens holds back unless a request ignores EOS, or its grammar allows nothing else (guided rows'
+    masks: scheduler/guided.py)."""
     if any(r.params.logprobs is not None for r in reqs):
         binput.logprobs = [r.params.logprobs for r in reqs]
     if not binput.is_decode and any(r.params.prompt_logprobs is not None for r in reqs):
@@ -48,16 +49,19 @@ def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) 
                    for r, start, new in zip(reqs, binput.prefix_lens, binput.new_lens)]
         if any(targets):
             binput.prompt_logprobs = [(r.params.prompt_logprobs, t) if t else None for r, t in zip(reqs, targets)]
+    holding = any(r.params.adjusts_logits or len(r.output) < r.params.min_tokens for r in reqs)
+    held = [_held_stops(r, eos_ids) for r in reqs] if holding else None
     if any(r.guide is not None for r in reqs):  # (each row's from its grammar's state after its last token)
         rows = [i for i, r in enumerate(reqs) if r.guide is not None]
         masks = torch.empty(len(rows), reqs[rows[0]].guide.words, dtype=torch.int32)  # [R, words]
         for j, i in enumerate(rows):
-            reqs[i].guide.fill_mask(masks[j])
+            if not reqs[i].guide.fill_mask(masks[j], held[i] if held else ()):
+                # its grammar allows only stop ids min_tokens holds: the grammar wins (regression: every allowed
+                # token at -inf, a row of -inf sampled, the request failed)
+                held[i] = ()
         binput.token_masks = (rows, masks)
-    if any(r.params.adjusts_logits or len(r.output) < r.params.min_tokens for r in reqs):
-        held = [_held_stops(r, eos_ids) for r in reqs]  # (min_tokens with nothing to mask asks nothing)
-        if any(r.params.adjusts_logits or h for r, h in zip(reqs, held)):
-            binput.penalties = [_row(r, h) if r.params.adjusts_logits or h else None for r, h in zip(reqs, held)]
+    if holding and any(r.params.adjusts_logits or h for r, h in zip(reqs, held)):  # (else min_tokens masks nothing)
+        binput.penalties = [_row(r, h) if r.params.adjusts_logits or h else None for r, h in zip(reqs, held)]
 
 
 def _held_stops(req: Request, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
