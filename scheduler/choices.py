@@ -49,7 +49,9 @@ class Choices:
         for g, echo in zip(gens, self.echoes):
             if echo is not None and g.logprobs is not None:
                 g.logprobs.follow_prompt(g.req.prompt)  # (before any token's entry is made)
-        self.thinks = chat and gens[0].st.limits.reasoning_parser is not None and gens[0].st.tokenizer is not None
+        self.parses = chat and gens[0].st.limits.reasoning_parser is not None and gens[0].st.tokenizer is not None
+        # (a guided answer is its grammar's from its first token, all content: it has no thinking to split off)
+        self.thinks = self.parses and gens[0].req.params.guided is None
         # the final message the answer continues (continue_final_message): a thought it began is open
         final = api_req.messages[-1] if self.thinks and api_req.continue_final_message else None
         self.continued = None if final is None else final.as_template_dict()["content"]
@@ -113,7 +115,8 @@ class Choices:
         if failed is not None:
             raise failed
         shaped = [None if g.logprobs is None else g.logprobs.render(lps) for g, lps in zip(self.gens, logprobs)]
-        texts, reasoning = ["".join(t) for t in texts], None
+        texts = ["".join(t) for t in texts]
+        reasoning = [None] * len(texts) if self.parses else None  # (the parser's key, null where none was split)
         if self.thinks:
             splitters = [self._splitter(g) for g in self.gens]
             splits = [s.split(text) for s, text in zip(splitters, texts)]

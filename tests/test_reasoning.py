@@ -159,3 +159,13 @@ def test_the_flag_reaches_the_server(monkeypatch, argv, parser):
     monkeypatch.setattr(serve, "_Server", NoListen)
     assert serve.main(["--device", "cpu", "--model", "tiny", "--max-total-tokens", "256", *argv]) == 0
     assert seen == [parser]
+
+
+def test_a_guided_answer_is_all_content(servers):
+    """Its grammar holds it from the first token, so it cannot think: with a prompt that opened the think block
+    (regression: the whole answer came back as reasoning_content, content "")."""
+    import re
+
+    parsed, _ = servers
+    message = _chat(parsed, guided_regex="[a-z]{3,6}", chat_template_kwargs={"thinking": True})["message"]
+    assert message["reasoning_content"] is None and re.fullmatch("[a-z]{3,6}", message["content"]), message
