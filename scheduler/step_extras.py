@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from scheduler.guided import fill_masks
 from scheduler.penalty_state import PenaltyState, RowPenalties
 from scheduler.request import Request, RequestError, SamplingParams
 from scheduler.runner import BatchInput, StepHandle
@@ -54,8 +55,9 @@ def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) 
     if any(r.guide is not None for r in reqs):  # (each row's from its grammar's state after its last token)
         rows = [i for i, r in enumerate(reqs) if r.guide is not None]
         masks = torch.empty(len(rows), reqs[rows[0]].guide.words, dtype=torch.int32)  # [R, words]
-        for j, i in enumerate(rows):
-            if not reqs[i].guide.fill_mask(masks[j], held[i] if held else ()):
+        fits = fill_masks([reqs[i].guide for i in rows], masks, [held[i] if held else () for i in rows])
+        for i, fit in zip(rows, fits):
+            if not fit:
                 # its grammar allows only stop ids min_tokens holds: the grammar wins (regression: every allowed
                 # token at -inf, a row of -inf sampled, the request failed)
                 held[i] = ()

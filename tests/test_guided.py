@@ -133,3 +133,26 @@ def test_eos_ends_an_answer_once_the_grammar_accepts_it(ckpt_eng):
                                                      logit_bias={256: -50.0}))
     assert r.finish_reason == "stop" and re.fullmatch("[0-9]{5}", ckpt_eng.tok.decode(r.output_ids))
     ckpt_eng.check_integrity()
+
+
+def test_a_batch_of_masks_filled_at_once_equals_each_row_filled_alone(eng):
+    """`fill_masks` (llguidance's threads, several rows) against `Guide.fill_mask` row by row, matchers at
+    different states."""
+    import torch
+
+    from scheduler.guided import fill_masks
+
+    tok = ByteTokenizer(eng.vocab_size)
+    specs = [GuidedSpec("regex", "[a-z]{2}[0-9]+"), GuidedSpec("json_schema", json.dumps(SCHEMA)),
+             GuidedSpec("choice", json.dumps(["alpha", "beta"])), GuidedSpec("regex", "[a-z]{2}[0-9]+")]
+    guides = [eng.guides.start(s) for s in specs]
+    for guide, text in zip(guides, ["ab", '{"n":1', "al", ""]):
+        for t in tok.encode(text):
+            assert guide.accept(t) is None
+    together = torch.empty(len(guides), eng.guides.words, dtype=torch.int32)
+    assert fill_masks(guides, together, [()] * len(guides)) == [True] * len(guides)
+    for i, guide in enumerate(guides):
+        alone = torch.empty(eng.guides.words, dtype=torch.int32)
+        assert guide.fill_mask(alone)
+        assert torch.equal(alone, together[i])
+    assert not torch.equal(together[0], together[3])  # (the same grammar at two states)
