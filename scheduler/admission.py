@@ -246,8 +246,6 @@ class Admission(Restoring):
         if eng.waiting and len(eng.running) < eng.config.max_running_requests and not self._head_still_blocked():
             return None  # prefill first: go back to the loop (a request waiting for a running slot gets one
             # only when another finishes, so it does not end the chain: regression, it unchained every step)
-        if any(r.guide is not None for r in reqs):
-            return None  # a guided request's next mask needs this step's token (scheduler/guided.py)
         nxt = [r for r in reqs if r.state is RequestState.DECODE and len(r.output) + 2 <= r.params.max_tokens]
         if not nxt:
             return None

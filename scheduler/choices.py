@@ -123,7 +123,8 @@ class Choices:
             reasoning = [r if s.reasoned else None for (r, _), s in zip(splits, splitters)]  # (None: it never thought)
             texts = [content for _, content in splits]
         body = response_body(self.chat, self.rid, self.created, self.model,
-                             [(t, f, i, lp) for t, f, i, lp in zip(texts, finish, ids, shaped)], self.usage(), reasoning)
+                             [(t, f, i, lp) for t, f, i, lp in zip(texts, finish, ids, shaped)], self.usage(),
+                             reasoning)
         return JSONResponse(body)
 
     async def _abort_on_disconnect(self, request) -> None:

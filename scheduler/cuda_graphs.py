@@ -329,3 +329,17 @@ def _gc_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+def capture_graphs(engine) -> None:
+    """Capture an engine's graphs (CUDA, `EngineConfig.cuda_graphs`) and hand them to its runner: one L1 page
+    held for good as the scratch page padding rows may scribble on; and what a layer-ordered restore's forward
+    takes, so the pages its H2D moves meanwhile go in layers under it (CacheManager.whole_first_pages)."""
+    scratch = engine.hold_l1_page("cuda-graph-scratch")
+    max_pages = min(engine.cache.l1.num_pages, -(-engine.config.max_context_tokens // engine.page_size))
+    graphs = DecodeGraphs(engine.model, engine.cache.l1.kv, engine.page_size, max_pages, scratch,
+                          max_batch=engine.config.max_running_requests,  # (graph_shapes caps it)
+                          layer_flags=engine.runner.layer_flags)
+    graphs.capture()
+    engine.runner.enable_graphs(graphs)
+    engine.cache.overlap_forward_s = graphs.tail_forward_s()

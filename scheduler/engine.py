@@ -25,6 +25,7 @@ from scheduler import step_extras
 from scheduler.admission import Admission
 from scheduler.batch_api import BatchAPI
 from scheduler.config import EngineConfig, resolve_device
+from scheduler.cuda_graphs import capture_graphs
 from scheduler.logs import OccupancyLog, configure_logging, info_enabled
 from scheduler.memory_plan import plan_pools
 from scheduler.loop_task import check_loop, crash_of, fail_live_requests, join_loop
@@ -33,7 +34,7 @@ from scheduler.guided import Guides
 from scheduler.presets import model_config_of
 from scheduler.request import (Request, RequestError, RequestState, SamplingParams,
                                TokenEvent, enqueue, kv_tokens)
-from scheduler.runner import Batch, ModelRunner, SimRunner
+from scheduler.runner import Batch, ModelRunner, PendingSample, SimRunner
 from scheduler.sampling import seeded_generator
 
 log = structlog.get_logger("scheduler.engine")
@@ -69,7 +70,7 @@ class Engine(BatchAPI):
         if config.restore_overlap and not config.simulate and transfer is not None and transfer.layerwise:
             self.runner.layer_flags = transfer.layer_flags  # None on the CPU: copies are synchronous
         if self.device.type == "cuda" and config.cuda_graphs and not config.simulate:
-            self._capture_graphs()
+            capture_graphs(self)
         self.admission = Admission(self)
         self.guides = Guides(config.model, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.waiting: deque[Request] = deque()
@@ -89,18 +90,6 @@ class Engine(BatchAPI):
         self._log_occupancy = OccupancyLog(self.cache.tree.allocators)  # after batches, at stops
         self.stats = {"batches": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
                       "failed": 0, "chained_steps": 0, "restore_overlaps": 0, "restore_waits_timed_out": 0}
-
-    def _capture_graphs(self) -> None:
-        from scheduler.cuda_graphs import DecodeGraphs
-        scratch = self.hold_l1_page("cuda-graph-scratch")  # one page padding rows may scribble on
-        max_pages = min(self.cache.l1.num_pages, -(-self.config.max_context_tokens // self.page_size))
-        graphs = DecodeGraphs(self.model, self.cache.l1.kv, self.page_size, max_pages, scratch,
-                              max_batch=self.config.max_running_requests,  # (graph_shapes caps it)
-                              layer_flags=self.runner.layer_flags)
-        graphs.capture()
-        self.runner.enable_graphs(graphs)
-        # a layer-ordered restore's forward time: pages its H2D moves meanwhile go in layers (whole_first_pages)
-        self.cache.overlap_forward_s = graphs.tail_forward_s()
 
     def hold_l1_page(self, label: str) -> int:
         """Take one L1 page for good (before any request): requests are sized without it. Refuses the last one
@@ -415,11 +404,21 @@ class Engine(BatchAPI):
             self._settle_aborts()
             if nxt is None:
                 return
+            if isinstance(next_handle, PendingSample):  # its guided rows' masks: from the tokens just processed
+                next_handle = self._sample(nxt, next_handle)
             work, handle, start_ns, restoring = nxt, next_handle, next_start_ns, next_restoring
 
     def _launch(self, work: Batch, chain=None):
+        if chain is not None and any(r.guide is not None for r in work.reqs):  # (scheduler/guided.py)
+            # its guided rows' masks need the step before it processed: its forward now, its sampling at `_sample`
+            return self.runner.launch(work.binput, chain=chain, defer_sample=True)
         step_extras.ask(work.reqs, work.binput, self.model_config.eos_token_ids)  # logprobs, penalties: where asked
         return self.runner.launch(work.binput, chain=chain)
+
+    def _sample(self, work: Batch, pending: PendingSample):
+        """A deferred step's sampling (`_launch`), its extras asked now that the host has every token."""
+        step_extras.ask(work.reqs, work.binput, self.model_config.eos_token_ids)
+        return self.runner.sample(pending, work.binput)
 
     def _after_batch(self, work: Batch, next_ids: list[int], start_ns: int, restoring: bool) -> None:
         reqs, chunks, binput = work

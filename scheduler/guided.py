@@ -15,8 +15,10 @@ schema is that request's error) and each request into a `Guide`, its matcher:
   only the stop ids min_tokens holds back, they are not held (`step_extras.ask`), and where a mask allows
   nothing (a grammar whole before its first token, on a model without EOS) the step's token is dropped and
   the request ends ("stop", or an error where the grammar is not whole);
-* a step's mask needs the token before it, so a batch with a guided request is not chained (its next
-  step is not enqueued before its tokens are back: `Admission.chain_decode_batch`).
+* a step's mask needs the token before it: a chained decode step (overlap scheduling) with guided rows
+  enqueues its forward before the step before it is back, as any chained step, and its sampling only once
+  the host has processed that step's tokens, its masks made then (`Engine._launch` / `_sample`,
+  `ModelRunner.sample`): the device runs the forward meanwhile.
 
 A model without EOS ids (the random-weight presets) gets a stand-in EOS that its masks never allow: such
 a request ends when its grammar does, or at max_tokens. (With a checkpoint tokenizer that has no EOS either,

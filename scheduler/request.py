@@ -112,8 +112,8 @@ class SamplingParams:
             raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", "ignore_eos")
         self._check_logprobs("logprobs")
         if not _is_integer(self.priority) or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
-            raise RequestError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {self.priority!r}",
-                               "priority")
+            raise RequestError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
+                               f"got {self.priority!r}", "priority")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -PRESENCE_FREQUENCY_MAX <= value <= PRESENCE_FREQUENCY_MAX:

@@ -64,6 +64,13 @@ class StepHandle(NamedTuple):
     prompt_logprobs: Any = None           # (values, ids) of the prompt rows that asked, on the host with `host`
 
 
+class PendingSample(NamedTuple):
+    """A launched forward whose sampling waits (`ModelRunner.sample`): a chained decode step whose guided
+    rows' masks need the step before it processed on the host (scheduler/guided.py)."""
+
+    logits: torch.Tensor  # [B, V] on the device (a graph's output buffer: sampled before the graph's next replay)
+
+
 class ModelRunner:
     OUT_RING = 4  # pinned output buffers reused round-robin (see __init__)
 
@@ -93,12 +100,13 @@ class ModelRunner:
         self.graphs = graphs
 
     @torch.inference_mode()
-    def launch(self, batch: BatchInput, chain=None) -> StepHandle:
+    def launch(self, batch: BatchInput, chain=None, defer_sample: bool = False) -> StepHandle | PendingSample:
         """Enqueue forward + sampling; returns a `StepHandle` for `collect`. On CUDA nothing blocks here.
 
         chain = (handle of a launched step, rows): this decode step's input ids are that step's
         sampled ids at `rows`, taken on the device (batch.input_ids is ignored), so the step can be
-        enqueued before the previous one's tokens reach the host."""
+        enqueued before the previous one's tokens reach the host. defer_sample: the forward alone, its
+        sampling enqueued later by `sample` (a decode step's)."""
         ids_dev = None
         if chain is not None:
             prev_ids, rows = chain[0].ids, chain[1]
@@ -133,6 +141,19 @@ class ModelRunner:
                 hidden = self.model.hidden_states(ids, attn, self.kv_pool, wait_layer)  # [T, H]
                 logits = self.model.logits_of(hidden.index_select(0, attn.last_rows))  # [B, V]
                 prompt_lps = self._prompt_logprobs(hidden, batch)
+        if defer_sample:
+            return PendingSample(logits)
+        return self._sampled(logits, batch, ids_dev, prompt_lps)
+
+    @torch.inference_mode()
+    def sample(self, pending: PendingSample, batch: BatchInput) -> StepHandle:
+        """A deferred step's sampling (`launch(defer_sample=True)`), once the host has the tokens before it: its
+        penalties count them from the host's state (as an unchained step's), not from the device."""
+        return self._sampled(pending.logits, batch, None, None)
+
+    def _sampled(self, logits: torch.Tensor, batch: BatchInput, ids_dev, prompt_lps) -> StepHandle:
+        """Penalties, guided masks, sampling, NaN marks and logprobs of a forward's logits [B, V], and their
+        copy to the host."""
         penalized = logits
         if batch.penalties is not None:  # some row asked: a biased, penalized copy (logprobs, NaN marks: the raw)
             penalized = apply_penalties(logits, batch.penalties, ids_dev)

@@ -156,3 +156,25 @@ def test_a_batch_of_masks_filled_at_once_equals_each_row_filled_alone(eng):
         assert guide.fill_mask(alone)
         assert torch.equal(alone, together[i])
     assert not torch.equal(together[0], together[3])  # (the same grammar at two states)
+
+
+def test_guided_steps_chain_and_answer_as_unchained_steps_do():
+    """A chained step with guided rows enqueues its forward early and samples once the step before it is
+    processed (`Engine._sample`): the batch keeps chaining, and every answer (penalized and seeded rows
+    too, their counts taken from the host then) is the one an engine without overlap scheduling gives."""
+    def answers(overlap: bool):
+        eng = Engine(EngineConfig(model="tiny", device="cpu", max_total_tokens=4096, overlap_schedule=overlap))
+        tok = ByteTokenizer(eng.vocab_size)
+        spec = GuidedSpec("regex", "[a-z ]{5,40}")
+        params = [SamplingParams(max_tokens=30), SamplingParams(max_tokens=30, guided=spec),
+                  SamplingParams(max_tokens=30, guided=spec, temperature=1.0, seed=5, frequency_penalty=1.5,
+                                 presence_penalty=0.5, logprobs=2),
+                  SamplingParams(max_tokens=30, temperature=0.8, seed=9, repetition_penalty=1.3)]
+        out = eng.generate([tok.encode(f"say {i}: ") for i in range(4)], params)
+        eng.check_integrity()
+        kept = [(r.output_ids, [round(lp.logprob, 4) for lp in r.logprobs or ()]) for r in out]
+        return kept, eng.stats["chained_steps"]
+
+    chained, steps = answers(True)
+    unchained, none = answers(False)
+    assert chained == unchained and none == 0 and steps >= 20
