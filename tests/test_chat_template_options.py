@@ -15,6 +15,7 @@ from scheduler.engine import Engine
 from scheduler.server import ServerLimits, create_app
 from scheduler.tokenizer import HFTokenizer
 from test_server import ServerThread
+from tokenizer_files import write_byte_tokenizer
 
 BOS = 256
 HI = [{"role": "user", "content": "hi"}]
@@ -27,17 +28,8 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['conten
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    path = tmp_path_factory.mktemp("tok")
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab={**vocab, "<s>": BOS}, merges=[]))
-    tok.add_special_tokens([AddedToken("<s>", special=True)])
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "bos_token": "<s>"}))
+    path = write_byte_tokenizer(tmp_path_factory.mktemp("tok"), special=("<s>",), bos="<s>",  # (<s>: id BOS)
+                                config={"chat_template": TEMPLATE, "bos_token": "<s>"})
     tokenizer = HFTokenizer(str(path))
     engine = Engine(EngineConfig(model="tiny", device="cpu", max_total_tokens=512))
     with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=tokenizer)) as s:

@@ -13,6 +13,7 @@ from scheduler.engine import Engine
 from scheduler.guided import GuidedSpec
 from scheduler.request import RequestError, SamplingParams
 from scheduler.tokenizer import ByteTokenizer
+from tokenizer_files import write_byte_tokenizer
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "kind": {"enum": ["cat", "dog"]}},
           "required": ["n", "kind"], "additionalProperties": False}
@@ -99,19 +100,14 @@ def test_a_simulated_engine_refuses_it():
 def ckpt_eng(tmp_path_factory):
     import torch
     from safetensors.torch import save_file
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer
 
     from scheduler.loader import export_hf_state_dict
     from scheduler.model import Qwen3Model, init_random_weights
     from scheduler.presets import PRESETS
 
-    path = tmp_path_factory.mktemp("ckpt")
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab={**vocab, "<eos>": 256}, merges=[]))
-    tok.add_special_tokens([AddedToken("<eos>", special=True)])
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(path / "tokenizer.json"))
+    path = write_byte_tokenizer(tmp_path_factory.mktemp("ckpt"), special=("<eos>",))  # (<eos>: id 256)
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     cfg = dataclasses.replace(PRESETS["tiny"], eos_token_id=256)
     model = init_random_weights(Qwen3Model.empty(cfg, torch.device("cpu"), torch.float32), 0)
     (path / "config.json").write_text(json.dumps(cfg.to_hf_config()))

@@ -16,6 +16,7 @@ from scheduler.engine import Engine
 from scheduler.server import ServerLimits, create_app
 from scheduler.tokenizer import HFTokenizer
 from test_server import ServerThread
+from tokenizer_files import write_byte_tokenizer
 
 PETS = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "indoor": {"type": "boolean"}},
         "required": ["kind", "indoor"], "additionalProperties": False}
@@ -25,16 +26,8 @@ PETS = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}, "indo
 def srv(tmp_path_factory):
     """The tiny model with a byte-level checkpoint tokenizer and a chat template (completions also work
     with the presets' byte tokenizer; chat needs a template)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    path = tmp_path_factory.mktemp("tok")
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(path / "tokenizer.json"))
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    path = write_byte_tokenizer(tmp_path_factory.mktemp("tok"), config={"chat_template": template})
     engine = Engine(EngineConfig(model="tiny", device="cpu", max_total_tokens=2048))
     with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=HFTokenizer(str(path)))) as s:
         yield s

@@ -15,6 +15,7 @@ from scheduler.reasoning import ReasoningSplitter, opens_thinking
 from scheduler.server import ServerLimits, create_app
 from scheduler.tokenizer import HFTokenizer
 from test_server import ServerThread
+from tokenizer_files import write_byte_tokenizer
 
 START, END = 256, 257  # "<think>", "</think>"
 
@@ -63,16 +64,8 @@ TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endf
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    path = tmp_path_factory.mktemp("tok")
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab={**vocab, "<think>": START, "</think>": END}, merges=[]))
-    tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])  # (as Qwen3's)
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
+    path = write_byte_tokenizer(tmp_path_factory.mktemp("tok"), added=("<think>", "</think>"),  # (as Qwen3's)
+                                config={"chat_template": TEMPLATE})
     tokenizer = HFTokenizer(str(path))
     made = []
     for parser in ("qwen3", None):  # two engines of the same seed: the same answers

@@ -16,6 +16,7 @@ from scheduler.server import ServerLimits, create_app
 from scheduler.stop_strings import CompletionText
 from scheduler.tokenizer import ByteTokenizer, HFTokenizer, decode_completion
 from test_server import ServerThread
+from tokenizer_files import write_byte_tokenizer
 
 START, END, BOS = 256, 257, 258  # "<think>", "</think>", "<s>"
 HI = {"role": "user", "content": "hi"}
@@ -29,17 +30,8 @@ TEMPLATE = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['conten
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     """--reasoning-parser qwen3 over a byte-level tokenizer with Qwen3's think markers (not special) and a BOS."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    path = tmp_path_factory.mktemp("tok")
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab={**vocab, "<think>": START, "</think>": END, "<s>": BOS}, merges=[]))
-    tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
-    tok.add_special_tokens([AddedToken("<s>", special=True)])
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE, "bos_token": "<s>"}))
+    path = write_byte_tokenizer(tmp_path_factory.mktemp("tok"), added=("<think>", "</think>"), special=("<s>",),
+                                config={"chat_template": TEMPLATE, "bos_token": "<s>"})  # (ids START, END, BOS)
     tokenizer = HFTokenizer(str(path))
     engine = Engine(EngineConfig(model="tiny", device="cpu", max_total_tokens=1024))
     limits = ServerLimits(shutdown_grace_s=1.0, reasoning_parser="qwen3")

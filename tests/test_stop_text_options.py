@@ -14,6 +14,7 @@ from scheduler.server import ServerLimits, create_app
 from scheduler.stop_strings import StopMatcher
 from scheduler.tokenizer import HFTokenizer
 from test_server import ServerThread
+from tokenizer_files import write_byte_tokenizer
 
 BOS = 256
 
@@ -74,15 +75,7 @@ def test_a_stop_token_shows_its_text_when_asked(srv):
 @pytest.fixture(scope="module")
 def bos_srv(tmp_path_factory):
     """A checkpoint tokenizer whose BOS "<s>" (id 256) is a special token."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    path = tmp_path_factory.mktemp("tok")
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab={**vocab, "<s>": BOS}, merges=[]))
-    tok.add_special_tokens([AddedToken("<s>", special=True)])
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(path / "tokenizer.json"))
+    path = write_byte_tokenizer(tmp_path_factory.mktemp("tok"), special=("<s>",))
     engine = Engine(EngineConfig(model="tiny", device="cpu", max_total_tokens=512))
     with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=HFTokenizer(str(path)))) as s:
         yield s

@@ -2,8 +2,6 @@
 tokenizer, and a checkpoint tokenizer with a chat template. The server harness is tests/test_server.py's."""
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
@@ -13,6 +11,7 @@ from scheduler.engine import Engine
 from scheduler.server import ServerLimits, create_app
 from scheduler.tokenizer import HFTokenizer
 from test_server import ServerThread, metric_samples
+from tokenizer_files import write_byte_tokenizer
 
 HI = [{"role": "user", "content": "hi"}]
 BOS = 256
@@ -21,18 +20,9 @@ BOS = 256
 def _write_tokenizer(path) -> None:
     """The 256 byte-level tokens and a BOS "<s>" (id 256) that a plain encode adds; a template that writes
     the BOS, then "<role>content\\n" per message."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-
-    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab={**vocab, "<s>": BOS}, merges=[]))
-    tok.add_special_tokens([AddedToken("<s>", special=True)])
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", BOS)])
-    tok.save(str(path / "tokenizer.json"))
     template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                 "{% if add_generation_prompt %}<assistant>{% endif %}")
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template, "bos_token": "<s>"}))
+    write_byte_tokenizer(path, special=("<s>",), bos="<s>", config={"chat_template": template, "bos_token": "<s>"})
 
 
 def _engine() -> Engine:
