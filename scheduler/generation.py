@@ -38,7 +38,8 @@ class Generation:
         if not req.params.ignore_eos:
             self.stop_ids.update(st.engine.model_config.eos_token_ids)
         self.output_tokens = 0  # tokens read (a stop string ends them before the engine's abort lands)
-        self.logprobs = None if req.params.logprobs is None else LogprobsShaper(st.tokenizer, chat)
+        self.logprobs = None if req.params.logprobs is None else \
+            LogprobsShaper(st.tokenizer, chat, api_req.skip_special_tokens)
         self.first_token_at: float | None = None
         self._buf: deque = deque()
         self._closed = self._counted = False

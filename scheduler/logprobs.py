@@ -69,12 +69,14 @@ class LogprobsShaper:
     """One choice's token logprobs in its endpoint's shape: `entry` per token as it arrives (in order:
     a completion's text offsets run on), `render` for a response's or a chunk's entries."""
 
-    def __init__(self, tokenizer, chat: bool) -> None:
+    def __init__(self, tokenizer, chat: bool, skip_special_tokens: bool = True) -> None:
         self.tokenizer, self.chat = tokenizer, chat
+        self.skip_special_tokens = skip_special_tokens  # (as the choice's text: a special token's piece is its text)
         self.offset_chars = 0  # a completion's text_offset: characters of the pieces so far
 
     def piece(self, token_id: int) -> str:
-        text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+        text = self.tokenizer.decode([token_id], skip_special_tokens=self.skip_special_tokens) \
+            if self.tokenizer is not None else ""
         return text or f"token_id:{token_id}"
 
     def entry(self, token_id: int, lp: TokenLogprobs | None):
@@ -98,7 +100,7 @@ class LogprobsShaper:
 
     def prompt_entries(self, prompt_ids: list[int], lps: list[TokenLogprobs | None]) -> list:
         """An echoed prompt's entries, text offsets from 0 (Request.prompt_logprobs: the first None)."""
-        shaper = LogprobsShaper(self.tokenizer, self.chat)
+        shaper = LogprobsShaper(self.tokenizer, self.chat, self.skip_special_tokens)
         return [shaper.entry(t, lp) for t, lp in zip(prompt_ids, lps)]
 
     def _chat_item(self, token_id: int, logprob: float) -> dict:

@@ -93,3 +93,13 @@ def test_both_are_strict_booleans(srv):
     for field in ("include_stop_str_in_output", "skip_special_tokens"):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1, field: "yes"}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_a_special_tokens_logprobs_entry_is_its_text_when_kept(bos_srv):
+    """With skip_special_tokens false a completion's logprobs pieces are the text's (their offsets add up to
+    it); by default a special token has no text, and its piece names its id (regression: always the id)."""
+    bias = {"logit_bias": {str(BOS): 100}, "logprobs": 1}
+    kept = _complete(bos_srv, max_tokens=3, skip_special_tokens=False, **bias)
+    assert kept["logprobs"]["tokens"] == ["<s>"] * 3 and kept["logprobs"]["text_offset"] == [0, 3, 6]
+    assert "".join(kept["logprobs"]["tokens"]) == kept["text"]
+    assert _complete(bos_srv, max_tokens=3, **bias)["logprobs"]["tokens"] == [f"token_id:{BOS}"] * 3
