@@ -137,6 +137,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         st.loop = asyncio.get_running_loop()
+        st.loop.run_in_executor(None, engine.guides.warm)  # (off the loop; a first guided request no longer waits)
         await engine.start()
         task = getattr(engine, "_loop_task", None)
         if task is not None:

@@ -123,3 +123,16 @@ def test_a_bad_ask_is_a_400_naming_its_field(srv, body, param):
         r = _post(srv, path, max_tokens=4, **extra, **body)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param, r.text
+
+
+def test_the_server_builds_the_grammars_tokenizer_at_start():
+    """Off its loop, before any guided request (a real vocabulary takes ~1 s to build)."""
+    import time
+
+    engine = Engine(EngineConfig(model="tiny", device="cpu", max_total_tokens=512))
+    assert "_tokenizer" not in engine.guides.__dict__
+    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0))):
+        deadline = time.monotonic() + 30
+        while "_tokenizer" not in engine.guides.__dict__ and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.guides.__dict__.get("_tokenizer") is not None
