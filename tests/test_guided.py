@@ -60,7 +60,7 @@ def test_a_json_object_is_compact_json(eng):
 
 
 def test_unguided_requests_beside_guided_ones_are_unchanged(eng):
-    """Masks apply to the guided rows only, and their batches run unchained (no overlap): the other
+    """Masks apply to the guided rows only, their steps chained with the sampling deferred: the other
     requests' greedy answers are those they get alone."""
     tok = ByteTokenizer(eng.vocab_size)
     prompts = [tok.encode(f"request {i}: ") for i in range(6)]
