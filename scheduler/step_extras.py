@@ -53,21 +53,18 @@ def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) 
     # a deferred step's row whose request ended at the step before (its token is dropped: `after_step`) asks
     # nothing (regression: its mask made from a stopped or errored matcher, and a PenaltyState made anew after
     # `finish` had dropped it, its tensors then kept on the device with the Request)
-    live = [not r.state.done for r in reqs]
-    adjusts = [ok and r.params.adjusts_logits for r, ok in zip(reqs, live)]
-    holding = any(a or (ok and len(r.output) < r.params.min_tokens) for r, a, ok in zip(reqs, adjusts, live))
-    held = [_held_stops(r, eos_ids) if ok else () for r, ok in zip(reqs, live)] if holding else None
-    rows = [i for i, (r, ok) in enumerate(zip(reqs, live)) if ok and r.guide is not None]
+    adjusts = [r.params.adjusts_logits and not r.state.done for r in reqs]
+    held = [() if r.state.done else _held_stops(r, eos_ids) for r in reqs]
+    rows = [i for i, r in enumerate(reqs) if r.guide is not None and not r.state.done]
     if rows:  # (each row's from its grammar's state after its last token)
         masks = torch.empty(len(rows), reqs[rows[0]].guide.words, dtype=torch.int32)  # [R, words]
-        fits = fill_masks([reqs[i].guide for i in rows], masks, [held[i] if held else () for i in rows])
-        for i, fit in zip(rows, fits):
+        for i, fit in zip(rows, fill_masks([reqs[i].guide for i in rows], masks, [held[i] for i in rows])):
             if not fit:
                 # its grammar allows only stop ids min_tokens holds: the grammar wins (regression: every allowed
                 # token at -inf, a row of -inf sampled, the request failed)
                 held[i] = ()
         binput.token_masks = (rows, masks)
-    if holding and any(a or h for a, h in zip(adjusts, held)):  # (else min_tokens masks nothing)
+    if any(adjusts) or any(held):  # (min_tokens with nothing left to mask asks nothing)
         binput.penalties = [_row(r, h) if a or h else None for r, a, h in zip(reqs, adjusts, held)]
 
 
