@@ -25,22 +25,28 @@ from scheduler.tokenizer import TEMPLATE_VARIABLES
 def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], model_name: str, vocab_size: int,
                   prompt_limit: int, max_tokens_limit: int, default_max_tokens: int = 16,
                   context_tokens: int | None = None, sampling_defaults: GenerationDefaults = GenerationDefaults(),
-                  ) -> tuple[CompletionRequest | ChatCompletionRequest, list[list[int]], SamplingParams]:
+                  auto_tools: bool = False) -> tuple[CompletionRequest | ChatCompletionRequest, list[list[int]], SamplingParams]:
     """Validate a decoded JSON body: (the request model, each prompt's token ids in order: one, or a
     completion's batch, sampling parameters). Raises APIError (400 / 404) naming the field or limit (a
     batch's prompt by its position: "prompt.2"). Without max_tokens a completion gets `default_max_tokens`
     (OpenAI's legacy default, 16) and a chat what is left of `context_tokens` (the tokens a request can
     hold; OpenAI's chat has no default), each within max_tokens_limit. `sampling_defaults`: for the sampling
-    fields the request leaves out or sets to null (scheduler/generation_defaults.py; none given: OpenAI's)."""
+    fields the request leaves out or sets to null (scheduler/generation_defaults.py; none given: OpenAI's).
+    auto_tools: the server reads tool calls out of answers (a chat's tool_choice "auto" is served)."""
     try:
         request_model = ChatCompletionRequest if chat else CompletionRequest
         req = request_model.model_validate(body, context={"vocab_size": vocab_size})  # (logit_bias' token ids)
     except ValidationError as exc:
         raise validation_error(exc) from None
     req.check_unsupported()
+    if chat:
+        try:
+            req.check_tools(auto_tools)
+        except GuidedFieldError as exc:  # (scheduler/api_tools.py's ToolFieldError)
+            raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     check_model(req.model, served_names, model_name)
     param = "messages" if chat else "prompt"
-    _check_unicode(req, param)
+    check_unicode(req, param)
     if req.stop_strings() and tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so stop strings cannot be matched; send 'stop' as "
                             "token ids", param="stop", code="invalid_value")
@@ -118,8 +124,9 @@ def chat_ids(req: ChatTemplateFields, tokenizer) -> list[int]:
         raise APIError(400, f"'chat_template_kwargs' may not set {taken[0]!r} (the server sets it{field})",
                        param="chat_template_kwargs", code="invalid_value")
     check_texts([json.dumps(kwargs, ensure_ascii=False)], "chat_template_kwargs")
+    tools = [t.model_dump(exclude_none=True) for t in getattr(req, "tools", None) or ()] or None
     render = functools.partial(tokenizer.apply_chat_template, [m.as_template_dict() for m in req.messages],
-                               add_generation_prompt=req.add_generation_prompt,
+                               tools=tools, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
                                add_special_tokens=req.add_special_tokens)
     try:
@@ -142,13 +149,13 @@ def _renders(render) -> bool:
     return True
 
 
-def _check_unicode(req: CompletionRequest | ChatCompletionRequest, param: str) -> None:
+def check_unicode(req, param: str) -> None:
     """Text a tokenizer can take: JSON allows lone surrogates ("\ud800"), which UTF-8 cannot encode
-    (a 500 from the tokenizer, or a misleading 'the chat template rejected the messages')."""
-    if isinstance(req, ChatCompletionRequest):
-        texts = [m.name or "" for m in req.messages] + [m.tool_call_id or "" for m in req.messages] + [
-            p.text for m in req.messages for p in (m.content if isinstance(m.content, list) else [])]
-        texts += [m.content for m in req.messages if isinstance(m.content, str)]
+    (a 500 from the tokenizer, or a misleading 'the chat template rejected the messages'). A chat's (a
+    completion's, /tokenize's): its messages as the template gets them, and its tools."""
+    if hasattr(req, "messages"):
+        texts = [json.dumps(m.as_template_dict(), ensure_ascii=False) for m in req.messages]
+        texts += [json.dumps(t.model_dump(), ensure_ascii=False) for t in getattr(req, "tools", None) or ()]
     else:
         texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
     check_texts(texts, param)

@@ -3,8 +3,8 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": "max_tokens", "code": "..."}}
 
 Request models are strict: unknown fields and wrong JSON types are errors (400), never coerced; OpenAI
-fields this server does not implement (tools, tool_choice) are served at their neutral values
-only (any other value: an 'unsupported_value' 400). Token logprobs: scheduler/logprobs.py; penalties and
+fields this server does not implement are served at their neutral values only (any other value: an
+'unsupported_value' 400). Tools and tool calls: scheduler/api_tools.py. Token logprobs: scheduler/logprobs.py; penalties and
 logit_bias, min_tokens: scheduler/penalties.py; top_k, min_p: scheduler/sampler_fields.py.
 Token ids are what this engine speaks: `stop` as integers and `stop_token_ids` are token ids (the stop
 token is in `token_ids` but its text is left out); `stop` as a string or a list of up to 4 strings is
@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pydantic_core import PydanticCustomError
 
 from scheduler.api_guided import GuidedFields
+from scheduler.api_tools import MessageToolCall, ToolFields
 from scheduler.logprobs import ChatLogprobsFields, CompletionLogprobsField
 from scheduler.penalties import PenaltyFields
 from scheduler.sampler_fields import SamplerFields
@@ -145,16 +146,18 @@ class TextPart(_Strict):
 
 # OpenAI's assistant-message fields (and the SDK's `parsed`) at the values that change nothing
 _MESSAGE_NEUTRAL: dict[str, tuple] = {"refusal": (None,), "annotations": (None, []), "audio": (None,),
-                                      "function_call": (None,), "tool_calls": (None, []), "parsed": (None,)}
+                                      "function_call": (None,), "parsed": (None,)}
 
 
 class ChatMessage(_Strict):
     """The OpenAI API's roles; only an assistant's message may come without content (400 otherwise:
-    a typo'd role or a forgotten content used to be rendered into a prompt the model never saw)."""
+    a typo'd role or a forgotten content used to be rendered into a prompt the model never saw), and only
+    an assistant's may carry `tool_calls` (the calls it made: scheduler/api_tools.py)."""
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None  # (the SDK's tool messages need it: it was an 'unknown field')
+    tool_calls: list[MessageToolCall] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -181,6 +184,8 @@ class ChatMessage(_Strict):
     def _content_required(self) -> "ChatMessage":
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs 'content'")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"a {self.role} message may not carry 'tool_calls' (an assistant's may)")
         return self
 
     def as_template_dict(self) -> dict:
@@ -191,6 +196,8 @@ class ChatMessage(_Strict):
         for key in ("name", "tool_call_id"):  # (as transformers passes a message: a template may use them)
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.tool_calls:
+            out["tool_calls"] = [c.as_template_dict() for c in self.tool_calls]
         return out
 
 
@@ -202,13 +209,14 @@ class ChatTemplateFields(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables: Qwen3's enable_thinking
 
 
-class ChatCompletionRequest(_SamplingFields, ChatLogprobsFields, ChatTemplateFields):
+class ChatCompletionRequest(_SamplingFields, ChatLogprobsFields, ChatTemplateFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
-    tools: list[Any] | None = None
-    tool_choice: StrictStr | dict[str, Any] | None = None
-    NEUTRAL: ClassVar = (*_SamplingFields.NEUTRAL, ("tools", (None, [])),
-                         ("tool_choice", (None, "none", "auto")))  # (no tools: nothing to call)
+
+    def _asks(self):
+        """The guided fields' grammars, and a "required" or named tool_choice's (two at once: a 400)."""
+        yield from super()._asks()
+        yield "tool_choice", self.tool_spec()
 
 
 # -- responses -------------------------------------------------------------------------------------
@@ -263,8 +271,9 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # (null: tool calls and no text)
     reasoning_content: str | None = None  # only with --reasoning-parser (scheduler/reasoning.py)
+    tool_calls: list[dict] | None = None  # only where calls were made (scheduler/chat_answer.py)
 
 
 class ChatChoice(BaseModel):
@@ -319,18 +328,24 @@ def _is_type_tag(part: str) -> bool:
 
 
 def response_body(chat: bool, rid: str, created: int, model: str,
-                  choices: list[tuple[str, str, list[int], dict | None]], usage: Usage,
-                  reasoning: list[str | None] | None = None) -> dict:
+                  choices: list[tuple[str | None, str, list[int], dict | None]], usage: Usage,
+                  reasoning: list[str | None] | None = None, tool_calls: list[list[dict]] | None = None) -> dict:
     """`choices`: (text, finish_reason, token_ids, logprobs) per prompt, in the prompts' order (their `index`);
-    `reasoning`: a chat's per choice with --reasoning-parser (None: the message has no such key)."""
+    `reasoning`: a chat's per choice with --reasoning-parser (None: the message has no such key); `tool_calls`:
+    a chat's per choice (the key only where there are some)."""
     common = dict(id=rid, created=created, model=model, usage=usage)
     if chat:
         body = ChatCompletionResponse(choices=[
-            ChatChoice(index=i, message=AssistantMessage(content=text, reasoning_content=reasoning and reasoning[i]),
+            ChatChoice(index=i, message=AssistantMessage(content=text, reasoning_content=reasoning and reasoning[i],
+                                                         tool_calls=tool_calls and tool_calls[i] or None),
                        finish_reason=finish, token_ids=ids, logprobs=lps)
             for i, (text, finish, ids, lps) in enumerate(choices)], **common).model_dump()
-        for choice in body["choices"] if reasoning is None else ():
-            del choice["message"]["reasoning_content"]
+        for choice in body["choices"]:
+            message = choice["message"]
+            if reasoning is None:
+                del message["reasoning_content"]
+            if message["tool_calls"] is None:
+                del message["tool_calls"]
         return body
     return CompletionResponse(choices=[
         CompletionChoice(index=i, text=text, finish_reason=finish, token_ids=ids, logprobs=lps)
@@ -345,18 +360,21 @@ def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: Usage) ->
 
 def stream_chunk(chat: bool, rid: str, created: int, model: str, text: str, token_ids: list[int],
                  finish_reason: str | None, first: bool, usage: Usage | None | Literal[False], index: int = 0,
-                 logprobs: dict | None = None, reasoning: str = "") -> dict:
+                 logprobs: dict | None = None, reasoning: str = "", tool_calls: list[dict] | None = None) -> dict:
     """One SSE chunk of choice `index`; `usage` False leaves the key out (no stream_options.include_usage),
     None is the null that OpenAI puts in every choice chunk (the usage follows in `usage_chunk`); `logprobs`:
     the chunk's tokens' (scheduler/logprobs.py); `reasoning`: a chat's thinking text of the chunk, sent as
-    the delta's reasoning_content (vLLM's; its `content` then only when the chunk has some)."""
+    the delta's reasoning_content (vLLM's; its `content` then only when the chunk has some); `tool_calls`: the
+    chunk's tool call deltas (scheduler/chat_answer.py), likewise."""
     choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason, "token_ids": token_ids}
     if chat:
         delta = {"role": "assistant"} if first else {}
         if reasoning:
             delta["reasoning_content"] = reasoning
-        if text or not reasoning:
+        if text or not (reasoning or tool_calls):
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice["delta"] = delta
     else:
         choice["text"] = text

@@ -4,7 +4,7 @@ own tokenizer, for clients that count tokens (lm-eval, guidance, benchmark clien
     POST /tokenize    {"model"?, "prompt": str, "add_special_tokens"?: true, "return_token_strs"?: false}
                       or a chat: {"model"?, "messages": [...], "add_generation_prompt"?: true,
                       "continue_final_message"?: false, "add_special_tokens"?: false,
-                      "chat_template_kwargs"?: {...}, "return_token_strs"?}
+                      "chat_template_kwargs"?: {...}, "tools"?: [...], "return_token_strs"?}
                       -> {"count", "max_model_len", "tokens", "token_strs": [str] or null}
     POST /detokenize  {"model"?, "tokens": [int]} -> {"prompt": str}
 
@@ -21,9 +21,10 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field, StrictBool, StrictStr, ValidationError
 from starlette.requests import ClientDisconnect
 
-from scheduler.api_inputs import chat_ids, check_model, check_texts
+from scheduler.api_inputs import chat_ids, check_model, check_texts, check_unicode
 from scheduler.api_models import (APIError, ChatMessage, ChatTemplateFields, TokenIds, _Strict, read_json_body,
                                   validation_error)
+from scheduler.api_tools import ToolDefinition
 
 
 class TokenizeCompletionRequest(_Strict):
@@ -36,6 +37,7 @@ class TokenizeCompletionRequest(_Strict):
 class TokenizeChatRequest(_Strict, ChatTemplateFields):
     model: StrictStr | None = None
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = None  # (rendered as a chat completion renders them)
     return_token_strs: StrictBool | None = False
 
 
@@ -122,5 +124,5 @@ def _chat_ids(req: TokenizeChatRequest, tokenizer, model_name: str) -> list[int]
     """The messages rendered by the chat template /v1/chat/completions uses, with the request's options."""
     if err := chat_unavailable(tokenizer, model_name):
         raise err
-    check_texts([v for m in req.messages for v in m.as_template_dict().values()], "messages")
+    check_unicode(req, "messages")
     return chat_ids(req, tokenizer)

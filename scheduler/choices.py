@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse
 
 from scheduler.api_inputs import echo_text
 from scheduler.api_models import APIError, Usage, response_body, stream_chunk, usage_chunk
+from scheduler.chat_answer import ChatAnswer, Delta
 from scheduler.reasoning import ReasoningSplitter, prompt_opens_thinking
 
 _END = object()
@@ -56,6 +57,10 @@ class Choices:
         final = api_req.messages[-1] if self.thinks and api_req.continue_final_message else None
         self.continued = None if final is None else final.as_template_dict()["content"]
         self._opens_thinking: bool | None = None  # (a chat has one prompt: looked at once for its n choices)
+        # a chat's tool calls (scheduler/api_tools.py): "none", or read out of each choice's text
+        self.tool_mode = api_req.tool_mode() if chat else "none"
+        self.named = api_req.tool_choice.function.name if self.tool_mode == "named" else None
+        self.single = chat and api_req.parallel_tool_calls is False
 
     def _splitter(self, gen) -> ReasoningSplitter:
         """A chat choice's thinking / answer split (--reasoning-parser), thinking from the start when its
@@ -63,6 +68,10 @@ class Choices:
         if self._opens_thinking is None:
             self._opens_thinking = prompt_opens_thinking(gen.st.tokenizer, gen.req.prompt, self.continued)
         return ReasoningSplitter(thinking=self._opens_thinking)
+
+    def _answer(self, gen) -> ChatAnswer:
+        """A chat choice's message as its text arrives: its thinking split off, its tool calls read."""
+        return ChatAnswer(self._splitter(gen) if self.thinks else None, self.tool_mode, self.named, self.single)
 
     async def abort(self) -> None:
         """The client went away: end every engine request (each stream then ends with 'abort')."""
@@ -117,14 +126,17 @@ class Choices:
         shaped = [None if g.logprobs is None else g.logprobs.render(lps) for g, lps in zip(self.gens, logprobs)]
         texts = ["".join(t) for t in texts]
         reasoning = [None] * len(texts) if self.parses else None  # (the parser's key, null where none was split)
-        if self.thinks:
-            splitters = [self._splitter(g) for g in self.gens]
-            splits = [s.split(text) for s, text in zip(splitters, texts)]
-            reasoning = [r if s.reasoned else None for (r, _), s in zip(splits, splitters)]  # (None: it never thought)
-            texts = [content for _, content in splits]
+        calls = None
+        if self.chat:
+            answers = [self._answer(g) for g in self.gens]
+            messages = [a.whole(text) for a, text in zip(answers, texts)]  # (reasoning, content, tool calls)
+            if self.parses:
+                reasoning = [r for r, _, _ in messages]
+            texts, calls = [c for _, c, _ in messages], [tc for _, _, tc in messages]
+            finish = [a.finish_reason(f) for a, f in zip(answers, finish)]
         body = response_body(self.chat, self.rid, self.created, self.model,
                              [(t, f, i, lp) for t, f, i, lp in zip(texts, finish, ids, shaped)], self.usage(),
-                             reasoning)
+                             reasoning, calls)
         return JSONResponse(body)
 
     async def _abort_on_disconnect(self, request) -> None:
@@ -134,24 +146,22 @@ class Choices:
 
     async def sse(self):
         first = [True] * len(self.gens)
-        splitters = [self._splitter(g) for g in self.gens] if self.thinks else None
+        answers = [self._answer(g) for g in self.gens] if self.chat else None
         try:
             async with contextlib.aclosing(self._events()) as events:
                 async for i, (text, token_ids, fin, entries) in events:
                     if (failed := self._failed(self.gens[i], fin)) is not None:
                         yield f"data: {json.dumps(failed.body())}\n\n"
                         break
-                    reasoning = ""
-                    if splitters is not None:
-                        reasoning, text = splitters[i].feed(text)
-                        if fin is not None:
-                            held_reasoning, held_text = splitters[i].flush()
-                            reasoning, text = reasoning + held_reasoning, text + held_text
-                    chunk = stream_chunk(self.chat, self.rid, self.created, self.model, text, token_ids,
-                                         None if fin is None else fin.finish_reason, first[i],
-                                         None if self.includes_usage else False, index=i,
+                    reasoning, calls, finish = "", None, None if fin is None else fin.finish_reason
+                    if answers is not None:
+                        delta = answers[i].feed(text) + (answers[i].flush() if fin is not None else Delta())
+                        reasoning, text, calls = delta.reasoning, delta.content, delta.calls
+                        finish = finish and answers[i].finish_reason(finish)
+                    chunk = stream_chunk(self.chat, self.rid, self.created, self.model, text, token_ids, finish,
+                                         first[i], None if self.includes_usage else False, index=i,
                                          logprobs=self.gens[i].logprobs.render(entries) if entries else None,
-                                         reasoning=reasoning)
+                                         reasoning=reasoning, tool_calls=calls)
                     first[i] = False
                     yield f"data: {json.dumps(chunk)}\n\n"
                 else:

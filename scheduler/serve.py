@@ -19,12 +19,14 @@ from pathlib import Path
 
 import uvicorn
 
+from scheduler.api_auth import CORSSettings, api_key_from, json_str_list
 from scheduler.config import HICACHE_NEEDS_PREFIX_CACHE, add_engine_args, config_from_args
 from scheduler.engine import Engine
 from scheduler.generation_defaults import GENERATION_CONFIG_FILE, GenerationDefaults, read_generation_defaults
 from scheduler.memory_plan import pools_line
 from scheduler.presets import PRESETS
 from scheduler.reasoning import PARSERS
+from scheduler.tool_calls import PARSERS as TOOL_PARSERS
 from scheduler.server import ServerLimits, create_app
 from scheduler.server import __doc__ as SERVER_DOC
 
@@ -88,6 +90,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                    help="a chat answer's thinking (<think> ... </think>) sent as the message's reasoning_content, "
                         "the rest as its content (vLLM's flag; qwen3 and deepseek_r1 split alike)")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="serve a chat's tool_choice \"auto\" (the default with tools): the model's tool calls read out "
+                        "of its answer by --tool-call-parser (vLLM's flags)")
+    s.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
+                   help="the format of the model's tool calls: hermes, <tool_call>{json}</tool_call> (Qwen2.5, Qwen3)")
+    s.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the /v1/ routes ask for 'Authorization: Bearer KEY' (401 otherwise; /health, /metrics, "
+                        "/version, /tokenize, /detokenize and /hicache/status stay open, as vLLM's); without the "
+                        "flag, the environment's HICACHE_API_KEY if set")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the names a request's model may use (those alone), the first the one /v1/models and "
+                        "responses report; without it, the model's path, its last part and its id")
+    s.add_argument("--allowed-origins", type=json_str_list, default=None, metavar="JSON",
+                   help='CORS: the origins browser pages may call from, a JSON list (\'["*"]\': any); '
+                        'without it no CORS headers are sent')
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth headers)")
+    s.add_argument("--allowed-methods", type=json_str_list, default=["*"], metavar="JSON",
+                   help="CORS: the methods allowed, a JSON list (only with --allowed-origins)")
+    s.add_argument("--allowed-headers", type=json_str_list, default=["*"], metavar="JSON",
+                   help="CORS: the request headers allowed, a JSON list (only with --allowed-origins)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     s.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
@@ -105,10 +127,16 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
             os.path.join(args.generation_config, GENERATION_CONFIG_FILE))):  # (vLLM's third form; "": not the cwd)
         return f"--generation-config must be auto, vllm or a directory holding {GENERATION_CONFIG_FILE}, " \
                f"got {args.generation_config!r}"
+    if args.api_key == "":  # (no key at all, unlike an empty HICACHE_API_KEY, which reads as unset)
+        return "--api-key must not be empty (leave it out for no key)"
+    if args.served_model_name is not None and not all(args.served_model_name):
+        return f"--served-model-name: a name must not be empty, got {args.served_model_name}"
     if math.isnan(args.shutdown_grace_s):  # (NaN was a grace of 0)
         return "--shutdown-grace-s must be a number of seconds, got nan"
     if args.enable_hicache and args.disable_prefix_cache:  # (served, with L2/L3 idle)
         return f"--enable-hicache cannot be used with --disable-prefix-cache: {HICACHE_NEEDS_PREFIX_CACHE}"
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):  # (vLLM's: the two go together)
+        return "--enable-auto-tool-choice and --tool-call-parser go together: give both or neither"
     if args.enable_hicache and args.hicache_storage_path is not None and args.hicache_storage_backend == "file":
         # (another backend: HiCacheConfig's "only used by --hicache-storage-backend file" is the problem)
         problem = _storage_path_problem(args.hicache_storage_path)
@@ -133,6 +161,15 @@ def _generation_defaults(args: argparse.Namespace) -> GenerationDefaults:
     if args.generation_config == "vllm" or args.model in PRESETS or not os.path.isdir(args.model):
         return GenerationDefaults()
     return read_generation_defaults(args.model)
+
+
+def _access_limits(args: argparse.Namespace) -> dict:
+    """ServerLimits' access fields from the flags (scheduler/api_auth.py): the key (the flag's, else
+    HICACHE_API_KEY's), the served names, CORS (None without --allowed-origins: no CORS, as before)."""
+    cors = None if args.allowed_origins is None else CORSSettings(
+        tuple(args.allowed_origins), args.allow_credentials, tuple(args.allowed_methods), tuple(args.allowed_headers))
+    return {"api_key": api_key_from(args.api_key), "served_model_names": tuple(args.served_model_name or ()),
+            "cors": cors}
 
 
 def _storage_path_problem(path: str) -> str | None:
@@ -189,7 +226,15 @@ def main(argv: list[str] | None = None) -> int:
     limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
                           max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
                           shutdown_grace_s=max(0.0, args.shutdown_grace_s), sampling_defaults=sampling_defaults,
-                          reasoning_parser=args.reasoning_parser)
+                          reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                          **_access_limits(args))
+    if limits.api_key:  # (where the key came from; never the key)
+        print(f"hicache-serve: the /v1/ routes ask for the API key of "
+              f"{'--api-key' if args.api_key else 'HICACHE_API_KEY'}", file=sys.stderr)
+    if limits.cors is None and (idle := [f for f in ("allow_credentials", "allowed_methods", "allowed_headers")
+                                         if getattr(args, f) != parser.get_default(f)]):
+        print(f"hicache-serve: ignored without --allowed-origins (no CORS): "
+              f"{', '.join('--' + f.replace('_', '-') for f in idle)}", file=sys.stderr)
     app = create_app(engine, limits)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", lifespan="on",
                                log_level=args.log_level, access_log=not args.disable_access_log,

@@ -6,6 +6,7 @@
     POST /tokenize   POST /detokenize       vLLM's: text <-> token ids with the server's tokenizer (api_tokenize.py)
     GET  /v1/models   GET /v1/models/{id}   GET /health   GET /metrics (Prometheus)
     GET  /hicache/status (engine.status())     (each GET route answers HEAD too)
+    --api-key guards /v1/ alone, --allowed-origins adds CORS (api_auth.py); --served-model-name: the names served
 
 The engine runs on the server's event loop: the app lifespan starts it and, at shutdown, stops
 admitting (503), lets in-flight requests (queued or running) finish within --shutdown-grace-s,
@@ -36,6 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from scheduler.api_auth import CORSSettings, install_access
 from scheduler.api_inputs import choice_params, parse_prompts
 from scheduler.api_models import APIError, jsonable, read_json_body, validation_error
 from scheduler.api_tokenize import chat_unavailable, detokenize, tokenize
@@ -62,14 +64,20 @@ class ServerLimits:
     # generation_config.json); all None: OpenAI's neutral defaults
     sampling_defaults: GenerationDefaults = GenerationDefaults()
     reasoning_parser: str | None = None  # a chat's thinking as reasoning_content (scheduler/reasoning.py)
+    tool_call_parser: str | None = None  # tool_choice "auto": calls read out of answers (scheduler/tool_calls.py)
+    api_key: str | None = dataclasses.field(default=None, repr=False)  # /v1/ asks for it; status: true/false
+    served_model_names: tuple[str, ...] = ()  # a request's `model`, the first reported; (): the model's names
+    cors: CORSSettings | None = None  # --allowed-origins and companions (api_auth.py); None: no CORS headers
 
 
 class _ServerState:
     def __init__(self, engine: Engine, limits: ServerLimits, tokenizer) -> None:
         self.engine, self.limits, self.tokenizer = engine, limits, tokenizer
         self.metrics = ServerMetrics(engine)
-        self.model_name = engine.config.model
-        self.served_names = {engine.config.model, os.path.basename(engine.config.model.rstrip("/")), engine.model_id}
+        names = limits.served_model_names  # (given: those alone, as vLLM's --served-model-name)
+        self.model_name = names[0] if names else engine.config.model
+        self.served_names = set(names) or {engine.config.model, os.path.basename(engine.config.model.rstrip("/")),
+                                           engine.model_id}
         self.in_flight = 0
         self.draining = False
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -149,6 +157,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
 
     app = FastAPI(title="hicache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hc = st
+    install_access(app, limits)
 
     async def error_response(_request, exc: Exception) -> JSONResponse:
         if isinstance(exc, RequestValidationError):  # FastAPI's 422 becomes a 400 naming the field
@@ -216,7 +225,8 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         s = engine.status()
         # the limits requests are held to: a 0 in ServerLimits means the engine's, reported as such
         # (regression: hicache-serve reported a prompt limit of 0)
-        effective = {**dataclasses.asdict(limits), "max_prompt_tokens": st.prompt_limit,
+        effective = {**dataclasses.asdict(limits), "api_key": bool(limits.api_key),  # (never the key itself)
+                     "max_prompt_tokens": st.prompt_limit,
                      "max_tokens_limit": st.max_tokens_limit}
         s["server"] = {"in_flight": st.in_flight, "draining": st.draining, "limits": effective,
                        "tokenizer": getattr(tokenizer, "kind", None),
@@ -283,7 +293,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
             body, chat, tokenizer=st.tokenizer, served_names=st.served_names, model_name=st.model_name,
             vocab_size=st.engine.vocab_size, prompt_limit=st.prompt_limit, max_tokens_limit=st.max_tokens_limit,
             default_max_tokens=st.limits.default_max_tokens, context_tokens=st.engine.max_kv_tokens,
-            sampling_defaults=st.limits.sampling_defaults)
+            sampling_defaults=st.limits.sampling_defaults, auto_tools=st.limits.tool_call_parser is not None)
         k, n = len(prompts), api_req.n or 1
         total = k * n  # engine requests: choice prompt_index * n + j, OpenAI's order
         if total > st.limits.max_concurrent_requests:  # each choice is a request: waiting would never do

@@ -5,7 +5,7 @@ Two tokenizers, chosen by `load_tokenizer(model, vocab_size)`:
 * `HFTokenizer` — a checkpoint directory with a `tokenizer.json` (the `tokenizers` library). When the
   directory's `tokenizer_config.json` carries a `chat_template` (and jinja2 is importable) the
   tokenizer can render chat messages; `/v1/chat/completions` is served only then. The template sees
-  what transformers gives it: tools=None, documents=None, the special tokens the directory defines
+  what transformers gives it: the request's tools (None without), documents=None, the special tokens the directory defines
   (bos/eos/unk/sep/pad/cls/mask_token as strings, additional_special_tokens a list; from
   tokenizer_config.json, and from special_tokens_map.json, winning, where the config has no
   `added_tokens_decoder`, as transformers reads them; bos/eos_token are "" when not defined),
@@ -151,19 +151,20 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, add_special_tokens: bool = False,
-                            template_kwargs: dict | None = None) -> list[int]:
+                            template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
         """The messages rendered and encoded (as transformers' apply_chat_template with tokenize=True);
         continue_final_message: the text ends where the last message's content does, its end-of-turn
         markup cut off, for the model to continue it; template_kwargs: more variables for the template
-        (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking), none of those set here."""
+        (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking), none of those set here; tools: the
+        request's tool definitions (transformers' `tools`: OpenAI's tool objects), None without."""
         if self.chat_template is None:
             raise ValueError(self.no_chat_reason)
         if self.developer_as_system:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
-        # what transformers passes: tools / documents are None, not undefined (`tools is not none`), and
+        # what transformers passes: tools / documents None, not undefined (`tools is not none`), without any; and
         # the tokenizer's special tokens (bos / eos "" rather than undefined, as here before); one dict, not
         # keyword arguments (regression: a template_kwargs key "self" was render()'s own, a TypeError)
-        text = self._compiled.render({**(template_kwargs or {}), "messages": messages, "tools": None,
+        text = self._compiled.render({**(template_kwargs or {}), "messages": messages, "tools": tools,
                                       "documents": None, "add_generation_prompt": add_generation_prompt,
                                       **self.special_tokens, "bos_token": self.bos_token, "eos_token": self.eos_token})
         if continue_final_message:

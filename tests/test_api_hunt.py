@@ -69,10 +69,8 @@ def test_the_openai_sdk_sends_an_empty_logit_bias(client):
     assert r.usage.completion_tokens == 2
 
 
-UNSUPPORTED = [  # (logit_bias is served: tests/test_logit_bias.py; response_format: tests/test_guided_api.py)
-    (True, "top_logprobs", 2),
-    (True, "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    (True, "tool_choice", "required"), (True, "tool_choice", {"type": "function", "function": {"name": "f"}}),
+UNSUPPORTED = [  # (logit_bias is served: tests/test_logit_bias.py; response_format: tests/test_guided_api.py;
+    (True, "top_logprobs", 2),  # tools: tests/test_tool_calls.py)
 ]
 
 

@@ -79,9 +79,7 @@ def test_a_tool_message_carries_its_tool_call_id_to_the_template(client, tmp_pat
     assert text.endswith("<tool call_1>42\n"), text
 
 
-@pytest.mark.parametrize("field,value", [("tool_calls", [{"id": "c1", "type": "function",
-                                                          "function": {"name": "f", "arguments": "{}"}}]),
-                                         ("refusal", "I can't"), ("audio", {"id": "a1"}),
+@pytest.mark.parametrize("field,value", [("refusal", "I can't"), ("audio", {"id": "a1"}),
                                          ("function_call", {"name": "f", "arguments": "{}"})])
 def test_an_assistant_field_that_would_change_the_prompt_is_unsupported(chat_srv, field, value):
     messages = [*HI, {"role": "assistant", "content": "x", field: value}, *HI]

@@ -1,0 +1,175 @@
+"""Tool calling's request fields (OpenAI's `tools`, `tool_choice`, `parallel_tool_calls`; an assistant message's
+`tool_calls`), as vLLM serves them:
+
+* `tools` are rendered into the prompt by the chat template (its `tools` variable: Qwen3's lists them in the
+  system turn), whatever the tool_choice;
+* tool_choice "none": the answer is text; "auto" (the default when there are tools): the model may call
+  them, its calls read from its text by the server's parser (`--enable-auto-tool-choice --tool-call-parser
+  hermes`; without them "auto" is a 400, as vLLM's); "required": the answer is held (structured outputs,
+  scheduler/guided.py) to a JSON list of calls, [{"name": ..., "parameters": {...}}, ...], one or more (one
+  with parallel_tool_calls false); {"type": "function", "function": {"name": ...}}: the answer is held to
+  that function's parameters schema and is its one call's arguments (finish_reason "stop", as OpenAI's);
+* an assistant message's `tool_calls` reach the template with their arguments as objects (vLLM's: templates
+  write them with tojson), a tool message's `tool_call_id` as it is.
+
+Reading calls out of an answer: scheduler/chat_answer.py (a choice's message) and scheduler/tool_calls.py
+(the parser)."""
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
+
+from scheduler.api_guided import GuidedFieldError
+from scheduler.guided import GuidedSpec
+from scheduler.tool_calls import ToolCall
+
+
+class ToolFieldError(GuidedFieldError):
+    """A 400 naming `param` (a GuidedFieldError: a tool_choice may ask for a grammar, as the guided fields do)."""
+
+
+class _Closed(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class FunctionDefinition(_Closed):
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments (none: any object)
+    strict: StrictBool | None = None  # (the arguments follow a schema only where the answer is held to it)
+
+
+class ToolDefinition(_Closed):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Closed):
+    name: StrictStr
+
+
+class NamedToolChoice(_Closed):
+    type: Literal["function"]
+    function: FunctionName
+
+
+class CalledFunction(_Closed):
+    name: StrictStr
+    arguments: StrictStr  # JSON text, as the API returned it
+
+
+class MessageToolCall(_Closed):
+    """A call in an assistant message sent back (the API's own `tool_calls` items)."""
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+    def as_template_dict(self) -> dict:
+        args: Any = self.function.arguments
+        try:  # (vLLM's: templates write arguments with tojson, so an object's text would be quoted twice)
+            parsed = json.loads(args)
+            args = parsed if isinstance(parsed, dict) else args
+        except (ValueError, RecursionError):
+            pass
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}
+
+
+ToolMode = Literal["none", "auto", "required", "named"]
+
+
+class ToolFields(BaseModel):
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None  # (OpenAI's default: true)
+
+    def tool_mode(self) -> ToolMode:
+        """What the answer may do with the tools: no tools is "none" (a tool_choice of "auto" changes nothing)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        if not self.tools:
+            return "none" if choice in (None, "none", "auto") else choice
+        return choice or "auto"
+
+    def check_tools(self, auto_enabled: bool) -> None:
+        """ToolFieldError (the API's 400) for a tool_choice the tools or the server cannot serve."""
+        names = [t.function.name for t in self.tools or ()]
+        if dup := next((n for n in names if names.count(n) > 1), None):
+            raise ToolFieldError(f"tool name {dup!r} is given twice", "tools")
+        if "" in names:
+            raise ToolFieldError("a tool's function name may not be empty", "tools")
+        mode = self.tool_mode()
+        if mode in ("required", "named") and not names:
+            raise ToolFieldError(f"tool_choice {_choice_text(self.tool_choice)} needs 'tools'", "tool_choice")
+        if mode == "named" and self.tool_choice.function.name not in names:
+            raise ToolFieldError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
+                                 f"in 'tools'", "tool_choice")
+        if mode == "auto" and not auto_enabled:  # (vLLM's 400; tools with tool_choice "none" are served)
+            raise ToolFieldError('"auto" tool choice (the default when tools are given) needs the server started with '
+                                 '--enable-auto-tool-choice --tool-call-parser hermes; or send tool_choice "none", '
+                                 '"required" or a named function', "tool_choice")
+
+    def template_tools(self) -> list[dict] | None:
+        """The chat template's `tools` (transformers' form: the API's tool objects)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_spec(self) -> GuidedSpec | None:
+        """The grammar a "required" or named tool_choice holds the answer to (None otherwise)."""
+        mode = self.tool_mode()
+        if mode == "named":
+            params = self._tool(self.tool_choice.function.name).function.parameters
+            return GuidedSpec("json_schema", json.dumps(params or {"type": "object"}))
+        if mode != "required":
+            return None
+        items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
+                                                   "parameters": _parameters(t)},
+                  "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}} | _lift_defs(self.tools)
+        if self.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return GuidedSpec("json_schema", json.dumps(schema))
+
+    def _tool(self, name: str) -> ToolDefinition:
+        return next(t for t in self.tools if t.function.name == name)
+
+
+def forced_calls(mode: ToolMode, text: str, named: str | None = None) -> list[ToolCall] | None:
+    """The calls of an answer held to a "required" list (None where the text is not one: cut off by max_tokens)
+    or a named function's arguments (its one call, the text as its arguments whatever they are)."""
+    if mode == "named":
+        return [ToolCall(named, text)]
+    try:
+        items = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(items, list) or not all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items):
+        return None
+    return [ToolCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False)) for i in items]
+
+
+def _parameters(tool: ToolDefinition) -> dict:
+    """A tool's arguments schema without its "$defs" (lifted to the top of the whole schema: `_lift_defs`)."""
+    params = tool.function.parameters
+    if not params:
+        return {"type": "object"}
+    return {k: v for k, v in params.items() if k != "$defs"}
+
+
+def _lift_defs(tools: list[ToolDefinition]) -> dict:
+    """The tools' "$defs" at the top of the schema, where their "#/$defs/..." references point (vLLM's); a
+    name two tools define differently is a 400."""
+    defs: dict[str, Any] = {}
+    for tool in tools:
+        defs_of = (tool.function.parameters or {}).get("$defs") or {}
+        for name, schema in defs_of.items() if isinstance(defs_of, dict) else ():
+            if name in defs and defs[name] != schema:
+                raise ToolFieldError(f"tools define '$defs' {name!r} differently; a required tool_choice needs "
+                                     f"one definition", "tools")
+            defs[name] = schema
+    return {"$defs": defs} if defs else {}
+
+
+def _choice_text(choice) -> str:
+    return json.dumps(choice.model_dump() if isinstance(choice, BaseModel) else choice)
