@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import sys
@@ -24,6 +25,7 @@ from scheduler.engine import Engine  # noqa: E402
 from scheduler.guided import GuidedSpec  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 from scheduler.runner import BatchInput  # noqa: E402
+from scheduler.tokenizer import HFTokenizer  # noqa: E402
 
 
 def sync(device):
@@ -51,19 +53,26 @@ SAMPLED = {"sampled": {"temperature": 0.8, "top_p": 0.95},
            "qwen3_defaults": {"temperature": 0.6, "top_p": 0.95, "top_k": 20}}  # Qwen3's generation_config.json
 
 
-GUIDED = GuidedSpec("regex", "[a-z ]+")  # --guided-decode's grammar: never complete, so each row runs its tokens
+# --guided-decode's grammars (--guided-grammar), never complete, so each row runs its tokens: text, or a JSON list of
+# tool-call-like arguments left open (a string of up to 24 characters, an integer, an enum, again and again)
+ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "days", "unit"], "additionalProperties": False}
+GRAMMARS = {"text": GuidedSpec("regex", "[a-z ]+"),
+            "json": GuidedSpec("grammar", 'start: "[" item ("," item)*\nitem: %json ' + json.dumps(ARGS))}
 
 
 async def decode_rate(engine: Engine, batch: int, prompt_tokens: int, new_tokens: int, rng, guided: int = 0,
-                      **params) -> float:
+                      spec: GuidedSpec = GRAMMARS["text"], **params) -> float:
     """Decode tokens/s of `batch` requests decoding together (from the last first token to the last token);
-    params: SamplingParams' extra fields (e.g. PENALTIES); the first `guided` requests also held to GUIDED."""
+    params: SamplingParams' extra fields (e.g. PENALTIES); the first `guided` requests also held to `spec`."""
     prompts = [[rng.randrange(VOCAB_LO, vocab_hi) for _ in range(prompt_tokens)] for _ in range(batch)]
     marks = {}
 
     async def one(i, p):
         first = None
-        grammar = {"guided": GUIDED} if i < guided else {}
+        grammar = {"guided": spec} if i < guided else {}
         async for ev in engine.submit(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True, **params, **grammar)):
             if first is None:
                 first = time.perf_counter()
@@ -208,9 +217,14 @@ async def run(args) -> dict:
                 r["sampled_decode_tok_s"][name] = await decode_rate(engine, b, p, t, rng, **params)
         if args.guided_decode:  # what structured outputs cost a decode batch: none, one, every row guided
             b, p, t = args.guided_decode
-            r["guided_decode_tok_s"] = {"batch": b, "prompt_tokens": p, "new_tokens": t}
+            r["guided_decode_tok_s"] = {"batch": b, "prompt_tokens": p, "new_tokens": t, "grammar": args.guided_grammar,
+                                        "tokenizer": args.guided_tokenizer or "bytes"}
+            if args.guided_tokenizer:
+                engine.guides.use(HFTokenizer(args.guided_tokenizer))
+                engine.guides.warm()
             for k in (0, 1, b):
-                r["guided_decode_tok_s"][f"guided_{k}"] = await decode_rate(engine, b, p, t, rng, guided=k)
+                r["guided_decode_tok_s"][f"guided_{k}"] = await decode_rate(engine, b, p, t, rng, guided=k,
+                                                                            spec=GRAMMARS[args.guided_grammar])
         # the profiles last, in the last mode: after torch.profiler this process's CUDA calls stay
         # slower (its CUPTI hooks; a graph replay's host time 3-9x, session 26), so a timing taken
         # after it counts them (session 25's run 9: the one-token launch at 0.52 ms of host time
@@ -254,6 +268,11 @@ def main(argv=None) -> int:
     ap.add_argument("--guided-decode", metavar="BATCH,PROMPT,TOKENS",
                     help="also decode BATCH requests with none, one and all of them held to a regex (structured "
                          "outputs: host-made masks, steps not chained), e.g. 32,512,128")
+    ap.add_argument("--guided-grammar", choices=sorted(GRAMMARS), default="text",
+                    help="--guided-decode's grammar: text ([a-z ]+) or json (tool-call arguments, again and again)")
+    ap.add_argument("--guided-tokenizer", metavar="DIR",
+                    help="--guided-decode's masks for this tokenizer.json's vocabulary (scripts/make_bpe_tokenizer.py) "
+                         "rather than the presets' byte tokenizer")
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of the tail request (CUDA), after every timing of the last mode")
@@ -305,7 +324,8 @@ def main(argv=None) -> int:
         if "guided_decode_tok_s" in r:
             gd = r["guided_decode_tok_s"]
             rates = {k: v for k, v in gd.items() if k.startswith("guided_")}
-            print(f"  [{mode}] decode b{gd['batch']}, {gd['new_tokens']} tokens, rows guided: "
+            print(f"  [{mode}] decode b{gd['batch']}, {gd['new_tokens']} tokens, {gd['grammar']} grammar, "
+                  f"{gd['tokenizer']} tokenizer, rows guided: "
                   + ", ".join(f"{k[7:]} {v:.0f} tok/s ({v / rates['guided_0']:.3f})" for k, v in rates.items()))
     return 0
 

@@ -245,3 +245,23 @@ def test_last_level_cache_bytes_reads_the_largest_listed_cache(tmp_path, monkeyp
     assert common.last_level_cache_bytes() == 300 << 20
     monkeypatch.setattr(common.glob, "glob", lambda pattern: [])
     assert common.last_level_cache_bytes() is None
+
+
+def test_a_checkpoint_sized_tokenizer_is_trained_and_its_masks_timed(tmp_path, capsys):
+    """scripts/make_bpe_tokenizer.py (here a 300-token vocabulary from two small files) and
+    scripts/probe_guided_masks.py over it: each grammar's median step for each row count."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("def weather(city, days):\n    return {'city': city, 'days': days}\n" * 20)
+    (corpus / "b.py").write_text('"""Sunny in Paris, rain in Oslo."""\nunit = "celsius"\n' * 20)
+    info = load("make_bpe_tokenizer").build(tmp_path / "tok", 300, corpus, 1 << 20)
+    from scheduler.tokenizer import HFTokenizer
+    tok = HFTokenizer(str(tmp_path / "tok"))
+    text = "def f(city): return '<tool_call>' + city"
+    assert tok.decode(tok.encode(text)) == text and info["vocab"] == tok.tok.get_vocab_size() <= 300 + 7
+    assert tok.tok.token_to_id("<|im_end|>") is not None
+    load("probe_guided_masks").main(["--tokenizer", str(tmp_path / "tok"), "--vocab-size", "320", "--rows", "1,2",
+                                     "--steps", "8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["median_step_us"]) == {f"{g}_r{r}" for g in ("text", "json", "calls") for r in (1, 2)}
+    assert all(us > 0 for us in out["median_step_us"].values())

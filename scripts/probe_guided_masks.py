@@ -1,0 +1,96 @@
+"""What structured outputs' masks cost the host per decode step (scheduler/guided.py): R guided rows' masks
+filled at once (`fill_masks`, llguidance's threads), each row then advanced by a token its mask allows (drawn
+at random, seeded), for a tokenizer and a grammar; the median step over --steps. No model, no GPU.
+
+    python scripts/probe_guided_masks.py --tokenizer /tmp/bpe151k --rows 1,8,32     (scripts/make_bpe_tokenizer.py)
+    python scripts/probe_guided_masks.py --rows 1,32                                (the presets' byte tokenizer)
+
+Grammars: "text" (the regex [a-z ]+, bench_engine.py's), "json" (a tool call's arguments: an object of a
+string, a number and an enum), "calls" (tool_choice "required"'s list of calls of two tools). A row whose
+grammar completes starts over, so every step fills R masks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scheduler.api_tools import ToolFields  # noqa: E402
+from scheduler.guided import Guides, GuidedSpec, fill_masks  # noqa: E402
+from scheduler.tokenizer import HFTokenizer  # noqa: E402
+
+ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "days", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": ARGS}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"type": "string", "maxLength": 16}}, "required": ["zone"]}}}]
+
+
+def specs() -> dict[str, GuidedSpec]:
+    calls = ToolFields.model_validate({"tools": TOOLS, "tool_choice": "required"}).tool_spec()
+    return {"text": GuidedSpec("regex", "[a-z ]+"), "json": GuidedSpec("json_schema", json.dumps(ARGS)),
+            "calls": calls}
+
+
+def step_times_us(guides: Guides, spec: GuidedSpec, rows: int, steps: int, rng: random.Random) -> list[float]:
+    live = [guides.start(spec) for _ in range(rows)]
+    masks = torch.zeros(rows, guides.words, dtype=torch.int32)
+    bits = torch.arange(32, dtype=torch.int32)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        fill_masks(live, masks, [()] * rows)
+        times.append((time.perf_counter() - t) * 1e6)
+        allowed = ((masks.unsqueeze(-1) >> bits) & 1).reshape(rows, -1)[:, :guides.vocab_size]  # [R, V]
+        for i, g in enumerate(live):
+            ids = allowed[i].nonzero().flatten().tolist()
+            ids = [t for t in ids if t not in guides.eos_ids] or ids
+            if not ids or g.accept(rng.choice(ids)) is not None or g.complete:
+                live[i] = guides.start(spec)  # (whole, or stuck: start over)
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokenizer", default=None, help="a directory with tokenizer.json (default: the byte tokenizer)")
+    ap.add_argument("--vocab-size", type=int, default=151936, help="the model's vocabulary (Qwen3's: 151,936)")
+    ap.add_argument("--rows", default="1,8,32")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--grammars", default="text,json,calls")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    tok = HFTokenizer(args.tokenizer) if args.tokenizer else None
+    eos = () if tok is None else tuple(t for t in (tok.tok.token_to_id("<|im_end|>"),) if t is not None)
+    guides = Guides("tiny" if tok is None else args.tokenizer, args.vocab_size if tok else 512, eos)
+    if tok is not None:
+        guides.use(tok)
+    t = time.perf_counter()
+    guides.warm()
+    out = {"tokenizer": args.tokenizer or "bytes", "vocab_size": guides.vocab_size,
+           "warm_s": round(time.perf_counter() - t, 2), "cpus": os.cpu_count(), "median_step_us": {}}
+    rng = random.Random(0)
+    for name in args.grammars.split(","):
+        spec = specs()[name]
+        guides.check(spec)
+        for rows in map(int, args.rows.split(",")):
+            times = step_times_us(guides, spec, rows, args.steps, rng)[5:]
+            out["median_step_us"][f"{name}_r{rows}"] = round(statistics.median(times), 1)
+    if args.json:
+        print(json.dumps(out))
+        return
+    print(f"tokenizer {out['tokenizer']} (vocab {out['vocab_size']}), warm-up {out['warm_s']} s, {out['cpus']} CPUs")
+    for key, us in out["median_step_us"].items():
+        print(f"  {key:>10}: {us:9.1f} us a step")
+
+
+if __name__ == "__main__":
+    main()
