@@ -2,7 +2,11 @@
 scheduler/choices.py renders a request's choices): its token events become text deltas (incremental
 decoding after the prompt's context, stop strings matched, `tokenizer.IncrementalDecoder`,
 `stop_strings.CompletionText`), logprobs entries where asked, and the server's metrics of it (time to
-first token, its outcome and tokens); its usage; its error when it failed or was aborted."""
+first token, each token's gap after the previous one, end to end and time per output token, its outcome,
+finish reason and tokens; scheduler/prom.py); its usage; its error when it failed or was aborted.
+Times are taken as the server reads the tokens: the engine's loop and the server share one event loop, so
+that is as they are emitted unless the reader fell behind (a stream's slow client): its backlog then shows
+as one long gap and near-zero ones, whose sum (the request's decode time) stays exact."""
 from __future__ import annotations
 
 import time
@@ -41,6 +45,7 @@ class Generation:
         self.logprobs = None if req.params.logprobs is None else \
             LogprobsShaper(st.tokenizer, chat, api_req.skip_special_tokens)
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None  # (perf_counter when the latest token was read)
         self._buf: deque = deque()
         self._closed = self._counted = False
 
@@ -55,9 +60,13 @@ class Generation:
             if ev.finished:
                 yield None, ev
                 return
+            now = time.perf_counter()
             if self.first_token_at is None:
-                self.first_token_at = time.perf_counter()
-                self.st.metrics.ttft.observe(self.first_token_at - self.arrival)
+                self.first_token_at = now
+                self.st.metrics.ttft.observe(now - self.arrival)
+            else:  # one gap per token (vLLM's inter-token latency: per iteration, one token each here)
+                self.st.metrics.itl.observe(now - self.last_token_at)
+            self.last_token_at = now
             if not self._buf and not q.empty():
                 self._buf.append(q.get_nowait())
             if self._buf and self._buf[0].finished:
@@ -75,9 +84,12 @@ class Generation:
         outcome = {"length": "success", "stop": "success", "abort": "aborted"}.get(fin.finish_reason, "failed")
         self._counted = True
         m.outcome(outcome)
-        m.generation_tokens.inc(self.output_tokens)
+        m.ended(fin.finish_reason, len(self.req.prompt), self.output_tokens)
         if outcome == "success":
-            m.e2e.observe(time.perf_counter() - self.arrival)
+            now = time.perf_counter()
+            m.e2e.observe(now - self.arrival)
+            if self.output_tokens >= 2 and self.first_token_at is not None:  # TPOT: (e2e - TTFT) / (tokens - 1)
+                m.tpot.observe((now - self.first_token_at) / (self.output_tokens - 1))
 
     def usage(self) -> Usage:
         # the tokens read: after a stop string, those up to and including the one that completed its
@@ -106,7 +118,7 @@ class Generation:
             if not self._counted:
                 self._counted = True
                 self.st.metrics.outcome("aborted")
-                self.st.metrics.generation_tokens.inc(len(self.req.output))
+                self.st.metrics.ended("abort", len(self.req.prompt), len(self.req.output))
             await self.abort()
 
     async def events(self):

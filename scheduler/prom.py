@@ -1,10 +1,11 @@
 """Prometheus metrics of the HTTP server, in a private CollectorRegistry (no process-global state).
 
 Two kinds:
-* observed by the server as requests are served: request counts by outcome, TTFT and end-to-end
-  latency histograms, prompt / generated token counters, requests in flight (TTFT counts every
-  request that got a first token, aborted or failed ones too; end-to-end only those that finished,
-  at max_tokens or a stop token);
+* observed by the server as requests are served: request counts by outcome, engine requests by finish
+  reason, TTFT, end-to-end, time per output token (TPOT) and inter-token latency histograms, prompt /
+  generated token counters and per-request length histograms, requests in flight (TTFT counts every
+  request that got a first token, aborted or failed ones too; end-to-end and TPOT only those that
+  finished, at max_tokens or a stop token: TPOT those of >= 2 tokens; scheduler/generation.py);
 * read from the engine at scrape time by `EngineCollector` (engine.metrics() / engine.status()):
   the cache's counters (`_CACHE_COUNTERS`: hit tokens per tier, recomputed tokens, evictions,
   restores / backups / fallbacks / failures, policy skips, L3 pages lost after a read, restore time
@@ -13,6 +14,9 @@ Two kinds:
   current estimates (GiB/s per direction, fixed costs, recompute seconds per token), pending
   operations, pool occupancy per tier (used / capacity pages and the page states), engine queue
   lengths, overlapped decode steps and restores. These say what /hicache/status says.
+
+vLLM's names for the same state (scheduler/prom_vllm.py `VllmCollector`, labelled `model_name`) are
+rendered from these families and the engine's status, so vLLM's dashboards and autoscalers work here.
 
 Scrapes run on the event loop (the /metrics handler is async), so they read a consistent snapshot.
 """
@@ -25,9 +29,15 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from hicache.metrics import DIRECTIONS, FAILURE_KINDS
+from scheduler.prom_vllm import VllmCollector
 
 OUTCOMES = ("success", "aborted", "failed", "rejected")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # an engine request's end (vLLM's finished_reason)
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# a decode step's time: from a small model's millisecond up to a starved batch's seconds
+_TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+                            0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+_TOKEN_COUNT_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))  # 1, 2, 5 ... 5e6 (vLLM's 1-2-5)
 _TIERS = ("l1", "l2", "l3")
 
 
@@ -172,26 +182,51 @@ class EngineCollector(Collector):
 
 
 class ServerMetrics:
-    """The server's own metrics plus the engine collector, in one private registry."""
+    """The server's own metrics plus the engine collector and vLLM's names of both (labelled `model_name`:
+    the served model name, by default the engine's model), in one private registry."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, model_name: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.requests = Counter("hicache_requests", "completion requests by outcome", ["outcome"], registry=r)
         for outcome in OUTCOMES:
             self.requests.labels(outcome)
+        self.finished = Counter("hicache_requests_finished", "engine requests (choices) that ended, by finish "
+                                "reason: stop, length, abort (the client left, or shutdown), error",
+                                ["finish_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.finished.labels(reason)
         self.ttft = Histogram("hicache_time_to_first_token_seconds", "request arrival to first token",
                               buckets=_LATENCY_BUCKETS_S, registry=r)
         self.e2e = Histogram("hicache_e2e_request_latency_seconds",
                              "request arrival to last token, of requests that finished (success)",
                              buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.tpot = Histogram("hicache_time_per_output_token_seconds", "first token to last over the tokens "
+                              "after the first, of requests that finished (success) with >= 2 tokens",
+                              buckets=_TOKEN_LATENCY_BUCKETS_S, registry=r)
+        self.itl = Histogram("hicache_inter_token_latency_seconds", "each token's gap after its request's "
+                             "previous one, as the server reads them (one per token after the first)",
+                             buckets=_TOKEN_LATENCY_BUCKETS_S, registry=r)
         self.prompt_tokens = Counter("hicache_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("hicache_generation_tokens", "generated tokens", registry=r)
+        self.request_prompt_tokens = Histogram("hicache_request_prompt_tokens", "prompt tokens per engine request "
+                                               "that ended", buckets=_TOKEN_COUNT_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("hicache_request_generation_tokens", "generated tokens per "
+                                                   "engine request that ended", buckets=_TOKEN_COUNT_BUCKETS,
+                                                   registry=r)
         self.in_flight = Gauge("hicache_requests_in_flight", "HTTP generation requests being served", registry=r)
         r.register(EngineCollector(engine))
+        r.register(VllmCollector(self, engine, engine.config.model if model_name is None else model_name))
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
+
+    def ended(self, finish_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
+        """An engine request ended (each choice once): its reason, its tokens and their per-request histograms."""
+        self.finished.labels(finish_reason if finish_reason in FINISH_REASONS else "error").inc()
+        self.generation_tokens.inc(generation_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

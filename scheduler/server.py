@@ -73,9 +73,9 @@ class ServerLimits:
 class _ServerState:
     def __init__(self, engine: Engine, limits: ServerLimits, tokenizer) -> None:
         self.engine, self.limits, self.tokenizer = engine, limits, tokenizer
-        self.metrics = ServerMetrics(engine)
         names = limits.served_model_names  # (given: those alone, as vLLM's --served-model-name)
         self.model_name = names[0] if names else engine.config.model
+        self.metrics = ServerMetrics(engine, self.model_name)  # (vLLM's families labelled model_name)
         self.served_names = set(names) or {engine.config.model, os.path.basename(engine.config.model.rstrip("/")),
                                            engine.model_id}
         self.in_flight = 0

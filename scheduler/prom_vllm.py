@@ -1,0 +1,97 @@
+"""vLLM's metric names on hicache's /metrics (scheduler/prom.py registers `VllmCollector`), so the Grafana
+dashboards, alerts and autoscalers built on vLLM's (KEDA / HPA on `vllm:num_requests_waiting`) work against
+hicache. Every family carries vLLM's `model_name` label: the served model name.
+
+Nothing is observed twice: each vllm: family is rendered at scrape time from state hicache already keeps,
+either a family of `ServerMetrics` (the same samples, renamed; vLLM exports no `_created` samples) or the
+engine's status and cache counters, so the two names cannot disagree. What they mean, against vLLM's:
+* num_requests_running: the engine's admitted requests (prefill or decode); num_requests_waiting: queued
+  ones and parked ones (waiting for a restore from L2 / L3, as vLLM counts those waiting for remote KV);
+* kv_cache_usage_perc (and its older alias gpu_cache_usage_perc): L1 pages neither free nor evictable, of
+  L1's capacity. vLLM's free blocks include the cached ones no request holds, so its usage is what requests
+  hold; hicache_pool_used_pages also counts the evictable cached pages, which fill L1 once it has run a while;
+* prefix_cache_queries / prefix_cache_hits: prompt tokens looked up (hit + recomputed: a prompt's tokens once
+  its prefill ran) / served from any tier (L1, L2 or L3: hicache_hit_tokens);
+* request_time_per_output_token_seconds: per finished request of >= 2 tokens, (e2e - TTFT) / (tokens - 1);
+  inter_token_latency_seconds: per token after a request's first, its gap after the previous one.
+  vLLM observes that gap once per engine iteration and request; hicache emits one token per step, so that
+  is once per token. time_per_output_token_seconds is vLLM's older (deprecated) name of that gap histogram,
+  rendered from the same samples;
+* request_success_total by finished_reason (stop, length, abort, error), prompt / generation token counters
+  and per-request histograms, TTFT and end-to-end latency: the hicache_ families of the same meaning.
+vLLM's request queue, prefill and decode time histograms are not exported: the engine request keeps no
+time it was scheduled at (`Request.arrival_s`, `first_token_s` and `finish_s` only).
+"""
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+# vLLM's family <- the ServerMetrics attribute it is rendered from, and vLLM's HELP
+_RENAMED = (
+    ("vllm:prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
+    ("vllm:generation_tokens", "generation_tokens", "Number of generation tokens processed."),
+    ("vllm:request_success", "finished", "Count of successfully processed requests."),
+    ("vllm:time_to_first_token_seconds", "ttft", "Histogram of time to first token in seconds."),
+    ("vllm:e2e_request_latency_seconds", "e2e", "Histogram of e2e request latency in seconds."),
+    ("vllm:request_time_per_output_token_seconds", "tpot",
+     "Histogram of time_per_output_token_seconds per request."),
+    ("vllm:inter_token_latency_seconds", "itl", "Histogram of inter-token latency in seconds."),
+    ("vllm:time_per_output_token_seconds", "itl",
+     "Histogram of time per output token in seconds. DEPRECATED: Use vllm:inter_token_latency_seconds instead."),
+    ("vllm:request_prompt_tokens", "request_prompt_tokens", "Number of prefill tokens processed."),
+    ("vllm:request_generation_tokens", "request_generation_tokens", "Number of generation tokens processed."),
+)
+_LABELS = {"finish_reason": "finished_reason"}  # hicache's label -> vLLM's
+
+
+def _renamed(fam: Metric, name: str, doc: str, model_name: str) -> Metric:
+    """`fam`'s samples under vLLM's name, labelled model_name (its `_created` samples left out)."""
+    out = Metric(name, doc, fam.type)
+    for s in fam.samples:
+        if not s.name.endswith("_created"):
+            labels = {_LABELS.get(k, k): v for k, v in s.labels.items()}
+            out.add_sample(name + s.name[len(fam.name):], {"model_name": model_name, **labels}, s.value)
+    return out
+
+
+def _kv_cache_usage(status: dict) -> float:
+    """vLLM's KV-cache usage: L1 pages held (neither free nor evictable) of its capacity, 0..1."""
+    l1 = (status.get("tiers") or {}).get("l1")
+    if not l1 or not l1["capacity_pages"]:
+        return 0.0
+    held = l1["capacity_pages"] - l1["free_pages"] - l1["evictable_pages"]
+    return min(1.0, max(0.0, held / l1["capacity_pages"]))
+
+
+class VllmCollector(Collector):
+    """vLLM's families from `metrics`' (scheduler/prom.py ServerMetrics) and `engine`'s state, read when scraped."""
+
+    def __init__(self, metrics, engine, model_name: str) -> None:
+        self.metrics, self.engine, self.model_name = metrics, engine, model_name
+
+    def _one(self, cls, name: str, doc: str, value: float):
+        fam = cls(name, doc, labels=["model_name"])
+        fam.add_metric([self.model_name], float(value))
+        return fam
+
+    def collect(self):
+        for name, attr, doc in _RENAMED:
+            for fam in getattr(self.metrics, attr).collect():
+                yield _renamed(fam, name, doc, self.model_name)
+        status, m = self.engine.status(), self.engine.metrics()
+        eng = status.get("engine", {})
+        yield self._one(GaugeMetricFamily, "vllm:num_requests_running", "Number of requests in model execution "
+                        "batches (admitted: prefill or decode).", eng.get("running", 0))
+        yield self._one(GaugeMetricFamily, "vllm:num_requests_waiting", "Number of requests waiting to be "
+                        "processed (queued, or parked on a restore).", eng.get("waiting", 0) + eng.get("parked", 0))
+        usage = _kv_cache_usage(status)
+        yield self._one(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent "
+                        "usage (L1 pages neither free nor evictable).", usage)
+        yield self._one(GaugeMetricFamily, "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent "
+                        "usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.", usage)
+        hits = sum(m["hit_tokens"].values())
+        yield self._one(CounterMetricFamily, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of "
+                        "number of queried tokens.", hits + m["recomputed_tokens"])
+        yield self._one(CounterMetricFamily, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number "
+                        "of cached tokens (from any tier).", hits)
