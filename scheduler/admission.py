@@ -160,6 +160,7 @@ class Admission(Restoring):
             cache.metrics.fallbacks += 1
         if req.restore_tier == "none" and req.restore_declined:  # (Restoring._try_restore)
             cache.metrics.policy_skips["restore"] += 1
+        req.scheduled_s = req.scheduled_s or time.perf_counter()
         eng.log_event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
                    hit_l2=req.hit_tokens["l2"], hit_l3=req.hit_tokens["l3"], restore_tier=req.restore_tier,
                    restore_tokens=req.hit_tokens["l2"] + req.hit_tokens["l3"])

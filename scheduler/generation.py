@@ -64,6 +64,8 @@ class Generation:
             if self.first_token_at is None:
                 self.first_token_at = now
                 self.st.metrics.ttft.observe(now - self.arrival)
+                if self.req.scheduled_s is not None:  # (its prefill started before its first token)
+                    self.st.metrics.queue.observe(self.req.scheduled_s - self.req.arrival_s)
             else:  # one gap per token (vLLM's inter-token latency: per iteration, one token each here)
                 self.st.metrics.itl.observe(now - self.last_token_at)
             self.last_token_at = now

@@ -201,6 +201,9 @@ class ServerMetrics:
         self.e2e = Histogram("hicache_e2e_request_latency_seconds",
                              "request arrival to last token, of requests that finished (success)",
                              buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.queue = Histogram("hicache_request_queue_time_seconds", "arrival to the first prefill's start (queued, "
+                               "or parked on a restore), of requests that got a first token",
+                               buckets=_LATENCY_BUCKETS_S, registry=r)
         self.tpot = Histogram("hicache_time_per_output_token_seconds", "first token to last over the tokens "
                               "after the first, of requests that finished (success) with >= 2 tokens",
                               buckets=_TOKEN_LATENCY_BUCKETS_S, registry=r)

@@ -19,8 +19,8 @@ engine's status and cache counters, so the two names cannot disagree. What they 
   rendered from the same samples;
 * request_success_total by finished_reason (stop, length, abort, error), prompt / generation token counters
   and per-request histograms, TTFT and end-to-end latency: the hicache_ families of the same meaning.
-vLLM's request queue, prefill and decode time histograms are not exported: the engine request keeps no
-time it was scheduled at (`Request.arrival_s`, `first_token_s` and `finish_s` only).
+* request_queue_time_seconds: arrival to the first prefill's start (`Request.scheduled_s`), queued or parked.
+vLLM's prefill and decode time histograms are not exported.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ _RENAMED = (
     ("vllm:request_success", "finished", "Count of successfully processed requests."),
     ("vllm:time_to_first_token_seconds", "ttft", "Histogram of time to first token in seconds."),
     ("vllm:e2e_request_latency_seconds", "e2e", "Histogram of e2e request latency in seconds."),
+    ("vllm:request_queue_time_seconds", "queue", "Histogram of time spent in WAITING phase for request."),
     ("vllm:request_time_per_output_token_seconds", "tpot",
      "Histogram of time_per_output_token_seconds per request."),
     ("vllm:inter_token_latency_seconds", "itl", "Histogram of inter-token latency in seconds."),

@@ -273,6 +273,7 @@ class Request:
     rng_state: object = None     # the generator's state before an overlapped forward (undone if it is discarded)
     queue: asyncio.Queue | None = None
     arrival_s: float = field(default_factory=time.perf_counter)
+    scheduled_s: float | None = None  # its first prefill's start: arrival to here is its time queued (or parked)
     first_token_s: float | None = None
     finish_s: float | None = None
     # its last forward's sampled token and that token's logprobs, set after each step of a request that

@@ -409,6 +409,7 @@ class Restoring:
         eng.stats["restore_overlaps"] += 1
         req.state = RequestState.PREFILL
         eng.running.append(req)
+        req.scheduled_s = req.scheduled_s or time.perf_counter()
         eng.log_event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
                    hit_l2=req.hit_tokens["l2"], hit_l3=req.hit_tokens["l3"], restore_tier=req.restore_tier,
                    restore_tokens=req.hit_tokens["l2"] + req.hit_tokens["l3"], restore_overlap=True)

@@ -33,6 +33,7 @@ FAMILIES = {
     "vllm:request_success": ("counter", "hicache_requests_finished"),
     "vllm:time_to_first_token_seconds": ("histogram", "hicache_time_to_first_token_seconds"),
     "vllm:e2e_request_latency_seconds": ("histogram", "hicache_e2e_request_latency_seconds"),
+    "vllm:request_queue_time_seconds": ("histogram", "hicache_request_queue_time_seconds"),
     "vllm:request_time_per_output_token_seconds": ("histogram", "hicache_time_per_output_token_seconds"),
     "vllm:inter_token_latency_seconds": ("histogram", "hicache_inter_token_latency_seconds"),
     "vllm:time_per_output_token_seconds": ("histogram", "hicache_inter_token_latency_seconds"),
@@ -149,7 +150,7 @@ def test_vllm_families_say_what_hicaches_say_after_requests(srv):
     assert delta("vllm:request_generation_tokens_sum") == sum(tokens)
     assert delta("vllm:prompt_tokens_total") == sum(prompts) == delta("vllm:request_prompt_tokens_sum")
     for name in ("vllm:request_generation_tokens", "vllm:request_prompt_tokens", "vllm:e2e_request_latency_seconds",
-                 "vllm:time_to_first_token_seconds"):
+                 "vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds"):
         assert delta(f"{name}_count") == len(runs), name
     # TPOT: one per finished request of >= 2 tokens; inter-token latency: one per token after the first
     assert delta("vllm:request_time_per_output_token_seconds_count") == sum(t >= 2 for t in tokens)
@@ -212,3 +213,25 @@ def test_gauges_map_the_engine_status_as_vllm_means_them(monkeypatch):
     want = (cap - cap // 4 - cap // 2) / cap
     assert gauge(samples, "vllm:kv_cache_usage_perc", "m") == pytest.approx(want)
     assert gauge(samples, "vllm:gpu_cache_usage_perc", "m") == pytest.approx(want)
+
+
+def test_a_requests_queue_time_ends_where_its_first_prefill_starts():
+    """Request.scheduled_s: set once, at the first prefill's start (what vllm:request_queue_time_seconds
+    measures from arrival); a request queued behind a full batch waits longer than the first admitted."""
+    import asyncio
+
+    engine = Engine(EngineConfig(model="tiny", device="cpu", max_running_requests=1))
+
+    async def run():
+        await engine.start()
+        reqs = [engine.add_request([5, 6, 7, i], SamplingParams(max_tokens=3)) for i in range(2)]
+        for r in reqs:
+            while not r.state.done:
+                await asyncio.sleep(0.01)
+        await engine.shutdown(1.0)
+        return reqs
+
+    first, second = asyncio.run(run())
+    for r in (first, second):
+        assert r.arrival_s <= r.scheduled_s <= r.first_token_s
+    assert second.scheduled_s >= first.finish_s  # (one running request at a time: it waited for the first)
