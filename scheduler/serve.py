@@ -20,6 +20,7 @@ from pathlib import Path
 import uvicorn
 
 from scheduler.api_auth import CORSSettings, api_key_from, json_str_list
+from scheduler.chat_template import ChatTemplate, read_chat_template
 from scheduler.config import HICACHE_NEEDS_PREFIX_CACHE, add_engine_args, config_from_args
 from scheduler.engine import Engine
 from scheduler.generation_defaults import GENERATION_CONFIG_FILE, GenerationDefaults, read_generation_defaults
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reasoning-parser", choices=PARSERS, default=None,
                    help="a chat answer's thinking (<think> ... </think>) sent as the message's reasoning_content, "
                         "the rest as its content (vLLM's flag; qwen3 and deepseek_r1 split alike)")
+    s.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                   help="the chat template (a Jinja file, or the template itself) that renders chats, in place of the "
+                        "checkpoint's; also gives the presets' byte tokenizer a chat (vLLM's flag)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve a chat's tool_choice \"auto\" (the default with tools): the model's tool calls read out "
                         "of its answer by --tool-call-parser (vLLM's flags)")
@@ -206,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = replace(config_from_args(args), max_new_tokens_limit=args.max_tokens_limit)
         sampling_defaults = _generation_defaults(args)
+        chat_template = None if args.chat_template is None else read_chat_template(args.chat_template)
+        if chat_template is not None:
+            ChatTemplate(chat_template)  # (one that does not compile: refused before the model loads)
     except ValueError as exc:  # (a CheckpointError is one)
         print(f"hicache-serve: {exc}", file=sys.stderr)
         return 2
@@ -227,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
                           shutdown_grace_s=max(0.0, args.shutdown_grace_s), sampling_defaults=sampling_defaults,
                           reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                          chat_template=chat_template,
                           **_access_limits(args))
     if limits.api_key:  # (where the key came from; never the key)
         print(f"hicache-serve: the /v1/ routes ask for the API key of "

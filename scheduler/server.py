@@ -65,6 +65,7 @@ class ServerLimits:
     sampling_defaults: GenerationDefaults = GenerationDefaults()
     reasoning_parser: str | None = None  # a chat's thinking as reasoning_content (scheduler/reasoning.py)
     tool_call_parser: str | None = None  # tool_choice "auto": calls read out of answers (scheduler/tool_calls.py)
+    chat_template: str | None = None  # --chat-template's text: the tokenizer's chats rendered by it (its own replaced)
     api_key: str | None = dataclasses.field(default=None, repr=False)  # /v1/ asks for it; status: true/false
     served_model_names: tuple[str, ...] = ()  # a request's `model`, the first reported; (): the model's names
     cors: CORSSettings | None = None  # --allowed-origins and companions (api_auth.py); None: no CORS headers
@@ -139,6 +140,8 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         if tokenizer is None:
             log.warning("no_tokenizer", model=engine.config.model,
                         detail="no tokenizer.json: prompts are taken as token ids only, chat is refused")
+    if limits.chat_template is not None and tokenizer is not None:  # (ValueError where it does not compile)
+        tokenizer.use_chat_template(limits.chat_template)
     st = _ServerState(engine, limits, tokenizer)
     engine.guides.use(tokenizer)  # (structured outputs' grammars see the bytes of each id this server's text has)
 
@@ -226,6 +229,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         # the limits requests are held to: a 0 in ServerLimits means the engine's, reported as such
         # (regression: hicache-serve reported a prompt limit of 0)
         effective = {**dataclasses.asdict(limits), "api_key": bool(limits.api_key),  # (never the key itself)
+                     "chat_template": limits.chat_template is not None,  # (its text: the tokenizer's below)
                      "max_prompt_tokens": st.prompt_limit,
                      "max_tokens_limit": st.max_tokens_limit}
         s["server"] = {"in_flight": st.in_flight, "draining": st.draining, "limits": effective,

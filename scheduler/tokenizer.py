@@ -3,14 +3,11 @@
 Two tokenizers, chosen by `load_tokenizer(model, vocab_size)`:
 
 * `HFTokenizer` — a checkpoint directory with a `tokenizer.json` (the `tokenizers` library). When the
-  directory's `tokenizer_config.json` carries a `chat_template` (and jinja2 is importable) the
-  tokenizer can render chat messages; `/v1/chat/completions` is served only then. The template sees
-  what transformers gives it: the request's tools (None without), documents=None, the special tokens the directory defines
-  (bos/eos/unk/sep/pad/cls/mask_token as strings, additional_special_tokens a list; from
-  tokenizer_config.json, and from special_tokens_map.json, winning, where the config has no
-  `added_tokens_decoder`, as transformers reads them; bos/eos_token are "" when not defined),
-  raise_exception, strftime_now, and a `tojson` that does not HTML-escape. A "developer" message is
-  rendered as a "system" one unless the template names the role.
+  directory's `tokenizer_config.json` (or `chat_template.jinja`) carries a chat template (and jinja2 is
+  importable) the tokenizer can render chat messages (scheduler/chat_template.py); `/v1/chat/completions` is
+  served only then. The template gets the special tokens the directory defines (bos/eos/unk/sep/pad/cls/
+  mask_token as strings, additional_special_tokens a list; from tokenizer_config.json, and from
+  special_tokens_map.json, winning, where the config has no `added_tokens_decoder`, as transformers reads them).
 
 * `ByteTokenizer` — the documented fallback for the random-weight presets (tiny, qwen3-*), which ship
   no vocabulary (a checkpoint directory without tokenizer.json gets no tokenizer: token ids only).
@@ -21,7 +18,8 @@ Two tokenizers, chosen by `load_tokenizer(model, vocab_size)`:
   so the 256 byte ids are 3..258 and fit the tiny preset's vocabulary of 512. Decoding is the inverse
   for ids in [3, 259); runs of bytes are decoded as UTF-8 with invalid sequences replaced by U+FFFD,
   and every other id (reserved, or >= 259 — a random-weight model emits those freely) is rendered as
-  the placeholder "<id:N>". There are no special tokens, no BOS/EOS and no chat template. A token's own
+  the placeholder "<id:N>". There are no special tokens, no BOS/EOS and no chat template of its own (the
+  server's --chat-template gives it one: `use_chat_template`, either tokenizer). A token's own
   string (`token_strs`, /tokenize's return_token_strs) is its byte's character when printable ASCII, else
   "<0xHH>".
 
@@ -33,10 +31,11 @@ SentencePiece "▁Paris" is " Paris" there); a whole response is decoded the sam
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 from collections.abc import Sequence
+
+from scheduler.chat_template import ChatTemplate
 
 BYTE_OFFSET = 3
 _REPLACEMENT = "\ufffd"
@@ -47,10 +46,38 @@ TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt",
                       "additional_special_tokens")
 
 
-class ByteTokenizer:
+class _Chat:
+    """A tokenizer's chat: its template (ChatTemplate or None) rendered and encoded."""
+
+    template: ChatTemplate | None = None
+    no_chat_reason = "no chat template"
+    special_tokens: dict = {}
+
+    @property
+    def chat_template(self) -> str | None:
+        return None if self.template is None else self.template.text
+
+    def use_chat_template(self, text: str) -> None:
+        """Render chats with `text` from now on (--chat-template); ValueError where it does not compile."""
+        self.template = ChatTemplate(text, self.special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False, add_special_tokens: bool = False,
+                            template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+        """The messages rendered and encoded (as transformers' apply_chat_template with tokenize=True);
+        continue_final_message: the text ends where the last message's content does, its end-of-turn
+        markup cut off, for the model to continue it; template_kwargs: more variables for the template
+        (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking), none of those set here; tools: the
+        request's tool definitions (transformers' `tools`: OpenAI's tool objects), None without."""
+        if self.template is None:
+            raise ValueError(self.no_chat_reason)
+        text = self.template.render(messages, add_generation_prompt, continue_final_message, template_kwargs, tools)
+        return self.encode(text, add_special_tokens=add_special_tokens)
+
+
+class ByteTokenizer(_Chat):
     """UTF-8 bytes + BYTE_OFFSET (see the module docstring)."""
 
-    chat_template: str | None = None
     kind = "bytes"
 
     def __init__(self, vocab_size: int) -> None:
@@ -58,7 +85,7 @@ class ByteTokenizer:
             raise ValueError(f"the byte-level tokenizer needs a vocabulary of >= {BYTE_OFFSET + 256} ids, "
                              f"this model has {vocab_size}")
         self.vocab_size = vocab_size
-        self.no_chat_reason = "a random-weight preset has a byte tokenizer but no chat template"
+        self.no_chat_reason = "a random-weight preset has a byte tokenizer but no chat template (--chat-template)"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """(add_special_tokens: HFTokenizer's signature; there are none to add)"""
@@ -93,11 +120,8 @@ class ByteTokenizer:
                 out.append(chr(b) if 0x20 <= b < 0x7F else f"<0x{b:02X}>")
         return out
 
-    def apply_chat_template(self, messages: list[dict], **_) -> list[int]:
-        raise ValueError(self.no_chat_reason)
 
-
-class HFTokenizer:
+class HFTokenizer(_Chat):
     """A `tokenizer.json` from a checkpoint directory, with its chat template when it has one."""
 
     kind = "tokenizer.json"
@@ -106,7 +130,6 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self.tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-        self.chat_template: str | None = None
         self.no_chat_reason = f"{model_dir} has no chat template (tokenizer_config.json or chat_template.jinja)"
         cfg = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
         special_map = {}
@@ -116,8 +139,6 @@ class HFTokenizer:
             except (OSError, ValueError):
                 pass
         self.special_tokens = _special_tokens(cfg, special_map)
-        self.bos_token = self.special_tokens.get("bos_token", "")
-        self.eos_token = self.special_tokens.get("eos_token", "")
         template = cfg.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -128,16 +149,9 @@ class HFTokenizer:
                 template = f.read()
         if isinstance(template, str) and template:
             try:
-                self._compiled = _compile_template(template)
-                self.chat_template = template
-                # OpenAI's "developer" messages are its newer system messages: a template that never
-                # names the role (Qwen's renders system / user / assistant / tool) dropped them silently,
-                # so they reach it as "system"; one that names it (gpt-oss's) gets them as they are
-                self.developer_as_system = "developer" not in template
-            except ImportError:
-                self.no_chat_reason = "jinja2 is not installed, so the chat template cannot be rendered"
-            except Exception as exc:  # jinja2.TemplateError: chat is refused, completions still served
-                self.no_chat_reason = f"the chat template does not compile here: {exc}"
+                self.use_chat_template(template)
+            except ValueError as exc:  # chat is refused, completions still served
+                self.no_chat_reason = str(exc)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -148,40 +162,6 @@ class HFTokenizer:
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         """Each id's token as the vocabulary spells it ("Ġthe"; transformers' convert_ids_to_tokens)."""
         return [self.tok.id_to_token(int(t)) for t in ids]
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            continue_final_message: bool = False, add_special_tokens: bool = False,
-                            template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
-        """The messages rendered and encoded (as transformers' apply_chat_template with tokenize=True);
-        continue_final_message: the text ends where the last message's content does, its end-of-turn
-        markup cut off, for the model to continue it; template_kwargs: more variables for the template
-        (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking), none of those set here; tools: the
-        request's tool definitions (transformers' `tools`: OpenAI's tool objects), None without."""
-        if self.chat_template is None:
-            raise ValueError(self.no_chat_reason)
-        if self.developer_as_system:
-            messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
-        # what transformers passes: tools / documents None, not undefined (`tools is not none`), without any; and
-        # the tokenizer's special tokens (bos / eos "" rather than undefined, as here before); one dict, not
-        # keyword arguments (regression: a template_kwargs key "self" was render()'s own, a TypeError)
-        text = self._compiled.render({**(template_kwargs or {}), "messages": messages, "tools": tools,
-                                      "documents": None, "add_generation_prompt": add_generation_prompt,
-                                      **self.special_tokens, "bos_token": self.bos_token, "eos_token": self.eos_token})
-        if continue_final_message:
-            text = _cut_after_final_message(text, messages[-1].get("content") or "")
-        return self.encode(text, add_special_tokens=add_special_tokens)
-
-
-def _cut_after_final_message(text: str, content: str) -> str:
-    """`text` up to the end of the final message's `content` (transformers' continue_final_message: its
-    content stripped where the template strips it)."""
-    if content.strip() not in text:
-        raise ValueError("continue_final_message is set but the final message does not appear in the chat "
-                         "after applying the chat template")
-    at = text.rindex(content.strip())
-    if text[at:at + len(content.lstrip())] == content:  # the template kept the content's trailing space
-        return text[:at + len(content.lstrip())]
-    return text[:at + len(content.strip())]
 
 
 def _token_text(tok) -> str:
@@ -219,28 +199,6 @@ def _special_tokens(config: dict, special_tokens_map: dict) -> dict[str, str | l
     if extra:
         out["additional_special_tokens"] = extra
     return out
-
-
-def _compile_template(template: str):
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str):
-        raise TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # (jinja's own tojson HTML-escapes <, >, &, ' and ASCII-escapes the rest: not the text models saw)
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    def strftime_now(fmt: str) -> str:
-        return datetime.datetime.now().strftime(fmt)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])  # as transformers renders
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    env.filters["tojson"] = tojson
-    return env.from_string(template)
 
 
 def load_tokenizer(model: str, vocab_size: int) -> ByteTokenizer | HFTokenizer | None:
