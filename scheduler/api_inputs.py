@@ -155,7 +155,8 @@ def check_unicode(req, param: str) -> None:
     completion's, /tokenize's): its messages as the template gets them, and its tools."""
     if hasattr(req, "messages"):
         texts = [json.dumps(m.as_template_dict(), ensure_ascii=False) for m in req.messages]
-        texts += [json.dumps(t.model_dump(), ensure_ascii=False) for t in getattr(req, "tools", None) or ()]
+        # (a tool's surrogate was blamed on 'messages')
+        check_texts([json.dumps(t.model_dump(), ensure_ascii=False) for t in getattr(req, "tools", None) or ()], "tools")
     else:
         texts = [req.prompt] if isinstance(req.prompt, str) else [p for p in req.prompt if isinstance(p, str)]
     check_texts(texts, param)

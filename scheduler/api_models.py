@@ -158,6 +158,7 @@ class ChatMessage(_Strict):
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None  # (the SDK's tool messages need it: it was an 'unknown field')
     tool_calls: list[MessageToolCall] | None = None
+    reasoning_content: StrictStr | None = None  # (a --reasoning-parser response's, sent back: Qwen3's template reads it)
 
     @model_validator(mode="before")
     @classmethod
@@ -193,7 +194,8 @@ class ChatMessage(_Strict):
         if isinstance(content, list):  # text parts, joined as vLLM's default ("string" content format) joins them
             content = "\n".join(p.text for p in content)
         out: dict[str, Any] = {"role": self.role, "content": content or ""}
-        for key in ("name", "tool_call_id"):  # (as transformers passes a message: a template may use them)
+        for key in ("name", "tool_call_id", "reasoning_content"):  # (as transformers passes a message: a template
+            # may use them)
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         if self.tool_calls:

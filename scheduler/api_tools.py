@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
 from scheduler.api_guided import GuidedFieldError
 from scheduler.guided import GuidedSpec
@@ -58,6 +58,9 @@ class NamedToolChoice(_Closed):
 class CalledFunction(_Closed):
     name: StrictStr
     arguments: StrictStr  # JSON text, as the API returned it
+    # the openai SDK's stream helper's parse of `arguments` (null, or its object), in the message it built and a
+    # conversation sends back (regression: a 400 "unknown field ...function.parsed_arguments"); left unused
+    parsed_arguments: Any = None
 
 
 class MessageToolCall(_Closed):
@@ -65,6 +68,7 @@ class MessageToolCall(_Closed):
     id: StrictStr
     type: Literal["function"] = "function"
     function: CalledFunction
+    index: StrictInt | None = None  # (the stream's position of the call, in a message the SDK added up; unused)
 
     def as_template_dict(self) -> dict:
         args: Any = self.function.arguments
@@ -124,8 +128,8 @@ class ToolFields(BaseModel):
         if mode != "required":
             return None
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                                   "parameters": _parameters(t)},
-                  "required": ["name", "parameters"], "additionalProperties": False} for t in self.tools]
+                                                   "parameters": _parameters(t, _at(i))},
+                  "required": ["name", "parameters"], "additionalProperties": False} for i, t in enumerate(self.tools)]
         schema = {"type": "array", "minItems": 1, "items": {"anyOf": items}} | _lift_defs(self.tools)
         if self.parallel_tool_calls is False:
             schema["maxItems"] = 1
@@ -149,21 +153,52 @@ def forced_calls(mode: ToolMode, text: str, named: str | None = None) -> list[To
     return [ToolCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False)) for i in items]
 
 
-def _parameters(tool: ToolDefinition) -> dict:
-    """A tool's arguments schema without its "$defs" (lifted to the top of the whole schema: `_lift_defs`)."""
+def _at(index: int) -> str:
+    """Where tool `index`'s parameters sit in a required list's schema (a JSON pointer, as a "$ref" writes it)."""
+    return f"#/items/anyOf/{index}/properties/parameters"
+
+
+def _parameters(tool: ToolDefinition, at: str) -> dict:
+    """A tool's arguments schema, sitting at `at`: without its "$defs" (lifted to the top of the whole schema:
+    `_lift_defs`), its other references into itself pointed at where it sits (`_repointed`)."""
     params = tool.function.parameters
     if not params:
         return {"type": "object"}
-    return {k: v for k, v in params.items() if k != "$defs"}
+    return _repointed({k: v for k, v in params.items() if k != "$defs"}, at)
+
+
+_NAMED_SCHEMAS = ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas")  # name -> schema
+_DATA = ("enum", "const", "default", "examples")  # values, not schemas: a "$ref" in them is data
+
+
+def _repointed(schema: Any, at: str) -> Any:
+    """`schema` with its "$ref"s into itself ("#...", but "#/$defs/...": lifted) made to point under `at`
+    (regression: draft-07's "#/definitions/...", which pydantic v1 and many generators write, "#/properties/..."
+    and "#" pointed at the top of the whole list's schema: a 400 for a valid tool; vLLM's lifts "$defs" alone)."""
+    if isinstance(schema, list):
+        return [_repointed(s, at) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#") and not value.startswith("#/$defs/"):
+            value = at + value[1:]
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            value = {name: _repointed(s, at) for name, s in value.items()}
+        elif key not in _DATA:
+            value = _repointed(value, at)
+        out[key] = value
+    return out
 
 
 def _lift_defs(tools: list[ToolDefinition]) -> dict:
     """The tools' "$defs" at the top of the schema, where their "#/$defs/..." references point (vLLM's); a
     name two tools define differently is a 400."""
     defs: dict[str, Any] = {}
-    for tool in tools:
+    for i, tool in enumerate(tools):
         defs_of = (tool.function.parameters or {}).get("$defs") or {}
         for name, schema in defs_of.items() if isinstance(defs_of, dict) else ():
+            schema = _repointed(schema, _at(i))
             if name in defs and defs[name] != schema:
                 raise ToolFieldError(f"tools define '$defs' {name!r} differently; a required tool_choice needs "
                                      f"one definition", "tools")

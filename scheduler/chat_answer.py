@@ -42,7 +42,8 @@ class ChatAnswer:
         self.splitter, self.mode, self.named, self.single = splitter, mode, named, single
         self.parser = HermesToolParser() if mode == "auto" else None
         self.calls: list[ToolCall] = []  # whole calls, in order (a named one's arguments: `_arguments`)
-        self._text = ""  # a required list's text, read at the end
+        self._text: list[str] = []  # a required list's text, read at the end (in parts: regression, one string
+        # grown at each delta was copied whole each time, quadratic in a long list)
         self._arguments: list[str] = []
         self._named_id = new_call_id()
 
@@ -61,8 +62,9 @@ class ChatAnswer:
             content, calls = self.parser.flush()
             out += Delta(content=content, calls=self._made(calls))
         elif self.mode == "required":
-            calls = forced_calls("required", self._text)
-            out += Delta(content=self._text) if calls is None else Delta(calls=self._made(calls))
+            text = "".join(self._text)
+            calls = forced_calls("required", text)
+            out += Delta(content=text) if calls is None else Delta(calls=self._made(calls))
         return out
 
     def whole(self, text: str) -> tuple[str | None, str | None, list[dict]]:
@@ -83,7 +85,7 @@ class ChatAnswer:
             content, calls = self.parser.feed(content)
             return Delta(content=content, calls=self._made(calls))
         if self.mode == "required":
-            self._text += content
+            self._text.append(content)
             return Delta()
         if self.mode == "named":  # (the first delta names the call, even before any argument text)
             first = not self._arguments

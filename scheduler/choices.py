@@ -51,10 +51,13 @@ class Choices:
             if echo is not None and g.logprobs is not None:
                 g.logprobs.follow_prompt(g.req.prompt)  # (before any token's entry is made)
         self.parses = chat and gens[0].st.limits.reasoning_parser is not None and gens[0].st.tokenizer is not None
-        # (a guided answer is its grammar's from its first token, all content: it has no thinking to split off)
-        self.thinks = self.parses and gens[0].req.params.guided is None
+        # a guided answer is its grammar's from its first token: a think block the prompt left open is not its
+        # (it is content), but one the grammar makes it write at its start is split off as any answer's
+        # (regression: a guided answer was never split, so guided_regex's "<think>...</think>" came back as
+        # content, and with tool_choice auto next to the calls read out of the rest)
+        self.guided = gens[0].req.params.guided is not None
         # the final message the answer continues (continue_final_message): a thought it began is open
-        final = api_req.messages[-1] if self.thinks and api_req.continue_final_message else None
+        final = api_req.messages[-1] if self.parses and not self.guided and api_req.continue_final_message else None
         self.continued = None if final is None else final.as_template_dict()["content"]
         self._opens_thinking: bool | None = None  # (a chat has one prompt: looked at once for its n choices)
         # a chat's tool calls (scheduler/api_tools.py): "none", or read out of each choice's text
@@ -64,14 +67,16 @@ class Choices:
 
     def _splitter(self, gen) -> ReasoningSplitter:
         """A chat choice's thinking / answer split (--reasoning-parser), thinking from the start when its
-        prompt left a think block open."""
+        prompt left a think block open (and its answer is not guided)."""
+        if self.guided:
+            return ReasoningSplitter(thinking=False)
         if self._opens_thinking is None:
             self._opens_thinking = prompt_opens_thinking(gen.st.tokenizer, gen.req.prompt, self.continued)
         return ReasoningSplitter(thinking=self._opens_thinking)
 
     def _answer(self, gen) -> ChatAnswer:
         """A chat choice's message as its text arrives: its thinking split off, its tool calls read."""
-        return ChatAnswer(self._splitter(gen) if self.thinks else None, self.tool_mode, self.named, self.single)
+        return ChatAnswer(self._splitter(gen) if self.parses else None, self.tool_mode, self.named, self.single)
 
     async def abort(self) -> None:
         """The client went away: end every engine request (each stream then ends with 'abort')."""

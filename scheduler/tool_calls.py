@@ -16,17 +16,24 @@ serves a stream and a whole response, so a stream's content deltas add up to the
 * a block whose body is not such an object is text (content, markers and all): nothing the model wrote is lost;
 * a block cut off (max_tokens, or a model that stops without "</tool_call>") is a call if its body is whole
   JSON, else text;
+* a "</tool_call>" inside a string of a body that is a JSON object is the string's text, not the block's end
+  (an argument may hold one: code, a prompt; vLLM's regex ends the block there, and the call was content); a
+  block that turns out to be no call all the same (an unclosed string) ends at its first "</tool_call>", as
+  before, and the text after that is read again, the calls in it calls (once an answer: a second such block
+  is text through its end, so that no text is read more than twice);
 * a marker split over deltas is held back until it can be told apart from text (as stop strings are).
 """
 from __future__ import annotations
 
 import enum
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
 PARSERS = ("hermes",)  # vLLM's name; Qwen2.5's and Qwen3's templates write this format
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
+_BODY_MARKS = re.compile(r'\\.|["\\]|' + re.escape(CALL_END), re.S)  # an escape, a quote or a lone backslash, the end
 
 
 def new_call_id() -> str:
@@ -69,11 +76,18 @@ class HermesToolParser:
 
     def __init__(self) -> None:
         self.mode, self.called = Mode.TEXT, False
-        self._held = ""        # text that may be the start of CALL_START
+        self._held = ""        # text that may be the start of a marker (or a string's escape) not yet read
         self._space = ""       # whitespace after the content sent so far: sent once more content follows
         self._space_before_call = ""  # (given back as text if the block turns out not to be a call)
         self._after_call = False  # the whitespace that follows a block is dropped
-        self._body = ""
+        # the open block's body: its parts so far (regression: one string, grown and searched whole at each
+        # delta: quadratic, ~6 s of the loop for a 200 KB call in 1-character deltas), and how it is read
+        self._body: list[str] = []
+        self._body_chars = 0
+        self._json: bool | None = None  # the body is a JSON object (None: whitespace so far)
+        self._quoted = False  # the reading is inside one of its strings
+        self._inner_end: int | None = None  # where the first CALL_END inside a string is in the body
+        self._may_reread = True  # (once an answer: text read again is read in linear time)
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         text, self._held = self._held + delta, ""
@@ -89,35 +103,73 @@ class HermesToolParser:
                 content.append(self._content(text[:at]))
                 self._space_before_call, self._space = self._space, ""
                 self.mode, text = Mode.CALL, text[at + len(CALL_START):]
+                self._body, self._body_chars, self._json, self._quoted, self._inner_end = [], 0, None, False, None
             else:
-                self._body += text
-                at = self._body.find(CALL_END)
+                at, read = self._read_body(text)
+                self._body.append(text[:read])
+                self._body_chars += read
                 if at < 0:
+                    self._held = text[read:]
                     break
-                body, text = self._body[:at], self._body[at + len(CALL_END):]
-                self._body, self.mode = "", Mode.TEXT
-                content.append(self._block(body, CALL_END, calls))
+                body, text = "".join(self._body), text[at + len(CALL_END):]
+                self._body, self.mode = [], Mode.TEXT
+                piece, again = self._block(body, CALL_END, calls)
+                content.append(piece)
+                text = again + text
         return "".join(content), calls
 
     def flush(self) -> tuple[str, list[ToolCall]]:
         """The end of the answer: a block left open is a call if its body is whole, held text is text."""
+        content: list[str] = []
         calls: list[ToolCall] = []
-        if self.mode is Mode.CALL:
-            self.mode, body, self._body = Mode.TEXT, self._body, ""
-            content = self._block(body, "", calls)
-        else:
-            content = self._content(self._held)
+        while self.mode is Mode.CALL:  # (twice at most: a broken block's text read again may leave one open)
+            self.mode, body, self._body, self._held = Mode.TEXT, "".join(self._body) + self._held, [], ""
+            piece, again = self._block(body, "", calls)
+            more, more_calls = self.feed(again) if again else ("", [])
+            content += [piece, more]
+            calls += more_calls
+        content.append(self._content(self._held))
         self._held, space, self._space = "", self._space, ""
-        return content + space, calls
+        return "".join(content) + space, calls
 
-    def _block(self, body: str, end: str, calls: list[ToolCall]) -> str:
+    def _read_body(self, text: str) -> tuple[int, int]:
+        """(where the block's CALL_END starts in `text`, the body's next part, or -1; how much of `text` was read
+        into the body): past the strings of a JSON object body. What may begin a marker or an escape is left
+        unread (held for the next delta), so any deltas read alike."""
+        if self._json is None and text.strip():
+            self._json = text.lstrip().startswith("{")
+        pos = 0
+        while (m := _BODY_MARKS.search(text, pos)) is not None:
+            mark, strings = m.group(), self._json
+            if mark == CALL_END:
+                if not (strings and self._quoted):
+                    return m.start(), m.start()
+                if self._inner_end is None:
+                    self._inner_end = self._body_chars + m.start()
+            elif mark == '"':
+                self._quoted = self._quoted != bool(strings)
+            elif not (strings and self._quoted):  # (a backslash outside a string escapes nothing)
+                pos = m.start() + 1
+                continue
+            elif mark == "\\":  # an escape whose character is still to come
+                return -1, m.start()
+            pos = m.end()
+        return -1, len(text) - _partial_suffix(text[pos:], CALL_END)
+
+    def _block(self, body: str, end: str, calls: list[ToolCall]) -> tuple[str, str]:
+        """(the content a closed block makes, text to read again: what followed the first CALL_END of a block
+        that is no call, where that CALL_END was inside a string)."""
         call = call_of(body)
-        if call is None:  # text after all, with the whitespace before it
-            self._space = self._space_before_call
-            return self._content(CALL_START + body + end)
-        calls.append(call)
-        self.called = self._after_call = True
-        return ""
+        if call is not None:
+            calls.append(call)
+            self.called = self._after_call = True
+            return "", ""
+        again = ""
+        if self._inner_end is not None and self._may_reread:  # (it ends there after all, as text)
+            body, again, end = body[:self._inner_end], body[self._inner_end + len(CALL_END):] + end, CALL_END
+            self._may_reread = False
+        self._space = self._space_before_call  # text after all, with the whitespace before it
+        return self._content(CALL_START + body + end), again
 
     def _content(self, piece: str) -> str:
         """Text to send now: whitespace at its end waits for what follows (dropped before a block)."""
