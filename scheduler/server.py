@@ -3,6 +3,7 @@
     POST /v1/completions        prompt: token ids or text, or a list of prompts (`n` choices each, one
                                 engine request a choice); stream: server-sent events; stop: token ids or strings
     POST /v1/chat/completions   only with a model directory whose tokenizer has a chat template
+    POST /v1/responses          OpenAI's Responses API, stateless, served as a chat completion (api_responses.py)
     POST /tokenize   POST /detokenize       vLLM's: text <-> token ids with the server's tokenizer (api_tokenize.py)
     GET  /v1/models   GET /v1/models/{id}   GET /health   GET /metrics (Prometheus)
     GET  /hicache/status (engine.status())     (each GET route answers HEAD too)
@@ -40,6 +41,7 @@ from starlette.requests import ClientDisconnect
 from scheduler.api_auth import CORSSettings, install_access
 from scheduler.api_inputs import choice_params, parse_prompts
 from scheduler.api_models import APIError, jsonable, read_json_body, validation_error
+from scheduler.api_responses import ResponsesShape
 from scheduler.api_tokenize import chat_unavailable, detokenize, tokenize
 from scheduler.choices import Choices
 from scheduler.engine import Engine
@@ -184,6 +186,12 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     async def chat_completions(request: Request):
         return await _generate(request, st, chat=True)
 
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        shape = ResponsesShape()
+        with shape.named_errors():
+            return await _generate(request, st, chat=True, shape=shape)
+
     @app.post("/tokenize")
     async def tokenize_route(request: Request):  # (no generation slot: the engine is not involved)
         return await tokenize(request, st)
@@ -274,7 +282,9 @@ class _Slot:
             self.st = None
 
 
-async def _generate(request: Request, st: _ServerState, chat: bool):
+async def _generate(request: Request, st: _ServerState, chat: bool, shape: ResponsesShape | None = None):
+    """A completion's or a chat's body served; shape: another API's body served as a chat's, its output
+    rendered its way (/v1/responses)."""
     arrival = time.perf_counter()
     try:
         st.check_admitting()
@@ -293,6 +303,8 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
     try:
         if chat and (err := chat_unavailable(st.tokenizer, st.model_name)):
             raise err
+        if shape is not None:
+            body = shape.chat_body(body)
         api_req, prompts, params = parse_prompts(
             body, chat, tokenizer=st.tokenizer, served_names=st.served_names, model_name=st.model_name,
             vocab_size=st.engine.vocab_size, prompt_limit=st.prompt_limit, max_tokens_limit=st.max_tokens_limit,
@@ -332,6 +344,8 @@ async def _generate(request: Request, st: _ServerState, chat: bool):
         raise
     st.metrics.prompt_tokens.inc(sum(map(len, prompts)))
     choices = Choices(gens, chat, rid, api_req, st.model_name)
+    if shape is not None:
+        choices = shape.output(choices)
     if api_req.stream:
         return _SSEResponse(choices.sse(), choices, slot, media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

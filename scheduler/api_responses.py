@@ -1,0 +1,344 @@
+"""OpenAI's Responses API (`POST /v1/responses`), the basic form vLLM serves, so that clients built on it (the
+openai SDK's `client.responses.create` / `.stream`, the OpenAI Agents SDK) work against this server.
+
+A Responses body is validated here (strict, as every request model: scheduler/api_models.py), translated into
+a chat completion's body and served as one (server._generate: the same prompts, limits, tools, structured
+outputs and engine requests as /v1/chat/completions); its one choice is rendered as a Response, whole or as
+Responses' server-sent events (scheduler/responses_output.py).
+
+* `input`: a string (one user message) or a list of items: messages ({"role": user / system / developer /
+  assistant, "content": a string or input_text / output_text parts}, with or without "type": "message"),
+  `function_call` items (an assistant message's tool_calls; consecutive assistant-side items, a reasoning
+  item's text too, make one assistant turn), `function_call_output` items (tool messages). An earlier
+  response's `output` items may be sent back as they came. `instructions`: a system message first.
+* `tools`: Responses' flat function tools (other tool types: a 400 naming them); `tool_choice`,
+  `parallel_tool_calls` as a chat's (scheduler/api_tools.py); `text.format` as `response_format`;
+  `max_output_tokens` as `max_completion_tokens` (none: the rest of the context, as a chat's).
+* Stateless: nothing is kept. `previous_response_id` and `conversation` are 400s; `store` is accepted,
+  `true` too (vLLM keeps responses by default), but nothing is stored and the response says `"store": false`.
+* Accepted and changing nothing: `reasoning` (a --reasoning-parser model thinks as its template says),
+  `metadata` (echoed), `user`, `truncation` "disabled" ("auto": a 400), and at their neutral values `include`,
+  `background`, `service_tier`, `top_logprobs`. vLLM's `seed` is passed on.
+
+Errors are the API's 400s naming the Responses field (`ResponsesShape.named_errors`: a chat field's name
+becomes the one it was translated from).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Annotated, Any, ClassVar, Literal, Union
+
+from pydantic import (Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, TypeAdapter, ValidationError,
+                      field_validator, model_validator)
+from pydantic_core import PydanticCustomError
+
+from scheduler.api_models import APIError, Float, _is_type_tag, _Strict, validation_error
+from scheduler.responses_output import ResponseOutput
+
+ROLES = ("user", "system", "developer", "assistant")
+
+
+class TextPart(_Strict):
+    """A message's text: an input_text part, or an output_text one (an earlier response's, sent back)."""
+    type: Literal["input_text", "output_text"]
+    text: StrictStr
+    annotations: list[Any] | None = None  # (an output_text's, as this server sent it: left unused)
+    logprobs: list[Any] | None = None
+    parsed: Any = None  # (the openai SDK's parse helpers add it to the parts they return)
+
+
+def _text_parts_only(parts: Any) -> None:
+    for part in parts if isinstance(parts, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind not in ("input_text", "output_text"):
+            raise PydanticCustomError("unsupported_value", "content parts of type {kind} are not supported (this "
+                                      "server takes text only: 'input_text' / 'output_text' parts or a string)",
+                                      {"kind": repr(kind)})
+
+
+class MessageItem(_Strict):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: StrictStr | list[TextPart]
+    id: StrictStr | None = None  # (an output message's, sent back)
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parts(cls, data: Any) -> Any:
+        _text_parts_only(data.get("content") if isinstance(data, dict) else None)
+        return data
+
+
+class FunctionCallItem(_Strict):
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr
+    id: StrictStr | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+    parsed_arguments: Any = None  # (the openai SDK's stream helper's parse of `arguments`: left unused)
+
+
+class FunctionCallOutputItem(_Strict):
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: StrictStr | list[TextPart]
+    id: StrictStr | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parts(cls, data: Any) -> Any:
+        _text_parts_only(data.get("output") if isinstance(data, dict) else None)
+        return data
+
+
+class ReasoningText(_Strict):
+    type: Literal["reasoning_text", "summary_text"]
+    text: StrictStr
+
+
+class ReasoningItem(_Strict):
+    """An earlier response's thinking, sent back: its text becomes its assistant turn's reasoning_content."""
+    type: Literal["reasoning"]
+    id: StrictStr | None = None
+    summary: list[ReasoningText] = []
+    content: list[ReasoningText] | None = None
+    encrypted_content: None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+    def text(self) -> str:
+        return "\n".join(p.text for p in self.content or self.summary)
+
+
+_ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
+          "reasoning": ReasoningItem}
+
+
+def _item_kind(item: Any) -> str:
+    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+
+
+InputItem = Annotated[Union[tuple(Annotated[model, Tag(kind)] for kind, model in _ITEMS.items())],
+                      Discriminator(_item_kind)]
+_INPUT_ITEM = TypeAdapter(InputItem)
+
+
+class FunctionTool(_Strict):
+    type: Literal["function"]
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+    def chat_form(self) -> dict:
+        function = self.model_dump(exclude={"type"}, exclude_none=True)
+        return {"type": "function", "function": function}
+
+
+class NamedFunction(_Strict):
+    type: Literal["function"]
+    name: StrictStr
+
+
+class TextFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    name: StrictStr | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: StrictStr | None = None
+    strict: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _named(self) -> "TextFormat":
+        if self.type == "json_schema" and (self.name is None or self.schema_ is None):
+            raise ValueError("a json_schema format needs its 'name' and 'schema'")
+        return self
+
+
+class TextConfig(_Strict):
+    format: TextFormat | None = None
+
+
+class ReasoningConfig(_Strict):
+    effort: StrictStr | None = None
+    summary: StrictStr | None = None
+    generate_summary: StrictStr | None = None
+
+
+class ResponsesRequest(_Strict):
+    model: StrictStr | None = None
+    input: StrictStr | list[InputItem]
+    instructions: StrictStr | None = None
+    max_output_tokens: StrictInt | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    seed: StrictInt | None = None  # (vLLM's: a sampled answer repeated)
+    stream: StrictBool | None = False
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None
+    user: StrictStr | None = None
+    store: StrictBool | None = None  # (nothing is kept, true or not)
+    truncation: Literal["disabled", "auto"] | None = None
+    previous_response_id: StrictStr | None = None
+    conversation: Any = None
+    top_logprobs: StrictInt | None = None
+    include: list[StrictStr] | None = None
+    background: StrictBool | None = None
+    service_tier: StrictStr | None = None
+
+    # fields taken only at a value that changes nothing (others: an 'unsupported_value' 400)
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"truncation": (None, "disabled"), "top_logprobs": (None, 0),
+                                           "include": (None, []), "background": (None, False),
+                                           "service_tier": (None, "auto", "default")}
+
+    @field_validator("input", mode="before")
+    @classmethod
+    def _items(cls, items: Any) -> Any:
+        """Each item validated here, so that its error names the item and its field (through the union of a
+        string and a list it was only "Input should be a valid string; or Field required")."""
+        if not isinstance(items, list):
+            return items
+        valid = []
+        for i, item in enumerate(items):
+            kind = _item_kind(item) if isinstance(item, dict) else None
+            if kind is not None and kind not in _ITEMS:
+                raise PydanticCustomError("unsupported_value", "item {i} is of type {kind}, which this server does "
+                                          "not take (messages, function_call, function_call_output and reasoning "
+                                          "items; it keeps nothing, so no item_reference)",
+                                          {"i": i, "kind": repr(kind)})
+            try:
+                valid.append(_INPUT_ITEM.validate_python(item))
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in err["loc"][1:] if not _is_type_tag(str(p)))
+                kind = err["type"] if err["type"] == "unsupported_value" else "invalid_item"
+                raise PydanticCustomError(kind, "item {i} ({item}): {where}{msg}",
+                                          {"i": i, "item": err["loc"][0] if err["loc"] else "?",
+                                           "where": f"'{where}': " if where else "", "msg": err["msg"]}) from None
+        return valid
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools(cls, tools: Any) -> Any:
+        for tool in tools if isinstance(tools, list) else ():
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind != "function":
+                raise PydanticCustomError("unsupported_value", "tools of type {kind} are not supported (this server "
+                                          "calls function tools only)", {"kind": repr(kind)})
+        return tools
+
+    def check_unsupported(self) -> None:
+        for name in ("previous_response_id", "conversation"):
+            if getattr(self, name) is not None:
+                raise APIError(400, f"'{name}' is not supported: this server keeps no responses (stateless); send "
+                                    f"the whole conversation as 'input'", param=name, code="unsupported_value")
+        for name, neutral in self.NEUTRAL.items():
+            value = getattr(self, name)
+            if not any(value == v and type(value) is type(v) for v in neutral):
+                raise APIError(400, f"'{name}' is not supported (only {' or '.join(json.dumps(v) for v in neutral)})",
+                               param=name, code="unsupported_value")
+
+
+def parse_request(body: dict) -> ResponsesRequest:
+    """A decoded JSON body as a ResponsesRequest (a 400 naming the field otherwise)."""
+    try:
+        req = ResponsesRequest.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    req.check_unsupported()
+    return req
+
+
+def chat_messages(req: ResponsesRequest) -> list[dict]:
+    """The input items as a chat's messages: consecutive assistant-side items (an assistant message, function
+    calls, reasoning) one assistant message, as a chat answer of text, calls and thinking is."""
+    messages: list[dict] = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
+    items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    turn: dict | None = None  # the assistant message the assistant-side items go to
+    for item in items:
+        if isinstance(item, FunctionCallOutputItem):
+            turn = None
+            messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _content(item.output)})
+        elif isinstance(item, MessageItem) and item.role != "assistant":
+            turn = None
+            messages.append({"role": item.role, "content": _content(item.content)})
+        else:
+            if turn is None:
+                turn = {"role": "assistant", "content": None}
+                messages.append(turn)
+            if isinstance(item, MessageItem):
+                parts = _content(item.content)
+                turn["content"] = (turn["content"] or []) + (parts if isinstance(parts, list) else
+                                                             [{"type": "text", "text": parts}])
+            elif isinstance(item, FunctionCallItem):
+                turn.setdefault("tool_calls", []).append(
+                    {"id": item.call_id, "type": "function", "function": {"name": item.name,
+                                                                           "arguments": item.arguments}})
+            else:
+                thought = turn.get("reasoning_content")
+                turn["reasoning_content"] = item.text() if thought is None else f"{thought}\n{item.text()}"
+    return messages
+
+
+def _content(content: str | list[TextPart]) -> str | list[dict]:
+    return content if isinstance(content, str) else [{"type": "text", "text": p.text} for p in content]
+
+
+def chat_body(req: ResponsesRequest) -> dict:
+    """The chat completion body that serves `req` (its fields left out where `req` leaves them out)."""
+    body: dict[str, Any] = {
+        "messages": chat_messages(req), "model": req.model, "stream": req.stream, "temperature": req.temperature,
+        "top_p": req.top_p, "seed": req.seed, "user": req.user, "max_completion_tokens": req.max_output_tokens,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "tools": None if req.tools is None else [t.chat_form() for t in req.tools]}
+    choice = req.tool_choice
+    body["tool_choice"] = {"type": "function", "function": {"name": choice.name}} \
+        if isinstance(choice, NamedFunction) else choice
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = fmt.model_dump(include={"name", "schema_", "description", "strict"}, by_alias=True, exclude_none=True)
+        body["response_format"] = {"type": "json_schema", "json_schema": schema}
+    return {k: v for k, v in body.items() if v is not None}
+
+
+# a chat field's name in an error -> the Responses field it was translated from
+_FIELDS = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
+           "response_format": "text"}
+
+
+class ResponsesShape:
+    """One /v1/responses request served as a chat completion (server._generate): its body translated
+    (`chat_body`), its choice rendered as a Response (`output`), its errors named by its own fields."""
+
+    def __init__(self) -> None:
+        self.req: ResponsesRequest | None = None
+
+    def chat_body(self, body: dict) -> dict:
+        self.req = parse_request(body)
+        return chat_body(self.req)
+
+    def output(self, choices) -> ResponseOutput:
+        return ResponseOutput(choices, self.req)
+
+    @contextlib.contextmanager
+    def named_errors(self):
+        """An APIError from the chat path names the Responses field (not 'max_completion_tokens' to a body that
+        never had it)."""
+        try:
+            yield
+        except APIError as exc:
+            if exc.param is not None:
+                head, dot, rest = exc.param.partition(".")
+                if head in _FIELDS:
+                    exc.param = _FIELDS[head] if head in ("messages", "prompt") else _FIELDS[head] + dot + rest
+            for old, new in _FIELDS.items():
+                exc.message = exc.message.replace(f"'{old}'", f"'{new}'")
+            raise

@@ -1,0 +1,208 @@
+"""A /v1/responses request's one choice rendered as a Response (scheduler/api_responses.py), whole or as
+Responses' server-sent events (`event: <type>` / `data: {"type", "sequence_number", ...}`).
+
+Both are made from what scheduler/choices.py renders for the chat completion that serves the request: a whole
+response from its message, a stream from its chunks (their reasoning_content, content and tool_calls deltas,
+as scheduler/chat_answer.py makes them), by one `OutputItems`, so that a stream's items add up to the whole
+response's. The items: a `reasoning` item (with --reasoning-parser, where the answer thought), a `message`
+with one output_text part, a `function_call` per call. A stream finishes each item before it starts the next
+(as OpenAI's do), so text that follows a call (the hermes parser's "auto") is a second message there, and
+part of the one message in a whole response: their `output_text` is the same. finish_reason "length" is
+status "incomplete" (incomplete_details.reason "max_output_tokens", the last item "incomplete"); a choice
+that failed ends a stream with an `error` event and `response.failed`.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import uuid
+from typing import TYPE_CHECKING
+
+from fastapi.responses import JSONResponse
+
+if TYPE_CHECKING:
+    from scheduler.api_responses import ResponsesRequest
+    from scheduler.choices import Choices
+
+_PREFIXES = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
+
+
+class OutputItems:
+    """A Response's output items, made from a chat message's deltas in order (a whole message is one delta):
+    `feed` and `close` return the stream's events for them (without sequence numbers); `items`: the finished
+    items."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+        self._open: dict | None = None  # the item being written (as it was added)
+        self._text: list[str] = []  # its text, or its arguments
+
+    def feed(self, delta: dict) -> list[dict]:
+        events = []
+        if delta.get("reasoning_content"):
+            events += self._write("reasoning", delta["reasoning_content"])
+        if delta.get("content"):
+            events += self._write("message", delta["content"])
+        for call in delta.get("tool_calls") or ():
+            function = call.get("function") or {}
+            if call.get("id") is not None:  # (a call's first delta: its id and name)
+                events += self.finish("completed") + self._start("function_call", call_id=call["id"],
+                                                                 name=function.get("name") or "")
+            if function.get("arguments") and self._open is not None and self._open["type"] == "function_call":
+                events += self._write("function_call", function["arguments"])
+        return events
+
+    def close(self, status: str) -> list[dict]:
+        """The end of the answer: the open item finished with `status`; an answer with nothing in it is an empty
+        message (a client reads the answer's text from one)."""
+        events = self.finish(status)
+        if not self.items:
+            events += self._start("message") + self.finish(status)
+        return events
+
+    def finish(self, status: str) -> list[dict]:
+        """The open item finished with `status` (none open: no events)."""
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        text, kind = "".join(self._text), item["type"]
+        where = {"item_id": item["id"], "output_index": len(self.items)}
+        if kind == "function_call":
+            done = {**item, "arguments": text, "status": status}
+            events = [{"type": "response.function_call_arguments.done", **where, "name": item["name"],
+                       "arguments": text}]
+        else:
+            part = _part(kind, text)
+            done = {**item, "content": [part], "status": status}
+            events = [{"type": "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done",
+                       **where, "content_index": 0, "text": text, **({} if kind == "reasoning" else {"logprobs": []})},
+                      {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
+        self.items.append(done)
+        return events + [{"type": "response.output_item.done", "output_index": where["output_index"], "item": done}]
+
+    def _start(self, kind: str, **fields) -> list[dict]:
+        item = {"id": f"{_PREFIXES[kind]}_{uuid.uuid4().hex}", "type": kind, **fields}
+        if kind == "reasoning":
+            item.update(summary=[], content=[])
+        elif kind == "message":
+            item.update(role="assistant", content=[])
+        else:
+            item.update(arguments="")
+        item["status"] = "in_progress"
+        self._open, self._text = item, []
+        where = {"item_id": item["id"], "output_index": len(self.items)}
+        events = [{"type": "response.output_item.added", "output_index": len(self.items), "item": item}]
+        if kind != "function_call":
+            events.append({"type": "response.content_part.added", **where, "content_index": 0,
+                           "part": _part(kind, "")})
+        return events
+
+    def _write(self, kind: str, text: str) -> list[dict]:
+        events = []
+        if self._open is None or self._open["type"] != kind:
+            events += self.finish("completed") + self._start(kind)
+        self._text.append(text)
+        where = {"item_id": self._open["id"], "output_index": len(self.items)}
+        if kind == "function_call":
+            return events + [{"type": "response.function_call_arguments.delta", **where, "delta": text}]
+        if kind == "reasoning":
+            return events + [{"type": "response.reasoning_text.delta", **where, "content_index": 0, "delta": text}]
+        return events + [{"type": "response.output_text.delta", **where, "content_index": 0, "delta": text,
+                          "logprobs": []}]
+
+
+def _part(kind: str, text: str) -> dict:
+    if kind == "reasoning":
+        return {"type": "reasoning_text", "text": text}
+    return {"type": "output_text", "text": text, "annotations": []}
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _usage(usage: dict) -> dict:
+    """A chat's usage as Responses' (no reasoning tokens counted apart; no cache writes billed)."""
+    return {"input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                     "cache_write_tokens": 0},
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"]}
+
+
+class ResponseOutput:
+    """The Choices (one) of a /v1/responses request rendered as a Response; server._generate serves it as it
+    serves Choices (`complete`, `sse`, `abort`, `close`)."""
+
+    def __init__(self, choices: "Choices", req: "ResponsesRequest") -> None:
+        self.choices, self.req = choices, req
+        self.id = "resp_" + choices.rid.partition("-")[2]  # (the engine request's id, for the logs)
+        self.params = choices.gens[0].req.params  # (the sampling settings it ran with, the defaults filled)
+
+    async def abort(self) -> None:
+        await self.choices.abort()
+
+    async def close(self) -> None:
+        await self.choices.close()
+
+    async def complete(self, request) -> JSONResponse:
+        chat = json.loads((await self.choices.complete(request)).body)
+        [choice] = chat["choices"]
+        items, status = OutputItems(), _status(choice["finish_reason"])
+        items.feed(choice["message"])  # (its reasoning_content, content and tool_calls: one delta)
+        items.close(status)
+        return JSONResponse(self.response(status, items.items, _usage(chat["usage"])))
+
+    async def sse(self):
+        numbers = itertools.count()
+
+        def event(data: dict) -> str:
+            return f"event: {data['type']}\ndata: {json.dumps({**data, 'sequence_number': next(numbers)})}\n\n"
+
+        head = self.response("in_progress", [])
+        yield event({"type": "response.created", "response": head})
+        yield event({"type": "response.in_progress", "response": head})
+        items, finish = OutputItems(), None
+        async with contextlib.aclosing(self.choices.sse()) as chunks:
+            async for line in chunks:
+                if not line.startswith("data: {"):  # (the chat's "data: [DONE]")
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:  # the choice failed, or was aborted (scheduler/choices.py)
+                    error = chunk["error"]
+                    for e in items.finish("incomplete"):
+                        yield event(e)
+                    yield event({"type": "error", "code": error["code"], "message": error["message"],
+                                 "param": error["param"]})
+                    failed = self.response("failed", items.items, error={"code": "server_error",
+                                                                         "message": error["message"]})
+                    yield event({"type": "response.failed", "response": failed})
+                    return
+                choice = chunk["choices"][0]
+                for e in items.feed(choice["delta"]):
+                    yield event(e)
+                finish = choice["finish_reason"] or finish
+        status = _status(finish)
+        for e in items.close(status):
+            yield event(e)
+        usage = _usage(self.choices.usage().model_dump())
+        yield event({"type": f"response.{status}", "response": self.response(status, items.items, usage)})
+
+    def response(self, status: str, output: list[dict], usage: dict | None = None, error: dict | None = None) -> dict:
+        """The Response object, with the request's settings echoed as the openai SDK's Response wants them."""
+        req = self.req
+        fmt = req.text.format if req.text is not None else None
+        choice = req.tool_choice
+        return {
+            "id": self.id, "object": "response", "created_at": self.choices.created, "status": status,
+            "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.choices.model,
+            "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "previous_response_id": None, "reasoning": None if req.reasoning is None else req.reasoning.model_dump(),
+            "store": False,  # (nothing is kept, whatever the request's `store`)
+            "temperature": self.params.temperature, "top_p": self.params.top_p,
+            "text": {"format": {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)},
+            "tool_choice": choice.model_dump() if hasattr(choice, "model_dump") else choice or "auto",
+            "tools": [t.model_dump() for t in req.tools or ()], "truncation": "disabled", "usage": usage,
+            "user": req.user, "metadata": req.metadata or {}, "background": False}
