@@ -17,16 +17,22 @@ Responses' server-sent events (scheduler/responses_output.py).
 * Stateless: nothing is kept. `previous_response_id` and `conversation` are 400s; `store` is accepted,
   `true` too (vLLM keeps responses by default), but nothing is stored and the response says `"store": false`.
 * Accepted and changing nothing: `reasoning` (a --reasoning-parser model thinks as its template says),
-  `metadata` (echoed), `user`, `truncation` "disabled" ("auto": a 400), and at their neutral values `include`,
-  `background`, `service_tier`, `top_logprobs`. vLLM's `seed` is passed on.
+  `metadata` (echoed), `user`, `truncation` "disabled" ("auto": a 400), and at their neutral values
+  `background`, `service_tier`, `top_logprobs`. vLLM's `seed` is passed on. What stateless agents send (Codex,
+  the Agents SDK; each was a 400): `include: ["reasoning.encrypted_content"]` (reasoning items carry their text,
+  taken back as it came), `text.verbosity`, `prompt_cache_key` and `prompt_cache_retention` (the prefix cache
+  finds shared prefixes itself), `safety_identifier`, `max_tool_calls` (OpenAI's bound on built-in tools' calls:
+  none here), `stream_options.include_obfuscation` (no obfuscation is sent); echoed where a Response has them.
 
 Errors are the API's 400s naming the Responses field (`ResponsesShape.named_errors`: a chat field's name
-becomes the one it was translated from).
+becomes the one it was translated from). A lone surrogate ("\ud800", which JSON carries and UTF-8 cannot) is a 400
+naming its field, whichever it is (`_check_unicode`).
 """
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, TypeAdapter, ValidationError,
@@ -58,7 +64,7 @@ def _text_parts_only(parts: Any) -> None:
 
 
 class MessageItem(_Strict):
-    type: Literal["message"] = "message"
+    type: Literal["message"] | None = "message"  # (null: a message, as a null takes its default elsewhere)
     role: Literal["user", "system", "developer", "assistant"]
     content: StrictStr | list[TextPart]
     id: StrictStr | None = None  # (an output message's, sent back)
@@ -117,8 +123,10 @@ _ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_c
           "reasoning": ReasoningItem}
 
 
-def _item_kind(item: Any) -> str:
-    return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", "message")
+def _item_kind(item: Any) -> Any:
+    """An item's type: a message's where it has none (or null), as the API's easy input message."""
+    kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
+    return "message" if kind is None else kind
 
 
 InputItem = Annotated[Union[tuple(Annotated[model, Tag(kind)] for kind, model in _ITEMS.items())],
@@ -159,6 +167,11 @@ class TextFormat(_Strict):
 
 class TextConfig(_Strict):
     format: TextFormat | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # (a hint to OpenAI's models: echoed, unused)
+
+
+class StreamOptions(_Strict):
+    include_obfuscation: StrictBool | None = None  # (no delta carries OpenAI's obfuscation padding)
 
 
 class ReasoningConfig(_Strict):
@@ -191,11 +204,18 @@ class ResponsesRequest(_Strict):
     include: list[StrictStr] | None = None
     background: StrictBool | None = None
     service_tier: StrictStr | None = None
+    # what stateless agents send, changing nothing here (echoed)
+    stream_options: StreamOptions | None = None
+    prompt_cache_key: StrictStr | None = None
+    prompt_cache_retention: Literal["in_memory", "24h"] | None = None
+    safety_identifier: StrictStr | None = None
+    max_tool_calls: Annotated[StrictInt, Field(ge=0)] | None = None
 
     # fields taken only at a value that changes nothing (others: an 'unsupported_value' 400)
     NEUTRAL: ClassVar[dict[str, tuple]] = {"truncation": (None, "disabled"), "top_logprobs": (None, 0),
-                                           "include": (None, []), "background": (None, False),
-                                           "service_tier": (None, "auto", "default")}
+                                           "background": (None, False), "service_tier": (None, "auto", "default")}
+    # `include`'s items that change nothing: a reasoning item's text is in it, not encrypted
+    INCLUDES: ClassVar[tuple[str, ...]] = ("reasoning.encrypted_content",)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -207,6 +227,9 @@ class ResponsesRequest(_Strict):
         valid = []
         for i, item in enumerate(items):
             kind = _item_kind(item) if isinstance(item, dict) else None
+            if kind is not None and not isinstance(kind, str):  # (a list's or an object's: a TypeError, a 500)
+                raise PydanticCustomError("invalid_item", "item {i}: 'type' must be a string such as 'message', "
+                                          "got {kind}", {"i": i, "kind": json.dumps(kind)[:80]})
             if kind is not None and kind not in _ITEMS:
                 raise PydanticCustomError("unsupported_value", "item {i} is of type {kind}, which this server does "
                                           "not take (messages, function_call, function_call_output and reasoning "
@@ -243,6 +266,23 @@ class ResponsesRequest(_Strict):
             if not any(value == v and type(value) is type(v) for v in neutral):
                 raise APIError(400, f"'{name}' is not supported (only {' or '.join(json.dumps(v) for v in neutral)})",
                                param=name, code="unsupported_value")
+        for value in self.include or ():
+            if value not in self.INCLUDES:
+                raise APIError(400, f"'include' of {value!r} is not supported (only "
+                                    f"{', '.join(map(repr, self.INCLUDES))}: nothing else is there to include)",
+                               param="include", code="unsupported_value")
+
+
+def _check_unicode(body: dict) -> None:
+    """Each field's text UTF-8 can carry: a lone surrogate in a field the Response echoes (metadata, user,
+    reasoning, text) failed its rendering after the answer was generated, a 500, and one in `instructions` was
+    blamed on 'input', as 'the messages' (regressions)."""
+    for name, value in body.items():
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise APIError(400, f"'{name}' is not valid Unicode text (a lone surrogate, which UTF-8 cannot carry: "
+                                f"{exc})", param=name, code="invalid_value") from None
 
 
 def parse_request(body: dict) -> ResponsesRequest:
@@ -251,6 +291,7 @@ def parse_request(body: dict) -> ResponsesRequest:
         req = ResponsesRequest.model_validate(body)
     except ValidationError as exc:
         raise validation_error(exc) from None
+    _check_unicode(body)
     req.check_unsupported()
     return req
 
@@ -309,9 +350,11 @@ def chat_body(req: ResponsesRequest) -> dict:
     return {k: v for k, v in body.items() if v is not None}
 
 
-# a chat field's name in an error -> the Responses field it was translated from
+# a chat field's name in an error -> the Responses field it was translated from (max_tokens: the engine's name
+# for the limit, in its refusal of prompt + max tokens)
 _FIELDS = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
-           "response_format": "text"}
+           "max_tokens": "max_output_tokens", "response_format": "text"}
+_MAX_TOKENS = re.compile(r"\bmax_(?:completion_)?tokens\b")  # (the word, quoted or not: "max_tokens (2040)")
 
 
 class ResponsesShape:
@@ -339,6 +382,7 @@ class ResponsesShape:
                 head, dot, rest = exc.param.partition(".")
                 if head in _FIELDS:
                     exc.param = _FIELDS[head] if head in ("messages", "prompt") else _FIELDS[head] + dot + rest
+            exc.message = _MAX_TOKENS.sub("max_output_tokens", exc.message)
             for old, new in _FIELDS.items():
                 exc.message = exc.message.replace(f"'{old}'", f"'{new}'")
             raise

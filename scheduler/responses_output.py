@@ -193,6 +193,9 @@ class ResponseOutput:
         """The Response object, with the request's settings echoed as the openai SDK's Response wants them."""
         req = self.req
         fmt = req.text.format if req.text is not None else None
+        text = {"format": {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)}
+        if req.text is not None and req.text.verbosity is not None:
+            text["verbosity"] = req.text.verbosity
         choice = req.tool_choice
         return {
             "id": self.id, "object": "response", "created_at": self.choices.created, "status": status,
@@ -202,7 +205,10 @@ class ResponseOutput:
             "previous_response_id": None, "reasoning": None if req.reasoning is None else req.reasoning.model_dump(),
             "store": False,  # (nothing is kept, whatever the request's `store`)
             "temperature": self.params.temperature, "top_p": self.params.top_p,
-            "text": {"format": {"type": "text"} if fmt is None else fmt.model_dump(by_alias=True, exclude_none=True)},
+            "text": text,
             "tool_choice": choice.model_dump() if hasattr(choice, "model_dump") else choice or "auto",
             "tools": [t.model_dump() for t in req.tools or ()], "truncation": "disabled", "usage": usage,
-            "user": req.user, "metadata": req.metadata or {}, "background": False}
+            "user": req.user, "metadata": req.metadata or {}, "background": False,
+            # (accepted, changing nothing: scheduler/api_responses.py)
+            "max_tool_calls": req.max_tool_calls, "prompt_cache_key": req.prompt_cache_key,
+            "prompt_cache_retention": req.prompt_cache_retention, "safety_identifier": req.safety_identifier}
