@@ -365,6 +365,9 @@ def _refused(st: _ServerState, exc: RequestError, index: int, batch_size: int, a
     once the engine loop failed); a grammar it refused, by the field that asked for it."""
     if exc.param == "guided":
         exc.param = api_req.guided()[0]
+    if exc.param == "max_tokens" and getattr(api_req, "max_completion_tokens", None) is not None:
+        # the field the chat used (regression: a body of max_completion_tokens was told about max_tokens)
+        exc = RequestError(str(exc).replace("max_tokens (", "max_completion_tokens ("), "max_completion_tokens")
     try:
         st.check_admitting()
     except APIError as err:

@@ -69,3 +69,13 @@ def test_it_replaces_a_checkpoints_own_template(tmp_path):
     engine = Engine(EngineConfig(model="tiny", device="cpu", max_total_tokens=512))
     create_app(engine, ServerLimits(chat_template=TEMPLATE), tokenizer=own)
     assert own.decode(own.apply_chat_template(HI)) == "[user] hi\n[a] "
+
+
+def test_a_length_refusal_names_the_field_the_chat_used(tiny_chat):
+    """The engine refuses prompt + output tokens past the L1 pool naming 'max_tokens'; a chat that sent
+    max_completion_tokens (OpenAI's newer name) is told about that field (regression: 'max_tokens')."""
+    for field in ("max_tokens", "max_completion_tokens"):
+        r = httpx.post(tiny_chat.url + "/v1/chat/completions", json={"messages": HI, field: 510}, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and f"{field} (510)" in err["message"], err
