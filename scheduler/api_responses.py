@@ -39,6 +39,7 @@ from pydantic import (Discriminator, Field, StrictBool, StrictInt, StrictStr, Ta
                       field_validator, model_validator)
 from pydantic_core import PydanticCustomError
 
+from scheduler.api_inputs import check_texts
 from scheduler.api_models import APIError, Float, _is_type_tag, _Strict, validation_error
 from scheduler.responses_output import ResponseOutput
 
@@ -278,11 +279,7 @@ def _check_unicode(body: dict) -> None:
     reasoning, text) failed its rendering after the answer was generated, a 500, and one in `instructions` was
     blamed on 'input', as 'the messages' (regressions)."""
     for name, value in body.items():
-        try:
-            json.dumps(value, ensure_ascii=False).encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise APIError(400, f"'{name}' is not valid Unicode text (a lone surrogate, which UTF-8 cannot carry: "
-                                f"{exc})", param=name, code="invalid_value") from None
+        check_texts([json.dumps(value, ensure_ascii=False)], name)
 
 
 def parse_request(body: dict) -> ResponsesRequest:

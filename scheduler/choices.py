@@ -107,6 +107,10 @@ class Choices:
         return None if fin is None or fin.finish_reason in ("length", "stop") else gen.fail(fin)
 
     async def complete(self, request) -> JSONResponse:
+        return JSONResponse(await self.body(request))
+
+    async def body(self, request) -> dict:
+        """The whole response's body (`complete`'s; /v1/responses renders it its way)."""
         watcher = asyncio.ensure_future(self._abort_on_disconnect(request))
         texts: list[list[str]] = [[] for _ in self.gens]
         ids: list[list[int]] = [[] for _ in self.gens]
@@ -139,10 +143,9 @@ class Choices:
                 reasoning = [r for r, _, _ in messages]
             texts, calls = [c for _, c, _ in messages], [tc for _, _, tc in messages]
             finish = [a.finish_reason(f) for a, f in zip(answers, finish)]
-        body = response_body(self.chat, self.rid, self.created, self.model,
+        return response_body(self.chat, self.rid, self.created, self.model,
                              [(t, f, i, lp) for t, f, i, lp in zip(texts, finish, ids, shaped)], self.usage(),
                              reasoning, calls)
-        return JSONResponse(body)
 
     async def _abort_on_disconnect(self, request) -> None:
         while (await request.receive())["type"] != "http.disconnect":

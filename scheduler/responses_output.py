@@ -147,7 +147,7 @@ class ResponseOutput:
         await self.choices.close()
 
     async def complete(self, request) -> JSONResponse:
-        chat = json.loads((await self.choices.complete(request)).body)
+        chat = await self.choices.body(request)
         [choice] = chat["choices"]
         items, status = OutputItems(), _status(choice["finish_reason"])
         items.feed(choice["message"])  # (its reasoning_content, content and tool_calls: one delta)
