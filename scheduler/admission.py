@@ -53,7 +53,7 @@ class Admission(Restoring):
         prompt logprobs, whose every row's logits are computed (as vLLM V1: it still publishes its pages)."""
         if not self.engine.config.enable_prefix_cache or req.params.prompt_logprobs is not None:
             return []
-        return req.prompt[:-1]
+        return req.cache_prompt[:-1]
 
     def _pages_after(self, req: Request, cached_tokens: int) -> int:
         """Pages the request still needs once `cached_tokens` of its prompt are in L1."""
@@ -284,10 +284,10 @@ class Admission(Restoring):
                 # more chunks to go; the sampled token is meaningless. The full pages computed so far
                 # are published now (regression: only once the whole prompt was, so a request sharing
                 # the prefix admitted meanwhile computed all of it again); backed up with the prompt
-                self._publish(req, req.prompt, backup=False)
+                self._publish(req, req.cache_prompt, backup=False)
                 return
             eng.log_event(req, "prefill_end")
-            self._publish(req, req.prompt)
+            self._publish(req, req.cache_prompt)
             req.state = RequestState.DECODE
             req.first_token_s = time.perf_counter()
             eng.log_event(req, "first_token")
@@ -334,7 +334,7 @@ class Admission(Restoring):
                            "(a non-finite forward): its prefix's KV or the model is broken")
         reused = sum(req.hit_tokens.values())  # (after finish: its own lock is gone)
         if reused:
-            dropped, kept_tokens = drop_suspect_prefix(self.cache, req.prompt[:reused])
+            dropped, kept_tokens = drop_suspect_prefix(self.cache, req.cache_prompt[:reused])
             log.warning("nan_prefix_dropped", rid=req.rid, reused_tokens=reused, dropped_tokens=reused - kept_tokens,
                         kept_locked_tokens=kept_tokens, dropped_pages=dropped)
 
@@ -382,9 +382,9 @@ class Admission(Restoring):
             return
         if publish:
             # KV exists for every token but the last generated one
-            self._publish(req, (req.prompt + req.output)[: req.cached_len])
+            self._publish(req, (req.cache_prompt + req.output)[: req.cached_len])
         elif req.chunks_unbacked:  # it ends between prompt chunks: back up those it published
-            self.cache.back_up_l1(req.prompt[: req.locked_len])
+            self.cache.back_up_l1(req.cache_prompt[: req.locked_len])
         self.cache.unlock(req.locked_node)
         req.locked_node = None
         self.cache.release_claim(req.claim)

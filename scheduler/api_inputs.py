@@ -1,6 +1,7 @@
 """An HTTP body turned into engine input (scheduler/server.py): `parse_prompts` validates a decoded JSON
 body (its request model, limits, each prompt's token ids, SamplingParams), `choice_params` derives choice j's
-sampling parameters, `echo_text` the prompt text a completion with `echo` sends first.
+sampling parameters, `echo_text` the prompt text a completion with `echo` sends first. vLLM's
+`truncate_prompt_tokens` keeps each prompt's last tokens (scheduler/prompt_truncation.py), before its limits.
 
 A completion's `echo` (vLLM's semantics): the prompt's text ahead of each choice's own; with `logprobs: k`
 the engine computes the prompt's logprobs too (SamplingParams.prompt_logprobs = k: the prompt's tokens'
@@ -18,6 +19,7 @@ from scheduler.api_guided import GuidedFieldError
 from scheduler.api_models import (APIError, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
                                   _SamplingFields, validation_error)
 from scheduler.generation_defaults import GenerationDefaults, range_problem
+from scheduler.prompt_truncation import PARAM as TRUNCATION, kept_tokens
 from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams
 from scheduler.tokenizer import TEMPLATE_VARIABLES
 
@@ -50,18 +52,23 @@ def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
     if req.stop_strings() and tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so stop strings cannot be matched; send 'stop' as "
                             "token ids", param="stop", code="invalid_value")
+    try:  # (vLLM's truncate_prompt_tokens: scheduler/prompt_truncation.py)
+        keep = kept_tokens(req, chat, prompt_limit=prompt_limit, context_tokens=context_tokens,
+                           default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=TRUNCATION, code="invalid_value") from None
     prompts = [None] if chat else prompt_list(req)
     ids = []
     for i, prompt in enumerate(prompts):
         try:
-            ids.append(_prompt_ids(req, prompt, param, tokenizer, vocab_size, prompt_limit))
+            ids.append(_prompt_ids(req, prompt, param, tokenizer, vocab_size, prompt_limit, keep))
         except APIError as exc:  # the whole request fails, naming the batch's prompt
             if len(prompts) > 1:
                 exc.param, exc.message = f"{param}.{i}", f"prompt {i} of the batch: {exc.message}"
             raise
     if chat and context_tokens is not None:  # prompt + max_tokens - 1 tokens of K/V
         default_max_tokens = max(1, context_tokens + 1 - len(ids[0]))
-    return req, ids, _sampling(sampling_defaults.fill(req), max_tokens_limit, default_max_tokens)
+    return req, ids, _sampling(sampling_defaults.fill(req), max_tokens_limit, default_max_tokens, tokenizer, vocab_size)
 
 
 def prompt_list(req: CompletionRequest) -> list[str | list[int]]:
@@ -72,21 +79,24 @@ def prompt_list(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def echo_text(req: CompletionRequest | ChatCompletionRequest, index: int, ids: list[int], tokenizer) -> str | None:
-    """The text a completion with `echo` sends ahead of choice text of prompt `index` (ids: its token ids):
-    the prompt as given, or its ids decoded ("" without a tokenizer) as the choice's text is, special tokens
-    kept with skip_special_tokens false (regression: the prompt's were dropped, the generated ones kept);
-    None without echo (a chat has none)."""
+    """The text a completion with `echo` sends ahead of choice text of prompt `index` (ids: its token ids, as
+    the engine has them): the prompt as given, or its ids decoded ("" without a tokenizer) as the choice's text
+    is, special tokens kept with skip_special_tokens false (regression: the prompt's were dropped, the
+    generated ones kept); a prompt truncate_prompt_tokens cut, its kept ids decoded (vLLM echoes the whole
+    text: here the echo, its logprobs' pieces and text offsets and usage.prompt_tokens agree); None without
+    echo (a chat has none)."""
     if not getattr(req, "echo", False):
         return None
     prompt = prompt_list(req)[index]
-    if isinstance(prompt, str):
+    if isinstance(prompt, str) and (req.truncate_prompt_tokens is None or len(tokenizer.encode(prompt)) == len(ids)):
         return prompt
     return tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens) if tokenizer is not None else ""
 
 
 def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, prompt: str | list[int] | None, param: str,
-                tokenizer, vocab_size: int, prompt_limit: int) -> list[int]:
-    """One prompt's token ids (a chat's: its rendered messages), checked against the limits."""
+                tokenizer, vocab_size: int, prompt_limit: int, keep: int | None = None) -> list[int]:
+    """One prompt's token ids (a chat's: its rendered messages), its last `keep` (None: all), checked against
+    the limits."""
     if isinstance(req, ChatCompletionRequest):
         ids = chat_ids(req, tokenizer)
     elif isinstance(prompt, str):
@@ -96,6 +106,8 @@ def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, prompt: str | li
         ids = tokenizer.encode(prompt)
     else:
         ids = list(prompt)
+    if keep is not None:
+        ids = ids[-keep:]
     if not ids:
         raise APIError(400, "the prompt is empty", param=param, code="invalid_value")
     if len(ids) > prompt_limit:
@@ -179,7 +191,8 @@ def check_model(model: str | None, served_names, model_name: str) -> None:
                        param="model", code="model_not_found")
 
 
-def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: int) -> SamplingParams:
+def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: int, tokenizer,
+              vocab_size: int) -> SamplingParams:
     name, max_tokens = "max_tokens", req.max_tokens
     if getattr(req, "max_completion_tokens", None) is not None:
         name, max_tokens = "max_completion_tokens", req.max_completion_tokens
@@ -210,8 +223,10 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
                           top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
                           stop_token_ids=req.stop_ids(), ignore_eos=req.ignore_eos, logprobs=logprobs,
                           prompt_logprobs=prompt_logprobs, guided=guided, priority=req.priority,
+                          cache_salt=req.cache_salt,
                           **req.penalty_params(max_tokens),
-                          **req.sampler_params())
+                          **req.sampler_params(),
+                          **req.ban_params(tokenizer, vocab_size))  # (bad_words tokenized: scheduler/ban_fields.py)
 
 
 def choice_params(params: SamplingParams, j: int) -> SamplingParams:

@@ -28,9 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from pydantic_core import PydanticCustomError
 
 from scheduler.api_guided import GuidedFields
+from scheduler.ban_fields import BanFields
 from scheduler.api_tools import MessageToolCall, ToolFields
 from scheduler.logprobs import ChatLogprobsFields, CompletionLogprobsField
 from scheduler.penalties import PenaltyFields
+from scheduler.prompt_truncation import TruncationField
 from scheduler.sampler_fields import SamplerFields
 from scheduler.stop_strings import check_stop_strings
 
@@ -64,9 +66,10 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool | None = False  # vLLM's: each chunk its choice's usage (scheduler/choices.py)
 
 
-class _SamplingFields(_Strict, PenaltyFields, SamplerFields, GuidedFields):
+class _SamplingFields(_Strict, PenaltyFields, SamplerFields, GuidedFields, TruncationField, BanFields):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: Float | None = None
@@ -82,6 +85,7 @@ class _SamplingFields(_Strict, PenaltyFields, SamplerFields, GuidedFields):
     n: StrictInt | None = 1
     user: StrictStr | None = None
     priority: StrictInt = 0  # vLLM's: lower is admitted first (only under --scheduling-policy priority)
+    cache_salt: StrictStr | None = None  # vLLM's: prefixes shared only among requests of this salt (request.salted_prompt)
 
     # OpenAI fields this server takes only at a value that changes nothing: (name, neutral values);
     # any other value is an "unsupported" 400 (it was "unknown field", as if the name were a typo)

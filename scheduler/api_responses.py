@@ -18,7 +18,7 @@ Responses' server-sent events (scheduler/responses_output.py).
   `true` too (vLLM keeps responses by default), but nothing is stored and the response says `"store": false`.
 * Accepted and changing nothing: `reasoning` (a --reasoning-parser model thinks as its template says),
   `metadata` (echoed), `user`, `truncation` "disabled" ("auto": a 400), and at their neutral values
-  `background`, `service_tier`, `top_logprobs`. vLLM's `seed` is passed on. What stateless agents send (Codex,
+  `background`, `service_tier`, `top_logprobs`. vLLM's `seed` and `cache_salt` are passed on. What stateless agents send (Codex,
   the Agents SDK; each was a 400): `include: ["reasoning.encrypted_content"]` (reasoning items carry their text,
   taken back as it came), `text.verbosity`, `prompt_cache_key` and `prompt_cache_retention` (the prefix cache
   finds shared prefixes itself), `safety_identifier`, `max_tool_calls` (OpenAI's bound on built-in tools' calls:
@@ -189,6 +189,7 @@ class ResponsesRequest(_Strict):
     temperature: Float | None = None
     top_p: Float | None = None
     seed: StrictInt | None = None  # (vLLM's: a sampled answer repeated)
+    cache_salt: StrictStr | None = None  # (vLLM's: its prefixes shared only within the salt)
     stream: StrictBool | None = False
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
@@ -332,7 +333,7 @@ def chat_body(req: ResponsesRequest) -> dict:
     """The chat completion body that serves `req` (its fields left out where `req` leaves them out)."""
     body: dict[str, Any] = {
         "messages": chat_messages(req), "model": req.model, "stream": req.stream, "temperature": req.temperature,
-        "top_p": req.top_p, "seed": req.seed, "user": req.user, "max_completion_tokens": req.max_output_tokens,
+        "top_p": req.top_p, "seed": req.seed, "cache_salt": req.cache_salt, "user": req.user, "max_completion_tokens": req.max_output_tokens,
         "parallel_tool_calls": req.parallel_tool_calls,
         "tools": None if req.tools is None else [t.chat_form() for t in req.tools]}
     choice = req.tool_choice

@@ -5,7 +5,10 @@ choice is its own engine request (a server `_Generation`; n of one prompt share 
 cache), all run concurrently, and choice j of prompt p has `index` p * n + j (OpenAI's order). A response
 carries the choices in that order and one usage: each prompt's tokens once (as OpenAI counts them), every
 choice's completion tokens; a stream interleaves their chunks as their tokens arrive (each chunk names its
-choice's `index`), then sends one usage chunk (with stream_options.include_usage) and one `data: [DONE]`.
+choice's `index`), then sends one usage chunk (with stream_options.include_usage) and one `data: [DONE]`;
+with vLLM's stream_options.continuous_usage_stats too, each choice chunk carries its choice's usage so far
+(its prompt's tokens, its own tokens so far: vLLM's per choice), the usage chunk still the whole request's
+(without include_usage it sends nothing, as vLLM's).
 A single prompt is a batch of one. A completion with `echo` (scheduler/api_inputs.py) sends each choice's
 prompt text ahead of its own, in its first item (a stream's first chunk), with its prompt tokens' logprobs
 first where `logprobs` is asked (the engine request's Request.prompt_logprobs, there by its first event).
@@ -45,6 +48,7 @@ class Choices:
         self.created = int(time.time())
         opts = api_req.stream_options
         self.includes_usage = opts is not None and opts.include_usage
+        self.continuous_usage = self.includes_usage and bool(opts.continuous_usage_stats)
         # per choice, the prompt text its `echo` sends first (None: no echo)
         self.echoes = [echo_text(api_req, g.index, g.req.prompt, g.st.tokenizer) for g in gens]
         for g, echo in zip(gens, self.echoes):
@@ -166,8 +170,9 @@ class Choices:
                         delta = answers[i].feed(text) + (answers[i].flush() if fin is not None else Delta())
                         reasoning, text, calls = delta.reasoning, delta.content, delta.calls
                         finish = finish and answers[i].finish_reason(finish)
+                    usage = self.gens[i].usage() if self.continuous_usage else None if self.includes_usage else False
                     chunk = stream_chunk(self.chat, self.rid, self.created, self.model, text, token_ids, finish,
-                                         first[i], None if self.includes_usage else False, index=i,
+                                         first[i], usage, index=i,
                                          logprobs=self.gens[i].logprobs.render(entries) if entries else None,
                                          reasoning=reasoning, tool_calls=calls)
                     first[i] = False

@@ -3,7 +3,8 @@ scheduler/choices.py renders a request's choices): its token events become text 
 decoding after the prompt's context, stop strings matched, `tokenizer.IncrementalDecoder`,
 `stop_strings.CompletionText`), logprobs entries where asked, and the server's metrics of it (time to
 first token, each token's gap after the previous one, end to end and time per output token, its outcome,
-finish reason and tokens; scheduler/prom.py); its usage; its error when it failed or was aborted.
+finish reason, tokens, parameters and phases; scheduler/prom.py); its usage; its error when it failed or
+was aborted.
 Times are taken as the server reads the tokens: the engine's loop and the server share one event loop, so
 that is as they are emitted unless the reader fell behind (a stream's slow client): its backlog then shows
 as one long gap and near-zero ones, whose sum (the request's decode time) stays exact."""
@@ -43,7 +44,7 @@ class Generation:
             self.stop_ids.update(st.engine.model_config.eos_token_ids)
         self.output_tokens = 0  # tokens read (a stop string ends them before the engine's abort lands)
         self.logprobs = None if req.params.logprobs is None else \
-            LogprobsShaper(st.tokenizer, chat, api_req.skip_special_tokens)
+            LogprobsShaper(st.tokenizer, chat, api_req.skip_special_tokens, bool(api_req.return_tokens_as_token_ids))
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None  # (perf_counter when the latest token was read)
         self._buf: deque = deque()
@@ -86,12 +87,22 @@ class Generation:
         outcome = {"length": "success", "stop": "success", "abort": "aborted"}.get(fin.finish_reason, "failed")
         self._counted = True
         m.outcome(outcome)
-        m.ended(fin.finish_reason, len(self.req.prompt), self.output_tokens)
+        self._ended(fin.finish_reason, self.output_tokens)
         if outcome == "success":
             now = time.perf_counter()
             m.e2e.observe(now - self.arrival)
             if self.output_tokens >= 2 and self.first_token_at is not None:  # TPOT: (e2e - TTFT) / (tokens - 1)
                 m.tpot.observe((now - self.first_token_at) / (self.output_tokens - 1))
+
+    def _ended(self, finish_reason: str, generation_tokens: int) -> None:
+        """Its end in the server's metrics (once: `_finish` or `close`); its prompt's n with its first choice's,
+        and its phases from its first prefill's start and its first and last token as read (those of TTFT
+        and the inter-token gaps) where it got a first token."""
+        req, span_s = self.req, None
+        if req.scheduled_s is not None and self.first_token_at is not None:
+            span_s = (req.scheduled_s, self.first_token_at, self.last_token_at)
+        self.st.metrics.ended(finish_reason, len(req.prompt), generation_tokens, req.params.max_tokens,
+                              self.n if self.choice == 0 else None, span_s)
 
     def usage(self) -> Usage:
         # the tokens read: after a stop string, those up to and including the one that completed its
@@ -120,7 +131,7 @@ class Generation:
             if not self._counted:
                 self._counted = True
                 self.st.metrics.outcome("aborted")
-                self.st.metrics.ended("abort", len(self.req.prompt), len(self.req.output))
+                self._ended("abort", len(self.req.output))
             await self.abort()
 
     async def events(self):

@@ -21,6 +21,11 @@ Answered per choice, and per streamed chunk for that chunk's tokens (the chunks 
 A token's piece is its id decoded alone, or "token_id:N" (vLLM's form) where that decodes to nothing or
 there is no tokenizer; `bytes` is the piece's UTF-8. A logprob below -9999 (-inf: no probability) is
 -9999.0, as vLLM clamps it (JSON has no -inf).
+
+vLLM's `return_tokens_as_token_ids: true` (either endpoint; nothing without logprobs): every piece is
+"token_id:N", top_logprobs' too (a completion's text offsets then run on those pieces, as vLLM's do), so that
+a client can tell tokens apart that decode alike or not at all. A chat entry's `bytes` are then vLLM's: the
+token's decoded text's UTF-8 (null without a tokenizer), each alternative's its "token_id:N"'s.
 """
 from __future__ import annotations
 
@@ -36,7 +41,11 @@ LOWEST_LOGPROB = -9999.0
 Count = Annotated[int, Field(strict=True, ge=0, le=MAX_LOGPROBS)]
 
 
-class CompletionLogprobsField(BaseModel):
+class _TokenIdsField(BaseModel):
+    return_tokens_as_token_ids: StrictBool | None = None  # vLLM's: pieces as "token_id:N" (LogprobsShaper)
+
+
+class CompletionLogprobsField(_TokenIdsField):
     """/v1/completions' `logprobs` (mixed into api_models.CompletionRequest)."""
     logprobs: Count | None = None
 
@@ -49,7 +58,7 @@ class CompletionLogprobsField(BaseModel):
         return self.logprobs
 
 
-class ChatLogprobsFields(BaseModel):
+class ChatLogprobsFields(_TokenIdsField):
     """/v1/chat/completions' `logprobs` and `top_logprobs` (mixed into api_models.ChatCompletionRequest)."""
     logprobs: StrictBool | None = None
     top_logprobs: Count | None = None
@@ -69,21 +78,28 @@ class LogprobsShaper:
     """One choice's token logprobs in its endpoint's shape: `entry` per token as it arrives (in order:
     a completion's text offsets run on), `render` for a response's or a chunk's entries."""
 
-    def __init__(self, tokenizer, chat: bool, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, chat: bool, skip_special_tokens: bool = True, as_token_ids: bool = False) -> None:
         self.tokenizer, self.chat = tokenizer, chat
         self.skip_special_tokens = skip_special_tokens  # (as the choice's text: a special token's piece is its text)
+        self.as_token_ids = as_token_ids  # return_tokens_as_token_ids
         self.offset_chars = 0  # a completion's text_offset: characters of the pieces so far
 
+    def _decoded(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id], skip_special_tokens=self.skip_special_tokens) \
+            if self.tokenizer is not None else None
+
     def piece(self, token_id: int) -> str:
-        text = self.tokenizer.decode([token_id], skip_special_tokens=self.skip_special_tokens) \
-            if self.tokenizer is not None else ""
+        text = None if self.as_token_ids else self._decoded(token_id)
         return text or f"token_id:{token_id}"
 
     def entry(self, token_id: int, lp: TokenLogprobs | None):
         """lp None: an echoed prompt's first token (a completion's; nothing precedes it: no logprob)."""
         if self.chat:
-            return {**self._chat_item(token_id, lp.logprob),
-                    "top_logprobs": [self._chat_item(t, v) for t, v in lp.top]}
+            item = self._chat_item(token_id, lp.logprob)
+            if self.as_token_ids:  # (vLLM's: the token's own bytes, its alternatives' their "token_id:N"'s)
+                decoded = self._decoded(token_id)
+                item["bytes"] = None if decoded is None else list(decoded.encode("utf-8", errors="replace"))
+            return {**item, "top_logprobs": [self._chat_item(t, v) for t, v in lp.top]}
         piece = self.piece(token_id)
         offset, self.offset_chars = self.offset_chars, self.offset_chars + len(piece)
         if lp is None:
@@ -100,7 +116,7 @@ class LogprobsShaper:
 
     def prompt_entries(self, prompt_ids: list[int], lps: list[TokenLogprobs | None]) -> list:
         """An echoed prompt's entries, text offsets from 0 (Request.prompt_logprobs: the first None)."""
-        shaper = LogprobsShaper(self.tokenizer, self.chat, self.skip_special_tokens)
+        shaper = LogprobsShaper(self.tokenizer, self.chat, self.skip_special_tokens, self.as_token_ids)
         return [shaper.entry(t, lp) for t, lp in zip(prompt_ids, lps)]
 
     def _chat_item(self, token_id: int, logprob: float) -> dict:

@@ -17,9 +17,10 @@ import torch
 
 
 class PenaltyState:
-    """One request's penalty and bias inputs on the device: made empty by the host (step_extras.ask),
-    its tensors on the logits' device at its first step that asks; freed with the request."""
-    __slots__ = ("counts", "counted", "prompt_seen", "bias_ids", "bias_values")
+    """One request's penalty and bias inputs on the device (and its token bans' mask: scheduler/token_bans.py):
+    made empty by the host (step_extras.ask), its tensors on the logits' device at its first step that asks;
+    freed with the request."""
+    __slots__ = ("counts", "counted", "prompt_seen", "bias_ids", "bias_values", "banned")
 
     def __init__(self) -> None:
         self.counts: torch.Tensor | None = None       # [V] float32: each token's count in output[:counted]
@@ -28,6 +29,7 @@ class PenaltyState:
         self.prompt_seen: torch.Tensor | None = None  # [V] bool: the prompt's tokens (repetition only)
         self.bias_ids: torch.Tensor | None = None     # [k] int64: logit_bias' token ids
         self.bias_values: torch.Tensor | None = None  # [k] float32: their biases
+        self.banned: torch.Tensor | None = None       # [V] bool: tokens outside allowed_token_ids, one-token bad words
 
 
 class RowPenalties(NamedTuple):

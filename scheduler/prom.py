@@ -5,7 +5,9 @@ Two kinds:
   reason, TTFT, end-to-end, time per output token (TPOT) and inter-token latency histograms, prompt /
   generated token counters and per-request length histograms, requests in flight (TTFT counts every
   request that got a first token, aborted or failed ones too; end-to-end and TPOT only those that
-  finished, at max_tokens or a stop token: TPOT those of >= 2 tokens; scheduler/generation.py);
+  finished, at max_tokens or a stop token: TPOT those of >= 2 tokens; scheduler/generation.py); as each
+  engine request ends, its max_tokens, its prompt's n (once per prompt) and, if it got a first token, its
+  prefill, decode and inference time (`ServerMetrics.ended`);
 * read from the engine at scrape time by `EngineCollector` (engine.metrics() / engine.status()):
   the cache's counters (`_CACHE_COUNTERS`: hit tokens per tier, recomputed tokens, evictions,
   restores / backups / fallbacks / failures, policy skips, L3 pages lost after a read, restore time
@@ -38,6 +40,7 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 _TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                             0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _TOKEN_COUNT_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))  # 1, 2, 5 ... 5e6 (vLLM's 1-2-5)
+_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, of the n request parameter
 _TIERS = ("l1", "l2", "l3")
 
 
@@ -217,6 +220,21 @@ class ServerMetrics:
         self.request_generation_tokens = Histogram("hicache_request_generation_tokens", "generated tokens per "
                                                    "engine request that ended", buckets=_TOKEN_COUNT_BUCKETS,
                                                    registry=r)
+        # a request's phases as vLLM splits them, from the same three instants (so prefill + decode = inference):
+        # its first prefill's start (Request.scheduled_s), its first and last token as the server read them
+        self.prefill = Histogram("hicache_request_prefill_time_seconds", "first prefill's start to first token, "
+                                 "of engine requests that got one (any end)", buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.decode = Histogram("hicache_request_decode_time_seconds", "first token to last (the sum of its "
+                                "inter-token gaps), of engine requests that got one (any end)",
+                                buckets=_LATENCY_BUCKETS_S, registry=r)
+        self.inference = Histogram("hicache_request_inference_time_seconds", "first prefill's start to last "
+                                   "token, of engine requests that got one (any end)", buckets=_LATENCY_BUCKETS_S,
+                                   registry=r)
+        self.request_n = Histogram("hicache_request_params_n", "the n (choices) of each prompt of a request that "
+                                   "ended, once per prompt", buckets=_N_BUCKETS, registry=r)
+        self.request_max_tokens = Histogram("hicache_request_params_max_tokens", "max_tokens of each engine request "
+                                            "that ended (0, a prefill alone, not counted)",
+                                            buckets=_TOKEN_COUNT_BUCKETS, registry=r)
         self.in_flight = Gauge("hicache_requests_in_flight", "HTTP generation requests being served", registry=r)
         r.register(EngineCollector(engine))
         r.register(VllmCollector(self, engine, engine.config.model if model_name is None else model_name))
@@ -224,12 +242,25 @@ class ServerMetrics:
     def outcome(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
 
-    def ended(self, finish_reason: str, prompt_tokens: int, generation_tokens: int) -> None:
-        """An engine request ended (each choice once): its reason, its tokens and their per-request histograms."""
+    def ended(self, finish_reason: str, prompt_tokens: int, generation_tokens: int, max_tokens: int = 0,
+              n: int | None = None, span_s: tuple[float, float, float] | None = None) -> None:
+        """An engine request ended (each choice once): its reason, its tokens and their per-request histograms,
+        its max_tokens (0, a prefill alone: not observed, as vLLM observes none), n: its prompt's, given by
+        one choice of each prompt; span_s: (first prefill's start, first token, last token), perf_counter
+        seconds, where it got a first token."""
         self.finished.labels(finish_reason if finish_reason in FINISH_REASONS else "error").inc()
         self.generation_tokens.inc(generation_tokens)
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(generation_tokens)
+        if max_tokens:
+            self.request_max_tokens.observe(max_tokens)
+        if n is not None:
+            self.request_n.observe(n)
+        if span_s is not None:
+            scheduled_s, first_token_s, last_token_s = span_s
+            self.prefill.observe(first_token_s - scheduled_s)
+            self.decode.observe(last_token_s - first_token_s)
+            self.inference.observe(last_token_s - scheduled_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

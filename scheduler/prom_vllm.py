@@ -18,9 +18,17 @@ engine's status and cache counters, so the two names cannot disagree. What they 
   is once per token. time_per_output_token_seconds is vLLM's older (deprecated) name of that gap histogram,
   rendered from the same samples;
 * request_success_total by finished_reason (stop, length, abort, error), prompt / generation token counters
-  and per-request histograms, TTFT and end-to-end latency: the hicache_ families of the same meaning.
-* request_queue_time_seconds: arrival to the first prefill's start (`Request.scheduled_s`), queued or parked.
-vLLM's prefill and decode time histograms are not exported.
+  and per-request histograms, TTFT and end-to-end latency: the hicache_ families of the same meaning;
+* request_queue_time_seconds: arrival to the first prefill's start (`Request.scheduled_s`), queued or parked;
+* request_prefill_time_seconds / request_decode_time_seconds / request_inference_time_seconds: the first
+  prefill's start to the first token / the first token to the last / the first prefill's start to the last,
+  once per engine request that got a first token, whatever its end (vLLM's, aborted ones too), from the same
+  three instants (prefill + decode = inference; the tokens as the server read them, as TTFT and the gaps);
+* request_params_n: each prompt's n, once per prompt (vLLM: once per parent request, when its last choice
+  ends; here as its first choice ends); request_params_max_tokens: each engine request's max_tokens.
+Left out: iteration_tokens_total (the engine counts tokens per step only as totals: a histogram of them needs
+an observation per step in the engine) and request_max_num_generation_tokens (the most tokens of a prompt's
+choices: it needs the prompt's choices together, which no one place that ends a request sees).
 """
 from __future__ import annotations
 
@@ -42,6 +50,11 @@ _RENAMED = (
      "Histogram of time per output token in seconds. DEPRECATED: Use vllm:inter_token_latency_seconds instead."),
     ("vllm:request_prompt_tokens", "request_prompt_tokens", "Number of prefill tokens processed."),
     ("vllm:request_generation_tokens", "request_generation_tokens", "Number of generation tokens processed."),
+    ("vllm:request_prefill_time_seconds", "prefill", "Histogram of time spent in PREFILL phase for request."),
+    ("vllm:request_decode_time_seconds", "decode", "Histogram of time spent in DECODE phase for request."),
+    ("vllm:request_inference_time_seconds", "inference", "Histogram of time spent in RUNNING phase for request."),
+    ("vllm:request_params_n", "request_n", "Histogram of the n request parameter."),
+    ("vllm:request_params_max_tokens", "request_max_tokens", "Histogram of the max_tokens request parameter."),
 )
 _LABELS = {"finish_reason": "finished_reason"}  # hicache's label -> vLLM's
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import hashlib
 import itertools
 import numbers
 import time
@@ -31,6 +32,22 @@ PRESENCE_FREQUENCY_MAX = 2.0  # |presence_penalty|, |frequency_penalty| (OpenAI'
 REPETITION_MAX = 10.0  # repetition_penalty in (0, REPETITION_MAX] (vLLM: > 0; a bound keeps it sane)
 LOGIT_BIAS_MAX = 100.0  # a logit_bias value in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] (OpenAI's range)
 LOGIT_BIAS_MAX_TOKENS = 1024  # token ids one request may bias (each is uploaded and added at every step)
+# vLLM's allowed_token_ids and bad words (scheduler/token_bans.py): the ids a request may allow (checked on the
+# host, uploaded once as a mask), its bad words (vLLM's cap on their number) and their tokens in all (matched
+# on the host at every step)
+ALLOWED_TOKEN_IDS_MAX = 65536
+BAD_WORDS_MAX = 128
+BAD_WORDS_MAX_TOKENS = 1024
+
+
+def salted_prompt(prompt: list[int], salt: str) -> list[int]:
+    """The tokens the prefix cache keys a salted prompt by: the prompt with its first token replaced by
+    a negative id, 62 bits of blake2b(salt, token). No model token is negative, so a salted prompt
+    matches no unsalted one in any tier, nor one of another salt (short of a 62-bit collision), and
+    every later page's key (the tree's, a shared L3's chained hash) follows from its first. The model
+    still computes the prompt itself."""
+    digest = hashlib.blake2b(f"{len(salt)}:{salt}:{prompt[0]}".encode(), digest_size=8).digest()
+    return [-1 - (int.from_bytes(digest, "little") >> 2)] + prompt[1:]
 
 
 def kv_tokens(prompt_tokens: int, max_tokens: int) -> int:
@@ -71,6 +88,12 @@ class SamplingParams:
     # vLLM's min_tokens: no stop condition but max_tokens ends it before it has generated this many tokens
     # (its stop ids masked on the device, scheduler/penalty_state.py; stop strings: scheduler/stop_strings.py)
     min_tokens: int = 0
+    # vLLM's allowed_token_ids: only these may be sampled (None: all); vLLM's bad words as token ids (the server
+    # tokenizes the API's strings): a one-token word is never sampled, a longer one's last token is not sampled
+    # where the request's last output tokens are the rest of it (vLLM V1: output tokens only, not the prompt's).
+    # Both at -inf on the device (scheduler/token_bans.py); validate() keeps tuples of what it checked
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # vLLM's prompt_logprobs: None off; k: each prompt token's logprob given the tokens before it (the first
     # has none) and the k likeliest tokens'. Its prompt is computed whole: it takes no cached prefix
     # (Admission._reusable). Only with it may max_tokens be 0: the prefill alone (OpenAI's echo, lm-eval)
@@ -80,6 +103,9 @@ class SamplingParams:
     priority: int = 0
     # structured outputs (scheduler/guided.py): what the answer must be (a JSON schema, a regex, ...); None: free
     guided: GuidedSpec | None = None
+    # vLLM's cache_salt: requests share cached prefixes (every tier, a shared L3's keys too) only with requests
+    # of the same salt, so one tenant cannot time another's prompts out of the cache; None: the common pool
+    cache_salt: str | None = None
 
     def validate(self, max_new_tokens_limit: int, vocab_size: int | None = None) -> None:
         """Raises RequestError naming the field; token ids (logit_bias') within [0, vocab_size) when given."""
@@ -122,11 +148,14 @@ class SamplingParams:
         if not _is_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= REPETITION_MAX:
             raise RequestError(f"repetition_penalty must be a number in (0, {REPETITION_MAX}] (1: off), "
                                f"got {self.repetition_penalty!r}", "repetition_penalty")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise RequestError(f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}", "cache_salt")
         if self.logit_bias is not None:
             _check_logit_bias(self.logit_bias, vocab_size)
             # a copy of what was checked: the caller's dict may change after this check (an id outside
             # the vocabulary would reach the device's index_put)
             object.__setattr__(self, "logit_bias", dict(self.logit_bias))
+        _check_bans(self, vocab_size)
 
     def _check_logprobs(self, name: str) -> None:
         value = getattr(self, name)
@@ -147,6 +176,11 @@ class SamplingParams:
         """Whether a penalty or a bias changes its logits (else its batches build no such inputs)."""
         return self.penalized or bool(self.logit_bias)
 
+    @property
+    def restricts_tokens(self) -> bool:
+        """Whether allowed_token_ids or a bad word bans tokens (else its batches build no ban inputs)."""
+        return self.allowed_token_ids is not None or bool(self.bad_words_token_ids)
+
 
 def _check_logit_bias(bias, vocab_size: int | None) -> None:
     if not isinstance(bias, Mapping):
@@ -161,6 +195,40 @@ def _check_logit_bias(bias, vocab_size: int | None) -> None:
         if not _is_real(value) or not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX:  # (NaN fails both)
             raise RequestError(f"logit_bias' values must be numbers in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}], "
                                f"got {value!r} for token {token}", "logit_bias")
+
+
+def _token_ids(ids, vocab_size: int | None) -> bool:
+    return isinstance(ids, (tuple, list)) and all(
+        _is_integer(t) and t >= 0 and (vocab_size is None or t < vocab_size) for t in ids)
+
+
+def _check_bans(params: SamplingParams, vocab_size: int | None) -> None:
+    """allowed_token_ids and bad_words_token_ids (RequestError naming the field); each kept as tuples of what was
+    checked (a caller's list may change after the check: an id outside the vocabulary would reach the device)."""
+    top = "" if vocab_size is None else f" below the vocabulary size {vocab_size}"
+    allowed, words = params.allowed_token_ids, params.bad_words_token_ids
+    if allowed is not None:
+        if not _token_ids(allowed, vocab_size) or not allowed:
+            raise RequestError(f"allowed_token_ids must be None or a non-empty tuple of token ids (integers "
+                               f">= 0{top}), got {allowed!r}"[:400], "allowed_token_ids")
+        if len(allowed) > ALLOWED_TOKEN_IDS_MAX:
+            raise RequestError(f"allowed_token_ids may allow at most {ALLOWED_TOKEN_IDS_MAX} token ids, got "
+                               f"{len(allowed)}", "allowed_token_ids")
+        allowed = tuple(dict.fromkeys(allowed))
+    if not isinstance(words, (tuple, list)) or not all(w and _token_ids(w, vocab_size) for w in words):
+        raise RequestError(f"bad_words_token_ids must be a tuple of bad words, each a non-empty tuple of token ids "
+                           f"(integers >= 0{top}), got {words!r}"[:400], "bad_words_token_ids")
+    if len(words) > BAD_WORDS_MAX or sum(map(len, words)) > BAD_WORDS_MAX_TOKENS:
+        raise RequestError(f"bad_words_token_ids may hold at most {BAD_WORDS_MAX} bad words of "
+                           f"{BAD_WORDS_MAX_TOKENS} tokens in all, got {len(words)} of {sum(map(len, words))}",
+                           "bad_words_token_ids")
+    words = tuple(map(tuple, words))
+    if allowed is not None and set(allowed) <= {w[0] for w in words if len(w) == 1}:
+        # (nothing could be sampled: the row's every logit at -inf)
+        raise RequestError("every token of allowed_token_ids is a one-token bad word: nothing could be sampled",
+                           "allowed_token_ids")
+    object.__setattr__(params, "allowed_token_ids", allowed)
+    object.__setattr__(params, "bad_words_token_ids", words)
 
 
 class RequestState(enum.Enum):
@@ -286,6 +354,17 @@ class Request:
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     penalty_state: object = None  # its penalties' and logit_bias' inputs on the device, kept across its steps
                                   # (scheduler/penalty_state.py PenaltyState; made by step_extras.ask)
+    _salted: list[int] | None = field(default=None, repr=False)  # cache_prompt's, made once
+
+    @property
+    def cache_prompt(self) -> list[int]:
+        """The prompt as the prefix cache keys it (scheduler/admission.py, restoring.py): the prompt itself,
+        or with SamplingParams.cache_salt its `salted_prompt`."""
+        if self.params.cache_salt is None or not self.prompt:
+            return self.prompt
+        if self._salted is None:
+            self._salted = salted_prompt(self.prompt, self.params.cache_salt)
+        return self._salted
 
     def emit(self, event: TokenEvent) -> None:
         if event.token_id is not None and self.step_logprobs is not None and self.step_logprobs[0] == event.token_id:

@@ -120,7 +120,7 @@ class Restoring:
             return False
         start = min(op.payload.get("l1_start", len(theirs)), op.payload.get("l2_start", len(theirs)))
         upto = min(start + self.page_size, len(theirs))  # (starts are page aligned)
-        return any(other(r) and len(r.prompt) > upto and tuple(r.prompt[:upto]) == theirs[:upto]
+        return any(other(r) and len(r.prompt) > upto and tuple(r.cache_prompt[:upto]) == theirs[:upto]
                    for r in self.engine.waiting)
 
     def _plan(self, req: Request, source: str, decision, uncached_tokens: int) -> None:

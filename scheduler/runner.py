@@ -18,6 +18,7 @@ from scheduler.model import Qwen3Model
 from scheduler.penalty_state import RowPenalties, apply_penalties
 from scheduler.request import MAX_LOGPROBS
 from scheduler.sampling import mark_nan, prompt_row_logprobs, sample, token_logprobs, unpack_logprobs
+from scheduler.token_bans import RowBans, apply_bans
 
 
 @dataclass
@@ -42,6 +43,9 @@ class BatchInput:
     # per sequence, (k, the prompt tokens its first rows predict) where its request asks for prompt logprobs, or
     # None; None: no sequence asks (else the batch runs eagerly, keeping every row's hidden state)
     prompt_logprobs: list[tuple[int, list[int]] | None] | None = None
+    # per sequence, its allowed_token_ids' and bad words' inputs (None: it has none; scheduler/token_bans.py);
+    # None: no sequence has, and nothing extra runs
+    bans: list[RowBans | None] | None = None
     # (the guided sequences' positions, their allowed tokens as bitmasks [R, words] int32 on the host;
     # scheduler/guided.py); None: no sequence is guided
     token_masks: tuple[list[int], torch.Tensor] | None = None
@@ -157,6 +161,8 @@ class ModelRunner:
         penalized = logits
         if batch.penalties is not None:  # some row asked: a biased, penalized copy (logprobs, NaN marks: the raw)
             penalized = apply_penalties(logits, batch.penalties, ids_dev)
+        if batch.bans is not None:  # allowed_token_ids, bad words: banned tokens at -inf (a copy unless penalized)
+            penalized = apply_bans(penalized, batch.bans, ids_dev, copy=penalized is logits)
         if batch.token_masks is not None:  # guided rows: what their grammars do not allow at -inf (a copy)
             penalized = apply_masks(penalized, *batch.token_masks)
         next_ids = sample(penalized, batch.temperatures, batch.top_ps, batch.generators, batch.top_ks,

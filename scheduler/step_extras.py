@@ -1,7 +1,8 @@
 """What a step computes beside its tokens for the requests that ask: logprobs (of its tokens, and of a
-prefill chunk's prompt tokens), penalties with logit_bias and min_tokens' stop ids, and guided rows' masks.
-A batch where no request asks gets neither: no extra kernel, no extra copy (scheduler/runner.py reads
-`BatchInput.logprobs` / `BatchInput.prompt_logprobs` / `BatchInput.penalties`, None then). Used by the engine's loop
+prefill chunk's prompt tokens), penalties with logit_bias and min_tokens' stop ids, token bans (allowed_token_ids,
+bad words: scheduler/token_bans.py) and guided rows' masks. A batch where no request asks gets neither: no extra
+kernel, no extra copy (scheduler/runner.py reads `BatchInput.logprobs` / `BatchInput.prompt_logprobs` /
+`BatchInput.penalties` / `BatchInput.bans`, None then). Used by the engine's loop
 (scheduler/engine.py); docs/design.md, "Overlap scheduling", says how both meet chained decode."""
 from __future__ import annotations
 
@@ -11,13 +12,14 @@ from scheduler.guided import fill_masks
 from scheduler.penalty_state import PenaltyState, RowPenalties
 from scheduler.request import Request, RequestError, SamplingParams
 from scheduler.runner import BatchInput, StepHandle
+from scheduler.token_bans import RowBans, held_by_min_tokens
 
 _NEUTRAL_PENALTIES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
 
 
 def refuse_without_logits(params: SamplingParams) -> None:
     """A simulated engine (--simulate) has no logits: a request asking for logprobs, penalties, a
-    logit_bias or min_tokens (whose stop ids are masked on the logits) is refused, naming the field."""
+    logit_bias, min_tokens (whose stop ids are masked on the logits) or token bans is refused, naming the field."""
     for name in ("logprobs", "prompt_logprobs"):
         if getattr(params, name) is not None:
             raise RequestError(f"{name} need the model's logits: a simulated engine (--simulate) has none", name)
@@ -33,6 +35,10 @@ def refuse_without_logits(params: SamplingParams) -> None:
     if params.min_tokens:
         raise RequestError("min_tokens masks stop ids on the model's logits: a simulated engine (--simulate) "
                            "has none", "min_tokens")
+    for name in ("allowed_token_ids", "bad_words_token_ids"):
+        if getattr(params, name):
+            raise RequestError(f"{name} bans tokens on the model's logits: a simulated engine (--simulate) has none",
+                               name)
 
 
 def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) -> None:
@@ -66,6 +72,9 @@ def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) 
         binput.token_masks = (rows, masks)
     if any(adjusts) or any(held):  # (min_tokens with nothing left to mask asks nothing)
         binput.penalties = [_row(r, h) if a or h else None for r, a, h in zip(reqs, adjusts, held)]
+    if any(bans := [r.params.restricts_tokens and not r.state.done for r in reqs]):  # (scheduler/token_bans.py)
+        binput.bans = [RowBans(r.params.allowed_token_ids, r.params.bad_words_token_ids, r.output, _state(r))
+                       if b else None for r, b in zip(reqs, bans)]
 
 
 def _held_stops(req: Request, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -74,15 +83,21 @@ def _held_stops(req: Request, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
     p = req.params
     if len(req.output) >= p.min_tokens:
         return ()
-    return tuple(dict.fromkeys((*p.stop_token_ids, *(() if p.ignore_eos else eos_ids))))
+    held = tuple(dict.fromkeys((*p.stop_token_ids, *(() if p.ignore_eos else eos_ids))))
+    # allowed_token_ids that leave only those ids: the restriction wins (regression: a row of -inf sampled token 0)
+    return () if held_by_min_tokens(p.allowed_token_ids, p.bad_words_token_ids, held) else held
+
+
+def _state(req: Request) -> PenaltyState:
+    if req.penalty_state is None:  # its first step that asks: the runner fills it on the logits' device
+        req.penalty_state = PenaltyState()
+    return req.penalty_state
 
 
 def _row(req: Request, held_stops: tuple[int, ...]) -> RowPenalties:
-    if req.penalty_state is None:  # its first step that asks: the runner fills it on the logits' device
-        req.penalty_state = PenaltyState()
     p = req.params
     return RowPenalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, req.prompt, req.output,
-                        req.penalty_state, p.logit_bias, p.min_tokens, held_stops)
+                        _state(req), p.logit_bias, p.min_tokens, held_stops)
 
 
 def keep_logprobs(runner, reqs: list[Request], binput: BatchInput, handle: StepHandle, next_ids: list[int]) -> None:

@@ -53,6 +53,16 @@ SAMPLED = {"sampled": {"temperature": 0.8, "top_p": 0.95},
            "qwen3_defaults": {"temperature": 0.6, "top_p": 0.95, "top_k": 20}}  # Qwen3's generation_config.json
 
 
+def bans(rng, vocab: int) -> dict[str, dict]:
+    """--banned-decode's variants: half the vocabulary allowed; 8 one-token and 120 two-token bad words (vLLM's
+    cap is 128 words): each two-token word's first token may be the one in flight, so every chained step
+    compares all 120 on the device."""
+    words = tuple((rng.randrange(VOCAB_LO, vocab),) for _ in range(8)) + \
+        tuple((rng.randrange(VOCAB_LO, vocab), rng.randrange(VOCAB_LO, vocab)) for _ in range(120))
+    return {"allowed_half": {"allowed_token_ids": tuple(range(0, vocab, 2))},
+            "bad_words_128": {"bad_words_token_ids": words}}
+
+
 # --guided-decode's grammars (--guided-grammar), never complete, so each row runs its tokens: text, or a JSON list of
 # tool-call-like arguments left open (a string of up to 24 characters, an integer, an enum, again and again)
 ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
@@ -211,6 +221,12 @@ async def run(args) -> dict:
             r["penalized_decode_tok_s"] = {"batch": b, "prompt_tokens": p, "new_tokens": t,
                                            "plain": await decode_rate(engine, b, p, t, rng),
                                            "penalized": await decode_rate(engine, b, p, t, rng, **PENALTIES)}
+        if args.banned_decode:  # what allowed_token_ids and bad words cost a decode step
+            b, p, t = args.banned_decode
+            r["banned_decode_tok_s"] = {"batch": b, "prompt_tokens": p, "new_tokens": t,
+                                        "plain": await decode_rate(engine, b, p, t, rng),
+                                        **{name: await decode_rate(engine, b, p, t, rng, **kw)
+                                           for name, kw in bans(rng, vocab_hi).items()}}
         if args.sampled_decode:  # what sampling costs a decode step against greedy
             b, p, t = args.sampled_decode
             r["sampled_decode_tok_s"] = {"batch": b, "prompt_tokens": p, "new_tokens": t,
@@ -265,6 +281,9 @@ def main(argv=None) -> int:
     ap.add_argument("--penalized-decode", metavar="BATCH,PROMPT,TOKENS",
                     help="also decode BATCH requests of PROMPT tokens for TOKENS tokens with and without "
                          "presence, frequency and repetition penalties (e.g. 32,2000,512)")
+    ap.add_argument("--banned-decode", metavar="BATCH,PROMPT,TOKENS",
+                    help="also decode BATCH requests of PROMPT tokens for TOKENS tokens plain, with half the "
+                         "vocabulary allowed (allowed_token_ids) and with 128 bad words (e.g. 32,512,128)")
     ap.add_argument("--sampled-decode", metavar="BATCH,PROMPT,TOKENS",
                     help="also decode BATCH requests of PROMPT tokens for TOKENS tokens greedily and sampled "
                          "(temperature 0.8, top_p 0.95; seeded; with top_k 50 and min_p 0.05; Qwen3's defaults: temperature "
@@ -297,6 +316,8 @@ def main(argv=None) -> int:
     args.decode_batches = [int(x) for x in args.decode_batches.split(",")]
     if args.penalized_decode:
         args.penalized_decode = [int(x) for x in args.penalized_decode.split(",")]
+    if args.banned_decode:
+        args.banned_decode = [int(x) for x in args.banned_decode.split(",")]
     if args.sampled_decode:
         args.sampled_decode = [int(x) for x in args.sampled_decode.split(",")]
     if args.guided_decode:
@@ -321,6 +342,11 @@ def main(argv=None) -> int:
             print(f"  [{mode}] decode b{pd['batch']} over {pd['prompt_tokens']}-token prompts, {pd['new_tokens']} "
                   f"tokens: {pd['plain']:.0f} tok/s plain, {pd['penalized']:.0f} penalized "
                   f"({pd['penalized'] / pd['plain']:.3f})")
+        if "banned_decode_tok_s" in r:
+            bd = r["banned_decode_tok_s"]
+            print(f"  [{mode}] decode b{bd['batch']} over {bd['prompt_tokens']}-token prompts, {bd['new_tokens']} "
+                  f"tokens: {bd['plain']:.0f} tok/s plain, " + ", ".join(
+                      f"{name} {bd[name]:.0f} ({bd[name] / bd['plain']:.3f})" for name in ("allowed_half", "bad_words_128")))
         if "sampled_decode_tok_s" in r:
             sd = r["sampled_decode_tok_s"]
             print(f"  [{mode}] decode b{sd['batch']} over {sd['prompt_tokens']}-token prompts, {sd['new_tokens']} "

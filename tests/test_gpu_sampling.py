@@ -202,3 +202,34 @@ def test_the_rejection_kernels_uniforms_on_cuda_are_the_hash_they_document():
     from test_rejection_sampling import check_uniforms_equal_the_reference
 
     check_uniforms_equal_the_reference("cuda")
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_token_bans_on_cuda_graphs_equal_a_host_reference(overlap):
+    """allowed_token_ids and bad words (scheduler/token_bans.py) on CUDA graphs, chained or not: a two-token word
+    taken from the row's own greedy answer is banned only where its first token came, which a chained step
+    knows only on the device; each token is the best of the dense forward's logits with the host's bans."""
+    from test_token_bans import banned_on_host
+    eng = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=512, page_size=16,
+                              cuda_graphs=True, overlap_schedule=overlap))
+    base = [r.output_ids for r in eng.generate(PROMPTS, [SamplingParams(max_tokens=16, ignore_eos=True)] * 4)]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, bad_words_token_ids=((base[0][3], base[0][4]),)),
+              SamplingParams(max_tokens=16, ignore_eos=True),
+              SamplingParams(max_tokens=16, ignore_eos=True, allowed_token_ids=tuple(range(0, 512, 3)),
+                             bad_words_token_ids=((base[2][1],), tuple(base[2][5:8]))),
+              SamplingParams(max_tokens=16, ignore_eos=True, bad_words_token_ids=tuple(zip(base[3], base[3][1:]))[:5])]
+    for _ in range(2):  # (the second time over cached prefixes)
+        results = eng.generate(PROMPTS, params)
+        assert results[1].output_ids == base[1]  # the row that did not ask
+        assert results[0].output_ids[:4] == base[0][:4] and results[0].output_ids[4] != base[0][4]
+        for prompt, res, p in zip(PROMPTS, results, params):
+            output = res.output_ids
+            with torch.inference_mode():
+                logits = eng.model.forward_dense(torch.tensor(prompt + output[:-1], device="cuda"))
+            for i, token in enumerate(output):
+                ref = logits[len(prompt) - 1 + i].float().cpu().clone()
+                banned = banned_on_host(p, output[:i])
+                ref[sorted(banned)] = float("-inf")
+                assert token not in banned and float(ref[token]) >= float(ref.max()) - 1e-3, (i, token, output)
+    assert (eng.stats["chained_steps"] > 0) == overlap
+    eng.check_integrity()

@@ -39,6 +39,11 @@ FAMILIES = {
     "vllm:time_per_output_token_seconds": ("histogram", "hicache_inter_token_latency_seconds"),
     "vllm:request_prompt_tokens": ("histogram", "hicache_request_prompt_tokens"),
     "vllm:request_generation_tokens": ("histogram", "hicache_request_generation_tokens"),
+    "vllm:request_prefill_time_seconds": ("histogram", "hicache_request_prefill_time_seconds"),
+    "vllm:request_decode_time_seconds": ("histogram", "hicache_request_decode_time_seconds"),
+    "vllm:request_inference_time_seconds": ("histogram", "hicache_request_inference_time_seconds"),
+    "vllm:request_params_n": ("histogram", "hicache_request_params_n"),
+    "vllm:request_params_max_tokens": ("histogram", "hicache_request_params_max_tokens"),
 }
 REASONS = ("stop", "length", "abort", "error")
 
