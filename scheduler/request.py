@@ -35,7 +35,7 @@ LOGIT_BIAS_MAX_TOKENS = 1024  # token ids one request may bias (each is uploaded
 # vLLM's allowed_token_ids and bad words (scheduler/token_bans.py): the ids a request may allow (checked on the
 # host, uploaded once as a mask), its bad words (vLLM's cap on their number) and their tokens in all (matched
 # on the host at every step)
-ALLOWED_TOKEN_IDS_MAX = 65536
+ALLOWED_TOKEN_IDS_MAX = 1 << 18  # (any vocabulary up to 262,144 ids, Gemma 3's, whole)
 BAD_WORDS_MAX = 128
 BAD_WORDS_MAX_TOKENS = 1024
 

@@ -54,7 +54,7 @@ SAMPLED = {"sampled": {"temperature": 0.8, "top_p": 0.95},
 
 
 def bans(rng, vocab: int) -> dict[str, dict]:
-    """--banned-decode's variants: half the vocabulary allowed; 8 one-token and 120 two-token bad words (vLLM's
+    """--banned-decode's variants: half the vocabulary allowed (a mask made once per request); 8 one-token and 120 two-token bad words (vLLM's
     cap is 128 words): each two-token word's first token may be the one in flight, so every chained step
     compares all 120 on the device."""
     words = tuple((rng.randrange(VOCAB_LO, vocab),) for _ in range(8)) + \

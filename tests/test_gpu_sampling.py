@@ -204,12 +204,22 @@ def test_the_rejection_kernels_uniforms_on_cuda_are_the_hash_they_document():
     check_uniforms_equal_the_reference("cuda")
 
 
+def _banned_on_host(p: SamplingParams, output: list[int], vocab: int = 512) -> set[int]:
+    """vLLM V1's bans before the token after `output` (tests/test_token_bans.py's, which the device cannot import:
+    it has no fastapi): every token outside allowed_token_ids, each one-token bad word, each longer word's last
+    token where the output ends with the rest of it."""
+    banned = set() if p.allowed_token_ids is None else set(range(vocab)) - set(p.allowed_token_ids)
+    for word in p.bad_words_token_ids:
+        if len(word) == 1 or len(output) >= len(word) - 1 and tuple(output[len(output) - len(word) + 1:]) == word[:-1]:
+            banned.add(word[-1])
+    return banned
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_token_bans_on_cuda_graphs_equal_a_host_reference(overlap):
     """allowed_token_ids and bad words (scheduler/token_bans.py) on CUDA graphs, chained or not: a two-token word
     taken from the row's own greedy answer is banned only where its first token came, which a chained step
     knows only on the device; each token is the best of the dense forward's logits with the host's bans."""
-    from test_token_bans import banned_on_host
     eng = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=512, page_size=16,
                               cuda_graphs=True, overlap_schedule=overlap))
     base = [r.output_ids for r in eng.generate(PROMPTS, [SamplingParams(max_tokens=16, ignore_eos=True)] * 4)]
@@ -228,7 +238,7 @@ def test_token_bans_on_cuda_graphs_equal_a_host_reference(overlap):
                 logits = eng.model.forward_dense(torch.tensor(prompt + output[:-1], device="cuda"))
             for i, token in enumerate(output):
                 ref = logits[len(prompt) - 1 + i].float().cpu().clone()
-                banned = banned_on_host(p, output[:i])
+                banned = _banned_on_host(p, output[:i])
                 ref[sorted(banned)] = float("-inf")
                 assert token not in banned and float(ref[token]) >= float(ref.max()) - 1e-3, (i, token, output)
     assert (eng.stats["chained_steps"] > 0) == overlap

@@ -225,7 +225,7 @@ def test_values_at_their_bounds_are_valid():
     eng = make_engine()
     eng.validate([1, 2, 3], SamplingParams(allowed_token_ids=(0, VOCAB - 1), bad_words_token_ids=((0, VOCAB - 1),)))
     SamplingParams(allowed_token_ids=tuple(range(ALLOWED_TOKEN_IDS_MAX)),
-                   bad_words_token_ids=tuple((i, i + 1) for i in range(BAD_WORDS_MAX))).validate(16, 1 << 17)
+                   bad_words_token_ids=tuple((i, i + 1) for i in range(BAD_WORDS_MAX))).validate(16, 1 << 18)
     SamplingParams(bad_words_token_ids=(tuple(range(BAD_WORDS_MAX_TOKENS)),)).validate(16, 1 << 17)
 
 
