@@ -2,7 +2,7 @@
 /v1/chat/completions, served as vLLM serves them (the engine's side: SamplingParams.allowed_token_ids and
 bad_words_token_ids, scheduler/token_bans.py):
 
-* allowed_token_ids: a non-empty list of token ids (each below the vocabulary size, at most 65,536 of them):
+* allowed_token_ids: a non-empty list of token ids (each below the vocabulary size, at most 262,144 of them):
   only these may be sampled;
 * bad_words: a list of strings, each tokenized by the server's tokenizer (without special tokens) as vLLM does:
   the word with its leading blanks stripped, and that with one leading space where it gives as many tokens

@@ -20,7 +20,7 @@ class PenaltyState:
     """One request's penalty and bias inputs on the device (and its token bans' mask: scheduler/token_bans.py):
     made empty by the host (step_extras.ask), its tensors on the logits' device at its first step that asks;
     freed with the request."""
-    __slots__ = ("counts", "counted", "prompt_seen", "bias_ids", "bias_values", "banned")
+    __slots__ = ("counts", "counted", "prompt_seen", "bias_ids", "bias_values", "banned", "words")
 
     def __init__(self) -> None:
         self.counts: torch.Tensor | None = None       # [V] float32: each token's count in output[:counted]
@@ -30,6 +30,7 @@ class PenaltyState:
         self.bias_ids: torch.Tensor | None = None     # [k] int64: logit_bias' token ids
         self.bias_values: torch.Tensor | None = None  # [k] float32: their biases
         self.banned: torch.Tensor | None = None       # [V] bool: tokens outside allowed_token_ids, one-token bad words
+        self.words = None  # its longer bad words, prepared once (scheduler/token_bans.py WordIndex)
 
 
 class RowPenalties(NamedTuple):
