@@ -448,6 +448,7 @@ class Engine(BatchAPI):
             # rows' logits (prompt logprobs: eager, and slower)
             if len(binput.new_lens) == 1 and binput.prompt_logprobs is None:
                 self.cache.observe_prefill(len(binput.input_ids), (end_ns - start_ns) / 1e9)
+        step_extras.fail_broken_bans(self, work, next_ids)  # (before its tokens are taken: a row with none left)
         for req, chunk, token in zip(reqs, chunks, next_ids):
             self.admission.after_step(req, chunk, token)
 

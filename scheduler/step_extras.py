@@ -10,7 +10,7 @@ import torch
 
 from scheduler.guided import fill_masks
 from scheduler.penalty_state import PenaltyState, RowPenalties
-from scheduler.request import Request, RequestError, SamplingParams
+from scheduler.request import Request, RequestError, RequestState, SamplingParams
 from scheduler.runner import BatchInput, StepHandle
 from scheduler.token_bans import RowBans, held_by_min_tokens
 
@@ -117,3 +117,20 @@ def keep_logprobs(runner, reqs: list[Request], binput: BatchInput, handle: StepH
             if start == 0:  # its first chunk (its prompt is computed whole, from position 0: Admission._reusable)
                 req.prompt_logprobs = [None]
             req.prompt_logprobs += lp or []
+
+
+def fail_broken_bans(engine, work, next_ids: list[int]) -> None:
+    """After `collect`, before its tokens are taken (Engine._after_batch): each request whose token this step is
+    one its allowed_token_ids or bad words ban (`RowBans.sampled_banned`: its row had no token left) fails,
+    naming them. Regression: that token (argmax's 0, outside the allowed ids) was streamed, and decode went on."""
+    reqs, chunks, binput = work
+    if binput.bans is None:
+        return
+    for req, chunk, row, token in zip(reqs, chunks, binput.bans, next_ids):
+        if row is None or req.state.done or token < 0 or req.cached_len + chunk < len(req.prompt):
+            continue  # (a NaN mark; a prefill chunk before the last: its token is thrown away)
+        if row.sampled_banned(token):
+            also = " that its grammar allows" if req.guide is not None else \
+                " that min_tokens does not hold back" if len(req.output) < req.params.min_tokens else ""
+            engine.finish(req, RequestState.FAILED, "error", f"no token was left to sample after {len(req.output)} "
+                          f"generated: allowed_token_ids and bad_words ban every token{also}")

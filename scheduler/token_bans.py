@@ -37,9 +37,9 @@ class WordIndex:
     PenaltyState.words): the two-token words, most of them in practice, are looked up rather than matched (with 128
     words in every row of a batch of 32, matching each word each step in Python held a chained decode step's
     host work past its forward: 0.877 of unbanned decode, session 43)."""
-    __slots__ = ("after", "pairs_dev", "longer")
+    __slots__ = ("after", "pairs_dev", "longer", "allowed", "singles", "ends")
 
-    def __init__(self, words: tuple[tuple[int, ...], ...], device) -> None:
+    def __init__(self, words: tuple[tuple[int, ...], ...], allowed: tuple[int, ...] | None, device) -> None:
         pairs = [w for w in words if len(w) == 2]
         self.after: dict[int, list[int]] = {}  # a two-token word's first token -> the last tokens it bans
         for first, last in pairs:
@@ -48,6 +48,13 @@ class WordIndex:
         self.pairs_dev = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2).t().contiguous().to(device) \
             if pairs else None
         self.longer = tuple(w for w in words if len(w) > 2)  # matched on the host each step
+        # (`sampled_banned`'s, after a step: sets, an allowed list may hold 2^18 ids)
+        self.allowed = None if allowed is None else frozenset(allowed)
+        self.singles = frozenset(w[0] for w in words if len(w) == 1)
+        self.ends: dict[int, list[tuple[int, ...]]] = {}  # a longer word's last token -> the prefixes before it
+        for w in words:
+            if len(w) > 1:
+                self.ends.setdefault(w[-1], []).append(w[:-1])
 
 
 class RowBans(NamedTuple):
@@ -63,11 +70,23 @@ class RowBans(NamedTuple):
         """Whether it has static bans (a mask)."""
         return self.allowed is not None or any(len(w) == 1 for w in self.words)
 
-    def index(self, device) -> WordIndex | None:
-        """Its longer words, prepared once (None: it has none)."""
-        if self.state.words is None and any(len(w) > 1 for w in self.words):
-            self.state.words = WordIndex(self.words, device)
+    def index(self, device) -> WordIndex:
+        """Its bans' host-side index, prepared once."""
+        if self.state.words is None:
+            self.state.words = WordIndex(self.words, self.allowed, device)
         return self.state.words
+
+    def sampled_banned(self, token: int) -> bool:
+        """Whether `token`, sampled after output_ids (the host's, every one by now), is one of its bans: only
+        where its row was -inf throughout (its bad words left none of its allowed ids, or its grammar or
+        min_tokens' held stops none of the rest), which argmax answers with token 0, a draw with any."""
+        index, out = self.state.words, self.output_ids
+        if index is None:  # (its step built no index: it banned nothing)
+            return False
+        if token in index.singles or index.allowed is not None and token not in index.allowed:
+            return True
+        return any(len(out) >= len(prefix) and tuple(out[len(out) - len(prefix):]) == prefix
+                   for prefix in index.ends.get(token, ()))
 
     def host_bans(self, index: WordIndex, chained: bool) -> tuple[list[int], list[int]]:
         """Its bans this step that the host decides: (tokens the in-flight id must equal, or -1 where the host
@@ -116,7 +135,7 @@ def apply_bans(logits: torch.Tensor, rows: list[RowBans | None], inflight_ids: t
     singles = [[w[0] for w in rows[i].words if len(w) == 1] for i in new_masks]
     word_rows, word_ids, word_bans, pair_rows, pairs = [], [], [], [], []
     for i, row in enumerate(rows):
-        if row is not None and (index := row.index(device)) is not None:
+        if row is not None and ((index := row.index(device)).after or index.longer):
             ids, bans = row.host_bans(index, chained)
             word_rows += [i] * len(bans)
             word_ids += ids
