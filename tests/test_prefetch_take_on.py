@@ -58,8 +58,11 @@ async def test_prefetch_taken_on_to_l1_overlaps_its_checksums_with_the_forward()
     # the read was verified after its landing (its request ran alone): the cost model learned the
     # landing, not the 0.3 s the checksums took under the forward (regression, session 18)
     (_, read_s), = eng.cache.cost.directions["s2h"]._samples
-    service_s = eng.metrics()["directions"]["s2h"]["service_s"]
-    assert 0.3 <= service_s and read_s <= service_s - 0.3  # learned without the checksums' 0.3 s
+    s2h = eng.metrics()["directions"]["s2h"]
+    # read_s = queue wait + landing; service_s = landing + the wait for the launch + the checksums (it
+    # starts at the first worker, so the queue wait, milliseconds on a loaded CI machine, is not in it)
+    assert 0.3 <= s2h["service_s"]
+    assert read_s - s2h["queue_wait_s"] <= s2h["service_s"] - 0.3  # learned without the checksums' 0.3 s
     await finish(eng)
 
 
