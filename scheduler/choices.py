@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse
 from scheduler.api_inputs import echo_text
 from scheduler.api_models import APIError, Usage, response_body, stream_chunk, usage_chunk
 from scheduler.chat_answer import ChatAnswer, Delta
-from scheduler.reasoning import ReasoningSplitter, prompt_opens_thinking
+from scheduler.reasoning import ReasoningSplitter, ReasoningTokens, prompt_opens_thinking, think_markers
 
 _END = object()
 
@@ -64,6 +64,7 @@ class Choices:
         final = api_req.messages[-1] if self.parses and not self.guided and api_req.continue_final_message else None
         self.continued = None if final is None else final.as_template_dict()["content"]
         self._opens_thinking: bool | None = None  # (a chat has one prompt: looked at once for its n choices)
+        self._reasoning_tokens = [0] * len(gens)  # per choice, once it ended (--reasoning-parser's usage)
         # a chat's tool calls (scheduler/api_tools.py): "none", or read out of each choice's text
         self.tool_mode = api_req.tool_mode() if chat else "none"
         self.named = api_req.tool_choice.function.name if self.tool_mode == "named" else None
@@ -91,6 +92,25 @@ class Choices:
         """Abort what has not ended (counted as aborted), once the response is over."""
         for g in self.gens:
             await g.close()
+
+    def _counter(self, answer: ChatAnswer) -> ReasoningTokens | None:
+        """A chat choice's reasoning tokens counted from its ids as its splitter splits its text (None: no
+        parser)."""
+        if answer.splitter is None:
+            return None
+        return ReasoningTokens(think_markers(self.gens[0].st.tokenizer), answer.splitter.thinking)
+
+    def _ended(self, i: int, answer: ChatAnswer, counter: ReasoningTokens | None) -> None:
+        # (an answer the split saw no thought in has none: the ids are only where the text is)
+        self._reasoning_tokens[i] = counter.total() if counter is not None and answer.reasoned else 0
+
+    def usage_body(self) -> dict:
+        """`usage()` as sent: with --reasoning-parser a chat's carries completion_tokens_details.reasoning_tokens
+        too (vLLM's, with a parser only), its choices' summed (each counted once it ended)."""
+        body = self.usage().model_dump()
+        if self.parses:
+            body["completion_tokens_details"] = {"reasoning_tokens": sum(self._reasoning_tokens)}
+        return body
 
     def usage(self) -> Usage:
         """Each prompt once, with the cached tokens of its choice that hit least (what every choice had from
@@ -143,13 +163,19 @@ class Choices:
         if self.chat:
             answers = [self._answer(g) for g in self.gens]
             messages = [a.whole(text) for a, text in zip(answers, texts)]  # (reasoning, content, tool calls)
+            for i, (answer, token_ids) in enumerate(zip(answers, ids)):
+                if (counter := self._counter(answer)) is not None:
+                    counter.feed(token_ids)
+                self._ended(i, answer, counter)
             if self.parses:
                 reasoning = [r for r, _, _ in messages]
             texts, calls = [c for _, c, _ in messages], [tc for _, _, tc in messages]
             finish = [a.finish_reason(f) for a, f in zip(answers, finish)]
-        return response_body(self.chat, self.rid, self.created, self.model,
+        body = response_body(self.chat, self.rid, self.created, self.model,
                              [(t, f, i, lp) for t, f, i, lp in zip(texts, finish, ids, shaped)], self.usage(),
                              reasoning, calls)
+        body["usage"] = self.usage_body()
+        return body
 
     async def _abort_on_disconnect(self, request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -159,6 +185,7 @@ class Choices:
     async def sse(self):
         first = [True] * len(self.gens)
         answers = [self._answer(g) for g in self.gens] if self.chat else None
+        counters = [self._counter(a) for a in answers] if answers is not None else [None] * len(self.gens)
         try:
             async with contextlib.aclosing(self._events()) as events:
                 async for i, (text, token_ids, fin, entries) in events:
@@ -170,16 +197,25 @@ class Choices:
                         delta = answers[i].feed(text) + (answers[i].flush() if fin is not None else Delta())
                         reasoning, text, calls = delta.reasoning, delta.content, delta.calls
                         finish = finish and answers[i].finish_reason(finish)
+                    counter = counters[i]
+                    if counter is not None:
+                        counter.feed(token_ids)
+                    if fin is not None and answers is not None:
+                        self._ended(i, answers[i], counter)
                     usage = self.gens[i].usage() if self.continuous_usage else None if self.includes_usage else False
                     chunk = stream_chunk(self.chat, self.rid, self.created, self.model, text, token_ids, finish,
                                          first[i], usage, index=i,
                                          logprobs=self.gens[i].logprobs.render(entries) if entries else None,
                                          reasoning=reasoning, tool_calls=calls)
+                    if counter is not None and self.continuous_usage:  # (this choice's so far, as vLLM's)
+                        so_far = self._reasoning_tokens[i] if fin is not None else counter.counted
+                        chunk["usage"]["completion_tokens_details"] = {"reasoning_tokens": so_far}
                     first[i] = False
                     yield f"data: {json.dumps(chunk)}\n\n"
                 else:
                     if self.includes_usage:
                         usage = usage_chunk(self.chat, self.rid, self.created, self.model, self.usage())
+                        usage["usage"] = self.usage_body()
                         yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
         finally:

@@ -17,11 +17,18 @@ stream and a whole response run alike, so a stream's deltas add up to the whole 
 
 A marker split over several deltas is held back until it can be told apart from text, as stop strings are
 (scheduler/stop_strings.py). Completions are never split (vLLM's parsers serve chat only).
+
+The thought's size in tokens (usage's reasoning_tokens: a chat's completion_tokens_details, a Response's
+output_tokens_details) is counted from the answer's token ids, not its text re-tokenized: `ReasoningTokens` runs
+the same machine over ids, the markers found by their ids (`think_markers`, looked up once per tokenizer), so it
+counts the ids the reasoning text is made of, markers left out (vLLM's count_reasoning_tokens: the ids between a
+"<think>" and a "</think>" the answer writes; here also from the first id where the prompt opened the block).
 """
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import functools
+from collections.abc import Iterable, Sequence
 
 PARSERS = ("qwen3", "deepseek_r1")  # vLLM's names; both think in <think> ... </think>
 THINK_START, THINK_END = "<think>", "</think>"
@@ -94,3 +101,86 @@ class ReasoningSplitter:
         reasoning, content = self.feed(text)
         tail_reasoning, tail_content = self.flush()
         return reasoning + tail_reasoning, content + tail_content
+
+
+class ThinkMarkers:
+    """The think markers' token ids in one tokenizer (one id each in Qwen3's and DeepSeek-R1's; a tokenizer
+    without them spells each in several ids), and which ids are whitespace alone (memoized: the few an answer
+    starts with are looked at)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.start = tuple(tokenizer.encode(THINK_START, add_special_tokens=False))
+        self.end = tuple(tokenizer.encode(THINK_END, add_special_tokens=False))
+        self._blank: dict[int, bool] = {}
+
+    def blank(self, token_id: int) -> bool:
+        known = self._blank.get(token_id)
+        if known is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            known = self._blank[token_id] = not text.strip()
+        return known
+
+
+@functools.lru_cache(maxsize=16)
+def think_markers(tokenizer) -> ThinkMarkers:
+    """`tokenizer`'s ThinkMarkers, made once (a server has one tokenizer)."""
+    return ThinkMarkers(tokenizer)
+
+
+class ReasoningTokens:
+    """A chat answer's reasoning tokens, counted from its token ids as they arrive: those of the text that
+    ReasoningSplitter(thinking) makes reasoning, by the same rules (a "<think>" after leading whitespace only,
+    then up to "</think>"; from the first id where the prompt opened the block), the markers and the whitespace
+    before a "<think>" not counted. `counted`: the ids settled so far; `total()`: the count at the answer's end."""
+
+    def __init__(self, markers: ThinkMarkers, thinking: bool = False) -> None:
+        self.markers, self.thinking = markers, thinking
+        self.mode = Mode.START
+        self.counted = 0
+        self._held: list[int] = []  # ids that may still be (the start of) the marker the mode waits for
+        self._blank_ids = 0  # whitespace ids before the answer's first text (START)
+
+    def feed(self, token_ids: Iterable[int]) -> None:
+        for token_id in token_ids:
+            if self.mode is Mode.START:
+                self._start(token_id)
+            elif self.mode is Mode.REASONING:
+                self._reason(token_id)
+
+    def total(self) -> int:
+        """What is held at the end is of the mode it was in (as ReasoningSplitter.flush)."""
+        if self.mode is Mode.REASONING:
+            return self.counted + len(self._held)
+        if self.mode is Mode.START and self.thinking:
+            return self._blank_ids + len(self._held)
+        return self.counted
+
+    def _start(self, token_id: int) -> None:
+        start = self.markers.start
+        if not self._held and self.markers.blank(token_id):
+            self._blank_ids += 1
+            return
+        self._held.append(token_id)
+        if tuple(self._held) == start[:len(self._held)]:
+            if len(self._held) == len(start):  # the answer opened the block: its marker and the whitespace
+                self.mode, self._held, self._blank_ids = Mode.REASONING, [], 0  # before it are not thought
+            return
+        held, blank_ids, self._held, self._blank_ids = self._held, self._blank_ids, [], 0
+        if not self.thinking:
+            self.mode = Mode.CONTENT
+            return
+        self.mode, self.counted = Mode.REASONING, blank_ids
+        for token_id in held:  # (they may start the end marker)
+            self._reason(token_id)
+
+    def _reason(self, token_id: int) -> None:
+        end, held = self.markers.end, self._held
+        held.append(token_id)
+        if tuple(held[-len(end):]) == end:
+            self.counted += len(held) - len(end)
+            self.mode, self._held = Mode.CONTENT, []
+            return
+        keep = next((k for k in range(min(len(held), len(end) - 1), 0, -1) if tuple(held[-k:]) == end[:k]), 0)
+        self.counted += len(held) - keep
+        del held[:len(held) - keep]

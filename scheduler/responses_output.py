@@ -123,11 +123,14 @@ def _status(finish_reason: str | None) -> str:
 
 
 def _usage(usage: dict) -> dict:
-    """A chat's usage as Responses' (no reasoning tokens counted apart; no cache writes billed)."""
+    """A chat's usage as Responses' (Choices.usage_body's): its reasoning tokens those --reasoning-parser counted
+    (scheduler/reasoning.py's ReasoningTokens; 0 without a parser); no cache writes billed."""
+    reasoning_tokens = usage.get("completion_tokens_details", {}).get("reasoning_tokens", 0)
     return {"input_tokens": usage["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
                                      "cache_write_tokens": 0},
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": usage["total_tokens"]}
 
 
@@ -186,7 +189,7 @@ class ResponseOutput:
         status = _status(finish)
         for e in items.close(status):
             yield event(e)
-        usage = _usage(self.choices.usage().model_dump())
+        usage = _usage(self.choices.usage_body())
         yield event({"type": f"response.{status}", "response": self.response(status, items.items, usage)})
 
     def response(self, status: str, output: list[dict], usage: dict | None = None, error: dict | None = None) -> dict:
