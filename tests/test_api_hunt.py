@@ -11,11 +11,8 @@ import httpx
 import openai
 import pytest
 
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.server import ServerLimits, create_app
 from scheduler.tokenizer import HFTokenizer
-from test_server import ServerThread
+from server_fixtures import byte_level_server, tiny_config
 from test_server_text import _write_byte_level_tokenizer
 
 # as Qwen's template does, it renders the roles it knows and skips any other
@@ -27,11 +24,8 @@ HI = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    _write_byte_level_tokenizer(path)
-    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": TEMPLATE}))
-    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=200, max_new_tokens_limit=16))
-    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=HFTokenizer(str(path)))) as s:
+    config = tiny_config(num_pages=200, max_new_tokens_limit=16)
+    with byte_level_server(tmp_path_factory, config, chat_template=TEMPLATE) as s:
         yield s
 
 

@@ -8,15 +8,9 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
 import pytest
 
-from scheduler.config import EngineConfig
-from scheduler.engine import Engine
-from scheduler.server import ServerLimits, create_app
-from scheduler.tokenizer import HFTokenizer
-from test_server import ServerThread
-from test_server_text import _write_byte_level_tokenizer
+from server_fixtures import byte_level_server, ok, post, sse, tiny_config
 
 TEXT = "the quick brown fox jumps over the lazy dog"
 HI = [{"role": "user", "content": "hello there, how are you today?"}]
@@ -25,31 +19,9 @@ TOKEN_ID = re.compile(r"token_id:\d+")
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    _write_byte_level_tokenizer(path)
     # a small pool (160 tokens of K/V), so that -1's bound (the context less max_tokens - 1) is reachable
-    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=40, max_new_tokens_limit=16))
-    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=HFTokenizer(str(path)))) as s:
-        s.engine, s.tok = engine, HFTokenizer(str(path))
+    with byte_level_server(tmp_path_factory, tiny_config(num_pages=40, max_new_tokens_limit=16)) as s:
         yield s
-
-
-def post(srv, path: str, body: dict) -> httpx.Response:
-    return httpx.post(srv.url + path, json=body, timeout=60)
-
-
-def ok(srv, path: str, body: dict) -> dict:
-    r = post(srv, path, body)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def sse(srv, path: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=60) as r:
-        assert r.status_code == 200, r.read()
-        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(ln) for ln in lines[:-1]]
 
 
 # -- truncate_prompt_tokens -------------------------------------------------------------------------

@@ -115,14 +115,8 @@ async def test_a_shared_l3_keeps_salts_apart(server):
 # -- over HTTP ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    from scheduler.server import ServerLimits, create_app
-    from scheduler.tokenizer import HFTokenizer
-    from test_server import ServerThread
-    from test_server_text import _write_byte_level_tokenizer
-    path = tmp_path_factory.mktemp("tok")
-    _write_byte_level_tokenizer(path)
-    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=256))
-    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=HFTokenizer(str(path)))) as s:
+    from server_fixtures import byte_level_server, tiny_config
+    with byte_level_server(tmp_path_factory, tiny_config()) as s:
         yield s
 
 

@@ -21,10 +21,7 @@ from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import RequestError, SamplingParams, TokenLogprobs
 from scheduler.sampling import mark_nan, token_logprobs, unpack_logprobs
-from scheduler.server import ServerLimits, create_app
-from scheduler.tokenizer import HFTokenizer
-from test_server import ServerThread
-from test_server_text import _write_byte_level_tokenizer
+from server_fixtures import byte_level_server, sse, tiny_config
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [100, 7, 300, 12, 13], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
 
@@ -225,11 +222,7 @@ def test_a_simulated_engine_refuses_logprobs():
 # -- HTTP -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    _write_byte_level_tokenizer(path)
-    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=200, max_new_tokens_limit=16))
-    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=HFTokenizer(str(path)))) as s:
-        s.engine = engine
+    with byte_level_server(tmp_path_factory, tiny_config(num_pages=200, max_new_tokens_limit=16)) as s:
         yield s
 
 
@@ -237,14 +230,6 @@ def srv(tmp_path_factory):
 def client(srv):
     with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
         yield c
-
-
-def sse_chunks(srv, path: str, body: dict) -> list[dict]:
-    with httpx.stream("POST", srv.url + path, json={**body, "stream": True}, timeout=60) as r:
-        assert r.status_code == 200
-        lines = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(ln) for ln in lines[:-1]]
 
 
 HI = [{"role": "user", "content": "hi"}]
@@ -265,7 +250,7 @@ def test_completions_logprobs_shape(srv, client):
         assert value == max(top.values())  # greedy
         assert sum(math.exp(v) for v in top.values()) <= 1.0 + 1e-5
     # streamed: each chunk's tokens' logprobs, adding up to the response's
-    chunks = sse_chunks(srv, "/v1/completions", body)
+    chunks = sse(srv, "/v1/completions", body)
     streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for ch in chunks:
         c = ch["choices"][0]
@@ -296,8 +281,8 @@ def test_chat_logprobs_shape(srv, client):
         assert top == sorted(top, reverse=True) and entry.logprob == top[0]  # greedy
         assert all(e.bytes == list(e.token.encode("utf-8")) for e in entry.top_logprobs)
     # streamed: each chunk's tokens' entries, adding up to the response's
-    chunks = sse_chunks(srv, "/v1/chat/completions", {"messages": HI, "max_tokens": 5, "temperature": 0,
-                                                      "logprobs": True, "top_logprobs": 2})
+    chunks = sse(srv, "/v1/chat/completions", {"messages": HI, "max_tokens": 5, "temperature": 0,
+                                               "logprobs": True, "top_logprobs": 2})
     streamed = [e for ch in chunks if ch["choices"][0]["logprobs"] for e in ch["choices"][0]["logprobs"]["content"]]
     assert streamed == [e.model_dump() for e in content]
     # logprobs without top_logprobs: the sampled tokens' only

@@ -18,13 +18,11 @@ import torch
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import RequestError, SamplingParams
-from scheduler.server import ServerLimits, create_app
 from scheduler.stop_strings import CompletionText, StopMatcher
-from scheduler.tokenizer import ByteTokenizer, HFTokenizer
+from scheduler.tokenizer import ByteTokenizer
+from server_fixtures import byte_level_server, tiny_config
 from test_n_choices import _stream
 from test_penalties import PROMPTS, make_engine
-from test_server import ServerThread
-from test_server_text import _write_byte_level_tokenizer
 
 EARLY = [107] * 6  # the tiny model's greedy output starts with 330 and has it again later
 TOK = ByteTokenizer(512)
@@ -233,11 +231,7 @@ def test_streamed_pieces_add_up_to_the_reference_wherever_min_tokens_falls():
 # -- HTTP -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    _write_byte_level_tokenizer(path)
-    engine = make_engine(max_new_tokens_limit=32)
-    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=HFTokenizer(str(path)))) as s:
-        s.engine = engine
+    with byte_level_server(tmp_path_factory, tiny_config(max_new_tokens_limit=32)) as s:
         yield s
 
 

@@ -18,9 +18,8 @@ from scheduler.api_models import N_MAX
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.server import ServerLimits, create_app
-from scheduler.tokenizer import HFTokenizer
+from server_fixtures import byte_level_server, tiny_config
 from test_server import ServerThread, assert_pools_whole, wait_idle
-from test_server_text import _write_byte_level_tokenizer
 from test_stop_batch_api import busy_then_fits, leave_and_check_aborts, small_srv  # noqa: F401  (small_srv: the fixture)
 
 HI = [{"role": "user", "content": "hi"}]
@@ -30,13 +29,8 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    _write_byte_level_tokenizer(path)
-    engine = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=400,
-                                 max_new_tokens_limit=64).with_hicache(enable=True, host_ratio=2.0))
-    app = create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=HFTokenizer(str(path)))
-    with ServerThread(app) as s:
-        s.engine = engine
+    config = tiny_config(num_pages=400, max_new_tokens_limit=64).with_hicache(enable=True, host_ratio=2.0)
+    with byte_level_server(tmp_path_factory, config) as s:
         yield s
 
 

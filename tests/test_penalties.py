@@ -6,7 +6,6 @@ in-process API on the CPU (tiny preset) against a host reference over a dense fo
 chained on the device (the in-flight token's id is only there), then the HTTP fields."""
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from collections import Counter
@@ -18,10 +17,7 @@ import torch
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import RequestError, SamplingParams
-from scheduler.server import ServerLimits, create_app
-from scheduler.tokenizer import HFTokenizer
-from test_server import ServerThread
-from test_server_text import _write_byte_level_tokenizer
+from server_fixtures import byte_level_server, tiny_config
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41, 42], [100, 7, 300, 12, 13], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
 
@@ -194,11 +190,7 @@ def test_penalties_at_their_bounds_are_valid():
 # -- HTTP -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tok")
-    _write_byte_level_tokenizer(path)
-    engine = make_engine(max_new_tokens_limit=16)
-    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=HFTokenizer(str(path)))) as s:
-        s.engine = engine
+    with byte_level_server(tmp_path_factory, tiny_config(max_new_tokens_limit=16)) as s:
         yield s
 
 
