@@ -47,6 +47,7 @@ class Generation:
             LogprobsShaper(st.tokenizer, chat, api_req.skip_special_tokens, bool(api_req.return_tokens_as_token_ids))
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None  # (perf_counter when the latest token was read)
+        self.prompt_choices = st.metrics.prompt_choice(api_req, index, choice)  # (its prompt's n choices' tally)
         self._buf: deque = deque()
         self._closed = self._counted = False
 
@@ -88,21 +89,22 @@ class Generation:
         self._counted = True
         m.outcome(outcome)
         self._ended(fin.finish_reason, self.output_tokens)
-        if outcome == "success":
+        if outcome != "aborted":  # vLLM's finished requests: those its engine ended (stop, length, error)
             now = time.perf_counter()
             m.e2e.observe(now - self.arrival)
             if self.output_tokens >= 2 and self.first_token_at is not None:  # TPOT: (e2e - TTFT) / (tokens - 1)
                 m.tpot.observe((now - self.first_token_at) / (self.output_tokens - 1))
 
     def _ended(self, finish_reason: str, generation_tokens: int) -> None:
-        """Its end in the server's metrics (once: `_finish` or `close`); its prompt's n with its first choice's,
-        and its phases from its first prefill's start and its first and last token as read (those of TTFT
-        and the inter-token gaps) where it got a first token."""
+        """Its end in the server's metrics (once: `_finish` or `close`); its prompt's n and the most tokens of
+        its choices with its last choice's, and its phases from its first prefill's start and its first and
+        last token as read (those of TTFT and the inter-token gaps) where it got a first token."""
         req, span_s = self.req, None
         if req.scheduled_s is not None and self.first_token_at is not None:
             span_s = (req.scheduled_s, self.first_token_at, self.last_token_at)
+        most = self.prompt_choices.ended(generation_tokens)  # (None but for its prompt's last choice)
         self.st.metrics.ended(finish_reason, len(req.prompt), generation_tokens, req.params.max_tokens,
-                              self.n if self.choice == 0 else None, span_s)
+                              None if most is None else self.n, span_s, most)
 
     def usage(self) -> Usage:
         # the tokens read: after a stop string, those up to and including the one that completed its

@@ -1,13 +1,16 @@
 """Prometheus metrics of the HTTP server, in a private CollectorRegistry (no process-global state).
 
-Two kinds:
+Three kinds:
 * observed by the server as requests are served: request counts by outcome, engine requests by finish
   reason, TTFT, end-to-end, time per output token (TPOT) and inter-token latency histograms, prompt /
   generated token counters and per-request length histograms, requests in flight (TTFT counts every
-  request that got a first token, aborted or failed ones too; end-to-end and TPOT only those that
-  finished, at max_tokens or a stop token: TPOT those of >= 2 tokens; scheduler/generation.py); as each
-  engine request ends, its max_tokens, its prompt's n (once per prompt) and, if it got a first token, its
-  prefill, decode and inference time (`ServerMetrics.ended`);
+  request that got a first token, aborted or failed ones too; end-to-end and TPOT those the engine ended:
+  at max_tokens, a stop, or an error (vLLM's finished requests), not those aborted: TPOT those of >= 2
+  tokens; scheduler/generation.py); as each engine request ends, its max_tokens, and if it got a first
+  token its prefill, decode and inference time; as a prompt's last choice ends, its n and the most tokens
+  one of its choices generated (`ServerMetrics.ended`, `PromptChoices`);
+* observed by the engine's runner as it launches each step: the tokens of that step (scheduler/runner.py
+  `observe_step_tokens`: a prefill's prompt tokens it computes, one per decode row);
 * read from the engine at scrape time by `EngineCollector` (engine.metrics() / engine.status()):
   the cache's counters (`_CACHE_COUNTERS`: hit tokens per tier, recomputed tokens, evictions,
   restores / backups / fallbacks / failures, policy skips, L3 pages lost after a read, restore time
@@ -41,6 +44,7 @@ _TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.0
                             0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 _TOKEN_COUNT_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))  # 1, 2, 5 ... 5e6 (vLLM's 1-2-5)
 _N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, of the n request parameter
+_STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM V1's, tokens per step
 _TIERS = ("l1", "l2", "l3")
 
 
@@ -201,14 +205,15 @@ class ServerMetrics:
             self.finished.labels(reason)
         self.ttft = Histogram("hicache_time_to_first_token_seconds", "request arrival to first token",
                               buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.e2e = Histogram("hicache_e2e_request_latency_seconds",
-                             "request arrival to last token, of requests that finished (success)",
+        self.e2e = Histogram("hicache_e2e_request_latency_seconds", "request arrival to its end, of engine "
+                             "requests the engine ended (stop, length, error; not aborted)",
                              buckets=_LATENCY_BUCKETS_S, registry=r)
         self.queue = Histogram("hicache_request_queue_time_seconds", "arrival to the first prefill's start (queued, "
                                "or parked on a restore), of requests that got a first token",
                                buckets=_LATENCY_BUCKETS_S, registry=r)
-        self.tpot = Histogram("hicache_time_per_output_token_seconds", "first token to last over the tokens "
-                              "after the first, of requests that finished (success) with >= 2 tokens",
+        self.tpot = Histogram("hicache_time_per_output_token_seconds", "first token to the end over the tokens "
+                              "after the first, of engine requests of >= 2 tokens the engine ended (stop, length, "
+                              "error; not aborted)",
                               buckets=_TOKEN_LATENCY_BUCKETS_S, registry=r)
         self.itl = Histogram("hicache_inter_token_latency_seconds", "each token's gap after its request's "
                              "previous one, as the server reads them (one per token after the first)",
@@ -230,8 +235,17 @@ class ServerMetrics:
         self.inference = Histogram("hicache_request_inference_time_seconds", "first prefill's start to last "
                                    "token, of engine requests that got one (any end)", buckets=_LATENCY_BUCKETS_S,
                                    registry=r)
-        self.request_n = Histogram("hicache_request_params_n", "the n (choices) of each prompt of a request that "
-                                   "ended, once per prompt", buckets=_N_BUCKETS, registry=r)
+        self.request_n = Histogram("hicache_request_params_n", "the n (choices) of each prompt of a request, once "
+                                   "per prompt as its last choice ends", buckets=_N_BUCKETS, registry=r)
+        self.request_max_generation_tokens = Histogram(
+            "hicache_request_max_generation_tokens", "the most tokens one of a prompt's choices generated, once per "
+            "prompt as its last choice ends", buckets=_TOKEN_COUNT_BUCKETS, registry=r)
+        self.step_tokens = Histogram("hicache_engine_step_tokens", "tokens of each engine step (forward) as it is "
+                                     "launched: a prefill's prompt tokens it computes, one per decode row",
+                                     buckets=_STEP_TOKEN_BUCKETS, registry=r)
+        # (the last ServerMetrics made for an engine is the one its steps report to: one per server)
+        engine.runner.observe_step_tokens = self.step_tokens.observe
+        self._prompt: PromptChoices | None = None  # the prompt whose choices are being made (`prompt_choice`)
         self.request_max_tokens = Histogram("hicache_request_params_max_tokens", "max_tokens of each engine request "
                                             "that ended (0, a prefill alone, not counted)",
                                             buckets=_TOKEN_COUNT_BUCKETS, registry=r)
@@ -242,11 +256,23 @@ class ServerMetrics:
     def outcome(self, outcome: str) -> None:
         self.requests.labels(outcome).inc()
 
+    def prompt_choice(self, api_req, index: int, choice: int) -> "PromptChoices":
+        """Choice `choice` of prompt `index` of `api_req` was made: the tally its prompt's choices share. The
+        server makes a prompt's choices one after another, choice 0 first, nothing between (scheduler/server.py),
+        so the tally of choice 0 is the one its siblings join; any other prompt starts a new one."""
+        p = self._prompt
+        if choice == 0 or p is None or p.api_req is not api_req or p.index != index:
+            p = self._prompt = PromptChoices(api_req, index)
+        p.open += 1
+        return p
+
     def ended(self, finish_reason: str, prompt_tokens: int, generation_tokens: int, max_tokens: int = 0,
-              n: int | None = None, span_s: tuple[float, float, float] | None = None) -> None:
+              n: int | None = None, span_s: tuple[float, float, float] | None = None,
+              max_generation_tokens: int | None = None) -> None:
         """An engine request ended (each choice once): its reason, its tokens and their per-request histograms,
-        its max_tokens (0, a prefill alone: not observed, as vLLM observes none), n: its prompt's, given by
-        one choice of each prompt; span_s: (first prefill's start, first token, last token), perf_counter
+        its max_tokens (0, a prefill alone: not observed, as vLLM observes none); n and max_generation_tokens: its
+        prompt's n and the most tokens one of its choices generated, given by the choice that ends it last
+        (`PromptChoices.ended`); span_s: (first prefill's start, first token, last token), perf_counter
         seconds, where it got a first token."""
         self.finished.labels(finish_reason if finish_reason in FINISH_REASONS else "error").inc()
         self.generation_tokens.inc(generation_tokens)
@@ -256,6 +282,8 @@ class ServerMetrics:
             self.request_max_tokens.observe(max_tokens)
         if n is not None:
             self.request_n.observe(n)
+        if max_generation_tokens is not None:
+            self.request_max_generation_tokens.observe(max_generation_tokens)
         if span_s is not None:
             scheduled_s, first_token_s, last_token_s = span_s
             self.prefill.observe(first_token_s - scheduled_s)
@@ -264,3 +292,21 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PromptChoices:
+    """The choices (engine requests) of one prompt as they end (vLLM's ParentRequest): the prompt's n and the
+    most tokens one of them generated are observed once, as its last choice ends."""
+
+    __slots__ = ("api_req", "index", "open", "most_tokens")
+
+    def __init__(self, api_req, index: int) -> None:
+        self.api_req, self.index = api_req, index
+        self.open = 0  # choices made that have not ended
+        self.most_tokens = 0
+
+    def ended(self, generation_tokens: int) -> int | None:
+        """One of its choices ended with `generation_tokens`: the most of them all where it was the last to end."""
+        self.open -= 1
+        self.most_tokens = max(self.most_tokens, generation_tokens)
+        return self.most_tokens if self.open == 0 else None

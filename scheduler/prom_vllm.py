@@ -18,17 +18,25 @@ engine's status and cache counters, so the two names cannot disagree. What they 
   is once per token. time_per_output_token_seconds is vLLM's older (deprecated) name of that gap histogram,
   rendered from the same samples;
 * request_success_total by finished_reason (stop, length, abort, error), prompt / generation token counters
-  and per-request histograms, TTFT and end-to-end latency: the hicache_ families of the same meaning;
+  and per-request histograms, TTFT and end-to-end latency: the hicache_ families of the same meaning.
+  e2e_request_latency_seconds (and request_time_per_output_token_seconds) count, as vLLM's finished requests
+  do, every request the engine ended at a stop, its length or an error, and none a client left: vLLM's
+  client-abort path records no finished request (so its request_success{finished_reason="abort"} stays 0
+  where hicache's counts them); here none aborted at shutdown either (vLLM records its engine's own aborts);
 * request_queue_time_seconds: arrival to the first prefill's start (`Request.scheduled_s`), queued or parked;
 * request_prefill_time_seconds / request_decode_time_seconds / request_inference_time_seconds: the first
   prefill's start to the first token / the first token to the last / the first prefill's start to the last,
   once per engine request that got a first token, whatever its end (vLLM's, aborted ones too), from the same
   three instants (prefill + decode = inference; the tokens as the server read them, as TTFT and the gaps);
-* request_params_n: each prompt's n, once per prompt (vLLM: once per parent request, when its last choice
-  ends; here as its first choice ends); request_params_max_tokens: each engine request's max_tokens.
-Left out: iteration_tokens_total (the engine counts tokens per step only as totals: a histogram of them needs
-an observation per step in the engine) and request_max_num_generation_tokens (the most tokens of a prompt's
-choices: it needs the prompt's choices together, which no one place that ends a request sees).
+* request_params_n and request_max_num_generation_tokens: each prompt's n and the most tokens one of its
+  choices generated (vLLM's meaning, despite its HELP's "requested": ParentRequest's most generated tokens,
+  not max_tokens), once per prompt as its last choice ends, whatever its end (vLLM: those its engine ended);
+  request_params_max_tokens: each engine request's max_tokens;
+* iteration_tokens_total: per engine step (forward), its tokens as the runner launches it: a prefill's
+  computed prompt tokens (a chunk's, past any cached prefix), one per decode row (so its _sum is
+  hicache_engine_tokens' and its _count hicache_engine_batches'). vLLM's front end counts, per step, each
+  request's whole prompt in the step that made its first token (cached tokens and earlier chunks included)
+  plus every token made: its first token too, and nothing for a step that made none (an early chunk).
 """
 from __future__ import annotations
 
@@ -55,6 +63,9 @@ _RENAMED = (
     ("vllm:request_inference_time_seconds", "inference", "Histogram of time spent in RUNNING phase for request."),
     ("vllm:request_params_n", "request_n", "Histogram of the n request parameter."),
     ("vllm:request_params_max_tokens", "request_max_tokens", "Histogram of the max_tokens request parameter."),
+    ("vllm:request_max_num_generation_tokens", "request_max_generation_tokens",
+     "Histogram of maximum number of requested generation tokens."),
+    ("vllm:iteration_tokens_total", "step_tokens", "Histogram of number of tokens per engine_step."),
 )
 _LABELS = {"finish_reason": "finished_reason"}  # hicache's label -> vLLM's
 

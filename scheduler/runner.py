@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -96,6 +96,9 @@ class ModelRunner:
         self._out_next = 0
         # beside each, where a step's logprobs land: made the first time a request asks for them
         self._lp_ring: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # called with each step's tokens as it is launched (a prefill's prompt tokens, one per decode row): the
+        # server's vllm:iteration_tokens_total (scheduler/prom.py); None: nothing observes them
+        self.observe_step_tokens: Callable[[int], None] | None = None
 
     def enable_graphs(self, graphs) -> None:
         """Small forwards replay captured CUDA graphs (scheduler/cuda_graphs.py): decode batches,
@@ -111,6 +114,8 @@ class ModelRunner:
         sampled ids at `rows`, taken on the device (batch.input_ids is ignored), so the step can be
         enqueued before the previous one's tokens reach the host. defer_sample: the forward alone, its
         sampling enqueued later by `sample` (a decode step's)."""
+        if self.observe_step_tokens is not None:
+            self.observe_step_tokens(len(batch.input_ids))  # (a chained step's placeholders: one per row)
         ids_dev = None
         if chain is not None:
             prev_ids, rows = chain[0].ids, chain[1]
@@ -267,8 +272,11 @@ class SimRunner:
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
+        self.observe_step_tokens: Callable[[int], None] | None = None  # (as ModelRunner's)
 
     def launch(self, batch: BatchInput, chain=None) -> StepHandle:
+        if self.observe_step_tokens is not None:
+            self.observe_step_tokens(len(batch.input_ids))
         inputs = batch.input_ids if chain is None else [chain[0].ids[r] for r in chain[1]]
         ids, row = [], 0
         for prefix, new in zip(batch.prefix_lens, batch.new_lens):
