@@ -83,14 +83,16 @@ def echo_text(req: CompletionRequest | ChatCompletionRequest, index: int, ids: l
     the engine has them): the prompt as given, or its ids decoded ("" without a tokenizer) as the choice's text
     is, special tokens kept with skip_special_tokens false (regression: the prompt's were dropped, the
     generated ones kept); a prompt truncate_prompt_tokens cut, its kept ids decoded (vLLM echoes the whole
-    text: here the echo, its logprobs' pieces and text offsets and usage.prompt_tokens agree); None without
-    echo (a chat has none)."""
+    text: here the echo, its logprobs' pieces and text offsets and usage.prompt_tokens agree), a text prompt's
+    with its special tokens, which the client wrote in it (regression: "a<s>b" cut to 2 echoed "b"); None
+    without echo (a chat has none)."""
     if not getattr(req, "echo", False):
         return None
     prompt = prompt_list(req)[index]
     if isinstance(prompt, str) and (req.truncate_prompt_tokens is None or len(tokenizer.encode(prompt)) == len(ids)):
         return prompt
-    return tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens) if tokenizer is not None else ""
+    skip = req.skip_special_tokens and not isinstance(prompt, str)
+    return tokenizer.decode(ids, skip_special_tokens=skip) if tokenizer is not None else ""
 
 
 def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, prompt: str | list[int] | None, param: str,

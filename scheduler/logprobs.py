@@ -25,7 +25,8 @@ there is no tokenizer; `bytes` is the piece's UTF-8. A logprob below -9999 (-inf
 vLLM's `return_tokens_as_token_ids: true` (either endpoint; nothing without logprobs): every piece is
 "token_id:N", top_logprobs' too (a completion's text offsets then run on those pieces, as vLLM's do), so that
 a client can tell tokens apart that decode alike or not at all. A chat entry's `bytes` are then vLLM's: the
-token's decoded text's UTF-8 (null without a tokenizer), each alternative's its "token_id:N"'s.
+token's decoded text's UTF-8, a special token's text kept whatever skip_special_tokens (null without a
+tokenizer), each alternative's its "token_id:N"'s.
 """
 from __future__ import annotations
 
@@ -84,9 +85,9 @@ class LogprobsShaper:
         self.as_token_ids = as_token_ids  # return_tokens_as_token_ids
         self.offset_chars = 0  # a completion's text_offset: characters of the pieces so far
 
-    def _decoded(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id], skip_special_tokens=self.skip_special_tokens) \
-            if self.tokenizer is not None else None
+    def _decoded(self, token_id: int, skip_special_tokens: bool | None = None) -> str | None:
+        skip = self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
+        return self.tokenizer.decode([token_id], skip_special_tokens=skip) if self.tokenizer is not None else None
 
     def piece(self, token_id: int) -> str:
         text = None if self.as_token_ids else self._decoded(token_id)
@@ -97,7 +98,7 @@ class LogprobsShaper:
         if self.chat:
             item = self._chat_item(token_id, lp.logprob)
             if self.as_token_ids:  # (vLLM's: the token's own bytes, its alternatives' their "token_id:N"'s)
-                decoded = self._decoded(token_id)
+                decoded = self._decoded(token_id, skip_special_tokens=False)  # (vLLM's decoded_token keeps them)
                 item["bytes"] = None if decoded is None else list(decoded.encode("utf-8", errors="replace"))
             return {**item, "top_logprobs": [self._chat_item(t, v) for t, v in lp.top]}
         piece = self.piece(token_id)
