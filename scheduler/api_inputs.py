@@ -6,7 +6,8 @@ sampling parameters, `echo_text` the prompt text a completion with `echo` sends 
 A completion's `echo` (vLLM's semantics): the prompt's text ahead of each choice's own; with `logprobs: k`
 the engine computes the prompt's logprobs too (SamplingParams.prompt_logprobs = k: the prompt's tokens'
 entries come first, scheduler/logprobs.py); `max_tokens: 0` is allowed with echo only (the prefill alone: the
-prompt is the whole answer, finish_reason "length")."""
+prompt is the whole answer, finish_reason "length"). vLLM's `prompt_logprobs: k` asks the engine for them too
+(scheduler/prompt_logprobs_api.py), for the larger k where the echo asks as well."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +16,7 @@ import json
 
 from pydantic import ValidationError
 
+from scheduler import prompt_logprobs_api
 from scheduler.api_guided import GuidedFieldError
 from scheduler.api_models import (APIError, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
                                   _SamplingFields, validation_error)
@@ -220,6 +222,12 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
     prompt_logprobs = logprobs if echo else None  # (vLLM's: an echoed prompt's where the tokens' are asked)
     if echo and max_tokens == 0 and logprobs is None:
         prompt_logprobs = 0  # the engine runs a prefill alone for prompt logprobs only (these left unshown)
+    try:  # vLLM's prompt_logprobs (scheduler/prompt_logprobs_api.py): with an echo's, the larger k of the two
+        asked = prompt_logprobs_api.asked_count(req, vocab_size)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=prompt_logprobs_api.PARAM, code="invalid_value") from None
+    if asked is not None:
+        prompt_logprobs = asked if prompt_logprobs is None else max(asked, prompt_logprobs)
     # no temperature: OpenAI's default of 1 (it was greedy here, so a seed or top_p alone changed nothing)
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
                           top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,

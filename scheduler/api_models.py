@@ -4,8 +4,9 @@
 
 Request models are strict: unknown fields and wrong JSON types are errors (400), never coerced; OpenAI
 fields this server does not implement are served at their neutral values only (any other value: an
-'unsupported_value' 400). Tools and tool calls: scheduler/api_tools.py. Token logprobs: scheduler/logprobs.py; penalties and
-logit_bias, min_tokens: scheduler/penalties.py; top_k, min_p: scheduler/sampler_fields.py.
+'unsupported_value' 400). Tools and tool calls: scheduler/api_tools.py. Token logprobs: scheduler/logprobs.py
+(vLLM's prompt_logprobs: scheduler/prompt_logprobs_api.py); penalties and logit_bias, min_tokens:
+scheduler/penalties.py; top_k, min_p: scheduler/sampler_fields.py.
 Token ids are what this engine speaks: `stop` as integers and `stop_token_ids` are token ids (the stop
 token is in `token_ids` but its text is left out); `stop` as a string or a list of up to 4 strings is
 matched on the generated text (scheduler/stop_strings.py: the text ends before the match, finish_reason
@@ -32,6 +33,7 @@ from scheduler.ban_fields import BanFields
 from scheduler.api_tools import MessageToolCall, ToolFields
 from scheduler.logprobs import ChatLogprobsFields, CompletionLogprobsField
 from scheduler.penalties import PenaltyFields
+from scheduler.prompt_logprobs_api import PromptLogprobsField
 from scheduler.prompt_truncation import TruncationField
 from scheduler.sampler_fields import SamplerFields
 from scheduler.stop_strings import check_stop_strings
@@ -69,7 +71,8 @@ class StreamOptions(_Strict):
     continuous_usage_stats: StrictBool | None = False  # vLLM's: each chunk its choice's usage (scheduler/choices.py)
 
 
-class _SamplingFields(_Strict, PenaltyFields, SamplerFields, GuidedFields, TruncationField, BanFields):
+class _SamplingFields(_Strict, PenaltyFields, SamplerFields, GuidedFields, TruncationField, BanFields,
+                      PromptLogprobsField):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: Float | None = None

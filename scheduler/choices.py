@@ -12,6 +12,8 @@ with vLLM's stream_options.continuous_usage_stats too, each choice chunk carries
 A single prompt is a batch of one. A completion with `echo` (scheduler/api_inputs.py) sends each choice's
 prompt text ahead of its own, in its first item (a stream's first chunk), with its prompt tokens' logprobs
 first where `logprobs` is asked (the engine request's Request.prompt_logprobs, there by its first event).
+vLLM's `prompt_logprobs` (scheduler/prompt_logprobs_api.py): a response's every completion choice carries its
+prompt's, a chat's response carries them beside its choices; a stream, none.
 
 A choice that fails (the engine failed it, or it was aborted at shutdown) fails the whole request, as a
 single request fails: the other choices are aborted; a response is that error (500, or 503 for an abort)
@@ -31,6 +33,7 @@ from collections.abc import AsyncIterator
 import anyio
 from fastapi.responses import JSONResponse
 
+from scheduler import prompt_logprobs_api
 from scheduler.api_inputs import echo_text
 from scheduler.api_models import APIError, Usage, response_body, stream_chunk, usage_chunk
 from scheduler.chat_answer import ChatAnswer, Delta
@@ -51,6 +54,8 @@ class Choices:
         self.continuous_usage = self.includes_usage and bool(opts.continuous_usage_stats)
         # per choice, the prompt text its `echo` sends first (None: no echo)
         self.echoes = [echo_text(api_req, g.index, g.req.prompt, g.st.tokenizer) for g in gens]
+        # vLLM's prompt_logprobs: the k a response shows of each prompt position (None: no such key)
+        self.prompt_k = prompt_logprobs_api.shown_count(api_req, gens[0].st.engine.vocab_size)
         for g, echo in zip(gens, self.echoes):
             if echo is not None and g.logprobs is not None:
                 g.logprobs.follow_prompt(g.req.prompt)  # (before any token's entry is made)
@@ -175,7 +180,20 @@ class Choices:
                              [(t, f, i, lp) for t, f, i, lp in zip(texts, finish, ids, shaped)], self.usage(),
                              reasoning, calls)
         body["usage"] = self.usage_body()
+        if self.prompt_k is not None:
+            self._put_prompt_logprobs(body)
         return body
+
+    def _put_prompt_logprobs(self, body: dict) -> None:
+        """vLLM's `prompt_logprobs` (scheduler/prompt_logprobs_api.py): a completion's every choice its prompt's
+        (its first choice's: the n computed alike), a chat's at the top level (its one prompt)."""
+        per_prompt = [prompt_logprobs_api.render(g.req.prompt, g.req.prompt_logprobs, self.prompt_k, g.st.tokenizer)
+                      for g in self.gens[::self.n]]
+        if self.chat:
+            body["prompt_logprobs"] = per_prompt[0]
+            return
+        for i, choice in enumerate(body["choices"]):
+            choice["prompt_logprobs"] = per_prompt[i // self.n]
 
     async def _abort_on_disconnect(self, request) -> None:
         while (await request.receive())["type"] != "http.disconnect":
@@ -230,8 +248,9 @@ async def _echoed(gen, text: str) -> AsyncIterator[tuple]:
         async for delta, token_ids, fin, entries in events:
             if first:
                 first, delta = False, text + delta
-                if gen.logprobs is not None:
-                    entries = gen.logprobs.prompt_entries(gen.req.prompt, gen.req.prompt_logprobs) + entries
+                if gen.logprobs is not None:  # (its `logprobs` k of them: prompt_logprobs may have asked for more)
+                    lps = prompt_logprobs_api.shorter(gen.req.prompt_logprobs, gen.req.params.logprobs)
+                    entries = gen.logprobs.prompt_entries(gen.req.prompt, lps) + entries
             yield delta, token_ids, fin, entries
 
 

@@ -107,8 +107,8 @@ class LogprobsShaper:
             return piece, None, None, offset
         top: dict[str, float] = {}
         for t, v in [*lp.top, (token_id, lp.logprob)]:  # the sampled token's, where it is not one of the k
-            top.setdefault(self.piece(t), _finite(v))
-        return piece, _finite(lp.logprob), top, offset
+            top.setdefault(self.piece(t), finite(v))
+        return piece, finite(lp.logprob), top, offset
 
     def follow_prompt(self, prompt_ids: list[int]) -> None:
         """An echoed completion's: its tokens' text offsets run on after its prompt's pieces (whose
@@ -122,7 +122,7 @@ class LogprobsShaper:
 
     def _chat_item(self, token_id: int, logprob: float) -> dict:
         piece = self.piece(token_id)
-        return {"token": piece, "logprob": _finite(logprob), "bytes": list(piece.encode("utf-8"))}
+        return {"token": piece, "logprob": finite(logprob), "bytes": list(piece.encode("utf-8"))}
 
     def render(self, entries: list) -> dict:
         if self.chat:
@@ -131,5 +131,5 @@ class LogprobsShaper:
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _finite(logprob: float) -> float:
+def finite(logprob: float) -> float:
     return logprob if logprob >= LOWEST_LOGPROB else LOWEST_LOGPROB  # (NaN too: it fails the comparison)

@@ -251,6 +251,8 @@ class TokenLogprobs(NamedTuple):
     log_softmax of the model's raw logits, before temperature and top-p (vLLM's default), whatever was drawn."""
     logprob: float                  # the token's (in `top` too when it is one of the k)
     top: list[tuple[int, float]]    # (token id, logprob), the likeliest first; SamplingParams.logprobs of them
+    rank: int | None = None         # a prompt token's: the tokens at least as likely, itself too (vLLM's rank);
+                                    # None for a generated token's
 
 
 @dataclass

@@ -65,7 +65,7 @@ class StepHandle(NamedTuple):
     event: torch.cuda.Event | None        # recorded after the copy to `host`; None: `host` holds them already
     ids: Any                              # the sampled ids where they were produced: [B] on the device, or a list
     logprobs: Any = None                  # (values, ids) of `token_logprobs`, on the host with `host`; None: not asked
-    prompt_logprobs: Any = None           # (values, ids) of the prompt rows that asked, on the host with `host`
+    prompt_logprobs: Any = None           # (values, ids, ranks) of the prompt rows that asked, on the host with `host`
 
 
 class PendingSample(NamedTuple):
@@ -192,9 +192,10 @@ class ModelRunner:
         event.record(cuda_rt.current_stream(self.device))
         return StepHandle(host, event, next_ids, logprobs, prompt_lps)
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, batch: BatchInput) -> tuple[torch.Tensor, torch.Tensor]:
-        """The asking sequences' prompt rows' `token_logprobs` (values [R, 1 + k], ids [R, k]; k the largest
-        asked), in batch order: each sequence's first len(targets) rows, each for the prompt token after it."""
+    def _prompt_logprobs(self, hidden: torch.Tensor, batch: BatchInput) -> tuple[torch.Tensor, ...]:
+        """The asking sequences' prompt rows' `token_logprobs` and ranks (values [R, 1 + k], ids [R, k], ranks
+        [R]; k the largest asked), in batch order: each sequence's first len(targets) rows, each for the prompt
+        token after it."""
         rows, targets, row = [], [], 0
         for new, want in zip(batch.new_lens, batch.prompt_logprobs):
             if want is not None:
@@ -259,7 +260,9 @@ class ModelRunner:
         or None; None when no row asked."""
         if handle.prompt_logprobs is None:
             return None
-        flat = iter(unpack_logprobs(*handle.prompt_logprobs, [w[0] for w in wants if w is not None for _ in w[1]]))
+        values, ids, ranks = handle.prompt_logprobs
+        lps = unpack_logprobs(values, ids, [w[0] for w in wants if w is not None for _ in w[1]])
+        flat = (lp._replace(rank=rank) for lp, rank in zip(lps, ranks.tolist()))
         return [None if w is None else [next(flat) for _ in w[1]] for w in wants]
 
     def close(self) -> None:

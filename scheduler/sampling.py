@@ -195,7 +195,14 @@ def token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> tupl
     logits, before temperature and top-p (vLLM's default), so greedy and sampled rows read alike.
     A NaN logit counts as -inf (no probability, as `sample` draws it): a sampled row with a few keeps
     finite logprobs; a row whose sampled token's logit is NaN fails anyway (`mark_nan`)."""
-    logprobs = torch.log_softmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=-1)  # [B, V]
+    return _chosen_and_top(_log_softmax(logits), next_ids, k)
+
+
+def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(torch.nan_to_num(logits.float(), nan=float("-inf")), dim=-1)  # [B, V]
+
+
+def _chosen_and_top(logprobs: torch.Tensor, next_ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     chosen = logprobs.gather(-1, next_ids[:, None])  # [B, 1]
     if k == 0:
         return chosen, next_ids.new_empty((len(next_ids), 0))
@@ -207,15 +214,20 @@ PROMPT_LOGITS_SLICE_BYTES = 128 << 20  # float32 logits of one slice of prompt r
 
 
 def prompt_row_logprobs(logits_of, vocab_size: int, hidden: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor,
-                        k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`token_logprobs` of prompt rows, each for the prompt token after it: hidden [T, H] (the final norm's
-    output of every row), rows [R] of them, targets [R] -> (values [R, 1 + k], ids [R, k]). Their logits
-    (`logits_of`: [n, H] -> [n, V] float32) are made a slice of rows at a time, within
-    PROMPT_LOGITS_SLICE_BYTES: a long chunk's rows x vocab never exist at once."""
+    output of every row), rows [R] of them, targets [R] -> (values [R, 1 + k], ids [R, k], ranks [R] int64:
+    vLLM's rank of each target). Their logits (`logits_of`: [n, H] -> [n, V] float32) are made a
+    slice of rows at a time, within PROMPT_LOGITS_SLICE_BYTES: a long chunk's rows x vocab never exist at once."""
     step = max(1, PROMPT_LOGITS_SLICE_BYTES // (4 * vocab_size))
-    parts = [token_logprobs(logits_of(hidden.index_select(0, rows[i:i + step])), targets[i:i + step], k)
-             for i in range(0, len(rows), step)]
-    return torch.cat([v for v, _ in parts]), torch.cat([t for _, t in parts])
+    parts = []
+    for i in range(0, len(rows), step):
+        logprobs = _log_softmax(logits_of(hidden.index_select(0, rows[i:i + step])))  # [n, V]
+        values, ids = _chosen_and_top(logprobs, targets[i:i + step], k)
+        # vLLM's rank of each target (its batched_count_greater_than): the tokens whose logprob is at least the
+        # target's, itself included (1: the likeliest; a tie counts as ahead)
+        parts.append((values, ids, (logprobs >= values[:, :1]).sum(dim=-1)))  # [n]
+    return tuple(torch.cat(col) for col in zip(*parts))
 
 
 def unpack_logprobs(values: torch.Tensor, ids: torch.Tensor, wants: list[int | None]) -> list:
