@@ -428,6 +428,10 @@ def test_prompt_logprobs_on_cuda_with_graphs_and_a_batch_beside(dtype):
     for i in range(1, len(prompt)):
         assert abs(lps[i].logprob - float(ref[i - 1][prompt[i]])) < tol, i
         assert len(lps[i].top) == 3
+        # its rank, counted on the device: the tokens at least as likely as it (vLLM's), from the same logprobs
+        # the top 3 came from, so within them it is its place (ties count as ahead), past them beyond 3
+        ahead = sum(v >= lps[i].logprob for _, v in lps[i].top)
+        assert lps[i].rank >= 1 and (lps[i].rank == ahead if ahead < 3 else lps[i].rank >= 3), i
     [zero] = eng.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0))
     assert zero.output_ids == [] and all(lp.top == [] for lp in zero.prompt_logprobs[1:])
     eng.check_integrity()
