@@ -10,9 +10,10 @@ scheduler/penalties.py; top_k, min_p: scheduler/sampler_fields.py.
 Token ids are what this engine speaks: `stop` as integers and `stop_token_ids` are token ids (the stop
 token is in `token_ids` but its text is left out); `stop` as a string or a list of up to 4 strings is
 matched on the generated text (scheduler/stop_strings.py: the text ends before the match, finish_reason
-"stop"). Every choice carries the generated `token_ids` next to the text. A completion's `prompt` is a
-string, token ids, or a list of either (OpenAI's batch); each prompt gets `n` choices (1..N_MAX), each its
-own engine request, `index` prompt_index * n + j (scheduler/choices.py). `read_json_body` (size limits, JSON) and
+"stop"). Every choice carries the generated `token_ids` next to the text, and vLLM's `stop_reason`: the stop
+string that matched, the stop token id that ended it, or null (scheduler/generation.py `Generation.stop_reason`).
+A completion's `prompt` is a string, token ids, or a list of either (OpenAI's batch); each prompt gets `n`
+choices (1..N_MAX), each its own engine request, `index` prompt_index * n + j (scheduler/choices.py). `read_json_body` (size limits, JSON) and
 scheduler/api_inputs.py's `parse_prompts` (validation, limits, prompt ids, SamplingParams; `echo`) turn an HTTP
 body into engine input; `response_body` / `stream_chunk` render results.
 """
@@ -265,6 +266,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's (its key always there: null where none)
     logprobs: dict | None = None  # (scheduler/logprobs.py's shapes)
     token_ids: list[int]
 
@@ -289,6 +291,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's (its key always there: null where none)
     logprobs: dict | None = None
     token_ids: list[int]
 
@@ -338,16 +341,18 @@ def _is_type_tag(part: str) -> bool:
 
 def response_body(chat: bool, rid: str, created: int, model: str,
                   choices: list[tuple[str | None, str, list[int], dict | None]], usage: Usage,
-                  reasoning: list[str | None] | None = None, tool_calls: list[list[dict]] | None = None) -> dict:
+                  reasoning: list[str | None] | None = None, tool_calls: list[list[dict]] | None = None,
+                  stop_reasons: list[int | str | None] | None = None) -> dict:
     """`choices`: (text, finish_reason, token_ids, logprobs) per prompt, in the prompts' order (their `index`);
     `reasoning`: a chat's per choice with --reasoning-parser (None: the message has no such key); `tool_calls`:
-    a chat's per choice (the key only where there are some)."""
+    a chat's per choice (the key only where there are some); `stop_reasons`: vLLM's per choice (None: all null)."""
     common = dict(id=rid, created=created, model=model, usage=usage)
+    reasons = stop_reasons or [None] * len(choices)
     if chat:
         body = ChatCompletionResponse(choices=[
             ChatChoice(index=i, message=AssistantMessage(content=text, reasoning_content=reasoning and reasoning[i],
                                                          tool_calls=tool_calls and tool_calls[i] or None),
-                       finish_reason=finish, token_ids=ids, logprobs=lps)
+                       finish_reason=finish, stop_reason=reasons[i], token_ids=ids, logprobs=lps)
             for i, (text, finish, ids, lps) in enumerate(choices)], **common).model_dump()
         for choice in body["choices"]:
             message = choice["message"]
@@ -357,7 +362,7 @@ def response_body(chat: bool, rid: str, created: int, model: str,
                 del message["tool_calls"]
         return body
     return CompletionResponse(choices=[
-        CompletionChoice(index=i, text=text, finish_reason=finish, token_ids=ids, logprobs=lps)
+        CompletionChoice(index=i, text=text, finish_reason=finish, stop_reason=reasons[i], token_ids=ids, logprobs=lps)
         for i, (text, finish, ids, lps) in enumerate(choices)], **common).model_dump()
 
 
@@ -369,13 +374,19 @@ def usage_chunk(chat: bool, rid: str, created: int, model: str, usage: Usage) ->
 
 def stream_chunk(chat: bool, rid: str, created: int, model: str, text: str, token_ids: list[int],
                  finish_reason: str | None, first: bool, usage: Usage | None | Literal[False], index: int = 0,
-                 logprobs: dict | None = None, reasoning: str = "", tool_calls: list[dict] | None = None) -> dict:
+                 logprobs: dict | None = None, reasoning: str = "", tool_calls: list[dict] | None = None,
+                 stop_reason: int | str | None = None) -> dict:
     """One SSE chunk of choice `index`; `usage` False leaves the key out (no stream_options.include_usage),
     None is the null that OpenAI puts in every choice chunk (the usage follows in `usage_chunk`); `logprobs`:
     the chunk's tokens' (scheduler/logprobs.py); `reasoning`: a chat's thinking text of the chunk, sent as
     the delta's reasoning_content (vLLM's; its `content` then only when the chunk has some); `tool_calls`: the
-    chunk's tool call deltas (scheduler/chat_answer.py), likewise."""
-    choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason, "token_ids": token_ids}
+    chunk's tool call deltas (scheduler/chat_answer.py), likewise. `stop_reason`: vLLM's, its choice's once it
+    ended: a completion's every chunk has the key, a chat's only the one with its finish_reason (vLLM's chat
+    chunks leave unset fields out)."""
+    choice: dict = {"index": index, "logprobs": logprobs, "finish_reason": finish_reason}
+    if not chat or finish_reason is not None:
+        choice["stop_reason"] = stop_reason
+    choice["token_ids"] = token_ids
     if chat:
         delta = {"role": "assistant"} if first else {}
         if reasoning:

@@ -15,6 +15,8 @@ first where `logprobs` is asked (the engine request's Request.prompt_logprobs, t
 vLLM's `prompt_logprobs` (scheduler/prompt_logprobs_api.py): a response's every completion choice carries its
 prompt's, a chat's response carries them beside its choices; a stream, none.
 
+Each choice carries vLLM's `stop_reason` (scheduler/generation.py), kept where a chat's finish_reason becomes
+"tool_calls" (vLLM's); a stream's is in its choice's last chunk.
 A choice that fails (the engine failed it, or it was aborted at shutdown) fails the whole request, as a
 single request fails: the other choices are aborted; a response is that error (500, or 503 for an abort)
 and a stream ends with it as an error event, then `data: [DONE]`; in a batch the error names the
@@ -178,7 +180,7 @@ class Choices:
             finish = [a.finish_reason(f) for a, f in zip(answers, finish)]
         body = response_body(self.chat, self.rid, self.created, self.model,
                              [(t, f, i, lp) for t, f, i, lp in zip(texts, finish, ids, shaped)], self.usage(),
-                             reasoning, calls)
+                             reasoning, calls, [g.stop_reason for g in self.gens])
         body["usage"] = self.usage_body()
         if self.prompt_k is not None:
             self._put_prompt_logprobs(body)
@@ -224,7 +226,8 @@ class Choices:
                     chunk = stream_chunk(self.chat, self.rid, self.created, self.model, text, token_ids, finish,
                                          first[i], usage, index=i,
                                          logprobs=self.gens[i].logprobs.render(entries) if entries else None,
-                                         reasoning=reasoning, tool_calls=calls)
+                                         reasoning=reasoning, tool_calls=calls,
+                                         stop_reason=None if fin is None else self.gens[i].stop_reason)
                     if counter is not None and self.continuous_usage:  # (this choice's so far, as vLLM's)
                         so_far = self._reasoning_tokens[i] if fin is not None else counter.counted
                         chunk["usage"]["completion_tokens_details"] = {"reasoning_tokens": so_far}

@@ -4,7 +4,7 @@ decoding after the prompt's context, stop strings matched, `tokenizer.Incrementa
 `stop_strings.CompletionText`), logprobs entries where asked, and the server's metrics of it (time to
 first token, each token's gap after the previous one, end to end and time per output token, its outcome,
 finish reason, tokens, parameters and phases; scheduler/prom.py); its usage; its error when it failed or
-was aborted.
+was aborted; vLLM's `stop_reason` once it ended (`Generation.stop_reason`).
 Times are taken as the server reads the tokens: the engine's loop and the server share one event loop, so
 that is as they are emitted unless the reader fell behind (a stream's slow client): its backlog then shows
 as one long gap and near-zero ones, whose sum (the request's decode time) stays exact."""
@@ -43,6 +43,8 @@ class Generation:
         if not req.params.ignore_eos:
             self.stop_ids.update(st.engine.model_config.eos_token_ids)
         self.output_tokens = 0  # tokens read (a stop string ends them before the engine's abort lands)
+        # vLLM's stop_reason, set as it ends: the stop string that matched, or the stop token id that ended it
+        self.stop_reason: str | int | None = None
         self.logprobs = None if req.params.logprobs is None else \
             LogprobsShaper(st.tokenizer, chat, api_req.skip_special_tokens, bool(api_req.return_tokens_as_token_ids))
         self.first_token_at: float | None = None
@@ -82,6 +84,16 @@ class Generation:
         """A stop token's text is left out, as vLLM leaves it (unless include_stop_str_in_output)."""
         stop = fin is not None and fin.finish_reason == "stop" and token in self.stop_ids
         return not stop or self.api_req.include_stop_str_in_output
+
+    def _stop_token_reason(self, token: int) -> int | None:
+        """The stop_reason of an end at `token` (vLLM's check_stop): none for the EOS (the tokenizer's eos_token,
+        unless ignore_eos), even where stop_token_ids names it too; the id for one of stop_token_ids, or of the
+        model's other EOS ids (vLLM adds its generation config's to stop_token_ids); none for any other token
+        (a grammar that became whole)."""
+        p, model = self.req.params, self.st.engine.model_config
+        if not p.ignore_eos and token == eos_id(self.st.tokenizer, model.eos_token_id):
+            return None
+        return token if token in p.stop_token_ids or (not p.ignore_eos and token in model.eos_token_ids) else None
 
     def _finish(self, fin) -> None:
         m = self.st.metrics
@@ -141,7 +153,9 @@ class Generation:
         when asked) per token as it arrives; the last token and the end come together. A completion's
         text continues its prompt's (a chat's answer is a new message: no context). A stop string's
         match ends it ("stop", the text before the match; through it with include_stop_str_in_output)
-        and the engine request, which may still be generating (it finishes: Engine.abort's stop)."""
+        and the engine request, which may still be generating (it finishes: Engine.abort's stop). Its
+        `stop_reason` is set before the end is yielded."""
+        last = None  # (the last token read: an end's event may come after it, on its own)
         text = CompletionText(self.st.tokenizer, [] if self.chat else self.req.prompt, self.stop_strings,
                               self.req.params.min_tokens, self.api_req.include_stop_str_in_output,
                               self.api_req.skip_special_tokens)
@@ -150,19 +164,30 @@ class Generation:
             if token is not None and self.logprobs is not None and ev.logprobs is not None:
                 entries.append(self.logprobs.entry(token, ev.logprobs))
             if token is not None:
-                self.output_tokens += 1
+                self.output_tokens, last = self.output_tokens + 1, token
                 if self._shows_text(token, fin):
                     delta = text.feed(token)
             if fin is not None and fin.finish_reason in ("length", "stop"):
                 delta += text.flush()
-            if text.stopped:
+            if text.stopped:  # (a stop string wins over the stop token or EOS its text came with, as vLLM's)
                 fin = TokenEvent(self.req.rid, None, self.output_tokens, finished=True, finish_reason="stop")
+                self.stop_reason = text.matched
                 await self.abort(stop=True)
+            elif fin is not None and fin.finish_reason == "stop" and last is not None:
+                self.stop_reason = self._stop_token_reason(last)
             if fin is not None:
                 self._finish(fin)
             yield delta, [] if token is None else [token], fin, entries
             if fin is not None:
                 return
+
+
+def eos_id(tokenizer, model_eos_id: int | None) -> int | None:
+    """The EOS of vLLM's check_stop: its tokenizer's eos_token (Llama 3.1's <|eot_id|>, where config.json lists
+    <|end_of_text|> first), else the model's first EOS id (a tokenizer that names none: the byte-level one)."""
+    name = getattr(tokenizer, "special_tokens", {}).get("eos_token")
+    ids = tokenizer.encode(name, add_special_tokens=False) if isinstance(name, str) and name else []
+    return ids[0] if len(ids) == 1 else model_eos_id
 
 
 async def abort_quietly(engine: "Engine", req: EngineRequest, stop: bool = False) -> None:

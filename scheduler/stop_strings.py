@@ -8,7 +8,7 @@ matched, never the prompt's. As OpenAI / vLLM do:
 
 * the text returned ends just before the first (leftmost) match, the stop string left out (with vLLM's
   `include_stop_str_in_output`, just after it);
-* the finish_reason is "stop";
+* the finish_reason is "stop", and vLLM's stop_reason the string that matched (`CompletionText.matched`);
 * the tokens counted (usage.completion_tokens, `token_ids`) are those generated up to and including
   the one whose text completed the match (vLLM's count); the server then aborts the engine request.
 
@@ -63,8 +63,8 @@ class StopMatcher:
             raise RuntimeError("a stop string already matched")
         text, held = self._held + delta, len(self._held)
         hits = [(i, s) for s in self.stops if can_match and (i := text.find(s, max(0, held - len(s) + 1))) >= 0]
-        if hits:
-            at, self.matched = min(hits)
+        if hits:  # the leftmost; of those at one place, the first given (vLLM's order: its `stop_reason`)
+            at, self.matched = min(hits, key=lambda hit: hit[0])
             self._held = ""
             return text[:at + len(self.matched)] if self.include_stop else text[:at]
         keep = self._held_len(text)
@@ -102,7 +102,12 @@ class CompletionText:
     @property
     def stopped(self) -> bool:
         """A stop string matched: the generation ends at the token just fed."""
-        return self.matcher is not None and self.matcher.matched is not None
+        return self.matched is not None
+
+    @property
+    def matched(self) -> str | None:
+        """The stop string that matched (vLLM's `stop_reason`), None while none has."""
+        return None if self.matcher is None else self.matcher.matched
 
     def feed(self, token_id: int) -> str:
         if self.decoder is None or self.stopped:
