@@ -4,7 +4,8 @@
 
 The key check is a pure ASGI middleware: it answers a refused request itself (a 401 with the server's
 JSON error body and `WWW-Authenticate: Bearer`) and hands every other one on untouched, so streamed
-responses pass through it as they are. As vLLM, only /v1 is guarded: /health, /metrics, /version,
+responses pass through it as they are. As vLLM, /v1 is guarded (and, unlike vLLM, which serves it only in its dev mode, the
+cache reset /reset_prefix_cache); /health, /metrics, /version,
 /tokenize, /detokenize and /hicache/status stay open (probes and scrapers hold no key). CORS, when
 --allowed-origins is given, is starlette's CORSMiddleware, installed outside the key check: a preflight
 (OPTIONS, which carries no Authorization header) is answered without a key, and a 401 carries the CORS
@@ -77,7 +78,8 @@ class _Key:
 
 
 def _guarded(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/")
+    """/v1/ and the operator's cache reset (scheduler/api_admin.py: it costs every client its cached prefixes)."""
+    return path == "/v1" or path.startswith("/v1/") or path == "/reset_prefix_cache"
 
 
 def _bearer_token(headers) -> bytes | None:
@@ -90,7 +92,8 @@ def _bearer_token(headers) -> bytes | None:
 
 
 class APIKeyMiddleware:
-    """Refuses a /v1/ request without `Authorization: Bearer KEY` (401); passes everything else on."""
+    """Refuses a guarded request (/v1/, the reset) without `Authorization: Bearer KEY` (401); passes everything
+    else on."""
 
     def __init__(self, app, key: _Key) -> None:
         self.app, self.key = app, key
@@ -102,6 +105,6 @@ class APIKeyMiddleware:
         if token is not None and self.key.matches(token):
             return await self.app(scope, receive, send)
         err = APIError(401, ("a wrong API key" if token else "no API key") + " was given: this server's /v1/ "
-                            "routes need the header 'Authorization: Bearer KEY', KEY its --api-key",
+                            "routes and /reset_prefix_cache need the header 'Authorization: Bearer KEY', KEY its --api-key",
                        code="invalid_api_key", type="authentication_error", headers={"WWW-Authenticate": "Bearer"})
         await JSONResponse(err.body(), status_code=err.status, headers=err.headers)(scope, receive, send)

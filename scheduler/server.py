@@ -7,7 +7,8 @@
     POST /tokenize   POST /detokenize       vLLM's: text <-> token ids with the server's tokenizer (api_tokenize.py)
     GET  /v1/models   GET /v1/models/{id}   GET /health   GET /metrics (Prometheus)
     GET  /hicache/status (engine.status())     (each GET route answers HEAD too)
-    --api-key guards /v1/ alone, --allowed-origins adds CORS (api_auth.py); --served-model-name: the names served
+    POST /reset_prefix_cache    vLLM's operator reset: L1 and L2 flushed (L3 when asked), pages per tier (api_admin.py)
+    --api-key guards /v1/ and the reset, --allowed-origins adds CORS (api_auth.py); --served-model-name: names served
 
 The engine runs on the server's event loop: the app lifespan starts it and, at shutdown, stops
 admitting (503), lets in-flight requests (queued or running) finish within --shutdown-grace-s,
@@ -38,6 +39,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from scheduler.api_admin import PrefixCacheReset
 from scheduler.api_auth import CORSSettings, install_access
 from scheduler.api_inputs import choice_params, parse_prompts
 from scheduler.api_models import APIError, jsonable, read_json_body, validation_error
@@ -199,6 +201,12 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     @app.post("/detokenize")
     async def detokenize_route(request: Request):
         return await detokenize(request, st)
+
+    reset_prefix_cache = PrefixCacheReset(st)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache_route(request: Request):  # (on the engine's loop, between its steps' awaits)
+        return await reset_prefix_cache(request)
 
     def model_card() -> dict:
         return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "hicache",
