@@ -240,11 +240,18 @@ class ServerMetrics:
         self.request_max_generation_tokens = Histogram(
             "hicache_request_max_generation_tokens", "the most tokens one of a prompt's choices generated, once per "
             "prompt as its last choice ends", buckets=_TOKEN_COUNT_BUCKETS, registry=r)
-        self.step_tokens = Histogram("hicache_engine_step_tokens", "tokens of each engine step (forward) as it is "
-                                     "launched: a prefill's prompt tokens it computes, one per decode row",
-                                     buckets=_STEP_TOKEN_BUCKETS, registry=r)
-        # (the last ServerMetrics made for an engine is the one its steps report to: one per server)
-        engine.runner.observe_step_tokens = self.step_tokens.observe
+        # the engine's steps: one histogram per engine, made by its first server and rendered by each (as the
+        # engine's own counters are; regression: a second server took the runner's hook over, so the first's
+        # stopped counting and the second's missed the steps before it, neither agreeing with engine_batches)
+        hooked = getattr(engine.runner.observe_step_tokens, "__self__", None)
+        if isinstance(hooked, Histogram):
+            self.step_tokens = hooked
+            r.register(hooked)
+        else:
+            self.step_tokens = Histogram("hicache_engine_step_tokens", "tokens of each engine step (forward) as it "
+                                         "is launched: a prefill's prompt tokens it computes, one per decode row",
+                                         buckets=_STEP_TOKEN_BUCKETS, registry=r)
+            engine.runner.observe_step_tokens = self.step_tokens.observe
         self._prompt: PromptChoices | None = None  # the prompt whose choices are being made (`prompt_choice`)
         self.request_max_tokens = Histogram("hicache_request_params_max_tokens", "max_tokens of each engine request "
                                             "that ended (0, a prefill alone, not counted)",
