@@ -191,7 +191,8 @@ class Guides:
                 eos = self.eos_ids[0] if self.eos_ids else self.vocab_size - 1
                 return LLTokenizer(TokenizerWrapper(_ByteTokens(self.vocab_size, eos)), n_vocab=self.vocab_size)
             # (without EOS ids llguidance takes the tokenizer's EOS, or its id 0, as the stand-in)
-            return LLTokenizer(tok.tok.to_str(), n_vocab=self.vocab_size, eos_token=list(self.eos_ids) or None)
+            return LLTokenizer(_plain_added_tokens(tok.tok.to_str()), n_vocab=self.vocab_size,
+                               eos_token=list(self.eos_ids) or None)
         except ValueError as exc:  # (regression: llguidance's error, out of validate, for every guided request)
             raise RequestError(f"structured outputs cannot use this model's tokenizer: {_brief(str(exc))}",
                                "guided") from None
@@ -223,6 +224,35 @@ class Guides:
         if spec is None:
             return None
         return Guide(self.check(spec).deep_copy(), self.words, None if self.eos_ids else self._tokenizer.eos_token)
+
+
+def _plain_added_tokens(tokenizer_json: str) -> str:
+    """A byte-level BPE tokenizer.json with its non-special added tokens (Qwen3's <think>, </think>, <tool_call>:
+    "special": false, their text kept in decoded text) moved into the model's vocabulary, where llguidance reads
+    them as the bytes they spell. llguidance takes every added token as special: a grammar that wrote "<think>"
+    was forced to that one token, which its matcher then refused (regression: the request failed on its first
+    token). Text a grammar forces is then tokenized without them (their characters' tokens); where it allows the
+    text, the model may still take the one token. Special added tokens stay special; another model's json (no
+    byte-level BPE) is returned as it is."""
+    spec = json.loads(tokenizer_json)
+    model, plain = spec.get("model") or {}, [a for a in spec.get("added_tokens", ()) if not a.get("special")]
+    if model.get("type") != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel" or not plain:
+        return tokenizer_json
+    vocab, spelled = model["vocab"], _byte_level_chars()
+    for added in plain:
+        word = "".join(spelled[b] for b in added["content"].encode("utf-8"))
+        if vocab.setdefault(word, added["id"]) != added["id"]:  # (the text is another token: it stays added)
+            continue
+        spec["added_tokens"].remove(added)
+    return json.dumps(spec)
+
+
+@functools.cache
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character each byte is spelled as in a ByteLevel BPE vocabulary."""
+    shown = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    hidden = [b for b in range(256) if b not in shown]
+    return {**{b: chr(b) for b in shown}, **{b: chr(256 + i) for i, b in enumerate(hidden)}}
 
 
 class _ByteTokens:
