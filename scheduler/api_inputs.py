@@ -21,6 +21,7 @@ from scheduler.api_guided import GuidedFieldError
 from scheduler.api_models import (APIError, ChatCompletionRequest, ChatTemplateFields, CompletionRequest,
                                   _SamplingFields, validation_error)
 from scheduler.generation_defaults import GenerationDefaults, range_problem
+from scheduler.openai_fields import template_variables
 from scheduler.prompt_truncation import PARAM as TRUNCATION, kept_tokens
 from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams
 from scheduler.tokenizer import TEMPLATE_VARIABLES
@@ -128,8 +129,9 @@ def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, prompt: str | li
 def chat_ids(req: ChatTemplateFields, tokenizer) -> list[int]:
     """A chat's messages (`req.messages`) rendered by the chat template with the request's options (vLLM's:
     both `continue_final_message` and `add_generation_prompt` is a 400; `chat_template_kwargs` may set no
-    variable the server sets itself), encoded. A template's own refusal (raise_exception) is a 400, naming
-    'chat_template_kwargs' where the messages render without them."""
+    variable the server sets itself; a chat's `reasoning_effort` goes over them, with enable_thinking, as vLLM
+    sets it: scheduler/openai_fields.py), encoded. A template's own refusal (raise_exception) is a 400, naming
+    'chat_template_kwargs' or 'reasoning_effort' where the messages render without it."""
     if req.continue_final_message and req.add_generation_prompt:  # (vLLM's 400)
         raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true (the "
                             "default of 'add_generation_prompt' is true)", param="continue_final_message",
@@ -145,21 +147,22 @@ def chat_ids(req: ChatTemplateFields, tokenizer) -> list[int]:
                                tools=tools, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
                                add_special_tokens=req.add_special_tokens)
+    variables = template_variables(req, kwargs)
     try:
-        return render(template_kwargs=kwargs)
+        return render(template_kwargs=variables)
     except Exception as exc:  # a template may reject a conversation (raise_exception), or fail on a kwarg's value
         failed = exc
-    if kwargs and _renders(render):  # (regression: a kwarg the template failed on was blamed on 'messages')
-        raise APIError(400, f"the chat template failed on 'chat_template_kwargs': {failed}",
-                       param="chat_template_kwargs", code="invalid_value")
+    if variables and _renders(render, {}):  # (regression: a kwarg the template failed on was blamed on 'messages')
+        param = "reasoning_effort" if variables != kwargs and _renders(render, kwargs) else "chat_template_kwargs"
+        raise APIError(400, f"the chat template failed on '{param}': {failed}", param=param, code="invalid_value")
     raise APIError(400, f"the chat template rejected the messages: {failed}", param="messages",
                    code="invalid_messages")
 
 
-def _renders(render) -> bool:
-    """Whether the messages render without chat_template_kwargs (a failure's second look: what it was on)."""
+def _renders(render, variables: dict) -> bool:
+    """Whether the messages render with only these template variables (a failure's second look: what it was on)."""
     try:
-        render(template_kwargs={})
+        render(template_kwargs=variables)
     except Exception:
         return False
     return True

@@ -4,7 +4,9 @@
 
 Request models are strict: unknown fields and wrong JSON types are errors (400), never coerced; OpenAI
 fields this server does not implement are served at their neutral values only (any other value: an
-'unsupported_value' 400). Tools and tool calls: scheduler/api_tools.py. Token logprobs: scheduler/logprobs.py
+'unsupported_value' 400); OpenAI's fields that change nothing (metadata, store, ...), a chat's reasoning_effort
+(a template variable) and its fields served at their neutral values only: scheduler/openai_fields.py. Tools and
+tool calls: scheduler/api_tools.py. Token logprobs: scheduler/logprobs.py
 (vLLM's prompt_logprobs: scheduler/prompt_logprobs_api.py); penalties and logit_bias, min_tokens:
 scheduler/penalties.py; top_k, min_p: scheduler/sampler_fields.py.
 Token ids are what this engine speaks: `stop` as integers and `stop_token_ids` are token ids (the stop
@@ -33,6 +35,7 @@ from scheduler.api_guided import GuidedFields
 from scheduler.ban_fields import BanFields
 from scheduler.api_tools import MessageToolCall, ToolFields
 from scheduler.logprobs import ChatLogprobsFields, CompletionLogprobsField
+from scheduler.openai_fields import OpenAIChatFields, OpenAIMetadataFields
 from scheduler.penalties import PenaltyFields
 from scheduler.prompt_logprobs_api import PromptLogprobsField
 from scheduler.prompt_truncation import TruncationField
@@ -130,7 +133,7 @@ class _SamplingFields(_Strict, PenaltyFields, SamplerFields, GuidedFields, Trunc
                            code="invalid_value")
 
 
-class CompletionRequest(_SamplingFields, CompletionLogprobsField):
+class CompletionRequest(OpenAIMetadataFields, _SamplingFields, CompletionLogprobsField):  # (NEUTRAL: the mixin's)
     # OpenAI's four shapes; a list of prompts is a batch: n choices per prompt (parse_prompts)
     prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
     echo: StrictBool | None = False  # the prompt ahead of each choice (scheduler/api_inputs.py)
@@ -219,7 +222,7 @@ class ChatTemplateFields(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables: Qwen3's enable_thinking
 
 
-class ChatCompletionRequest(_SamplingFields, ChatLogprobsFields, ChatTemplateFields, ToolFields):
+class ChatCompletionRequest(OpenAIChatFields, _SamplingFields, ChatLogprobsFields, ChatTemplateFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
 

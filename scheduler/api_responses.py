@@ -16,9 +16,10 @@ Responses' server-sent events (scheduler/responses_output.py).
   `max_output_tokens` as `max_completion_tokens` (none: the rest of the context, as a chat's).
 * Stateless: nothing is kept. `previous_response_id` and `conversation` are 400s; `store` is accepted,
   `true` too (vLLM keeps responses by default), but nothing is stored and the response says `"store": false`.
-* Accepted and changing nothing: `reasoning` (a --reasoning-parser model thinks as its template says),
-  `metadata` (echoed), `user`, `truncation` "disabled" ("auto": a 400), and at their neutral values
-  `background`, `service_tier`, `top_logprobs`. vLLM's `seed` and `cache_salt` are passed on. What stateless agents send (Codex,
+* `reasoning.effort` is the chat's `reasoning_effort` (vLLM's: a chat template variable, with enable_thinking;
+  scheduler/openai_fields.py). Accepted and changing nothing: `reasoning`'s other fields, `metadata` (echoed),
+  `user`, `truncation` "disabled" ("auto": a 400), and at their neutral values `background`, `service_tier`,
+  `top_logprobs`. vLLM's `seed` and `cache_salt` are passed on. What stateless agents send (Codex,
   the Agents SDK; each was a 400): `include: ["reasoning.encrypted_content"]` (reasoning items carry their text,
   taken back as it came), `text.verbosity`, `prompt_cache_key` and `prompt_cache_retention` (the prefix cache
   finds shared prefixes itself), `safety_identifier`, `max_tool_calls` (OpenAI's bound on built-in tools' calls:
@@ -334,7 +335,7 @@ def chat_body(req: ResponsesRequest) -> dict:
     body: dict[str, Any] = {
         "messages": chat_messages(req), "model": req.model, "stream": req.stream, "temperature": req.temperature,
         "top_p": req.top_p, "seed": req.seed, "cache_salt": req.cache_salt, "user": req.user, "max_completion_tokens": req.max_output_tokens,
-        "parallel_tool_calls": req.parallel_tool_calls,
+        "parallel_tool_calls": req.parallel_tool_calls, "reasoning_effort": req.reasoning and req.reasoning.effort,
         "tools": None if req.tools is None else [t.chat_form() for t in req.tools]}
     choice = req.tool_choice
     body["tool_choice"] = {"type": "function", "function": {"name": choice.name}} \
@@ -351,7 +352,7 @@ def chat_body(req: ResponsesRequest) -> dict:
 # a chat field's name in an error -> the Responses field it was translated from (max_tokens: the engine's name
 # for the limit, in its refusal of prompt + max tokens)
 _FIELDS = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
-           "max_tokens": "max_output_tokens", "response_format": "text"}
+           "max_tokens": "max_output_tokens", "response_format": "text", "reasoning_effort": "reasoning.effort"}
 _MAX_TOKENS = re.compile(r"\bmax_(?:completion_)?tokens\b")  # (the word, quoted or not: "max_tokens (2040)")
 
 
