@@ -39,6 +39,7 @@ from scheduler.openai_fields import OpenAIChatFields, OpenAIMetadataFields
 from scheduler.penalties import PenaltyFields
 from scheduler.prompt_logprobs_api import PromptLogprobsField
 from scheduler.prompt_truncation import TruncationField
+from scheduler.request_ids import RequestIdField
 from scheduler.sampler_fields import SamplerFields
 from scheduler.stop_strings import check_stop_strings
 
@@ -76,7 +77,7 @@ class StreamOptions(_Strict):
 
 
 class _SamplingFields(_Strict, PenaltyFields, SamplerFields, GuidedFields, TruncationField, BanFields,
-                      PromptLogprobsField):
+                      PromptLogprobsField, RequestIdField):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: Float | None = None

@@ -18,8 +18,11 @@ Responses' server-sent events (scheduler/responses_output.py).
   `true` too (vLLM keeps responses by default), but nothing is stored and the response says `"store": false`.
 * `reasoning.effort` is the chat's `reasoning_effort` (vLLM's: a chat template variable, with enable_thinking;
   scheduler/openai_fields.py). Accepted and changing nothing: `reasoning`'s other fields, `metadata` (echoed),
-  `user`, `truncation` "disabled" ("auto": a 400), and at their neutral values `background`, `service_tier`,
-  `top_logprobs`. vLLM's `seed` and `cache_salt` are passed on. What stateless agents send (Codex,
+  `user`, `truncation` "disabled" ("auto": a 400), and at their neutral values `background`, `service_tier`.
+  vLLM's `seed` and `cache_salt` are passed on.
+* `include: ["message.output_text.logprobs"]`: the chat's `logprobs: true` with `top_logprobs` (0..20, 0 when
+  left out) alternatives, on the output_text and its events (scheduler/responses_logprobs.py); `top_logprobs`
+  without it is accepted, echoed, and asks for nothing (vLLM's). What stateless agents send (Codex,
   the Agents SDK; each was a 400): `include: ["reasoning.encrypted_content"]` (reasoning items carry their text,
   taken back as it came), `text.verbosity`, `prompt_cache_key` and `prompt_cache_retention` (the prefix cache
   finds shared prefixes itself), `safety_identifier`, `max_tool_calls` (OpenAI's bound on built-in tools' calls:
@@ -42,6 +45,8 @@ from pydantic_core import PydanticCustomError
 
 from scheduler.api_inputs import check_texts
 from scheduler.api_models import APIError, Float, _is_type_tag, _Strict, validation_error
+from scheduler.request import MAX_LOGPROBS
+from scheduler.request_ids import RequestIdField
 from scheduler.responses_output import ResponseOutput
 
 ROLES = ("user", "system", "developer", "assistant")
@@ -182,7 +187,7 @@ class ReasoningConfig(_Strict):
     generate_summary: StrictStr | None = None
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(_Strict, RequestIdField):  # (request_id: vLLM's, the Response's id as given)
     model: StrictStr | None = None
     input: StrictStr | list[InputItem]
     instructions: StrictStr | None = None
@@ -203,7 +208,7 @@ class ResponsesRequest(_Strict):
     truncation: Literal["disabled", "auto"] | None = None
     previous_response_id: StrictStr | None = None
     conversation: Any = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # (alone: nothing asked, vLLM's)
     include: list[StrictStr] | None = None
     background: StrictBool | None = None
     service_tier: StrictStr | None = None
@@ -215,10 +220,15 @@ class ResponsesRequest(_Strict):
     max_tool_calls: Annotated[StrictInt, Field(ge=0)] | None = None
 
     # fields taken only at a value that changes nothing (others: an 'unsupported_value' 400)
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"truncation": (None, "disabled"), "top_logprobs": (None, 0),
-                                           "background": (None, False), "service_tier": (None, "auto", "default")}
-    # `include`'s items that change nothing: a reasoning item's text is in it, not encrypted
-    INCLUDES: ClassVar[tuple[str, ...]] = ("reasoning.encrypted_content",)
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"truncation": (None, "disabled"), "background": (None, False),
+                                           "service_tier": (None, "auto", "default")}
+    # `include`'s items taken: the output_text's token logprobs (scheduler/responses_logprobs.py); one that
+    # changes nothing: a reasoning item's text is in it, not encrypted
+    LOGPROBS_INCLUDE: ClassVar[str] = "message.output_text.logprobs"
+    INCLUDES: ClassVar[tuple[str, ...]] = ("reasoning.encrypted_content", LOGPROBS_INCLUDE)
+
+    def includes_logprobs(self) -> bool:
+        return self.LOGPROBS_INCLUDE in (self.include or ())
 
     @field_validator("input", mode="before")
     @classmethod
@@ -272,7 +282,7 @@ class ResponsesRequest(_Strict):
         for value in self.include or ():
             if value not in self.INCLUDES:
                 raise APIError(400, f"'include' of {value!r} is not supported (only "
-                                    f"{', '.join(map(repr, self.INCLUDES))}: nothing else is there to include)",
+                                    f"{', '.join(map(repr, self.INCLUDES))})",
                                param="include", code="unsupported_value")
 
 
@@ -346,6 +356,8 @@ def chat_body(req: ResponsesRequest) -> dict:
     elif fmt is not None and fmt.type == "json_schema":
         schema = fmt.model_dump(include={"name", "schema_", "description", "strict"}, by_alias=True, exclude_none=True)
         body["response_format"] = {"type": "json_schema", "json_schema": schema}
+    if req.includes_logprobs():  # (top_logprobs without it asks for nothing, as vLLM's)
+        body.update(logprobs=True, top_logprobs=req.top_logprobs or 0)
     return {k: v for k, v in body.items() if v is not None}
 
 
@@ -368,7 +380,10 @@ class ResponsesShape:
         return chat_body(self.req)
 
     def output(self, choices) -> ResponseOutput:
-        return ResponseOutput(choices, self.req)
+        out = ResponseOutput(choices, self.req)
+        if self.req.request_id is not None:  # (vLLM's: the id as given, not resp_-prefixed)
+            out.id = self.req.request_id
+        return out
 
     @contextlib.contextmanager
     def named_errors(self):

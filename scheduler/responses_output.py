@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse
 
+from scheduler.reasoning import ReasoningTokens, think_markers
+from scheduler.responses_logprobs import AnswerLogprobs, event_form
+
 if TYPE_CHECKING:
     from scheduler.api_responses import ResponsesRequest
     from scheduler.choices import Choices
@@ -31,19 +34,23 @@ _PREFIXES = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
 class OutputItems:
     """A Response's output items, made from a chat message's deltas in order (a whole message is one delta):
     `feed` and `close` return the stream's events for them (without sequence numbers); `items`: the finished
-    items."""
+    items. `logprobs` (include "message.output_text.logprobs"): each output_text part and its events carry its
+    tokens' logprobs, those `feed` is given with each delta's content (scheduler/responses_logprobs.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, logprobs: bool = False) -> None:
         self.items: list[dict] = []
+        self.logprobs = logprobs
         self._open: dict | None = None  # the item being written (as it was added)
         self._text: list[str] = []  # its text, or its arguments
+        self._entries: list[dict] = []  # its text's tokens' logprobs (a message's)
 
-    def feed(self, delta: dict) -> list[dict]:
+    def feed(self, delta: dict, logprobs: list[dict] = ()) -> list[dict]:
+        """`logprobs`: the chat entries of the tokens of the delta's content."""
         events = []
         if delta.get("reasoning_content"):
             events += self._write("reasoning", delta["reasoning_content"])
         if delta.get("content"):
-            events += self._write("message", delta["content"])
+            events += self._write("message", delta["content"], list(logprobs))
         for call in delta.get("tool_calls") or ():
             function = call.get("function") or {}
             if call.get("id") is not None:  # (a call's first delta: its id and name)
@@ -66,17 +73,18 @@ class OutputItems:
         item, self._open = self._open, None
         if item is None:
             return []
-        text, kind = "".join(self._text), item["type"]
+        text, kind, entries = "".join(self._text), item["type"], self._entries
         where = {"item_id": item["id"], "output_index": len(self.items)}
         if kind == "function_call":
             done = {**item, "arguments": text, "status": status}
             events = [{"type": "response.function_call_arguments.done", **where, "name": item["name"],
                        "arguments": text}]
         else:
-            part = _part(kind, text)
+            part = self._part(kind, text, entries)
             done = {**item, "content": [part], "status": status}
             events = [{"type": "response.reasoning_text.done" if kind == "reasoning" else "response.output_text.done",
-                       **where, "content_index": 0, "text": text, **({} if kind == "reasoning" else {"logprobs": []})},
+                       **where, "content_index": 0, "text": text,
+                       **({} if kind == "reasoning" else {"logprobs": event_form(entries)})},
                       {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
         self.items.append(done)
         return events + [{"type": "response.output_item.done", "output_index": where["output_index"], "item": done}]
@@ -90,32 +98,35 @@ class OutputItems:
         else:
             item.update(arguments="")
         item["status"] = "in_progress"
-        self._open, self._text = item, []
+        self._open, self._text, self._entries = item, [], []
         where = {"item_id": item["id"], "output_index": len(self.items)}
         events = [{"type": "response.output_item.added", "output_index": len(self.items), "item": item}]
         if kind != "function_call":
             events.append({"type": "response.content_part.added", **where, "content_index": 0,
-                           "part": _part(kind, "")})
+                           "part": self._part(kind, "", [])})
         return events
 
-    def _write(self, kind: str, text: str) -> list[dict]:
+    def _write(self, kind: str, text: str, entries: list[dict] = ()) -> list[dict]:
         events = []
         if self._open is None or self._open["type"] != kind:
             events += self.finish("completed") + self._start(kind)
         self._text.append(text)
+        self._entries += entries
         where = {"item_id": self._open["id"], "output_index": len(self.items)}
         if kind == "function_call":
             return events + [{"type": "response.function_call_arguments.delta", **where, "delta": text}]
         if kind == "reasoning":
             return events + [{"type": "response.reasoning_text.delta", **where, "content_index": 0, "delta": text}]
         return events + [{"type": "response.output_text.delta", **where, "content_index": 0, "delta": text,
-                          "logprobs": []}]
+                          "logprobs": event_form(entries)}]
 
-
-def _part(kind: str, text: str) -> dict:
-    if kind == "reasoning":
-        return {"type": "reasoning_text", "text": text}
-    return {"type": "output_text", "text": text, "annotations": []}
+    def _part(self, kind: str, text: str, entries: list[dict]) -> dict:
+        if kind == "reasoning":
+            return {"type": "reasoning_text", "text": text}
+        part = {"type": "output_text", "text": text, "annotations": []}
+        if self.logprobs:
+            part["logprobs"] = list(entries)
+        return part
 
 
 def _status(finish_reason: str | None) -> str:
@@ -142,6 +153,20 @@ class ResponseOutput:
         self.choices, self.req = choices, req
         self.id = "resp_" + choices.rid.partition("-")[2]  # (the engine request's id, for the logs)
         self.params = choices.gens[0].req.params  # (the sampling settings it ran with, the defaults filled)
+        self.logprobs = req.includes_logprobs()
+
+    def _answer_logprobs(self) -> AnswerLogprobs:
+        """The answer's output_text's logprobs, its think block's tokens left out by its ids (--reasoning-parser:
+        thinking from the start where the chat's split starts so, its prompt having opened the block)."""
+        choices, gen = self.choices, self.choices.gens[0]
+        if not choices.parses:
+            return AnswerLogprobs(None)
+        return AnswerLogprobs(ReasoningTokens(think_markers(gen.st.tokenizer), choices._splitter(gen).thinking))
+
+    def _entries(self, shaper: AnswerLogprobs | None, choice: dict, delta: dict) -> list[dict]:
+        if shaper is None or not choice.get("logprobs"):
+            return []
+        return shaper.feed(choice.get("token_ids") or [], choice["logprobs"]["content"], delta)
 
     async def abort(self) -> None:
         await self.choices.abort()
@@ -152,8 +177,10 @@ class ResponseOutput:
     async def complete(self, request) -> JSONResponse:
         chat = await self.choices.body(request)
         [choice] = chat["choices"]
-        items, status = OutputItems(), _status(choice["finish_reason"])
-        items.feed(choice["message"])  # (its reasoning_content, content and tool_calls: one delta)
+        items, status = OutputItems(self.logprobs), _status(choice["finish_reason"])
+        message = choice["message"]  # (its reasoning_content, content and tool_calls: one delta)
+        shaper = self._answer_logprobs() if self.logprobs else None
+        items.feed(message, self._entries(shaper, choice, message))
         items.close(status)
         return JSONResponse(self.response(status, items.items, _usage(chat["usage"])))
 
@@ -166,7 +193,8 @@ class ResponseOutput:
         head = self.response("in_progress", [])
         yield event({"type": "response.created", "response": head})
         yield event({"type": "response.in_progress", "response": head})
-        items, finish = OutputItems(), None
+        items, finish = OutputItems(self.logprobs), None
+        shaper = self._answer_logprobs() if self.logprobs else None
         async with contextlib.aclosing(self.choices.sse()) as chunks:
             async for line in chunks:
                 if not line.startswith("data: {"):  # (the chat's "data: [DONE]")
@@ -183,7 +211,7 @@ class ResponseOutput:
                     yield event({"type": "response.failed", "response": failed})
                     return
                 choice = chunk["choices"][0]
-                for e in items.feed(choice["delta"]):
+                for e in items.feed(choice["delta"], self._entries(shaper, choice, choice["delta"])):
                     yield event(e)
                 finish = choice["finish_reason"] or finish
         status = _status(finish)
@@ -213,5 +241,5 @@ class ResponseOutput:
             "tools": [t.model_dump() for t in req.tools or ()], "truncation": "disabled", "usage": usage,
             "user": req.user, "metadata": req.metadata or {}, "background": False,
             # (accepted, changing nothing: scheduler/api_responses.py)
-            "max_tool_calls": req.max_tool_calls, "prompt_cache_key": req.prompt_cache_key,
+            "top_logprobs": req.top_logprobs, "max_tool_calls": req.max_tool_calls, "prompt_cache_key": req.prompt_cache_key,
             "prompt_cache_retention": req.prompt_cache_retention, "safety_identifier": req.safety_identifier}

@@ -114,6 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CORS: the methods allowed, a JSON list (only with --allowed-origins)")
     s.add_argument("--allowed-headers", type=json_str_list, default=["*"], metavar="JSON",
                    help="CORS: the request headers allowed, a JSON list (only with --allowed-origins)")
+    s.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries X-Request-Id: the request's own, else the id it ran under (vLLM's)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level")
     s.add_argument("--disable-access-log", action="store_true", help="no uvicorn line per HTTP request")
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
                           max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
                           shutdown_grace_s=max(0.0, args.shutdown_grace_s), sampling_defaults=sampling_defaults,
                           reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                          chat_template=chat_template,
+                          chat_template=chat_template, enable_request_id_headers=args.enable_request_id_headers,
                           **_access_limits(args))
     if limits.api_key:  # (where the key came from; never the key)
         print(f"hicache-serve: the /v1/ routes ask for the API key of "

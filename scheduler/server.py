@@ -5,10 +5,11 @@
     POST /v1/chat/completions   only with a model directory whose tokenizer has a chat template
     POST /v1/responses          OpenAI's Responses API, stateless, served as a chat completion (api_responses.py)
     POST /tokenize   POST /detokenize       vLLM's: text <-> token ids with the server's tokenizer (api_tokenize.py)
-    GET  /v1/models   GET /v1/models/{id}   GET /health   GET /metrics (Prometheus)
+    GET  /v1/models   GET /v1/models/{id}   GET /health (GET|POST /ping too)   GET /metrics (Prometheus)
     GET  /hicache/status (engine.status())     (each GET route answers HEAD too)
     POST /reset_prefix_cache    vLLM's operator reset: L1 and L2 flushed (L3 when asked), pages per tier (api_admin.py)
     --api-key guards /v1/ and the reset, --allowed-origins adds CORS (api_auth.py); --served-model-name: names served
+    a body's request_id or X-Request-Id names the response and the engine's rids (request_ids.py)
 
 The engine runs on the server's event loop: the app lifespan starts it and, at shutdown, stops
 admitting (503), lets in-flight requests (queued or running) finish within --shutdown-grace-s,
@@ -27,7 +28,6 @@ import importlib.metadata
 import os
 import sys
 import time
-import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -51,6 +51,7 @@ from scheduler.generation import Generation, abort_quietly
 from scheduler.generation_defaults import GenerationDefaults
 from scheduler.prom import ServerMetrics
 from scheduler.request import RequestError
+from scheduler.request_ids import RequestIdHeaders, resolve_ids
 from scheduler.tokenizer import load_tokenizer
 
 log = structlog.get_logger("scheduler.server")
@@ -73,6 +74,7 @@ class ServerLimits:
     api_key: str | None = dataclasses.field(default=None, repr=False)  # /v1/ asks for it; status: true/false
     served_model_names: tuple[str, ...] = ()  # a request's `model`, the first reported; (): the model's names
     cors: CORSSettings | None = None  # --allowed-origins and companions (api_auth.py); None: no CORS headers
+    enable_request_id_headers: bool = False  # X-Request-Id on every response (request_ids.RequestIdHeaders)
 
 
 class _ServerState:
@@ -165,6 +167,8 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     app = FastAPI(title="hicache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.hc = st
     install_access(app, limits)
+    if limits.enable_request_id_headers:  # (added last: the outer middleware, a 401's response carries it too)
+        app.add_middleware(RequestIdHeaders)
 
     async def error_response(_request, exc: Exception) -> JSONResponse:
         if isinstance(exc, RequestValidationError):  # FastAPI's 422 becomes a 400 naming the field
@@ -230,6 +234,11 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     async def health():
         st.check_admitting()
         return {"status": "ok", "model": st.model_name}
+
+    @app.post("/ping")
+    @get("/ping")
+    async def ping():  # (vLLM's: SageMaker's health check)
+        return await health()
 
     @get("/version")
     async def version():  # (vLLM's: what clients and dashboards probe)
@@ -326,7 +335,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
                                 f"each choice counts as a request", param="prompt" if n == 1 else "n",
                            code="batch_too_large")
         slot.add(total - 1)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        rids = resolve_ids(request, (api_req if shape is None else shape.req).request_id, chat, shape is None)
         if params.guided is not None:  # its grammar compiled off the loop (once per spec; validate then finds it):
             try:  # ~0.3 s for a required tool_choice over 1,000 tools held every stream (regression)
                 await asyncio.get_running_loop().run_in_executor(None, st.engine.guides.check, params.guided)
@@ -341,7 +350,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
             for j in range(n):
                 try:
                     ereq = st.engine.add_request(ids, choice_params(params, j),
-                                                 rid=rid if total == 1 else f"{rid}-{i * n + j}")
+                                                 rid=rids.engine_rid(i * n + j, total))
                 except RequestError as exc:
                     raise _refused(st, exc, i, k, api_req) from None
                 gens.append(Generation(st, ereq, api_req, chat, arrival, index=i, batch_size=k, choice=j, n=n))
@@ -356,7 +365,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
         st.metrics.outcome("aborted" if isinstance(exc, asyncio.CancelledError) else "failed")
         raise
     st.metrics.prompt_tokens.inc(sum(map(len, prompts)))
-    choices = Choices(gens, chat, rid, api_req, st.model_name)
+    choices = Choices(gens, chat, rids.response_id, api_req, st.model_name)
     if shape is not None:
         choices = shape.output(choices)
     if api_req.stream:

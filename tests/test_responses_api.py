@@ -217,7 +217,7 @@ def test_a_thought_is_a_reasoning_item(client):
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input", "'input_image'"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input", "call_id"),
     ({"truncation": "auto"}, "truncation", "disabled"),
-    ({"top_logprobs": 3}, "top_logprobs", "not supported"),
+    ({"top_logprobs": 21}, "top_logprobs", "20"),
     ({"max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens'"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope'"),
     ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text", "'name'"),

@@ -190,7 +190,7 @@ def test_what_stateless_agents_send_is_served(srv, client):
                                  stream_options={"include_obfuscation": False}) as stream:
         events = list(stream)
     assert events[-1].type == "response.incomplete" and events[-1].response.text.verbosity == "high"
-    for body, param in (({"include": ["message.output_text.logprobs"]}, "include"),
+    for body, param in (({"include": ["file_search_call.results"]}, "include"),
                         ({"text": {"verbosity": "loud"}}, "text"), ({"max_tool_calls": -1}, "max_tool_calls"),
                         ({"stream_options": {"include_usage": True}}, "stream_options")):
         bad = _post(srv, **body)
