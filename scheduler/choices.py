@@ -77,7 +77,7 @@ class Choices:
         self.named = api_req.tool_choice.function.name if self.tool_mode == "named" else None
         self.single = chat and api_req.parallel_tool_calls is False
 
-    def _splitter(self, gen) -> ReasoningSplitter:
+    def splitter(self, gen) -> ReasoningSplitter:
         """A chat choice's thinking / answer split (--reasoning-parser), thinking from the start when its
         prompt left a think block open (and its answer is not guided)."""
         if self.guided:
@@ -88,7 +88,7 @@ class Choices:
 
     def _answer(self, gen) -> ChatAnswer:
         """A chat choice's message as its text arrives: its thinking split off, its tool calls read."""
-        return ChatAnswer(self._splitter(gen) if self.parses else None, self.tool_mode, self.named, self.single)
+        return ChatAnswer(self.splitter(gen) if self.parses else None, self.tool_mode, self.named, self.single)
 
     async def abort(self) -> None:
         """The client went away: end every engine request (each stream then ends with 'abort')."""

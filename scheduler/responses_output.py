@@ -161,7 +161,7 @@ class ResponseOutput:
         choices, gen = self.choices, self.choices.gens[0]
         if not choices.parses:
             return AnswerLogprobs(None)
-        return AnswerLogprobs(ReasoningTokens(think_markers(gen.st.tokenizer), choices._splitter(gen).thinking))
+        return AnswerLogprobs(ReasoningTokens(think_markers(gen.st.tokenizer), choices.splitter(gen).thinking))
 
     def _entries(self, shaper: AnswerLogprobs | None, choice: dict, delta: dict) -> list[dict]:
         if shaper is None or not choice.get("logprobs"):
