@@ -184,7 +184,7 @@ def test_a_response_s_text_after_a_thought_carries_its_tokens_alone_whole_and_st
         usage = {"prompt_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens": 5,
                  "total_tokens": 6}
 
-        def _splitter(self, gen):
+        def splitter(self, gen):
             return SimpleNamespace(thinking=False)
 
         def usage_body(self):
