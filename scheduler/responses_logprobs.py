@@ -17,8 +17,9 @@ one chunk):
 * A chunk whose delta has text takes its tokens and those that waited; one without text or a call (text the
   tool parser holds) leaves them waiting; one with a call and no text drops them (the call's markup and
   arguments: function_call items carry none). A chunk with text and a call (a whole answer's) takes, from the
-  first, the tokens whose pieces fit the text's length and drops the rest, the text before a call being
-  written first (the hermes parser's text after a call, in a whole answer, is then not covered). Tokens still
+  first, the tokens whose pieces spell the text's start and drops the rest, the text before a call being
+  written first (the hermes parser's text after a call, in a whole answer, is then not covered; nor is any
+  text after a call that opens the answer). Tokens still
   waiting at the end (a marker never completed, text a stop string cut) are dropped.
 """
 from __future__ import annotations
@@ -41,18 +42,23 @@ class AnswerLogprobs:
         self.counter = counter  # (None: no --reasoning-parser, every token is text or a call's)
         self._undecided: list[dict] = []  # entries of ids fed while the answer's start was undecided
         self._waiting: list[dict] = []  # the text's entries not yet sent with a delta's content
+        self._in_text = False  # whether the last entries given went to text (no call since)
 
-    def feed(self, token_ids: list[int], entries: list[dict], delta: dict) -> list[dict]:
+    def feed(self, token_ids: list[int], entries: list[dict], delta: dict, last: bool = False) -> list[dict]:
+        """`last`: the answer's last chunk, whose waiting tokens go to the text it is writing, if any (a whole
+        answer's text takes its tokens of no text, an id past the tokenizer's, an incomplete character)."""
         self._waiting += self._texts(token_ids, entries)
         content, calls = delta.get("content") or "", delta.get("tool_calls")
         if not content and not calls:
-            return []
+            if not (last and self._in_text):  # (regression: a stream's last such tokens were dropped)
+                return []
+        self._in_text = not calls
         taken, self._waiting = self._waiting, []
-        if calls:  # (the text comes first: its length of pieces, the rest the calls')
-            chars, kept = 0, []
-            for entry in taken:
-                chars += len(entry["token"])
-                if chars > len(content):
+        if calls:  # (the text comes first: the tokens whose pieces spell its start, the rest the calls')
+            pieces, kept = "", []
+            for entry in taken:  # (regression: those that fitted its length, a call before it gave its markup's)
+                pieces += entry["token"]
+                if not content.startswith(pieces):
                     break
                 kept.append(entry)
             taken = kept

@@ -49,8 +49,8 @@ class OutputItems:
         events = []
         if delta.get("reasoning_content"):
             events += self._write("reasoning", delta["reasoning_content"])
-        if delta.get("content"):
-            events += self._write("message", delta["content"], list(logprobs))
+        if delta.get("content") or logprobs:  # (logprobs alone: a stream's last tokens, of no text)
+            events += self._write("message", delta.get("content") or "", list(logprobs))
         for call in delta.get("tool_calls") or ():
             function = call.get("function") or {}
             if call.get("id") is not None:  # (a call's first delta: its id and name)
@@ -166,7 +166,8 @@ class ResponseOutput:
     def _entries(self, shaper: AnswerLogprobs | None, choice: dict, delta: dict) -> list[dict]:
         if shaper is None or not choice.get("logprobs"):
             return []
-        return shaper.feed(choice.get("token_ids") or [], choice["logprobs"]["content"], delta)
+        return shaper.feed(choice.get("token_ids") or [], choice["logprobs"]["content"], delta,
+                           last=choice.get("finish_reason") is not None)
 
     async def abort(self) -> None:
         await self.choices.abort()
