@@ -12,7 +12,9 @@ gives (content, calls): each block whose body is a JSON object with a string "na
 serves a stream and a whole response, so a stream's content deltas add up to the whole response's:
 
 * whitespace just before a block and just after one is dropped (the model's line breaks between its text and
-  its calls); an answer without calls keeps its text exactly, trailing whitespace included;
+  its calls); text that follows calls which followed text is joined to it by the whitespace that text ended
+  with (its line break, or its space: none, where it ended with none); an answer without calls keeps its text
+  exactly, trailing whitespace included;
 * a block whose body is not such an object is text (content, markers and all): nothing the model wrote is lost;
 * a block cut off (max_tokens, or a model that stops without "</tool_call>") is a call if its body is whole
   JSON, else text;
@@ -80,6 +82,7 @@ class HermesToolParser:
         self._space = ""       # whitespace after the content sent so far: sent once more content follows
         self._space_before_call = ""  # (given back as text if the block turns out not to be a call)
         self._after_call = False  # the whitespace that follows a block is dropped
+        self._gap = ""  # the whitespace the text before a run of calls ended with: it joins the text after them
         # the open block's body: its parts so far (regression: one string, grown and searched whole at each
         # delta: quadratic, ~6 s of the loop for a 200 KB call in 1-character deltas), and how it is read
         self._body: list[str] = []
@@ -101,6 +104,8 @@ class HermesToolParser:
                     self._held = text[len(text) - keep:]
                     break
                 content.append(self._content(text[:at]))
+                if not self._after_call:  # (a run's first block: the calls back to back keep its gap)
+                    self._gap = self._space
                 self._space_before_call, self._space = self._space, ""
                 self.mode, text = Mode.CALL, text[at + len(CALL_START):]
                 self._body, self._body_chars, self._json, self._quoted, self._inner_end = [], 0, None, False, None
@@ -177,7 +182,8 @@ class HermesToolParser:
             piece = piece.lstrip()
             if not piece:
                 return ""
-            self._after_call = False
+            # (regression: text on both sides of calls was joined with nothing between, "check.Done.")
+            piece, self._gap, self._after_call = self._gap + piece, "", False
         text = self._space + piece
         sent = text.rstrip()
         self._space = text[len(sent):]

@@ -97,7 +97,7 @@ def test_text_before_a_call_carries_its_own_tokens_whole_and_streamed(tools_srv)
     assert _text_and_tokens(r, events) == ("Let me look.", "Let me look.", "Let me look.", "Let me look.")
 
 
-@pytest.mark.parametrize("wanted, text, covered", [(CALL + "\nok", "ok", ""), ("Hi " + CALL + " more", "Himore", "Hi")])
+@pytest.mark.parametrize("wanted, text, covered", [(CALL + "\nok", "ok", ""), ("Hi " + CALL + " more", "Hi more", "Hi ")])
 def test_a_whole_answer_s_text_never_takes_a_call_s_tokens(tools_srv, wanted, text, covered):
     """Regression: a whole answer's text took the first tokens that fit its length, the call's markup among them
     ("ok" after a call carried the logprobs of "<t"); the text before the first call is covered (what the

@@ -38,6 +38,11 @@ def _parse(text: str) -> tuple[str, list[tuple[str, str]]]:
     (CALL + "\n" + CALL.replace("Paris", "Oslo"), ("", [("get_weather", '{"city": "Paris"}'),
                                                           ("get_weather", '{"city": "Oslo"}')])),
     (CALL + "\n\nDone.", ("Done.", [("get_weather", '{"city": "Paris"}')])),
+    # text on both sides: joined by the whitespace the text before the calls ended with (regression: none, so
+    # "Let me check.\n<call>\nDone." read "Let me check.Done.")
+    ("Let me check.\n" + CALL + "\nDone.", ("Let me check.\nDone.", [("get_weather", '{"city": "Paris"}')])),
+    ("A " + CALL + "\n" + CALL + "\n\nB", ("A B", [("get_weather", '{"city": "Paris"}')] * 2)),
+    ("A" + CALL + "B", ("AB", [("get_weather", '{"city": "Paris"}')])),
     ("a <tool_call>not json</tool_call> b", ("a <tool_call>not json</tool_call> b", [])),  # text, nothing lost
     ('<tool_call>{"name": "f", "arguments": {}}', ("", [("f", "{}")])),  # left open, but whole JSON
     ('x <tool_call>{"name": "f", "argu', ('x <tool_call>{"name": "f", "argu', [])),  # cut off: text

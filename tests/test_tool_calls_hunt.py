@@ -54,7 +54,8 @@ def test_a_call_whose_arguments_hold_the_end_marker_is_a_call():
     assert _all_ways(CODE_CALL) == ("", [("write", json.dumps(CODE_ARGS))])
     escaped = {"s": 'a \\" </tool_call> " \\\\'}  # (escaped quotes and backslashes around it)
     text = "Writing.\n" + "<tool_call>" + json.dumps({"name": "f", "arguments": escaped}) + "</tool_call>\nDone."
-    assert _all_ways(text) == ("Writing.Done.", [("f", json.dumps(escaped))])  # (the space around a call dropped)
+    # (the space around a call dropped, the text after it joined by the line break the text before it ended with)
+    assert _all_ways(text) == ("Writing.\nDone.", [("f", json.dumps(escaped))])
     two = CODE_CALL + "\n" + CODE_CALL
     assert _all_ways(two) == ("", [("write", json.dumps(CODE_ARGS))] * 2)
     left_open = "<tool_call>" + json.dumps({"name": "write", "arguments": CODE_ARGS})  # (max_tokens, whole JSON)
@@ -70,7 +71,7 @@ def test_a_broken_block_still_ends_at_its_first_marker():
     assert _all_ways(broken + " tail") == (broken + " tail", [])  # (left open at the end: text, nothing lost)
     # (read again once an answer, so no text is read more than twice: a second such block is text through its end)
     twice = broken + "\n" + good + "\n" + broken + "\n" + good
-    assert _all_ways(twice) == (broken + broken + "\n" + good, [("g", '{"b": 1}')])
+    assert _all_ways(twice) == (broken + "\n" + broken + "\n" + good, [("g", '{"b": 1}')])
     assert _all_ways('a <tool_call>say "hi</tool_call> b') == ('a <tool_call>say "hi</tool_call> b', [])
     # a backslash outside a string hides no marker
     assert _all_ways('<tool_call>{\\</tool_call>x') == ('<tool_call>{\\</tool_call>x', [])
