@@ -16,20 +16,15 @@ from scheduler.engine import Engine
 from scheduler.responses_output import ResponseOutput
 from scheduler.server import ServerLimits, create_app
 from scheduler.tokenizer import HFTokenizer
-from server_fixtures import byte_level_server, ok, sse, tiny_config
+import test_request_ids
+from server_fixtures import ok, sse
+from test_request_ids import CHAT, COMPLETION
 from test_server import ServerThread
 from test_tool_calls import CALL, TEMPLATE, WEATHER, _regex
 from tokenizer_files import write_byte_tokenizer
 
 INCLUDE = ["message.output_text.logprobs"]
-CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-COMPLETION = {"prompt": "abc", "max_tokens": 2}
-
-
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    with byte_level_server(tmp_path_factory, tiny_config(max_new_tokens_limit=64)) as s:
-        yield s
+srv = test_request_ids.srv  # (its server: the tiny engine behind the byte-level tokenizer)
 
 
 @pytest.fixture(scope="module")
