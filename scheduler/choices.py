@@ -100,12 +100,12 @@ class Choices:
         for g in self.gens:
             await g.close()
 
-    def _counter(self, answer: ChatAnswer) -> ReasoningTokens | None:
+    def reasoning_counter(self, gen) -> ReasoningTokens | None:
         """A chat choice's reasoning tokens counted from its ids as its splitter splits its text (None: no
-        parser)."""
-        if answer.splitter is None:
+        parser; also the Responses API's logprobs split, scheduler/responses_output.py)."""
+        if not (self.chat and self.parses):
             return None
-        return ReasoningTokens(think_markers(self.gens[0].st.tokenizer), answer.splitter.thinking)
+        return ReasoningTokens(think_markers(gen.st.tokenizer), self.splitter(gen).thinking)
 
     def _ended(self, i: int, answer: ChatAnswer, counter: ReasoningTokens | None) -> None:
         # (an answer the split saw no thought in has none: the ids are only where the text is)
@@ -170,8 +170,8 @@ class Choices:
         if self.chat:
             answers = [self._answer(g) for g in self.gens]
             messages = [a.whole(text) for a, text in zip(answers, texts)]  # (reasoning, content, tool calls)
-            for i, (answer, token_ids) in enumerate(zip(answers, ids)):
-                if (counter := self._counter(answer)) is not None:
+            for i, (gen, answer, token_ids) in enumerate(zip(self.gens, answers, ids)):
+                if (counter := self.reasoning_counter(gen)) is not None:
                     counter.feed(token_ids)
                 self._ended(i, answer, counter)
             if self.parses:
@@ -205,7 +205,7 @@ class Choices:
     async def sse(self):
         first = [True] * len(self.gens)
         answers = [self._answer(g) for g in self.gens] if self.chat else None
-        counters = [self._counter(a) for a in answers] if answers is not None else [None] * len(self.gens)
+        counters = [self.reasoning_counter(g) for g in self.gens]
         try:
             async with contextlib.aclosing(self._events()) as events:
                 async for i, (text, token_ids, fin, entries) in events:

@@ -10,6 +10,7 @@ that is as they are emitted unless the reader fell behind (a stream's slow clien
 as one long gap and near-zero ones, whose sum (the request's decode time) stays exact."""
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from typing import TYPE_CHECKING
@@ -182,6 +183,7 @@ class Generation:
                 return
 
 
+@functools.lru_cache(maxsize=8)  # (a server has one tokenizer: looked up once, not at every stop)
 def eos_id(tokenizer, model_eos_id: int | None) -> int | None:
     """The EOS of vLLM's check_stop: its tokenizer's eos_token (Llama 3.1's <|eot_id|>, where config.json lists
     <|end_of_text|> first), else the model's first EOS id (a tokenizer that names none: the byte-level one)."""

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import JSONResponse
 
-from scheduler.reasoning import ReasoningTokens, think_markers
 from scheduler.responses_logprobs import AnswerLogprobs, event_form
 
 if TYPE_CHECKING:
@@ -158,10 +157,7 @@ class ResponseOutput:
     def _answer_logprobs(self) -> AnswerLogprobs:
         """The answer's output_text's logprobs, its think block's tokens left out by its ids (--reasoning-parser:
         thinking from the start where the chat's split starts so, its prompt having opened the block)."""
-        choices, gen = self.choices, self.choices.gens[0]
-        if not choices.parses:
-            return AnswerLogprobs(None)
-        return AnswerLogprobs(ReasoningTokens(think_markers(gen.st.tokenizer), choices.splitter(gen).thinking))
+        return AnswerLogprobs(self.choices.reasoning_counter(self.choices.gens[0]))
 
     def _entries(self, shaper: AnswerLogprobs | None, choice: dict, delta: dict) -> list[dict]:
         if shaper is None or not choice.get("logprobs"):

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from scheduler.api_responses import parse_request
-from scheduler.reasoning import ReasoningTokens
+from scheduler.reasoning import ReasoningTokens, think_markers
 from scheduler.responses_logprobs import AnswerLogprobs, event_form
 from scheduler.responses_output import OutputItems, ResponseOutput
 import test_responses_api
@@ -184,8 +184,8 @@ def test_a_response_s_text_after_a_thought_carries_its_tokens_alone_whole_and_st
         usage = {"prompt_tokens": 1, "prompt_tokens_details": {"cached_tokens": 0}, "completion_tokens": 5,
                  "total_tokens": 6}
 
-        def splitter(self, gen):
-            return SimpleNamespace(thinking=False)
+        def reasoning_counter(self, gen):  # (a parser; the prompt opened no think block)
+            return ReasoningTokens(think_markers(gen.st.tokenizer), thinking=False)
 
         def usage_body(self):
             return self.usage

@@ -43,6 +43,9 @@ def _replay(chat_whole: dict, chat_lines: list[str], body: dict):
         rid, created, model, parses = "chatcmpl-abc", 1, "tiny", False
         gens = [SimpleNamespace(req=SimpleNamespace(params=SimpleNamespace(temperature=0.0, top_p=1.0)))]
 
+        def reasoning_counter(self, gen):  # (no --reasoning-parser)
+            return None
+
         def usage_body(self):
             return chat_whole["usage"]
 
