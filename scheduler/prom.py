@@ -316,4 +316,9 @@ class PromptChoices:
         """One of its choices ended with `generation_tokens`: the most of them all where it was the last to end."""
         self.open -= 1
         self.most_tokens = max(self.most_tokens, generation_tokens)
-        return self.most_tokens if self.open == 0 else None
+        if self.open:
+            return None
+        # its choices are all made (one after another, nothing between) and ended: let the request's body go
+        # (regression: ServerMetrics._prompt held the last prompt's body, its whole prompt, until the next request)
+        self.api_req = None
+        return self.most_tokens

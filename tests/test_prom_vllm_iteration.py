@@ -127,6 +127,28 @@ def test_a_prompts_most_tokens_is_observed_once_as_its_last_choice_ends():
     assert value(samples, "vllm:request_params_n_count") == 2 and value(samples, "vllm:request_params_n_sum") == 4
 
 
+def test_a_prompts_tally_lets_its_request_go_once_its_choices_ended():
+    """Regression: ServerMetrics kept the last prompt's request body (its whole prompt) alive until the next
+    request came. Once every choice of a prompt ended, the tally lets the body go."""
+    import gc
+    import weakref
+
+    class Body:  # (a stand-in for the API request model, which can be weakly referenced)
+        pass
+
+    metrics = ServerMetrics(Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=16)), MODEL)
+    body = Body()
+    alive = weakref.ref(body)
+    tallies = [metrics.prompt_choice(body, 0, choice=j) for j in range(2)]
+    del body
+    tallies[0].ended(3)
+    gc.collect()
+    assert alive() is not None  # (a choice still running: its prompt's tally still needs the body)
+    tallies[1].ended(4)
+    gc.collect()
+    assert alive() is None
+
+
 @pytest.fixture(scope="module")
 def srv():
     config = EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=256, max_new_tokens_limit=64)
