@@ -1,6 +1,9 @@
 """The cache manager: one tree over the tiers that exist, their pools and allocators, the L3 store,
 the transfer engine, the cost model and the live operations. Knows nothing of requests or models:
-callers hand it token ids and L1 pages.
+callers hand it token ids and L1 pages. This module keeps the pages and tiers' bookkeeping; the cost
+policy's questions (decide, worth_writing, backup_pays_off, ...) are answered by CostPolicy
+(hicache/cost_policy.py), the status and store checks by hicache/inspection.py, each behind a
+method of the same name here.
 
 Contract (what callers may rely on):
   - `match()` first starts due backups (they lock L1 pages and may evict L2 leaves); the walk itself
@@ -19,15 +22,16 @@ Contract (what callers may rely on):
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Callable, Sequence
 
 import structlog
 import torch
 
-from hicache.allocator import FREE, PageAllocator
+from hicache import inspection
+from hicache.allocator import PageAllocator
 from hicache.config import HiCacheConfig
 from hicache.cost_model import CostModel, Decision
+from hicache.cost_policy import CostPolicy
 from hicache.faults import FaultInjector
 from hicache.geometry import KVGeometry
 from hicache.metrics import Metrics
@@ -40,10 +44,6 @@ from hicache.transfer import TransferEngine
 from kernels.chooser import choose_backends
 
 log = structlog.get_logger("hicache.manager")
-
-# A layer-ordered restore keeps this much more than its forward's time in layers (whole_first_pages):
-# a forward left waiting for whole pages costs all its time, a page too many in layers ~10 % of its copy
-OVERLAP_MARGIN = 1.25
 
 
 class CacheManager:
@@ -87,8 +87,9 @@ class CacheManager:
         self.tree.on_drop = self._on_drop
         self.cost = CostModel(cfg, geometry.bytes_per_token)
         self.cost.learning = not simulate  # simulated copies take no time: keep the priors
+        self.cost_policy = CostPolicy(self)  # restore or recompute, write or not (the methods below)
         self.runner = OpRunner(self)
-        # the engine sets this (scheduler/engine.py: its tail forward, timed once its graphs are
+        # the engine sets this (scheduler/cuda_graphs.py: its tail forward, timed once its graphs are
         # captured): how long the forward that waits for a layer-ordered restore takes
         self.overlap_forward_s: float | None = None
         # the engine sets this: write-through backups of what insert_l1 publishes start once the
@@ -203,25 +204,6 @@ class CacheManager:
         alloc.close_claim(claim)
         return len(pages)
 
-    def whole_first_pages(self, num_pages: int, tail_tokens: int = 0) -> int:
-        """How many of a layer-ordered restore's `num_pages` go first, whole (the pipelined DMA and
-        scatter, at the pinned copy's rate, before its forward has anything to do; 2-D DMAs beside
-        a running forward lose 8-12 % of it, docs/benchmarks.md session 21): all but what the H2D
-        moves while that forward runs, at the rate restores of this length were timed at (with a
-        margin). The forward: the timed tail graph plus the recompute model's marginal cost of the
-        tail's `tail_tokens` (its intercept is no guide: it learns from overlapped forwards, whose
-        time includes their restore's). 0 (all in layers) until the forward and the H2D were both
-        timed."""
-        h2d, num_bytes = self.cost.directions["h2d"], num_pages * self.geometry.bytes_per_page
-        if not (self.config.whole_first and self.overlap_forward_s) or num_pages <= 0 or h2d.num_samples == 0:
-            return 0
-        seconds = h2d.predict(num_bytes)
-        if seconds <= 0:
-            return 0
-        forward_s = self.overlap_forward_s + max(0, tail_tokens) * self.cost.directions["recompute"].slope
-        layered_bytes = OVERLAP_MARGIN * forward_s * num_bytes / seconds
-        return max(0, num_pages - math.ceil(layered_bytes / self.geometry.bytes_per_page))
-
     def available_l1_pages(self) -> int:
         return self.l1.allocator.num_free + self.tree.evictable_pages(Tier.L1)
 
@@ -312,78 +294,36 @@ class CacheManager:
                 and match.lengths[Tier.L1] and match.handles[Tier.L1].hits >= 2):
             self.runner.start_backup(tuple(tokens[: match.lengths[Tier.L1]]))
 
-    # -- restore decisions ---------------------------------------------------------------------
-    def decide(self, match: MatchResult, overlap_h2d: bool = False, l3_taken_on: bool = False,
-               lookahead: bool = False, hidden_s: float = 0.0, count_skip: bool = True,
-               prompt_tokens: int = 0, chunk_tokens: int = 0) -> Decision:
-        """overlap_h2d: the caller would run the tail forward behind a layer-ordered L2 restore; l3_taken_on:
-        behind an L3 prefetch taken on to L1; lookahead: a prefetch's decision at queue time, which counts no
-        probe and no policy skip; hidden_s: GPU work queued besides the request, which its restore would run
-        beside; prompt_tokens, chunk_tokens (max_prefill_tokens): count each option's forwards (CostModel.decide);
-        count_skip=False: the caller counts the policy skip (`declines_restore`) itself (the engine: once per
-        request, as it is admitted, though one waiting for memory is decided again on every loop turn)."""
-        l1, l2, l3 = match.lengths
-        policy = self.config.policy if self.has_l2 else "never"
-        # (an L3 read queues behind the storage reads in flight: what they take hides nothing for it)
-        reading_s = self.runner.reading_s() if hidden_s > 0 else 0.0
-        decision = self.cost.decide(l1, l2 if self.has_l2 else 0, l3 if self.has_l3 else 0, policy, overlap_h2d,
-                                    l3_taken_on, lookahead, hidden_s, reading_s, prompt_tokens, chunk_tokens)
-        if count_skip and not lookahead and self.declines_restore(match, decision):
-            self.metrics.policy_skips["restore"] += 1
-        return decision
+    # -- the cost policy's questions: CostPolicy answers them (hicache/cost_policy.py) ------------
+    def whole_first_pages(self, num_pages: int, tail_tokens: int = 0) -> int:
+        return self.cost_policy.whole_first_pages(num_pages, tail_tokens)
+
+    def decide(self, match: MatchResult, *args, **kwargs) -> Decision:  # (the options: CostPolicy.decide)
+        return self.cost_policy.decide(match, *args, **kwargs)
 
     def declines_restore(self, match: MatchResult, decision: Decision) -> bool:
-        """The policy recomputes what a lower tier holds beyond L1 (a restore policy skip)."""
-        l1, l2, l3 = match.lengths
-        return decision.tier == "l1" and max(l2, l3) > l1 and self.has_l2 and self.config.policy != "never"
+        return self.cost_policy.declines_restore(match, decision)
 
     def worth_writing(self, tier: str, num_tokens: int) -> bool:
-        """Write admission by cost: a forced policy decides alone ("always" writes, "never" does not);
-        "cost" writes only where a restore can beat recompute for this length, beside the GPU work
-        queued now (`busy_s`). Whether writes to a tier get read back at all is the other gate:
-        backup_pays_off / l3_write_pays_off."""
-        if self.config.policy != "cost":
-            return self.config.policy == "always"
-        return self.cost.worth_writing(tier, num_tokens, hidden_s=self.busy_s, reading_s=self.runner.reading_s())
+        return self.cost_policy.worth_writing(tier, num_tokens)
 
     def backup_worth_its_cost(self, new_tokens: int) -> bool:
-        """Cost policy: is a backup of this many new tokens cheaper than one recompute of them
-        (CostModel.backup_worth_its_cost)? Yes too while the storage speed is being explored: L3 is
-        written through L2, and something must be read back to time it. Forced policies decide
-        alone."""
-        return (self.config.policy != "cost" or self.cost.backup_worth_its_cost(new_tokens)
-                or (self.has_l3 and self.cost.exploring_storage))
+        return self.cost_policy.backup_worth_its_cost(new_tokens)
 
     def l3_write_pays_off(self) -> bool:
-        """Cost policy: L3 writes go on while L3 gets read back (or has not evicted enough to tell)."""
-        return self.config.policy != "cost" or self.reuse[Tier.L3].admit()
+        return self.cost_policy.l3_write_pays_off()
 
     def l3_reuse_probe(self) -> bool:
-        """Cost policy, an L3 write asked for where L2's checks refused its backup
-        (`Backups._l3_write_probe`): is it the probe of an unproductive L3's reuse gate? Counted as
-        l3_write_pays_off counts, so that the probe comes once in `probe_every` L3 write asks, not
-        once in `probe_every` of those L2 lets through (regression: once in 16 * 16 behind an L2
-        not read back). A productive L3 lets no refused backup through here: backup_pays_off
-        already takes the backups it wants."""
-        l3 = self.reuse[Tier.L3]
-        return self.config.policy == "cost" and not l3.productive and l3.admit()
+        return self.cost_policy.l3_reuse_probe()
 
     def backup_pays_off(self, num_tokens: int) -> bool:
-        """Cost policy: is an L1 -> L2 backup of this prefix worth its traffic? Yes while L2 gets read
-        back, or while it feeds an L3 worth writing that gets read back; otherwise only as a probe."""
-        if self.config.policy != "cost":
-            return True
-        l3_wants_it = (self.has_l3 and self.cost.worth_writing("l3", num_tokens, probe=False, hidden_s=self.busy_s,
-                                                               reading_s=self.runner.reading_s())
-                       and self.reuse[Tier.L3].productive)
-        if l3_wants_it:
-            return True
-        l2 = self.reuse[Tier.L2]
-        # a backup's D2H competes with the GPU's own work: it pays once enough of what is written
-        # is read back to save more recompute than the writes cost (L3 writes run on I/O threads
-        # beside the GPU and keep the fixed 1 % floor)
-        l2.min_read_fraction = self.cost.break_even_read_fraction()
-        return l2.admit()
+        return self.cost_policy.backup_pays_off(num_tokens)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        self.cost_policy.observe_prefill(num_tokens, seconds)
+
+    def observe_outcome(self, source: str, plan: tuple, actual_s: float) -> None:
+        self.cost_policy.observe_outcome(source, plan, actual_s)
 
     # -- shared (content-addressed) L3 ---------------------------------------------------------
     def page_keys(self, tokens: Sequence[int], start_tokens: int, end_tokens: int) -> dict:
@@ -410,17 +350,6 @@ class CacheManager:
             return False
         await recheck(self, tokens, hinted_tokens)
         return True
-
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens > 0:
-            self.cost.observe_prefill(num_tokens, seconds)
-
-    def observe_outcome(self, source: str, plan: tuple, actual_s: float) -> None:
-        """A request that ran alone took `actual_s` from arrival to its first token, its prefix from
-        `source`, planned as `plan` = (Decision.priced or (), uncached tokens): priced now
-        (CostModel.span_s) and learned (hicache/outcomes.py)."""
-        if self.has_l2 and self.config.policy == "cost":
-            self.cost.observe_outcome(source, self.cost.span_s(source, *plan), actual_s)
 
     # -- lifecycle -----------------------------------------------------------------------------
     def pending_ops(self) -> int:
@@ -451,50 +380,14 @@ class CacheManager:
             else:
                 self.store.close()
 
-    # -- observability -------------------------------------------------------------------------
+    # -- observability and integrity (the views: hicache/inspection.py) --------------------------
     def tier_status(self, tier: Tier) -> dict | None:
-        if tier not in self.tree.allocators:
-            return None
-        alloc = self.allocator(tier)
-        evictable = self.tree.evictable_pages(tier)
-        resident = self.tree.num_resident_pages[tier]
-        return {"capacity_pages": alloc.num_pages, "free_pages": alloc.num_free,
-                "resident_pages": resident, "evictable_pages": evictable,
-                "protected_pages": resident - evictable, "private_pages": alloc.num_private(),
-                "capacity_bytes": alloc.num_pages * self.geometry.bytes_per_page}
+        return inspection.tier_status(self, tier)
 
     def status(self) -> dict:
-        return {
-            "enabled": self.config.enable,
-            "geometry": self.geometry.describe(),
-            "tiers": {t.label: self.tier_status(t) for t in (Tier.L1, Tier.L2, Tier.L3)},
-            "pending": self.runner.pending_counts(),
-            "transfer_backends": None if self.backends is None else {
-                "gather": self.backends.gather, "scatter": self.backends.scatter,
-                "reason": self.backends.reason, "timings_us": self.backends.timings_us},
-            "storage": None if self.store is None else self.store.stats(),
-            "cost_model": self.cost.state(),
-            "policy": self.config.policy, "write_policy": self.config.write_policy,
-            "metrics": self.metrics.as_dict(),
-        }
+        return inspection.manager_status(self)
 
     def check_integrity(self) -> None:
         self.tree.check_integrity()
         self.runner.check_integrity()
-        self._check_store()
-
-    def _check_store(self) -> None:
-        """A local L3 store and the tree agree: every L3 page of the tree is readable, and no free
-        slot is (a freed slot left readable would pass a stale read's checks). Stores that hold
-        pages beyond this instance's tree (redis) have no `exists` and are not checked."""
-        if self.store is None or not hasattr(self.store, "exists"):
-            return
-        alloc = self.allocator(Tier.L3)
-        free = [int(s) for s in (alloc.owner == FREE).nonzero()[0]]
-        stale = [s for s, ok in zip(free, self.store.exists(free)) if ok] if free else []
-        if stale:
-            raise AssertionError(f"L3: free slots still readable in the store: {stale[:8]}")
-        held = [p for node in self.tree.iter_nodes() if node.pages[Tier.L3] is not None for p in node.pages[Tier.L3]]
-        unreadable = [p for p, ok in zip(held, self.store.exists(held)) if not ok] if held else []
-        if unreadable:
-            raise AssertionError(f"L3: tree pages not readable in the store: {unreadable[:8]}")
+        inspection.check_store(self.store, self.tree)

@@ -3,7 +3,7 @@ prefill chunk's prompt tokens), penalties with logit_bias and min_tokens' stop i
 bad words: scheduler/token_bans.py) and guided rows' masks. A batch where no request asks gets neither: no extra
 kernel, no extra copy (scheduler/runner.py reads `BatchInput.logprobs` / `BatchInput.prompt_logprobs` /
 `BatchInput.penalties` / `BatchInput.bans`, None then). Used by the engine's loop
-(scheduler/engine.py); docs/design.md, "Overlap scheduling", says how both meet chained decode."""
+(scheduler/engine_loop.py); docs/design.md, "Overlap scheduling", says how both meet chained decode."""
 from __future__ import annotations
 
 import torch

@@ -9,7 +9,7 @@ on their copy where they ran: the same logits, since -inf stays -inf under a fin
 stay the raw logits'.
 
 Two kinds of bans, neither of which holds back a chained decode step (a step enqueued before the token of the
-step before it is back on the host, scheduler/engine.py):
+step before it is back on the host, scheduler/engine_loop.py):
 
 * static ones, the same at every step: the allowed ids and the one-token words, as one [V] bool mask per request
   kept on the device (PenaltyState.banned: uploaded at its first step, freed with the request);

@@ -1,0 +1,207 @@
+"""The engine's lifecycle and its requests', mixed into the Engine: starting and stopping the loop
+task (`start`, `stop_loop`, `shutdown`), a request queued (`add_request`, `submit`), aborted
+(`abort`, settled at the loop's next tick by `_settle_aborts`) and ended (`finish`: its pages,
+locks and last event). Uses the Engine's request queues (`waiting`, `parked`, `running`,
+`requests`), `admission`, `cache`, `stats` and the loop's `_loop`, `_wake` and `wake_soon`
+(scheduler/engine_loop.py)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from scheduler.loop_task import check_loop, crash_of, join_loop
+from scheduler.request import Request, RequestError, RequestState, SamplingParams, TokenEvent, enqueue
+from scheduler.sampling import seeded_generator
+
+
+class EngineLifecycle:
+    async def start(self) -> None:
+        """Start the loop (submit() and generate_async() call this); a no-op once shutdown() began:
+        a shut-down engine stays down, and add_request refuses (regression: a request submitted
+        while shutdown drained, or after it, restarted the loop on closed tiers)."""
+        if self._closing:
+            return
+        check_loop(self._loop_task, asyncio.get_running_loop())
+        if self._loop_task is None or self._loop_task.done():
+            self._wake = asyncio.Event()
+            self.stopping = False
+            self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+
+    def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
+                    rid: str | None = None) -> Request:
+        """Queue a request (raises RequestError on bad input; nothing else is affected)."""
+        if not self.accepting:
+            raise RequestError("the engine is shutting down")
+        if (crash := crash_of(self._loop_task)) is not None:  # (regression: queued where nothing ran it)
+            raise RequestError(f"the engine loop crashed ({crash!r}); start() runs a new one")
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):  # (regression: a dict raised AttributeError out of generate())
+            raise RequestError(f"params must be a SamplingParams, got a {type(params).__name__}")
+        self.validate(prompt, params)
+        req = Request(prompt=list(prompt), params=params, **({"rid": rid} if rid else {}))
+        if req.rid in self.requests:
+            raise RequestError(f"duplicate request id {req.rid!r}")
+        if params.seed is not None:
+            req.generator = seeded_generator(params.seed, self.device)
+        req.queue, req.guide = asyncio.Queue(), self.guides.start(params.guided)
+        req.arrival_batch = self.stats["batches"]
+        self.requests[req.rid] = req
+        enqueue(self.waiting, req)
+        self.log_event(req, "queued", prompt_tokens=len(req.prompt), priority=params.priority)
+        try:
+            self.admission.maybe_prefetch(req)
+        except BaseException as exc:
+            # the caller is told it failed: it must not stay queued, to run later or hold up an
+            # idle check, nor keep a read it started (regression: a shared L3's hint task, which
+            # needs a running loop, raised outside one and left the request queued)
+            self.waiting.remove(req)
+            self.requests.pop(req.rid, None)
+            self.admission.drop_ops(req, aborting=set())
+            self.admission.release(req, publish=False)
+            # nor stay queued in the log (regression: the timeline showed it running to the run's end)
+            self.log_event(req, "failed", output_tokens=0, reason="error", error=f"not queued: {exc!r}")
+            raise
+        self.wake_soon()
+        return req
+
+    async def submit(self, prompt: Sequence[int], params: SamplingParams | None = None,
+                     rid: str | None = None) -> AsyncIterator[TokenEvent]:
+        """Stream a request's tokens; the last event has finished=True. Closing the iterator early
+        (a client went away) aborts the request and frees its pages."""
+        await self.start()
+        req = self.add_request(prompt, params, rid)
+        try:
+            while True:
+                ev = await req.queue.get()
+                yield ev
+                if ev.finished:
+                    return
+        finally:
+            if not req.state.done:
+                await self.abort(req.rid)
+
+    async def abort(self, rid: str, stop: bool = False) -> bool:
+        """End a live request (False for an unknown or ended one). A parked request, in no batch, ends
+        now; others at the loop's next tick (regression: a request aborted while the loop waited for
+        its blocking restore was admitted after it, prefilled and sent a token before it ended).
+        stop: the caller's own stop condition ended it (an API stop string): a decoding request FINISHES ("stop") and
+        publishes what it computed, as a stop token would (regression: counted as aborted, its answer's
+        KV left out of the prefix cache)."""
+        req = self.requests.get(rid)
+        if req is None or req.state.done:
+            return False
+        if stop:
+            self._stops.add(rid)
+        if req.state is RequestState.PARKED:
+            self._end_aborted(req)
+            return True
+        self.aborting.add(rid)
+        self.wake_soon()
+        if self._loop_task is None or self._loop_task.done():
+            self._settle_aborts()
+        return True
+
+    async def stop_loop(self) -> None:
+        """Stop admitting, let the running requests finish, end the loop task and drain the
+        operations in flight; waiting and parked requests stay queued (`start()` resumes them)."""
+        check_loop(self._loop_task, asyncio.get_running_loop())
+        if self._loop_task is not None:
+            self.stopping = True
+            self.wake_soon()
+            await join_loop(self._loop_task, shield=True)
+            self._loop_task = None
+            self.stopping = False
+        await self.cache.drain()
+        self._log_occupancy()
+
+    @property
+    def accepting(self) -> bool:
+        """Whether add_request takes new requests (False once shutdown() or stop_loop() began)."""
+        return not (self._closing or self.stopping)
+
+    async def shutdown(self, grace_s: float = 0.0) -> None:
+        """Take no new requests; let the ones already queued or running finish within `grace_s`, abort
+        the rest, drain every transfer and close the tiers (a temporary L3 file is removed); a shared L3's
+        backups first finish within what is left of `grace_s` (`Backups.save_for_others`). The grace also
+        runs a loop that stop_loop() ended or that never started, for the requests queued. (Regressions:
+        queued requests were not admitted in the grace, then aborted after it; or aborted at once; a
+        shutdown cancelled in the grace left the loop running and the tiers open.)"""
+        check_loop(self._loop_task, asyncio.get_running_loop())  # (else: closed tiers under a loop that runs on)
+        if grace_s > 0 and self._loop_task is None and (self.waiting or self.parked):
+            await self.start()  # (not after a crash: that loop failed them all; a no-op once closing)
+        self._closing = True
+        deadline = time.monotonic() + grace_s
+        try:
+            while ((self.running or self.waiting or self.parked) and time.monotonic() < deadline
+                   and self._loop_task is not None and not self._loop_task.done()):
+                await asyncio.sleep(0.01)
+            self._abort_all()
+            if self._loop_task is not None:
+                await join_loop(self._loop_task, shield=False)  # re-raises a loop crash; we still clean up
+            self._settle_aborts()
+            await self.cache.runner.save_for_others(deadline - time.monotonic())  # (a shared L3's pages)
+        finally:
+            if self._loop_task is not None and not self._loop_task.done():  # (cancelled in the grace)
+                self._abort_all()
+                await asyncio.wait([self._loop_task])
+                crash_of(self._loop_task)  # (a crash now was logged: taken, not raised; the cancel goes on)
+            self._loop_task = None
+            self._settle_aborts()
+            await self.cache.drain(cancel=True)
+            self._log_occupancy()
+            await self.cache.close()
+            self.runner.close()
+
+    def _abort_all(self) -> None:
+        """Stop: the loop admits nothing more and ends once every live request was aborted."""
+        self.stopping = True
+        self.aborting.update(rid for rid, req in self.requests.items() if not req.state.done)
+        self.wake_soon()
+
+    # -- finishing -----------------------------------------------------------------------------
+    def _settle_aborts(self) -> None:
+        """End the requests aborted since the last tick; each stays in `aborting` until all have
+        ended, so that none keeps another's restore going for its sake (`Restoring.drop_ops`)."""
+        for rid in list(self.aborting):
+            req = self.requests.get(rid)
+            if req is not None and not req.state.done:
+                self._end_aborted(req)
+        self.aborting.clear()
+        self._stops.clear()
+
+    def _end_aborted(self, req: Request) -> None:
+        stop = req.rid in self._stops
+        self._stops.discard(req.rid)
+        if stop and req.state is RequestState.DECODE:
+            self.finish(req, RequestState.FINISHED, "stop")
+        else:
+            self.finish(req, RequestState.ABORTED, "abort")
+
+    def finish(self, req: Request, state: RequestState, reason: str, error: str | None = None) -> None:
+        """End the request: cancel its restore or prefetch, publish what it computed (only when
+        FINISHED), free its private pages, release its locks and send its last event. Pages freed
+        here may still be written by a chained decode step in flight: safe because every later
+        user of an L1 page is enqueued after it on the compute stream (or on a transfer stream
+        that waits for it)."""
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.parked:
+            self.parked.remove(req)
+        self.admission.drop_ops(req, aborting=self.aborting)
+        self.admission.release(req, publish=state is RequestState.FINISHED)
+        req.state, req.finish_reason, req.error = state, reason, error
+        req.finish_s, req.penalty_state = time.perf_counter(), None  # (its device tensors go now, not with the Request)
+        self.stats[state.value] += 1  # (finished / aborted / failed)
+        if req.overlap_op is not None:
+            # it ends before taking over the restore its forward ran behind: that admission's hits
+            # never count (Restoring.adopt_restored), so its log says it was discarded (regression:
+            # the timeline kept the hits of its prefill_start, which the metrics never counted)
+            self.log_event(req, "restore_overlap_discarded", restore_failed=False)
+        self.log_event(req, state.value, output_tokens=len(req.output), reason=reason, error=error)
+        req.emit(TokenEvent(req.rid, None, len(req.output), finished=True, finish_reason=reason, error=error))
+        self.requests.pop(req.rid, None)
+        if self.waiting or self.running:  # its pages may let one of them on: a loop about to sleep plans again
+            self._wake_idle()

@@ -1,0 +1,151 @@
+"""The engine's scheduler loop, mixed into the Engine: one asyncio task whose tick settles aborts and
+parked restores, forms a batch (prefill first, else decode), launches it on the device, awaits its
+tokens and post-processes them (`_after_batch`); with overlap scheduling, decode steps chain on the
+device (`_run_decode_chain`). Also what wakes it (`wake_soon`, `_wake_idle`). Forming batches and
+taking their tokens is the Engine's `admission` (scheduler/admission.py); ending requests is
+`finish` / `_settle_aborts` (scheduler/engine_lifecycle.py)."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from scheduler import step_extras
+from scheduler.logs import info_enabled
+from scheduler.loop_task import fail_live_requests
+from scheduler.runner import Batch, PendingSample
+
+log = structlog.get_logger("scheduler.engine")
+
+
+class EngineLoop:
+    def wake_soon(self) -> None:
+        """Something may be runnable (a request, an abort, a finished restore): the next tick
+        re-plans, and a decode chain in progress stops to let it."""
+        self._end_chain = True
+        if self._wake is not None:
+            self._wake.set()
+
+    def _wake_idle(self) -> None:
+        """Wake a loop that is waiting with nothing to run; a decode chain goes on."""
+        if self._wake is not None:
+            self._wake.set()
+
+    async def _loop(self) -> None:
+        try:
+            await self._ticks()
+        except Exception as exc:
+            # a bug must not leave clients waiting forever: fail every live request, then re-raise
+            log.exception("engine_loop_crashed")
+            fail_live_requests(self, exc)
+            raise
+
+    async def _ticks(self) -> None:
+        while True:
+            self._wake.clear()
+            self._end_chain = False
+            self._settle_aborts()
+            if self.stopping and not self.running:
+                return  # (nothing is admitted while stopping: waiting and parked requests stay as they are)
+            self.admission.settle_parked()
+            self.admission.settle_overlaps()
+            batch = await self.admission.prefill_batch()
+            if batch is None:
+                batch = self.admission.decode_batch()
+            if batch is None:
+                # (stopping: this tick may have ended the last running request, e.g. an overlapped
+                # restore's adopted by settle_overlaps; regression: it then waited for a wake-up that
+                # never came, and stop_loop() hung)
+                if not (self.aborting or self._wake.is_set() or (self.stopping and not self.running)):
+                    await self._wake.wait()
+                continue
+            await self._run(batch)
+
+    async def _run(self, work: Batch) -> None:
+        if work.binput.is_decode and self.config.overlap_schedule:
+            await self._run_decode_chain(work)
+            return
+        start_ns, restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
+        handle = self._launch(work)
+        if work.binput.wait_restore:
+            self.admission.restore_launched(work)
+        next_ids = await self.runner.collect(handle)
+        step_extras.keep_logprobs(self.runner, work.reqs, work.binput, handle, next_ids)
+        await asyncio.sleep(0)  # on the CPU nothing above yields: let streams and aborts run
+        if work.binput.wait_restore:
+            work, next_ids = self.admission.after_overlapped_forward(work, next_ids)
+        self._after_batch(work, next_ids, start_ns, restoring)
+
+    async def _run_decode_chain(self, work: Batch) -> None:
+        """Decode with overlap scheduling: while step N runs on the device, step N+1 of the requests
+        that will surely continue is enqueued with its input ids taken from step N's sampled ids on
+        the device; only then are N's tokens awaited and processed. A request that ends at step N (a
+        stop token, an abort) has its step N+1 result discarded (after_step ignores finished
+        requests). The chain ends when anything else wants the loop: a new or returning request, an
+        abort, a finished restore (`wake_soon`; a finished write-through backup makes nothing
+        runnable and does not end it), or a request that needs a page it cannot get."""
+        start_ns, restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
+        handle = self._launch(work)
+        while True:
+            nxt = None if self._end_chain or self.stopping else self.admission.chain_decode_batch(work.reqs)
+            next_handle = None
+            if nxt is not None:
+                rows = [work.reqs.index(r) for r in nxt.reqs]
+                next_start_ns, next_restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
+                next_handle = self._launch(nxt, chain=(handle, rows))
+                self.stats["chained_steps"] += 1
+            next_ids = await self.runner.collect(handle)
+            step_extras.keep_logprobs(self.runner, work.reqs, work.binput, handle, next_ids)
+            await asyncio.sleep(0)
+            self._after_batch(work, next_ids, start_ns, restoring)
+            self._settle_aborts()
+            if nxt is None:
+                return
+            if isinstance(next_handle, PendingSample):  # its guided rows' masks: from the tokens just processed
+                next_handle = self._sample(nxt, next_handle)
+            work, handle, start_ns, restoring = nxt, next_handle, next_start_ns, next_restoring
+
+    def _launch(self, work: Batch, chain=None):
+        if chain is not None and any(r.guide is not None for r in work.reqs):  # (scheduler/guided.py)
+            # its guided rows' masks need the step before it processed: its forward now, its sampling at `_sample`
+            return self.runner.launch(work.binput, chain=chain, defer_sample=True)
+        step_extras.ask(work.reqs, work.binput, self.model_config.eos_token_ids)  # logprobs, penalties: where asked
+        return self.runner.launch(work.binput, chain=chain)
+
+    def _sample(self, work: Batch, pending: PendingSample):
+        """A deferred step's sampling (`_launch`), its extras asked now that the host has every token."""
+        step_extras.ask(work.reqs, work.binput, self.model_config.eos_token_ids)
+        return self.runner.sample(pending, work.binput)
+
+    def _after_batch(self, work: Batch, next_ids: list[int], start_ns: int, restoring: bool) -> None:
+        reqs, chunks, binput = work
+        self._batch_id += 1
+        self.last_batch_seqs = len(binput.new_lens)
+        end_ns = time.monotonic_ns()
+        self.stats["batches"] += 1
+        if info_enabled():
+            kind = "decode" if binput.is_decode else "prefill"
+            # (new_lens: reqs is empty for a forward whose output waits for its restore; regression:
+            # logged as a batch of no sequence)
+            log.info("batch", batch_id=self._batch_id, kind=kind, num_seqs=len(binput.new_lens),
+                     num_tokens=len(binput.input_ids), start_ns=start_ns, end_ns=end_ns)
+            self._log_occupancy()
+        if binput.is_decode:
+            self.stats["decode_tokens"] += len(reqs)
+            if restoring:  # (a chained step starts before the one before ends: count each instant once)
+                since_ns = max(start_ns, self._overlap_counted_ns)
+                self.cache.metrics.restore_overlapped_s += max(0, end_ns - since_ns) / 1e9
+                self._overlap_counted_ns = max(self._overlap_counted_ns, end_ns)
+        else:
+            self.stats["prefill_tokens"] += len(binput.input_ids)
+            # one forward over an uncached tail, also behind an overlapped restore (then it is what
+            # a restore's tail really costs, copy included): these samples give the recompute model
+            # its intercept, without which a full prefill's fixed cost would count as a restore's saving
+            # (binput: reqs is empty while such a restore is unsettled); not one that also made its prompt
+            # rows' logits (prompt logprobs: eager, and slower)
+            if len(binput.new_lens) == 1 and binput.prompt_logprobs is None:
+                self.cache.observe_prefill(len(binput.input_ids), (end_ns - start_ns) / 1e9)
+        step_extras.fail_broken_bans(self, work, next_ids)  # (before its tokens are taken: a row with none left)
+        for req, chunk, token in zip(reqs, chunks, next_ids):
+            self.admission.after_step(req, chunk, token)
