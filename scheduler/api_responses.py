@@ -14,8 +14,12 @@ Responses' server-sent events (scheduler/responses_output.py).
 * `tools`: Responses' flat function tools (other tool types: a 400 naming them); `tool_choice`,
   `parallel_tool_calls` as a chat's (scheduler/api_tools.py); `text.format` as `response_format`;
   `max_output_tokens` as `max_completion_tokens` (none: the rest of the context, as a chat's).
-* Stateless: nothing is kept. `previous_response_id` and `conversation` are 400s; `store` is accepted,
-  `true` too (vLLM keeps responses by default), but nothing is stored and the response says `"store": false`.
+* Kept responses (scheduler/responses_store.py, as OpenAI's and vLLM's): a response finished with `store` true (the
+  default) is kept, whole or streamed, and says `"store": true`, up to --responses-store-max (0: none kept, each says
+  false), those used least recently dropped first. `previous_response_id`: the kept conversation (its input and
+  output; not its instructions, as OpenAI's) comes after this request's instructions and before its input, so
+  that its prompt starts as the earlier one's did (the prefix cache serves it); an unknown id is a 404 naming it.
+  GET / DELETE /v1/responses/{id} and GET .../input_items (server.py). `conversation` is a 400.
 * `reasoning.effort` is the chat's `reasoning_effort` (vLLM's: a chat template variable, with enable_thinking;
   scheduler/openai_fields.py). Accepted and changing nothing: `reasoning`'s other fields, `metadata` (echoed),
   `user`, `truncation` "disabled" ("auto": a 400), and at their neutral values `background`, `service_tier`.
@@ -37,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import (Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, TypeAdapter, ValidationError,
                       field_validator, model_validator)
@@ -48,6 +52,9 @@ from scheduler.api_models import APIError, Float, _is_type_tag, _Strict, validat
 from scheduler.request import MAX_LOGPROBS
 from scheduler.request_ids import RequestIdField
 from scheduler.responses_output import ResponseOutput
+
+if TYPE_CHECKING:
+    from scheduler.responses_store import ResponsesStore, StoredResponse
 
 ROLES = ("user", "system", "developer", "assistant")
 
@@ -204,7 +211,7 @@ class ResponsesRequest(_Strict, RequestIdField):  # (request_id: vLLM's, the Res
     reasoning: ReasoningConfig | None = None
     metadata: dict[StrictStr, StrictStr] | None = None
     user: StrictStr | None = None
-    store: StrictBool | None = None  # (nothing is kept, true or not)
+    store: StrictBool | None = None  # (none: true, as OpenAI's)
     truncation: Literal["disabled", "auto"] | None = None
     previous_response_id: StrictStr | None = None
     conversation: Any = None
@@ -246,7 +253,7 @@ class ResponsesRequest(_Strict, RequestIdField):  # (request_id: vLLM's, the Res
             if kind is not None and kind not in _ITEMS:
                 raise PydanticCustomError("unsupported_value", "item {i} is of type {kind}, which this server does "
                                           "not take (messages, function_call, function_call_output and reasoning "
-                                          "items; it keeps nothing, so no item_reference)",
+                                          "items; no item_reference: send previous_response_id)",
                                           {"i": i, "kind": repr(kind)})
             try:
                 valid.append(_INPUT_ITEM.validate_python(item))
@@ -270,10 +277,10 @@ class ResponsesRequest(_Strict, RequestIdField):  # (request_id: vLLM's, the Res
         return tools
 
     def check_unsupported(self) -> None:
-        for name in ("previous_response_id", "conversation"):
-            if getattr(self, name) is not None:
-                raise APIError(400, f"'{name}' is not supported: this server keeps no responses (stateless); send "
-                                    f"the whole conversation as 'input'", param=name, code="unsupported_value")
+        if self.conversation is not None:
+            raise APIError(400, "'conversation' is not supported: this server keeps responses, not conversations; "
+                                "send 'previous_response_id' or the whole conversation as 'input'",
+                           param="conversation", code="unsupported_value")
         for name, neutral in self.NEUTRAL.items():
             value = getattr(self, name)
             if not any(value == v and type(value) is type(v) for v in neutral):
@@ -305,11 +312,33 @@ def parse_request(body: dict) -> ResponsesRequest:
     return req
 
 
-def chat_messages(req: ResponsesRequest) -> list[dict]:
-    """The input items as a chat's messages: consecutive assistant-side items (an assistant message, function
+def input_items(req: ResponsesRequest) -> list:
+    """The request's input as items (a string: one user message)."""
+    return [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else list(req.input)
+
+
+def as_items(data: list[dict]) -> list:
+    """Items as the API gives them (an earlier response's output items) as input items."""
+    return [_INPUT_ITEM.validate_python(item) for item in data]
+
+
+def not_found(response_id: str, param: str | None = None) -> APIError:
+    """No kept response of this id (unknown, not stored, dropped or deleted): vLLM's 404, OpenAI's error shape."""
+    return APIError(404, f"Response with id {response_id!r} not found", param=param, type="invalid_request_error",
+                    code="response_not_found" if param is None else "previous_response_not_found")
+
+
+def chat_messages(req: ResponsesRequest, history: list[dict] = ()) -> list[dict]:
+    """The request's messages: its instructions (a system message), `history` (the kept conversation it follows,
+    previous_response_id's), its input items."""
+    system = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
+    return system + list(history) + items_messages(input_items(req))
+
+
+def items_messages(items: list) -> list[dict]:
+    """Input items as a chat's messages: consecutive assistant-side items (an assistant message, function
     calls, reasoning) one assistant message, as a chat answer of text, calls and thinking is."""
-    messages: list[dict] = [] if req.instructions is None else [{"role": "system", "content": req.instructions}]
-    items = [MessageItem(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    messages: list[dict] = []
     turn: dict | None = None  # the assistant message the assistant-side items go to
     for item in items:
         if isinstance(item, FunctionCallOutputItem):
@@ -340,10 +369,11 @@ def _content(content: str | list[TextPart]) -> str | list[dict]:
     return content if isinstance(content, str) else [{"type": "text", "text": p.text} for p in content]
 
 
-def chat_body(req: ResponsesRequest) -> dict:
-    """The chat completion body that serves `req` (its fields left out where `req` leaves them out)."""
+def chat_body(req: ResponsesRequest, history: list[dict] = ()) -> dict:
+    """The chat completion body that serves `req` (its fields left out where `req` leaves them out), after the
+    conversation `history`."""
     body: dict[str, Any] = {
-        "messages": chat_messages(req), "model": req.model, "stream": req.stream, "temperature": req.temperature,
+        "messages": chat_messages(req, history), "model": req.model, "stream": req.stream, "temperature": req.temperature,
         "top_p": req.top_p, "seed": req.seed, "cache_salt": req.cache_salt, "user": req.user, "max_completion_tokens": req.max_output_tokens,
         "parallel_tool_calls": req.parallel_tool_calls, "reasoning_effort": req.reasoning and req.reasoning.effort,
         "tools": None if req.tools is None else [t.chat_form() for t in req.tools]}
@@ -370,17 +400,25 @@ _MAX_TOKENS = re.compile(r"\bmax_(?:completion_)?tokens\b")  # (the word, quoted
 
 class ResponsesShape:
     """One /v1/responses request served as a chat completion (server._generate): its body translated
-    (`chat_body`), its choice rendered as a Response (`output`), its errors named by its own fields."""
+    (`chat_body`), after the kept conversation it follows; its choice rendered as a Response (`output`), kept
+    when it asks; its errors named by its own fields. store: the server's kept responses (none: none kept)."""
 
-    def __init__(self) -> None:
+    def __init__(self, store: ResponsesStore | None = None) -> None:
         self.req: ResponsesRequest | None = None
+        self.store = store
+        self.prior: StoredResponse | None = None  # the kept response it follows
 
     def chat_body(self, body: dict) -> dict:
         self.req = parse_request(body)
-        return chat_body(self.req)
+        if (previous := self.req.previous_response_id) is not None:
+            if self.store is None:
+                raise not_found(previous, "previous_response_id")
+            self.prior = self.store.prior(previous)
+        return chat_body(self.req, [] if self.prior is None else self.prior.history())
 
     def output(self, choices) -> ResponseOutput:
-        out = ResponseOutput(choices, self.req)
+        keep = None if self.store is None else self.store.keeper(self.req, self.prior)
+        out = ResponseOutput(choices, self.req, keep)
         if self.req.request_id is not None:  # (vLLM's: the id as given, not resp_-prefixed)
             out.id = self.req.request_id
         return out

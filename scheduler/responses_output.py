@@ -9,7 +9,8 @@ with one output_text part, a `function_call` per call. A stream finishes each it
 (as OpenAI's do), so text that follows a call (the hermes parser's "auto") is a second message there, and
 part of the one message in a whole response: their `output_text` is the same. finish_reason "length" is
 status "incomplete" (incomplete_details.reason "max_output_tokens", the last item "incomplete"); a choice
-that failed ends a stream with an `error` event and `response.failed`.
+that failed ends a stream with an `error` event and `response.failed`. A Response kept (scheduler/responses_store.py)
+is handed to its `keep` as it was sent, once it finished (not failed): a stream's when its last event is made.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import contextlib
 import itertools
 import json
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from fastapi.responses import JSONResponse
 
@@ -146,10 +147,12 @@ def _usage(usage: dict) -> dict:
 
 class ResponseOutput:
     """The Choices (one) of a /v1/responses request rendered as a Response; server._generate serves it as it
-    serves Choices (`complete`, `sse`, `abort`, `close`)."""
+    serves Choices (`complete`, `sse`, `abort`, `close`). keep: takes the finished Response to keep (none: it is
+    not kept, and says `"store": false`)."""
 
-    def __init__(self, choices: "Choices", req: "ResponsesRequest") -> None:
-        self.choices, self.req = choices, req
+    def __init__(self, choices: "Choices", req: "ResponsesRequest",
+                 keep: Callable[[dict], None] | None = None) -> None:
+        self.choices, self.req, self.keep = choices, req, keep
         self.id = "resp_" + choices.rid.partition("-")[2]  # (the engine request's id, for the logs)
         self.params = choices.gens[0].req.params  # (the sampling settings it ran with, the defaults filled)
         self.logprobs = req.includes_logprobs()
@@ -179,7 +182,7 @@ class ResponseOutput:
         shaper = self._answer_logprobs() if self.logprobs else None
         items.feed(message, self._entries(shaper, choice, message))
         items.close(status)
-        return JSONResponse(self.response(status, items.items, _usage(chat["usage"])))
+        return JSONResponse(self._kept(self.response(status, items.items, _usage(chat["usage"]))))
 
     async def sse(self):
         numbers = itertools.count()
@@ -215,7 +218,13 @@ class ResponseOutput:
         for e in items.close(status):
             yield event(e)
         usage = _usage(self.choices.usage_body())
-        yield event({"type": f"response.{status}", "response": self.response(status, items.items, usage)})
+        yield event({"type": f"response.{status}", "response": self._kept(self.response(status, items.items, usage))})
+
+    def _kept(self, response: dict) -> dict:
+        """A finished Response, kept where asked (before it is sent: a follow-up may come as soon as it is read)."""
+        if self.keep is not None:
+            self.keep(response)
+        return response
 
     def response(self, status: str, output: list[dict], usage: dict | None = None, error: dict | None = None) -> dict:
         """The Response object, with the request's settings echoed as the openai SDK's Response wants them."""
@@ -230,8 +239,9 @@ class ResponseOutput:
             "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.choices.model,
             "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "previous_response_id": None, "reasoning": None if req.reasoning is None else req.reasoning.model_dump(),
-            "store": False,  # (nothing is kept, whatever the request's `store`)
+            "previous_response_id": req.previous_response_id,
+            "reasoning": None if req.reasoning is None else req.reasoning.model_dump(),
+            "store": self.keep is not None,  # (kept once it finishes: scheduler/responses_store.py)
             "temperature": self.params.temperature, "top_p": self.params.top_p,
             "text": text,
             "tool_choice": choice.model_dump() if hasattr(choice, "model_dump") else choice or "auto",

@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CORS: the methods allowed, a JSON list (only with --allowed-origins)")
     s.add_argument("--allowed-headers", type=json_str_list, default=["*"], metavar="JSON",
                    help="CORS: the request headers allowed, a JSON list (only with --allowed-origins)")
+    s.add_argument("--responses-store-max", type=int, default=ServerLimits.responses_store_max, metavar="N",
+                   help="Responses (/v1/responses, store true) kept in memory for previous_response_id and "
+                        "GET /v1/responses/{id}, the least recently used dropped first; 0: none kept")
     s.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the request's own, else the id it ran under (vLLM's)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -127,6 +130,8 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
     for name in ("max_tokens_limit", "max_concurrent_requests", "max_body_bytes"):
         if getattr(args, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
+    if args.responses_store_max < 0:
+        return f"--responses-store-max must be >= 0 (0: none kept), got {args.responses_store_max}"
     if not 0 <= args.port <= 65535:  # (65536 + n bound port n while the log said 65536 + n)
         return f"--port must be in [0, 65535], got {args.port}"
     if args.generation_config not in ("auto", "vllm") and (not args.generation_config or not os.path.isfile(
@@ -237,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                           shutdown_grace_s=max(0.0, args.shutdown_grace_s), sampling_defaults=sampling_defaults,
                           reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                           chat_template=chat_template, enable_request_id_headers=args.enable_request_id_headers,
+                          responses_store_max=args.responses_store_max,
                           **_access_limits(args))
     if limits.api_key:  # (where the key came from; never the key)
         print(f"hicache-serve: the /v1/ routes ask for the API key of "

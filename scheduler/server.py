@@ -3,7 +3,8 @@
     POST /v1/completions        prompt: token ids or text, or a list of prompts (`n` choices each, one
                                 engine request a choice); stream: server-sent events; stop: token ids or strings
     POST /v1/chat/completions   only with a model directory whose tokenizer has a chat template
-    POST /v1/responses          OpenAI's Responses API, stateless, served as a chat completion (api_responses.py)
+    POST /v1/responses          OpenAI's Responses API, served as a chat completion (api_responses.py); kept
+                                responses (responses_store.py): GET|DELETE /v1/responses/{id}, GET .../input_items
     POST /tokenize   POST /detokenize       vLLM's: text <-> token ids with the server's tokenizer (api_tokenize.py)
     GET  /v1/models   GET /v1/models/{id}   GET /health (GET|POST /ping too)   GET /metrics (Prometheus)
     GET  /hicache/status (engine.status())     (each GET route answers HEAD too)
@@ -44,6 +45,7 @@ from scheduler.api_auth import CORSSettings, install_access
 from scheduler.api_inputs import choice_params, parse_prompts
 from scheduler.api_models import APIError, jsonable, read_json_body, validation_error
 from scheduler.api_responses import ResponsesShape
+from scheduler.responses_store import ResponsesStore
 from scheduler.api_tokenize import chat_unavailable, detokenize, tokenize
 from scheduler.choices import Choices
 from scheduler.engine import Engine
@@ -75,6 +77,7 @@ class ServerLimits:
     served_model_names: tuple[str, ...] = ()  # a request's `model`, the first reported; (): the model's names
     cors: CORSSettings | None = None  # --allowed-origins and companions (api_auth.py); None: no CORS headers
     enable_request_id_headers: bool = False  # X-Request-Id on every response (request_ids.RequestIdHeaders)
+    responses_store_max: int = 1000  # Responses kept for previous_response_id and GET (responses_store.py); 0: none
 
 
 class _ServerState:
@@ -91,6 +94,7 @@ class _ServerState:
         self.shutdown_task: asyncio.Task | None = None
         self.engine_error: str | None = None
         self.created = int(time.time())
+        self.responses = ResponsesStore(limits.responses_store_max)
 
     def begin_shutdown(self) -> None:
         """Stop admitting (503) and start the engine's shutdown: in-flight requests get the grace
@@ -194,9 +198,13 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
 
     @app.post("/v1/responses")
     async def responses(request: Request):
-        shape = ResponsesShape()
+        shape = ResponsesShape(st.responses)
         with shape.named_errors():
             return await _generate(request, st, chat=True, shape=shape)
+
+    @app.delete("/v1/responses/{response_id}")  # (a kept response: responses_store.py; GET's below)
+    async def response_delete(response_id: str):
+        return st.responses.delete(response_id)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):  # (no generation slot: the engine is not involved)
@@ -218,6 +226,15 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
 
     # GET routes answer HEAD too (RFC 9110; `curl -I`, uptime checks): FastAPI's got a 405
     get = functools.partial(app.api_route, methods=["GET", "HEAD"])
+
+    @get("/v1/responses/{response_id}")
+    async def response_kept(response_id: str):
+        return JSONResponse(st.responses.response(response_id))  # (as sent: no re-encoding)
+
+    @get("/v1/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, order: str = "desc", limit: int = 20, after: str | None = None,
+                                   before: str | None = None):
+        return JSONResponse(st.responses.input_items(response_id, order, limit, after, before))
 
     @get("/v1/models")
     async def models():

@@ -29,17 +29,18 @@ def tiny_config(num_pages: int = 256, **overrides) -> EngineConfig:
 
 
 @contextmanager
-def byte_level_server(tmp_path_factory, config: EngineConfig, chat_template: str | None = None
-                      ) -> Iterator[ServerThread]:
+def byte_level_server(tmp_path_factory, config: EngineConfig, chat_template: str | None = None,
+                      limits: ServerLimits | None = None) -> Iterator[ServerThread]:
     """An engine of `config` served over HTTP with the byte-level tokenizer (its own chat template, or
-    `chat_template`); the server carries its `engine` and `tok` (the tokenizer) for the tests to look at."""
+    `chat_template`) under `limits` (none: a 1 s shutdown grace); the server carries its `engine` and `tok` (the
+    tokenizer) for the tests to look at."""
     path = tmp_path_factory.mktemp("tok")
     _write_byte_level_tokenizer(path)
     if chat_template is not None:
         (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": chat_template}))
     engine = Engine(config)
     tok = HFTokenizer(str(path))
-    with ServerThread(create_app(engine, ServerLimits(shutdown_grace_s=1.0), tokenizer=tok)) as s:
+    with ServerThread(create_app(engine, limits or ServerLimits(shutdown_grace_s=1.0), tokenizer=tok)) as s:
         s.engine, s.tok = engine, tok
         yield s
 

@@ -80,7 +80,7 @@ def test_text_input_is_a_user_message_and_max_output_tokens_makes_it_incomplete(
     assert message.content[0].annotations == [] and r.output_text == message.content[0].text
     assert (r.temperature, r.top_p, r.max_output_tokens, r.metadata) == (0, 1, 4, {"k": "v"})
     assert (r.tools, r.tool_choice, r.parallel_tool_calls, r.text.format.type) == ([], "auto", True, "text")
-    assert r.model_extra["store"] is False  # (accepted, nothing kept)
+    assert r.model_extra["store"] is True  # (kept: tests/test_responses_store.py)
     chat = _chat(srv, [{"role": "user", "content": "hello"}], max_tokens=4)
     assert r.output_text == chat["choices"][0]["message"]["content"]
     u, cu = r.usage, chat["usage"]
@@ -209,8 +209,8 @@ def test_a_thought_is_a_reasoning_item(client):
 
 
 @pytest.mark.parametrize("body, param, words", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "stateless"),
-    ({"conversation": "conv_1"}, "conversation", "stateless"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "not found"),
+    ({"conversation": "conv_1"}, "conversation", "not supported"),
     ({"tools": [{"type": "web_search"}]}, "tools", "'web_search'"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "'item_reference'"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input", "role"),

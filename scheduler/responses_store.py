@@ -1,0 +1,153 @@
+"""The Responses API's kept responses (scheduler/api_responses.py): what `previous_response_id`, GET / DELETE
+/v1/responses/{id} and GET /v1/responses/{id}/input_items read, as OpenAI and vLLM keep them.
+
+A response is kept when it finished (completed or incomplete, whole or streamed; not failed) and its request left
+`store` true (the default). Per id, a `StoredResponse`: the Response as it was sent, the conversation it ends as a
+chat's messages, and the request's input items as given (ids added to those without one). The conversation: the
+one it followed (previous_response_id's), the request's input items and the response's output items as the
+messages that the same items sent back as `input` make (api_responses.items_messages: a function_call is the
+assistant's tool call, a reasoning item its thinking), without the request's `instructions` (OpenAI's: a
+follow-up's own instructions apply, first, as a system message). A follow-up's prompt then starts as its
+predecessor's did (with the same instructions), and the prefix cache serves that part.
+
+Bounded by a count (--responses-store-max; 0: nothing kept): the response used least recently (kept, followed
+or read by GET) dropped first. In memory, on the server's one event loop: no locks. A kept conversation is
+never changed (a new response's is a new tuple; the messages are shared between the responses of one chain),
+and a request gets its own copy.
+"""
+from __future__ import annotations
+
+import copy
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from scheduler.api_models import APIError
+from scheduler.api_responses import as_items, input_items, items_messages, not_found
+
+if TYPE_CHECKING:
+    from scheduler.api_responses import ResponsesRequest
+
+# an input item's id where it came without one (as OpenAI's, by its type)
+_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+MAX_PAGE_ITEMS = 100  # input_items' `limit`, 1 to this (OpenAI's)
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    response: dict  # the Response object as sent (GET's)
+    conversation: tuple[dict, ...]  # chat messages: earlier turns, this input, this output (no instructions)
+    input_items: tuple[dict, ...]  # the request's input items as given, each with an id (input_items')
+
+    @property
+    def id(self) -> str:
+        return self.response["id"]
+
+    def history(self) -> list[dict]:
+        """The conversation for a follow-up's chat body: a copy (the chat path may not change the kept one)."""
+        return copy.deepcopy(list(self.conversation))
+
+
+class ResponsesStore:
+    """Kept responses by id, at most `max_responses` (0: none), in order of use (the least recently used first)."""
+
+    def __init__(self, max_responses: int) -> None:
+        self.max_responses = max(0, max_responses)
+        self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_responses > 0
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def __contains__(self, response_id: str) -> bool:
+        return response_id in self._kept
+
+    def put(self, stored: StoredResponse) -> None:
+        """Kept as the most recently used (an id kept again replaced), the least recently used dropped above the
+        bound."""
+        if not self.enabled:
+            return
+        self._kept[stored.id] = stored
+        self._kept.move_to_end(stored.id)
+        while len(self._kept) > self.max_responses:
+            self._kept.popitem(last=False)
+
+    def _use(self, response_id: str, param: str | None = None) -> StoredResponse:
+        stored = self._kept.get(response_id)
+        if stored is None:
+            raise not_found(response_id, param)
+        self._kept.move_to_end(response_id)
+        return stored
+
+    def prior(self, response_id: str) -> StoredResponse:
+        """The kept response a request's previous_response_id names (a 404 naming that field otherwise)."""
+        return self._use(response_id, "previous_response_id")
+
+    def conversation(self, response_id: str) -> list[dict]:
+        """A copy of the conversation a kept response ends."""
+        return self._use(response_id).history()
+
+    def response(self, response_id: str) -> dict:
+        """GET /v1/responses/{id}: the Response as it was sent."""
+        return self._use(response_id).response
+
+    def delete(self, response_id: str) -> dict:
+        """DELETE /v1/responses/{id}: OpenAI's answer (a 404 where none is kept)."""
+        if self._kept.pop(response_id, None) is None:
+            raise not_found(response_id)
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    def input_items(self, response_id: str, order: str = "desc", limit: int = 20, after: str | None = None,
+                    before: str | None = None) -> dict:
+        """GET /v1/responses/{id}/input_items: OpenAI's list of the request's input items (`order` "desc", its
+        default: the last first), a page of `limit` after the item `after` or before the item `before`."""
+        stored = self._use(response_id)
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"'order' must be 'asc' or 'desc', got {order!r}", param="order",
+                           code="invalid_value")
+        if not 1 <= limit <= MAX_PAGE_ITEMS:
+            raise APIError(400, f"'limit' must be 1 to {MAX_PAGE_ITEMS}, got {limit}", param="limit",
+                           code="invalid_value")
+        items = list(stored.input_items if order == "asc" else reversed(stored.input_items))
+        ids = [item["id"] for item in items]
+        for name, cursor in (("after", after), ("before", before)):
+            if cursor is not None and cursor not in ids:
+                raise APIError(400, f"'{name}': no input item {cursor!r} in response {response_id!r}", param=name,
+                               code="invalid_value")
+        window = items[ids.index(after) + 1 if after is not None else 0:
+                       ids.index(before) if before is not None else len(items)]
+        page = window[-limit:] if before is not None and after is None else window[:limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(page) < len(window)}
+
+    def keeper(self, req: ResponsesRequest, prior: StoredResponse | None) -> Callable[[dict], None] | None:
+        """What keeps `req`'s Response once it finished, after the conversation of `prior` (the response it
+        follows); None where it is not to be kept (`store` false, or none kept)."""
+        if not self.enabled or req.store is False:
+            return None
+        history = () if prior is None else prior.conversation
+        given = input_item_dicts(req)
+        items = input_items(req)
+
+        def keep(response: dict) -> None:
+            turn = items_messages(items + as_items(response["output"]))
+            self.put(StoredResponse(response, (*history, *turn), given))
+        return keep
+
+
+def input_item_dicts(req: ResponsesRequest) -> tuple[dict, ...]:
+    """The request's input items as given, an id added to each without one (a string input: one user message
+    of an input_text part, as OpenAI lists it)."""
+    if isinstance(req.input, str):
+        return ({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "user",
+                 "content": [{"type": "input_text", "text": req.input}]},)
+    given = []
+    for item in req.input:
+        data = item.model_dump(by_alias=True, exclude_none=True)
+        kind = data.get("type") or "message"
+        given.append({"id": data.pop("id", None) or f"{_ID_PREFIXES[kind]}_{uuid.uuid4().hex}", "type": kind, **data})
+    return tuple(given)
