@@ -33,6 +33,7 @@ from pydantic_core import PydanticCustomError
 
 from scheduler.api_guided import GuidedFields
 from scheduler.ban_fields import BanFields
+from scheduler.beam_search import BeamSearchFields
 from scheduler.api_tools import MessageToolCall, ToolFields
 from scheduler.logprobs import ChatLogprobsFields, CompletionLogprobsField
 from scheduler.openai_fields import OpenAIChatFields, OpenAIMetadataFields
@@ -77,7 +78,7 @@ class StreamOptions(_Strict):
 
 
 class _SamplingFields(_Strict, PenaltyFields, SamplerFields, GuidedFields, TruncationField, BanFields,
-                      PromptLogprobsField, RequestIdField):
+                      PromptLogprobsField, RequestIdField, BeamSearchFields):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: Float | None = None

@@ -42,6 +42,7 @@ from starlette.requests import ClientDisconnect
 
 from scheduler.api_admin import PrefixCacheReset
 from scheduler.api_auth import CORSSettings, install_access
+from scheduler.api_beam_search import BeamSearches
 from scheduler.api_inputs import choice_params, parse_prompts
 from scheduler.api_models import APIError, jsonable, read_json_body, validation_error
 from scheduler.api_responses import ResponsesShape
@@ -344,6 +345,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
             vocab_size=st.engine.vocab_size, prompt_limit=st.prompt_limit, max_tokens_limit=st.max_tokens_limit,
             default_max_tokens=st.limits.default_max_tokens, context_tokens=st.engine.max_kv_tokens,
             sampling_defaults=st.limits.sampling_defaults, auto_tools=st.limits.tool_call_parser is not None)
+        beams = BeamSearches.of(st, api_req, params, chat, arrival)  # use_beam_search (None: not asked)
         k, n = len(prompts), api_req.n or 1
         total = k * n  # engine requests: choice prompt_index * n + j, OpenAI's order
         if total > st.limits.max_concurrent_requests:  # each choice is a request: waiting would never do
@@ -360,10 +362,13 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
                 raise _refused(st, exc, 0, k, api_req) from None
         for i, ids in enumerate(prompts):  # every prompt is checked before any is queued (choices' seeds: in range)
             try:
-                st.engine.validate(ids, params)
+                (beams or st.engine).validate(ids, params)
             except RequestError as exc:
                 raise _refused(st, exc, i, k, api_req) from None
         for i, ids in enumerate(prompts):
+            if beams is not None:  # the prompt's search, its n beams as its choices (scheduler/api_beam_search.py)
+                gens += beams.choices(ids, rids, index=i, batch_size=k)
+                continue
             for j in range(n):
                 try:
                     ereq = st.engine.add_request(ids, choice_params(params, j),
