@@ -215,6 +215,22 @@ def test_dense_gap_reports_the_two_tokens_logits(latency):
     assert gap["logit_std"] > 0 and (gap["recompute"], gap["l1_hit"]) == (5, 9)
 
 
+def test_bench_beam_search_computes_less_with_the_prefix_cache(capsys):
+    """scripts/bench_beam_search.py: each configuration searched in an engine with the prefix cache and in one
+    without; with it, the steps compute only the beams' last pages (fewer tokens than sent), without it every
+    token sent; both engines' beams agree on the float32 tiny model and pass their integrity checks."""
+    assert load("bench_beam_search").main([*CPU, "--prompt-tokens", "40", "--beam-widths", "1,3", "--max-tokens", "5",
+                                           "--repeats", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["integrity"] == {"cache": "passed", "no_cache": "passed"}
+    assert [(r["prompt_tokens"], r["beam_width"]) for r in out["rows"]] == [(40, 1), (40, 3)]
+    for r in out["rows"]:
+        assert r["sent_tokens"] == 40 * 5 + 10 + (r["beam_width"] - 1) * (4 * 40 + 10)
+        assert r["no_cache_computed_tokens"] == r["sent_tokens"]
+        assert r["cache_computed_tokens"] < r["sent_tokens"] / 2
+        assert r["beams_equal"] == "2/2" and r["cache_s"] > 0 and r["greedy_s"] > 0
+
+
 def test_bench_allocator_reports_both_layouts(capsys):
     assert load("bench_allocator").main(["--pages", "6", "--repeats", "5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
