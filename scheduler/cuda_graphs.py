@@ -34,17 +34,20 @@ from scheduler.model import Qwen3Model
 
 DECODE_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # captured up to the first that holds the max batch
 TAIL_ROWS = 16
-TAIL_SIZES = (1, 2, 4)
+TAIL_SIZES = (1, 2, 4, 8, 16)  # captured up to the max batch (at least 4)
 PREFILL_BUCKETS = tuple(range(64, 513, 64))  # fresh one-sequence prefills, padded up to these lengths
 
 
 def graph_shapes(max_batch: int) -> list[tuple[int, int]]:
     """The (sequences, rows per sequence) captured: decode batches up to the first of DECODE_SIZES that
     holds `max_batch` (regression: up to `max_batch` only, so with 50 running requests batches of 49 and
-    50 ran eagerly), then tails of TAIL_SIZES sequences."""
+    50 ran eagerly), then tails of TAIL_SIZES sequences up to the first that holds `max_batch` (at least 4;
+    regression: 4 at most, so a prefill of 8 short tails over cached prefixes, as a beam search's step of 8
+    beams, ran eagerly: 37 ms a step at the 8B shape against 6 ms for 4 beams, docs/benchmarks.md session 45)."""
     cover = next((b for b in DECODE_SIZES if b >= max_batch), DECODE_SIZES[-1])
+    tails = next((b for b in TAIL_SIZES if b >= max(4, max_batch)), TAIL_SIZES[-1])
     return ([(b, 1) for b in DECODE_SIZES if b <= cover]
-            + [(b, TAIL_ROWS) for b in TAIL_SIZES if b * TAIL_ROWS <= max(64, max_batch)])
+            + [(b, TAIL_ROWS) for b in TAIL_SIZES if b <= tails])
 
 
 class DecodeGraphs:

@@ -481,7 +481,8 @@ def test_beam_search_on_cuda_over_the_prefix_cache_equals_a_search_without_it():
     from scheduler.engine import Engine
 
     prompt = prompts(1, base=70)[0]
-    params = BeamSearchParams(beam_width=4, max_tokens=6, ignore_eos=True, length_penalty=0.5)
+    # (8 beams: each step after the first a prefill of 8 tails over cached prefixes, the (8, TAIL_ROWS) graph)
+    params = BeamSearchParams(beam_width=8, max_tokens=6, ignore_eos=True, length_penalty=0.5)
 
     def search(**kw):
         eng = Engine(EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=512, page_size=16, **kw))
@@ -501,5 +502,5 @@ def test_beam_search_on_cuda_over_the_prefix_cache_equals_a_search_without_it():
     assert [b.output_ids for b in cached.beams] == [b.output_ids for b in whole.beams]
     for a, b in zip(cached.beams, whole.beams):
         assert abs(a.cum_logprob - b.cum_logprob) < 1e-3
-    assert len(cached.beams) == 4 and all(n > 0 for n in cached.cached_tokens_per_step[1:])
+    assert len(cached.beams) == 8 and all(n > 0 for n in cached.cached_tokens_per_step[1:])
     assert not any(whole.cached_tokens_per_step)

@@ -139,4 +139,14 @@ def test_decode_graphs_cover_the_engines_max_batch():
     for max_batch, largest in ((50, 64), (32, 32), (33, 48), (1, 1), (64, 64), (100, 128), (128, 128), (500, 128)):
         decode = [b for b, rows in graph_shapes(max_batch) if rows == 1]
         assert max(decode) == largest and decode == sorted(decode), (max_batch, decode)
-    assert [b for b, rows in graph_shapes(50) if rows == TAIL_ROWS] == [1, 2, 4]
+    assert [b for b, rows in graph_shapes(50) if rows == TAIL_ROWS] == [1, 2, 4, 8, 16]
+
+
+def test_tail_graphs_cover_the_engines_max_batch():
+    """Session 45. Regression: tails (up to TAIL_ROWS new tokens over a cached prefix) were captured for at most
+    4 sequences, so a prefill of 8 such tails (a beam search's step of 8 beams; 8 chats' next turns at once) ran
+    eagerly, ~6 x the time of a graph replay at the 8B shape."""
+    from scheduler.cuda_graphs import TAIL_ROWS, graph_shapes
+    for max_batch, tails in ((1, [1, 2, 4]), (4, [1, 2, 4]), (5, [1, 2, 4, 8]), (8, [1, 2, 4, 8]),
+                             (32, [1, 2, 4, 8, 16]), (64, [1, 2, 4, 8, 16])):
+        assert [b for b, rows in graph_shapes(max_batch) if rows == TAIL_ROWS] == tails, max_batch
