@@ -16,15 +16,21 @@ one chunk):
   ids) wait. (vLLM's whole response puts every generated token's on the output_text, the thought's too.)
 * A chunk whose delta has text takes its tokens and those that waited; one without text or a call (text the
   tool parser holds) leaves them waiting; one with a call and no text drops them (the call's markup and
-  arguments: function_call items carry none). A chunk with text and a call (a whole answer's) takes, from the
-  first, the tokens whose pieces spell the text's start and drops the rest, the text before a call being
-  written first (the hermes parser's text after a call, in a whole answer, is then not covered; nor is any
-  text after a call that opens the answer). Tokens still
-  waiting at the end (a marker never completed, text a stop string cut) are dropped.
+  arguments, the blanks before it: function_call items carry none). Blanks the tool parser drops after a call
+  wait, and go with the text that follows it. A chunk with text and calls (a whole answer's, the hermes
+  parser's text around calls) has its tokens read again by the hermes parser one by one, each taken, left
+  waiting or dropped as a stream's chunk of that token (so that a whole answer's text, before its calls and
+  after them, has the tokens a stream's texts have, in order).
+* The answer's last chunk, where the text was the last thing written (no call since): the tokens still waiting
+  go to the text, as a whole answer's text takes its tokens of no text (an EOS whose text is left out, an id
+  past the tokenizer's, text a stop string cut); in a stream they join the text's last delta
+  (responses_output.OutputItems holds each delta back until the next event). Otherwise tokens still waiting at
+  the end (a marker never completed, blanks after a call) are dropped.
 """
 from __future__ import annotations
 
 from scheduler.reasoning import Mode, ReasoningTokens
+from scheduler.tool_calls import HermesToolParser
 
 
 def event_form(entries: list[dict]) -> list[dict]:
@@ -45,24 +51,34 @@ class AnswerLogprobs:
         self._in_text = False  # whether the last entries given went to text (no call since)
 
     def feed(self, token_ids: list[int], entries: list[dict], delta: dict, last: bool = False) -> list[dict]:
-        """`last`: the answer's last chunk, whose waiting tokens go to the text it is writing, if any (a whole
-        answer's text takes its tokens of no text, an id past the tokenizer's, an incomplete character)."""
+        """`last`: the answer's last chunk, whose waiting tokens go to the text it is writing, if any."""
         self._waiting += self._texts(token_ids, entries)
         content, calls = delta.get("content") or "", delta.get("tool_calls")
-        if not content and not calls:
-            if not (last and self._in_text):  # (regression: a stream's last such tokens were dropped)
-                return []
-        self._in_text = not calls
+        # (regression: text and calls took the tokens whose pieces spelled the text's start: none of the text
+        # after a call, none past a piece of a character of several bytes)
+        if content and calls:
+            return self._around_calls(last)
+        return self._chunk(bool(content), bool(calls), last)
+
+    def _chunk(self, text: bool, call: bool, last: bool) -> list[dict]:
+        """The waiting entries a chunk takes: all where it writes text (with a call too: a token of both),
+        none where it writes a call (they are dropped); where it writes neither they wait, unless it is the
+        last one and the text was written last (regression: a stream's last such tokens were dropped)."""
+        if not (text or call or (last and self._in_text)):
+            return []
+        self._in_text = text or not call
         taken, self._waiting = self._waiting, []
-        if calls:  # (the text comes first: the tokens whose pieces spell its start, the rest the calls')
-            pieces, kept = "", []
-            for entry in taken:  # (regression: those that fitted its length, a call before it gave its markup's)
-                pieces += entry["token"]
-                if not content.startswith(pieces):
-                    break
-                kept.append(entry)
-            taken = kept
-        return taken
+        return taken if self._in_text else []
+
+    def _around_calls(self, last: bool) -> list[dict]:
+        """The waiting entries of text around calls, read again by the hermes parser (theirs), token by token."""
+        parser, waiting, self._waiting, taken = HermesToolParser(), self._waiting, [], []
+        for entry in waiting:
+            self._waiting.append(entry)
+            content, calls = parser.feed(_piece(entry))
+            taken += self._chunk(bool(content), bool(calls), False)
+        content, calls = parser.flush()
+        return taken + self._chunk(bool(content), bool(calls), last)
 
     def _texts(self, token_ids: list[int], entries: list[dict]) -> list[dict]:
         """The entries of the ids that are text (not the think block's), as each is decided."""
@@ -83,3 +99,9 @@ class AnswerLogprobs:
             elif before is Mode.CONTENT:
                 texts.append(entry)
         return texts
+
+
+def _piece(entry: dict) -> str:
+    """An entry's token's text ("token_id:N", scheduler/logprobs.py's piece of a token that decodes to nothing:
+    none)."""
+    return "" if entry["token"].startswith("token_id:") else entry["token"]

@@ -35,7 +35,11 @@ class OutputItems:
     """A Response's output items, made from a chat message's deltas in order (a whole message is one delta):
     `feed` and `close` return the stream's events for them (without sequence numbers); `items`: the finished
     items. `logprobs` (include "message.output_text.logprobs"): each output_text part and its events carry its
-    tokens' logprobs, those `feed` is given with each delta's content (scheduler/responses_logprobs.py)."""
+    tokens' logprobs, those `feed` is given with each delta's content (scheduler/responses_logprobs.py). With
+    logprobs, an output_text delta is held back until the next event (or its item's end), so that the logprobs of
+    the tokens of no text that may end the answer (an EOS whose text is left out, an id that decodes to nothing)
+    join the text's last delta: no delta is empty (none of OpenAI's is), and the deltas' logprobs add up to the
+    output_text's. (It waits one chunk, or while the chat holds text back: a call being written, say.)"""
 
     def __init__(self, logprobs: bool = False) -> None:
         self.items: list[dict] = []
@@ -43,14 +47,20 @@ class OutputItems:
         self._open: dict | None = None  # the item being written (as it was added)
         self._text: list[str] = []  # its text, or its arguments
         self._entries: list[dict] = []  # its text's tokens' logprobs (a message's)
+        self._held: list[dict] = []  # the output_text delta held back (with logprobs), not yet sent
 
     def feed(self, delta: dict, logprobs: list[dict] = ()) -> list[dict]:
         """`logprobs`: the chat entries of the tokens of the delta's content."""
         events = []
         if delta.get("reasoning_content"):
             events += self._write("reasoning", delta["reasoning_content"])
-        if delta.get("content") or logprobs:  # (logprobs alone: a stream's last tokens, of no text)
-            events += self._write("message", delta.get("content") or "", list(logprobs))
+        if delta.get("content"):
+            events += self._write("message", delta["content"], list(logprobs))
+        # logprobs alone: a stream's last tokens, of no text, that its text's last delta (held) takes; none
+        # held where a call that came with the text ended the message (the tokens are dropped: no text is open)
+        elif logprobs and self._held:
+            self._entries += logprobs
+            self._held[-1]["logprobs"] += event_form(logprobs)
         for call in delta.get("tool_calls") or ():
             function = call.get("function") or {}
             if call.get("id") is not None:  # (a call's first delta: its id and name)
@@ -71,8 +81,9 @@ class OutputItems:
     def finish(self, status: str) -> list[dict]:
         """The open item finished with `status` (none open: no events)."""
         item, self._open = self._open, None
+        held, self._held = self._held, []
         if item is None:
-            return []
+            return held
         text, kind, entries = "".join(self._text), item["type"], self._entries
         where = {"item_id": item["id"], "output_index": len(self.items)}
         if kind == "function_call":
@@ -87,7 +98,8 @@ class OutputItems:
                        **({} if kind == "reasoning" else {"logprobs": event_form(entries)})},
                       {"type": "response.content_part.done", **where, "content_index": 0, "part": part}]
         self.items.append(done)
-        return events + [{"type": "response.output_item.done", "output_index": where["output_index"], "item": done}]
+        events.append({"type": "response.output_item.done", "output_index": where["output_index"], "item": done})
+        return held + events
 
     def _start(self, kind: str, **fields) -> list[dict]:
         item = {"id": f"{_PREFIXES[kind]}_{uuid.uuid4().hex}", "type": kind, **fields}
@@ -117,8 +129,12 @@ class OutputItems:
             return events + [{"type": "response.function_call_arguments.delta", **where, "delta": text}]
         if kind == "reasoning":
             return events + [{"type": "response.reasoning_text.delta", **where, "content_index": 0, "delta": text}]
-        return events + [{"type": "response.output_text.delta", **where, "content_index": 0, "delta": text,
-                          "logprobs": event_form(entries)}]
+        delta = {"type": "response.output_text.delta", **where, "content_index": 0, "delta": text,
+                 "logprobs": event_form(entries)}
+        if not self.logprobs:
+            return events + [delta]
+        events, self._held = events + self._held, [delta]  # (the one held before it sent: nothing joins it now)
+        return events
 
     def _part(self, kind: str, text: str, entries: list[dict]) -> dict:
         if kind == "reasoning":

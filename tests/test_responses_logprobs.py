@@ -144,10 +144,11 @@ def test_held_text_s_tokens_wait_for_its_content_and_a_call_s_carry_none():
     assert shaper.feed([5], [_entry(5)], {}) == []
     assert shaper.feed([6], [_entry(6)], {"tool_calls": [{"id": "c"}]}) == []  # (the call's markup)
     assert shaper.feed([7], [_entry(7)], {"content": "z"}) == [_entry(7)]
-    # text and a call in one delta (a whole answer): the text's length of pieces, from the first
+    # text and a call in one delta (a whole answer): the text's tokens, not the call block's
     shaper = AnswerLogprobs(None)
-    entries = [{**_entry(t), "token": piece} for t, piece in enumerate(["He", "y", "<tool", "_call>"])]
-    assert shaper.feed([0, 1, 2, 3], entries, {"content": "Hey", "tool_calls": [{"id": "c"}]}) == entries[:2]
+    entries = [{**_entry(t), "token": piece} for t, piece in enumerate(["He", "y", "<tool", "_call>", '{"name": "f"}',
+                                                                        "</tool_call>"])]
+    assert shaper.feed([0, 1, 2, 3, 4, 5], entries, {"content": "Hey", "tool_calls": [{"id": "c"}]}) == entries[:2]
 
 
 def test_output_items_carry_logprobs_on_the_text_only():
