@@ -33,6 +33,11 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("scheduler.engine")
 
+# A waiting request whose prefix a request in prefill is computing waits for those pages when at least this many
+# of its tokens would otherwise be computed twice (`_computes_prefix_of`; SGLang's in-batch prefix caching uses
+# the same 32): below it, waiting a step costs the request more than computing them alongside
+PREFILL_SHARE_MIN_TOKENS = 32
+
 
 class Admission(Restoring):
     def __init__(self, engine: "Engine") -> None:
@@ -87,6 +92,8 @@ class Admission(Restoring):
                 continue
             if req.hint_task is not None and not req.hint_task.done():
                 continue  # its shared-L3 hints are still being fetched
+            if req.prefetch_op is None and self._computes_prefix_of(req) is not None:
+                continue  # another request is computing its prefix: it reads those pages once published
             if req.prefetch_op is not None and req.prefetch_op.done:
                 self.prefetch_ended(req)  # (it ended before the request was ever parked on it)
             if req.prefetch_op is not None and not req.prefetch_op.done:
@@ -111,6 +118,29 @@ class Admission(Restoring):
         if not reqs:
             return None
         return Batch(reqs, chunks, binput)
+
+    def _computes_prefix_of(self, req: Request) -> Request | None:
+        """The request in prefill that is computing at least PREFILL_SHARE_MIN_TOKENS of `req`'s reusable prefix
+        beyond what it has published, if any: `req` then waits (stays queued) for those pages, which that request
+        publishes chunk by chunk (`after_step`), instead of computing them again beside it. So requests that
+        arrive together with one prefix compute it once: n choices of a prompt, prompts of one system prompt
+        (regression: 4 identical prompts in one batch computed it 4 times). It cannot wait forever: the other
+        request is in prefill, so it runs in the next prefill pass or ends."""
+        tokens = self._reusable(req)
+        if len(tokens) < PREFILL_SHARE_MIN_TOKENS:
+            return None
+        for other in self.engine.running:
+            if other.state is not RequestState.PREFILL:
+                continue
+            shared = _common_prefix_tokens(tokens, other.cache_prompt)
+            shared -= shared % self.page_size
+            if shared - other.cached_len >= PREFILL_SHARE_MIN_TOKENS:
+                if req.waits_for != other.rid:
+                    req.waits_for = other.rid
+                    self.engine.log_event(req, "prefill_waits", behind=other.rid, shared_tokens=shared,
+                                          published_tokens=other.cached_len)
+                return other
+        return None
 
     async def _admit(self, req: Request, alone: bool = False, budget: int = 0) -> bool | None:
         eng, cache = self.engine, self.cache
@@ -389,3 +419,15 @@ class Admission(Restoring):
         req.locked_node = None
         self.cache.release_claim(req.claim)
         req.claim = None
+
+
+def _common_prefix_tokens(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of two token lists (slice comparisons: C loops, a binary search)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

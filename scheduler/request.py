@@ -327,6 +327,8 @@ class Request:
     follow_op: object = None      # another request's restore or prefetch of its prefix that it is parked on
                                   # (Restoring._try_restore; cancelled for it only once no live request
                                   # waits for it: Restoring.drop_ops)
+    waits_for: str | None = None  # the request in prefill computing its prefix that it last waited for
+                                  # (Admission._computes_prefix_of: logged once per request it waits for)
     landed_offered: bool = False  # its prefetch's read landed and the request was offered to take it on
     promoted_tokens: int = 0      # tokens an L3 read (its prefetch, its restore, or one it followed) promoted to L2
     hint_task: object = None      # shared L3: the existence query that must finish before admission

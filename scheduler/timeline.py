@@ -3,6 +3,8 @@
 Every log line is a JSON object with "event" and "ts_ns" (time.monotonic_ns()). Events read here:
   request    rid, state in REQUEST_STATES; prefill_start adds prompt_tokens, hit_l1/hit_l2/hit_l3
              (tokens), restore_tier ("none"|"l2"|"l3"), restore_tokens; parked adds restore_tier and room_pages;
+             prefill_waits (queued behind a request in prefill computing its prefix) adds behind (its rid),
+             shared_tokens and published_tokens;
              restore_overlap_discarded drops the last admission's hits (its forward's output was
              discarded, or the request ended before taking over its restore);
              finished / aborted / failed add output_tokens (and the engine's reason, error).
@@ -34,14 +36,15 @@ from pathlib import Path
 from hicache.ops import TERMINAL, OpKind
 from scheduler.logs import RUN_START_EVENT
 
-REQUEST_STATES = ("queued", "parked", "prefill_start", "prefill_end", "first_token", "finished", "aborted", "failed",
-                  "restore_overlap_discarded")
+REQUEST_STATES = ("queued", "parked", "prefill_waits", "prefill_start", "prefill_end", "first_token", "finished",
+                  "aborted", "failed", "restore_overlap_discarded")
 REQUEST_END_STATES = frozenset({"finished", "aborted", "failed"})
 OP_KINDS = tuple(k.value for k in OpKind)  # backup, restore_l2, restore_l3, prefetch_l3
 OP_END_STATES: dict[str, frozenset[str]] = {k.value: frozenset(s.name for s in TERMINAL[k]) for k in OpKind}
 TIERS = ("l1", "l2", "l3")
 # Name of the phase a request is in after each state.
-REQUEST_PHASES = {"queued": "queued", "parked": "parked (restore)", "prefill_start": "prefill",
+REQUEST_PHASES = {"queued": "queued", "parked": "parked (restore)", "prefill_waits": "queued (its prefix computed by another)",
+                  "prefill_start": "prefill",
                   "prefill_end": "prefilled", "first_token": "decode", "restore_overlap_discarded": "queued"}
 
 

@@ -231,6 +231,20 @@ def test_bench_beam_search_computes_less_with_the_prefix_cache(capsys):
         assert r["beams_equal"] == "2/2" and r["cache_s"] > 0 and r["greedy_s"] > 0
 
 
+def test_bench_shared_prefill_computes_a_shared_prompt_once(capsys):
+    """scripts/bench_shared_prefill.py: requests arriving together with one prompt compute it once with the shared
+    prefill, each in full without it (the A/B switch is put back after)."""
+    import scheduler.admission as admission
+    share_min = admission.PREFILL_SHARE_MIN_TOKENS
+    assert load("bench_shared_prefill").main([*CPU, "--prompt-tokens", "100", "--requests", "3", "--repeats", "1",
+                                              "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert admission.PREFILL_SHARE_MIN_TOKENS == share_min and out["integrity"] == "passed"
+    (row,) = out["rows"]
+    assert row["apart_computed_tokens"] == 300 and row["shared_computed_tokens"] == 100 + 2 * 4
+    assert row["shared_s"] > 0 and row["apart_s"] > 0
+
+
 def test_bench_allocator_reports_both_layouts(capsys):
     assert load("bench_allocator").main(["--pages", "6", "--repeats", "5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -1,0 +1,105 @@
+"""Requests that arrive together with one prefix (n choices of a prompt, a batch of one system prompt): the time to
+every first token and the prompt tokens computed, with the engine's shared prefill (a request waits for the pages of
+the one computing its prefix: scheduler/admission.py `_computes_prefix_of`) and without it (the threshold set out of
+reach, so each computes its prefix beside the others, as before session 45). Both in one process, alternating.
+
+    python scripts/bench_shared_prefill.py                                  # GPU: qwen3-8b shape
+    python scripts/bench_shared_prefill.py --model tiny --device cpu --prompt-tokens 200 --requests 2,4
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from bench_common import (default_device, default_model, fmt, integrity_of, median, sync, table,  # noqa: E402
+                          write_result)
+import scheduler.admission as admission  # noqa: E402
+from scheduler.config import EngineConfig  # noqa: E402
+from scheduler.engine import Engine  # noqa: E402
+from scheduler.request import SamplingParams  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="preset or checkpoint (default: qwen3-8b on CUDA, tiny on the CPU)")
+    p.add_argument("--device", default=None, choices=["cuda", "cpu"])
+    p.add_argument("--prompt-tokens", default="1000,4000", help="comma-separated shared prompt lengths")
+    p.add_argument("--tail-tokens", type=int, default=0, help="distinct tokens after the shared prompt (0: n choices)")
+    p.add_argument("--requests", default="2,4,8", help="comma-separated numbers of requests arriving together")
+    p.add_argument("--repeats", type=int, default=3, help="rounds per configuration (each a fresh prompt)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    args.device = default_device(args.device)
+    args.model = default_model(args.model, args.device)
+    args.prompt_tokens = [int(x) for x in args.prompt_tokens.split(",")]
+    args.requests = [int(x) for x in args.requests.split(",")]
+    return args
+
+
+async def round_trip(engine: Engine, prompts: list[list[int]], device: str) -> tuple[float, int]:
+    """Seconds from submitting the requests together to the last one's first token; prompt tokens computed."""
+    before = engine.metrics()["recomputed_tokens"]
+    sync(device)
+    t0 = time.perf_counter()
+
+    async def first(prompt):
+        async for ev in engine.submit(prompt, SamplingParams(max_tokens=1, ignore_eos=True)):
+            if ev.finished:
+                return time.perf_counter() - t0
+    seconds = max(await asyncio.gather(*(first(p) for p in prompts)))
+    return seconds, engine.metrics()["recomputed_tokens"] - before
+
+
+async def main_async(args) -> dict:
+    cuda = args.device == "cuda"
+    engine = Engine(EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=16 if cuda else 4,
+                                 num_pages=8192 if cuda else 2048))
+    rng = random.Random(args.seed)
+    fresh = lambda n: [rng.randrange(1, engine.vocab_size) for _ in range(n)]  # noqa: E731
+    await round_trip(engine, [fresh(64)] * 2, args.device)  # (warm-up: graphs, kernels, the loop)
+    share_min = admission.PREFILL_SHARE_MIN_TOKENS
+    rows = []
+    for n_tokens in args.prompt_tokens:
+        for n_requests in args.requests:
+            timed = {"shared": [], "apart": []}
+            computed = {"shared": [], "apart": []}
+            for _ in range(args.repeats):
+                for mode in ("shared", "apart"):
+                    admission.PREFILL_SHARE_MIN_TOKENS = share_min if mode == "shared" else 1 << 40
+                    base = fresh(n_tokens)
+                    prompts = [base + fresh(args.tail_tokens) for _ in range(n_requests)]
+                    seconds, tokens = await round_trip(engine, prompts, args.device)
+                    timed[mode].append(seconds)
+                    computed[mode].append(tokens)
+            admission.PREFILL_SHARE_MIN_TOKENS = share_min
+            rows.append({"prompt_tokens": n_tokens, "tail_tokens": args.tail_tokens, "requests": n_requests,
+                         "shared_s": median(timed["shared"]), "apart_s": median(timed["apart"]),
+                         "shared_computed_tokens": median(computed["shared"]),
+                         "apart_computed_tokens": median(computed["apart"])})
+    integrity = integrity_of(engine)
+    await engine.shutdown()
+    return {"model": args.model, "device": args.device, "repeats": args.repeats, "rows": rows, "integrity": integrity}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = asyncio.run(main_async(args))
+    head = ["prompt", "tail", "requests", "last first token s (shared)", "(apart)", "speedup", "computed (shared)",
+            "(apart)"]
+    body = [[str(r["prompt_tokens"]), str(r["tail_tokens"]), str(r["requests"]), fmt(r["shared_s"], "{:.4f}"),
+             fmt(r["apart_s"], "{:.4f}"), fmt(r["apart_s"] / r["shared_s"], "{:.2f}x"),
+             f"{r['shared_computed_tokens']:.0f}", f"{r['apart_computed_tokens']:.0f}"] for r in out["rows"]]
+    print(table(head, body), file=sys.stderr if args.json else sys.stdout)
+    print(f"integrity: {out['integrity']}", file=sys.stderr if args.json else sys.stdout)
+    write_result(out, args.out, args.json)
+    return 0 if out["integrity"] == "passed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
