@@ -14,12 +14,14 @@ structured outputs (a "required" or named tool_choice too: beams are ranked by t
 of them changes). A field at its neutral value is fine (presence_penalty 0, logit_bias {}); the server's
 --generation-config defaults are not applied to a search. stop_token_ids and the stop ids of `stop`, min_tokens,
 ignore_eos, include_stop_str_in_output, echo, prompt_logprobs, seed, priority, cache_salt are honoured.
-temperature left out is 0 (vLLM's BeamSearchParams default).
+temperature left out is 0 (vLLM's BeamSearchParams default). max_tokens left out is the request's default (a chat's:
+the rest of the context, vLLM's), within what a step's prompt may hold (prompt + max_tokens - 1 tokens).
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import time
 
@@ -78,16 +80,27 @@ class BeamSearches:
                            code="unsupported_value")
         return cls(st, api_req, params, chat, arrival)
 
+    def _search_params(self, prompt: list[int]) -> BeamSearchParams:
+        """The search's of `prompt`: a max_tokens the request left out (a chat's: the rest of the context) within
+        what its last step's prompt may hold (regression: under --max-prompt-tokens a chat without max_tokens was
+        always a 400 naming max_tokens, which it never sent)."""
+        given = self.api_req.max_tokens is not None or getattr(self.api_req, "max_completion_tokens", None) is not None
+        fits = self.st.engine.max_prompt_tokens + 1 - len(prompt)  # (prompt + max_tokens - 1 tokens at the last step)
+        if given or self.search_params.max_tokens <= fits:
+            return self.search_params
+        return dataclasses.replace(self.search_params, max_tokens=max(fits, 1))
+
     def validate(self, prompt: list[int], _params: SamplingParams) -> None:
         """Engine.validate's part for a search of `prompt` (RequestError naming the field)."""
-        self.search_params.validate(self.st.engine, prompt)
+        self._search_params(prompt).validate(self.st.engine, prompt)
 
     def choices(self, prompt: list[int], rids, index: int, batch_size: int) -> list["BeamChoice"]:
         """Prompt `index`'s n choices: its search's beams, best first (the search starts as they are read)."""
-        total = batch_size * self.n
-        search = _Search(functools.partial(beam_search, self.st.engine, prompt, self.search_params,
+        total, search_params = batch_size * self.n, self._search_params(prompt)
+        search = _Search(functools.partial(beam_search, self.st.engine, prompt, search_params,
                                            rids.engine_rid(index, batch_size)))
-        return [BeamChoice(self.st, Request(prompt=list(prompt), params=self.params,
+        params = dataclasses.replace(self.params, max_tokens=search_params.max_tokens)  # (its metrics' max_tokens)
+        return [BeamChoice(self.st, Request(prompt=list(prompt), params=params,
                                             rid=rids.engine_rid(index * self.n + j, total)),
                            self.api_req, self.chat, self.arrival, index=index, batch_size=batch_size, choice=j,
                            n=self.n, search=search)

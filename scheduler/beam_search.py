@@ -17,9 +17,10 @@ where the beam keeps it (vLLM's get_beam_search_score).
 
 Beyond vLLM's, cheap to honour here: the end tokens are the model's EOS ids (unless ignore_eos) and stop_token_ids
 (vLLM: the tokenizer's eos_token only, stop_token_ids ignored); min_tokens keeps end tokens from ending a beam before
-that many tokens (vLLM ignores it); top_p, top_k, min_p and seed shape each step's sampled token, and priority,
-cache_salt and prompt_logprobs (its first step's) go to the step requests. temperature defaults to 0 (vLLM's
-BeamSearchParams).
+that many tokens (vLLM ignores it): they are passed over as if masked, a beam's candidates then its likeliest others
+(its step asks as many more logprobs, within MAX_LOGPROBS); top_p, top_k, min_p and seed shape each step's sampled
+token, and priority, cache_salt and prompt_logprobs (its first step's) go to the step requests. temperature defaults
+to 0 (vLLM's BeamSearchParams).
 
 Errors: a step that fails or is aborted ends the search with `BeamSearchError` (its finish_reason "error" or
 "abort"), its other steps aborted; cancelling the search aborts the steps in flight. Nothing is left in the engine.
@@ -77,9 +78,11 @@ class BeamSearchParams:
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
 
-    def step_params(self, first: bool) -> SamplingParams:
-        """A step request's: one token and its 2 * beam_width likeliest (the first step's, the prompt's logprobs)."""
-        return SamplingParams(max_tokens=1, logprobs=2 * self.beam_width, temperature=self.temperature,
+    def step_params(self, first: bool, held_ends: int = 0) -> SamplingParams:
+        """A step request's: one token and its 2 * beam_width likeliest (the first step's, the prompt's logprobs),
+        and `held_ends` more while min_tokens holds the end tokens back (they are passed over: `_candidates`)."""
+        logprobs = min(2 * self.beam_width + held_ends, MAX_LOGPROBS)
+        return SamplingParams(max_tokens=1, logprobs=logprobs, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
                               priority=self.priority, cache_salt=self.cache_salt,
                               prompt_logprobs=self.prompt_logprobs if first else None)
@@ -158,7 +161,8 @@ async def beam_search(engine: "Engine", prompt: list[int], params: BeamSearchPar
     live, completed = [Beam(prompt, 0.0, n_prompt)], []
     result = BeamSearchResult([], {})
     for step in range(params.max_tokens):
-        step_params = params.step_params(first=step == 0)
+        held = ends if step < params.min_tokens else set()  # (end tokens min_tokens holds back: passed over)
+        step_params = params.step_params(first=step == 0, held_ends=len(held))
         reqs = await _all([_step(engine, beam.tokens, step_params, f"{base}-beam{step}.{i}")
                            for i, beam in enumerate(live)])
         result.cached_tokens_per_step.append(min(sum(r.hit_tokens.values()) for r in reqs))
@@ -167,11 +171,11 @@ async def beam_search(engine: "Engine", prompt: list[int], params: BeamSearchPar
             result.prompt_logprobs = list(reqs[0].prompt_logprobs) if params.prompt_logprobs is not None else None
         grown: list[tuple[Beam, int, float]] = []  # (parent, token, cum logprob): lists made for the kept only
         for beam, req in zip(live, reqs):
-            for token, logprob in _candidates(req):
+            for token, logprob in _candidates(req, 2 * width, held):
                 cum = beam.cum_logprob + logprob
                 if token not in ends:
                     grown.append((beam, token, cum))
-                elif step >= params.min_tokens:  # (before min_tokens an end token is never drawn: vLLM's masking)
+                else:
                     keep = params.include_stop_str_in_output
                     completed.append(Beam(beam.tokens + [token] if keep else list(beam.tokens), cum, n_prompt,
                                           end_token=token, kept_end=keep))
@@ -184,10 +188,14 @@ async def beam_search(engine: "Engine", prompt: list[int], params: BeamSearchPar
     return result
 
 
-def _candidates(req: Request) -> list[tuple[int, float]]:
-    """A step's (token, logprob): the sampled token, then the likeliest (vLLM V1's logprobs dict, in its order)."""
+def _candidates(req: Request, count: int, held: set[int]) -> list[tuple[int, float]]:
+    """A step's (token, logprob): the sampled token, then the `count` likeliest (vLLM V1's logprobs dict, in its
+    order), the `held` tokens passed over, as if masked (regression: min_tokens dropped the end tokens among the
+    likeliest, so a beam of n=1 whose two likeliest tokens were end tokens ended the search with no beam at all)."""
     token, lp = req.output[0], req.output_logprobs[0]
-    return [(token, lp.logprob)] + [(t, v) for t, v in lp.top if t != token]
+    top = [(t, v) for t, v in lp.top if t not in held][:count]
+    sampled = [] if token in held else [(token, lp.logprob)]
+    return sampled + [(t, v) for t, v in top if t != token]
 
 
 async def _step(engine: "Engine", tokens: list[int], params: SamplingParams, rid: str) -> Request:

@@ -59,8 +59,9 @@ def reference(eng: Engine, prompt: list[int], width: int, steps: int, length_pen
     for step in range(steps):
         grown = []
         for tokens, cum, _ in live:
-            values, ids = torch.topk(dense_logprobs(eng, prompt + tokens), 2 * width)
-            for t, v in zip(ids.tolist(), values.tolist()):
+            values, ids = torch.topk(dense_logprobs(eng, prompt + tokens), 2 * width + len(ends))
+            top = [(t, v) for t, v in zip(ids.tolist(), values.tolist()) if step >= min_tokens or t not in ends]
+            for t, v in top[:2 * width]:  # (before min_tokens the end tokens are masked: the likeliest others)
                 if t in ends:
                     if step >= min_tokens:
                         done.append((tokens + [t] if include_end else tokens, cum + v, True))
