@@ -132,14 +132,21 @@ class Admission(Restoring):
         for other in self.engine.running:
             if other.state is not RequestState.PREFILL:
                 continue
-            shared = _common_prefix_tokens(tokens, other.cache_prompt)
-            shared -= shared % self.page_size
-            if shared - other.cached_len >= PREFILL_SHARE_MIN_TOKENS:
-                if req.waits_for != other.rid:
-                    req.waits_for = other.rid
-                    self.engine.log_event(req, "prefill_waits", behind=other.rid, shared_tokens=shared,
-                                          published_tokens=other.cached_len)
-                return other
+            # it would publish PREFILL_SHARE_MIN_TOKENS more of this prefix (in full pages) where the two agree on
+            # their first `need` tokens; most pairs that do not are told by their length or one token, since this
+            # runs for every queued request against every one in prefill on each pass (a beam search's steps)
+            need = other.cached_len + PREFILL_SHARE_MIN_TOKENS
+            need += -need % self.page_size
+            theirs = other.cache_prompt
+            if (need > min(len(tokens), len(theirs)) or tokens[need - 1] != theirs[need - 1]
+                    or tokens[:need] != theirs[:need]):
+                continue
+            if req.waits_for != other.rid:
+                req.waits_for = other.rid
+                shared = _common_prefix_tokens(tokens, theirs)
+                self.engine.log_event(req, "prefill_waits", behind=other.rid,
+                                      shared_tokens=shared - shared % self.page_size, published_tokens=other.cached_len)
+            return other
         return None
 
     async def _admit(self, req: Request, alone: bool = False, budget: int = 0) -> bool | None:

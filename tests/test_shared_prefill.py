@@ -62,6 +62,16 @@ def test_a_short_shared_prefix_is_computed_alongside():
     eng.check_integrity()
 
 
+def test_a_shared_prefix_of_the_threshold_is_waited_for():
+    from scheduler.admission import PREFILL_SHARE_MIN_TOKENS
+    shared = tokens(PREFILL_SHARE_MIN_TOKENS, 8)
+    prompts = [shared + tokens(40, 30 + i) for i in range(2)]
+    eng = make_engine()
+    eng.generate(prompts, GREEDY)
+    assert computed(eng) == sum(map(len, prompts)) - PREFILL_SHARE_MIN_TOKENS
+    eng.check_integrity()
+
+
 def test_another_salts_prefix_is_not_waited_for():
     prompt = tokens(300, 3)
     eng = make_engine()
