@@ -24,7 +24,8 @@ to 0 (vLLM's BeamSearchParams).
 
 Errors: a step that fails or is aborted ends the search with `BeamSearchError` (its finish_reason "error" or
 "abort"), its other steps aborted; cancelling the search aborts the steps in flight. Nothing is left in the engine.
-"""
+A search under way is counted in `Engine.continuing`: a shutdown's grace waits for it and takes its steps after the
+first, as it lets a running request finish."""
 from __future__ import annotations
 
 import asyncio
@@ -160,32 +161,44 @@ async def beam_search(engine: "Engine", prompt: list[int], params: BeamSearchPar
     width, n_prompt = params.beam_width, len(prompt)
     live, completed = [Beam(prompt, 0.0, n_prompt)], []
     result = BeamSearchResult([], {})
-    for step in range(params.max_tokens):
-        held = ends if step < params.min_tokens else set()  # (end tokens min_tokens holds back: passed over)
-        step_params = params.step_params(first=step == 0, held_ends=len(held))
-        reqs = await _all([_step(engine, beam.tokens, step_params, f"{base}-beam{step}.{i}")
-                           for i, beam in enumerate(live)])
-        result.cached_tokens_per_step.append(min(sum(r.hit_tokens.values()) for r in reqs))
-        if step == 0:
-            result.hit_tokens = dict(reqs[0].hit_tokens)
-            result.prompt_logprobs = list(reqs[0].prompt_logprobs) if params.prompt_logprobs is not None else None
-        grown: list[tuple[Beam, int, float]] = []  # (parent, token, cum logprob): lists made for the kept only
-        for beam, req in zip(live, reqs):
-            for token, logprob in _candidates(req, 2 * width, held):
-                cum = beam.cum_logprob + logprob
-                if token not in ends:
-                    grown.append((beam, token, cum))
-                else:
-                    keep = params.include_stop_str_in_output
-                    completed.append(Beam(beam.tokens + [token] if keep else list(beam.tokens), cum, n_prompt,
-                                          end_token=token, kept_end=keep))
-        seq_len = n_prompt + step + 1  # (every grown beam's: ranked by score as vLLM ranks them, stable on ties)
-        grown.sort(key=lambda g: score(g[2], seq_len, params.length_penalty), reverse=True)
-        live = [Beam(parent.tokens + [token], cum, n_prompt) for parent, token, cum in grown[:width]]
-        if not live:
-            break
+    engine.continuing += 1  # (a shutdown's grace waits for the search and takes its steps after the first)
+    try:
+        for step in range(params.max_tokens):
+            held = ends if step < params.min_tokens else set()  # (end tokens min_tokens holds back: passed over)
+            step_params = params.step_params(first=step == 0, held_ends=len(held))
+            reqs = await _all([_step(engine, beam.tokens, step_params, f"{base}-beam{step}.{i}", step > 0)
+                               for i, beam in enumerate(live)])
+            result.cached_tokens_per_step.append(min(sum(r.hit_tokens.values()) for r in reqs))
+            if step == 0:
+                result.hit_tokens = dict(reqs[0].hit_tokens)
+                result.prompt_logprobs = list(reqs[0].prompt_logprobs) if params.prompt_logprobs is not None else None
+            live = _rank(live, reqs, params, ends, held, n_prompt + step + 1, completed)
+            if not live:
+                break
+    finally:
+        engine.continuing -= 1
     result.beams = sorted(completed + live, key=lambda b: b.score(params.length_penalty), reverse=True)[:width]
     return result
+
+
+def _rank(live: list[Beam], reqs: list[Request], params: BeamSearchParams, ends: set[int], held: set[int],
+          seq_len: int, completed: list[Beam]) -> list[Beam]:
+    """One step: each live beam's candidates (its step request's) grow it, or complete it where they are end
+    tokens (appended to `completed`); the best beam_width grown beams, every one `seq_len` tokens long, live on
+    (ranked by score as vLLM ranks them, stable on ties)."""
+    grown: list[tuple[Beam, int, float]] = []  # (parent, token, cum logprob): lists made for the kept only
+    for beam, req in zip(live, reqs):
+        for token, logprob in _candidates(req, 2 * params.beam_width, held):
+            cum = beam.cum_logprob + logprob
+            if token not in ends:
+                grown.append((beam, token, cum))
+            else:
+                keep = params.include_stop_str_in_output
+                completed.append(Beam(beam.tokens + [token] if keep else list(beam.tokens), cum, beam.prompt_tokens,
+                                      end_token=token, kept_end=keep))
+    grown.sort(key=lambda g: score(g[2], seq_len, params.length_penalty), reverse=True)
+    kept = grown[:params.beam_width]
+    return [Beam(parent.tokens + [token], cum, parent.prompt_tokens) for parent, token, cum in kept]
 
 
 def _candidates(req: Request, count: int, held: set[int]) -> list[tuple[int, float]]:
@@ -198,10 +211,12 @@ def _candidates(req: Request, count: int, held: set[int]) -> list[tuple[int, flo
     return sampled + [(t, v) for t, v in top if t != token]
 
 
-async def _step(engine: "Engine", tokens: list[int], params: SamplingParams, rid: str) -> Request:
-    """One step request run to its end (aborted if the caller is cancelled first)."""
+async def _step(engine: "Engine", tokens: list[int], params: SamplingParams, rid: str,
+                continuing: bool = False) -> Request:
+    """One step request run to its end (aborted if the caller is cancelled first); continuing: a step after the
+    first, which a shutdown's grace still takes (Engine.continuing)."""
     try:
-        req = engine.add_request(tokens, params, rid)
+        req = engine.add_request(tokens, params, rid, continuing=continuing)
     except RequestError as exc:  # (validated before: the engine is shutting down, or its loop crashed)
         raise BeamSearchError(f"a beam search step was refused: {exc}",
                               "error" if engine.accepting else "abort") from None

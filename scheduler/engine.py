@@ -89,6 +89,9 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         self._loop_task: asyncio.Task | None = None
         self.stopping = False  # the loop is asked to stop: nothing more is admitted (a restart clears it)
         self._closing = False  # shutdown() began: no new requests ever; queued ones run within its grace
+        # clients whose work is several requests in turn (a beam search's steps: scheduler/beam_search.py) under
+        # way: shutdown's grace waits for them too, and takes their next requests (add_request(continuing=True))
+        self.continuing = 0
         self._batch_id = 0
         self._overlap_counted_ns = 0  # restore_overlapped_s counts decode time up to here (chained spans overlap)
         self.last_batch_seqs = 0  # sequences in the last batch that ended (Restoring.score_outcome)

@@ -29,9 +29,11 @@ class EngineLifecycle:
             self._loop_task = asyncio.get_running_loop().create_task(self._loop())
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
-                    rid: str | None = None) -> Request:
-        """Queue a request (raises RequestError on bad input; nothing else is affected)."""
-        if not self.accepting:
+                    rid: str | None = None, continuing: bool = False) -> Request:
+        """Queue a request (raises RequestError on bad input; nothing else is affected). continuing: the next
+        request of a client counted in `continuing` (a beam search's step), taken in a shutdown's grace too
+        (regression: a search under way was cut short by a grace it would have finished within)."""
+        if not self.accepting and not (continuing and self._closing and not self.stopping):
             raise RequestError("the engine is shutting down")
         if (crash := crash_of(self._loop_task)) is not None:  # (regression: queued where nothing ran it)
             raise RequestError(f"the engine loop crashed ({crash!r}); start() runs a new one")
@@ -126,14 +128,16 @@ class EngineLifecycle:
         backups first finish within what is left of `grace_s` (`Backups.save_for_others`). The grace also
         runs a loop that stop_loop() ended or that never started, for the requests queued. (Regressions:
         queued requests were not admitted in the grace, then aborted after it; or aborted at once; a
-        shutdown cancelled in the grace left the loop running and the tiers open.)"""
+        shutdown cancelled in the grace left the loop running and the tiers open.) Clients under way with
+        several requests in turn (`continuing`: a beam search) get the grace too: their next requests are
+        taken until it ends."""
         check_loop(self._loop_task, asyncio.get_running_loop())  # (else: closed tiers under a loop that runs on)
         if grace_s > 0 and self._loop_task is None and (self.waiting or self.parked):
             await self.start()  # (not after a crash: that loop failed them all; a no-op once closing)
         self._closing = True
         deadline = time.monotonic() + grace_s
         try:
-            while ((self.running or self.waiting or self.parked) and time.monotonic() < deadline
+            while ((self.running or self.waiting or self.parked or self.continuing) and time.monotonic() < deadline
                    and self._loop_task is not None and not self._loop_task.done()):
                 await asyncio.sleep(0.01)
             self._abort_all()

@@ -1,16 +1,18 @@
 """Defects found hunting in the beam search (scheduler/beam_search.py, scheduler/api_beam_search.py), each a
 regression test: min_tokens that lost every beam where end tokens were a step's likeliest, and a max_tokens left
-out that the search refused under --max-prompt-tokens."""
+out that the search refused under --max-prompt-tokens; and (session 45, later) a search cut short by a shutdown's
+grace."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
 
-from scheduler.beam_search import BeamSearchParams
-from scheduler.request import SamplingParams
+from scheduler.beam_search import BeamSearchParams, beam_search
+from scheduler.request import RequestError, SamplingParams
 from server_fixtures import byte_level_server, ok, post, tiny_config
-from test_beam_search import PROMPT, candidate, clean, make_engine, reference, run, same_beams, with_eos
+from test_beam_search import PROMPT, candidate, clean, make_engine, on_adds, reference, run, same_beams, with_eos
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "hello there"}]
@@ -94,3 +96,25 @@ def test_a_completion_near_the_prompt_limit_without_max_tokens(limited):
 def test_a_max_tokens_given_is_still_refused_where_it_does_not_fit(limited, field):
     r = post(limited, CHAT, {"messages": HI, field: 60, "use_beam_search": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_a_search_in_flight_at_shutdown_finishes_within_the_grace():
+    """Regression: a search was cut short by a shutdown with a grace it would have finished within (its next step
+    was refused, a 503), though an ordinary request in flight gets that grace. The engine's shutdown now waits for
+    the searches under way (Engine.continuing) and takes their steps until the grace ends; a new request is still
+    refused at once."""
+    eng = make_engine()
+    params = BeamSearchParams(beam_width=2, max_tokens=8)
+
+    async def go():
+        shutdown = []
+        on_adds(eng, 3, lambda: shutdown.append(asyncio.ensure_future(eng.shutdown(grace_s=30.0))))
+        result = await beam_search(eng, PROMPT, params)
+        await shutdown[0]
+        with pytest.raises(RequestError):
+            eng.add_request(PROMPT, SamplingParams(max_tokens=1))
+        return result
+    result = asyncio.run(go())
+    assert len(result.beams) == 2 and all(len(b.output_ids) == 8 for b in result.beams)
+    assert result.beams == run(make_engine(), PROMPT, params).beams
+    assert not eng.requests
