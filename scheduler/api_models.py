@@ -317,6 +317,8 @@ def validation_error(exc: ValidationError | Any) -> APIError:
         return APIError(400, "invalid request body", code="invalid_request")
     err = errors[0]
     loc = [p for p in err.get("loc", ()) if p != "body"]
+    if loc[:1] in (["query"], ["path"]):  # (a route parameter's: named by itself, not where it came from)
+        loc = loc[1:]
     # drop union-branch tags such as 'str' / 'list[int]' / 'int' that pydantic inserts in the path
     path = [str(p) for p in loc if isinstance(p, int) or not _is_type_tag(str(p))]
     field = ".".join(path) or "body"

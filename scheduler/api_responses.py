@@ -264,6 +264,7 @@ class ResponsesRequest(_Strict, RequestIdField):  # (request_id: vLLM's, the Res
                 raise PydanticCustomError(kind, "item {i} ({item}): {where}{msg}",
                                           {"i": i, "item": err["loc"][0] if err["loc"] else "?",
                                            "where": f"'{where}': " if where else "", "msg": err["msg"]}) from None
+        _unique_ids(valid)
         return valid
 
     @field_validator("tools", mode="before")
@@ -291,6 +292,16 @@ class ResponsesRequest(_Strict, RequestIdField):  # (request_id: vLLM's, the Res
                 raise APIError(400, f"'include' of {value!r} is not supported (only "
                                     f"{', '.join(map(repr, self.INCLUDES))})",
                                param="include", code="unsupported_value")
+
+
+def _unique_ids(items: list) -> None:
+    """OpenAI's 400 for an id two items carry: input_items' `after` cursor names an item by its id (regression: the
+    SDK's pagination found the first of two and went round forever)."""
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        if item.id is not None and first.setdefault(item.id, i) != i:
+            raise PydanticCustomError("invalid_item", "item {i}: duplicate id {id} (item {j}'s); each item's id must be "
+                                      "unique", {"i": i, "id": repr(item.id), "j": first[item.id]})
 
 
 def _check_unicode(body: dict) -> None:

@@ -3,12 +3,13 @@
 
 A response is kept when it finished (completed or incomplete, whole or streamed; not failed) and its request left
 `store` true (the default). Per id, a `StoredResponse`: the Response as it was sent, the conversation it ends as a
-chat's messages, and the request's input items as given (ids added to those without one). The conversation: the
-one it followed (previous_response_id's), the request's input items and the response's output items as the
-messages that the same items sent back as `input` make (api_responses.items_messages: a function_call is the
-assistant's tool call, a reasoning item its thinking), without the request's `instructions` (OpenAI's: a
-follow-up's own instructions apply, first, as a system message). A follow-up's prompt then starts as its
-predecessor's did (with the same instructions), and the prefix cache serves that part.
+chat's messages, and the request's input items as given (ids added to those without one, a message's string
+content as one text part, as OpenAI lists them). The conversation: the one it followed (previous_response_id's),
+the request's input items and the response's output items as the messages that the same items sent back as
+`input` make (api_responses.items_messages: a function_call is the assistant's tool call, a reasoning item its
+thinking), without the request's `instructions` (OpenAI's: a follow-up's own instructions apply, first, as a system
+message). A follow-up's prompt then starts as its predecessor's did (with the same instructions), and the prefix
+cache serves that part.
 
 Bounded by a count (--responses-store-max; 0: nothing kept): the response used least recently (kept, followed
 or read by GET) dropped first. In memory, on the server's one event loop: no locks. A kept conversation is
@@ -140,14 +141,23 @@ class ResponsesStore:
 
 
 def input_item_dicts(req: ResponsesRequest) -> tuple[dict, ...]:
-    """The request's input items as given, an id added to each without one (a string input: one user message
-    of an input_text part, as OpenAI lists it)."""
-    if isinstance(req.input, str):
-        return ({"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "user",
-                 "content": [{"type": "input_text", "text": req.input}]},)
+    """The request's input items as given, an id added to each without one; a message's string content as one
+    text part, as OpenAI lists it (a string input: one user message of an input_text part). (Regression: a string
+    content was listed as it was, where the SDK's item types have a list of parts: it read a user's message as an
+    assistant's output message.)"""
+    items = [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else \
+        [item.model_dump(by_alias=True, exclude_none=True) for item in req.input]
     given = []
-    for item in req.input:
-        data = item.model_dump(by_alias=True, exclude_none=True)
+    for data in items:
         kind = data.get("type") or "message"
+        if kind == "message" and isinstance(data["content"], str):
+            data["content"] = [_text_part(data["role"], data["content"])]
         given.append({"id": data.pop("id", None) or f"{_ID_PREFIXES[kind]}_{uuid.uuid4().hex}", "type": kind, **data})
     return tuple(given)
+
+
+def _text_part(role: str, text: str) -> dict:
+    """A message's text as OpenAI's part: an assistant's output_text, anyone else's input_text."""
+    if role == "assistant":
+        return {"type": "output_text", "text": text, "annotations": []}
+    return {"type": "input_text", "text": text}

@@ -203,7 +203,9 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         with shape.named_errors():
             return await _generate(request, st, chat=True, shape=shape)
 
-    @app.delete("/v1/responses/{response_id}")  # (a kept response: responses_store.py; GET's below)
+    # a kept response (responses_store.py; GET's below), its id a path's rest: a request_id may hold "/", which the
+    # SDK sends as it is (regression: such a response was kept, and followed, but never found by GET or DELETE)
+    @app.delete("/v1/responses/{response_id:path}")
     async def response_delete(response_id: str):
         return st.responses.delete(response_id)
 
@@ -228,14 +230,14 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     # GET routes answer HEAD too (RFC 9110; `curl -I`, uptime checks): FastAPI's got a 405
     get = functools.partial(app.api_route, methods=["GET", "HEAD"])
 
-    @get("/v1/responses/{response_id}")
-    async def response_kept(response_id: str):
-        return JSONResponse(st.responses.response(response_id))  # (as sent: no re-encoding)
-
-    @get("/v1/responses/{response_id}/input_items")
+    @get("/v1/responses/{response_id:path}/input_items")  # (before the response's route, which would take it)
     async def response_input_items(response_id: str, order: str = "desc", limit: int = 20, after: str | None = None,
                                    before: str | None = None):
         return JSONResponse(st.responses.input_items(response_id, order, limit, after, before))
+
+    @get("/v1/responses/{response_id:path}")
+    async def response_kept(response_id: str):
+        return JSONResponse(st.responses.response(response_id))  # (as sent: no re-encoding)
 
     @get("/v1/models")
     async def models():

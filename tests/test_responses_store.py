@@ -142,13 +142,15 @@ def test_input_items_are_the_request_s_as_given_with_ids(srv, client):
     r = _ok(srv, input=given)
     page = _get(srv, r["id"] + "/input_items").json()  # (OpenAI's order: the newest first)
     assert page["object"] == "list" and page["has_more"] is False
-    assert [i["content"] for i in page["data"]] == ["c", [{"type": "output_text", "text": "b"}], "a"]
+    assert [i["content"] for i in page["data"]] == [[{"type": "input_text", "text": "c"}],  # (a string: one part)
+                                                    [{"type": "output_text", "text": "b"}],
+                                                    [{"type": "input_text", "text": "a"}]]
     assert page["data"][-1]["id"] == "msg_given" and page["last_id"] == "msg_given"
     assert page["first_id"] == page["data"][0]["id"] and all(i["type"] == "message" for i in page["data"])
     asc = _get(srv, r["id"] + "/input_items", order="asc", limit=2).json()
-    assert [i["content"] for i in asc["data"]] == ["a", [{"type": "output_text", "text": "b"}]] and asc["has_more"]
+    assert [i["content"][0]["text"] for i in asc["data"]] == ["a", "b"] and asc["has_more"]
     rest = _get(srv, r["id"] + "/input_items", order="asc", after=asc["last_id"]).json()
-    assert [i["content"] for i in rest["data"]] == ["c"] and rest["has_more"] is False
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["c"] and rest["has_more"] is False
     assert [i.id for i in client.responses.input_items.list(r["id"], order="asc")] == [
         *(i["id"] for i in asc["data"]), rest["data"][0]["id"]]
     bad = _get(srv, r["id"] + "/input_items", order="sideways")
