@@ -13,7 +13,7 @@ import pytest
 from scheduler.responses_store import StoredResponse
 from scheduler.server import ServerLimits, create_app
 from test_responses_hunt import LONG, _idle, _open_stream
-from test_responses_store import _missing, _server, _user
+from test_responses_store import _get, _missing, _server, _user
 
 KEY = "sekret"
 
@@ -52,10 +52,6 @@ def _ok(srv, **body) -> dict:
     r = _post(srv, **body)
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def _get(srv, path: str, **params) -> httpx.Response:
-    return httpx.get(srv.url + "/v1/responses/" + path, params=params, timeout=30)
 
 
 # -- regressions ---------------------------------------------------------------------------------------------------
