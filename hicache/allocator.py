@@ -132,6 +132,29 @@ class PageAllocator:
         self.num_free -= num_pages
         return pages
 
+    def take(self, pages: Sequence[int], claim: int) -> None:
+        """These free pages, private to `claim`: a persisted L3 index's slots adopted at start
+        (hicache/l3_index.py). The free runs are rebuilt from the owner table: a walk over the tier,
+        once. A page not free (or twice, or out of range) raises, taking nothing."""
+        if claim not in self.claim_labels:
+            raise AllocatorError(f"{self.name}: unknown claim {claim}")
+        idx = np.asarray(sorted(map(int, pages)), dtype=np.int64)
+        if not len(idx):
+            return
+        if idx[0] < 0 or idx[-1] >= self.num_pages or len(np.unique(idx)) != len(idx):
+            raise AllocatorError(f"{self.name}: take: pages out of range or listed twice")
+        busy = idx[self.owner[idx] != FREE]
+        if len(busy):
+            raise AllocatorError(f"{self.name}: take: pages {busy[:8].tolist()} are not free")
+        self.owner[idx] = claim
+        self._held[claim].update(idx.tolist())
+        self.num_free -= len(idx)
+        self._runs, self._run_at, self._run_ending = [], {}, {}
+        free = np.flatnonzero(self.owner == FREE)
+        for run in np.split(free, np.flatnonzero(np.diff(free) != 1) + 1):
+            if len(run):
+                self._add_run(int(run[0]), len(run))
+
     def free(self, pages: Sequence[int], claim: int) -> None:
         """Return private pages of `claim` to the free set."""
         self._move(pages, expect=claim, to=FREE)

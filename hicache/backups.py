@@ -117,7 +117,8 @@ class Backups:
             await asyncio.wait(waits)
 
     async def save_for_others(self, timeout_s: float) -> None:
-        """A shared L3 only (an open one: a local file goes with the process): for at most `timeout_s`,
+        """A shared L3, or a file kept for the next engine (--hicache-storage-persist), only (an open one: a
+        temporary file goes with the process): for at most `timeout_s`,
         let the backups under way finish their L3 writes and, under write_back or write_through, back up
         the unsaved L1 leaves, in rounds while a round saves something (L2 may not hold them all beside
         the L3 writes); the shutdown's cancelling drain then ends the rest. (Regressions, tests/test_redis_engine.py and
@@ -125,7 +126,8 @@ class Backups:
         pages; a second shutdown backed up onto the closed tiers; one round saved 11 of 44 pages;
         write_through's refused backups were never saved.)"""
         store = self.mgr.store
-        if timeout_s <= 0 or not getattr(store, "content_addressed", False) or getattr(store, "closed", False):
+        outlives = getattr(store, "content_addressed", False) or getattr(store, "persistent", False)
+        if timeout_s <= 0 or not outlives or getattr(store, "closed", False):
             return
         # write_back's unsaved leaves, and write_through's whose backups were refused (L2 full of locked
         # pages); write_through_selective saved what it chose to

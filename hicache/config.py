@@ -30,6 +30,9 @@ class HiCacheConfig:
     storage_backend: StorageBackend = "file"
     storage_url: str | None = None
     storage_checksum: bool = True
+    # the L3 file outlives the engine: its index saved at a clean close, adopted by the next engine on the
+    # same path (hicache/l3_index.py); needs storage_path and checksums
+    storage_persist: bool = False
     io_workers: int = 4
     io_timeout_s: float = 30.0  # an L3 read slower than this and than 4x its prediction fails
     policy: Policy = "cost"
@@ -122,6 +125,12 @@ class HiCacheConfig:
                              f"(the backend is {self.storage_backend!r})")
         if self.storage_backend == "redis" and self.storage_url:
             _check_redis_url(self.storage_url)
+        if self.storage_persist and (self.storage_backend != "file" or self.storage_path is None):
+            raise ValueError("--hicache-storage-persist keeps a local L3 file: it needs --hicache-storage-path "
+                             "(and the file backend; a Redis L3 outlives the engine anyway)")
+        if self.storage_persist and not self.storage_checksum:
+            raise ValueError("--hicache-storage-persist needs the L3 checksums (every page adopted from an "
+                             "earlier run is verified as it is read): drop --hicache-disable-checksum")
 
     def host_pages(self, l1_pages: int, bytes_per_page: int) -> int:
         if self.host_size_gb is not None:

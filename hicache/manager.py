@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 import structlog
 import torch
 
-from hicache import inspection
+from hicache import inspection, l3_index
 from hicache.allocator import PageAllocator
 from hicache.config import HiCacheConfig
 from hicache.cost_model import CostModel, Decision
@@ -85,6 +85,8 @@ class CacheManager:
         self.tree = RadixTree(self.page_size, allocators)
         self.tree.on_evict = self._on_evict
         self.tree.on_drop = self._on_drop
+        if getattr(self.store, "persistent", False):  # what the file held at the last clean close
+            l3_index.load(self)
         self.cost = CostModel(cfg, geometry.bytes_per_token)
         self.cost.learning = not simulate  # simulated copies take no time: keep the priors
         self.cost_policy = CostPolicy(self)  # restore or recompute, write or not (the methods below)
@@ -114,7 +116,7 @@ class CacheManager:
                               checksum=cfg.storage_checksum, faults=self.faults)
         from hicache.storage import FileStore
         return FileStore(self.geometry, storage_pages, path=cfg.storage_path, io_workers=cfg.io_workers,
-                         checksum=cfg.storage_checksum, faults=self.faults)
+                         checksum=cfg.storage_checksum, faults=self.faults, persistent=cfg.storage_persist)
 
     # -- tiers ---------------------------------------------------------------------------------
     @property
@@ -373,6 +375,8 @@ class CacheManager:
         await self.runner.drain(cancel=True)
         if self.transfer is not None:
             self.transfer.close()
+        if getattr(self.store, "persistent", False) and not self.store.closed:
+            l3_index.save(self)  # (nothing moves now: the next engine on this file adopts it)
         if self.store is not None:
             closer = getattr(self.store, "aclose", None)
             if closer is not None:

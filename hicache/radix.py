@@ -284,6 +284,13 @@ class RadixTree:
         if len(self._candidates[tier]) > 2 * self.num_resident_pages[tier] + 64:
             self._rebuild_candidates(tier)
 
+    def restamp(self, tier: Tier, nodes: Sequence[Node]) -> None:
+        """Stamps in `tier` for `nodes` in that order (the least recently used first), each later than
+        any handed out so far: the LRU order of an adopted L3 index (hicache/l3_index.py)."""
+        for node in nodes:
+            node.stamp[tier] = self._now()
+        self._rebuild_candidates(tier)
+
     def _rebuild_candidates(self, tier: Tier) -> None:
         heap = self._candidates[tier]  # in place: an eviction in progress holds this list
         heap[:] = [(n.stamp[tier], n.node_id, n) for n in self.iter_nodes() if self._is_tier_leaf(n, tier)]

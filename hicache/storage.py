@@ -80,7 +80,7 @@ class FileStore:
 
     def __init__(self, geometry: KVGeometry, num_slots: int, path: str | None = None, io_workers: int = 4,
                  checksum: bool = True, faults: FaultInjector | None = None,
-                 enospc_backoff_s: tuple[float, float] = (1.0, 60.0)) -> None:
+                 enospc_backoff_s: tuple[float, float] = (1.0, 60.0), persistent: bool = False) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if io_workers < 1:
@@ -89,7 +89,12 @@ class FileStore:
         self.bytes_per_page = geometry.bytes_per_page
         self.size_bytes = self.num_slots * self.bytes_per_page
         self.checksum, self.faults, self.is_temp = bool(checksum), faults, path is None
-        fd, self.path, self.reserved = open_store_file(path, self.size_bytes)
+        # persistent: the file's content outlives the process, its index saved at a clean close and
+        # adopted at the next open (hicache/l3_index.py); it is kept, not truncated, as it opens
+        if persistent and (path is None or not self.checksum):
+            raise ValueError("a persistent L3 file needs a path and checksums")
+        self.persistent = bool(persistent)
+        fd, self.path, self.reserved = open_store_file(path, self.size_bytes, keep=self.persistent)
         self._fd = fd
         self._finalizer = weakref.finalize(self, release_file, fd, self.path if self.is_temp else None)
         self._checksums = np.zeros(self.num_slots, dtype=np.uint64)
@@ -153,6 +158,25 @@ class FileStore:
         with self._meta_lock:
             return self._valid[idx].tolist()
 
+    def checksums_of(self, slots: Sequence[int]) -> np.ndarray:
+        """The checksums the slots' writes published (uint64; 0 where none was taken)."""
+        idx = self._slot_array(slots)
+        with self._meta_lock:
+            return self._checksums[idx].copy()
+
+    def adopt(self, slots: Sequence[int], checksums: np.ndarray) -> None:
+        """Slots that a persisted index says hold pages written by an earlier process (hicache/l3_index.py):
+        readable from now on, each read verified against its checksum."""
+        idx = self._slot_array(slots)
+        with self._meta_lock:
+            self._checksums[idx] = np.asarray(checksums, dtype=np.uint64)
+            self._valid[idx] = True
+
+    def sync(self) -> None:
+        """fsync the file: the bytes an index about to be saved describes are on the disk first."""
+        self._check_open()
+        os.fsync(self._fd)
+
     def drop_page_cache(self) -> bool:
         """fsync and evict the file from the OS page cache (cold-read benchmarks); False if not allowed."""
         self._check_open()
@@ -194,7 +218,8 @@ class FileStore:
                 "is_temp": self.is_temp, "size_bytes": self.size_bytes, "io_workers": self.io_workers,
                 "checksum": self.checksum, "closed": self._closed, "valid_slots": valid_slots,
                 "active_tasks": active, "peak_active_tasks": peak, "reserved": self.reserved,
-                "write_retry_in_s": self.write_retry_in_s(), "enospc_backoffs": self.enospc_backoffs}
+                "write_retry_in_s": self.write_retry_in_s(), "enospc_backoffs": self.enospc_backoffs,
+                "persistent": self.persistent}
 
     def __enter__(self) -> FileStore:
         return self

@@ -18,16 +18,17 @@ import structlog
 log = structlog.get_logger("hicache.storage")
 
 
-def open_store_file(path: str | os.PathLike | None, size_bytes: int) -> tuple[int, str, bool]:
+def open_store_file(path: str | os.PathLike | None, size_bytes: int, keep: bool = False) -> tuple[int, str, bool]:
     """(fd, absolute path, reserved) of a store file of `size_bytes`; path None: a fresh temporary
-    file. reserved: its blocks are allocated (False: a sparse file, see `_reserve`).
+    file. reserved: its blocks are allocated (False: a sparse file, see `_reserve`). keep: a path's
+    content is kept (only resized), for a persisted index to adopt (hicache/l3_index.py).
     What the OS refuses (a size over the file system's largest file, no locks, no free-space
     figure) is a ValueError naming the file and the flags (regression: a bare OSError, "[Errno 27]
     File too large", naming neither)."""
     if path is not None:
         path = os.path.abspath(os.fspath(path))
         try:
-            fd, reserved = _open_path(path, size_bytes)
+            fd, reserved = _open_path(path, size_bytes, keep)
             return fd, path, reserved
         except OSError as exc:
             raise ValueError(f"L3 storage file {path!r}: {exc.strerror or exc}; choose another "
@@ -105,8 +106,8 @@ def _check_existing(path: str, st: os.stat_result) -> None:
         raise ValueError(f"refusing --hicache-storage-path {path!r}: {why}")
 
 
-def _open_path(path: str, size_bytes: int) -> tuple[int, bool]:
-    """Open (create) a user-given store path safely, truncated and sized; returns (fd, reserved)."""
+def _open_path(path: str, size_bytes: int, keep: bool = False) -> tuple[int, bool]:
+    """Open (create) a user-given store path safely, truncated (keep: not) and sized; returns (fd, reserved)."""
     with contextlib.suppress(FileNotFoundError):
         _check_existing(path, os.lstat(path))
     flags, created = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, False
@@ -130,7 +131,8 @@ def _open_path(path: str, size_bytes: int) -> tuple[int, bool]:
         raise
     try:
         _check_free_space(fd, path, size_bytes, st.st_blocks * 512)
-        os.ftruncate(fd, 0)  # old content is meaningless: the metadata lives in this process
+        if not keep:
+            os.ftruncate(fd, 0)  # old content is meaningless: the metadata lives in this process
         os.fchmod(fd, 0o600)
         os.ftruncate(fd, size_bytes)
         reserved = _reserve(fd, path, size_bytes)

@@ -7,8 +7,8 @@
 
 Tiers. By default L1 and L2, the engine-local tiers. L3 only when asked: named in `tiers`, or by vLLM's
 `reset_external=true` (its flag for the cache outside the engine), because L3 outlives the engine's
-memory: a file L3 is the disk cache that refills L2 after evictions (a persistent --hicache-storage-path
-kept across restarts), and a Redis L3 may be shared with other engines. Resetting a Redis L3 drops only
+memory: a file L3 is the disk cache that refills L2 after evictions (with --hicache-storage-persist, its
+prefixes kept across restarts), and a Redis L3 may be shared with other engines. Resetting a Redis L3 drops only
 this engine's hints of it: the keys stay in Redis for the engines that read them (RedisStore.invalidate
 does nothing) and this engine finds them again at its next hint refresh; to empty Redis itself, flush the
 database. A tier this engine lacks (no L2 without --enable-hicache, no L3 with --hicache-storage-ratio 0)

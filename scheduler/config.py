@@ -181,8 +181,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     h.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 pages = ratio x L1 pages")
     h.add_argument("--hicache-size-gb", type=float, default=None, help="L2 size in GiB (wins over the ratio)")
     h.add_argument("--hicache-storage-path", default=None,
-                   help="the L3 file (default: a temporary file, removed at exit); truncated at start and "
-                        "locked while the engine runs, so each engine needs its own")
+                   help="the L3 file (default: a temporary file, removed at exit); truncated at start (unless "
+                        "--hicache-storage-persist) and locked while the engine runs, so each engine needs its own")
+    h.add_argument("--hicache-storage-persist", action="store_true",
+                   help="keep the L3 file's prefixes across restarts: its index is saved next to it "
+                        "(PATH.index) at a clean shutdown and adopted by the next engine on the same path "
+                        "and model; needs --hicache-storage-path")
     h.add_argument("--hicache-storage-ratio", type=float, default=2.0, help="L3 pages = ratio x L2 pages (0: no L3)")
     h.add_argument("--hicache-storage-size-gb", type=float, default=None,
                    help="L3 size in GiB (wins over the ratio; 0: no L3)")
@@ -241,6 +245,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         storage_backend=args.hicache_storage_backend,
         storage_url=args.hicache_storage_url,
         storage_checksum=not args.hicache_disable_checksum,
+        storage_persist=args.hicache_storage_persist,
         io_workers=args.hicache_io_workers,
         policy=args.hicache_policy,
         write_policy=args.hicache_write_policy,

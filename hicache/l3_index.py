@@ -1,0 +1,190 @@
+"""A file L3 that outlives its process (--hicache-storage-persist): the index of what the file holds, saved
+at a clean close and adopted by the next engine opened on the same path.
+
+The L3 file's bytes mean nothing without this process's bookkeeping: which prefix each slot holds (the tree)
+and what each slot's page hashed to (FileStore's checksums). `save` writes both next to the file, as
+`<path>.index`: an npz of the tree's L3 nodes in breadth-first order (each its parent's index, its tokens
+and its slots), the slots' checksums, the nodes' LRU order, and a header naming the KV layout (page_keys.kv_salt:
+model identity, dtype, page size, layers, heads) and the file's page size. It runs once the operations
+drained (CacheManager.close), after an fsync of the file, and lands by a rename: it is whole or absent.
+
+`load`, as the next store opens (before anything is written to it), makes those nodes L3-resident (L1 and
+L2 start empty), their slots taken from the L3 allocator and their checksums the store's, in their saved LRU
+order. The index is deleted as it is read: a process that dies later leaves none, and its successor starts
+empty rather than trusting slots rewritten since. An index of another layout or model, one that cannot be
+read or does not add up, is ignored with a warning (the engine starts with an empty L3); nodes whose slots
+lie past a smaller file are dropped, with everything below them. Every page is still verified by its
+checksum when read, so a file changed between runs costs a recompute (hicache/restores.py), never a wrong
+answer; persistence therefore needs checksums (HiCacheConfig).
+"""
+from __future__ import annotations
+
+import json
+import os
+import zipfile
+from typing import TYPE_CHECKING
+
+import numpy as np
+import structlog
+
+from hicache.page_keys import kv_salt
+from hicache.radix import Node, Tier
+
+if TYPE_CHECKING:
+    from hicache.manager import CacheManager
+
+log = structlog.get_logger("hicache.l3_index")
+
+INDEX_FORMAT = "hicache-l3-index-v1"
+_ARRAYS = ("parents", "key_tokens", "tokens", "slots", "checksums", "lru_ranks")
+
+
+def index_path(store_path: str) -> str:
+    return store_path + ".index"
+
+
+def _header(mgr: "CacheManager") -> dict:
+    return {"format": INDEX_FORMAT, "kv_layout": kv_salt(mgr.config.model_id, mgr.geometry).decode(),
+            "bytes_per_page": mgr.store.bytes_per_page}
+
+
+def _l3_nodes(mgr: "CacheManager") -> list[Node]:
+    """The tree's L3-resident nodes, breadth first (a node after its parent: residency is contiguous from
+    the root)."""
+    nodes, frontier = [], [mgr.tree.root]
+    while frontier:
+        frontier = [c for n in frontier for c in n.children.values() if c.pages[Tier.L3] is not None]
+        nodes += frontier
+    return nodes
+
+
+def save(mgr: "CacheManager") -> int:
+    """Write the index of what the L3 file holds (call once nothing moves: after the drain); returns the pages
+    it lists. A failure to write it is a warning: the next engine starts with an empty L3."""
+    store = mgr.store
+    nodes = _l3_nodes(mgr)
+    at = {node: i for i, node in enumerate(nodes)}
+    slots = [s for node in nodes for s in node.pages[Tier.L3]]
+    order = sorted(range(len(nodes)), key=lambda i: nodes[i].stamp[Tier.L3])
+    ranks = np.empty(len(nodes), dtype=np.int64)
+    ranks[order] = np.arange(len(nodes))
+    arrays = {
+        "parents": np.array([at.get(node.parent, -1) for node in nodes], dtype=np.int64),
+        "key_tokens": np.array([len(node.key) for node in nodes], dtype=np.int64),
+        "tokens": np.array([t for node in nodes for t in node.key], dtype=np.int64),
+        "slots": np.array(slots, dtype=np.int64),
+        "checksums": store.checksums_of(slots) if slots else np.zeros(0, dtype=np.uint64),
+        "lru_ranks": ranks,
+    }
+    path, tmp = index_path(store.path), index_path(store.path) + ".tmp"
+    try:
+        store.sync()
+        # (not through a link another user left: the L3 file's own rule, hicache/storage_file.py)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                       "wb") as f:
+            np.savez(f, header=np.array(json.dumps(_header(mgr))), **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        log.warning("l3_index_not_saved", path=path, error=exc.strerror or str(exc))
+        _unlink_quietly(tmp)
+        return 0
+    log.info("l3_index_saved", path=path, nodes=len(nodes), pages=len(slots))
+    return len(slots)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _read(path: str) -> tuple[dict, dict] | None:
+    """The index's header and arrays, the file deleted as it is read; None where there is none."""
+    try:
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f, \
+                np.load(f, allow_pickle=False) as data:
+            header = json.loads(str(data["header"]))
+            arrays = {name: data[name] for name in _ARRAYS}
+    except FileNotFoundError:
+        return None
+    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as exc:  # (JSONDecodeError: a ValueError)
+        log.warning("l3_index_ignored", path=path, reason=f"unreadable: {type(exc).__name__}: {exc}")
+        _unlink_quietly(path)
+        return None
+    _unlink_quietly(path)
+    return header, arrays
+
+
+def _problem(mgr: "CacheManager", header: dict, a: dict) -> str | None:
+    """Why the index cannot be adopted (None: it can)."""
+    want = _header(mgr)
+    for key in ("format", "kv_layout", "bytes_per_page"):
+        if header.get(key) != want[key]:
+            return f"{key} {header.get(key)!r} is not this engine's {want[key]!r}"
+    n, page = len(a["parents"]), mgr.page_size
+    if any(a[name].ndim != 1 for name in _ARRAYS) or len(a["key_tokens"]) != n or len(a["lru_ranks"]) != n:
+        return "its arrays do not add up"
+    if a["key_tokens"].sum() != len(a["tokens"]) or (a["key_tokens"] <= 0).any() or (a["key_tokens"] % page).any():
+        return "its node lengths do not add up"
+    if len(a["slots"]) != len(a["tokens"]) // page or len(a["checksums"]) != len(a["slots"]):
+        return "its slots do not add up"
+    if ((a["parents"] < -1) | (a["parents"] >= np.arange(n))).any():
+        return "a node comes before its parent"
+    if len(np.unique(a["slots"])) != len(a["slots"]) or (a["slots"] < 0).any():
+        return "a slot is listed twice or negative"
+    return None
+
+
+def load(mgr: "CacheManager") -> int:
+    """Adopt the index of the store's file, if one is there and fits (see the module doc); returns the pages
+    adopted."""
+    store, tree = mgr.store, mgr.tree
+    path = index_path(store.path)
+    read = _read(path)
+    if read is None:
+        return 0
+    header, a = read
+    problem = _problem(mgr, header, a)
+    if problem is not None:
+        log.warning("l3_index_ignored", path=path, reason=problem)
+        return 0
+    alloc = tree.allocators[Tier.L3]
+    slot_ends = np.cumsum(a["key_tokens"] // mgr.page_size)
+    kept: list[tuple[int, tuple[int, ...], int, int, int]] = []  # (index, path, its start, slot range)
+    paths: list[tuple[int, ...] | None] = []
+    token_lo = 0
+    for i, parent in enumerate(a["parents"].tolist()):
+        token_hi, slot_hi = token_lo + int(a["key_tokens"][i]), int(slot_ends[i])
+        slot_lo = slot_hi - int(a["key_tokens"][i]) // mgr.page_size
+        head = () if parent < 0 else paths[parent]
+        fits = head is not None and bool((a["slots"][slot_lo:slot_hi] < alloc.num_pages).all())
+        paths.append(head + tuple(a["tokens"][token_lo:token_hi].tolist()) if fits else None)
+        if fits:  # (one past a smaller file's end: dropped, with everything below it)
+            kept.append((i, paths[i], len(head), slot_lo, slot_hi))
+        token_lo = token_hi
+    claim = alloc.new_claim("l3_index")
+    alloc.take([s for *_, lo, hi in kept for s in a["slots"][lo:hi].tolist()], claim)
+    adopted: list[tuple[int, Node]] = []
+    try:
+        for i, node_path, start, lo, hi in kept:
+            slots = a["slots"][lo:hi].tolist()
+            try:
+                extra = set(tree.insert(node_path, Tier.L3, slots, claim, start_tokens=start))
+            except ValueError as exc:  # (a path the checks let through that the tree refuses: stop here)
+                log.warning("l3_index_partly_adopted", path=path, reason=str(exc))
+                break
+            store.adopt([s for s in slots if s not in extra],
+                        [c for s, c in zip(slots, a["checksums"][lo:hi]) if s not in extra])
+            m = tree.match(node_path, touch=False, split=False)
+            if m.lengths[Tier.L3] == len(node_path) and m.handles[Tier.L3] is not None:
+                adopted.append((int(a["lru_ranks"][i]), m.handles[Tier.L3]))
+    finally:
+        alloc.free(alloc.pages_of(claim), claim)  # (none left where every node went in)
+        alloc.close_claim(claim)
+    tree.restamp(Tier.L3, [node for _, node in sorted(adopted, key=lambda x: x[0])])
+    pages = tree.num_resident_pages[Tier.L3]
+    log.info("l3_index_adopted", path=path, nodes=len(adopted), pages=pages, dropped_nodes=len(paths) - len(kept))
+    return pages
