@@ -35,7 +35,8 @@ log = structlog.get_logger("scheduler.engine")
 
 # A waiting request whose prefix a request in prefill is computing waits for those pages when at least this many
 # of its tokens would otherwise be computed twice (`_computes_prefix_of`; SGLang's in-batch prefix caching uses
-# the same 32): below it, waiting a step costs the request more than computing them alongside
+# the same 32): below it, waiting a step costs the request more than computing them alongside.
+# EngineConfig.share_prefill (--disable-shared-prefill) turns the waiting off: each then computes its own prefix
 PREFILL_SHARE_MIN_TOKENS = 32
 
 
@@ -92,7 +93,8 @@ class Admission(Restoring):
                 continue
             if req.hint_task is not None and not req.hint_task.done():
                 continue  # its shared-L3 hints are still being fetched
-            if req.prefetch_op is None and self._computes_prefix_of(req) is not None:
+            if (eng.config.share_prefill and req.prefetch_op is None  # (--disable-shared-prefill: never waits)
+                    and self._computes_prefix_of(req) is not None):
                 continue  # another request is computing its prefix: it reads those pages once published
             if req.prefetch_op is not None and req.prefetch_op.done:
                 self.prefetch_ended(req)  # (it ended before the request was ever parked on it)

@@ -32,6 +32,9 @@ class EngineConfig:
     max_prompt_tokens: int = 0  # 0: no limit beyond what the pool and the model's positions can hold
     max_new_tokens_limit: int = 4096
     enable_prefix_cache: bool = True
+    # a queued request waits for the pages of the request in prefill computing its prefix rather than
+    # computing them beside it (scheduler/admission.py `_computes_prefix_of`); False: each computes its own
+    share_prefill: bool = True
     cuda_graphs: bool = True  # CUDA only: small forwards (decode, short tails) replay captured graphs
     # projections of forwards of at most 16 rows on CUDA: "triton" (kernels/skinny_gemm.py, SiLU x up
     # folded into gate_up) or "cublas" (torch.nn.functional.linear + a SiLU kernel)
@@ -159,6 +162,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="longest prompt in tokens (0: what the L1 pool holds, within the model's positions; "
                         "never above either)")
     g.add_argument("--disable-prefix-cache", action="store_true", help="no prefix reuse, in L1 or below")
+    g.add_argument("--disable-shared-prefill", action="store_true",
+                   help="requests arriving together with one prefix each compute it (default: one waits for "
+                        "the pages of the one computing it)")
     g.add_argument("--disable-cuda-graphs", action="store_true",
                    help="run small forwards eagerly instead of replaying captured CUDA graphs (CUDA only)")
     g.add_argument("--enable-cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # the default; kept
@@ -276,6 +282,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduling_policy=args.scheduling_policy,
         max_prompt_tokens=args.max_prompt_tokens,
         enable_prefix_cache=not args.disable_prefix_cache,
+        share_prefill=not args.disable_shared_prefill,
         cuda_graphs=not args.disable_cuda_graphs,
         small_gemm=args.small_gemm,
         overlap_schedule=not args.disable_overlap_schedule,
