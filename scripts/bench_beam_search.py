@@ -20,8 +20,8 @@ import sys
 import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from bench_common import (default_device, default_model, fmt, free_memory, integrity_of, median,  # noqa: E402
-                          shared_model, sync, table, write_result)
+from bench_common import (CPU_SMOKE, add_common_args, fmt, free_memory, integrity_of, median,  # noqa: E402
+                          parse_common_args, shared_model, sync, table, write_result)
 from scheduler.beam_search import BeamSearchParams, beam_search  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
@@ -30,19 +30,13 @@ from scheduler.request import SamplingParams  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="preset or checkpoint (default: qwen3-8b on CUDA, tiny on the CPU)")
-    p.add_argument("--device", default=None, choices=["cuda", "cpu"])
+    add_common_args(p, model=CPU_SMOKE, device=("cuda", "cpu"), seed=0)
     p.add_argument("--prompt-tokens", default="350,2000", help="comma-separated prompt lengths")
     p.add_argument("--beam-widths", default="1,4,8", help="comma-separated beam widths (1..10)")
     p.add_argument("--max-tokens", type=int, default=32, help="steps of each search")
     p.add_argument("--repeats", type=int, default=3, help="searches per configuration (each a fresh prompt)")
     p.add_argument("--num-pages", type=int, default=0, help="L1 pages per engine (0: 4,096 on CUDA, 1,024 on CPU)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
-    args.device = default_device(args.device)
-    args.model = default_model(args.model, args.device)
+    args = parse_common_args(p, argv)
     args.prompt_tokens = [int(x) for x in args.prompt_tokens.split(",")]
     args.beam_widths = [int(x) for x in args.beam_widths.split(",")]
     return args

@@ -1,13 +1,12 @@
-"""Shared helpers of the hicache benchmarks (scripts/bench_hicache.py, scripts/bench_hicache_stress.py).
+"""Shared helpers of the benchmarks and probes next to it (not a benchmark itself).
 
+- arguments: the flags most scripts take (add_common_args), the hicache benchmarks' engine modes;
 - statistics: percentiles, millisecond summaries, before/after deltas of `engine.metrics()`;
 - engine plumbing: one loaded model shared by several Engines in one process, tier eviction,
   one timed request, integrity as a string;
 - same-run physical limits: plain pinned H2D / D2H `copy_` of a byte count, and a raw sequential
   multi-threaded `os.preadv` read of the same bytes from a file next to the L3 file (cold or warm);
 - output: JSON to stdout / a file, human tables to stdout (or stderr when stdout carries JSON).
-
-Not a benchmark itself; imported by the scripts next to it.
 """
 from __future__ import annotations
 
@@ -33,6 +32,7 @@ import torch  # noqa: E402
 GIB = float(1 << 30)
 DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
 TIERS = ("l1", "l2", "l3")
+CPU_SMOKE = "cpu-smoke"  # add_common_args(model=...): qwen3-8b on CUDA, tiny on the CPU
 
 
 # -- statistics -----------------------------------------------------------------------------------
@@ -157,8 +157,37 @@ def non_negative_int(text: str) -> int:
     return value
 
 
-def add_common_args(p) -> None:
-    """Flags both benchmarks take: engine mode, seed and output."""
+def add_common_args(p, *, model: str | None = None, device: bool | tuple[str, ...] = False,
+                    page_size: int | None = None, seed: int | None = None, output: bool = True) -> None:
+    """The flags most scripts here take, each only where asked (None / False: not taken): --model with
+    default `model` (CPU_SMOKE: set by parse_common_args), --device (True: any torch device, a tuple: one
+    of those; default cuda where available), --page-size (0: the engine's), --seed; `output`: --json, --out."""
+    if model is not None:
+        shown = "qwen3-8b on CUDA, tiny on the CPU" if model == CPU_SMOKE else model
+        p.add_argument("--model", default=None if model == CPU_SMOKE else model,
+                       help=f"preset or checkpoint dir (default: {shown})")
+    if device:
+        p.add_argument("--device", choices=None if device is True else list(device),
+                       default="cuda" if torch.cuda.is_available() else "cpu", help="default: cuda where available")
+    if page_size is not None:
+        p.add_argument("--page-size", type=int, default=page_size,
+                       help="tokens per page" + (" (default: the engine's)" if page_size == 0 else ""))
+    if seed is not None:
+        p.add_argument("--seed", type=int, default=seed)
+    if output:
+        p.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+        p.add_argument("--out", default=None, help="write the result as JSON to this file")
+
+
+def parse_common_args(p, argv=None) -> argparse.Namespace:
+    """p.parse_args(argv), then --model CPU_SMOKE's default for the device: qwen3-8b on CUDA, tiny on the CPU."""
+    args = p.parse_args(argv)
+    args.model = args.model or ("qwen3-8b" if args.device == "cuda" else "tiny")
+    return args
+
+
+def add_engine_mode_args(p) -> None:
+    """Flags both hicache benchmarks take: engine mode and the event log."""
     p.add_argument("--disable-cuda-graphs", action="store_true", help="eager small forwards (CUDA)")
     p.add_argument("--enable-cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # the default; kept
     p.add_argument("--disable-restore-overlap", action="store_true",
@@ -173,10 +202,7 @@ def add_common_args(p) -> None:
                    help="projections of forwards of at most 16 rows (default: the engine's)")
     p.add_argument("--gpu-wait", default=None, choices=["spin", "block"],
                    help="how the loop waits for a forward (default: the engine's)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-json", default=None)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default=None)
 
 
 def hicache_override_args(args) -> dict:
@@ -192,16 +218,6 @@ def engine_mode_args(args) -> dict:
     """EngineConfig fields for --small-gemm and --gpu-wait (none that was not given)."""
     given = {"small_gemm": getattr(args, "small_gemm", None), "gpu_wait": getattr(args, "gpu_wait", None)}
     return {k: v for k, v in given.items() if v is not None}
-
-
-def default_device(arg: str | None) -> str:
-    if arg:
-        return arg
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def default_model(arg: str | None, device: str) -> str:
-    return arg or ("qwen3-8b" if device == "cuda" else "tiny")
 
 
 @contextlib.contextmanager

@@ -18,8 +18,8 @@ import time
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from bench_common import (device_read_gib_s, forward_read_bytes, free_memory, tail_forward_s,  # noqa: E402
-                          write_result)
+from bench_common import (add_common_args, device_read_gib_s, forward_read_bytes, free_memory,  # noqa: E402
+                          tail_forward_s, write_result)
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.guided import GuidedSpec  # noqa: E402
@@ -269,9 +269,7 @@ async def run(args) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-8b")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--page-size", type=int, default=16)
+    add_common_args(ap, model="qwen3-8b", device=True, page_size=16)  # (--model: qwen3-8b on the CPU too)
     ap.add_argument("--pool-tokens", type=int, default=200_000)
     ap.add_argument("--prefill-tokens", default="350,1000,3500")
     ap.add_argument("--decode-batches", default="1,32")
@@ -303,8 +301,6 @@ def main(argv=None) -> int:
     ap.add_argument("--small-gemm", default="triton",
                     help="comma list of triton / cublas: the graphs mode once per backend of the small projections")
     ap.add_argument("--skip-eager", action="store_true", help="CUDA: leave out the eager mode")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out")
     args = ap.parse_args(argv)
     args.small_gemm = args.small_gemm.split(",")
     if not args.small_gemm or set(args.small_gemm) - {"triton", "cublas"}:

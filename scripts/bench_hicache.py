@@ -40,8 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import (GIB, BenchDir, add_common_args, close_engine, copy_limits, default_device,  # noqa: E402
-                          default_model, hicache_override_args, engine_mode_args, directions_summary, emit, evict, file_read_limit, fmt, free_memory, integrity_of,
+from bench_common import (CPU_SMOKE, GIB, BenchDir, add_common_args, add_engine_mode_args, close_engine,  # noqa: E402
+                          copy_limits, parse_common_args, hicache_override_args, engine_mode_args, directions_summary, emit, evict, file_read_limit, fmt, free_memory, integrity_of,
                           median, metrics_delta, ms_summary, note, run_one, shared_model, table, tail_forward_s)
 
 ABOVE = {"none": ("l1",), "l2": ("l1",), "l3": ("l1", "l2")}
@@ -50,13 +50,11 @@ ABOVE = {"none": ("l1",), "l2": ("l1",), "l3": ("l1", "l2")}
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="preset or checkpoint dir (default qwen3-8b on cuda, tiny on cpu)")
-    p.add_argument("--device", default=None, choices=["cuda", "cpu"])
+    add_common_args(p, model=CPU_SMOKE, device=("cuda", "cpu"), page_size=0, seed=0)
     p.add_argument("--tier", default="l2", choices=["none", "l2", "l3"])
     p.add_argument("--policy", default="always", choices=["always", "cost"])
     p.add_argument("--prefix-tokens", default="3500", help="one length or a comma list to sweep")
     p.add_argument("--num-pages", type=int, default=0, help="L1 pages (default: 1.5 x one request)")
-    p.add_argument("--page-size", type=int, default=0, help="tokens per page (default: the engine's)")
     p.add_argument("--iterations", type=int, default=8)
     p.add_argument("--warmup-alternations", type=int, default=2)
     p.add_argument("--storage-cache", default="cold", choices=["cold", "warm"])
@@ -75,10 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "slow its CUDA calls (a graph replay's host time 3-9x, session 26): later lengths' "
                         "figures are for reading the trace, not for the record")
     p.add_argument("--compare-recompute", action="store_true", help="also measure --tier none in this run")
-    add_common_args(p)
-    args = p.parse_args(argv)
-    args.device = default_device(args.device)
-    args.model = default_model(args.model, args.device)
+    add_engine_mode_args(p)
+    args = parse_common_args(p, argv)
     args.lengths = [int(x) for x in str(args.prefix_tokens).split(",") if x.strip()]
     if not args.lengths or min(args.lengths) < 1 or args.iterations < 1:
         p.error("--prefix-tokens must be positive and --iterations >= 1")

@@ -47,16 +47,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import (BenchDir, add_common_args, close_engine, default_device, default_model,  # noqa: E402
-                          hicache_override_args, engine_mode_args, device_read_gib_s, forward_read_bytes, directions_summary, emit, evict, fmt, fmt_bytes, free_memory,
+from bench_common import (CPU_SMOKE, BenchDir, add_common_args, add_engine_mode_args, close_engine,  # noqa: E402
+                          parse_common_args, hicache_override_args, engine_mode_args, device_read_gib_s, forward_read_bytes, directions_summary, emit, evict, fmt, fmt_bytes, free_memory,
                           host_profile, integrity_of, median, metrics_delta, ms_summary, note, shared_model, table)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="preset or checkpoint dir (default qwen3-8b on cuda, tiny on cpu)")
-    p.add_argument("--device", default=None, choices=["cuda", "cpu"])
+    add_common_args(p, model=CPU_SMOKE, device=("cuda", "cpu"), page_size=0, seed=0)
     p.add_argument("--tier", default=None, choices=["none", "l2", "l2small", "l3"],
                    help="one tier (same as --tiers X)")
     p.add_argument("--tiers", default="none,l2,l3", help="comma list run in sequence")
@@ -68,7 +67,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--warmup", type=int, default=8, help="warm-up requests on other prefixes (then all tiers emptied)")
     p.add_argument("--num-pages", type=int, default=0, help="L1 pages (default: about two prefixes)")
-    p.add_argument("--page-size", type=int, default=0, help="tokens per page (default: the engine's)")
     p.add_argument("--host-ratio", type=float, default=None, help="default: l2 all prefixes fit, l3 1.0")
     p.add_argument("--storage-ratio", type=float, default=8.0, help="L3 = ratio x L2 pages (l3 tier)")
     p.add_argument("--io-workers", type=int, default=4)
@@ -89,10 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "time 3-9x, session 26): later tiers' figures are for reading the trace, not for the record")
     p.add_argument("--profile", action="store_true",
                    help="cProfile the measured requests of each tier (host time per function, to stderr and JSON)")
-    add_common_args(p)
-    args = p.parse_args(argv)
-    args.device = default_device(args.device)
-    args.model = default_model(args.model, args.device)
+    add_engine_mode_args(p)
+    args = parse_common_args(p, argv)
     args.tier_list = [args.tier] if args.tier else [t.strip() for t in args.tiers.split(",") if t.strip()]
     if any(t not in ("none", "l2", "l2small", "l3") for t in args.tier_list):
         p.error(f"--tiers takes none, l2, l2small, l3; got {args.tiers!r}")

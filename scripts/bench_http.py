@@ -19,7 +19,6 @@ import json
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_common import percentile, write_result  # noqa: E402
+from bench_common import add_common_args, percentile, write_result  # noqa: E402
 from scheduler.config import add_engine_args, config_from_args  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.presets import model_config_of  # noqa: E402
@@ -161,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--rounds", type=int, default=2, help="each mode runs this many batches; the last counts")
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke)")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out")
+    add_common_args(ap)
     argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     args.engine_flags = engine_flags(argv)

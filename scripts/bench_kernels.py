@@ -19,6 +19,7 @@ import sys
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
+from bench_common import add_common_args  # noqa: E402
 from kernels import fused_ops  # noqa: E402
 from kernels.decode_attention import decode_attention_torch, decode_attention_triton  # noqa: E402
 
@@ -337,8 +338,7 @@ def main(argv=None) -> int:
                     help="--attention: each config with the page prefetch off and on")
     ap.add_argument("--compile-jobs", type=int, default=min(12, os.cpu_count() or 1),
                     help="--attention: processes that compile the sweep's kernels first (1: none)")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out")
+    add_common_args(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs CUDA", file=sys.stderr)

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_common import add_common_args  # noqa: E402  (scripts/, next to this one)
 from hicache.geometry import KVGeometry  # noqa: E402
 from hicache.layer_copy import layer_plan, run_layer_cuda  # noqa: E402
 from kernels.host_copy import HostCopy  # noqa: E402
@@ -53,13 +54,10 @@ def restore_pools(model: str, page_size: int, max_tokens: int):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-8b")
+    add_common_args(ap, model="qwen3-8b", page_size=16)
     ap.add_argument("--tokens", default="350,1000,3500,8000")
     ap.add_argument("--programs", default="8,16,32,64,132")
-    ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--iterations", type=int, default=10)
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_layer_copy needs CUDA", file=sys.stderr)

@@ -15,8 +15,8 @@ import sys
 import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from bench_common import (default_device, default_model, fmt, integrity_of, median, sync, table,  # noqa: E402
-                          write_result)
+from bench_common import (CPU_SMOKE, add_common_args, fmt, integrity_of, median, parse_common_args,  # noqa: E402
+                          sync, table, write_result)
 import scheduler.admission as admission  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
@@ -25,18 +25,12 @@ from scheduler.request import SamplingParams  # noqa: E402
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="preset or checkpoint (default: qwen3-8b on CUDA, tiny on the CPU)")
-    p.add_argument("--device", default=None, choices=["cuda", "cpu"])
+    add_common_args(p, model=CPU_SMOKE, device=("cuda", "cpu"), seed=0)
     p.add_argument("--prompt-tokens", default="1000,4000", help="comma-separated shared prompt lengths")
     p.add_argument("--tail-tokens", type=int, default=0, help="distinct tokens after the shared prompt (0: n choices)")
     p.add_argument("--requests", default="2,4,8", help="comma-separated numbers of requests arriving together")
     p.add_argument("--repeats", type=int, default=3, help="rounds per configuration (each a fresh prompt)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--out", default=None)
-    args = p.parse_args(argv)
-    args.device = default_device(args.device)
-    args.model = default_model(args.model, args.device)
+    args = parse_common_args(p, argv)
     args.prompt_tokens = [int(x) for x in args.prompt_tokens.split(",")]
     args.requests = [int(x) for x in args.requests.split(",")]
     return args

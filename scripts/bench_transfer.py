@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import write_result  # noqa: E402
+from bench_common import add_common_args, write_result  # noqa: E402
 from hicache.config import HiCacheConfig  # noqa: E402
 from hicache.geometry import KVGeometry
 from hicache.manager import CacheManager
@@ -282,7 +282,7 @@ def bench_layerwise(geometry, device, tokens_list, repeats):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_common_args(ap, device=True)  # its own --page-size below: the 8B-shaped KV's
     ap.add_argument("--tokens", default="1000,3504,8000")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--io-workers", type=int, default=8)
@@ -295,8 +295,6 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="print where one transfer's time goes (cProfile of the enqueue, torch.profiler) instead")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", action="store_true")
-    ap.add_argument("--out")
     args = ap.parse_args(argv)
     configure_logging(None)
     device = torch.device(args.device)

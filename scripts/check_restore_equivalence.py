@@ -18,6 +18,7 @@ import sys
 
 import torch
 
+from bench_common import add_common_args
 from hicache.radix import Tier
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
@@ -78,13 +79,10 @@ async def run(args) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-8b")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add_common_args(ap, model="qwen3-8b", device=True, page_size=16, seed=1, output=False)  # (a line, no JSON)
     ap.add_argument("--prefix-tokens", type=int, default=1000)
-    ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--num-pages", type=int, default=0)
     ap.add_argument("--iterations", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--host-ratio", type=float, default=4.0)
     ap.add_argument("--storage-ratio", type=float, default=0.0, help="> 0 keeps an L3 (write-through, prefetch)")
     ap.add_argument("--disable-cuda-graphs", action="store_true")

@@ -36,7 +36,8 @@ from kernels.cuda_rt import memcpy_async  # noqa: E402
 from kernels.host_copy import HostCopy  # noqa: E402
 from kernels.layer_flags import LayerFlags  # noqa: E402
 from scheduler.presets import get_preset  # noqa: E402
-from bench_layer_copy import median, restore_pools  # noqa: E402  (scripts/, next to this one)
+from bench_common import add_common_args  # noqa: E402  (scripts/, next to this one)
+from bench_layer_copy import median, restore_pools  # noqa: E402
 
 
 import triton  # noqa: E402
@@ -60,10 +61,9 @@ def _spin_kernel(flags_ptr, layer, want, max_spins, SLEEP_NS: tl.constexpr):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-8b")
+    add_common_args(ap, model="qwen3-8b", page_size=16, output=False)  # --out alone (no --json) below
     ap.add_argument("--tokens", default="350,1000,3504,8000")
     ap.add_argument("--streams", default="1,2,3,4")
-    ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--sections", default="rows,load", help="rows (alone) and/or load (beside a load)")
     ap.add_argument("--load-paths", default="copy,layers/s1,layers/s2,layers/s3,kernel,pages/s2",
