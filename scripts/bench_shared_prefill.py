@@ -1,7 +1,7 @@
 """Requests that arrive together with one prefix (n choices of a prompt, a batch of one system prompt): the time to
 every first token and the prompt tokens computed, with the engine's shared prefill (a request waits for the pages of
-the one computing its prefix: scheduler/admission.py `_computes_prefix_of`) and without it (the threshold set out of
-reach, so each computes its prefix beside the others, as before session 45). Both in one process, alternating.
+the one computing its prefix: scheduler/admission.py `_computes_prefix_of`) and without it (--disable-shared-prefill's
+switch, EngineConfig.share_prefill: each computes its prefix beside the others, as before session 45). Both in one process, alternating.
 
     python scripts/bench_shared_prefill.py                                  # GPU: qwen3-8b shape
     python scripts/bench_shared_prefill.py --model tiny --device cpu --prompt-tokens 200 --requests 2,4
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import sys
 import time
@@ -17,7 +18,6 @@ import time
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from bench_common import (CPU_SMOKE, add_common_args, fmt, integrity_of, median, parse_common_args,  # noqa: E402
                           sync, table, write_result)
-import scheduler.admission as admission  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
@@ -57,7 +57,6 @@ async def main_async(args) -> dict:
     rng = random.Random(args.seed)
     fresh = lambda n: [rng.randrange(1, engine.vocab_size) for _ in range(n)]  # noqa: E731
     await round_trip(engine, [fresh(64)] * 2, args.device)  # (warm-up: graphs, kernels, the loop)
-    share_min = admission.PREFILL_SHARE_MIN_TOKENS
     rows = []
     for n_tokens in args.prompt_tokens:
         for n_requests in args.requests:
@@ -65,13 +64,13 @@ async def main_async(args) -> dict:
             computed = {"shared": [], "apart": []}
             for _ in range(args.repeats):
                 for mode in ("shared", "apart"):
-                    admission.PREFILL_SHARE_MIN_TOKENS = share_min if mode == "shared" else 1 << 40
+                    # (one engine, both ways: --disable-shared-prefill's switch, read at each admission)
+                    engine.config = dataclasses.replace(engine.config, share_prefill=mode == "shared")
                     base = fresh(n_tokens)
                     prompts = [base + fresh(args.tail_tokens) for _ in range(n_requests)]
                     seconds, tokens = await round_trip(engine, prompts, args.device)
                     timed[mode].append(seconds)
                     computed[mode].append(tokens)
-            admission.PREFILL_SHARE_MIN_TOKENS = share_min
             rows.append({"prompt_tokens": n_tokens, "tail_tokens": args.tail_tokens, "requests": n_requests,
                          "shared_s": median(timed["shared"]), "apart_s": median(timed["apart"]),
                          "shared_computed_tokens": median(computed["shared"]),
