@@ -86,7 +86,7 @@ class CacheManager:
         self.tree.on_evict = self._on_evict
         self.tree.on_drop = self._on_drop
         if getattr(self.store, "persistent", False):  # what the file held at the last clean close
-            l3_index.load(self)
+            self.metrics.storage_adopted_pages = l3_index.load(self)
         self.cost = CostModel(cfg, geometry.bytes_per_token)
         self.cost.learning = not simulate  # simulated copies take no time: keep the priors
         self.cost_policy = CostPolicy(self)  # restore or recompute, write or not (the methods below)

@@ -84,6 +84,9 @@ class Metrics:
     # takes with them (the rest of their tree nodes, the prefixes below); with evictions_pages["l3"],
     # what left L3 (redis: stale shared-store hints are the store's own `stale_hints_dropped`)
     storage_missing_pages: int = 0
+    # L3 pages adopted as the engine started, from the index an earlier engine left on the file
+    # (--hicache-storage-persist, hicache/l3_index.py)
+    storage_adopted_pages: int = 0
     # pages that left each tier because a request that reused them got NaN logits (hicache/suspect.py):
     # with evictions_pages and storage_missing_pages, what left the tier
     nan_dropped_pages: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
@@ -103,5 +106,6 @@ class Metrics:
             "cancellations": self.cancellations, "policy_skips": dict(self.policy_skips),
             "restore_s": self.restore_s, "restore_overlapped_s": self.restore_overlapped_s,
             "storage_missing_pages": self.storage_missing_pages, "nan_dropped_pages": dict(self.nan_dropped_pages),
+            "storage_adopted_pages": self.storage_adopted_pages,
             "directions": {d: s.as_dict() for d, s in self.directions.items()},
         }

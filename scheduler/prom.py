@@ -69,6 +69,8 @@ _CACHE_COUNTERS = (
      "cost policy, or no free page in the tier"),
     ("storage_missing_pages", "hicache_storage_missing_pages", None,
      "L3 pages dropped after a failed read: vanished, corrupt or unreadable, and those under them"),
+    ("storage_adopted_pages", "hicache_storage_adopted_pages", None,
+     "L3 pages adopted at start from the index an earlier engine left on the file (--hicache-storage-persist)"),
     ("nan_dropped_pages", "hicache_nan_dropped_pages", "tier",
      "pages dropped from each tier because a request that reused them got NaN logits, and those under them"),
     ("restore_s", "hicache_restore_seconds", None, "wall time of completed restores, start to publication in L1"),

@@ -205,9 +205,17 @@ async def test_a_restarted_engine_answers_from_the_l3_its_predecessor_left(tmp_p
     await eng.shutdown()
     eng = Engine(config)
     assert eng.cache.tree.match(prompt, touch=False).lengths[Tier.L3] == 32
+    adopted = eng.cache.tree.num_resident_pages[Tier.L3]  # (the prompt's 8 pages, and its answer's)
     again = (await eng.generate_async([prompt], SamplingParams(max_tokens=4)))[0]
     assert again.output_ids == first.output_ids
     assert again.cached_tokens.get("l3", 0) > 0
+    assert eng.metrics()["storage_adopted_pages"] == adopted >= 8  # exported too:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from scheduler.prom import ServerMetrics
+    [fam] = [f for f in text_string_to_metric_families(ServerMetrics(eng).render().decode())
+             if f.name == "hicache_storage_adopted_pages"]
+    assert [s.value for s in fam.samples if s.name.endswith("_total")] == [adopted]
     eng.cache.check_integrity()
     await eng.shutdown()
 
