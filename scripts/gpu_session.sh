@@ -22,6 +22,8 @@ for s in "$@"; do
               step guided_masks 200 python3 scripts/probe_guided_masks.py --tokenizer .whl/bpe151k --rows 1,8,32 --json
               for g in text json json_free; do step "engine_guided_bpe_$g" 400 python3 scripts/bench_engine.py --model qwen3-8b --skip-eager --prefill-tokens 350 --decode-batches 1 --guided-decode 32,512,128 --guided-grammar $g --guided-tokenizer .whl/bpe151k --out "$OUT/engine_guided_bpe_$g.json"; done ;;
     engine_bans) step engine_bans 300 python3 scripts/bench_engine.py --model qwen3-8b --skip-eager --prefill-tokens 350 --decode-batches 1 --banned-decode 32,512,128 --out "$OUT/engine_bans.json" ;;
+    restart) step restart 300 python3 scripts/bench_restart.py --json --out "$OUT/restart.json" ;;
+    restart_cold) step restart_cold 300 python3 scripts/bench_restart.py --storage-cache cold --json --out "$OUT/restart_cold.json" ;;
     shared_prefill) step shared_prefill 300 python3 scripts/bench_shared_prefill.py --json --out "$OUT/shared_prefill.json" ;;
     beam) step beam 400 python3 scripts/bench_beam_search.py --repeats 2 --json --out "$OUT/beam.json" ;;
     engine) step engine 300 python3 scripts/bench_engine.py --model qwen3-8b --profile --skip-eager --out "$OUT/engine.json" ;;

@@ -245,6 +245,20 @@ def test_bench_shared_prefill_computes_a_shared_prompt_once(capsys):
     assert row["shared_s"] > 0 and row["apart_s"] > 0
 
 
+def test_bench_restart_serves_the_prompts_after_a_restart_from_the_kept_l3(capsys, tmp_path):
+    """scripts/bench_restart.py: the engine started on the persisted L3 file adopts the prompts its predecessor
+    computed, serves each from L3 with the same token, and its integrity passes (the file and index go)."""
+    path = tmp_path / "l3.kv"
+    assert load("bench_restart").main([*CPU, "--prefix-tokens", "40,100", "--storage-path", str(path),
+                                       "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["integrity"] == "passed" and out["adopted_pages"] >= (40 + 100) // 4
+    for r in out["rows"]:
+        assert r["l3_tokens_at_start"] == r["prefix_tokens"] and r["same_output"] and not r["errors"]
+        assert r["hit_tokens"]["l3"] >= r["prefix_tokens"] - 4
+    assert not path.exists()
+
+
 def test_bench_allocator_reports_both_layouts(capsys):
     assert load("bench_allocator").main(["--pages", "6", "--repeats", "5", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
