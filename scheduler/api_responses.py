@@ -22,7 +22,11 @@ Responses' server-sent events (scheduler/responses_output.py).
   GET / DELETE /v1/responses/{id} and GET .../input_items (server.py). `conversation` is a 400.
 * `reasoning.effort` is the chat's `reasoning_effort` (vLLM's: a chat template variable, with enable_thinking;
   scheduler/openai_fields.py). Accepted and changing nothing: `reasoning`'s other fields, `metadata` (echoed),
-  `user`, `truncation` "disabled" ("auto": a 400), and at their neutral values `background`, `service_tier`.
+  `user`, `truncation` "disabled" ("auto": a 400), and at its neutral values `service_tier`.
+* `background: true` (kept responses only: with `store` false, or a server that keeps none, a 400 naming it): the
+  response runs detached from its request, answered "queued" at once (or streamed), read by GET as it goes,
+  followed by GET ?stream=true&starting_after=N, cancelled by POST /v1/responses/{id}/cancel
+  (scheduler/responses_background.py).
   vLLM's `seed` and `cache_salt` are passed on.
 * `include: ["message.output_text.logprobs"]`: the chat's `logprobs: true` with `top_logprobs` (0..20, 0 when
   left out) alternatives, on the output_text and its events (scheduler/responses_logprobs.py); `top_logprobs`
@@ -227,8 +231,7 @@ class ResponsesRequest(_Strict, RequestIdField):  # (request_id: vLLM's, the Res
     max_tool_calls: Annotated[StrictInt, Field(ge=0)] | None = None
 
     # fields taken only at a value that changes nothing (others: an 'unsupported_value' 400)
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"truncation": (None, "disabled"), "background": (None, False),
-                                           "service_tier": (None, "auto", "default")}
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"truncation": (None, "disabled"), "service_tier": (None, "auto", "default")}
     # `include`'s items taken: the output_text's token logprobs (scheduler/responses_logprobs.py); one that
     # changes nothing: a reasoning item's text is in it, not encrypted
     LOGPROBS_INCLUDE: ClassVar[str] = "message.output_text.logprobs"
@@ -348,9 +351,13 @@ def chat_messages(req: ResponsesRequest, history: list[dict] = ()) -> list[dict]
 
 def items_messages(items: list) -> list[dict]:
     """Input items as a chat's messages: consecutive assistant-side items (an assistant message, function
-    calls, reasoning) one assistant message, as a chat answer of text, calls and thinking is."""
+    calls, reasoning) one assistant message, as a chat answer of text, calls and thinking is. A message after a
+    call continues the turn's text, as the answer's content is its text around its calls (regression: a stream's
+    text after a call, its second message item, was a second text part, joined by "\n": a follow-up's prompt had
+    a token more than the answer's and the whole response's follow-up)."""
     messages: list[dict] = []
     turn: dict | None = None  # the assistant message the assistant-side items go to
+    after_call = False  # a call came since the turn's text was last written
     for item in items:
         if isinstance(item, FunctionCallOutputItem):
             turn = None
@@ -360,13 +367,17 @@ def items_messages(items: list) -> list[dict]:
             messages.append({"role": item.role, "content": _content(item.content)})
         else:
             if turn is None:
-                turn = {"role": "assistant", "content": None}
+                turn, after_call = {"role": "assistant", "content": None}, False
                 messages.append(turn)
             if isinstance(item, MessageItem):
                 parts = _content(item.content)
-                turn["content"] = (turn["content"] or []) + (parts if isinstance(parts, list) else
-                                                             [{"type": "text", "text": parts}])
+                parts = parts if isinstance(parts, list) else [{"type": "text", "text": parts}]
+                if after_call and turn["content"] and parts:
+                    turn["content"][-1]["text"] += parts[0]["text"]
+                    parts = parts[1:]
+                turn["content"], after_call = (turn["content"] or []) + parts, False
             elif isinstance(item, FunctionCallItem):
+                after_call = True
                 turn.setdefault("tool_calls", []).append(
                     {"id": item.call_id, "type": "function", "function": {"name": item.name,
                                                                            "arguments": item.arguments}})
@@ -425,6 +436,10 @@ class ResponsesShape:
             if self.store is None:
                 raise not_found(previous, "previous_response_id")
             self.prior = self.store.prior(previous)
+        if self.req.background and (self.store is None or not self.store.enabled or self.req.store is False):
+            raise APIError(400, "background can only be used when `store` is true" + (
+                "" if self.req.store is False else " (this server keeps no responses: --responses-store-max 0)"),
+                param="background", code="invalid_value")
         return chat_body(self.req, [] if self.prior is None else self.prior.history())
 
     def output(self, choices) -> ResponseOutput:

@@ -7,10 +7,13 @@ as scheduler/chat_answer.py makes them), by one `OutputItems`, so that a stream'
 response's. The items: a `reasoning` item (with --reasoning-parser, where the answer thought), a `message`
 with one output_text part, a `function_call` per call. A stream finishes each item before it starts the next
 (as OpenAI's do), so text that follows a call (the hermes parser's "auto") is a second message there, and
-part of the one message in a whole response: their `output_text` is the same. finish_reason "length" is
+part of the one message in a whole response: their `output_text` is the same, and so is the conversation a follow-up
+reads from them (api_responses.items_messages continues a turn's text after a call). finish_reason "length" is
 status "incomplete" (incomplete_details.reason "max_output_tokens", the last item "incomplete"); a choice
 that failed ends a stream with an `error` event and `response.failed`. A Response kept (scheduler/responses_store.py)
-is handed to its `keep` as it was sent, once it finished (not failed): a stream's when its last event is made.
+is handed to its `keep` as it was sent, once it finished (not failed): a stream's when its last event is made; a
+background response's by its run (scheduler/responses_background.py), which records the events a stream sends
+(`ResponseOutput.events`; `sse` formats them), failed too.
 """
 from __future__ import annotations
 
@@ -145,6 +148,11 @@ class OutputItems:
         return part
 
 
+def sse_block(event: dict) -> str:
+    """One event as a server-sent event: `event: <type>` and its data."""
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
 def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
@@ -163,8 +171,8 @@ def _usage(usage: dict) -> dict:
 
 class ResponseOutput:
     """The Choices (one) of a /v1/responses request rendered as a Response; server._generate serves it as it
-    serves Choices (`complete`, `sse`, `abort`, `close`). keep: takes the finished Response to keep (none: it is
-    not kept, and says `"store": false`)."""
+    serves Choices (`complete`, `sse`, `abort`, `close`), a background response's run reads its `events`. keep:
+    takes the finished Response to keep (none: it is not kept, and says `"store": false`)."""
 
     def __init__(self, choices: "Choices", req: "ResponsesRequest",
                  keep: Callable[[dict], None] | None = None) -> None:
@@ -172,6 +180,7 @@ class ResponseOutput:
         self.id = "resp_" + choices.rid.partition("-")[2]  # (the engine request's id, for the logs)
         self.params = choices.gens[0].req.params  # (the sampling settings it ran with, the defaults filled)
         self.logprobs = req.includes_logprobs()
+        self.background = req.background is True  # (run detached from its request: responses_background.py)
 
     def _answer_logprobs(self) -> AnswerLogprobs:
         """The answer's output_text's logprobs, its think block's tokens left out by its ids (--reasoning-parser:
@@ -201,13 +210,21 @@ class ResponseOutput:
         return JSONResponse(self._kept(self.response(status, items.items, _usage(chat["usage"]))))
 
     async def sse(self):
+        """The stream's events as server-sent events."""
+        async with contextlib.aclosing(self.events()) as events:
+            async for event in events:
+                yield sse_block(event)
+
+    async def events(self):
+        """The stream's events, numbered from 0 (`sequence_number`): a stream sends them, a background response
+        records them (scheduler/responses_background.py). A background response is "queued" as it is created."""
         numbers = itertools.count()
 
-        def event(data: dict) -> str:
-            return f"event: {data['type']}\ndata: {json.dumps({**data, 'sequence_number': next(numbers)})}\n\n"
+        def event(data: dict) -> dict:
+            return {**data, "sequence_number": next(numbers)}
 
         head = self.response("in_progress", [])
-        yield event({"type": "response.created", "response": head})
+        yield event({"type": "response.created", "response": {**head, "status": "queued"} if self.background else head})
         yield event({"type": "response.in_progress", "response": head})
         items, finish = OutputItems(self.logprobs), None
         shaper = self._answer_logprobs() if self.logprobs else None
@@ -237,8 +254,9 @@ class ResponseOutput:
         yield event({"type": f"response.{status}", "response": self._kept(self.response(status, items.items, usage))})
 
     def _kept(self, response: dict) -> dict:
-        """A finished Response, kept where asked (before it is sent: a follow-up may come as soon as it is read)."""
-        if self.keep is not None:
+        """A finished Response, kept where asked (before it is sent: a follow-up may come as soon as it is read); a
+        background response's by its run, failed too (scheduler/responses_background.py)."""
+        if self.keep is not None and not self.background:
             self.keep(response)
         return response
 
@@ -262,7 +280,7 @@ class ResponseOutput:
             "text": text,
             "tool_choice": choice.model_dump() if hasattr(choice, "model_dump") else choice or "auto",
             "tools": [t.model_dump() for t in req.tools or ()], "truncation": "disabled", "usage": usage,
-            "user": req.user, "metadata": req.metadata or {}, "background": False,
+            "user": req.user, "metadata": req.metadata or {}, "background": self.background,
             # (accepted, changing nothing: scheduler/api_responses.py)
             "top_logprobs": req.top_logprobs, "max_tool_calls": req.max_tool_calls, "prompt_cache_key": req.prompt_cache_key,
             "prompt_cache_retention": req.prompt_cache_retention, "safety_identifier": req.safety_identifier}

@@ -11,14 +11,21 @@ thinking), without the request's `instructions` (OpenAI's: a follow-up's own ins
 message). A follow-up's prompt then starts as its predecessor's did (with the same instructions), and the prefix
 cache serves that part.
 
+A background response (scheduler/responses_background.py) is kept from its start, with its run (its events and
+its current state: GET's while it runs): running, it cannot be followed (a 400 naming previous_response_id: it
+has no conversation yet), nor once it failed or was cancelled; its final Response, failed or cancelled too, is
+kept as it ends.
+
 Bounded by a count (--responses-store-max; 0: nothing kept): the response used least recently (kept, followed
-or read by GET) dropped first. In memory, on the server's one event loop: no locks. A kept conversation is
-never changed (a new response's is a new tuple; the messages are shared between the responses of one chain),
-and a request gets its own copy.
+or read by GET) dropped first, a background one's events with it; one still running is not dropped (the running
+ones are bounded by --max-concurrent-requests). In memory, on the server's one event loop: no locks. A kept
+conversation is never changed (a new response's is a new tuple; the messages are shared between the responses of
+one chain), and a request gets its own copy.
 """
 from __future__ import annotations
 
 import copy
+import itertools
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,6 +36,7 @@ from scheduler.api_responses import as_items, input_items, items_messages, not_f
 
 if TYPE_CHECKING:
     from scheduler.api_responses import ResponsesRequest
+    from scheduler.responses_background import BackgroundRun
 
 # an input item's id where it came without one (as OpenAI's, by its type)
 _ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
@@ -56,6 +64,7 @@ class ResponsesStore:
     def __init__(self, max_responses: int) -> None:
         self.max_responses = max(0, max_responses)
         self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._runs: dict[str, BackgroundRun] = {}  # the kept background responses' runs, by id
 
     @property
     def enabled(self) -> bool:
@@ -67,15 +76,36 @@ class ResponsesStore:
     def __contains__(self, response_id: str) -> bool:
         return response_id in self._kept
 
-    def put(self, stored: StoredResponse) -> None:
-        """Kept as the most recently used (an id kept again replaced), the least recently used dropped above the
-        bound."""
+    def put(self, stored: StoredResponse, run: BackgroundRun | None = None) -> None:
+        """Kept as the most recently used (an id kept again replaced), with its background run (None: not a
+        background response); the least recently used dropped above the bound, but for those still running."""
         if not self.enabled:
             return
         self._kept[stored.id] = stored
         self._kept.move_to_end(stored.id)
-        while len(self._kept) > self.max_responses:
-            self._kept.popitem(last=False)
+        if run is None:
+            self._runs.pop(stored.id, None)
+        else:
+            self._runs[stored.id] = run
+        excess = len(self._kept) - self.max_responses
+        if excess > 0:  # (the least recently used first: found at the front unless running)
+            dropped = (i for i in self._kept if i != stored.id and not self._running(i))
+            for response_id in list(itertools.islice(dropped, excess)):
+                del self._kept[response_id]
+                self._runs.pop(response_id, None)
+
+    def _running(self, response_id: str) -> bool:
+        run = self._runs.get(response_id)
+        return run is not None and not run.finished
+
+    def run(self, response_id: str) -> BackgroundRun | None:
+        """A kept response's background run (None: not a background response; a 404 where none is kept)."""
+        self._use(response_id)
+        return self._runs.get(response_id)
+
+    def holds(self, run: BackgroundRun) -> bool:
+        """Whether `run` is the background run of the response kept under its id (not dropped, nor replaced)."""
+        return self._runs.get(run.id) is run
 
     def _use(self, response_id: str, param: str | None = None) -> StoredResponse:
         stored = self._kept.get(response_id)
@@ -85,21 +115,33 @@ class ResponsesStore:
         return stored
 
     def prior(self, response_id: str) -> StoredResponse:
-        """The kept response a request's previous_response_id names (a 404 naming that field otherwise)."""
-        return self._use(response_id, "previous_response_id")
+        """The kept response a request's previous_response_id names (a 404 naming that field otherwise); a 400 for
+        one that has no conversation to follow: a background response running, failed or cancelled."""
+        stored = self._use(response_id, "previous_response_id")
+        status = self.response(response_id).get("status")
+        if status in ("queued", "in_progress"):
+            raise APIError(400, f"response {response_id!r} has not finished (status {status!r}): it has no "
+                                f"conversation to follow yet; wait until it ends (GET /v1/responses/{{id}})",
+                           param="previous_response_id", code="invalid_value")
+        if status in ("failed", "cancelled"):
+            raise APIError(400, f"response {response_id!r} {status}: it has no conversation to follow",
+                           param="previous_response_id", code="invalid_value")
+        return stored
 
     def conversation(self, response_id: str) -> list[dict]:
         """A copy of the conversation a kept response ends."""
         return self._use(response_id).history()
 
     def response(self, response_id: str) -> dict:
-        """GET /v1/responses/{id}: the Response as it was sent."""
-        return self._use(response_id).response
+        """GET /v1/responses/{id}: the Response as it was sent; a background one's as it is now."""
+        stored, run = self._use(response_id), self._runs.get(response_id)
+        return stored.response if run is None else run.response
 
     def delete(self, response_id: str) -> dict:
         """DELETE /v1/responses/{id}: OpenAI's answer (a 404 where none is kept)."""
         if self._kept.pop(response_id, None) is None:
             raise not_found(response_id)
+        self._runs.pop(response_id, None)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     def input_items(self, response_id: str, order: str = "desc", limit: int = 20, after: str | None = None,
@@ -125,18 +167,19 @@ class ResponsesStore:
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(page) < len(window)}
 
-    def keeper(self, req: ResponsesRequest, prior: StoredResponse | None) -> Callable[[dict], None] | None:
+    def keeper(self, req: ResponsesRequest, prior: StoredResponse | None) -> Callable[..., None] | None:
         """What keeps `req`'s Response once it finished, after the conversation of `prior` (the response it
-        follows); None where it is not to be kept (`store` false, or none kept)."""
+        follows), with its background run where it has one; None where it is not to be kept (`store` false, or
+        none kept)."""
         if not self.enabled or req.store is False:
             return None
         history = () if prior is None else prior.conversation
         given = input_item_dicts(req)
         items = input_items(req)
 
-        def keep(response: dict) -> None:
+        def keep(response: dict, run: BackgroundRun | None = None) -> None:
             turn = items_messages(items + as_items(response["output"]))
-            self.put(StoredResponse(response, (*history, *turn), given))
+            self.put(StoredResponse(response, (*history, *turn), given), run)
         return keep
 
 

@@ -4,7 +4,8 @@
                                 engine request a choice); stream: server-sent events; stop: token ids or strings
     POST /v1/chat/completions   only with a model directory whose tokenizer has a chat template
     POST /v1/responses          OpenAI's Responses API, served as a chat completion (api_responses.py); kept
-                                responses (responses_store.py): GET|DELETE /v1/responses/{id}, GET .../input_items
+                                responses (responses_store.py): GET|DELETE /v1/responses/{id}, GET .../input_items;
+                                background ones (responses_background.py): POST .../cancel, GET ...?stream=true
     POST /tokenize   POST /detokenize       vLLM's: text <-> token ids with the server's tokenizer (api_tokenize.py)
     GET  /v1/models   GET /v1/models/{id}   GET /health (GET|POST /ping too)   GET /metrics (Prometheus)
     GET  /hicache/status (engine.status())     (each GET route answers HEAD too)
@@ -46,6 +47,7 @@ from scheduler.api_beam_search import BeamSearches
 from scheduler.api_inputs import choice_params, parse_prompts
 from scheduler.api_models import APIError, jsonable, read_json_body, validation_error
 from scheduler.api_responses import ResponsesShape
+from scheduler.responses_background import BackgroundResponses
 from scheduler.responses_store import ResponsesStore
 from scheduler.api_tokenize import chat_unavailable, detokenize, tokenize
 from scheduler.choices import Choices
@@ -96,6 +98,7 @@ class _ServerState:
         self.engine_error: str | None = None
         self.created = int(time.time())
         self.responses = ResponsesStore(limits.responses_store_max)
+        self.background = BackgroundResponses(self.responses)  # (background responses' runs)
 
     def begin_shutdown(self) -> None:
         """Stop admitting (503) and start the engine's shutdown: in-flight requests get the grace
@@ -115,6 +118,8 @@ class _ServerState:
             await self.engine.shutdown(self.limits.shutdown_grace_s)
         except Exception:  # a crashed loop re-raises here; Engine.shutdown has still cleaned up
             log.exception("engine_shutdown_after_loop_crash")
+        finally:  # background responses had the grace too: those still going cancelled and awaited
+            await self.background.close()
 
     def on_loop_done(self, task: asyncio.Task) -> None:
         """The engine loop died (it fails its live requests itself): refuse new ones, fail /health."""
@@ -205,9 +210,13 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
 
     # a kept response (responses_store.py; GET's below), its id a path's rest: a request_id may hold "/", which the
     # SDK sends as it is (regression: such a response was kept, and followed, but never found by GET or DELETE)
+    @app.post("/v1/responses/{response_id:path}/cancel")  # (a background response's; before the routes below)
+    async def response_cancel(response_id: str):
+        return JSONResponse(await st.background.cancel(response_id))
+
     @app.delete("/v1/responses/{response_id:path}")
-    async def response_delete(response_id: str):
-        return st.responses.delete(response_id)
+    async def response_delete(response_id: str):  # (a background response running: cancelled first)
+        return await st.background.delete(response_id)
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request):  # (no generation slot: the engine is not involved)
@@ -236,8 +245,8 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         return JSONResponse(st.responses.input_items(response_id, order, limit, after, before))
 
     @get("/v1/responses/{response_id:path}")
-    async def response_kept(response_id: str):
-        return JSONResponse(st.responses.response(response_id))  # (as sent: no re-encoding)
+    async def response_kept(response_id: str, stream: bool = False, starting_after: int | None = None):
+        return st.background.get(response_id, stream, starting_after)  # (as sent: no re-encoding)
 
     @get("/v1/models")
     async def models():
@@ -392,6 +401,8 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
     choices = Choices(gens, chat, rids.response_id, api_req, st.model_name)
     if shape is not None:
         choices = shape.output(choices)
+        if shape.req.background:  # its task holds the slot, detached from this request (responses_background.py)
+            return st.background.start(choices, slot, api_req.stream)
     if api_req.stream:
         return _SSEResponse(choices.sse(), choices, slot, media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
