@@ -7,7 +7,8 @@ Engine B opens the same file and adopts the index (L1 and L2 empty); with --stor
 are dropped from the OS page cache first. B serves the same prompts: each one's first request is an L3 hit. Per
 length: time to the first token in A (recompute) and in B (after the restart), the tokens B served from L3, and
 whether B's token equals A's (greedy). Also: the shutdown (index saved) and B's start (index adopted) in seconds,
-and B's integrity. Each engine first serves a warm-up prompt of its own (graphs, kernels, the loop).
+and B's integrity. Each engine first serves a fresh prompt of each length (kernels and graphs of each shape, the
+loop): the timed requests are no first of their shape.
 
     python scripts/bench_restart.py                                   # GPU: qwen3-8b shape, 1,000 / 3,500 / 8,000
     python scripts/bench_restart.py --model tiny --device cpu --prefix-tokens 64,200
@@ -72,7 +73,7 @@ async def main_async(args) -> dict:
             vocab = a.vocab_size
             fresh = lambda n: [rng.randrange(1, vocab) for _ in range(n)]  # noqa: E731
             prompts = {n: fresh(n) for n in args.prefix_tokens}
-            await serve(a, {0: fresh(64)})  # warm-up
+            await serve(a, {n: fresh(n) for n in args.prefix_tokens})  # warm-up: each length's shapes once
             before = await serve(a, prompts)
             t0 = time.perf_counter()
             await a.shutdown()
@@ -85,7 +86,7 @@ async def main_async(args) -> dict:
             adopted = b.metrics()["storage_adopted_pages"]
             dropped = b.cache.store.drop_page_cache() if args.storage_cache == "cold" else None
             l3_tokens = {n: b.cache.tree.match(p, touch=False).lengths[Tier.L3] for n, p in prompts.items()}
-            await serve(b, {0: fresh(64)})  # warm-up (a prompt of its own: the others stay L3's)
+            await serve(b, {n: fresh(n) for n in args.prefix_tokens})  # warm-up (prompts of its own)
             after = await serve(b, prompts)
             integrity = integrity_of(b)
             await b.shutdown()
