@@ -322,6 +322,8 @@ def format_summary(s: dict) -> str:
     rows = [("requests", f"{s['requests']:,} ({s['completed']:,} completed, {s['failed']:,} failed)"),
             ("prompt tokens", num(s["prompt_tokens"]) + failed_prompt)]
     rows += [(f"hit tokens {t.upper()}", f"{hits[t]:,} ({100 * hits[t] / prompt:.1f}%)") for t in TIERS]
+    if s["metrics"].get("storage_adopted_pages"):  # (--hicache-storage-persist: the last run's L3, adopted)
+        rows.append(("L3 adopted at start", f"{s['metrics']['storage_adopted_pages']:,} pages"))
     rows += [("recomputed tokens", f"{s['recomputed_tokens']:,} ({100 * s['recomputed_tokens'] / prompt:.1f}%)"),
              ("TTFT p50/p90/p99 ms", " / ".join(num(s["ttft_ms"][k], "{:.1f}") for k in ("p50", "p90", "p99"))),
              ("throughput", f"{s['throughput_req_s']:.2f} req/s over {s['wall_s']:.1f} s")]

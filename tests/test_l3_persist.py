@@ -281,3 +281,24 @@ async def test_the_index_is_neither_written_nor_read_through_a_symbolic_link(tmp
     mgr = _manager(tmp_path)
     assert mgr.tree.num_resident_pages[Tier.L3] == 0
     await mgr.close()
+
+
+def test_a_replay_run_twice_on_a_kept_file_starts_from_the_first_run_s_l3(tmp_path):
+    """The replay driver with the flag: its second run adopts what the first left (the summary says how much) and
+    serves hits from L3 from its first requests, outputs equal to the first run's."""
+    import structlog
+
+    from scheduler.replay import format_summary, run_cli
+    args = ["--max-requests", "12", "--time-scale", "0", "--concurrency", "1", "--max-input-tokens", "256",
+            "--max-output-tokens", "4", "--block-tokens", "16", "--hicache-policy", "always", "--no-progress",
+            "--hicache-storage-path", str(tmp_path / "l3.kv"), "--hicache-storage-persist"]
+    saved = structlog.get_config()
+    try:
+        first, second = run_cli(args), run_cli(args)
+    finally:
+        structlog.configure(**saved)
+    assert first["metrics"]["storage_adopted_pages"] == 0 < second["metrics"]["storage_adopted_pages"]
+    assert second["hit_tokens"]["l3"] > first["hit_tokens"]["l3"]
+    assert second["outputs_digest"] == first["outputs_digest"]
+    assert first["integrity"] == second["integrity"] == "passed"
+    assert "L3 adopted at start" in format_summary(second) and "L3 adopted" not in format_summary(first)
