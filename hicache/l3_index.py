@@ -5,17 +5,19 @@ The L3 file's bytes mean nothing without this process's bookkeeping: which prefi
 and what each slot's page hashed to (FileStore's checksums). `save` writes both next to the file, as
 `<path>.index`: an npz of the tree's L3 nodes in breadth-first order (each its parent's index, its tokens
 and its slots), the slots' checksums, the nodes' LRU order, and a header naming the KV layout (page_keys.kv_salt:
-model identity, dtype, page size, layers, heads) and the file's page size. It runs once the operations
+model identity, dtype, page size, layers, heads), the file's page size and its size. It runs once the operations
 drained (CacheManager.close), after an fsync of the file, and lands by a rename: it is whole or absent.
 
 `load`, as the next store opens (before anything is written to it), makes those nodes L3-resident (L1 and
 L2 start empty), their slots taken from the L3 allocator and their checksums the store's, in their saved LRU
 order. The index is deleted as it is read: a process that dies later leaves none, and its successor starts
-empty rather than trusting slots rewritten since. An index of another layout or model, one that cannot be
-read or does not add up, is ignored with a warning (the engine starts with an empty L3); nodes whose slots
-lie past a smaller file are dropped, with everything below them. Every page is still verified by its
-checksum when read, so a file changed between runs costs a recompute (hicache/restores.py), never a wrong
-answer; persistence therefore needs checksums (HiCacheConfig).
+empty rather than trusting slots rewritten since; a run without the flag on the path, which truncates the
+file, deletes it too (`discard`). An index of another layout or model, of a file deleted, cut short or replaced
+since (the size the store found as it opened is not the saved one), one that cannot be read or does not add up,
+is ignored with a warning (the engine starts with an empty L3); nodes whose slots lie past a smaller file
+are dropped, with everything below them. Every page is still verified by its checksum when read, so a file
+changed between runs costs a recompute (hicache/restores.py), never a wrong answer; persistence therefore
+needs checksums (HiCacheConfig).
 """
 from __future__ import annotations
 
@@ -82,7 +84,8 @@ def save(mgr: "CacheManager") -> int:
         # (not through a link another user left: the L3 file's own rule, hicache/storage_file.py)
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
                        "wb") as f:
-            np.savez(f, header=np.array(json.dumps(_header(mgr))), **arrays)
+            header = {**_header(mgr), "file_bytes": store.size_bytes}
+            np.savez(f, header=np.array(json.dumps(header)), **arrays)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -92,6 +95,15 @@ def save(mgr: "CacheManager") -> int:
         return 0
     log.info("l3_index_saved", path=path, nodes=len(nodes), pages=len(slots))
     return len(slots)
+
+
+def discard(store_path: str) -> None:
+    """The file at `store_path` was opened without --hicache-storage-persist, truncated: an index a run with
+    the flag left next to it describes bytes gone, and goes (a later run with the flag starts empty)."""
+    if os.path.lexists(index_path(store_path)):
+        log.warning("l3_index_ignored", path=index_path(store_path),
+                    reason="the L3 file was opened without --hicache-storage-persist (truncated)")
+        _unlink_quietly(index_path(store_path))
 
 
 def _unlink_quietly(path: str) -> None:
@@ -124,6 +136,10 @@ def _problem(mgr: "CacheManager", header: dict, a: dict) -> str | None:
     for key in ("format", "kv_layout", "bytes_per_page"):
         if header.get(key) != want[key]:
             return f"{key} {header.get(key)!r} is not this engine's {want[key]!r}"
+    found = getattr(mgr.store, "found_bytes", None)
+    if header.get("file_bytes") != found:
+        return (f"the L3 file was {header.get('file_bytes')} bytes at its save and {found} as this engine opened "
+                f"it (deleted, cut short or replaced since)")
     n, page = len(a["parents"]), mgr.page_size
     if any(a[name].ndim != 1 for name in _ARRAYS) or len(a["key_tokens"]) != n or len(a["lru_ranks"]) != n:
         return "its arrays do not add up"

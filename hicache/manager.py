@@ -87,6 +87,8 @@ class CacheManager:
         self.tree.on_drop = self._on_drop
         if getattr(self.store, "persistent", False):  # what the file held at the last clean close
             self.metrics.storage_adopted_pages = l3_index.load(self)
+        elif getattr(self.store, "is_temp", True) is False:  # a path truncated as it opened: no index of it stays
+            l3_index.discard(self.store.path)
         self.cost = CostModel(cfg, geometry.bytes_per_token)
         self.cost.learning = not simulate  # simulated copies take no time: keep the priors
         self.cost_policy = CostPolicy(self)  # restore or recompute, write or not (the methods below)

@@ -65,6 +65,14 @@ def page_checksum(page: memoryview) -> int:
     return xxhash.xxh3_64(page).intdigest()
 
 
+def _size_of(path: str | os.PathLike) -> int | None:
+    """The size of the file at `path` in bytes; None where there is none (or it cannot be seen)."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return None
+
+
 def _done_future(result: IoResult | None = None, error: BaseException | None = None) -> cf.Future:
     future: cf.Future = cf.Future()
     future.set_exception(error) if error is not None else future.set_result(result)
@@ -94,6 +102,9 @@ class FileStore:
         if persistent and (path is None or not self.checksum):
             raise ValueError("a persistent L3 file needs a path and checksums")
         self.persistent = bool(persistent)
+        # the file's size before this open resized it (None: there was none): an index saved with another
+        # size describes a file deleted or cut short since, and is not adopted (l3_index._problem)
+        self.found_bytes = _size_of(path) if self.persistent else None
         fd, self.path, self.reserved = open_store_file(path, self.size_bytes, keep=self.persistent)
         self._fd = fd
         self._finalizer = weakref.finalize(self, release_file, fd, self.path if self.is_temp else None)

@@ -66,13 +66,14 @@ def release_file(fd: int, temp_path: str | None) -> None:
             log.warning("l3_file_left_behind", path=temp_path, error=exc.strerror or str(exc))
 
 
-def _reserve(fd: int, path: str, size_bytes: int) -> bool:
+def _reserve(fd: int, path: str, size_bytes: int, kept_bytes: int = 0) -> bool:
     """Allocate the file's blocks (it is already `size_bytes` long), so that a disk other processes
     fill later cannot fail its writes with ENOSPC (regression: the file stayed sparse, its free-space
     check reserved nothing). Extent allocation, no zeroing: ~5 ms for 1-2 GiB on ext4. A file system
     that cannot (EOPNOTSUPP / ENOSYS / EINVAL: some network or FUSE ones) keeps a sparse file, one
     warning naming it (FileStore then backs off after an ENOSPC write); False. Any other failure
-    (ENOSPC, EDQUOT) empties the file, giving a partial reservation back, and raises."""
+    (ENOSPC, EDQUOT) cuts the file back to `kept_bytes` (0: empties it), giving a partial reservation back,
+    and raises (regression: a kept file's content went with it)."""
     try:
         os.posix_fallocate(fd, 0, size_bytes)
     except OSError as exc:
@@ -82,7 +83,7 @@ def _reserve(fd: int, path: str, size_bytes: int) -> bool:
                              "if the disk fills")
             return False
         with contextlib.suppress(OSError):
-            os.ftruncate(fd, 0)
+            os.ftruncate(fd, kept_bytes)
         raise
     return True
 
@@ -135,7 +136,7 @@ def _open_path(path: str, size_bytes: int, keep: bool = False) -> tuple[int, boo
             os.ftruncate(fd, 0)  # old content is meaningless: the metadata lives in this process
         os.fchmod(fd, 0o600)
         os.ftruncate(fd, size_bytes)
-        reserved = _reserve(fd, path, size_bytes)
+        reserved = _reserve(fd, path, size_bytes, min(st.st_size, size_bytes) if keep else 0)
     except BaseException:
         release_file(fd, path if created else None)
         raise
