@@ -45,6 +45,7 @@ from scheduler.trace import (MAX_PROBLEMS_SHOWN, TokenSynth, TraceError, TracePr
 
 DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
 TIERS = ("l1", "l2", "l3")
+SAVE_GRACE_S = 60.0  # the end's shutdown with --hicache-storage-persist: at most this long to save L1's pages
 
 
 class EngineStartError(Exception):
@@ -230,8 +231,8 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
     finally:
         if bar is not None:
             bar.close()
-        try:
-            await engine.shutdown()
+        try:  # (a kept L3 file: write_back's unsaved prefixes saved for the next run, as a server's grace does)
+            await engine.shutdown(SAVE_GRACE_S if engine.cache.config.storage_persist else 0.0)
         except Exception as exc:  # a crashed loop re-raises here, before the tiers are closed
             crash = crash or f"engine shutdown failed: {exc!r}"
             await engine.cache.close()

@@ -302,3 +302,22 @@ def test_a_replay_run_twice_on_a_kept_file_starts_from_the_first_run_s_l3(tmp_pa
     assert second["outputs_digest"] == first["outputs_digest"]
     assert first["integrity"] == second["integrity"] == "passed"
     assert "L3 adopted at start" in format_summary(second) and "L3 adopted" not in format_summary(first)
+
+
+def test_a_write_back_replay_saves_its_prefixes_for_the_next_run(tmp_path):
+    """(regression: the replay shut its engine down without a grace, so under write_back the prefixes only L1 held
+    were never saved, and the next run on the kept file adopted nothing)"""
+    import structlog
+
+    from scheduler.replay import run_cli
+    args = ["--max-requests", "12", "--time-scale", "0", "--concurrency", "1", "--max-input-tokens", "256",
+            "--max-output-tokens", "4", "--block-tokens", "16", "--hicache-policy", "always", "--no-progress",
+            "--hicache-write-policy", "write_back", "--hicache-storage-path", str(tmp_path / "l3.kv"),
+            "--hicache-storage-persist"]
+    saved = structlog.get_config()
+    try:
+        first, second = run_cli(args), run_cli(args)
+    finally:
+        structlog.configure(**saved)
+    assert second["metrics"]["storage_adopted_pages"] > 0 and second["hit_tokens"]["l3"] > 0
+    assert second["outputs_digest"] == first["outputs_digest"] and second["integrity"] == "passed"
