@@ -165,6 +165,9 @@ def config_from_replay_args(args: argparse.Namespace) -> EngineConfig:
     cfg = cfg.with_hicache(**hc) if hc else cfg
     if cfg.simulate:
         replay_memory.check_simulated_memory(args, cfg)
+        if cfg.hicache.storage_persist:  # (its L3 is bookkeeping only: no file is opened, kept or adopted)
+            print(f"{os.path.basename(sys.argv[0])}: --simulate: --hicache-storage-persist keeps nothing (no L3 file "
+                  "is opened)", file=sys.stderr)
     return cfg
 
 

@@ -321,3 +321,13 @@ def test_a_write_back_replay_saves_its_prefixes_for_the_next_run(tmp_path):
         structlog.configure(**saved)
     assert second["metrics"]["storage_adopted_pages"] > 0 and second["hit_tokens"]["l3"] > 0
     assert second["outputs_digest"] == first["outputs_digest"] and second["integrity"] == "passed"
+
+
+def test_a_simulated_replay_says_the_flag_keeps_nothing(capsys, tmp_path):
+    from scheduler.replay import build_parser
+    from scheduler.replay_args import config_from_replay_args, fill_defaults
+    args = build_parser().parse_args(["--simulate", "--hicache-storage-path", str(tmp_path / "l3.kv"),
+                                      "--hicache-storage-persist"])
+    fill_defaults(args)
+    assert config_from_replay_args(args).simulate
+    assert "--hicache-storage-persist keeps nothing" in capsys.readouterr().err
