@@ -141,7 +141,9 @@ def _problem(mgr: "CacheManager", header: dict, a: dict) -> str | None:
         return (f"the L3 file was {header.get('file_bytes')} bytes at its save and {found} as this engine opened "
                 f"it (deleted, cut short or replaced since)")
     n, page = len(a["parents"]), mgr.page_size
-    if any(a[name].ndim != 1 for name in _ARRAYS) or len(a["key_tokens"]) != n or len(a["lru_ranks"]) != n:
+    if any(a[name].ndim != 1 or a[name].dtype.kind not in "iu" for name in _ARRAYS):
+        return "its arrays are not lists of integers"
+    if len(a["key_tokens"]) != n or len(a["lru_ranks"]) != n:
         return "its arrays do not add up"
     if a["key_tokens"].sum() != len(a["tokens"]) or (a["key_tokens"] <= 0).any() or (a["key_tokens"] % page).any():
         return "its node lengths do not add up"
