@@ -26,7 +26,7 @@ Responses' server-sent events (scheduler/responses_output.py).
 * `background: true` (kept responses only: with `store` false, or a server that keeps none, a 400 naming it): the
   response runs detached from its request, answered "queued" at once (or streamed), read by GET as it goes,
   followed by GET ?stream=true&starting_after=N, cancelled by POST /v1/responses/{id}/cancel
-  (scheduler/responses_background.py).
+  (scheduler/responses_background.py). A request_id naming one still running is a 400.
   vLLM's `seed` and `cache_salt` are passed on.
 * `include: ["message.output_text.logprobs"]`: the chat's `logprobs: true` with `top_logprobs` (0..20, 0 when
   left out) alternatives, on the output_text and its events (scheduler/responses_logprobs.py); `top_logprobs`
@@ -432,6 +432,10 @@ class ResponsesShape:
 
     def chat_body(self, body: dict) -> dict:
         self.req = parse_request(body)
+        if self.store is not None and self.req.request_id is not None and self.store.running(self.req.request_id):
+            # (regression: its response, kept at its end, replaced the run's: the run went on, out of reach)
+            raise APIError(400, f"request_id {self.req.request_id!r} names a background response still running; "
+                                f"cancel it or wait until it ends", param="request_id", code="invalid_value")
         if (previous := self.req.previous_response_id) is not None:
             if self.store is None:
                 raise not_found(previous, "previous_response_id")

@@ -12,9 +12,11 @@ request's --max-concurrent-requests slot (server._Slot) until it ends, and the e
 any others' (scheduler/generation.py). A streamed background response's POST follows the run from its first event;
 its client leaving ends its copy of the events, not the run.
 
-Cancelling (POST .../cancel, or DELETE, which then drops it) cancels the task: its engine requests are aborted and
-their pages freed, and the response ends "cancelled" (its output: the items finished before), kept; one that ended
-is answered as it is. A response that was not background cannot be cancelled (vLLM's 400) nor followed as a stream.
+Cancelling (POST .../cancel, or DELETE, which drops it first: its end is not kept) cancels the task: its engine
+requests are aborted and their pages freed, and the response ends "cancelled" (its output: the items finished
+before), kept; one that ended is answered as it is. While it runs, a request of its id (`request_id`) is a 400
+(api_responses.ResponsesShape): kept at its end, it would have put the run out of every route's reach. A
+response that was not background cannot be cancelled (vLLM's 400) nor followed as a stream.
 At shutdown the engine's grace applies to these requests as to the others (Engine.shutdown), then the runs still
 going are cancelled and awaited (`BackgroundResponses.close`): no task outlives the server's loop, no slot is
 left held.
@@ -172,10 +174,13 @@ class BackgroundResponses:
         return run.response
 
     async def delete(self, response_id: str) -> dict:
-        """DELETE /v1/responses/{id}: a running background response cancelled first."""
-        if (run := self.store.run(response_id)) is not None:
+        """DELETE /v1/responses/{id}: a running background response dropped, then cancelled (its end, no longer
+        the store's, is not kept: regression, kept as the most recently used it dropped another above the bound)."""
+        run = self.store.run(response_id)
+        deleted = self.store.delete(response_id)
+        if run is not None:
             await run.cancel()
-        return self.store.delete(response_id)
+        return deleted
 
     async def close(self) -> None:
         """At shutdown, after the engine's (whose grace these requests had, the rest aborted): the runs still going

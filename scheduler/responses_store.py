@@ -89,12 +89,13 @@ class ResponsesStore:
             self._runs[stored.id] = run
         excess = len(self._kept) - self.max_responses
         if excess > 0:  # (the least recently used first: found at the front unless running)
-            dropped = (i for i in self._kept if i != stored.id and not self._running(i))
+            dropped = (i for i in self._kept if i != stored.id and not self.running(i))
             for response_id in list(itertools.islice(dropped, excess)):
                 del self._kept[response_id]
                 self._runs.pop(response_id, None)
 
-    def _running(self, response_id: str) -> bool:
+    def running(self, response_id: str) -> bool:
+        """Whether a background response of this id is kept and still running."""
         run = self._runs.get(response_id)
         return run is not None and not run.finished
 
