@@ -32,3 +32,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "slow" in item.keywords and not config.getoption("--run-slow"):
             item.add_marker(skip_slow)
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    """The openai SDK's client of the module's server (its `srv` fixture), retries off: a test sees every answer."""
+    import openai
+
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
+        yield c

@@ -29,12 +29,6 @@ def srv(tmp_path_factory):
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
-        yield c
-
-
 def _post(srv, chat: bool, body: dict) -> httpx.Response:
     path = "/v1/chat/completions" if chat else "/v1/completions"
     base = {"messages": HI} if chat else {"prompt": [5, 6, 7]}

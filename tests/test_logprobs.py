@@ -11,7 +11,6 @@ import json
 import math
 
 import httpx
-import openai
 import pytest
 import torch
 
@@ -224,12 +223,6 @@ def test_a_simulated_engine_refuses_logprobs():
 def srv(tmp_path_factory):
     with byte_level_server(tmp_path_factory, tiny_config(num_pages=200, max_new_tokens_limit=16)) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
-        yield c
 
 
 HI = [{"role": "user", "content": "hi"}]

@@ -11,7 +11,6 @@ import json
 import math
 
 import httpx
-import openai
 import pytest
 
 from scheduler.api_models import N_MAX
@@ -32,12 +31,6 @@ def srv(tmp_path_factory):
     config = tiny_config(num_pages=400, max_new_tokens_limit=64).with_hicache(enable=True, host_ratio=2.0)
     with byte_level_server(tmp_path_factory, config) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
-        yield c
 
 
 def _post(url: str, path: str, body: dict) -> dict:

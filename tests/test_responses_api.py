@@ -8,7 +8,6 @@ import json
 from types import SimpleNamespace
 
 import httpx
-import openai
 import pytest
 
 from scheduler.api_responses import parse_request
@@ -46,12 +45,6 @@ def srv(tmp_path_factory):
     limits = ServerLimits(shutdown_grace_s=1.0, tool_call_parser="hermes", reasoning_parser="qwen3")
     with ServerThread(create_app(engine, limits, tokenizer=HFTokenizer(str(path)))) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
-        yield c
 
 
 def _chat_call(call_id: str, arguments: str) -> dict:

@@ -35,12 +35,6 @@ def srv(tmp_path_factory):
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
-        yield c
-
-
 def _post(srv, **body) -> httpx.Response:
     return httpx.post(srv.url + "/v1/responses", json={"model": "tiny", "temperature": 0, **body}, timeout=60)
 

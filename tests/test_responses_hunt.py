@@ -40,12 +40,6 @@ def srv(tmp_path_factory):
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
-        yield c
-
-
 def _post(srv, **body) -> httpx.Response:
     """A /v1/responses body sent as JSON with its non-ASCII escaped (lone surrogates travel as "\\ud800")."""
     body = {"model": "tiny", "input": "hi", "max_output_tokens": 1, **body}

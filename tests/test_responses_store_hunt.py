@@ -37,12 +37,6 @@ def srv(tmp_path_factory):
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
-        yield c
-
-
 def _post(srv, **body) -> httpx.Response:
     body = {"model": "tiny", "max_output_tokens": 2, "temperature": 0, **body}
     return httpx.post(srv.url + "/v1/responses", json=body, timeout=60)

@@ -75,12 +75,6 @@ def srv():
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(srv):
-    with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60) as c:
-        yield c
-
-
 def metric_samples(url: str) -> dict[tuple, float]:
     text = httpx.get(url + "/metrics").text
     out = {}
