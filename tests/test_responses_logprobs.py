@@ -18,7 +18,7 @@ from scheduler.responses_output import OutputItems, ResponseOutput
 import test_responses_api
 from test_responses_api import _chat, _post
 
-srv, client = test_responses_api.srv, test_responses_api.client  # (its server fixtures, reused)
+srv = test_responses_api.srv  # (its server fixture, reused; `client`: conftest.py)
 
 INCLUDE = ["message.output_text.logprobs"]
 

@@ -20,7 +20,7 @@ import test_responses_api
 from test_responses_api import WEATHER
 from test_tool_calls_hunt import _regex
 
-srv, client = test_responses_api.srv, test_responses_api.client  # (its server fixtures: hermes, qwen3)
+srv = test_responses_api.srv  # (its server fixture: hermes, qwen3; `client`: conftest.py)
 
 INCLUDE = ["message.output_text.logprobs"]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "c"}}\n</tool_call>'
