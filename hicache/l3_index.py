@@ -75,7 +75,7 @@ def save(mgr: "CacheManager") -> int:
         "key_tokens": np.array([len(node.key) for node in nodes], dtype=np.int64),
         "tokens": np.array([t for node in nodes for t in node.key], dtype=np.int64),
         "slots": np.array(slots, dtype=np.int64),
-        "checksums": store.checksums_of(slots) if slots else np.zeros(0, dtype=np.uint64),
+        "checksums": store.checksums_of(slots),
         "lru_ranks": ranks,
     }
     path, tmp = index_path(store.path), index_path(store.path) + ".tmp"

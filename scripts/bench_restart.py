@@ -49,8 +49,7 @@ def make_engine(args, path: str) -> Engine:
     page = 16 if cuda else 4
     config = EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=page,
                           num_pages=2 * most // page + 64).with_hicache(
-        enable=True, policy=args.policy, storage_path=path, storage_persist=True, io_workers=args.io_workers,
-        host_size_gb=None, host_ratio=2.0, storage_ratio=2.0)
+        enable=True, policy=args.policy, storage_path=path, storage_persist=True, io_workers=args.io_workers)
     return Engine(config)
 
 
