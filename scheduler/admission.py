@@ -248,10 +248,15 @@ class Admission(Restoring):
         reqs = [r for r in eng.running if r.state is RequestState.DECODE]
         if not reqs:
             return None
-        binput = BatchInput(is_decode=True)
+        drafted = None  # a verify step's requests and drafts (scheduler/speculative.py), or a plain decode step
+        if eng.speculator is not None:
+            reqs, drafted = eng.speculator.split(reqs)
+        binput = BatchInput(is_decode=drafted is None, verify_drafts=None if drafted is None else [])
         ready = []
-        for req in reqs:
+        for req, draft in drafted or [(r, []) for r in reqs]:
             pos = len(req.prompt) + len(req.output) - 1
+            if draft and not self._grow(req, pos + 1 + len(draft)):
+                draft = []  # (no page for its drafts now: its own token alone)
             if not self._grow(req, pos + 1):
                 # reserved pages exist but cannot be had yet: write_back is backing up the LRU
                 # leaves it must evict; their completion wakes the loop. Without pending
@@ -260,7 +265,9 @@ class Admission(Restoring):
                     self._log_overcommit(req)
                     eng.finish(req, RequestState.FAILED, "error", "no KV page available (accounting)")
                 continue
-            self._append(binput, req, [req.output[-1]], pos)
+            self._append(binput, req, [req.output[-1]] + draft, pos)
+            if binput.verify_drafts is not None:
+                binput.verify_drafts.append(draft)
             ready.append(req)
         if not ready:
             return None
@@ -286,6 +293,8 @@ class Admission(Restoring):
         if eng.waiting and len(eng.running) < eng.config.max_running_requests and not self._head_still_blocked():
             return None  # prefill first: go back to the loop (a request waiting for a running slot gets one
             # only when another finishes, so it does not end the chain: regression, it unchained every step)
+        if eng.speculator is not None and eng.speculator.verifies(eng.running):
+            return None  # (a verify step's drafts need the tokens of the step before on the host)
         nxt = [r for r in reqs if r.state is RequestState.DECODE and len(r.output) + 2 <= r.params.max_tokens]
         if not nxt:
             return None

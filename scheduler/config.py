@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from hicache.config import MAX_TIER_PAGES, HiCacheConfig
+from scheduler.speculative import SpeculativeConfig
 
 MAX_SEED = (1 << 64) - 1  # torch.manual_seed's range (a larger one failed naming no flag)
 
@@ -39,6 +40,9 @@ class EngineConfig:
     # projections of forwards of at most 16 rows on CUDA: "triton" (kernels/skinny_gemm.py, SiLU x up
     # folded into gate_up) or "cublas" (torch.nn.functional.linear + a SiLU kernel)
     small_gemm: str = "triton"
+    # vLLM's --speculative-config, method "ngram" (scheduler/speculative.py: prompt lookup, greedy requests);
+    # None: off
+    speculative: SpeculativeConfig | None = None
     overlap_schedule: bool = True  # decode step N+1 is enqueued before step N's tokens are back
     restore_overlap: bool = True  # an L2 restore lands layer by layer while its tail's forward runs
     # CUDA: how the loop waits for a forward's tokens. "spin": it polls the step's event between
@@ -170,6 +174,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # the default; kept
     g.add_argument("--small-gemm", default=EngineConfig.small_gemm, choices=["triton", "cublas"],
                    help="projections of forwards of at most 16 rows (decode, a restore's tail) on CUDA")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='vLLM\'s speculative decoding config; served: prompt lookup, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 5, "prompt_lookup_max": 4}\' (greedy requests verify up to that '
+                        'many drafts from their own tokens a step; default: off)')
     g.add_argument("--disable-overlap-schedule", action="store_true",
                    help="wait for each decode step's tokens before preparing the next")
     g.add_argument("--disable-restore-overlap", action="store_true",
@@ -285,6 +293,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         share_prefill=not args.disable_shared_prefill,
         cuda_graphs=not args.disable_cuda_graphs,
         small_gemm=args.small_gemm,
+        speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
         overlap_schedule=not args.disable_overlap_schedule,
         restore_overlap=not args.disable_restore_overlap,
         gpu_wait=args.gpu_wait,

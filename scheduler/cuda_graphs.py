@@ -9,6 +9,8 @@ captured once with static input buffers; a step copies its inputs into them and 
     leaves up to a page of tokens to compute; the attention kernel reads each K/V block once for all
     rows of a sequence (kernels/decode_attention.py), where one-row sequences would read it per row;
   - prefill (one sequence, no cached prefix, padded to a PREFILL_BUCKETS length);
+  - verify (B sequences x TAIL_ROWS rows, every row's logits), B as for tails, with speculative decoding
+    (scheduler/speculative.py): a verify step's pending tokens and drafts;
   - restore (one sequence, 1 or TAIL_ROWS rows) when the transfer engine copies restores in layer
     order: the same forward whose paged attention kernel first spins on that layer's flag of the
     transfer engine (kernels/layer_flags.py), so the tail runs while later layers of its
@@ -55,8 +57,11 @@ class DecodeGraphs:
     `shape_for` picks the graph a batch fits, `run` stages its inputs and replays it."""
 
     def __init__(self, model: Qwen3Model, kv_pool: torch.Tensor, page_size: int, max_pages_per_seq: int,
-                 scratch_page: int, max_batch: int = 32, layer_flags=None) -> None:
+                 scratch_page: int, max_batch: int = 32, layer_flags=None, verify: bool = False) -> None:
         self.model, self.kv_pool, self.page_size = model, kv_pool, page_size
+        self.verify = verify  # capture the verify family too
+        self.verify_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.verify_logits: dict[tuple[int, int], torch.Tensor] = {}
         self.layer_flags = layer_flags
         self.restore_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.restore_logits: dict[tuple[int, int], torch.Tensor] = {}
@@ -103,13 +108,14 @@ class DecodeGraphs:
         self.prefill_logits: dict[int, torch.Tensor] = {}
         self._p_staged: torch.cuda.Event | None = None
 
-    def _batch(self, seqs: int, rows_per_seq: int) -> AttentionBatch:
+    def _batch(self, seqs: int, rows_per_seq: int, every_row: bool = False) -> AttentionBatch:
         n = seqs * rows_per_seq
-        # a tail's logits: only each sequence's last row (the LM head reads its weight once either way)
+        # a tail's logits: only each sequence's last row (the LM head reads its weight once either way);
+        # every_row (a verify step's): all of them
         return AttentionBatch(is_decode=True, prefix_lens=[0] * n, new_lens=[1] * n,
                               page_tables=self.page_tables[:seqs], seq_lens=self.rows[3, :n],
                               out_slots=self.rows[2, :n], positions=self.rows[1, :n], rows_per_seq=rows_per_seq,
-                              last_rows=self.rows[4, :seqs] if rows_per_seq > 1 else None)
+                              last_rows=self.rows[4, :seqs] if rows_per_seq > 1 and not every_row else None)
 
     def _prefill_batch(self, length: int) -> AttentionBatch:
         return AttentionBatch(is_decode=False, prefix_lens=[0], new_lens=[length],
@@ -147,6 +153,15 @@ class DecodeGraphs:
                     self.logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool)  # [B, V]
                 pool = graph.pool()
                 self.graphs[shape] = graph
+            for shape in [s for s in self.shapes if s[1] > 1] if self.verify else []:
+                ids = self.rows[0, :shape[0] * shape[1]]
+                self.model(ids, self._batch(*shape, every_row=True), self.kv_pool)  # warm-up
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                    self.verify_logits[shape] = self.model(ids, self._batch(*shape, every_row=True),
+                                                           self.kv_pool)  # [B * TAIL_ROWS, V]
+                pool = graph.pool()
+                self.verify_graphs[shape] = graph
             if self.layer_flags is not None:
                 wait_layer = LayerWait(self.layer_flags, self.rows[5, :1])  # the staged epoch
                 for shape in [s for s in self.shapes if s[0] == 1]:  # (1, 1) and (1, TAIL_ROWS)
@@ -228,19 +243,30 @@ class DecodeGraphs:
         rows = 1 if max(new_lens) == 1 else TAIL_ROWS if max(new_lens) <= TAIL_ROWS else None
         return next((s for s in self.shapes if s[1] == rows and s[0] >= len(new_lens)), None)
 
+    def verify_shape_for(self, new_lens: list[int], page_tables: list[list[int]]) -> tuple[int, int] | None:
+        """The verify graph's (sequences, TAIL_ROWS) that fits a verify step, or None (run eagerly)."""
+        if not self.verify_graphs or max(new_lens) > TAIL_ROWS or max(len(pt) for pt in page_tables) > self.max_pages:
+            return None
+        return next((s for s in sorted(self.verify_graphs) if s[0] >= len(new_lens)), None)
+
+    @property
+    def verify_max_seqs(self) -> int:
+        """The most sequences a verify graph takes (0: none captured)."""
+        return max((s[0] for s in self.verify_graphs), default=0)
+
     def has_restore_graph(self, shape: tuple[int, int] | None) -> bool:
         return shape in self.restore_graphs
 
     @torch.inference_mode()
     def run(self, shape: tuple[int, int], input_ids: list[int], prefix_lens: list[int], new_lens: list[int],
             page_tables: list[list[int]], ids_device: torch.Tensor | None = None,
-            wait_restore: bool = False, restore_epoch: int = 0) -> torch.Tensor:
+            wait_restore: bool = False, restore_epoch: int = 0, verify: bool = False) -> torch.Tensor:
         """Sequence b adds tokens input_ids[sum(new_lens[:b]) : ...] at positions prefix_lens[b] + t; its
         K/V are all written before any row attends, each row seeing keys up to itself (causal).
         ids_device [B] (decode only): the input ids already on the device (a chained step), copied
         over the staged ones on the stream. wait_restore: replay the variant that waits for each
         layer of a layer-ordered restore, up to `restore_epoch` of the layer flags. -> logits of
-        each sequence's last new token [B, V]."""
+        each sequence's last new token [B, V]; verify (a verify shape): of every row [B * TAIL_ROWS, V]."""
         seqs, per = shape
         ps = self.page_size
         # two staging buffers alternate; the copies out of this one (two steps ago) must be done before
@@ -261,6 +287,9 @@ class DecodeGraphs:
         self._staged[k].record(stream)
         if ids_device is not None:
             self.rows[0, :len(ids_device)].copy_(ids_device)  # device to device, after the staged ids
+        if verify:
+            self.verify_graphs[shape].replay()
+            return self.verify_logits[shape][:len(new_lens) * per]
         if wait_restore:
             self.restore_graphs[shape].replay()
             logits = self.restore_logits[shape]  # [1, V]
@@ -342,7 +371,7 @@ def capture_graphs(engine) -> None:
     max_pages = min(engine.cache.l1.num_pages, -(-engine.config.max_context_tokens // engine.page_size))
     graphs = DecodeGraphs(engine.model, engine.cache.l1.kv, engine.page_size, max_pages, scratch,
                           max_batch=engine.config.max_running_requests,  # (graph_shapes caps it)
-                          layer_flags=engine.runner.layer_flags)
+                          layer_flags=engine.runner.layer_flags, verify=engine.config.speculative is not None)
     graphs.capture()
     engine.runner.enable_graphs(graphs)
     engine.cache.overlap_forward_s = graphs.tail_forward_s()

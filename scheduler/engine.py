@@ -30,7 +30,7 @@ from scheduler import step_extras
 from scheduler.admission import Admission
 from scheduler.batch_api import BatchAPI
 from scheduler.config import EngineConfig, resolve_device
-from scheduler.cuda_graphs import capture_graphs
+from scheduler.cuda_graphs import TAIL_SIZES, capture_graphs
 from scheduler.engine_lifecycle import EngineLifecycle
 from scheduler.engine_loop import EngineLoop
 from scheduler.logs import OccupancyLog, configure_logging, info_enabled
@@ -40,6 +40,7 @@ from scheduler.guided import Guides
 from scheduler.presets import model_config_of
 from scheduler.request import Request, RequestError, SamplingParams, kv_tokens
 from scheduler.runner import ModelRunner, SimRunner
+from scheduler.speculative import Speculator
 
 log = structlog.get_logger("scheduler.engine")
 
@@ -76,6 +77,11 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
             self.runner.layer_flags = transfer.layer_flags  # None on the CPU: copies are synchronous
         if self.device.type == "cuda" and config.cuda_graphs and not config.simulate:
             capture_graphs(self)
+        self.speculator = None  # speculative decoding (scheduler/speculative.py), when configured
+        if config.speculative is not None and not config.simulate:
+            graphs = self.runner.graphs
+            self.speculator = Speculator(self, config.speculative,
+                                         graphs.verify_max_seqs if graphs is not None else TAIL_SIZES[-1])
         self.admission = Admission(self)
         self.guides = Guides(config.model, self.model_config.vocab_size, self.model_config.eos_token_ids)
         self.waiting: deque[Request] = deque()
@@ -174,6 +180,9 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
                        "dtype": str(self.dtype).removeprefix("torch."), "page_size": self.page_size,
                        "waiting": len(self.waiting), "parked": len(self.parked), "running": len(self.running),
                        **self.stats}
+        if self.speculator is not None:
+            s["engine"]["speculative"] = {**self.speculator.stats,
+                                          "accepted_per_pos": list(self.speculator.stats["accepted_per_pos"])}
         return s
 
     def metrics(self) -> dict:

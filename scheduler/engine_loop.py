@@ -15,6 +15,7 @@ from scheduler import step_extras
 from scheduler.logs import info_enabled
 from scheduler.loop_task import fail_live_requests
 from scheduler.runner import Batch, PendingSample
+from scheduler.speculative import rows_of
 
 log = structlog.get_logger("scheduler.engine")
 
@@ -71,6 +72,8 @@ class EngineLoop:
         if work.binput.wait_restore:
             self.admission.restore_launched(work)
         next_ids = await self.runner.collect(handle)
+        if work.binput.verify_drafts is not None:  # every row's greedy token: per sequence
+            next_ids = rows_of(next_ids, work.binput.new_lens, handle.row_stride)
         step_extras.keep_logprobs(self.runner, work.reqs, work.binput, handle, next_ids)
         await asyncio.sleep(0)  # on the CPU nothing above yields: let streams and aborts run
         if work.binput.wait_restore:
@@ -125,7 +128,7 @@ class EngineLoop:
         end_ns = time.monotonic_ns()
         self.stats["batches"] += 1
         if info_enabled():
-            kind = "decode" if binput.is_decode else "prefill"
+            kind = "decode" if binput.is_decode else "prefill" if binput.verify_drafts is None else "verify"
             # (new_lens: reqs is empty for a forward whose output waits for its restore; regression:
             # logged as a batch of no sequence)
             log.info("batch", batch_id=self._batch_id, kind=kind, num_seqs=len(binput.new_lens),
@@ -137,6 +140,10 @@ class EngineLoop:
                 since_ns = max(start_ns, self._overlap_counted_ns)
                 self.cache.metrics.restore_overlapped_s += max(0, end_ns - since_ns) / 1e9
                 self._overlap_counted_ns = max(self._overlap_counted_ns, end_ns)
+        elif binput.verify_drafts is not None:  # its tokens, counted as they are taken
+            taken = self.speculator.after_verify(reqs, binput.verify_drafts, next_ids, self.admission.after_step)
+            self.stats["decode_tokens"] += taken
+            return
         else:
             self.stats["prefill_tokens"] += len(binput.input_ids)
             # one forward over an uncached tail, also behind an overlapped restore (then it is what

@@ -37,6 +37,10 @@ engine's status and cache counters, so the two names cannot disagree. What they 
   hicache_engine_tokens' and its _count hicache_engine_batches'). vLLM's front end counts, per step, each
   request's whole prompt in the step that made its first token (cached tokens and earlier chunks included)
   plus every token made: its first token too, and nothing for a step that made none (an early chunk).
+  A verify step (speculative decoding) counts its rows: the pending tokens and their drafts;
+* spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens (and _per_pos, labelled position), with
+  --speculative-config only: per verify step, each request that had drafts / their tokens / those accepted
+  (scheduler/speculative.py), as vLLM's.
 """
 from __future__ import annotations
 
@@ -100,6 +104,20 @@ class VllmCollector(Collector):
         fam.add_metric([self.model_name], float(value))
         return fam
 
+    def _spec_decode(self, spec: dict):
+        """vLLM's spec_decode counters from the engine's speculative stats."""
+        yield self._one(CounterMetricFamily, "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.",
+                        spec["drafts"])
+        yield self._one(CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.",
+                        spec["draft_tokens"])
+        yield self._one(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                        spec["accepted_tokens"])
+        fam = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
+                                  "position.", labels=["model_name", "position"])
+        for pos, count in enumerate(spec["accepted_per_pos"]):
+            fam.add_metric([self.model_name, str(pos)], count)
+        yield fam
+
     def collect(self):
         for name, attr, doc in _RENAMED:
             for fam in getattr(self.metrics, attr).collect():
@@ -115,6 +133,9 @@ class VllmCollector(Collector):
                         "usage (L1 pages neither free nor evictable).", usage)
         yield self._one(GaugeMetricFamily, "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent "
                         "usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.", usage)
+        spec = eng.get("speculative")
+        if spec is not None:  # (--speculative-config: scheduler/speculative.py)
+            yield from self._spec_decode(spec)
         hits = sum(m["hit_tokens"].values())
         yield self._one(CounterMetricFamily, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of "
                         "number of queried tokens.", hits + m["recomputed_tokens"])

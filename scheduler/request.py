@@ -341,6 +341,7 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     guide: object = None         # its grammar's matcher (scheduler/guided.py Guide) when params.guided
+    spec_history: object = None  # its tokens for prompt lookup (scheduler/speculative.py TokenHistory) once it speculated
     generator: object = None     # torch.Generator for seeded sampling
     rng_state: object = None     # the generator's state before an overlapped forward (undone if it is discarded)
     queue: asyncio.Queue | None = None

@@ -49,6 +49,9 @@ class BatchInput:
     # (the guided sequences' positions, their allowed tokens as bitmasks [R, words] int32 on the host;
     # scheduler/guided.py); None: no sequence is guided
     token_masks: tuple[list[int], torch.Tensor] | None = None
+    # a verify step (scheduler/speculative.py): per sequence, the drafts after its pending token (its input ids
+    # are that token, then these); every row's greedy token comes back. None: an ordinary step
+    verify_drafts: list[list[int]] | None = None
 
 
 class Batch(NamedTuple):
@@ -66,6 +69,7 @@ class StepHandle(NamedTuple):
     ids: Any                              # the sampled ids where they were produced: [B] on the device, or a list
     logprobs: Any = None                  # (values, ids) of `token_logprobs`, on the host with `host`; None: not asked
     prompt_logprobs: Any = None           # (values, ids, ranks) of the prompt rows that asked, on the host with `host`
+    row_stride: int = 0                   # a verify step's: sequence b's rows start at b * row_stride (0: packed)
 
 
 class PendingSample(NamedTuple):
@@ -116,6 +120,8 @@ class ModelRunner:
         sampling enqueued later by `sample` (a decode step's)."""
         if self.observe_step_tokens is not None:
             self.observe_step_tokens(len(batch.input_ids))  # (a chained step's placeholders: one per row)
+        if batch.verify_drafts is not None:
+            return self._launch_verify(batch)
         ids_dev = None
         if chain is not None:
             prev_ids, rows = chain[0].ids, chain[1]
@@ -153,6 +159,29 @@ class ModelRunner:
         if defer_sample:
             return PendingSample(logits)
         return self._sampled(logits, batch, ids_dev, prompt_lps)
+
+    def _launch_verify(self, batch: BatchInput) -> StepHandle:
+        """A verify step (scheduler/speculative.py): the tail forward of each sequence's pending token and drafts,
+        every row's logits (a verify graph's, or eagerly), each row's greedy token to the host."""
+        graphs = self.graphs
+        shape = graphs.verify_shape_for(batch.new_lens, batch.page_tables) if graphs is not None else None
+        stride = 0
+        if shape is not None:
+            logits = graphs.run(shape, batch.input_ids, batch.prefix_lens, batch.new_lens, batch.page_tables,
+                                verify=True)  # [B * TAIL_ROWS, V]: sequence b's rows from b * TAIL_ROWS
+            stride = shape[1]
+        else:
+            attn = AttentionBatch.build(batch.prefix_lens, batch.new_lens, batch.page_tables, self.page_size,
+                                        self.device, False)
+            ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+            logits = self.model.logits_of(self.model.hidden_states(ids, attn, self.kv_pool))  # [T, V]
+        out_ids = mark_nan(logits, logits.argmax(dim=-1))  # [T]
+        if not self.cuda:
+            return StepHandle(out_ids, None, out_ids, row_stride=stride)
+        host, event, _ = self._out_slot(len(out_ids))
+        host.copy_(out_ids, non_blocking=True)
+        event.record(cuda_rt.current_stream(self.device))
+        return StepHandle(host, event, out_ids, row_stride=stride)
 
     @torch.inference_mode()
     def sample(self, pending: PendingSample, batch: BatchInput) -> StepHandle:

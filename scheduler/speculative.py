@@ -1,0 +1,228 @@
+"""Speculative decoding by prompt lookup (vLLM's `{"method": "ngram"}`): drafts from the request's own tokens,
+verified in one forward over the prefix cache.
+
+A decode step of a small batch is a weight read: at the 8B shape on the H200 one token costs ~4.4 ms, and a
+16-row tail over the same cached context ~4.8 ms (docs/benchmarks.md). So a step may as well check up to
+k guesses. The guesses come from the context itself: the longest suffix of the request's tokens (prompt and
+output, between `prompt_lookup_min` and `prompt_lookup_max` tokens) that also occurs earlier proposes the
+k tokens that followed its latest earlier occurrence. Answers that repeat their input (code edits, quotes,
+summaries, RAG, structured output over a document) accept several a step.
+
+One verify step per request: its pending token and its k drafts at positions p .. p + k, a tail forward
+over its cached pages (the tail graphs' shapes, every row's logits). Row i's greedy token checks draft
+i + 1: the drafts up to the first miss are accepted, and the row after them gives one more token, so a step
+yields 1 .. k + 1 tokens, each equal to what greedy decoding one token at a time would give (up to bf16
+rounding near ties: a 16-row forward rounds as a tail, as after a restore). The K/V of the rejected drafts
+was written to the request's own pages past its length and is overwritten by the tokens that follow; the
+tree only ever takes pages below a request's length, so it never sees them.
+
+Who speculates: greedy requests (temperature 0) without anything that reads or changes a step's logits
+(logprobs, penalties, logit_bias, min_tokens, bans, structured outputs): `eligible`. The others decode as
+before, in steps of their own; when both kinds run, the loop alternates a verify step and a decode step.
+A request that speculates never chains its decode steps (the next step's drafts need this one's tokens on
+the host).
+"""
+from __future__ import annotations
+
+import json
+from array import array
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+TAIL_ROWS = 16  # a verify step's rows per sequence at most (scheduler/cuda_graphs.py TAIL_ROWS): k <= 15
+METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config` for method "ngram" (prompt lookup). As vLLM: both lookup bounds default
+    to 5 when neither is given, and to each other when one is."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 5
+    prompt_lookup_min: int = 5
+    method: str = "ngram"
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"speculative method {self.method!r} is not served: only {list(METHODS)} "
+                             "(prompt lookup; this engine has no draft model)")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative {name} must be an integer >= 1, got {value!r}")
+        if self.num_speculative_tokens > TAIL_ROWS - 1:
+            raise ValueError(f"speculative num_speculative_tokens must be at most {TAIL_ROWS - 1} (a verify step "
+                             f"is one tail of at most {TAIL_ROWS} rows), got {self.num_speculative_tokens}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: str | Mapping[str, Any] | None) -> "SpeculativeConfig | None":
+        """A JSON object (the flag's text) or a mapping -> the config; None, "" or {} -> None (off)."""
+        if value is None or value == "":
+            return None
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--speculative-config is not JSON: {exc}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"--speculative-config must be a JSON object, got {type(value).__name__}")
+        if not value:
+            return None
+        fields = dict(value)
+        unknown = sorted(set(fields) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
+        if unknown:
+            raise ValueError(f"--speculative-config: unknown or unserved keys {unknown} (method 'ngram' takes "
+                             "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)")
+        if "method" not in fields:
+            raise ValueError("--speculative-config needs a method (this engine serves 'ngram')")
+        if fields["method"] == "[ngram]":  # (vLLM's older spelling)
+            fields["method"] = "ngram"
+        if "num_speculative_tokens" not in fields:
+            raise ValueError("--speculative-config needs num_speculative_tokens")
+        lo, hi = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = 5
+        fields["prompt_lookup_min"] = hi if lo is None else lo
+        fields["prompt_lookup_max"] = lo if hi is None else hi
+        return cls(**fields)
+
+
+def eligible(params) -> bool:
+    """Whether a request's steps may be verified in bulk: greedy, and no step's logits read or changed for it
+    (SamplingParams)."""
+    return (params.temperature == 0.0 and params.logprobs is None and params.presence_penalty == 0.0
+            and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0 and not params.logit_bias
+            and params.min_tokens == 0 and params.allowed_token_ids is None and not params.bad_words_token_ids
+            and params.guided is None)
+
+
+class TokenHistory:
+    """A request's tokens as packed int32 (prompt, then output as it grows: `sync`), for lookups at C speed
+    (bytes.rfind) instead of a Python scan per step."""
+
+    __slots__ = ("_buf", "_count")
+
+    def __init__(self) -> None:
+        self._buf = array("i")
+        self._count = 0
+
+    def sync(self, prompt: Sequence[int], output: Sequence[int]) -> None:
+        """Append what is new since the last call (the prompt first, then the output)."""
+        have = self._count
+        if have < len(prompt):
+            self._buf.extend(prompt[have:])
+            have = len(prompt)
+        done = have - len(prompt)
+        if done < len(output):
+            self._buf.extend(output[done:])
+        self._count = len(self._buf)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def propose(self, k: int, n_min: int, n_max: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix of n tokens,
+        n_max >= n >= n_min, that occurs earlier; [] when none does."""
+        buf, total = self._buf, self._count
+        data = buf.tobytes()
+        size = buf.itemsize
+        for n in range(min(n_max, total - 1), n_min - 1, -1):
+            suffix = data[(total - n) * size:]
+            hi = (total - 1) * size  # an occurrence ends before the last token (one token at least follows it)
+            while (at := data.rfind(suffix, 0, hi)) >= 0:
+                if at % size == 0:
+                    start = at // size + n
+                    return buf[start:start + k].tolist()
+                hi = at + len(suffix) - 1  # a match across token boundaries: look left of it
+        return []
+
+
+def accept(drafts: Sequence[int], greedy: Sequence[int]) -> list[int]:
+    """The tokens a verify step yields: greedy [len(drafts) + 1] holds the greedy token after the pending
+    token (row 0) and after each draft (row i). The drafts up to the first that differs from the greedy
+    token before it, then the greedy token after the last accepted one."""
+    n = 0
+    while n < len(drafts) and drafts[n] == greedy[n]:
+        n += 1
+    return list(greedy[:n + 1])
+
+
+class Speculator:
+    """The engine's speculative steps (EngineConfig.speculative): which decode step runs next (`split`, from
+    Admission.decode_batch), the verify batch, and its tokens taken (`after_verify`)."""
+
+    def __init__(self, engine, config: SpeculativeConfig, max_seqs: int) -> None:
+        self.engine, self.config = engine, config
+        self.max_seqs = max_seqs  # most sequences a verify step takes (the verify graphs'; more: plain decode)
+        self._others_turn = False  # both kinds running: the next decode step is the others'
+        # vLLM's spec_decode counters: drafts (a request's drafts in one step), their tokens, those accepted, and
+        # per draft position those accepted
+        self.stats = {"verify_steps": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
+                      "accepted_per_pos": [0] * config.num_speculative_tokens}
+
+    def verifies(self, running: list) -> bool:
+        """Whether some decoding request among `running` may take verify steps (then no decode step chains)."""
+        spec = sum(1 for r in running if not r.state.done and eligible(r.params))
+        return 0 < spec <= self.max_seqs
+
+    def split(self, reqs: list) -> tuple[list, list[tuple[object, list[int]]] | None]:
+        """reqs: the decoding requests -> (those for a plain decode step, None), or ([], the eligible
+        requests with their drafts) for a verify step. A verify step runs when some eligible request has a
+        draft, at most `max_seqs` are eligible, and it is not the others' turn."""
+        spec = [r for r in reqs if eligible(r.params)]
+        others = [r for r in reqs if not eligible(r.params)]
+        if not spec or len(spec) > self.max_seqs:
+            return reqs, None
+        if others and self._others_turn:
+            self._others_turn = False
+            return others, None
+        cfg = self.config
+        drafted = []
+        for req in spec:
+            if req.spec_history is None:
+                req.spec_history = TokenHistory()
+            req.spec_history.sync(req.prompt, req.output)
+            room = req.params.max_tokens - len(req.output) - 1  # (the step's own token is the last it may have)
+            k = min(cfg.num_speculative_tokens, room)
+            drafted.append((req, req.spec_history.propose(k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+                            if k > 0 else []))
+        if not any(d for _, d in drafted):
+            return reqs, None
+        self._others_turn = bool(others)
+        return [], drafted
+
+    def after_verify(self, reqs: list, drafts: list[list[int]], greedy: list[list[int]], after_step) -> int:
+        """A verify step's tokens: per request, its accepted drafts and the token after them, each through
+        `after_step(req, 1, token)` until the request ends. -> the tokens taken."""
+        taken = 0
+        self.stats["verify_steps"] += 1
+        stats = self.stats
+        for req, draft, rows in zip(reqs, drafts, greedy):
+            tokens = accept(draft, rows)
+            if draft:
+                stats["drafts"] += 1
+                stats["draft_tokens"] += len(draft)
+                stats["accepted_tokens"] += len(tokens) - 1
+                for pos in range(len(tokens) - 1):
+                    stats["accepted_per_pos"][pos] += 1
+            for token in tokens:
+                if req.state.done:
+                    break
+                after_step(req, 1, token)
+                taken += 1
+        return taken
+
+
+def rows_of(ids: list[int], new_lens: list[int], stride: int) -> list[list[int]]:
+    """A verify step's greedy ids per sequence: the first new_lens[b] rows of sequence b, which starts at row
+    b * stride (a graph's padded layout) or right after the one before (stride 0: packed)."""
+    out, row = [], 0
+    for b, n in enumerate(new_lens):
+        start = b * stride if stride else row
+        out.append(ids[start:start + n])
+        row += n
+    return out
