@@ -25,6 +25,7 @@ for s in "$@"; do
     restart) step restart 300 python3 scripts/bench_restart.py --json --out "$OUT/restart.json" ;;
     restart_cold) step restart_cold 300 python3 scripts/bench_restart.py --storage-cache cold --json --out "$OUT/restart_cold.json" ;;
     shared_prefill) step shared_prefill 300 python3 scripts/bench_shared_prefill.py --json --out "$OUT/shared_prefill.json" ;;
+    speculative) step speculative 400 python3 scripts/bench_speculative.py --json --out "$OUT/speculative.json" ;;
     beam) step beam 400 python3 scripts/bench_beam_search.py --repeats 2 --json --out "$OUT/beam.json" ;;
     engine) step engine 300 python3 scripts/bench_engine.py --model qwen3-8b --profile --skip-eager --out "$OUT/engine.json" ;;
     latency_l2) step latency_l2 300 python3 scripts/bench_hicache.py --model qwen3-8b --tier l2 --prefix-tokens 350,1000,2000,3500,8000 --compare-recompute --json --out "$OUT/latency_l2.json" ;;

@@ -309,3 +309,19 @@ def test_a_checkpoint_sized_tokenizer_is_trained_and_its_masks_timed(tmp_path, c
     out = json.loads(capsys.readouterr().out)
     assert set(out["median_step_us"]) == {f"{g}_r{r}" for g in ("text", "json", "calls") for r in (1, 2)}
     assert all(us > 0 for us in out["median_step_us"].values())
+
+
+def test_bench_speculative_times_both_steps_and_decodes_equal_tokens(capsys):
+    """scripts/bench_speculative.py: a decode step and verify steps are timed, and greedy decode with speculation
+    gives every request the tokens it gives without (the repeat workload's drafts accepted)."""
+    assert load("bench_speculative").main([*CPU, "--batches", "1,2", "--drafts", "1,3", "--max-tokens", "16",
+                                           "--prompt-tokens", "48", "--context", "48", "--block-tokens", "12",
+                                           "--repeats", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["integrity"] == "passed"
+    assert [s["batch"] for s in out["steps"]] == [1, 2]
+    assert all(s["decode_ms"] > 0 and s["verify_1_ms"] > 0 and s["verify_3_ms"] > 0 for s in out["steps"])
+    assert {(r["workload"], r["batch"]) for r in out["runs"]} == {(w, b) for w in ("random", "repeat") for b in (1, 2)}
+    for r in out["runs"]:
+        assert r["outputs_equal"] == f"{r['batch']}/{r['batch']}" and r["tok_s_on"] > 0 and r["tok_s_off"] > 0
+    assert sum(r["draft_tokens"] for r in out["runs"]) > 0

@@ -1,0 +1,165 @@
+"""Speculative decoding by prompt lookup (`--speculative-config`, scheduler/speculative.py): what a verify step
+costs against a decode step, and greedy decode tokens/s with and without it. One engine, both ways in turn
+(speculation switched off by taking its Speculator away; the verify graphs stay captured).
+
+  1. Step cost: B sequences over a cached context of --context tokens, a decode step (one row each) against
+     a verify step of k drafts each (k + 1 rows each), ms a step, launch to tokens on the host. The rows are
+     the cached prompt's last tokens, rewritten in place (as bench_engine.py's tail forward).
+  2. Decode: B requests of --prompt-tokens tokens each generate --max-tokens greedy tokens together; tokens/s
+     over the whole run (prefill included), the drafts accepted, and whether every output equals the one
+     without speculation. Workloads: "random" prompts (drafts come from the answer's own repeats) and
+     "repeat" prompts (one block of --block-tokens repeated: drafts from the prompt too).
+
+    python scripts/bench_speculative.py                                   # GPU: qwen3-8b shape
+    python scripts/bench_speculative.py --model tiny --device cpu --batches 1,2 --drafts 1,3 --max-tokens 24
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from bench_common import (CPU_SMOKE, add_common_args, fmt, integrity_of, median, parse_common_args,  # noqa: E402
+                          sync, table, write_result)
+from scheduler.config import EngineConfig  # noqa: E402
+from scheduler.engine import Engine  # noqa: E402
+from scheduler.request import SamplingParams  # noqa: E402
+from scheduler.runner import BatchInput  # noqa: E402
+from scheduler.speculative import SpeculativeConfig  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, model=CPU_SMOKE, device=("cuda", "cpu"), seed=0)
+    p.add_argument("--num-speculative-tokens", type=int, default=5, help="k of the engine's config (default 5)")
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=1)
+    p.add_argument("--batches", default="1,4,8", help="comma-separated batch sizes")
+    p.add_argument("--drafts", default="1,3,5,10,15", help="comma-separated drafts a verify step, for the step cost")
+    p.add_argument("--context", type=int, default=1000, help="cached tokens under the step-cost steps")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--block-tokens", type=int, default=64, help="the repeat workload's block")
+    p.add_argument("--max-tokens", type=int, default=256, help="greedy tokens each request generates")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds (step cost: steps) per configuration")
+    args = parse_common_args(p, argv)
+    args.batches = [int(x) for x in args.batches.split(",")]
+    args.drafts = [int(x) for x in args.drafts.split(",")]
+    return args
+
+
+async def step_ms(engine: Engine, prompts: list[list[int]], drafts: int, repeats: int, device: str) -> float:
+    """Median ms of one step over the cached `prompts` (all in L1): a decode step (drafts 0) or a verify step of
+    `drafts` drafts a sequence, launch to tokens on the host."""
+    binput = BatchInput(is_decode=drafts == 0, verify_drafts=None if drafts == 0 else [])
+    for prompt in prompts:
+        m = engine.cache.match(prompt)
+        cached = m.lengths[0]
+        pos = cached - 1 - drafts
+        binput.input_ids.extend(prompt[pos:cached])
+        binput.prefix_lens.append(pos)
+        binput.new_lens.append(drafts + 1)
+        binput.page_tables.append(list(m.pages[0]))
+        binput.temperatures.append(0.0)
+        binput.top_ps.append(1.0)
+        binput.generators.append(None)
+        if drafts:
+            binput.verify_drafts.append(prompt[pos + 1:cached])
+    times = []
+    for _ in range(repeats + 2):  # two warm-ups
+        sync(device)
+        t = time.perf_counter()
+        await engine.runner.collect(engine.runner.launch(binput))
+        times.append(time.perf_counter() - t)
+    return median(times[2:]) * 1e3
+
+
+async def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, device: str) -> tuple[float, list]:
+    sync(device)
+    t0 = time.perf_counter()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    results = await engine.generate_async(prompts, params)
+    sync(device)
+    return time.perf_counter() - t0, [r.output_ids for r in results]
+
+
+async def main_async(args) -> dict:
+    cuda = args.device == "cuda"
+    spec = SpeculativeConfig(args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min)
+    engine = Engine(EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=16 if cuda else 4,
+                                 num_pages=8192 if cuda else 2048, max_running_requests=max(args.batches),
+                                 speculative=spec))
+    speculator = engine.speculator
+    await engine.start()
+    rng = random.Random(args.seed)
+    fresh = lambda n: [rng.randrange(1, engine.vocab_size) for _ in range(n)]  # noqa: E731
+    steps = []
+    for b in args.batches:
+        prompts = [fresh(args.context) for _ in range(b)]
+        await engine.generate_async(prompts, SamplingParams(max_tokens=1))  # (into L1)
+        row = {"batch": b, "decode_ms": await step_ms(engine, prompts, 0, args.repeats, args.device)}
+        for k in args.drafts:
+            row[f"verify_{k}_ms"] = await step_ms(engine, prompts, k, args.repeats, args.device)
+        steps.append(row)
+    runs = []
+    await generate(engine, [fresh(args.prompt_tokens)], 8, args.device)  # (warm-up)
+    for workload in ("random", "repeat"):
+        for b in args.batches:
+            timed = {"on": [], "off": []}
+            counts = dict.fromkeys(("accepted_tokens", "draft_tokens", "drafts", "verify_steps"), 0)
+            equal = total = 0
+            for _ in range(args.repeats):
+                if workload == "random":
+                    prompts = [fresh(args.prompt_tokens) for _ in range(b)]
+                else:
+                    prompts = [(fresh(args.block_tokens) * (args.prompt_tokens // args.block_tokens + 1))
+                               [:args.prompt_tokens] for _ in range(b)]
+                outputs = {}
+                for mode in ("off", "on"):
+                    engine.speculator = speculator if mode == "on" else None
+                    before = dict(speculator.stats)
+                    seconds, outputs[mode] = await generate(engine, prompts, args.max_tokens, args.device)
+                    timed[mode].append(seconds)
+                    if mode == "on":
+                        for key in counts:
+                            counts[key] += speculator.stats[key] - before[key]
+                    await engine.cache.drain()
+                equal += sum(a == b_ for a, b_ in zip(outputs["on"], outputs["off"]))
+                total += b
+            tokens = b * args.max_tokens
+            runs.append({"workload": workload, "batch": b, "tok_s_off": tokens / median(timed["off"]),
+                         "tok_s_on": tokens / median(timed["on"]), **counts, "outputs_equal": f"{equal}/{total}"})
+    engine.speculator = speculator
+    integrity = integrity_of(engine)
+    await engine.shutdown()
+    return {"model": args.model, "device": args.device, "speculative": vars(spec), "context": args.context,
+            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "steps": steps, "runs": runs,
+            "integrity": integrity}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = asyncio.run(main_async(args))
+    dest = sys.stderr if args.json else sys.stdout
+    keys = [k for k in out["steps"][0] if k.startswith("verify_")]
+    head = ["batch", "decode ms"] + [f"verify k={k.split('_')[1]} ms" for k in keys]
+    print(f"step cost over {out['context']} cached tokens:", file=dest)
+    print(table(head, [[str(r["batch"]), fmt(r["decode_ms"])] + [f"{fmt(r[k])} ({r[k] / r['decode_ms']:.2f}x)"
+                                                                 for k in keys] for r in out["steps"]]), file=dest)
+    head = ["workload", "batch", "tok/s off", "tok/s on", "speedup", "accepted / drafted", "verify steps",
+            "tokens a draft", "outputs equal"]
+    body = [[r["workload"], str(r["batch"]), fmt(r["tok_s_off"], "{:.1f}"), fmt(r["tok_s_on"], "{:.1f}"),
+             fmt(r["tok_s_on"] / r["tok_s_off"], "{:.2f}x"), f"{r['accepted_tokens']} / {r['draft_tokens']}",
+             str(r["verify_steps"]), fmt(r["accepted_tokens"] / r["drafts"] + 1 if r["drafts"] else None),
+             r["outputs_equal"]] for r in out["runs"]]
+    print(f"greedy decode, {out['max_tokens']} tokens a request after {out['prompt_tokens']} prompt tokens:", file=dest)
+    print(table(head, body), file=dest)
+    print(f"integrity: {out['integrity']}", file=dest)
+    write_result(out, args.out, args.json)
+    return 0 if out["integrity"] == "passed" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
