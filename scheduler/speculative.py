@@ -35,8 +35,8 @@ METHODS = ("ngram",)
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `--speculative-config` for method "ngram" (prompt lookup). As vLLM: both lookup bounds default
-    to 5 when neither is given, and to each other when one is."""
+    """vLLM's `--speculative-config` for method "ngram" (prompt lookup). `parse` fills the lookup bounds as vLLM
+    does: both 5 when neither is given, each the other when one is."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 5
@@ -47,7 +47,7 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is not served: only {list(METHODS)} "
                              "(prompt lookup; this engine has no draft model)")
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative {name} must be an integer >= 1, got {value!r}")
@@ -165,9 +165,24 @@ class Speculator:
                       "accepted_per_pos": [0] * config.num_speculative_tokens}
 
     def verifies(self, running: list) -> bool:
-        """Whether some decoding request among `running` may take verify steps (then no decode step chains)."""
-        spec = sum(1 for r in running if not r.state.done and eligible(r.params))
-        return 0 < spec <= self.max_seqs
+        """Whether the decode step after the one in flight may be a verify step (then it is not chained): some
+        eligible request, at most `max_seqs` of them, may have a draft then. Its lookup suffix ends with the
+        token in flight, unknown here; but any n-gram it could match (n >= prompt_lookup_min) ends with the
+        prompt_lookup_min - 1 tokens before it, which must then occur earlier, with a token after them. Where
+        they do not (most steps of an answer that repeats nothing, at vLLM's default of 5), the chain goes on."""
+        spec = [r for r in running if not r.state.done and eligible(r.params)]
+        if not 0 < len(spec) <= self.max_seqs:
+            return False
+        before = self.config.prompt_lookup_min - 1
+        if before == 0:
+            return True  # (a 1-gram: any token may have occurred before)
+        for req in spec:
+            if req.spec_history is None:
+                req.spec_history = TokenHistory()
+            req.spec_history.sync(req.prompt, req.output)
+            if req.spec_history.propose(1, before, before):
+                return True
+        return False
 
     def split(self, reqs: list) -> tuple[list, list[tuple[object, list[int]]] | None]:
         """reqs: the decoding requests -> (those for a plain decode step, None), or ([], the eligible
@@ -180,20 +195,22 @@ class Speculator:
         if others and self._others_turn:
             self._others_turn = False
             return others, None
-        cfg = self.config
         drafted = []
         for req in spec:
-            if req.spec_history is None:
-                req.spec_history = TokenHistory()
-            req.spec_history.sync(req.prompt, req.output)
             room = req.params.max_tokens - len(req.output) - 1  # (the step's own token is the last it may have)
-            k = min(cfg.num_speculative_tokens, room)
-            drafted.append((req, req.spec_history.propose(k, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
-                            if k > 0 else []))
+            k = min(self.config.num_speculative_tokens, room)
+            drafted.append((req, self.draft(req, k) if k > 0 else []))
         if not any(d for _, d in drafted):
             return reqs, None
         self._others_turn = bool(others)
         return [], drafted
+
+    def draft(self, req, k: int) -> list[int]:
+        """Up to k drafts after `req`'s tokens: prompt lookup over them (its TokenHistory, made at its first)."""
+        if req.spec_history is None:
+            req.spec_history = TokenHistory()
+        req.spec_history.sync(req.prompt, req.output)
+        return req.spec_history.propose(k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
 
     def after_verify(self, reqs: list, drafts: list[list[int]], greedy: list[list[int]], after_step) -> int:
         """A verify step's tokens: per request, its accepted drafts and the token after them, each through

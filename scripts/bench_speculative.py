@@ -8,7 +8,9 @@ costs against a decode step, and greedy decode tokens/s with and without it. One
   2. Decode: B requests of --prompt-tokens tokens each generate --max-tokens greedy tokens together; tokens/s
      over the whole run (prefill included), the drafts accepted, and whether every output equals the one
      without speculation. Workloads: "random" prompts (drafts come from the answer's own repeats) and
-     "repeat" prompts (one block of --block-tokens repeated: drafts from the prompt too).
+     "repeat" prompts (one block of --block-tokens repeated: drafts from the prompt too). With --oracle-drafts
+     also "oracle": each request's drafts are the tokens the same prompt got without speculation (what a
+     proposer that is always right gives; a verify step still decides, so bf16 rounding can reject them).
 
     python scripts/bench_speculative.py                                   # GPU: qwen3-8b shape
     python scripts/bench_speculative.py --model tiny --device cpu --batches 1,2 --drafts 1,3 --max-tokens 24
@@ -36,13 +38,15 @@ def parse_args(argv=None):
     add_common_args(p, model=CPU_SMOKE, device=("cuda", "cpu"), seed=0)
     p.add_argument("--num-speculative-tokens", type=int, default=5, help="k of the engine's config (default 5)")
     p.add_argument("--prompt-lookup-max", type=int, default=4)
-    p.add_argument("--prompt-lookup-min", type=int, default=1)
+    p.add_argument("--prompt-lookup-min", type=int, default=4, help="(vLLM: as max when only max is given)")
     p.add_argument("--batches", default="1,4,8", help="comma-separated batch sizes")
     p.add_argument("--drafts", default="1,3,5,10,15", help="comma-separated drafts a verify step, for the step cost")
     p.add_argument("--context", type=int, default=1000, help="cached tokens under the step-cost steps")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--block-tokens", type=int, default=64, help="the repeat workload's block")
     p.add_argument("--max-tokens", type=int, default=256, help="greedy tokens each request generates")
+    p.add_argument("--oracle-drafts", action="store_true", help="also the oracle workload (module doc)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--repeats", type=int, default=3, help="timed rounds (step cost: steps) per configuration")
     args = parse_common_args(p, argv)
     args.batches = [int(x) for x in args.batches.split(",")]
@@ -76,6 +80,19 @@ async def step_ms(engine: Engine, prompts: list[list[int]], drafts: int, repeats
     return median(times[2:]) * 1e3
 
 
+def greedy_margins(engine: Engine, prompt: list[int]) -> dict:
+    """How close greedy decoding is to a tie, over a dense forward of `prompt`: per row, the gap between its two
+    largest logits; the share of rows where they are equal, and the median gap against the logits' spread.
+    (Where ties are common, any change of rounding, as a verify step's against a decode step's, changes tokens.)"""
+    import torch
+    with torch.inference_mode():
+        logits = engine.model.forward_dense(torch.tensor(prompt, device=engine.device))  # [N, V]
+        top = logits.topk(2, dim=-1).values  # [N, 2]
+        gap = top[:, 0] - top[:, 1]
+        spread = logits.std(dim=-1)
+        return {"tied_rows": float((gap == 0).float().mean()), "median_gap_over_std": float((gap / spread).median())}
+
+
 async def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, device: str) -> tuple[float, list]:
     sync(device)
     t0 = time.perf_counter()
@@ -90,6 +107,7 @@ async def main_async(args) -> dict:
     spec = SpeculativeConfig(args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min)
     engine = Engine(EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=16 if cuda else 4,
                                  num_pages=8192 if cuda else 2048, max_running_requests=max(args.batches),
+                                 dtype=args.dtype,
                                  speculative=spec))
     speculator = engine.speculator
     await engine.start()
@@ -103,15 +121,17 @@ async def main_async(args) -> dict:
         for k in args.drafts:
             row[f"verify_{k}_ms"] = await step_ms(engine, prompts, k, args.repeats, args.device)
         steps.append(row)
+    margins = greedy_margins(engine, fresh(args.prompt_tokens))
     runs = []
     await generate(engine, [fresh(args.prompt_tokens)], 8, args.device)  # (warm-up)
-    for workload in ("random", "repeat"):
+    lookup = speculator.draft
+    for workload in ("random", "repeat") + (("oracle",) if args.oracle_drafts else ()):
         for b in args.batches:
             timed = {"on": [], "off": []}
             counts = dict.fromkeys(("accepted_tokens", "draft_tokens", "drafts", "verify_steps"), 0)
             equal = total = 0
             for _ in range(args.repeats):
-                if workload == "random":
+                if workload != "repeat":
                     prompts = [fresh(args.prompt_tokens) for _ in range(b)]
                 else:
                     prompts = [(fresh(args.block_tokens) * (args.prompt_tokens // args.block_tokens + 1))
@@ -119,12 +139,17 @@ async def main_async(args) -> dict:
                 outputs = {}
                 for mode in ("off", "on"):
                     engine.speculator = speculator if mode == "on" else None
+                    if workload == "oracle" and mode == "on":  # the drafts: what the plain run gave
+                        plain = {tuple(p): out for p, out in zip(prompts, outputs["off"])}
+                        speculator.draft = lambda req, k, plain=plain: plain[tuple(req.prompt)][
+                            len(req.output):len(req.output) + k]
                     before = dict(speculator.stats)
                     seconds, outputs[mode] = await generate(engine, prompts, args.max_tokens, args.device)
                     timed[mode].append(seconds)
                     if mode == "on":
                         for key in counts:
                             counts[key] += speculator.stats[key] - before[key]
+                    speculator.draft = lookup
                     await engine.cache.drain()
                 equal += sum(a == b_ for a, b_ in zip(outputs["on"], outputs["off"]))
                 total += b
@@ -136,6 +161,7 @@ async def main_async(args) -> dict:
     await engine.shutdown()
     return {"model": args.model, "device": args.device, "speculative": vars(spec), "context": args.context,
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "steps": steps, "runs": runs,
+            "greedy_margins": margins,
             "integrity": integrity}
 
 
@@ -156,6 +182,9 @@ def main(argv=None) -> int:
              r["outputs_equal"]] for r in out["runs"]]
     print(f"greedy decode, {out['max_tokens']} tokens a request after {out['prompt_tokens']} prompt tokens:", file=dest)
     print(table(head, body), file=dest)
+    m = out["greedy_margins"]
+    print(f"greedy margins over a prompt: top-2 logits tied in {m['tied_rows']:.1%} of rows, median gap "
+          f"{m['median_gap_over_std']:.3f} std", file=dest)
     print(f"integrity: {out['integrity']}", file=dest)
     write_result(out, args.out, args.json)
     return 0 if out["integrity"] == "passed" else 1

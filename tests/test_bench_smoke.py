@@ -316,12 +316,18 @@ def test_bench_speculative_times_both_steps_and_decodes_equal_tokens(capsys):
     gives every request the tokens it gives without (the repeat workload's drafts accepted)."""
     assert load("bench_speculative").main([*CPU, "--batches", "1,2", "--drafts", "1,3", "--max-tokens", "16",
                                            "--prompt-tokens", "48", "--context", "48", "--block-tokens", "12",
-                                           "--repeats", "1", "--json"]) == 0
+                                           "--prompt-lookup-min", "1", "--oracle-drafts", "--repeats", "1",
+                                           "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["integrity"] == "passed"
     assert [s["batch"] for s in out["steps"]] == [1, 2]
+    # float32 on the CPU: the plain run's tokens, as drafts, are all accepted
+    oracle = [r for r in out["runs"] if r["workload"] == "oracle"]
+    assert len(oracle) == 2 and all(0 < r["accepted_tokens"] == r["draft_tokens"] for r in oracle)
+    assert 0 <= out["greedy_margins"]["tied_rows"] <= 1
     assert all(s["decode_ms"] > 0 and s["verify_1_ms"] > 0 and s["verify_3_ms"] > 0 for s in out["steps"])
-    assert {(r["workload"], r["batch"]) for r in out["runs"]} == {(w, b) for w in ("random", "repeat") for b in (1, 2)}
+    assert {(r["workload"], r["batch"]) for r in out["runs"]} == {(w, b) for w in ("random", "repeat", "oracle")
+                                                                  for b in (1, 2)}
     for r in out["runs"]:
         assert r["outputs_equal"] == f"{r['batch']}/{r['batch']}" and r["tok_s_on"] > 0 and r["tok_s_off"] > 0
     assert sum(r["draft_tokens"] for r in out["runs"]) > 0
