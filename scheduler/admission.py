@@ -293,7 +293,7 @@ class Admission(Restoring):
         if eng.waiting and len(eng.running) < eng.config.max_running_requests and not self._head_still_blocked():
             return None  # prefill first: go back to the loop (a request waiting for a running slot gets one
             # only when another finishes, so it does not end the chain: regression, it unchained every step)
-        if eng.speculator is not None and eng.speculator.verifies(eng.running):
+        if eng.speculator is not None and eng.speculator.ends_chain(eng.running, reqs):
             return None  # (a verify step's drafts need the tokens of the step before on the host)
         nxt = [r for r in reqs if r.state is RequestState.DECODE and len(r.output) + 2 <= r.params.max_tokens]
         if not nxt:

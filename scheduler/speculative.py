@@ -29,6 +29,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from scheduler.request import RequestState
+
 TAIL_ROWS = 16  # a verify step's rows per sequence at most (scheduler/cuda_graphs.py TAIL_ROWS): k <= 15
 METHODS = ("ngram",)
 
@@ -163,6 +165,14 @@ class Speculator:
         # per draft position those accepted
         self.stats = {"verify_steps": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
                       "accepted_per_pos": [0] * config.num_speculative_tokens}
+
+    def ends_chain(self, running: list, chained: list) -> bool:
+        """Whether a decode chain of `chained` must end here: a decoding request it leaves out (an eligible one,
+        whose turn the plain step took: regression, it waited for the whole chain, the others' every step), or
+        a verify step that may come next (`verifies`)."""
+        if any(r.state is RequestState.DECODE and r not in chained for r in running):
+            return True
+        return self.verifies(running)
 
     def verifies(self, running: list) -> bool:
         """Whether the decode step after the one in flight may be a verify step (then it is not chained): some

@@ -8,7 +8,7 @@ Every log line is a JSON object with "event" and "ts_ns" (time.monotonic_ns()). 
              restore_overlap_discarded drops the last admission's hits (its forward's output was
              discarded, or the request ended before taking over its restore);
              finished / aborted / failed add output_tokens (and the engine's reason, error).
-  batch      batch_id, kind ("prefill"|"decode"), num_seqs, num_tokens, start_ns, end_ns (once, at end).
+  batch      batch_id, kind ("prefill"|"decode"|"verify"), num_seqs, num_tokens, start_ns, end_ns (once, at end).
   op         op_id, kind in OP_KINDS, from_state, to_state, bytes, pages, request_id, error: one per
              state transition (hicache.ops.apply); the first carries the op's initial state (L1_PRIVATE,
              L2, L3) as from_state. An op has ended when its last to_state is terminal for its kind

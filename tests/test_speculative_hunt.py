@@ -16,7 +16,7 @@ from hicache.radix import Tier
 from hicache_helpers import assert_whole
 from scheduler.engine import Engine
 from scheduler.prom import ServerMetrics
-from scheduler.request import SamplingParams
+from scheduler.request import RequestState, SamplingParams
 from scheduler.server import ServerLimits, create_app
 from scheduler.speculative import SpeculativeConfig
 from test_server import ServerThread
@@ -185,3 +185,43 @@ def test_decode_steps_chain_while_no_draft_can_come_and_stop_when_one_can(loopin
     got = [r.output_ids for r in strict.generate(looping[:2], SamplingParams(max_tokens=40))]
     assert got == reference and spec_stats(strict)["accepted_tokens"] > 0
     strict.check_integrity()
+
+
+def test_a_greedy_request_is_not_left_out_of_the_plain_steps_chained_after_its_verify_step(monkeypatch):
+    """Session 47. After a verify step the next decode step is the others' (a sampled request's); it chained, and
+    the chain went on with the others alone while no draft could come: the greedy request waited for the sampled
+    one's every token. Now a chain that leaves a decoding request out ends, and the next step takes both."""
+    from scheduler.speculative import Speculator
+    rng = random.Random(11)
+    greedy_prompt, sampled_prompt = ([rng.randrange(VOCAB) for _ in range(30)] for _ in range(2))
+    eng = make_engine(SpeculativeConfig(4, prompt_lookup_max=4, prompt_lookup_min=4))
+    drafted = []
+
+    def draft_once(self, req, k):  # one (wrong) draft for the greedy request once both decode, none after
+        both = sum(r.state is RequestState.DECODE for r in eng.running) == 2
+        if req.params.temperature == 0.0 and both and not drafted:
+            drafted.append(req.rid)
+            return [0]
+        return []
+    monkeypatch.setattr(Speculator, "draft", draft_once)
+
+    async def run():
+        greedy_tokens_when_sampled_ended = []
+
+        async def sampled():
+            async for ev in eng.submit(sampled_prompt, SamplingParams(max_tokens=30, temperature=0.8, seed=1)):
+                if ev.finished:
+                    greedy_tokens_when_sampled_ended.append(len(greedy_req.output))
+        greedy_stream = eng.submit(greedy_prompt, SamplingParams(max_tokens=40))
+        first = await greedy_stream.__anext__()  # its prefill's token: it decodes from now on
+        greedy_req = eng.requests[first.rid]
+        task = asyncio.create_task(sampled())
+        async for _ in greedy_stream:
+            pass
+        await task
+        await eng.shutdown()
+        return greedy_tokens_when_sampled_ended[0]
+    greedy_tokens = asyncio.run(run())
+    assert drafted and spec_stats(eng)["verify_steps"] == 1
+    assert greedy_tokens >= 20  # (it decoded beside the sampled one; it had 5 with the bug)
+    eng.check_integrity()
