@@ -9,8 +9,10 @@ captured once with static input buffers; a step copies its inputs into them and 
     leaves up to a page of tokens to compute; the attention kernel reads each K/V block once for all
     rows of a sequence (kernels/decode_attention.py), where one-row sequences would read it per row;
   - prefill (one sequence, no cached prefix, padded to a PREFILL_BUCKETS length);
-  - verify (B sequences x TAIL_ROWS rows, every row's logits), B as for tails, with speculative decoding
-    (scheduler/speculative.py): a verify step's pending tokens and drafts;
+  - verify (B sequences x R rows, every row's logits), B as for tails, with speculative decoding
+    (scheduler/speculative.py): a verify step's pending tokens and drafts, R the drafts + 1 rounded up to a
+    power of two (`speculative.verify_rows`: 8 rows for 5 drafts, so two sequences still fit the skinny
+    projections' 16 rows);
   - restore (one sequence, 1 or TAIL_ROWS rows) when the transfer engine copies restores in layer
     order: the same forward whose paged attention kernel first spins on that layer's flag of the
     transfer engine (kernels/layer_flags.py), so the tail runs while later layers of its
@@ -33,6 +35,7 @@ from kernels import cuda_rt
 from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch
 from scheduler.model import Qwen3Model
+from scheduler.speculative import verify_rows
 
 DECODE_SIZES = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)  # captured up to the first that holds the max batch
 TAIL_ROWS = 16
@@ -57,9 +60,9 @@ class DecodeGraphs:
     `shape_for` picks the graph a batch fits, `run` stages its inputs and replays it."""
 
     def __init__(self, model: Qwen3Model, kv_pool: torch.Tensor, page_size: int, max_pages_per_seq: int,
-                 scratch_page: int, max_batch: int = 32, layer_flags=None, verify: bool = False) -> None:
+                 scratch_page: int, max_batch: int = 32, layer_flags=None, verify_rows: int = 0) -> None:
         self.model, self.kv_pool, self.page_size = model, kv_pool, page_size
-        self.verify = verify  # capture the verify family too
+        self.verify_rows = verify_rows  # the verify family's rows per sequence (0: none captured)
         self.verify_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.verify_logits: dict[tuple[int, int], torch.Tensor] = {}
         self.layer_flags = layer_flags
@@ -153,13 +156,13 @@ class DecodeGraphs:
                     self.logits[shape] = self.model(ids, self._batch(*shape), self.kv_pool)  # [B, V]
                 pool = graph.pool()
                 self.graphs[shape] = graph
-            for shape in [s for s in self.shapes if s[1] > 1] if self.verify else []:
+            for shape in [(b, self.verify_rows) for b, r in self.shapes if r > 1] if self.verify_rows else []:
                 ids = self.rows[0, :shape[0] * shape[1]]
                 self.model(ids, self._batch(*shape, every_row=True), self.kv_pool)  # warm-up
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
                     self.verify_logits[shape] = self.model(ids, self._batch(*shape, every_row=True),
-                                                           self.kv_pool)  # [B * TAIL_ROWS, V]
+                                                           self.kv_pool)  # [B * R, V]
                 pool = graph.pool()
                 self.verify_graphs[shape] = graph
             if self.layer_flags is not None:
@@ -244,8 +247,9 @@ class DecodeGraphs:
         return next((s for s in self.shapes if s[1] == rows and s[0] >= len(new_lens)), None)
 
     def verify_shape_for(self, new_lens: list[int], page_tables: list[list[int]]) -> tuple[int, int] | None:
-        """The verify graph's (sequences, TAIL_ROWS) that fits a verify step, or None (run eagerly)."""
-        if not self.verify_graphs or max(new_lens) > TAIL_ROWS or max(len(pt) for pt in page_tables) > self.max_pages:
+        """The verify graph's (sequences, verify_rows) that fits a verify step, or None (run eagerly)."""
+        if (not self.verify_graphs or max(new_lens) > self.verify_rows
+                or max(len(pt) for pt in page_tables) > self.max_pages):
             return None
         return next((s for s in sorted(self.verify_graphs) if s[0] >= len(new_lens)), None)
 
@@ -266,7 +270,7 @@ class DecodeGraphs:
         ids_device [B] (decode only): the input ids already on the device (a chained step), copied
         over the staged ones on the stream. wait_restore: replay the variant that waits for each
         layer of a layer-ordered restore, up to `restore_epoch` of the layer flags. -> logits of
-        each sequence's last new token [B, V]; verify (a verify shape): of every row [B * TAIL_ROWS, V]."""
+        each sequence's last new token [B, V]; verify (a verify shape (B, R)): of every row [B * R, V]."""
         seqs, per = shape
         ps = self.page_size
         # two staging buffers alternate; the copies out of this one (two steps ago) must be done before
@@ -371,7 +375,9 @@ def capture_graphs(engine) -> None:
     max_pages = min(engine.cache.l1.num_pages, -(-engine.config.max_context_tokens // engine.page_size))
     graphs = DecodeGraphs(engine.model, engine.cache.l1.kv, engine.page_size, max_pages, scratch,
                           max_batch=engine.config.max_running_requests,  # (graph_shapes caps it)
-                          layer_flags=engine.runner.layer_flags, verify=engine.config.speculative is not None)
+                          layer_flags=engine.runner.layer_flags,
+                          verify_rows=0 if engine.config.speculative is None else
+                          verify_rows(engine.config.speculative.num_speculative_tokens))
     graphs.capture()
     engine.runner.enable_graphs(graphs)
     engine.cache.overlap_forward_s = graphs.tail_forward_s()

@@ -168,7 +168,7 @@ class ModelRunner:
         stride = 0
         if shape is not None:
             logits = graphs.run(shape, batch.input_ids, batch.prefix_lens, batch.new_lens, batch.page_tables,
-                                verify=True)  # [B * TAIL_ROWS, V]: sequence b's rows from b * TAIL_ROWS
+                                verify=True)  # [B * R, V]: sequence b's rows from b * R
             stride = shape[1]
         else:
             attn = AttentionBatch.build(batch.prefix_lens, batch.new_lens, batch.page_tables, self.page_size,

@@ -143,6 +143,16 @@ class TokenHistory:
         return []
 
 
+def verify_rows(num_speculative_tokens: int) -> int:
+    """Rows a sequence takes in a verify graph (scheduler/cuda_graphs.py): its drafts and pending token, rounded up
+    to a power of two (at most TAIL_ROWS). Fewer rows a sequence keep more sequences within the skinny
+    projections' 16 rows (kernels/skinny_gemm.py) and give cuBLAS fewer rows past them."""
+    rows = 2
+    while rows < num_speculative_tokens + 1:
+        rows *= 2
+    return min(rows, TAIL_ROWS)
+
+
 def accept(drafts: Sequence[int], greedy: Sequence[int]) -> list[int]:
     """The tokens a verify step yields: greedy [len(drafts) + 1] holds the greedy token after the pending
     token (row 0) and after each draft (row i). The drafts up to the first that differs from the greedy

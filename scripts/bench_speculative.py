@@ -3,8 +3,10 @@ costs against a decode step, and greedy decode tokens/s with and without it. One
 (speculation switched off by taking its Speculator away; the verify graphs stay captured).
 
   1. Step cost: B sequences over a cached context of --context tokens, a decode step (one row each) against
-     a verify step of k drafts each (k + 1 rows each), ms a step, launch to tokens on the host. The rows are
-     the cached prompt's last tokens, rewritten in place (as bench_engine.py's tail forward).
+     a verify step of k drafts each (k + 1 rows each, in the engine's verify graph of R rows a sequence: k + 1
+     rounded up to a power of two for --num-speculative-tokens; --drafts above that are left out), ms a step,
+     launch to tokens on the host. The rows are the cached prompt's last tokens, rewritten in place (as
+     bench_engine.py's tail forward).
   2. Decode: B requests of --prompt-tokens tokens each generate --max-tokens greedy tokens together; tokens/s
      over the whole run (prefill included), the drafts accepted, and whether every output equals the one
      without speculation. Workloads: "random" prompts (drafts come from the answer's own repeats) and
@@ -30,7 +32,7 @@ from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 from scheduler.runner import BatchInput  # noqa: E402
-from scheduler.speculative import SpeculativeConfig  # noqa: E402
+from scheduler.speculative import SpeculativeConfig, verify_rows  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -40,7 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=4, help="(vLLM: as max when only max is given)")
     p.add_argument("--batches", default="1,4,8", help="comma-separated batch sizes")
-    p.add_argument("--drafts", default="1,3,5,10,15", help="comma-separated drafts a verify step, for the step cost")
+    p.add_argument("--drafts", default="1,3,5,10,15",
+                   help="comma-separated drafts a verify step, for the step cost (at most --num-speculative-tokens)")
     p.add_argument("--context", type=int, default=1000, help="cached tokens under the step-cost steps")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--block-tokens", type=int, default=64, help="the repeat workload's block")
@@ -118,7 +121,7 @@ async def main_async(args) -> dict:
         prompts = [fresh(args.context) for _ in range(b)]
         await engine.generate_async(prompts, SamplingParams(max_tokens=1))  # (into L1)
         row = {"batch": b, "decode_ms": await step_ms(engine, prompts, 0, args.repeats, args.device)}
-        for k in args.drafts:
+        for k in [d for d in args.drafts if d <= spec.num_speculative_tokens]:
             row[f"verify_{k}_ms"] = await step_ms(engine, prompts, k, args.repeats, args.device)
         steps.append(row)
     margins = greedy_margins(engine, fresh(args.prompt_tokens))
@@ -160,6 +163,7 @@ async def main_async(args) -> dict:
     integrity = integrity_of(engine)
     await engine.shutdown()
     return {"model": args.model, "device": args.device, "speculative": vars(spec), "context": args.context,
+            "verify_rows": verify_rows(spec.num_speculative_tokens),
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "steps": steps, "runs": runs,
             "greedy_margins": margins,
             "integrity": integrity}
@@ -171,7 +175,8 @@ def main(argv=None) -> int:
     dest = sys.stderr if args.json else sys.stdout
     keys = [k for k in out["steps"][0] if k.startswith("verify_")]
     head = ["batch", "decode ms"] + [f"verify k={k.split('_')[1]} ms" for k in keys]
-    print(f"step cost over {out['context']} cached tokens:", file=dest)
+    print(f"step cost over {out['context']} cached tokens (verify graphs of {out['verify_rows']} rows a sequence):",
+          file=dest)
     print(table(head, [[str(r["batch"]), fmt(r["decode_ms"])] + [f"{fmt(r[k])} ({r[k] / r['decode_ms']:.2f}x)"
                                                                  for k in keys] for r in out["steps"]]), file=dest)
     head = ["workload", "batch", "tok/s off", "tok/s on", "speedup", "accepted / drafted", "verify steps",

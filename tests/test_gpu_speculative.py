@@ -21,18 +21,18 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("graphs", [True, False])
+@pytest.mark.parametrize("graphs,k,rows", [(True, 5, 8), (True, 15, 16), (False, 5, 0)])
 @pytest.mark.parametrize("n", [1, 5])
-def test_speculative_greedy_on_cuda_equals_plain_decode(graphs, n, monkeypatch):
+def test_speculative_greedy_on_cuda_equals_plain_decode(graphs, k, rows, n, monkeypatch):
     from scheduler.engine import Engine
     base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=1024, page_size=16,
                         cuda_graphs=graphs, max_running_requests=8)
     params = SamplingParams(max_tokens=48)
     plain = Engine(base)
     want = [r.output_ids for r in plain.generate(_prompts(n), params)]
-    spec = Engine(EngineConfig(**{**base.__dict__, "speculative": SpeculativeConfig(5, 4, 1)}))
-    if graphs:
-        assert spec.runner.graphs.verify_max_seqs == 8
+    spec = Engine(EngineConfig(**{**base.__dict__, "speculative": SpeculativeConfig(k, 4, 1)}))
+    if graphs:  # (verify graphs of k + 1 rows a sequence, rounded up to a power of two)
+        assert spec.runner.graphs.verify_max_seqs == 8 and spec.runner.graphs.verify_rows == rows
         used = []
         run = spec.runner.graphs.run
         monkeypatch.setattr(spec.runner.graphs, "run", lambda *a, **k: used.append(k.get("verify")) or run(*a, **k))

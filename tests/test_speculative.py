@@ -387,3 +387,8 @@ def test_greedy_sampled_and_logprobs_requests_together(plain, prompts, monkeypat
     stats = spec_stats(eng)
     assert stats["drafts"] > 0 and stats["accepted_tokens"] > 0  # (the greedy one speculated among them)
     eng.check_integrity()
+
+
+def test_verify_rows_are_the_drafts_and_pending_token_rounded_up_to_a_power_of_two():
+    from scheduler.speculative import verify_rows
+    assert [verify_rows(k) for k in range(1, 16)] == [2, 4, 4] + [8] * 4 + [16] * 8
