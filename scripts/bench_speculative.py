@@ -8,8 +8,8 @@ costs against a decode step, and greedy decode tokens/s with and without it. One
      launch to tokens on the host. The rows are the cached prompt's last tokens, rewritten in place (as
      bench_engine.py's tail forward).
   2. Decode: B requests of --prompt-tokens tokens each generate --max-tokens greedy tokens together; tokens/s
-     over the whole run (prefill included), the drafts accepted, and whether every output equals the one
-     without speculation. Workloads: "random" prompts (drafts come from the answer's own repeats) and
+     over the whole run (prefill included, L1 emptied before each run, on and off in turn, the order alternating
+     by round), the drafts accepted, and whether every output equals the one without speculation. Workloads: "random" prompts (drafts come from the answer's own repeats) and
      "repeat" prompts (one block of --block-tokens repeated: drafts from the prompt too). With --oracle-drafts
      also "oracle": each request's drafts are the tokens the same prompt got without speculation (what a
      proposer that is always right gives; a verify step still decides, so bf16 rounding can reject them).
@@ -26,8 +26,8 @@ import sys
 import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
-from bench_common import (CPU_SMOKE, add_common_args, fmt, integrity_of, median, parse_common_args,  # noqa: E402
-                          sync, table, write_result)
+from bench_common import (CPU_SMOKE, add_common_args, evict, fmt, integrity_of, median,  # noqa: E402
+                          parse_common_args, sync, table, write_result)
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
@@ -133,14 +133,16 @@ async def main_async(args) -> dict:
             timed = {"on": [], "off": []}
             counts = dict.fromkeys(("accepted_tokens", "draft_tokens", "drafts", "verify_steps"), 0)
             equal = total = 0
-            for _ in range(args.repeats):
+            for rnd in range(args.repeats):
                 if workload != "repeat":
                     prompts = [fresh(args.prompt_tokens) for _ in range(b)]
                 else:
                     prompts = [(fresh(args.block_tokens) * (args.prompt_tokens // args.block_tokens + 1))
                                [:args.prompt_tokens] for _ in range(b)]
                 outputs = {}
-                for mode in ("off", "on"):
+                # (each run from an empty L1, so neither reuses the other's prompts; the order alternates by round)
+                for mode in ("off", "on") if rnd % 2 == 0 or workload == "oracle" else ("on", "off"):
+                    await evict(engine, ["l1"])
                     engine.speculator = speculator if mode == "on" else None
                     if workload == "oracle" and mode == "on":  # the drafts: what the plain run gave
                         plain = {tuple(p): out for p, out in zip(prompts, outputs["off"])}
@@ -153,7 +155,6 @@ async def main_async(args) -> dict:
                         for key in counts:
                             counts[key] += speculator.stats[key] - before[key]
                     speculator.draft = lookup
-                    await engine.cache.drain()
                 equal += sum(a == b_ for a, b_ in zip(outputs["on"], outputs["off"]))
                 total += b
             tokens = b * args.max_tokens
