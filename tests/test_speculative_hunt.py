@@ -10,7 +10,6 @@ import random
 import httpx
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.radix import Tier
 from hicache_helpers import assert_whole
@@ -19,6 +18,7 @@ from scheduler.prom import ServerMetrics
 from scheduler.request import RequestState, SamplingParams
 from scheduler.server import ServerLimits, create_app
 from scheduler.speculative import SpeculativeConfig
+from test_prom_vllm import parse
 from test_server import ServerThread
 from test_speculative import SPEC, VOCAB, find_looping, make_engine, record_steps, spec_stats
 
@@ -90,20 +90,11 @@ SPEC_FAMILIES = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
                  "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos")
 
 
-def samples_of(text: str) -> tuple[dict, dict]:
-    samples, fams = {}, {}
-    for fam in text_string_to_metric_families(text):
-        fams[fam.name] = fam
-        for s in fam.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples, fams
-
-
 def test_spec_decode_counters_on_metrics_say_what_the_engine_counted(looping):
     engine = make_engine(SPEC)
     limits = ServerLimits(max_concurrent_requests=8, shutdown_grace_s=1.0, served_model_names=(MODEL,))
     with ServerThread(create_app(engine, limits)) as srv:
-        before, fams = samples_of(httpx.get(srv.url + "/metrics").text)
+        before, fams = parse(httpx.get(srv.url + "/metrics").text)
         for name in SPEC_FAMILIES:  # there from the start, as counters
             assert fams[name].type == "counter", name
         assert before[("vllm:spec_decode_num_drafts_total", (("model_name", MODEL),))] == 0
@@ -111,7 +102,7 @@ def test_spec_decode_counters_on_metrics_say_what_the_engine_counted(looping):
                                                           "temperature": 0, "ignore_eos": True}, timeout=30)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 16
-        after, _ = samples_of(httpx.get(srv.url + "/metrics").text)
+        after, _ = parse(httpx.get(srv.url + "/metrics").text)
         stats = srv.call(engine.status)["engine"]["speculative"]
     label = (("model_name", MODEL),)
     assert stats["drafts"] > 0 and stats["accepted_tokens"] > 0
