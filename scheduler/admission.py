@@ -314,7 +314,9 @@ class Admission(Restoring):
         return blocked is not None and waiting[0].rid == blocked[0] and self._l1_room_pages() <= blocked[1]
 
     # -- after a step --------------------------------------------------------------------------
-    def after_step(self, req: Request, chunk: int, token: int) -> None:
+    def after_step(self, req: Request, chunk: int, token: int, same_step: bool = False) -> None:
+        """One token of a step for `req` (chunk: the tokens it computed; same_step: not the step's first token
+        for it, as a verify step's accepted drafts after the first)."""
         eng = self.engine
         if req.state.done:
             return
@@ -355,7 +357,7 @@ class Admission(Restoring):
             eng.finish(req, RequestState.FAILED, "error", f"the token sampled broke the request's grammar: {broken}")
             return
         req.output.append(int(token))
-        req.emit(TokenEvent(req.rid, int(token), len(req.output) - 1))
+        req.emit(TokenEvent(req.rid, int(token), len(req.output) - 1, same_step=same_step))
         p = req.params
         if int(token) in p.stop_token_ids or (not p.ignore_eos and int(token) in eng.model_config.eos_token_ids):
             eng.finish(req, RequestState.FINISHED, "stop")

@@ -71,7 +71,8 @@ class Generation:
                 self.st.metrics.ttft.observe(now - self.arrival)
                 if self.req.scheduled_s is not None:  # (its prefill started before its first token)
                     self.st.metrics.queue.observe(self.req.scheduled_s - self.req.arrival_s)
-            else:  # one gap per token (vLLM's inter-token latency: per iteration, one token each here)
+            elif not ev.same_step:  # one gap per engine step (vLLM's inter-token latency: per iteration; a
+                # verify step's tokens after its first come in the same iteration)
                 self.st.metrics.itl.observe(now - self.last_token_at)
             self.last_token_at = now
             if not self._buf and not q.empty():

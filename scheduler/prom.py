@@ -217,8 +217,9 @@ class ServerMetrics:
                               "after the first, of engine requests of >= 2 tokens the engine ended (stop, length, "
                               "error; not aborted)",
                               buckets=_TOKEN_LATENCY_BUCKETS_S, registry=r)
-        self.itl = Histogram("hicache_inter_token_latency_seconds", "each token's gap after its request's "
-                             "previous one, as the server reads them (one per token after the first)",
+        self.itl = Histogram("hicache_inter_token_latency_seconds", "each engine step's gap after its request's "
+                             "previous token, as the server reads them (one per step after the first token; a "
+                             "verify step's accepted drafts share their step's)",
                              buckets=_TOKEN_LATENCY_BUCKETS_S, registry=r)
         self.prompt_tokens = Counter("hicache_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generation_tokens = Counter("hicache_generation_tokens", "generated tokens", registry=r)

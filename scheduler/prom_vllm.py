@@ -13,9 +13,10 @@ engine's status and cache counters, so the two names cannot disagree. What they 
 * prefix_cache_queries / prefix_cache_hits: prompt tokens looked up (hit + recomputed: a prompt's tokens once
   its prefill ran) / served from any tier (L1, L2 or L3: hicache_hit_tokens);
 * request_time_per_output_token_seconds: per finished request of >= 2 tokens, (e2e - TTFT) / (tokens - 1);
-  inter_token_latency_seconds: per token after a request's first, its gap after the previous one.
-  vLLM observes that gap once per engine iteration and request; hicache emits one token per step, so that
-  is once per token. time_per_output_token_seconds is vLLM's older (deprecated) name of that gap histogram,
+  inter_token_latency_seconds: per engine step after a request's first token, its gap after the previous
+  step's token, as vLLM observes it once per engine iteration and request (a step is one token but for a
+  verify step's accepted drafts, which come in the step of the token before them).
+  time_per_output_token_seconds is vLLM's older (deprecated) name of that gap histogram,
   rendered from the same samples;
 * request_success_total by finished_reason (stop, length, abort, error), prompt / generation token counters
   and per-request histograms, TTFT and end-to-end latency: the hicache_ families of the same meaning.

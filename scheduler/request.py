@@ -265,6 +265,7 @@ class TokenEvent:
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error"
     error: str | None = None
     logprobs: TokenLogprobs | None = None  # the token's, when its request asked (SamplingParams.logprobs)
+    same_step: bool = False  # a token after the first of one engine step (a verify step's: scheduler/speculative.py)
 
 
 @dataclass

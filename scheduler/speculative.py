@@ -246,10 +246,10 @@ class Speculator:
                 stats["accepted_tokens"] += len(tokens) - 1
                 for pos in range(len(tokens) - 1):
                     stats["accepted_per_pos"][pos] += 1
-            for token in tokens:
+            for i, token in enumerate(tokens):
                 if req.state.done:
                     break
-                after_step(req, 1, token)
+                after_step(req, 1, token, same_step=i > 0)
                 taken += 1
         return taken
 
