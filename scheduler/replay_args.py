@@ -146,6 +146,9 @@ def config_from_replay_args(args: argparse.Namespace) -> EngineConfig:
     elif args.enable_hicache is None:
         args.enable_hicache = True
     cfg = dataclasses.replace(config_from_args(args), simulate=args.simulate)
+    if args.simulate and cfg.speculative is not None:  # (the engine makes no speculator without a model)
+        print(f"{os.path.basename(sys.argv[0])}: --speculative-config: ignored under --simulate (no model to verify "
+              "drafts with)", file=sys.stderr)
     if args.simulate and cfg.dtype == "auto":  # the simulated deployment is a GPU one: bf16 KV
         cfg = dataclasses.replace(cfg, dtype="bfloat16")
     device, dtype = resolve_device(cfg)

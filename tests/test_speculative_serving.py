@@ -417,3 +417,16 @@ def test_one_running_slot_and_priorities_with_speculating_requests(plain, loopin
     assert list(dict.fromkeys(by_rid[s.rid] for s in steps)) == sorted([0, 1, 3], key=lambda i: (priorities[i], i))
     eng.check_integrity()
     l1_back(eng)
+
+
+def test_a_simulated_replay_says_speculation_is_ignored(capsys):
+    """A --simulate replay has no model to verify drafts with: its engine makes no speculator, and says so."""
+    from scheduler.replay import build_parser
+    from scheduler.replay_args import config_from_replay_args, fill_defaults
+    args = build_parser().parse_args(["--simulate", "--speculative-config", '{"method": "ngram", '
+                                      '"num_speculative_tokens": 3}'])
+    fill_defaults(args)
+    cfg = config_from_replay_args(args)
+    assert cfg.simulate and cfg.speculative is not None
+    assert "--speculative-config: ignored under --simulate" in capsys.readouterr().err
+    assert Engine(cfg).speculator is None
