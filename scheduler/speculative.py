@@ -1,26 +1,27 @@
 """Speculative decoding by prompt lookup (vLLM's `{"method": "ngram"}`): drafts from the request's own tokens,
 verified in one forward over the prefix cache.
 
-A decode step of a small batch is a weight read: at the 8B shape on the H200 one token costs ~4.4 ms, and a
-16-row tail over the same cached context ~4.8 ms (docs/benchmarks.md). So a step may as well check up to
-k guesses. The guesses come from the context itself: the longest suffix of the request's tokens (prompt and
+A decode step of a small batch is a weight read: at the 8B shape on the H200 one token costs ~4.5 ms, and a
+verify step of up to 8 rows over the same cached context ~4.6 ms (docs/benchmarks.md, session 47). So a
+step may as well check up to k guesses. The guesses come from the context itself: the longest suffix of the request's tokens (prompt and
 output, between `prompt_lookup_min` and `prompt_lookup_max` tokens) that also occurs earlier proposes the
 k tokens that followed its latest earlier occurrence. Answers that repeat their input (code edits, quotes,
 summaries, RAG, structured output over a document) accept several a step.
 
 One verify step per request: its pending token and its k drafts at positions p .. p + k, a tail forward
-over its cached pages (the tail graphs' shapes, every row's logits). Row i's greedy token checks draft
+over its cached pages (a verify graph of k + 1 rows a sequence rounded up to a power of two, every row's
+logits: `verify_rows`). Row i's greedy token checks draft
 i + 1: the drafts up to the first miss are accepted, and the row after them gives one more token, so a step
 yields 1 .. k + 1 tokens, each equal to what greedy decoding one token at a time would give (up to bf16
-rounding near ties: a 16-row forward rounds as a tail, as after a restore). The K/V of the rejected drafts
+rounding near ties: a many-row forward rounds as a tail, as after a restore). The K/V of the rejected drafts
 was written to the request's own pages past its length and is overwritten by the tokens that follow; the
 tree only ever takes pages below a request's length, so it never sees them.
 
 Who speculates: greedy requests (temperature 0) without anything that reads or changes a step's logits
 (logprobs, penalties, logit_bias, min_tokens, bans, structured outputs): `eligible`. The others decode as
 before, in steps of their own; when both kinds run, the loop alternates a verify step and a decode step.
-A request that speculates never chains its decode steps (the next step's drafts need this one's tokens on
-the host).
+A verify step is never chained behind the step in flight (its drafts need that step's tokens on the host);
+a decode step is, unless a draft may come next (`Speculator.verifies`).
 """
 from __future__ import annotations
 
@@ -180,7 +181,8 @@ class Speculator:
         """Whether a decode chain of `chained` must end here: a decoding request it leaves out (an eligible one,
         whose turn the plain step took: regression, it waited for the whole chain, the others' every step), or
         a verify step that may come next (`verifies`)."""
-        if any(r.state is RequestState.DECODE and r not in chained for r in running):
+        chained_ids = {id(r) for r in chained}
+        if any(r.state is RequestState.DECODE and id(r) not in chained_ids for r in running):
             return True
         return self.verifies(running)
 
