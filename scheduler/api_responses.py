@@ -429,6 +429,7 @@ class ResponsesShape:
         self.req: ResponsesRequest | None = None
         self.store = store
         self.prior: StoredResponse | None = None  # the kept response it follows
+        self._claimed: str | None = None  # its request_id, claimed in the store until its background run starts
 
     def chat_body(self, body: dict) -> dict:
         self.req = parse_request(body)
@@ -444,7 +445,18 @@ class ResponsesShape:
             raise APIError(400, "background can only be used when `store` is true" + (
                 "" if self.req.store is False else " (this server keeps no responses: --responses-store-max 0)"),
                 param="background", code="invalid_value")
-        return chat_body(self.req, [] if self.prior is None else self.prior.history())
+        body = chat_body(self.req, [] if self.prior is None else self.prior.history())
+        if self.req.background and self.req.request_id is not None:  # (regression: two such POSTs of one new id,
+            # checked while neither had started, both ran; the second kept put the first out of reach)
+            self._claimed = self.req.request_id
+            self.store.claim(self._claimed)
+        return body
+
+    def release_claim(self) -> None:
+        """Its request_id's claim given back: its run started (and is kept), or it failed before."""
+        if self._claimed is not None:
+            self.store.release(self._claimed)
+            self._claimed = None
 
     def output(self, choices) -> ResponseOutput:
         keep = None if self.store is None else self.store.keeper(self.req, self.prior)

@@ -31,12 +31,16 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
+import structlog
+
 from scheduler.api_models import APIError
 from scheduler.api_responses import as_items, input_items, items_messages, not_found
 
 if TYPE_CHECKING:
     from scheduler.api_responses import ResponsesRequest
     from scheduler.responses_background import BackgroundRun
+
+log = structlog.get_logger("scheduler.server")
 
 # an input item's id where it came without one (as OpenAI's, by its type)
 _ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
@@ -65,6 +69,9 @@ class ResponsesStore:
         self.max_responses = max(0, max_responses)
         self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
         self._runs: dict[str, BackgroundRun] = {}  # the kept background responses' runs, by id
+        # the request_ids of background requests between their check (ResponsesShape.chat_body) and their run's
+        # start: `running` already, so that a second request of the id, checked meanwhile, is refused too
+        self._claimed: set[str] = set()
 
     @property
     def enabled(self) -> bool:
@@ -81,6 +88,12 @@ class ResponsesStore:
         background response); the least recently used dropped above the bound, but for those still running."""
         if not self.enabled:
             return
+        if run is None and self._run_going(stored.id):
+            # (a request of the id that passed its check before a background one of it started: kept, it would put
+            # the run out of every route's reach)
+            log.warning("response_not_kept", response_id=stored.id, reason="a background response of its id runs")
+            return
+        self._claimed.discard(stored.id)
         self._kept[stored.id] = stored
         self._kept.move_to_end(stored.id)
         if run is None:
@@ -95,9 +108,19 @@ class ResponsesStore:
                 self._runs.pop(response_id, None)
 
     def running(self, response_id: str) -> bool:
-        """Whether a background response of this id is kept and still running."""
+        """Whether a background response of this id is kept and still running, or about to start (`claim`)."""
+        return response_id in self._claimed or self._run_going(response_id)
+
+    def _run_going(self, response_id: str) -> bool:
         run = self._runs.get(response_id)
         return run is not None and not run.finished
+
+    def claim(self, response_id: str) -> None:
+        """A background request of this id passed its check: `running` until its run is kept or `release`."""
+        self._claimed.add(response_id)
+
+    def release(self, response_id: str) -> None:
+        self._claimed.discard(response_id)
 
     def run(self, response_id: str) -> BackgroundRun | None:
         """A kept response's background run (None: not a background response; a 404 where none is kept)."""

@@ -390,19 +390,26 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
     except APIError:
         await _abort_all(st, gens)  # a batch's prompts queued before one was refused
         slot.release()
+        if shape is not None:
+            shape.release_claim()
         st.metrics.outcome("rejected")
         raise
     except BaseException as exc:  # cancelled (the client went away), or a bug (a 500)
         await _abort_all(st, gens)
         slot.release()
+        if shape is not None:
+            shape.release_claim()
         st.metrics.outcome("aborted" if isinstance(exc, asyncio.CancelledError) else "failed")
         raise
     st.metrics.prompt_tokens.inc(sum(map(len, prompts)))
     choices = Choices(gens, chat, rids.response_id, api_req, st.model_name)
     if shape is not None:
-        choices = shape.output(choices)
-        if shape.req.background:  # its task holds the slot, detached from this request (responses_background.py)
-            return st.background.start(choices, slot, api_req.stream)
+        try:
+            choices = shape.output(choices)
+            if shape.req.background:  # its task holds the slot, detached from this request (responses_background.py)
+                return st.background.start(choices, slot, api_req.stream)
+        finally:
+            shape.release_claim()  # (its run, where it started, is kept under the id by now)
     if api_req.stream:
         return _SSEResponse(choices.sse(), choices, slot, media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
