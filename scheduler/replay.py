@@ -228,6 +228,7 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
         except Exception as exc:
             integrity = f"{type(exc).__name__}: {exc}"
         metrics = engine.metrics()
+        speculative = engine.status()["engine"].get("speculative")  # (--speculative-config: its counters)
     finally:
         if bar is not None:
             bar.close()
@@ -239,7 +240,7 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
             engine.runner.close()
     outcomes = [o if o is not None else Outcome(it, [], error=crash or "not run") for o, it in zip(outcomes, items)]
     return {"outcomes": outcomes, "metrics": metrics, "integrity": integrity, "wall_s": wall_s,
-            "engine_crash": crash}
+            "engine_crash": crash, "speculative": speculative}
 
 
 def replay(config: EngineConfig, items: list[ReplayItem], **kw) -> dict:
@@ -309,6 +310,7 @@ def summarize(run: dict, problems: list[TraceProblem], config: EngineConfig, rep
         "engine_crash": run["engine_crash"],
         "config": {"engine": dataclasses.asdict(config), "replay": replay_options},
         "metrics": m,
+        "speculative": run.get("speculative"),  # (None: speculation off)
         # per trace line (`requests` is the count above); a --simulate run times nothing
         "request_records": request_records(outcomes, timed=not config.simulate),
     }
@@ -329,6 +331,9 @@ def format_summary(s: dict) -> str:
              ("TTFT p50/p90/p99 ms", " / ".join(num(s["ttft_ms"][k], "{:.1f}") for k in ("p50", "p90", "p99"))),
              ("throughput", f"{s['throughput_req_s']:.2f} req/s over {s['wall_s']:.1f} s")]
     rows += [(f"bytes {d.upper()}", f"{s['bytes'][d]:,}") for d in DIRECTIONS]
+    if (spec := s.get("speculative")) is not None:
+        rows.append(("speculative drafts", f"{spec['accepted_tokens']:,} of {spec['draft_tokens']:,} tokens accepted "
+                                           f"in {spec['verify_steps']:,} verify steps"))
     rows += [("integrity", s["integrity"]), ("outputs digest", s["outputs_digest"][:16])]
     if "compare_no_cache" in s:
         c = s["compare_no_cache"]

@@ -305,6 +305,15 @@ def test_the_replay_with_speculation_equals_the_replay_without(monkeypatch, tmp_
     assert with_spec["outputs_digest"] == without["outputs_digest"]
     assert with_spec["compare_no_cache"]["match"]
     assert with_spec["hit_tokens"] == without["hit_tokens"] and min(with_spec["hit_tokens"].values()) > 0
+    # the summary's counters: the engine's (its JSON and its table), none without the flag
+    from scheduler.replay import format_summary
+    spec = with_spec["speculative"]
+    # (--compare-no-cache replayed it again, speculating too: the summary counts the first replay's)
+    assert 0 < spec["accepted_tokens"] < sum(verified) and 0 < spec["verify_steps"] < n
+    assert without["speculative"] is None
+    assert (f"{spec['accepted_tokens']:,} of {spec['draft_tokens']:,} tokens accepted in {spec['verify_steps']:,} "
+            "verify steps" in format_summary(with_spec))
+    assert "speculative drafts" not in format_summary(without)
 
 
 # -- 4. shutdown and abort mid-verify ------------------------------------------------------------------------------
