@@ -49,11 +49,11 @@ def test_a_response_finished_beside_a_running_background_run_of_its_id_is_not_ke
 def test_two_background_posts_of_one_new_id_racing_a_grammar_compile_start_one_run(tmp_path_factory):
     with _server(tmp_path_factory, max_concurrent_requests=4) as srv:
         guides = srv.engine.guides
-        check, entered = guides.check, threading.Event()
+        check, entered, released = guides.check, threading.Event(), threading.Event()
 
-        def slow_check(spec):  # (off the loop, in the executor: the second POST is checked meanwhile)
+        def slow_check(spec):  # (off the loop, in the executor: held until the second POST was answered)
             entered.set()
-            time.sleep(0.5)
+            released.wait(30)
             return check(spec)
         guides.check = slow_check
         schema = {"type": "json_schema", "name": "s", "schema": {"type": "object", "properties": {
@@ -67,6 +67,7 @@ def test_two_background_posts_of_one_new_id_racing_a_grammar_compile_start_one_r
         first.start()
         assert entered.wait(10)
         post("second", {**BODY, "background": True, "request_id": "race"})
+        released.set()
         first.join()
         guides.check = check
         assert answers["first"].status_code == 200, answers["first"].text
