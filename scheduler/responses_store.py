@@ -14,7 +14,8 @@ cache serves that part.
 A background response (scheduler/responses_background.py) is kept from its start, with its run (its events and
 its current state: GET's while it runs): running, it cannot be followed (a 400 naming previous_response_id: it
 has no conversation yet), nor once it failed or was cancelled; its final Response, failed or cancelled too, is
-kept as it ends.
+kept as it ends. Its id is claimed from its request's check to its run's start (`claim`): a request of the id in
+between is refused as one while it runs; and a response of the id that finishes while it runs is not kept over it.
 
 Bounded by a count (--responses-store-max; 0: nothing kept): the response used least recently (kept, followed
 or read by GET) dropped first, a background one's events with it; one still running is not dropped (the running
