@@ -17,9 +17,18 @@ rounding near ties: a many-row forward rounds as a tail, as after a restore). Th
 was written to the request's own pages past its length and is overwritten by the tokens that follow; the
 tree only ever takes pages below a request's length, so it never sees them.
 
-Who speculates: greedy requests (temperature 0) without anything that reads or changes a step's logits
-(logprobs, penalties, logit_bias, min_tokens, bans, structured outputs): `eligible`. The others decode as
-before, in steps of their own; when both kinds run, the loop alternates a verify step and a decode step.
+A sampled request's rows are drawn as plain steps draw (temperature, min_p, top-k, top-p; the sampler's kernels on
+CUDA), and the same `accept` takes the drafts up to the first row whose draw differs, then that draw. That is
+rejection sampling of a draft with no distribution of its own (vLLM's ngram drafts; Leviathan et al., 2023): with p
+a row's distribution and q all on the draft d, d is accepted with probability min(1, p(d) / q(d)) = p(d), and a
+rejection draws from max(p - q, 0) normalized, p without d: exactly a draw from p that differs from d. So each
+token follows the plain step's distribution, row after row.
+
+Who speculates: greedy requests (temperature 0) and sampled ones without a seed, without anything that reads or
+changes a step's logits (logprobs, penalties, logit_bias, min_tokens, bans, structured outputs): `eligible`. A
+seeded request decodes plainly: whether its step verifies depends on what else runs, and its tokens must not.
+The others decode as before, in steps of their own; when both kinds run, the loop alternates a verify step and
+a decode step.
 A verify step is never chained behind the step in flight (its drafts need that step's tokens on the host);
 a decode step is, unless a draft may come next (`Speculator.verifies`).
 """
@@ -95,9 +104,9 @@ class SpeculativeConfig:
 
 
 def eligible(params) -> bool:
-    """Whether a request's steps may be verified in bulk: greedy, and no step's logits read or changed for it
-    (SamplingParams)."""
-    return (params.temperature == 0.0 and params.logprobs is None and params.presence_penalty == 0.0
+    """Whether a request's steps may be verified in bulk: greedy or sampled without a seed (the module doc), and
+    no step's logits read or changed for it (SamplingParams)."""
+    return ((params.temperature == 0.0 or params.seed is None) and params.logprobs is None and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0 and not params.logit_bias
             and params.min_tokens == 0 and params.allowed_token_ids is None and not params.bad_words_token_ids
             and params.guided is None)
@@ -155,9 +164,9 @@ def verify_rows(num_speculative_tokens: int) -> int:
 
 
 def accept(drafts: Sequence[int], greedy: Sequence[int]) -> list[int]:
-    """The tokens a verify step yields: greedy [len(drafts) + 1] holds the greedy token after the pending
-    token (row 0) and after each draft (row i). The drafts up to the first that differs from the greedy
-    token before it, then the greedy token after the last accepted one."""
+    """The tokens a verify step yields: greedy [len(drafts) + 1] holds the token chosen after the pending
+    token (row 0) and after each draft (row i): greedy, or a sampled request's draw. The drafts up to the first
+    that differs from the token chosen before it, then the token chosen after the last accepted one."""
     n = 0
     while n < len(drafts) and drafts[n] == greedy[n]:
         n += 1
@@ -254,6 +263,20 @@ class Speculator:
                 after_step(req, 1, token, same_step=i > 0)
                 taken += 1
         return taken
+
+
+def sampled_rows(new_lens: list[int], temperatures: list[float], stride: int) -> tuple[list[int], list[int]]:
+    """A verify step's rows of sampled sequences (temperature > 0) in its logits, and the sequence of each:
+    sequence b's new_lens[b] rows start at row b * stride (a verify graph's layout; its padding rows left out)
+    or right after the sequence before (stride 0: packed)."""
+    rows, seqs, row = [], [], 0
+    for b, (n, temperature) in enumerate(zip(new_lens, temperatures)):
+        start = b * stride if stride else row
+        if temperature > 0.0:
+            rows.extend(range(start, start + n))
+            seqs.extend([b] * n)
+        row += n
+    return rows, seqs
 
 
 def rows_of(ids: list[int], new_lens: list[int], stride: int) -> list[list[int]]:

@@ -50,6 +50,10 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=256, help="greedy tokens each request generates")
     p.add_argument("--oracle-drafts", action="store_true", help="also the oracle workload (module doc)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="the requests' and step-cost rows' temperature (default 0: greedy; > 0: drafts accepted by "
+                        "rejection sampling, no seed)")
+    p.add_argument("--top-p", type=float, default=1.0, help="with --temperature (default 1.0: off)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds (step cost: steps) per configuration")
     args = parse_common_args(p, argv)
     args.batches = [int(x) for x in args.batches.split(",")]
@@ -57,9 +61,10 @@ def parse_args(argv=None):
     return args
 
 
-async def step_ms(engine: Engine, prompts: list[list[int]], drafts: int, repeats: int, device: str) -> float:
+async def step_ms(engine: Engine, prompts: list[list[int]], drafts: int, repeats: int, device: str,
+                  temperature: float = 0.0, top_p: float = 1.0) -> float:
     """Median ms of one step over the cached `prompts` (all in L1): a decode step (drafts 0) or a verify step of
-    `drafts` drafts a sequence, launch to tokens on the host."""
+    `drafts` drafts a sequence, launch to tokens on the host; its rows drawn at `temperature`, `top_p` (0: greedy)."""
     binput = BatchInput(is_decode=drafts == 0, verify_drafts=None if drafts == 0 else [])
     for prompt in prompts:
         m = engine.cache.match(prompt)
@@ -69,8 +74,8 @@ async def step_ms(engine: Engine, prompts: list[list[int]], drafts: int, repeats
         binput.prefix_lens.append(pos)
         binput.new_lens.append(drafts + 1)
         binput.page_tables.append(list(m.pages[0]))
-        binput.temperatures.append(0.0)
-        binput.top_ps.append(1.0)
+        binput.temperatures.append(temperature)
+        binput.top_ps.append(top_p)
         binput.generators.append(None)
         if drafts:
             binput.verify_drafts.append(prompt[pos + 1:cached])
@@ -96,10 +101,11 @@ def greedy_margins(engine: Engine, prompt: list[int]) -> dict:
         return {"tied_rows": float((gap == 0).float().mean()), "median_gap_over_std": float((gap / spread).median())}
 
 
-async def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, device: str) -> tuple[float, list]:
+async def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, device: str, temperature: float = 0.0,
+                   top_p: float = 1.0) -> tuple[float, list]:
     sync(device)
     t0 = time.perf_counter()
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, top_p=top_p)
     results = await engine.generate_async(prompts, params)
     sync(device)
     return time.perf_counter() - t0, [r.output_ids for r in results]
@@ -120,9 +126,10 @@ async def main_async(args) -> dict:
     for b in args.batches:
         prompts = [fresh(args.context) for _ in range(b)]
         await engine.generate_async(prompts, SamplingParams(max_tokens=1))  # (into L1)
-        row = {"batch": b, "decode_ms": await step_ms(engine, prompts, 0, args.repeats, args.device)}
+        sampling = (args.temperature, args.top_p)
+        row = {"batch": b, "decode_ms": await step_ms(engine, prompts, 0, args.repeats, args.device, *sampling)}
         for k in [d for d in args.drafts if d <= spec.num_speculative_tokens]:
-            row[f"verify_{k}_ms"] = await step_ms(engine, prompts, k, args.repeats, args.device)
+            row[f"verify_{k}_ms"] = await step_ms(engine, prompts, k, args.repeats, args.device, *sampling)
         steps.append(row)
     margins = greedy_margins(engine, fresh(args.prompt_tokens))
     runs = []
@@ -149,7 +156,8 @@ async def main_async(args) -> dict:
                         speculator.draft = lambda req, k, plain=plain: plain[tuple(req.prompt)][
                             len(req.output):len(req.output) + k]
                     before = dict(speculator.stats)
-                    seconds, outputs[mode] = await generate(engine, prompts, args.max_tokens, args.device)
+                    seconds, outputs[mode] = await generate(engine, prompts, args.max_tokens, args.device,
+                                                            args.temperature, args.top_p)
                     timed[mode].append(seconds)
                     if mode == "on":
                         for key in counts:
@@ -165,7 +173,8 @@ async def main_async(args) -> dict:
     await engine.shutdown()
     return {"model": args.model, "device": args.device, "speculative": vars(spec), "context": args.context,
             "verify_rows": verify_rows(spec.num_speculative_tokens),
-            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "steps": steps, "runs": runs,
+            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "temperature": args.temperature,
+            "top_p": args.top_p, "steps": steps, "runs": runs,
             "greedy_margins": margins,
             "integrity": integrity}
 
@@ -186,7 +195,9 @@ def main(argv=None) -> int:
              fmt(r["tok_s_on"] / r["tok_s_off"], "{:.2f}x"), f"{r['accepted_tokens']} / {r['draft_tokens']}",
              str(r["verify_steps"]), fmt(r["accepted_tokens"] / r["drafts"] + 1 if r["drafts"] else None),
              r["outputs_equal"]] for r in out["runs"]]
-    print(f"greedy decode, {out['max_tokens']} tokens a request after {out['prompt_tokens']} prompt tokens:", file=dest)
+    how = "greedy" if not out["temperature"] else f"temperature {out['temperature']}, top_p {out['top_p']}"
+    print(f"decode ({how}), {out['max_tokens']} tokens a request after {out['prompt_tokens']} prompt tokens:",
+          file=dest)
     print(table(head, body), file=dest)
     m = out["greedy_margins"]
     print(f"greedy margins over a prompt: top-2 logits tied in {m['tied_rows']:.1%} of rows, median gap "

@@ -331,3 +331,17 @@ def test_bench_speculative_times_both_steps_and_decodes_equal_tokens(capsys):
     for r in out["runs"]:
         assert r["outputs_equal"] == f"{r['batch']}/{r['batch']}" and r["tok_s_on"] > 0 and r["tok_s_off"] > 0
     assert sum(r["draft_tokens"] for r in out["runs"]) > 0
+
+
+def test_bench_speculative_sampled_steps_and_decode(capsys):
+    """--temperature: the step-cost rows and the requests are sampled (drafts accepted by rejection sampling): the
+    oracle's drafts (the plain run's sampled tokens) are drafted and only some accepted."""
+    assert load("bench_speculative").main([*CPU, "--batches", "2", "--drafts", "3", "--max-tokens", "12",
+                                           "--prompt-tokens", "48", "--context", "48", "--block-tokens", "12",
+                                           "--prompt-lookup-min", "1", "--oracle-drafts", "--repeats", "1",
+                                           "--temperature", "0.8", "--top-p", "0.9", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["integrity"] == "passed" and (out["temperature"], out["top_p"]) == (0.8, 0.9)
+    assert out["steps"][0]["verify_3_ms"] > 0
+    [oracle] = [r for r in out["runs"] if r["workload"] == "oracle"]
+    assert oracle["verify_steps"] > 0 and 0 <= oracle["accepted_tokens"] < oracle["draft_tokens"]

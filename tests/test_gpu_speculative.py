@@ -43,3 +43,26 @@ def test_speculative_greedy_on_cuda_equals_plain_decode(graphs, k, rows, n, monk
     if graphs:
         assert used.count(True) == stats["verify_steps"]  # every verify step replayed a verify graph
     spec.check_integrity()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_speculative_sampled_on_cuda(graphs):
+    """Unseeded sampled requests verify through the verify graphs (rows at b * R, the sampler's kernels): top_k 1
+    gives the greedy tokens, and greedy requests sharing the step with a sampled one keep theirs."""
+    from scheduler.engine import Engine
+    base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=1024, page_size=16,
+                        cuda_graphs=graphs, max_running_requests=8)
+    prompts = _prompts(5)
+    plain = Engine(base)
+    want = [r.output_ids for r in plain.generate(prompts, SamplingParams(max_tokens=48))]
+    spec = Engine(EngineConfig(**{**base.__dict__, "speculative": SpeculativeConfig(5, 4, 1)}))
+    got = spec.generate(prompts, SamplingParams(max_tokens=48, temperature=0.7, top_k=1))
+    assert [r.output_ids for r in got] == want
+    stats = spec.status()["engine"]["speculative"]
+    assert stats["accepted_tokens"] > 0 and stats["verify_steps"] > 0
+    mixed = [SamplingParams(max_tokens=48, temperature=1.0, top_p=0.9) if i % 2 else SamplingParams(max_tokens=48)
+             for i in range(5)]
+    got = spec.generate(prompts, mixed)
+    assert [got[i].output_ids for i in (0, 2, 4)] == [want[i] for i in (0, 2, 4)]
+    assert all(r.error is None and len(r.output_ids) == 48 for r in got)
+    spec.check_integrity()
