@@ -100,6 +100,7 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         self.continuing = 0
         self._batch_id = 0
         self._overlap_counted_ns = 0  # restore_overlapped_s counts decode time up to here (chained spans overlap)
+        self._step_end_ns = 0  # when the last step's tokens were back (a chained step's time counts from there)
         self.last_batch_seqs = 0  # sequences in the last batch that ended (Restoring.score_outcome)
         self._log_occupancy = OccupancyLog(self.cache.tree.allocators)  # after batches, at stops
         self.stats = {"batches": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,

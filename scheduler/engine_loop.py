@@ -134,6 +134,15 @@ class EngineLoop:
             log.info("batch", batch_id=self._batch_id, kind=kind, num_seqs=len(binput.new_lens),
                      num_tokens=len(binput.input_ids), start_ns=start_ns, end_ns=end_ns)
             self._log_occupancy()
+        policy = self.speculator.policy if self.speculator is not None else None
+        if policy is not None:  # what a verify step costs (launch to tokens: it is never chained) against a decode
+            # step in a chain (from the step before it: the launch hidden); an unchained one costs what a verify
+            # step makes it cost (regression: counted, it made verify steps look cheaper than they are)
+            if binput.verify_drafts is not None:
+                policy.observe_step("verify", len(binput.new_lens), (end_ns - start_ns) / 1e9)
+            elif binput.is_decode and (start_ns < self._step_end_ns or not self.config.overlap_schedule):
+                policy.observe_step("decode", len(binput.new_lens), (end_ns - max(start_ns, self._step_end_ns)) / 1e9)
+        self._step_end_ns = end_ns
         if binput.is_decode:
             self.stats["decode_tokens"] += len(reqs)
             if restoring:  # (a chained step starts before the one before ends: count each instant once)

@@ -343,6 +343,8 @@ class Request:
     error: str | None = None
     guide: object = None         # its grammar's matcher (scheduler/guided.py Guide) when params.guided
     spec_history: object = None  # its tokens for prompt lookup (scheduler/speculative.py TokenHistory) once it speculated
+    # (the drafts its verify steps accepted, averaged; its output length then): scheduler/draft_policy.py
+    spec_accepted: tuple[float, int] | None = None
     generator: object = None     # torch.Generator for seeded sampling
     rng_state: object = None     # the generator's state before an overlapped forward (undone if it is discarded)
     queue: asyncio.Queue | None = None

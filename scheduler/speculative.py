@@ -30,7 +30,9 @@ seeded request decodes plainly: whether its step verifies depends on what else r
 The others decode as before, in steps of their own; when both kinds run, the loop alternates a verify step and
 a decode step.
 A verify step is never chained behind the step in flight (its drafts need that step's tokens on the host);
-a decode step is, unless a draft may come next (`Speculator.verifies`).
+a decode step is, unless a draft may come next (`Speculator.verifies`). Whether drafts are verified at all is
+the cost policy's call (scheduler/draft_policy.py): a step verifies when the drafts its requests are expected to
+have accepted pay for what it costs over a decode step.
 """
 from __future__ import annotations
 
@@ -39,21 +41,26 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from scheduler.draft_policy import DraftPolicy
 from scheduler.request import RequestState
 
 TAIL_ROWS = 16  # a verify step's rows per sequence at most (scheduler/cuda_graphs.py TAIL_ROWS): k <= 15
 METHODS = ("ngram",)
+DRAFT_POLICIES = ("cost", "always")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `--speculative-config` for method "ngram" (prompt lookup). `parse` fills the lookup bounds as vLLM
-    does: both 5 when neither is given, each the other when one is."""
+    does: both 5 when neither is given, each the other when one is. draft_policy (this engine's): "cost" verifies
+    only when the drafts expected to be accepted pay for the step (scheduler/draft_policy.py), "always" whenever a
+    draft is found (vLLM's way)."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     method: str = "ngram"
+    draft_policy: str = "cost"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -66,6 +73,8 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > TAIL_ROWS - 1:
             raise ValueError(f"speculative num_speculative_tokens must be at most {TAIL_ROWS - 1} (a verify step "
                              f"is one tail of at most {TAIL_ROWS} rows), got {self.num_speculative_tokens}")
+        if self.draft_policy not in DRAFT_POLICIES:
+            raise ValueError(f"speculative draft_policy must be one of {list(DRAFT_POLICIES)}, got {self.draft_policy!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
@@ -85,10 +94,11 @@ class SpeculativeConfig:
         if not value:
             return None
         fields = dict(value)
-        unknown = sorted(set(fields) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"})
+        unknown = sorted(set(fields) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                                        "draft_policy"})
         if unknown:
             raise ValueError(f"--speculative-config: unknown or unserved keys {unknown} (method 'ngram' takes "
-                             "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)")
+                             "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, and draft_policy)")
         if "method" not in fields:
             raise ValueError("--speculative-config needs a method (this engine serves 'ngram')")
         if fields["method"] == "[ngram]":  # (vLLM's older spelling)
@@ -181,10 +191,12 @@ class Speculator:
         self.engine, self.config = engine, config
         self.max_seqs = max_seqs  # most sequences a verify step takes (the verify graphs'; more: plain decode)
         self._others_turn = False  # both kinds running: the next decode step is the others'
+        self.policy = DraftPolicy() if config.draft_policy == "cost" else None
         # vLLM's spec_decode counters: drafts (a request's drafts in one step), their tokens, those accepted, and
         # per draft position those accepted
+        # (and this engine's: steps with drafts that the cost policy decoded plainly)
         self.stats = {"verify_steps": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                      "accepted_per_pos": [0] * config.num_speculative_tokens}
+                      "accepted_per_pos": [0] * config.num_speculative_tokens, "declined_steps": 0}
 
     def ends_chain(self, running: list, chained: list) -> bool:
         """Whether a decode chain of `chained` must end here: a decoding request it leaves out (an eligible one,
@@ -205,15 +217,17 @@ class Speculator:
         if not 0 < len(spec) <= self.max_seqs:
             return False
         before = self.config.prompt_lookup_min - 1
-        if before == 0:
-            return True  # (a 1-gram: any token may have occurred before)
+        may = []  # those that may have a draft (a 1-gram: any token may have occurred before)
         for req in spec:
             if req.spec_history is None:
                 req.spec_history = TokenHistory()
             req.spec_history.sync(req.prompt, req.output)
-            if req.spec_history.propose(1, before, before):
-                return True
-        return False
+            if before == 0 or req.spec_history.propose(1, before, before):
+                may.append(req)
+        if not may or self.policy is None:
+            return bool(may)
+        k = self.config.num_speculative_tokens  # (the most they could accept: a step pays at best this)
+        return self.policy.pays(len(spec), sum(self.policy.expected(r, k) for r in may))
 
     def split(self, reqs: list) -> tuple[list, list[tuple[object, list[int]]] | None]:
         """reqs: the decoding requests -> (those for a plain decode step, None), or ([], the eligible
@@ -232,6 +246,10 @@ class Speculator:
             k = min(self.config.num_speculative_tokens, room)
             drafted.append((req, self.draft(req, k) if k > 0 else []))
         if not any(d for _, d in drafted):
+            return reqs, None
+        if self.policy is not None and not self.policy.pays(len(drafted), sum(
+                self.policy.expected(r, len(d)) for r, d in drafted if d)):
+            self.stats["declined_steps"] += 1
             return reqs, None
         self._others_turn = bool(others)
         return [], drafted
@@ -252,6 +270,8 @@ class Speculator:
         for req, draft, rows in zip(reqs, drafts, greedy):
             tokens = accept(draft, rows)
             if draft:
+                if self.policy is not None:
+                    self.policy.observe_request(req, len(tokens) - 1)
                 stats["drafts"] += 1
                 stats["draft_tokens"] += len(draft)
                 stats["accepted_tokens"] += len(tokens) - 1

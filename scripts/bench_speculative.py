@@ -49,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--block-tokens", type=int, default=64, help="the repeat workload's block")
     p.add_argument("--max-tokens", type=int, default=256, help="greedy tokens each request generates")
     p.add_argument("--oracle-drafts", action="store_true", help="also the oracle workload (module doc)")
+    p.add_argument("--draft-policy", default="cost", choices=["cost", "always"],
+                   help="verify when the drafts expected to be accepted pay for the step (default), or whenever one is found")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--temperature", type=float, default=0.0,
                    help="the requests' and step-cost rows' temperature (default 0: greedy; > 0: drafts accepted by "
@@ -113,7 +115,8 @@ async def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, de
 
 async def main_async(args) -> dict:
     cuda = args.device == "cuda"
-    spec = SpeculativeConfig(args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min)
+    spec = SpeculativeConfig(args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min,
+                             draft_policy=args.draft_policy)
     engine = Engine(EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=16 if cuda else 4,
                                  num_pages=8192 if cuda else 2048, max_running_requests=max(args.batches),
                                  dtype=args.dtype,
@@ -138,7 +141,7 @@ async def main_async(args) -> dict:
     for workload in ("random", "repeat") + (("oracle",) if args.oracle_drafts else ()):
         for b in args.batches:
             timed = {"on": [], "off": []}
-            counts = dict.fromkeys(("accepted_tokens", "draft_tokens", "drafts", "verify_steps"), 0)
+            counts = dict.fromkeys(("accepted_tokens", "draft_tokens", "drafts", "verify_steps", "declined_steps"), 0)
             equal = total = 0
             for rnd in range(args.repeats):
                 if workload != "repeat":
@@ -190,12 +193,13 @@ def main(argv=None) -> int:
     print(table(head, [[str(r["batch"]), fmt(r["decode_ms"])] + [f"{fmt(r[k])} ({r[k] / r['decode_ms']:.2f}x)"
                                                                  for k in keys] for r in out["steps"]]), file=dest)
     head = ["workload", "batch", "tok/s off", "tok/s on", "speedup", "accepted / drafted", "verify steps",
-            "tokens a draft", "outputs equal"]
+            "declined", "tokens a draft", "outputs equal"]
     body = [[r["workload"], str(r["batch"]), fmt(r["tok_s_off"], "{:.1f}"), fmt(r["tok_s_on"], "{:.1f}"),
              fmt(r["tok_s_on"] / r["tok_s_off"], "{:.2f}x"), f"{r['accepted_tokens']} / {r['draft_tokens']}",
-             str(r["verify_steps"]), fmt(r["accepted_tokens"] / r["drafts"] + 1 if r["drafts"] else None),
+             str(r["verify_steps"]), str(r["declined_steps"]), fmt(r["accepted_tokens"] / r["drafts"] + 1 if r["drafts"] else None),
              r["outputs_equal"]] for r in out["runs"]]
-    how = "greedy" if not out["temperature"] else f"temperature {out['temperature']}, top_p {out['top_p']}"
+    how = ("greedy" if not out["temperature"] else f"temperature {out['temperature']}, top_p {out['top_p']}") + \
+        f", draft_policy {out['speculative']['draft_policy']}"
     print(f"decode ({how}), {out['max_tokens']} tokens a request after {out['prompt_tokens']} prompt tokens:",
           file=dest)
     print(table(head, body), file=dest)

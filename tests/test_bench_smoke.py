@@ -317,7 +317,7 @@ def test_bench_speculative_times_both_steps_and_decodes_equal_tokens(capsys):
     assert load("bench_speculative").main([*CPU, "--batches", "1,2", "--drafts", "1,3", "--max-tokens", "16",
                                            "--prompt-tokens", "48", "--context", "48", "--block-tokens", "12",
                                            "--prompt-lookup-min", "1", "--oracle-drafts", "--repeats", "1",
-                                           "--json"]) == 0
+                                           "--draft-policy", "always", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["integrity"] == "passed"
     assert [s["batch"] for s in out["steps"]] == [1, 2]
@@ -339,7 +339,8 @@ def test_bench_speculative_sampled_steps_and_decode(capsys):
     assert load("bench_speculative").main([*CPU, "--batches", "2", "--drafts", "3", "--max-tokens", "12",
                                            "--prompt-tokens", "48", "--context", "48", "--block-tokens", "12",
                                            "--prompt-lookup-min", "1", "--oracle-drafts", "--repeats", "1",
-                                           "--temperature", "0.8", "--top-p", "0.9", "--json"]) == 0
+                                           "--temperature", "0.8", "--top-p", "0.9", "--draft-policy", "always",
+                                           "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["integrity"] == "passed" and (out["temperature"], out["top_p"]) == (0.8, 0.9)
     assert out["steps"][0]["verify_3_ms"] > 0

@@ -30,7 +30,7 @@ def test_speculative_greedy_on_cuda_equals_plain_decode(graphs, k, rows, n, monk
     params = SamplingParams(max_tokens=48)
     plain = Engine(base)
     want = [r.output_ids for r in plain.generate(_prompts(n), params)]
-    spec = Engine(EngineConfig(**{**base.__dict__, "speculative": SpeculativeConfig(k, 4, 1)}))
+    spec = Engine(EngineConfig(**{**base.__dict__, "speculative": SpeculativeConfig(k, 4, 1, draft_policy="always")}))
     if graphs:  # (verify graphs of k + 1 rows a sequence, rounded up to a power of two)
         assert spec.runner.graphs.verify_max_seqs == 8 and spec.runner.graphs.verify_rows == rows
         used = []
@@ -55,7 +55,7 @@ def test_speculative_sampled_on_cuda(graphs):
     prompts = _prompts(5)
     plain = Engine(base)
     want = [r.output_ids for r in plain.generate(prompts, SamplingParams(max_tokens=48))]
-    spec = Engine(EngineConfig(**{**base.__dict__, "speculative": SpeculativeConfig(5, 4, 1)}))
+    spec = Engine(EngineConfig(**{**base.__dict__, "speculative": SpeculativeConfig(5, 4, 1, draft_policy="always")}))
     got = spec.generate(prompts, SamplingParams(max_tokens=48, temperature=0.7, top_k=1))
     assert [r.output_ids for r in got] == want
     stats = spec.status()["engine"]["speculative"]

@@ -22,7 +22,7 @@ from scheduler.engine import Engine
 from scheduler.request import SamplingParams
 from scheduler.speculative import SpeculativeConfig, Speculator, TokenHistory, accept
 
-SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2)
+SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2, draft_policy="always")
 VOCAB = 512
 
 
@@ -294,9 +294,10 @@ def test_each_prompt_alone_equals_its_plain_output(plain, spec, prompts, kind):
     spec.check_integrity()
 
 
-@pytest.mark.parametrize("cfg", [SpeculativeConfig(1, prompt_lookup_max=1, prompt_lookup_min=1),
-                                 SpeculativeConfig(15, prompt_lookup_max=1, prompt_lookup_min=1),
-                                 SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 7})])
+@pytest.mark.parametrize("cfg", [SpeculativeConfig(1, prompt_lookup_max=1, prompt_lookup_min=1, draft_policy="always"),
+                                 SpeculativeConfig(15, prompt_lookup_max=1, prompt_lookup_min=1, draft_policy="always"),
+                                 SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 7,
+                                                          "draft_policy": "always"})])
 def test_other_configs_give_the_same_outputs(plain, prompts, cfg):
     batch = [p for group in prompts for p in group]
     params = SamplingParams(max_tokens=20)

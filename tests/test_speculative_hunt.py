@@ -166,10 +166,10 @@ def test_decode_steps_chain_while_no_draft_can_come_and_stop_when_one_can(loopin
     fresh = [[rng.randrange(VOCAB) for _ in range(30)] for _ in range(3)]
     params = SamplingParams(max_tokens=24)
     plain = [r.output_ids for r in make_engine().generate(fresh, params)]
-    strict = make_engine(SpeculativeConfig(4, prompt_lookup_max=4, prompt_lookup_min=4))
+    strict = make_engine(SpeculativeConfig(4, prompt_lookup_max=4, prompt_lookup_min=4, draft_policy="always"))
     assert [r.output_ids for r in strict.generate(fresh, params)] == plain
     assert strict.stats["chained_steps"] > 0
-    ones = make_engine(SpeculativeConfig(4, prompt_lookup_max=4, prompt_lookup_min=1))
+    ones = make_engine(SpeculativeConfig(4, prompt_lookup_max=4, prompt_lookup_min=1, draft_policy="always"))
     assert [r.output_ids for r in ones.generate(fresh, params)] == plain
     assert ones.stats["chained_steps"] == 0
     # an answer that loops still speculates under the strict lookup, chained between its verify steps
@@ -185,7 +185,7 @@ def test_a_greedy_request_is_not_left_out_of_the_plain_steps_chained_after_its_v
     from scheduler.speculative import Speculator
     rng = random.Random(11)
     greedy_prompt, sampled_prompt = ([rng.randrange(VOCAB) for _ in range(30)] for _ in range(2))
-    eng = make_engine(SpeculativeConfig(4, prompt_lookup_max=4, prompt_lookup_min=4))
+    eng = make_engine(SpeculativeConfig(4, prompt_lookup_max=4, prompt_lookup_min=4, draft_policy="always"))
     drafted = []
 
     def draft_once(self, req, k):  # one (wrong) draft for the greedy request once both decode, none after

@@ -188,7 +188,8 @@ def test_the_serve_cli_builds_a_speculating_engine(monkeypatch):
     built = []  # (serve.main stops where uvicorn would start)
     monkeypatch.setattr(serve, "_Server", lambda config, on_exit: built.append(config.app) or SimpleNamespace(
         run=lambda: None))
-    flag = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+    flag = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
+                       "draft_policy": "always"})
     assert serve.main(["--model", "tiny", "--device", "cpu", "--speculative-config", flag, "--enable-hicache",
                        "--scheduling-policy", "priority"]) == 0
     eng = built[0].state.hc.engine
@@ -293,7 +294,7 @@ def test_the_replay_with_speculation_equals_the_replay_without(monkeypatch, tmp_
     args = ["--trace", str(trace), "--concurrency", "1", "--time-scale", "0", "--block-tokens", "32",
             "--max-input-tokens", "128", "--max-output-tokens", "40", "--l1-tokens", "256", "--l2-tokens", "512",
             "--l3-tokens", "4096", "--hicache-policy", "always", "--no-progress"]
-    lookup = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    lookup = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "draft_policy": "always"})
     with_spec = run_cli([*args, "--speculative-config", lookup, "--compare-no-cache"])
     assert sum(verified) > 0  # (drafts accepted)
     assert with_spec["config"]["engine"]["speculative"]["num_speculative_tokens"] == 3

@@ -1,0 +1,147 @@
+"""Speculative decoding's cost policy (scheduler/draft_policy.py, `"draft_policy": "cost"`): the estimates on their
+own, then the tiny CPU engine with the step cost ratio pinned (no timing decides a test): drafts that are always
+rejected stop being verified, and their steps chain again, after two tries and then about one in 1 / (1 - RECOVERY)
+tokens; drafts that are accepted keep every verify step; the outputs are plain decoding's either way."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from scheduler import draft_policy
+from scheduler.draft_policy import DraftPolicy, prior_rho
+from scheduler.request import SamplingParams
+from scheduler.speculative import SpeculativeConfig, Speculator
+from test_speculative import VOCAB, make_engine, spec_stats
+
+
+def request(output_tokens: int = 0):
+    return SimpleNamespace(output=[0] * output_tokens, spec_accepted=None)
+
+
+# -- the estimates ------------------------------------------------------------------------------------------
+def test_a_new_request_expects_the_prior_capped_by_its_draft():
+    pol, req = DraftPolicy(), request()
+    assert pol.expected(req) == draft_policy.PRIOR_ACCEPTED
+    assert pol.expected(req, 0) == 0.0 and pol.expected(req, 5) == draft_policy.PRIOR_ACCEPTED
+
+
+def test_observations_average_and_drift_back_to_the_prior():
+    pol, req = DraftPolicy(), request(10)
+    pol.observe_request(req, 0)  # prior 1 -> 0.5, recorded at 10 + 0 + 1 tokens
+    assert req.spec_accepted == (pytest.approx(0.5), 11)
+    req.output += [0]  # (its step's token taken)
+    assert pol.expected(req) == pytest.approx(0.5)
+    pol.observe_request(req, 0)
+    assert pol.expected(request(12)) == 1.0 and req.spec_accepted[0] == pytest.approx(0.25)
+    req.output += [0] * 101  # its step's token, then 100 without a verify step: 99 % of the distance left each
+    assert pol.expected(req) == pytest.approx(1.0 - 0.75 * draft_policy.RECOVERY ** 100)
+    pol.observe_request(req, 4)
+    assert pol.expected(req) > 1.0  # (accepted drafts lift it above the prior)
+
+
+def test_rho_is_the_prior_until_both_steps_were_timed_then_their_ratio_clamped():
+    pol = DraftPolicy()
+    assert pol.rho(4) == prior_rho(4) == pytest.approx(1.144)
+    pol.observe_step("verify", 4, 0.012)
+    assert pol.rho(4) == prior_rho(4)
+    pol.observe_step("decode", 4, 0.010)
+    assert pol.rho(4) == pytest.approx(1.2) and pol.rho(8) == prior_rho(8)
+    pol.observe_step("decode", 4, 0.020)  # averaged: 0.8 * 0.010 + 0.2 * 0.020
+    assert pol.step_s[("decode", 4)] == pytest.approx(0.012) and pol.rho(4) == pytest.approx(1.0)
+    pol.observe_step("verify", 2, 1.0)
+    pol.observe_step("decode", 2, 0.001)
+    assert pol.rho(2) == draft_policy.MAX_RHO  # (a new request's first verify step still runs)
+    pol.observe_step("verify", 1, 0.001)
+    pol.observe_step("decode", 1, 0.002)
+    assert pol.rho(1) == 1.0
+
+
+@pytest.mark.parametrize("seqs, accepted, rho, want", [(1, 0.02, 1.02, True), (1, 0.01, 1.02, False),
+                                                        (8, 2.4, 1.3, True), (8, 2.3, 1.3, False)])
+def test_pays(seqs, accepted, rho, want, monkeypatch):
+    monkeypatch.setattr(DraftPolicy, "rho", lambda self, n: rho)
+    assert DraftPolicy().pays(seqs, accepted) is want
+
+
+def test_the_config_takes_the_policy_and_refuses_another():
+    assert SpeculativeConfig(3).draft_policy == "cost"
+    assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "draft_policy": "always"}) \
+        == SpeculativeConfig(3, draft_policy="always")
+    with pytest.raises(ValueError, match="draft_policy must be one of"):
+        SpeculativeConfig(3, draft_policy="never")
+
+
+# -- the engine ---------------------------------------------------------------------------------------------
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def plain_outputs():
+    rng = random.Random(11)
+    prompts = [[rng.randrange(VOCAB) for _ in range(24)] for _ in range(2)]
+    eng = make_engine()
+    return prompts, [r.output_ids for r in eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))]
+
+
+def run(policy: str, prompts, outputs, wrong: bool, monkeypatch) -> tuple[dict, list, int]:
+    """Generate with drafts taken from the plain run's outputs (wrong: each token + 1, never accepted) and the
+    step cost ratio pinned at 1.3 -> (the speculative counters, the outputs, the chained steps)."""
+    monkeypatch.setattr(DraftPolicy, "rho", lambda self, seqs: 1.3)
+    plain = {tuple(p): o for p, o in zip(prompts, outputs)}
+
+    def draft(self, req, k):
+        nxt = plain[tuple(req.prompt)][len(req.output):len(req.output) + k]
+        return [(t + 1) % VOCAB for t in nxt] if wrong else nxt
+    monkeypatch.setattr(Speculator, "draft", draft)
+    # (lookup bounds of 1: `verifies` finds a possible draft at every step, so only the policy lets steps chain)
+    eng = make_engine(SpeculativeConfig(4, prompt_lookup_max=1, prompt_lookup_min=1, draft_policy=policy))
+    got = [r.output_ids for r in eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))]
+    eng.check_integrity()
+    return spec_stats(eng), got, eng.stats["chained_steps"]
+
+
+def test_rejected_drafts_stop_being_verified_and_their_steps_chain(plain_outputs, monkeypatch):
+    prompts, outputs = plain_outputs
+    always, got_always, chained_always = run("always", prompts, outputs, True, monkeypatch)
+    cost, got_cost, chained_cost = run("cost", prompts, outputs, True, monkeypatch)
+    assert got_always == got_cost == outputs
+    assert always["accepted_tokens"] == cost["accepted_tokens"] == 0
+    assert always["verify_steps"] >= MAX_TOKENS - 2 and always["declined_steps"] == 0 and chained_always == 0
+    # two tries from the prior (1 -> 0.5 -> 0.25 expected, below 0.3 a sequence), then one in ~20 tokens
+    assert 2 <= cost["verify_steps"] <= 8, cost
+    assert chained_cost >= MAX_TOKENS // 2, chained_cost
+
+
+def test_accepted_drafts_keep_every_verify_step(plain_outputs, monkeypatch):
+    prompts, outputs = plain_outputs
+    always, got_always, _ = run("always", prompts, outputs, False, monkeypatch)
+    cost, got_cost, _ = run("cost", prompts, outputs, False, monkeypatch)
+    assert got_always == got_cost == outputs
+    assert cost["declined_steps"] == 0 and cost["verify_steps"] == always["verify_steps"] > 0
+    assert cost["accepted_tokens"] == cost["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_step_costs_are_verify_steps_and_chained_decode_steps(plain_outputs, monkeypatch, overlap):
+    """rho's samples: every verify step, and the decode steps chained behind another (an unchained one pays the
+    launch a verify step made it pay: regression, counting it made verify steps look cheap); every decode step
+    without overlap scheduling."""
+    prompts, outputs = plain_outputs
+    seen = []
+    monkeypatch.setattr(DraftPolicy, "observe_step", lambda self, kind, seqs, s: seen.append((kind, seqs, s)))
+    monkeypatch.setattr(DraftPolicy, "rho", lambda self, seqs: 1.3)
+    plain = {tuple(p): o for p, o in zip(prompts, outputs)}
+    monkeypatch.setattr(Speculator, "draft", lambda self, req, k: [
+        (t + 1) % VOCAB for t in plain[tuple(req.prompt)][len(req.output):len(req.output) + k]])
+    eng = make_engine(SpeculativeConfig(4, prompt_lookup_max=1, prompt_lookup_min=1), overlap_schedule=overlap)
+    eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    stats = spec_stats(eng)
+    assert sum(k == "verify" for k, _, _ in seen) == stats["verify_steps"] > 0
+    decode = sum(k == "decode" for k, _, _ in seen)
+    if overlap:
+        assert decode == eng.stats["chained_steps"] > 0
+    else:
+        assert eng.stats["chained_steps"] == 0 and decode == eng.stats["batches"] - stats["verify_steps"] - 1 > 0  # (one prefill)
+    assert all(s > 0 and n == 2 for _, n, s in seen)
