@@ -12,9 +12,14 @@ decode's tokens a second at batch 1 / 4 / 8 (session 48) without this policy.
   steps accepted, from PRIOR_ACCEPTED. Between its verify steps it drifts back towards the prior by RECOVERY a
   token generated, so a request whose drafts stopped paying is tried again after some tokens, at a cost bounded
   by how seldom that is.
-- rho(B): the loop's measured step times by B (`observe_step`: exponential averages of a verify step's and a
-  decode step's seconds; a chained decode step counts from the end of the one before it), or PRIOR_RHO until
-  both were measured at that B.
+- rho(B): the loop's measured step times by B (`observe_step`), or `prior_rho` until both were measured at that B.
+  A decode step costs what one chained behind another takes (from the end of the one before it: its launch and
+  host work hidden), or, while none was chained at B (a verify step may come at every step, so none is), what an
+  unchained one takes from its launch. A verify step costs what it adds to a stream of decode steps: from the end of
+  the step before it (its drafting and launch are not hidden: it is never chained) to its end, plus what the decode
+  step after it takes beyond a decode step's cost (that step cannot be chained behind it either). On the H200 at
+  batch 4 the graph of a verify step takes 1.2 x a decode step's and the whole of it ~1.5 x: priced at the first,
+  drafts accepted 0.56 a step were verified at 0.84 x the plain tokens a second (docs/benchmarks.md, session 48).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ PRIOR_ACCEPTED = 1.0   # drafts a verify step is expected to accept for a reques
 KEEP = 0.5             # an average's weight on what it held, at each new sample of a request's accepted drafts
 RECOVERY = 0.99        # a request's distance to the prior left after each token it generates without verifying
 STEP_KEEP = 0.8        # a step time average's weight on what it held
+OUTLIER = 1.5          # a step time sample counts as at most this many times its average
 MAX_RHO = 1.0 + PRIOR_ACCEPTED  # (a measured ratio above it is taken as it: a request's first verify step still runs)
 
 
@@ -34,7 +40,9 @@ class DraftPolicy:
     """The expected gain of a verify step against its cost; see the module doc."""
 
     def __init__(self) -> None:
-        self.step_s: dict[tuple[str, int], float] = {}  # ("verify" | "decode", sequences) -> average seconds
+        # ("verify" | "decode" | "decode_alone", sequences) -> average seconds (decode_alone: unchained ones)
+        self.step_s: dict[tuple[str, int], float] = {}
+        self._open: tuple[int, float] | None = None  # the last verify step (sequences, seconds), until the next step
 
     @staticmethod
     def expected(req, drafts: int | None = None) -> float:
@@ -52,17 +60,39 @@ class DraftPolicy:
         the length they and the token after them give it)."""
         req.spec_accepted = (KEEP * self.expected(req) + (1.0 - KEEP) * accepted, len(req.output) + accepted + 1)
 
-    def observe_step(self, kind: str, seqs: int, seconds: float) -> None:
-        key = (kind, seqs)
+    def observe_step(self, kind: str, seqs: int, seconds: float, launched_s: float, chained: bool) -> None:
+        """A decode or verify step of `seqs` sequences ended `seconds` after the step before it and `launched_s`
+        after its launch; chained: a decode step at its ordinary cost (enqueued behind the one before it, or every
+        step without overlap scheduling)."""
+        if kind == "decode":
+            self._average(("decode", seqs) if chained else ("decode_alone", seqs), seconds if chained else launched_s)
+        if self._open is not None:  # the step after a verify step: what it took beyond a decode step is the verify's
+            verify_seqs, verify_s = self._open
+            self._open = None
+            usual = self._decode_s(seqs)
+            extra = max(0.0, seconds - usual) if kind == "decode" and not chained and usual is not None else 0.0
+            self._average(("verify", verify_seqs), verify_s + extra)
+        if kind == "verify":
+            self._open = (seqs, seconds)
+
+    def _decode_s(self, seqs: int) -> float | None:
+        chained = self.step_s.get(("decode", seqs))
+        return chained if chained is not None else self.step_s.get(("decode_alone", seqs))
+
+    def _average(self, key: tuple[str, int], seconds: float) -> None:
+        """A sample into its average, at most OUTLIER times the average: one step stalled by the host (a
+        collection, a slow wakeup) must not move it far. (Regression: one such decode sample, where a workload
+        chained few, put rho at 1 for a whole run, and drafts that no step accepted were verified at every step.)"""
         old = self.step_s.get(key)
-        self.step_s[key] = seconds if old is None else STEP_KEEP * old + (1.0 - STEP_KEEP) * seconds
+        self.step_s[key] = seconds if old is None else STEP_KEEP * old + (1.0 - STEP_KEEP) * min(seconds, OUTLIER * old)
 
     def rho(self, seqs: int) -> float:
-        verify, decode = self.step_s.get(("verify", seqs)), self.step_s.get(("decode", seqs))
+        verify, decode = self.step_s.get(("verify", seqs)), self._decode_s(seqs)
         if verify is None or decode is None or decode <= 0.0:
             return prior_rho(seqs)
         return min(MAX_RHO, max(1.0, verify / decode))
 
     def pays(self, seqs: int, expected_accepted: float) -> bool:
-        """Whether a verify step of `seqs` sequences expected to accept that many drafts in all beats decode steps."""
-        return seqs + expected_accepted >= seqs * self.rho(seqs)
+        """Whether a verify step of `seqs` sequences expected to accept that many drafts in all beats decode steps
+        (strictly: nothing expected never pays, whatever rho)."""
+        return seqs + expected_accepted > seqs * self.rho(seqs)

@@ -135,13 +135,11 @@ class EngineLoop:
                      num_tokens=len(binput.input_ids), start_ns=start_ns, end_ns=end_ns)
             self._log_occupancy()
         policy = self.speculator.policy if self.speculator is not None else None
-        if policy is not None:  # what a verify step costs (launch to tokens: it is never chained) against a decode
-            # step in a chain (from the step before it: the launch hidden); an unchained one costs what a verify
-            # step makes it cost (regression: counted, it made verify steps look cheaper than they are)
-            if binput.verify_drafts is not None:
-                policy.observe_step("verify", len(binput.new_lens), (end_ns - start_ns) / 1e9)
-            elif binput.is_decode and (start_ns < self._step_end_ns or not self.config.overlap_schedule):
-                policy.observe_step("decode", len(binput.new_lens), (end_ns - max(start_ns, self._step_end_ns)) / 1e9)
+        if policy is not None and (binput.is_decode or binput.verify_drafts is not None):  # step costs, from the
+            # end of the step before (scheduler/draft_policy.py)
+            policy.observe_step("decode" if binput.is_decode else "verify", len(binput.new_lens),
+                                (end_ns - self._step_end_ns) / 1e9, (end_ns - start_ns) / 1e9,
+                                chained=start_ns < self._step_end_ns or not self.config.overlap_schedule)
         self._step_end_ns = end_ns
         if binput.is_decode:
             self.stats["decode_tokens"] += len(reqs)

@@ -44,22 +44,59 @@ def test_observations_average_and_drift_back_to_the_prior():
 def test_rho_is_the_prior_until_both_steps_were_timed_then_their_ratio_clamped():
     pol = DraftPolicy()
     assert pol.rho(4) == prior_rho(4) == pytest.approx(1.144)
-    pol.observe_step("verify", 4, 0.012)
-    assert pol.rho(4) == prior_rho(4)
-    pol.observe_step("decode", 4, 0.010)
+    pol.observe_step("decode", 4, 0.010, 0.010, chained=True)
+    pol.observe_step("verify", 4, 0.012, 0.012, chained=False)
+    assert pol.rho(4) == prior_rho(4)  # (a verify step's cost is known after the step that follows it)
+    pol.observe_step("decode", 4, 0.010, 0.010, chained=True)  # chained behind it: no extra
     assert pol.rho(4) == pytest.approx(1.2) and pol.rho(8) == prior_rho(8)
-    pol.observe_step("decode", 4, 0.020)  # averaged: 0.8 * 0.010 + 0.2 * 0.020
-    assert pol.step_s[("decode", 4)] == pytest.approx(0.012) and pol.rho(4) == pytest.approx(1.0)
-    pol.observe_step("verify", 2, 1.0)
-    pol.observe_step("decode", 2, 0.001)
+    pol.observe_step("decode", 4, 0.015, 0.015, chained=True)  # averaged: 0.8 * 0.010 + 0.2 * 0.015
+    assert pol.step_s[("decode", 4)] == pytest.approx(0.011) and pol.rho(4) == pytest.approx(0.012 / 0.011)
+    pol.observe_step("decode", 2, 0.001, 0.001, chained=True)
+    pol.observe_step("verify", 2, 1.0, 1.0, chained=False)
+    pol.observe_step("verify", 2, 1.0, 1.0, chained=False)  # (a verify step after a verify step closes the first alone)
     assert pol.rho(2) == draft_policy.MAX_RHO  # (a new request's first verify step still runs)
-    pol.observe_step("verify", 1, 0.001)
-    pol.observe_step("decode", 1, 0.002)
+    pol.observe_step("decode", 1, 0.002, 0.002, chained=True)
+    pol.observe_step("verify", 1, 0.001, 0.001, chained=False)
+    pol.observe_step("decode", 1, 0.002, 0.002, chained=True)
     assert pol.rho(1) == 1.0
 
 
-@pytest.mark.parametrize("seqs, accepted, rho, want", [(1, 0.02, 1.02, True), (1, 0.01, 1.02, False),
-                                                        (8, 2.4, 1.3, True), (8, 2.3, 1.3, False)])
+def test_a_stalled_step_moves_an_average_by_at_most_its_outlier_share():
+    """(Regression: on the H200 one stalled decode sample, where a workload chained few decode steps, held rho at 1
+    for the rest of a run, and drafts that no step accepted were verified at every step: 0.84 x.)"""
+    pol = DraftPolicy()
+    pol.observe_step("decode", 4, 0.005, 0.005, chained=True)
+    pol.observe_step("decode", 4, 0.100, 0.100, chained=True)  # a step the host stalled
+    assert pol.step_s[("decode", 4)] == pytest.approx(0.8 * 0.005 + 0.2 * draft_policy.OUTLIER * 0.005)
+
+
+def test_a_verify_step_costs_what_the_unchained_decode_step_after_it_adds():
+    """(Regression: timed from its launch alone, a verify step at batch 4 looked 1.2 x a decode step on the H200
+    where it cost ~1.5 x, and a policy that thought so verified drafts at 0.84 x the plain tokens a second.)"""
+    pol = DraftPolicy()
+    pol.observe_step("decode", 4, 0.005, 0.005, chained=True)
+    pol.observe_step("verify", 4, 0.006, 0.0055, chained=False)  # from the end of the step before: its drafting too
+    pol.observe_step("decode", 4, 0.0065, 0.0055, chained=False)  # not chained behind it: 1.5 ms beyond a chained one
+    assert pol.step_s[("verify", 4)] == pytest.approx(0.0075) and pol.rho(4) == pytest.approx(1.5)
+    assert pol.step_s[("decode", 4)] == pytest.approx(0.005)  # (an unchained decode step is not a chained one's cost)
+
+
+def test_without_a_chained_decode_step_an_unchained_ones_launch_to_end_is_the_decode_cost():
+    """(Regression: on the H200 at batch 4 a verify step could come at every step, so no decode step was chained and
+    rho stayed the prior, 1.14, where a verify step cost ~1.5 x: drafts were verified at 0.84 x.)"""
+    pol = DraftPolicy()
+    pol.observe_step("decode", 4, 0.0060, 0.0050, chained=False)  # 1 ms of host work before its launch
+    pol.observe_step("verify", 4, 0.0070, 0.0060, chained=False)
+    pol.observe_step("decode", 4, 0.0060, 0.0050, chained=False)
+    assert pol.step_s[("decode_alone", 4)] == pytest.approx(0.005)
+    assert pol.step_s[("verify", 4)] == pytest.approx(0.008) and pol.rho(4) == pytest.approx(1.6)
+    pol.observe_step("decode", 4, 0.004, 0.009, chained=True)  # a chained one, once there is one, is the cost
+    assert pol.rho(4) == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("seqs, accepted, rho, want", [(1, 0.03, 1.02, True), (1, 0.01, 1.02, False),
+                                                        (8, 2.5, 1.3, True), (8, 2.3, 1.3, False),
+                                                        (4, 0.0, 1.0, False), (4, 0.01, 1.0, True)])
 def test_pays(seqs, accepted, rho, want, monkeypatch):
     monkeypatch.setattr(DraftPolicy, "rho", lambda self, n: rho)
     assert DraftPolicy().pays(seqs, accepted) is want
@@ -124,13 +161,13 @@ def test_accepted_drafts_keep_every_verify_step(plain_outputs, monkeypatch):
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_step_costs_are_verify_steps_and_chained_decode_steps(plain_outputs, monkeypatch, overlap):
-    """rho's samples: every verify step, and the decode steps chained behind another (an unchained one pays the
-    launch a verify step made it pay: regression, counting it made verify steps look cheap); every decode step
-    without overlap scheduling."""
+def test_the_loop_reports_every_step_and_whether_it_was_chained(plain_outputs, monkeypatch, overlap):
+    """rho's samples: every decode and verify step, each flagged chained when it ran at a decode step's ordinary
+    cost (enqueued behind the one before it; every decode step without overlap scheduling)."""
     prompts, outputs = plain_outputs
     seen = []
-    monkeypatch.setattr(DraftPolicy, "observe_step", lambda self, kind, seqs, s: seen.append((kind, seqs, s)))
+    monkeypatch.setattr(DraftPolicy, "observe_step",
+                        lambda self, kind, seqs, s, launched_s, chained: seen.append((kind, seqs, s, chained)))
     monkeypatch.setattr(DraftPolicy, "rho", lambda self, seqs: 1.3)
     plain = {tuple(p): o for p, o in zip(prompts, outputs)}
     monkeypatch.setattr(Speculator, "draft", lambda self, req, k: [
@@ -138,10 +175,12 @@ def test_step_costs_are_verify_steps_and_chained_decode_steps(plain_outputs, mon
     eng = make_engine(SpeculativeConfig(4, prompt_lookup_max=1, prompt_lookup_min=1), overlap_schedule=overlap)
     eng.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
     stats = spec_stats(eng)
-    assert sum(k == "verify" for k, _, _ in seen) == stats["verify_steps"] > 0
-    decode = sum(k == "decode" for k, _, _ in seen)
+    assert sum(k == "verify" for k, _, _, _ in seen) == stats["verify_steps"] > 0
+    assert sum(k == "decode" for k, _, _, _ in seen) == eng.stats["batches"] - stats["verify_steps"] - 1  # (a prefill)
+    chained = sum(k == "decode" and c for k, _, _, c in seen)
     if overlap:
-        assert decode == eng.stats["chained_steps"] > 0
+        assert chained == eng.stats["chained_steps"] > 0
+        assert not any(c for k, _, _, c in seen if k == "verify")
     else:
-        assert eng.stats["chained_steps"] == 0 and decode == eng.stats["batches"] - stats["verify_steps"] - 1 > 0  # (one prefill)
-    assert all(s > 0 and n == 2 for _, n, s in seen)
+        assert eng.stats["chained_steps"] == 0 and chained == eng.stats["batches"] - stats["verify_steps"] - 1 > 0
+    assert all(s > 0 and n == 2 for _, n, s, _ in seen)
