@@ -352,10 +352,10 @@ class Request:
     scheduled_s: float | None = None  # its first prefill's start: arrival to here is its time queued (or parked)
     first_token_s: float | None = None
     finish_s: float | None = None
-    # its last forward's sampled token and that token's logprobs, set after each step of a request that
-    # asked (step_extras.keep_logprobs) and attached to the token's event by `emit` (the token may be
-    # emitted later: an overlapped restore's forward is applied once the restore has published)
-    step_logprobs: tuple[int, TokenLogprobs] | None = None
+    # its last forward's tokens and their logprobs, in order (one, or a verify step's rows), set after each step
+    # of a request that asked (step_extras.keep_logprobs) and attached to the tokens' events by `emit` (the token
+    # may be emitted later: an overlapped restore's forward is applied once the restore has published)
+    step_logprobs: list[tuple[int, TokenLogprobs]] | None = None
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
     # its prompt tokens' logprobs so far (SamplingParams.prompt_logprobs), the first None: each prefill
     # chunk's rows add theirs (step_extras.keep_logprobs), all there before its first token is emitted
@@ -375,8 +375,8 @@ class Request:
         return self._salted
 
     def emit(self, event: TokenEvent) -> None:
-        if event.token_id is not None and self.step_logprobs is not None and self.step_logprobs[0] == event.token_id:
-            event.logprobs, self.step_logprobs = self.step_logprobs[1], None
+        if event.token_id is not None and self.step_logprobs and self.step_logprobs[0][0] == event.token_id:
+            event.logprobs = self.step_logprobs.pop(0)[1]
             self.output_logprobs.append(event.logprobs)
         if self.queue is not None:
             self.queue.put_nowait(event)

@@ -164,7 +164,8 @@ class ModelRunner:
     def _launch_verify(self, batch: BatchInput) -> StepHandle:
         """A verify step (scheduler/speculative.py): the tail forward of each sequence's pending token and drafts,
         every row's logits (a verify graph's, or eagerly), each row's token to the host: a greedy sequence's argmax, a
-        sampled one's draw (scheduler/speculative.py: rejection sampling of its drafts)."""
+        sampled one's draw (scheduler/speculative.py: rejection sampling of its drafts); where asked, every row's
+        logprobs (raw logits', as a plain step's)."""
         graphs = self.graphs
         shape = graphs.verify_shape_for(batch.new_lens, batch.page_tables) if graphs is not None else None
         stride = 0
@@ -186,12 +187,17 @@ class ModelRunner:
             drawn = sample(logits.index_select(0, index), temps, top_ps, [None] * len(rows), top_ks, min_ps)  # [S]
             next_ids = next_ids.index_copy(0, index, drawn)
         out_ids = mark_nan(logits, next_ids)  # [T]
+        logprobs = None
+        if batch.logprobs is not None:  # some sequence asked: every row's, its token's and the k likeliest
+            logprobs = token_logprobs(logits, next_ids, max(k for k in batch.logprobs if k is not None))  # [T, 1 + k]
         if not self.cuda:
-            return StepHandle(out_ids, None, out_ids, row_stride=stride)
-        host, event, _ = self._out_slot(len(out_ids))
+            return StepHandle(out_ids, None, out_ids, logprobs, row_stride=stride)
+        host, event, slot = self._out_slot(len(out_ids))
         host.copy_(out_ids, non_blocking=True)
+        if logprobs is not None:
+            logprobs = self._logprobs_to_host(slot, *logprobs)
         event.record(cuda_rt.current_stream(self.device))
-        return StepHandle(host, event, out_ids, row_stride=stride)
+        return StepHandle(host, event, out_ids, logprobs, row_stride=stride)
 
     @torch.inference_mode()
     def sample(self, pending: PendingSample, batch: BatchInput) -> StepHandle:

@@ -24,8 +24,9 @@ a row's distribution and q all on the draft d, d is accepted with probability mi
 rejection draws from max(p - q, 0) normalized, p without d: exactly a draw from p that differs from d. So each
 token follows the plain step's distribution, row after row.
 
-Who speculates: greedy requests (temperature 0) and sampled ones without a seed, without anything that reads or
-changes a step's logits (logprobs, penalties, logit_bias, min_tokens, bans, structured outputs): `eligible`. A
+Who speculates: greedy requests (temperature 0) and sampled ones without a seed, without anything that changes a
+step's logits (penalties, logit_bias, min_tokens, bans, structured outputs): `eligible`. Logprobs come from every
+row of a verify step, each accepted token's from the row that chose it (the raw logits', as a plain step's). A
 seeded request decodes plainly: whether its step verifies depends on what else runs, and its tokens must not.
 The others decode as before, in steps of their own; when both kinds run, the loop alternates a verify step and
 a decode step.
@@ -116,7 +117,7 @@ class SpeculativeConfig:
 def eligible(params) -> bool:
     """Whether a request's steps may be verified in bulk: greedy or sampled without a seed (the module doc), and
     no step's logits read or changed for it (SamplingParams)."""
-    return ((params.temperature == 0.0 or params.seed is None) and params.logprobs is None and params.presence_penalty == 0.0
+    return ((params.temperature == 0.0 or params.seed is None) and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0 and not params.logit_bias
             and params.min_tokens == 0 and params.allowed_token_ids is None and not params.bad_words_token_ids
             and params.guided is None)

@@ -104,11 +104,14 @@ def keep_logprobs(runner, reqs: list[Request], binput: BatchInput, handle: StepH
     """After `collect`: each asking request's logprobs of that step, kept with their token until it is
     emitted (Request.emit; an overlapped restore's forward may be applied later); a prefill chunk's
     prompt logprobs, added to its request's."""
+    if binput.verify_drafts is not None:  # next_ids: per sequence, its rows' tokens
+        _keep_verify_logprobs(runner, reqs, binput, handle, next_ids)
+        return
     lps = runner.logprobs_of(handle, binput.logprobs)
     if lps is not None:
         for req, token, lp in zip(reqs, next_ids, lps):
             if lp is not None:
-                req.step_logprobs = (token, lp)
+                req.step_logprobs = [(token, lp)]
     if binput.is_decode:
         return
     prompt_lps = runner.prompt_logprobs_of(handle, binput.prompt_logprobs) or [None] * len(reqs)
@@ -117,6 +120,26 @@ def keep_logprobs(runner, reqs: list[Request], binput: BatchInput, handle: StepH
             if start == 0:  # its first chunk (its prompt is computed whole, from position 0: Admission._reusable)
                 req.prompt_logprobs = [None]
             req.prompt_logprobs += lp or []
+
+
+def _keep_verify_logprobs(runner, reqs: list[Request], binput: BatchInput, handle: StepHandle,
+                          tokens: list[list[int]]) -> None:
+    """A verify step's logprobs: per asking request, each of its rows' token with its logprobs, in order (`emit`
+    takes those of the tokens the step yields: the accepted drafts, then the row after them). Sequence b's rows
+    start at b * handle.row_stride, or packed (stride 0)."""
+    if binput.logprobs is None:
+        return
+    stride, new_lens = handle.row_stride, binput.new_lens
+    wants: list[int | None] = [None] * (stride * len(new_lens) if stride else sum(new_lens))  # per row of the logits
+    starts, row = [], 0
+    for b, (want, n) in enumerate(zip(binput.logprobs, new_lens)):
+        starts.append(b * stride if stride else row)
+        wants[starts[-1]:starts[-1] + n] = [want] * n
+        row += n
+    lps = runner.logprobs_of(handle, wants)
+    for req, want, start, rows in zip(reqs, binput.logprobs, starts, tokens):
+        if want is not None:
+            req.step_logprobs = list(zip(rows, lps[start:start + len(rows)]))
 
 
 def fail_broken_bans(engine, work, next_ids: list[int]) -> None:

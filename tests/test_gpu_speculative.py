@@ -66,3 +66,23 @@ def test_speculative_sampled_on_cuda(graphs):
     assert [got[i].output_ids for i in (0, 2, 4)] == [want[i] for i in (0, 2, 4)]
     assert all(r.error is None and len(r.output_ids) == 48 for r in got)
     spec.check_integrity()
+
+
+def test_speculative_logprobs_on_cuda_equal_plain_decodes():
+    """Logprobs requests verify through the verify graphs (every row's logprobs to the host, rows at b * R): each
+    token's equal plain decoding's (float32)."""
+    from scheduler.engine import Engine
+    base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=1024, page_size=16,
+                        max_running_requests=8)
+    prompts = _prompts(4)
+    params = [SamplingParams(max_tokens=40, logprobs=k) for k in (2, None, 0, 5)]
+    want = Engine(base).generate(prompts, params)
+    spec = Engine(EngineConfig(**{**base.__dict__, "speculative": SpeculativeConfig(5, 4, 1, draft_policy="always")}))
+    got = spec.generate(prompts, params)
+    assert [r.output_ids for r in got] == [r.output_ids for r in want]
+    for g, w in zip(got, want):
+        assert (g.logprobs is None) == (w.logprobs is None)
+        for a, b in zip(g.logprobs or [], w.logprobs or []):
+            assert abs(a.logprob - b.logprob) < 1e-3 and [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert spec.status()["engine"]["speculative"]["accepted_tokens"] > 0
+    spec.check_integrity()

@@ -20,7 +20,7 @@ from scheduler.server import ServerLimits, create_app
 from scheduler.speculative import SpeculativeConfig
 from test_prom_vllm import parse
 from test_server import ServerThread
-from test_speculative import SPEC, VOCAB, find_looping, make_engine, record_steps, spec_stats
+from test_speculative import SPEC, VOCAB, looping_prompts, make_engine, record_steps, spec_stats
 
 MODEL = "spec-model"
 
@@ -28,12 +28,7 @@ MODEL = "spec-model"
 @pytest.fixture(scope="module")
 def looping() -> list[list[int]]:
     """Prompts whose greedy continuation is drafted, and a draft accepted, at their first decode step."""
-    rng = random.Random(7)
-    seeds = [[rng.randrange(VOCAB) for _ in range(20)] for _ in range(8)]
-    outs = [r.output_ids for r in make_engine().generate(seeds, SamplingParams(max_tokens=32))]
-    found = find_looping(seeds, outs, SPEC.prompt_lookup_min, SPEC.prompt_lookup_max)
-    assert len(found) >= 2, "the tiny model's greedy outputs no longer repeat: pick other seeds"
-    return found
+    return looping_prompts(7, 20, 8, 32, need=2)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ engine: unseeded sampled requests verify, top_k 1 gives the greedy output, greed
 keep theirs, seeded requests decode plainly."""
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch
 from scheduler.request import SamplingParams
 from scheduler.sampling import sample
 from scheduler.speculative import accept, eligible, sampled_rows
-from test_speculative import SPEC, VOCAB, find_looping, make_engine, record_steps, spec_stats
+from test_speculative import SPEC, VOCAB, looping_prompts, make_engine, record_steps, spec_stats
 
 ROWS = [[2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0],  # three rows' raw logits (a vocabulary of 8)
         [-3.0, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0],
@@ -96,7 +95,7 @@ def test_the_reference_distribution_is_the_samplers():
     (SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05), True),
     (SamplingParams(temperature=0.8, seed=3), False),  # (its tokens must not depend on what else runs)
     (SamplingParams(temperature=0.0, seed=3), True),   # (greedy: the seed draws nothing)
-    (SamplingParams(temperature=0.8, logprobs=1), False),
+    (SamplingParams(temperature=0.8, logprobs=1), True),  # (each token's logprobs from the row that chose it)
     (SamplingParams(temperature=0.8, presence_penalty=0.5), False),
 ])
 def test_eligible(params, want):
@@ -110,13 +109,8 @@ def plain():
 
 
 @pytest.fixture(scope="module")
-def looping(plain):
-    rng = random.Random(5)
-    seeds = [[rng.randrange(VOCAB) for _ in range(20)] for _ in range(8)]
-    outs = [r.output_ids for r in plain.generate(seeds, SamplingParams(max_tokens=32))]
-    found = find_looping(seeds, outs, SPEC.prompt_lookup_min, SPEC.prompt_lookup_max)
-    assert len(found) >= 3
-    return found[:4]
+def looping():
+    return looping_prompts(5, 20, 8, 32, need=3)[:4]
 
 
 def test_sampled_top_k_1_verifies_and_gives_the_greedy_output(plain, looping, monkeypatch):

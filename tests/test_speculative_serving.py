@@ -23,18 +23,13 @@ from scheduler.engine import Engine
 from scheduler.request import SamplingParams
 from scheduler.speculative import Speculator
 from server_fixtures import byte_level_server, ok, sse, tiny_config
-from test_speculative import SPEC, VOCAB, find_looping, make_engine, record_steps, spec_stats
+from test_speculative import SPEC, VOCAB, looping_prompts, make_engine, record_steps, spec_stats
 
 @pytest.fixture(scope="module")
 def looping() -> list[list[int]]:
     """Prompts of >= 40 tokens (shared prefill's threshold is 32) drafted, and a draft accepted, at their first
     decode step (test_speculative.find_looping)."""
-    rng = random.Random(7)
-    seeds = [[rng.randrange(VOCAB) for _ in range(40)] for _ in range(10)]
-    outs = [r.output_ids for r in make_engine().generate(seeds, SamplingParams(max_tokens=40))]
-    found = find_looping(seeds, outs, SPEC.prompt_lookup_min, SPEC.prompt_lookup_max)
-    assert len(found) >= 4, "the tiny model's greedy outputs no longer repeat: pick other seeds"
-    return found[:4]
+    return looping_prompts(7, 40, 10, 40, need=4)[:4]
 
 
 @pytest.fixture(scope="module")
