@@ -2,8 +2,8 @@
 online as the prefix cache's restore-or-recompute choice is.
 
 A verify step of B sequences yields B tokens plus the drafts it accepts and costs c_v(B); a decode step of them
-yields B tokens and costs c_d(B). The verify step pays when (B + accepted) / c_v(B) >= B / c_d(B), that is when the
-drafts expected to be accepted, summed over its sequences, reach B (rho(B) - 1), rho = c_v / c_d. On the H200 at
+yields B tokens and costs c_d(B). The verify step pays when (B + accepted) / c_v(B) > B / c_d(B), that is when the
+drafts expected to be accepted, summed over its sequences, exceed B (rho(B) - 1), rho = c_v / c_d. On the H200 at
 the 8B shape rho is 1.02 at B = 1, 1.19 at 4 and 1.29 at 8 (docs/benchmarks.md, session 47); drafts that are
 never accepted (a random model's, a sampled answer's at a high temperature) then cost 11 / 22 / 27 % of the
 decode's tokens a second at batch 1 / 4 / 8 (session 48) without this policy.

@@ -116,7 +116,7 @@ class SpeculativeConfig:
 
 def eligible(params) -> bool:
     """Whether a request's steps may be verified in bulk: greedy or sampled without a seed (the module doc), and
-    no step's logits read or changed for it (SamplingParams)."""
+    no step's logits changed for it (SamplingParams; logprobs are read from the rows, as a plain step's)."""
     return ((params.temperature == 0.0 or params.seed is None) and params.presence_penalty == 0.0
             and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0 and not params.logit_bias
             and params.min_tokens == 0 and params.allowed_token_ids is None and not params.bad_words_token_ids
@@ -213,7 +213,8 @@ class Speculator:
         eligible request, at most `max_seqs` of them, may have a draft then. Its lookup suffix ends with the
         token in flight, unknown here; but any n-gram it could match (n >= prompt_lookup_min) ends with the
         prompt_lookup_min - 1 tokens before it, which must then occur earlier, with a token after them. Where
-        they do not (most steps of an answer that repeats nothing, at vLLM's default of 5), the chain goes on."""
+        they do not (most steps of an answer that repeats nothing, at vLLM's default of 5), the chain goes on; so
+        it does where the cost policy would not verify those that may (each at most k accepted)."""
         spec = [r for r in running if not r.state.done and eligible(r.params)]
         if not 0 < len(spec) <= self.max_seqs:
             return False
