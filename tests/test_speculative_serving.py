@@ -310,6 +310,9 @@ def test_the_replay_with_speculation_equals_the_replay_without(monkeypatch, tmp_
     assert (f"{spec['accepted_tokens']:,} of {spec['draft_tokens']:,} tokens accepted in {spec['verify_steps']:,} "
             "verify steps" in format_summary(with_spec))
     assert "speculative drafts" not in format_summary(without)
+    assert "decoded plainly" not in format_summary(with_spec)  # (draft_policy "always": none declined)
+    declined = {**with_spec, "speculative": {**spec, "declined_steps": 7}}
+    assert "verify steps (7 steps of drafts decoded plainly: the cost policy)" in format_summary(declined)
 
 
 # -- 4. shutdown and abort mid-verify ------------------------------------------------------------------------------
