@@ -8,10 +8,12 @@ the 8B shape rho is 1.02 at B = 1, 1.19 at 4 and 1.29 at 8 (docs/benchmarks.md, 
 never accepted (a random model's, a sampled answer's at a high temperature) then cost 11 / 22 / 27 % of the
 decode's tokens a second at batch 1 / 4 / 8 (session 48) without this policy.
 
-- A request's expected accepted drafts: an exponential average (weight 1 - KEEP to the newest) of those its verify
-  steps accepted, from PRIOR_ACCEPTED. Between its verify steps it drifts back towards the prior by RECOVERY a
-  token generated, so a request whose drafts stopped paying is tried again after some tokens, at a cost bounded
-  by how seldom that is.
+- A request's expected accepted drafts: until its first verify step, all of its draft (each request is tried once:
+  on the CPU a verify step costs ~2.5 decode steps, and a guess below that would never try the drafts that pay
+  there); then an exponential average (weight 1 - KEEP to the newest) of those its verify steps accepted, the first
+  step's its start. Between its verify steps it drifts back towards PRIOR_ACCEPTED by RECOVERY a token generated,
+  so a request whose drafts stopped paying is tried again after some tokens where the prior pays, at a cost
+  bounded by how seldom that is.
 - rho(B): the loop's measured step times by B (`observe_step`), or `prior_rho` until both were measured at that B.
   A decode step costs what one chained behind another takes (from the end of the one before it: its launch and
   host work hidden), or, while none was chained at B (a verify step may come at every step, so none is), what an
@@ -23,12 +25,11 @@ decode's tokens a second at batch 1 / 4 / 8 (session 48) without this policy.
 """
 from __future__ import annotations
 
-PRIOR_ACCEPTED = 1.0   # drafts a verify step is expected to accept for a request that has not verified yet
+PRIOR_ACCEPTED = 1.0   # where a request's average drifts back to between its verify steps
 KEEP = 0.5             # an average's weight on what it held, at each new sample of a request's accepted drafts
 RECOVERY = 0.99        # a request's distance to the prior left after each token it generates without verifying
 STEP_KEEP = 0.8        # a step time average's weight on what it held
 OUTLIER = 1.5          # a step time sample counts as at most this many times its average
-MAX_RHO = 1.0 + PRIOR_ACCEPTED  # (a measured ratio above it is taken as it: a request's first verify step still runs)
 
 
 def prior_rho(seqs: int) -> float:
@@ -45,20 +46,24 @@ class DraftPolicy:
         self._open: tuple[int, float] | None = None  # the last verify step (sequences, seconds), until the next step
 
     @staticmethod
-    def expected(req, drafts: int | None = None) -> float:
-        """The drafts `req`'s next verify step is expected to accept (at most `drafts`, when given)."""
-        seen = req.spec_accepted
-        if seen is None:
-            value = PRIOR_ACCEPTED
-        else:
-            average, at_tokens = seen
-            value = PRIOR_ACCEPTED + (average - PRIOR_ACCEPTED) * RECOVERY ** max(0, len(req.output) - at_tokens)
-        return value if drafts is None else min(value, float(drafts))
+    def expected(req, drafts: int) -> float:
+        """The drafts `req`'s next verify step of `drafts` drafts is expected to accept: all of them before its
+        first verify step, then its average (the module doc), at most `drafts`."""
+        return float(drafts) if req.spec_accepted is None else min(DraftPolicy._average_of(req), float(drafts))
+
+    @staticmethod
+    def _average_of(req) -> float:
+        """`req`'s average of accepted drafts, drifted towards the prior by the tokens since (the prior if none)."""
+        if req.spec_accepted is None:
+            return PRIOR_ACCEPTED
+        average, at_tokens = req.spec_accepted
+        return PRIOR_ACCEPTED + (average - PRIOR_ACCEPTED) * RECOVERY ** max(0, len(req.output) - at_tokens)
 
     def observe_request(self, req, accepted: int) -> None:
         """A verify step of `req`'s drafts accepted `accepted` of them (before its tokens are taken: recorded at
         the length they and the token after them give it)."""
-        req.spec_accepted = (KEEP * self.expected(req) + (1.0 - KEEP) * accepted, len(req.output) + accepted + 1)
+        average = accepted if req.spec_accepted is None else KEEP * self._average_of(req) + (1.0 - KEEP) * accepted
+        req.spec_accepted = (float(average), len(req.output) + accepted + 1)
 
     def observe_step(self, kind: str, seqs: int, seconds: float, launched_s: float, chained: bool) -> None:
         """A decode or verify step of `seqs` sequences ended `seconds` after the step before it and `launched_s`
@@ -90,7 +95,7 @@ class DraftPolicy:
         verify, decode = self.step_s.get(("verify", seqs)), self._decode_s(seqs)
         if verify is None or decode is None or decode <= 0.0:
             return prior_rho(seqs)
-        return min(MAX_RHO, max(1.0, verify / decode))
+        return max(1.0, verify / decode)
 
     def pays(self, seqs: int, expected_accepted: float) -> bool:
         """Whether a verify step of `seqs` sequences expected to accept that many drafts in all beats decode steps
