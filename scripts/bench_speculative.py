@@ -1,5 +1,6 @@
 """Speculative decoding by prompt lookup (`--speculative-config`, scheduler/speculative.py): what a verify step
-costs against a decode step, and greedy decode tokens/s with and without it. One engine, both ways in turn
+costs against a decode step, and decode tokens/s with and without it (greedy, or sampled at --temperature and
+--top-p; the cost policy or --draft-policy always). One engine, both ways in turn
 (speculation switched off by taking its Speculator away; the verify graphs stay captured).
 
   1. Step cost: B sequences over a cached context of --context tokens, a decode step (one row each) against
@@ -7,7 +8,7 @@ costs against a decode step, and greedy decode tokens/s with and without it. One
      rounded up to a power of two for --num-speculative-tokens; --drafts above that are left out), ms a step,
      launch to tokens on the host. The rows are the cached prompt's last tokens, rewritten in place (as
      bench_engine.py's tail forward).
-  2. Decode: B requests of --prompt-tokens tokens each generate --max-tokens greedy tokens together; tokens/s
+  2. Decode: B requests of --prompt-tokens tokens each generate --max-tokens tokens together; tokens/s
      over the whole run (prefill included, L1 emptied before each run, on and off in turn, the order alternating
      by round), the drafts accepted, and whether every output equals the one without speculation. Workloads: "random" prompts (drafts come from the answer's own repeats) and
      "repeat" prompts (one block of --block-tokens repeated: drafts from the prompt too). With --oracle-drafts
@@ -47,7 +48,7 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=1000, help="cached tokens under the step-cost steps")
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--block-tokens", type=int, default=64, help="the repeat workload's block")
-    p.add_argument("--max-tokens", type=int, default=256, help="greedy tokens each request generates")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens each request generates")
     p.add_argument("--oracle-drafts", action="store_true", help="also the oracle workload (module doc)")
     p.add_argument("--draft-policy", default="cost", choices=["cost", "always"],
                    help="verify when the drafts expected to be accepted pay for the step (default), or whenever one is found")
