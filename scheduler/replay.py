@@ -332,9 +332,11 @@ def format_summary(s: dict) -> str:
              ("throughput", f"{s['throughput_req_s']:.2f} req/s over {s['wall_s']:.1f} s")]
     rows += [(f"bytes {d.upper()}", f"{s['bytes'][d]:,}") for d in DIRECTIONS]
     if (spec := s.get("speculative")) is not None:
-        declined = spec.get("declined_steps", 0)
+        declined, cached = spec.get("declined_steps", 0), spec.get("cache_drafts", 0)
         rows.append(("speculative drafts", f"{spec['accepted_tokens']:,} of {spec['draft_tokens']:,} tokens accepted "
                                            f"in {spec['verify_steps']:,} verify steps"
+                                           + (f"; {cached:,} drafts from the prefix cache, {spec['cache_accepted_tokens']:,}"
+                                              " of their tokens accepted" if cached else "")
                                            + (f" ({declined:,} steps of drafts decoded plainly: the cost policy)"
                                               if declined else "")))
     rows += [("integrity", s["integrity"]), ("outputs digest", s["outputs_digest"][:16])]

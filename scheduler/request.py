@@ -343,6 +343,8 @@ class Request:
     error: str | None = None
     guide: object = None         # its grammar's matcher (scheduler/guided.py Guide) when params.guided
     spec_history: object = None  # its tokens for prompt lookup (scheduler/speculative.py TokenHistory) once it speculated
+    draft_anchor: tuple | None = None  # where its last walk for drafts in the prefix cache covered its context whole
+                                       # (a node and its end in tokens: hicache/continuations.py)
     # (the drafts its verify steps accepted, averaged; its output length then): scheduler/draft_policy.py
     spec_accepted: tuple[float, int] | None = None
     generator: object = None     # torch.Generator for seeded sampling

@@ -1,12 +1,17 @@
-"""Speculative decoding by prompt lookup (vLLM's `{"method": "ngram"}`): drafts from the request's own tokens,
-verified in one forward over the prefix cache.
+"""Speculative decoding by prompt lookup (vLLM's `{"method": "ngram"}`): drafts from the request's own tokens, or
+from what followed its context in the prefix cache, verified in one forward over the prefix cache.
 
 A decode step of a small batch is a weight read: at the 8B shape on the H200 one token costs ~4.5 ms, and a
 verify step of up to 8 rows over the same cached context ~4.6 ms (docs/benchmarks.md, session 47). So a
 step may as well check up to k guesses. The guesses come from the context itself: the longest suffix of the request's tokens (prompt and
 output, between `prompt_lookup_min` and `prompt_lookup_max` tokens) that also occurs earlier proposes the
 k tokens that followed its latest earlier occurrence. Answers that repeat their input (code edits, quotes,
-summaries, RAG, structured output over a document) accept several a step.
+summaries, RAG, structured output over a document) accept several a step. Before that, with `cache_lookup` (this
+engine's key, on by default), the prefix cache is asked: when the request's whole context so far is a path in the
+radix tree that goes on, an earlier request with that context answered that way, and the path's next tokens are
+the drafts (hicache/continuations.py). A prompt served again (a retry, an evaluation re-run, an agent's loop) then
+decodes its earlier answer k + 1 tokens a step, at temperature 0 and as long as the tree holds it, in any tier;
+a salted request meets only its own salt's answers, as its prefix hits do.
 
 One verify step per request: its pending token and its k drafts at positions p .. p + k, a tail forward
 over its cached pages (a verify graph of k + 1 rows a sequence rounded up to a power of two, every row's
@@ -42,6 +47,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+from hicache.continuations import attached, continuation
 from scheduler.draft_policy import DraftPolicy
 from scheduler.request import RequestState
 
@@ -53,15 +59,17 @@ DRAFT_POLICIES = ("cost", "always")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `--speculative-config` for method "ngram" (prompt lookup). `parse` fills the lookup bounds as vLLM
-    does: both 5 when neither is given, each the other when one is. draft_policy (this engine's): "cost" verifies
-    only when the drafts expected to be accepted pay for the step (scheduler/draft_policy.py), "always" whenever a
-    draft is found (vLLM's way)."""
+    does: both 5 when neither is given, each the other when one is. This engine's keys: draft_policy, "cost"
+    verifies only when the drafts expected to be accepted pay for the step (scheduler/draft_policy.py), "always"
+    whenever a draft is found (vLLM's way); cache_lookup (default true), drafts first from what followed the
+    request's whole context in the prefix cache (hicache/continuations.py), then by prompt lookup."""
 
     num_speculative_tokens: int
     prompt_lookup_max: int = 5
     prompt_lookup_min: int = 5
     method: str = "ngram"
     draft_policy: str = "cost"
+    cache_lookup: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -74,6 +82,8 @@ class SpeculativeConfig:
         if self.num_speculative_tokens > TAIL_ROWS - 1:
             raise ValueError(f"speculative num_speculative_tokens must be at most {TAIL_ROWS - 1} (a verify step "
                              f"is one tail of at most {TAIL_ROWS} rows), got {self.num_speculative_tokens}")
+        if not isinstance(self.cache_lookup, bool):
+            raise ValueError(f"speculative cache_lookup must be true or false, got {self.cache_lookup!r}")
         if self.draft_policy not in DRAFT_POLICIES:
             raise ValueError(f"speculative draft_policy must be one of {list(DRAFT_POLICIES)}, got {self.draft_policy!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -96,10 +106,11 @@ class SpeculativeConfig:
             return None
         fields = dict(value)
         unknown = sorted(set(fields) - {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                                        "draft_policy"})
+                                        "draft_policy", "cache_lookup"})
         if unknown:
             raise ValueError(f"--speculative-config: unknown or unserved keys {unknown} (method 'ngram' takes "
-                             "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, and draft_policy)")
+                             "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min, draft_policy and "
+                             "cache_lookup)")
         if "method" not in fields:
             raise ValueError("--speculative-config needs a method (this engine serves 'ngram')")
         if fields["method"] == "[ngram]":  # (vLLM's older spelling)
@@ -196,8 +207,12 @@ class Speculator:
         # vLLM's spec_decode counters: drafts (a request's drafts in one step), their tokens, those accepted, and
         # per draft position those accepted
         # (and this engine's: steps with drafts that the cost policy decoded plainly)
+        # (and this engine's: drafts from the prefix cache, `cache_draft`, and their tokens accepted)
         self.stats = {"verify_steps": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
-                      "accepted_per_pos": [0] * config.num_speculative_tokens, "declined_steps": 0}
+                      "accepted_per_pos": [0] * config.num_speculative_tokens, "declined_steps": 0,
+                      "cache_drafts": 0, "cache_accepted_tokens": 0}
+        self._from_cache: set[int] = set()  # ids of the requests whose drafts this step came from the prefix cache
+        self._cache_lookup = config.cache_lookup and engine.config.enable_prefix_cache
 
     def ends_chain(self, running: list, chained: list) -> bool:
         """Whether a decode chain of `chained` must end here: a decoding request it leaves out (an eligible one,
@@ -212,7 +227,8 @@ class Speculator:
         """Whether the decode step after the one in flight may be a verify step (then it is not chained): some
         eligible request, at most `max_seqs` of them, may have a draft then. Its lookup suffix ends with the
         token in flight, unknown here; but any n-gram it could match (n >= prompt_lookup_min) ends with the
-        prompt_lookup_min - 1 tokens before it, which must then occur earlier, with a token after them. Where
+        prompt_lookup_min - 1 tokens before it, which must then occur earlier, with a token after them; or the
+        prefix cache holds two tokens after its context (the first may be the one in flight). Where
         they do not (most steps of an answer that repeats nothing, at vLLM's default of 5), the chain goes on; so
         it does where the cost policy would not verify those that may (each at most k accepted)."""
         spec = [r for r in running if not r.state.done and eligible(r.params)]
@@ -224,7 +240,8 @@ class Speculator:
             if req.spec_history is None:
                 req.spec_history = TokenHistory()
             req.spec_history.sync(req.prompt, req.output)
-            if before == 0 or req.spec_history.propose(1, before, before):
+            if (before == 0 or req.spec_history.propose(1, before, before)
+                    or self._cache_lookup and len(self.cache_draft(req, 2)) == 2):  # (its first: the token in flight)
                 may.append(req)
         if not may or self.policy is None:
             return bool(may)
@@ -237,6 +254,7 @@ class Speculator:
         draft, at most `max_seqs` are eligible, and it is not the others' turn."""
         spec = [r for r in reqs if eligible(r.params)]
         others = [r for r in reqs if not eligible(r.params)]
+        self._from_cache.clear()
         if not spec or len(spec) > self.max_seqs:
             return reqs, None
         if others and self._others_turn:
@@ -257,11 +275,28 @@ class Speculator:
         return [], drafted
 
     def draft(self, req, k: int) -> list[int]:
-        """Up to k drafts after `req`'s tokens: prompt lookup over them (its TokenHistory, made at its first)."""
+        """Up to k drafts after `req`'s tokens: what followed its whole context in the prefix cache (`cache_draft`,
+        with cache_lookup), else prompt lookup over them (its TokenHistory, made at its first)."""
+        if self._cache_lookup and (drafts := self.cache_draft(req, k)):
+            self._from_cache.add(id(req))
+            return drafts
         if req.spec_history is None:
             req.spec_history = TokenHistory()
         req.spec_history.sync(req.prompt, req.output)
         return req.spec_history.propose(k, self.config.prompt_lookup_min, self.config.prompt_lookup_max)
+
+    def cache_draft(self, req, k: int) -> list[int]:
+        """Up to k tokens that followed `req`'s whole context (its cache_prompt, then its output) in a sequence the
+        prefix cache holds (hicache/continuations.py); the walk goes on from the anchor its last one left."""
+        tree = self.engine.cache.tree
+        prompt, output = req.cache_prompt, req.output
+        node, pos = req.draft_anchor if req.draft_anchor is not None else (tree.root, 0)
+        if not attached(tree, node):
+            node, pos = tree.root, 0
+        tail = prompt[pos:] + output if pos < len(prompt) else output[pos - len(prompt):]
+        drafts, node, covered = continuation(tree, tail, k, node)
+        req.draft_anchor = (node, pos + covered)
+        return drafts
 
     def after_verify(self, reqs: list, drafts: list[list[int]], greedy: list[list[int]], after_step) -> int:
         """A verify step's tokens: per request, its accepted drafts and the token after them, each through
@@ -277,6 +312,9 @@ class Speculator:
                 stats["drafts"] += 1
                 stats["draft_tokens"] += len(draft)
                 stats["accepted_tokens"] += len(tokens) - 1
+                if id(req) in self._from_cache:
+                    stats["cache_drafts"] += 1
+                    stats["cache_accepted_tokens"] += len(tokens) - 1
                 for pos in range(len(tokens) - 1):
                     stats["accepted_per_pos"][pos] += 1
             for i, token in enumerate(tokens):

@@ -10,10 +10,13 @@ costs against a decode step, and decode tokens/s with and without it (greedy, or
      bench_engine.py's tail forward).
   2. Decode: B requests of --prompt-tokens tokens each generate --max-tokens tokens together; tokens/s
      over the whole run (prefill included, L1 emptied before each run, on and off in turn, the order alternating
-     by round), the drafts accepted, and whether every output equals the one without speculation. Workloads: "random" prompts (drafts come from the answer's own repeats) and
-     "repeat" prompts (one block of --block-tokens repeated: drafts from the prompt too). With --oracle-drafts
-     also "oracle": each request's drafts are the tokens the same prompt got without speculation (what a
-     proposer that is always right gives; a verify step still decides, so bf16 rounding can reject them).
+     by round), the drafts accepted, and whether every output equals the one without speculation. Workloads: "random" prompts (drafts come from the answer's own repeats),
+     "repeat" prompts (one block of --block-tokens repeated: drafts from the prompt too) and "again": random
+     prompts served once without speculation, then timed as they are served again, their prompts prefix-cache
+     hits both ways and, with speculation, their drafts what followed them in the cache (`cache_lookup`: the
+     first answers; bf16 rounding can still reject them). With --oracle-drafts also "oracle": each request's
+     drafts are the tokens the same prompt got without speculation (what a proposer that is always right gives;
+     a verify step still decides).
 
     python scripts/bench_speculative.py                                   # GPU: qwen3-8b shape
     python scripts/bench_speculative.py --model tiny --device cpu --batches 1,2 --drafts 1,3 --max-tokens 24
@@ -139,10 +142,11 @@ async def main_async(args) -> dict:
     runs = []
     await generate(engine, [fresh(args.prompt_tokens)], 8, args.device)  # (warm-up)
     lookup = speculator.draft
-    for workload in ("random", "repeat") + (("oracle",) if args.oracle_drafts else ()):
+    for workload in ("random", "repeat", "again") + (("oracle",) if args.oracle_drafts else ()):
         for b in args.batches:
             timed = {"on": [], "off": []}
-            counts = dict.fromkeys(("accepted_tokens", "draft_tokens", "drafts", "verify_steps", "declined_steps"), 0)
+            counts = dict.fromkeys(("accepted_tokens", "draft_tokens", "drafts", "verify_steps", "declined_steps",
+                                    "cache_drafts", "cache_accepted_tokens"), 0)
             equal = total = 0
             for rnd in range(args.repeats):
                 if workload != "repeat":
@@ -151,9 +155,15 @@ async def main_async(args) -> dict:
                     prompts = [(fresh(args.block_tokens) * (args.prompt_tokens // args.block_tokens + 1))
                                [:args.prompt_tokens] for _ in range(b)]
                 outputs = {}
-                # (each run from an empty L1, so neither reuses the other's prompts; the order alternates by round)
-                for mode in ("off", "on") if rnd % 2 == 0 or workload == "oracle" else ("on", "off"):
+                if workload == "again":  # (their first serving, untimed: the answers the cache then holds)
                     await evict(engine, ["l1"])
+                    engine.speculator = None
+                    await generate(engine, prompts, args.max_tokens, args.device, args.temperature, args.top_p)
+                # (each run from an empty L1, so neither reuses the other's prompts, but "again"'s, which both
+                # reuse; the order alternates by round)
+                for mode in ("off", "on") if rnd % 2 == 0 or workload == "oracle" else ("on", "off"):
+                    if workload != "again":
+                        await evict(engine, ["l1"])
                     engine.speculator = speculator if mode == "on" else None
                     if workload == "oracle" and mode == "on":  # the drafts: what the plain run gave
                         plain = {tuple(p): out for p, out in zip(prompts, outputs["off"])}
@@ -194,10 +204,10 @@ def main(argv=None) -> int:
     print(table(head, [[str(r["batch"]), fmt(r["decode_ms"])] + [f"{fmt(r[k])} ({r[k] / r['decode_ms']:.2f}x)"
                                                                  for k in keys] for r in out["steps"]]), file=dest)
     head = ["workload", "batch", "tok/s off", "tok/s on", "speedup", "accepted / drafted", "verify steps",
-            "declined", "tokens a draft", "outputs equal"]
+            "declined", "from cache", "tokens a draft", "outputs equal"]
     body = [[r["workload"], str(r["batch"]), fmt(r["tok_s_off"], "{:.1f}"), fmt(r["tok_s_on"], "{:.1f}"),
              fmt(r["tok_s_on"] / r["tok_s_off"], "{:.2f}x"), f"{r['accepted_tokens']} / {r['draft_tokens']}",
-             str(r["verify_steps"]), str(r["declined_steps"]), fmt(r["accepted_tokens"] / r["drafts"] + 1 if r["drafts"] else None),
+             str(r["verify_steps"]), str(r["declined_steps"]), str(r["cache_drafts"]), fmt(r["accepted_tokens"] / r["drafts"] + 1 if r["drafts"] else None),
              r["outputs_equal"]] for r in out["runs"]]
     how = ("greedy" if not out["temperature"] else f"temperature {out['temperature']}, top_p {out['top_p']}") + \
         f", draft_policy {out['speculative']['draft_policy']}"
