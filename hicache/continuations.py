@@ -12,9 +12,14 @@ The walk reads tokens only: no page, lock, LRU stamp or hit count changes, and n
 context ends inside a page, or at a node with several children, the most recently used branch that fits is taken.
 A walk returns an anchor (the deepest node the context covered whole, and its end in tokens) from which the next
 walk of the same growing context starts, so a step costs the tokens since the last one, not the whole context.
+
+The tree holds whole pages only, and an answer's last tokens (its partial last page, and the last token, whose
+K/V was never computed) would be lost to drafting: a 64-token answer lost up to a quarter of its steps. `Tails`
+keeps them, per node a finished sequence ended on, for walks that reach that node's end or the tail itself.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from hicache.radix import Node, RadixTree
@@ -31,11 +36,34 @@ def attached(tree: RadixTree, node: Node) -> bool:
     return node is tree.root or node.parent is not None
 
 
-def continuation(tree: RadixTree, tokens: Sequence[int], max_tokens: int,
-                 node: Node | None = None) -> tuple[list[int], Node, int]:
+class Tails:
+    """The tokens a finished sequence had past the last node it published (fewer than a page and its last token),
+    per node (the latest sequence's), for the `capacity` nodes most recently given one. An entry whose node left
+    the tree is never read (node ids are never reused)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self._tails: OrderedDict[int, tuple[Node, tuple[int, ...]]] = OrderedDict()
+
+    def put(self, node: Node, tokens: Sequence[int]) -> None:
+        self._tails[node.node_id] = (node, tuple(tokens))
+        self._tails.move_to_end(node.node_id)
+        while len(self._tails) > self.capacity:
+            self._tails.popitem(last=False)
+
+    def get(self, tree: RadixTree, node: Node) -> tuple[int, ...]:
+        entry = self._tails.get(node.node_id)
+        return entry[1] if entry is not None and entry[0] is node and attached(tree, node) else ()
+
+    def __len__(self) -> int:
+        return len(self._tails)
+
+
+def continuation(tree: RadixTree, tokens: Sequence[int], max_tokens: int, node: Node | None = None,
+                 tails: Tails | None = None) -> tuple[list[int], Node, int]:
     """tokens: a context's tokens after `node`'s path (the root's by default). -> (up to max_tokens tokens that
-    followed them in the tree, [] when the path ends or strays; the deepest node the tokens cover whole; how many
-    of the tokens reach its end)."""
+    followed them in the tree, then in `tails`, [] when the path ends or strays; the deepest node the tokens cover
+    whole; how many of the tokens reach its end)."""
     ps = tree.page_size
     node = tree.root if node is None else node
     anchor, anchor_pos = node, 0
@@ -49,21 +77,27 @@ def continuation(tree: RadixTree, tokens: Sequence[int], max_tokens: int,
             part = tuple(tokens[pos:])
             child = _latest(c for c in node.children.values() if c.key[:rest] == part)
             checked = rest
-        if child is None:
-            return [], anchor, anchor_pos
+        if child is None:  # (past the pages: a tail that starts with the rest)
+            tail = tails.get(tree, node) if tails is not None else ()
+            ok = len(tail) > rest and tuple(tokens[pos:]) == tail[:rest]
+            return list(tail[rest:rest + max_tokens]) if ok else [], anchor, anchor_pos
         covered = min(len(child.key), rest)
         if covered > checked and tuple(tokens[pos + checked:pos + covered]) != child.key[checked:covered]:
             return [], anchor, anchor_pos
         if covered < len(child.key):  # the context ends inside this node: what follows in it, then below
-            return _down(child, covered, max_tokens), anchor, anchor_pos
+            return _down(tree, child, covered, max_tokens, tails), anchor, anchor_pos
         node, pos = child, pos + covered
         anchor, anchor_pos = node, pos
-    return _down(node, len(node.key), max_tokens), anchor, anchor_pos
+    return _down(tree, node, len(node.key), max_tokens, tails), anchor, anchor_pos
 
 
-def _down(node: Node, offset: int, max_tokens: int) -> list[int]:
-    """Up to max_tokens tokens of `node`'s key from `offset`, then of its most recently used descendants."""
+def _down(tree: RadixTree, node: Node, offset: int, max_tokens: int, tails: Tails | None) -> list[int]:
+    """Up to max_tokens tokens of `node`'s key from `offset`, then of its most recently used descendants, then of
+    the tail of the leaf reached."""
     out = list(node.key[offset:offset + max_tokens])
-    while len(out) < max_tokens and (node := _latest(node.children.values())) is not None:
-        out.extend(node.key[:max_tokens - len(out)])
+    while len(out) < max_tokens and (child := _latest(node.children.values())) is not None:
+        out.extend(child.key[:max_tokens - len(out)])
+        node = child
+    if len(out) < max_tokens and not node.children and tails is not None:
+        out.extend(tails.get(tree, node)[:max_tokens - len(out)])
     return out

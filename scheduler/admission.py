@@ -433,6 +433,8 @@ class Admission(Restoring):
         if publish:
             # KV exists for every token but the last generated one
             self._publish(req, (req.cache_prompt + req.output)[: req.cached_len])
+            if self.engine.speculator is not None:  # (its tokens past the pages, for drafts: speculative.py)
+                self.engine.speculator.remember_tail(req)
         elif req.chunks_unbacked:  # it ends between prompt chunks: back up those it published
             self.cache.back_up_l1(req.cache_prompt[: req.locked_len])
         self.cache.unlock(req.locked_node)

@@ -335,10 +335,10 @@ def format_summary(s: dict) -> str:
         declined, cached = spec.get("declined_steps", 0), spec.get("cache_drafts", 0)
         rows.append(("speculative drafts", f"{spec['accepted_tokens']:,} of {spec['draft_tokens']:,} tokens accepted "
                                            f"in {spec['verify_steps']:,} verify steps"
-                                           + (f"; {cached:,} drafts from the prefix cache, {spec['cache_accepted_tokens']:,}"
-                                              " of their tokens accepted" if cached else "")
                                            + (f" ({declined:,} steps of drafts decoded plainly: the cost policy)"
-                                              if declined else "")))
+                                              if declined else "")
+                                           + (f"; {cached:,} drafts from the prefix cache, {spec['cache_accepted_tokens']:,}"
+                                              " of their tokens accepted" if cached else "")))
     rows += [("integrity", s["integrity"]), ("outputs digest", s["outputs_digest"][:16])]
     if "compare_no_cache" in s:
         c = s["compare_no_cache"]

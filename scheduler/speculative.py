@@ -47,7 +47,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from hicache.continuations import attached, continuation
+from hicache.continuations import Tails, attached, continuation
 from scheduler.draft_policy import DraftPolicy
 from scheduler.request import RequestState
 
@@ -213,6 +213,7 @@ class Speculator:
                       "cache_drafts": 0, "cache_accepted_tokens": 0}
         self._from_cache: set[int] = set()  # ids of the requests whose drafts this step came from the prefix cache
         self._cache_lookup = config.cache_lookup and engine.config.enable_prefix_cache
+        self.tails = Tails()  # finished requests' tokens past their last published page (remember_tail)
 
     def ends_chain(self, running: list, chained: list) -> bool:
         """Whether a decode chain of `chained` must end here: a decoding request it leaves out (an eligible one,
@@ -294,9 +295,19 @@ class Speculator:
         if not attached(tree, node):
             node, pos = tree.root, 0
         tail = prompt[pos:] + output if pos < len(prompt) else output[pos - len(prompt):]
-        drafts, node, covered = continuation(tree, tail, k, node)
+        drafts, node, covered = continuation(tree, tail, k, node, self.tails)
         req.draft_anchor = (node, pos + covered)
         return drafts
+
+    def remember_tail(self, req) -> None:
+        """A finished request, its whole pages just published: keep its tokens past them (its last partial page
+        and last token) as drafts for the next request with its context (hicache/continuations.py Tails)."""
+        if self._cache_lookup and req.locked_node is not None:
+            end = req.locked_len
+            tail = req.output[end - len(req.cache_prompt):] if end >= len(req.cache_prompt) else \
+                req.cache_prompt[end:] + req.output
+            if 0 < len(tail) <= 2 * self.engine.cache.tree.page_size:
+                self.tails.put(req.locked_node, tail)
 
     def after_verify(self, reqs: list, drafts: list[list[int]], greedy: list[list[int]], after_step) -> int:
         """A verify step's tokens: per request, its accepted drafts and the token after them, each through

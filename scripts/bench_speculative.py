@@ -12,7 +12,7 @@ costs against a decode step, and decode tokens/s with and without it (greedy, or
      over the whole run (prefill included, L1 emptied before each run, on and off in turn, the order alternating
      by round), the drafts accepted, and whether every output equals the one without speculation. Workloads: "random" prompts (drafts come from the answer's own repeats),
      "repeat" prompts (one block of --block-tokens repeated: drafts from the prompt too) and "again": random
-     prompts served once without speculation, then timed as they are served again, their prompts prefix-cache
+     prompts served once (untimed), then timed as they are served again, their prompts prefix-cache
      hits both ways and, with speculation, their drafts what followed them in the cache (`cache_lookup`: the
      first answers; bf16 rounding can still reject them). With --oracle-drafts also "oracle": each request's
      drafts are the tokens the same prompt got without speculation (what a proposer that is always right gives;
@@ -157,7 +157,7 @@ async def main_async(args) -> dict:
                 outputs = {}
                 if workload == "again":  # (their first serving, untimed: the answers the cache then holds)
                     await evict(engine, ["l1"])
-                    engine.speculator = None
+                    engine.speculator = speculator  # (which keeps their last tokens, past the whole pages)
                     await generate(engine, prompts, args.max_tokens, args.device, args.temperature, args.top_p)
                 # (each run from an empty L1, so neither reuses the other's prompts, but "again"'s, which both
                 # reuse; the order alternates by round)

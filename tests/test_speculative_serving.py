@@ -311,6 +311,10 @@ def test_the_replay_with_speculation_equals_the_replay_without(monkeypatch, tmp_
             "verify steps" in format_summary(with_spec))
     assert "speculative drafts" not in format_summary(without)
     assert "decoded plainly" not in format_summary(with_spec)  # (draft_policy "always": none declined)
+    # (the sample's prompts recur: drafts from the prefix cache, their earlier answers)
+    assert 0 < spec["cache_accepted_tokens"] <= spec["accepted_tokens"]
+    assert (f"; {spec['cache_drafts']:,} drafts from the prefix cache, {spec['cache_accepted_tokens']:,} of their "
+            "tokens accepted" in format_summary(with_spec))
     declined = {**with_spec, "speculative": {**spec, "declined_steps": 7}}
     assert "verify steps (7 steps of drafts decoded plainly: the cost policy)" in format_summary(declined)
 
