@@ -1,7 +1,8 @@
 """Drafts from the prefix cache (hicache/continuations.py): what the radix tree holds after a context, against a
 naive reference over the inserted sequences; a walk changes nothing in the tree; an anchor's walk equals the walk
 from the root, across splits and evictions. Then the engine (`cache_lookup` of scheduler/speculative.py): prompts
-served again are drafted from their first answers and give the same tokens, only within one cache_salt."""
+served again are drafted from their first answers (their pages in L1, L2 or L3 only, their last tokens kept as
+tails) and give the same tokens, only within one cache_salt."""
 from __future__ import annotations
 
 import random
@@ -12,6 +13,8 @@ from hypothesis import strategies as st
 
 from hicache.continuations import Tails, attached, continuation
 from hicache.radix import Tier
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
 from scheduler.request import SamplingParams
 from scheduler.speculative import SpeculativeConfig
 from tests.test_radix import make_tree, put
@@ -224,3 +227,33 @@ def test_the_config_takes_cache_lookup_as_a_bool(value, ok):
     else:
         with pytest.raises(ValueError, match="cache_lookup"):
             SpeculativeConfig.parse(fields)
+
+
+@pytest.mark.parametrize("tier", ["l2", "l3"])
+@pytest.mark.asyncio
+async def test_an_answer_below_l1_still_drafts(tier):
+    """The tree keeps a node's tokens while any tier holds its pages: an answer whose pages L1 (and L2) gave up is
+    still drafted, while its prompt comes back from that tier."""
+    config = EngineConfig(model="tiny", device="cpu", page_size=16, num_pages=512, dtype="float32",
+                          speculative=spec_config()).with_hicache(
+        enable=True, policy="always", host_ratio=4.0, storage_ratio=0.0 if tier == "l2" else 8.0)
+    eng = Engine(config)
+    await eng.start()
+    try:
+        [prompt] = fresh_prompts(4, 1, 37)
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        [first] = await eng.generate_async([prompt], params)
+        await eng.cache.drain()
+        eng.cache.flush(Tier.L1)
+        if tier == "l3":
+            eng.cache.flush(Tier.L2)
+        held = eng.cache.tree.match(prompt + first.output_ids, touch=False).lengths
+        assert held[Tier.L1] == 0 and held[Tier.L2 if tier == "l2" else Tier.L3] >= 64
+        [again] = await eng.generate_async([prompt], params)
+        assert again.output_ids == first.output_ids and again.cached_tokens[tier] > 0
+        drafts, accepted = cache_stats(eng)
+        assert accepted + drafts == 39  # (every token after its first: the pages, then the tail)
+        await eng.cache.drain()
+        eng.check_integrity()
+    finally:
+        await eng.shutdown()
