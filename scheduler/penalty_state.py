@@ -46,6 +46,8 @@ class RowPenalties(NamedTuple):
     min_tokens: int = 0     # its stop ids are masked while this step's token is one of its first min_tokens
     stop_ids: tuple[int, ...] = ()  # those ids (stop_token_ids, and the EOS ids unless ignore_eos); ()
                                     # once past min_tokens
+    draft_ids: tuple[int, ...] = ()  # a verify row's drafts before it (scheduler/speculative.py): generated
+                                     # tokens of this row only, counted in the step's copy, never in the state
 
     @property
     def penalized(self) -> bool:
@@ -54,16 +56,16 @@ class RowPenalties(NamedTuple):
     def holds_stops(self, chained: bool) -> bool:
         """Whether this step masks its stop ids: its token's index is the host's count of generated
         tokens, plus one in a chained step (the token in flight; regression test: without it the mask
-        held one step past min_tokens). A non-final prompt chunk's token is thrown away: masking it
-        changes nothing."""
-        return bool(self.stop_ids) and len(self.output_ids) + chained < self.min_tokens
+        held one step past min_tokens), plus a verify row's drafts before it. A non-final prompt chunk's
+        token is thrown away: masking it changes nothing."""
+        return bool(self.stop_ids) and len(self.output_ids) + chained + len(self.draft_ids) < self.min_tokens
 
 
 class StepUpload(NamedTuple):
     """What a step copies to the device: one int64 tensor and one float32 tensor (on the host), in parts."""
     index: torch.Tensor    # int64: penalized rows [p], new tokens' (row, id) [u] + [u], new masks' prompt ids [q],
                            # biased rows [b], their bias sizes [b], new biases' ids [c], held stop ids' (row, id)
-                           # [s] + [s]
+                           # [s] + [s], verify rows' drafts' (row, id) [d] + [d]
     values: torch.Tensor   # float32: the penalized rows' (presence, frequency, repetition) [p * 3], new biases [c]
     index_sizes: list[int]
     penalized: list[int]   # batch rows (their order in the step's [p, V] matrices)
@@ -108,10 +110,12 @@ def step_upload(rows: list[RowPenalties | None], vocab_size: int | None = None, 
     held = [(i, t) for i, r in enumerate(rows) if r is not None and r.holds_stops(chained)
             for t in r.stop_ids if 0 <= t and (vocab_size is None or t < vocab_size)]
     held_rows, held_ids = [i for i, _ in held], [t for _, t in held]
+    drafted = [(j, t) for j, i in enumerate(penalized) for t in rows[i].draft_ids]
+    draft_rows, draft_ids = [j for j, _ in drafted], [t for _, t in drafted]
     index = torch.tensor(penalized + new_rows + new_ids + prompt_ids + biased + bias_sizes + bias_ids + held_rows
-                         + held_ids, dtype=torch.int64)
+                         + held_ids + draft_rows + draft_ids, dtype=torch.int64)
     sizes = [len(penalized), len(new_rows), len(new_ids), len(prompt_ids), len(biased), len(biased), len(bias_ids),
-             len(held), len(held)]
+             len(held), len(held), len(drafted), len(drafted)]
     return StepUpload(index, torch.tensor(weights + bias_values, dtype=torch.float32), sizes, penalized,
                       recount, new_masks, mask_sizes, biased, new_biases, bias_sizes, len(held))
 
@@ -133,13 +137,14 @@ def apply_penalties(logits: torch.Tensor, rows: list[RowPenalties | None],
     index = up.index.to(device, non_blocking=True)  # one copy of what the states lack
     values = up.values.to(device, non_blocking=True)
     (penalized_dev, new_rows, new_ids, prompt_ids, biased_dev, bias_sizes, bias_ids, held_rows,
-     held_ids) = index.split(up.index_sizes)
+     held_ids, draft_rows, draft_ids) = index.split(up.index_sizes)
     weights, bias_values = values.split([3 * len(up.penalized), len(bias_ids)])
     out = logits.to(torch.float32, copy=True)  # [B, V]
     if up.biased:
         _add_bias(out, rows, up, biased_dev, bias_sizes, bias_ids, bias_values)
     if up.penalized:
-        _penalize(out, rows, up, penalized_dev, new_rows, new_ids, prompt_ids, weights.view(-1, 3), inflight_ids)
+        _penalize(out, rows, up, penalized_dev, new_rows, new_ids, prompt_ids, weights.view(-1, 3), inflight_ids,
+                  (draft_rows, draft_ids))
     if up.held_stops:  # (a fill kernel for the value: no copy of it to the device)
         out.index_put_((held_rows, held_ids), out.new_full((), float("-inf")))
     return out
@@ -160,9 +165,10 @@ def _add_bias(out: torch.Tensor, rows: list[RowPenalties | None], up: StepUpload
 
 def _penalize(out: torch.Tensor, rows: list[RowPenalties | None], up: StepUpload, penalized_dev: torch.Tensor,
               new_rows: torch.Tensor, new_ids: torch.Tensor, prompt_ids: torch.Tensor, weights: torch.Tensor,
-              inflight_ids: torch.Tensor | None) -> None:
+              inflight_ids: torch.Tensor | None, drafts: tuple[torch.Tensor, torch.Tensor]) -> None:
     """The penalized rows of `out`: their states take the step's new host tokens, then a copy of their
-    counts takes the in-flight ones (a device copy of [n, V]; the old way built it from every token)."""
+    counts takes the in-flight ones and a verify row's drafts (a device copy of [n, V]; the old way built it
+    from every token). A verify step's rows of one request share its state, each taking the same new tokens."""
     n, vocab, device = len(up.penalized), out.shape[-1], out.device
     states = [rows[i].state for i in up.penalized]
     for j in up.recount:
@@ -178,6 +184,8 @@ def _penalize(out: torch.Tensor, rows: list[RowPenalties | None], up: StepUpload
     if inflight_ids is not None:  # this step's copy only
         counts.index_put_((torch.arange(n, device=device), inflight_ids.index_select(0, penalized_dev)),
                           torch.ones(n, dtype=torch.float32, device=device), accumulate=True)
+    if len(drafts[0]):  # this step's copy only
+        counts.index_put_(drafts, torch.ones_like(drafts[0], dtype=torch.float32), accumulate=True)
     generated = counts > 0  # [n, V]
     seen = generated
     if any(rows[i].repetition != 1.0 for i in up.penalized):

@@ -18,7 +18,7 @@ from scheduler.model import Qwen3Model
 from scheduler.penalty_state import RowPenalties, apply_penalties
 from scheduler.request import MAX_LOGPROBS
 from scheduler.sampling import mark_nan, prompt_row_logprobs, sample, token_logprobs, unpack_logprobs
-from scheduler.speculative import sampled_rows
+from scheduler.speculative import sampled_rows, verify_penalties
 from scheduler.token_bans import RowBans, apply_bans
 
 
@@ -164,7 +164,8 @@ class ModelRunner:
     def _launch_verify(self, batch: BatchInput) -> StepHandle:
         """A verify step (scheduler/speculative.py): the tail forward of each sequence's pending token and drafts,
         every row's logits (a verify graph's, or eagerly), each row's token to the host: a greedy sequence's argmax, a
-        sampled one's draw (scheduler/speculative.py: rejection sampling of its drafts); where asked, every row's
+        sampled one's draw (scheduler/speculative.py: rejection sampling of its drafts), both after its penalties,
+        logit_bias and min_tokens, the row's drafts before it counted as generated; where asked, every row's
         logprobs (raw logits', as a plain step's)."""
         graphs = self.graphs
         shape = graphs.verify_shape_for(batch.new_lens, batch.page_tables) if graphs is not None else None
@@ -178,13 +179,17 @@ class ModelRunner:
                                         self.device, False)
             ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
             logits = self.model.logits_of(self.model.hidden_states(ids, attn, self.kv_pool))  # [T, V]
-        next_ids = logits.argmax(dim=-1)  # [T]: greedy sequences' tokens
+        scored = logits  # (penalized rows: a biased, penalized copy, each row's drafts before it counted)
+        if batch.penalties is not None:
+            scored = apply_penalties(logits, verify_penalties(batch.penalties, batch.verify_drafts, batch.new_lens,
+                                                              stride, len(logits)))
+        next_ids = scored.argmax(dim=-1)  # [T]: greedy sequences' tokens
         rows, seqs = sampled_rows(batch.new_lens, batch.temperatures, stride)
         if rows:  # sampled sequences: each row drawn as a plain step would be (rejection sampling of its draft)
             index = torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)  # [S]
             temps, top_ps, top_ks, min_ps = ([values[b] for b in seqs] if values else [] for values in (
                 batch.temperatures, batch.top_ps, batch.top_ks, batch.min_ps))  # (top_ks, min_ps: [] for none)
-            drawn = sample(logits.index_select(0, index), temps, top_ps, [None] * len(rows), top_ks, min_ps)  # [S]
+            drawn = sample(scored.index_select(0, index), temps, top_ps, [None] * len(rows), top_ks, min_ps)  # [S]
             next_ids = next_ids.index_copy(0, index, drawn)
         out_ids = mark_nan(logits, next_ids)  # [T]
         logprobs = None

@@ -29,8 +29,11 @@ a row's distribution and q all on the draft d, d is accepted with probability mi
 rejection draws from max(p - q, 0) normalized, p without d: exactly a draw from p that differs from d. So each
 token follows the plain step's distribution, row after row.
 
-Who speculates: greedy requests (temperature 0) and sampled ones without a seed, without anything that changes a
-step's logits (penalties, logit_bias, min_tokens, bans, structured outputs): `eligible`. Logprobs come from every
+Who speculates: greedy requests (temperature 0) and sampled ones without a seed: `eligible`. Penalties, logit_bias
+and min_tokens score each verify row as the plain step after its drafts would: row j counts the drafts before it
+as generated (`verify_penalties`; scheduler/penalty_state.py `draft_ids`), and holds the stop ids while its own
+token is one of the first min_tokens. Token bans and structured outputs decode plainly (a bad word's or a grammar's
+state after each draft is not computed here). Logprobs come from every
 row of a verify step, each accepted token's from the row that chose it (the raw logits', as a plain step's). A
 seeded request decodes plainly: whether its step verifies depends on what else runs, and its tokens must not.
 The others decode as before, in steps of their own; when both kinds run, the loop alternates a verify step and
@@ -126,12 +129,11 @@ class SpeculativeConfig:
 
 
 def eligible(params) -> bool:
-    """Whether a request's steps may be verified in bulk: greedy or sampled without a seed (the module doc), and
-    no step's logits changed for it (SamplingParams; logprobs are read from the rows, as a plain step's)."""
-    return ((params.temperature == 0.0 or params.seed is None) and params.presence_penalty == 0.0
-            and params.frequency_penalty == 0.0 and params.repetition_penalty == 1.0 and not params.logit_bias
-            and params.min_tokens == 0 and params.allowed_token_ids is None and not params.bad_words_token_ids
-            and params.guided is None)
+    """Whether a request's steps may be verified in bulk: greedy or sampled without a seed (the module doc), without
+    token bans or a grammar (SamplingParams; logprobs are read from the rows, penalties, logit_bias and min_tokens
+    applied to them: `verify_penalties`)."""
+    return ((params.temperature == 0.0 or params.seed is None) and params.allowed_token_ids is None
+            and not params.bad_words_token_ids and params.guided is None)
 
 
 class TokenHistory:
@@ -348,6 +350,21 @@ def sampled_rows(new_lens: list[int], temperatures: list[float], stride: int) ->
             seqs.extend([b] * n)
         row += n
     return rows, seqs
+
+
+def verify_penalties(penalties: list, drafts: list[list[int]], new_lens: list[int], stride: int,
+                     num_rows: int) -> list:
+    """A verify step's penalty rows (scheduler/penalty_state.py RowPenalties, per sequence or None) laid out as
+    its logits' num_rows rows: row j of sequence b its request's, with drafts[b][:j] as generated before it;
+    padding rows None. (The rows of one request share its state: each takes the same host tokens.)"""
+    out: list = [None] * num_rows
+    row = 0
+    for b, (pen, draft, n) in enumerate(zip(penalties, drafts, new_lens)):
+        start = b * stride if stride else row
+        if pen is not None:
+            out[start:start + n] = [pen._replace(draft_ids=tuple(draft[:j])) for j in range(n)]
+        row += n
+    return out
 
 
 def rows_of(ids: list[int], new_lens: list[int], stride: int) -> list[list[int]]:

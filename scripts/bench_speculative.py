@@ -1,6 +1,6 @@
 """Speculative decoding by prompt lookup (`--speculative-config`, scheduler/speculative.py): what a verify step
 costs against a decode step, and decode tokens/s with and without it (greedy, or sampled at --temperature and
---top-p; the cost policy or --draft-policy always). One engine, both ways in turn
+--top-p, with --repetition-penalty; the cost policy or --draft-policy always). One engine, both ways in turn
 (speculation switched off by taking its Speculator away; the verify graphs stay captured).
 
   1. Step cost: B sequences over a cached context of --context tokens, a decode step (one row each) against
@@ -60,6 +60,9 @@ def parse_args(argv=None):
                    help="the requests' and step-cost rows' temperature (default 0: greedy; > 0: drafts accepted by "
                         "rejection sampling, no seed)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature (default 1.0: off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="the decode workloads' requests' (default 1.0: off; Qwen2.5's generation config sets 1.05): "
+                        "each verify row scored after its drafts")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds (step cost: steps) per configuration")
     args = parse_common_args(p, argv)
     args.batches = [int(x) for x in args.batches.split(",")]
@@ -107,11 +110,11 @@ def greedy_margins(engine: Engine, prompt: list[int]) -> dict:
         return {"tied_rows": float((gap == 0).float().mean()), "median_gap_over_std": float((gap / spread).median())}
 
 
-async def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, device: str, temperature: float = 0.0,
-                   top_p: float = 1.0) -> tuple[float, list]:
+async def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, device: str,
+                   **sampling) -> tuple[float, list]:
     sync(device)
     t0 = time.perf_counter()
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=temperature, top_p=top_p)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
     results = await engine.generate_async(prompts, params)
     sync(device)
     return time.perf_counter() - t0, [r.output_ids for r in results]
@@ -142,6 +145,7 @@ async def main_async(args) -> dict:
     runs = []
     await generate(engine, [fresh(args.prompt_tokens)], 8, args.device)  # (warm-up)
     lookup = speculator.draft
+    fields = {"temperature": args.temperature, "top_p": args.top_p, "repetition_penalty": args.repetition_penalty}
     for workload in ("random", "repeat", "again") + (("oracle",) if args.oracle_drafts else ()):
         for b in args.batches:
             timed = {"on": [], "off": []}
@@ -158,7 +162,7 @@ async def main_async(args) -> dict:
                 if workload == "again":  # (their first serving, untimed: the answers the cache then holds)
                     await evict(engine, ["l1"])
                     engine.speculator = speculator  # (which keeps their last tokens, past the whole pages)
-                    await generate(engine, prompts, args.max_tokens, args.device, args.temperature, args.top_p)
+                    await generate(engine, prompts, args.max_tokens, args.device, **fields)
                 # (each run from an empty L1, so neither reuses the other's prompts, but "again"'s, which both
                 # reuse; the order alternates by round)
                 for mode in ("off", "on") if rnd % 2 == 0 or workload == "oracle" else ("on", "off"):
@@ -171,7 +175,7 @@ async def main_async(args) -> dict:
                             len(req.output):len(req.output) + k]
                     before = dict(speculator.stats)
                     seconds, outputs[mode] = await generate(engine, prompts, args.max_tokens, args.device,
-                                                            args.temperature, args.top_p)
+                                                            **fields)
                     timed[mode].append(seconds)
                     if mode == "on":
                         for key in counts:
@@ -188,7 +192,7 @@ async def main_async(args) -> dict:
     return {"model": args.model, "device": args.device, "speculative": vars(spec), "context": args.context,
             "verify_rows": verify_rows(spec.num_speculative_tokens),
             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "temperature": args.temperature,
-            "top_p": args.top_p, "steps": steps, "runs": runs,
+            "top_p": args.top_p, "repetition_penalty": args.repetition_penalty, "steps": steps, "runs": runs,
             "greedy_margins": margins,
             "integrity": integrity}
 
@@ -210,6 +214,7 @@ def main(argv=None) -> int:
              str(r["verify_steps"]), str(r["declined_steps"]), str(r["cache_drafts"]), fmt(r["accepted_tokens"] / r["drafts"] + 1 if r["drafts"] else None),
              r["outputs_equal"]] for r in out["runs"]]
     how = ("greedy" if not out["temperature"] else f"temperature {out['temperature']}, top_p {out['top_p']}") + \
+        (f", repetition_penalty {out['repetition_penalty']}" if out["repetition_penalty"] != 1.0 else "") + \
         f", draft_policy {out['speculative']['draft_policy']}"
     print(f"decode ({how}), {out['max_tokens']} tokens a request after {out['prompt_tokens']} prompt tokens:",
           file=dest)

@@ -86,3 +86,26 @@ def test_speculative_logprobs_on_cuda_equal_plain_decodes():
             assert abs(a.logprob - b.logprob) < 1e-3 and [t for t, _ in a.top] == [t for t, _ in b.top]
     assert spec.status()["engine"]["speculative"]["accepted_tokens"] > 0
     spec.check_integrity()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_speculative_penalized_on_cuda_equals_plain_decode(graphs):
+    """Penalties, logit_bias and min_tokens in verify rows through the verify graphs' layout (rows at b * R, padding
+    rows scored by none): each row's drafts before it counted; a greedy and a top_k 1 batch, served once (prompt
+    lookup) and again (the cache's drafts), give plain decoding's tokens."""
+    from scheduler.engine import Engine
+    base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=1024, page_size=16,
+                        cuda_graphs=graphs, max_running_requests=8)
+    prompts = _prompts(5)
+    fields = [{"presence_penalty": 0.8}, {"frequency_penalty": 0.5, "repetition_penalty": 1.2},
+              {"logit_bias": {7: 4.0, 9: -100.0}}, {"min_tokens": 6, "stop_token_ids": [prompts[3][0]]}, {}]
+    plain = Engine(base)
+    want = [r.output_ids for r in plain.generate(prompts, [SamplingParams(max_tokens=48, **f) for f in fields])]
+    spec = Engine(EngineConfig(**{**base.__dict__, "speculative": SpeculativeConfig(5, 4, 1, draft_policy="always")}))
+    for extra in ({}, {"temperature": 0.7, "top_k": 1}):
+        params = [SamplingParams(max_tokens=48, **f, **extra) for f in fields]
+        for _ in range(2):
+            assert [r.output_ids for r in spec.generate(prompts, params)] == want
+    stats = spec.status()["engine"]["speculative"]
+    assert stats["accepted_tokens"] > 0 and stats["cache_accepted_tokens"] > 0
+    spec.check_integrity()
