@@ -84,6 +84,12 @@ class Guide:
     def __init__(self, matcher, words: int, blocked_id: int | None) -> None:
         self.matcher, self.words, self.blocked_id = matcher, words, blocked_id  # (words: int32s of a mask row)
         self.allows_none = False  # the last mask allowed no token (that step's token is no answer's: `stuck_error`)
+        self.rows_allow_none: list[bool] | None = None  # a verify step's, per row (`fill_verify_masks`)
+
+    def valid_drafts(self, drafts: list[int]) -> list[int]:
+        """The drafts up to the first the grammar would not take after those before it (a speculative step's: a
+        row after a draft it refuses could be scored by no mask)."""
+        return drafts[:self.matcher.validate_tokens(drafts)] if drafts else drafts
 
     def fill_mask(self, row: torch.Tensor, held_ids: tuple[int, ...] = ()) -> bool:
         """row: [words] int32 on the host, bit t of word t // 32 set where token t may come next. held_ids: the
@@ -130,6 +136,30 @@ def fill_masks(guides: list[Guide], masks: torch.Tensor, held: list[tuple[int, .
     _executor().unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(guides)], masks.data_ptr(),
                                         masks.shape[1] * masks.element_size(), len(guides))
     return [g._filled(masks[i], held[i]) for i, g in enumerate(guides)]
+
+
+def fill_verify_masks(guides: list[Guide], drafts: list[list[int]], masks: torch.Tensor) -> None:
+    """A verify step's masks (scheduler/speculative.py): guide g's rows one after another in masks [R, words] (its
+    pending token's mask, then one after each of its drafts, which its grammar takes: `valid_drafts`), by
+    llguidance's threads, each matcher left where it was. Each guide's `rows_allow_none`: per row, whether its
+    mask allowed no token (`after_step` reads the one of the row that chose each token)."""
+    starts, row = [], 0
+    for d in drafts:
+        starts.append(row)
+        row += len(d) + 1
+    at, row_bytes = masks.data_ptr(), masks.shape[1] * masks.element_size()
+    with_drafts = [(g.matcher, start, list(d)) for g, start, d in zip(guides, starts, drafts) if d]
+    if with_drafts:
+        _executor().unsafe_compute_mask_ptr_with_draft_token(with_drafts, at, row_bytes, len(masks))
+    if len(with_drafts) < len(guides):  # (llguidance takes no empty list of drafts)
+        _executor().unsafe_compute_mask_ptr([(g.matcher, start) for g, start, d in zip(guides, starts, drafts)
+                                             if not d], at, row_bytes, len(masks))
+    for g, start, d in zip(guides, starts, drafts):
+        flags = []
+        for j in range(len(d) + 1):
+            g._filled(masks[start + j], ())
+            flags.append(g.allows_none)
+        g.rows_allow_none = flags
 
 
 @functools.cache

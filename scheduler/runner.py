@@ -18,7 +18,7 @@ from scheduler.model import Qwen3Model
 from scheduler.penalty_state import RowPenalties, apply_penalties
 from scheduler.request import MAX_LOGPROBS
 from scheduler.sampling import mark_nan, prompt_row_logprobs, sample, token_logprobs, unpack_logprobs
-from scheduler.speculative import sampled_rows, verify_penalties
+from scheduler.speculative import graph_rows, sampled_rows, verify_penalties
 from scheduler.token_bans import RowBans, apply_bans
 
 
@@ -165,7 +165,8 @@ class ModelRunner:
         """A verify step (scheduler/speculative.py): the tail forward of each sequence's pending token and drafts,
         every row's logits (a verify graph's, or eagerly), each row's token to the host: a greedy sequence's argmax, a
         sampled one's draw (scheduler/speculative.py: rejection sampling of its drafts), both after its penalties,
-        logit_bias and min_tokens, the row's drafts before it counted as generated; where asked, every row's
+        logit_bias and min_tokens, the row's drafts before it counted as generated, and its grammar's mask after
+        them; where asked, every row's
         logprobs (raw logits', as a plain step's)."""
         graphs = self.graphs
         shape = graphs.verify_shape_for(batch.new_lens, batch.page_tables) if graphs is not None else None
@@ -183,6 +184,9 @@ class ModelRunner:
         if batch.penalties is not None:
             scored = apply_penalties(logits, verify_penalties(batch.penalties, batch.verify_drafts, batch.new_lens,
                                                               stride, len(logits)))
+        if batch.token_masks is not None:  # guided sequences: each row's mask after the drafts before it
+            rows, masks = batch.token_masks
+            scored = apply_masks(scored, graph_rows(rows, batch.new_lens, stride), masks)
         next_ids = scored.argmax(dim=-1)  # [T]: greedy sequences' tokens
         rows, seqs = sampled_rows(batch.new_lens, batch.temperatures, stride)
         if rows:  # sampled sequences: each row drawn as a plain step would be (rejection sampling of its draft)

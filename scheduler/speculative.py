@@ -32,8 +32,10 @@ token follows the plain step's distribution, row after row.
 Who speculates: greedy requests (temperature 0) and sampled ones without a seed: `eligible`. Penalties, logit_bias
 and min_tokens score each verify row as the plain step after its drafts would: row j counts the drafts before it
 as generated (`verify_penalties`; scheduler/penalty_state.py `draft_ids`), and holds the stop ids while its own
-token is one of the first min_tokens. Token bans and structured outputs decode plainly (a bad word's or a grammar's
-state after each draft is not computed here). Logprobs come from every
+token is one of the first min_tokens. A structured output's drafts are cut where its grammar would refuse one, and
+row j is masked by the grammar's state after the drafts before it (scheduler/guided.py `fill_verify_masks`,
+llguidance's masks with draft tokens); with min_tokens it decodes plainly, as do token bans (a bad word's state
+after each draft is not computed here). Logprobs come from every
 row of a verify step, each accepted token's from the row that chose it (the raw logits', as a plain step's). A
 seeded request decodes plainly: whether its step verifies depends on what else runs, and its tokens must not.
 The others decode as before, in steps of their own; when both kinds run, the loop alternates a verify step and
@@ -130,10 +132,10 @@ class SpeculativeConfig:
 
 def eligible(params) -> bool:
     """Whether a request's steps may be verified in bulk: greedy or sampled without a seed (the module doc), without
-    token bans or a grammar (SamplingParams; logprobs are read from the rows, penalties, logit_bias and min_tokens
-    applied to them: `verify_penalties`)."""
+    token bans, and without a grammar and min_tokens together (SamplingParams; logprobs are read from the rows,
+    penalties, logit_bias and min_tokens applied to them: `verify_penalties`, a grammar's masks too)."""
     return ((params.temperature == 0.0 or params.seed is None) and params.allowed_token_ids is None
-            and not params.bad_words_token_ids and params.guided is None)
+            and not params.bad_words_token_ids and (params.guided is None or params.min_tokens == 0))
 
 
 class TokenHistory:
@@ -267,7 +269,10 @@ class Speculator:
         for req in spec:
             room = req.params.max_tokens - len(req.output) - 1  # (the step's own token is the last it may have)
             k = min(self.config.num_speculative_tokens, room)
-            drafted.append((req, self.draft(req, k) if k > 0 else []))
+            draft = self.draft(req, k) if k > 0 else []
+            if req.guide is not None:  # (those its grammar takes: scheduler/guided.py)
+                draft = req.guide.valid_drafts(draft)
+            drafted.append((req, draft))
         if not any(d for _, d in drafted):
             return reqs, None
         if self.policy is not None and not self.policy.pays(len(drafted), sum(
@@ -330,11 +335,16 @@ class Speculator:
                     stats["cache_accepted_tokens"] += len(tokens) - 1
                 for pos in range(len(tokens) - 1):
                     stats["accepted_per_pos"][pos] += 1
+            rows_allow_none = req.guide.rows_allow_none if req.guide is not None else None
             for i, token in enumerate(tokens):
                 if req.state.done:
                     break
+                if rows_allow_none is not None:  # (the mask of the row that chose it: `after_step` reads it)
+                    req.guide.allows_none = rows_allow_none[i]
                 after_step(req, 1, token, same_step=i > 0)
                 taken += 1
+            if rows_allow_none is not None:
+                req.guide.rows_allow_none = None
         return taken
 
 
@@ -365,6 +375,15 @@ def verify_penalties(penalties: list, drafts: list[list[int]], new_lens: list[in
             out[start:start + n] = [pen._replace(draft_ids=tuple(draft[:j])) for j in range(n)]
         row += n
     return out
+
+
+def graph_rows(packed: list[int], new_lens: list[int], stride: int) -> list[int]:
+    """Rows of a verify step counted as if packed (sequence b's new_lens[b] rows right after the sequence before's)
+    -> the same rows in its logits: sequence b's from b * stride (a verify graph's layout), or packed (stride 0)."""
+    if not stride:
+        return list(packed)
+    seq_of = [(b, j) for b, n in enumerate(new_lens) for j in range(n)]
+    return [seq_of[r][0] * stride + seq_of[r][1] for r in packed]
 
 
 def rows_of(ids: list[int], new_lens: list[int], stride: int) -> list[list[int]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from scheduler.guided import fill_masks
+from scheduler.guided import fill_masks, fill_verify_masks
 from scheduler.penalty_state import PenaltyState, RowPenalties
 from scheduler.request import Request, RequestError, RequestState, SamplingParams
 from scheduler.runner import BatchInput, StepHandle
@@ -62,7 +62,9 @@ def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) 
     adjusts = [r.params.adjusts_logits and not r.state.done for r in reqs]
     held = [() if r.state.done else _held_stops(r, eos_ids) for r in reqs]
     rows = [i for i, r in enumerate(reqs) if r.guide is not None and not r.state.done]
-    if rows:  # (each row's from its grammar's state after its last token)
+    if rows and binput.verify_drafts is not None:  # a verify step's: each guided sequence's every row, packed
+        _verify_masks(reqs, binput, rows)
+    elif rows:  # (each row's from its grammar's state after its last token)
         masks = torch.empty(len(rows), reqs[rows[0]].guide.words, dtype=torch.int32)  # [R, words]
         for i, fit in zip(rows, fill_masks([reqs[i].guide for i in rows], masks, [held[i] for i in rows])):
             if not fit:
@@ -75,6 +77,18 @@ def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) 
     if any(bans := [r.params.restricts_tokens and not r.state.done for r in reqs]):  # (scheduler/token_bans.py)
         binput.bans = [RowBans(r.params.allowed_token_ids, r.params.bad_words_token_ids, r.output, _state(r))
                        if b else None for r, b in zip(reqs, bans)]
+
+
+def _verify_masks(reqs: list[Request], binput: BatchInput, guided: list[int]) -> None:
+    """A verify step's guided masks (scheduler/guided.py fill_verify_masks): its rows counted as if packed (sequence
+    b's new_lens[b] rows right after the sequence before's; the runner places them in its graph's layout)."""
+    drafts = [binput.verify_drafts[i] for i in guided]
+    masks = torch.empty(sum(len(d) + 1 for d in drafts), reqs[guided[0]].guide.words, dtype=torch.int32)  # [R, W]
+    fill_verify_masks([reqs[i].guide for i in guided], drafts, masks)
+    starts = [0]
+    for n in binput.new_lens:
+        starts.append(starts[-1] + n)
+    binput.token_masks = ([starts[i] + j for i in guided for j in range(binput.new_lens[i])], masks)
 
 
 def _held_stops(req: Request, eos_ids: tuple[int, ...]) -> tuple[int, ...]:

@@ -109,3 +109,31 @@ def test_speculative_penalized_on_cuda_equals_plain_decode(graphs):
     stats = spec.status()["engine"]["speculative"]
     assert stats["accepted_tokens"] > 0 and stats["cache_accepted_tokens"] > 0
     spec.check_integrity()
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_speculative_guided_on_cuda_equals_plain_decode(graphs):
+    """Structured outputs in verify rows through the verify graphs' layout (each guided sequence's masks placed at
+    b * R: `graph_rows`): greedy answers beside an unguided one, served once and again, give plain decoding's."""
+    import json
+
+    from scheduler.engine import Engine
+    from scheduler.guided import GuidedSpec
+    from scheduler.tokenizer import ByteTokenizer
+    base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=1024, page_size=16,
+                        cuda_graphs=graphs, max_running_requests=8)
+    plain = Engine(base)
+    tok = ByteTokenizer(plain.vocab_size)
+    prompts = [tok.encode(t) for t in ("Answer: ", "abc abc abc abc ", "1x2x3x4x5x6x7x8x9x0x", "The cat ")]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    params = [SamplingParams(max_tokens=40, guided=GuidedSpec("regex", "[a-z ]{5,40}")), SamplingParams(max_tokens=40),
+              SamplingParams(max_tokens=40, guided=GuidedSpec("regex", "[0-9]{8,30}")),
+              SamplingParams(max_tokens=40, guided=GuidedSpec("json_schema", json.dumps(schema)))]
+    want = [r.output_ids for r in plain.generate(prompts, params)]
+    spec = Engine(EngineConfig(**{**base.__dict__, "speculative": SpeculativeConfig(5, 3, 1, draft_policy="always")}))
+    for _ in range(2):
+        got = spec.generate(prompts, params)
+        assert [r.output_ids for r in got] == want and all(r.error is None for r in got)
+    stats = spec.status()["engine"]["speculative"]
+    assert stats["accepted_tokens"] > 0 and stats["cache_accepted_tokens"] > 0
+    spec.check_integrity()
