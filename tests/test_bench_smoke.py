@@ -326,8 +326,11 @@ def test_bench_speculative_times_both_steps_and_decodes_equal_tokens(capsys):
     assert len(oracle) == 2 and all(0 < r["accepted_tokens"] == r["draft_tokens"] for r in oracle)
     assert 0 <= out["greedy_margins"]["tied_rows"] <= 1
     assert all(s["decode_ms"] > 0 and s["verify_1_ms"] > 0 and s["verify_3_ms"] > 0 for s in out["steps"])
-    assert {(r["workload"], r["batch"]) for r in out["runs"]} == {(w, b) for w in ("random", "repeat", "oracle")
+    assert {(r["workload"], r["batch"]) for r in out["runs"]} == {(w, b) for w in ("random", "repeat", "again", "oracle")
                                                                   for b in (1, 2)}
+    # served again: every draft from the prefix cache (the first answers), all accepted
+    again = [r for r in out["runs"] if r["workload"] == "again"]
+    assert all(0 < r["cache_accepted_tokens"] == r["accepted_tokens"] == r["draft_tokens"] for r in again)
     for r in out["runs"]:
         assert r["outputs_equal"] == f"{r['batch']}/{r['batch']}" and r["tok_s_on"] > 0 and r["tok_s_off"] > 0
     assert sum(r["draft_tokens"] for r in out["runs"]) > 0
