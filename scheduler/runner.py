@@ -166,8 +166,7 @@ class ModelRunner:
         every row's logits (a verify graph's, or eagerly), each row's token to the host: a greedy sequence's argmax, a
         sampled one's draw (scheduler/speculative.py: rejection sampling of its drafts), both after its penalties,
         logit_bias and min_tokens, the row's drafts before it counted as generated, and its grammar's mask after
-        them; where asked, every row's
-        logprobs (raw logits', as a plain step's)."""
+        them; where asked, every row's logprobs (raw logits', as a plain step's)."""
         graphs = self.graphs
         shape = graphs.verify_shape_for(batch.new_lens, batch.page_tables) if graphs is not None else None
         stride = 0
@@ -185,8 +184,8 @@ class ModelRunner:
             scored = apply_penalties(logits, verify_penalties(batch.penalties, batch.verify_drafts, batch.new_lens,
                                                               stride, len(logits)))
         if batch.token_masks is not None:  # guided sequences: each row's mask after the drafts before it
-            rows, masks = batch.token_masks
-            scored = apply_masks(scored, graph_rows(rows, batch.new_lens, stride), masks)
+            mask_rows, masks = batch.token_masks
+            scored = apply_masks(scored, graph_rows(mask_rows, batch.new_lens, stride), masks)
         next_ids = scored.argmax(dim=-1)  # [T]: greedy sequences' tokens
         rows, seqs = sampled_rows(batch.new_lens, batch.temperatures, stride)
         if rows:  # sampled sequences: each row drawn as a plain step would be (rejection sampling of its draft)

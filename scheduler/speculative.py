@@ -210,8 +210,8 @@ class Speculator:
         self.policy = DraftPolicy() if config.draft_policy == "cost" else None
         # vLLM's spec_decode counters: drafts (a request's drafts in one step), their tokens, those accepted, and
         # per draft position those accepted
-        # (and this engine's: steps with drafts that the cost policy decoded plainly)
-        # (and this engine's: drafts from the prefix cache, `cache_draft`, and their tokens accepted)
+        # (and this engine's: steps with drafts that the cost policy decoded plainly; drafts from the prefix cache,
+        # `cache_draft`, and their tokens accepted)
         self.stats = {"verify_steps": 0, "drafts": 0, "draft_tokens": 0, "accepted_tokens": 0,
                       "accepted_per_pos": [0] * config.num_speculative_tokens, "declined_steps": 0,
                       "cache_drafts": 0, "cache_accepted_tokens": 0}

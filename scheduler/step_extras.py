@@ -83,7 +83,7 @@ def _verify_masks(reqs: list[Request], binput: BatchInput, guided: list[int]) ->
     """A verify step's guided masks (scheduler/guided.py fill_verify_masks): its rows counted as if packed (sequence
     b's new_lens[b] rows right after the sequence before's; the runner places them in its graph's layout)."""
     drafts = [binput.verify_drafts[i] for i in guided]
-    masks = torch.empty(sum(len(d) + 1 for d in drafts), reqs[guided[0]].guide.words, dtype=torch.int32)  # [R, W]
+    masks = torch.zeros(sum(len(d) + 1 for d in drafts), reqs[guided[0]].guide.words, dtype=torch.int32)  # [R, W]
     fill_verify_masks([reqs[i].guide for i in guided], drafts, masks)
     starts = [0]
     for n in binput.new_lens:
