@@ -147,8 +147,13 @@ class EngineLoop:
                 since_ns = max(start_ns, self._overlap_counted_ns)
                 self.cache.metrics.restore_overlapped_s += max(0, end_ns - since_ns) / 1e9
                 self._overlap_counted_ns = max(self._overlap_counted_ns, end_ns)
-        elif binput.verify_drafts is not None:  # its tokens, counted as they are taken
-            taken = self.speculator.after_verify(reqs, binput.verify_drafts, next_ids, self.admission.after_step)
+        elif binput.verify_drafts is not None:  # its tokens, counted as they are taken (each judged by its bans)
+            bans = dict(zip(map(id, reqs), binput.bans)) if binput.bans is not None else {}
+
+            def take(req, chunk: int, token: int, same_step: bool = False) -> None:
+                if (row := bans.get(id(req))) is None or not step_extras.fail_if_banned(self, req, row, token):
+                    self.admission.after_step(req, chunk, token, same_step=same_step)
+            taken = self.speculator.after_verify(reqs, binput.verify_drafts, next_ids, take)
             self.stats["decode_tokens"] += taken
             return
         else:

@@ -18,7 +18,7 @@ from scheduler.model import Qwen3Model
 from scheduler.penalty_state import RowPenalties, apply_penalties
 from scheduler.request import MAX_LOGPROBS
 from scheduler.sampling import mark_nan, prompt_row_logprobs, sample, token_logprobs, unpack_logprobs
-from scheduler.speculative import graph_rows, sampled_rows, verify_penalties
+from scheduler.speculative import graph_rows, sampled_rows, verify_bans, verify_penalties
 from scheduler.token_bans import RowBans, apply_bans
 
 
@@ -165,8 +165,8 @@ class ModelRunner:
         """A verify step (scheduler/speculative.py): the tail forward of each sequence's pending token and drafts,
         every row's logits (a verify graph's, or eagerly), each row's token to the host: a greedy sequence's argmax, a
         sampled one's draw (scheduler/speculative.py: rejection sampling of its drafts), both after its penalties,
-        logit_bias and min_tokens, the row's drafts before it counted as generated, and its grammar's mask after
-        them; where asked, every row's logprobs (raw logits', as a plain step's)."""
+        logit_bias and min_tokens, the row's drafts before it counted as generated, and its bans' and grammar's
+        masks after them; where asked, every row's logprobs (raw logits', as a plain step's)."""
         graphs = self.graphs
         shape = graphs.verify_shape_for(batch.new_lens, batch.page_tables) if graphs is not None else None
         stride = 0
@@ -183,6 +183,9 @@ class ModelRunner:
         if batch.penalties is not None:
             scored = apply_penalties(logits, verify_penalties(batch.penalties, batch.verify_drafts, batch.new_lens,
                                                               stride, len(logits)))
+        if batch.bans is not None:  # allowed_token_ids, bad words: each row's after the drafts before it
+            scored = apply_bans(scored, verify_bans(batch.bans, batch.verify_drafts, batch.new_lens, stride,
+                                                    len(logits)), None, copy=scored is logits)
         if batch.token_masks is not None:  # guided sequences: each row's mask after the drafts before it
             mask_rows, masks = batch.token_masks
             scored = apply_masks(scored, graph_rows(mask_rows, batch.new_lens, stride), masks)

@@ -32,10 +32,11 @@ token follows the plain step's distribution, row after row.
 Who speculates: greedy requests (temperature 0) and sampled ones without a seed: `eligible`. Penalties, logit_bias
 and min_tokens score each verify row as the plain step after its drafts would: row j counts the drafts before it
 as generated (`verify_penalties`; scheduler/penalty_state.py `draft_ids`), and holds the stop ids while its own
-token is one of the first min_tokens. A structured output's drafts are cut where its grammar would refuse one, and
-row j is masked by the grammar's state after the drafts before it (scheduler/guided.py `fill_verify_masks`,
-llguidance's masks with draft tokens); with min_tokens it decodes plainly, as do token bans (a bad word's state
-after each draft is not computed here). Logprobs come from every
+token is one of the first min_tokens. Token bans (allowed_token_ids, bad words) judge row j by the output and the
+drafts before it (`verify_bans`), and each token taken by its own history (step_extras `fail_if_banned`). A
+structured output's drafts are cut where its grammar would refuse one, and row j is masked by the grammar's state
+after the drafts before it (scheduler/guided.py `fill_verify_masks`, llguidance's masks with draft tokens); with
+min_tokens it decodes plainly. Logprobs come from every
 row of a verify step, each accepted token's from the row that chose it (the raw logits', as a plain step's). A
 seeded request decodes plainly: whether its step verifies depends on what else runs, and its tokens must not.
 The others decode as before, in steps of their own; when both kinds run, the loop alternates a verify step and
@@ -131,11 +132,10 @@ class SpeculativeConfig:
 
 
 def eligible(params) -> bool:
-    """Whether a request's steps may be verified in bulk: greedy or sampled without a seed (the module doc), without
-    token bans, and without a grammar and min_tokens together (SamplingParams; logprobs are read from the rows,
-    penalties, logit_bias and min_tokens applied to them: `verify_penalties`, a grammar's masks too)."""
-    return ((params.temperature == 0.0 or params.seed is None) and params.allowed_token_ids is None
-            and not params.bad_words_token_ids and (params.guided is None or params.min_tokens == 0))
+    """Whether a request's steps may be verified in bulk: greedy or sampled without a seed (the module doc), and not
+    a grammar and min_tokens together (SamplingParams; logprobs are read from the rows, penalties, logit_bias,
+    min_tokens, bans and a grammar's masks applied to them: `verify_penalties`, `verify_bans`)."""
+    return (params.temperature == 0.0 or params.seed is None) and (params.guided is None or params.min_tokens == 0)
 
 
 class TokenHistory:
@@ -373,6 +373,22 @@ def verify_penalties(penalties: list, drafts: list[list[int]], new_lens: list[in
         start = b * stride if stride else row
         if pen is not None:
             out[start:start + n] = [pen._replace(draft_ids=tuple(draft[:j])) for j in range(n)]
+        row += n
+    return out
+
+
+def verify_bans(bans: list, drafts: list[list[int]], new_lens: list[int], stride: int, num_rows: int) -> list:
+    """A verify step's token bans (scheduler/token_bans.py RowBans, per sequence or None) laid out as its logits'
+    num_rows rows: row j of sequence b its request's, its output followed by drafts[b][:j] (only the tail a bad word
+    can match: as many tokens as its longest word); padding rows None. (The rows share its state: its mask.)"""
+    out: list = [None] * num_rows
+    row = 0
+    for b, (ban, draft, n) in enumerate(zip(bans, drafts, new_lens)):
+        start = b * stride if stride else row
+        if ban is not None:
+            keep = max((len(w) for w in ban.words), default=0)
+            recent = list(ban.output_ids[max(0, len(ban.output_ids) - keep):]) if keep else []
+            out[start:start + n] = [ban] + [ban._replace(output_ids=recent + draft[:j]) for j in range(1, n)]
         row += n
     return out
 

@@ -166,8 +166,16 @@ def fail_broken_bans(engine, work, next_ids: list[int]) -> None:
     for req, chunk, row, token in zip(reqs, chunks, binput.bans, next_ids):
         if row is None or req.state.done or token < 0 or req.cached_len + chunk < len(req.prompt):
             continue  # (a NaN mark; a prefill chunk before the last: its token is thrown away)
-        if row.sampled_banned(token):
-            also = " that its grammar allows" if req.guide is not None else \
-                " that min_tokens does not hold back" if len(req.output) < req.params.min_tokens else ""
-            engine.finish(req, RequestState.FAILED, "error", f"no token was left to sample after {len(req.output)} "
-                          f"generated: allowed_token_ids and bad_words ban every token{also}")
+        fail_if_banned(engine, req, row, token)
+
+
+def fail_if_banned(engine, req: Request, row: RowBans, token: int) -> bool:
+    """Fail `req` if `token`, its next, is one its bans ban (its row had no token left); -> whether it did. A verify
+    step asks this of each token it yields, before that token is taken (scheduler/speculative.py after_verify)."""
+    if not row.sampled_banned(token):
+        return False
+    also = " that its grammar allows" if req.guide is not None else \
+        " that min_tokens does not hold back" if len(req.output) < req.params.min_tokens else ""
+    engine.finish(req, RequestState.FAILED, "error", f"no token was left to sample after {len(req.output)} "
+                  f"generated: allowed_token_ids and bad_words ban every token{also}")
+    return True

@@ -90,16 +90,19 @@ def test_speculative_logprobs_on_cuda_equal_plain_decodes():
 
 @pytest.mark.parametrize("graphs", [True, False])
 def test_speculative_penalized_on_cuda_equals_plain_decode(graphs):
-    """Penalties, logit_bias and min_tokens in verify rows through the verify graphs' layout (rows at b * R, padding
-    rows scored by none): each row's drafts before it counted; a greedy and a top_k 1 batch, served once (prompt
-    lookup) and again (the cache's drafts), give plain decoding's tokens."""
+    """Penalties, logit_bias, min_tokens and token bans in verify rows through the verify graphs' layout (rows at
+    b * R, padding rows scored by none): each row's drafts before it counted; a greedy and a top_k 1 batch, served
+    once (prompt lookup) and again (the cache's drafts), give plain decoding's tokens."""
     from scheduler.engine import Engine
     base = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=1024, page_size=16,
                         cuda_graphs=graphs, max_running_requests=8)
-    prompts = _prompts(5)
-    fields = [{"presence_penalty": 0.8}, {"frequency_penalty": 0.5, "repetition_penalty": 1.2},
-              {"logit_bias": {7: 4.0, 9: -100.0}}, {"min_tokens": 6, "stop_token_ids": [prompts[3][0]]}, {}]
+    prompts = _prompts(7)
     plain = Engine(base)
+    free = [r.output_ids for r in plain.generate(prompts, SamplingParams(max_tokens=48))]
+    fields = [{"presence_penalty": 0.8}, {"frequency_penalty": 0.5, "repetition_penalty": 1.2},
+              {"logit_bias": {7: 4.0, 9: -100.0}}, {"min_tokens": 6, "stop_token_ids": [prompts[3][0]]}, {},
+              {"allowed_token_ids": sorted(set(free[5]) - {free[5][3]})},
+              {"bad_words_token_ids": [[free[6][1], free[6][2]], [free[6][4]]]}]
     want = [r.output_ids for r in plain.generate(prompts, [SamplingParams(max_tokens=48, **f) for f in fields])]
     spec = Engine(EngineConfig(**{**base.__dict__, "speculative": SpeculativeConfig(5, 4, 1, draft_policy="always")}))
     for extra in ({}, {"temperature": 0.7, "top_k": 1}):

@@ -2,11 +2,14 @@
 `speculative.verify_penalties`, penalty_state's `draft_ids`): each verify row is scored as the plain step after its
 drafts would be, its drafts counted as generated in that row alone. So on the tiny CPU engine in float32 the tokens
 equal plain decoding's, served once (prompt lookup's drafts) and again (the first answers' drafts, from the prefix
-cache), greedy and sampled with top_k 1 (the sampler's path). Token bans and structured outputs still decode
-plainly (`eligible`)."""
+cache), greedy and sampled with top_k 1 (the sampler's path). Token bans (allowed_token_ids, bad words) the same
+way (`verify_bans`: a bad word matched over the output and the drafts before the row), and a row with no token
+left fails its request as a plain step does. (Structured outputs: tests/test_speculative_guided.py.)"""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler.request import SamplingParams
 from scheduler.speculative import eligible
@@ -40,6 +43,8 @@ def cases(answers: list[list[int]]) -> dict[str, dict]:
         "logit_bias": {"logit_bias": {first[2]: -100.0, first[6]: 3.0}},
         "min_tokens": {"min_tokens": 8, "stop_token_ids": [first[3]]},
         "sampled top_k 1 with presence": {"temperature": 0.7, "top_k": 1, "presence_penalty": 0.8},
+        "allowed_token_ids": {"allowed_token_ids": sorted({t for a in answers for t in a} - {first[2]})},
+        "bad_words": {"bad_words_token_ids": [[first[1], first[2]], [first[3], first[4], first[5]], [first[7]]]},
     }
 
 
@@ -88,7 +93,50 @@ def test_min_tokens_holds_a_stop_id_in_rows_before_it_and_not_after(plain, loopi
     assert any(s.out_before < m < s.out_before + len(s.yielded) for s in steps)  # (one straddled it)
 
 
-@pytest.mark.parametrize("fields", [{"allowed_token_ids": [1, 2, 3]}, {"bad_words_token_ids": [[5, 6]]},
-                                    {"temperature": 0.7, "seed": 3}])
-def test_bans_and_seeds_still_decode_plainly(fields):
+def test_a_verify_row_with_no_token_left_fails_the_request_as_a_plain_step_does(plain, monkeypatch):
+    """allowed_token_ids [t] and the bad word [t, t]: after its first token t, nothing is left. The prompt's repeats
+    draft t again; the verify row after the pending token has no token, and the request fails there, as plainly."""
+    t = 17
+    prompt = [t] * 12
+    params = SamplingParams(max_tokens=8, allowed_token_ids=[t], bad_words_token_ids=[[t, t]])
+    [want] = plain.generate([prompt], params)
+    assert want.finish_reason == "error" and "ban every token" in want.error and want.output_ids == [t]
+    eng = make_engine(SPEC)
+    steps = record_steps(monkeypatch)
+    [got] = eng.generate([prompt], params)
+    assert (got.output_ids, got.finish_reason, got.error) == (want.output_ids, want.finish_reason, want.error)
+    assert steps and steps[0].draft  # (it failed in a verify step)
+    eng.check_integrity()
+
+
+@pytest.mark.parametrize("fields", [{"temperature": 0.7, "seed": 3}, {"guided": "regex", "min_tokens": 2}])
+def test_seeds_and_grammars_with_min_tokens_still_decode_plainly(fields):
+    if "guided" in fields:
+        from scheduler.guided import GuidedSpec
+        fields = {**fields, "guided": GuidedSpec("regex", "[a-z]+")}
     assert not eligible(SamplingParams(max_tokens=4, **fields))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_verify_bans_rows_ban_what_the_whole_history_bans(data):
+    """verify_bans keeps only the output's last (longest word) tokens before a row's drafts: each row's host bans
+    equal those of the whole output followed by the drafts before it, in either layout."""
+    from scheduler.penalty_state import PenaltyState
+    from scheduler.speculative import verify_bans
+    from scheduler.token_bans import RowBans
+    tok = st.integers(0, 5)
+    words = tuple(tuple(w) for w in data.draw(st.lists(st.lists(tok, min_size=1, max_size=4), min_size=1, max_size=4)))
+    output = data.draw(st.lists(tok, max_size=6))
+    if data.draw(st.booleans()):  # (an output that ends with a word's prefix: the row after it bans its last token)
+        output += list(data.draw(st.sampled_from(words))[:-1])
+    draft = data.draw(st.lists(tok, max_size=5))
+    stride = data.draw(st.sampled_from([0, 8]))
+    ban = RowBans(None, words, output, PenaltyState())
+    rows = verify_bans([None, ban], [[], draft], [1, len(draft) + 1], stride, 16)
+    start = 8 if stride else 1
+    assert rows[0] is None and all(r is None for i, r in enumerate(rows) if not start <= i < start + len(draft) + 1)
+    index = ban.index("cpu")
+    for j in range(len(draft) + 1):
+        whole = RowBans(None, words, output + draft[:j], ban.state)
+        assert rows[start + j].host_bans(index, False) == whole.host_bans(index, False)

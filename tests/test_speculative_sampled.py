@@ -97,7 +97,7 @@ def test_the_reference_distribution_is_the_samplers():
     (SamplingParams(temperature=0.0, seed=3), True),   # (greedy: the seed draws nothing)
     (SamplingParams(temperature=0.8, logprobs=1), True),  # (each token's logprobs from the row that chose it)
     (SamplingParams(temperature=0.8, presence_penalty=0.5), True),  # (each row scored after its drafts)
-    (SamplingParams(temperature=0.8, allowed_token_ids=[1, 2]), False),
+    (SamplingParams(temperature=0.8, allowed_token_ids=[1, 2]), True),  # (each row's bans after its drafts)
 ])
 def test_eligible(params, want):
     assert eligible(params) is want
