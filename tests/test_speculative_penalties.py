@@ -13,17 +13,8 @@ from hypothesis import strategies as st
 
 from scheduler.request import SamplingParams
 from scheduler.speculative import eligible
-from test_speculative import SPEC, looping_prompts, make_engine, record_steps
-
-
-@pytest.fixture(scope="module")
-def looping() -> list[list[int]]:
-    return looping_prompts(7, 40, 10, 40, need=4)[:4]
-
-
-@pytest.fixture(scope="module")
-def plain():
-    return make_engine()
+from test_speculative import SPEC, make_engine, record_steps
+from test_speculative_logprobs import looping, plain  # noqa: F401 (its fixtures: the same prompts, a plain engine)
 
 
 @pytest.fixture(scope="module")
