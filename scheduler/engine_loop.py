@@ -151,7 +151,8 @@ class EngineLoop:
             bans = dict(zip(map(id, reqs), binput.bans)) if binput.bans is not None else {}
 
             def take(req, chunk: int, token: int, same_step: bool = False) -> None:
-                if (row := bans.get(id(req))) is None or not step_extras.fail_if_banned(self, req, row, token):
+                row = bans.get(id(req))  # (a NaN mark, < 0, fails as NaN in after_step)
+                if row is None or token < 0 or not step_extras.fail_if_banned(self, req, row, token):
                     self.admission.after_step(req, chunk, token, same_step=same_step)
             taken = self.speculator.after_verify(reqs, binput.verify_drafts, next_ids, take)
             self.stats["decode_tokens"] += taken

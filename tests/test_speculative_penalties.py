@@ -100,6 +100,25 @@ def test_a_verify_row_with_no_token_left_fails_the_request_as_a_plain_step_does(
     eng.check_integrity()
 
 
+def test_a_nan_verify_row_of_a_banning_request_fails_as_nan_not_as_a_ban(monkeypatch):
+    """A verify step whose rows' logits were NaN (every id marked, < 0) for a request with allowed_token_ids: it
+    fails for its NaN logits, as a plain step's would (regression: the mark was judged a banned token)."""
+    from scheduler.runner import ModelRunner
+    t = 17
+    launch = ModelRunner._launch_verify
+
+    def poisoned(self, batch):
+        handle = launch(self, batch)
+        handle.host.fill_(-1)  # (on the CPU: the ids themselves, NAN_TOKEN each)
+        return handle
+    monkeypatch.setattr(ModelRunner, "_launch_verify", poisoned)
+    eng = make_engine(SPEC)
+    steps = record_steps(monkeypatch)
+    [got] = eng.generate([[t] * 12], SamplingParams(max_tokens=8, allowed_token_ids=[t, t + 1]))
+    assert steps and got.finish_reason == "error" and "NaN" in got.error, got.error
+    eng.check_integrity()
+
+
 @pytest.mark.parametrize("fields", [{"temperature": 0.7, "seed": 3}, {"guided": "regex", "min_tokens": 2}])
 def test_seeds_and_grammars_with_min_tokens_still_decode_plainly(fields):
     if "guided" in fields:
