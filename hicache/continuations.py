@@ -59,15 +59,37 @@ class Tails:
         return len(self._tails)
 
 
+class Joined:
+    """Two token lists read as one (a request's prompt, then its output), sliced without copying either whole: a
+    walk reads a page or a node's run at a time from its anchor on."""
+
+    __slots__ = ("head", "rest")
+
+    def __init__(self, head: Sequence[int], rest: Sequence[int]) -> None:
+        self.head, self.rest = head, rest
+
+    def __len__(self) -> int:
+        return len(self.head) + len(self.rest)
+
+    def __getitem__(self, part: slice) -> list[int]:
+        start, stop, _ = part.indices(len(self))  # (slices of step 1 only)
+        cut = len(self.head)
+        if stop <= cut:
+            return list(self.head[start:stop])
+        if start >= cut:
+            return list(self.rest[start - cut:stop - cut])
+        return list(self.head[start:]) + list(self.rest[:stop - cut])
+
+
 def continuation(tree: RadixTree, tokens: Sequence[int], max_tokens: int, node: Node | None = None,
-                 tails: Tails | None = None) -> tuple[list[int], Node, int]:
-    """tokens: a context's tokens after `node`'s path (the root's by default). -> (up to max_tokens tokens that
-    followed them in the tree, then in `tails`, [] when the path ends or strays; the deepest node the tokens cover
-    whole; how many of the tokens reach its end)."""
+                 tails: Tails | None = None, start: int = 0) -> tuple[list[int], Node, int]:
+    """tokens[start:]: a context's tokens after `node`'s path (the root's by default). -> (up to max_tokens tokens
+    that followed them in the tree, then in `tails`, [] when the path ends or strays; the deepest node they cover
+    whole; the position in tokens where it ends)."""
     ps = tree.page_size
     node = tree.root if node is None else node
-    anchor, anchor_pos = node, 0
-    pos, n = 0, len(tokens)
+    anchor, anchor_pos = node, start
+    pos, n = start, len(tokens)
     while pos < n:
         rest = n - pos
         if rest >= ps:

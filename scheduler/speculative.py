@@ -53,7 +53,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from hicache.continuations import Tails, attached, continuation
+from hicache.continuations import Joined, Tails, attached, continuation
 from scheduler.draft_policy import DraftPolicy
 from scheduler.request import RequestState
 
@@ -301,9 +301,8 @@ class Speculator:
         node, pos = req.draft_anchor if req.draft_anchor is not None else (tree.root, 0)
         if not attached(tree, node):
             node, pos = tree.root, 0
-        tail = prompt[pos:] + output if pos < len(prompt) else output[pos - len(prompt):]
-        drafts, node, covered = continuation(tree, tail, k, node, self.tails)
-        req.draft_anchor = (node, pos + covered)
+        drafts, node, end = continuation(tree, Joined(prompt, output), k, node, self.tails, start=pos)
+        req.draft_anchor = (node, end)  # (its context read in place: no copy of its whole output a step)
         return drafts
 
     def remember_tail(self, req) -> None:
@@ -348,54 +347,58 @@ class Speculator:
         return taken
 
 
+def row_starts(new_lens: list[int], stride: int) -> list[int]:
+    """A verify step's layout: the first row of each sequence in its logits, sequence b's new_lens[b] rows from
+    b * stride (a verify graph's padded layout) or right after the sequence before's (stride 0: packed)."""
+    if stride:
+        return [b * stride for b in range(len(new_lens))]
+    starts, row = [], 0
+    for n in new_lens:
+        starts.append(row)
+        row += n
+    return starts
+
+
 def sampled_rows(new_lens: list[int], temperatures: list[float], stride: int) -> tuple[list[int], list[int]]:
-    """A verify step's rows of sampled sequences (temperature > 0) in its logits, and the sequence of each:
-    sequence b's new_lens[b] rows start at row b * stride (a verify graph's layout; its padding rows left out)
-    or right after the sequence before (stride 0: packed)."""
-    rows, seqs, row = [], [], 0
-    for b, (n, temperature) in enumerate(zip(new_lens, temperatures)):
-        start = b * stride if stride else row
+    """A verify step's rows of sampled sequences (temperature > 0) in its logits (`row_starts`; a graph's padding
+    rows left out), and the sequence of each."""
+    rows, seqs = [], []
+    for b, (start, n, temperature) in enumerate(zip(row_starts(new_lens, stride), new_lens, temperatures)):
         if temperature > 0.0:
             rows.extend(range(start, start + n))
             seqs.extend([b] * n)
-        row += n
     return rows, seqs
 
 
 def verify_penalties(penalties: list, drafts: list[list[int]], new_lens: list[int], stride: int,
                      num_rows: int) -> list:
     """A verify step's penalty rows (scheduler/penalty_state.py RowPenalties, per sequence or None) laid out as
-    its logits' num_rows rows: row j of sequence b its request's, with drafts[b][:j] as generated before it;
-    padding rows None. (The rows of one request share its state: each takes the same host tokens.)"""
+    its logits' num_rows rows (`row_starts`): row j of sequence b its request's, with drafts[b][:j] as generated
+    before it; padding rows None. (The rows of one request share its state: each takes the same host tokens.)"""
     out: list = [None] * num_rows
-    row = 0
-    for b, (pen, draft, n) in enumerate(zip(penalties, drafts, new_lens)):
-        start = b * stride if stride else row
+    for start, pen, draft, n in zip(row_starts(new_lens, stride), penalties, drafts, new_lens):
         if pen is not None:
             out[start:start + n] = [pen._replace(draft_ids=tuple(draft[:j])) for j in range(n)]
-        row += n
     return out
 
 
 def verify_bans(bans: list, drafts: list[list[int]], new_lens: list[int], stride: int, num_rows: int) -> list:
     """A verify step's token bans (scheduler/token_bans.py RowBans, per sequence or None) laid out as its logits'
-    num_rows rows: row j of sequence b its request's, its output followed by drafts[b][:j] (only the tail a bad word
-    can match: as many tokens as its longest word); padding rows None. (The rows share its state: its mask.)"""
+    num_rows rows (`row_starts`): row j of sequence b its request's, its output followed by drafts[b][:j] (only
+    the tail a bad word can match: as many tokens as its longest word); padding rows None. (The rows share its
+    state: its mask.)"""
     out: list = [None] * num_rows
-    row = 0
-    for b, (ban, draft, n) in enumerate(zip(bans, drafts, new_lens)):
-        start = b * stride if stride else row
+    for start, ban, draft, n in zip(row_starts(new_lens, stride), bans, drafts, new_lens):
         if ban is not None:
             keep = max((len(w) for w in ban.words), default=0)
             recent = list(ban.output_ids[max(0, len(ban.output_ids) - keep):]) if keep else []
             out[start:start + n] = [ban] + [ban._replace(output_ids=recent + draft[:j]) for j in range(1, n)]
-        row += n
     return out
 
 
 def graph_rows(packed: list[int], new_lens: list[int], stride: int) -> list[int]:
-    """Rows of a verify step counted as if packed (sequence b's new_lens[b] rows right after the sequence before's)
-    -> the same rows in its logits: sequence b's from b * stride (a verify graph's layout), or packed (stride 0)."""
+    """Rows of a verify step counted as if packed (`row_starts` with stride 0) -> the same rows in its logits
+    (`row_starts` with `stride`)."""
     if not stride:
         return list(packed)
     seq_of = [(b, j) for b, n in enumerate(new_lens) for j in range(n)]
@@ -403,11 +406,5 @@ def graph_rows(packed: list[int], new_lens: list[int], stride: int) -> list[int]
 
 
 def rows_of(ids: list[int], new_lens: list[int], stride: int) -> list[list[int]]:
-    """A verify step's greedy ids per sequence: the first new_lens[b] rows of sequence b, which starts at row
-    b * stride (a graph's padded layout) or right after the one before (stride 0: packed)."""
-    out, row = [], 0
-    for b, n in enumerate(new_lens):
-        start = b * stride if stride else row
-        out.append(ids[start:start + n])
-        row += n
-    return out
+    """A verify step's greedy ids per sequence: the first new_lens[b] rows of sequence b (`row_starts`)."""
+    return [ids[start:start + n] for start, n in zip(row_starts(new_lens, stride), new_lens)]

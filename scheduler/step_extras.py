@@ -12,6 +12,7 @@ from scheduler.guided import fill_masks, fill_verify_masks
 from scheduler.penalty_state import PenaltyState, RowPenalties
 from scheduler.request import Request, RequestError, RequestState, SamplingParams
 from scheduler.runner import BatchInput, StepHandle
+from scheduler.speculative import row_starts
 from scheduler.token_bans import RowBans, held_by_min_tokens
 
 _NEUTRAL_PENALTIES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
@@ -85,9 +86,7 @@ def _verify_masks(reqs: list[Request], binput: BatchInput, guided: list[int]) ->
     drafts = [binput.verify_drafts[i] for i in guided]
     masks = torch.zeros(sum(len(d) + 1 for d in drafts), reqs[guided[0]].guide.words, dtype=torch.int32)  # [R, W]
     fill_verify_masks([reqs[i].guide for i in guided], drafts, masks)
-    starts = [0]
-    for n in binput.new_lens:
-        starts.append(starts[-1] + n)
+    starts = row_starts(binput.new_lens, 0)
     binput.token_masks = ([starts[i] + j for i in guided for j in range(binput.new_lens[i])], masks)
 
 
@@ -145,11 +144,9 @@ def _keep_verify_logprobs(runner, reqs: list[Request], binput: BatchInput, handl
         return
     stride, new_lens = handle.row_stride, binput.new_lens
     wants: list[int | None] = [None] * (stride * len(new_lens) if stride else sum(new_lens))  # per row of the logits
-    starts, row = [], 0
-    for b, (want, n) in enumerate(zip(binput.logprobs, new_lens)):
-        starts.append(b * stride if stride else row)
-        wants[starts[-1]:starts[-1] + n] = [want] * n
-        row += n
+    starts = row_starts(new_lens, stride)
+    for start, want, n in zip(starts, binput.logprobs, new_lens):
+        wants[start:start + n] = [want] * n
     lps = runner.logprobs_of(handle, wants)
     for req, want, start, rows in zip(reqs, binput.logprobs, starts, tokens):
         if want is not None:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.continuations import Tails, attached, continuation
+from hicache.continuations import Joined, Tails, attached, continuation
 from hicache.radix import Tier
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
@@ -98,6 +98,16 @@ def test_tails_keep_the_latest_capacity_nodes():
     assert tails.get(tree, nodes[1]) == (9,)
 
 
+@pytest.mark.parametrize("head, rest", [([1, 2, 3], [4, 5]), ([], [4, 5]), ([1, 2], [])])
+def test_joined_slices_as_the_concatenation(head, rest):
+    whole, joined = head + rest, Joined(head, rest)
+    assert len(joined) == len(whole)
+    for a in range(len(whole) + 2):
+        for b in range(len(whole) + 2):
+            assert joined[a:b] == whole[a:b]
+    assert joined[1:] == whole[1:]
+
+
 # -- against a naive reference ----------------------------------------------------------------------------
 def held(seqs: list[list[int]]) -> list[list[int]]:
     """What the tree holds of each inserted sequence: its whole pages."""
@@ -127,9 +137,12 @@ def test_a_continuation_is_what_followed_the_context_in_some_sequence(data):
                                        for s in whole)  # (k of them, or up to the end of one)
     else:  # complete: no sequence goes on after the context
         assert not went_on
-    # the anchor: a node on the context's path, and a walk on from it gives the same drafts
+    # the anchor: a node on the context's path, and a walk on from it gives the same drafts, the context sliced
+    # or read in place (split anywhere into a prompt and an output: Joined), its end where the first walk's was
     assert attached(tree, node) and covered <= len(context)
     assert continuation(tree, context[covered:], k, node)[0] == drafts
+    cut = data.draw(st.integers(0, len(context)))
+    assert continuation(tree, Joined(context[:cut], context[cut:]), k, node, start=covered) == (drafts, node, covered)
 
 
 @settings(max_examples=60, deadline=None)
