@@ -40,6 +40,9 @@ class EngineConfig:
     # projections of forwards of at most 16 rows on CUDA: "triton" (kernels/skinny_gemm.py, SiLU x up
     # folded into gate_up) or "cublas" (torch.nn.functional.linear + a SiLU kernel)
     small_gemm: str = "triton"
+    # CUDA, bf16 / fp16 weights: the LM head's logits are its float32 sums, not rounded to the model's dtype
+    # first (scheduler/model.py `logits_of`): greedy picks do not flip with a kernel's rounding at near-ties
+    fp32_lm_head: bool = True
     # vLLM's --speculative-config, method "ngram" (scheduler/speculative.py: prompt lookup, greedy requests);
     # None: off
     speculative: SpeculativeConfig | None = None
@@ -174,6 +177,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # the default; kept
     g.add_argument("--small-gemm", default=EngineConfig.small_gemm, choices=["triton", "cublas"],
                    help="projections of forwards of at most 16 rows (decode, a restore's tail) on CUDA")
+    g.add_argument("--disable-fp32-lm-head", action="store_true",
+                   help="CUDA, bf16 / fp16 weights: round the LM head's output to the model's dtype before float32 "
+                        "(vLLM's; default: its float32 sums are the logits)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM\'s speculative decoding config; served: prompt lookup, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 5, "prompt_lookup_max": 4}\' (greedy requests verify up to that '
@@ -293,6 +299,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         share_prefill=not args.disable_shared_prefill,
         cuda_graphs=not args.disable_cuda_graphs,
         small_gemm=args.small_gemm,
+        fp32_lm_head=not args.disable_fp32_lm_head,
         speculative=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
         overlap_schedule=not args.disable_overlap_schedule,
         restore_overlap=not args.disable_restore_overlap,

@@ -60,6 +60,7 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
             self.model, self.model_config, self.model_id = load_model(config.model, self.device, self.dtype,
                                                                       config.seed)
             self.model.skinny = self.model.fused and config.small_gemm == "triton"
+            self.model.fp32_lm_head = config.fp32_lm_head
         page_size = config.page_size_on(self.device.type)
         geometry = self.model_config.kv_geometry(page_size, self.dtype)
         num_pages, hc = plan_pools(config, self.device, self.model_config, geometry, self.model_id)

@@ -113,6 +113,9 @@ class Qwen3Model(nn.Module):
         # fused path, at most skinny_gemm.BLOCK_M rows: projections by kernels/skinny_gemm.py instead
         # of cuBLAS (set by the Engine from EngineConfig.small_gemm; settable for tests)
         self.skinny = False
+        # CUDA, half-precision weights: the LM head accumulates and outputs float32 (set by the Engine from
+        # EngineConfig.fp32_lm_head; settable for tests); otherwise its output is the model's dtype, then float32
+        self.fp32_lm_head = False
         self._rope: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -155,8 +158,17 @@ class Qwen3Model(nn.Module):
         return x
 
     def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: the final norm's output [R, H] -> float32 logits [R, V]."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        """hidden: the final norm's output [R, H] -> float32 logits [R, V].
+
+        With `fp32_lm_head` on CUDA (bf16 / fp16 weights) the product's float32 sums are the logits: cuBLAS's
+        half-precision GEMM with a float32 output, the same weight read. Rounded to bf16 first (vLLM's, and
+        this path's off CUDA), logits of magnitude 4 are kept in steps of 1/32, so two candidates often tie
+        exactly, and whichever way a kernel rounded (a verify row against a decode row, a restore's tail
+        against a whole prefill) picks between them."""
+        weight = self.lm_head_weight  # [V, H]
+        if self.fp32_lm_head and hidden.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
+            return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        return F.linear(hidden, weight).float()
 
     def forward(self, input_ids: torch.Tensor, batch: AttentionBatch, kv_pool: torch.Tensor,
                 wait_layer: LayerWait | None = None) -> torch.Tensor:

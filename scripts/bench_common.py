@@ -202,6 +202,8 @@ def add_engine_mode_args(p) -> None:
                    help="projections of forwards of at most 16 rows (default: the engine's)")
     p.add_argument("--gpu-wait", default=None, choices=["spin", "block"],
                    help="how the loop waits for a forward (default: the engine's)")
+    p.add_argument("--disable-fp32-lm-head", action="store_true",
+                   help="the LM head's output rounded to the model's dtype before float32 (vLLM's)")
     p.add_argument("--log-json", default=None)
 
 
@@ -215,8 +217,9 @@ def hicache_override_args(args) -> dict:
 
 
 def engine_mode_args(args) -> dict:
-    """EngineConfig fields for --small-gemm and --gpu-wait (none that was not given)."""
-    given = {"small_gemm": getattr(args, "small_gemm", None), "gpu_wait": getattr(args, "gpu_wait", None)}
+    """EngineConfig fields for --small-gemm, --gpu-wait and --disable-fp32-lm-head (none that was not given)."""
+    given = {"small_gemm": getattr(args, "small_gemm", None), "gpu_wait": getattr(args, "gpu_wait", None),
+             "fp32_lm_head": False if getattr(args, "disable_fp32_lm_head", False) else None}
     return {k: v for k, v in given.items() if v is not None}
 
 

@@ -162,7 +162,7 @@ async def run(args) -> dict:
     for mode, graphs, small_gemm in modes:
         cfg = EngineConfig(model=args.model, device=args.device, page_size=args.page_size,
                            max_total_tokens=args.pool_tokens, max_prefill_tokens=16384, cuda_graphs=graphs,
-                           small_gemm=small_gemm, max_running_requests=64)
+                           small_gemm=small_gemm, max_running_requests=64, fp32_lm_head=not args.disable_fp32_lm_head)
         engine = Engine(cfg)
         global vocab_hi
         vocab_hi = engine.vocab_size
@@ -296,6 +296,8 @@ def main(argv=None) -> int:
                     help="--guided-decode's masks for this tokenizer.json's vocabulary (scripts/make_bpe_tokenizer.py) "
                          "rather than the presets' byte tokenizer")
     ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--disable-fp32-lm-head", action="store_true",
+                    help="the LM head's output rounded to the model's dtype before float32 (vLLM's)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of the tail request (CUDA), after every timing of the last mode")
     ap.add_argument("--small-gemm", default="triton",

@@ -325,6 +325,31 @@ def split_table(rows: list[dict]) -> None:
                       f"{b['BLOCK_N']}/{b['BLOCK_K']}/{b['num_stages']}")
 
 
+LM_HEAD_ROWS = (1, 4, 16, 32, 64, 256, 2048)
+
+
+def lm_head_rows(dev, dtype, vocab: int = 151936, hidden: int = 4096, rows_list=LM_HEAD_ROWS) -> list[dict]:
+    """The LM head at the 8B shape (Qwen3's vocabulary): µs per call of the bf16 output cast to float32 (vLLM's,
+    `--disable-fp32-lm-head`) against cuBLAS's float32-output GEMM (scheduler/model.py `logits_of`), each over 4
+    weight copies in turn (1.2 GiB each, none served from L2); and each one's largest error against a float64
+    product of the same operands."""
+    import torch.nn.functional as F
+    weights = [torch.randn(vocab, hidden, device=dev, dtype=dtype) / hidden ** 0.5 for _ in range(4)]
+    rows = []
+    for m in rows_list:
+        x = torch.randn(m, hidden, device=dev, dtype=dtype)
+        want = x.double() @ weights[0].double().t()
+        r = {"rows": m, "weight_mib": vocab * hidden * weights[0].element_size() / 2**20}
+        for name, fn in (("model_dtype", lambda w: F.linear(x, w).float()),
+                         ("fp32", lambda w: torch.mm(x, w.t(), out_dtype=torch.float32))):
+            r[f"{name}_us"] = time_calls_us([functools.partial(fn, w) for w in weights * 2])
+            r[f"{name}_max_err"] = (fn(weights[0]).double() - want).abs().max().item()
+        r["fp32_over_model_dtype"] = r["fp32_us"] / r["model_dtype_us"]
+        rows.append(r)
+    del weights
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skinny", action="store_true", help="only the small-M projections (kernels/skinny_gemm.py)")
@@ -338,6 +363,8 @@ def main(argv=None) -> int:
                     help="--attention: each config with the page prefetch off and on")
     ap.add_argument("--compile-jobs", type=int, default=min(12, os.cpu_count() or 1),
                     help="--attention: processes that compile the sweep's kernels first (1: none)")
+    ap.add_argument("--lm-head", action="store_true",
+                    help="only the LM head: its bf16 output cast to float32 against a float32-output GEMM")
     add_common_args(ap)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -352,6 +379,16 @@ def main(argv=None) -> int:
         if args.json:
             print(json.dumps(res))
         sweep_table(res)
+        return 0
+    if args.lm_head:
+        res = {"device": torch.cuda.get_device_name(), "lm_head": lm_head_rows(dev, dtype)}
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        print("LM head rows  bf16 out + cast us  fp32 out us  ratio  max err bf16 / fp32")
+        for r in res["lm_head"]:
+            print(f"{r['rows']:12d} {r['model_dtype_us']:18.1f} {r['fp32_us']:12.1f} {r['fp32_over_model_dtype']:6.3f}"
+                  f"  {r['model_dtype_max_err']:.2e} / {r['fp32_max_err']:.2e}")
         return 0
     if args.skinny_split:
         res = {"device": torch.cuda.get_device_name(),

@@ -56,6 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--draft-policy", default="cost", choices=["cost", "always"],
                    help="verify when the drafts expected to be accepted pay for the step (default), or whenever one is found")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--disable-fp32-lm-head", action="store_true",
+                   help="the LM head's output rounded to the model's dtype before float32 (vLLM's)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="the requests' and step-cost rows' temperature (default 0: greedy; > 0: drafts accepted by "
                         "rejection sampling, no seed)")
@@ -126,7 +128,7 @@ async def main_async(args) -> dict:
                              draft_policy=args.draft_policy)
     engine = Engine(EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=16 if cuda else 4,
                                  num_pages=8192 if cuda else 2048, max_running_requests=max(args.batches),
-                                 dtype=args.dtype,
+                                 dtype=args.dtype, fp32_lm_head=not args.disable_fp32_lm_head,
                                  speculative=spec))
     speculator = engine.speculator
     await engine.start()

@@ -155,6 +155,32 @@ def test_skinny_projections_equal_cublas_path(split_k, monkeypatch):
         model.fused = model.skinny = False
 
 
+def test_fp32_lm_head_flag_reaches_the_model_and_is_a_cuda_path_only():
+    """--disable-fp32-lm-head reaches the model; off CUDA (and for float32 weights) logits_of stays the
+    model-dtype product cast to float32, whatever the flag (torch's float32-output mm is CUDA only)."""
+    import argparse
+
+    import torch.nn.functional as F
+
+    from scheduler.config import EngineConfig, add_engine_args, config_from_args
+    from scheduler.engine import Engine
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args([])).fp32_lm_head is True
+    assert config_from_args(parser.parse_args(["--disable-fp32-lm-head"])).fp32_lm_head is False
+    assert Engine(EngineConfig(model="tiny", device="cpu", num_pages=32)).model.fp32_lm_head is True
+    eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=32, dtype="bfloat16", fp32_lm_head=False))
+    model = eng.model
+    assert model.fp32_lm_head is False
+    hidden = torch.randn(3, model.cfg.hidden_size, dtype=torch.bfloat16)
+    want = F.linear(hidden, model.lm_head_weight).float()
+    for flag in (False, True):
+        model.fp32_lm_head = flag
+        got = model.logits_of(hidden)
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+
+
 def test_small_gemm_backend_is_validated_and_reaches_the_model():
     import argparse
 

@@ -164,6 +164,33 @@ def test_small_gemm_backends_agree():
             assert ((got - want).norm() / want.norm()).item() < 1e-2
 
 
+def test_fp32_lm_head_logits_are_the_float32_sums_and_serve_through_graphs():
+    """On CUDA with bf16 weights the LM head's logits are its float32 sums (within float32 accumulation of a
+    float64 reference), where the bf16 output is rounded to steps of 1/32 at magnitude 4; and greedy serving
+    through the decode and tail graphs equals eager serving with them (the float32-output GEMM captures)."""
+    from scheduler.engine import Engine
+    eng = Engine(EngineConfig(model="tiny", device="cuda", dtype="bfloat16", num_pages=256, page_size=16))
+    model = eng.model
+    assert model.fp32_lm_head
+    hidden = torch.randn(16, model.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    want = hidden.double() @ model.lm_head_weight.double().t()  # [16, V]
+    got = model.logits_of(hidden)
+    assert got.dtype == torch.float32
+    err = (got.double() - want).abs().max().item()
+    scale = want.abs().max().item()
+    assert err < 1e-5 * scale
+    model.fp32_lm_head = False
+    rounded = model.logits_of(hidden)
+    model.fp32_lm_head = True
+    assert (rounded.double() - want).abs().max().item() > 10 * err  # what the float32 output keeps
+    ps = prompts(seed=7)
+    base = EngineConfig(model="tiny", device="cuda", dtype="bfloat16", num_pages=512, page_size=16)
+    graphs, eng = run(base, ps)
+    assert eng.runner.graphs is not None and eng.model.fp32_lm_head
+    eager, _ = run(EngineConfig(**{**base.__dict__, "cuda_graphs": False}), ps)
+    assert graphs == eager
+
+
 @pytest.mark.parametrize("graphs", [True, False])
 def test_pdl_launches_equal_ordinary_launches(graphs):
     """Kernels launched with programmatic dependent launch (kernels/pdl.py, the default from sm_90)
