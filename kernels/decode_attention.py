@@ -173,6 +173,19 @@ if triton is not None:
                  out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def default_splits(pairs: int, rows_per_seq: int) -> int:
+    """Splits of each (sequence, KV head)'s keys, given how many such pairs a call has. A one-row decode of
+    many sequences has programs enough with fewer splits, and each split's loop is then long enough to keep
+    its K/V loads in flight: at the 8B shape (8 KV heads) on the H200, us a layer at 576 / 2,000 / 4,000 keys
+    (scripts/bench_kernels.py --attention-batch, session 50): 8 sequences 14.3 / 28.9 / 47.4 with 16 splits,
+    10.8 / 23.3 / 38.4 with 8; 16 sequences 18.4 / 44.2 / 76.5 with 8, 15.0 / 37.8 / 67.6 with 4; 32
+    sequences 31.5 / 80.5 / 144.3 with 8, 29.9 / 75.7 / 142.0 with 4; 64 about even. Fewer still (1 or 2)
+    was slower at every shape: too few keys in flight per program. Multi-row tails keep NUM_SPLITS."""
+    if rows_per_seq > 1 or pairs <= 32:
+        return NUM_SPLITS
+    return NUM_SPLITS // 2 if pairs <= 64 else NUM_SPLITS // 4
+
+
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -203,7 +216,7 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
     # per sequence and few programs -> 16 splits of 64-key blocks, 8 warps; many sequences -> 8 splits;
     # multi-row tails -> 16 splits of 32-key blocks, 4 warps
     few_programs = rows_per_seq == 1 and b * hkv <= 32
-    num_splits = splits or (NUM_SPLITS if rows_per_seq > 1 or b * hkv < 128 else NUM_SPLITS // 2)
+    num_splits = splits or default_splits(b * hkv, rows_per_seq)
     block = block or (64 if few_programs else BLOCK_N)
     num_warps = num_warps or (8 if few_programs else 4)
     # the page prefetch, with Triton's 3 stages (H200, us a call over 36 layers' distinct K/V, session

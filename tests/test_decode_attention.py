@@ -25,6 +25,31 @@ def test_triton_decode_matches_reference(page_size, hq, hkv):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
 
 
+def test_split_count_falls_with_the_sequences_of_a_one_row_decode():
+    """16 splits for a few (sequence, KV head) pairs and for multi-row tails; 8, then 4, as a one-row decode
+    of more sequences has programs enough (kernels/decode_attention.py `default_splits`)."""
+    from kernels.decode_attention import NUM_SPLITS, default_splits
+    assert [default_splits(n, 1) for n in (8, 32, 33, 64, 65, 256, 512)] == [16, 16, 8, 8, 4, 4, 4]
+    assert all(default_splits(n, r) == NUM_SPLITS for n in (8, 64, 512) for r in (2, 16))
+
+
+@pytest.mark.parametrize("batch,hkv", [(20, 2), (40, 2)])
+def test_many_sequence_decode_with_fewer_splits_matches_reference(batch, hkv):
+    """A one-row decode of enough sequences to take 8 and 4 splits: every length, from one key to a few
+    pages past a split's share, equals the reference."""
+    torch.manual_seed(2)
+    d, page_size, max_pages, hq = 16, 4, 12, 4
+    pages = batch * max_pages
+    k = torch.randn(pages, page_size, hkv, d)
+    v = torch.randn(pages, page_size, hkv, d)
+    page_tables = torch.randperm(pages).reshape(batch, max_pages).to(torch.int64)
+    seq_lens = torch.tensor([1 + (7 * i) % (max_pages * page_size) for i in range(batch)], dtype=torch.int64)
+    q = torch.randn(batch, hq, d)
+    ref = decode_attention_torch(q, k, v, page_tables, seq_lens, 0.25)
+    got = decode_attention_triton(q, k, v, page_tables, seq_lens, 0.25)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("rows_per_seq,hq,hkv,tensor_cores", [(2, 4, 2, False), (5, 8, 2, False), (16, 4, 1, False),
                                                                (5, 8, 2, True)])
 def test_triton_multi_row_matches_reference(rows_per_seq, hq, hkv, tensor_cores):
