@@ -120,6 +120,9 @@ SWEEP_SHAPES = [sh for sh in ATTENTION_SHAPES if sh[0] == 1]
 # at 64 x 4,000 keys)
 BATCH_SHAPES = [(b, 1, ctx) for b in (8, 16, 32, 64) for ctx in (576, 2000, 4000)]
 BATCH_CONFIGS = [dict(splits=sp, block=bl, num_warps=4) for sp in (1, 2, 4, 8, 16) for bl in (32, 64)] + [{}]
+# and several sequences of several rows (verify steps of k + 1 rows rounded to 8, tails of up to 16)
+MULTI_ROW_SHAPES = [(b, r, ctx) for b, r in ((2, 8), (4, 8), (8, 8), (2, 16), (4, 16)) for ctx in (1000, 3500)]
+MULTI_ROW_CONFIGS = [dict(splits=sp) for sp in (4, 8, 16)] + [{}]
 # num_stages 3 is Triton's default on sm_90; 4 is back in (session 22 left it out, having seen it
 # compile to the same PTX as 3 offline, where a compile without the pointers' 16-byte alignment
 # pipelines nothing at all: session 24)
@@ -368,7 +371,8 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-jobs", type=int, default=min(12, os.cpu_count() or 1),
                     help="--attention: processes that compile the sweep's kernels first (1: none)")
     ap.add_argument("--attention-batch", action="store_true",
-                    help="only one-row decode attention of 8 to 64 sequences, 1 to 16 splits")
+                    help="only the attention of several sequences: one-row decode of 8 to 64 (1 to 16 splits), "
+                         "verify steps and tails of 2 to 8 (4 to 16 splits)")
     ap.add_argument("--lm-head", action="store_true",
                     help="only the LM head: its bf16 output cast to float32 against a float32-output GEMM")
     add_common_args(ap)
@@ -388,13 +392,14 @@ def main(argv=None) -> int:
         return 0
     if args.attention_batch:
         res = {"device": torch.cuda.get_device_name(),
-               "attention": attention_rows(dev, dtype, shapes=BATCH_SHAPES, configs=BATCH_CONFIGS)}
+               "attention": attention_rows(dev, dtype, shapes=BATCH_SHAPES, configs=BATCH_CONFIGS)
+               + attention_rows(dev, dtype, shapes=MULTI_ROW_SHAPES, configs=MULTI_ROW_CONFIGS)}
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
-        print("seqs  ctx  splits block      us   KV GiB/s  (- = the default)")
+        print("seqs x rows  ctx  splits block      us   KV GiB/s  (- = the default)")
         for r in res["attention"]:
-            cells = f"{r['seqs']:4d} {r['context']:5d} {r['splits'] or '-':>6} {r['block'] or '-':>5}"
+            cells = f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {r['splits'] or '-':>6} {r['block'] or '-':>5}"
             print(f"{cells}  failed: {r['error']}" if "error" in r else f"{cells} {r['us']:8.1f} {r['kv_gib_s']:9.0f}")
         return 0
     if args.lm_head:
