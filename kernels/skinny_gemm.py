@@ -1,23 +1,28 @@
-"""Small-M projections (decode, a restore's short tail), and gate_up with SwiGLU folded in.
+"""Small-M projections (decode of up to 64 sequences, a restore's short tail, verify steps), and gate_up with
+SwiGLU folded in.
 
 With a handful of rows a projection is a weight read: every output column streams its weight row
 once. cuBLAS gets close, but picks split-K plus a reduce kernel for some of these shapes, and SwiGLU
 after gate_up costs a kernel of its own. This kernel streams each weight block once per program (one
-block of output columns, the whole K or a part of it), with tensor-core dots on a 16-row tile:
+block of output columns, the whole K or a part of it), with tensor-core dots on a row tile of 16, 32 or 64
+rows (the call's rows rounded up):
 
   linear(x, W)                 y = x @ W^T                                x [M, K], W [N, K] -> y [M, N]
   linear(x, W, swiglu=True)    W = [gate; up] [2I, K]: y = silu(x @ gate^T) * (x @ up^T)   -> y [M, I]
   linear(x, W, split_k=P)      float32 partials over P parts of K, for a consumer that adds them
                                (the residual add + RMSNorm after o_proj and down)      -> y [P, M, N]
 
-Two operand orders: x @ W^T (the [16, BK] input tile times the weight tile) or, `swapped`, (W @
+Two operand orders: x @ W^T (the [BM, BK] input tile times the weight tile) or, `swapped`, (W @
 x^T)^T, which puts the weight tile first, as the tensor cores' M side (64 columns), with the rows
 second. One projection on its own is 1-2 us faster swapped at every 8B shape, but in a chain of
 the layer's projections under PDL only qkv and o_proj keep the gain (a 36-layer chain 3.62 -> 3.51
 ms); a swapped gate_up or down made it slower (3.86 / 3.69 ms), so they stay as they were. The
 tail forward after a restore: 8B 4.72 -> 4.68 ms, 4B 3.24 -> 3.19 ms (docs/benchmarks.md, session 19).
 
-M is at most BLOCK_M (16). Folding the residual add + RMSNorm into the same loop was measured and
+M is at most MAX_ROWS (64). Up to 16 rows this was the only row tile (session 6). Tiles of 32 and 64 rows
+(session 50, H200, 8B shape, a layer's four projections): 106.9 against cuBLAS's 115.6 us at 32 rows, 115.1
+against 117.8 at 64 (gate_up alone is slower there, 59.6 against 57.0); batch-32 decode 5,890 against 5,590
+tokens/s, batch 64 9,730 against 9,610. Folding the residual add + RMSNorm into the same loop was measured and
 dropped: the element-wise prologue on every K block kept the loads from pipelining (qkv 51 us
 against 19 us for the norm kernel + cuBLAS, docs/benchmarks.md). Run on the CPU under
 TRITON_INTERPRET=1 in tests.
@@ -36,7 +41,8 @@ try:
 except ImportError:  # pragma: no cover - triton is a dependency
     triton = None
 
-BLOCK_M = 16  # rows per call at most: the small forwards (decode up to 16 sequences, a 16-row tail)
+BLOCK_M = 16  # the smallest row tile: decode of up to 16 sequences, a 16-row tail
+MAX_ROWS = 64  # rows per call at most (row tiles of 16, 32 or 64: `_row_tile`)
 SHARED_BYTES = 200 << 10  # pipeline stages fit in this much shared memory (the H200 has 227 KiB a block)
 
 
@@ -58,8 +64,13 @@ def split_k_for(n_out: int, k: int) -> int:
     return 2 if n_out <= 4096 and k >= 4096 else 1
 
 
+def _row_tile(m: int) -> int:
+    """The row tile of an m-row call: 16, 32 or 64 (the weight tile is read once for all of its rows)."""
+    return max(BLOCK_M, triton.next_power_of_2(m))
+
+
 def _config(n_out: int, k: int, swiglu: bool, elem_bytes: int, budget: int = SHARED_BYTES,
-            split_k: int = 1) -> dict:
+            split_k: int = 1, block_m: int = BLOCK_M) -> dict:
     """Block sizes tuned on the H200 at the 8B shapes in bf16 (scripts/bench_kernels.py --skinny and
     --skinny-split; the operand order by chains of the layer's projections, session 19;
     docs/benchmarks.md), then cut to fit: K blocks no longer than a split's share of
@@ -77,7 +88,7 @@ def _config(n_out: int, k: int, swiglu: bool, elem_bytes: int, budget: int = SHA
     bk = min(bk, max(16, triton.next_power_of_2(-(-k // split_k))))  # no longer than a split's share of K
 
     def stage_bytes(block_k: int) -> int:
-        return (bn * (2 if swiglu else 1) + BLOCK_M) * block_k * elem_bytes
+        return (bn * (2 if swiglu else 1) + block_m) * block_k * elem_bytes
 
     while bk > 16 and stage_bytes(bk) * 2 > budget:
         bk //= 2
@@ -143,13 +154,13 @@ if triton is not None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, split_k: int = 1,
            **config) -> torch.Tensor:
-    """x [M, K] @ weight [N, K]^T -> [M, N] (1 <= M <= 16). swiglu: weight is [gate; up] [2I, K] and
+    """x [M, K] @ weight [N, K]^T -> [M, N] (1 <= M <= MAX_ROWS). swiglu: weight is [gate; up] [2I, K] and
     the result silu(x @ gate^T) * (x @ up^T) [M, I]. split_k > 1 (not with swiglu): K is cut in that
     many parts, each a program per column block, and the result is their float32 partial sums
     [split_k, M, N], added up by the consumer. config overrides the block sizes (benchmarks)."""
     m, k = x.shape
-    if m > BLOCK_M or m < 1:
-        raise ValueError(f"skinny projections take 1..{BLOCK_M} rows, got {m}")
+    if m > MAX_ROWS or m < 1:
+        raise ValueError(f"skinny projections take 1..{MAX_ROWS} rows, got {m}")
     if weight.shape[1] != k or not (x.is_contiguous() and weight.is_contiguous()):
         raise ValueError(f"x [{m}, {k}] and weight {list(weight.shape)} must be contiguous with equal K")
     if swiglu and weight.shape[0] % 2:
@@ -157,13 +168,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, swiglu: bool = False, split_k:
     if split_k < 1 or (swiglu and split_k > 1):
         raise ValueError(f"split_k must be >= 1, and 1 with swiglu (SiLU needs the whole sum), got {split_k}")
     n = weight.shape[0] // 2 if swiglu else weight.shape[0]
-    cfg = {**_config(n, k, swiglu, x.element_size(), _shared_budget(x.device), split_k), **config}
+    block_m = _row_tile(m)
+    cfg = {**_config(n, k, swiglu, x.element_size(), _shared_budget(x.device), split_k, block_m), **config}
     if split_k == 1:
         y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     else:
         y = torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
     _skinny_kernel[(triton.cdiv(n, cfg["BLOCK_N"]), split_k)](x, weight, y, m, n, k, SWIGLU=swiglu,
-                                                              IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M,
+                                                              IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
                                                               SPLIT_K=split_k, **pdl.launch_kwargs(x.device),
                                                               **cfg)
     return y

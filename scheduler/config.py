@@ -37,7 +37,7 @@ class EngineConfig:
     # computing them beside it (scheduler/admission.py `_computes_prefix_of`); False: each computes its own
     share_prefill: bool = True
     cuda_graphs: bool = True  # CUDA only: small forwards (decode, short tails) replay captured graphs
-    # projections of forwards of at most 16 rows on CUDA: "triton" (kernels/skinny_gemm.py, SiLU x up
+    # projections of forwards of at most 64 rows on CUDA: "triton" (kernels/skinny_gemm.py, SiLU x up
     # folded into gate_up) or "cublas" (torch.nn.functional.linear + a SiLU kernel)
     small_gemm: str = "triton"
     # CUDA, bf16 / fp16 weights: the LM head's logits are its float32 sums, not rounded to the model's dtype
@@ -176,7 +176,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="run small forwards eagerly instead of replaying captured CUDA graphs (CUDA only)")
     g.add_argument("--enable-cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # the default; kept
     g.add_argument("--small-gemm", default=EngineConfig.small_gemm, choices=["triton", "cublas"],
-                   help="projections of forwards of at most 16 rows (decode, a restore's tail) on CUDA")
+                   help="projections of forwards of at most 64 rows (decode, a restore's tail, verify steps) on CUDA")
     g.add_argument("--disable-fp32-lm-head", action="store_true",
                    help="CUDA, bf16 / fp16 weights: round the LM head's output to the model's dtype before float32 "
                         "(vLLM's; default: its float32 sums are the logits)")

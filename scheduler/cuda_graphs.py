@@ -11,8 +11,8 @@ captured once with static input buffers; a step copies its inputs into them and 
   - prefill (one sequence, no cached prefix, padded to a PREFILL_BUCKETS length);
   - verify (B sequences x R rows, every row's logits), B as for tails, with speculative decoding
     (scheduler/speculative.py): a verify step's pending tokens and drafts, R the drafts + 1 rounded up to a
-    power of two (`speculative.verify_rows`: 8 rows for 5 drafts, so two sequences still fit the skinny
-    projections' 16 rows);
+    power of two (`speculative.verify_rows`: 8 rows for 5 drafts, so eight sequences still fit the skinny
+    projections' 64 rows);
   - restore (one sequence, 1 or TAIL_ROWS rows) when the transfer engine copies restores in layer
     order: the same forward whose paged attention kernel first spins on that layer's flag of the
     transfer engine (kernels/layer_flags.py), so the tail runs while later layers of its

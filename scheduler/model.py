@@ -71,7 +71,7 @@ class DecoderLayer(nn.Module):
         residual None and rows the input ids [T]: its first norm gathers those rows itself (the
         stream it returns is the embeddings), in place of the embedding's own kernel (12 us for a
         16-row tail in an H200 profile, session 25; the tail forward ~12 us faster for it, session 26).
-        skinny (T <= 16): the projections are kernels/skinny_gemm.py, SiLU x up inside gate_up's (7 + 2);
+        skinny (T <= 64): the projections are kernels/skinny_gemm.py, SiLU x up inside gate_up's (7 + 2);
         o_proj and down then leave float32 K-split partials [P, T, H] that the next add_rms_norm adds.
         Returns this layer's (un-added MLP output [T, H] or [P, T, H], residual stream [T, H])."""
         cfg = self.cfg
@@ -110,7 +110,7 @@ class Qwen3Model(nn.Module):
         # fused Triton kernels for norms / RoPE / K/V writes / SiLU (kernels/fused_ops.py); set by
         # load_model for CUDA, settable for tests (the CPU runs them under TRITON_INTERPRET=1)
         self.fused = False
-        # fused path, at most skinny_gemm.BLOCK_M rows: projections by kernels/skinny_gemm.py instead
+        # fused path, at most skinny_gemm.MAX_ROWS rows: projections by kernels/skinny_gemm.py instead
         # of cuBLAS (set by the Engine from EngineConfig.small_gemm; settable for tests)
         self.skinny = False
         # CUDA, half-precision weights: the LM head accumulates and outputs float32 (set by the Engine from
@@ -204,7 +204,7 @@ class Qwen3Model(nn.Module):
 
         table = self.embed_tokens.weight  # [V, H]: layer 0's first norm gathers the input rows
         rope = self.rope_tables(max_positions, table.device, table.dtype)
-        skinny = self.skinny and input_ids.shape[0] <= skinny_gemm.BLOCK_M
+        skinny = self.skinny and input_ids.shape[0] <= skinny_gemm.MAX_ROWS
         h, residual = table, None
         for layer in self.layers:
             h, residual = layer.forward_fused(h, residual, rope, batch, kv_pool, attn, skinny,

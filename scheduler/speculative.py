@@ -182,7 +182,7 @@ class TokenHistory:
 def verify_rows(num_speculative_tokens: int) -> int:
     """Rows a sequence takes in a verify graph (scheduler/cuda_graphs.py): its drafts and pending token, rounded up
     to a power of two (at most TAIL_ROWS). Fewer rows a sequence keep more sequences within the skinny
-    projections' 16 rows (kernels/skinny_gemm.py) and give cuBLAS fewer rows past them."""
+    projections' 64 rows (kernels/skinny_gemm.py) and give cuBLAS fewer rows past them."""
     rows = 2
     while rows < num_speculative_tokens + 1:
         rows *= 2

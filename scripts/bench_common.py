@@ -199,7 +199,7 @@ def add_engine_mode_args(p) -> None:
     p.add_argument("--disable-outcomes", action="store_true",
                    help="cost policy: price restores by their transfers only (hicache/outcomes.py)")
     p.add_argument("--small-gemm", default=None, choices=["triton", "cublas"],
-                   help="projections of forwards of at most 16 rows (default: the engine's)")
+                   help="projections of forwards of at most 64 rows (default: the engine's)")
     p.add_argument("--gpu-wait", default=None, choices=["spin", "block"],
                    help="how the loop waits for a forward (default: the engine's)")
     p.add_argument("--disable-fp32-lm-head", action="store_true",

@@ -360,6 +360,8 @@ def lm_head_rows(dev, dtype, vocab: int = 151936, hidden: int = 4096, rows_list=
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skinny", action="store_true", help="only the small-M projections (kernels/skinny_gemm.py)")
+    ap.add_argument("--skinny-rows", default=None, metavar="M,M,...",
+                    help="--skinny: these row counts, the default block config only (e.g. 1,16,32,64)")
     ap.add_argument("--skinny-split", action="store_true",
                     help="only the projections without SwiGLU at 16 rows, K split 1 / 2 / 4")
     ap.add_argument("--attention", action="store_true",
@@ -417,6 +419,9 @@ def main(argv=None) -> int:
                "skinny": skinny_rows(dev, dtype, rows_list=(16,), configs=SPLIT_CONFIGS,
                                      shapes=[sh for sh in SKINNY_SHAPES if not sh[3]])}
         split_table(res["skinny"])
+    elif args.skinny and args.skinny_rows:
+        res = {"device": torch.cuda.get_device_name(),
+               "skinny": skinny_rows(dev, dtype, rows_list=[int(m) for m in args.skinny_rows.split(",")], configs=[{}])}
     elif args.skinny:
         res = {"device": torch.cuda.get_device_name(), "skinny": skinny_rows(dev, dtype)}
     else:
