@@ -213,8 +213,8 @@ def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: f
     group = hq // hkv
     m_pad = max(16, triton.next_power_of_2(group * rows_per_seq))
     # tuned on the H200 at the 8B shape (scripts/bench_kernels.py, docs/benchmarks.md): one query row
-    # per sequence and few programs -> 16 splits of 64-key blocks, 8 warps; many sequences -> 8 splits;
-    # multi-row tails -> 16 splits of 32-key blocks, 4 warps
+    # per sequence and few programs -> 16 splits of 64-key blocks, 8 warps; many sequences -> 8 or 4 splits
+    # (default_splits); multi-row tails -> 16 splits of 32-key blocks, 4 warps
     few_programs = rows_per_seq == 1 and b * hkv <= 32
     num_splits = splits or default_splits(b * hkv, rows_per_seq)
     block = block or (64 if few_programs else BLOCK_N)

@@ -41,7 +41,7 @@ class EngineConfig:
     # folded into gate_up) or "cublas" (torch.nn.functional.linear + a SiLU kernel)
     small_gemm: str = "triton"
     # CUDA, bf16 / fp16 weights: the LM head's logits are its float32 sums, not rounded to the model's dtype
-    # first (scheduler/model.py `logits_of`): greedy picks do not flip with a kernel's rounding at near-ties
+    # first (scheduler/model.py `logits_of`): faster, and no two logits tie by that rounding
     fp32_lm_head: bool = True
     # vLLM's --speculative-config, method "ngram" (scheduler/speculative.py: prompt lookup, greedy requests);
     # None: off

@@ -161,10 +161,11 @@ class Qwen3Model(nn.Module):
         """hidden: the final norm's output [R, H] -> float32 logits [R, V].
 
         With `fp32_lm_head` on CUDA (bf16 / fp16 weights) the product's float32 sums are the logits: cuBLAS's
-        half-precision GEMM with a float32 output, the same weight read. Rounded to bf16 first (vLLM's, and
-        this path's off CUDA), logits of magnitude 4 are kept in steps of 1/32, so two candidates often tie
-        exactly, and whichever way a kernel rounded (a verify row against a decode row, a restore's tail
-        against a whole prefill) picks between them."""
+        half-precision GEMM with a float32 output, the same weight read and faster than a bf16 output and its
+        cast (docs/design.md, "Small forwards"). Rounded to bf16 first (vLLM's, and this path's off CUDA),
+        logits of magnitude 4 are kept in steps of 1/32, so two candidates often tie exactly. (Where the
+        activations round differently, a verify row against a decode row, a restore's tail against a whole
+        prefill, near-ties can still part either way.)"""
         weight = self.lm_head_weight  # [V, H]
         if self.fp32_lm_head and hidden.is_cuda and weight.dtype in (torch.bfloat16, torch.float16):
             return torch.mm(hidden, weight.t(), out_dtype=torch.float32)
