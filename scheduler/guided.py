@@ -138,11 +138,14 @@ def fill_masks(guides: list[Guide], masks: torch.Tensor, held: list[tuple[int, .
     return [g._filled(masks[i], held[i]) for i, g in enumerate(guides)]
 
 
-def fill_verify_masks(guides: list[Guide], drafts: list[list[int]], masks: torch.Tensor) -> None:
+def fill_verify_masks(guides: list[Guide], drafts: list[list[int]], masks: torch.Tensor,
+                      held: list[list[tuple[int, ...]]] | None = None) -> list[list[bool]]:
     """A verify step's masks (scheduler/speculative.py): guide g's rows one after another in masks [R, words] (its
     pending token's mask, then one after each of its drafts, which its grammar takes: `valid_drafts`), by
     llguidance's threads, each matcher left where it was. Each guide's `rows_allow_none`: per row, whether its
-    mask allowed no token (`after_step` reads the one of the row that chose each token)."""
+    mask allowed no token (`after_step` reads the one of the row that chose each token). held: per guide, per row,
+    the stop ids min_tokens masks after that row's mask (none: ()); returns per guide, per row, `fill_mask`'s
+    answer: False where the grammar allows nothing else there (then they must not be held)."""
     starts, row = [], 0
     for d in drafts:
         starts.append(row)
@@ -154,12 +157,15 @@ def fill_verify_masks(guides: list[Guide], drafts: list[list[int]], masks: torch
     if len(with_drafts) < len(guides):  # (llguidance takes no empty list of drafts)
         _executor().unsafe_compute_mask_ptr([(g.matcher, start) for g, start, d in zip(guides, starts, drafts)
                                              if not d], at, row_bytes, len(masks))
-    for g, start, d in zip(guides, starts, drafts):
-        flags = []
+    fits = []
+    for i, (g, start, d) in enumerate(zip(guides, starts, drafts)):
+        flags, fit = [], []
         for j in range(len(d) + 1):
-            g._filled(masks[start + j], ())
+            fit.append(g._filled(masks[start + j], held[i][j] if held else ()))
             flags.append(g.allows_none)
         g.rows_allow_none = flags
+        fits.append(fit)
+    return fits
 
 
 @functools.cache

@@ -48,6 +48,9 @@ class RowPenalties(NamedTuple):
                                     # once past min_tokens
     draft_ids: tuple[int, ...] = ()  # a verify row's drafts before it (scheduler/speculative.py): generated
                                      # tokens of this row only, counted in the step's copy, never in the state
+    # a verify step's rows (j) whose stop ids are not held: their grammar allows nothing else there (a grammar
+    # wins over min_tokens, as in a plain step: step_extras.ask)
+    unheld_rows: frozenset[int] = frozenset()
 
     @property
     def penalized(self) -> bool:

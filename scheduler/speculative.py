@@ -36,7 +36,8 @@ token is one of the first min_tokens. Token bans (allowed_token_ids, bad words) 
 drafts before it (`verify_bans`), and each token taken by its own history (step_extras `fail_if_banned`). A
 structured output's drafts are cut where its grammar would refuse one, and row j is masked by the grammar's state
 after the drafts before it (scheduler/guided.py `fill_verify_masks`, llguidance's masks with draft tokens); with
-min_tokens it decodes plainly. Logprobs come from every
+min_tokens, a row where the grammar allows only the held stop ids does not hold them, as a plain step would not
+(penalty_state `unheld_rows`). Logprobs come from every
 row of a verify step, each accepted token's from the row that chose it (the raw logits', as a plain step's). A
 seeded request decodes plainly: whether its step verifies depends on what else runs, and its tokens must not.
 The others decode as before, in steps of their own; when both kinds run, the loop alternates a verify step and
@@ -132,10 +133,10 @@ class SpeculativeConfig:
 
 
 def eligible(params) -> bool:
-    """Whether a request's steps may be verified in bulk: greedy or sampled without a seed (the module doc), and not
-    a grammar and min_tokens together (SamplingParams; logprobs are read from the rows, penalties, logit_bias,
-    min_tokens, bans and a grammar's masks applied to them: `verify_penalties`, `verify_bans`)."""
-    return (params.temperature == 0.0 or params.seed is None) and (params.guided is None or params.min_tokens == 0)
+    """Whether a request's steps may be verified in bulk: greedy or sampled without a seed (the module doc;
+    SamplingParams; logprobs are read from the rows, penalties, logit_bias, min_tokens, bans and a grammar's masks
+    applied to them: `verify_penalties`, `verify_bans`)."""
+    return params.temperature == 0.0 or params.seed is None
 
 
 class TokenHistory:
@@ -374,11 +375,14 @@ def verify_penalties(penalties: list, drafts: list[list[int]], new_lens: list[in
                      num_rows: int) -> list:
     """A verify step's penalty rows (scheduler/penalty_state.py RowPenalties, per sequence or None) laid out as
     its logits' num_rows rows (`row_starts`): row j of sequence b its request's, with drafts[b][:j] as generated
-    before it; padding rows None. (The rows of one request share its state: each takes the same host tokens.)"""
+    before it, and no stop ids held where its grammar allows nothing else (`unheld_rows`); padding rows None.
+    (The rows of one request share its state: each takes the same host tokens.)"""
     out: list = [None] * num_rows
     for start, pen, draft, n in zip(row_starts(new_lens, stride), penalties, drafts, new_lens):
         if pen is not None:
-            out[start:start + n] = [pen._replace(draft_ids=tuple(draft[:j])) for j in range(n)]
+            out[start:start + n] = [pen._replace(draft_ids=tuple(draft[:j]),
+                                                 **({"stop_ids": ()} if j in pen.unheld_rows else {}))
+                                    for j in range(n)]
     return out
 
 

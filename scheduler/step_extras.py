@@ -63,8 +63,9 @@ def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) 
     adjusts = [r.params.adjusts_logits and not r.state.done for r in reqs]
     held = [() if r.state.done else _held_stops(r, eos_ids) for r in reqs]
     rows = [i for i, r in enumerate(reqs) if r.guide is not None and not r.state.done]
+    unheld: dict[int, frozenset[int]] = {}  # a verify step's rows whose grammar allows only the held stop ids
     if rows and binput.verify_drafts is not None:  # a verify step's: each guided sequence's every row, packed
-        _verify_masks(reqs, binput, rows)
+        unheld = _verify_masks(reqs, binput, rows, held)
     elif rows:  # (each row's from its grammar's state after its last token)
         masks = torch.empty(len(rows), reqs[rows[0]].guide.words, dtype=torch.int32)  # [R, words]
         for i, fit in zip(rows, fill_masks([reqs[i].guide for i in rows], masks, [held[i] for i in rows])):
@@ -74,20 +75,27 @@ def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) 
                 held[i] = ()
         binput.token_masks = (rows, masks)
     if any(adjusts) or any(held):  # (min_tokens with nothing left to mask asks nothing)
-        binput.penalties = [_row(r, h) if a or h else None for r, a, h in zip(reqs, adjusts, held)]
+        binput.penalties = [_row(r, h, unheld.get(i, frozenset())) if a or h else None
+                            for i, (r, a, h) in enumerate(zip(reqs, adjusts, held))]
     if any(bans := [r.params.restricts_tokens and not r.state.done for r in reqs]):  # (scheduler/token_bans.py)
         binput.bans = [RowBans(r.params.allowed_token_ids, r.params.bad_words_token_ids, r.output, _state(r))
                        if b else None for r, b in zip(reqs, bans)]
 
 
-def _verify_masks(reqs: list[Request], binput: BatchInput, guided: list[int]) -> None:
+def _verify_masks(reqs: list[Request], binput: BatchInput, guided: list[int],
+                  held: list[tuple[int, ...]]) -> dict[int, frozenset[int]]:
     """A verify step's guided masks (scheduler/guided.py fill_verify_masks): its rows counted as if packed (sequence
-    b's new_lens[b] rows right after the sequence before's; the runner places them in its graph's layout)."""
+    b's new_lens[b] rows right after the sequence before's; the runner places them in its graph's layout). held:
+    each request's stop ids min_tokens may mask; row j holds them while its token is one of the first min_tokens.
+    Returns, per guided request with such a row, the rows whose grammar allows nothing else (not held there)."""
     drafts = [binput.verify_drafts[i] for i in guided]
     masks = torch.zeros(sum(len(d) + 1 for d in drafts), reqs[guided[0]].guide.words, dtype=torch.int32)  # [R, W]
-    fill_verify_masks([reqs[i].guide for i in guided], drafts, masks)
+    row_held = [[held[i] if len(reqs[i].output) + j < reqs[i].params.min_tokens else () for j in range(len(d) + 1)]
+                for i, d in zip(guided, drafts)]
+    fits = fill_verify_masks([reqs[i].guide for i in guided], drafts, masks, row_held)
     starts = row_starts(binput.new_lens, 0)
     binput.token_masks = ([starts[i] + j for i in guided for j in range(binput.new_lens[i])], masks)
+    return {i: frozenset(j for j, ok in enumerate(fit) if not ok) for i, fit in zip(guided, fits) if not all(fit)}
 
 
 def _held_stops(req: Request, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
@@ -107,10 +115,10 @@ def _state(req: Request) -> PenaltyState:
     return req.penalty_state
 
 
-def _row(req: Request, held_stops: tuple[int, ...]) -> RowPenalties:
+def _row(req: Request, held_stops: tuple[int, ...], unheld_rows: frozenset[int] = frozenset()) -> RowPenalties:
     p = req.params
     return RowPenalties(p.presence_penalty, p.frequency_penalty, p.repetition_penalty, req.prompt, req.output,
-                        _state(req), p.logit_bias, p.min_tokens, held_stops)
+                        _state(req), p.logit_bias, p.min_tokens, held_stops, unheld_rows=unheld_rows)
 
 
 def keep_logprobs(runner, reqs: list[Request], binput: BatchInput, handle: StepHandle, next_ids: list[int]) -> None:

@@ -2,8 +2,8 @@
 step_extras `_verify_masks`; speculative `graph_rows`): drafts are cut where the grammar would refuse one, each
 verify row is masked by the grammar's state after the drafts before it, and each token taken is judged by its own
 row's mask. On the tiny CPU engine in float32, greedy answers (and top_k 1 draws) equal plain decoding's, served
-once and again (the first answers drafted from the prefix cache), beside unguided requests. Guided requests with
-min_tokens still decode plainly."""
+once and again (the first answers drafted from the prefix cache), beside unguided requests; with min_tokens too,
+where a row whose grammar allows only the held stop ids does not hold them."""
 from __future__ import annotations
 
 import json
@@ -128,6 +128,43 @@ def test_graph_rows(new_lens, stride, packed, want):
     assert graph_rows(packed, new_lens, stride) == want
 
 
-def test_guided_with_min_tokens_decodes_plainly():
+def test_guided_requests_with_min_tokens_speculate():
     assert eligible(SamplingParams(max_tokens=8, guided=SPECS["regex"]))
-    assert not eligible(SamplingParams(max_tokens=8, guided=SPECS["regex"], min_tokens=2))
+    assert eligible(SamplingParams(max_tokens=8, guided=SPECS["regex"], min_tokens=2))
+
+
+def unheld_rows_recorded(monkeypatch) -> list[dict]:
+    """Every verify step's `_verify_masks` answer: per guided request, the rows whose stops are not held."""
+    from scheduler import step_extras
+    seen, orig = [], step_extras._verify_masks
+    monkeypatch.setattr(step_extras, "_verify_masks", lambda *a: seen.append(orig(*a)) or seen[-1])
+    return seen
+
+
+@pytest.mark.parametrize("pattern, stop, min_tokens", [
+    ("[a-z ]{5,40}", " ", 6),   # a space stops the answer, held for its first 6 tokens
+    ("x{2}y", "y", 5),          # after "xx" the grammar allows only the held stop "y": it wins
+])
+def test_guided_with_min_tokens_verifies_and_equals_plain_decoding(plain, pattern, stop, min_tokens, monkeypatch):
+    """A grammar with min_tokens and a stop id through verify steps: each row holds the stop while its own token is
+    within min_tokens, unless its grammar allows nothing else there (then the grammar wins, as in a plain step:
+    before, such a row was all -inf). Served once and again, equal to plain decoding."""
+    tok = ByteTokenizer(plain.vocab_size)
+    [stop_id] = tok.encode(stop)
+    ps = [tok.encode("xxyxxyxxy abc abc abc xxy"), tok.encode("The cat and the dog and the cat ")]
+    params = SamplingParams(max_tokens=24, guided=GuidedSpec("regex", pattern), min_tokens=min_tokens,
+                            stop_token_ids=[stop_id])
+    want = plain.generate(ps, params)
+    eng = make(SPEC)
+    steps = record_steps(monkeypatch)
+    unheld = unheld_rows_recorded(monkeypatch)
+    for _ in range(2):
+        got = eng.generate(ps, params)
+        assert [r.output_ids for r in got] == [r.output_ids for r in want]
+        assert [r.finish_reason for r in got] == [r.finish_reason for r in want]
+        assert all(r.error is None for r in got)
+    assert any(s.draft for s in steps)
+    if pattern == "x{2}y":  # the grammar won inside a verify step, at a row after drafts
+        assert want[0].output_ids == tok.encode("xxy") and want[0].finish_reason == "stop"
+        assert any(j > 0 for u in unheld for rows in u.values() for j in rows)
+    eng.check_integrity()
