@@ -146,6 +146,26 @@ class RadixTree:
             result.lengths[tier] = length
         return result
 
+    def resident_tokens(self, tokens: Sequence[int], tier: Tier, end: int | None = None) -> int:
+        """How many of tokens[:end] (page aligned) `tier` holds from the root, read only: no split, stamp or lock,
+        and no copy of the tokens past what matches (a queue's order under scheduling_policy "lpm")."""
+        ps = self.page_size
+        limit = len(tokens) if end is None else min(end, len(tokens))
+        limit -= limit % ps
+        node, pos = self.root, 0
+        while pos < limit:
+            child = node.children.get(self._page_key(tokens, pos))
+            if child is None or child.pages[tier] is None:
+                break
+            n = min(len(child.key), limit - pos)
+            span = tuple(tokens[pos:pos + n])
+            common = n - n % ps if span == child.key[:n] else self._common_len(child.key, span, 0, n)
+            pos += common
+            if common < len(child.key):
+                break
+            node = child
+        return pos
+
     def _common_len(self, key: tuple[int, ...], tokens: tuple[int, ...], pos: int, limit: int) -> int:
         n = min(len(key), limit - pos)
         if tokens[pos: pos + n] == key[:n]:

@@ -38,6 +38,9 @@ log = structlog.get_logger("scheduler.engine")
 # the same 32): below it, waiting a step costs the request more than computing them alongside.
 # EngineConfig.share_prefill (--disable-shared-prefill) turns the waiting off: each then computes its own prefix
 PREFILL_SHARE_MIN_TOKENS = 32
+# scheduling_policy "lpm" orders a queue of at most this many requests by the prompt tokens L1 holds (one read-only
+# tree walk each, every prefill pass); a longer queue goes in arrival order (SGLang's threshold, 128)
+LPM_MAX_WAITING = 128
 
 
 class Admission(Restoring):
@@ -57,9 +60,10 @@ class Admission(Restoring):
         """Tokens whose KV may come from the cache: the prompt minus its last token (which must be
         computed to produce the first output), page aligned by the tree; none for a request asking for
         prompt logprobs, whose every row's logits are computed (as vLLM V1: it still publishes its pages)."""
-        if not self.engine.config.enable_prefix_cache or req.params.prompt_logprobs is not None:
-            return []
-        return req.cache_prompt[:-1]
+        return req.cache_prompt[:-1] if self._reuses(req) else []
+
+    def _reuses(self, req: Request) -> bool:
+        return self.engine.config.enable_prefix_cache and req.params.prompt_logprobs is None
 
     def _pages_after(self, req: Request, cached_tokens: int) -> int:
         """Pages the request still needs once `cached_tokens` of its prompt are in L1."""
@@ -84,7 +88,7 @@ class Admission(Restoring):
                 budget -= chunk
         if not eng.stopping:  # (else they stay queued, as they are, for the next start())
             self.start_deferred_hints()
-        for req in list(eng.waiting):
+        for req in self._admission_order():
             if budget <= 0 or len(eng.running) >= eng.config.max_running_requests or eng.stopping:
                 break
             if req.rid in eng.aborting:
@@ -108,7 +112,7 @@ class Admission(Restoring):
                 if admitted is None:
                     continue  # parked on a restore
                 if not admitted:
-                    break  # not enough memory: keep FIFO order
+                    break  # not enough memory: keep the queue's order
             chunk = self._add_chunk(req, budget, binput)
             if chunk:  # else no page yet (e.g. write_back evictions wait for backups): next tick
                 reqs.append(req), chunks.append(chunk)
@@ -120,6 +124,22 @@ class Admission(Restoring):
         if not reqs:
             return None
         return Batch(reqs, chunks, binput)
+
+    def _admission_order(self) -> list[Request]:
+        """The queue in the order a prefill pass tries it: as queued (arrival; priority, then arrival), or with
+        scheduling_policy "lpm" the requests whose prompts L1 holds most of first, arrival among equals: those
+        prefixes are used before the requests admitted ahead of them evict them (SGLang's longest prefix match).
+        A queue longer than LPM_MAX_WAITING goes as queued. Read-only walks: no LRU stamp, lock or split."""
+        eng = self.engine
+        waiting = list(eng.waiting)
+        if (eng.config.scheduling_policy != "lpm" or not 1 < len(waiting) <= LPM_MAX_WAITING
+                or len(eng.running) >= eng.config.max_running_requests):  # (none is admitted this pass: no walks)
+            return waiting
+        tree = self.cache.tree
+
+        def held(req: Request) -> int:  # (of `_reusable`'s tokens, without copying them)
+            return tree.resident_tokens(req.cache_prompt, Tier.L1, end=len(req.cache_prompt) - 1) if self._reuses(req) else 0
+        return sorted(waiting, key=lambda req: -held(req))  # (stable: as queued among equals)
 
     def _computes_prefix_of(self, req: Request) -> Request | None:
         """The request in prefill that is computing at least PREFILL_SHARE_MIN_TOKENS of `req`'s reusable prefix
@@ -309,9 +329,14 @@ class Admission(Restoring):
     def _head_still_blocked(self) -> bool:
         """Whether the queue's head is the request the last prefill pass found no L1 room for, and no room
         came since. Room comes back as requests finish (then the chain ends and the head is tried again);
-        until then a tick would only try it in vain. (Regression: it ended the chain every step.)"""
+        until then a tick would only try it in vain. (Regression: it ended the chain every step.) Under "lpm"
+        the head is whichever request that pass stopped at, while it still waits."""
         blocked, waiting = self.memory_blocked, self.engine.waiting
-        return blocked is not None and waiting[0].rid == blocked[0] and self._l1_room_pages() <= blocked[1]
+        if blocked is None or self._l1_room_pages() > blocked[1]:
+            return False
+        if self.engine.config.scheduling_policy == "lpm":
+            return any(req.rid == blocked[0] for req in waiting)
+        return waiting[0].rid == blocked[0]
 
     # -- after a step --------------------------------------------------------------------------
     def after_step(self, req: Request, chunk: int, token: int, same_step: bool = False) -> None:

@@ -27,7 +27,8 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.9  # (0, 1]: the share of the GPU's memory weights, L1 and activations take
     max_prefill_tokens: int = 2048  # token budget of one prefill batch (chunked prefill above it)
     max_running_requests: int = 64
-    # the queue's admission order: "fcfs" (arrival) or "priority" (SamplingParams.priority, then arrival)
+    # the queue's admission order: "fcfs" (arrival), "priority" (SamplingParams.priority, then arrival) or "lpm"
+    # (SGLang's longest prefix match: the most prompt tokens L1 holds first; scheduler/admission.py)
     scheduling_policy: str = "fcfs"
     max_context_tokens: int = 16384  # longest sequence a captured decode graph serves (longer: eager)
     max_prompt_tokens: int = 0  # 0: no limit beyond what the pool and the model's positions can hold
@@ -63,8 +64,8 @@ class EngineConfig:
             raise ValueError(f"small_gemm must be 'triton' or 'cublas', got {self.small_gemm!r}")
         if self.gpu_wait not in ("spin", "block"):
             raise ValueError(f"gpu_wait must be 'spin' or 'block', got {self.gpu_wait!r}")
-        if self.scheduling_policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in ("fcfs", "priority", "lpm"):
+            raise ValueError(f"scheduling_policy must be 'fcfs', 'priority' or 'lpm', got {self.scheduling_policy!r}")
         for name, minimum in ENGINE_MINIMUMS.items():
             _check_at_least(name, getattr(self, name), minimum, FLAGS.get(name))
         for name, maximum in _engine_maximums().items():
@@ -162,9 +163,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prefill-tokens", type=int, default=2048,
                    help="tokens one prefill batch computes; longer prompts are prefilled in chunks")
     g.add_argument("--max-running-requests", type=int, default=64, help="requests admitted (prefill or decode) at once")
-    g.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=["fcfs", "priority"],
-                   help="the queue's admission order: arrival (fcfs), or a request's priority (lower first), then "
-                        "arrival; a running request is never preempted")
+    g.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=["fcfs", "priority", "lpm"],
+                   help="the queue's admission order: arrival (fcfs); a request's priority (lower first), then "
+                        "arrival; or lpm, the most prompt tokens L1 holds first, then arrival (SGLang's longest "
+                        "prefix match; arrival order past 128 queued); a running request is never preempted")
     g.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="longest prompt in tokens (0: what the L1 pool holds, within the model's positions; "
                         "never above either)")
