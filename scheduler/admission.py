@@ -138,7 +138,9 @@ class Admission(Restoring):
         tree = self.cache.tree
 
         def held(req: Request) -> int:  # (of `_reusable`'s tokens, without copying them)
-            return tree.resident_tokens(req.cache_prompt, Tier.L1, end=len(req.cache_prompt) - 1) if self._reuses(req) else 0
+            if not self._reuses(req):
+                return 0
+            return tree.resident_tokens(req.cache_prompt, Tier.L1, end=len(req.cache_prompt) - 1)
         return sorted(waiting, key=lambda req: -held(req))  # (stable: as queued among equals)
 
     def _computes_prefix_of(self, req: Request) -> Request | None:

@@ -162,7 +162,8 @@ async def run(args) -> dict:
     for mode, graphs, small_gemm in modes:
         cfg = EngineConfig(model=args.model, device=args.device, page_size=args.page_size,
                            max_total_tokens=args.pool_tokens, max_prefill_tokens=16384, cuda_graphs=graphs,
-                           small_gemm=small_gemm, max_running_requests=64, fp32_lm_head=not args.disable_fp32_lm_head)
+                           small_gemm=small_gemm, max_running_requests=64,
+                           fp32_lm_head=not args.disable_fp32_lm_head)
         engine = Engine(cfg)
         global vocab_hi
         vocab_hi = engine.vocab_size

@@ -401,7 +401,8 @@ def main(argv=None) -> int:
                 json.dump(res, f, indent=1)
         print("seqs x rows  ctx  splits block      us   KV GiB/s  (- = the default)")
         for r in res["attention"]:
-            cells = f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {r['splits'] or '-':>6} {r['block'] or '-':>5}"
+            cells = (f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {r['splits'] or '-':>6}"
+                     f" {r['block'] or '-':>5}")
             print(f"{cells}  failed: {r['error']}" if "error" in r else f"{cells} {r['us']:8.1f} {r['kv_gib_s']:9.0f}")
         return 0
     if args.lm_head:
