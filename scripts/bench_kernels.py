@@ -5,6 +5,9 @@ the torch ops they replace. Checks each against its torch reference; prints one 
 
     python scripts/bench_kernels.py --json --out out/kernels.json     # on the GPU
     python scripts/bench_kernels.py --attention --out out/attention_sweep.json  # the attention sweep only
+    python scripts/bench_kernels.py --attention-batch   # decode of 8-64 sequences, verify steps: 1-16 splits
+    python scripts/bench_kernels.py --skinny --skinny-rows 1,16,32,64   # projections at those rows, cuBLAS too
+    python scripts/bench_kernels.py --lm-head           # the LM head's bf16 output + cast against float32 output
 """
 from __future__ import annotations
 
@@ -422,7 +425,8 @@ def main(argv=None) -> int:
         split_table(res["skinny"])
     elif args.skinny and args.skinny_rows:
         res = {"device": torch.cuda.get_device_name(),
-               "skinny": skinny_rows(dev, dtype, rows_list=[int(m) for m in args.skinny_rows.split(",")], configs=[{}])}
+               "skinny": skinny_rows(dev, dtype, rows_list=[int(m) for m in args.skinny_rows.split(",")],
+                                     configs=[{}])}
     elif args.skinny:
         res = {"device": torch.cuda.get_device_name(), "skinny": skinny_rows(dev, dtype)}
     else:

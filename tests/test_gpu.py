@@ -137,8 +137,8 @@ def test_fused_kernels_equal_plain_torch():
 
 
 def test_small_gemm_backends_agree():
-    """Forwards of <= 16 rows (decode, tails) with projections by kernels/skinny_gemm.py (the
-    default) and by cuBLAS: same greedy outputs; and the kernel in bf16 at the 8B shapes, in the
+    """Forwards of <= 64 rows (decode, tails, short prefills) with projections by kernels/skinny_gemm.py (the
+    default) and by cuBLAS: same greedy outputs; and the kernel in bf16 at the 8B shapes, 1 to 64 rows, in the
     operand order and K split the layer runs each with (qkv and o_proj swapped)."""
     import torch.nn.functional as F
 
@@ -151,7 +151,7 @@ def test_small_gemm_backends_agree():
     assert not eng.model.skinny
     assert triton_out == cublas_out
     for n, k, swiglu in [(6144, 4096, False), (2 * 12288, 4096, True), (4096, 12288, False), (4096, 4096, False)]:
-        for m in (1, 16):
+        for m in (1, 16, 32, 64):  # (row tiles of 16, 32 and 64)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
             want = F.linear(x.float(), w.float())
