@@ -109,6 +109,8 @@ def make_case(seed: int) -> Case:
     engine = {"max_running_requests": rng.choice([1, 2, 4, 8]),
               "max_prefill_tokens": rng.choice([1, page_size, 7, 16, 2048]),
               "overlap_schedule": rng.random() < 0.7, "restore_overlap": rng.random() < 0.7}
+    # (its own generator: the cases the other draws make stay as they were before "lpm" existed)
+    engine["scheduling_policy"] = "lpm" if random.Random(f"lpm {seed}").random() < 0.4 else "fcfs"
     has_l3 = rng.random() < 0.7
     hicache = {"host_ratio": rng.choice([0.1, 0.3, 0.5, 1.0, 2.0, 4.0]),
                "storage_ratio": rng.choice([0.2, 0.5, 1.0, 2.0, 4.0]) if has_l3 else 0.0,
