@@ -23,8 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 from hicache.config import HiCacheConfig, Policy
-from hicache.linear_cost import LinearCost
+from hicache.linear_cost import WINDOW_SAMPLES, LinearCost
 from hicache.outcomes import OutcomeResiduals
 
 GIB_BYTES = 1 << 30
@@ -126,6 +128,33 @@ class CostModel:
                 self._writes_refused[tier] = 0
             elif direction == "d2h":
                 self._backups_refused = 0
+
+    def samples(self) -> dict[str, list[tuple[float, float]]]:
+        """Each direction's window of samples (LinearCost.samples), by name."""
+        return {name: cost.samples() for name, cost in self.directions.items()}
+
+    def learn_again(self, samples: dict) -> int:
+        """Learn `samples` (a `samples()` of an earlier engine on this machine, as its kept L3 index carries it:
+        hicache/l3_index.py) in order, as if just timed; returns how many. Malformed input (an unknown direction,
+        a sample not two finite numbers >= 0) raises ValueError before anything is learned."""
+        checked: dict[str, list[tuple[float, float]]] = {}
+        for name, rows in samples.items():
+            if name not in self.directions or not isinstance(rows, list):
+                raise ValueError(f"no cost direction {name!r} with a list of samples")
+            pairs = []
+            for row in rows[-WINDOW_SAMPLES:]:
+                if not (isinstance(row, (list, tuple)) and len(row) == 2
+                        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row)
+                        and all(math.isfinite(v) and v >= 0 for v in row)):
+                    raise ValueError(f"a {name} sample is not (size, seconds) >= 0: {row!r}")
+                pairs.append((float(row[0]), float(row[1])))
+            checked[name] = pairs
+        if not self.learning:
+            return 0
+        for name, pairs in checked.items():
+            for size, seconds in pairs:
+                self.directions[name].observe(size, seconds)
+        return sum(len(pairs) for pairs in checked.values())
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """One prefill forward over `num_tokens` uncached tokens."""

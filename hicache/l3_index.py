@@ -8,6 +8,11 @@ and its slots), the slots' checksums, the nodes' LRU order, and a header naming 
 model identity, dtype, page size, layers, heads), the file's page size and its size. It runs once the operations
 drained (CacheManager.close), after an fsync of the file, and lands by a rename: it is whole or absent.
 
+The header also carries the cost model's windows of samples (CostModel.samples) and the machine they were timed
+on (host name and device): the next engine on the same machine learns them again (`learn_costs`), so its first
+restore-or-recompute decisions are priced as the last engine's last ones were, not from the priors. On another
+machine they are ignored.
+
 `load`, as the next store opens (before anything is written to it), makes those nodes L3-resident (L1 and
 L2 start empty), their slots taken from the L3 allocator and their checksums the store's, in their saved LRU
 order. The index is deleted as it is read: a process that dies later leaves none, and its successor starts
@@ -23,11 +28,13 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import zipfile
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import structlog
+import torch
 
 from hicache.page_keys import kv_salt
 from hicache.radix import Node, Tier
@@ -43,6 +50,19 @@ _ARRAYS = ("parents", "key_tokens", "tokens", "slots", "checksums", "lru_ranks")
 
 def index_path(store_path: str) -> str:
     return store_path + ".index"
+
+
+class Adopted(NamedTuple):
+    """What `load` took from an index: the L3 pages, and the cost samples timed on this machine (or None)."""
+    pages: int
+    cost_samples: dict | None
+
+
+def _machine(mgr: "CacheManager") -> dict:
+    """Where the cost samples were timed: this host and its L1 device."""
+    device = mgr.l1.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return {"host": socket.gethostname(), "device": name}
 
 
 def _header(mgr: "CacheManager") -> dict:
@@ -84,7 +104,8 @@ def save(mgr: "CacheManager") -> int:
         # (not through a link another user left: the L3 file's own rule, hicache/storage_file.py)
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
                        "wb") as f:
-            header = {**_header(mgr), "file_bytes": store.size_bytes}
+            header = {**_header(mgr), "file_bytes": store.size_bytes, "machine": _machine(mgr),
+                      "cost_samples": mgr.cost.samples()}
             np.savez(f, header=np.array(json.dumps(header)), **arrays)
             f.flush()
             os.fsync(f.fileno())
@@ -156,19 +177,20 @@ def _problem(mgr: "CacheManager", header: dict, a: dict) -> str | None:
     return None
 
 
-def load(mgr: "CacheManager") -> int:
+def load(mgr: "CacheManager") -> Adopted:
     """Adopt the index of the store's file, if one is there and fits (see the module doc); returns the pages
-    adopted."""
+    adopted, and its cost samples where they were timed on this machine."""
     store, tree = mgr.store, mgr.tree
     path = index_path(store.path)
     read = _read(path)
     if read is None:
-        return 0
+        return Adopted(0, None)
     header, a = read
     problem = _problem(mgr, header, a)
     if problem is not None:
         log.warning("l3_index_ignored", path=path, reason=problem)
-        return 0
+        return Adopted(0, None)
+    samples = header.get("cost_samples") if header.get("machine") == _machine(mgr) else None
     alloc = tree.allocators[Tier.L3]
     slot_ends = np.cumsum(a["key_tokens"] // mgr.page_size)
     kept: list[tuple[int, tuple[int, ...], int, int, int]] = []  # (index, path, its start, slot range)
@@ -205,4 +227,14 @@ def load(mgr: "CacheManager") -> int:
     tree.restamp(Tier.L3, [node for _, node in sorted(adopted, key=lambda x: x[0])])
     pages = tree.num_resident_pages[Tier.L3]
     log.info("l3_index_adopted", path=path, nodes=len(adopted), pages=pages, dropped_nodes=len(paths) - len(kept))
-    return pages
+    return Adopted(pages, samples if isinstance(samples, dict) else None)
+
+
+def learn_costs(mgr: "CacheManager", samples: dict) -> None:
+    """The cost model learns an adopted index's samples (`load`); malformed ones are a warning, nothing learned."""
+    try:
+        learned = mgr.cost.learn_again(samples)
+    except ValueError as exc:
+        log.warning("l3_index_costs_ignored", reason=str(exc))
+        return
+    log.info("l3_index_costs_learned", samples=learned)

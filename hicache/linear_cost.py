@@ -136,6 +136,11 @@ class LinearCost:
     def num_samples(self) -> int:
         return len(self._samples)
 
+    def samples(self) -> list[tuple[float, float]]:
+        """The window's (size, seconds) samples, oldest first: what an engine restarted on a kept L3 file learns
+        again (hicache/l3_index.py)."""
+        return list(self._samples)
+
     def state(self) -> dict:
         return {"fixed_s": self.fixed_s, "slope": self.slope, "prior_slope": self.prior_slope,
                 "samples": len(self._samples), "regime": self.regime, "held": len(self._held),

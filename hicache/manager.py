@@ -85,12 +85,16 @@ class CacheManager:
         self.tree = RadixTree(self.page_size, allocators)
         self.tree.on_evict = self._on_evict
         self.tree.on_drop = self._on_drop
+        adopted = None
         if getattr(self.store, "persistent", False):  # what the file held at the last clean close
-            self.metrics.storage_adopted_pages = l3_index.load(self)
+            adopted = l3_index.load(self)
+            self.metrics.storage_adopted_pages = adopted.pages
         elif getattr(self.store, "is_temp", True) is False:  # a path truncated as it opened: no index of it stays
             l3_index.discard(self.store.path)
         self.cost = CostModel(cfg, geometry.bytes_per_token)
         self.cost.learning = not simulate  # simulated copies take no time: keep the priors
+        if adopted is not None and adopted.cost_samples:  # (timed on this machine by the engine before)
+            l3_index.learn_costs(self, adopted.cost_samples)
         self.cost_policy = CostPolicy(self)  # restore or recompute, write or not (the methods below)
         self.runner = OpRunner(self)
         # the engine sets this (scheduler/cuda_graphs.py: its tail forward, timed once its graphs are

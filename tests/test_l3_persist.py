@@ -333,3 +333,67 @@ def test_a_simulated_replay_says_the_flag_keeps_nothing(capsys, tmp_path):
     fill_defaults(args)
     assert config_from_replay_args(args).simulate
     assert "--hicache-storage-persist keeps nothing" in capsys.readouterr().err
+
+
+# -- the cost model's samples, kept with the index ------------------------------------------------------------
+def _timed(mgr) -> None:
+    """Samples of two directions no backup times: an L3 read line and a recompute line, several sizes each."""
+    for pages in (1, 4, 16, 64):
+        mgr.cost.observe_transfer("s2h", pages * 4096, 2e-4 + pages * 3e-5)
+    for tokens in (16, 64, 256, 1024):
+        mgr.cost.observe_prefill(tokens, 2e-3 + tokens * 3e-5)
+
+
+@pytest.mark.asyncio
+async def test_the_next_manager_on_this_machine_prices_as_the_last_one_did(tmp_path):
+    """The L3 read and recompute lines the closed manager learned are the next one's from its start (not the
+    priors): the same samples, the same fit."""
+    mgr = _manager(tmp_path)
+    write_prefix(mgr, A, seed=0)
+    await mgr.drain()
+    _timed(mgr)
+    want = {d: (mgr.cost.directions[d].samples(), mgr.cost.directions[d].state()) for d in ("s2h", "recompute")}
+    assert all(state["regime"] != "prior" for _, state in want.values())
+    await mgr.close()
+    nxt = _manager(tmp_path)
+    assert nxt.metrics.storage_adopted_pages == len(A) // 4
+    assert {d: (nxt.cost.directions[d].samples(), nxt.cost.directions[d].state()) for d in want} == want
+    assert_whole(nxt)
+    await nxt.close()
+
+
+@pytest.mark.asyncio
+async def test_cost_samples_of_another_machine_or_malformed_ones_leave_the_priors(tmp_path, monkeypatch):
+    from structlog.testing import capture_logs
+
+    from hicache import l3_index
+    for case in ("machine", "malformed"):
+        mgr = _manager(tmp_path)
+        write_prefix(mgr, A, seed=0)
+        await mgr.drain()
+        _timed(mgr)
+        with monkeypatch.context() as m:
+            if case == "machine":
+                m.setattr(l3_index, "_machine", lambda mgr: {"host": "elsewhere", "device": "cpu"})
+            else:
+                m.setattr(mgr.cost, "samples", lambda: {"s2h": [[4096, "slow"]], "recompute": [[16, 1e-3]]})
+            await mgr.close()
+        with capture_logs() as logs:
+            nxt = _manager(tmp_path)
+        assert nxt.metrics.storage_adopted_pages == len(A) // 4  # (the pages are adopted either way)
+        assert nxt.cost.directions["s2h"].regime == nxt.cost.directions["recompute"].regime == "prior"
+        assert any(e["event"] == "l3_index_costs_ignored" for e in logs) == (case == "malformed")
+        await nxt.close()
+
+
+def test_learn_again_checks_every_sample_first_and_keeps_a_window():
+    from hicache.linear_cost import WINDOW_SAMPLES
+    mgr = make_manager(storage_pages=0)
+    for bad in ({"nowhere": [[1, 1]]}, {"s2h": [[1, -1.0]]}, {"s2h": [[1, float("nan")]]}, {"s2h": [[True, 1]]},
+                {"s2h": [[1, 2, 3]]}, {"s2h": "1,1"}, {"h2d": [[1, 1e-3]], "s2h": [[1]]}):
+        with pytest.raises(ValueError):
+            mgr.cost.learn_again(bad)
+        assert all(c.regime == "prior" for c in mgr.cost.directions.values())  # (nothing learned)
+    rows = [[16 * (i % 5 + 1), 1e-3 * (i % 5 + 1)] for i in range(WINDOW_SAMPLES + 8)]
+    assert mgr.cost.learn_again({"recompute": rows}) == WINDOW_SAMPLES
+    assert mgr.cost.directions["recompute"].samples() == [tuple(map(float, r)) for r in rows[-WINDOW_SAMPLES:]]
