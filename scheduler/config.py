@@ -11,6 +11,8 @@ from hicache.config import MAX_TIER_PAGES, HiCacheConfig
 from scheduler.speculative import SpeculativeConfig
 
 MAX_SEED = (1 << 64) - 1  # torch.manual_seed's range (a larger one failed naming no flag)
+FP32_LM_HEAD_OFF = ("CUDA, bf16 / fp16 weights: round the LM head's output to the model's dtype before float32 "
+                    "(vLLM's; default: its float32 sums are the logits)")
 
 
 @dataclass(frozen=True)
@@ -179,9 +181,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-cuda-graphs", action="store_true", help=argparse.SUPPRESS)  # the default; kept
     g.add_argument("--small-gemm", default=EngineConfig.small_gemm, choices=["triton", "cublas"],
                    help="projections of forwards of at most 64 rows (decode, a restore's tail, verify steps) on CUDA")
-    g.add_argument("--disable-fp32-lm-head", action="store_true",
-                   help="CUDA, bf16 / fp16 weights: round the LM head's output to the model's dtype before float32 "
-                        "(vLLM's; default: its float32 sums are the logits)")
+    g.add_argument("--disable-fp32-lm-head", action="store_true", help=FP32_LM_HEAD_OFF)
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM\'s speculative decoding config; served: prompt lookup, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 5, "prompt_lookup_max": 4}\' (greedy requests verify up to that '

@@ -138,8 +138,7 @@ def note(msg: str) -> None:
 
 
 def emit(result, as_json: bool, out_path: str | None, human: str) -> None:
-    """JSON (pure, on stdout) with --json, always to --out when given; the human table last
-    (stderr when stdout carries JSON, else stdout)."""
+    """JSON (pure, on stdout) with --json, always to --out when given; the human table last (stderr if JSON is out)."""
     text = json.dumps(result, indent=2, default=str)
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
@@ -202,14 +201,12 @@ def add_engine_mode_args(p) -> None:
                    help="projections of forwards of at most 64 rows (default: the engine's)")
     p.add_argument("--gpu-wait", default=None, choices=["spin", "block"],
                    help="how the loop waits for a forward (default: the engine's)")
-    p.add_argument("--disable-fp32-lm-head", action="store_true",
-                   help="the LM head's output rounded to the model's dtype before float32 (vLLM's)")
+    p.add_argument("--disable-fp32-lm-head", action="store_true", help="the LM head's bf16 output (vLLM's)")
     p.add_argument("--log-json", default=None)
 
 
 def hicache_override_args(args) -> dict:
-    """with_hicache() changes for --kernel-restore-max-tokens, --disable-whole-first and
-    --disable-outcomes (none when not given)."""
+    """with_hicache() changes for --kernel-restore-max-tokens, --disable-whole-first, --disable-outcomes (if given)."""
     n = getattr(args, "kernel_restore_max_tokens", None)
     return (({} if n is None else {"kernel_restore_max_tokens": n})
             | ({"whole_first": False} if getattr(args, "disable_whole_first", False) else {})

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from bench_common import (add_common_args, device_read_gib_s, forward_read_bytes, free_memory,  # noqa: E402
                           tail_forward_s, write_result)
-from scheduler.config import EngineConfig  # noqa: E402
+from scheduler.config import FP32_LM_HEAD_OFF, EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.guided import GuidedSpec  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
@@ -297,8 +297,7 @@ def main(argv=None) -> int:
                     help="--guided-decode's masks for this tokenizer.json's vocabulary (scripts/make_bpe_tokenizer.py) "
                          "rather than the presets' byte tokenizer")
     ap.add_argument("--repeats", type=int, default=8)
-    ap.add_argument("--disable-fp32-lm-head", action="store_true",
-                    help="the LM head's output rounded to the model's dtype before float32 (vLLM's)")
+    ap.add_argument("--disable-fp32-lm-head", action="store_true", help=FP32_LM_HEAD_OFF)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of the tail request (CUDA), after every timing of the last mode")
     ap.add_argument("--small-gemm", default="triton",

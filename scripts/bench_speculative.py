@@ -32,7 +32,7 @@ import time
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from bench_common import (CPU_SMOKE, add_common_args, evict, fmt, integrity_of, median,  # noqa: E402
                           parse_common_args, sync, table, write_result)
-from scheduler.config import EngineConfig  # noqa: E402
+from scheduler.config import FP32_LM_HEAD_OFF, EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 from scheduler.runner import BatchInput  # noqa: E402
@@ -56,8 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--draft-policy", default="cost", choices=["cost", "always"],
                    help="verify when the drafts expected to be accepted pay for the step (default), or whenever one is found")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    p.add_argument("--disable-fp32-lm-head", action="store_true",
-                   help="the LM head's output rounded to the model's dtype before float32 (vLLM's)")
+    p.add_argument("--disable-fp32-lm-head", action="store_true", help=FP32_LM_HEAD_OFF)
     p.add_argument("--temperature", type=float, default=0.0,
                    help="the requests' and step-cost rows' temperature (default 0: greedy; > 0: drafts accepted by "
                         "rejection sampling, no seed)")
