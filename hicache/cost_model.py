@@ -21,9 +21,8 @@ transfers) is learned end to end per source from requests that ran alone (hicach
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 from hicache.config import HiCacheConfig, Policy
 from hicache.linear_cost import WINDOW_SAMPLES, LinearCost
