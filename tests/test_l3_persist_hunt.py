@@ -252,7 +252,9 @@ async def _end(eng, grace_s: float = 0.0) -> None:
 async def test_each_write_policy_restarts_on_what_its_last_run_saved(tmp_path, reference, write_policy, policy):
     """write_through under the cost policy, write_back (saved within the shutdown grace) and
     write_through_selective (what it chose to save: the prompts hit twice): the next engine serves them
-    from L3, outputs equal to a no-cache engine's."""
+    from L3, outputs equal to a no-cache engine's. Under the cost policy the next engine prices with the
+    samples the last one timed (a recompute line of this CPU's, since session 50): past its two exploration
+    reads it may recompute what L3 holds, as the last engine would have, never failing a restore."""
     config = _config(tmp_path / "l3.kv", write_policy=write_policy, policy=policy)
     eng = Engine(config)
     for _ in range(3 if write_policy == "write_through_selective" else 1):  # (it saves at the second hit)
@@ -262,7 +264,10 @@ async def test_each_write_policy_restarts_on_what_its_last_run_saved(tmp_path, r
     assert eng.metrics()["storage_adopted_pages"] >= 27
     outs = await _serve(eng)
     assert [o.output_ids for o in outs] == reference
-    assert all(o.cached_tokens.get("l3", 0) >= 32 for o in outs), [o.cached_tokens for o in outs]
+    from_l3 = [o.cached_tokens.get("l3", 0) >= 32 for o in outs]
+    explored = eng.config.hicache.storage_explore_reads
+    assert all(from_l3) if policy == "always" else all(from_l3[:explored]), [o.cached_tokens for o in outs]
+    assert eng.metrics()["fallbacks"] == 0
     await _end(eng)
 
 
