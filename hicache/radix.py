@@ -158,8 +158,7 @@ class RadixTree:
             if child is None or child.pages[tier] is None:
                 break
             n = min(len(child.key), limit - pos)
-            span = tuple(tokens[pos:pos + n])
-            common = n - n % ps if span == child.key[:n] else self._common_len(child.key, span, 0, n)
+            common = self._common_len(child.key, tuple(tokens[pos:pos + n]), 0, n)  # (a copy of what is compared)
             pos += common
             if common < len(child.key):
                 break
