@@ -80,6 +80,22 @@ class PendingSample(NamedTuple):
     logits: torch.Tensor  # [B, V] on the device (a graph's output buffer: sampled before the graph's next replay)
 
 
+def _scored(logits: torch.Tensor, penalties: list | None, bans: list | None, masks: tuple | None,
+            inflight_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [R, V] as the rows that ask score them: penalties with logit_bias and min_tokens (a biased, penalized
+    copy), then allowed_token_ids and bad words (banned tokens at -inf; a copy unless penalized), then guided rows'
+    masks ((rows, masks): what their grammars do not allow at -inf, a copy). logits itself where no row asks
+    (logprobs and NaN marks always read the raw)."""
+    scored = logits
+    if penalties is not None:
+        scored = apply_penalties(logits, penalties, inflight_ids)
+    if bans is not None:
+        scored = apply_bans(scored, bans, inflight_ids, copy=scored is logits)
+    if masks is not None:
+        scored = apply_masks(scored, *masks)
+    return scored
+
+
 class ModelRunner:
     OUT_RING = 4  # pinned output buffers reused round-robin (see __init__)
 
@@ -179,16 +195,13 @@ class ModelRunner:
                                         self.device, False)
             ids = torch.tensor(batch.input_ids, dtype=torch.int64).to(self.device, non_blocking=True)
             logits = self.model.logits_of(self.model.hidden_states(ids, attn, self.kv_pool))  # [T, V]
-        scored = logits  # (penalized rows: a biased, penalized copy, each row's drafts before it counted)
-        if batch.penalties is not None:
-            scored = apply_penalties(logits, verify_penalties(batch.penalties, batch.verify_drafts, batch.new_lens,
-                                                              stride, len(logits)))
-        if batch.bans is not None:  # allowed_token_ids, bad words: each row's after the drafts before it
-            scored = apply_bans(scored, verify_bans(batch.bans, batch.verify_drafts, batch.new_lens, stride,
-                                                    len(logits)), None, copy=scored is logits)
-        if batch.token_masks is not None:  # guided sequences: each row's mask after the drafts before it
-            mask_rows, masks = batch.token_masks
-            scored = apply_masks(scored, graph_rows(mask_rows, batch.new_lens, stride), masks)
+        # each row's penalties (its drafts before it counted as generated), bans and grammar's mask after them
+        drafts, lens, n = batch.verify_drafts, batch.new_lens, len(logits)
+        penalties = None if batch.penalties is None else verify_penalties(batch.penalties, drafts, lens, stride, n)
+        bans = None if batch.bans is None else verify_bans(batch.bans, drafts, lens, stride, n)
+        masks = None if batch.token_masks is None else (graph_rows(batch.token_masks[0], lens, stride),
+                                                        batch.token_masks[1])
+        scored = _scored(logits, penalties, bans, masks)
         next_ids = scored.argmax(dim=-1)  # [T]: greedy sequences' tokens
         rows, seqs = sampled_rows(batch.new_lens, batch.temperatures, stride)
         if rows:  # sampled sequences: each row drawn as a plain step would be (rejection sampling of its draft)
@@ -219,13 +232,7 @@ class ModelRunner:
     def _sampled(self, logits: torch.Tensor, batch: BatchInput, ids_dev, prompt_lps) -> StepHandle:
         """Penalties, guided masks, sampling, NaN marks and logprobs of a forward's logits [B, V], and their
         copy to the host."""
-        penalized = logits
-        if batch.penalties is not None:  # some row asked: a biased, penalized copy (logprobs, NaN marks: the raw)
-            penalized = apply_penalties(logits, batch.penalties, ids_dev)
-        if batch.bans is not None:  # allowed_token_ids, bad words: banned tokens at -inf (a copy unless penalized)
-            penalized = apply_bans(penalized, batch.bans, ids_dev, copy=penalized is logits)
-        if batch.token_masks is not None:  # guided rows: what their grammars do not allow at -inf (a copy)
-            penalized = apply_masks(penalized, *batch.token_masks)
+        penalized = _scored(logits, batch.penalties, batch.bans, batch.token_masks, ids_dev)
         next_ids = sample(penalized, batch.temperatures, batch.top_ps, batch.generators, batch.top_ks,
                           batch.min_ps)  # [B]
         # the host's ids mark a NaN row (its request fails); a chained step reads the unmarked ones (an
