@@ -21,7 +21,6 @@ transfers) is learned end to end per source from requests that ran alone (hicach
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from hicache.config import HiCacheConfig, Policy
@@ -30,6 +29,8 @@ from hicache.outcomes import OutcomeResiduals
 
 GIB_BYTES = 1 << 30
 TRANSFER_DIRECTIONS = ("h2d", "d2h", "s2h", "h2s")
+# a sample learned again (`learn_again`) is at most this: a size (bytes, tokens) a float holds exactly, an hour
+SAMPLE_SIZE_MAX, SAMPLE_SECONDS_MAX = float(1 << 53), 3600.0
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,9 @@ class CostModel:
     def learn_again(self, samples: dict) -> int:
         """Learn `samples` (a `samples()` of an earlier engine on this machine, as its kept L3 index carries it:
         hicache/l3_index.py) in order, as if just timed; returns how many. Malformed input (an unknown direction,
-        a sample not two finite numbers >= 0) raises ValueError before anything is learned."""
+        a sample not two numbers in [0, SAMPLE_SIZE_MAX] and [0, SAMPLE_SECONDS_MAX]) raises ValueError before
+        anything is learned (regression: an integer past a float's range, or a size of 1e300 whose fit
+        overflowed, raised OverflowError and stopped the engine's start; an hour-long sample priced a tier out)."""
         checked: dict[str, list[tuple[float, float]]] = {}
         for name, rows in samples.items():
             if name not in self.directions or not isinstance(rows, list):
@@ -144,8 +147,9 @@ class CostModel:
             for row in rows[-WINDOW_SAMPLES:]:
                 if not (isinstance(row, (list, tuple)) and len(row) == 2
                         and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row)
-                        and all(math.isfinite(v) and v >= 0 for v in row)):
-                    raise ValueError(f"a {name} sample is not (size, seconds) >= 0: {row!r}")
+                        and 0 <= row[0] <= SAMPLE_SIZE_MAX and 0 <= row[1] <= SAMPLE_SECONDS_MAX):  # (NaN: False)
+                    raise ValueError(f"a {name} sample is not (size, seconds) in [0, {SAMPLE_SIZE_MAX:g}] x "
+                                     f"[0, {SAMPLE_SECONDS_MAX:g}]: {str(row)[:80]}")
                 pairs.append((float(row[0]), float(row[1])))
             checked[name] = pairs
         if not self.learning:

@@ -140,6 +140,8 @@ def _read(path: str) -> tuple[dict, dict] | None:
         with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f, \
                 np.load(f, allow_pickle=False) as data:
             header = json.loads(str(data["header"]))
+            if not isinstance(header, dict):  # (regression: a list's or a string's .get raised, the start failed)
+                raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
             arrays = {name: data[name] for name in _ARRAYS}
     except FileNotFoundError:
         return None

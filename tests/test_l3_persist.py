@@ -390,10 +390,53 @@ def test_learn_again_checks_every_sample_first_and_keeps_a_window():
     from hicache.linear_cost import WINDOW_SAMPLES
     mgr = make_manager(storage_pages=0)
     for bad in ({"nowhere": [[1, 1]]}, {"s2h": [[1, -1.0]]}, {"s2h": [[1, float("nan")]]}, {"s2h": [[True, 1]]},
-                {"s2h": [[1, 2, 3]]}, {"s2h": "1,1"}, {"h2d": [[1, 1e-3]], "s2h": [[1]]}):
+                {"s2h": [[1, 2, 3]]}, {"s2h": "1,1"}, {"h2d": [[1, 1e-3]], "s2h": [[1]]},
+                # (regressions: OverflowError stopped the engine's start, or priced L3 out for thousands of reads)
+                {"recompute": [[10 ** 400, 1e-3]]}, {"recompute": [[1e300, 1e-3], [1e200, 2e-3]]},
+                {"s2h": [[4096, 1e300]]}, {"s2h": [[4096, float("inf")]]}):
         with pytest.raises(ValueError):
             mgr.cost.learn_again(bad)
         assert all(c.regime == "prior" for c in mgr.cost.directions.values())  # (nothing learned)
     rows = [[16 * (i % 5 + 1), 1e-3 * (i % 5 + 1)] for i in range(WINDOW_SAMPLES + 8)]
     assert mgr.cost.learn_again({"recompute": rows}) == WINDOW_SAMPLES
     assert mgr.cost.directions["recompute"].samples() == [tuple(map(float, r)) for r in rows[-WINDOW_SAMPLES:]]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("edit", ["huge_integer", "huge_size", "list", "string"])
+async def test_an_index_header_edited_into_nonsense_starts_the_engine(tmp_path, edit):
+    """A kept index whose header is valid JSON but nonsense (a sample past a float's range or whose fit overflows,
+    a header that is no object) raised from the manager's start (OverflowError, AttributeError): the next engine
+    never came up. Now the samples are ignored (the pages adopted) or the index is (nothing adopted), with a
+    warning, and the tiers are whole."""
+    import json
+
+    import numpy as np
+    from structlog.testing import capture_logs
+
+    from hicache.l3_index import index_path
+    mgr = _manager(tmp_path)
+    write_prefix(mgr, A, seed=0)
+    await mgr.drain()
+    _timed(mgr)
+    await mgr.close()
+    path = index_path(str(tmp_path / "l3.kv"))
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    header = json.loads(str(arrays.pop("header")))
+    if edit == "huge_integer":
+        header["cost_samples"]["recompute"] = [[10 ** 400, 1e-3]]
+    elif edit == "huge_size":
+        header["cost_samples"]["recompute"] = [[1e300, 1e-3], [1e200, 2e-3]]
+    with open(path, "wb") as f:
+        np.savez(f, header=np.array(json.dumps({"list": [header], "string": "header"}.get(edit, header))), **arrays)
+    with capture_logs() as logs:
+        nxt = _manager(tmp_path)
+    events = {e["event"] for e in logs}
+    if edit in ("list", "string"):
+        assert "l3_index_ignored" in events and nxt.metrics.storage_adopted_pages == 0
+    else:
+        assert "l3_index_costs_ignored" in events and nxt.metrics.storage_adopted_pages == len(A) // 4
+        assert nxt.cost.directions["recompute"].regime == "prior"
+    assert_whole(nxt)
+    await nxt.close()
