@@ -412,6 +412,12 @@ def stream_chunk(chat: bool, rid: str, created: int, model: str, text: str, toke
     return chunk
 
 
+def _not_json(constant: str):
+    """Python's json reads NaN, Infinity and -Infinity; JSON (RFC 8259) has none of them, and a field that takes any
+    JSON (a tool's parameters, a schema) would carry one into a Response no client can parse."""
+    raise ValueError(f"{constant} is not a JSON value")
+
+
 async def read_json_body(request, max_bytes: int) -> dict:
     """The body of a starlette request as a JSON object; 413 past `max_bytes` (checked from
     Content-Length before reading and again while reading), 400 when it is not a JSON object."""
@@ -429,7 +435,7 @@ async def read_json_body(request, max_bytes: int) -> dict:
             raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes (--max-body-bytes)",
                            code="body_too_large")
     try:
-        obj = json.loads(bytes(body))
+        obj = json.loads(bytes(body), parse_constant=_not_json)
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(obj, dict):

@@ -53,6 +53,7 @@ from pydantic_core import PydanticCustomError
 
 from scheduler.api_inputs import check_texts
 from scheduler.api_models import APIError, Float, _is_type_tag, _Strict, validation_error
+from scheduler.openai_fields import Metadata
 from scheduler.request import MAX_LOGPROBS
 from scheduler.request_ids import RequestIdField
 from scheduler.responses_output import ResponseOutput
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from scheduler.responses_store import ResponsesStore, StoredResponse
 
 ROLES = ("user", "system", "developer", "assistant")
+_INPUT_ITEMS_ROUTE = "/input_items"  # (GET /v1/responses/{id}/input_items: an id ending so names no Response)
 
 
 class TextPart(_Strict):
@@ -213,7 +215,7 @@ class ResponsesRequest(_Strict, RequestIdField):  # (request_id: vLLM's, the Res
     parallel_tool_calls: StrictBool | None = None
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
-    metadata: dict[StrictStr, StrictStr] | None = None
+    metadata: Metadata | None = None
     user: StrictStr | None = None
     store: StrictBool | None = None  # (none: true, as OpenAI's)
     truncation: Literal["disabled", "auto"] | None = None
@@ -269,6 +271,16 @@ class ResponsesRequest(_Strict, RequestIdField):  # (request_id: vLLM's, the Res
                                            "where": f"'{where}': " if where else "", "msg": err["msg"]}) from None
         _unique_ids(valid)
         return valid
+
+    @field_validator("request_id")
+    @classmethod
+    def _routable(cls, value: str | None) -> str | None:
+        """A Response's id (the request_id as given) that GET /v1/responses/{id} can read (regression: one ending in
+        /input_items was kept, and GET gave another response's input items or a 404)."""
+        if value is not None and value.endswith(_INPUT_ITEMS_ROUTE):
+            raise PydanticCustomError("invalid_request_id", "must not end in {route} (GET /v1/responses/<id>"
+                                      "{route} reads a response's input items)", {"route": _INPUT_ITEMS_ROUTE})
+        return value
 
     @field_validator("tools", mode="before")
     @classmethod

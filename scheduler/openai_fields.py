@@ -2,7 +2,7 @@
 this server does not otherwise serve, mixed into api_models' request models (each was an "unknown field" 400):
 
 * Fields that change nothing about the answer, on /v1/completions and /v1/chat/completions: accepted, their
-  JSON type validated, ignored. `metadata` (an object of strings), `store` (true too, as vLLM ignores it:
+  JSON type validated, ignored. `metadata` (an object of strings within OpenAI's bounds), `store` (true too, as vLLM ignores it:
   nothing is stored either way, and nothing here reads stored completions back), `service_tier` ("auto",
   "default" or null: another tier is an 'unsupported_value' 400), `prompt_cache_key`,
   `prompt_cache_retention`, `prompt_cache_options` (OpenAI's cache routing and lifetime hints: the prefix
@@ -21,11 +21,16 @@ _SamplingFields in a request model's bases: their NEUTRAL is then the one check_
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # (vLLM's Literal)
+# OpenAI's Metadata: "Set of 16 key-value pairs ... Keys ... maximum length of 64 characters. Values ... 512"
+# (regression: past them a Response echoed and kept them)
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+Metadata = Annotated[dict[Annotated[StrictStr, Field(max_length=METADATA_KEY_CHARS)],
+                          Annotated[StrictStr, Field(max_length=METADATA_VALUE_CHARS)]], Field(max_length=METADATA_PAIRS)]
 
 
 class PromptCacheOptions(BaseModel):
@@ -36,7 +41,7 @@ class PromptCacheOptions(BaseModel):
 
 class OpenAIMetadataFields(BaseModel):
     """The fields that change nothing (both endpoints)."""
-    metadata: dict[StrictStr, StrictStr] | None = None
+    metadata: Metadata | None = None
     store: StrictBool | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "fast"] | None = None
     # OpenAI's routing hint for its prefix cache: not an isolation boundary (vLLM's cache_salt is: a prefix is

@@ -13,8 +13,9 @@ any others' (scheduler/generation.py). A streamed background response's POST fol
 its client leaving ends its copy of the events, not the run.
 
 Cancelling (POST .../cancel, or DELETE, which drops it first: its end is not kept) cancels the task: its engine
-requests are aborted and their pages freed, and the response ends "cancelled" (its output: the items finished
-before), kept; one that ended is answered as it is. While it runs, a request of its id (`request_id`) is a 400
+requests are aborted and their pages freed, and the response ends "cancelled", kept: its stream's last events
+finish the item it was writing ("incomplete") and send `response.cancelled` with the Response (its output: every
+item so far; usage so far); one that ended is answered as it is. While it runs, a request of its id (`request_id`) is a 400
 (api_responses.ResponsesShape): kept at its end, it would have put the run out of every route's reach. A
 response that was not background cannot be cancelled (vLLM's 400) nor followed as a stream.
 At shutdown the engine's grace applies to these requests as to the others (Engine.shutdown), then the runs still
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("scheduler.server")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-_TERMINAL = ("response.completed", "response.incomplete", "response.failed")
+_TERMINAL = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
 _RUNNING = ("queued", "in_progress")
 
 
@@ -96,10 +97,19 @@ class BackgroundRun:
         self._notify()
 
     def _end(self, status: str, error: dict | None = None) -> None:
-        """Ended without its last event (cancelled, or a bug): its Response of that status, the items it finished."""
-        if self.response["status"] in _RUNNING:
+        """Ended without its last event (cancelled, or a bug): the events that end its stream recorded
+        (ResponseOutput.cut_short: the open item finished "incomplete", then the Response of that status)."""
+        if self.response["status"] not in _RUNNING:
+            return
+        try:
+            ending = self.out.cut_short(status, error)
+        except Exception:  # noqa: BLE001 - (a bug in the items themselves: the Response alone, the items finished)
+            log.exception("background_response_end_failed", response_id=self.id)
             self.response = self.out.response(status, self.response["output"], error=error)
             self._kept()
+            return
+        for event in ending:
+            self._record(event)
 
     def _kept(self) -> None:
         """The final Response kept, unless its id was taken by a later response while it ran (the later one kept)."""

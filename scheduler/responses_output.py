@@ -181,6 +181,8 @@ class ResponseOutput:
         self.params = choices.gens[0].req.params  # (the sampling settings it ran with, the defaults filled)
         self.logprobs = req.includes_logprobs()
         self.background = req.background is True  # (run detached from its request: responses_background.py)
+        self._numbers = itertools.count()  # the stream's events' sequence_number
+        self._items: OutputItems | None = None  # the stream's items, once it started (cut_short finishes them)
 
     def _answer_logprobs(self) -> AnswerLogprobs:
         """The answer's output_text's logprobs, its think block's tokens left out by its ids (--reasoning-parser:
@@ -218,15 +220,12 @@ class ResponseOutput:
     async def events(self):
         """The stream's events, numbered from 0 (`sequence_number`): a stream sends them, a background response
         records them (scheduler/responses_background.py). A background response is "queued" as it is created."""
-        numbers = itertools.count()
-
-        def event(data: dict) -> dict:
-            return {**data, "sequence_number": next(numbers)}
-
+        self._items = OutputItems(self.logprobs)
+        event = self._numbered
         head = self.response("in_progress", [])
         yield event({"type": "response.created", "response": {**head, "status": "queued"} if self.background else head})
         yield event({"type": "response.in_progress", "response": head})
-        items, finish = OutputItems(self.logprobs), None
+        items, finish = self._items, None
         shaper = self._answer_logprobs() if self.logprobs else None
         async with contextlib.aclosing(self.choices.sse()) as chunks:
             async for line in chunks:
@@ -252,6 +251,21 @@ class ResponseOutput:
             yield event(e)
         usage = _usage(self.choices.usage_body())
         yield event({"type": f"response.{status}", "response": self._kept(self.response(status, items.items, usage))})
+
+    def cut_short(self, status: str, error: dict | None = None) -> list[dict]:
+        """The last events of a stream that `events` did not end (a background run cancelled, or failed by a bug:
+        scheduler/responses_background.py), numbered on from its last: the item it was writing finished
+        "incomplete", then `response.<status>` (`response.cancelled`, the name of OpenAI's webhook event for it, or
+        `response.failed`) with the Response: every item so far, the usage so far. So a client following the stream
+        sees it end, and the Response holds what was streamed (regression: a cancelled stream stopped on a delta,
+        its message never done, and GET's output left the message out)."""
+        items = self._items if self._items is not None else OutputItems(self.logprobs)
+        events = [self._numbered(e) for e in items.finish("incomplete")]
+        response = self.response(status, items.items, _usage(self.choices.usage_body()), error=error)
+        return [*events, self._numbered({"type": f"response.{status}", "response": response})]
+
+    def _numbered(self, data: dict) -> dict:
+        return {**data, "sequence_number": next(self._numbers)}
 
     def _kept(self, response: dict) -> dict:
         """A finished Response, kept where asked (before it is sent: a follow-up may come as soon as it is read); a

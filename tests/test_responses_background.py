@@ -282,6 +282,10 @@ class _FailingChoices:
     async def close(self) -> None:
         self.closed = True
 
+    def usage_body(self) -> dict:  # (Choices.usage_body's shape: one prompt token, one answered)
+        return {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2,
+                "prompt_tokens_details": {"cached_tokens": 0}}
+
 
 def test_a_failed_background_response_is_kept_failed_and_cannot_be_followed():
     """The existing rule (a failed stream is not kept) is for responses that are not background: GET reports this
@@ -338,7 +342,19 @@ def test_close_cancels_the_runs_still_going_and_awaits_them(at_once):
 
     run, background = asyncio.run(scenario())
     assert run.task.done() and run.finished and not background.running and slot.released == 1 and choices.closed
-    assert store.response(out.id)["status"] == "cancelled" and run.response["output"] == []
+    assert store.response(out.id)["status"] == "cancelled"
+    # its stream ends: each item it added is done (the message it was writing "incomplete"), then the cancelled
+    # Response, numbered on
+    last = run.events[-1]
+    assert last["type"] == "response.cancelled" and last["response"] == run.response == store.response(out.id)
+    assert [e["sequence_number"] for e in run.events] == list(range(len(run.events)))
+    added = [e["item"]["id"] for e in run.events if e["type"] == "response.output_item.added"]
+    assert added == [e["item"]["id"] for e in run.events if e["type"] == "response.output_item.done"]
+    assert [item["id"] for item in run.response["output"]] == added
+    for message in run.response["output"]:
+        assert message["status"] == "incomplete" and message["content"][0]["text"] == "Hi"
+    if not at_once:
+        assert added
 
 
 def test_the_store_drops_no_running_background_response_and_drops_a_finished_one_s_events_with_it():
