@@ -412,10 +412,36 @@ def stream_chunk(chat: bool, rid: str, created: int, model: str, text: str, toke
     return chunk
 
 
-def _not_json(constant: str):
-    """Python's json reads NaN, Infinity and -Infinity; JSON (RFC 8259) has none of them, and a field that takes any
-    JSON (a tool's parameters, a schema) would carry one into a Response no client can parse."""
-    raise ValueError(f"{constant} is not a JSON value")
+def _loads(body: bytes) -> Any:
+    """json.loads, with a number no JSON encoder sends back a 400 naming where it is: NaN and Infinity (Python's
+    json reads them; RFC 8259 has neither) and one past a double's range (1e400: Python reads inf). A field that
+    takes any JSON (a tool's parameters, a schema) carried one into a Response no encoder could write: a 500
+    after the answer was generated, kept, and a stream's events carrying the bare token (regressions)."""
+    nonfinite: list[str] = []
+
+    def number(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            nonfinite.append(text)
+        return value
+
+    obj = json.loads(body, parse_constant=number, parse_float=number)
+    if nonfinite:
+        where = _nonfinite_at(obj) or "body"
+        raise APIError(400, f"{where!r} must be a finite number, got {nonfinite[0][:40]} (JSON has no NaN or "
+                            f"Infinity, and a number must fit a double)", param=where, code="invalid_value")
+    return obj
+
+
+def _nonfinite_at(x: Any, path: str = "") -> str | None:
+    """The dotted path of the first non-finite float in `x` (None: none)."""
+    if isinstance(x, float):
+        return None if math.isfinite(x) else path
+    items = x.items() if isinstance(x, dict) else enumerate(x) if isinstance(x, list) else ()
+    for key, value in items:
+        if (found := _nonfinite_at(value, f"{path}.{key}" if path else str(key))) is not None:
+            return found
+    return None
 
 
 async def read_json_body(request, max_bytes: int) -> dict:
@@ -435,7 +461,7 @@ async def read_json_body(request, max_bytes: int) -> dict:
             raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes (--max-body-bytes)",
                            code="body_too_large")
     try:
-        obj = json.loads(bytes(body), parse_constant=_not_json)
+        obj = _loads(bytes(body))
     except (ValueError, RecursionError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(obj, dict):

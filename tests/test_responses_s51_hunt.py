@@ -27,29 +27,40 @@ def _raw(srv, route: str, body: str) -> httpx.Response:
     return httpx.post(srv.url + route, content=body, headers={"content-type": "application/json"}, timeout=60)
 
 
-@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
-@pytest.mark.parametrize("route, body", [
-    ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "request_id": "nan-r", "tools": [%s]}' % TOOL),
-    ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "stream": true, "tools": [%s]}' % TOOL),
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity", "1e400", "-2.5E+999"])
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "request_id": "nan-r", "tools": [%s]}' % TOOL,
+     "tools.0.parameters.properties.x.maximum"),
+    ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "stream": true, "tools": [%s]}' % TOOL,
+     "tools.0.parameters.properties.x.maximum"),
     ("/v1/responses", '{"input": "hi", "max_output_tokens": 2, "text": {"format": {"type": "text", "schema": '
-                      '{"a": CONSTANT}}}}'),
+                      '{"a": [1.5, CONSTANT]}}}}', "text.format.schema.a.1"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, '
-                             '"temperature": CONSTANT}'),
-    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "top_p": CONSTANT}'),
-])
-def test_a_body_with_a_json_non_number_is_a_400_and_nothing_is_generated_or_kept(srv, route, body, constant):
-    """Python's json reads NaN and Infinity, JSON has neither: a field taking any JSON (a tool's parameters, a schema)
-    carried one into a Response no encoder would send, a 500 after the answer was generated, the response kept and
-    its GET a 500 from then on (a stream sent the bare token in its events)."""
+                             '"temperature": CONSTANT}', "temperature"),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 2, "top_p": CONSTANT}', "top_p"),
+], ids=["tool", "tool-stream", "schema", "chat", "completion"])
+def test_a_body_with_a_number_json_cannot_carry_is_a_400_naming_it_and_nothing_is_generated_or_kept(
+        srv, route, body, param, constant):
+    """Python's json reads NaN and Infinity, and 1e400 as inf; JSON carries none of them: a field taking any JSON (a
+    tool's parameters, a schema) carried one into a Response no encoder would send, a 500 after the answer was
+    generated, the response kept and its GET a 500 from then on (a stream sent the bare token in its events)."""
     before = _idle(srv)
     r = _raw(srv, route, body.replace("CONSTANT", constant))
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["code"] == "invalid_json" and constant.lstrip("-") in error["message"]
+    assert error["param"] == param and "finite" in error["message"] and constant in error["message"], error
     assert httpx.get(srv.url + "/v1/responses/nan-r", timeout=30).status_code == 404
     after = _idle(srv)
     assert after["engine"]["finished"] == before["engine"]["finished"]
     srv.call(srv.engine.check_integrity)
+
+
+def test_finite_numbers_and_their_text_are_served(srv):
+    """The check reads numbers, not text: "NaN" in a prompt, 1e308 in a schema are served."""
+    body = ('{"input": "NaN and Infinity", "max_output_tokens": 2, "text": {"format": {"type": "text", "schema": '
+            '{"a": 1e308, "b": -0.0, "c": 12345678901234567890123}}}}')
+    r = _raw(srv, "/v1/responses", body)
+    assert r.status_code == 200, r.text
 
 
 def test_a_request_id_ending_in_input_items_is_a_400_naming_it(srv):
