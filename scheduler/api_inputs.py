@@ -194,8 +194,16 @@ def check_texts(texts: list[str], param: str) -> None:
 def check_model(model: str | None, served_names, model_name: str) -> None:
     """A request's `model`, when given, names the served model (a 404 otherwise)."""
     if model not in (None, "") and model not in served_names:
-        raise APIError(404, f"model {model!r} is not served here; this server serves {model_name!r}",
-                       param="model", code="model_not_found")
+        raise model_not_found(model, served_names, model_name)
+
+
+def model_not_found(model: str, served_names, model_name: str) -> APIError:
+    """The 404 for a model not served, naming every name the served one answers to (regression: with
+    --served-model-name foo bar it named 'foo' alone, where 'bar' was served too)."""
+    others = sorted(set(served_names) - {model_name})
+    also = f" (also named {', '.join(map(repr, others))})" if others else ""
+    return APIError(404, f"model {model!r} is not served here; this server serves {model_name!r}{also}",
+                    param="model", code="model_not_found")
 
 
 def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: int, tokenizer,

@@ -44,7 +44,7 @@ from starlette.requests import ClientDisconnect
 from scheduler.api_admin import PrefixCacheReset
 from scheduler.api_auth import CORSSettings, install_access
 from scheduler.api_beam_search import BeamSearches
-from scheduler.api_inputs import choice_params, parse_prompts
+from scheduler.api_inputs import choice_params, model_not_found, parse_prompts
 from scheduler.api_models import APIError, jsonable, read_json_body, validation_error
 from scheduler.api_responses import ResponsesShape
 from scheduler.responses_background import BackgroundResponses
@@ -255,8 +255,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     @get("/v1/models/{model:path}")
     async def model(model: str):  # the openai SDK's models.retrieve (it was a 404 for the served model)
         if model not in st.served_names:
-            raise APIError(404, f"model {model!r} is not served here; this server serves {st.model_name!r}",
-                           param="model", code="model_not_found")
+            raise model_not_found(model, st.served_names, st.model_name)
         return model_card()
 
     @get("/health")

@@ -76,8 +76,10 @@ def test_with_served_model_name_the_models_own_names_are_refused(srv, engine):
     for old in ("tiny", engine.model_id):
         r = completion(srv.url, AUTH, model=old)
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-        assert "'alias'" in r.json()["error"]["message"]
-        assert httpx.get(f"{srv.url}/v1/models/{old}", headers=AUTH).status_code == 404
+        # every name it answers to (regression: 'alias' alone, where 'alias-2' is served too)
+        assert "serves 'alias' (also named 'alias-2')" in r.json()["error"]["message"], r.text
+        card = httpx.get(f"{srv.url}/v1/models/{old}", headers=AUTH)
+        assert card.status_code == 404 and "(also named 'alias-2')" in card.json()["error"]["message"]
     assert completion(srv.url, AUTH, model="").status_code == 200  # (no model: the served one, as before)
 
 
