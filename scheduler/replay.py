@@ -3,7 +3,8 @@ recomputed tokens, TTFT, throughput, bytes moved per direction and the cache's i
 
     python scripts/replay_trace.py                      # bundled sample, CPU, tiny model, 3 tiers
     python scripts/replay_trace.py --trace T.jsonl --device cuda --model qwen3-8b --num-pages 4096
-    python scripts/replay_trace.py --simulate --model qwen3-8b --l1-tokens 200000 --l3-gib 2000
+    python scripts/replay_trace.py --simulate --trace data/sample_trace.jsonl --model qwen3-8b --time-scale 0 \
+        --l1-tokens 200000 --l3-gib 2000
 
 Every engine flag (scheduler.config.add_engine_args) is accepted. Without --trace the bundled sample
 (data/sample_trace.jsonl) is replayed with small-run defaults: 16 tokens per hash id, the first 200
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from scheduler import replay_args, replay_memory
-from scheduler.config import EngineConfig
+from scheduler.config import EngineConfig, resolve_device
 from scheduler.presets import model_config_of
 from scheduler.replay_args import (REPLAY_OPTIONS, check_replay_args, check_writable, config_from_replay_args,
                                    fill_defaults, shown)
@@ -378,17 +379,30 @@ def _replay_or_exit(parser: argparse.ArgumentParser, args: argparse.Namespace, c
         parser.exit(2, f"{parser.prog}: {what}{replay_memory.out_of_memory(args, config, exc)}\n")
 
 
-def _warn_past_positions(parser: argparse.ArgumentParser, args: argparse.Namespace, items: list[ReplayItem],
-                         positions: int) -> None:
-    """One line before the replay when requests cannot fit the model's positions (prompt + output - 1):
-    they will fail. (Regression: the bundled sample given as --trace, at its 512 tokens a hash id, failed
-    214 of 300 requests on the tiny preset, said only after the replay.)"""
-    past = [it.prompt_tokens for it in items if kv_tokens(it.prompt_tokens, it.output_tokens) > positions]
+def _warn_will_fail(parser: argparse.ArgumentParser, args: argparse.Namespace, items: list[ReplayItem],
+                    config: EngineConfig, positions: int) -> None:
+    """One line before the replay when requests cannot fit (prompt + output - 1 tokens of K/V) the model's
+    positions or the L1 pool, or their prompts --max-prompt-tokens: they will fail. The pool is known here unless
+    the engine sizes it from the GPU's memory. (Regressions: the bundled sample given as --trace, at its 512
+    tokens a hash id, failed 214 of 300 requests on the tiny preset, said only after the replay; --simulate at
+    the 8B shape, its L1 the CPU's default 8,192 tokens, failed 148 of 300 where the line counted the 15 past
+    the positions.)"""
+    page = config.page_size_on(resolve_device(config)[0].type)
+    limits = [(positions, f"the model's {positions:,} positions")]
+    if not config.l1_from_gpu_memory():
+        l1_tokens = config.l1_pages(page) * page
+        limits.append((l1_tokens, f"the L1 pool's {l1_tokens:,} tokens ({_flag('l1_tokens')} sizes it)"))
+    kv_limit, why = min(limits)
+    prompt_limit = min(config.max_prompt_tokens or kv_limit, kv_limit)
+    past = [it.prompt_tokens for it in items
+            if kv_tokens(it.prompt_tokens, it.output_tokens) > kv_limit or it.prompt_tokens > prompt_limit]
     if past:
-        print(f"{parser.prog}: {len(past):,} of {len(items):,} requests need more than the model's {positions:,} "
-              f"positions (prompts of {min(past):,}-{max(past):,} tokens at {_flag('block_tokens')} "
-              f"{args.block_tokens}) and will fail; {_flag('max_input_tokens')} and {_flag('max_output_tokens')} "
-              f"clip them, a smaller {_flag('block_tokens')} scales every prompt down", file=sys.stderr)
+        if prompt_limit < kv_limit:
+            why += f" or --max-prompt-tokens {prompt_limit:,}"
+        print(f"{parser.prog}: {len(past):,} of {len(items):,} requests need more than {why} (prompts of "
+              f"{min(past):,}-{max(past):,} tokens at {_flag('block_tokens')} {args.block_tokens}) and will fail; "
+              f"{_flag('max_input_tokens')} and {_flag('max_output_tokens')} clip them, a smaller "
+              f"{_flag('block_tokens')} scales every prompt down", file=sys.stderr)
 
 
 def run_cli(argv: list[str] | None = None) -> dict:
@@ -426,7 +440,7 @@ def run_cli(argv: list[str] | None = None) -> dict:
     items = build_items(records, model.vocab_size, args.block_tokens,
                         seed=args.synth_seed, max_input_tokens=args.max_input_tokens,
                         max_output_tokens=args.max_output_tokens)
-    _warn_past_positions(parser, args, items, model.max_position_embeddings)
+    _warn_will_fail(parser, args, items, config, model.max_position_embeddings)
     options = {k: getattr(args, k) for k in REPLAY_OPTIONS}
     progress = sys.stdout.isatty() and not args.no_progress
     kw = dict(time_scale=args.time_scale, concurrency=args.concurrency)

@@ -19,3 +19,19 @@ def test_a_replay_says_up_front_how_many_requests_cannot_fit_the_models_position
     replay.run_cli(["--trace", SAMPLE, "--max-requests", "6", "--simulate", "--no-progress", "--max-input-tokens",
                     "2048", "--max-output-tokens", "8"])
     assert "will fail" not in capsys.readouterr().err
+
+
+def test_the_line_before_a_replay_counts_the_requests_past_the_l1_pool_too(capsys):
+    """Session 51. Regression: --simulate at the 8B shape, its L1 the CPU's default 8,192 tokens, failed 148 of the
+    sample's 300 requests as too large for the pool, where the line before the replay counted the 15 past the
+    model's positions. Now the line counts what the pool refuses too, and names the flag that sizes it."""
+    argv = ["--trace", SAMPLE, "--max-requests", "12", "--simulate", "--no-progress", "--model", "qwen3-8b",
+            "--time-scale", "0", "--l1-tokens", "4096"]
+    summary = replay.run_cli(argv)
+    err = capsys.readouterr().err
+    failed = len(summary["errors"])
+    assert failed > 0 and summary["completed"] > 0
+    line = next(ln for ln in err.splitlines() if "will fail" in ln)
+    assert f"{failed} of 12 requests need more than the L1 pool's 4,096 tokens (--l1-tokens sizes it)" in line, err
+    replay.run_cli(argv[:-1] + ["200000", "--max-input-tokens", "30000"])
+    assert "will fail" not in capsys.readouterr().err
