@@ -55,7 +55,11 @@ def start_redis() -> tuple[subprocess.Popen, str]:
     if binary is None:
         sys.exit("no redis-server on PATH: apt-get install redis-server, or pass --redis-url")
     port = free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+    # configured as an L3 should be (hicache/redis_limits.py): evicting least recently used keys past a bound, half
+    # this host's memory (regression: the engine warned the benchmark's own server would never evict)
+    host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--maxmemory", str(host_bytes // 2), "--maxmemory-policy", "allkeys-lru"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     import redis
     client = redis.Redis(port=port)

@@ -17,7 +17,6 @@ import os
 import pstats
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -226,8 +225,8 @@ def bench_storage(geometry, tokens, workers) -> dict:
     host = torch.empty(geometry.page_major_shape(n), dtype=geometry.dtype, pin_memory=torch.cuda.is_available())
     host.view(torch.uint8).random_()
     out = {}
-    with FileStore(geometry, n, path=os.path.join(tempfile.gettempdir(), "hicache-bench.kv"),
-                   io_workers=workers) as store:
+    # (a temporary file, removed as it closes: a fixed name in /tmp was left behind, and shared by two runs)
+    with FileStore(geometry, n, io_workers=workers) as store:
         t = time.perf_counter()
         store.write_pages(host, list(range(n)), list(range(n))).result()
         os.fsync(store._fd)
