@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import structlog
 
 from hicache.ops import Op, OpEvent, OpKind, apply
-from hicache.radix import Node, Tier
+from hicache.radix import MatchResult, Node, Tier
 from hicache.storage import StorageError
 
 log = structlog.get_logger("hicache.ops")
@@ -307,38 +307,14 @@ class Backups:
             # restore_explore_every * 16 refused asks once L3 was unproductive)
             if not mgr.has_l3 or self._l3_writes_paused() or not (op.payload["l3_probe"] or (
                     mgr.worth_writing("l3", n) and (mgr.cost.write_probe or mgr.l3_write_pays_off()))):
-                if mgr.has_l3:
-                    mgr.metrics.policy_skips["write_l3"] += 1
-                apply(op, OpEvent.SKIP_L3)
-                mgr.metrics.backups_done += 1
+                self._skip_l3(op, refused=mgr.has_l3)
                 return
-            rechecked = False
-            while True:
-                m = mgr.tree.match(tokens, include_storage=True, touch=False)
-                n2, n3 = m.lengths[Tier.L2], m.lengths[Tier.L3]
-                writer = self._l3_writer_of(tokens[:n2], n3) if n3 < n2 else None
-                if writer is None:
-                    # a shared L3's hints of the pages it would skip may be stale (flushed, restarted,
-                    # evicted) while L1/L2 serve them: dropped, the write puts them back (regression:
-                    # they never reached Redis again; RedisStore.recheck_hints says why here)
-                    if rechecked or not n3 or not await mgr.recheck_l3_hints(tokens, n3):
-                        break
-                    rechecked = True
-                    if self._cancelled(op):
-                        return
-                    continue
-                # an L3 write in flight writes the page after L3's end (a sibling's: another prompt
-                # sharing the prefix L3 lacks, which L2 held, so their D2Hs did not overlap): wait
-                # for it, then write only what L3 still lacks; after a failed one the first to go
-                # writes alone, the others wait for it (regression: each sibling wrote the prefix)
-                await asyncio.wait((writer,))
-                if self._cancelled(op):
-                    return
-            if n3 >= n2 or self._l3_writes_paused():  # (paused while it waited for a write above)
-                if n3 < n2:
-                    mgr.metrics.policy_skips["write_l3"] += 1
-                apply(op, OpEvent.SKIP_L3)
-                mgr.metrics.backups_done += 1
+            m = await self._l3_gap(op, tokens)
+            if m is None:  # (cancelled while it waited)
+                return
+            n2, n3 = m.lengths[Tier.L2], m.lengths[Tier.L3]
+            if n3 >= n2 or self._l3_writes_paused():  # (paused while it waited for a write)
+                self._skip_l3(op, refused=n3 < n2)
                 return
             self._lock(op, m.handles[Tier.L2], Tier.L2)  # before allocating: see start_backup
             self._lock(op, m.handles[Tier.L3], Tier.L3)
@@ -346,9 +322,7 @@ class Backups:
             slots = mgr.alloc_pages(Tier.L3, (n2 - n3) // ps, claim)
             if slots is None:
                 self._release(op)
-                mgr.metrics.policy_skips["write_l3"] += 1
-                apply(op, OpEvent.SKIP_L3)
-                mgr.metrics.backups_done += 1
+                self._skip_l3(op, refused=True)
                 return
             apply(op, OpEvent.START)
             future = mgr.store.write_pages(mgr.l2.page_buffer, m.pages[Tier.L2][n3 // ps: n2 // ps], slots,
@@ -383,6 +357,38 @@ class Backups:
             task = asyncio.current_task()
             self._start_waiting(tokens, failed=not op.succeeded,
                                 stopped=op.payload["cancel"] or (task is not None and task.cancelling() > 0))
+
+    def _skip_l3(self, op: Op, refused: bool) -> None:
+        """The backup ends with its D2H: nothing written to L3 (`refused`: counted as the policy's, or L3's room's,
+        refusal; not where there is no L3, or L3 holds the prefix already)."""
+        if refused:
+            self.mgr.metrics.policy_skips["write_l3"] += 1
+        apply(op, OpEvent.SKIP_L3)
+        self.mgr.metrics.backups_done += 1
+
+    async def _l3_gap(self, op: Op, tokens: tuple[int, ...]) -> MatchResult | None:
+        """The tree's match of `tokens` (L3 lacks m.lengths[L2] - m.lengths[L3] tokens of them) once no L3 write in
+        flight writes the page after L3's end; None where `op` was cancelled while it waited."""
+        mgr, rechecked = self.mgr, False
+        while True:
+            m = mgr.tree.match(tokens, include_storage=True, touch=False)
+            n2, n3 = m.lengths[Tier.L2], m.lengths[Tier.L3]
+            writer = self._l3_writer_of(tokens[:n2], n3) if n3 < n2 else None
+            if writer is None:
+                # a shared L3's hints of the pages it would skip may be stale (flushed, restarted,
+                # evicted) while L1/L2 serve them: dropped, the write puts them back (regression:
+                # they never reached Redis again; RedisStore.recheck_hints says why here)
+                if rechecked or not n3 or not await mgr.recheck_l3_hints(tokens, n3):
+                    return m
+                rechecked = True
+            else:
+                # an L3 write in flight writes the page after L3's end (a sibling's: another prompt
+                # sharing the prefix L3 lacks, which L2 held, so their D2Hs did not overlap): wait
+                # for it, then write only what L3 still lacks; after a failed one the first to go
+                # writes alone, the others wait for it (regression: each sibling wrote the prefix)
+                await asyncio.wait((writer,))
+            if self._cancelled(op):
+                return None
 
     def _l3_writer_of(self, tokens: tuple[int, ...], start_tokens: int) -> asyncio.Task | None:
         """The driver of an L3 write in flight that writes page `start_tokens` of `tokens` (the page
