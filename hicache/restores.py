@@ -256,74 +256,94 @@ class Restores:
         `future`, first the S2H step (a prefetch ends there, published in L2, unless its request
         took it on meanwhile); then, for an L3 restore, the H2D's start from the promoted pages;
         then the H2D step all three may end with."""
-        mgr = self.mgr
         t0 = time.monotonic_ns()
-        if future is not None:  # S2H_PENDING
-            deadline_s = self._io_deadline_s(self._read_bytes(op))
-            try:
-                if op.kind is OpKind.PREFETCH_L3 and getattr(future, "landed", None) is not None:
-                    await self._wait_landed(op, future, deadline_s)
-                    if not op.payload["cancel"]:  # (a cancelled one is for no request to take)
-                        apply(op, OpEvent.S2H_LANDED)
-                        mgr.wakeup()  # the request parked on this prefetch may take it on to L1 now
-                    if hasattr(future, "start_checks"):  # held for the take-on's launch, or not held
-                        asyncio.get_running_loop().call_later(
-                            0.0 if op.payload["cancel"] else HOLD_CHECKS_MAX_S, future.start_checks)
-                await self._wait_io(op, future, "s2h", deadline_s, since_ns=t0)
-            except StorageError as exc:
-                self._storage_failed(op, exc, future)
+        if future is not None:
+            if not await self._read_step(op, tokens, future, l2_start, t0):
                 return
-            taken = op.state is OpState.H2D_VERIFYING  # its H2D is in flight: cancel after it settled
-            if taken and op.payload.get("suspect"):  # (`stop_restores_of`: not even its L2 pages)
-                apply(op, OpEvent.CANCEL, error="suspect prefix")
-                self._settle_then_release(op, self._in_flight(op))  # (its H2D still reads them)
-                mgr.metrics.cancellations += 1
+            if op.kind is OpKind.RESTORE_L3 and not await self._start_h2d_from_read(op, tokens):
                 return
-            if not taken and self._cancelled(op):
-                return
-            apply(op, OpEvent.S2H_DONE)
-            self._publish(op, tokens, Tier.L2, op.payload.pop("host_pages"), l2_start, keep_claim=taken)
-            mgr.metrics.promotions += 1
-            mgr.reuse[Tier.L3].on_read(op.payload["num_read_pages"])
-            if taken:  # the H2D still reads these pages: nothing may evict them (locks go at the end)
-                self._lock(op, mgr.tree.match(tokens, include_storage=False).handles[Tier.L2], Tier.L2)
-            elif op.kind is OpKind.PREFETCH_L3:
-                self._unlock_all(op)
-                return
-            else:
-                self._unlock_all_but_l1(op)
-        if op.kind is OpKind.RESTORE_L3 and future is not None:
-            tried = len(op.payload["locks"])
-            while True:
-                match = mgr.tree.match(tokens, include_storage=False)
-                l1_start = match.lengths[Tier.L1]
-                # L1 may have grown meanwhile (another request computed or restored part of it): the
-                # restored pages land after that prefix, so lock it: allocating may evict it
-                self._lock(op, match.handles[Tier.L1], Tier.L1)
-                if match.lengths[Tier.L2] >= len(tokens) and self._start_h2d(op, tokens, match, l1_start):
-                    break
-                if match.lengths[Tier.L2] < len(tokens) or not mgr.l1_room_coming():
-                    break
-                # write_back is saving the leaves its room comes from: wait for their copies (the read
-                # locked in L2), then try again, as a request computing its prompt does (regression:
-                # failed, counted in failures["no_pages"], and its request then restored it from L2)
-                self._close_claim(op, Tier.L1)
-                await mgr.l1_room_saved()
-                if self._cancelled(op):
-                    return
-                for node, tier in reversed(op.payload["locks"][tried:]):
-                    mgr.tree.unlock(node, tier)
-                del op.payload["locks"][tried:]
-            if op.state is not OpState.H2D_PENDING:
-                # its read stays published in L2; only L1 lacked room (requests admitted while it
-                # read took it): its request decides again rather than recompute (regression:
-                # scheduler/restoring.py `_unpark`)
-                op.payload["l1_room_lost"] = match.lengths[Tier.L2] >= len(tokens)
-                self._fail(op, "no L1 pages for the H2D step", "no_pages")
-                return
+        await self._h2d_step(op, tokens, t0)
+
+    async def _read_step(self, op: Op, tokens: tuple[int, ...], future, l2_start: int, t0: int) -> bool:
+        """S2H_PENDING: the read waited for and published in L2. Whether the op goes on to an H2D (False: it
+        ended here: failed, cancelled, or a prefetch no request took on)."""
+        mgr = self.mgr
+        deadline_s = self._io_deadline_s(self._read_bytes(op))
+        try:
+            if op.kind is OpKind.PREFETCH_L3 and getattr(future, "landed", None) is not None:
+                await self._wait_landed(op, future, deadline_s)
+                if not op.payload["cancel"]:  # (a cancelled one is for no request to take)
+                    apply(op, OpEvent.S2H_LANDED)
+                    mgr.wakeup()  # the request parked on this prefetch may take it on to L1 now
+                if hasattr(future, "start_checks"):  # held for the take-on's launch, or not held
+                    asyncio.get_running_loop().call_later(
+                        0.0 if op.payload["cancel"] else HOLD_CHECKS_MAX_S, future.start_checks)
+            await self._wait_io(op, future, "s2h", deadline_s, since_ns=t0)
+        except StorageError as exc:
+            self._storage_failed(op, exc, future)
+            return False
+        taken = op.state is OpState.H2D_VERIFYING  # its H2D is in flight: cancel after it settled
+        if taken and op.payload.get("suspect"):  # (`stop_restores_of`: not even its L2 pages)
+            apply(op, OpEvent.CANCEL, error="suspect prefix")
+            self._settle_then_release(op, self._in_flight(op))  # (its H2D still reads them)
+            mgr.metrics.cancellations += 1
+            return False
+        if not taken and self._cancelled(op):
+            return False
+        apply(op, OpEvent.S2H_DONE)
+        self._publish(op, tokens, Tier.L2, op.payload.pop("host_pages"), l2_start, keep_claim=taken)
+        mgr.metrics.promotions += 1
+        mgr.reuse[Tier.L3].on_read(op.payload["num_read_pages"])
+        if taken:  # the H2D still reads these pages: nothing may evict them (locks go at the end)
+            self._lock(op, mgr.tree.match(tokens, include_storage=False).handles[Tier.L2], Tier.L2)
+        elif op.kind is OpKind.PREFETCH_L3:
+            self._unlock_all(op)
+            return False
+        else:
+            self._unlock_all_but_l1(op)
+        return True
+
+    async def _start_h2d_from_read(self, op: Op, tokens: tuple[int, ...]) -> bool:
+        """An L3 restore's H2D started from the pages its read promoted to L2 (waiting for write_back to free L1
+        room where it is coming). Whether it started (False: the op failed or was cancelled)."""
+        mgr = self.mgr
+        tried = len(op.payload["locks"])
+        while True:
+            match = mgr.tree.match(tokens, include_storage=False)
+            l1_start = match.lengths[Tier.L1]
+            # L1 may have grown meanwhile (another request computed or restored part of it): the
+            # restored pages land after that prefix, so lock it: allocating may evict it
+            self._lock(op, match.handles[Tier.L1], Tier.L1)
+            if match.lengths[Tier.L2] >= len(tokens) and self._start_h2d(op, tokens, match, l1_start):
+                break
+            if match.lengths[Tier.L2] < len(tokens) or not mgr.l1_room_coming():
+                break
+            # write_back is saving the leaves its room comes from: wait for their copies (the read
+            # locked in L2), then try again, as a request computing its prompt does (regression:
+            # failed, counted in failures["no_pages"], and its request then restored it from L2)
+            self._close_claim(op, Tier.L1)
+            await mgr.l1_room_saved()
+            if self._cancelled(op):
+                return False
+            for node, tier in reversed(op.payload["locks"][tried:]):
+                mgr.tree.unlock(node, tier)
+            del op.payload["locks"][tried:]
+        if op.state is not OpState.H2D_PENDING:
+            # its read stays published in L2; only L1 lacked room (requests admitted while it
+            # read took it): its request decides again rather than recompute (regression:
+            # scheduler/restoring.py `_unpark`)
+            op.payload["l1_room_lost"] = match.lengths[Tier.L2] >= len(tokens)
+            self._fail(op, "no L1 pages for the H2D step", "no_pages")
+            return False
+        return True
+
+    async def _h2d_step(self, op: Op, tokens: tuple[int, ...], t0: int) -> None:
+        """H2D_PENDING: the copy to L1 waited for, its pages published in L1 (held for the request whose forward
+        read them layer by layer), the op's locks released."""
+        mgr = self.mgr
         transfer = op.payload.pop("transfer")
         if transfer is not None:  # None: L1 already held everything, nothing to copy
-            try:  # H2D_PENDING
+            try:
                 await self._wait_transfer(op, transfer, "h2d")
             except Exception as exc:
                 self._fail(op, str(exc), "transfer")
