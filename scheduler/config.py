@@ -159,12 +159,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-total-tokens", type=int, default=0,
                    help="L1 capacity in tokens, rounded up to whole pages (when --num-pages is 0); 0: on CUDA "
                         "what --gpu-memory-fraction leaves after the weights and activations, on the CPU 8192")
-    g.add_argument("--gpu-memory-fraction", type=float, default=EngineConfig.gpu_memory_fraction,
+    g.add_argument("--gpu-memory-fraction", "--gpu-memory-utilization", type=float,
+                   default=EngineConfig.gpu_memory_fraction,
                    help="share of the GPU's memory the weights, L1 and activations may take, in (0, 1] "
-                        "(with --max-total-tokens 0)")
-    g.add_argument("--max-prefill-tokens", type=int, default=2048,
-                   help="tokens one prefill batch computes; longer prompts are prefilled in chunks")
-    g.add_argument("--max-running-requests", type=int, default=64, help="requests admitted (prefill or decode) at once")
+                        "(with --max-total-tokens 0; vLLM's name too)")
+    g.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", "--chunked-prefill-size", type=int, default=2048,
+                   help="tokens one prefill batch computes; longer prompts are prefilled in chunks (vLLM's and "
+                        "SGLang's names too)")
+    g.add_argument("--max-running-requests", "--max-num-seqs", type=int, default=64,
+                   help="requests admitted (prefill or decode) at once (vLLM's name too)")
     g.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=["fcfs", "priority", "lpm"],
                    help="the queue's admission order: arrival (fcfs); a request's priority (lower first), then "
                         "arrival; or lpm, the most prompt tokens L1 holds first, then arrival (SGLang's longest "

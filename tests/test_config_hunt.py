@@ -237,3 +237,19 @@ def test_page_larger_than_the_l1_pool_is_refused():
         engine_config(["--page-size", "16384"])
     engine_config(["--page-size", "8192"])  # one page, exactly the pool asked for
     engine_config(["--page-size", "16384", "--num-pages", "1"])  # a pool given in pages holds whole pages
+
+
+@pytest.mark.parametrize("alias, flag, value, field", [
+    ("--gpu-memory-utilization", "--gpu-memory-fraction", "0.5", "gpu_memory_fraction"),
+    ("--max-num-seqs", "--max-running-requests", "8", "max_running_requests"),
+    ("--max-num-batched-tokens", "--max-prefill-tokens", "512", "max_prefill_tokens"),
+    ("--chunked-prefill-size", "--max-prefill-tokens", "256", "max_prefill_tokens"),
+])
+def test_vllm_s_and_sglang_s_names_of_a_flag_set_the_same_setting(alias, flag, value, field):
+    """Session 51: a vLLM or SGLang user's flags (--gpu-memory-utilization, --max-num-seqs, --max-num-batched-tokens,
+    --chunked-prefill-size) were "unrecognized arguments"; each now sets what this engine's own name sets."""
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    by_alias, by_flag = (config_from_args(parser.parse_args([name, value])) for name in (alias, flag))
+    assert getattr(by_alias, field) == getattr(by_flag, field) == type(getattr(by_flag, field))(value)
+    assert by_alias == by_flag
