@@ -346,8 +346,12 @@ class RedisStore:
                 try:
                     return int(await self._prefix_script(keys=list(keys)))
                 except rexc.ResponseError as exc:
-                    if str(exc).startswith(("OOM", "BUSY", "MASTERDOWN")):
-                        raise  # the server's passing state, not scripting refused (regression: BUSY was)
+                    # the server's passing state, not scripting refused (regressions: BUSY was; redis-py
+                    # 8 strips the code from OOM's and MASTERDOWN's messages, which have classes of their own)
+                    if (isinstance(exc, (rexc.OutOfMemoryError, rexc.MasterDownError, rexc.BusyLoadingError,
+                                         rexc.TryAgainError))
+                            or str(exc).startswith(("OOM", "BUSY", "MASTERDOWN", "LOADING", "TRYAGAIN"))):
+                        raise
                     self._script_ok = False  # scripting refused (ACL, disabled): plain EXISTS instead
                     log.warning("l3_redis_no_scripting", error=str(exc))
             pipe = client.pipeline(transaction=False)

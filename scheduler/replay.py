@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hicache.redis_limits import redact_url
 from scheduler import replay_args, replay_memory
 from scheduler.config import EngineConfig, resolve_device
 from scheduler.presets import model_config_of
@@ -309,12 +310,21 @@ def summarize(run: dict, problems: list[TraceProblem], config: EngineConfig, rep
         "errors": [{"index": o.item.index, "line": o.item.line_no, "error": o.error} for o in outcomes if o.error],
         "problems": [{"line": p.line_no, "reason": p.reason} for p in problems],
         "engine_crash": run["engine_crash"],
-        "config": {"engine": dataclasses.asdict(config), "replay": replay_options},
+        "config": {"engine": _shown_config(config), "replay": replay_options},
         "metrics": m,
         "speculative": run.get("speculative"),  # (None: speculation off)
         # per trace line (`requests` is the count above); a --simulate run times nothing
         "request_records": request_records(outcomes, timed=not config.simulate),
     }
+
+
+def _shown_config(config: EngineConfig) -> dict:
+    """The engine's settings as a report shows them: a storage URL's password masked, as in the logs and status
+    (regression: --json-out wrote it in clear)."""
+    shown = dataclasses.asdict(config)
+    if config.hicache.storage_url:
+        shown["hicache"]["storage_url"] = redact_url(config.hicache.storage_url)
+    return shown
 
 
 def format_summary(s: dict) -> str:

@@ -163,15 +163,19 @@ def test_cost_priors_out_of_range_name_their_flag(flag, value):
 
 # -- the redis backend's URL ---------------------------------------------------------------------
 @pytest.mark.parametrize("url", ["foo", "http://localhost:6379/0", "redis://localhost:notaport/0",
-                                 "redis://localhost:99999/0", "redis://localhost:6379/x", "redis://localhost:6379/-1"])
+                                 "redis://localhost:99999/0", "redis://localhost:6379/x", "redis://localhost:6379/-1",
+                                 "redis://127.0.0.1:6390?db=x", "redis://:pw@h/0?socket_timeout=abc",
+                                 "unix:///tmp/redis.sock?db=y"])
 def test_malformed_redis_url_names_the_flag(url):
-    # before: the redis client's message without the flag, or (a db of "x") silently db 0
+    # before: the redis client's message without the flag, or (a db of "x") silently db 0; a query's options
+    # (session 51) passed, then the client's "Invalid value for 'db' in connection URL." stopped the start
     with pytest.raises(ValueError, match="--hicache-storage-url"):
         engine_config(["--enable-hicache", "--hicache-storage-backend", "redis", "--hicache-storage-url", url])
 
 
 @pytest.mark.parametrize("url", ["redis://localhost:6379/0", "redis://:secret@localhost:6379", "rediss://h:1/3",
-                                 "unix:///tmp/redis.sock", "redis://localhost"])
+                                 "unix:///tmp/redis.sock", "redis://localhost", "redis://h?db=2",
+                                 "unix:///tmp/redis.sock?db=2", "redis://h/1?socket_timeout=2.5"])
 def test_well_formed_redis_urls_are_accepted(url):
     engine_config(["--enable-hicache", "--hicache-storage-backend", "redis", "--hicache-storage-url", url])
 

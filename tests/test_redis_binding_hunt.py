@@ -187,6 +187,40 @@ async def test_a_user_without_config_learns_the_limit_from_the_first_write(priva
 # ---- the server's passing states ---------------------------------------------------------------------
 @needs_redis
 @pytest.mark.asyncio
+@pytest.mark.parametrize("error", [
+    redis.exceptions.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
+    redis.exceptions.MasterDownError("Link with MASTER is down and replica-serve-stale-data is set to 'no'."),
+    redis.exceptions.BusyLoadingError("Redis is loading the dataset in memory"),
+], ids=["OOM", "MASTERDOWN", "LOADING"])
+async def test_a_passing_server_state_whose_message_lost_its_code_does_not_turn_the_hint_script_off(
+        private_server, monkeypatch, error):
+    """Session 51, regression: redis-py 8 strips the code from OOM's and MASTERDOWN's messages (they have classes of
+    their own), so the check of the message's start never matched: a replica whose master was down turned the hint
+    script off for good ("l3_redis_no_scripting"), and the pages it hinted lost their LRU refresh."""
+    url = private_server.url()
+    store = make_store(url)
+    keys = store.page_keys(list(range(8)), 0, 8)
+    store._client()  # (the client, and its script, of this loop)
+    script = store._prefix_script
+
+    async def refused(**kw):
+        raise error
+    monkeypatch.setattr(store, "_prefix_script", refused)
+    with capture_op_logs() as logs:
+        with pytest.raises(StorageError) as exc:
+            await store.count_present(keys)
+    assert exc.value.kind in ("eio", "enospc") and "l3_redis_no_scripting" not in l3_events(logs) and store._script_ok
+    monkeypatch.setattr(store, "_prefix_script", script)
+    store._down_until = 0  # (past the back-off the error started)
+    sync = private_server.client()
+    calls = sync.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    assert await store.count_present(keys) == 0
+    assert sync.info("commandstats")["cmdstat_evalsha"]["calls"] > calls  # the script again
+    await store.aclose()
+
+
+@needs_redis
+@pytest.mark.asyncio
 async def test_a_busy_server_does_not_turn_the_hint_script_off(private_server):
     """regression: a hint query that met BUSY (another client's slow script on the shared server)
     was taken for scripting being refused: "l3_redis_no_scripting" was logged and the store queried

@@ -35,3 +35,15 @@ def test_the_line_before_a_replay_counts_the_requests_past_the_l1_pool_too(capsy
     assert f"{failed} of 12 requests need more than the L1 pool's 4,096 tokens (--l1-tokens sizes it)" in line, err
     replay.run_cli(argv[:-1] + ["200000", "--max-input-tokens", "30000"])
     assert "will fail" not in capsys.readouterr().err
+
+
+def test_a_replay_s_report_masks_the_storage_url_s_password(tmp_path, capsys):
+    """Session 51, regression: --json-out dumped the engine's settings whole, a Redis L3's password in clear, where
+    the logs and /hicache/status mask it."""
+    out = tmp_path / "out.json"
+    replay.run_cli(["--simulate", "--max-requests", "2", "--no-progress", "--enable-hicache",
+                    "--hicache-storage-backend", "redis", "--hicache-storage-url", "redis://:s3cretPW@127.0.0.1:1/0",
+                    "--json-out", str(out)])
+    text = out.read_text()
+    assert "s3cretPW" not in text and "redis://:***@127.0.0.1:1/0" in text
+    assert "s3cretPW" not in capsys.readouterr().out
