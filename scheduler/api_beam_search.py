@@ -14,7 +14,8 @@ structured outputs (a "required" or named tool_choice too: beams are ranked by t
 of them changes). A field at its neutral value is fine (presence_penalty 0, logit_bias {}); the server's
 --generation-config defaults are not applied to a search. stop_token_ids and the stop ids of `stop`, min_tokens,
 ignore_eos, include_stop_str_in_output, echo, prompt_logprobs, seed, priority, cache_salt are honoured.
-temperature left out is 0 (vLLM's BeamSearchParams default). max_tokens left out is the request's default (a chat's:
+temperature left out is 0, BeamSearchParams' default and vLLM's in process (vLLM's server takes the generation config's
+or 1.0, so each beam's sampled candidate is random; here a search left at its default is deterministic). max_tokens left out is the request's default (a chat's:
 the rest of the context, vLLM's), within what a step's prompt may hold (prompt + max_tokens - 1 tokens).
 """
 from __future__ import annotations
@@ -175,8 +176,8 @@ class BeamChoice(Generation):
             async for text, token_ids, fin, _ in items:
                 texts.append(text)
                 ids += token_ids
-        if self.end_token is not None:  # (an end token its tokens leave out: the reason still names it)
-            self.stop_reason = self._stop_token_reason(self.end_token)
+        if self.end_token is not None:  # (kept in its tokens or not, the reason names it, EOS too, as vLLM's beam
+            self.stop_reason = self.end_token  # search's: its finished beams carry stop_reason=eos_token_id)
         if ids or "".join(texts):
             yield "".join(texts), ids, None, []
         yield "", [], fin, []

@@ -18,9 +18,9 @@ where the beam keeps it (vLLM's get_beam_search_score).
 Beyond vLLM's, cheap to honour here: the end tokens are the model's EOS ids (unless ignore_eos) and stop_token_ids
 (vLLM: the tokenizer's eos_token only, stop_token_ids ignored); min_tokens keeps end tokens from ending a beam before
 that many tokens (vLLM ignores it): they are passed over as if masked, a beam's candidates then its likeliest others
-(its step asks as many more logprobs, within MAX_LOGPROBS); top_p, top_k, min_p and seed shape each step's sampled
+(its step asks as many more logprobs, within MAX_LOGPROBS, and its sampled token is masked from them); top_p, top_k, min_p and seed shape each step's sampled
 token, and priority, cache_salt and prompt_logprobs (its first step's) go to the step requests. temperature defaults
-to 0 (vLLM's BeamSearchParams).
+to 0 (vLLM's BeamSearchParams; scheduler/api_beam_search.py says where vLLM's server differs).
 
 Errors: a step that fails or is aborted ends the search with `BeamSearchError` (its finish_reason "error" or
 "abort"), its other steps aborted; cancelling the search aborts the steps in flight. Nothing is left in the engine.
@@ -79,14 +79,18 @@ class BeamSearchParams:
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
 
-    def step_params(self, first: bool, held_ends: int = 0) -> SamplingParams:
-        """A step request's: one token and its 2 * beam_width likeliest (the first step's, the prompt's logprobs),
-        and `held_ends` more while min_tokens holds the end tokens back (they are passed over: `_candidates`)."""
-        logprobs = min(2 * self.beam_width + held_ends, MAX_LOGPROBS)
+    def step_params(self, first: bool, held: frozenset[int] = frozenset()) -> SamplingParams:
+        """A step request's: one token and its 2 * beam_width likeliest (the first step's, the prompt's logprobs).
+        While min_tokens holds the end tokens (`held`) back, len(held) more likeliest, which are passed over
+        (`_candidates`), and the sampled token is never one: the step's own min_tokens masks them on the device, as a
+        plain request's (regression: where the held ends filled the MAX_LOGPROBS likeliest and the step sampled one,
+        a beam had no candidate, and a search of one beam returned none)."""
+        logprobs = min(2 * self.beam_width + len(held), MAX_LOGPROBS)
+        masked = dict(min_tokens=1, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos) if held else {}
         return SamplingParams(max_tokens=1, logprobs=logprobs, temperature=self.temperature,
                               top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, seed=self.seed,
                               priority=self.priority, cache_salt=self.cache_salt,
-                              prompt_logprobs=self.prompt_logprobs if first else None)
+                              prompt_logprobs=self.prompt_logprobs if first else None, **masked)
 
     def validate(self, engine: "Engine", prompt: list[int]) -> None:
         """RequestError naming the field: the engine's checks of the whole search (its fields' ranges, prompt +
@@ -165,7 +169,7 @@ async def beam_search(engine: "Engine", prompt: list[int], params: BeamSearchPar
     try:
         for step in range(params.max_tokens):
             held = ends if step < params.min_tokens else set()  # (end tokens min_tokens holds back: passed over)
-            step_params = params.step_params(first=step == 0, held_ends=len(held))
+            step_params = params.step_params(first=step == 0, held=frozenset(held))
             reqs = await _all([_step(engine, beam.tokens, step_params, f"{base}-beam{step}.{i}", step > 0)
                                for i, beam in enumerate(live)])
             result.cached_tokens_per_step.append(min(sum(r.hit_tokens.values()) for r in reqs))
