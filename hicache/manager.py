@@ -377,6 +377,15 @@ class CacheManager:
         if release is not None:
             await release()
 
+    def abandon(self) -> None:
+        """Close what this manager opened, at once, for an engine that failed to start (no operation ran, nothing to
+        save): the transfer's streams and the L3 store, whose file lock a retry on the same path needs (regression:
+        it stayed locked until the half-built engine was collected)."""
+        if self.transfer is not None:
+            self.transfer.close()
+        if self.store is not None and not getattr(self.store, "closed", False):
+            self.store.close()
+
     async def close(self) -> None:
         await self.runner.drain(cancel=True)
         if self.transfer is not None:

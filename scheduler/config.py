@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import numbers
 import os
 from dataclasses import dataclass, field, replace
 
@@ -57,11 +58,14 @@ class EngineConfig:
     # as fast (scripts/probe_host.py), and every request's host path follows such a wait.
     gpu_wait: str = "spin"
     cpu_threads: int = 1  # torch intra-op threads on the CPU (tiny shapes run fastest on one)
+    # the structured log's file (JSON lines, appended to): structlog is configured for the whole process, so every
+    # engine of the process logs to the file the last one built with it named
     log_json: str | None = None
     simulate: bool = False  # no model, no KV bytes: tree, allocators and cost model only
     hicache: HiCacheConfig = field(default_factory=HiCacheConfig)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.small_gemm not in ("triton", "cublas"):
             raise ValueError(f"small_gemm must be 'triton' or 'cublas', got {self.small_gemm!r}")
         if self.gpu_wait not in ("spin", "block"):
@@ -88,6 +92,24 @@ class EngineConfig:
         if self.hicache.enable and not self.enable_prefix_cache:  # (L2/L3 sat idle, taking backups)
             raise ValueError("hicache.enable (--enable-hicache) cannot be used with enable_prefix_cache=False "
                              f"(--disable-prefix-cache): {HICACHE_NEEDS_PREFIX_CACHE}")
+
+    def _check_types(self) -> None:
+        """What the in-process API may be given that the flags' parser never makes (session 51, regressions: a
+        max_prefill_tokens of 1.5 crashed the engine's loop at its first request, a page_size of 4.0 its pools; a
+        dtype of "fp16" ran float32 without a word; vLLM's dict form of speculative_config failed inside the
+        speculator): a ValueError naming the field, and a mapping given as `speculative` parsed as the flag's."""
+        for name in (*ENGINE_MINIMUMS, "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise ValueError(f"{_field_name(name, FLAGS.get(name))} must be an integer, got {value!r}")
+            object.__setattr__(self, name, int(value))  # (numpy's integers as Python's)
+        if self.dtype not in ("auto", *_DTYPES):
+            raise ValueError(f"dtype must be one of 'auto', {', '.join(map(repr, _DTYPES))}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not (self.device in ("auto", "cpu", "cuda")
+                                                    or self.device.startswith("cuda:") and self.device[5:].isdigit()):
+            raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if not isinstance(self.speculative, (SpeculativeConfig, type(None))):
+            object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))  # (raises, named)
 
     def with_hicache(self, **changes) -> "EngineConfig":
         return replace(self, hicache=replace(self.hicache, **changes))

@@ -65,6 +65,14 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         geometry = self.model_config.kv_geometry(page_size, self.dtype)
         num_pages, hc = plan_pools(config, self.device, self.model_config, geometry, self.model_id)
         self.cache = CacheManager(geometry, num_pages, self.device, hc, faults=faults, simulate=config.simulate)
+        try:
+            self._build(config, page_size)
+        except BaseException:  # (its L3 file locked, its streams open, until this half-built engine is collected)
+            self.cache.abandon()
+            raise
+
+    def _build(self, config: EngineConfig, page_size: int) -> None:
+        """What an engine holds beside its cache: the runner, graphs, speculator, admission, queues and counters."""
         self.cache.wakeup = self.wake_soon
         self.cache.defer_backups = True  # a step's tokens reach their clients before its backups start
         self.cache.wakeup_idle = self._wake_idle
