@@ -324,6 +324,10 @@ class Backups:
                 self._release(op)
                 self._skip_l3(op, refused=True)
                 return
+            # from here the op's size is its L3 write's, the pages L3 lacks (its events, the timeline and a timeout's
+            # sample say so; regression: they carried the D2H's, which may be more or fewer pages)
+            op.num_pages = len(slots)
+            op.num_bytes = op.num_pages * mgr.geometry.bytes_per_page
             apply(op, OpEvent.START)
             future = mgr.store.write_pages(mgr.l2.page_buffer, m.pages[Tier.L2][n3 // ps: n2 // ps], slots,
                                            **mgr.page_keys(tokens, n3, n2))

@@ -195,7 +195,7 @@ class Op:
     kind: OpKind
     state: OpState
     request_id: str | None
-    # the op's copy, in pages and bytes: a backup's D2H (its L3 write may be longer), an L2
+    # the op's copy, in pages and bytes: a backup's D2H, then its L3 write's (the pages L3 lacks), an L2
     # restore's H2D; for the L3 kinds the pages of l3 - min(l1, l2) tokens (its read or its H2D,
     # whichever is longer)
     num_pages: int

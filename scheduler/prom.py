@@ -178,7 +178,9 @@ class EngineCollector(Collector):
             queue.add_metric([state], float(eng.get(state, 0)))
         yield queue
         yield _family(CounterMetricFamily, "hicache_engine_batches", "batches run", eng.get("batches", 0))
-        yield _family(CounterMetricFamily, "hicache_engine_tokens", "tokens computed by kind",
+        yield _family(CounterMetricFamily, "hicache_engine_tokens", "tokens by kind: prefill, the prompt tokens "
+                      "computed; decode, the tokens decode and verify steps yielded (a verify step's rejected drafts "
+                      "left out)",
                       {"prefill": eng.get("prefill_tokens", 0), "decode": eng.get("decode_tokens", 0)}, "kind")
         yield _family(CounterMetricFamily, "hicache_engine_overlapped_steps", "work overlapped with the device by "
                       "kind: decode steps enqueued before the previous step's tokens were back, restores whose "
