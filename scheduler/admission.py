@@ -27,6 +27,7 @@ from scheduler.request import Request, RequestState, TokenEvent, kv_tokens
 from scheduler.restoring import Restoring
 from scheduler.runner import Batch, BatchInput
 from scheduler.sampling import NAN_TOKEN
+from scheduler.token_bans import nothing_left
 
 if TYPE_CHECKING:
     from scheduler.engine import Engine
@@ -381,7 +382,11 @@ class Admission(Restoring):
             eng.finish(req, state, reason, error)
             return
         if req.guide is not None and (broken := req.guide.accept(int(token))) is not None:
-            eng.finish(req, RequestState.FAILED, "error", f"the token sampled broke the request's grammar: {broken}")
+            # a grammar's mask holds every token it refuses, so a token it refuses was sampled from a row that had
+            # none left: the bans' doing where there are any (regression: an arbitrary token was named as breaking
+            # the grammar), else llguidance gave up on the grammar (one too ambiguous) or the row was NaN
+            eng.finish(req, RequestState.FAILED, "error", nothing_left(req) if req.params.restricts_tokens
+                       else f"the token sampled broke the request's grammar: {broken}")
             return
         req.output.append(int(token))
         req.emit(TokenEvent(req.rid, int(token), len(req.output) - 1, same_step=same_step))

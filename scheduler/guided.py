@@ -60,8 +60,10 @@ class GuidedSpec:
             return LLMatcher.grammar_from_json_schema(self.value, defaults=JSON_OPTIONS)
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.value)
-        if self.kind == "choice":
-            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in json.loads(self.value)))
+        if self.kind == "choice":  # one lexeme, as llguidance makes an enum (regression: a rule of one alternative a
+            # choice failed from 2,000 choices: llguidance's parser takes at most 2,000 items a row)
+            return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c)
+                                                                                   for c in json.loads(self.value)))
         return LLMatcher.grammar_from_lark(self.value)
 
 
@@ -252,7 +254,24 @@ class Guides:
         matcher = LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise RequestError(f"guided {spec.kind}: {_brief(matcher.get_error())}", "guided")
+        self._first_token(spec, matcher)
         return matcher
+
+    def _first_token(self, spec: GuidedSpec, matcher) -> None:
+        """RequestError where a copy of the matcher cannot take a first token: no text satisfies the grammar (a regex
+        of no string, a rule only itself derives), or llguidance gives up on it at once (a schema past its limits).
+        Compiled, such a request was queued and then failed, a 500 (regression). Later limits still fail mid-answer."""
+        probe = Guide(matcher.deep_copy(), self.words, None if self.eos_ids else self._tokenizer.eos_token)
+        row = torch.zeros(self.words, dtype=torch.int32)
+        probe.fill_mask(row)
+        if probe.allows_none:
+            if (why := probe.stuck_error()) is not None:
+                raise RequestError(f"guided {spec.kind}: no text satisfies it ({why})", "guided")
+            return
+        word = int(torch.nonzero(row)[0])
+        bits = int(row[word]) & 0xFFFFFFFF
+        if (broken := probe.accept(word * 32 + (bits & -bits).bit_length() - 1)) is not None:
+            raise RequestError(f"guided {spec.kind}: {broken}", "guided")
 
     def start(self, spec: GuidedSpec | None) -> Guide | None:
         """A request's matcher: a copy of its spec's (microseconds; compiling a large schema for each request

@@ -13,7 +13,7 @@ from scheduler.penalty_state import PenaltyState, RowPenalties
 from scheduler.request import Request, RequestError, RequestState, SamplingParams
 from scheduler.runner import BatchInput, StepHandle
 from scheduler.speculative import row_starts
-from scheduler.token_bans import RowBans, held_by_min_tokens
+from scheduler.token_bans import RowBans, held_by_min_tokens, nothing_left
 
 _NEUTRAL_PENALTIES = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
 
@@ -179,8 +179,5 @@ def fail_if_banned(engine, req: Request, row: RowBans, token: int) -> bool:
     step asks this of each token it yields, before that token is taken (scheduler/speculative.py after_verify)."""
     if not row.sampled_banned(token):
         return False
-    also = " that its grammar allows" if req.guide is not None else \
-        " that min_tokens does not hold back" if len(req.output) < req.params.min_tokens else ""
-    engine.finish(req, RequestState.FAILED, "error", f"no token was left to sample after {len(req.output)} "
-                  f"generated: allowed_token_ids and bad_words ban every token{also}")
+    engine.finish(req, RequestState.FAILED, "error", nothing_left(req))
     return True

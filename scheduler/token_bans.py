@@ -25,11 +25,14 @@ step before it is back on the host, scheduler/engine_loop.py):
 A batch where no request restricts its tokens builds nothing here (BatchInput.bans is None)."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from scheduler.penalty_state import PenaltyState
+
+if TYPE_CHECKING:
+    from scheduler.request import Request
 
 
 class WordIndex:
@@ -186,3 +189,12 @@ def apply_bans(logits: torch.Tensor, rows: list[RowBans | None], inflight_ids: t
     hit = inflight_ids.index_select(0, word_rows_dev) == word_ids_dev
     out.index_put_((word_rows_dev, word_bans_dev), torch.where(hit, neg_inf, out.new_zeros(())), accumulate=True)
     return out
+
+
+def nothing_left(req: "Request") -> str:
+    """The error of a request whose bans (allowed_token_ids, bad words) left its row no token to sample: what it
+    banned, with what else holds tokens back (its grammar's mask, min_tokens)."""
+    also = " that its grammar allows" if req.guide is not None else \
+        " that min_tokens does not hold back" if len(req.output) < req.params.min_tokens else ""
+    return (f"no token was left to sample after {len(req.output)} generated: allowed_token_ids and bad_words ban "
+            f"every token{also}")
