@@ -89,6 +89,10 @@ class _SamplingFields(_Strict, PenaltyFields, SamplerFields, GuidedFields, Trunc
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False  # vLLM's: the text ends after a stop string, or a stop token's
     skip_special_tokens: StrictBool = True  # vLLM's: special tokens' text left out of the choice's text
+    # vLLM's; the kept special tokens' text joined as the tokenizer's decoder joins it, whatever it says (vLLM V1's
+    # detokenizer of a fast tokenizer ignores it too)
+    spaces_between_special_tokens: StrictBool = True
+    return_token_ids: StrictBool | None = None  # vLLM's: the prompt's token ids in the response (choices.py)
     stream: StrictBool | None = False  # (null: the default, as OpenAI's schema allows)
     stream_options: StreamOptions | None = None
     n: StrictInt | None = 1
@@ -157,9 +161,11 @@ class TextPart(_Strict):
     text: StrictStr
 
 
-# OpenAI's assistant-message fields (and the SDK's `parsed`) at the values that change nothing
+# OpenAI's assistant-message fields at the values that change nothing; the SDK's `parsed` (its own parse of the
+# content by a pydantic response_format) at any (regression: a message `.parse()` returned, sent back, was a 400)
 _MESSAGE_NEUTRAL: dict[str, tuple] = {"refusal": (None,), "annotations": (None, []), "audio": (None,),
-                                      "function_call": (None,), "parsed": (None,)}
+                                      "function_call": (None,)}
+_MESSAGE_IGNORED = ("parsed",)
 
 
 class ChatMessage(_Strict):
@@ -185,13 +191,13 @@ class ChatMessage(_Strict):
                                           "server takes text only: 'text' parts or a string)", {"kind": repr(kind)})
         # an assistant message the openai SDK built (its stream helper's, model_dump()) carries these at
         # null, and a conversation sends it back (a 400 "unknown field 'messages.1.refusal'")
-        if isinstance(data, dict) and any(k in data for k in _MESSAGE_NEUTRAL):
+        if isinstance(data, dict) and any(k in data for k in (*_MESSAGE_NEUTRAL, *_MESSAGE_IGNORED)):
             for key, neutral in _MESSAGE_NEUTRAL.items():
                 value = data.get(key)
                 if not any(value == v and type(value) is type(v) for v in neutral):
                     raise PydanticCustomError("unsupported_value", "'{key}' is not supported (only {neutral})",
                                               {"key": key, "neutral": " or ".join(json.dumps(v) for v in neutral)})
-            data = {k: v for k, v in data.items() if k not in _MESSAGE_NEUTRAL}
+            data = {k: v for k, v in data.items() if k not in _MESSAGE_NEUTRAL and k not in _MESSAGE_IGNORED}
         return data
 
     @model_validator(mode="after")

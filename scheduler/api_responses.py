@@ -27,7 +27,7 @@ Responses' server-sent events (scheduler/responses_output.py).
   response runs detached from its request, answered "queued" at once (or streamed), read by GET as it goes,
   followed by GET ?stream=true&starting_after=N, cancelled by POST /v1/responses/{id}/cancel
   (scheduler/responses_background.py). A request_id naming one still running is a 400.
-  vLLM's `seed` and `cache_salt` are passed on.
+  vLLM's `seed`, `cache_salt`, `top_k`, `logit_bias`, `skip_special_tokens` and `priority` are passed on.
 * `include: ["message.output_text.logprobs"]`: the chat's `logprobs: true` with `top_logprobs` (0..20, 0 when
   left out) alternatives, on the output_text and its events (scheduler/responses_logprobs.py); `top_logprobs`
   without it is accepted, echoed, and asks for nothing (vLLM's). What stateless agents send (Codex,
@@ -45,10 +45,9 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
-from pydantic import (Discriminator, Field, StrictBool, StrictInt, StrictStr, Tag, TypeAdapter, ValidationError,
-                      field_validator, model_validator)
+from pydantic import Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from scheduler.api_inputs import check_texts
@@ -56,102 +55,14 @@ from scheduler.api_models import APIError, Float, _is_type_tag, _Strict, validat
 from scheduler.openai_fields import Metadata
 from scheduler.request import MAX_LOGPROBS
 from scheduler.request_ids import RequestIdField
+from scheduler.responses_items import (_INPUT_ITEM, _ITEMS, FunctionCallItem, FunctionCallOutputItem, InputItem,
+                                       MessageItem, TextPart, _item_kind)
 from scheduler.responses_output import ResponseOutput
 
 if TYPE_CHECKING:
     from scheduler.responses_store import ResponsesStore, StoredResponse
 
-ROLES = ("user", "system", "developer", "assistant")
 _INPUT_ITEMS_ROUTE = "/input_items"  # (GET /v1/responses/{id}/input_items: an id ending so names no Response)
-
-
-class TextPart(_Strict):
-    """A message's text: an input_text part, or an output_text one (an earlier response's, sent back)."""
-    type: Literal["input_text", "output_text"]
-    text: StrictStr
-    annotations: list[Any] | None = None  # (an output_text's, as this server sent it: left unused)
-    logprobs: list[Any] | None = None
-    parsed: Any = None  # (the openai SDK's parse helpers add it to the parts they return)
-
-
-def _text_parts_only(parts: Any) -> None:
-    for part in parts if isinstance(parts, list) else ():
-        kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(kind, str) and kind not in ("input_text", "output_text"):
-            raise PydanticCustomError("unsupported_value", "content parts of type {kind} are not supported (this "
-                                      "server takes text only: 'input_text' / 'output_text' parts or a string)",
-                                      {"kind": repr(kind)})
-
-
-class MessageItem(_Strict):
-    type: Literal["message"] | None = "message"  # (null: a message, as a null takes its default elsewhere)
-    role: Literal["user", "system", "developer", "assistant"]
-    content: StrictStr | list[TextPart]
-    id: StrictStr | None = None  # (an output message's, sent back)
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _parts(cls, data: Any) -> Any:
-        _text_parts_only(data.get("content") if isinstance(data, dict) else None)
-        return data
-
-
-class FunctionCallItem(_Strict):
-    type: Literal["function_call"]
-    call_id: StrictStr
-    name: StrictStr
-    arguments: StrictStr
-    id: StrictStr | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
-    parsed_arguments: Any = None  # (the openai SDK's stream helper's parse of `arguments`: left unused)
-
-
-class FunctionCallOutputItem(_Strict):
-    type: Literal["function_call_output"]
-    call_id: StrictStr
-    output: StrictStr | list[TextPart]
-    id: StrictStr | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _parts(cls, data: Any) -> Any:
-        _text_parts_only(data.get("output") if isinstance(data, dict) else None)
-        return data
-
-
-class ReasoningText(_Strict):
-    type: Literal["reasoning_text", "summary_text"]
-    text: StrictStr
-
-
-class ReasoningItem(_Strict):
-    """An earlier response's thinking, sent back: its text becomes its assistant turn's reasoning_content."""
-    type: Literal["reasoning"]
-    id: StrictStr | None = None
-    summary: list[ReasoningText] = []
-    content: list[ReasoningText] | None = None
-    encrypted_content: None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
-
-    def text(self) -> str:
-        return "\n".join(p.text for p in self.content or self.summary)
-
-
-_ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_call_output": FunctionCallOutputItem,
-          "reasoning": ReasoningItem}
-
-
-def _item_kind(item: Any) -> Any:
-    """An item's type: a message's where it has none (or null), as the API's easy input message."""
-    kind = item.get("type") if isinstance(item, dict) else getattr(item, "type", None)
-    return "message" if kind is None else kind
-
-
-InputItem = Annotated[Union[tuple(Annotated[model, Tag(kind)] for kind, model in _ITEMS.items())],
-                      Discriminator(_item_kind)]
-_INPUT_ITEM = TypeAdapter(InputItem)
 
 
 class FunctionTool(_Strict):
@@ -209,6 +120,11 @@ class ResponsesRequest(_Strict, RequestIdField):  # (request_id: vLLM's, the Res
     top_p: Float | None = None
     seed: StrictInt | None = None  # (vLLM's: a sampled answer repeated)
     cache_salt: StrictStr | None = None  # (vLLM's: its prefixes shared only within the salt)
+    # vLLM's, as its chat takes them (checked there: their errors name these fields)
+    top_k: StrictInt | None = None
+    logit_bias: dict[StrictStr, Float] | None = None
+    skip_special_tokens: StrictBool | None = None
+    priority: StrictInt | None = None
     stream: StrictBool | None = False
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
@@ -410,6 +326,8 @@ def chat_body(req: ResponsesRequest, history: list[dict] = ()) -> dict:
         "messages": chat_messages(req, history), "model": req.model, "stream": req.stream, "temperature": req.temperature,
         "top_p": req.top_p, "seed": req.seed, "cache_salt": req.cache_salt, "user": req.user, "max_completion_tokens": req.max_output_tokens,
         "parallel_tool_calls": req.parallel_tool_calls, "reasoning_effort": req.reasoning and req.reasoning.effort,
+        "top_k": req.top_k, "logit_bias": req.logit_bias, "skip_special_tokens": req.skip_special_tokens,
+        "priority": req.priority,
         "tools": None if req.tools is None else [t.chat_form() for t in req.tools]}
     choice = req.tool_choice
     body["tool_choice"] = {"type": "function", "function": {"name": choice.name}} \

@@ -58,6 +58,7 @@ class Choices:
         self.echoes = [echo_text(api_req, g.index, g.req.prompt, g.st.tokenizer) for g in gens]
         # vLLM's prompt_logprobs: the k a response shows of each prompt position (None: no such key)
         self.prompt_k = prompt_logprobs_api.shown_count(api_req, gens[0].st.engine.vocab_size)
+        self.prompt_ids = bool(api_req.return_token_ids)  # vLLM's: the prompt's token ids too, where prompt_logprobs go
         for g, echo in zip(gens, self.echoes):
             if echo is not None and g.logprobs is not None:
                 g.logprobs.follow_prompt(g.req.prompt)  # (before any token's entry is made)
@@ -184,7 +185,18 @@ class Choices:
         body["usage"] = self.usage_body()
         if self.prompt_k is not None:
             self._put_prompt_logprobs(body)
+        if self.prompt_ids:
+            self._put_prompt_ids(body)
         return body
+
+    def _put_prompt_ids(self, body: dict, index: int | None = None) -> None:
+        """vLLM's return_token_ids: each prompt's token ids (the choices carry theirs anyway), a chat's at the top
+        level, a completion's on each of its choices (a stream's on each choice's first chunk: `index`)."""
+        if self.chat:
+            body["prompt_token_ids"] = list(self.gens[0].req.prompt)
+            return
+        for choice in body["choices"]:
+            choice["prompt_token_ids"] = list(self.gens[choice["index"] if index is None else index].req.prompt)
 
     def _put_prompt_logprobs(self, body: dict) -> None:
         """vLLM's `prompt_logprobs` (scheduler/prompt_logprobs_api.py): a completion's every choice its prompt's
@@ -228,6 +240,8 @@ class Choices:
                                          logprobs=self.gens[i].logprobs.render(entries) if entries else None,
                                          reasoning=reasoning, tool_calls=calls,
                                          stop_reason=None if fin is None else self.gens[i].stop_reason)
+                    if self.prompt_ids and first[i]:
+                        self._put_prompt_ids(chunk, i)
                     if counter is not None and self.continuous_usage:  # (this choice's so far, as vLLM's)
                         so_far = self._reasoning_tokens[i] if fin is not None else counter.counted
                         chunk["usage"]["completion_tokens_details"] = {"reasoning_tokens": so_far}

@@ -153,3 +153,78 @@ def test_a_cancelled_background_stream_ends_with_its_items_done_and_response_can
     assert replay == events[1:]
     _idle(srv)
     srv.call(srv.engine.check_integrity)
+
+
+# -- what the openai SDK sends back, and vLLM's fields -------------------------------------------------------------
+def test_output_items_sent_back_as_the_sdk_dumps_them_with_openai_s_newer_fields_are_served(srv):
+    """An output message's model_dump() carries `phase` (null), which the SDK's types ask clients to send back (Codex
+    does, "commentary" / "final_answer"), and a call or its output OpenAI's `caller`, `namespace`, `async`: each was a
+    400 "Extra inputs are not permitted", so a conversation kept as JSON could not go on."""
+    first = _raw(srv, "/v1/responses", json.dumps({"input": "hi", "max_output_tokens": 3})).json()
+    output = [{**item, "phase": None} for item in first["output"]]
+    items = [{"role": "user", "content": "hi"}, *output,
+             {"role": "assistant", "content": "and so", "phase": "final_answer"},
+             {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}", "caller": None,
+              "namespace": "tools", "async": False},
+             {"type": "function_call_output", "call_id": "c1", "output": "done", "caller": None, "namespace": "tools"},
+             {"role": "user", "content": "next"}]
+    r = _raw(srv, "/v1/responses", json.dumps({"input": items, "max_output_tokens": 2}))
+    assert r.status_code == 200, r.text
+    bad = _raw(srv, "/v1/responses", json.dumps({"input": [{"role": "assistant", "content": "x", "phase": "other"}]}))
+    assert bad.status_code == 400 and "phase" in bad.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value", [("top_k", 5), ("logit_bias", {"65": 5.0}), ("skip_special_tokens", False),
+                                          ("priority", 0)])
+def test_vllm_s_responses_fields_are_passed_to_the_chat_that_serves_it(srv, field, value):
+    """vLLM's ResponsesRequest takes them, and the chat this endpoint is served as does: each was "unknown field"."""
+    r = _raw(srv, "/v1/responses", json.dumps({"input": "hi", "max_output_tokens": 2, field: value}))
+    assert r.status_code == 200, r.text
+    bad = {"top_k": "x", "logit_bias": {"65": "x"}, "skip_special_tokens": 1, "priority": 1.5}[field]
+    r = _raw(srv, "/v1/responses", json.dumps({"input": "hi", "max_output_tokens": 2, field: bad}))
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith(field), r.text
+
+
+def test_a_logit_bias_through_responses_reaches_the_answer(srv):
+    """(Passed on, not only accepted: a bias of 100 on one token makes every greedy token that one.)"""
+    [q] = httpx.post(srv.url + "/tokenize", json={"prompt": "Q", "add_special_tokens": False}, timeout=30).json()["tokens"]
+    r = _raw(srv, "/v1/responses", json.dumps({"input": "hi", "max_output_tokens": 3, "temperature": 0,
+                                               "logit_bias": {str(q): 100}})).json()
+    text = r["output"][0]["content"][0]["text"]
+    assert set(text) == {"Q"}, r
+
+
+@pytest.mark.parametrize("route, body", [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                                         ("/v1/completions", {"prompt": "hi"})])
+def test_vllm_s_return_token_ids_and_spaces_between_special_tokens(srv, route, body):
+    """vLLM's CompletionRequest / ChatCompletionRequest fields (RL rollout clients send return_token_ids): each was an
+    "unknown field" 400. return_token_ids puts the prompt's token ids where prompt_logprobs go (a chat's at the top
+    level, a completion's on each choice; a stream's on each choice's first chunk); choices carry token_ids anyway."""
+    base = {**body, "max_tokens": 2, "temperature": 0}
+    plain = httpx.post(srv.url + route, json=base, timeout=60).json()
+    r = httpx.post(srv.url + route, json={**base, "return_token_ids": True, "spaces_between_special_tokens": False},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    where = [got] if "messages" in body else got["choices"]
+    assert all(w["prompt_token_ids"] and all(isinstance(t, int) for t in w["prompt_token_ids"]) for w in where)
+    assert len(where[0]["prompt_token_ids"]) == got["usage"]["prompt_tokens"]
+    assert got["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"] and "prompt_token_ids" not in plain
+    with httpx.stream("POST", srv.url + route, json={**base, "return_token_ids": True, "stream": True},
+                      timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    firsts = [c for c in chunks if "prompt_token_ids" in c or "prompt_token_ids" in c["choices"][0]]
+    assert len(firsts) == 1 and firsts[0] is chunks[0]
+
+
+def test_a_chat_message_the_sdk_s_parse_returned_is_taken_back(srv):
+    """`client.chat.completions.parse(response_format=Model)` returns a message carrying `parsed` (the client's own
+    parse of its content), and the documented follow-up sends it back: a 400 "'parsed' is not supported (only null)".
+    It changes nothing, whatever its value; the SDK's null-valued fields stay taken at null only."""
+    parsed = {"role": "assistant", "content": "{\"a\": 1}", "parsed": {"a": 1}, "refusal": None}
+    body = {"messages": [{"role": "user", "content": "hi"}, parsed, {"role": "user", "content": "more"}],
+            "max_tokens": 2}
+    assert httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
+    body["messages"][1] = {**parsed, "refusal": "no"}
+    r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400 and "refusal" in r.json()["error"]["message"]
