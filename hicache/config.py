@@ -184,9 +184,10 @@ def _check_redis_url(url: str) -> None:
             db = parts.path.lstrip("/")
             if db and not (db.isascii() and db.isdigit()):
                 problem = f"the database must be a number >= 0, got {db!r}"
-        if problem is None:  # its query's options as the client reads them (regression: "?db=x" and
-            from redis.connection import parse_url  # "?socket_timeout=abc" stopped the engine's start)
-
+        if problem is None:
+            # its query's options as the client reads them (regression: "?db=x" and "?socket_timeout=abc" passed,
+            # then stopped the engine's start)
+            from redis.connection import parse_url
             parse_url(url)
     except ValueError as exc:
         problem = str(exc)
