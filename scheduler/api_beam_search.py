@@ -14,9 +14,10 @@ structured outputs (a "required" or named tool_choice too: beams are ranked by t
 of them changes). A field at its neutral value is fine (presence_penalty 0, logit_bias {}); the server's
 --generation-config defaults are not applied to a search. stop_token_ids and the stop ids of `stop`, min_tokens,
 ignore_eos, include_stop_str_in_output, echo, prompt_logprobs, seed, priority, cache_salt are honoured.
-temperature left out is 0, BeamSearchParams' default and vLLM's in process (vLLM's server takes the generation config's
-or 1.0, so each beam's sampled candidate is random; here a search left at its default is deterministic). max_tokens left out is the request's default (a chat's:
-the rest of the context, vLLM's), within what a step's prompt may hold (prompt + max_tokens - 1 tokens).
+temperature left out is 0, BeamSearchParams' default and vLLM's in process (vLLM's server takes the generation
+config's or 1.0, so each beam's sampled candidate is random; here a search left at its default is deterministic).
+max_tokens left out is the request's default (a chat's: the rest of the context, vLLM's), within what a step's prompt
+may hold (prompt + max_tokens - 1 tokens).
 """
 from __future__ import annotations
 

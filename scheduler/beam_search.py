@@ -18,9 +18,10 @@ where the beam keeps it (vLLM's get_beam_search_score).
 Beyond vLLM's, cheap to honour here: the end tokens are the model's EOS ids (unless ignore_eos) and stop_token_ids
 (vLLM: the tokenizer's eos_token only, stop_token_ids ignored); min_tokens keeps end tokens from ending a beam before
 that many tokens (vLLM ignores it): they are passed over as if masked, a beam's candidates then its likeliest others
-(its step asks as many more logprobs, within MAX_LOGPROBS, and its sampled token is masked from them); top_p, top_k, min_p and seed shape each step's sampled
-token, and priority, cache_salt and prompt_logprobs (its first step's) go to the step requests. temperature defaults
-to 0 (vLLM's BeamSearchParams; scheduler/api_beam_search.py says where vLLM's server differs).
+(its step asks as many more logprobs, within MAX_LOGPROBS, and its sampled token is masked from them); top_p, top_k,
+min_p and seed shape each step's sampled token, and priority, cache_salt and prompt_logprobs (its first step's) go to
+the step requests. temperature defaults to 0 (vLLM's BeamSearchParams; scheduler/api_beam_search.py says where vLLM's
+server differs).
 
 Errors: a step that fails or is aborted ends the search with `BeamSearchError` (its finish_reason "error" or
 "abort"), its other steps aborted; cancelling the search aborts the steps in flight. Nothing is left in the engine.

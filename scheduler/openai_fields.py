@@ -2,8 +2,8 @@
 this server does not otherwise serve, mixed into api_models' request models (each was an "unknown field" 400):
 
 * Fields that change nothing about the answer, on /v1/completions and /v1/chat/completions: accepted, their
-  JSON type validated, ignored. `metadata` (an object of strings within OpenAI's bounds), `store` (true too, as vLLM ignores it:
-  nothing is stored either way, and nothing here reads stored completions back), `service_tier` ("auto",
+  JSON type validated, ignored. `metadata` (an object of strings within OpenAI's bounds), `store` (true too, as
+  vLLM ignores it: nothing is stored either way, and nothing here reads stored completions back), `service_tier` ("auto",
   "default" or null: another tier is an 'unsupported_value' 400), `prompt_cache_key`,
   `prompt_cache_retention`, `prompt_cache_options` (OpenAI's cache routing and lifetime hints: the prefix
   cache finds shared prefixes itself), `safety_identifier`.
@@ -30,7 +30,8 @@ REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 # (regression: past them a Response echoed and kept them)
 METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
 Metadata = Annotated[dict[Annotated[StrictStr, Field(max_length=METADATA_KEY_CHARS)],
-                          Annotated[StrictStr, Field(max_length=METADATA_VALUE_CHARS)]], Field(max_length=METADATA_PAIRS)]
+                          Annotated[StrictStr, Field(max_length=METADATA_VALUE_CHARS)]],
+                     Field(max_length=METADATA_PAIRS)]
 
 
 class PromptCacheOptions(BaseModel):
