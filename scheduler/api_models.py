@@ -233,6 +233,8 @@ class ChatTemplateFields(BaseModel):
 class ChatCompletionRequest(OpenAIChatFields, _SamplingFields, ChatLogprobsFields, ChatTemplateFields, ToolFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
+    # vLLM's: false leaves the thinking out of the answer (reasoning_content null; usage still counts it)
+    include_reasoning: StrictBool = True
 
     def _asks(self):
         """The guided fields' grammars, and a "required" or named tool_choice's (two at once: a 400)."""

@@ -72,9 +72,10 @@ class MessageToolCall(_Closed):
 
     def as_template_dict(self) -> dict:
         args: Any = self.function.arguments
-        try:  # (vLLM's: templates write arguments with tojson, so an object's text would be quoted twice)
-            parsed = json.loads(args)
-            args = parsed if isinstance(parsed, dict) else args
+        try:  # (vLLM's: templates write arguments with tojson, so an object's text would be quoted twice; no
+            # arguments, "" or "null", are {}: a template wrote "arguments": } into the prompt, regression)
+            parsed = json.loads(args) if args.strip() else None
+            args = parsed if isinstance(parsed, dict) else {} if parsed is None else args
         except (ValueError, RecursionError):
             pass
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}

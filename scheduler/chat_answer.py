@@ -68,13 +68,14 @@ class ChatAnswer:
         return out
 
     def whole(self, text: str) -> tuple[str | None, str | None, list[dict]]:
-        """A whole answer's (reasoning_content: None where it did not think, content: None where calls left no
-        text, tool_calls)."""
+        """A whole answer's (reasoning_content: None where it did not think, content: None where calls or a thought
+        left no text, as vLLM's parsers return it; tool_calls)."""
         delta = self.feed(text) + self.flush()
         calls = [c.as_dict() for c in self.calls]
         if self.mode == "named":
             calls = [ToolCall(self.named, "".join(self._arguments), self._named_id).as_dict()]
-        return (delta.reasoning if self.reasoned else None), (delta.content or None if calls else delta.content), calls
+        content = delta.content or None if calls or self.reasoned else delta.content
+        return (delta.reasoning if self.reasoned else None), content, calls
 
     def finish_reason(self, reason: str) -> str:
         called = self.calls and self.mode in ("auto", "required")

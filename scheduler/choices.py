@@ -63,6 +63,7 @@ class Choices:
             if echo is not None and g.logprobs is not None:
                 g.logprobs.follow_prompt(g.req.prompt)  # (before any token's entry is made)
         self.parses = chat and gens[0].st.limits.reasoning_parser is not None and gens[0].st.tokenizer is not None
+        self.shows_reasoning = getattr(api_req, "include_reasoning", True)  # (vLLM's include_reasoning)
         # a guided answer is its grammar's from its first token: a think block the prompt left open is not its
         # (it is content), but one the grammar makes it write at its start is split off as any answer's
         # (regression: a guided answer was never split, so guided_regex's "<think>...</think>" came back as
@@ -175,7 +176,7 @@ class Choices:
                 if (counter := self.reasoning_counter(gen)) is not None:
                     counter.feed(token_ids)
                 self._ended(i, answer, counter)
-            if self.parses:
+            if self.parses and self.shows_reasoning:
                 reasoning = [r for r, _, _ in messages]
             texts, calls = [c for _, c, _ in messages], [tc for _, _, tc in messages]
             finish = [a.finish_reason(f) for a, f in zip(answers, finish)]
@@ -227,7 +228,7 @@ class Choices:
                     reasoning, calls, finish = "", None, None if fin is None else fin.finish_reason
                     if answers is not None:
                         delta = answers[i].feed(text) + (answers[i].flush() if fin is not None else Delta())
-                        reasoning, text, calls = delta.reasoning, delta.content, delta.calls
+                        reasoning, text, calls = delta.reasoning if self.shows_reasoning else "", delta.content, delta.calls
                         finish = finish and answers[i].finish_reason(finish)
                     counter = counters[i]
                     if counter is not None:
