@@ -72,10 +72,11 @@ class MessageToolCall(_Closed):
 
     def as_template_dict(self) -> dict:
         args: Any = self.function.arguments
-        try:  # (vLLM's: templates write arguments with tojson, so an object's text would be quoted twice; no
-            # arguments, "" or "null", are {}: a template wrote "arguments": } into the prompt, regression)
+        try:  # (vLLM's: templates write arguments with tojson, so JSON's text would be quoted twice (a list's too,
+            # regression); none, "" or "null", are {}: a template wrote "arguments": } into the prompt, regression;
+            # text that is no JSON stays text, where vLLM's json.loads fails the request)
             parsed = json.loads(args) if args.strip() else None
-            args = parsed if isinstance(parsed, dict) else {} if parsed is None else args
+            args = {} if parsed is None else parsed
         except (ValueError, RecursionError):
             pass
         return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": args}}

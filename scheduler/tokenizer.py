@@ -50,6 +50,10 @@ class _Chat:
     """A tokenizer's chat: its template (ChatTemplate or None) rendered and encoded."""
 
     template: ChatTemplate | None = None
+    # a checkpoint's template named "tool_use", for chats that send tools (transformers' get_chat_template(tools=)),
+    # or why it does not compile
+    tool_template: ChatTemplate | None = None
+    no_tool_template_reason: str | None = None
     no_chat_reason = "no chat template"
     special_tokens: dict = {}
 
@@ -58,8 +62,10 @@ class _Chat:
         return None if self.template is None else self.template.text
 
     def use_chat_template(self, text: str) -> None:
-        """Render chats with `text` from now on (--chat-template); ValueError where it does not compile."""
+        """Render chats with `text` from now on (--chat-template: with tools too); ValueError where it does not
+        compile."""
         self.template = ChatTemplate(text, self.special_tokens)
+        self.tool_template = self.no_tool_template_reason = None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, add_special_tokens: bool = False,
@@ -71,7 +77,12 @@ class _Chat:
         request's tool definitions (transformers' `tools`: OpenAI's tool objects), None without."""
         if self.template is None:
             raise ValueError(self.no_chat_reason)
-        text = self.template.render(messages, add_generation_prompt, continue_final_message, template_kwargs, tools)
+        template = self.template
+        if tools is not None and self.no_tool_template_reason is not None:
+            raise ValueError(self.no_tool_template_reason)
+        if tools is not None and self.tool_template is not None:
+            template = self.tool_template
+        text = template.render(messages, add_generation_prompt, continue_final_message, template_kwargs, tools)
         return self.encode(text, add_special_tokens=add_special_tokens)
 
 
@@ -139,19 +150,18 @@ class HFTokenizer(_Chat):
             except (OSError, ValueError):
                 pass
         self.special_tokens = _special_tokens(cfg, special_map)
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default") or next(iter(named.values()), None)
-        jinja_path = os.path.join(model_dir, "chat_template.jinja")  # where recent transformers save it
-        if not (isinstance(template, str) and template) and os.path.isfile(jinja_path):
-            with open(jinja_path) as f:
-                template = f.read()
-        if isinstance(template, str) and template:
+        named = _named_templates(model_dir, cfg)
+        template = named.get("default") or next(iter(named.values()), None)
+        if template:
             try:
                 self.use_chat_template(template)
             except ValueError as exc:  # chat is refused, completions still served
                 self.no_chat_reason = str(exc)
+        if self.template is not None and named.get("tool_use") not in (None, template):
+            try:
+                self.tool_template = ChatTemplate(named["tool_use"], self.special_tokens)
+            except ValueError as exc:  # (chats with tools refused, the others served)
+                self.no_tool_template_reason = f"the checkpoint's tool_use chat template: {exc}"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -171,12 +181,38 @@ def _token_text(tok) -> str:
 
 
 def _read_json(path: str) -> dict:
-    """The JSON object in `path`; {} when there is no such file (or it holds no object)."""
+    """The JSON object in `path` (UTF-8, as transformers reads it, whatever the locale); {} when there is no such
+    file (or it holds no object)."""
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
+    with open(path, encoding="utf-8") as f:
         data = json.load(f)
     return data if isinstance(data, dict) else {}
+
+
+def _named_templates(model_dir: str, config: dict) -> dict[str, str]:
+    """A checkpoint's chat templates by name ("default", "tool_use", ...), as transformers reads them: its files,
+    chat_template.jinja (the default) and additional_chat_templates/NAME.jinja, which take priority over
+    tokenizer_config.json's `chat_template` (a string, the default, or [{"name", "template"}, ...]). Files are
+    UTF-8. (Regressions: the config's template won over a newer chat_template.jinja; a "tool_use" template was
+    never chosen, so tools never reached the prompt; a template file was read in the locale's encoding.)"""
+    files: dict[str, str] = {}
+    jinja_path = os.path.join(model_dir, "chat_template.jinja")
+    extra_dir = os.path.join(model_dir, "additional_chat_templates")
+    paths = [("default", jinja_path)] if os.path.isfile(jinja_path) else []
+    if os.path.isdir(extra_dir):
+        paths += [(name[:-len(".jinja")], os.path.join(extra_dir, name)) for name in sorted(os.listdir(extra_dir))
+                  if name.endswith(".jinja")]
+    for name, path in paths:
+        with open(path, encoding="utf-8") as f:
+            files[name] = f.read()
+    if files:
+        return {name: text for name, text in files.items() if text}
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        return {t["name"]: t["template"] for t in template if isinstance(t, dict) and isinstance(t.get("name"), str)
+                and isinstance(t.get("template"), str) and t["template"]}
+    return {"default": template} if isinstance(template, str) and template else {}
 
 
 def _special_tokens(config: dict, special_tokens_map: dict) -> dict[str, str | list[str]]:
