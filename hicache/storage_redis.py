@@ -8,26 +8,24 @@ allocator (the capacity of this instance's hint table); the key is what addresse
 `invalidate()` is a no-op: another instance may still use the page, and Redis's own eviction policy
 (maxmemory + allkeys-lru) decides what stays.
 
-Values. A header binding the value to its key, then the page (hicache/redis_values.py). A missing
-key or a bad value fails the operation with StorageError("missing" / "checksum", bad_slots=...) so
-the caller drops the hint and recomputes:
-never a wrong output. Connection errors and timeouts -> "eio" (and a short back-off during which
-operations fail at once instead of waiting on a dead server; a command is sent once more only after
-its connection dropped, never after a timeout); OOM under `noeviction` -> "enospc".
+Values. A header binding the value to its key, then the page (hicache/redis_values.py). A missing key or a bad value
+fails the operation with StorageError("missing" / "checksum", bad_slots=...) so the caller drops the hint and
+recomputes: never a wrong output. Connection errors and timeouts -> "eio" (and a short back-off during which
+operations fail at once instead of waiting on a dead server; a command is sent once more only after its connection
+dropped, never after a timeout); OOM under `noeviction` -> "enospc". A hint query's OOM, MASTERDOWN, BUSY or LOADING
+is the server's passing state (`_PASSING_ERRORS`), not scripting refused.
 
 Start. One PING, and the server's limits read (hicache/redis_limits.py): a server that cannot be
 used, one that never evicts, and one whose limits refuse a page's value (writes or reads refused at
 once, one warning naming the setting) are each one log line; the engine starts all the same.
 While they refuse, the limits are read again at most every 30 s (`Refusals`): a fix needs no restart.
 
-I/O. redis.asyncio on the running loop (a new client when the loop changes: `Engine.generate` runs
-each call on a fresh loop). Each operation is one command per chunk of at most `chunk_bytes`
-(MSET / MGET, 8 MiB: a few round trips a restore; an MGET within the server's output buffer
-limit, "Start"); packing values (hash + copy) and unpacking them
-(verify + copy into the host pages) run on one helper thread when a chunk is large, so the loop
-keeps serving. A reply is parsed on the loop, by hiredis (C): a 32 MiB chunk held the loop 13-25 ms
-(20-25 with redis-py's Python parser), an 8 MiB one 2.5-3 ms (this 2-core machine; an 8B read of
-64 pages).
+I/O. redis.asyncio on the running loop (a new client when the loop changes: `Engine.generate` runs each call on a
+fresh loop). Each operation is one command per chunk of at most `chunk_bytes` (MSET / MGET, 8 MiB: a few round trips
+a restore; an MGET within the server's output buffer limit, "Start"); packing values (hash + copy) and unpacking them
+(verify + copy into the host pages) run on one helper thread when a chunk is large, so the loop keeps serving. A reply
+is parsed on the loop, by hiredis (C): a 32 MiB chunk held the loop 13-25 ms (20-25 with redis-py's Python parser),
+an 8 MiB one 2.5-3 ms (this 2-core machine; an 8B read of 64 pages).
 
 Hints. `refresh_hints(mgr, tokens)` asks which of the prompt's full pages exist, in one round trip
 (a tiny Lua script that TOUCHes the keys in order and returns how many exist contiguously from the
@@ -75,6 +73,9 @@ for i, k in ipairs(KEYS) do
 end
 return #KEYS
 """
+# (regressions: BUSY was taken for scripting refused; redis-py 8 strips OOM's and MASTERDOWN's codes from messages)
+_PASSING_ERRORS = (rexc.OutOfMemoryError, rexc.MasterDownError, rexc.BusyLoadingError, rexc.TryAgainError)
+_PASSING_CODES = ("OOM", "BUSY", "MASTERDOWN", "LOADING", "TRYAGAIN")
 
 
 def _retry_dropped_connections() -> Retry:
@@ -346,11 +347,7 @@ class RedisStore:
                 try:
                     return int(await self._prefix_script(keys=list(keys)))
                 except rexc.ResponseError as exc:
-                    # the server's passing state, not scripting refused (regressions: BUSY was; redis-py
-                    # 8 strips the code from OOM's and MASTERDOWN's messages, which have classes of their own)
-                    if (isinstance(exc, (rexc.OutOfMemoryError, rexc.MasterDownError, rexc.BusyLoadingError,
-                                         rexc.TryAgainError))
-                            or str(exc).startswith(("OOM", "BUSY", "MASTERDOWN", "LOADING", "TRYAGAIN"))):
+                    if isinstance(exc, _PASSING_ERRORS) or str(exc).startswith(_PASSING_CODES):
                         raise
                     self._script_ok = False  # scripting refused (ACL, disabled): plain EXISTS instead
                     log.warning("l3_redis_no_scripting", error=str(exc))

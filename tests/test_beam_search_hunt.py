@@ -8,11 +8,13 @@ import asyncio
 import dataclasses
 
 import pytest
+import torch
 
 from scheduler.beam_search import BeamSearchParams, beam_search
 from scheduler.request import RequestError, SamplingParams
 from server_fixtures import byte_level_server, ok, post, tiny_config
-from test_beam_search import PROMPT, candidate, clean, make_engine, on_adds, reference, run, same_beams, with_eos
+from test_beam_search import (PROMPT, candidate, clean, dense_logprobs, make_engine, on_adds, reference, run,
+                              same_beams, with_eos)
 
 CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "hello there"}]
@@ -43,6 +45,21 @@ def test_min_tokens_keeps_every_beam_where_end_tokens_fill_the_likeliest():
     got = run(eng, PROMPT, params)
     assert len(got.beams) == 2 and all(len(b.output_ids) == 2 for b in got.beams)
     same_beams(got, reference(eng, PROMPT, 2, 2, ends=tuple(ends), min_tokens=2))
+
+
+def test_min_tokens_holding_every_logprob_it_asks_still_grows_the_beams():
+    """Session 51, regression: a step asks 2 * beam_width + (end tokens held) logprobs, at most MAX_LOGPROBS (20);
+    where the held end tokens were the 20 likeliest and the step sampled one, the beam had no candidate, and a
+    search of one beam returned none (over HTTP a 200 of no token). The step's own min_tokens now masks them from
+    its sampled token: the likeliest other token, as the reference's masked search takes."""
+    eng = make_engine()
+    stops = tuple(int(t) for t in torch.topk(dense_logprobs(eng, PROMPT), 20).indices)
+    params = BeamSearchParams(beam_width=1, max_tokens=3, stop_token_ids=stops, min_tokens=2)
+    got = run(eng, PROMPT, params)
+    same_beams(got, reference(eng, PROMPT, 1, 3, ends=stops, min_tokens=2))
+    assert got.beams and len(got.beams[0].output_ids) >= 2 and got.beams[0].output_ids[0] not in stops
+    assert not eng.requests
+    eng.check_integrity()
 
 
 @pytest.fixture(scope="module")
