@@ -228,7 +228,8 @@ class Choices:
                     reasoning, calls, finish = "", None, None if fin is None else fin.finish_reason
                     if answers is not None:
                         delta = answers[i].feed(text) + (answers[i].flush() if fin is not None else Delta())
-                        reasoning, text, calls = delta.reasoning if self.shows_reasoning else "", delta.content, delta.calls
+                        reasoning = delta.reasoning if self.shows_reasoning else ""
+                        text, calls = delta.content, delta.calls
                         finish = finish and answers[i].finish_reason(finish)
                     counter = counters[i]
                     if counter is not None:

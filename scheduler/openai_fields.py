@@ -3,8 +3,8 @@ this server does not otherwise serve, mixed into api_models' request models (eac
 
 * Fields that change nothing about the answer, on /v1/completions and /v1/chat/completions: accepted, their
   JSON type validated, ignored. `metadata` (an object of strings within OpenAI's bounds), `store` (true too, as
-  vLLM ignores it: nothing is stored either way, and nothing here reads stored completions back), `service_tier` ("auto",
-  "default" or null: another tier is an 'unsupported_value' 400), `prompt_cache_key`,
+  vLLM ignores it: nothing is stored either way, and nothing here reads stored completions back), `service_tier`
+  ("auto", "default" or null: another tier is an 'unsupported_value' 400), `prompt_cache_key`,
   `prompt_cache_retention`, `prompt_cache_options` (OpenAI's cache routing and lifetime hints: the prefix
   cache finds shared prefixes itself), `safety_identifier`.
 * `reasoning_effort` (a chat's; vLLM's values: OpenAI's and DeepSeek V4's "max") is a chat template variable,

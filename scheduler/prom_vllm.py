@@ -33,13 +33,13 @@ engine's status and cache counters, so the two names cannot disagree. What they 
   choices generated (vLLM's meaning, despite its HELP's "requested": ParentRequest's most generated tokens,
   not max_tokens), once per prompt as its last choice ends, whatever its end (vLLM: those its engine ended);
   request_params_max_tokens: each engine request's max_tokens;
-* iteration_tokens_total: per engine step (forward), its tokens as the runner launches it: a prefill's
-  computed prompt tokens (a chunk's, past any cached prefix), one per decode row (so its _sum is
-  hicache_engine_tokens' without speculative decoding, and its _count hicache_engine_batches'). vLLM's front end counts, per step, each
-  request's whole prompt in the step that made its first token (cached tokens and earlier chunks included)
-  plus every token made: its first token too, and nothing for a step that made none (an early chunk).
-  A verify step (speculative decoding) counts its rows: the pending tokens and their drafts (the drafts
-  rejected too, which hicache_engine_tokens' decode tokens, the tokens steps yielded, leave out);
+* iteration_tokens_total: per engine step (forward), its tokens as the runner launches it: a prefill's computed prompt
+  tokens (a chunk's, past any cached prefix), one per decode row (so its _sum is hicache_engine_tokens' without
+  speculative decoding, and its _count hicache_engine_batches'). vLLM's front end counts, per step, each request's
+  whole prompt in the step that made its first token (cached tokens and earlier chunks included) plus every token
+  made: its first token too, and nothing for a step that made none (an early chunk). A verify step (speculative
+  decoding) counts its rows: the pending tokens and their drafts (the drafts rejected too, which
+  hicache_engine_tokens' decode tokens, the tokens steps yielded, leave out);
 * spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens (and _per_pos, labelled position), with
   --speculative-config only: per verify step, each request that had drafts / their tokens / those accepted
   (scheduler/speculative.py), as vLLM's.

@@ -13,14 +13,13 @@ any others' (scheduler/generation.py). A streamed background response's POST fol
 its client leaving ends its copy of the events, not the run.
 
 Cancelling (POST .../cancel, or DELETE, which drops it first: its end is not kept) cancels the task: its engine
-requests are aborted and their pages freed, and the response ends "cancelled", kept: its stream's last events
-finish the item it was writing ("incomplete") and send `response.cancelled` with the Response (its output: every
-item so far; usage so far); one that ended is answered as it is. While it runs, a request of its id (`request_id`) is a 400
-(api_responses.ResponsesShape): kept at its end, it would have put the run out of every route's reach. A
-response that was not background cannot be cancelled (vLLM's 400) nor followed as a stream.
-At shutdown the engine's grace applies to these requests as to the others (Engine.shutdown), then the runs still
-going are cancelled and awaited (`BackgroundResponses.close`): no task outlives the server's loop, no slot is
-left held.
+requests are aborted and their pages freed, and the response ends "cancelled", kept: its stream's last events finish
+the item it was writing ("incomplete") and send `response.cancelled` with the Response (its output: every item so far;
+usage so far); one that ended is answered as it is. While it runs, a request of its id (`request_id`) is a 400
+(api_responses.ResponsesShape): kept at its end, it would have put the run out of every route's reach. A response that
+was not background cannot be cancelled (vLLM's 400) nor followed as a stream. At shutdown the engine's grace applies
+to these requests as to the others (Engine.shutdown), then the runs still going are cancelled and awaited
+(`BackgroundResponses.close`): no task outlives the server's loop, no slot is left held.
 
 All of it runs on the server's one event loop, as the store does: no locks. Followers wait on an asyncio.Event that
 each change sets (and replaces).
