@@ -28,13 +28,13 @@ import json
 import math
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from scheduler.api_guided import GuidedFields
 from scheduler.ban_fields import BanFields
 from scheduler.beam_search import BeamSearchFields
-from scheduler.api_tools import MessageToolCall, ToolFields
+from scheduler.api_tools import ToolFields
+from scheduler.chat_messages import ChatMessage
 from scheduler.logprobs import ChatLogprobsFields, CompletionLogprobsField
 from scheduler.openai_fields import OpenAIChatFields, OpenAIMetadataFields
 from scheduler.penalties import PenaltyFields
@@ -154,72 +154,6 @@ class CompletionRequest(OpenAIMetadataFields, _SamplingFields, CompletionLogprob
             raise APIError(400, f"'best_of' must be >= 'n' (got 1 and {self.n})", param="best_of", code="invalid_value")
         if self.suffix:
             raise APIError(400, "'suffix' is not supported", param="suffix", code="unsupported_value")
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: StrictStr
-
-
-# OpenAI's assistant-message fields at the values that change nothing; the SDK's `parsed` (its own parse of the
-# content by a pydantic response_format) at any (regression: a message `.parse()` returned, sent back, was a 400)
-_MESSAGE_NEUTRAL: dict[str, tuple] = {"refusal": (None,), "annotations": (None, []), "audio": (None,),
-                                      "function_call": (None,)}
-_MESSAGE_IGNORED = ("parsed",)
-
-
-class ChatMessage(_Strict):
-    """The OpenAI API's roles; only an assistant's message may come without content (400 otherwise:
-    a typo'd role or a forgotten content used to be rendered into a prompt the model never saw), and only
-    an assistant's may carry `tool_calls` (the calls it made: scheduler/api_tools.py)."""
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: StrictStr | list[TextPart] | None = None
-    name: StrictStr | None = None
-    tool_call_id: StrictStr | None = None  # (the SDK's tool messages need it: it was an 'unknown field')
-    tool_calls: list[MessageToolCall] | None = None
-    reasoning_content: StrictStr | None = None  # (a --reasoning-parser response's, sent back: Qwen3's template reads it)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_parts_only(cls, data: Any) -> Any:
-        # an image part was a 400 listing every union branch's complaint; the type's repr: a lone surrogate was a 500
-        parts = data.get("content") if isinstance(data, dict) else None
-        for part in parts if isinstance(parts, list) else ():
-            kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
-                raise PydanticCustomError("unsupported_value", "content parts of type {kind} are not supported (this "
-                                          "server takes text only: 'text' parts or a string)", {"kind": repr(kind)})
-        # an assistant message the openai SDK built (its stream helper's, model_dump()) carries these at
-        # null, and a conversation sends it back (a 400 "unknown field 'messages.1.refusal'")
-        if isinstance(data, dict) and any(k in data for k in (*_MESSAGE_NEUTRAL, *_MESSAGE_IGNORED)):
-            for key, neutral in _MESSAGE_NEUTRAL.items():
-                value = data.get(key)
-                if not any(value == v and type(value) is type(v) for v in neutral):
-                    raise PydanticCustomError("unsupported_value", "'{key}' is not supported (only {neutral})",
-                                              {"key": key, "neutral": " or ".join(json.dumps(v) for v in neutral)})
-            data = {k: v for k, v in data.items() if k not in _MESSAGE_NEUTRAL and k not in _MESSAGE_IGNORED}
-        return data
-
-    @model_validator(mode="after")
-    def _content_required(self) -> "ChatMessage":
-        if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs 'content'")
-        if self.tool_calls and self.role != "assistant":
-            raise ValueError(f"a {self.role} message may not carry 'tool_calls' (an assistant's may)")
-        return self
-
-    def as_template_dict(self) -> dict:
-        content = self.content
-        if isinstance(content, list):  # text parts, joined as vLLM's default ("string" content format) joins them
-            content = "\n".join(p.text for p in content)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
-        for key in ("name", "tool_call_id", "reasoning_content"):  # (as transformers passes a message: a template
-            # may use them)
-            if getattr(self, key) is not None:
-                out[key] = getattr(self, key)
-        if self.tool_calls:
-            out["tool_calls"] = [c.as_template_dict() for c in self.tool_calls]
-        return out
 
 
 class ChatTemplateFields(BaseModel):
