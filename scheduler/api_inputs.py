@@ -30,14 +30,15 @@ from scheduler.tokenizer import TEMPLATE_VARIABLES
 def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], model_name: str, vocab_size: int,
                   prompt_limit: int, max_tokens_limit: int, default_max_tokens: int = 16,
                   context_tokens: int | None = None, sampling_defaults: GenerationDefaults = GenerationDefaults(),
-                  auto_tools: bool = False) -> tuple[CompletionRequest | ChatCompletionRequest, list[list[int]], SamplingParams]:
+                  auto_tools: bool = False, trust_templates: bool = False) -> tuple[CompletionRequest | ChatCompletionRequest, list[list[int]], SamplingParams]:
     """Validate a decoded JSON body: (the request model, each prompt's token ids in order: one, or a
     completion's batch, sampling parameters). Raises APIError (400 / 404) naming the field or limit (a
     batch's prompt by its position: "prompt.2"). Without max_tokens a completion gets `default_max_tokens`
     (OpenAI's legacy default, 16) and a chat what is left of `context_tokens` (the tokens a request can
     hold; OpenAI's chat has no default), each within max_tokens_limit. `sampling_defaults`: for the sampling
     fields the request leaves out or sets to null (scheduler/generation_defaults.py; none given: OpenAI's).
-    auto_tools: the server reads tool calls out of answers (a chat's tool_choice "auto" is served)."""
+    auto_tools: the server reads tool calls out of answers (a chat's tool_choice "auto" is served);
+    trust_templates: a chat's own `chat_template` is rendered (--trust-request-chat-template), not refused."""
     try:
         request_model = ChatCompletionRequest if chat else CompletionRequest
         req = request_model.model_validate(body, context={"vocab_size": vocab_size})  # (logit_bias' token ids)
@@ -60,11 +61,11 @@ def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
                            default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit)
     except ValueError as exc:
         raise APIError(400, str(exc), param=TRUNCATION, code="invalid_value") from None
-    prompts = [None] if chat else prompt_list(req)
+    prompts = [chat_ids(req, tokenizer, trust_templates)] if chat else prompt_list(req)  # (a chat's: rendered)
     ids = []
     for i, prompt in enumerate(prompts):
         try:
-            ids.append(_prompt_ids(req, prompt, param, tokenizer, vocab_size, prompt_limit, keep))
+            ids.append(_prompt_ids(prompt, param, tokenizer, vocab_size, prompt_limit, keep))
         except APIError as exc:  # the whole request fails, naming the batch's prompt
             if len(prompts) > 1:
                 exc.param, exc.message = f"{param}.{i}", f"prompt {i} of the batch: {exc.message}"
@@ -98,13 +99,10 @@ def echo_text(req: CompletionRequest | ChatCompletionRequest, index: int, ids: l
     return tokenizer.decode(ids, skip_special_tokens=skip) if tokenizer is not None else ""
 
 
-def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, prompt: str | list[int] | None, param: str,
-                tokenizer, vocab_size: int, prompt_limit: int, keep: int | None = None) -> list[int]:
-    """One prompt's token ids (a chat's: its rendered messages), its last `keep` (None: all), checked against
+def _prompt_ids(prompt: str | list[int], param: str, tokenizer, vocab_size: int, prompt_limit: int, keep: int | None = None) -> list[int]:
+    """One prompt's token ids (a chat's: its rendered messages' ids), its last `keep` (None: all), checked against
     the limits."""
-    if isinstance(req, ChatCompletionRequest):
-        ids = chat_ids(req, tokenizer)
-    elif isinstance(prompt, str):
+    if isinstance(prompt, str):
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids",
                            param=param, code="invalid_value")
@@ -126,17 +124,19 @@ def _prompt_ids(req: CompletionRequest | ChatCompletionRequest, prompt: str | li
     return ids
 
 
-def chat_ids(req: ChatTemplateFields, tokenizer) -> list[int]:
+def chat_ids(req: ChatTemplateFields, tokenizer, trust_templates: bool = False) -> list[int]:
     """A chat's messages (`req.messages`) rendered by the chat template with the request's options (vLLM's:
     both `continue_final_message` and `add_generation_prompt` is a 400; `chat_template_kwargs` may set no
     variable the server sets itself; a chat's `reasoning_effort` goes over them, with enable_thinking, as vLLM
     sets it: scheduler/openai_fields.py), encoded. A template's own refusal (raise_exception) is a 400, naming
-    'chat_template_kwargs' or 'reasoning_effort' where the messages render without it."""
+    'chat_template_kwargs' or 'reasoning_effort' where the messages render without it. A request's own template
+    (`request_template`) renders in place of the server's where `trust_templates` (--trust-request-chat-template)."""
     if req.continue_final_message and req.add_generation_prompt:  # (vLLM's 400)
         raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true (the "
                             "default of 'add_generation_prompt' is true)", param="continue_final_message",
                        code="invalid_value")
-    kwargs = req.chat_template_kwargs or {}
+    template = request_template(req, trust_templates, tokenizer)
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k != "chat_template"}
     if taken := [k for k in kwargs if k in (*TEMPLATE_VARIABLES, "continue_final_message")]:
         field = "; use the request's field" if taken[0] in ChatTemplateFields.model_fields else ""
         raise APIError(400, f"'chat_template_kwargs' may not set {taken[0]!r} (the server sets it{field})",
@@ -146,7 +146,7 @@ def chat_ids(req: ChatTemplateFields, tokenizer) -> list[int]:
     render = functools.partial(tokenizer.apply_chat_template, [m.as_template_dict() for m in req.messages],
                                tools=tools, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
-                               add_special_tokens=req.add_special_tokens)
+                               add_special_tokens=req.add_special_tokens, template=template)
     variables = template_variables(req, kwargs)
     try:
         return render(template_kwargs=variables)
@@ -157,6 +157,30 @@ def chat_ids(req: ChatTemplateFields, tokenizer) -> list[int]:
         raise APIError(400, f"the chat template failed on '{param}': {failed}", param=param, code="invalid_value")
     raise APIError(400, f"the chat template rejected the messages: {failed}", param="messages",
                    code="invalid_messages")
+
+
+def request_template(req: ChatTemplateFields, trusted: bool, tokenizer):
+    """A request's own chat template, compiled (None: the server's): vLLM's `chat_template` field, or the
+    chat_template_kwargs key transformers takes for it (the two: the same text). Refused, with vLLM's message,
+    unless the server trusts requests' templates (a template is code the server runs); one that does not compile:
+    a 400 naming the field."""
+    given = {field: text for field, text in (("chat_template", req.chat_template),
+                                             ("chat_template_kwargs", (req.chat_template_kwargs or {}).get("chat_template")))
+             if text is not None}
+    if not given:
+        return None
+    param, text = next(iter(given.items()))
+    if not trusted:
+        raise APIError(400, "Chat template is passed with request, but --trust-request-chat-template is not set. "
+                            "Refused request with untrusted chat template.", param=param, code="untrusted_chat_template")
+    if not isinstance(given.get("chat_template_kwargs", text), str) or len(set(given.values())) > 1:
+        raise APIError(400, "'chat_template_kwargs.chat_template' must be a string, the same as 'chat_template' "
+                            "where both are given", param="chat_template_kwargs", code="invalid_value")
+    check_texts([text], param)
+    try:
+        return tokenizer.request_template(text)
+    except ValueError as exc:
+        raise APIError(400, f"the request's chat template: {exc}", param=param, code="invalid_value") from None
 
 
 def _renders(render, variables: dict) -> bool:

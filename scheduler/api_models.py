@@ -162,6 +162,7 @@ class ChatTemplateFields(BaseModel):
     continue_final_message: StrictBool = False  # the last message left open for the model to continue
     add_special_tokens: StrictBool = False  # (the template writes them)
     chat_template_kwargs: dict[str, Any] | None = None  # more template variables: Qwen3's enable_thinking
+    chat_template: StrictStr | None = None  # vLLM's: the request's own, with --trust-request-chat-template only
 
 
 class ChatCompletionRequest(OpenAIChatFields, _SamplingFields, ChatLogprobsFields, ChatTemplateFields, ToolFields):

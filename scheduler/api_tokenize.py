@@ -53,9 +53,12 @@ class TokenizeResponse(BaseModel):
     token_strs: list[str] | None = None
 
 
-def chat_unavailable(tokenizer, model_name: str) -> APIError | None:
-    """The 400 a chat gets (/v1/chat/completions, /tokenize's chat form) when the tokenizer has no chat template."""
-    if getattr(tokenizer, "chat_template", None) is not None:
+def chat_unavailable(tokenizer, model_name: str, body: dict) -> APIError | None:
+    """The 400 a chat gets (/v1/chat/completions, /tokenize's chat form) when the tokenizer has no chat template
+    and the request (`body`) brings none of its own (api_inputs.request_template: refused or rendered there)."""
+    kwargs = body.get("chat_template_kwargs")
+    own = body.get("chat_template") is not None or isinstance(kwargs, dict) and "chat_template" in kwargs
+    if getattr(tokenizer, "chat_template", None) is not None or own and tokenizer is not None:
         return None
     reason = getattr(tokenizer, "no_chat_reason", "the model has no tokenizer")
     return APIError(400, f"no chat template is available for model {model_name!r} ({reason}); "
@@ -74,7 +77,7 @@ async def tokenize(request, st) -> dict | Response:
     check_model(req.model, st.served_names, st.model_name)
     tokenizer = st.tokenizer
     if chat:
-        ids = _chat_ids(req, tokenizer, st.model_name)
+        ids = _chat_ids(req, tokenizer, st.model_name, st.limits.trust_request_chat_template)
     else:
         _no_tokenizer(tokenizer, "text cannot be tokenized", "prompt")
         check_texts([req.prompt], "prompt")
@@ -120,9 +123,9 @@ def _no_tokenizer(tokenizer, what: str, param: str) -> None:
                        code="tokenizer_unavailable")
 
 
-def _chat_ids(req: TokenizeChatRequest, tokenizer, model_name: str) -> list[int]:
+def _chat_ids(req: TokenizeChatRequest, tokenizer, model_name: str, trust_templates: bool) -> list[int]:
     """The messages rendered by the chat template /v1/chat/completions uses, with the request's options."""
-    if err := chat_unavailable(tokenizer, model_name):
+    if err := chat_unavailable(tokenizer, model_name, req.model_dump()):
         raise err
     check_unicode(req, "messages")
-    return chat_ids(req, tokenizer)
+    return chat_ids(req, tokenizer, trust_templates)

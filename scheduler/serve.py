@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                    help="the chat template (a Jinja file, or the template itself) that renders chats, in place of the "
                         "checkpoint's; also gives the presets' byte tokenizer a chat (vLLM's flag)")
+    s.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat with the template its request sends (`chat_template`, or chat_template_kwargs' "
+                        "key), in place of the server's; refused (400) without this flag, as a template is code the "
+                        "server runs (vLLM's flag)")
     s.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="serve a chat's tool_choice \"auto\" (the default with tools): the model's tool calls read out "
                         "of its answer by --tool-call-parser (vLLM's flags)")
@@ -241,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                           max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
                           shutdown_grace_s=max(0.0, args.shutdown_grace_s), sampling_defaults=sampling_defaults,
                           reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                          chat_template=chat_template, enable_request_id_headers=args.enable_request_id_headers,
+                          chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
+                          enable_request_id_headers=args.enable_request_id_headers,
                           responses_store_max=args.responses_store_max,
                           **_access_limits(args))
     if limits.api_key:  # (where the key came from; never the key)

@@ -76,6 +76,7 @@ class ServerLimits:
     reasoning_parser: str | None = None  # a chat's thinking as reasoning_content (scheduler/reasoning.py)
     tool_call_parser: str | None = None  # tool_choice "auto": calls read out of answers (scheduler/tool_calls.py)
     chat_template: str | None = None  # --chat-template's text: the tokenizer's chats rendered by it (its own replaced)
+    trust_request_chat_template: bool = False  # a chat's own `chat_template` rendered, not refused (api_inputs)
     api_key: str | None = dataclasses.field(default=None, repr=False)  # /v1/ asks for it; status: true/false
     served_model_names: tuple[str, ...] = ()  # a request's `model`, the first reported; (): the model's names
     cors: CORSSettings | None = None  # --allowed-origins and companions (api_auth.py); None: no CORS headers
@@ -346,7 +347,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
         return Response(status_code=499)
     gens: list[Generation] = []
     try:
-        if chat and (err := chat_unavailable(st.tokenizer, st.model_name)):
+        if chat and (err := chat_unavailable(st.tokenizer, st.model_name, body)):
             raise err
         if shape is not None:
             body = shape.chat_body(body)
@@ -354,7 +355,8 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
             body, chat, tokenizer=st.tokenizer, served_names=st.served_names, model_name=st.model_name,
             vocab_size=st.engine.vocab_size, prompt_limit=st.prompt_limit, max_tokens_limit=st.max_tokens_limit,
             default_max_tokens=st.limits.default_max_tokens, context_tokens=st.engine.max_kv_tokens,
-            sampling_defaults=st.limits.sampling_defaults, auto_tools=st.limits.tool_call_parser is not None)
+            sampling_defaults=st.limits.sampling_defaults, auto_tools=st.limits.tool_call_parser is not None,
+            trust_templates=st.limits.trust_request_chat_template)
         beams = BeamSearches.of(st, api_req, params, chat, arrival)  # use_beam_search (None: not asked)
         k, n = len(prompts), api_req.n or 1
         total = k * n  # engine requests: choice prompt_index * n + j, OpenAI's order

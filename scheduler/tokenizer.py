@@ -31,6 +31,7 @@ SentencePiece "▁Paris" is " Paris" there); a whole response is decoded the sam
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Sequence
@@ -61,6 +62,12 @@ class _Chat:
     def chat_template(self) -> str | None:
         return None if self.template is None else self.template.text
 
+    @functools.lru_cache(maxsize=8)  # (a client sends one template with every request: compiled once)
+    def request_template(self, text: str) -> ChatTemplate:
+        """A request's own template (vLLM's `chat_template` field, --trust-request-chat-template), compiled with this
+        tokenizer's special tokens; ValueError where it does not compile."""
+        return ChatTemplate(text, self.special_tokens)
+
     def use_chat_template(self, text: str) -> None:
         """Render chats with `text` from now on (--chat-template: with tools too); ValueError where it does not
         compile."""
@@ -69,21 +76,27 @@ class _Chat:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             continue_final_message: bool = False, add_special_tokens: bool = False,
-                            template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[int]:
+                            template_kwargs: dict | None = None, tools: list[dict] | None = None,
+                            template: ChatTemplate | None = None) -> list[int]:
         """The messages rendered and encoded (as transformers' apply_chat_template with tokenize=True);
         continue_final_message: the text ends where the last message's content does, its end-of-turn
         markup cut off, for the model to continue it; template_kwargs: more variables for the template
         (vLLM's chat_template_kwargs, e.g. Qwen3's enable_thinking), none of those set here; tools: the
-        request's tool definitions (transformers' `tools`: OpenAI's tool objects), None without."""
-        if self.template is None:
-            raise ValueError(self.no_chat_reason)
-        template = self.template
-        if tools is not None and self.no_tool_template_reason is not None:
-            raise ValueError(self.no_tool_template_reason)
-        if tools is not None and self.tool_template is not None:
-            template = self.tool_template
+        request's tool definitions (transformers' `tools`: OpenAI's tool objects), None without; template: a
+        request's own (`request_template`), rendering in place of the tokenizer's, tools or not."""
+        if template is None:
+            template = self._own_template(tools is not None)
         text = template.render(messages, add_generation_prompt, continue_final_message, template_kwargs, tools)
         return self.encode(text, add_special_tokens=add_special_tokens)
+
+    def _own_template(self, with_tools: bool) -> ChatTemplate:
+        if self.template is None:
+            raise ValueError(self.no_chat_reason)
+        if with_tools and self.no_tool_template_reason is not None:
+            raise ValueError(self.no_tool_template_reason)
+        if with_tools and self.tool_template is not None:
+            return self.tool_template
+        return self.template
 
 
 class ByteTokenizer(_Chat):
