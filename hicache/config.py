@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import math
+import numbers
+import os
 import urllib.parse
 from dataclasses import dataclass
 from typing import Literal
@@ -76,6 +78,7 @@ class HiCacheConfig:
     model_id: str = "unknown"
 
     def __post_init__(self) -> None:
+        self._check_types()
         for name, flag in (("host_ratio", "--hicache-ratio"), ("storage_ratio", "--hicache-storage-ratio")):
             ratio = getattr(self, name)
             if not 0 <= ratio < math.inf:  # (NaN and inf too: int(inf) crashed the pools' sizing)
@@ -132,6 +135,32 @@ class HiCacheConfig:
             raise ValueError("--hicache-storage-persist needs the L3 checksums (every page adopted from an "
                              "earlier run is verified as it is read): drop --hicache-disable-checksum")
 
+    def _check_types(self) -> None:
+        """What the in-process API may be given that the flags' parser never makes: a ValueError naming the field
+        (regression: enable="false" turned the tiers on, a host_ratio of "2" was a TypeError from a comparison, an
+        io_workers of 2.5 failed the engine's start inside its thread pool); numpy's numbers taken as Python's."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                raise ValueError(f"hicache.{name} must be an integer, got {value!r}")
+            object.__setattr__(self, name, int(value))
+        for name in _REAL_FIELDS:
+            value = getattr(self, name)
+            if value is None and name.endswith("_gb"):
+                continue
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise ValueError(f"hicache.{name} must be a number, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"hicache.{name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.storage_path, os.PathLike):  # (a pathlib.Path, as its text)
+            object.__setattr__(self, "storage_path", os.fspath(self.storage_path))
+        for name in ("storage_path", "storage_url", "model_id"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) or value is None and name != "model_id"):
+                raise ValueError(f"hicache.{name} must be a string, got {value!r}")
+
     def host_pages(self, l1_pages: int, bytes_per_page: int) -> int:
         if self.host_size_gb is not None:
             pages, flag = _pages_in(self.host_size_gb * (1 << 30), bytes_per_page), "--hicache-size-gb"
@@ -152,6 +181,13 @@ class HiCacheConfig:
             raise ValueError(f"hicache: L3 would hold no page of {bytes_per_page:,} bytes; raise {flag} "
                              f"(or give 0 for no L3)")
         return _check_tier_pages("L3", pages, flag, bytes_per_page)
+
+
+_INT_FIELDS = ("io_workers", "kernel_restore_max_tokens", "storage_explore_reads", "host_explore_transfers",
+               "restore_explore_every")
+_REAL_FIELDS = ("host_ratio", "host_size_gb", "storage_ratio", "storage_size_gb", "io_timeout_s",
+                "recompute_us_per_token", "host_bandwidth_gib_s", "storage_bandwidth_gib_s", "cost_margin")
+_BOOL_FIELDS = ("enable", "storage_checksum", "storage_persist", "whole_first", "prefetch", "learn_outcomes")
 
 
 def _pages_in(amount: float, per_page: int) -> int:
