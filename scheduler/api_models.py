@@ -73,8 +73,9 @@ class _Strict(BaseModel):
 
 
 class StreamOptions(_Strict):
-    include_usage: StrictBool = False
+    include_usage: StrictBool | None = False  # (null: false, as vLLM takes it)
     continuous_usage_stats: StrictBool | None = False  # vLLM's: each chunk its choice's usage (scheduler/choices.py)
+    include_obfuscation: StrictBool | None = None  # OpenAI's (the SDK's typed field): no obfuscation is sent here
 
 
 class _SamplingFields(_Strict, PenaltyFields, SamplerFields, GuidedFields, TruncationField, BanFields,

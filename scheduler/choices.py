@@ -5,7 +5,8 @@ choice is its own engine request (a server `_Generation`; n of one prompt share 
 cache), all run concurrently, and choice j of prompt p has `index` p * n + j (OpenAI's order). A response
 carries the choices in that order and one usage: each prompt's tokens once (as OpenAI counts them), every
 choice's completion tokens; a stream interleaves their chunks as their tokens arrive (each chunk names its
-choice's `index`), then sends one usage chunk (with stream_options.include_usage) and one `data: [DONE]`;
+choice's `index`; a chat choice's first is its role alone, `content` "", as vLLM's; calls a chat choice sends at its
+end come in a chunk before its finish chunk), then sends one usage chunk (with stream_options.include_usage) and one `data: [DONE]`;
 with vLLM's stream_options.continuous_usage_stats too, each choice chunk carries its choice's usage so far
 (its prompt's tokens, its own tokens so far: vLLM's per choice), the usage chunk still the whole request's
 (without include_usage it sends nothing, as vLLM's).
@@ -52,7 +53,7 @@ class Choices:
         self.n = api_req.n or 1
         self.created = int(time.time())
         opts = api_req.stream_options
-        self.includes_usage = opts is not None and opts.include_usage
+        self.includes_usage = opts is not None and bool(opts.include_usage)
         self.continuous_usage = self.includes_usage and bool(opts.continuous_usage_stats)
         # per choice, the prompt text its `echo` sends first (None: no echo)
         self.echoes = [echo_text(api_req, g.index, g.req.prompt, g.st.tokenizer) for g in gens]
@@ -215,6 +216,37 @@ class Choices:
             pass
         await self.abort()
 
+    def _chunk(self, i: int, text: str, token_ids: list[int], finish: str | None, entries: list, reasoning: str,
+               calls: list | None, counter: ReasoningTokens | None, fin, first: bool = False) -> str:
+        """One SSE chunk of choice i (a completion's first: `first`, its prompt's ids where asked); `fin`: its
+        engine request's end (None: not this chunk's)."""
+        usage = self.gens[i].usage() if self.continuous_usage else None if self.includes_usage else False
+        chunk = stream_chunk(self.chat, self.rid, self.created, self.model, text, token_ids, finish, False, usage,
+                             index=i, logprobs=self.gens[i].logprobs.render(entries) if entries else None,
+                             reasoning=reasoning, tool_calls=calls,
+                             stop_reason=None if fin is None else self.gens[i].stop_reason)
+        if self.prompt_ids and first and not self.chat:  # (a chat's: on its role chunk)
+            self._put_prompt_ids(chunk, i)
+        if counter is not None and self.continuous_usage:  # (this choice's so far, as vLLM's)
+            so_far = self._reasoning_tokens[i] if fin is not None else counter.counted
+            chunk["usage"]["completion_tokens_details"] = {"reasoning_tokens": so_far}
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    def _role_chunk(self, i: int) -> str:
+        """A chat choice's first chunk, as vLLM sends it: the role alone, content "" (no token, no logprobs; the
+        prompt's ids where asked; with continuous usage, none generated). The role rode on the first token's chunk,
+        and the openai SDK's stream helper counted that chunk's logprobs twice for each choice after the first."""
+        usage: Usage | None | bool = None if self.includes_usage else False
+        if self.continuous_usage:
+            so_far = self.gens[i].usage()
+            usage = Usage.of(so_far.prompt_tokens, 0, so_far.cached_tokens_per_tier.model_dump())
+        chunk = stream_chunk(True, self.rid, self.created, self.model, "", [], None, True, usage, index=i)
+        if self.prompt_ids:
+            self._put_prompt_ids(chunk, i)
+        if self.continuous_usage and self.reasoning_counter(self.gens[i]) is not None:
+            chunk["usage"]["completion_tokens_details"] = {"reasoning_tokens": 0}
+        return f"data: {json.dumps(chunk)}\n\n"
+
     async def sse(self):
         first = [True] * len(self.gens)
         answers = [self._answer(g) for g in self.gens] if self.chat else None
@@ -236,19 +268,15 @@ class Choices:
                         counter.feed(token_ids)
                     if fin is not None and answers is not None:
                         self._ended(i, answers[i], counter)
-                    usage = self.gens[i].usage() if self.continuous_usage else None if self.includes_usage else False
-                    chunk = stream_chunk(self.chat, self.rid, self.created, self.model, text, token_ids, finish,
-                                         first[i], usage, index=i,
-                                         logprobs=self.gens[i].logprobs.render(entries) if entries else None,
-                                         reasoning=reasoning, tool_calls=calls,
-                                         stop_reason=None if fin is None else self.gens[i].stop_reason)
-                    if self.prompt_ids and first[i]:
-                        self._put_prompt_ids(chunk, i)
-                    if counter is not None and self.continuous_usage:  # (this choice's so far, as vLLM's)
-                        so_far = self._reasoning_tokens[i] if fin is not None else counter.counted
-                        chunk["usage"]["completion_tokens_details"] = {"reasoning_tokens": so_far}
+                    if self.chat and first[i]:
+                        yield self._role_chunk(i)
+                    if calls and finish is not None:  # the calls in a chunk of their own, then the end (the SDK's
+                        # stream helper looks for a finished call before it reads the calls of the finish chunk:
+                        # the calls a "required" tool_choice sends at its end never had arguments.done)
+                        yield self._chunk(i, text, token_ids, None, entries, reasoning, calls, counter, None)
+                        text, token_ids, entries, reasoning, calls = "", [], [], "", None
+                    yield self._chunk(i, text, token_ids, finish, entries, reasoning, calls, counter, fin, first[i])
                     first[i] = False
-                    yield f"data: {json.dumps(chunk)}\n\n"
                 else:
                     if self.includes_usage:
                         usage = usage_chunk(self.chat, self.rid, self.created, self.model, self.usage())

@@ -61,8 +61,12 @@ def _text(choice: dict) -> str:
 
 
 def _pieces(url: str, body: dict, path: str = "/v1/completions") -> tuple[list[int], list[str]]:
-    """An unconstrained greedy request's token ids and the text each token added (its stream's chunks)."""
+    """An unconstrained greedy request's token ids and the text each token added (its stream's chunks; a chat's
+    first, its role alone, left out)."""
     chunks = _stream(url, body, path)
+    if "messages" in body:
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        chunks = chunks[1:]
     assert all(len(ch["choices"][0]["token_ids"]) == 1 for ch in chunks)
     whole = _post(url, body, path)["choices"][0]
     assert "".join(_text(ch["choices"][0]) for ch in chunks) == _text(whole)
