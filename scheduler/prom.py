@@ -8,7 +8,11 @@ Three kinds:
   at max_tokens, a stop, or an error (vLLM's finished requests), not those aborted: TPOT those of >= 2
   tokens; scheduler/generation.py); as each engine request ends, its max_tokens, and if it got a first
   token its prefill, decode and inference time; as a prompt's last choice ends, its n and the most tokens
-  one of its choices generated (`ServerMetrics.ended`, `PromptChoices`);
+  one of its choices generated (`ServerMetrics.ended`, `PromptChoices`). Prompt tokens count once per engine
+  request (each of n choices, each beam returned: vLLM's child requests), as the per-request histogram does. A
+  beam search's choices (scheduler/api_beam_search.py) count in TTFT (the search's end) and end-to-end only: their
+  tokens come at once, from steps the search ran as engine requests of its own, so they have no TPOT, gaps, queue
+  or phase times;
 * observed by the engine's runner as it launches each step: the tokens of that step (scheduler/runner.py
   `observe_step_tokens`: a prefill's prompt tokens it computes, one per decode row);
 * read from the engine at scrape time by `EngineCollector` (engine.metrics() / engine.status()):
@@ -261,7 +265,9 @@ class ServerMetrics:
         self.request_max_tokens = Histogram("hicache_request_params_max_tokens", "max_tokens of each engine request "
                                             "that ended (0, a prefill alone, not counted)",
                                             buckets=_TOKEN_COUNT_BUCKETS, registry=r)
-        self.in_flight = Gauge("hicache_requests_in_flight", "HTTP generation requests being served", registry=r)
+        self.in_flight = Gauge("hicache_requests_in_flight", "HTTP generation requests being served, each choice "
+                               "(n, a batch's prompts, beams) counted: the --max-concurrent-requests slots held",
+                               registry=r)
         r.register(EngineCollector(engine))
         r.register(VllmCollector(self, engine, engine.config.model if model_name is None else model_name))
 

@@ -402,7 +402,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
             shape.release_claim()
         st.metrics.outcome("aborted" if isinstance(exc, asyncio.CancelledError) else "failed")
         raise
-    st.metrics.prompt_tokens.inc(sum(map(len, prompts)))
+    st.metrics.prompt_tokens.inc(sum(len(g.req.prompt) for g in gens))  # (each choice's: vLLM's child requests)
     choices = Choices(gens, chat, rids.response_id, api_req, st.model_name)
     if shape is not None:
         try:

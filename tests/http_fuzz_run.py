@@ -238,7 +238,7 @@ def check_reply(call: Call, reply: Reply, seen: dict | None = None, tolerate: tu
 
 def check_metrics(registry, replies: list[tuple[Call, Reply]]) -> list[str]:
     """The server's request counters against what it answered: an admitted request (answered 200, or
-    failed / aborted after admission) counts one outcome per prompt and its prompt tokens; any other
+    failed / aborted after admission) counts one outcome per choice and its prompt tokens; any other
     one outcome (rejected, or aborted before its body); nothing stays in flight."""
     def value(name: str, **labels) -> float:
         return registry.get_sample_value(name, labels) or 0.0
@@ -248,7 +248,7 @@ def check_metrics(registry, replies: list[tuple[Call, Reply]]) -> list[str]:
         admitted = reply.sent_status == 200 or (reply.sent_status in (500, 503) and
                                                 error_code(reply.sent_body) in ("aborted", "engine_error"))
         outcomes += len(call.choices) if admitted else 1
-        admitted_prompt_tokens += prompt_tokens_of(call.choices) if admitted else 0
+        admitted_prompt_tokens += sum(len(c.ids) for c in call.choices) if admitted else 0  # (each choice's)
         if reply.status == 200 and not reply.disconnected and not call.stream:
             succeeded += len(call.choices)
     out = []
