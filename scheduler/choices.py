@@ -75,6 +75,7 @@ class Choices:
         self.continued = None if final is None else final.as_template_dict()["content"]
         self._opens_thinking: bool | None = None  # (a chat has one prompt: looked at once for its n choices)
         self._reasoning_tokens = [0] * len(gens)  # per choice, once it ended (--reasoning-parser's usage)
+        self._counting: list[ReasoningTokens | None] = [None] * len(gens)  # per choice, its counter until it ended
         # a chat's tool calls (scheduler/api_tools.py): "none", or read out of each choice's text
         self.tool_mode = api_req.tool_mode() if chat else "none"
         self.named = api_req.tool_choice.function.name if self.tool_mode == "named" else None
@@ -113,13 +114,17 @@ class Choices:
     def _ended(self, i: int, answer: ChatAnswer, counter: ReasoningTokens | None) -> None:
         # (an answer the split saw no thought in has none: the ids are only where the text is)
         self._reasoning_tokens[i] = counter.total() if counter is not None and answer.reasoned else 0
+        self._counting[i] = None
 
     def usage_body(self) -> dict:
         """`usage()` as sent: with --reasoning-parser a chat's carries completion_tokens_details.reasoning_tokens
-        too (vLLM's, with a parser only), its choices' summed (each counted once it ended)."""
+        too (vLLM's, with a parser only), its choices' summed: each counted once it ended, one a stream cut short
+        (a background response cancelled) as its ids so far make it (regression: 0, with a whole output of
+        reasoning)."""
         body = self.usage().model_dump()
         if self.parses:
-            body["completion_tokens_details"] = {"reasoning_tokens": sum(self._reasoning_tokens)}
+            so_far = [c.total() if c is not None else n for c, n in zip(self._counting, self._reasoning_tokens)]
+            body["completion_tokens_details"] = {"reasoning_tokens": sum(so_far)}
         return body
 
     def usage(self) -> Usage:
@@ -250,7 +255,7 @@ class Choices:
     async def sse(self):
         first = [True] * len(self.gens)
         answers = [self._answer(g) for g in self.gens] if self.chat else None
-        counters = [self.reasoning_counter(g) for g in self.gens]
+        counters = self._counting = [self.reasoning_counter(g) for g in self.gens]
         try:
             async with contextlib.aclosing(self._events()) as events:
                 async for i, (text, token_ids, fin, entries) in events:
