@@ -4,7 +4,8 @@ api_inputs.parse_prompts to each prompt's token ids, a chat's after its template
 * k >= 1: the prompt's last k tokens are kept (vLLM's default truncation side, "left"); a prompt of k tokens
   or fewer is kept whole. usage.prompt_tokens counts the kept tokens, and a completion's `echo` shows them.
 * -1: the longest prompt the request can have: within --max-prompt-tokens, and within the tokens of K/V a
-  request can hold less its max_tokens - 1 (vLLM's max_model_len - max_tokens), so a long prompt is served.
+  request can hold less its max_tokens - 1 (vLLM's max_model_len - max_tokens), so a long prompt is served; a beam
+  search's within --max-prompt-tokens less max_tokens - 1 too (its steps send each beam as a prompt).
 * k past that longest prompt: a 400 naming the field, whatever the prompt's length (vLLM's); 0, below -1, or
   not an integer: a 400 naming it (vLLM takes 0 as an empty prompt, which no engine serves).
 
@@ -55,6 +56,9 @@ def _longest_prompt(req, chat: bool, prompt_limit: int, context_tokens: int | No
     if max_tokens is None:
         max_tokens = 0 if chat else min(default_max_tokens, max_tokens_limit)
     max_tokens = min(max(max_tokens, 0), max_tokens_limit)  # (an out-of-range one: its own 400 follows)
+    if getattr(req, "use_beam_search", False):  # each step re-sends a beam as a prompt: prompt + max_tokens - 1
+        # within the prompt limit (scheduler/api_beam_search.py; regression: -1 kept the whole limit, then a 400)
+        prompt_limit -= max(max_tokens - 1, 0)
     if context_tokens is None:
         return prompt_limit
     return min(prompt_limit, context_tokens - max(max_tokens - 1, 0))  # (scheduler/request.py's kv_tokens)
