@@ -18,6 +18,7 @@ This module builds the engine's parts (model, pools, runner, graphs, admission) 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import deque
 from collections.abc import Sequence
 
@@ -182,6 +183,15 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
             raise RequestError(
                 f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) - 1 needs {need_pages} pages; the L1 "
                 f"pool has {self.usable_l1_pages} pages of {self.page_size} tokens for requests", param)
+
+    def add_eos_token_id(self, token_id: int) -> None:
+        """One more id that ends a request (unless ignore_eos) and that min_tokens holds: the server's tokenizer's
+        eos_token, at which vLLM's check_stop ends where config.json and generation_config.json name others (a
+        fine-tune's <|im_end|>: it ran to max_tokens). Before the first request."""
+        if token_id not in self.model_config.eos_token_ids:
+            extra = self.model_config.extra_eos_token_ids + (token_id,)
+            self.model_config = dataclasses.replace(self.model_config, extra_eos_token_ids=extra)
+            self.guides.eos_ids = self.model_config.eos_token_ids
 
     # -- status --------------------------------------------------------------------------------
     def status(self) -> dict:

@@ -52,7 +52,7 @@ from scheduler.responses_store import ResponsesStore
 from scheduler.api_tokenize import chat_unavailable, detokenize, tokenize
 from scheduler.choices import Choices
 from scheduler.engine import Engine
-from scheduler.generation import Generation, abort_quietly
+from scheduler.generation import Generation, abort_quietly, eos_id
 from scheduler.generation_defaults import GenerationDefaults
 from scheduler.prom import ServerMetrics
 from scheduler.request import RequestError
@@ -159,6 +159,8 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
                         detail="no tokenizer.json: prompts are taken as token ids only, chat is refused")
     if limits.chat_template is not None and tokenizer is not None:  # (ValueError where it does not compile)
         tokenizer.use_chat_template(limits.chat_template)
+    if tokenizer is not None and (eos := eos_id(tokenizer, None)) is not None and 0 <= eos < engine.vocab_size:
+        engine.add_eos_token_id(eos)  # (its eos_token ends an answer, as vLLM's)
     st = _ServerState(engine, limits, tokenizer)
     engine.guides.use(tokenizer)  # (structured outputs' grammars see the bytes of each id this server's text has)
 

@@ -247,3 +247,26 @@ def test_tool_calls_keep_the_stop_reason(eos_srv):
         [choice] = whole["choices"]
         assert choice["message"]["tool_calls"] and choice["finish_reason"] == "tool_calls"
         assert choice["stop_reason"] == want, extra
+
+
+@pytest.fixture(scope="module")
+def tokenizer_eos_srv(tmp_path_factory):
+    """A fine-tune's shape: config.json names no EOS (the preset's none), the tokenizer's eos_token is <|eot|>."""
+    path = write_byte_tokenizer(tmp_path_factory.mktemp("tok"), special=("</s>", "<|eot|>"),
+                                config={"eos_token": "<|eot|>"})
+    with ServerThread(create_app(Engine(tiny_config()), ServerLimits(shutdown_grace_s=1.0),
+                                 tokenizer=HFTokenizer(str(path)))) as s:
+        yield s
+
+
+def test_the_tokenizers_eos_token_ends_an_answer_as_vllms(tokenizer_eos_srv):
+    """vLLM's check_stop ends at the tokenizer's eos_token whatever config.json names (regression: the model's EOS
+    ids alone ended answers, so a fine-tune whose tokenizer says <|im_end|> ran to max_tokens); ignore_eos runs on,
+    min_tokens holds it."""
+    body = {"prompt": "hello", "temperature": 0, "max_tokens": 6, "logit_bias": {str(EOT): 100}}
+    [choice] = ok(tokenizer_eos_srv, COMPLETIONS, body)["choices"]
+    assert (choice["finish_reason"], choice["stop_reason"], choice["token_ids"]) == ("stop", None, [EOT])
+    [choice] = ok(tokenizer_eos_srv, COMPLETIONS, {**body, "ignore_eos": True})["choices"]
+    assert choice["finish_reason"] == "length" and choice["token_ids"] == [EOT] * 6
+    [choice] = ok(tokenizer_eos_srv, COMPLETIONS, {**body, "min_tokens": 3})["choices"]
+    assert choice["finish_reason"] == "stop" and len(choice["token_ids"]) == 4 and choice["token_ids"][-1] == EOT
