@@ -105,6 +105,7 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         self._loop_task: asyncio.Task | None = None
         self.stopping = False  # the loop is asked to stop: nothing more is admitted (a restart clears it)
         self._closing = False  # shutdown() began: no new requests ever; queued ones run within its grace
+        self._stop_done: asyncio.Future | None = None  # a stop_loop() under way: done as it returns (start() waits)
         # clients whose work is several requests in turn (a beam search's steps: scheduler/beam_search.py) under
         # way: shutdown's grace waits for them too, and takes their next requests (add_request(continuing=True))
         self.continuing = 0

@@ -19,7 +19,12 @@ class EngineLifecycle:
     async def start(self) -> None:
         """Start the loop (submit() and generate_async() call this); a no-op once shutdown() began:
         a shut-down engine stays down, and add_request refuses (regression: a request submitted
-        while shutdown drained, or after it, restarted the loop on closed tiers)."""
+        while shutdown drained, or after it, restarted the loop on closed tiers). A stop_loop() under way
+        ends first, then a new loop starts (regression: one started in its last await was orphaned by it, and
+        two loops ran the same requests' batches); a loop still stopping after its stop_loop()'s caller was
+        cancelled runs on (regression: start() did nothing, and the requests queued were stranded)."""
+        while self._stop_done is not None and not self._stop_done.done():
+            await asyncio.shield(self._stop_done)
         if self._closing:
             return
         check_loop(self._loop_task, asyncio.get_running_loop())
@@ -27,6 +32,9 @@ class EngineLifecycle:
             self._wake = asyncio.Event()
             self.stopping = False
             self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+        elif self.stopping:
+            self.stopping = False
+            self.wake_soon()
 
     def add_request(self, prompt: Sequence[int], params: SamplingParams | None = None,
                     rid: str | None = None, continuing: bool = False) -> Request:
@@ -34,7 +42,8 @@ class EngineLifecycle:
         request of a client counted in `continuing` (a beam search's step), taken in a shutdown's grace too
         (regression: a search under way was cut short by a grace it would have finished within)."""
         if not self.accepting and not (continuing and self._closing and not self.stopping):
-            raise RequestError("the engine is shutting down")
+            raise RequestError("the engine is shutting down" if self._closing else
+                               "the engine loop is stopping (stop_loop); start() resumes it")
         if (crash := crash_of(self._loop_task)) is not None:  # (regression: queued where nothing ran it)
             raise RequestError(f"the engine loop crashed ({crash!r}); start() runs a new one")
         params = SamplingParams() if params is None else params
@@ -108,14 +117,20 @@ class EngineLifecycle:
         """Stop admitting, let the running requests finish, end the loop task and drain the
         operations in flight; waiting and parked requests stay queued (`start()` resumes them)."""
         check_loop(self._loop_task, asyncio.get_running_loop())
-        if self._loop_task is not None:
-            self.stopping = True
-            self.wake_soon()
-            await join_loop(self._loop_task, shield=True)
-            self._loop_task = None
-            self.stopping = False
-        await self.cache.drain()
-        self._log_occupancy()
+        while self._stop_done is not None and not self._stop_done.done():  # (one at a time)
+            await asyncio.shield(self._stop_done)
+        self._stop_done = done = asyncio.get_running_loop().create_future()
+        try:
+            if self._loop_task is not None:
+                self.stopping = True
+                self.wake_soon()
+                await join_loop(self._loop_task, shield=True)
+                self._loop_task = None
+                self.stopping = False
+            await self.cache.drain()
+            self._log_occupancy()
+        finally:
+            done.set_result(None)
 
     @property
     def accepting(self) -> bool:
