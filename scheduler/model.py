@@ -15,7 +15,7 @@ from torch import nn
 from kernels import fused_ops, skinny_gemm
 from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch, paged_attention, write_kv
-from scheduler.presets import PRESETS, ModelConfig
+from scheduler.presets import PRESETS, ModelConfig, is_preset
 
 # attention callable of one layer: (layer, q [T,Hq,D], k [T,Hkv,D], v [T,Hkv,D]) -> [T,Hq,D]
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -268,7 +268,7 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
     import os
 
     device = torch.device(device)
-    if name_or_path in PRESETS:
+    if is_preset(name_or_path):
         cfg = PRESETS[name_or_path]
         model = init_random_weights(Qwen3Model.empty(cfg, device, dtype), seed)
         identity = f"{name_or_path}:seed{seed}:{device.type}"

@@ -210,6 +210,13 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def is_preset(name: str) -> bool:
+    """Whether `--model name` means a preset: a name of one, unless a checkpoint directory of that name is there (its
+    config.json), which wins, as vLLM takes an existing local path (regression: `--model qwen3-0.6b` beside a
+    download of that name loaded random weights, with the directory's tokenizer)."""
+    return name in PRESETS and not os.path.isfile(os.path.join(name, "config.json"))
+
+
 def get_preset(name: str) -> ModelConfig:
     try:
         return PRESETS[name]
@@ -219,7 +226,7 @@ def get_preset(name: str) -> ModelConfig:
 
 def model_config_of(name_or_path: str) -> ModelConfig:
     """The shapes of a preset or of a checkpoint's config.json, without loading weights."""
-    if name_or_path in PRESETS:
+    if is_preset(name_or_path):
         return PRESETS[name_or_path]
     path = os.path.join(name_or_path, "config.json")
     if not os.path.isfile(path):

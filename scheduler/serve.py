@@ -25,11 +25,12 @@ from scheduler.config import HICACHE_NEEDS_PREFIX_CACHE, add_engine_args, config
 from scheduler.engine import Engine
 from scheduler.generation_defaults import GENERATION_CONFIG_FILE, GenerationDefaults, read_generation_defaults
 from scheduler.memory_plan import pools_line
-from scheduler.presets import PRESETS
+from scheduler.presets import is_preset, model_config_of
 from scheduler.reasoning import PARSERS
 from scheduler.tool_calls import PARSERS as TOOL_PARSERS
 from scheduler.server import ServerLimits, create_app
 from scheduler.server import __doc__ as SERVER_DOC
+from scheduler.tokenizer import load_tokenizer
 
 
 class _Server(uvicorn.Server):
@@ -173,9 +174,17 @@ def _generation_defaults(args: argparse.Namespace) -> GenerationDefaults:
     the key), with a directory that one's; a preset or --generation-config vllm: OpenAI's neutral ones."""
     if args.generation_config not in ("auto", "vllm"):
         return read_generation_defaults(args.generation_config)
-    if args.generation_config == "vllm" or args.model in PRESETS or not os.path.isdir(args.model):
+    if args.generation_config == "vllm" or is_preset(args.model) or not os.path.isdir(args.model):
         return GenerationDefaults()
     return read_generation_defaults(args.model)
+
+
+def _tokenizer(model: str):
+    """The server's tokenizer (scheduler/tokenizer.py load_tokenizer), read before the weights load: a tokenizer file
+    it cannot read is one line naming it, not a traceback after a long load; None: none (create_app says so)."""
+    if is_preset(model):
+        return load_tokenizer(model, model_config_of(model).vocab_size)
+    return load_tokenizer(model, 0) if os.path.isdir(model) else None
 
 
 def _access_limits(args: argparse.Namespace) -> dict:
@@ -224,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         chat_template = None if args.chat_template is None else read_chat_template(args.chat_template)
         if chat_template is not None:
             ChatTemplate(chat_template)  # (one that does not compile: refused before the model loads)
+        tokenizer = _tokenizer(config.model)
     except ValueError as exc:  # (a CheckpointError is one)
         print(f"hicache-serve: {exc}", file=sys.stderr)
         return 2
@@ -256,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                                          if getattr(args, f) != parser.get_default(f)]):
         print(f"hicache-serve: ignored without --allowed-origins (no CORS): "
               f"{', '.join('--' + f.replace('_', '-') for f in idle)}", file=sys.stderr)
-    app = create_app(engine, limits)
+    app = create_app(engine, limits, tokenizer=tokenizer)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", lifespan="on",
                                log_level=args.log_level, access_log=not args.disable_access_log,
                                timeout_graceful_shutdown=limits.shutdown_grace_s + 2.0)

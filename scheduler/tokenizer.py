@@ -31,12 +31,14 @@ SentencePiece "▁Paris" is " Paris" there); a whole response is decoded the sam
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 from collections.abc import Sequence
 
 from scheduler.chat_template import ChatTemplate
+from scheduler.presets import is_preset
 
 BYTE_OFFSET = 3
 _REPLACEMENT = "\ufffd"
@@ -153,9 +155,11 @@ class HFTokenizer(_Chat):
     def __init__(self, model_dir: str) -> None:
         from tokenizers import Tokenizer
 
-        self.tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+        with _reading(os.path.join(model_dir, "tokenizer.json")) as path:
+            self.tok = Tokenizer.from_file(path)
         self.no_chat_reason = f"{model_dir} has no chat template (tokenizer_config.json or chat_template.jinja)"
-        cfg = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
+        with _reading(os.path.join(model_dir, "tokenizer_config.json")) as path:
+            cfg = _read_json(path)
         special_map = {}
         if "added_tokens_decoder" not in cfg:  # transformers reads the map only for such (older) saves
             try:  # (read for the special tokens only: one that cannot be read is left out, not fatal)
@@ -185,6 +189,16 @@ class HFTokenizer(_Chat):
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         """Each id's token as the vocabulary spells it ("Ġthe"; transformers' convert_ids_to_tokens)."""
         return [self.tok.id_to_token(int(t)) for t in ids]
+
+
+@contextlib.contextmanager
+def _reading(path: str):
+    """A tokenizer file that cannot be read (not UTF-8, not JSON, no permission: tokenizers' own exceptions too) as a
+    ValueError naming it, which the server's start prints as one line (regression: a traceback naming no file)."""
+    try:
+        yield path
+    except Exception as exc:
+        raise ValueError(f"cannot read the tokenizer's {path}: {exc}") from None
 
 
 def _token_text(tok) -> str:
@@ -217,7 +231,7 @@ def _named_templates(model_dir: str, config: dict) -> dict[str, str]:
         paths += [(name[:-len(".jinja")], os.path.join(extra_dir, name)) for name in sorted(os.listdir(extra_dir))
                   if name.endswith(".jinja")]
     for name, path in paths:
-        with open(path, encoding="utf-8") as f:
+        with _reading(path), open(path, encoding="utf-8") as f:
             files[name] = f.read()
     if files:
         return {name: text for name, text in files.items() if text}
@@ -254,7 +268,7 @@ def load_tokenizer(model: str, vocab_size: int) -> ByteTokenizer | HFTokenizer |
     """A model directory's tokenizer.json, a preset's byte-level fallback; None when neither fits
     (text prompts are then refused with a 400). A directory without tokenizer.json gets None: its
     weights speak their own vocabulary (bytes were the wrong ids for them, served with a 200)."""
-    if os.path.isdir(model):
+    if os.path.isdir(model) and not is_preset(model):
         return HFTokenizer(model) if os.path.isfile(os.path.join(model, "tokenizer.json")) else None
     try:
         return ByteTokenizer(vocab_size)

@@ -180,7 +180,7 @@ def test_the_flag_reaches_the_server(monkeypatch):
 
     seen: list[ServerLimits] = []
 
-    def create(_engine, limits):
+    def create(_engine, limits, tokenizer=None):
         seen.append(limits)
         raise Started  # (no uvicorn)
 
