@@ -74,7 +74,9 @@ class ModelConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelConfig":
-        """Build from a HF Qwen3 config.json dict; missing optional keys take HF Qwen3Config's defaults.
+        """Build from a HF Qwen3 config.json dict; missing optional keys take HF Qwen3Config's defaults
+        (max_position_embeddings 32,768), but for num_key_value_heads: absent, as null, the attention heads' (HF's
+        32 would not divide most of them). End-of-sequence ids must be within the vocabulary.
 
         Values must have their JSON types (an integer, a number, true/false): a string "false" read as
         Python's bool("false") tied an untied model's head, a 2.7 was truncated, a bool taken for 1.
@@ -87,6 +89,8 @@ class ModelConfig:
             raise ValueError(f"only the Qwen3 architecture is supported, config.json says model_type={model_type!r}")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"only hidden_act 'silu' is supported, config.json says {cfg['hidden_act']!r}")
+        if _flag(cfg, "attention_bias", False):  # (refused here, not as "unexpected tensors" at the load)
+            raise ValueError("attention biases are not supported, config.json has attention_bias=true")
         if _flag(cfg, "use_sliding_window", False) and cfg.get("sliding_window") is not None:
             raise ValueError(f"sliding-window attention is not supported, config.json has use_sliding_window=true "
                              f"and sliding_window={cfg['sliding_window']!r}")
@@ -98,13 +102,13 @@ class ModelConfig:
             return cfg[key]
 
         num_heads = _int(need("num_attention_heads"), "num_attention_heads")
-        eos = cfg.get("eos_token_id")
-        eos_ids = config_token_ids(eos, "eos_token_id")
+        vocab_size = _int(need("vocab_size"), "vocab_size")
+        eos_ids = config_token_ids(cfg.get("eos_token_id"), "eos_token_id", vocab_size)
         hidden = _int(need("hidden_size"), "hidden_size")
         # absent: Qwen3Config's default, 128 (not hidden // heads); null: what that would be without heads
         kv_heads, head_dim = cfg.get("num_key_value_heads"), cfg.get("head_dim", 128)
         return cls(
-            vocab_size=_int(need("vocab_size"), "vocab_size"),
+            vocab_size=vocab_size,
             hidden_size=hidden,
             intermediate_size=_int(need("intermediate_size"), "intermediate_size"),
             num_layers=_int(need("num_hidden_layers"), "num_hidden_layers"),
@@ -114,7 +118,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rms_norm_eps=_float(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
             tie_word_embeddings=_flag(cfg, "tie_word_embeddings", False),
-            max_position_embeddings=_int(cfg.get("max_position_embeddings", 40960), "max_position_embeddings"),
+            max_position_embeddings=_int(cfg.get("max_position_embeddings", 32768), "max_position_embeddings"),
             eos_token_id=eos_ids[0] if eos_ids else None,
             extra_eos_token_ids=tuple(eos_ids[1:]),
         )
@@ -164,10 +168,14 @@ def _flag(cfg: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def config_token_ids(value: Any, key: str) -> list[int]:
-    """An end-token id, a list of them, or null -> the ids."""
+def config_token_ids(value: Any, key: str, vocab_size: int) -> list[int]:
+    """An end-token id, a list of them, or null -> the ids, each within [0, vocab_size) (regression: an id past the
+    vocabulary loaded, then every structured-output request was a 400 naming the tokenizer)."""
     values = value if isinstance(value, (list, tuple)) else ([] if value is None else [value])
-    return [_int(v, key) for v in values]
+    ids = [_int(v, key) for v in values]
+    if outside := [i for i in ids if not 0 <= i < vocab_size]:
+        raise ValueError(f"{key} {outside[0]} is outside the vocabulary [0, {vocab_size})")
+    return ids
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:
@@ -182,6 +190,8 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
             raise ValueError(f"config.json's {key} must be an object, got {rope!r}")
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise ValueError(f"RoPE scaling is not supported, config.json has {key}={rope!r}")
+        if "factor" in rope and "rope_type" not in rope and "type" not in rope:  # (HF cannot run it: not unscaled)
+            raise ValueError(f"config.json's {key} has a factor but no rope_type: {rope!r}")
         if rope.get("rope_theta") is not None:
             if theta is not None and _float(rope["rope_theta"], key) != _float(theta, "rope_theta"):
                 raise ValueError(f"config.json has rope_theta={theta!r} and {key}.rope_theta="

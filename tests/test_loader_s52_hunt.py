@@ -5,6 +5,7 @@ after them)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -51,3 +52,25 @@ def test_a_tokenizer_file_that_cannot_be_read_is_one_line_before_the_weights_loa
     err = capsys.readouterr().err
     assert err.startswith("hicache-serve: cannot read the tokenizer's") and str(ckpt / name) in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("where, fields", [
+    ("config.json", {"eos_token_id": 512}), ("config.json", {"eos_token_id": [7, -1]}),
+    ("config.json", {"attention_bias": True}),  # (refused as "unexpected tensors" only where biases were saved)
+    ("config.json", {"rope_scaling": {"factor": 4.0}}),  # (no type: HF cannot run it; it loaded unscaled)
+    ("generation_config.json", {"eos_token_id": [7, 600]}),
+])
+def test_config_values_a_qwen3_cannot_have_are_refused_at_the_load(tmp_path: Path, where, fields) -> None:
+    from scheduler.loader import CheckpointError, load_checkpoint
+    hf = CFG.to_hf_config()
+    ckpt = write(tmp_path / "c", {**hf, **fields} if where == "config.json" else hf, hf_tensors(CFG, seed=3))
+    if where != "config.json":
+        (ckpt / where).write_text(json.dumps(fields))
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(ckpt, torch.device("cpu"), torch.float32)
+    assert where in str(refused.value) and next(iter(fields)) in str(refused.value), refused.value
+
+
+def test_max_position_embeddings_left_out_is_hf_qwen3s_default(tmp_path: Path) -> None:
+    hf = {k: v for k, v in CFG.to_hf_config().items() if k != "max_position_embeddings"}
+    assert model_config_of(str(write(tmp_path / "c", hf, hf_tensors(CFG, seed=3)))).max_position_embeddings == 32768
