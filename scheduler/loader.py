@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -83,6 +84,8 @@ def _files(path: Path) -> tuple[Path, list[Path]]:
         if absent:
             raise CheckpointError(f"checkpoint {str(path)!r} lacks {_names(absent)}, named in {INDEX_FILE}")
         return config, shards
+    if not os.access(path, os.R_OK):  # (glob finds nothing in a directory it cannot list: "has no file")
+        raise CheckpointError(f"checkpoint {str(path)!r}: cannot list the directory (permission denied)")
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"checkpoint {str(path)!r} has no *.safetensors file")
@@ -148,6 +151,8 @@ def load_checkpoint(path: str | Path, device: torch.device | str,
     loaded: dict[str, Path] = {}
     unexpected: list[str] = []
     for shard in shards:
+        if shard.is_file() and not os.access(shard, os.R_OK):  # (safetensors says "No such file or directory")
+            raise CheckpointError(f"cannot read {shard}: permission denied")
         try:
             _load_shard(shard, cfg, targets, loaded, unexpected)
         except (SafetensorError, OSError) as e:  # not a safetensors file, truncated, unreadable

@@ -74,3 +74,20 @@ def test_config_values_a_qwen3_cannot_have_are_refused_at_the_load(tmp_path: Pat
 def test_max_position_embeddings_left_out_is_hf_qwen3s_default(tmp_path: Path) -> None:
     hf = {k: v for k, v in CFG.to_hf_config().items() if k != "max_position_embeddings"}
     assert model_config_of(str(write(tmp_path / "c", hf, hf_tensors(CFG, seed=3)))).max_position_embeddings == 32768
+
+
+@pytest.mark.parametrize("denied", ["shard", "directory"])
+def test_a_shard_or_directory_it_may_not_read_says_so(tmp_path: Path, monkeypatch, denied) -> None:
+    """(As another user sees a mode-000 shard or a 0311 directory; these tests run as root, which reads anything, so
+    the permission is what os.access answers.) It said "No such file or directory" of a shard that was there, and
+    "has no *.safetensors file" of a directory it could not list."""
+    import os
+
+    from scheduler import loader
+    ckpt = write(tmp_path / "c", CFG.to_hf_config(), hf_tensors(CFG, seed=3))
+    target = ckpt / "model.safetensors" if denied == "shard" else ckpt
+    real = os.access
+    monkeypatch.setattr(loader.os, "access", lambda p, mode: Path(p) != target and real(p, mode))
+    with pytest.raises(loader.CheckpointError, match="permission denied") as refused:
+        loader.load_checkpoint(ckpt, torch.device("cpu"), torch.float32)
+    assert str(target) in str(refused.value)
