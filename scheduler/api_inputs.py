@@ -65,7 +65,7 @@ def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
     ids = []
     for i, prompt in enumerate(prompts):
         try:
-            ids.append(_prompt_ids(prompt, param, tokenizer, vocab_size, prompt_limit, keep))
+            ids.append(_prompt_ids(prompt, req.add_special_tokens, param, tokenizer, vocab_size, prompt_limit, keep))
         except APIError as exc:  # the whole request fails, naming the batch's prompt
             if len(prompts) > 1:
                 exc.param, exc.message = f"{param}.{i}", f"prompt {i} of the batch: {exc.message}"
@@ -93,20 +93,21 @@ def echo_text(req: CompletionRequest | ChatCompletionRequest, index: int, ids: l
     if not getattr(req, "echo", False):
         return None
     prompt = prompt_list(req)[index]
-    if isinstance(prompt, str) and (req.truncate_prompt_tokens is None or len(tokenizer.encode(prompt)) == len(ids)):
+    if isinstance(prompt, str) and (req.truncate_prompt_tokens is None
+                                    or len(tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)) == len(ids)):
         return prompt
     skip = req.skip_special_tokens and not isinstance(prompt, str)
     return tokenizer.decode(ids, skip_special_tokens=skip) if tokenizer is not None else ""
 
 
-def _prompt_ids(prompt: str | list[int], param: str, tokenizer, vocab_size: int, prompt_limit: int, keep: int | None = None) -> list[int]:
+def _prompt_ids(prompt: str | list[int], add_special_tokens: bool, param: str, tokenizer, vocab_size: int, prompt_limit: int, keep: int | None = None) -> list[int]:
     """One prompt's token ids (a chat's: its rendered messages' ids), its last `keep` (None: all), checked against
     the limits."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send the prompt as a list of token ids",
                            param=param, code="invalid_value")
-        ids = tokenizer.encode(prompt)
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     else:
         ids = list(prompt)
     if keep is not None:

@@ -144,6 +144,7 @@ class CompletionRequest(OpenAIMetadataFields, _SamplingFields, CompletionLogprob
     # OpenAI's four shapes; a list of prompts is a batch: n choices per prompt (parse_prompts)
     prompt: StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
     echo: StrictBool | None = False  # the prompt ahead of each choice (scheduler/api_inputs.py)
+    add_special_tokens: StrictBool = True  # vLLM's: a text prompt encoded with the tokenizer's BOS (or without)
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
 
