@@ -24,13 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hicache.config import HiCacheConfig, Policy
-from hicache.linear_cost import WINDOW_SAMPLES, LinearCost
+from hicache.cost_memory import CostMemory
+from hicache.linear_cost import LinearCost
 from hicache.outcomes import OutcomeResiduals
 
 GIB_BYTES = 1 << 30
 TRANSFER_DIRECTIONS = ("h2d", "d2h", "s2h", "h2s")
-# a sample learned again (`learn_again`) is at most this: a size (bytes, tokens) a float holds exactly, an hour
-SAMPLE_SIZE_MAX, SAMPLE_SECONDS_MAX = float(1 << 53), 3600.0
+EXPLORE_WRITES = 32  # writes to a tier let ahead of their price while its reads are untimed (`exploring_writes`)
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ def _seconds_per_byte(bandwidth_gib_s: float, name: str) -> float:
     return 1.0 / (bandwidth_gib_s * GIB_BYTES)
 
 
-class CostModel:
+class CostModel(CostMemory):
     """Per-direction linear costs plus the restore-vs-recompute decision and write admission.
 
     Directions: "h2d", "d2h" (priors from host_bandwidth_gib_s), "s2h" (storage read), "h2s"
@@ -85,6 +85,7 @@ class CostModel:
         self._probe_out: dict[str, tuple[int, bool]] = {}  # probed tier -> (interval, charge decided)
         self._backups_refused = 0  # in a row, by backup_worth_its_cost
         self._writes_refused = {"l2": 0, "l3": 0}  # in a row, by worth_writing (its probes)
+        self._explore_writes = {"l2": 0, "l3": 0}  # writes let ahead of their price to time the tier (`exploring_writes`)
         # the last counted worth_writing ask went through as a probe (Backups.start_backup lets its
         # backup go ahead whatever the checks that price the same estimate say)
         self.write_probe = False
@@ -128,36 +129,6 @@ class CostModel:
                 self._writes_refused[tier] = 0
             elif direction == "d2h":
                 self._backups_refused = 0
-
-    def samples(self) -> dict[str, list[tuple[float, float]]]:
-        """Each direction's window of samples (LinearCost.samples), by name."""
-        return {name: cost.samples() for name, cost in self.directions.items()}
-
-    def learn_again(self, samples: dict) -> int:
-        """Learn `samples` (a `samples()` of an earlier engine on this machine, as its kept L3 index carries it:
-        hicache/l3_index.py) in order, as if just timed; returns how many. Malformed input (an unknown direction,
-        a sample not two numbers in [0, SAMPLE_SIZE_MAX] and [0, SAMPLE_SECONDS_MAX]) raises ValueError before
-        anything is learned (regression: an integer past a float's range, or a size of 1e300 whose fit
-        overflowed, raised OverflowError and stopped the engine's start; an hour-long sample priced a tier out)."""
-        checked: dict[str, list[tuple[float, float]]] = {}
-        for name, rows in samples.items():
-            if name not in self.directions or not isinstance(rows, list):
-                raise ValueError(f"no cost direction {name!r} with a list of samples")
-            pairs = []
-            for row in rows[-WINDOW_SAMPLES:]:
-                if not (isinstance(row, (list, tuple)) and len(row) == 2
-                        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in row)
-                        and 0 <= row[0] <= SAMPLE_SIZE_MAX and 0 <= row[1] <= SAMPLE_SECONDS_MAX):  # (NaN: False)
-                    raise ValueError(f"a {name} sample is not (size, seconds) in [0, {SAMPLE_SIZE_MAX:g}] x "
-                                     f"[0, {SAMPLE_SECONDS_MAX:g}]: {str(row)[:80]}")
-                pairs.append((float(row[0]), float(row[1])))
-            checked[name] = pairs
-        if not self.learning:
-            return 0
-        for name, pairs in checked.items():
-            for size, seconds in pairs:
-                self.directions[name].observe(size, seconds)
-        return sum(len(pairs) for pairs in checked.values())
 
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
         """One prefill forward over `num_tokens` uncached tokens."""
@@ -210,6 +181,19 @@ class CostModel:
     def exploring_storage(self) -> bool:
         """Too few timed storage reads to trust the storage estimate yet (cost policy explores)."""
         return self.learning and self.directions["s2h"].learned < self.explore_reads
+
+    def exploring_writes(self, tier: str, count: bool = True) -> bool:
+        """Whether a write to `tier` ("l2", "l3") goes ahead of its price, to put something there to read back and
+        time: while the tier's reads are untimed (exploring_storage / exploring_host), for its first EXPLORE_WRITES
+        such asks (`count`: this ask writes). Past them its price decides, probes included (regression: an L3
+        that was never read explored for good, and every one-page backup went ahead of its price: the backups
+        session 17 had removed came back whenever an L3 was configured; an L2 that no hit read, likewise)."""
+        if not (self.exploring_storage if tier == "l3" else self.exploring_host):
+            return False
+        if self._explore_writes[tier] >= EXPLORE_WRITES:
+            return False
+        self._explore_writes[tier] += count
+        return True
 
     def _host_untimed(self, direction: str) -> bool:
         return self.learning and self.directions[direction].learned < self.explore_host
@@ -410,7 +394,7 @@ class CostModel:
         slope estimates. (`decide` may still credit an overlapped H2D or an outcome residual below
         zero; writes are judged without either.) While the storage speed is still being explored,
         L3 writes are admitted, and L2 writes while the host link is (something must be read back
-        to time it). And after `explore_every` refusals in a row one write goes through, as a probe
+        to time it: `exploring_writes`, a few). And after `explore_every` refusals in a row one write goes through, as a probe
         (`probe`: count this ask; False for a look that writes nothing): a refused tier is never
         read back, so its estimate would never be timed again (regression: one slow H2D estimate
         stopped every L2 write for good). Such a probe sets `write_probe`.
@@ -424,7 +408,7 @@ class CostModel:
             self.write_probe = False
         if num_tokens <= 0:
             return False
-        if (tier == "l3" and self.exploring_storage) or (tier == "l2" and self.exploring_host):
+        if self.exploring_writes(tier, count=probe):
             return True
         num_bytes = num_tokens * self.bytes_per_token
         restore_s = num_bytes * self.directions["h2d"].slope
@@ -432,6 +416,8 @@ class CostModel:
             restore_s += num_bytes * self.directions["s2h"].slope
             hidden_s = max(0.0, hidden_s - reading_s)
         if self.margin * max(0.0, restore_s - hidden_s) < self.recompute_cost_s(num_tokens):
+            if probe:  # (refusals "in a row": an admitted write ends the row; it ran on across them)
+                self._writes_refused[tier] = 0
             return True
         if probe and self.learning and self.explore_every:
             self._writes_refused[tier] += 1
@@ -451,11 +437,12 @@ class CostModel:
         (docs/benchmarks.md, session 17). Long extensions (a conversation's next turn) pass."""
         if new_tokens <= 0:
             return False
-        if self.exploring_host:
+        if self.exploring_writes("l2"):
             return True
         saving_s = new_tokens * (self.directions["recompute"].slope
                                  - self.directions["h2d"].slope * self.bytes_per_token)
         if self._transfer_s("d2h", new_tokens) < saving_s:
+            self._backups_refused = 0  # (in a row, as worth_writing's)
             return True
         # refused: D2H is timed only by backups, so after `explore_every` refusals in a row one
         # goes ahead as a probe (a D2H estimate that went wrong would otherwise refuse them for good)

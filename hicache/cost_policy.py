@@ -89,11 +89,11 @@ class CostPolicy:
     def backup_worth_its_cost(self, new_tokens: int) -> bool:
         """Cost policy: is a backup of this many new tokens cheaper than one recompute of them
         (CostModel.backup_worth_its_cost)? Yes too while the storage speed is being explored: L3 is
-        written through L2, and something must be read back to time it. Forced policies decide
-        alone."""
+        written through L2, and something must be read back to time it (CostModel.exploring_writes: a few).
+        Forced policies decide alone."""
         mgr = self.mgr
         return (mgr.config.policy != "cost" or mgr.cost.backup_worth_its_cost(new_tokens)
-                or (mgr.has_l3 and mgr.cost.exploring_storage))
+                or (mgr.has_l3 and mgr.cost.exploring_writes("l3")))
 
     def l3_write_pays_off(self) -> bool:
         """Cost policy: L3 writes go on while L3 gets read back (or has not evicted enough to tell)."""

@@ -8,8 +8,9 @@ and its slots), the slots' checksums, the nodes' LRU order, and a header naming 
 model identity, dtype, page size, layers, heads), the file's page size and its size. It runs once the operations
 drained (CacheManager.close), after an fsync of the file, and lands by a rename: it is whole or absent.
 
-The header also carries the cost model's windows of samples (CostModel.samples) and the machine they were timed
-on (host name and device): the next engine on the same machine learns them again (`learn_costs`), so its first
+The header also carries the cost model's windows of samples (CostModel.samples), each direction's reference slope
+(the last fit of several sizes: a window of one size prices against it) and the machine they were timed on (host name
+and device): the next engine on the same machine learns them again (`learn_costs`), so its first
 restore-or-recompute decisions are priced as the last engine's last ones were, not from the priors. On another
 machine they are ignored.
 
@@ -56,6 +57,7 @@ class Adopted(NamedTuple):
     """What `load` took from an index: the L3 pages, and the cost samples timed on this machine (or None)."""
     pages: int
     cost_samples: dict | None
+    cost_references: dict | None = None  # (CostModel.reference_slopes; an index saved before them has none)
 
 
 def _machine(mgr: "CacheManager") -> dict:
@@ -105,7 +107,7 @@ def save(mgr: "CacheManager") -> int:
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
                        "wb") as f:
             header = {**_header(mgr), "file_bytes": store.size_bytes, "machine": _machine(mgr),
-                      "cost_samples": mgr.cost.samples()}
+                      "cost_samples": mgr.cost.samples(), "cost_references": mgr.cost.reference_slopes()}
             np.savez(f, header=np.array(json.dumps(header)), **arrays)
             f.flush()
             os.fsync(f.fileno())
@@ -192,7 +194,8 @@ def load(mgr: "CacheManager") -> Adopted:
     if problem is not None:
         log.warning("l3_index_ignored", path=path, reason=problem)
         return Adopted(0, None)
-    samples = header.get("cost_samples") if header.get("machine") == _machine(mgr) else None
+    here = header.get("machine") == _machine(mgr)
+    samples, references = (header.get("cost_samples"), header.get("cost_references")) if here else (None, None)
     alloc = tree.allocators[Tier.L3]
     slot_ends = np.cumsum(a["key_tokens"] // mgr.page_size)
     kept: list[tuple[int, tuple[int, ...], int, int, int]] = []  # (index, path, its start, slot range)
@@ -229,13 +232,15 @@ def load(mgr: "CacheManager") -> Adopted:
     tree.restamp(Tier.L3, [node for _, node in sorted(adopted, key=lambda x: x[0])])
     pages = tree.num_resident_pages[Tier.L3]
     log.info("l3_index_adopted", path=path, nodes=len(adopted), pages=pages, dropped_nodes=len(paths) - len(kept))
-    return Adopted(pages, samples if isinstance(samples, dict) else None)
+    return Adopted(pages, samples if isinstance(samples, dict) else None,
+                   references if isinstance(references, dict) else None)
 
 
-def learn_costs(mgr: "CacheManager", samples: dict) -> None:
-    """The cost model learns an adopted index's samples (`load`); malformed ones are a warning, nothing learned."""
+def learn_costs(mgr: "CacheManager", samples: dict, references: dict | None = None) -> None:
+    """The cost model learns an adopted index's samples, against its reference slopes (`load`); malformed ones are a
+    warning, nothing learned."""
     try:
-        learned = mgr.cost.learn_again(samples)
+        learned = mgr.cost.learn_again(samples, references)
     except ValueError as exc:
         log.warning("l3_index_costs_ignored", reason=str(exc))
         return

@@ -94,7 +94,7 @@ class CacheManager:
         self.cost = CostModel(cfg, geometry.bytes_per_token)
         self.cost.learning = not simulate  # simulated copies take no time: keep the priors
         if adopted is not None and adopted.cost_samples:  # (timed on this machine by the engine before)
-            l3_index.learn_costs(self, adopted.cost_samples)
+            l3_index.learn_costs(self, adopted.cost_samples, adopted.cost_references)
         self.cost_policy = CostPolicy(self)  # restore or recompute, write or not (the methods below)
         self.runner = OpRunner(self)
         # the engine sets this (scheduler/cuda_graphs.py: its tail forward, timed once its graphs are
