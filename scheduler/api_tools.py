@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
 
 from scheduler.api_guided import GuidedFieldError
 from scheduler.guided import GuidedSpec
-from scheduler.tool_calls import ToolCall
+from scheduler.tool_calls import ToolCall, json_text, loads_keeping_numbers
 
 
 class ToolFieldError(GuidedFieldError):
@@ -147,12 +147,12 @@ def forced_calls(mode: ToolMode, text: str, named: str | None = None) -> list[To
     if mode == "named":
         return [ToolCall(named, text)]
     try:
-        items = json.loads(text)
+        items = loads_keeping_numbers(text)  # (its numbers as the model wrote them: 1E999 is no Infinity)
     except (ValueError, RecursionError):
         return None
     if not isinstance(items, list) or not all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items):
         return None
-    return [ToolCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False)) for i in items]
+    return [ToolCall(i["name"], json_text(i.get("parameters", {}))) for i in items]
 
 
 def _at(index: int) -> str:
@@ -166,7 +166,8 @@ def _parameters(tool: ToolDefinition, at: str) -> dict:
     params = tool.function.parameters
     if not params:
         return {"type": "object"}
-    return _repointed({k: v for k, v in params.items() if k != "$defs"}, at)
+    # (its "$id" too: a base of its own would resolve "#/$defs/..." within it, where they no longer are)
+    return _repointed({k: v for k, v in params.items() if k not in ("$defs", "$id")}, at)
 
 
 _NAMED_SCHEMAS = ("properties", "patternProperties", "definitions", "$defs", "dependentSchemas")  # name -> schema
@@ -183,7 +184,8 @@ def _repointed(schema: Any, at: str) -> Any:
         return schema
     out = {}
     for key, value in schema.items():
-        if key == "$ref" and isinstance(value, str) and value.startswith("#") and not value.startswith("#/$defs/"):
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")) \
+                and not value.startswith("#/$defs/"):  # (not "#name", a $anchor's: it names where it points)
             value = at + value[1:]
         elif key in _NAMED_SCHEMAS and isinstance(value, dict):
             value = {name: _repointed(s, at) for name, s in value.items()}

@@ -57,6 +57,10 @@ class GuidedSpec:
         from llguidance import LLMatcher
 
         if self.kind == "json_schema":
+            try:
+                _check_integer_bounds(json.loads(self.value))
+            except RecursionError:  # (a schema nested past Python's stack: llguidance's own limits decide)
+                pass
             return LLMatcher.grammar_from_json_schema(self.value, defaults=JSON_OPTIONS)
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.value)
@@ -65,6 +69,29 @@ class GuidedSpec:
             return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c)
                                                                                    for c in json.loads(self.value)))
         return LLMatcher.grammar_from_lark(self.value)
+
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _check_integer_bounds(schema: object) -> None:
+    """ValueError for an integer's bound outside 64 bits, which llguidance clamps (regression: minimum 1e20 gave
+    9223372036854775807, below it, finished "stop", where the schema could not be met)."""
+    if isinstance(schema, list):
+        for item in schema:
+            _check_integer_bounds(item)
+        return
+    if not isinstance(schema, dict):
+        return
+    kind = schema.get("type")
+    if kind == "integer" or isinstance(kind, list) and "integer" in kind:
+        for key in _BOUNDS:
+            bound = schema.get(key)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not INT64_MIN <= bound <= INT64_MAX:
+                raise ValueError(f"an integer's {key} of {bound} is outside the 64-bit range structured outputs hold")
+    for value in schema.values():
+        _check_integer_bounds(value)
 
 
 def check_spec(spec: object) -> None:

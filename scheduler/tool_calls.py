@@ -32,6 +32,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 PARSERS = ("hermes",)  # vLLM's name; Qwen2.5's and Qwen3's templates write this format
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
@@ -53,19 +54,50 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+class _Number:
+    """A JSON number as the model wrote it (`loads_keeping_numbers`)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def loads_keeping_numbers(text: str) -> Any:
+    """json.loads with each number kept as its text (a `_Number`), so that `json_text` writes it back as it came
+    (regression: a number past a double's range, 1E999, came back as Infinity, which is not JSON)."""
+    return json.loads(text, parse_float=_Number, parse_int=_Number)
+
+
+def json_text(value: Any) -> str:
+    """`value` (from `loads_keeping_numbers`) as JSON text, as json.dumps(ensure_ascii=False) writes it, its
+    numbers as they came."""
+    if isinstance(value, _Number):
+        return value.text
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{json.dumps(k, ensure_ascii=False)}: {json_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(json_text(v) for v in value) + "]"
+    return json.dumps(value, ensure_ascii=False)
+
+
 def call_of(body: str) -> ToolCall | None:
-    """A block's body as a call: a JSON object with a string "name" and object (or JSON text) "arguments"
-    ("parameters" as some fine-tunes write it; none: {}); None when it is not one."""
+    """A block's body as a call: a JSON object with a string "name" and object "arguments" (or JSON text of one;
+    "parameters" as some fine-tunes write it; none: {}); None when it is not one (regression: a string of no JSON,
+    "hello", was taken as the call's arguments: not the JSON text a client parses)."""
     try:
-        obj = json.loads(body)
+        obj = loads_keeping_numbers(body)
     except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # (already JSON text)
-        return ToolCall(obj["name"], args)
-    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False)) if isinstance(args, dict) else None
+    if isinstance(args, str):  # (JSON text of the arguments)
+        try:
+            args = loads_keeping_numbers(args)
+        except (ValueError, RecursionError):
+            return None
+    return ToolCall(obj["name"], json_text(args)) if isinstance(args, dict) else None
 
 
 class Mode(enum.Enum):
