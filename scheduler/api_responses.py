@@ -398,10 +398,13 @@ class ResponsesShape:
     @contextlib.contextmanager
     def named_errors(self):
         """An APIError from the chat path names the Responses field (not 'max_completion_tokens' to a body that
-        never had it)."""
+        never had it); one of the Responses body itself, as it came (regression: an unknown field 'max_tokens' in it
+        was called 'max_output_tokens', 'prompt' called 'input')."""
         try:
             yield
         except APIError as exc:
+            if self.req is None:  # (not translated yet: the body's own error)
+                raise
             if exc.param is not None:
                 head, dot, rest = exc.param.partition(".")
                 if head in _FIELDS:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Discriminator, Field, StrictBool, StrictStr, Tag, TypeAdapter, model_validator
+from pydantic import ConfigDict, Discriminator, Field, StrictBool, StrictStr, Tag, TypeAdapter, model_validator
 from pydantic_core import PydanticCustomError
 
 from scheduler.api_models import _Strict
@@ -48,6 +48,8 @@ class MessageItem(_Strict):
 
 
 class FunctionCallItem(_Strict):
+    # `async` by its name in the SDK's type too (its model_dump() writes "async_": a 400 of an output sent back)
+    model_config = ConfigDict(**_Strict.model_config, validate_by_name=True, validate_by_alias=True)
     type: Literal["function_call"]
     call_id: StrictStr
     name: StrictStr

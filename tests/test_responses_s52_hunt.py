@@ -1,5 +1,6 @@
-"""Regressions from session 52's hunt of token accounting on /v1/responses: a background response cancelled while it
-thought reports the reasoning tokens it made (its usage said 0, its whole output a reasoning item)."""
+"""Regressions from session 52's hunts of /v1/responses: a background response cancelled while it thought reports the
+reasoning tokens it made (its usage said 0, its whole output a reasoning item); a call the SDK dumped with `async_` is
+served; a chat field sent to it is named as sent."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from test_responses_hunt import _idle
 from test_responses_s51_hunt import _check_cut_short, srv  # noqa: F401  (its server: --reasoning-parser qwen3)
@@ -42,3 +44,28 @@ def test_a_background_response_cancelled_while_thinking_counts_its_reasoning_tok
     assert httpx.get(f"{srv.url}/v1/responses/{ids['id']}", timeout=30).json()["usage"] == usage
     _idle(srv)
     srv.call(srv.engine.check_integrity)
+
+
+def test_a_call_the_sdk_dumped_with_async_by_its_python_name_is_served(srv):  # noqa: F811
+    """openai 3.x's ResponseFunctionToolCall names the field `async_` (alias "async"): its plain model_dump() writes
+    "async_": null, which was a 400 "Extra inputs are not permitted" of an agent sending its output back."""
+    from openai.types.responses import ResponseFunctionToolCall
+    call = ResponseFunctionToolCall(type="function_call", call_id="c1", name="f", arguments="{}", status="completed")
+    dumped = call.model_dump()
+    assert "async_" in dumped
+    items = [{"role": "user", "content": "hi"}, dumped, {"type": "function_call_output", "call_id": "c1",
+                                                        "output": "done"}]
+    r = httpx.post(srv.url + "/v1/responses", json={"model": "tiny", "input": items, "max_output_tokens": 2},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("field, value", [("prompt", {"id": "pmpt_1"}), ("messages", []), ("max_tokens", 5),
+                                          ("max_completion_tokens", 5), ("response_format", {"type": "json_object"}),
+                                          ("reasoning_effort", "low")])
+def test_a_chat_field_sent_to_responses_is_named_as_sent(srv, field, value):  # noqa: F811
+    """An unknown field of the Responses body itself that a chat also has was renamed as the chat path's errors are:
+    'max_tokens' said "unknown field 'max_output_tokens'" of a body that may well carry that one."""
+    r = httpx.post(srv.url + "/v1/responses", json={"model": "tiny", "input": "x", field: value}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert f"'{field}'" in r.json()["error"]["message"]
