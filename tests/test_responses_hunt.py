@@ -203,8 +203,9 @@ def test_an_engine_refusal_of_the_output_length_names_max_output_tokens(srv):
 
 def test_named_errors_rename_fields_not_words():
     """The renaming touches field names only: 'max_tokens' words and quoted chat fields, not a word that holds
-    one ('max_tokens_limit', '--max-tokens-limit')."""
+    one ('max_tokens_limit', '--max-tokens-limit'). (Those of the chat path it was translated to: its body parsed.)"""
     shape = ResponsesShape()
+    shape.chat_body({"input": "x"})
     with pytest.raises(APIError) as info, shape.named_errors():
         raise APIError(400, "max_tokens (9) over --max-tokens-limit; 'messages' and 'max_completion_tokens', "
                             "max_tokens_limit", param="max_completion_tokens")
