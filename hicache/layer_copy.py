@@ -31,6 +31,9 @@ MAX_LAYER_RUNS = 8
 # where the copy kernel (kernels/host_copy.py) moves 38-45 GiB/s. Narrower slabs take the kernel on
 # CUDA at any length, and a D2H's first pages are gathered like the rest.
 MIN_DMA_ROW_BYTES = 32 << 10
+# the largest pitch of a 2-D copy (cudaMemcpy2DAsync returns an error past the device's cudaDevAttrMaxPitch,
+# 2^31 - 1 on NVIDIA's GPUs): L1's slab rows are a pool's pages of slabs apart
+MAX_DMA_PITCH_BYTES = (1 << 31) - 1
 
 
 class Copy2D(NamedTuple):
@@ -69,6 +72,13 @@ def layer_plan(geometry: KVGeometry, l1_num_pages: int, l1_pages: list[int],
     return [[Copy2D(dst + s * l1_slab_stride, slab, src + s * slab, page_bytes, slab, height)
              for s in (layer, layers + layer) for dst, src, height in bases]  # K runs, then V runs
             for layer in range(layers)]
+
+
+def l1_pitch_fits(geometry: KVGeometry, l1_num_pages: int) -> bool:
+    """Whether 2-D DMAs can step from one of L1's slab rows to the next (`layer_plan`, `page_out_copies`): their
+    pitch, l1_num_pages slabs, within MAX_DMA_PITCH_BYTES. A large pool of a small model is past it (qwen3-0.6b's
+    ~72,000 pages of 16 tokens on the H200: 2.36 GB), where every such copy would fail."""
+    return l1_num_pages * geometry.slab_elements * geometry.itemsize <= MAX_DMA_PITCH_BYTES
 
 
 def page_out_copies(geometry: KVGeometry, l1_num_pages: int, l1_pages: list[int], dst_pages,

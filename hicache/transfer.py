@@ -46,7 +46,7 @@ import torch
 
 from hicache.faults import Fault, FaultInjector
 from hicache.geometry import KVGeometry
-from hicache.layer_copy import MIN_DMA_ROW_BYTES, page_out_copies
+from hicache.layer_copy import MIN_DMA_ROW_BYTES, l1_pitch_fits, page_out_copies
 from hicache.pools import DevicePool, HostPool
 from hicache.transfer_plan import (DIRECT_FIRST_BYTES, DIRECT_MAX_PAGES, MAX_DMA_RUNS, RAMP_FIRST_BYTES,
                                    RAMP_GROWTH, gathered_chunks, host_runs, ramp_chunks)
@@ -82,9 +82,11 @@ class TransferEngine(LayeredRestores):
         # the DMA before it (ramp_chunks)
         self.first_chunk_pages = max(1, RAMP_FIRST_BYTES // self.geometry.bytes_per_page)
         self.direct_pages = 0  # a D2H's first pages DMA'd straight out of L1 (set below when it can)
-        # slabs too narrow for 2-D DMAs: no direct pages, every layer-ordered restore by the kernel
+        # slabs too narrow for 2-D DMAs, or L1's rows too far apart for one (`l1_pitch_fits`): no direct pages,
+        # every layer-ordered restore by the kernel (none without it)
         row_min_bytes = MIN_DMA_ROW_BYTES if min_dma_row_bytes is None else min_dma_row_bytes
-        self.narrow_slabs = self.geometry.slab_elements * self.geometry.itemsize < row_min_bytes
+        pitch_fits = l1_pitch_fits(self.geometry, l1.num_pages)
+        self.narrow_slabs = self.geometry.slab_elements * self.geometry.itemsize < row_min_bytes or not pitch_fits
         self.workspaces = Workspaces(self.geometry, l1.device)
         self.page_lists = PageLists()
         # completions are awaited on worker threads, a pool per direction: a restore's must never
@@ -106,8 +108,9 @@ class TransferEngine(LayeredRestores):
         self.layerwise = not self.cuda
         self._memcpy = None  # cuda_rt.memcpy_async: a pipeline chunk's DMA in one call
         self._memcpy_2d = None  # cuda_rt.memcpy_2d_async: a D2H's direct first pages
+        kernel_reads = self.cuda and l2.pinned and triton_available()  # (host_reads, below)
         if self.cuda:
-            self.layerwise = cuda_rt.available() and l2.pinned
+            self.layerwise = cuda_rt.available() and l2.pinned and (pitch_fits or kernel_reads)
             self._memcpy = cuda_rt.memcpy_async if cuda_rt.available() else None
             if cuda_rt.available() and l2.pinned and not self.narrow_slabs:
                 self._memcpy_2d = cuda_rt.memcpy_2d_async
@@ -118,7 +121,7 @@ class TransferEngine(LayeredRestores):
         # PCIe. The restore kernel's per-layer counts belong to the stream it runs on (stream order
         # keeps two launches apart); the classic H2D path's flags are its own (only the layer
         # stream writes layer_flags, in epoch order)
-        self.host_reads = self.cuda and l2.pinned and triton_available()
+        self.host_reads = kernel_reads
         self.kernel_max_pages = kernel_max_pages  # layer-ordered restores this short take the kernel too
         if self.host_reads:
             zeros = functools.partial(torch.zeros, self.geometry.num_layers, dtype=torch.int32, device=l1.device)

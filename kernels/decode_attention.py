@@ -191,6 +191,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def takes_head_dim(head_dim: int) -> bool:
+    """Whether the kernels run heads of `head_dim`: a power of two (tl.arange's range) of at least 16 (tl.dot's
+    smallest K for 16-bit inputs on NVIDIA's GPUs)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0
+
+
 def decode_attention_triton(q, k_layer, v_layer, page_tables, seq_lens, scale: float,
                             rows_per_seq: int = 1, tensor_cores: bool | None = None, block: int | None = None,
                             num_warps: int | None = None, splits: int | None = None,

@@ -50,6 +50,8 @@ def _check_args(l1: torch.Tensor, page_ids: torch.Tensor, packed: torch.Tensor) 
         raise ValueError(f"page_ids must be 1-D, got shape {tuple(page_ids.shape)}")
     if page_ids.dtype != torch.int64:
         raise ValueError(f"page_ids must be int64, got {page_ids.dtype}")
+    if not page_ids.is_contiguous():  # (the kernels read it with stride 1: a strided view copied other pages)
+        raise ValueError("page_ids must be contiguous")
     if packed.dtype != l1.dtype:
         raise ValueError(f"dtype mismatch: packed {packed.dtype} vs l1 {l1.dtype}")
     n = page_ids.numel()

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import fused_ops, skinny_gemm
+from kernels.decode_attention import takes_head_dim
 from kernels.layer_flags import LayerWait
 from scheduler.attention import AttentionBatch, paged_attention, write_kv
 from scheduler.presets import PRESETS, ModelConfig, is_preset
@@ -257,6 +258,15 @@ def init_random_weights(model: Qwen3Model, seed: int) -> Qwen3Model:
     return model
 
 
+def check_head_dim(cfg: ModelConfig, device: torch.device) -> None:
+    """On CUDA every decode step runs the paged decode kernel, which takes a power-of-two head_dim of >= 16: another
+    is refused as the model loads (regression: a checkpoint of head_dim 96 loaded, prefilled, and failed its first
+    decode step)."""
+    if device.type == "cuda" and not takes_head_dim(cfg.head_dim):
+        raise ValueError(f"head_dim {cfg.head_dim} is not served on CUDA: the paged decode kernel takes a power of "
+                         f"two of at least 16 (the CPU serves any)")
+
+
 def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
                seed: int) -> tuple[Qwen3Model, ModelConfig, str]:
     """A preset (seeded random weights) or a checkpoint directory -> (model, config, model identity).
@@ -278,5 +288,6 @@ def load_model(name_or_path: str, device: torch.device, dtype: torch.dtype,
         model, cfg, identity = load_checkpoint(name_or_path, device, dtype)
     else:
         raise ValueError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+    check_head_dim(cfg, device)
     model.fused = device.type == "cuda" and fused_ops.triton is not None and cfg.head_dim & (cfg.head_dim - 1) == 0
     return model, cfg, identity
