@@ -371,6 +371,11 @@ class ResponsesShape:
             if self.store is None:
                 raise not_found(previous, "previous_response_id")
             self.prior = self.store.prior(previous)
+            for item in self.req.input if isinstance(self.req.input, list) else ():
+                if item.id is not None and item.id in self.prior.item_ids:  # (OpenAI's 400: it was served twice)
+                    raise APIError(400, f"Duplicate item found with id {item.id}. Remove duplicate items from your "
+                                        f"input (previous_response_id {previous!r} holds it)", param="input",
+                                   code="invalid_value")
         if self.req.background and (self.store is None or not self.store.enabled or self.req.store is False):
             raise APIError(400, "background can only be used when `store` is true" + (
                 "" if self.req.store is False else " (this server keeps no responses: --responses-store-max 0)"),

@@ -53,6 +53,7 @@ class StoredResponse:
     response: dict  # the Response object as sent (GET's)
     conversation: tuple[dict, ...]  # chat messages: earlier turns, this input, this output (no instructions)
     input_items: tuple[dict, ...]  # the request's input items as given, each with an id (input_items')
+    item_ids: frozenset[str] = frozenset()  # every item id of its chain: earlier turns', this input's, its output's
 
     @property
     def id(self) -> str:
@@ -204,7 +205,9 @@ class ResponsesStore:
 
         def keep(response: dict, run: BackgroundRun | None = None) -> None:
             turn = items_messages(items + as_items(response["output"]))
-            self.put(StoredResponse(response, (*history, *turn), given), run)
+            ids = (frozenset() if prior is None else prior.item_ids).union(
+                item["id"] for item in (*given, *response["output"]) if isinstance(item.get("id"), str))
+            self.put(StoredResponse(response, (*history, *turn), given, ids), run)
         return keep
 
 

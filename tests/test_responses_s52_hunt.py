@@ -69,3 +69,20 @@ def test_a_chat_field_sent_to_responses_is_named_as_sent(srv, field, value):  # 
     r = httpx.post(srv.url + "/v1/responses", json={"model": "tiny", "input": "x", field: value}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert f"'{field}'" in r.json()["error"]["message"]
+
+
+def test_items_a_previous_response_holds_sent_again_are_openais_400(srv):  # noqa: F811
+    """A follow-up that sends its previous response's output items again (their ids) was served with them twice in
+    its prompt; OpenAI answers 400 "Duplicate item found with id ...". An earlier turn's input item likewise; a new
+    item, or one of another chain, is served."""
+    def respond(**body):
+        return httpx.post(srv.url + "/v1/responses", json={"model": "tiny", "max_output_tokens": 2, **body}, timeout=60)
+    first = respond(input=[{"role": "user", "content": "hello", "id": "msg_mine"}]).json()
+    second = respond(previous_response_id=first["id"], input="next").json()
+    for resent in (first["output"][0], {"role": "user", "content": "hello", "id": "msg_mine"}):
+        r = respond(previous_response_id=second["id"], input=[resent, {"role": "user", "content": "more"}])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+        assert f"Duplicate item found with id {resent['id']}" in r.json()["error"]["message"]
+    assert respond(previous_response_id=second["id"], input=[{"role": "user", "content": "x", "id": "msg_new"}]
+                   ).status_code == 200
+    assert respond(input=[first["output"][0], {"role": "user", "content": "more"}]).status_code == 200  # (no chain)

@@ -152,7 +152,7 @@ def test_a_request_id_used_again_keeps_the_later_response(srv):
 def _plain(value) -> bool:
     if isinstance(value, dict):
         return all(isinstance(k, str) and _plain(v) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple, frozenset)):
         return all(map(_plain, value))
     return value is None or isinstance(value, (str, int, float, bool))
 
@@ -163,7 +163,8 @@ def test_a_kept_response_holds_plain_data_only(srv, client):
                                 include=["message.output_text.logprobs"], top_logprobs=2)
     store = srv.app.state.hc.responses
     kept = store._kept[r.id]
-    assert isinstance(kept, StoredResponse) and set(vars(kept)) == {"response", "conversation", "input_items"}
+    assert isinstance(kept, StoredResponse)
+    assert set(vars(kept)) == {"response", "conversation", "input_items", "item_ids"}
     assert all(_plain(getattr(kept, name)) for name in vars(kept))
 
 
