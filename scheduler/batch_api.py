@@ -6,6 +6,7 @@ refuses gets a result carrying its error, and the others run. Uses the Engine's 
 from __future__ import annotations
 
 import asyncio
+import numbers
 from collections.abc import Sequence
 
 from scheduler.loop_task import check_loop
@@ -15,6 +16,12 @@ from scheduler.request import GenerationResult, Request, RequestError, SamplingP
 class BatchAPI:
     async def generate_async(self, prompts: Sequence[Sequence[int]],
                              params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and all(isinstance(t, numbers.Integral) for t in prompts)):
+            # (regression: each of one prompt's token ids, or each character of a text, failed as a prompt)
+            raise ValueError("prompts is a list of prompts, each a list of token ids: give one prompt as [prompt]"
+                             + (" (a text is tokenized first: this API takes token ids)" if isinstance(prompts, str)
+                                else ""))
         await self.start()
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):  # (zip would drop prompts silently)

@@ -110,6 +110,19 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         if not isinstance(self.speculative, (SpeculativeConfig, type(None))):
             object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))  # (raises, named)
+        # (session 52: simulate="false" ran a simulated engine; a gpu_memory_fraction of "0.5", a hicache of None,
+        # a model of None failed with errors naming no field)
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.gpu_memory_fraction, numbers.Real) or isinstance(self.gpu_memory_fraction, bool):
+            raise ValueError(f"gpu_memory_fraction must be a number, got {self.gpu_memory_fraction!r}")
+        if not isinstance(self.hicache, HiCacheConfig):
+            raise ValueError(f"hicache must be a HiCacheConfig (EngineConfig.with_hicache(...)), got {self.hicache!r}")
+        for name in ("model", "log_json"):
+            value = getattr(self, name)
+            if not (isinstance(value, str) or value is None and name == "log_json"):
+                raise ValueError(f"{name} must be a string, got {value!r}")
 
     def with_hicache(self, **changes) -> "EngineConfig":
         return replace(self, hicache=replace(self.hicache, **changes))
@@ -338,6 +351,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_BOOL_FIELDS = ("enable_prefix_cache", "share_prefill", "cuda_graphs", "fp32_lm_head", "overlap_schedule",
+                "restore_overlap", "simulate")
 
 
 def resolve_device(config: EngineConfig) -> tuple[torch.device, torch.dtype]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 from collections import deque
 from collections.abc import Sequence
 
@@ -106,6 +107,8 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         self.stopping = False  # the loop is asked to stop: nothing more is admitted (a restart clears it)
         self._closing = False  # shutdown() began: no new requests ever; queued ones run within its grace
         self._stop_done: asyncio.Future | None = None  # a stop_loop() under way: done as it returns (start() waits)
+        self._shut_down = False  # shutdown() ended: the tiers are closed
+        self._pid = os.getpid()  # the process that built it (start() refuses to run in a forked child)
         # clients whose work is several requests in turn (a beam search's steps: scheduler/beam_search.py) under
         # way: shutdown's grace waits for them too, and takes their next requests (add_request(continuing=True))
         self.continuing = 0

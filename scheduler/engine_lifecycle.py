@@ -7,6 +7,7 @@ locks and last event). Uses the Engine's request queues (`waiting`, `parked`, `r
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -22,7 +23,12 @@ class EngineLifecycle:
         while shutdown drained, or after it, restarted the loop on closed tiers). A stop_loop() under way
         ends first, then a new loop starts (regression: one started in its last await was orphaned by it, and
         two loops ran the same requests' batches); a loop still stopping after its stop_loop()'s caller was
-        cancelled runs on (regression: start() did nothing, and the requests queued were stranded)."""
+        cancelled runs on (regression: start() did nothing, and the requests queued were stranded). Not in a process
+        forked from the one that built it (regression: its L3's I/O threads are not there, and it hung)."""
+        if os.getpid() != self._pid:
+            raise RuntimeError("this Engine was built in another process (this one was forked from it): its copy "
+                               "threads and L3 file are that process's; build the Engine in this process, or use the "
+                               "'spawn' start method")
         while self._stop_done is not None and not self._stop_done.done():
             await asyncio.shield(self._stop_done)
         if self._closing:
@@ -42,7 +48,8 @@ class EngineLifecycle:
         request of a client counted in `continuing` (a beam search's step), taken in a shutdown's grace too
         (regression: a search under way was cut short by a grace it would have finished within)."""
         if not self.accepting and not (continuing and self._closing and not self.stopping):
-            raise RequestError("the engine is shutting down" if self._closing else
+            raise RequestError(("the engine has shut down" if self._shut_down else "the engine is shutting down")
+                               if self._closing else
                                "the engine loop is stopping (stop_loop); start() resumes it")
         if (crash := crash_of(self._loop_task)) is not None:  # (regression: queued where nothing ran it)
             raise RequestError(f"the engine loop crashed ({crash!r}); start() runs a new one")
@@ -171,6 +178,7 @@ class EngineLifecycle:
             self._log_occupancy()
             await self.cache.close()
             self.runner.close()
+            self._shut_down = True
 
     def _abort_all(self) -> None:
         """Stop: the loop admits nothing more and ends once every live request was aborted."""

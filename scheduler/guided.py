@@ -44,9 +44,17 @@ JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON (a schema's "x-gui
 @dataclass(frozen=True)
 class GuidedSpec:
     """What a guided answer must be. value: a JSON schema as JSON text, a regex, the JSON text of a list of
-    strings (choice), or a Lark grammar."""
+    strings (choice), or a Lark grammar; a schema given as a dict, choices as a list, are taken as their JSON text
+    (regression: refused as "not a GuidedSpec of kind json_schema", which it was)."""
     kind: str
     value: str
+
+    def __post_init__(self) -> None:
+        if (self.kind, type(self.value)) in (("json_schema", dict), ("choice", list)):
+            try:
+                object.__setattr__(self, "value", json.dumps(self.value))
+            except (TypeError, ValueError):  # (not JSON data: check_spec refuses it)
+                pass
 
     @classmethod
     def json_object(cls) -> "GuidedSpec":
@@ -96,8 +104,11 @@ def _check_integer_bounds(schema: object) -> None:
 
 def check_spec(spec: object) -> None:
     """A well-formed GuidedSpec (its grammar is checked by `Guides.check`); RequestError otherwise."""
-    if not isinstance(spec, GuidedSpec) or spec.kind not in KINDS or not isinstance(spec.value, str):
+    if not isinstance(spec, GuidedSpec) or spec.kind not in KINDS:
         raise RequestError(f"guided must be a GuidedSpec of kind {' / '.join(KINDS)}, got {spec!r}", "guided")
+    if not isinstance(spec.value, str):
+        raise RequestError(f"a GuidedSpec's value is text (a schema's or choices' JSON text, a regex, a grammar), got "
+                           f"a {type(spec.value).__name__}", "guided")
     if spec.kind == "choice":
         try:
             choices = json.loads(spec.value)

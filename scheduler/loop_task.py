@@ -13,9 +13,13 @@ def check_loop(task: asyncio.Task | None, loop: asyncio.AbstractEventLoop | None
     """Refuse to serve from `loop` (None: no loop runs) while the engine's loop task lives on another
     event loop (regression: start() took that task for its own, and a request queued there, also by
     generate(), waited forever for a loop that never ran again)."""
+    if task is not None and not task.done() and task.get_loop().is_closed():  # (regression: "still runs there")
+        raise RuntimeError("the event loop the engine's loop ran on was closed while it ran, and its requests and "
+                           "copies with it: this engine cannot serve again; build a new one (await "
+                           "engine.stop_loop() or shutdown() before closing a loop you manage)")
     if task is not None and not task.done() and task.get_loop() is not loop:
         raise RuntimeError("the engine's loop was started on another event loop and still runs there: "
-                           "await engine.stop_loop() (or shutdown()) on that loop first")
+                           "await engine.stop_loop() (or shutdown()) on that loop first (one thread at a time)")
 
 
 async def join_loop(task: asyncio.Task, shield: bool) -> None:

@@ -111,9 +111,10 @@ class SamplingParams:
         """Raises RequestError naming the field; token ids (logit_bias') within [0, vocab_size) when given."""
         self._check_logprobs("prompt_logprobs")
         least = 0 if self.prompt_logprobs is not None else 1  # (0: the prefill alone, for its prompt logprobs)
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < least:
+        if not _is_integer(self.max_tokens) or self.max_tokens < least:  # (numpy's integers too, as the others)
             raise RequestError(f"max_tokens must be an integer >= 1 (0 only with prompt_logprobs), "
                                f"got {self.max_tokens!r}", "max_tokens")
+        object.__setattr__(self, "max_tokens", int(self.max_tokens))  # (a Python int, for the logs and pages)
         if self.max_tokens > max_new_tokens_limit:
             raise RequestError(f"max_tokens {self.max_tokens} exceeds the limit {max_new_tokens_limit}", "max_tokens")
         if not _is_integer(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

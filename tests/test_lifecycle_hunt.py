@@ -305,7 +305,7 @@ async def test_duplicate_ids_status_while_running_and_everything_after_shutdown(
     await eng.shutdown()
     assert eng.status()["engine"]["aborted"] == 1 and eng.metrics()
     eng.check_integrity()
-    with pytest.raises(RequestError, match="shutting down"):
+    with pytest.raises(RequestError, match="has shut down"):
         async for _ in eng.submit([1, 2, 3]):
             pass
     await eng.start()  # a no-op: a shut-down engine stays down

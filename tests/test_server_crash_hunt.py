@@ -169,7 +169,7 @@ async def test_shutdown_grace_serves_the_requests_a_stopped_engine_holds(how):
         assert req.state.value == "finished" and req.finish_reason == "length" and len(req.output) == 5
     assert eng.stats["aborted"] == 0 and not eng.requests
     assert eng._loop_task is None
-    with pytest.raises(RequestError, match="shutting down"):
+    with pytest.raises(RequestError, match="has shut down"):
         eng.add_request([1, 2, 3])
 
 
