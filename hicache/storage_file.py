@@ -1,5 +1,5 @@
-"""Opening the L3 file (hicache/storage.py): a temporary file removed on close, or a user-given
-path opened safely (no symbolic links, no other owner's file, no non-regular file; created 0600,
+"""Opening the L3 file (hicache/storage.py): a temporary file, unlinked as it opens (the kernel frees it at any exit),
+or a user-given path opened safely (no symbolic links, no other owner's file, no non-regular file; created 0600,
 truncated: old content is meaningless without this process's slot metadata; locked, so a second
 store on the same path, in this process or another, is refused instead of truncating and
 overwriting the first's pages), each checked for room on its filesystem before it is sized, and
@@ -16,6 +16,7 @@ import tempfile
 import structlog
 
 log = structlog.get_logger("hicache.storage")
+FD_DIR = "/proc/self/fd"  # (Linux) an open file by its descriptor: a temporary L3 file's path once it is unlinked
 
 
 def open_store_file(path: str | os.PathLike | None, size_bytes: int, keep: bool = False) -> tuple[int, str, bool]:
@@ -34,21 +35,37 @@ def open_store_file(path: str | os.PathLike | None, size_bytes: int, keep: bool 
             raise ValueError(f"L3 storage file {path!r}: {exc.strerror or exc}; choose another "
                              f"--hicache-storage-path or lower --hicache-storage-size-gb / "
                              f"--hicache-storage-ratio") from exc
-    temp_path = tempfile.gettempdir()
+    name = tempfile.gettempdir()
     try:
-        fd, temp_path = tempfile.mkstemp(prefix="hicache-l3-", suffix=".kv")
+        fd, name = tempfile.mkstemp(prefix="hicache-l3-", suffix=".kv")
+        temp_path = _unlinked(fd, name)
         try:
-            _check_free_space(fd, temp_path, size_bytes, 0)
+            _check_free_space(fd, name, size_bytes, 0)
             os.ftruncate(fd, size_bytes)
-            reserved = _reserve(fd, temp_path, size_bytes)
+            reserved = _reserve(fd, name, size_bytes)
         except BaseException:
             release_file(fd, temp_path)
             raise
     except OSError as exc:
-        raise ValueError(f"L3 storage file {temp_path!r} (a temporary file: no --hicache-storage-path "
+        raise ValueError(f"L3 storage file {name!r} (a temporary file: no --hicache-storage-path "
                          f"given): {exc.strerror or exc}; give --hicache-storage-path or lower "
                          f"--hicache-storage-size-gb / --hicache-storage-ratio") from exc
     return fd, temp_path, reserved
+
+
+def _unlinked(fd: int, name: str) -> str:
+    """A temporary file removed from its directory at once where its descriptor names it (Linux's /proc/self/fd/N,
+    its path from then on): the kernel frees its blocks at any exit (regression: a replay stopped by SIGTERM, any
+    process by SIGKILL, left GiB of it in /tmp). Elsewhere, or where the name cannot be removed now, the name:
+    removed at close (`release_file`)."""
+    by_fd = f"{FD_DIR}/{fd}"
+    if not os.path.exists(by_fd):
+        return name
+    try:
+        os.unlink(name)
+    except OSError:
+        return name
+    return by_fd
 
 
 def release_file(fd: int, temp_path: str | None) -> None:
@@ -57,7 +74,7 @@ def release_file(fd: int, temp_path: str | None) -> None:
     escaped the engine's shutdown and skipped the rest of it)."""
     with contextlib.suppress(OSError):
         os.close(fd)
-    if temp_path is not None:
+    if temp_path is not None and not temp_path.startswith(FD_DIR + "/"):  # (a descriptor's: nothing to remove)
         try:
             os.unlink(temp_path)
         except FileNotFoundError:

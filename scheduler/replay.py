@@ -401,7 +401,8 @@ def _warn_will_fail(parser: argparse.ArgumentParser, args: argparse.Namespace, i
     limits = [(positions, f"the model's {positions:,} positions")]
     if not config.l1_from_gpu_memory():
         l1_tokens = config.l1_pages(page) * page
-        limits.append((l1_tokens, f"the L1 pool's {l1_tokens:,} tokens ({_flag('l1_tokens')} sizes it)"))
+        sized_by = replay_memory.sizing_flag(args, "L1")  # (regression: --l1-tokens, whichever flag sized it)
+        limits.append((l1_tokens, f"the L1 pool's {l1_tokens:,} tokens ({sized_by} sizes it)"))
     kv_limit, why = min(limits)
     prompt_limit = min(config.max_prompt_tokens or kv_limit, kv_limit)
     past = [it.prompt_tokens for it in items
@@ -476,8 +477,11 @@ def run_cli(argv: list[str] | None = None) -> dict:
     for e in summary["errors"][:10]:
         print(f"request {e['index']} (line {e['line']}) failed: {e['error']}", file=sys.stderr)
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        try:
+            Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json_out).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        except OSError as exc:  # (it could be written before the run: one line, the summary above kept)
+            parser.exit(2, f"{parser.prog}: error: --json-out: cannot write {args.json_out}: {exc.strerror or exc}\n")
     return summary
 
 

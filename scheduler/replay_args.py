@@ -115,18 +115,33 @@ def check_replay_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
         value = getattr(args, key)
         if value is not None and not 0 < value < math.inf:
             parser.error(f"{_flag(key)} must be > 0 and finite, got {value}")
+    for tokens, gib in (("l1_tokens", "l1_gib"), ("l2_tokens", "l2_gib"), ("l3_tokens", "l3_gib")):
+        if getattr(args, tokens) is not None and getattr(args, gib) is not None:  # (regression: one won, by tier)
+            parser.error(f"{_flag(tokens)} and {_flag(gib)} both size {tokens[:2].upper()}: give one")
+    if args.disable_hicache and args.enable_hicache:  # (regression: the disable won without a word)
+        parser.error("--enable-hicache and --disable-hicache: give one")
 
 
 def check_writable(parser: argparse.ArgumentParser, path: str | None, key: str) -> None:
-    """Creates an output file's directory before the replay runs; refuses one it cannot write into."""
+    """Creates an output file's directory before the replay runs; refuses one it cannot write into: the file opened
+    for appending, as its writer will (regression: os.access proved nothing to root, or of a read-only file, and the
+    replay ran to its end, then lost its summary to a traceback)."""
     if path is None:
         return
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         parser.error(f"{_flag(key)}: cannot create the directory of {path}: {exc.strerror or exc}")
-    if Path(path).is_dir() or not os.access(Path(path).parent, os.W_OK):
-        parser.error(f"{_flag(key)}: cannot write {path}")
+    if Path(path).is_dir():
+        parser.error(f"{_flag(key)}: cannot write {path}: a directory")
+    existed = Path(path).exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        parser.error(f"{_flag(key)}: cannot write {path}: {exc.strerror or exc}")
+    if not existed:
+        Path(path).unlink(missing_ok=True)
 
 
 def config_from_replay_args(args: argparse.Namespace) -> EngineConfig:

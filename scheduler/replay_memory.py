@@ -35,7 +35,12 @@ def pool_pages(cfg: EngineConfig) -> dict[str, int]:
 
 def _sizing_flag(args: argparse.Namespace, pages: dict[str, int]) -> str:
     """The option, with its value, that sized the largest tier: the one to lower."""
-    keys = TIER_SIZE_OPTIONS[max(pages, key=pages.get)]
+    return sizing_flag(args, max(pages, key=pages.get))
+
+
+def sizing_flag(args: argparse.Namespace, tier: str) -> str:
+    """The option, with its value, that sized `tier` ("L1", "L2", "L3")."""
+    keys = TIER_SIZE_OPTIONS[tier]
     key = next((k for k in keys[:-1] if getattr(args, k) not in (None, 0)), keys[-1])
     value = str(getattr(args, key))
     return f"{flag_name(key)} {value[:-2] if value.endswith('.0') else value}"

@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import signal
+import socket
 import sys
 import threading
 from dataclasses import replace
@@ -139,6 +140,10 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
         return f"--responses-store-max must be >= 0 (0: none kept), got {args.responses_store_max}"
     if not 0 <= args.port <= 65535:  # (65536 + n bound port n while the log said 65536 + n)
         return f"--port must be in [0, 65535], got {args.port}"
+    if not args.host:  # (an unset variable's "": uvicorn listened on every interface, the default being 127.0.0.1)
+        return "--host must not be empty (0.0.0.0 or :: for every interface)"
+    if problem := _bind_problem(args.host, args.port):
+        return problem
     if args.generation_config not in ("auto", "vllm") and (not args.generation_config or not os.path.isfile(
             os.path.join(args.generation_config, GENERATION_CONFIG_FILE))):  # (vLLM's third form; "": not the cwd)
         return f"--generation-config must be auto, vllm or a directory holding {GENERATION_CONFIG_FILE}, " \
@@ -158,6 +163,8 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
         problem = _storage_path_problem(args.hicache_storage_path)
         if problem:
             return f"--hicache-storage-path {args.hicache_storage_path!r}: {problem}"
+    if args.log_json == "":  # (an unset variable's: the log was silently off, where the replay refuses it)
+        return "--log-json must not be empty (leave it out for no log file)"
     if args.log_json:  # created here so that a path that cannot be is one line, not a traceback
         try:
             Path(args.log_json).parent.mkdir(parents=True, exist_ok=True)
@@ -165,6 +172,24 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
             return f"--log-json: cannot create the directory of {args.log_json}: {exc.strerror or exc}"
         if Path(args.log_json).is_dir() or not os.access(Path(args.log_json).parent, os.W_OK):
             return f"--log-json: cannot write {args.log_json}"
+    return None
+
+
+def _bind_problem(host: str, port: int) -> str | None:
+    """Why the server could not listen on (host, port), found before the model is built (regression: a port in use or
+    a host that does not resolve was uvicorn's error, exit 3, after a long load); None: it can (a socket bound
+    and closed; the port could still be taken in between)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return f"--host {host!r}: {exc.strerror or exc}"
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn binds)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            return f"--port {port} on --host {host}: {exc.strerror or exc}"
     return None
 
 

@@ -127,6 +127,11 @@ class SpeculativeConfig:
         lo, hi = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
         if lo is None and hi is None:
             lo = hi = 5
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):  # (the one given, before the other is made of it:
+            # regression, a max of 0 was said of the min)
+            given = fields.get(name)
+            if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 1):
+                raise ValueError(f"speculative {name} must be an integer >= 1, got {given!r}")
         fields["prompt_lookup_min"] = hi if lo is None else lo
         fields["prompt_lookup_max"] = lo if hi is None else hi
         return cls(**fields)

@@ -34,6 +34,7 @@ after the restore (`tail_tokens`); the tail-forward limit measures that same tai
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 from pathlib import Path
@@ -75,9 +76,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compare-recompute", action="store_true", help="also measure --tier none in this run")
     add_engine_mode_args(p)
     args = parse_common_args(p, argv)
-    args.lengths = [int(x) for x in str(args.prefix_tokens).split(",") if x.strip()]
-    if not args.lengths or min(args.lengths) < 1 or args.iterations < 1:
-        p.error("--prefix-tokens must be positive and --iterations >= 1")
+    try:
+        args.lengths = [int(x) for x in str(args.prefix_tokens).split(",") if x.strip()]
+    except ValueError:  # (regression: int()'s traceback)
+        p.error(f"--prefix-tokens takes integers (a comma list), got {args.prefix_tokens!r}")
+    if not args.lengths or min(args.lengths) < 1 or args.iterations < 1 or args.num_pages < 0:
+        p.error("--prefix-tokens must be positive, --iterations >= 1 and --num-pages >= 0")
+    if args.tier == "l3" and args.storage_ratio <= 0:  # (regression: None.drop_page_cache, a traceback)
+        p.error("--tier l3 needs an L3: --storage-ratio > 0")
+    if args.storage_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.storage_path))):
+        p.error(f"--storage-path {args.storage_path}: its directory does not exist")
     return args
 
 

@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="cProfile the measured requests of each tier (host time per function, to stderr and JSON)")
     add_engine_mode_args(p)
     args = parse_common_args(p, argv)
+    for name in ("num_prefixes", "prefix_tokens", "requests", "batch_size", "max_tokens"):  # (regression: a
+        if getattr(args, name) < 1:  # batch of 0 hung on its semaphore; 0 requests or prefixes divided by zero)
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     args.tier_list = [args.tier] if args.tier else [t.strip() for t in args.tiers.split(",") if t.strip()]
     if any(t not in ("none", "l2", "l2small", "l3") for t in args.tier_list):
         p.error(f"--tiers takes none, l2, l2small, l3; got {args.tiers!r}")

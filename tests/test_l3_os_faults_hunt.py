@@ -299,8 +299,12 @@ async def test_a_temporary_store_file_that_cannot_be_removed_does_not_break_shut
     """The file system of the temporary L3 file went read-only under the engine (ext4 remounts
     read-only on an I/O error by default): writes fail, counted, and at shutdown the file cannot be
     removed. Regression: the OSError of that unlink escaped engine.shutdown(), skipping the rest of
-    it (the forward runner was never closed); now it is a warning naming the file left behind."""
+    it (the forward runner was never closed); now it is a warning naming the file left behind. (Where /proc/self/fd
+    names a descriptor the file is unlinked as it opens: here it is kept by name, as elsewhere.)"""
     from structlog.testing import capture_logs
+
+    from hicache import storage_file
+    monkeypatch.setattr(storage_file, "FD_DIR", "/nonexistent")
     eng = make_engine()
     want, tokens = await _served_then_only_in_l3(eng)
     path = eng.cache.store.path

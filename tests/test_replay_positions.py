@@ -32,7 +32,7 @@ def test_the_line_before_a_replay_counts_the_requests_past_the_l1_pool_too(capsy
     failed = len(summary["errors"])
     assert failed > 0 and summary["completed"] > 0
     line = next(ln for ln in err.splitlines() if "will fail" in ln)
-    assert f"{failed} of 12 requests need more than the L1 pool's 4,096 tokens (--l1-tokens sizes it)" in line, err
+    assert f"{failed} of 12 requests need more than the L1 pool's 4,096 tokens (--l1-tokens 4096 sizes it)" in line, err
     replay.run_cli(argv[:-1] + ["200000", "--max-input-tokens", "30000"])
     assert "will fail" not in capsys.readouterr().err
 

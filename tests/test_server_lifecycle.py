@@ -32,7 +32,10 @@ def test_sigterm_exits_cleanly_within_grace_and_removes_temp_l3(tmp_path):
            "--enable-hicache", "--max-concurrent-requests", "1", "--shutdown-grace-s", str(grace_s),
            "--disable-access-log"]
     log = open(tmp_path / "server.log", "w+")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(os.path.dirname(__file__)))
+    tmpdir = tmp_path / "tmp"  # (the temporary L3 file's directory)
+    tmpdir.mkdir()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(os.path.dirname(__file__)),
+                            env={**os.environ, "TMPDIR": str(tmpdir)})
     try:
         deadline = time.monotonic() + 60
         url = None
@@ -42,7 +45,7 @@ def test_sigterm_exits_cleanly_within_grace_and_removes_temp_l3(tmp_path):
             url = m and m.group(1)
             time.sleep(0.1)
         path = httpx.get(url + "/hicache/status").json()["storage"]["path"]
-        assert os.path.exists(path)
+        assert path.startswith("/proc/self/fd/") and not list(tmpdir.iterdir())  # (unlinked as it opened)
         with httpx.Client(base_url=url, timeout=30) as c:
             # a long stream occupies the only slot; a second request is refused with 429
             with c.stream("POST", "/v1/completions",
@@ -57,7 +60,7 @@ def test_sigterm_exits_cleanly_within_grace_and_removes_temp_l3(tmp_path):
             assert any('"code": "aborted"' in line for line in rest) and rest[-1] == "data: [DONE]"
         assert proc.wait(timeout=grace_s + 20) == 0
         assert time.monotonic() - t0 < grace_s + 10
-        assert not os.path.exists(path), "temporary L3 file left behind"
+        assert not list(tmpdir.iterdir()), "temporary L3 file left behind"
     finally:
         if proc.poll() is None:
             proc.kill()

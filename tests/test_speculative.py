@@ -135,8 +135,8 @@ def test_parse_of_nothing_is_off(value):
     ('{"method": "ngram", "num_speculative_tokens": 2.0}', "num_speculative_tokens must be an integer >= 1"),
     ('{"method": "ngram", "num_speculative_tokens": "3"}', "num_speculative_tokens must be an integer >= 1"),
     ('{"method": "ngram", "num_speculative_tokens": 16}', "at most 15"),
-    # (min copied from max, and checked first)
-    ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 0}', "prompt_lookup_min must be"),
+    # (the key given is named, not the min copied from it: session 52)
+    ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 0}', "prompt_lookup_max must be"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 0}',
      "prompt_lookup_max must be"),
     ('{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": false, "prompt_lookup_max": 3}',
