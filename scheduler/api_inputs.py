@@ -72,7 +72,9 @@ def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
             raise
     if chat and context_tokens is not None:  # prompt + max_tokens - 1 tokens of K/V
         default_max_tokens = max(1, context_tokens + 1 - len(ids[0]))
-    return req, ids, _sampling(sampling_defaults.fill(req), max_tokens_limit, default_max_tokens, tokenizer, vocab_size)
+    params = _sampling(sampling_defaults.fill(req), max_tokens_limit, default_max_tokens, tokenizer, vocab_size)
+    prompt_logprobs_api.check_fan_out(req, [len(i) for i in ids], vocab_size)
+    return req, ids, params
 
 
 def prompt_list(req: CompletionRequest) -> list[str | list[int]]:

@@ -68,6 +68,9 @@ _DEFAULT_TYPES = {404: "not_found_error", 413: "invalid_request_error", 429: "ra
                   503: "service_unavailable"}
 
 
+MAX_JSON_DEPTH = 128  # a body's nesting (objects and arrays): a schema or message deeper is no request served
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
@@ -411,7 +414,28 @@ async def read_json_body(request, max_bytes: int) -> dict:
         raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(obj, dict):
         raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    if (depth := _depth_past(obj, MAX_JSON_DEPTH)) is not None:  # (regression: a 500, RecursionError, where a
+        # field nested deep was walked or written: a tool's parameters, a guided_json)
+        raise APIError(400, f"request body nests deeper than {MAX_JSON_DEPTH} levels (at '{depth}')",
+                       param=depth.partition(".")[0], code="invalid_json")
     return obj
+
+
+def _depth_past(obj: Any, limit: int) -> str | None:
+    """The dotted path of the first object or array nested deeper than `limit` (None: none), walked without
+    recursion, over containers only (a prompt's token ids are not visited one by one)."""
+    stack: list[tuple[Any, int, tuple | None]] = [(obj, 0, None)]  # (container, its depth, (key, parent's trail))
+    while stack:
+        value, depth, trail = stack.pop()
+        if depth > limit:
+            keys = []
+            while trail is not None:
+                key, trail = trail
+                keys.append(str(key))
+            return ".".join(reversed(keys))
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        stack.extend((v, depth + 1, (k, trail)) for k, v in items if isinstance(v, (dict, list)))
+    return None
 
 
 def jsonable(x: Any) -> Any:

@@ -102,7 +102,8 @@ class ToolFields(BaseModel):
     def check_tools(self, auto_enabled: bool) -> None:
         """ToolFieldError (the API's 400) for a tool_choice the tools or the server cannot serve."""
         names = [t.function.name for t in self.tools or ()]
-        if dup := next((n for n in names if names.count(n) > 1), None):
+        seen: set[str] = set()  # (regression: names.count per name, quadratic: 39,000 tools held the loop 17 s)
+        if dup := next((n for n in names if n in seen or seen.add(n)), None):
             raise ToolFieldError(f"tool name {dup!r} is given twice", "tools")
         if "" in names:
             raise ToolFieldError("a tool's function name may not be empty", "tools")

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from scheduler.guide_compiler import MatcherCache, check_limits, on_compile_thread
 from scheduler.request import RequestError
 from scheduler.tokenizer import BYTE_OFFSET, ByteTokenizer, load_tokenizer
 
@@ -64,11 +65,8 @@ class GuidedSpec:
         """llguidance's grammar text (no check: `Guides.check` compiles it)."""
         from llguidance import LLMatcher
 
+        check_limits(self.kind, self.value)
         if self.kind == "json_schema":
-            try:
-                _check_integer_bounds(json.loads(self.value))
-            except RecursionError:  # (a schema nested past Python's stack: llguidance's own limits decide)
-                pass
             return LLMatcher.grammar_from_json_schema(self.value, defaults=JSON_OPTIONS)
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.value)
@@ -77,29 +75,6 @@ class GuidedSpec:
             return LLMatcher.grammar_from_lark("start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c)
                                                                                    for c in json.loads(self.value)))
         return LLMatcher.grammar_from_lark(self.value)
-
-
-INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
-_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-
-
-def _check_integer_bounds(schema: object) -> None:
-    """ValueError for an integer's bound outside 64 bits, which llguidance clamps (regression: minimum 1e20 gave
-    9223372036854775807, below it, finished "stop", where the schema could not be met)."""
-    if isinstance(schema, list):
-        for item in schema:
-            _check_integer_bounds(item)
-        return
-    if not isinstance(schema, dict):
-        return
-    kind = schema.get("type")
-    if kind == "integer" or isinstance(kind, list) and "integer" in kind:
-        for key in _BOUNDS:
-            bound = schema.get(key)
-            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not INT64_MIN <= bound <= INT64_MAX:
-                raise ValueError(f"an integer's {key} of {bound} is outside the 64-bit range structured outputs hold")
-    for value in schema.values():
-        _check_integer_bounds(value)
 
 
 def check_spec(spec: object) -> None:
@@ -237,7 +212,7 @@ class Guides:
         self.tokenizer = None  # None: the model's own (load_tokenizer), loaded on first use
         # each spec's matcher in its first state, compiled once (a server sees the same schema again and again);
         # this engine's own (regression: an lru_cache on the method kept every Guides alive, and `use` cleared all)
-        self.compiled = functools.lru_cache(maxsize=64)(self._compile)
+        self.compiled = MatcherCache(self._compile)
 
     def use(self, tokenizer) -> None:
         """Compile grammars for `tokenizer` (the server's, which may not be the model directory's)."""
@@ -280,7 +255,12 @@ class Guides:
         return self.compiled(spec)
 
     def _compile(self, spec: GuidedSpec):
-        """A matcher of the spec's grammar in its first state, never advanced (`start` copies it)."""
+        """A matcher of the spec's grammar in its first state, never advanced (`start` copies it), compiled on the
+        thread of a deep stack (scheduler/guide_compiler.py)."""
+        self._tokenizer  # noqa: B018 (built here, where its errors are the caller's)
+        return on_compile_thread(self._compile_here, spec)
+
+    def _compile_here(self, spec: GuidedSpec):
         from llguidance import LLMatcher
 
         try:

@@ -48,6 +48,25 @@ def asked_count(req, vocab_size: int) -> int | None:
     return None if req.stream else count
 
 
+MAX_RESPONSE_ENTRIES = 1 << 20  # prompt logprob entries one response carries (~70 bytes of JSON each)
+
+
+def check_fan_out(req, prompt_tokens: list[int], vocab_size: int) -> None:
+    """APIError (400) where the prompts' logprob entries a response would carry, `prompt_logprobs` and an echo's, on
+    every choice, pass MAX_RESPONSE_ENTRIES (regression: four prompts of 4,000 tokens, n=16, prompt_logprobs 20: a
+    378 MB body, 2 GB of memory and the loop held 17-28 s; n and a batch multiply what one prompt asks)."""
+    from scheduler.api_models import APIError  # (api_models imports this module's fields)
+    shown = shown_count(req, vocab_size)
+    echoed = req.logprob_count() if getattr(req, "echo", False) else None
+    per_token = (0 if shown is None else shown + 1) + (0 if echoed is None else echoed + 1)
+    entries = per_token * sum(prompt_tokens) * (req.n or 1)
+    if entries > MAX_RESPONSE_ENTRIES:
+        param = PARAM if shown is not None else "logprobs"
+        raise APIError(400, f"the prompts' logprobs would be {entries:,} entries ({sum(prompt_tokens):,} prompt "
+                            f"tokens x {per_token} x n={req.n or 1}), past the {MAX_RESPONSE_ENTRIES:,} one response "
+                            f"carries: ask fewer (a smaller k, n or batch)", param=param, code="invalid_value")
+
+
 def shown_count(req, vocab_size: int) -> int | None:
     """The k a response shows of each position (None: it carries no `prompt_logprobs`; a stream never does);
     for a request `asked_count` took."""
