@@ -15,6 +15,9 @@ import json
 import os
 
 
+MAX_RENDERED_CHARS = 16 << 20  # a rendered chat's text, far past any prompt a model takes
+
+
 class ChatTemplate:
     """A compiled template; `render` makes the text. ValueError where it does not compile (or jinja2 is
     missing), with why."""
@@ -40,9 +43,16 @@ class ChatTemplate:
         # what transformers passes: tools / documents None, not undefined (`tools is not none`), without any; and
         # the tokenizer's special tokens (bos / eos "" rather than undefined); one dict, not keyword arguments
         # (regression: a template_kwargs key "self" was render()'s own, a TypeError)
-        text = self._compiled.render({**(template_kwargs or {}), "messages": messages, "tools": tools,
-                                      "documents": None, "add_generation_prompt": add_generation_prompt,
-                                      "bos_token": "", "eos_token": "", **self.special_tokens})
+        pieces, length = [], 0
+        for piece in self._compiled.generate({**(template_kwargs or {}), "messages": messages, "tools": tools,
+                                              "documents": None, "add_generation_prompt": add_generation_prompt,
+                                              "bos_token": "", "eos_token": "", **self.special_tokens}):
+            pieces.append(piece)
+            length += len(piece)
+            if length > MAX_RENDERED_CHARS:  # (regression: a request's own template, trusted, of nested loops
+                # rendered 100 M characters, 1.5 GB, on the server's loop)
+                raise ValueError(f"the chat template rendered more than {MAX_RENDERED_CHARS:,} characters")
+        text = "".join(pieces)
         if continue_final_message:
             text = _cut_after_final_message(text, messages[-1].get("content") or "")
         return text

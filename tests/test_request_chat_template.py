@@ -80,3 +80,13 @@ def test_the_flag_and_its_default():
     assert build_parser().parse_args(["--model", "tiny", "--trust-request-chat-template"]).trust_request_chat_template
     tok = ByteTokenizer(512)
     assert tok.request_template(OWN) is tok.request_template(OWN)  # (compiled once per text)
+
+
+def test_a_template_that_renders_past_any_prompt_is_stopped(trusted):
+    """A trusted request's template of nested loops rendered 100 M characters (1.5 GB) on the server's loop before
+    the prompt's length was checked: the rendering stops at MAX_RENDERED_CHARS, a 400."""
+    from scheduler.chat_template import MAX_RENDERED_CHARS
+    loops = "{% for i in range(400) %}{% for j in range(1000) %}" + "x" * 100 + "{% endfor %}{% endfor %}"
+    r = post(trusted, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "max_tokens": 2,
+                                               "chat_template": loops})
+    assert r.status_code == 400 and f"more than {MAX_RENDERED_CHARS:,} characters" in r.json()["error"]["message"]
