@@ -85,11 +85,9 @@ class PrefixCacheReset:
 
 
 async def _body(request, max_bytes: int) -> dict:
-    """The JSON object of the body; {} for none (vLLM's form: query parameters alone, `curl -X POST`)."""
-    headers = request.headers
-    if "transfer-encoding" not in headers and headers.get("content-length", "0") == "0":
-        return {}
-    return await read_json_body(request, max_bytes)
+    """The JSON object of the body; {} for none (vLLM's form: query parameters alone, `curl -X POST`; regression: an
+    empty body sent chunked, or of a Content-Length "00", was a 400)."""
+    return await read_json_body(request, max_bytes, empty_ok=True)
 
 
 def requested_tiers(query: list[tuple[str, str]], body: dict) -> tuple[Tier, ...]:

@@ -392,9 +392,12 @@ def _nonfinite_at(x: Any, path: str = "") -> str | None:
     return None
 
 
-async def read_json_body(request, max_bytes: int) -> dict:
+async def read_json_body(request, max_bytes: int, empty_ok: bool = False) -> dict:
     """The body of a starlette request as a JSON object; 413 past `max_bytes` (checked from
-    Content-Length before reading and again while reading), 400 when it is not a JSON object."""
+    Content-Length before reading and again while reading), 400 when it is not a JSON object or not sent as JSON
+    (`Content-Type: application/json`, or a +json type: as FastAPI's bodies are, so that a browser's simple request,
+    text/plain or a form, which no CORS preflight guards, cannot run generations or reset the cache from another
+    site). empty_ok: an empty body is {}."""
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():
@@ -408,6 +411,12 @@ async def read_json_body(request, max_bytes: int) -> dict:
         if len(body) > max_bytes:
             raise APIError(413, f"request body exceeds the limit of {max_bytes} bytes (--max-body-bytes)",
                            code="body_too_large")
+    if empty_ok and not body:
+        return {}
+    media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(400, f"the body must be sent as JSON (Content-Type: application/json), got "
+                            f"{media or 'no Content-Type'}", code="invalid_content_type")
     try:
         obj = _loads(bytes(body))
     except (ValueError, RecursionError) as exc:

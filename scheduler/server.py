@@ -40,6 +40,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from scheduler.api_admin import PrefixCacheReset
 from scheduler.api_auth import CORSSettings, install_access
@@ -187,9 +188,13 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         if isinstance(exc, RequestValidationError):  # FastAPI's 422 becomes a 400 naming the field
             exc = validation_error(exc)
         elif isinstance(exc, StarletteHTTPException):  # unknown route (404), wrong method (405)
-            # (its headers too: a 405's Allow, which RFC 9110 requires, was dropped)
+            # (its headers too: a 405's Allow, which RFC 9110 requires, was dropped; and every route's of the path,
+            # where starlette names the first's: /ping's GET route answered "Allow: GET, HEAD" to its POST)
+            allow = ", ".join(sorted({m for r in app.router.routes if getattr(r, "methods", None)
+                                      and r.matches(_request.scope)[0] is not Match.NONE for m in r.methods}))
+            headers = exc.headers if exc.status_code != 405 else {**(exc.headers or {}), "Allow": allow}
             exc = APIError(exc.status_code, f"{exc.detail}: {_request.method} {_request.url.path}",
-                           code=f"http_{exc.status_code}", type="invalid_request_error", headers=exc.headers)
+                           code=f"http_{exc.status_code}", type="invalid_request_error", headers=headers)
         elif not isinstance(exc, APIError):
             exc = APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -257,6 +262,9 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
 
     @get("/v1/models/{model:path}")
     async def model(model: str):  # the openai SDK's models.retrieve (it was a 404 for the served model)
+        if model in ("", "/"):  # (/v1/models/: the list, as others redirect a trailing slash; it was a 404 "model ''")
+            return await models()
+        model = model.removesuffix("/")
         if model not in st.served_names:
             raise model_not_found(model, st.served_names, st.model_name)
         return model_card()
