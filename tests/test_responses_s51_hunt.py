@@ -121,15 +121,14 @@ def _check_cut_short(events: list[dict], response_id: str) -> dict:
     return last["response"]
 
 
-def test_a_cancelled_background_stream_ends_with_its_items_done_and_response_cancelled(srv):
-    """A background response streamed (its POST, and GET ?stream=true) and cancelled midway: the stream stopped on a
-    text delta, its message never done, and GET's Response left the message out. Now its message is finished
-    "incomplete", the last event is response.cancelled with the Response GET then reads, holding what was streamed."""
+def streamed_until(srv, body: dict, kind: str, count: int) -> tuple[threading.Thread, list[dict], dict]:
+    """A background response's POST streamed by a thread until `count` events of `kind` came: (the thread, its events
+    so far, {"id": the response's id})."""
     events, ids = [], {}
 
     def post_stream():
-        body = {**LONG, "model": "tiny", "background": True, "stream": True}
-        with httpx.stream("POST", srv.url + "/v1/responses", json=body, timeout=60) as r:
+        with httpx.stream("POST", srv.url + "/v1/responses", json={**body, "background": True, "stream": True},
+                          timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(json.loads(line[6:]))
@@ -139,9 +138,17 @@ def test_a_cancelled_background_stream_ends_with_its_items_done_and_response_can
     reader = threading.Thread(target=post_stream)
     reader.start()
     deadline = time.monotonic() + 60
-    while not any(e["type"] == "response.output_text.delta" for e in events):
+    while sum(e["type"] == kind for e in events) < count:
         assert time.monotonic() < deadline and reader.is_alive()
         time.sleep(0.01)
+    return reader, events, ids
+
+
+def test_a_cancelled_background_stream_ends_with_its_items_done_and_response_cancelled(srv):
+    """A background response streamed (its POST, and GET ?stream=true) and cancelled midway: the stream stopped on a
+    text delta, its message never done, and GET's Response left the message out. Now its message is finished
+    "incomplete", the last event is response.cancelled with the Response GET then reads, holding what was streamed."""
+    reader, events, ids = streamed_until(srv, {**LONG, "model": "tiny"}, "response.output_text.delta", 1)
     cancelled = httpx.post(f"{srv.url}/v1/responses/{ids['id']}/cancel", timeout=60).json()
     reader.join(60)
     assert not reader.is_alive()
