@@ -437,7 +437,7 @@ class CostModel(CostMemory):
         (docs/benchmarks.md, session 17). Long extensions (a conversation's next turn) pass."""
         if new_tokens <= 0:
             return False
-        if self.exploring_writes("l2"):
+        if self.exploring_writes("l2", count=False):  # (the backup's worth_writing("l2") counts it)
             return True
         saving_s = new_tokens * (self.directions["recompute"].slope
                                  - self.directions["h2d"].slope * self.bytes_per_token)

@@ -93,7 +93,7 @@ class CostPolicy:
         Forced policies decide alone."""
         mgr = self.mgr
         return (mgr.config.policy != "cost" or mgr.cost.backup_worth_its_cost(new_tokens)
-                or (mgr.has_l3 and mgr.cost.exploring_writes("l3")))
+                or (mgr.has_l3 and mgr.cost.exploring_writes("l3", count=False)))  # (its L3 write counts)
 
     def l3_write_pays_off(self) -> bool:
         """Cost policy: L3 writes go on while L3 gets read back (or has not evicted enough to tell)."""

@@ -182,6 +182,8 @@ class HostCopy:
     def _grid(self, pages: torch.Tensor, use: str) -> tuple[int, ...]:
         if pages.dim() != 2 or pages.shape[0] != 2 or pages.dtype != torch.int32:
             raise ValueError(f"pages must be [2, n] int32, got {tuple(pages.shape)} {pages.dtype}")
+        if not pages.is_contiguous():  # (the kernels read it with fixed strides: a transposed view copied others)
+            raise ValueError("pages must be contiguous")
         items = -(-pages.shape[1] * self.chunks_per_page // self.rows)  # about: rows group pages or slabs
         return (max(1, min(self.programs[use], items)),)
 

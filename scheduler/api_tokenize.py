@@ -57,7 +57,7 @@ def chat_unavailable(tokenizer, model_name: str, body: dict) -> APIError | None:
     """The 400 a chat gets (/v1/chat/completions, /tokenize's chat form) when the tokenizer has no chat template
     and the request (`body`) brings none of its own (api_inputs.request_template: refused or rendered there)."""
     kwargs = body.get("chat_template_kwargs")
-    own = body.get("chat_template") is not None or isinstance(kwargs, dict) and "chat_template" in kwargs
+    own = body.get("chat_template") is not None or isinstance(kwargs, dict) and kwargs.get("chat_template") is not None
     if getattr(tokenizer, "chat_template", None) is not None or own and tokenizer is not None:
         return None
     reason = getattr(tokenizer, "no_chat_reason", "the model has no tokenizer")

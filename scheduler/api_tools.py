@@ -153,7 +153,10 @@ def forced_calls(mode: ToolMode, text: str, named: str | None = None) -> list[To
         return None
     if not isinstance(items, list) or not all(isinstance(i, dict) and isinstance(i.get("name"), str) for i in items):
         return None
-    return [ToolCall(i["name"], json_text(i.get("parameters", {}))) for i in items]
+    try:
+        return [ToolCall(i["name"], json_text(i.get("parameters", {}))) for i in items]
+    except RecursionError:  # (arguments nested deeper than json_text writes back: no list of calls, as unparsable)
+        return None
 
 
 def _at(index: int) -> str:

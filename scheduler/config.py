@@ -120,6 +120,8 @@ class EngineConfig:
         if not isinstance(self.hicache, HiCacheConfig):
             raise ValueError(f"hicache must be a HiCacheConfig (EngineConfig.with_hicache(...)), got {self.hicache!r}")
         for name in ("model", "log_json"):
+            if isinstance(getattr(self, name), os.PathLike):  # (a pathlib.Path, as its text)
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
             value = getattr(self, name)
             if not (isinstance(value, str) or value is None and name == "log_json"):
                 raise ValueError(f"{name} must be a string, got {value!r}")

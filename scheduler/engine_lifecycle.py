@@ -29,8 +29,8 @@ class EngineLifecycle:
             raise RuntimeError("this Engine was built in another process (this one was forked from it): its copy "
                                "threads and L3 file are that process's; build the Engine in this process, or use the "
                                "'spawn' start method")
-        while self._stop_done is not None and not self._stop_done.done():
-            await asyncio.shield(self._stop_done)
+        check_loop(self._loop_task, asyncio.get_running_loop())  # (first: a stop on another loop is not awaited here)
+        await self._stop_ended()
         if self._closing:
             return
         check_loop(self._loop_task, asyncio.get_running_loop())
@@ -124,8 +124,7 @@ class EngineLifecycle:
         """Stop admitting, let the running requests finish, end the loop task and drain the
         operations in flight; waiting and parked requests stay queued (`start()` resumes them)."""
         check_loop(self._loop_task, asyncio.get_running_loop())
-        while self._stop_done is not None and not self._stop_done.done():  # (one at a time)
-            await asyncio.shield(self._stop_done)
+        await self._stop_ended()  # (one at a time)
         self._stop_done = done = asyncio.get_running_loop().create_future()
         try:
             if self._loop_task is not None:
@@ -138,6 +137,14 @@ class EngineLifecycle:
             self._log_occupancy()
         finally:
             done.set_result(None)
+
+    async def _stop_ended(self) -> None:
+        """Wait for a stop_loop() under way on this event loop; one on another is the caller's error, said so."""
+        while self._stop_done is not None and not self._stop_done.done():
+            if self._stop_done.get_loop() is not asyncio.get_running_loop():
+                raise RuntimeError("a stop_loop() on another event loop is under way: the engine serves one loop "
+                                   "(one thread) at a time")
+            await asyncio.shield(self._stop_done)
 
     @property
     def accepting(self) -> bool:

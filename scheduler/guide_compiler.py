@@ -1,10 +1,10 @@
 """Where structured outputs' grammars are compiled (scheduler/guided.py `Guides`): the limits a grammar is held to
-before llguidance sees it, the one thread of a deep stack that compiles them, and the compiled matchers kept, by
-count and by size.
+before llguidance sees it, the threads of a deep stack that compile them, and the compiled matchers kept, by count and
+by size.
 
 llguidance recurses along a grammar's chains of rules and of a schema's `$ref`s: on a thread of the default 8 MiB
 stack a chain of ~3,000 Lark rules or ~1,000 `$defs` overflowed it, a segfault that took the server and every
-client's stream with it (session 52). So compiles run on a thread of COMPILE_STACK_BYTES (its pages are taken only
+client's stream with it (session 52). So compiles run on threads of COMPILE_STACK_BYTES (their pages are taken only
 as used), and a grammar of more than MAX_GRAMMAR_RULES rules, or a schema of more than MAX_SCHEMA_DEFS definitions,
 is refused first (a 400), far inside what that stack holds. An integer bound past 64 bits is refused too: llguidance
 clamps it (minimum 1e20 gave 9223372036854775807, below it).
@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-COMPILE_STACK_BYTES = 256 << 20
+COMPILE_STACK_BYTES, COMPILE_THREADS = 256 << 20, 4
 MAX_GRAMMAR_RULES = 1000  # a Lark grammar's rule and terminal definitions
 MAX_SCHEMA_DEFS = 500  # a JSON schema's definitions ("$defs", "definitions"), the links of its $ref chains
 KEPT_MATCHERS, KEPT_SPEC_CHARS = 64, 4 << 20  # matchers kept: at most this many, of specs of this much text
@@ -65,21 +66,42 @@ def _check_schema(schema: Any) -> None:
         raise ValueError(f"a schema of {definitions} definitions: at most {MAX_SCHEMA_DEFS} are compiled")
 
 
-@functools.cache
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
 def _compiler() -> ThreadPoolExecutor:
-    """The compile thread, made once with COMPILE_STACK_BYTES of stack (threading.stack_size applies to the threads
-    made while it is set: this one, made at once)."""
-    previous = threading.stack_size(COMPILE_STACK_BYTES)
-    try:
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-grammar")
-        pool.submit(int).result()
-    finally:
-        threading.stack_size(previous)
-    return pool
+    """The compile threads, COMPILE_THREADS of them (one slow schema does not hold another client's grammar), made
+    once, at once, with COMPILE_STACK_BYTES of stack: threading.stack_size applies to the threads made while it is
+    set, so they are made under a lock, and the size put back (regression: two first compiles at once could keep a
+    pool of default stacks, or leave the process's size at 256 MiB for every thread after)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            previous = threading.stack_size(COMPILE_STACK_BYTES)
+            try:
+                pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="hicache-grammar")
+                started = threading.Barrier(COMPILE_THREADS + 1)
+                for _ in range(COMPILE_THREADS):  # (each thread made now: a pool makes one per task it waits on)
+                    pool.submit(started.wait)
+                started.wait()
+            finally:
+                threading.stack_size(previous)
+            _pool = pool
+        return _pool
+
+
+def _forget_pool() -> None:
+    """In a forked child the pool's threads are gone (regression: its first compile waited for them forever)."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def on_compile_thread(fn: Callable, *args):
-    """fn(*args) on the compile thread, waited for (its exception raised here)."""
+    """fn(*args) on a compile thread, waited for (its exception raised here)."""
     return _compiler().submit(fn, *args).result()
 
 

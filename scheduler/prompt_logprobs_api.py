@@ -48,7 +48,8 @@ def asked_count(req, vocab_size: int) -> int | None:
     return None if req.stream else count
 
 
-MAX_RESPONSE_ENTRIES = 1 << 20  # prompt logprob entries one response carries (~70 bytes of JSON each)
+MAX_RESPONSE_ENTRIES = 1 << 21  # prompt logprob entries one response carries (~70 bytes of JSON each; scoring a
+# million prompt tokens, echo and logprobs 1, fits)
 
 
 def check_fan_out(req, prompt_tokens: list[int], vocab_size: int) -> None:

@@ -97,7 +97,10 @@ def call_of(body: str) -> ToolCall | None:
             args = loads_keeping_numbers(args)
         except (ValueError, RecursionError):
             return None
-    return ToolCall(obj["name"], json_text(args)) if isinstance(args, dict) else None
+    try:
+        return ToolCall(obj["name"], json_text(args)) if isinstance(args, dict) else None
+    except RecursionError:  # (nested deeper than json_text writes back, ~330 levels: text, as JSON past the parser's)
+        return None
 
 
 class Mode(enum.Enum):

@@ -4,7 +4,11 @@ a schema's chain of $refs crashed the server (llguidance's stack overflowed: a s
 batch made a 378 MB body; compiled grammars were kept by count whatever their size."""
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -92,9 +96,38 @@ def test_a_body_nested_past_the_limit_is_a_400_naming_where(srv):
 def test_prompt_logprobs_fanned_out_past_what_a_response_carries_is_a_400(srv):
     prompt = list(range(10, 410))  # (400 tokens)
     base = {"model": "tiny", "max_tokens": 1, "prompt_logprobs": 20}
-    r = post(srv, "/v1/completions", {**base, "prompt": [prompt] * 8, "n": 16})  # (400 x 21 x 128 = 1,075,200)
+    r = post(srv, "/v1/completions", {**base, "prompt": [prompt] * 16, "n": 16})  # (400 x 21 x 256 = 2,150,400)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text[:300]
     assert ok(srv, "/v1/completions", {**base, "prompt": prompt, "n": 2})["choices"][0]["prompt_logprobs"]
-    r = post(srv, "/v1/completions", {"model": "tiny", "max_tokens": 1, "echo": True, "logprobs": 10,
-                                      "prompt": [prompt] * 16, "n": 16})  # (400 x 11 x 256 = 1,126,400)
+    r = post(srv, "/v1/completions", {"model": "tiny", "max_tokens": 1, "echo": True, "logprobs": 20,
+                                      "prompt": [prompt] * 16, "n": 16})  # (400 x 21 x 256 = 2,150,400)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text[:300]  # (an echo's count too)
+
+
+def test_compiles_run_side_by_side():
+    """(Review) one compile thread held every other client's grammar behind one slow schema."""
+    both = threading.Barrier(2, timeout=30)
+    with ThreadPoolExecutor(2) as callers:  # (two callers, each waiting on a compile thread that waits for the other)
+        done = [callers.submit(on_compile_thread, both.wait) for _ in range(2)]
+        assert sorted(f.result(timeout=60) for f in done) == [0, 1]
+
+
+def test_the_compile_threads_are_made_once_with_their_stack_and_again_in_a_forked_child():
+    """(Review) first compiles at once raced threading.stack_size (a pool of default stacks, or 256 MiB left set for
+    every later thread); a forked child's first compile waited forever for the parent's threads."""
+    script = textwrap.dedent("""
+        import multiprocessing, threading
+        from concurrent.futures import ThreadPoolExecutor
+        from scheduler import guide_compiler as gc
+        before = threading.stack_size()
+        with ThreadPoolExecutor(4) as ex:
+            list(ex.map(lambda _: gc._compiler(), range(4)))
+        names = sorted(t.name for t in threading.enumerate() if t.name.startswith("hicache-grammar"))
+        assert threading.stack_size() == before and len(names) == gc.COMPILE_THREADS, (names, threading.stack_size())
+        ctx = multiprocessing.get_context("fork")
+        with ctx.Pool(1) as pool:
+            assert pool.apply_async(gc.on_compile_thread, (abs, -3)).get(timeout=60) == 3
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]

@@ -89,3 +89,21 @@ def test_one_prompt_given_bare_is_one_clear_error(prompts, says):
     asyncio.run(eng.shutdown())
     with pytest.raises(RequestError, match="has shut down"):
         eng.add_request([1, 2], SamplingParams(max_tokens=2))
+
+
+def test_a_path_as_model_or_log_json_is_its_text(tmp_path):
+    """(Review) pathlib paths, served before the type checks, were refused as "must be a string"."""
+    cfg = EngineConfig(model="tiny", device="cpu", log_json=tmp_path / "log.jsonl")
+    assert cfg.log_json == str(tmp_path / "log.jsonl")
+    import pathlib
+    assert EngineConfig(model=pathlib.Path("tiny"), device="cpu").model == "tiny"
+
+
+def test_a_stop_under_way_on_another_loop_is_said_so():
+    """(Review) start() awaited another loop's future: asyncio's "attached to a different loop"."""
+    eng = Engine(TINY)
+    other = asyncio.new_event_loop()
+    eng._stop_done = other.create_future()  # (a stop_loop() of another thread's loop, under way)
+    with pytest.raises(RuntimeError, match="another event loop is under way"):
+        asyncio.run(eng.start())
+    other.close()

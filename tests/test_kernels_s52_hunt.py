@@ -44,3 +44,16 @@ def test_a_head_dim_the_decode_kernel_cannot_take_is_refused_on_cuda(head_dim, s
     else:
         with pytest.raises(ValueError, match=f"head_dim {head_dim}"):
             check_head_dim(cfg, torch.device("cuda"))
+
+
+def test_the_host_copy_kernels_refuse_a_strided_page_list():
+    from kernels import host_copy
+    from kernels.page_copy import triton_available
+    if not triton_available():
+        pytest.skip("needs triton (the interpreter on the CPU)")
+    l1 = torch.zeros(2, 3, 12, 4, 2, 16)
+    l2 = torch.ones(9, 2, 3, 4, 2, 16)
+    pages = torch.tensor([[7, 11], [0, 2], [3, 5], [4, 0]], dtype=torch.int32).t()  # ([2, n], a transposed view)
+    with pytest.raises(ValueError, match="contiguous"):
+        host_copy.HostCopy(l2, l1, 1).d2h_pages(pages)
+    host_copy.HostCopy(l2, l1, 1).d2h_pages(pages.contiguous())

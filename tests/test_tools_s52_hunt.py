@@ -72,3 +72,11 @@ def test_an_integer_bound_past_64_bits_is_a_400(srv, bounds):
     r = post(srv, "/v1/chat/completions", {"model": "tiny", "messages": MESSAGES, "response_format": fmt,
                                            "max_tokens": 30, "temperature": 0})
     assert r.status_code == 200, r.text
+
+
+def test_arguments_nested_past_what_is_written_back_are_no_call():
+    """(Review of the above) json_text recursed ~2 frames a level: 400 levels parsed, then a RecursionError, a 500."""
+    deep = "[" * 400 + "1" + "]" * 400
+    assert call_of('{"name": "f", "arguments": {"x": ' + deep + '}}') is None
+    assert forced_calls("required", '[{"name": "f", "parameters": {"x": ' + deep + '}}]') is None
+    assert call_of('{"name": "f", "arguments": {"x": ' + "[" * 100 + "1" + "]" * 100 + '}}') is not None
