@@ -85,7 +85,7 @@ class CostModel(CostMemory):
         self._probe_out: dict[str, tuple[int, bool]] = {}  # probed tier -> (interval, charge decided)
         self._backups_refused = 0  # in a row, by backup_worth_its_cost
         self._writes_refused = {"l2": 0, "l3": 0}  # in a row, by worth_writing (its probes)
-        self._explore_writes = {"l2": 0, "l3": 0}  # writes let ahead of their price to time the tier (`exploring_writes`)
+        self._explore_writes = {"l2": 0, "l3": 0}  # writes let ahead of their price (`exploring_writes`)
         # the last counted worth_writing ask went through as a probe (Backups.start_backup lets its
         # backup go ahead whatever the checks that price the same estimate say)
         self.write_probe = False
@@ -394,8 +394,8 @@ class CostModel(CostMemory):
         slope estimates. (`decide` may still credit an overlapped H2D or an outcome residual below
         zero; writes are judged without either.) While the storage speed is still being explored,
         L3 writes are admitted, and L2 writes while the host link is (something must be read back
-        to time it: `exploring_writes`, a few). And after `explore_every` refusals in a row one write goes through, as a probe
-        (`probe`: count this ask; False for a look that writes nothing): a refused tier is never
+        to time it: `exploring_writes`, a few). And after `explore_every` refusals in a row one write goes through,
+        as a probe (`probe`: count this ask; False for a look that writes nothing): a refused tier is never
         read back, so its estimate would never be timed again (regression: one slow H2D estimate
         stopped every L2 write for good). Such a probe sets `write_probe`.
         hidden_s: as for `decide`, the GPU work that a restore of these tokens would run beside

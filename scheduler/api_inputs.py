@@ -30,7 +30,8 @@ from scheduler.tokenizer import TEMPLATE_VARIABLES
 def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], model_name: str, vocab_size: int,
                   prompt_limit: int, max_tokens_limit: int, default_max_tokens: int = 16,
                   context_tokens: int | None = None, sampling_defaults: GenerationDefaults = GenerationDefaults(),
-                  auto_tools: bool = False, trust_templates: bool = False) -> tuple[CompletionRequest | ChatCompletionRequest, list[list[int]], SamplingParams]:
+                  auto_tools: bool = False, trust_templates: bool = False
+                  ) -> tuple[CompletionRequest | ChatCompletionRequest, list[list[int]], SamplingParams]:
     """Validate a decoded JSON body: (the request model, each prompt's token ids in order: one, or a
     completion's batch, sampling parameters). Raises APIError (400 / 404) naming the field or limit (a
     batch's prompt by its position: "prompt.2"). Without max_tokens a completion gets `default_max_tokens`
@@ -95,14 +96,16 @@ def echo_text(req: CompletionRequest | ChatCompletionRequest, index: int, ids: l
     if not getattr(req, "echo", False):
         return None
     prompt = prompt_list(req)[index]
-    if isinstance(prompt, str) and (req.truncate_prompt_tokens is None
-                                    or len(tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)) == len(ids)):
+    kept_whole = req.truncate_prompt_tokens is None or isinstance(prompt, str) and len(
+        tokenizer.encode(prompt, add_special_tokens=req.add_special_tokens)) == len(ids)
+    if isinstance(prompt, str) and kept_whole:
         return prompt
     skip = req.skip_special_tokens and not isinstance(prompt, str)
     return tokenizer.decode(ids, skip_special_tokens=skip) if tokenizer is not None else ""
 
 
-def _prompt_ids(prompt: str | list[int], add_special_tokens: bool, param: str, tokenizer, vocab_size: int, prompt_limit: int, keep: int | None = None) -> list[int]:
+def _prompt_ids(prompt: str | list[int], add_special_tokens: bool, param: str, tokenizer, vocab_size: int,
+                prompt_limit: int, keep: int | None = None) -> list[int]:
     """One prompt's token ids (a chat's: its rendered messages' ids), its last `keep` (None: all), checked against
     the limits."""
     if isinstance(prompt, str):
@@ -167,15 +170,16 @@ def request_template(req: ChatTemplateFields, trusted: bool, tokenizer):
     chat_template_kwargs key transformers takes for it (the two: the same text). Refused, with vLLM's message,
     unless the server trusts requests' templates (a template is code the server runs); one that does not compile:
     a 400 naming the field."""
+    kwargs_template = (req.chat_template_kwargs or {}).get("chat_template")
     given = {field: text for field, text in (("chat_template", req.chat_template),
-                                             ("chat_template_kwargs", (req.chat_template_kwargs or {}).get("chat_template")))
-             if text is not None}
+                                             ("chat_template_kwargs", kwargs_template)) if text is not None}
     if not given:
         return None
     param, text = next(iter(given.items()))
     if not trusted:
         raise APIError(400, "Chat template is passed with request, but --trust-request-chat-template is not set. "
-                            "Refused request with untrusted chat template.", param=param, code="untrusted_chat_template")
+                            "Refused request with untrusted chat template.", param=param,
+                       code="untrusted_chat_template")
     if not isinstance(given.get("chat_template_kwargs", text), str) or len(set(given.values())) > 1:
         raise APIError(400, "'chat_template_kwargs.chat_template' must be a string, the same as 'chat_template' "
                             "where both are given", param="chat_template_kwargs", code="invalid_value")

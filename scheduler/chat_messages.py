@@ -37,7 +37,7 @@ class ChatMessage(_Strict):
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None  # (the SDK's tool messages need it: it was an 'unknown field')
     tool_calls: list[MessageToolCall] | None = None
-    reasoning_content: StrictStr | None = None  # (a --reasoning-parser response's, sent back: Qwen3's template reads it)
+    reasoning_content: StrictStr | None = None  # (a --reasoning-parser response's, sent back: Qwen3's template reads)
     reasoning: StrictStr | None = None  # vLLM's newer name for it (an agent replaying vLLM's messages sends this one)
 
     @model_validator(mode="before")

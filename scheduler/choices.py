@@ -6,9 +6,9 @@ cache), all run concurrently, and choice j of prompt p has `index` p * n + j (Op
 carries the choices in that order and one usage: each prompt's tokens once (as OpenAI counts them), every
 choice's completion tokens; a stream interleaves their chunks as their tokens arrive (each chunk names its
 choice's `index`; a chat choice's first is its role alone, `content` "", as vLLM's; calls a chat choice sends at its
-end come in a chunk before its finish chunk), then sends one usage chunk (with stream_options.include_usage) and one `data: [DONE]`;
-with vLLM's stream_options.continuous_usage_stats too, each choice chunk carries its choice's usage so far
-(its prompt's tokens, its own tokens so far: vLLM's per choice), the usage chunk still the whole request's
+end come in a chunk before its finish chunk), then sends one usage chunk (with stream_options.include_usage) and
+one `data: [DONE]`; with vLLM's stream_options.continuous_usage_stats too, each choice chunk carries its choice's
+usage so far (its prompt's tokens, its own tokens so far: vLLM's per choice), the usage chunk still the whole request's
 (without include_usage it sends nothing, as vLLM's).
 A single prompt is a batch of one. A completion with `echo` (scheduler/api_inputs.py) sends each choice's
 prompt text ahead of its own, in its first item (a stream's first chunk), with its prompt tokens' logprobs

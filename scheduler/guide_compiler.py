@@ -58,7 +58,8 @@ def _check_schema(schema: Any) -> None:
         if kind == "integer" or isinstance(kind, list) and "integer" in kind:
             for key in _BOUNDS:
                 bound = node.get(key)
-                if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not INT64_MIN <= bound <= INT64_MAX:
+                number = isinstance(bound, (int, float)) and not isinstance(bound, bool)
+                if number and not INT64_MIN <= bound <= INT64_MAX:
                     raise ValueError(f"an integer's {key} of {bound} is outside the 64-bit range structured outputs "
                                      f"hold")
         stack.extend(node.values())

@@ -19,8 +19,10 @@ def srv(tmp_path_factory):
         yield s
 
 
-@pytest.mark.parametrize("path, base", [("/v1/completions", {"prompt": PROMPT}),
-                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "y" * 400}]})])
+LONG_CHAT = {"messages": [{"role": "user", "content": "y" * 400}]}
+
+
+@pytest.mark.parametrize("path, base", [("/v1/completions", {"prompt": PROMPT}), ("/v1/chat/completions", LONG_CHAT)])
 def test_minus_one_keeps_the_longest_prompt_a_beam_search_may_resend(srv, path, base):
     r = post(srv, path, {**base, **BEAM, "truncate_prompt_tokens": -1})
     assert r.status_code == 200, r.text

@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from test_responses_hunt import _idle
-from test_responses_s51_hunt import _check_cut_short, srv, streamed_until  # noqa: F401  (its server: --reasoning-parser qwen3)
+# (its server: --reasoning-parser qwen3)
+from test_responses_s51_hunt import _check_cut_short, srv, streamed_until  # noqa: F401
 
 THINKING = {"model": "tiny", "input": "think", "max_output_tokens": 900, "temperature": 0,  # (TEMPLATE opens the block)
             "logit_bias": {"256": -100, "257": -100}}  # (no "<think>" / "</think>": it thinks to the end)
