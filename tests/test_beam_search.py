@@ -335,11 +335,9 @@ def test_a_stream_sends_each_beams_whole_text_then_its_end(srv, path):
     assert chunks[-1]["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
     for choice in whole["choices"]:
         mine = [ch["choices"][0] for ch in chunks[:-1] if ch["choices"][0]["index"] == choice["index"]]
-        if path != CMPL:  # (a chat's first chunk: its role alone, vLLM's)
-            role, *mine = mine
-            assert role["delta"] == {"role": "assistant", "content": ""} and role["token_ids"] == []
-        assert len(mine) == 2, mine
-        text, end = mine
+        role = [] if path == CMPL else [{"delta": {"role": "assistant", "content": ""}, "token_ids": []}]
+        assert [{k: c[k] for k in ("delta", "token_ids")} for c in mine[:len(role)]] == role  # (vLLM's role chunk)
+        text, end = mine[len(role):]
         assert text["finish_reason"] is None and end["finish_reason"] == choice["finish_reason"] == "length"
         assert text["token_ids"] == choice["token_ids"] and end["token_ids"] == []
         if path == CMPL:
