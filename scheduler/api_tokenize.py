@@ -61,8 +61,9 @@ def chat_unavailable(tokenizer, model_name: str, body: dict) -> APIError | None:
     if getattr(tokenizer, "chat_template", None) is not None or own and tokenizer is not None:
         return None
     reason = getattr(tokenizer, "no_chat_reason", "the model has no tokenizer")
-    return APIError(400, f"no chat template is available for model {model_name!r} ({reason}); "
-                         f"use /v1/completions with a prompt of text or token ids", code="chat_template_unavailable")
+    return APIError(400, f"no chat template is available for model {model_name!r} ({reason}); use "
+                         f"/v1/completions with a prompt of text or token ids (or a request's own chat_template, on a "
+                         f"server started with --trust-request-chat-template)", code="chat_template_unavailable")
 
 
 async def tokenize(request, st) -> dict | Response:

@@ -2,7 +2,8 @@
 
     POST /v1/completions        prompt: token ids or text, or a list of prompts (`n` choices each, one
                                 engine request a choice); stream: server-sent events; stop: token ids or strings
-    POST /v1/chat/completions   only with a model directory whose tokenizer has a chat template
+    POST /v1/chat/completions   with a chat template: the checkpoint's, --chat-template's, or a request's own
+                                (--trust-request-chat-template)
     POST /v1/responses          OpenAI's Responses API, served as a chat completion (api_responses.py); kept
                                 responses (responses_store.py): GET|DELETE /v1/responses/{id}, GET .../input_items;
                                 background ones (responses_background.py): POST .../cancel, GET ...?stream=true
