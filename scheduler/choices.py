@@ -248,7 +248,7 @@ class Choices:
         chunk = stream_chunk(True, self.rid, self.created, self.model, "", [], None, True, usage, index=i)
         if self.prompt_ids:
             self._put_prompt_ids(chunk, i)
-        if self.continuous_usage and self.reasoning_counter(self.gens[i]) is not None:
+        if self.continuous_usage and self.parses:  # (a chat's counter exists exactly then: reasoning_counter)
             chunk["usage"]["completion_tokens_details"] = {"reasoning_tokens": 0}
         return f"data: {json.dumps(chunk)}\n\n"
 
