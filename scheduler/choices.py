@@ -5,11 +5,11 @@ choice is its own engine request (a server `_Generation`; n of one prompt share 
 cache), all run concurrently, and choice j of prompt p has `index` p * n + j (OpenAI's order). A response
 carries the choices in that order and one usage: each prompt's tokens once (as OpenAI counts them), every
 choice's completion tokens; a stream interleaves their chunks as their tokens arrive (each chunk names its
-choice's `index`; a chat choice's first is its role alone, `content` "", as vLLM's; calls a chat choice sends at its
-end come in a chunk before its finish chunk), then sends one usage chunk (with stream_options.include_usage) and
-one `data: [DONE]`; with vLLM's stream_options.continuous_usage_stats too, each choice chunk carries its choice's
-usage so far (its prompt's tokens, its own tokens so far: vLLM's per choice), the usage chunk still the whole request's
-(without include_usage it sends nothing, as vLLM's).
+choice's `index`; a chat's first chunks are its choices' roles alone, `content` "", all before any content, as
+vLLM's; calls a chat choice sends at its end come in a chunk before its finish chunk), then sends one usage chunk
+(with stream_options.include_usage) and one `data: [DONE]`; with vLLM's stream_options.continuous_usage_stats too,
+each choice chunk carries its choice's usage so far (its prompt's tokens, its own tokens so far: vLLM's per choice),
+the usage chunk still the whole request's (without include_usage it sends nothing, as vLLM's).
 A single prompt is a batch of one. A completion with `echo` (scheduler/api_inputs.py) sends each choice's
 prompt text ahead of its own, in its first item (a stream's first chunk), with its prompt tokens' logprobs
 first where `logprobs` is asked (the engine request's Request.prompt_logprobs, there by its first event).
@@ -253,7 +253,7 @@ class Choices:
         return f"data: {json.dumps(chunk)}\n\n"
 
     async def sse(self):
-        first = [True] * len(self.gens)
+        first, roles_sent = [True] * len(self.gens), False
         answers = [self._answer(g) for g in self.gens] if self.chat else None
         counters = self._counting = [self.reasoning_counter(g) for g in self.gens]
         try:
@@ -273,8 +273,10 @@ class Choices:
                         counter.feed(token_ids)
                     if fin is not None and answers is not None:
                         self._ended(i, answers[i], counter)
-                    if self.chat and first[i]:
-                        yield self._role_chunk(i)
+                    if self.chat and not roles_sent:  # (every choice's at once, before any content: vLLM's)
+                        roles_sent = True
+                        for j in range(len(self.gens)):
+                            yield self._role_chunk(j)
                     if calls and finish is not None:  # the calls in a chunk of their own, then the end (the SDK's
                         # stream helper looks for a finished call before it reads the calls of the finish chunk:
                         # the calls a "required" tool_choice sends at its end never had arguments.done)

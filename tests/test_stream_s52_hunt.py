@@ -35,6 +35,15 @@ def test_each_chat_choice_starts_with_its_role_alone(srv):
         assert sum(len(c["choices"][0]["token_ids"]) for c in mine) == 4
 
 
+def test_every_choices_role_chunk_comes_before_any_content(srv):
+    """vLLM's serving_chat sends the n role chunks on its first iteration, ahead of every choice's tokens."""
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 3, "n": 4, "temperature": 0.8, "seed": 7}
+    chunks = [c for c in sse(srv, "/v1/chat/completions", body) if c["choices"]]
+    assert [c["choices"][0]["index"] for c in chunks[:4]] == [0, 1, 2, 3]
+    assert all(c["choices"][0]["delta"] == {"role": "assistant", "content": ""} for c in chunks[:4])
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[4:])
+
+
 def test_the_sdks_stream_helper_counts_each_token_once(srv, client):
     kw = dict(model="tiny", messages=MESSAGES, max_tokens=6, n=3, temperature=0.8, seed=5, logprobs=True,
               top_logprobs=1)
