@@ -15,6 +15,7 @@ from scheduler import step_extras
 from scheduler.logs import info_enabled
 from scheduler.loop_task import fail_live_requests
 from scheduler.runner import Batch, PendingSample
+from scheduler.sampling import NAN_TOKEN
 from scheduler.speculative import rows_of
 
 log = structlog.get_logger("scheduler.engine")
@@ -142,7 +143,6 @@ class EngineLoop:
                                 chained=start_ns < self._step_end_ns or not self.config.overlap_schedule)
         self._step_end_ns = end_ns
         if binput.is_decode:
-            self.stats["decode_tokens"] += len(reqs)
             if restoring:  # (a chained step starts before the one before ends: count each instant once)
                 since_ns = max(start_ns, self._overlap_counted_ns)
                 self.cache.metrics.restore_overlapped_s += max(0, end_ns - since_ns) / 1e9
@@ -168,4 +168,7 @@ class EngineLoop:
                 self.cache.observe_prefill(len(binput.input_ids), (end_ns - start_ns) / 1e9)
         step_extras.fail_broken_bans(self, work, next_ids)  # (before its tokens are taken: a row with none left)
         for req, chunk, token in zip(reqs, chunks, next_ids):
+            if binput.is_decode and not req.state.done and token != NAN_TOKEN:  # the tokens kept, as a verify
+                # step's (regression: a chained step's rows of requests its step before had ended were counted)
+                self.stats["decode_tokens"] += 1
             self.admission.after_step(req, chunk, token)
