@@ -151,6 +151,11 @@ class SamplingParams:
                                f"got {self.repetition_penalty!r}", "repetition_penalty")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise RequestError(f"cache_salt must be a non-empty string or None, got {self.cache_salt!r}", "cache_salt")
+        if self.cache_salt is not None:
+            try:  # (keyed by its UTF-8: regression: a lone surrogate raised in the loop's admission, which died)
+                self.cache_salt.encode("utf-8")
+            except UnicodeError as exc:
+                raise RequestError(f"cache_salt is not valid Unicode text: {exc}", "cache_salt") from None
         if self.logit_bias is not None:
             _check_logit_bias(self.logit_bias, vocab_size)
             # a copy of what was checked: the caller's dict may change after this check (an id outside
