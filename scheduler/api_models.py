@@ -93,8 +93,8 @@ class _SamplingFields(_Strict, PenaltyFields, SamplerFields, GuidedFields, Trunc
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False  # vLLM's: the text ends after a stop string, or a stop token's
     skip_special_tokens: StrictBool = True  # vLLM's: special tokens' text left out of the choice's text
-    # vLLM's; the kept special tokens' text joined as the tokenizer's decoder joins it, whatever it says (vLLM V1's
-    # detokenizer of a fast tokenizer ignores it too)
+    # vLLM's: with skip_special_tokens false, False joins an added token to one right before it without the
+    # decoder's space (scheduler/tokenizer.IncrementalDecoder)
     spaces_between_special_tokens: StrictBool = True
     return_token_ids: StrictBool | None = None  # vLLM's: the prompt's token ids in the response (choices.py)
     stream: StrictBool | None = False  # (null: the default, as OpenAI's schema allows)

@@ -160,7 +160,7 @@ class Generation:
         last = None  # (the last token read: an end's event may come after it, on its own)
         text = CompletionText(self.st.tokenizer, [] if self.chat else self.req.prompt, self.stop_strings,
                               self.req.params.min_tokens, self.api_req.include_stop_str_in_output,
-                              self.api_req.skip_special_tokens)
+                              self.api_req.skip_special_tokens, self.api_req.spaces_between_special_tokens)
         async for ev, fin in self.steps():
             delta, token, entries = "", None if ev is None else ev.token_id, []
             if token is not None and self.logprobs is not None and ev.logprobs is not None:

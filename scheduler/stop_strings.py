@@ -89,13 +89,16 @@ class CompletionText:
     (`completion_context`; a chat passes none), then stop-string matching, from the token past the
     first `min_tokens` on (the text a token's feed returns is that token's). Without a tokenizer
     there is no text (token ids only; the API refuses stop strings then). include_stop: a matched stop
-    string ends the text (vLLM's include_stop_str_in_output); skip_special_tokens: IncrementalDecoder's."""
+    string ends the text (vLLM's include_stop_str_in_output); skip_special_tokens, spaces_between_special_tokens:
+    IncrementalDecoder's."""
 
     def __init__(self, tokenizer, context: Sequence[int], stops: Sequence[str] = (), min_tokens: int = 0,
-                 include_stop: bool = False, skip_special_tokens: bool = True) -> None:
+                 include_stop: bool = False, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.decoder = None
         if tokenizer is not None:
-            self.decoder = IncrementalDecoder(tokenizer, completion_context(tokenizer, context), skip_special_tokens)
+            self.decoder = IncrementalDecoder(tokenizer, completion_context(tokenizer, context), skip_special_tokens,
+                                              spaces_between_special_tokens)
         self.matcher = StopMatcher(stops, include_stop) if stops and tokenizer is not None else None
         self.min_tokens, self.fed_tokens = min_tokens, 0
 

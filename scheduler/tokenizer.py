@@ -157,6 +157,7 @@ class HFTokenizer(_Chat):
 
         with _reading(os.path.join(model_dir, "tokenizer.json")) as path:
             self.tok = Tokenizer.from_file(path)
+        self._added: dict[int, str] | None = None
         self.no_chat_reason = f"{model_dir} has no chat template (tokenizer_config.json or chat_template.jinja)"
         with _reading(os.path.join(model_dir, "tokenizer_config.json")) as path:
             cfg = _read_json(path)
@@ -185,6 +186,12 @@ class HFTokenizer(_Chat):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens)
+
+    def added_token_texts(self) -> dict[int, str]:
+        """Each added token's (special or not) id and text, as vLLM's detokenizer reads them."""
+        if self._added is None:
+            self._added = {int(i): t.content for i, t in self.tok.get_added_tokens_decoder().items()}
+        return self._added
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         """Each id's token as the vocabulary spells it ("Ġthe"; transformers' convert_ids_to_tokens)."""
@@ -300,23 +307,36 @@ def decode_completion(tokenizer, prompt: Sequence[int], ids: Sequence[int]) -> s
 class IncrementalDecoder:
     """Text deltas of a growing id sequence (a window of the last ids is re-decoded each step),
     after `context` ids whose text is not emitted (completion_context); special tokens left out of
-    the text unless skip_special_tokens is False (vLLM's field)."""
+    the text unless skip_special_tokens is False (vLLM's field). With them kept and vLLM's
+    spaces_between_special_tokens False, an added token right after another is its text alone, without
+    the space a decoder (WordPiece's, say) puts between them, as vLLM V1's detokenizer does."""
 
-    def __init__(self, tokenizer, context: Sequence[int] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, context: Sequence[int] = (), skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
         self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self.ids: list[int] = [int(t) for t in context]
         self.prefix_offset = 0              # window start: ids before it are already text
         self.read_offset = len(self.ids)    # ids before it have been emitted
+        added = getattr(tokenizer, "added_token_texts", None)
+        self.joined: dict[int, str] | None = None  # the added tokens' texts, where they join without spaces
+        if not (skip_special_tokens or spaces_between_special_tokens) and added is not None:
+            self.joined = added() or None
+        self.last_added = False
 
     def feed(self, token_id: int) -> str:
         self.ids.append(int(token_id))
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
+        delta = ""
         if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT):
             delta = new_text[len(prefix_text):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return delta
-        return ""
+        if self.joined is not None:
+            text = self.joined.get(int(token_id))
+            if text is not None and self.last_added:
+                delta = text  # (the token before was one too: its text, nothing held, all emitted)
+            self.last_added = text is not None
+        return delta
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the end becomes U+FFFD)."""
