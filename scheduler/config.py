@@ -224,8 +224,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-fp32-lm-head", action="store_true", help=FP32_LM_HEAD_OFF)
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='vLLM\'s speculative decoding config; served: prompt lookup, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 5, "prompt_lookup_max": 4}\' (greedy requests verify up to that '
-                        'many drafts from their own tokens a step; default: off)')
+                        '"num_speculative_tokens": 5, "prompt_lookup_max": 4}\' (greedy requests and unseeded '
+                        'sampled ones verify up to that many drafts a step, taken from the prefix cache\'s earlier '
+                        'answers or from their own tokens; default: off)')
     g.add_argument("--disable-overlap-schedule", action="store_true",
                    help="wait for each decode step's tokens before preparing the next")
     g.add_argument("--disable-restore-overlap", action="store_true",
