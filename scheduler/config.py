@@ -81,12 +81,16 @@ class EngineConfig:
         if not 0.0 < self.gpu_memory_fraction <= 1.0:  # (also NaN)
             raise ValueError("gpu_memory_fraction (--gpu-memory-fraction) must be in (0, 1], "
                              f"got {self.gpu_memory_fraction!r}")
-        if (self.num_pages == 0 and self.page_size > (self.max_total_tokens or DEFAULT_L1_TOKENS)  # (one page)
+        # (one page; the device's default page too: regression, 3 tokens took a default page of 4, and were refused
+        # one given as --page-size 4)
+        page_size = self.page_size or self.page_size_on("cuda" if self._on_cuda() else "cpu")
+        if (self.num_pages == 0 and page_size > (self.max_total_tokens or DEFAULT_L1_TOKENS)
                 and not self.l1_from_gpu_memory()):  # (regression: refused there, L1 not yet sized)
             given = (f"--max-total-tokens {self.max_total_tokens}" if self.max_total_tokens
                      else f"--max-total-tokens 0: {DEFAULT_L1_TOKENS:,} tokens without a GPU to size it from")
-            raise ValueError(f"page_size (--page-size) {self.page_size} is larger than the L1 pool it divides "
-                             f"({given}); lower it, or give --num-pages")
+            named = "page_size (--page-size)" if self.page_size else "the device's default page size"
+            raise ValueError(f"{named} {page_size} is larger than the L1 pool it divides "
+                             f"({given}); give a smaller --page-size, or --num-pages")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"{_field_name('seed', FLAGS['seed'])} must be in [0, 2**64 - 1], got {self.seed!r}")
         if self.hicache.enable and not self.enable_prefix_cache:  # (L2/L3 sat idle, taking backups)
@@ -136,8 +140,11 @@ class EngineConfig:
     def l1_from_gpu_memory(self) -> bool:
         """Whether the engine sizes L1 from the GPU's memory (scheduler/memory_plan.py plan_pools): no
         --num-pages, --max-total-tokens 0, on CUDA (auto: where there is one), not simulated."""
-        return (self.num_pages == 0 and self.max_total_tokens == 0 and not self.simulate
-                and (self.device == "cuda" or self.device == "auto" and torch.cuda.is_available()))
+        return self.num_pages == 0 and self.max_total_tokens == 0 and not self.simulate and self._on_cuda()
+
+    def _on_cuda(self) -> bool:
+        """Whether the engine runs on CUDA (auto: where there is one)."""
+        return self.device == "cuda" or self.device == "auto" and torch.cuda.is_available()
 
     def l1_pages(self, page_size: int) -> int:
         """L1 pages: --num-pages, else --max-total-tokens (0: DEFAULT_L1_TOKENS; on CUDA the engine sizes it
