@@ -218,6 +218,9 @@ class EngineLifecycle:
         here may still be written by a chained decode step in flight: safe because every later
         user of an L1 page is enqueued after it on the compute stream (or on a transfer stream
         that waits for it)."""
+        # its restore's hits were never served where it ends parked, queued or before it took its overlapped
+        # restore over: the metrics count them only then (regression: an abort's result reported them)
+        unserved = req in self.waiting or req in self.parked or req.overlap_op is not None
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
@@ -228,6 +231,8 @@ class EngineLifecycle:
         self.admission.release(req, publish=state is RequestState.FINISHED)
         req.state, req.finish_reason, req.error = state, reason, error
         req.finish_s, req.penalty_state = time.perf_counter(), None  # (its device tensors go now, not with the Request)
+        if unserved:
+            req.hit_tokens.update(l1=0, l2=0, l3=0)
         self.stats[state.value] += 1  # (finished / aborted / failed)
         if req.overlap_op is not None:
             # it ends before taking over the restore its forward ran behind: that admission's hits
