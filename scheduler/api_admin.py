@@ -18,8 +18,8 @@ empty list, an unknown field or a field given both in the query and the body is 
 
 What is freed. Each tier by CacheManager.flush_async, in order L1, L2, L3: every unlocked page of the tier
 (under write_back, where L2 is not reset too, L1's unsaved pages are first written back, as a write-back cache
-writes its dirty pages back before it invalidates; with L2 reset too they go). Requests in flight keep their pages, and so their outputs: their prefixes are
-locked and their new pages private to their claims until they end. A page a copy in flight holds stays
+writes its dirty pages back before it invalidates; with L2 reset too they go). Requests in flight keep their
+pages, and so their outputs: their prefixes are locked and their new pages private to their claims until they end. A page a copy in flight holds stays
 too. `pages_left` counts what each tier still held right after its flush; a repeat of a prompt that no
 running request holds is then recomputed (cached_tokens 0) and cached again. The pages freed also count
 in hicache_evicted_pages{tier}; each tier reset counts in hicache_prefix_cache_resets_total{tier}; one
