@@ -1,9 +1,12 @@
 """Structured logs: structlog JSON lines with a monotonic-ns timestamp, one event per request state
 change, batch and operation transition (the timeline tool reads them back). A log is appended to:
 each time it is opened (by each engine started with --log-json) a RUN_START_EVENT line comes first,
-and the timeline starts every request and operation anew after it (ids restart with each engine)."""
+and the timeline starts every request and operation anew after it (ids restart with each engine).
+One process writes a log file: it holds an flock on it, and another process's engine refuses it (two
+processes' events interleave, their ids alike, and the timeline merged their requests)."""
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
 import time
@@ -35,12 +38,34 @@ def _ends_mid_line(path: str) -> bool:
         return False
 
 
+_SINKS: dict[str, object] = {}  # a log's real path -> this process's open (and locked) file of it
+
+
+def _sink(path: str):
+    """This process's file of the log at `path`, opened to append (line buffered: a crash keeps every event) and
+    locked the first time; a ValueError where another process holds it (regression: two replays sharing one log
+    made one timeline of both, each request's events merged with its namesake's)."""
+    key = os.path.realpath(path)
+    sink = _SINKS.get(key)
+    if sink is None or sink.closed:
+        sink = open(path, "a", buffering=1)
+        try:
+            if stat.S_ISREG(os.fstat(sink.fileno()).st_mode):  # (not /dev/stdout, a pipe)
+                fcntl.flock(sink.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            sink.close()
+            raise ValueError(f"log_json (--log-json) {path} is being written by another process: give each "
+                             "process a log of its own") from None
+        _SINKS[key] = sink
+    return sink
+
+
 def configure_logging(log_json_path: str | None) -> None:
     """JSON lines appended to `log_json_path` (its directory created) after a RUN_START_EVENT line, or
     quiet (warnings and up to stderr) without one."""
     if log_json_path:
         Path(log_json_path).parent.mkdir(parents=True, exist_ok=True)
-        sink = open(log_json_path, "a", buffering=1)  # line buffered: a crash keeps every event
+        sink = _sink(log_json_path)
         if _ends_mid_line(log_json_path):
             # regression: a run killed mid-line left its last line open, this run's RUN_START_EVENT
             # was glued to it and lost, and the timeline took both runs for one

@@ -289,8 +289,8 @@ def request_records(outcomes: list[Outcome], timed: bool = True) -> list[dict]:
 
 def summarize(run: dict, problems: list[TraceProblem], config: EngineConfig, replay_options: dict) -> dict:
     outcomes, m = run["outcomes"], run["metrics"]
-    ok = [o for o in outcomes if o.error is None]
-    ttft_ms = [o.ttft_s * 1e3 for o in ok if o.ttft_s is not None]
+    ok, timed = [o for o in outcomes if o.error is None], not config.simulate  # (a simulation times nothing: no
+    ttft_ms = [o.ttft_s * 1e3 for o in ok if o.ttft_s is not None and timed]  # TTFT, no rate; regression: host time)
     wall_s = run["wall_s"]
     return {
         "requests": len(outcomes), "completed": len(ok), "failed": len(outcomes) - len(ok),
@@ -302,7 +302,7 @@ def summarize(run: dict, problems: list[TraceProblem], config: EngineConfig, rep
         "hit_tokens": {t: int(m["hit_tokens"].get(t, 0)) for t in TIERS},
         "recomputed_tokens": int(m["recomputed_tokens"]),
         "ttft_ms": {f"p{q}": _percentile(ttft_ms, q / 100) for q in (50, 90, 99)},
-        "throughput_req_s": len(ok) / wall_s if wall_s > 0 else 0.0,
+        "throughput_req_s": (len(ok) / wall_s if wall_s > 0 else 0.0) if timed else None,
         "wall_s": wall_s,
         "bytes": {d: int(m["directions"][d]["bytes"]) for d in DIRECTIONS},
         "integrity": run["integrity"],
@@ -314,7 +314,7 @@ def summarize(run: dict, problems: list[TraceProblem], config: EngineConfig, rep
         "metrics": m,
         "speculative": run.get("speculative"),  # (None: speculation off)
         # per trace line (`requests` is the count above); a --simulate run times nothing
-        "request_records": request_records(outcomes, timed=not config.simulate),
+        "request_records": request_records(outcomes, timed=timed),
     }
 
 
@@ -340,7 +340,7 @@ def format_summary(s: dict) -> str:
         rows.append(("L3 adopted at start", f"{s['metrics']['storage_adopted_pages']:,} pages"))
     rows += [("recomputed tokens", f"{s['recomputed_tokens']:,} ({100 * s['recomputed_tokens'] / prompt:.1f}%)"),
              ("TTFT p50/p90/p99 ms", " / ".join(num(s["ttft_ms"][k], "{:.1f}") for k in ("p50", "p90", "p99"))),
-             ("throughput", f"{s['throughput_req_s']:.2f} req/s over {s['wall_s']:.1f} s")]
+             ("throughput", f"{num(s['throughput_req_s'], '{:.2f}')} req/s over {s['wall_s']:.1f} s")]
     rows += [(f"bytes {d.upper()}", f"{s['bytes'][d]:,}") for d in DIRECTIONS]
     if (spec := s.get("speculative")) is not None:
         declined, cached = spec.get("declined_steps", 0), spec.get("cache_drafts", 0)
@@ -490,8 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     if summary["completed"] == 0:
         print(f"{os.path.basename(sys.argv[0])}: no request completed", file=sys.stderr)
         return 1
-    if summary["engine_crash"] or summary["integrity"] != "passed":
-        return 1
-    if "compare_no_cache" in summary and not summary["compare_no_cache"]["match"]:
-        return 1
-    return 0
+    mismatch = "compare_no_cache" in summary and not summary["compare_no_cache"]["match"]
+    return 1 if summary["engine_crash"] or summary["integrity"] != "passed" or mismatch else 0
+
+
+if __name__ == "__main__":  # (python -m scheduler.replay; regression: it ran nothing and exited 0)
+    sys.exit(main())
