@@ -17,10 +17,11 @@ machine they are ignored.
 `load`, as the next store opens (before anything is written to it), makes those nodes L3-resident (L1 and
 L2 start empty), their slots taken from the L3 allocator and their checksums the store's, in their saved LRU
 order. The index is deleted as it is read: a process that dies later leaves none, and its successor starts
-empty rather than trusting slots rewritten since; a run without the flag on the path, which truncates the
-file, deletes it too (`discard`). An index of another layout or model, of a file deleted, cut short or replaced
-since (the size the store found as it opened is not the saved one), one that cannot be read or does not add up,
-is ignored with a warning (the engine starts with an empty L3); nodes whose slots lie past a smaller file
+empty rather than trusting slots rewritten since (one that cannot be deleted is not adopted; an engine that fails
+to start after adopting it saves it again, CacheManager.abandon); a run without the flag on the path, which
+truncates the file, deletes it too (`discard`). An index of another layout or model, of a file deleted, cut short
+or replaced since (the size the store found as it opened is not the saved one), one that is no regular file,
+cannot be read or does not add up, is ignored with a warning (the engine starts with an empty L3); nodes whose slots lie past a smaller file
 are dropped, with everything below them. Every page is still verified by its checksum when read, so a file
 changed between runs costs a recompute (hicache/restores.py), never a wrong answer; persistence therefore
 needs checksums (HiCacheConfig).
@@ -30,7 +31,7 @@ from __future__ import annotations
 import json
 import os
 import socket
-import zipfile
+import stat
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -104,7 +105,9 @@ def save(mgr: "CacheManager") -> int:
     try:
         store.sync()
         # (not through a link another user left: the L3 file's own rule, hicache/storage_file.py)
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+        # (a new file: whatever lies at the name goes first, a FIFO's open blocked the shutdown for good)
+        _unlink_quietly(tmp)
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
                        "wb") as f:
             header = {**_header(mgr), "file_bytes": store.size_bytes, "machine": _machine(mgr),
                       "cost_samples": mgr.cost.samples(), "cost_references": mgr.cost.reference_slopes()}
@@ -129,29 +132,40 @@ def discard(store_path: str) -> None:
         _unlink_quietly(index_path(store_path))
 
 
-def _unlink_quietly(path: str) -> None:
+def _unlink_quietly(path: str) -> OSError | None:
+    """Unlink `path`; the error where that failed (None: it went, or was not there)."""
     try:
         os.unlink(path)
-    except OSError:
+    except FileNotFoundError:
         pass
+    except OSError as exc:
+        return exc
+    return None
 
 
 def _read(path: str) -> tuple[dict, dict] | None:
-    """The index's header and arrays, the file deleted as it is read; None where there is none."""
+    """The index's header and arrays, the file deleted as it is read; None where there is none, or where it
+    cannot be deleted (what it says would outlive this process's changes to the file)."""
     try:
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as f, \
-                np.load(f, allow_pickle=False) as data:
-            header = json.loads(str(data["header"]))
-            if not isinstance(header, dict):  # (regression: a list's or a string's .get raised, the start failed)
-                raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
-            arrays = {name: data[name] for name in _ARRAYS}
+        # (O_NONBLOCK: a FIFO's open blocked the start for good; not a regular file: ignored)
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError("not a regular file")
+            with np.load(f, allow_pickle=False) as data:
+                header = json.loads(str(data["header"]))
+                if not isinstance(header, dict):  # (regression: a list's or a string's .get raised, the start failed)
+                    raise ValueError(f"its header is a JSON {type(header).__name__}, not an object")
+                arrays = {name: data[name] for name in _ARRAYS}
     except FileNotFoundError:
         return None
-    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile) as exc:  # (JSONDecodeError: a ValueError)
+    except Exception as exc:  # every way a damaged file fails to read (regression: a flipped bit of the zip's
+        # directory raised RuntimeError "encrypted" and every later start failed, the index kept)
         log.warning("l3_index_ignored", path=path, reason=f"unreadable: {type(exc).__name__}: {exc}")
         _unlink_quietly(path)
         return None
-    _unlink_quietly(path)
+    if (err := _unlink_quietly(path)) is not None:  # (regression: adopted anyway, and again by the next start)
+        log.warning("l3_index_ignored", path=path, reason=f"cannot be deleted as it is read: {err.strerror or err}")
+        return None
     return header, arrays
 
 

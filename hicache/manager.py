@@ -59,44 +59,10 @@ class CacheManager:
         self.reuse = {Tier.L2: TierReuse(), Tier.L3: TierReuse()}  # write admission by observed reuse
         self._flushing = False
         self.l1 = DevicePool(geometry, l1_pages, torch.device(device), simulate=simulate)
-        allocators: dict[Tier, PageAllocator] = {Tier.L1: self.l1.allocator}
         self.l2: HostPool | None = None
         self.store = None
         self.transfer: TransferEngine | None = None
         self.backends = None
-        cfg = self.config
-        if cfg.enable:
-            host_pages = cfg.host_pages(l1_pages, geometry.bytes_per_page)
-            if host_pages < 1:
-                raise ValueError("hicache: L2 would hold no page; raise --hicache-ratio / --hicache-size-gb")
-            self.l2 = HostPool(geometry, host_pages, pin=self.l1.device.type == "cuda", simulate=simulate)
-            allocators[Tier.L2] = self.l2.allocator
-            storage_pages = cfg.storage_pages(host_pages, geometry.bytes_per_page)
-            if storage_pages > 0:
-                self.store = self._open_store(storage_pages)
-                allocators[Tier.L3] = PageAllocator(storage_pages, "l3")
-            if simulate:
-                from hicache.simulated import NullTransferEngine
-                self.transfer = NullTransferEngine(geometry)
-            else:
-                self.backends = choose_backends(self.l1.kv, cfg.transfer_backend)
-                self.transfer = TransferEngine(self.l1, self.l2, self.backends, faults,
-                                               kernel_max_pages=cfg.kernel_restore_max_tokens // self.page_size)
-        self.tree = RadixTree(self.page_size, allocators)
-        self.tree.on_evict = self._on_evict
-        self.tree.on_drop = self._on_drop
-        adopted = None
-        if getattr(self.store, "persistent", False):  # what the file held at the last clean close
-            adopted = l3_index.load(self)
-            self.metrics.storage_adopted_pages = adopted.pages
-        elif getattr(self.store, "is_temp", True) is False:  # a path truncated as it opened: no index of it stays
-            l3_index.discard(self.store.path)
-        self.cost = CostModel(cfg, geometry.bytes_per_token)
-        self.cost.learning = not simulate  # simulated copies take no time: keep the priors
-        if adopted is not None and adopted.cost_samples:  # (timed on this machine by the engine before)
-            l3_index.learn_costs(self, adopted.cost_samples, adopted.cost_references)
-        self.cost_policy = CostPolicy(self)  # restore or recompute, write or not (the methods below)
-        self.runner = OpRunner(self)
         # the engine sets this (scheduler/cuda_graphs.py: its tail forward, timed once its graphs are
         # captured): how long the forward that waits for a layer-ordered restore takes
         self.overlap_forward_s: float | None = None
@@ -110,7 +76,49 @@ class CacheManager:
         # wakeup_idle only wakes a loop that has nothing to run (see OpRunner._wake)
         self.wakeup: Callable[[], None] = lambda: None
         self.wakeup_idle: Callable[[], None] = lambda: None
+        try:
+            self._build(l1_pages)
+        except BaseException:  # (regression: a failure past the L3 store's open, e.g. its index unreadable, left
+            self.abandon()     # its file locked)
+            raise
 
+    def _build(self, l1_pages: int) -> None:
+        """The tiers below L1 (L2's pool, L3's store, the transfer engine), the radix tree over them (adopting a
+        kept L3 file's index), the cost model and policy, and the op runner."""
+        allocators: dict[Tier, PageAllocator] = {Tier.L1: self.l1.allocator}
+        cfg = self.config
+        if cfg.enable:
+            host_pages = cfg.host_pages(l1_pages, self.geometry.bytes_per_page)
+            if host_pages < 1:
+                raise ValueError("hicache: L2 would hold no page; raise --hicache-ratio / --hicache-size-gb")
+            self.l2 = HostPool(self.geometry, host_pages, pin=self.l1.device.type == "cuda", simulate=self.simulate)
+            allocators[Tier.L2] = self.l2.allocator
+            storage_pages = cfg.storage_pages(host_pages, self.geometry.bytes_per_page)
+            if storage_pages > 0:
+                self.store = self._open_store(storage_pages)
+                allocators[Tier.L3] = PageAllocator(storage_pages, "l3")
+            if self.simulate:
+                from hicache.simulated import NullTransferEngine
+                self.transfer = NullTransferEngine(self.geometry)
+            else:
+                self.backends = choose_backends(self.l1.kv, cfg.transfer_backend)
+                self.transfer = TransferEngine(self.l1, self.l2, self.backends, self.faults,
+                                               kernel_max_pages=cfg.kernel_restore_max_tokens // self.page_size)
+        self.tree = RadixTree(self.page_size, allocators)
+        self.tree.on_evict = self._on_evict
+        self.tree.on_drop = self._on_drop
+        adopted = None
+        if getattr(self.store, "persistent", False):  # what the file held at the last clean close
+            adopted = l3_index.load(self)
+            self.metrics.storage_adopted_pages = adopted.pages
+        elif getattr(self.store, "is_temp", True) is False:  # a path truncated as it opened: no index of it stays
+            l3_index.discard(self.store.path)
+        self.cost = CostModel(cfg, self.geometry.bytes_per_token)
+        self.cost.learning = not self.simulate  # simulated copies take no time: keep the priors
+        if adopted is not None and adopted.cost_samples:  # (timed on this machine by the engine before)
+            l3_index.learn_costs(self, adopted.cost_samples, adopted.cost_references)
+        self.cost_policy = CostPolicy(self)  # restore or recompute, write or not (the methods below)
+        self.runner = OpRunner(self)
     def _open_store(self, storage_pages: int):
         cfg = self.config
         if self.simulate:
@@ -379,12 +387,15 @@ class CacheManager:
             await release()
 
     def abandon(self) -> None:
-        """Close what this manager opened, at once, for an engine that failed to start (no operation ran, nothing to
-        save): the transfer's streams and the L3 store, whose file lock a retry on the same path needs (regression:
-        it stayed locked until the half-built engine was collected)."""
+        """Close what this manager opened, at once, for an engine that failed to start (no operation ran): the
+        transfer's streams and the L3 store, whose file lock a retry on the same path needs (regression: it stayed
+        locked until the half-built engine was collected). An index adopted from a kept file is saved again, as it
+        was read (regression: deleted as it was read, the next start lost the whole L3)."""
         if self.transfer is not None:
             self.transfer.close()
         if self.store is not None and not getattr(self.store, "closed", False):
+            if self.metrics.storage_adopted_pages and hasattr(self, "runner"):
+                l3_index.save(self)
             self.store.close()
 
     async def close(self) -> None:

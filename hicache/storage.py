@@ -53,7 +53,8 @@ def coalesce_extents(src_pages: Sequence[int], dst_pages: Sequence[int]) -> list
 
 
 def _error_from_oserror(exc: OSError, what: str) -> StorageError:
-    kind = "enospc" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "eio"
+    # (EFBIG: past a file size limit, `ulimit -f`: no room, as a full disk; regression: eio on every such write)
+    kind = "enospc" if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "eio"
     return StorageError(kind, f"{what}: {exc.strerror or exc}", errno_=exc.errno)
 
 
