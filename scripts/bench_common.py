@@ -16,7 +16,6 @@ import contextlib
 import glob
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -28,6 +27,9 @@ if str(ROOT) not in sys.path:
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cli import BenchDir, non_negative_int  # noqa: E402,F401  (moved there; imported from here too)
 
 GIB = float(1 << 30)
 DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
@@ -149,13 +151,6 @@ def emit(result, as_json: bool, out_path: str | None, human: str) -> None:
 
 
 # -- engine plumbing -------------------------------------------------------------------------------
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
 def add_common_args(p, *, model: str | None = None, device: bool | tuple[str, ...] = False,
                     page_size: int | None = None, seed: int | None = None, output: bool = True) -> None:
     """The flags most scripts here take, each only where asked (None / False: not taken): --model with
@@ -349,25 +344,6 @@ async def tail_forward_s(engine, prompt: list[int], tail_tokens: int, repeats: i
         await engine.runner.collect(engine.runner.launch(binput))
         times.append(time.perf_counter() - t)
     return times[2:]
-
-
-class BenchDir:
-    """A private directory on the file system of `base` (default: the current directory) for the L3
-    file and the raw-read probe; removed at close."""
-
-    def __init__(self, storage_path: str | None) -> None:
-        self.user_path = storage_path
-        base = os.path.dirname(os.path.abspath(storage_path)) if storage_path else os.getcwd()
-        self.dir = tempfile.mkdtemp(prefix=".hicache-bench-", dir=base)
-
-    def l3_path(self, tag: str) -> str:
-        return self.user_path or os.path.join(self.dir, f"l3-{tag}.kv")
-
-    def close(self) -> None:
-        shutil.rmtree(self.dir, ignore_errors=True)
-        if self.user_path:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.user_path)
 
 
 # -- same-run physical limits ----------------------------------------------------------------------

@@ -18,6 +18,8 @@ import time
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
+from bench_cli import (check_device, choice_list, fail, human_output, int_list, positive_int,  # noqa: E402
+                       refused_as_usage)
 from bench_common import (add_common_args, device_read_gib_s, forward_read_bytes, free_memory,  # noqa: E402
                           tail_forward_s, write_result)
 from scheduler.config import FP32_LM_HEAD_OFF, EngineConfig  # noqa: E402
@@ -149,6 +151,28 @@ async def profile_decode(engine: Engine, batch: int, rng) -> dict:
                             for e in top]}
 
 
+def engine_config(args, graphs: bool = False, small_gemm: str = "triton") -> EngineConfig:
+    return EngineConfig(model=args.model, device=args.device, page_size=args.page_size,
+                        max_total_tokens=args.pool_tokens, max_prefill_tokens=16384, cuda_graphs=graphs,
+                        small_gemm=small_gemm, max_running_requests=64, fp32_lm_head=not args.disable_fp32_lm_head)
+
+
+EXTRA_DECODES = ("penalized_decode", "banned_decode", "sampled_decode", "guided_decode")
+
+
+def refusal(engine: Engine, args) -> str | None:
+    """What `engine` would refuse of the requests the flags make (each shape: prompt tokens, new tokens), else None."""
+    shapes = [(n, 1) for n in args.prefill_tokens] + [(args.tail_context + 1, 1),
+                                                      (args.decode_prompt, args.decode_tokens)]
+    shapes += [(p, t) for name in EXTRA_DECODES if getattr(args, name) for _, p, t in [getattr(args, name)]]
+    for prompt_tokens, new_tokens in shapes:
+        try:
+            engine.validate([VOCAB_LO] * prompt_tokens, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+        except ValueError as exc:
+            return f"{exc} (a request of {prompt_tokens} prompt tokens and {new_tokens} new ones)"
+    return None
+
+
 async def run(args) -> dict:
     rng = random.Random(0)
     out: dict = {"model": args.model, "device": args.device, "date": time.strftime("%Y-%m-%d")}
@@ -160,13 +184,12 @@ async def run(args) -> dict:
         graph_modes = [("graphs" if i == 0 else f"graphs_{b}", True, b) for i, b in enumerate(args.small_gemm)]
         modes = graph_modes + ([] if args.skip_eager else modes)
     for mode, graphs, small_gemm in modes:
-        cfg = EngineConfig(model=args.model, device=args.device, page_size=args.page_size,
-                           max_total_tokens=args.pool_tokens, max_prefill_tokens=16384, cuda_graphs=graphs,
-                           small_gemm=small_gemm, max_running_requests=64,
-                           fp32_lm_head=not args.disable_fp32_lm_head)
-        engine = Engine(cfg)
+        engine = Engine(engine_config(args, graphs, small_gemm))
         global vocab_hi
         vocab_hi = engine.vocab_size
+        refused = refusal(engine, args)
+        if refused:  # (regression: a RequestError's traceback, some after the main benchmark had run)
+            fail(refused)
         device = engine.device
         await engine.start()
         r: dict = {}
@@ -239,7 +262,7 @@ async def run(args) -> dict:
             r["guided_decode_tok_s"] = {"batch": b, "prompt_tokens": p, "new_tokens": t, "grammar": args.guided_grammar,
                                         "tokenizer": args.guided_tokenizer or "bytes"}
             if args.guided_tokenizer:
-                engine.guides.use(HFTokenizer(args.guided_tokenizer))
+                engine.guides.use(args.guided_tokenizer_loaded)
                 engine.guides.warm()
             # every row guided twice: llguidance computes a grammar state's mask once and keeps it for every request
             # of the spec (the first pass pays for the states it meets first; a served schema's are mostly known)
@@ -271,23 +294,25 @@ async def run(args) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, model="qwen3-8b", device=True, page_size=16)  # (--model: qwen3-8b on the CPU too)
-    ap.add_argument("--pool-tokens", type=int, default=200_000)
-    ap.add_argument("--prefill-tokens", default="350,1000,3500")
-    ap.add_argument("--decode-batches", default="1,32")
-    ap.add_argument("--decode-prompt", type=int, default=512)
-    ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--tail-context", type=int, default=3500)
-    ap.add_argument("--penalized-decode", metavar="BATCH,PROMPT,TOKENS",
+    ap.add_argument("--pool-tokens", type=positive_int, default=200_000)
+    ap.add_argument("--prefill-tokens", type=int_list(1), default=[350, 1000, 3500], help="comma list")
+    ap.add_argument("--decode-batches", type=int_list(1), default=[1, 32], help="comma list")
+    ap.add_argument("--decode-prompt", type=positive_int, default=512)
+    ap.add_argument("--decode-tokens", type=positive_int, default=64,
+                    help="tokens a decode request generates (at least 2: the rate counts those after the first)")
+    ap.add_argument("--tail-context", type=positive_int, default=3500, help="cached tokens (at least a page)")
+    triple = int_list(1, length=3)
+    ap.add_argument("--penalized-decode", type=triple, metavar="BATCH,PROMPT,TOKENS",
                     help="also decode BATCH requests of PROMPT tokens for TOKENS tokens with and without "
                          "presence, frequency and repetition penalties (e.g. 32,2000,512)")
-    ap.add_argument("--banned-decode", metavar="BATCH,PROMPT,TOKENS",
+    ap.add_argument("--banned-decode", type=triple, metavar="BATCH,PROMPT,TOKENS",
                     help="also decode BATCH requests of PROMPT tokens for TOKENS tokens plain, with half the "
                          "vocabulary allowed (allowed_token_ids) and with 128 bad words (e.g. 32,512,128)")
-    ap.add_argument("--sampled-decode", metavar="BATCH,PROMPT,TOKENS",
+    ap.add_argument("--sampled-decode", type=triple, metavar="BATCH,PROMPT,TOKENS",
                     help="also decode BATCH requests of PROMPT tokens for TOKENS tokens greedily and sampled "
                          "(temperature 0.8, top_p 0.95; seeded; with top_k 50 and min_p 0.05; Qwen3's defaults: temperature "
                          "0.6, top_k 20, top_p 0.95), e.g. 32,512,256")
-    ap.add_argument("--guided-decode", metavar="BATCH,PROMPT,TOKENS",
+    ap.add_argument("--guided-decode", type=triple, metavar="BATCH,PROMPT,TOKENS",
                     help="also decode BATCH requests with none, one and all of them held to a regex (structured "
                          "outputs: host-made masks, steps not chained), e.g. 32,512,128")
     ap.add_argument("--guided-grammar", choices=sorted(GRAMMARS), default="text",
@@ -296,32 +321,50 @@ def main(argv=None) -> int:
     ap.add_argument("--guided-tokenizer", metavar="DIR",
                     help="--guided-decode's masks for this tokenizer.json's vocabulary (scripts/make_bpe_tokenizer.py) "
                          "rather than the presets' byte tokenizer")
-    ap.add_argument("--repeats", type=int, default=8)
+    ap.add_argument("--repeats", type=positive_int, default=8)
     ap.add_argument("--disable-fp32-lm-head", action="store_true", help=FP32_LM_HEAD_OFF)
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU smoke)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler breakdown of the tail request (CUDA), after every timing of the last mode")
-    ap.add_argument("--small-gemm", default="triton",
+    ap.add_argument("--small-gemm", type=choice_list(("triton", "cublas")), default="triton",
                     help="comma list of triton / cublas: the graphs mode once per backend of the small projections")
     ap.add_argument("--skip-eager", action="store_true", help="CUDA: leave out the eager mode")
     args = ap.parse_args(argv)
-    args.small_gemm = args.small_gemm.split(",")
-    if not args.small_gemm or set(args.small_gemm) - {"triton", "cublas"}:
-        ap.error(f"--small-gemm takes triton and/or cublas, got {','.join(args.small_gemm)}")
     if args.quick:
-        args.pool_tokens, args.prefill_tokens, args.decode_batches = 4096, "32,64", "1,4"
+        args.pool_tokens, args.prefill_tokens, args.decode_batches = 4096, [32, 64], [1, 4]
         args.decode_prompt, args.decode_tokens, args.tail_context, args.repeats = 16, 4, 64, 2
-    args.prefill_tokens = [int(x) for x in args.prefill_tokens.split(",")]
-    args.decode_batches = [int(x) for x in args.decode_batches.split(",")]
-    if args.penalized_decode:
-        args.penalized_decode = [int(x) for x in args.penalized_decode.split(",")]
-    if args.banned_decode:
-        args.banned_decode = [int(x) for x in args.banned_decode.split(",")]
-    if args.sampled_decode:
-        args.sampled_decode = [int(x) for x in args.sampled_decode.split(",")]
-    if args.guided_decode:
-        args.guided_decode = [int(x) for x in args.guided_decode.split(",")]
+    check_args(ap, args)
     out = asyncio.run(run(args))
     write_result(out, args.out, args.json)
+    with human_output(args.json):  # (regression: the summary followed the JSON on stdout)
+        human(args, out)
+    return 0
+
+
+def check_args(ap, args) -> None:
+    """What the run would fail on, refused before it (regression: the extra decodes' flags were parsed, and failed,
+    after the main benchmark had run)."""
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        ap.error(f"--device {args.device}: not a torch device (cpu, cuda, cuda:N)")
+    check_device(ap, device.type)
+    if args.decode_tokens < 2:  # (regression: decode tok/s 0: the rate counts the tokens after the first)
+        ap.error(f"--decode-tokens must be >= 2, got {args.decode_tokens}")
+    for name in EXTRA_DECODES:
+        if getattr(args, name) and getattr(args, name)[2] < 2:
+            ap.error(f"--{name.replace('_', '-')}: TOKENS must be >= 2, got {getattr(args, name)[2]}")
+    with refused_as_usage(ap, "engine config"):
+        config = engine_config(args)
+    if args.tail_context < config.page_size:  # (regression: an IndexError: no whole page cached)
+        ap.error(f"--tail-context {args.tail_context} must be at least a page ({config.page_size} tokens)")
+    if args.guided_tokenizer:
+        if not args.guided_decode:
+            ap.error("--guided-tokenizer is --guided-decode's: give that too")
+        with refused_as_usage(ap, "--guided-tokenizer"):
+            args.guided_tokenizer_loaded = HFTokenizer(args.guided_tokenizer)
+
+
+def human(args, out: dict) -> None:
     floor = out["weight_read_floor_ms"]
     print(f"\n{args.model} on {args.device}; weight-read floor {floor and round(floor, 2)} ms")
     for mode, r in out["results"].items():
@@ -356,7 +399,6 @@ def main(argv=None) -> int:
             print(f"  [{mode}] decode b{gd['batch']}, {gd['new_tokens']} tokens, {gd['grammar']} grammar, "
                   f"{gd['tokenizer']} tokenizer, rows guided: "
                   + ", ".join(f"{k[7:]} {v:.0f} tok/s ({v / rates['guided_0']:.3f})" for k, v in rates.items()))
-    return 0
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_cli import (STORAGE_PATH_HELP, check_device, check_engine_config, check_storage_path,  # noqa: E402
+                       non_negative_int, positive_float, positive_int)
 from bench_common import (CPU_SMOKE, GIB, BenchDir, add_common_args, add_engine_mode_args, close_engine,  # noqa: E402
                           copy_limits, parse_common_args, hicache_override_args, engine_mode_args, directions_summary, emit, evict, file_read_limit, fmt, free_memory, integrity_of,
                           median, metrics_delta, ms_summary, note, run_one, shared_model, table, tail_forward_s)
@@ -57,17 +59,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefix-tokens", default="3500", help="one length or a comma list to sweep")
     p.add_argument("--num-pages", type=int, default=0, help="L1 pages (default: 1.5 x one request)")
     p.add_argument("--iterations", type=int, default=8)
-    p.add_argument("--warmup-alternations", type=int, default=2)
+    p.add_argument("--warmup-alternations", type=non_negative_int, default=2)
     p.add_argument("--storage-cache", default="cold", choices=["cold", "warm"])
-    p.add_argument("--storage-path", default=None,
-                   help="L3 file, truncated at start and removed at exit (default: a temp file under the cwd)")
-    p.add_argument("--host-ratio", type=float, default=2.0, help="L2 pages = ratio x L1 pages")
+    p.add_argument("--storage-path", default=None, help=STORAGE_PATH_HELP)
+    p.add_argument("--host-ratio", type=positive_float, default=2.0, help="L2 pages = ratio x L1 pages")
     p.add_argument("--storage-ratio", type=float, default=1.0, help="L3 pages = ratio x L2 pages (l3)")
-    p.add_argument("--io-workers", type=int, default=4, help="L3 I/O threads (also the raw read's)")
+    p.add_argument("--io-workers", type=positive_int, default=4, help="L3 I/O threads (also the raw read's)")
     p.add_argument("--disable-checksum", action="store_true", help="no per-page L3 checksums")
     p.add_argument("--disable-prefetch", action="store_true", help="blocking restores")
     p.add_argument("--transfer-backend", default="auto", choices=["auto", "triton", "torch"])
-    p.add_argument("--max-prefill-tokens", type=int, default=0, help="default: the whole prompt in one batch")
+    p.add_argument("--max-prefill-tokens", type=non_negative_int, default=0,
+                   help="default: the whole prompt in one batch")
     p.add_argument("--trace", default=None, metavar="DIR",
                    help="after the measured requests, 2 more under torch.profiler: DIR/<tier>_<tokens>.json.gz "
                         "(scripts/trace_copies.py reads its copies). The profiler's hooks stay in the process and "
@@ -84,8 +86,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--prefix-tokens must be positive, --iterations >= 1 and --num-pages >= 0")
     if args.tier == "l3" and args.storage_ratio <= 0:  # (regression: None.drop_page_cache, a traceback)
         p.error("--tier l3 needs an L3: --storage-ratio > 0")
-    if args.storage_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.storage_path))):
-        p.error(f"--storage-path {args.storage_path}: its directory does not exist")
+    check_device(p, args.device)
+    check_storage_path(p, args.storage_path)  # (regression: a directory ended in IsADirectoryError at exit)
+    if args.trace is not None and os.path.exists(args.trace) and not os.path.isdir(args.trace):
+        p.error(f"--trace {args.trace}: exists and is not a directory")
+    if args.log_json is not None and (os.path.isdir(args.log_json)
+                                      or not os.path.isdir(os.path.dirname(os.path.abspath(args.log_json)))):
+        p.error(f"--log-json {args.log_json}: a file in an existing directory, not a directory")
+    for n in args.lengths:  # what the engine refuses (--page-size, ratios ...), before any model loads
+        for tier in {args.tier, "none"} if args.compare_recompute else {args.tier}:
+            check_engine_config(p, lambda: build_config(args, tier, n, args.storage_path or "l3.kv"))
     return args
 
 

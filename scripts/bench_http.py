@@ -27,6 +27,8 @@ import time
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cli import check_device, human_output, positive_int, refused_as_usage  # noqa: E402
 from bench_common import add_common_args, percentile, write_result  # noqa: E402
 from scheduler.config import add_engine_args, config_from_args  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
@@ -154,11 +156,12 @@ def main(argv: list[str] | None = None) -> int:
     # bench flag (--batch-s 8 for --batch) would reach the server too (regression: tests/test_review_s36.py)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     add_engine_args(ap)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--batch", type=positive_int, default=32)
+    ap.add_argument("--prompt-tokens", type=positive_int, default=512)
+    ap.add_argument("--new-tokens", type=positive_int, default=256,
+                    help="tokens a request generates (at least 2: the inter-token times need two)")
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--rounds", type=int, default=2, help="each mode runs this many batches; the last counts")
+    ap.add_argument("--rounds", type=positive_int, default=2, help="each mode runs this many batches; the last counts")
     ap.add_argument("--quick", action="store_true", help="small sizes (CPU smoke)")
     add_common_args(ap)
     argv = sys.argv[1:] if argv is None else argv
@@ -174,6 +177,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "auto":
         import torch
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.new_tokens < 2:  # (regression: a traceback from the inter-token quantiles of no gaps)
+        ap.error(f"--new-tokens must be >= 2 (the inter-token times need two tokens), got {args.new_tokens}")
+    check_device(ap, args.device)
+    with refused_as_usage(ap):  # what the engine would refuse, before either engine starts
+        config = config_from_args(args)
+        SamplingParams(max_tokens=args.new_tokens, ignore_eos=True, temperature=args.temperature,
+                       seed=1).validate(config.max_new_tokens_limit)
     rng = random.Random(0)
     vocab_hi = model_config_of(args.model).vocab_size
 
@@ -201,6 +211,12 @@ def main(argv: list[str] | None = None) -> int:
         proc.terminate()
         proc.wait(timeout=60)
     write_result(out, args.out, args.json)
+    with human_output(args.json):  # (regression: the summary followed the JSON on stdout)
+        human(args, out)
+    return 0
+
+
+def human(args, out: dict) -> None:
     base, base_ms = out["in_process"]["tok_s"], out["in_process"]["batch_ms"]
     print(f"\n{args.model} on {args.device}: batch {args.batch} x {args.prompt_tokens}-token prompts, "
           f"{args.new_tokens} new tokens, temperature {args.temperature}")
@@ -210,7 +226,6 @@ def main(argv: list[str] | None = None) -> int:
                 f"inter-token p50 / p99 {r['itl_p50_ms']:.2f} / {r['itl_p99_ms']:.2f} ms" if "tok_s" in r else "")
         print(f"  {mode:12s} whole batch {r['batch_ms']:7.0f} ms ({r['batch_ms'] / base_ms:.3f} of in process)"
               + (f"; {rate}" if rate else ""))
-    return 0
 
 
 if __name__ == "__main__":

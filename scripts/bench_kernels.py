@@ -22,6 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
+from bench_cli import human_output, int_list, positive_int  # noqa: E402
 from bench_common import add_common_args  # noqa: E402
 from kernels import fused_ops  # noqa: E402
 from kernels.decode_attention import decode_attention_torch, decode_attention_triton  # noqa: E402
@@ -363,7 +364,7 @@ def lm_head_rows(dev, dtype, vocab: int = 151936, hidden: int = 4096, rows_list=
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--skinny", action="store_true", help="only the small-M projections (kernels/skinny_gemm.py)")
-    ap.add_argument("--skinny-rows", default=None, metavar="M,M,...",
+    ap.add_argument("--skinny-rows", type=int_list(1), default=None, metavar="M,M,...",
                     help="--skinny: these row counts, the default block config only (e.g. 1,16,32,64)")
     ap.add_argument("--skinny-split", action="store_true",
                     help="only the projections without SwiGLU at 16 rows, K split 1 / 2 / 4")
@@ -373,7 +374,7 @@ def main(argv=None) -> int:
                     help="--attention: only the shapes with this many query rows per sequence")
     ap.add_argument("--attention-prefetch", action="store_true",
                     help="--attention: each config with the page prefetch off and on")
-    ap.add_argument("--compile-jobs", type=int, default=min(12, os.cpu_count() or 1),
+    ap.add_argument("--compile-jobs", type=positive_int, default=min(12, os.cpu_count() or 1),
                     help="--attention: processes that compile the sweep's kernels first (1: none)")
     ap.add_argument("--attention-batch", action="store_true",
                     help="only the attention of several sequences: one-row decode of 8 to 64 (1 to 16 splits), "
@@ -385,6 +386,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_kernels needs CUDA", file=sys.stderr)
         return 2
+    json_out = sys.stdout
+    with human_output(args.json):  # (regression: the tables followed the JSON on stdout)
+        return run(args, json_out)
+
+
+def run(args, json_out) -> int:
+    """The benchmark main() asked for: JSON to `json_out` with --json, tables to print()'s stdout."""
     dev, dtype = torch.device("cuda"), torch.bfloat16
     if args.attention:
         res = attention_sweep(dev, dtype, args.compile_jobs, args.attention_rows, args.attention_prefetch)
@@ -392,7 +400,7 @@ def main(argv=None) -> int:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
         if args.json:
-            print(json.dumps(res))
+            print(json.dumps(res), file=json_out)
         sweep_table(res)
         return 0
     if args.attention_batch:
@@ -402,6 +410,8 @@ def main(argv=None) -> int:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
+        if args.json:
+            print(json.dumps(res), file=json_out)
         print("seqs x rows  ctx  splits block      us   KV GiB/s  (- = the default)")
         for r in res["attention"]:
             cells = (f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {r['splits'] or '-':>6}"
@@ -413,6 +423,8 @@ def main(argv=None) -> int:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(res, f, indent=1)
+        if args.json:
+            print(json.dumps(res), file=json_out)
         print("LM head rows  bf16 out + cast us  fp32 out us  ratio  max err bf16 / fp32")
         for r in res["lm_head"]:
             print(f"{r['rows']:12d} {r['model_dtype_us']:18.1f} {r['fp32_us']:12.1f} {r['fp32_over_model_dtype']:6.3f}"
@@ -425,7 +437,7 @@ def main(argv=None) -> int:
         split_table(res["skinny"])
     elif args.skinny and args.skinny_rows:
         res = {"device": torch.cuda.get_device_name(),
-               "skinny": skinny_rows(dev, dtype, rows_list=[int(m) for m in args.skinny_rows.split(",")],
+               "skinny": skinny_rows(dev, dtype, rows_list=args.skinny_rows,
                                      configs=[{}])}
     elif args.skinny:
         res = {"device": torch.cuda.get_device_name(), "skinny": skinny_rows(dev, dtype)}
@@ -436,7 +448,7 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
     if args.json:
-        print(json.dumps(res))
+        print(json.dumps(res), file=json_out)
     print("projection rows  weight MiB  cuBLAS us (GiB/s)  skinny best us (GiB/s)  config  rel err")
     for r in res["skinny"]:
         b = r["best"] or {}

@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_common import add_common_args  # noqa: E402  (scripts/, next to this one)
+from bench_cli import human_output, int_list, positive_int  # noqa: E402  (scripts/, next to this one)
+from bench_common import add_common_args  # noqa: E402
 from hicache.geometry import KVGeometry  # noqa: E402
 from hicache.layer_copy import layer_plan, run_layer_cuda  # noqa: E402
 from kernels.host_copy import HostCopy  # noqa: E402
@@ -55,17 +56,16 @@ def restore_pools(model: str, page_size: int, max_tokens: int):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, model="qwen3-8b", page_size=16)
-    ap.add_argument("--tokens", default="350,1000,3500,8000")
-    ap.add_argument("--programs", default="8,16,32,64,132")
-    ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument("--tokens", type=int_list(1), default=[350, 1000, 3500, 8000], help="comma list")
+    ap.add_argument("--programs", type=int_list(1), default=[8, 16, 32, 64, 132], help="comma list")
+    ap.add_argument("--iterations", type=positive_int, default=10)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_layer_copy needs CUDA", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
     cfg = get_preset(args.model)
-    sizes = [int(t) for t in args.tokens.split(",")]
-    programs = [int(p) for p in args.programs.split(",")]
+    sizes, programs = args.tokens, args.programs
     geo, l1, l2, pool_pages = restore_pools(args.model, args.page_size, max(sizes))
     flags = LayerFlags(geo.num_layers, dev)
     counts = torch.zeros(geo.num_layers, dtype=torch.int32, device=dev)
@@ -195,6 +195,12 @@ def main() -> int:
         print(json.dumps(out, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
+    with human_output(args.json):  # (regression: the tables followed the JSON on stdout)
+        human(out)
+    return 0
+
+
+def human(out: dict) -> None:
     print(f"{'tokens':>6} {'frag':>5} {'path':>10} {'enq ms':>7} {'dev ms':>7} {'wall ms':>8} "
           f"{'wall/peak':>9} {'dev/peak':>8} equal")
     for r in out["rows"]:
@@ -209,7 +215,6 @@ def main() -> int:
     for r in out["under_load"]:
         print(f"{r['tokens']:>6} {r['restore']:>10} {r['gemms_alone_ms']:11.3f} {r['gemms_with_restore_ms']:12.3f} "
               f"{r['restore_ms']:10.3f}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ import sys
 import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
+from bench_cli import (STORAGE_PATH_HELP, check_device, check_engine_config, check_storage_path,  # noqa: E402
+                       int_list, positive_int)
 from bench_common import (CPU_SMOKE, BenchDir, add_common_args, fmt, free_memory, integrity_of,  # noqa: E402
                           parse_common_args, run_one, shared_model, table, write_result)
 from hicache.radix import Tier  # noqa: E402
@@ -32,25 +34,32 @@ from scheduler.engine import Engine  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, model=CPU_SMOKE, device=("cuda", "cpu"), seed=0)
-    p.add_argument("--prefix-tokens", default="1000,3500,8000", help="comma-separated prompt lengths")
+    p.add_argument("--prefix-tokens", type=int_list(1), default=[1000, 3500, 8000],
+                   help="comma-separated prompt lengths (each once)")
     p.add_argument("--policy", default="always", choices=["always", "cost"], help="--hicache-policy of both engines")
     p.add_argument("--storage-cache", default="warm", choices=["warm", "cold"],
                    help="cold: the L3 file's pages dropped from the OS page cache before engine B serves")
-    p.add_argument("--storage-path", default=None, help="the L3 file (default: one in a private directory here)")
-    p.add_argument("--io-workers", type=int, default=8, help="--hicache-io-workers")
+    p.add_argument("--storage-path", default=None, help=STORAGE_PATH_HELP)
+    p.add_argument("--io-workers", type=positive_int, default=8, help="--hicache-io-workers")
     args = parse_common_args(p, argv)
-    args.prefix_tokens = [int(x) for x in args.prefix_tokens.split(",")]
+    args.prefix_tokens = list(dict.fromkeys(args.prefix_tokens))  # (regression: 64,64 printed its row twice)
+    check_device(p, args.device)
+    check_storage_path(p, args.storage_path)
+    check_engine_config(p, lambda: engine_config(args, args.storage_path or "l3.kv"))
     return args
 
 
-def make_engine(args, path: str) -> Engine:
+def engine_config(args, path: str) -> EngineConfig:
     cuda = args.device == "cuda"
     most = max(args.prefix_tokens) + 64
     page = 16 if cuda else 4
-    config = EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=page,
-                          num_pages=2 * most // page + 64).with_hicache(
+    return EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=page,
+                        num_pages=2 * most // page + 64).with_hicache(
         enable=True, policy=args.policy, storage_path=path, storage_persist=True, io_workers=args.io_workers)
-    return Engine(config)
+
+
+def make_engine(args, path: str) -> Engine:
+    return Engine(engine_config(args, path))
 
 
 async def serve(engine: Engine, prompts: dict[int, list[int]]) -> dict[int, tuple]:
@@ -113,6 +122,9 @@ def main(argv=None) -> int:
     print(f"shutdown (index saved) {out['shutdown_s']:.2f} s; start (index adopted, {out['adopted_pages']} pages) "
           f"{out['start_s']:.2f} s; storage cache {out['storage_cache']}; integrity: {out['integrity']}", file=where)
     write_result(out, args.out, args.json)
+    for r in out["rows"]:
+        for error in r["errors"]:  # (regression: rc 1 and a normal-looking row, the error nowhere)
+            print(f"prefix {r['prefix_tokens']}: request failed: {error}", file=sys.stderr)
     ok = out["integrity"] == "passed" and all(r["same_output"] and not r["errors"] for r in out["rows"])
     return 0 if ok else 1
 

@@ -9,8 +9,10 @@ costs against a decode step, and decode tokens/s with and without it (greedy, or
      launch to tokens on the host. The rows are the cached prompt's last tokens, rewritten in place (as
      bench_engine.py's tail forward).
   2. Decode: B requests of --prompt-tokens tokens each generate --max-tokens tokens together; tokens/s
-     over the whole run (prefill included, L1 emptied before each run, on and off in turn, the order alternating
-     by round), the drafts accepted, and whether every output equals the one without speculation. Workloads: "random" prompts (drafts come from the answer's own repeats),
+     of each run, the tokens produced over its seconds (the median of --repeats rounds; prefill included, L1
+     emptied before each run, on and off in turn, the order alternating by round), the drafts accepted, and
+     whether every output equals the one without speculation (a request that fails ends the run, exit 1: no
+     figures). Workloads: "random" prompts (drafts come from the answer's own repeats),
      "repeat" prompts (one block of --block-tokens repeated: drafts from the prompt too) and "again": random
      prompts served once (untimed), then timed as they are served again, their prompts prefix-cache
      hits both ways and, with speculation, their drafts what followed them in the cache (`cache_lookup`: the
@@ -30,6 +32,8 @@ import sys
 import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
+from bench_cli import (check_device, check_engine_config, fail, int_list, non_negative_float,  # noqa: E402
+                       positive_int, refused_as_usage, request_errors)
 from bench_common import (CPU_SMOKE, add_common_args, evict, fmt, integrity_of, median,  # noqa: E402
                           parse_common_args, sync, table, write_result)
 from scheduler.config import FP32_LM_HEAD_OFF, EngineConfig  # noqa: E402
@@ -42,16 +46,19 @@ from scheduler.speculative import SpeculativeConfig, verify_rows  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, model=CPU_SMOKE, device=("cuda", "cpu"), seed=0)
-    p.add_argument("--num-speculative-tokens", type=int, default=5, help="k of the engine's config (default 5)")
-    p.add_argument("--prompt-lookup-max", type=int, default=4)
-    p.add_argument("--prompt-lookup-min", type=int, default=4, help="(vLLM: as max when only max is given)")
-    p.add_argument("--batches", default="1,4,8", help="comma-separated batch sizes")
-    p.add_argument("--drafts", default="1,3,5,10,15",
-                   help="comma-separated drafts a verify step, for the step cost (at most --num-speculative-tokens)")
-    p.add_argument("--context", type=int, default=1000, help="cached tokens under the step-cost steps")
-    p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--block-tokens", type=int, default=64, help="the repeat workload's block")
-    p.add_argument("--max-tokens", type=int, default=256, help="tokens each request generates")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=5,
+                   help="k of the engine's config (default 5)")
+    p.add_argument("--prompt-lookup-max", type=positive_int, default=4)
+    p.add_argument("--prompt-lookup-min", type=positive_int, default=4, help="(vLLM: as max when only max is given)")
+    p.add_argument("--batches", type=int_list(1), default=[1, 4, 8], help="comma-separated batch sizes")
+    p.add_argument("--drafts", type=int_list(1), default=[1, 3, 5, 10, 15],
+                   help="comma-separated drafts a verify step, for the step cost (those above "
+                        "--num-speculative-tokens are left out)")
+    p.add_argument("--context", type=positive_int, default=1000,
+                   help="cached tokens under the step-cost steps (more than a page + the most drafts)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=512)
+    p.add_argument("--block-tokens", type=positive_int, default=64, help="the repeat workload's block")
+    p.add_argument("--max-tokens", type=positive_int, default=256, help="tokens each request generates")
     p.add_argument("--oracle-drafts", action="store_true", help="also the oracle workload (module doc)")
     p.add_argument("--draft-policy", default="cost", choices=["cost", "always"],
                    help="verify when the drafts expected to be accepted pay for the step (default), or whenever one is found")
@@ -61,14 +68,38 @@ def parse_args(argv=None):
                    help="the requests' and step-cost rows' temperature (default 0: greedy; > 0: drafts accepted by "
                         "rejection sampling, no seed)")
     p.add_argument("--top-p", type=float, default=1.0, help="with --temperature (default 1.0: off)")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
+    p.add_argument("--repetition-penalty", type=non_negative_float, default=1.0,
                    help="the decode workloads' requests' (default 1.0: off; Qwen2.5's generation config sets 1.05): "
                         "each verify row scored after its drafts")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds (step cost: steps) per configuration")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="timed rounds (step cost: steps) per configuration")
     args = parse_common_args(p, argv)
-    args.batches = [int(x) for x in args.batches.split(",")]
-    args.drafts = [int(x) for x in args.drafts.split(",")]
+    check_device(p, args.device)
+    # what the engine and its requests would refuse, refused here before anything loads (regression: requests that
+    # all failed were timed as tokens produced: 1.7e9 tok/s, exit 0)
+    args.spec = check_engine_config(p, lambda: SpeculativeConfig(
+        args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min, draft_policy=args.draft_policy),
+        "speculative config")
+    args.config = check_engine_config(p, lambda: engine_config(args), "engine config")
+    with refused_as_usage(p):
+        SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **sampling_fields(args)).validate(
+            args.config.max_new_tokens_limit)
+    page = args.config.page_size
+    steps = [d for d in args.drafts if d <= args.num_speculative_tokens]
+    if steps and args.context < page + max(steps) + 1:  # (regression: negative positions, a traceback)
+        p.error(f"--context {args.context} must be at least a page ({page}) + the most drafts ({max(steps)}) + 1")
     return args
+
+
+def sampling_fields(args) -> dict:
+    return {"temperature": args.temperature, "top_p": args.top_p, "repetition_penalty": args.repetition_penalty}
+
+
+def engine_config(args) -> EngineConfig:
+    cuda = args.device == "cuda"
+    return EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=16 if cuda else 4,
+                        num_pages=8192 if cuda else 2048, max_running_requests=max(args.batches),
+                        dtype=args.dtype, fp32_lm_head=not args.disable_fp32_lm_head, speculative=args.spec)
 
 
 async def step_ms(engine: Engine, prompts: list[list[int]], drafts: int, repeats: int, device: str,
@@ -113,30 +144,35 @@ def greedy_margins(engine: Engine, prompt: list[int]) -> dict:
 
 async def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, device: str,
                    **sampling) -> tuple[float, list]:
+    """Seconds and output ids of `prompts` served together; exits 1 naming the error if any request failed."""
     sync(device)
     t0 = time.perf_counter()
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
     results = await engine.generate_async(prompts, params)
     sync(device)
-    return time.perf_counter() - t0, [r.output_ids for r in results]
+    seconds = time.perf_counter() - t0
+    request_errors(results)
+    return seconds, [r.output_ids for r in results]
 
 
 async def main_async(args) -> dict:
-    cuda = args.device == "cuda"
-    spec = SpeculativeConfig(args.num_speculative_tokens, args.prompt_lookup_max, args.prompt_lookup_min,
-                             draft_policy=args.draft_policy)
-    engine = Engine(EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=16 if cuda else 4,
-                                 num_pages=8192 if cuda else 2048, max_running_requests=max(args.batches),
-                                 dtype=args.dtype, fp32_lm_head=not args.disable_fp32_lm_head,
-                                 speculative=spec))
-    speculator = engine.speculator
-    await engine.start()
+    spec = args.spec
+    engine = Engine(args.config)
+    fields = sampling_fields(args)
     rng = random.Random(args.seed)
     fresh = lambda n: [rng.randrange(1, engine.vocab_size) for _ in range(n)]  # noqa: E731
+    try:  # what this engine refuses (L1's pages, the model's positions), before it starts
+        engine.validate(fresh(args.prompt_tokens), SamplingParams(max_tokens=args.max_tokens, ignore_eos=True,
+                                                                  **fields))
+        engine.validate(fresh(args.context), SamplingParams(max_tokens=1))
+    except ValueError as exc:
+        fail(str(exc))
+    speculator = engine.speculator
+    await engine.start()
     steps = []
     for b in args.batches:
         prompts = [fresh(args.context) for _ in range(b)]
-        await engine.generate_async(prompts, SamplingParams(max_tokens=1))  # (into L1)
+        request_errors(await engine.generate_async(prompts, SamplingParams(max_tokens=1)))  # (into L1)
         sampling = (args.temperature, args.top_p)
         row = {"batch": b, "decode_ms": await step_ms(engine, prompts, 0, args.repeats, args.device, *sampling)}
         for k in [d for d in args.drafts if d <= spec.num_speculative_tokens]:
@@ -146,10 +182,9 @@ async def main_async(args) -> dict:
     runs = []
     await generate(engine, [fresh(args.prompt_tokens)], 8, args.device)  # (warm-up)
     lookup = speculator.draft
-    fields = {"temperature": args.temperature, "top_p": args.top_p, "repetition_penalty": args.repetition_penalty}
     for workload in ("random", "repeat", "again") + (("oracle",) if args.oracle_drafts else ()):
         for b in args.batches:
-            timed = {"on": [], "off": []}
+            timed = {"on": [], "off": []}  # tokens/s of each run: the tokens produced over its seconds
             counts = dict.fromkeys(("accepted_tokens", "draft_tokens", "drafts", "verify_steps", "declined_steps",
                                     "cache_drafts", "cache_accepted_tokens"), 0)
             equal = total = 0
@@ -177,16 +212,15 @@ async def main_async(args) -> dict:
                     before = dict(speculator.stats)
                     seconds, outputs[mode] = await generate(engine, prompts, args.max_tokens, args.device,
                                                             **fields)
-                    timed[mode].append(seconds)
+                    timed[mode].append(sum(map(len, outputs[mode])) / seconds)
                     if mode == "on":
                         for key in counts:
                             counts[key] += speculator.stats[key] - before[key]
                     speculator.draft = lookup
                 equal += sum(a == b_ for a, b_ in zip(outputs["on"], outputs["off"]))
                 total += b
-            tokens = b * args.max_tokens
-            runs.append({"workload": workload, "batch": b, "tok_s_off": tokens / median(timed["off"]),
-                         "tok_s_on": tokens / median(timed["on"]), **counts, "outputs_equal": f"{equal}/{total}"})
+            runs.append({"workload": workload, "batch": b, "tok_s_off": median(timed["off"]),
+                         "tok_s_on": median(timed["on"]), **counts, "outputs_equal": f"{equal}/{total}"})
     engine.speculator = speculator
     integrity = integrity_of(engine)
     await engine.shutdown()

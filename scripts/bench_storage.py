@@ -34,6 +34,9 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cli import choice_list, positive_int  # noqa: E402
+
 from hicache.geometry import KVGeometry  # noqa: E402
 from hicache.storage import FileStore  # noqa: E402
 
@@ -156,11 +159,12 @@ def table(rows: list[dict]) -> str:
 
 
 async def main_async(args) -> list[dict]:
-    proc, url = (None, args.redis_url) if args.redis_url else start_redis()
+    # a redis-server only for the redis backend (regression: --backends file needed and started one)
+    proc, url = (None, args.redis_url) if args.redis_url or "redis" not in args.backends else start_redis()
     rows = []
     try:
-        for shape in args.shapes.split(","):
-            for backend in args.backends.split(","):
+        for shape in args.shapes:
+            for backend in args.backends:
                 sub = argparse.Namespace(**vars(args))
                 if shape == "tiny":  # small pages: many more of them per operation
                     sub.pages, sub.op_pages = args.tiny_pages, args.tiny_op_pages
@@ -173,18 +177,22 @@ async def main_async(args) -> list[dict]:
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="8b,tiny")
-    p.add_argument("--backends", default="redis,file")
-    p.add_argument("--pages", type=int, default=64, help="pages written and read per shape (8b)")
-    p.add_argument("--op-pages", type=int, default=16, help="pages per operation (8b: 16 pages = 256 tokens)")
-    p.add_argument("--tiny-pages", type=int, default=4096)
-    p.add_argument("--tiny-op-pages", type=int, default=256)
-    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--shapes", type=choice_list(tuple(SHAPES)), default="8b,tiny", help="comma list of 8b, tiny")
+    p.add_argument("--backends", type=choice_list(("redis", "file")), default="redis,file",
+                   help="comma list of redis, file (a redis-server is started only for redis, without --redis-url)")
+    p.add_argument("--pages", type=positive_int, default=64, help="pages written and read per shape (8b)")
+    p.add_argument("--op-pages", type=positive_int, default=16,
+                   help="pages per operation (8b: 16 pages = 256 tokens)")
+    p.add_argument("--tiny-pages", type=positive_int, default=4096)
+    p.add_argument("--tiny-op-pages", type=positive_int, default=256)
+    p.add_argument("--iters", type=positive_int, default=20)
     p.add_argument("--redis-url", default=None, help="use this server instead of starting one")
     p.add_argument("--json", default=None, help="also write the rows here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.json and (os.path.isdir(args.json) or not os.path.isdir(os.path.dirname(os.path.abspath(args.json)))):
+        p.error(f"--json {args.json}: a file in an existing directory, not a directory")  # (checked before the run)
     try:
         import uvloop
         rows = uvloop.run(main_async(args))

@@ -23,7 +23,8 @@ import torch
 import xxhash
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_common import add_common_args, write_result  # noqa: E402
+from bench_cli import check_device, choice_list, human_output, int_list, positive_int  # noqa: E402
+from bench_common import add_common_args, fmt, write_result  # noqa: E402
 from hicache.config import HiCacheConfig  # noqa: E402
 from hicache.geometry import KVGeometry
 from hicache.manager import CacheManager
@@ -282,35 +283,43 @@ def bench_layerwise(geometry, device, tokens_list, repeats):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, device=True)  # its own --page-size below: the 8B-shaped KV's
-    ap.add_argument("--tokens", default="1000,3504,8000")
-    ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--io-workers", type=int, default=8)
-    ap.add_argument("--backends", default=None, help="comma list (default: triton,torch on CUDA, torch on the CPU)")
-    ap.add_argument("--layouts", default="consecutive,fragmented", help="host page layouts, comma list")
-    ap.add_argument("--direct-pages", default=None,
+    ap.add_argument("--tokens", type=int_list(1), default=[1000, 3504, 8000],
+                    help="comma list of transfer sizes, each at least a page (--page-size)")
+    ap.add_argument("--repeats", type=positive_int, default=10)
+    ap.add_argument("--io-workers", type=positive_int, default=8)
+    ap.add_argument("--backends", type=choice_list(("triton", "torch")), default=None,
+                    help="comma list (default: triton,torch on CUDA, torch on the CPU)")
+    ap.add_argument("--layouts", type=choice_list(("consecutive", "fragmented")), default="consecutive,fragmented",
+                    help="host page layouts, comma list")
+    ap.add_argument("--direct-pages", type=int_list(0), default=None,
                     help="comma list of a D2H's pages sent straight out of L1 to compare (default: the engine's)")
     ap.add_argument("--directions-only", action="store_true", help="skip the layer-ordered, round-trip and storage parts")
-    ap.add_argument("--page-size", type=int, default=16, help="tokens per page of the 8B-shaped KV (1: SGLang's default)")
+    ap.add_argument("--page-size", type=positive_int, default=16, help="tokens per page of the 8B-shaped KV (1: SGLang's default)")
     ap.add_argument("--profile", action="store_true",
                     help="print where one transfer's time goes (cProfile of the enqueue, torch.profiler) instead")
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:  # (regression: torch's traceback)
+        ap.error(f"--device {args.device}: not a torch device (cpu, cuda, cuda:N)")
+    check_device(ap, device.type)
+    if not args.quick and min(args.tokens) < args.page_size:  # (regression: "0 L1 pages vs 0 host pages")
+        ap.error(f"--tokens: each size must be at least a page ({args.page_size} tokens), got "
+                 f"{','.join(map(str, args.tokens))}")
     configure_logging(None)
-    device = torch.device(args.device)
     if args.quick:
         geometry = KVGeometry(2, 2, 16, 4, torch.float32)
         tokens_list, args.repeats = [64, 256], 3
     else:
         geometry = KVGeometry(36, 8, 128, args.page_size, torch.bfloat16)  # Qwen3-8B/4B KV geometry
-        tokens_list = [int(x) for x in args.tokens.split(",")]
-    backends = (args.backends.split(",") if args.backends else
-                ["triton", "torch"] if device.type == "cuda" else ["torch"])
-    layouts = args.layouts.split(",")
-    if not set(layouts) <= {"consecutive", "fragmented"}:
-        ap.error(f"--layouts: consecutive and/or fragmented, got {args.layouts}")
-    direct_list = [int(x) for x in args.direct_pages.split(",")] if args.direct_pages else [None]
+        tokens_list = args.tokens
+    backends = args.backends or (["triton", "torch"] if device.type == "cuda" else ["torch"])
+    layouts = args.layouts
+    direct_list = args.direct_pages or [None]
     if args.profile:
-        profile_directions(geometry, device, tokens_list, args.repeats, backends[0], layouts)
+        with human_output(args.json):  # (stdout carries JSON alone with --json)
+            profile_directions(geometry, device, tokens_list, args.repeats, backends[0], layouts)
         return 0
     out = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
            "date": time.strftime("%Y-%m-%d"), "geometry": geometry.describe()}
@@ -321,6 +330,13 @@ def main(argv=None) -> int:
         out["round_trip_identical"] = {b: asyncio.run(round_trip(geometry, device, tokens_list[0], b)) for b in backends}
         out["storage"] = bench_storage(geometry, tokens_list[-1] if not args.quick else 256, args.io_workers)
     write_result(out, args.out, args.json)
+    with human_output(args.json):  # (regression: the table followed the JSON on stdout)
+        human(out)
+    ok = all(out["round_trip_identical"].values()) and all(r["identical"] for r in out["layerwise_h2d"])
+    return 0 if ok else 1
+
+
+def human(out: dict) -> None:
     print(f"\n{out['device']}: round trip byte-identical {out['round_trip_identical']}; storage {out['storage']}")
     print(f"{'tokens':>6} {'backend':>7} {'host':>11} {'direct':>6} {'D2H GiB/s':>10} {'ratio':>6} {'H2D GiB/s':>10} {'ratio':>6}"
           f"  device-time ratio D2H/H2D")
@@ -332,9 +348,7 @@ def main(argv=None) -> int:
               f"  device us {r['d2h_service_us']:.0f}/{r['h2d_service_us']:.0f}")
     for r in out["layerwise_h2d"]:
         print(f"{r['tokens']:>6} layer-ordered H2D {r['host_layout']:>11} {r['h2d_gib_s']:>7.2f} GiB/s  ratio {r['h2d_ratio']:.3f}  device "
-              f"{r['h2d_service_ratio'] or 0:.3f}  identical {r['identical']}")
-    ok = all(out["round_trip_identical"].values()) and all(r["identical"] for r in out["layerwise_h2d"])
-    return 0 if ok else 1
+              f"{fmt(r['h2d_service_ratio'], '{:.3f}')}  identical {r['identical']}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ import sys
 
 import torch
 
+from bench_cli import (check_device, fail, non_negative_float, non_negative_int, positive_float,  # noqa: E402
+                       positive_int, refused_as_usage)
 from bench_common import add_common_args
 from hicache.radix import Tier
 from scheduler.config import EngineConfig
@@ -25,13 +27,21 @@ from scheduler.engine import Engine
 from scheduler.request import SamplingParams
 
 
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(model=args.model, device=args.device, page_size=args.page_size,
+                        num_pages=args.num_pages, max_prefill_tokens=16384,
+                        cuda_graphs=not args.disable_cuda_graphs).with_hicache(
+        enable=True, policy="always", host_ratio=args.host_ratio, storage_ratio=args.storage_ratio)
+
+
 async def run(args) -> int:
-    eng = Engine(EngineConfig(model=args.model, device=args.device, page_size=args.page_size,
-                              num_pages=args.num_pages, max_prefill_tokens=16384,
-                              cuda_graphs=not args.disable_cuda_graphs).with_hicache(
-        enable=True, policy="always", host_ratio=args.host_ratio, storage_ratio=args.storage_ratio))
+    eng = Engine(engine_config(args))
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(1, eng.vocab_size) for _ in range(args.prefix_tokens + 1)] for _ in range(2)]
+    try:  # (regression: an IndexError from a refused request's missing token)
+        eng.validate(prompts[0], SamplingParams(max_tokens=1))
+    except ValueError as exc:
+        fail(str(exc))
 
     async def first_token(p):
         out = (await eng.generate_async([p], SamplingParams(max_tokens=1)))[0]
@@ -80,15 +90,23 @@ async def run(args) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, model="qwen3-8b", device=True, page_size=16, seed=1, output=False)  # (a line, no JSON)
-    ap.add_argument("--prefix-tokens", type=int, default=1000)
-    ap.add_argument("--num-pages", type=int, default=0)
-    ap.add_argument("--iterations", type=int, default=8)
-    ap.add_argument("--host-ratio", type=float, default=4.0)
-    ap.add_argument("--storage-ratio", type=float, default=0.0, help="> 0 keeps an L3 (write-through, prefetch)")
+    ap.add_argument("--prefix-tokens", type=positive_int, default=1000, help="at least a page")
+    ap.add_argument("--num-pages", type=non_negative_int, default=0)
+    ap.add_argument("--iterations", type=positive_int, default=8)  # (regression: 0 printed 0/0, rc 0)
+    ap.add_argument("--host-ratio", type=positive_float, default=4.0)
+    ap.add_argument("--storage-ratio", type=non_negative_float, default=0.0,
+                    help="> 0 keeps an L3 (write-through, prefetch)")
     ap.add_argument("--disable-cuda-graphs", action="store_true")
     args = ap.parse_args(argv)
+    check_device(ap, args.device)
+    if args.page_size < 1:  # (regression: ZeroDivisionError)
+        ap.error(f"--page-size must be >= 1, got {args.page_size}")
+    if args.prefix_tokens < args.page_size:  # (regression: a prefix of no whole page: an index error)
+        ap.error(f"--prefix-tokens {args.prefix_tokens} must be at least a page ({args.page_size} tokens)")
     if not args.num_pages:
         args.num_pages = 3 * (-(-(args.prefix_tokens + 2) // args.page_size)) // 2  # ~1.5 prompts
+    with refused_as_usage(ap, "engine config"):
+        engine_config(args)
     return asyncio.run(run(args))
 
 

@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import sysconfig
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_cli import fail, positive_int  # noqa: E402
 
 CONTROL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # special: left out of decoded text
 ADDED = ("<tool_call>", "</tool_call>", "<think>", "</think>")  # as Qwen3's: kept in decoded text
@@ -45,6 +49,9 @@ def build(out: Path, vocab_tokens: int, root: Path, max_bytes: int) -> dict:
     t = time.perf_counter()
     tok.train_from_iterator(corpus(root, max_bytes), trainer=trainer)
     trained_s = time.perf_counter() - t
+    if tok.get_vocab_size() < vocab_tokens:  # (regression: a 263-token tokenizer, silently, for 151,643 asked)
+        raise ValueError(f"the corpus {root} gave {tok.get_vocab_size():,} tokens of the {vocab_tokens:,} asked: "
+                         "give a larger --corpus or fewer --vocab-tokens (nothing was written)")
     tok.add_tokens([AddedToken(a, special=False) for a in ADDED])
     tok.add_special_tokens([AddedToken(c, special=True) for c in CONTROL])
     out.mkdir(parents=True, exist_ok=True)
@@ -57,12 +64,23 @@ def build(out: Path, vocab_tokens: int, root: Path, max_bytes: int) -> dict:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path, help="directory for tokenizer.json / tokenizer_config.json")
-    ap.add_argument("--vocab-tokens", type=int, default=151643, help="regular tokens (Qwen3's: 151,643)")
+    ap.add_argument("--vocab-tokens", type=positive_int, default=151643,
+                    help="regular tokens (Qwen3's: 151,643; more than the 256 bytes)")
     ap.add_argument("--corpus", type=Path, default=Path(sysconfig.get_paths()["stdlib"]),
                     help="a directory of .py files to train on (default: this Python's standard library)")
-    ap.add_argument("--max-corpus-bytes", type=int, default=120 << 20)
+    ap.add_argument("--max-corpus-bytes", type=positive_int, default=120 << 20)
     args = ap.parse_args(argv)
-    print(json.dumps(build(args.out, args.vocab_tokens, args.corpus, args.max_corpus_bytes)))
+    if args.vocab_tokens <= 256:
+        ap.error(f"--vocab-tokens must be more than the 256 byte tokens, got {args.vocab_tokens}")
+    if args.out.exists() and not args.out.is_dir():  # (regression: FileExistsError's traceback)
+        ap.error(f"--out {args.out}: exists and is not a directory")
+    if not args.corpus.is_dir() or next(args.corpus.rglob("*.py"), None) is None:  # (regression: silently trained
+        ap.error(f"--corpus {args.corpus}: not a directory holding .py files")  # on nothing)
+    try:
+        result = build(args.out, args.vocab_tokens, args.corpus, args.max_corpus_bytes)
+    except ValueError as exc:
+        fail(str(exc), code=1)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

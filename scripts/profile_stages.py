@@ -35,6 +35,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_hicache_stress as stress  # noqa: E402
+from bench_cli import human_output, positive_int  # noqa: E402
 import torch  # noqa: E402
 
 # (module, class, method): the stages of a request, in order
@@ -188,13 +189,14 @@ def print_spans(tier: str, first: int, last: int) -> None:
 def own_parser() -> argparse.ArgumentParser:
     """The flags main() takes itself, parsed by hand there (the rest go to bench_hicache_stress.py):
     for --help only (regression: --help showed only bench_hicache_stress.py's options and description)."""
-    p = argparse.ArgumentParser(prog="profile_stages.py", description=__doc__,
+    p = argparse.ArgumentParser(prog="profile_stages.py", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 usage="%(prog)s [-h] [--fine] [--cprofile N] [--spans [--ab NAME]] "
                                       "[bench_hicache_stress.py options]",
                                 epilog="bench_hicache_stress.py's options, passed on to it, follow.")
     p.add_argument("--fine", action="store_true", help="also time the calls inside the stages")
-    p.add_argument("--cprofile", metavar="N", type=int, help="also print cProfile's top N functions (l2 tier)")
+    p.add_argument("--cprofile", metavar="N", type=positive_int,
+                   help="also print cProfile's top N functions (l2 tier)")
     p.add_argument("--spans", action="store_true", help="stamp a request's span on the device clock, no timers")
     p.add_argument("--ab", metavar="NAME", help="with --spans: variants in turn in one process (split-k, pdl)")
     return p
@@ -220,13 +222,12 @@ def main(argv=None) -> int:
         return 0
     if "--spans" in argv:
         return main_spans([a for a in argv if a != "--spans"])
-    fine = "--fine" in argv
-    top = 0
-    if "--cprofile" in argv:
-        i = argv.index("--cprofile")
-        top = int(argv[i + 1])
-        del argv[i:i + 2]
-    argv = [a for a in argv if a != "--fine"]
+    own, argv = own_parser().parse_known_args(argv)  # (regression: --cprofile parsed by hand, a traceback)
+    if own.ab is not None:
+        own_parser().error("--ab is --spans's")
+    check_tiers(argv)
+    fine, top = own.fine, own.cprofile or 0
+    as_json = "--json" in argv  # (stdout carries bench_hicache_stress.py's JSON alone: the tables to stderr)
     restore = install(STAGES + FINE_STAGES if fine else STAGES)
     throughput = stress.throughput
 
@@ -237,6 +238,12 @@ def main(argv=None) -> int:
         if profiler is not None:
             profiler.enable()
         result = await throughput(args, tier, *rest, **kwargs)
+        with human_output(as_json):
+            report(profiler, result)
+        measuring = False
+        return result
+
+    def report(profiler, result) -> None:
         if profiler is not None:
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
@@ -246,8 +253,6 @@ def main(argv=None) -> int:
             print(f"  {'stage':40s} {'calls':>6s} {'ms/request':>11s} {'us/call':>9s}")
             for label, (calls, ns) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
                 print(f"  {label:40s} {calls:6d} {ns / 1e6 / n:11.3f} {ns / 1e3 / max(calls, 1):9.1f}")
-        measuring = False
-        return result
 
     stress.throughput = measured
     try:
@@ -255,6 +260,13 @@ def main(argv=None) -> int:
     finally:
         stress.throughput = throughput
         restore()
+
+
+def check_tiers(argv) -> None:
+    """This script runs the tiers itself (regression: --tier none or --tiers l3 printed no stage table, rc 0)."""
+    given = [a for a in argv if a.split("=")[0] in ("--tier", "--tiers")]
+    if given:
+        own_parser().error(f"{given[0].split('=')[0]}: profile_stages.py runs its tiers itself (none, then l2)")
 
 
 def ab_variants(name: str) -> list[tuple[str, object]]:
@@ -285,6 +297,7 @@ def main_spans(argv) -> int:
     if not (device.startswith("cuda") and torch.cuda.is_available()):  # (regression: a traceback after the none tier)
         print("profile_stages.py --spans needs CUDA (its spans are CUDA events on the device clock)", file=sys.stderr)
         return 2
+    check_tiers(argv)
     spans.clear()
     tier = {"name": "none"}
     restore = install_spans(lambda: tier["name"])
@@ -311,7 +324,8 @@ def main_spans(argv) -> int:
         # the measured requests are the tier's first `requests` after its warm-up; the first round
         # of prefixes misses every tier
         start = first + args.warmup + args.num_prefixes
-        print_spans(label, start, first + args.warmup + args.requests)
+        with human_output("--json" in argv):
+            print_spans(label, start, first + args.warmup + args.requests)
         return result
 
     stress.throughput = measured
