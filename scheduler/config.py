@@ -208,8 +208,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="share of the GPU's memory the weights, L1 and activations may take, in (0, 1] "
                         "(with --max-total-tokens 0; vLLM's name too)")
     g.add_argument("--max-prefill-tokens", "--max-num-batched-tokens", "--chunked-prefill-size", type=int, default=2048,
-                   help="tokens one prefill batch computes; longer prompts are prefilled in chunks (vLLM's and "
-                        "SGLang's names too)")
+                   help="tokens one prefill batch computes; longer prompts are prefilled in chunks, a decode step "
+                        "between chunks while requests decode (vLLM's and SGLang's names too)")
     g.add_argument("--max-running-requests", "--max-num-seqs", type=int, default=64,
                    help="requests admitted (prefill or decode) at once (vLLM's name too)")
     g.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=["fcfs", "priority", "lpm"],

@@ -1,7 +1,8 @@
 """The serving engine: one asyncio loop that admits requests, restores or recomputes their prefixes,
 and runs prefill and decode batches over the paged L1 pool.
 
-    tick:  settle aborts and parked restores  ->  form a batch (prefill first, else decode)
+    tick:  settle aborts and parked restores  ->  form a batch (prefill first, else decode; turn about while
+           requests decode: scheduler/engine_loop.py)
            ->  launch it on the device  ->  await its tokens (restores and I/O progress meanwhile)
            ->  post-process: stream tokens, publish prefixes, finish requests
 
@@ -103,6 +104,7 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         self._stops: set[str] = set()  # of those, the ones a caller's stop condition ended (`abort`)
         self._wake: asyncio.Event | None = None
         self._end_chain = False  # set by wake_soon, not by _wake_idle: a decode chain stops for it
+        self._prefill_turn = True  # the loop's next tick tries prefill first (it alternates while requests decode)
         self._loop_task: asyncio.Task | None = None
         self.stopping = False  # the loop is asked to stop: nothing more is admitted (a restart clears it)
         self._closing = False  # shutdown() began: no new requests ever; queued ones run within its grace

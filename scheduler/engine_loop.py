@@ -1,9 +1,15 @@
 """The engine's scheduler loop, mixed into the Engine: one asyncio task whose tick settles aborts and
-parked restores, forms a batch (prefill first, else decode), launches it on the device, awaits its
-tokens and post-processes them (`_after_batch`); with overlap scheduling, decode steps chain on the
-device (`_run_decode_chain`). Also what wakes it (`wake_soon`, `_wake_idle`). Forming batches and
-taking their tokens is the Engine's `admission` (scheduler/admission.py); ending requests is
-`finish` / `_settle_aborts` (scheduler/engine_lifecycle.py)."""
+parked restores, forms a batch, launches it on the device, awaits its tokens and post-processes them
+(`_after_batch`); with overlap scheduling, decode steps chain on the device (`_run_decode_chain`). Also
+what wakes it (`wake_soon`, `_wake_idle`). Forming batches and taking their tokens is the Engine's
+`admission` (scheduler/admission.py); ending requests is `finish` / `_settle_aborts`
+(scheduler/engine_lifecycle.py).
+
+Which batch: prefill first, else decode; but while requests decode, prefill and decode take turns: after a
+prefill batch the next tick decodes first (one step, where prefill work waits), so a decoding request waits at
+most one prefill forward (a chunk of --max-prefill-tokens) for its next token. (Regression: decode ran only once
+no prefill was left: every chunk of a long prompt stalled it, and a steady stream of short requests starved it.
+vLLM V1 puts the decodes' rows in every step's token budget; a turn each costs a forward more per turn.)"""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +20,7 @@ import structlog
 from scheduler import step_extras
 from scheduler.logs import info_enabled
 from scheduler.loop_task import fail_live_requests
+from scheduler.request import RequestState
 from scheduler.runner import Batch, PendingSample
 from scheduler.sampling import NAN_TOKEN
 from scheduler.speculative import rows_of
@@ -52,9 +59,16 @@ class EngineLoop:
                 return  # (nothing is admitted while stopping: waiting and parked requests stay as they are)
             self.admission.settle_parked()
             self.admission.settle_overlaps()
-            batch = await self.admission.prefill_batch()
+            batch = await self.admission.prefill_batch() if self._prefill_turn else None
             if batch is None:
                 batch = self.admission.decode_batch()
+                if batch is not None and not self._prefill_turn and self._chunks_wait():
+                    self._end_chain = True  # (its turn is one step: a chain would hold the prompt's next chunk off;
+                    # a queued request that could be admitted ends a chain itself: Admission.chain_decode_batch)
+            if batch is None and not self._prefill_turn:
+                batch = await self.admission.prefill_batch()
+            # (a prefill's turn is followed by decode's, where a request decodes; decode's by prefill's)
+            self._prefill_turn = batch is None or batch.binput.is_decode or batch.binput.verify_drafts is not None
             if batch is None:
                 # (stopping: this tick may have ended the last running request, e.g. an overlapped
                 # restore's adopted by settle_overlaps; regression: it then waited for a wake-up that
@@ -63,6 +77,10 @@ class EngineLoop:
                     await self._wake.wait()
                 continue
             await self._run(batch)
+
+    def _chunks_wait(self) -> bool:
+        """Whether a prompt is part-way through its chunked prefill (not waiting for its restore to land)."""
+        return any(r.state is RequestState.PREFILL and r.overlap_op is None for r in self.running)
 
     async def _run(self, work: Batch) -> None:
         if work.binput.is_decode and self.config.overlap_schedule:
