@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_cli import positive_int  # noqa: E402
 from hicache.allocator import PageAllocator  # noqa: E402
 
 
@@ -41,8 +43,8 @@ def measure(pages: int, repeats: int, scattered: bool) -> dict[str, float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pages", type=int, default=22, help="pages per call (a 350-token prefix at page 16: 22)")
-    p.add_argument("--repeats", type=int, default=2000)
+    p.add_argument("--pages", type=positive_int, default=22, help="pages per call (a 350-token prefix at page 16: 22)")
+    p.add_argument("--repeats", type=positive_int, default=2000, help="calls timed of each (median)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     out = {layout: measure(args.pages, args.repeats, layout == "scattered") for layout in ("run", "scattered")}

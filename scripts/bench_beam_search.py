@@ -20,33 +20,59 @@ import sys
 import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
+from bench_cli import (check_device, check_engine_config, check_fits, fail, int_list,  # noqa: E402
+                       non_negative_int, positive_int, refused_as_usage)
 from bench_common import (CPU_SMOKE, add_common_args, fmt, free_memory, integrity_of, median,  # noqa: E402
                           parse_common_args, shared_model, sync, table, write_result)
-from scheduler.beam_search import BeamSearchParams, beam_search  # noqa: E402
+from scheduler.beam_search import MAX_BEAM_WIDTH, BeamSearchParams, beam_search  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 
 
+WARM_TOKENS = 32  # the warm-up search's prompt (2 beams, 2 steps)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, model=CPU_SMOKE, device=("cuda", "cpu"), seed=0)
-    p.add_argument("--prompt-tokens", default="350,2000", help="comma-separated prompt lengths")
-    p.add_argument("--beam-widths", default="1,4,8", help="comma-separated beam widths (1..10)")
-    p.add_argument("--max-tokens", type=int, default=32, help="steps of each search")
-    p.add_argument("--repeats", type=int, default=3, help="searches per configuration (each a fresh prompt)")
-    p.add_argument("--num-pages", type=int, default=0, help="L1 pages per engine (0: 4,096 on CUDA, 1,024 on CPU)")
+    p.add_argument("--prompt-tokens", type=int_list(1), default=[350, 2000], help="comma-separated prompt lengths")
+    p.add_argument("--beam-widths", type=int_list(1), default=[1, 4, 8],
+                   help=f"comma-separated beam widths (1..{MAX_BEAM_WIDTH})")
+    p.add_argument("--max-tokens", type=positive_int, default=32, help="steps of each search")
+    p.add_argument("--repeats", type=positive_int, default=3, help="searches per configuration (each a fresh prompt)")
+    p.add_argument("--num-pages", type=non_negative_int, default=0,
+                   help="L1 pages per engine (0: 4,096 on CUDA, 1,024 on CPU)")
     args = parse_common_args(p, argv)
-    args.prompt_tokens = [int(x) for x in args.prompt_tokens.split(",")]
-    args.beam_widths = [int(x) for x in args.beam_widths.split(",")]
+    check_device(p, args.device)
+    # what the engine would refuse of the searches, refused before the model loads (regression: tracebacks)
+    if max(args.beam_widths) > MAX_BEAM_WIDTH:
+        p.error(f"--beam-widths: each width must be in [1, {MAX_BEAM_WIDTH}] (each step asks 2 * width logprobs), "
+                f"got {max(args.beam_widths)}")
+    config = check_engine_config(p, lambda: engine_config(args, True))
+    with refused_as_usage(p, "--max-tokens"):
+        SamplingParams(max_tokens=args.max_tokens, ignore_eos=True).validate(config.max_new_tokens_limit)
+    shapes = [(n, args.max_tokens, "--prompt-tokens/--max-tokens") for n in args.prompt_tokens]
+    check_fits(p, args.model, [*shapes, (WARM_TOKENS, 2, "the warm-up search (--num-pages)")], config.page_size,
+               config.num_pages)
     return args
 
 
-def make_engine(args, prefix_cache: bool) -> Engine:
+def engine_config(args, prefix_cache: bool) -> EngineConfig:
     cuda = args.device == "cuda"
-    return Engine(EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=16 if cuda else 4,
-                               num_pages=args.num_pages or (4096 if cuda else 1024),
-                               enable_prefix_cache=prefix_cache))
+    return EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=16 if cuda else 4,
+                        num_pages=args.num_pages or (4096 if cuda else 1024), enable_prefix_cache=prefix_cache)
+
+
+def make_engine(args, prefix_cache: bool) -> Engine:
+    engine = Engine(engine_config(args, prefix_cache))
+    searches = [(WARM_TOKENS, 2, 2)] + [(n, w, args.max_tokens) for n in args.prompt_tokens for w in args.beam_widths]
+    for n, w, steps in searches:  # (the built engine's own checks too: pages CUDA graphs hold, --max-prompt-tokens)
+        try:
+            BeamSearchParams(beam_width=w, max_tokens=steps, ignore_eos=True).validate(engine, [1] * n)
+        except ValueError as exc:
+            fail(f"{exc} (a search of {n} prompt tokens, width {w}, {steps} steps)")
+    return engine
 
 
 def prompts(args, vocab: int) -> dict[tuple[int, int, int], list[int]]:
@@ -59,7 +85,7 @@ def prompts(args, vocab: int) -> dict[tuple[int, int, int], list[int]]:
 async def run_engine(engine: Engine, args, todo: dict) -> dict:
     """Each configuration's searches in this engine: seconds, beams, tokens sent and computed."""
     rng = random.Random(args.seed - 1)  # (graphs, kernels and the loop started before anything is timed, on a
-    warm = [rng.randrange(1, engine.vocab_size) for _ in range(32)]  # prompt of its own: it leaves no timed hit)
+    warm = [rng.randrange(1, engine.vocab_size) for _ in range(WARM_TOKENS)]  # prompt of its own: no timed hit)
     await beam_search(engine, warm, BeamSearchParams(beam_width=2, max_tokens=2))
     out = {}
     for (n, w, r), prompt in todo.items():

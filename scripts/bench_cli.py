@@ -124,6 +124,49 @@ def check_device(p: argparse.ArgumentParser, device: str | None) -> None:
             p.error(f"--device {device}: CUDA is not available on this machine (try --device cpu)")
 
 
+def check_fits(p: argparse.ArgumentParser, model: str, shapes, page_size: int, num_pages: int | None) -> None:
+    """Each (prompt tokens, new tokens, flags) of `shapes` within the model's positions and an L1 of `num_pages` pages
+    (None: the pool is sized otherwise), as the engine's `validate` would refuse it: the parser's error, before any
+    model loads (its shapes read from the preset or config.json). The built engine still checks (held pages)."""
+    from scheduler.presets import model_config_of
+    with refused_as_usage(p, "--model"):
+        positions = model_config_of(model).max_position_embeddings
+    for prompt, new, flags in shapes:
+        kv = prompt + max(new - 1, 0)  # (scheduler.request.kv_tokens: the last new token writes no K/V)
+        if kv > positions:
+            p.error(f"{flags}: prompt ({prompt}) + max_tokens ({new}) - 1 = {kv} tokens exceeds the model's "
+                    f"{positions} positions")
+        if num_pages is not None and -(-kv // page_size) > num_pages:
+            p.error(f"{flags}: prompt ({prompt}) + max_tokens ({new}) - 1 = {kv} tokens needs {-(-kv // page_size)} "
+                    f"pages of {page_size} tokens; the L1 pool has {num_pages}")
+
+
+def read_json(p: argparse.ArgumentParser, path: str):
+    """The JSON in the file `path` (gzipped where it ends in .gz), or the parser's one-line error naming the file: one
+    missing, a directory, not JSON (regression: plot_latency and trace_* ended in tracebacks)."""
+    import gzip
+    import json
+    try:
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+            return json.load(f)
+    except OSError as exc:
+        p.error(f"{path}: {exc.strerror}" if exc.filename else f"{path}: {one_line(exc)}")  # (BadGzipFile)
+    except (ValueError, EOFError) as exc:  # (JSONDecodeError, UnicodeDecodeError: ValueErrors; a cut gzip: EOFError)
+        p.error(f"{path}: not JSON ({one_line(exc)})")
+
+
+def trace_events(p: argparse.ArgumentParser, path: str) -> list[dict]:
+    """A torch.profiler chrome trace's complete events (ph "X" with a name, ts and dur), or the parser's one-line
+    error naming the file: one unread, not JSON, JSON without a traceEvents list (regression: KeyError, TypeError)."""
+    data = read_json(p, path)
+    events = data.get("traceEvents") if isinstance(data, dict) else None
+    if not isinstance(events, list):
+        p.error(f"{path}: not a chrome trace (no traceEvents list)")
+    number = (int, float)
+    return [e for e in events if isinstance(e, dict) and e.get("ph") == "X" and isinstance(e.get("name"), str)
+            and isinstance(e.get("ts"), number) and isinstance(e.get("dur"), number)]
+
+
 # -- --storage-path ------------------------------------------------------------------------------------
 STORAGE_PATH_HELP = ("the L3 file, created by the benchmark and removed at exit with its PATH.index (a new path in "
                      "an existing directory: an existing file is refused, never overwritten or deleted; default: a "

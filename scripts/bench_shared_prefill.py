@@ -16,6 +16,8 @@ import sys
 import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
+from bench_cli import (check_device, check_engine_config, check_fits, fail, int_list,  # noqa: E402
+                       non_negative_int, positive_int)
 from bench_common import (CPU_SMOKE, add_common_args, fmt, integrity_of, median, parse_common_args,  # noqa: E402
                           sync, table, write_result)
 from scheduler.config import EngineConfig  # noqa: E402
@@ -23,17 +25,32 @@ from scheduler.engine import Engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 
 
+WARM_TOKENS = 64  # the warm-up's prompt (two requests)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, model=CPU_SMOKE, device=("cuda", "cpu"), seed=0)
-    p.add_argument("--prompt-tokens", default="1000,4000", help="comma-separated shared prompt lengths")
-    p.add_argument("--tail-tokens", type=int, default=0, help="distinct tokens after the shared prompt (0: n choices)")
-    p.add_argument("--requests", default="2,4,8", help="comma-separated numbers of requests arriving together")
-    p.add_argument("--repeats", type=int, default=3, help="rounds per configuration (each a fresh prompt)")
+    p.add_argument("--prompt-tokens", type=int_list(1), default=[1000, 4000],
+                   help="comma-separated shared prompt lengths")
+    p.add_argument("--tail-tokens", type=non_negative_int, default=0,
+                   help="distinct tokens after the shared prompt (0: n choices)")
+    p.add_argument("--requests", type=int_list(1), default=[2, 4, 8],
+                   help="comma-separated numbers of requests arriving together")
+    p.add_argument("--repeats", type=positive_int, default=3, help="rounds per configuration (each a fresh prompt)")
     args = parse_common_args(p, argv)
-    args.prompt_tokens = [int(x) for x in args.prompt_tokens.split(",")]
-    args.requests = [int(x) for x in args.requests.split(",")]
+    check_device(p, args.device)
+    # what the engine would refuse of the requests, refused before the model loads (regression: tracebacks)
+    config = check_engine_config(p, lambda: engine_config(args))
+    check_fits(p, args.model, [(n + args.tail_tokens, 1, "--prompt-tokens + --tail-tokens")
+                               for n in args.prompt_tokens], config.page_size, config.num_pages)
     return args
+
+
+def engine_config(args) -> EngineConfig:
+    cuda = args.device == "cuda"
+    return EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=16 if cuda else 4,
+                        num_pages=8192 if cuda else 2048)
 
 
 async def round_trip(engine: Engine, prompts: list[list[int]], device: str) -> tuple[float, int]:
@@ -51,12 +68,15 @@ async def round_trip(engine: Engine, prompts: list[list[int]], device: str) -> t
 
 
 async def main_async(args) -> dict:
-    cuda = args.device == "cuda"
-    engine = Engine(EngineConfig(model=args.model, device=args.device, seed=args.seed, page_size=16 if cuda else 4,
-                                 num_pages=8192 if cuda else 2048))
+    engine = Engine(engine_config(args))
+    for n in [WARM_TOKENS] + [n + args.tail_tokens for n in args.prompt_tokens]:  # (the built engine's checks too)
+        try:
+            engine.validate([1] * n, SamplingParams(max_tokens=1, ignore_eos=True))
+        except ValueError as exc:
+            fail(f"{exc} (a request of {n} prompt tokens)")
     rng = random.Random(args.seed)
     fresh = lambda n: [rng.randrange(1, engine.vocab_size) for _ in range(n)]  # noqa: E731
-    await round_trip(engine, [fresh(64)] * 2, args.device)  # (warm-up: graphs, kernels, the loop)
+    await round_trip(engine, [fresh(WARM_TOKENS)] * 2, args.device)  # (warm-up: graphs, kernels, the loop)
     rows = []
     for n_tokens in args.prompt_tokens:
         for n_requests in args.requests:

@@ -22,6 +22,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cli import choice_list, fail, int_list, positive_int, refused_as_usage  # noqa: E402
 from scheduler.api_tools import ToolFields  # noqa: E402
 from scheduler.guided import Guides, GuidedSpec, fill_masks  # noqa: E402
 from scheduler.tokenizer import HFTokenizer  # noqa: E402
@@ -33,6 +35,12 @@ ARGS = {"type": "object", "properties": {"city": {"type": "string", "maxLength":
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": ARGS}},
          {"type": "function", "function": {"name": "get_time", "parameters": {
              "type": "object", "properties": {"zone": {"type": "string", "maxLength": 16}}, "required": ["zone"]}}}]
+
+
+GRAMMARS = ("text", "json", "calls")
+WARMUP_STEPS = 5  # the first steps of each grammar and row count, left out of the median
+QWEN3_VOCAB = 151936
+BYTE_VOCAB = 512  # the presets' byte tokenizer's (the tiny preset's vocabulary)
 
 
 def specs() -> dict[str, GuidedSpec]:
@@ -59,18 +67,43 @@ def step_times_us(guides: Guides, spec: GuidedSpec, rows: int, steps: int, rng: 
     return times
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", default=None, help="a directory with tokenizer.json (default: the byte tokenizer)")
-    ap.add_argument("--vocab-size", type=int, default=151936, help="the model's vocabulary (Qwen3's: 151,936)")
-    ap.add_argument("--rows", default="1,8,32")
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--grammars", default="text,json,calls")
+    ap.add_argument("--vocab-size", type=positive_int, default=None,
+                    help=f"the model's vocabulary, the masks' width, with --tokenizer: at least the tokenizer's "
+                         f"(default: Qwen3's {QWEN3_VOCAB:,}); without --tokenizer refused: the byte tokenizer's "
+                         f"masks are the tiny preset's {BYTE_VOCAB} ids wide (a wider mask of 256 bytes is no "
+                         f"larger vocabulary's cost)")
+    ap.add_argument("--rows", type=int_list(1), default=[1, 8, 32], help="comma list of guided rows a step")
+    ap.add_argument("--steps", type=positive_int, default=60,
+                    help=f"steps timed per grammar and row count, more than {WARMUP_STEPS}: the first "
+                         f"{WARMUP_STEPS} are warm-up, left out of the median (default 60)")
+    ap.add_argument("--grammars", type=choice_list(GRAMMARS), default=list(GRAMMARS),
+                    help=f"comma list of {', '.join(GRAMMARS)} (default: all)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    tok = HFTokenizer(args.tokenizer) if args.tokenizer else None
+    if args.steps <= WARMUP_STEPS:  # (regression: the median of no step, a StatisticsError)
+        ap.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps left out of the median, got {args.steps}")
+    args.tok = None
+    if args.tokenizer is None:
+        if args.vocab_size is not None:  # (regression: ignored, the masks 512 ids wide)
+            ap.error(f"--vocab-size needs --tokenizer (the byte tokenizer's masks are {BYTE_VOCAB} ids wide)")
+        return args
+    with refused_as_usage(ap, "--tokenizer"):
+        args.tok = HFTokenizer(args.tokenizer)
+    least = args.tok.tok.get_vocab_size()
+    args.vocab_size = args.vocab_size or max(QWEN3_VOCAB, least)
+    if args.vocab_size < least:
+        ap.error(f"--vocab-size {args.vocab_size} is below the tokenizer's {least} tokens")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    tok = args.tok
     eos = () if tok is None else tuple(t for t in (tok.tok.token_to_id("<|im_end|>"),) if t is not None)
-    guides = Guides("tiny" if tok is None else args.tokenizer, args.vocab_size if tok else 512, eos)
+    guides = Guides("tiny" if tok is None else args.tokenizer, args.vocab_size if tok else BYTE_VOCAB, eos)
     if tok is not None:
         guides.use(tok)
     t = time.perf_counter()
@@ -78,11 +111,14 @@ def main(argv: list[str] | None = None) -> None:
     out = {"tokenizer": args.tokenizer or "bytes", "vocab_size": guides.vocab_size,
            "warm_s": round(time.perf_counter() - t, 2), "cpus": os.cpu_count(), "median_step_us": {}}
     rng = random.Random(0)
-    for name in args.grammars.split(","):
+    for name in args.grammars:
         spec = specs()[name]
-        guides.check(spec)
-        for rows in map(int, args.rows.split(",")):
-            times = step_times_us(guides, spec, rows, args.steps, rng)[5:]
+        try:
+            guides.check(spec)
+        except ValueError as exc:  # (no llguidance, a tokenizer it cannot read: its RequestError)
+            fail(f"{name}: {exc}")
+        for rows in args.rows:
+            times = step_times_us(guides, spec, rows, args.steps, rng)[WARMUP_STEPS:]
             out["median_step_us"][f"{name}_r{rows}"] = round(statistics.median(times), 1)
     if args.json:
         print(json.dumps(out))

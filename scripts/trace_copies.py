@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import gzip
 import json
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cli import non_negative_float, non_negative_int, trace_events  # noqa: E402
 
 WAITING = ("_split_kernel", "_wait_kernel", "decode_attention", "_attention")  # kernels that may spin on a flag
 
 
-def load(path: str) -> tuple[list[dict], list[dict]]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+def load(path: str, ap: argparse.ArgumentParser | None = None) -> tuple[list[dict], list[dict]]:
+    """The trace's copies and kernels; a file that is no chrome trace: `ap`'s one-line error, exit 2."""
+    events = trace_events(ap or argparse.ArgumentParser(prog="trace_copies.py"), path)
     copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
     kernels = [e for e in events if e.get("cat") == "kernel"]
     return copies, kernels
@@ -48,8 +50,22 @@ def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(s, e) for s, e in out]
 
 
+def _arg(copy: dict, key: str):
+    args = copy.get("args")
+    return args.get(key) if isinstance(args, dict) else None
+
+
+def _bytes(copy: dict) -> int:
+    value = _arg(copy, "bytes")
+    return value if isinstance(value, int) else 0
+
+
+def _stream_order(stream) -> tuple:
+    return (0, stream, "") if isinstance(stream, int) else (1, 0, str(stream))
+
+
 def transfers(copies: list[dict], direction: str, gap_us: float, min_bytes: int) -> list[list[dict]]:
-    mine = sorted((c for c in copies if direction in c["name"] and c.get("args", {}).get("bytes", 0) >= min_bytes),
+    mine = sorted((c for c in copies if direction in c["name"] and _bytes(c) >= min_bytes),
                   key=lambda c: c["ts"])
     groups: list[list[dict]] = []
     for c in mine:
@@ -73,7 +89,7 @@ def beside_by_name(group: list[dict], kernels: list[dict], top: int) -> list[tup
 
 
 def report(group: list[dict], busy: list[tuple[float, float]], busy_starts: list[float]) -> dict:
-    nbytes = sum(c["args"]["bytes"] for c in group)
+    nbytes = sum(_bytes(c) for c in group)
     span = group[-1]["ts"] + group[-1]["dur"] - group[0]["ts"]
     dma_us = sum(c["dur"] for c in group)
     beside = [(c, overlap_us(c["ts"], c["ts"] + c["dur"], busy, busy_starts) / max(c["dur"], 1e-9)) for c in group]
@@ -82,28 +98,37 @@ def report(group: list[dict], busy: list[tuple[float, float]], busy_starts: list
 
     def rate(cs: list[dict]) -> float | None:
         us = sum(c["dur"] for c in cs)
-        return sum(c["args"]["bytes"] for c in cs) / us / 1e3 if us else None  # GB/s
+        return sum(_bytes(c) for c in cs) / us / 1e3 if us else None  # GB/s
 
     return {"dmas": len(group), "bytes": nbytes, "span_us": span, "dma_us": dma_us, "idle_us": span - dma_us,
             "gb_s_span": nbytes / span / 1e3, "gb_s_alone": rate(alone), "gb_s_beside_kernels": rate(loaded),
             "dmas_alone": len(alone), "dmas_beside_kernels": len(loaded),
-            "streams": sorted({c["args"].get("stream") for c in group})}
+            "streams": sorted({_arg(c, "stream") for c in group}, key=_stream_order)}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--direction", default="HtoD", help="HtoD or DtoH (as the trace names copies)")
-    ap.add_argument("--gap-us", type=float, default=300.0)
-    ap.add_argument("--min-bytes", type=int, default=256 << 10, help="smaller copies (page indices) are left out")
-    ap.add_argument("--kernels", type=int, default=0, help="also list the N kernels that ran beside each transfer longest")
+    ap.add_argument("--gap-us", type=non_negative_float, default=300.0, help="idle stretch that ends a transfer")
+    ap.add_argument("--min-bytes", type=non_negative_int, default=256 << 10,
+                    help="smaller copies (page indices) are left out")
+    ap.add_argument("--kernels", type=non_negative_int, default=0,
+                    help="also list the N kernels that ran beside each transfer longest")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    copies, kernels = load(args.trace)
+    copies, kernels = load(args.trace, ap)
+    if not copies:  # (regression: an empty table, exit 0; trace_kernels says so of no kernels)
+        print(f"{args.trace}: no copies in the trace (a CPU run has none)", file=sys.stderr)
+        return 1
     # kernels other than those that may spin on a layer flag: what competes with the DMAs for HBM
     busy = union([(k["ts"], k["ts"] + k["dur"]) for k in kernels if not any(w in k["name"] for w in WAITING)])
     starts = [s for s, _ in busy]
     groups = transfers(copies, args.direction, args.gap_us, args.min_bytes)
+    if not groups:
+        print(f"{args.trace}: no {args.direction} copies of >= {args.min_bytes} bytes "
+              f"(of {len(copies)} copies in the trace)", file=sys.stderr)
+        return 1
     rows = [report(g, busy, starts) for g in groups]
     for r, g in zip(rows, groups):
         if args.kernels:

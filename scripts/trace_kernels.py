@@ -9,12 +9,15 @@ kernel, transfers) are listed by how long they overlap the forwards.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
+import os
 import re
 import statistics
 import sys
 from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cli import non_negative_float, positive_int, trace_events  # noqa: E402
 
 # a kernel name -> its family: Triton kernels by function name, the rest by a short prefix
 FAMILIES = [("skinny", r"_skinny_kernel"), ("attention split", r"_split_kernel"),
@@ -31,18 +34,17 @@ def family(name: str) -> str:
     return name[:40]
 
 
-def load(path: str) -> list[dict]:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        events = json.load(f)["traceEvents"]
-    return [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+def load(path: str, ap: argparse.ArgumentParser | None = None) -> list[dict]:
+    """The trace's device work; a file that is no chrome trace: `ap`'s one-line error, exit 2."""
+    events = trace_events(ap or argparse.ArgumentParser(prog="trace_kernels.py"), path)
+    return [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
 
 
 def forwards(kernels: list[dict], gap_us: float, min_kernels: int) -> list[list[dict]]:
     """Runs of kernels on the busiest stream separated by idle stretches longer than gap_us."""
     by_stream = defaultdict(list)
     for k in kernels:
-        by_stream[(k["pid"], k["tid"])].append(k)
+        by_stream[(k.get("pid"), k.get("tid"))].append(k)
     main = max(by_stream.values(), key=lambda ks: sum(k["dur"] for k in ks))
     main.sort(key=lambda k: k["ts"])
     runs, current = [], [main[0]]
@@ -89,13 +91,13 @@ def summarize(run: list[dict], others: list[dict], split_skinny: bool = False) -
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("trace")
-    ap.add_argument("--gap-us", type=float, default=200.0, help="idle stretch that ends a forward")
-    ap.add_argument("--min-kernels", type=int, default=100, help="shorter runs are not forwards")
+    ap.add_argument("--gap-us", type=non_negative_float, default=200.0, help="idle stretch that ends a forward")
+    ap.add_argument("--min-kernels", type=positive_int, default=100, help="shorter runs are not forwards")
     ap.add_argument("--split-skinny", action="store_true",
                     help="the skinny projections by their place in a layer (qkv, o_proj, gate_up, down)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    kernels = load(args.trace)
+    kernels = load(args.trace, ap)
     if not kernels:
         print(f"{args.trace}: no GPU kernels in the trace", file=sys.stderr)
         return 1
@@ -104,8 +106,8 @@ def main(argv=None) -> int:
         print(f"{args.trace}: no run of >= {args.min_kernels} kernels", file=sys.stderr)
         return 1
     main_ids = {id(k) for r in runs for k in r}
-    main_stream = (runs[0][0]["pid"], runs[0][0]["tid"])
-    others = [k for k in kernels if id(k) not in main_ids and (k["pid"], k["tid"]) != main_stream]
+    main_stream = (runs[0][0].get("pid"), runs[0][0].get("tid"))
+    others = [k for k in kernels if id(k) not in main_ids and (k.get("pid"), k.get("tid")) != main_stream]
     rows = [summarize(r, others, args.split_skinny) for r in runs]
     if args.json:
         print(json.dumps(rows))
@@ -130,8 +132,8 @@ def main(argv=None) -> int:
         print(f"  other stream: {f:24s} {med(r['other_streams_us'].get(f, 0.0) for r in rows):9.1f} us overlapping")
     streams = defaultdict(lambda: [0, 0.0])
     for k in others:
-        streams[(k["tid"], family(k["name"]))][0] += 1
-        streams[(k["tid"], family(k["name"]))][1] += k["dur"]
+        streams[(k.get("tid"), family(k["name"]))][0] += 1
+        streams[(k.get("tid"), family(k["name"]))][1] += k["dur"]
     for (tid, fam), (n, us) in sorted(streams.items(), key=lambda kv: -kv[1][1]):
         print(f"  stream {tid}: {n} x {fam} ({us:.1f} us in all, overlapping a forward or not)")
     return 0
