@@ -285,7 +285,7 @@ def choice_params(params: SamplingParams, j: int) -> SamplingParams:
     """Choice j's sampling parameters. With a seed, seed + j (vLLM's derivation), wrapped within a seed's 64 bits
     (the generator reads a seed's two's-complement bits, so the wrap keeps the stream): the n choices differ, a
     repeat of the request repeats them, and choice 0 is the n=1 request's. Without a seed each choice draws on
-    its own; greedy choices are all the greedy text (as OpenAI's and vLLM's)."""
+    its own; greedy choices are all the greedy text (vLLM refuses n > 1 with temperature 0; OpenAI's are alike)."""
     if params.seed is None or j == 0:
         return params
     seed = params.seed + j

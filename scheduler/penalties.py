@@ -11,7 +11,7 @@ SamplingParams' fields of these names, scheduler/penalty_state.py `apply_penalti
   frequency_penalty * its count + presence_penalty * (count > 0);
 
 * min_tokens: an integer in [0, max_tokens] (max_tokens left out: its default, within the limit): the
-  stop token ids and EOS (unless ignore_eos) at -inf while fewer tokens were generated, and no stop
+  stop token ids and EOS (with ignore_eos too, as vLLM's) at -inf while fewer tokens were generated, and no stop
   string matched before (scheduler/stop_strings.py);
 
 on the logits before temperature and top-p (and before greedy's argmax); logprobs stay those of the

@@ -44,7 +44,7 @@ class RowPenalties(NamedTuple):
     state: PenaltyState     # the request's, kept across its steps
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0     # its stop ids are masked while this step's token is one of its first min_tokens
-    stop_ids: tuple[int, ...] = ()  # those ids (stop_token_ids, and the EOS ids unless ignore_eos); ()
+    stop_ids: tuple[int, ...] = ()  # those ids (stop_token_ids and the EOS ids, with ignore_eos too); ()
                                     # once past min_tokens
     draft_ids: tuple[int, ...] = ()  # a verify row's drafts before it (scheduler/speculative.py): generated
                                      # tokens of this row only, counted in the step's copy, never in the state

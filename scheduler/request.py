@@ -38,6 +38,7 @@ LOGIT_BIAS_MAX_TOKENS = 1024  # token ids one request may bias (each is uploaded
 ALLOWED_TOKEN_IDS_MAX = 1 << 18  # (any vocabulary up to 262,144 ids, Gemma 3's, whole)
 BAD_WORDS_MAX = 128
 BAD_WORDS_MAX_TOKENS = 1024
+MIN_TEMPERATURE = 0.01  # a positive temperature below it samples at it (vLLM's _MAX_TEMP: smaller ones overflow there)
 
 
 def salted_prompt(prompt: list[int], salt: str) -> list[int]:
@@ -123,6 +124,8 @@ class SamplingParams:
         # every field's type too: a bad one raised out of add_request, or (stop_token_ids=None) in the loop
         if not _is_real(self.temperature) or not 0.0 <= self.temperature <= 100.0:
             raise RequestError(f"temperature must be a number in [0, 100], got {self.temperature!r}", "temperature")
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # vLLM's: raised to 0.01 (regression: 0.001 sampled as greedy)
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise RequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}", "top_p")
         if not _is_integer(self.top_k) or self.top_k < -1:

@@ -104,7 +104,8 @@ def _held_stops(req: Request, eos_ids: tuple[int, ...]) -> tuple[int, ...]:
     p = req.params
     if len(req.output) >= p.min_tokens:
         return ()
-    held = tuple(dict.fromkeys((*p.stop_token_ids, *(() if p.ignore_eos else eos_ids))))
+    # (the EOS ids with ignore_eos too, as vLLM's min_tokens holds all its stop ids: regression, EOS came first)
+    held = tuple(dict.fromkeys((*p.stop_token_ids, *eos_ids)))
     # allowed_token_ids that leave only those ids: the restriction wins (regression: a row of -inf sampled token 0)
     return () if held_by_min_tokens(p.allowed_token_ids, p.bad_words_token_ids, held) else held
 
