@@ -17,16 +17,19 @@ has no conversation yet), nor once it failed or was cancelled; its final Respons
 kept as it ends. Its id is claimed from its request's check to its run's start (`claim`): a request of the id in
 between is refused as one while it runs; and a response of the id that finishes while it runs is not kept over it.
 
-Bounded by a count (--responses-store-max; 0: nothing kept): the response used least recently (kept, followed
-or read by GET) dropped first, a background one's events with it; one still running is not dropped (the running
-ones are bounded by --max-concurrent-requests). In memory, on the server's one event loop: no locks. A kept
+Bounded by a count (--responses-store-max; 0: nothing kept) and by the bytes of their JSON (--responses-store-max-mib:
+a response's, its input items' and a finished background run's events'; Python's objects take some five times that):
+the response used least recently (kept, followed or read by GET) dropped first, a background one's events with it;
+one still running is not dropped (the running ones are bounded by --max-concurrent-requests), and a finished one
+larger than the whole bound is not kept (a warning). (Regression: 40 responses of 2,000 tokens with logprobs took
+640 MiB under the count alone.) In memory, on the server's one event loop: no locks. A kept
 conversation is never changed (a new response's is a new tuple; the messages are shared between the responses of
 one chain), and a request gets its own copy.
 """
 from __future__ import annotations
 
 import copy
-import itertools
+import json
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -64,11 +67,19 @@ class StoredResponse:
         return copy.deepcopy(list(self.conversation))
 
 
-class ResponsesStore:
-    """Kept responses by id, at most `max_responses` (0: none), in order of use (the least recently used first)."""
+def json_bytes(value) -> int:
+    """The bytes of `value` as JSON (what the bound counts a kept response by)."""
+    return len(json.dumps(value, separators=(",", ":")))
 
-    def __init__(self, max_responses: int) -> None:
-        self.max_responses = max(0, max_responses)
+
+class ResponsesStore:
+    """Kept responses by id, at most `max_responses` (0: none) and `max_bytes` of their JSON, in order of use (the
+    least recently used first)."""
+
+    def __init__(self, max_responses: int, max_bytes: int = 64 << 20) -> None:
+        self.max_responses, self.max_bytes = max(0, max_responses), max_bytes
+        self.kept_bytes = 0  # the kept responses' JSON bytes (`_size`)
+        self._sizes: dict[str, int] = {}
         self._kept: OrderedDict[str, StoredResponse] = OrderedDict()
         self._runs: dict[str, BackgroundRun] = {}  # the kept background responses' runs, by id
         # the request_ids of background requests between their check (ResponsesShape.chat_body) and their run's
@@ -96,18 +107,33 @@ class ResponsesStore:
             log.warning("response_not_kept", response_id=stored.id, reason="a background response of its id runs")
             return
         self._claimed.discard(stored.id)
+        size = self._size(stored, run)
+        if size > self.max_bytes and not (run is not None and not run.finished and not _ended(stored.response)):
+            log.warning("response_not_kept", response_id=stored.id, reason=f"its {size:,} bytes of JSON exceed "
+                        f"--responses-store-max-mib's {self.max_bytes:,}")
+            self._drop(stored.id)
+            return
+        self._drop(stored.id)
         self._kept[stored.id] = stored
-        self._kept.move_to_end(stored.id)
-        if run is None:
-            self._runs.pop(stored.id, None)
-        else:
+        self._sizes[stored.id] = size
+        self.kept_bytes += size
+        if run is not None:
             self._runs[stored.id] = run
-        excess = len(self._kept) - self.max_responses
-        if excess > 0:  # (the least recently used first: found at the front unless running)
-            dropped = (i for i in self._kept if i != stored.id and not self.running(i))
-            for response_id in list(itertools.islice(dropped, excess)):
-                del self._kept[response_id]
-                self._runs.pop(response_id, None)
+        # the least recently used first (found at the front unless running)
+        for response_id in [i for i in self._kept if i != stored.id and not self.running(i)]:
+            if len(self._kept) <= self.max_responses and self.kept_bytes <= self.max_bytes:
+                break
+            self._drop(response_id)
+
+    def _size(self, stored: StoredResponse, run: BackgroundRun | None) -> int:
+        """A kept response's bytes of JSON: the Response, its input items and its run's events so far."""
+        events = sum(json_bytes(e) for e in run.events) if run is not None else 0
+        return json_bytes(stored.response) + json_bytes(stored.input_items) + events
+
+    def _drop(self, response_id: str) -> None:
+        if self._kept.pop(response_id, None) is not None:
+            self.kept_bytes -= self._sizes.pop(response_id)
+        self._runs.pop(response_id, None)
 
     def running(self, response_id: str) -> bool:
         """Whether a background response of this id is kept and still running, or about to start (`claim`)."""
@@ -165,9 +191,9 @@ class ResponsesStore:
 
     def delete(self, response_id: str) -> dict:
         """DELETE /v1/responses/{id}: OpenAI's answer (a 404 where none is kept)."""
-        if self._kept.pop(response_id, None) is None:
+        if response_id not in self._kept:
             raise not_found(response_id)
-        self._runs.pop(response_id, None)
+        self._drop(response_id)
         return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     def input_items(self, response_id: str, order: str = "desc", limit: int = 20, after: str | None = None,
@@ -232,3 +258,7 @@ def _text_part(role: str, text: str) -> dict:
     if role == "assistant":
         return {"type": "output_text", "text": text, "annotations": []}
     return {"type": "input_text", "text": text}
+
+
+def _ended(response: dict) -> bool:
+    return response.get("status") not in ("queued", "in_progress")

@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--responses-store-max", type=int, default=ServerLimits.responses_store_max, metavar="N",
                    help="Responses (/v1/responses, store true) kept in memory for previous_response_id and "
                         "GET /v1/responses/{id}, the least recently used dropped first; 0: none kept")
+    s.add_argument("--responses-store-max-mib", type=int, default=ServerLimits.responses_store_max_mib, metavar="MIB",
+                   help="and at most this many MiB of their JSON (a response's, its input's, a background one's "
+                        "events'; in memory some five times that); one larger alone is not kept")
     s.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the request's own, else the id it ran under (vLLM's)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -138,6 +141,8 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1"
     if args.responses_store_max < 0:
         return f"--responses-store-max must be >= 0 (0: none kept), got {args.responses_store_max}"
+    if not 1 <= args.responses_store_max_mib <= 1 << 30:
+        return f"--responses-store-max-mib must be in [1, 2**30], got {args.responses_store_max_mib}"
     if not 0 <= args.port <= 65535:  # (65536 + n bound port n while the log said 65536 + n)
         return f"--port must be in [0, 65535], got {args.port}"
     if not args.host:  # (an unset variable's "": uvicorn listened on every interface, the default being 127.0.0.1)
@@ -283,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                           chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
                           enable_request_id_headers=args.enable_request_id_headers,
                           responses_store_max=args.responses_store_max,
+                          responses_store_max_mib=args.responses_store_max_mib,
                           **_access_limits(args))
     if limits.api_key:  # (where the key came from; never the key)
         print(f"hicache-serve: the /v1/ routes ask for the API key of "

@@ -84,6 +84,7 @@ class ServerLimits:
     cors: CORSSettings | None = None  # --allowed-origins and companions (api_auth.py); None: no CORS headers
     enable_request_id_headers: bool = False  # X-Request-Id on every response (request_ids.RequestIdHeaders)
     responses_store_max: int = 1000  # Responses kept for previous_response_id and GET (responses_store.py); 0: none
+    responses_store_max_mib: int = 64  # and at most this many MiB of their JSON
 
 
 class _ServerState:
@@ -100,7 +101,7 @@ class _ServerState:
         self.shutdown_task: asyncio.Task | None = None
         self.engine_error: str | None = None
         self.created = int(time.time())
-        self.responses = ResponsesStore(limits.responses_store_max)
+        self.responses = ResponsesStore(limits.responses_store_max, limits.responses_store_max_mib << 20)
         self.background = BackgroundResponses(self.responses)  # (background responses' runs)
 
     def begin_shutdown(self) -> None:

@@ -359,7 +359,7 @@ def test_close_cancels_the_runs_still_going_and_awaits_them(at_once):
 
 def test_the_store_drops_no_running_background_response_and_drops_a_finished_one_s_events_with_it():
     store = ResponsesStore(max_responses=1)
-    running = SimpleNamespace(id="bg", finished=False, response={"id": "bg", "status": "in_progress"})
+    running = SimpleNamespace(id="bg", finished=False, events=[], response={"id": "bg", "status": "in_progress"})
     store.put(StoredResponse(running.response, (), ()), running)
     store.put(StoredResponse({"id": "a", "status": "completed"}, (), ()))
     assert "bg" in store and "a" in store and store.run("bg") is running  # (over the bound: one is running)
