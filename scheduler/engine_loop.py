@@ -9,7 +9,7 @@ Which batch: prefill first, else decode; but while requests decode, prefill and 
 prefill batch the next tick decodes first (one step, where prefill work waits), so a decoding request waits at
 most one prefill forward (a chunk of --max-prefill-tokens) for its next token. (Regression: decode ran only once
 no prefill was left: every chunk of a long prompt stalled it, and a steady stream of short requests starved it.
-vLLM V1 puts the decodes' rows in every step's token budget; a turn each costs a forward more per turn.)"""
+vLLM V1 puts the decodes' rows in every step's token budget, with no forward of their own; here each turn is one.)"""
 from __future__ import annotations
 
 import asyncio
