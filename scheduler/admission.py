@@ -74,7 +74,7 @@ class Admission(Restoring):
     async def prefill_batch(self) -> Batch | None:
         eng = self.engine
         budget = eng.config.max_prefill_tokens
-        self.cache.busy_s = load.write_busy_s(eng)  # (the load that the backups started now are admitted by)
+        self.note_load()
         reqs, chunks = [], []
         self.memory_blocked = None
         binput = BatchInput(is_decode=False)
@@ -125,6 +125,12 @@ class Admission(Restoring):
         if not reqs:
             return None
         return Batch(reqs, chunks, binput)
+
+    def note_load(self) -> None:
+        """The load that the backups started now are admitted by (`load.write_busy_s`): each pass's, prefill's or a
+        decode turn's (regression: a decode turn kept the pass before's, whose load was a request's own prompt, and
+        its backup was written to L3 for nothing)."""
+        self.cache.busy_s = load.write_busy_s(self.engine)
 
     def _admission_order(self) -> list[Request]:
         """The queue in the order a prefill pass tries it: as queued (arrival; priority, then arrival), or with
