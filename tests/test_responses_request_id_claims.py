@@ -37,7 +37,7 @@ def test_a_second_background_request_of_an_id_claimed_is_refused_until_the_claim
 
 def test_a_response_finished_beside_a_running_background_run_of_its_id_is_not_kept_over_it():
     store = ResponsesStore(8)
-    run = SimpleNamespace(finished=False, response={"id": "same", "status": "in_progress"})
+    run = SimpleNamespace(finished=False, events=[], response={"id": "same", "status": "in_progress"})
     store.put(StoredResponse(run.response, (), ()), run)
     store.put(StoredResponse({"id": "same", "status": "completed"}, (), ()))  # (a plain request of the id)
     assert store.run("same") is run and store.response("same")["status"] == "in_progress"
