@@ -13,7 +13,9 @@ search returns none), stop strings (not matched on beams), penalties, logit_bias
 structured outputs (a "required" or named tool_choice too: beams are ranked by the model's raw logprobs, which none
 of them changes). A field at its neutral value is fine (presence_penalty 0, logit_bias {}); the server's
 --generation-config defaults are not applied to a search. stop_token_ids and the stop ids of `stop`, min_tokens,
-ignore_eos, include_stop_str_in_output, echo, prompt_logprobs, seed, priority, cache_salt are honoured.
+ignore_eos, include_stop_str_in_output, echo, prompt_logprobs, seed, priority, cache_salt are honoured
+(include_stop_str_in_output: an EOS-ended beam's text ends with the EOS's, as any choice's; vLLM's beam search
+leaves the EOS out of the text, not of the token ids: the two differ where the EOS decodes to text).
 temperature left out is 0, BeamSearchParams' default and vLLM's in process (vLLM's server takes the generation
 config's or 1.0, so each beam's sampled candidate is random; here a search left at its default is deterministic).
 max_tokens left out is the request's default (a chat's: the rest of the context, vLLM's), within what a step's prompt

@@ -13,7 +13,8 @@ end token goes to `completed` (the token kept in its tokens only with include_st
 beam (cum_logprob + its logprob); the best beam_width grown beams by score live on. At the end completed and live
 beams are sorted by score and the best beam_width returned ("stop" for an ended beam, else "length"). Score:
 cum_logprob / seq_len ** length_penalty, seq_len the whole sequence's tokens (prompt included), less the end token
-where the beam keeps it (vLLM's get_beam_search_score).
+where the beam keeps it (vLLM's get_beam_search_score; vLLM also takes one off a beam whose last token is the EOS
+under ignore_eos, where it ends nothing: here that token counts, as the beam's other tokens).
 
 Beyond vLLM's, cheap to honour here: the end tokens are the model's EOS ids (unless ignore_eos) and stop_token_ids
 (vLLM: the tokenizer's eos_token only, stop_token_ids ignored); min_tokens keeps end tokens from ending a beam before
