@@ -83,13 +83,14 @@ class Backups:
                     stopped += 1
         return stopped
 
-    async def write_back_l1(self, unsaved: bool) -> None:
+    async def write_back_l1(self, unsaved: bool, through_l3: bool = False) -> None:
         """Before a flush of L1 (and a shared L3's save at shutdown): start due backups and, with
         `unsaved`, a backup of every unlocked L1 leaf that L2 and L3 lack (a write-back cache's flush
         writes its dirty pages back, then invalidates; regression: the flush dropped every unsaved
         prefix from every tier); then wait until those backups, the ones in flight and the ones
         waiting on them have copied their pages to L2 (their L1 sources stay locked until then, and
-        the flush would skip them). Their L3 writes go on after. A backup refused (admission, an L2
+        the flush would skip them). Their L3 writes go on after (`through_l3`: waited for too, for a flush of L3
+        that follows: regression, they landed after it). A backup refused (admission, an L2
         full of locked pages) or failed leaves its pages unsaved, and the flush evicts them, as an
         eviction evicts what its policy did not save."""
         self.start_due()
@@ -108,7 +109,10 @@ class Backups:
                 if op.kind is not OpKind.BACKUP:
                     continue
                 key = op.payload.get("backup_key", ())  # (gone: it is ending; () matches every key: waited for)
-                if not op.payload["l1_free"].done() and any(k[:len(key)] == key for k in keys):
+                ours = any(k[:len(key)] == key for k in keys)
+                if ours and through_l3 and op.op_id in self._tasks:
+                    waits.append(self._tasks[op.op_id])
+                elif ours and not op.payload["l1_free"].done():
                     waits.append(op.payload["l1_free"])
                 elif any(w in keys for w in self._deferred.get(key, ())) and op.op_id in self._tasks:
                     waits.append(self._tasks[op.op_id])  # one of ours starts when this one ends (its L3 write too)

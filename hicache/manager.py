@@ -185,15 +185,15 @@ class CacheManager:
         finally:
             self._flushing = False
 
-    async def flush_async(self, tier: Tier, write_back: bool = True) -> int:
+    async def flush_async(self, tier: Tier, write_back: bool = True, through_l3: bool = False) -> int:
         """`flush` after the backups in flight copied their L1 pages to L2 and, under write_back, every
         unlocked L1 page L2 and L3 lack was written back (OpRunner.write_back_l1), as a write-back cache
         writes its dirty pages back, then invalidates (not with `write_back` False: a flush of L2 follows,
-        and they go). Every unlocked L1 page goes (L3 writes may still run). written_back=True: the flush
-        must not ask the write-back veto again (regression: it started a probe backup and left the leaf in
-        L1 mid-copy). Returns pages freed."""
+        and they go). Every unlocked L1 page goes (L3 writes may still run; `through_l3`: waited for, a flush of
+        L3 follows). written_back=True: the flush must not ask the write-back veto again (regression: it started
+        a probe backup and left the leaf in L1 mid-copy). Returns pages freed."""
         if tier is Tier.L1:
-            await self.runner.write_back_l1(unsaved=self.write_back and write_back)
+            await self.runner.write_back_l1(unsaved=self.write_back and write_back, through_l3=through_l3)
         return self.flush(tier, written_back=True)
 
     # -- matching and L1 pages for requests ----------------------------------------------------

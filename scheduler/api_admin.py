@@ -18,7 +18,8 @@ empty list, an unknown field or a field given both in the query and the body is 
 
 What is freed. Each tier by CacheManager.flush_async, in order L1, L2, L3: every unlocked page of the tier
 (under write_back, where L2 is not reset too, L1's unsaved pages are first written back, as a write-back cache
-writes its dirty pages back before it invalidates; with L2 reset too they go). Requests in flight keep their
+writes its dirty pages back before it invalidates, and with L3 reset too their L3 writes land before its flush;
+with L2 reset too they go). Requests in flight keep their
 pages, and so their outputs: their prefixes are locked and their new pages private to their claims until they end. A page a copy in flight holds stays
 too. `pages_left` counts what each tier still held right after its flush; a repeat of a prompt that no
 running request holds is then recomputed (cached_tokens 0) and cached again. The pages freed also count
@@ -149,7 +150,8 @@ async def reset_tiers(cache, tiers: tuple[Tier, ...], resets: Counter | None = N
         # L1's unsaved pages are written back only to an L2 that stays (regression: a reset of both wrote them
         # to L2 first, whose flush then left them, new or locked by their L3 writes, to be hit again)
         keeps_l2 = Tier.L2 not in tiers or Tier.L2 not in cache.tree.allocators
-        freed_pages[tier.label] = await cache.flush_async(tier, write_back=keeps_l2)
+        # and, where L3 is reset after, their L3 writes land first (regression: they landed after its flush)
+        freed_pages[tier.label] = await cache.flush_async(tier, write_back=keeps_l2, through_l3=Tier.L3 in tiers)
         left_pages[tier.label] = cache.tree.num_resident_pages[tier]  # (locked: by requests, copies in flight)
         if resets is not None:
             resets.labels(tier.label).inc()

@@ -30,7 +30,8 @@ def resident(eng) -> dict:
 @pytest.mark.parametrize("tiers,left,cached", [
     ((Tier.L1, Tier.L2, Tier.L3), {"l1": 0, "l2": 0, "l3": 0}, 0),
     ((Tier.L1, Tier.L2), {"l1": 0, "l2": 0, "l3": 0}, 0),
-    ((Tier.L1,), {"l1": 0, "l2": 8, "l3": 8}, 32)])  # (L2 kept: written back there, as before)
+    ((Tier.L1,), {"l1": 0, "l2": 8, "l3": 8}, 32),  # (L2 kept: written back there, as before)
+    ((Tier.L1, Tier.L3), {"l1": 0, "l2": 8, "l3": 0}, 32)])  # (its L3 writes landed before L3's flush: the rerun)
 @pytest.mark.asyncio
 async def test_a_write_back_reset_of_l1_and_l2_leaves_nothing_to_hit(tiers, left, cached):
     eng = engine(write_policy="write_back")
