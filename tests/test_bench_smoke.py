@@ -1,24 +1,11 @@
 """Smoke tests of the benchmark scripts on the CPU (tiny model, tiny sizes): they run end to end,
 their JSON carries the documented keys, every output equals recompute and the integrity check passes.
 The scripts' main(argv) is called in-process (no second interpreter start-up)."""
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-CPU = ["--model", "tiny", "--device", "cpu"]
-
-
-def load(name: str):
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_helpers import CPU, load
 
 
 @pytest.fixture(scope="module")

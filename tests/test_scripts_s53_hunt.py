@@ -6,7 +6,6 @@ argument checks, before any model loads; main(argv) is called in-process."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,28 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = REPO / "scripts"
-CPU = ["--model", "tiny", "--device", "cpu"]
-
-
-def load(name: str):
-    if str(SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def refused(capsys, call, *args, code: int = 2) -> str:
-    """`call(*args)` exits with `code` and a one-line `error:` on stderr, no traceback: that line."""
-    with pytest.raises(SystemExit) as stopped:
-        call(*args)
-    assert stopped.value.code == code
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return next(line for line in err.splitlines() if "error:" in line)
+from script_helpers import CPU, REPO, load, refused
 
 
 def script(*argv: str) -> subprocess.CompletedProcess:
