@@ -14,17 +14,16 @@ and device): the next engine on the same machine learns them again (`learn_costs
 restore-or-recompute decisions are priced as the last engine's last ones were, not from the priors. On another
 machine they are ignored.
 
-`load`, as the next store opens (before anything is written to it), makes those nodes L3-resident (L1 and
-L2 start empty), their slots taken from the L3 allocator and their checksums the store's, in their saved LRU
-order. The index is deleted as it is read: a process that dies later leaves none, and its successor starts
-empty rather than trusting slots rewritten since (one that cannot be deleted is not adopted; an engine that fails
-to start after adopting it saves it again, CacheManager.abandon); a run without the flag on the path, which
-truncates the file, deletes it too (`discard`). An index of another layout or model, of a file deleted, cut short
-or replaced since (the size the store found as it opened is not the saved one), one that is no regular file,
-cannot be read or does not add up, is ignored with a warning (the engine starts with an empty L3); nodes whose slots lie past a smaller file
-are dropped, with everything below them. Every page is still verified by its checksum when read, so a file
-changed between runs costs a recompute (hicache/restores.py), never a wrong answer; persistence therefore
-needs checksums (HiCacheConfig).
+`load`, as the next store opens (before anything is written to it), makes those nodes L3-resident (L1 and L2 start
+empty), their slots taken from the L3 allocator and their checksums the store's, in their saved LRU order. The index
+is deleted as it is read: a process that dies later leaves none, and its successor starts empty rather than trusting
+slots rewritten since (one that cannot be deleted is not adopted; an engine that fails to start after adopting it
+saves it again, CacheManager.abandon); a run without the flag on the path, which truncates the file, deletes it too
+(`discard`). An index of another layout or model, of a file deleted, cut short or replaced since (the size the store
+found as it opened is not the saved one), one that is no regular file, cannot be read or does not add up, is ignored
+with a warning (the engine starts with an empty L3); nodes whose slots lie past a smaller file are dropped, with
+everything below them. Every page is still verified by its checksum when read, so a file changed between runs costs
+a recompute (hicache/restores.py), never a wrong answer; persistence therefore needs checksums (HiCacheConfig).
 """
 from __future__ import annotations
 

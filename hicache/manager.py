@@ -119,6 +119,7 @@ class CacheManager:
             l3_index.learn_costs(self, adopted.cost_samples, adopted.cost_references)
         self.cost_policy = CostPolicy(self)  # restore or recompute, write or not (the methods below)
         self.runner = OpRunner(self)
+
     def _open_store(self, storage_pages: int):
         cfg = self.config
         if self.simulate:

@@ -16,15 +16,14 @@ is skipped and named in `skipped`, with a 200: what was asked (nothing of that t
 one script resets a fleet whose engines differ. Tier names are l1, l2, l3 (any case); an unknown one, an
 empty list, an unknown field or a field given both in the query and the body is a 400 naming it.
 
-What is freed. Each tier by CacheManager.flush_async, in order L1, L2, L3: every unlocked page of the tier
-(under write_back, where L2 is not reset too, L1's unsaved pages are first written back, as a write-back cache
-writes its dirty pages back before it invalidates, and with L3 reset too their L3 writes land before its flush;
-with L2 reset too they go). Requests in flight keep their
-pages, and so their outputs: their prefixes are locked and their new pages private to their claims until they end. A page a copy in flight holds stays
-too. `pages_left` counts what each tier still held right after its flush; a repeat of a prompt that no
-running request holds is then recomputed (cached_tokens 0) and cached again. The pages freed also count
-in hicache_evicted_pages{tier}; each tier reset counts in hicache_prefix_cache_resets_total{tier}; one
-`prefix_cache_reset` log line says what went.
+What is freed. Each tier by CacheManager.flush_async, in order L1, L2, L3: every unlocked page of the tier (under
+write_back, where L2 is not reset too, L1's unsaved pages are first written back, as a write-back cache writes its
+dirty pages back before it invalidates, and with L3 reset too their L3 writes land before its flush; with L2 reset
+too they go). Requests in flight keep their pages, and so their outputs: their prefixes are locked and their new
+pages private to their claims until they end. A page a copy in flight holds stays too. `pages_left` counts what each
+tier still held right after its flush; a repeat of a prompt that no running request holds is then recomputed
+(cached_tokens 0) and cached again. The pages freed also count in hicache_evicted_pages{tier}; each tier reset
+counts in hicache_prefix_cache_resets_total{tier}; one `prefix_cache_reset` log line says what went.
 
 Where it runs. On the engine's event loop, which is the server's (the app lifespan starts the engine
 there), between the engine loop's steps' awaits: a flush is synchronous, so it runs while the loop task

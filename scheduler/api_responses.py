@@ -16,9 +16,10 @@ Responses' server-sent events (scheduler/responses_output.py).
   `max_output_tokens` as `max_completion_tokens` (none: the rest of the context, as a chat's).
 * Kept responses (scheduler/responses_store.py, as OpenAI's and vLLM's): a response finished with `store` true (the
   default) is kept, whole or streamed, and says `"store": true`, up to --responses-store-max (0: none kept, each says
-  false) and --responses-store-max-mib of JSON, those used least recently dropped first. `previous_response_id`: the kept conversation (its input and
-  output; not its instructions, as OpenAI's) comes after this request's instructions and before its input, so
-  that its prompt starts as the earlier one's did (the prefix cache serves it); an unknown id is a 404 naming it.
+  false) and --responses-store-max-mib of JSON, those used least recently dropped first. `previous_response_id`:
+  the kept conversation (its input and output; not its instructions, as OpenAI's) comes after this request's
+  instructions and before its input, so that its prompt starts as the earlier one's did (the prefix cache serves
+  it); an unknown id is a 404 naming it.
   GET / DELETE /v1/responses/{id} and GET .../input_items (server.py). `conversation` is a 400.
 * `reasoning.effort` is the chat's `reasoning_effort` (vLLM's: a chat template variable, with enable_thinking;
   scheduler/openai_fields.py). Accepted and changing nothing: `reasoning`'s other fields, `metadata` (echoed),
