@@ -59,7 +59,11 @@ class EngineLoop:
                 return  # (nothing is admitted while stopping: waiting and parked requests stay as they are)
             self.admission.settle_parked()
             self.admission.settle_overlaps()
-            batch = await self.admission.prefill_batch() if self._prefill_turn else self.admission.note_load()
+            batch = None
+            if self._prefill_turn:
+                batch = await self.admission.prefill_batch()
+            else:
+                self.admission.note_load()  # (as a prefill pass does: what this step's backups are admitted by)
             if batch is None:
                 batch = self.admission.decode_batch()
                 if batch is not None and not self._prefill_turn and self._chunks_wait():
