@@ -10,7 +10,9 @@ Page rules for a request (page aligned throughout):
 Admission reserves every page the request can still need (`kv_tokens`: prompt + max_tokens - 1; a
 prefill alone, max_tokens 0: prompt), so
 nothing is preempted and a running request never waits for memory, except under write_back: there a
-reserved page may have to wait a tick for the backups of the LRU leaves it must evict.
+reserved page may have to wait a tick for the backups of the LRU leaves it must evict. With
+decode_reserve_ratio below 1 it reserves less and preempts where a request outgrows L1
+(scheduler/reservations.py).
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ import torch
 from hicache.radix import Tier
 from hicache.suspect import drop_suspect_prefix
 from scheduler import load
-from scheduler.request import Request, RequestState, TokenEvent, kv_tokens
+from scheduler.request import Request, RequestState, TokenEvent
+from scheduler.reservations import Reservations
 from scheduler.restoring import Restoring
 from scheduler.runner import Batch, BatchInput
 from scheduler.sampling import NAN_TOKEN
@@ -44,7 +47,7 @@ PREFILL_SHARE_MIN_TOKENS = 32
 LPM_MAX_WAITING = 128
 
 
-class Admission(Restoring):
+class Admission(Reservations, Restoring):
     def __init__(self, engine: "Engine") -> None:
         self.engine = engine
         self.cache = engine.cache
@@ -61,14 +64,11 @@ class Admission(Restoring):
         """Tokens whose KV may come from the cache: the prompt minus its last token (which must be
         computed to produce the first output), page aligned by the tree; none for a request asking for
         prompt logprobs, whose every row's logits are computed (as vLLM V1: it still publishes its pages)."""
-        return req.cache_prompt[:-1] if self._reuses(req) else []
+        return req.cache_prefill[:-1] if self._reuses(req) else []
 
     def _reuses(self, req: Request) -> bool:
-        return self.engine.config.enable_prefix_cache and req.params.prompt_logprobs is None
-
-    def _pages_after(self, req: Request, cached_tokens: int) -> int:
-        """Pages the request still needs once `cached_tokens` of its prompt are in L1."""
-        return -(-kv_tokens(len(req.prompt), req.params.max_tokens) // self.page_size) - cached_tokens // self.page_size
+        """(A preempted request's prompt logprobs were all computed: its resumption reuses its prefix.)"""
+        return self.engine.config.enable_prefix_cache and (req.params.prompt_logprobs is None or req.resumed_tokens > 0)
 
     # -- prefill -------------------------------------------------------------------------------
     async def prefill_batch(self) -> Batch | None:
@@ -195,7 +195,7 @@ class Admission(Restoring):
             if started == "wait":
                 return False
             req.hit_tokens["l1"] = m.lengths[Tier.L1]
-            self._plan(req, "l1", None, len(req.prompt) - m.lengths[Tier.L1])
+            self._plan(req, "l1", None, req.prefill_len - m.lengths[Tier.L1])
         else:
             # what the restore brought that L1 still holds (pages evicted since are recomputed:
             # deepest first, so L3's part, which lies above L2's, goes first)
@@ -221,38 +221,25 @@ class Admission(Restoring):
         self.reserved_pages += need
         req.state = RequestState.PREFILL
         eng.running.append(req)
-        cache.metrics.hit_tokens["l1"] += req.hit_tokens["l1"]
-        for tier in ("l2", "l3"):
-            cache.metrics.hit_tokens[tier] += req.hit_tokens[tier]
+        if not req.resumed_tokens:  # (a preempted request's resumption reads its own K/V: no prompt's hit)
+            for tier in ("l1", "l2", "l3"):
+                cache.metrics.hit_tokens[tier] += req.hit_tokens[tier]
         if self.fallback_end_tokens.pop(req.rid, 0) > l1_len:  # (Restoring._fell_back)
             cache.metrics.fallbacks += 1
         if req.restore_tier == "none" and req.restore_declined:  # (Restoring._try_restore)
             cache.metrics.policy_skips["restore"] += 1
         req.scheduled_s = req.scheduled_s or time.perf_counter()
-        eng.log_event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
+        eng.log_event(req, "prefill_start", prompt_tokens=req.prefill_len, hit_l1=req.hit_tokens["l1"],
                    hit_l2=req.hit_tokens["l2"], hit_l3=req.hit_tokens["l3"], restore_tier=req.restore_tier,
                    restore_tokens=req.hit_tokens["l2"] + req.hit_tokens["l3"])
         return True
 
-    def _grow(self, req: Request, num_tokens: int) -> bool:
-        """Make req.pages cover `num_tokens` tokens (from its reservation)."""
-        missing = -(-num_tokens // self.page_size) - len(req.pages)
-        if missing <= 0:
-            return True
-        pages = self.cache.alloc_l1(missing, req.claim)
-        if pages is None:
-            return False
-        req.pages.extend(pages)
-        req.reserved_pages -= missing
-        self.reserved_pages -= missing
-        return True
-
     def _add_chunk(self, req: Request, budget: int, binput: BatchInput) -> int:
-        chunk = min(len(req.prompt) - req.cached_len, budget)
+        chunk = min(req.prefill_len - req.cached_len, budget)
         if chunk <= 0 or not self._grow(req, req.cached_len + chunk):
             return 0
-        last = req.cached_len + chunk == len(req.prompt)  # an earlier chunk's token is thrown away
-        self._append(binput, req, req.prompt[req.cached_len: req.cached_len + chunk], req.cached_len, sampled=last)
+        last = req.cached_len + chunk == req.prefill_len  # an earlier chunk's token is thrown away
+        self._append(binput, req, req.prefill_ids[req.cached_len: req.cached_len + chunk], req.cached_len, sampled=last)
         return chunk
 
     @staticmethod
@@ -283,10 +270,14 @@ class Admission(Restoring):
         binput = BatchInput(is_decode=drafted is None, verify_drafts=None if drafted is None else [])
         ready = []
         for req, draft in drafted or [(r, []) for r in reqs]:
+            if req.state is not RequestState.DECODE:
+                continue  # preempted for an earlier row's page
             pos = len(req.prompt) + len(req.output) - 1
             if draft and not self._grow(req, pos + 1 + len(draft)):
                 draft = []  # (no page for its drafts now: its own token alone)
-            if not self._grow(req, pos + 1):
+            if not self._grow_or_preempt(req, pos + 1, ready):
+                if req.state is not RequestState.DECODE:
+                    continue  # (itself preempted: no other was left to preempt)
                 # reserved pages exist but cannot be had yet: write_back is backing up the LRU
                 # leaves it must evict; their completion wakes the loop. Without pending
                 # operations nothing would ever free them: fail this request, not the loop.
@@ -364,19 +355,23 @@ class Admission(Restoring):
             # an overlapped forward's output dropped by `Restoring` counts nothing, its rerun counts)
             self.cache.metrics.recomputed_tokens += chunk
             req.recomputed_tokens += chunk  # (the replay's per-request records)
-            if req.cached_len < len(req.prompt):
+            if req.cached_len < req.prefill_len:
                 # more chunks to go; the sampled token is meaningless. The full pages computed so far
                 # are published now (regression: only once the whole prompt was, so a request sharing
                 # the prefix admitted meanwhile computed all of it again); backed up with the prompt
-                self._publish(req, req.cache_prompt, backup=False)
+                self._publish(req, req.cache_prefill, backup=False)
                 return
             eng.log_event(req, "prefill_end")
-            self._publish(req, req.cache_prompt)
+            self._publish(req, req.cache_prefill)
             req.state = RequestState.DECODE
-            req.first_token_s = time.perf_counter()
-            eng.log_event(req, "first_token")
-            if req.params.prompt_logprobs is None:  # (else its prefill also made every prompt row's logits)
-                self.score_outcome(req)
+            if req.resumed_tokens:  # (a preempted request's: its token is the next of its stream, not a first)
+                req.resumed_tokens, req.hit_tokens = 0, dict(req.served_hits)
+                eng.log_event(req, "resumed")
+            else:
+                req.first_token_s = time.perf_counter()
+                eng.log_event(req, "first_token")
+                if req.params.prompt_logprobs is None:  # (else its prefill also made every prompt row's logits)
+                    self.score_outcome(req)
             if req.params.max_tokens == 0:  # the prefill alone (prompt logprobs): its token is thrown away
                 eng.finish(req, RequestState.FINISHED, "length")
                 return

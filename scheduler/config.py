@@ -33,6 +33,10 @@ class EngineConfig:
     # the queue's admission order: "fcfs" (arrival), "priority" (SamplingParams.priority, then arrival) or "lpm"
     # (SGLang's longest prefix match: the most prompt tokens L1 holds first; scheduler/admission.py)
     scheduling_policy: str = "fcfs"
+    # the share of each request's possible output (max_tokens) admission reserves L1 pages for, in [0, 1]: 1, all of
+    # it (a running request never runs short and nothing is preempted); below 1 more requests run at once, and one
+    # that outgrows L1 preempts the newest in decode, whose K/V stays in the prefix cache (scheduler/preemption.py)
+    decode_reserve_ratio: float = 1.0
     max_context_tokens: int = 16384  # longest sequence a captured decode graph serves (longer: eager)
     max_prompt_tokens: int = 0  # 0: no limit beyond what the pool and the model's positions can hold
     max_new_tokens_limit: int = 4096
@@ -78,6 +82,9 @@ class EngineConfig:
             if getattr(self, name) > maximum:
                 raise ValueError(f"{_field_name(name, FLAGS.get(name))} must be <= {maximum:,}"
                                  f"{MAXIMUM_REASONS[name]}, got {getattr(self, name)!r}")
+        if not 0.0 <= self.decode_reserve_ratio <= 1.0:  # (also NaN)
+            raise ValueError("decode_reserve_ratio (--decode-reserve-ratio) must be in [0, 1], "
+                             f"got {self.decode_reserve_ratio!r}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:  # (also NaN)
             raise ValueError("gpu_memory_fraction (--gpu-memory-fraction) must be in (0, 1], "
                              f"got {self.gpu_memory_fraction!r}")
@@ -119,8 +126,9 @@ class EngineConfig:
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.gpu_memory_fraction, numbers.Real) or isinstance(self.gpu_memory_fraction, bool):
-            raise ValueError(f"gpu_memory_fraction must be a number, got {self.gpu_memory_fraction!r}")
+        for name in ("gpu_memory_fraction", "decode_reserve_ratio"):
+            if not isinstance(getattr(self, name), numbers.Real) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
         if not isinstance(self.hicache, HiCacheConfig):
             raise ValueError(f"hicache must be a HiCacheConfig (EngineConfig.with_hicache(...)), got {self.hicache!r}")
         for name in ("model", "log_json"):
@@ -215,7 +223,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=["fcfs", "priority", "lpm"],
                    help="the queue's admission order: arrival (fcfs); a request's priority (lower first), then "
                         "arrival; or lpm, the most prompt tokens L1 holds first, then arrival (SGLang's longest "
-                        "prefix match; arrival order past 128 queued); a running request is never preempted")
+                        "prefix match; arrival order past 128 queued); a more urgent request preempts none")
+    g.add_argument("--decode-reserve-ratio", type=float, default=EngineConfig.decode_reserve_ratio,
+                   help="share of each request's max_tokens admission reserves L1 pages for, in [0, 1] (default 1: "
+                        "all, nothing is ever preempted); below 1 more requests run at once, and one that outgrows "
+                        "L1 preempts the newest decoding request, which resumes later from its K/V in the prefix "
+                        "cache (SGLang's retract, vLLM's recompute preemption)")
     g.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="longest prompt in tokens (0: what the L1 pool holds, within the model's positions; "
                         "never above either)")
@@ -344,6 +357,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_prefill_tokens=args.max_prefill_tokens,
         max_running_requests=args.max_running_requests,
         scheduling_policy=args.scheduling_policy,
+        decode_reserve_ratio=args.decode_reserve_ratio,
         max_prompt_tokens=args.max_prompt_tokens,
         enable_prefix_cache=not args.disable_prefix_cache,
         share_prefill=not args.disable_shared_prefill,

@@ -72,7 +72,7 @@ def pricing(engine: "Engine", req: Request, match: "MatchResult") -> dict:
     recompute line's fixed cost (`CostModel.decide`)."""
     l1, l2, l3 = match.lengths
     return {"hidden_s": busy_s(engine, req) if max(l2, l3) > l1 else 0.0,
-            "prompt_tokens": len(req.prompt), "chunk_tokens": engine.config.max_prefill_tokens}
+            "prompt_tokens": req.prefill_len, "chunk_tokens": engine.config.max_prefill_tokens}
 
 
 def _loads(engine: "Engine") -> Iterator[tuple[Request, int, bool]]:
@@ -83,13 +83,13 @@ def _loads(engine: "Engine") -> Iterator[tuple[Request, int, bool]]:
     for r in engine.running:
         if r.rid in aborting:
             continue
-        yield (r, len(r.prompt) - r.cached_len if r.state is RequestState.PREFILL else 0,
+        yield (r, r.prefill_len - r.cached_len if r.state is RequestState.PREFILL else 0,
                r.params.max_tokens > max(len(r.output), 1))
     for r in engine.waiting:  # (one whose prefetch reads its prefix prefills only the tail after it)
         if r.rid in aborting:
             continue
         op = r.prefetch_op
-        yield r, len(r.prompt) - (op.payload["l3_end"] if op is not None and not op.done else 0), False
+        yield r, r.prefill_len - (op.payload["l3_end"] if op is not None and not op.done else 0), False
 
 
 def _busy_s(engine: "Engine", prefill_tokens: int, decoding: bool) -> float:

@@ -323,6 +323,11 @@ class Request:
     locked_len: int = 0          # tokens covered by locked_node's path
     chunks_unbacked: bool = False  # prompt chunks it published still wait for their write-through backup
     reserved_pages: int = 0      # pages this request may still need (admission reservation)
+    # preemption (scheduler/preemption.py): output tokens its next prefill computes again after the prompt (0
+    # once that prefill ended), how often it was preempted, and the hits its first admission reported
+    resumed_tokens: int = 0
+    preemptions: int = 0
+    served_hits: dict[str, int] | None = None
     hit_tokens: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
     recomputed_tokens: int = 0   # prompt tokens its prefill computed and kept (metrics.recomputed_tokens's share)
     restore_tier: str = "none"
@@ -384,6 +389,21 @@ class Request:
         if self._salted is None:
             self._salted = salted_prompt(self.prompt, self.params.cache_salt)
         return self._salted
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens its prefill computes K/V for: the prompt, and after a preemption the output up to then."""
+        return len(self.prompt) + self.resumed_tokens
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """The token ids of `prefill_len` (the prompt itself unless a preemption folded its output in)."""
+        return self.prompt + self.output[:self.resumed_tokens] if self.resumed_tokens else self.prompt
+
+    @property
+    def cache_prefill(self) -> list[int]:
+        """`prefill_ids` as the prefix cache keys them (`cache_prompt`, then the folded output)."""
+        return self.cache_prompt + self.output[:self.resumed_tokens] if self.resumed_tokens else self.cache_prompt
 
     def emit(self, event: TokenEvent) -> None:
         if event.token_id is not None and self.step_logprobs and self.step_logprobs[0][0] == event.token_id:

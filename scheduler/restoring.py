@@ -86,7 +86,7 @@ class Restoring:
         req.prefetch_op = cache.runner.start_restore(tokens, m, "prefetch", req.rid, take_soon=overlap)
         if req.prefetch_op is not None:
             req.promoted_tokens = l3 - l2  # served from L3 when this request later restores from L2
-            self._plan(req, "l3", decision, len(req.prompt) - l3)
+            self._plan(req, "l3", decision, req.prefill_len - l3)
 
     def drop_ops(self, req: Request, aborting: set[str]) -> None:
         """A request ends: cancel its restore and prefetch, and a restore it followed whose own request
@@ -120,7 +120,7 @@ class Restoring:
             return False
         start = min(op.payload.get("l1_start", len(theirs)), op.payload.get("l2_start", len(theirs)))
         upto = min(start + self.page_size, len(theirs))  # (starts are page aligned)
-        return any(other(r) and len(r.prompt) > upto and tuple(r.cache_prompt[:upto]) == theirs[:upto]
+        return any(other(r) and r.prefill_len > upto and tuple(r.cache_prefill[:upto]) == theirs[:upto]
                    for r in self.engine.waiting)
 
     def _plan(self, req: Request, source: str, decision, uncached_tokens: int) -> None:
@@ -305,7 +305,7 @@ class Restoring:
             return None
         overlap = may_overlap and decision.tier == "l2" and restore_l1_pages + self._pages_after(req, end) <= room
         op = cache.runner.start_restore(self._reusable(req), m, decision.tier, req.rid, layerwise=overlap,
-                                        tail_tokens=len(req.prompt) - end)
+                                        tail_tokens=req.prefill_len - end)
         if op is None:
             if cache.l1_room_coming():  # write_back is saving the leaves it evicts: restore once saved
                 return "wait"  # (regression: it recomputed a prefix L2 held)
@@ -317,7 +317,7 @@ class Restoring:
         # an L3 restore reads [max(l1, l2), l3); what L2 already held comes from there
         from_l3 = l3 - max(l1, l2) if decision.tier == "l3" else min(req.promoted_tokens, decision.restore_tokens)
         # (an L2 restore of what this request's prefetch promoted is scored as that prefetch's L3 hit)
-        self._plan(req, "l3" if from_l3 else decision.tier, decision, len(req.prompt) - end)
+        self._plan(req, "l3" if from_l3 else decision.tier, decision, req.prefill_len - end)
         req.hit_tokens.update(l3=from_l3, l2=decision.restore_tokens - from_l3)
         if op.payload.get("layerwise"):
             self._admit_overlapped(req, m, op)
@@ -345,7 +345,7 @@ class Restoring:
         tail forward: overlap on, layer-ordered copies here, the request alone in its batch and
         its tail one forward (the caller still checks that every page can be reserved)."""
         return (alone and self.engine.config.restore_overlap and getattr(self.cache.transfer, "layerwise", False)
-                and len(req.prompt) - cached_tokens <= budget)
+                and req.prefill_len - cached_tokens <= budget)
 
     def _take_landed(self, req: Request, alone: bool, budget: int) -> bool:
         """`_take_on`; a landed prefetch this request does not take on starts its checksums now
@@ -377,7 +377,7 @@ class Restoring:
         room = self._room_beside(m.handles[Tier.L1])
         if (end - m.lengths[Tier.L1]) // ps + self._pages_after(req, end) > room:
             return False
-        if not cache.runner.take_to_l1(op, m, tail_tokens=len(req.prompt) - end):
+        if not cache.runner.take_to_l1(op, m, tail_tokens=req.prefill_len - end):
             return False
         req.prefetch_op, req.restore_op, req.restore_tier = None, op, "l3"
         from_l3 = end - op.payload["l2_start"]
@@ -410,7 +410,7 @@ class Restoring:
         req.state = RequestState.PREFILL
         eng.running.append(req)
         req.scheduled_s = req.scheduled_s or time.perf_counter()
-        eng.log_event(req, "prefill_start", prompt_tokens=len(req.prompt), hit_l1=req.hit_tokens["l1"],
+        eng.log_event(req, "prefill_start", prompt_tokens=req.prefill_len, hit_l1=req.hit_tokens["l1"],
                    hit_l2=req.hit_tokens["l2"], hit_l3=req.hit_tokens["l3"], restore_tier=req.restore_tier,
                    restore_tokens=req.hit_tokens["l2"] + req.hit_tokens["l3"], restore_overlap=True)
 
@@ -465,7 +465,7 @@ class Restoring:
                 cache.runner.release_held(op)
                 cache.unlock(req.locked_node)
                 req.locked_node, req.locked_len = m.handles[Tier.L1], end
-                for tier in ("l1", "l2", "l3"):
+                for tier in ("l1", "l2", "l3") if not req.resumed_tokens else ():  # (as `_admit`)
                     cache.metrics.hit_tokens[tier] += req.hit_tokens[tier]
                 return True  # (the tail's forward counts its recomputed tokens once kept: `after_step`)
         cache.runner.release_held(op)

@@ -53,7 +53,8 @@ def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) 
         binput.logprobs = [r.params.logprobs for r in reqs]
     if not binput.is_decode and any(r.params.prompt_logprobs is not None for r in reqs):
         # a chunk's row at position p gives the logprobs of prompt token p + 1 (the last prompt row samples)
-        targets = [r.prompt[start + 1:start + new + 1] if r.params.prompt_logprobs is not None else []
+        targets = [r.prompt[start + 1:start + new + 1] if r.params.prompt_logprobs is not None and not r.resumed_tokens
+                   else []  # (a preempted request's resumption: its prompt's were all computed)
                    for r, start, new in zip(reqs, binput.prefix_lens, binput.new_lens)]
         if any(targets):
             binput.prompt_logprobs = [(r.params.prompt_logprobs, t) if t else None for r, t in zip(reqs, targets)]
@@ -138,7 +139,7 @@ def keep_logprobs(runner, reqs: list[Request], binput: BatchInput, handle: StepH
         return
     prompt_lps = runner.prompt_logprobs_of(handle, binput.prompt_logprobs) or [None] * len(reqs)
     for req, start, lp in zip(reqs, binput.prefix_lens, prompt_lps):
-        if req.params.prompt_logprobs is not None:
+        if req.params.prompt_logprobs is not None and not req.resumed_tokens:  # (a preempted one's are all there)
             if start == 0:  # its first chunk (its prompt is computed whole, from position 0: Admission._reusable)
                 req.prompt_logprobs = [None]
             req.prompt_logprobs += lp or []
@@ -170,7 +171,7 @@ def fail_broken_bans(engine, work, next_ids: list[int]) -> None:
     if binput.bans is None:
         return
     for req, chunk, row, token in zip(reqs, chunks, binput.bans, next_ids):
-        if row is None or req.state.done or token < 0 or req.cached_len + chunk < len(req.prompt):
+        if row is None or req.state.done or token < 0 or req.cached_len + chunk < req.prefill_len:
             continue  # (a NaN mark; a prefill chunk before the last: its token is thrown away)
         fail_if_banned(engine, req, row, token)
 

@@ -37,7 +37,7 @@ from hicache.ops import TERMINAL, OpKind
 from scheduler.logs import RUN_START_EVENT
 
 REQUEST_STATES = ("queued", "parked", "prefill_waits", "prefill_start", "prefill_end", "first_token", "finished",
-                  "aborted", "failed", "restore_overlap_discarded")
+                  "aborted", "failed", "restore_overlap_discarded", "preempted", "resumed")
 REQUEST_END_STATES = frozenset({"finished", "aborted", "failed"})
 OP_KINDS = tuple(k.value for k in OpKind)  # backup, restore_l2, restore_l3, prefetch_l3
 OP_END_STATES: dict[str, frozenset[str]] = {k.value: frozenset(s.name for s in TERMINAL[k]) for k in OpKind}
@@ -45,7 +45,8 @@ TIERS = ("l1", "l2", "l3")
 # Name of the phase a request is in after each state.
 REQUEST_PHASES = {"queued": "queued", "parked": "parked (restore)", "prefill_waits": "queued (its prefix computed by another)",
                   "prefill_start": "prefill",
-                  "prefill_end": "prefilled", "first_token": "decode", "restore_overlap_discarded": "queued"}
+                  "prefill_end": "prefilled", "first_token": "decode", "restore_overlap_discarded": "queued",
+                  "preempted": "queued (preempted)", "resumed": "decode"}
 
 
 @dataclass
@@ -280,9 +281,10 @@ def _add_request(b: _Builder, e: dict) -> bool:
     req.states.append((state, e["ts_ns"]))
     req.prompt_tokens = req.prompt_tokens if req.prompt_tokens is not None else _opt_int(e.get("prompt_tokens"))
     tier = e.get("restore_tier") if isinstance(e.get("restore_tier"), str) else None
-    if state == "prefill_start":  # hits and the tier actually restored: the last admission's (after a
-        # discarded overlapped restore the request is admitted again, restoring nothing; regression:
-        # the first one's restore was shown)
+    if state == "prefill_start" and req.first_ns("preempted") is None:  # hits and the tier actually restored:
+        # the last admission's (after a discarded overlapped restore the request is admitted again, restoring
+        # nothing; regression: the first one's restore was shown); a preempted request's resumption hits its own
+        # K/V, and reports its first admission's (scheduler/reservations.py)
         req.hit_tokens = {t: e[f"hit_{t}"] for t in TIERS if _int(e.get(f"hit_{t}"))}
         req.restore_tier, req.restore_tokens = tier or req.restore_tier, _opt_int(e.get("restore_tokens"))
     elif state == "parked" and req.first_ns("prefill_start") is None:

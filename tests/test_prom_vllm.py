@@ -26,6 +26,7 @@ FAMILIES = {
     "vllm:num_requests_waiting": ("gauge", None),
     "vllm:kv_cache_usage_perc": ("gauge", None),
     "vllm:gpu_cache_usage_perc": ("gauge", None),
+    "vllm:num_preemptions": ("counter", None),
     "vllm:prefix_cache_queries": ("counter", None),
     "vllm:prefix_cache_hits": ("counter", None),
     "vllm:prompt_tokens": ("counter", "hicache_prompt_tokens"),

@@ -1,0 +1,108 @@
+"""What admission reserves in L1 for a request, its pages growing into that, and preemption where the
+reservation was less than what the request may use (EngineConfig.decode_reserve_ratio < 1).
+
+Admission reserves a request's prefill (its prompt; after a preemption, its output so far too) and
+`decode_reserve_ratio` of the tokens it may still write K/V for. At 1 (the default) nothing runs short and
+nothing is preempted. Below it more requests run at once: a request in decode that needs a page past its
+reservation takes one that nobody reserved, and where L1 has none left the newest request in decode (the
+least urgent under priority scheduling, vLLM V1's choice) is preempted (`preempt`): its K/V is published
+to the prefix cache as a finished request's is (and backed up by the write policy), its pages and
+reservation go back, and it is queued again with its output folded into its next prefill
+(`Request.resumed_tokens`). Readmitted, that prefix is a cache hit (L1, or a restore from L2 or L3 where
+it was evicted meanwhile) and the prefill's last row samples its next token: the client sees one stream.
+SGLang retracts decode requests alike; vLLM's preempted requests are recomputed, from its prefix cache
+where that still holds them.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from scheduler.request import Request, RequestState, enqueue
+
+if TYPE_CHECKING:
+    from scheduler.engine import Engine
+
+class Reservations:
+    """Admission's L1 reservations (mixed into it: uses engine, cache, page_size, reserved_pages,
+    `_l1_room_pages` and `release`)."""
+    engine: "Engine"
+
+    def _reserve_tokens(self, req: Request) -> int:
+        """Tokens whose K/V admission reserves for `req`: its prefill's, and `decode_reserve_ratio` of those it may
+        write after (every token it may still generate but the last: `request.kv_tokens`)."""
+        later = max(req.params.max_tokens - len(req.output) - 1, 0)
+        return req.prefill_len + math.ceil(self.engine.config.decode_reserve_ratio * later)
+
+    def _pages_after(self, req: Request, cached_tokens: int) -> int:
+        """Pages the request reserves once `cached_tokens` of its prefill are in L1."""
+        return -(-self._reserve_tokens(req) // self.page_size) - cached_tokens // self.page_size
+
+    def _beyond_reservation(self, req: Request, num_tokens: int) -> int:
+        """Pages `req` needs to cover `num_tokens` tokens past what it holds and has reserved."""
+        missing = -(-num_tokens // self.page_size) - len(req.pages)
+        return max(0, missing - req.reserved_pages)
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Make req.pages cover `num_tokens` tokens: from its reservation, then from the L1 nobody reserved.
+        False when that room is short (`_outgrew`) or the pages cannot be had yet (under write_back the LRU
+        leaves to evict may wait for their backups)."""
+        missing = -(-num_tokens // self.page_size) - len(req.pages)
+        if missing <= 0:
+            return True
+        if self._outgrew(req, num_tokens):
+            return False
+        pages = self.cache.alloc_l1(missing, req.claim)
+        if pages is None:
+            return False
+        reserved = min(missing, req.reserved_pages)
+        req.pages.extend(pages)
+        req.reserved_pages -= reserved
+        self.reserved_pages -= reserved
+        return True
+
+    def _outgrew(self, req: Request, num_tokens: int) -> bool:
+        """Whether `req` needs pages past its reservation that no request left unreserved."""
+        beyond = self._beyond_reservation(req, num_tokens)
+        return beyond > 0 and beyond > self._l1_room_pages()
+
+    def _grow_or_preempt(self, req: Request, num_tokens: int, keep: list[Request]) -> bool:
+        """`_grow` for a decode step, preempting while `req` outgrew its reservation: the newest other request in
+        decode not in `keep` (this step's rows so far), and `req` itself once none is left. False: no page for
+        `req` this step (it was preempted, or its pages wait for backups)."""
+        while not self._grow(req, num_tokens):
+            if not self._outgrew(req, num_tokens):
+                return False
+            victim = self._victim(req, keep)
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _victim(self, req: Request, keep: list[Request]) -> Request:
+        kept = {id(r) for r in keep}
+        others = [r for r in self.engine.running
+                  if r.state is RequestState.DECODE and r is not req and id(r) not in kept]
+        return max(others, key=lambda r: (r.params.priority, r.arrival_s), default=req)
+
+    def preempt(self, req: Request) -> None:
+        """Take a request in decode off L1: publish its K/V (as `release` does at its end), give back its pages
+        and reservation, and queue it again to resume from that prefix (the module's docstring)."""
+        eng = self.engine
+        kv_tokens = req.cached_len
+        if req.served_hits is None:
+            req.served_hits = dict(req.hit_tokens)  # (what its result reports: its first admission's)
+        self.release(req, publish=True)
+        eng.running.remove(req)
+        req.resumed_tokens = len(req.output)
+        req.preemptions += 1
+        req.pages, req.cached_len, req.locked_len = [], 0, 0
+        req.hit_tokens = {"l1": 0, "l2": 0, "l3": 0}
+        req.restore_tier, req.restore_l1_start, req.restore_op = "none", 0, None
+        req.restore_failed = req.restore_declined = req.landed_offered = False
+        req.span_plan = None  # (its next prefill is no first token to learn the cost model from)
+        req.state = RequestState.WAITING
+        enqueue(eng.waiting, req)
+        eng.stats["preempted"] += 1
+        eng.log_event(req, "preempted", output_tokens=len(req.output), kv_tokens=kv_tokens,
+                      preemptions=req.preemptions, running=len(eng.running), waiting=len(eng.waiting))

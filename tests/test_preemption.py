@@ -1,0 +1,203 @@
+"""Preemption (scheduler/reservations.py): with decode_reserve_ratio below 1 admission reserves less than a request
+may use, more requests run at once, and one that outgrows L1 preempts the newest in decode, which resumes from its
+K/V in the prefix cache. What each request streams is what it streams without preemption (the same tokens, each
+once, in order), the tiers' accounting stays whole, and a request reports the hits of its first admission."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+
+import pytest
+import structlog
+
+from scheduler.config import EngineConfig, add_engine_args, config_from_args
+from scheduler.engine import Engine
+from scheduler.guided import GuidedSpec
+from scheduler.request import RequestState, SamplingParams
+from scheduler.speculative import SpeculativeConfig
+from scheduler.timeline import build_timeline, read_events
+
+
+def mixed_params(i: int) -> SamplingParams:
+    """Greedy, seeded, penalized, with logprobs, guided, min_tokens with EOS allowed, prompt logprobs, in turn."""
+    kinds = [{}, {"temperature": 1.0, "seed": i},
+             {"temperature": 0.8, "top_p": 0.9, "seed": 100 + i, "repetition_penalty": 1.3, "frequency_penalty": 0.5},
+             {"logprobs": 3, "temperature": 1.0, "seed": 7 + i},
+             {"guided": GuidedSpec("regex", "[a-z ]{10,60}"), "temperature": 1.0, "seed": i},
+             {"min_tokens": 30, "temperature": 1.0, "seed": i, "ignore_eos": False},
+             {"prompt_logprobs": 2, "temperature": 1.0, "seed": 50 + i}]
+    return SamplingParams(**{"max_tokens": 50, "ignore_eos": True, **kinds[i % len(kinds)]})
+
+
+def config(ratio: float, variant: str = "plain", **kw) -> EngineConfig:
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=2,
+                             draft_policy="always") if variant == "spec" else None
+    cfg = EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=64, decode_reserve_ratio=ratio,
+                       speculative=spec, **kw)
+    if variant == "l2":  # (preempted K/V evicted from L1 comes back from L2)
+        cfg = cfg.with_hicache(enable=True, policy="always", host_ratio=4.0, transfer_backend="torch")
+    return cfg
+
+
+def prompt_of(i: int, variant: str = "plain") -> list[int]:
+    return [5, 6, 7, 8] * 6 if variant == "spec" else [(i * 13 + j * 7) % 200 + 1 for j in range(20 + i)]
+
+
+async def run_all(cfg: EngineConfig, prompts, params) -> tuple[Engine, list]:
+    eng = Engine(cfg)
+    await eng.start()
+    reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while not all(r.state.done for r in reqs):
+        await asyncio.sleep(0.002)
+    await eng.cache.drain()
+    eng.cache.check_integrity()
+    return eng, reqs
+
+
+def streamed(req) -> list[tuple[int | None, int, bool]]:
+    events = []
+    while not req.queue.empty():
+        ev = req.queue.get_nowait()
+        events.append((ev.token_id, ev.index, ev.finished))
+    return events
+
+
+@pytest.mark.parametrize("variant", ["plain", "l2", "spec"])
+@pytest.mark.asyncio
+async def test_preempted_requests_stream_what_they_would_without_preemption(variant):
+    prompts = [prompt_of(i, variant) for i in range(12)]
+    params = [mixed_params(i) for i in range(12)]
+    whole, whole_reqs = await run_all(config(1.0, variant), prompts, params)
+    short, short_reqs = await run_all(config(0.0, variant), prompts, params)
+    try:
+        assert whole.stats["preempted"] == 0  # (ratio 1: every page a request may use is reserved)
+        assert short.stats["preempted"] > 0
+        assert sum(r.preemptions for r in short_reqs) == short.stats["preempted"]
+        for a, b in zip(whole_reqs, short_reqs):
+            assert (b.finish_reason, b.error) == (a.finish_reason, a.error) and b.state is RequestState.FINISHED
+            assert b.output == a.output
+            assert [lp.logprob for lp in b.output_logprobs] == pytest.approx([lp.logprob for lp in a.output_logprobs],
+                                                                             abs=1e-4)
+            assert len(b.prompt_logprobs) == len(a.prompt_logprobs)  # (computed once: not again as it resumed)
+            assert [lp and lp.logprob for lp in b.prompt_logprobs] == pytest.approx(
+                [lp and lp.logprob for lp in a.prompt_logprobs], abs=1e-4)
+            events = streamed(b)
+            assert [e[:2] for e in events[:-1]] == [(t, i) for i, t in enumerate(b.output)]  # each token once
+            assert events[-1] == (None, len(b.output), True)
+            assert b.resumed_tokens == 0 and b.state.done
+        if variant == "l2":
+            assert short.cache.metrics.restores_done > 0  # (some resumed from L2)
+        if variant != "spec":  # (one prompt: how much of it later requests hit depends on how many run at once)
+            assert short.cache.metrics.hit_tokens == whole.cache.metrics.hit_tokens  # (the prompts' hits alone)
+    finally:
+        await whole.shutdown()
+        await short.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_smaller_reservation_runs_more_requests_at_once():
+    """Eight prompts of 8 tokens, max_tokens 100, in 64 pages of 4: each reserves 27 pages at ratio 1 (two run at
+    once); at 0.25 each reserves 9, and more run until one outgrows L1."""
+    peaks = {}
+    for ratio in (1.0, 0.25):
+        eng = Engine(config(ratio))
+        launch, peak = eng._launch, [0]
+
+        def counted(work, chain=None, launch=launch, peak=peak, eng=eng):
+            peak[0] = max(peak[0], len(eng.running))
+            return launch(work, chain)
+        eng._launch = counted
+        await eng.start()
+        reqs = [eng.add_request([i + 1] * 8, SamplingParams(max_tokens=100, ignore_eos=True)) for i in range(8)]
+        while not all(r.state.done for r in reqs):
+            await asyncio.sleep(0.002)
+        eng.cache.check_integrity()
+        assert all(len(r.output) == 100 and r.finish_reason == "length" for r in reqs)
+        peaks[ratio] = peak[0]
+        await eng.shutdown()
+    assert peaks[1.0] == 2
+    assert peaks[0.25] >= 5
+
+
+@pytest.mark.asyncio
+async def test_the_victim_is_the_least_urgent_then_newest_request_in_decode():
+    eng = Engine(dataclasses.replace(config(0.0), scheduling_policy="priority"))
+    chosen, preempt = [], eng.admission.preempt
+
+    def recorded(req):
+        decoding = [r for r in eng.running if r.state is RequestState.DECODE]
+        chosen.append((req, decoding))
+        preempt(req)
+    eng.admission.preempt = recorded
+    await eng.start()
+    reqs = [eng.add_request(prompt_of(i), SamplingParams(max_tokens=60, ignore_eos=True, priority=(i * 5) % 3))
+            for i in range(10)]
+    while not all(r.state.done for r in reqs):
+        await asyncio.sleep(0.002)
+    eng.cache.check_integrity()
+    assert chosen
+    for victim, decoding in chosen:
+        assert victim in decoding
+        key = (victim.params.priority, victim.arrival_s)
+        # (the request that needed the page may have been the only one left to take: then it is itself)
+        assert key == max((r.params.priority, r.arrival_s) for r in decoding) or victim.preemptions >= 1
+    await eng.shutdown()
+
+
+@pytest.fixture
+def restore_logging():
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
+@pytest.mark.asyncio
+async def test_a_request_reports_its_first_admissions_hits_and_an_abort_while_preempted_loses_nothing(
+        tmp_path, restore_logging):
+    log = tmp_path / "run.jsonl"
+    eng = Engine(config(0.0, log_json=str(log)))
+    await eng.start()
+    prefix = [9, 8, 7, 6] * 5  # 5 pages: each request's first admission hits them in L1
+    [warm] = await eng.generate_async([prefix + [1]], SamplingParams(max_tokens=1))
+    reqs = [eng.add_request(prefix + [i + 20] * (3 + i), SamplingParams(max_tokens=60, ignore_eos=True))
+            for i in range(10)]
+    aborted = None
+    while not all(r.state.done for r in reqs):
+        if aborted is None:
+            aborted = next((r for r in reqs if r.preemptions and r.state is RequestState.WAITING), None)
+            if aborted is not None:
+                await eng.abort(aborted.rid)
+        await asyncio.sleep(0.001)
+    eng.cache.check_integrity()
+    assert eng.stats["preempted"] > 0 and aborted is not None
+    assert aborted.finish_reason == "abort" and aborted.result().cached_tokens == {"l1": 20, "l2": 0, "l3": 0}
+    for r in reqs:
+        if r is not aborted:
+            assert len(r.output) == 60
+            assert r.result().cached_tokens == {"l1": 20, "l2": 0, "l3": 0}  # (not its resumption's own output)
+    assert eng.admission.reserved_pages == 0 and not eng.running and not eng.waiting
+    hits = eng.metrics()["hit_tokens"]
+    assert hits == {"l1": 20 * len(reqs), "l2": 0, "l3": 0}  # (each prompt's hit once: no resumption's)
+    await eng.shutdown()
+    timeline = build_timeline(read_events(log))  # (the structured log says the same)
+    spans = [timeline.requests[r.rid] for r in reqs]
+    assert [span.hit_tokens for span in spans] == [{"l1": 20, "l2": 0, "l3": 0}] * len(reqs)
+    assert timeline.requests[aborted.rid].final_state == "aborted"
+    assert "queued (preempted)" in [phase for phase, _, _ in timeline.requests[aborted.rid].phase_spans(0)]
+    resumed = [span for span, r in zip(spans, reqs) if r.preemptions and r is not aborted]
+    assert resumed and all([s for s, _ in span.states].count("resumed") >= 1 for span in resumed)
+    assert all([s for s, _ in span.states].count("first_token") == 1 for span in resumed)
+
+
+def test_the_ratio_is_checked_and_has_a_flag():
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="decode_reserve_ratio"):
+            EngineConfig(decode_reserve_ratio=bad)
+    for bad in ("0.5", True, None):
+        with pytest.raises(ValueError, match="decode_reserve_ratio must be a number"):
+            EngineConfig(decode_reserve_ratio=bad)
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert config_from_args(parser.parse_args([])).decode_reserve_ratio == 1.0
+    assert config_from_args(parser.parse_args(["--decode-reserve-ratio", "0.3"])).decode_reserve_ratio == 0.3
