@@ -230,7 +230,7 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
         except Exception as exc:
             integrity = f"{type(exc).__name__}: {exc}"
         metrics = engine.metrics()
-        speculative = engine.status()["engine"].get("speculative")  # (--speculative-config: its counters)
+        status = engine.status()["engine"]  # (--speculative-config: its counters; preemptions)
     finally:
         if bar is not None:
             bar.close()
@@ -242,7 +242,7 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
             engine.runner.close()
     outcomes = [o if o is not None else Outcome(it, [], error=crash or "not run") for o, it in zip(outcomes, items)]
     return {"outcomes": outcomes, "metrics": metrics, "integrity": integrity, "wall_s": wall_s,
-            "engine_crash": crash, "speculative": speculative}
+            "engine_crash": crash, "speculative": status.get("speculative"), "preempted": status["preempted"]}
 
 
 def replay(config: EngineConfig, items: list[ReplayItem], **kw) -> dict:
@@ -313,6 +313,7 @@ def summarize(run: dict, problems: list[TraceProblem], config: EngineConfig, rep
         "config": {"engine": _shown_config(config), "replay": replay_options},
         "metrics": m,
         "speculative": run.get("speculative"),  # (None: speculation off)
+        "preempted": run.get("preempted", 0),  # (--decode-reserve-ratio below 1)
         # per trace line (`requests` is the count above); a --simulate run times nothing
         "request_records": request_records(outcomes, timed=timed),
     }
@@ -350,6 +351,7 @@ def format_summary(s: dict) -> str:
                                               if declined else "")
                                            + (f"; {cached:,} drafts from the prefix cache, {spec['cache_accepted_tokens']:,}"
                                               " of their tokens accepted" if cached else "")))
+    rows += [("preempted", f"{s['preempted']:,} times")] if s.get("preempted") else []
     rows += [("integrity", s["integrity"]), ("outputs digest", s["outputs_digest"][:16])]
     if "compare_no_cache" in s:
         c = s["compare_no_cache"]

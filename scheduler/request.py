@@ -100,7 +100,8 @@ class SamplingParams:
     # (Admission._reusable). Only with it may max_tokens be 0: the prefill alone (OpenAI's echo, lm-eval)
     prompt_logprobs: int | None = None
     # vLLM's priority (EngineConfig.scheduling_policy "priority"): the queue admits lower values first, in
-    # arrival order among equals; a running request is never preempted for it
+    # arrival order among equals; a running request is never preempted for it (where L1 runs short, under
+    # decode_reserve_ratio < 1, the least urgent is preempted first: scheduler/reservations.py)
     priority: int = 0
     # structured outputs (scheduler/guided.py): what the answer must be (a JSON schema, a regex, ...); None: free
     guided: GuidedSpec | None = None

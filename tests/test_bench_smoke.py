@@ -232,6 +232,20 @@ def test_bench_shared_prefill_computes_a_shared_prompt_once(capsys):
     assert row["shared_s"] > 0 and row["apart_s"] > 0
 
 
+def test_bench_preemption_runs_more_requests_at_once_below_ratio_one(capsys):
+    """scripts/bench_preemption.py: at ratio 1 L1 holds few whole reservations at once, below it more run and some are
+    preempted; on the CPU every request streams the same tokens at each ratio."""
+    assert load("bench_preemption").main([*CPU, "--requests", "12", "--prompt-tokens", "16", "--max-tokens", "200",
+                                          "--mean-output-tokens", "60", "--l1-tokens", "512", "--ratios", "1,0",
+                                          "--repeats", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    whole, short = out["rows"]
+    assert out["integrity"] == "passed" and whole["ratio"] == 1 and short["ratio"] == 0
+    assert whole["preempted"] == 0 and whole["peak_running"] == 512 // 4 // 54  # (each reserves 54 pages of 4)
+    assert short["peak_running"] > whole["peak_running"] and short["preempted"] > 0
+    assert whole["same_outputs"] == short["same_outputs"] == 12 and short["output_tokens"] == whole["output_tokens"]
+
+
 def test_bench_restart_serves_the_prompts_after_a_restart_from_the_kept_l3(capsys, tmp_path):
     """scripts/bench_restart.py: the engine started on the persisted L3 file adopts the prompts its predecessor
     computed, serves each from L3 with the same token, and its integrity passes (the file and index go)."""

@@ -14,6 +14,7 @@ import structlog
 from scheduler.config import EngineConfig, add_engine_args, config_from_args
 from scheduler.engine import Engine
 from scheduler.guided import GuidedSpec
+from scheduler.replay import ReplayItem, format_summary, replay_async, summarize
 from scheduler.request import RequestState, SamplingParams
 from scheduler.speculative import SpeculativeConfig
 from scheduler.timeline import build_timeline, read_events
@@ -201,3 +202,14 @@ def test_the_ratio_is_checked_and_has_a_flag():
     add_engine_args(parser)
     assert config_from_args(parser.parse_args([])).decode_reserve_ratio == 1.0
     assert config_from_args(parser.parse_args(["--decode-reserve-ratio", "0.3"])).decode_reserve_ratio == 0.3
+
+
+@pytest.mark.asyncio
+async def test_the_replay_reports_its_preemptions():
+    items = [ReplayItem(i, i + 1, 0.0, [i + 1] * 8, 100) for i in range(8)]
+    run = await replay_async(config(0.0), items, concurrency=8)
+    summary = summarize(run, [], config(0.0), {})
+    assert summary["integrity"] == "passed" and summary["completed"] == 8
+    assert summary["preempted"] > 0 and f"{summary['preempted']:,} times" in format_summary(summary)
+    assert "preempted" not in format_summary(summarize(await replay_async(config(1.0), items, concurrency=8), [],
+                                                       config(1.0), {}))
