@@ -90,8 +90,10 @@ class Admission(Reservations, Restoring):
         if not eng.stopping:  # (else they stay queued, as they are, for the next start())
             self.start_deferred_hints()
         for req in self._admission_order():
-            if budget <= 0 or len(eng.running) >= eng.config.max_running_requests or eng.stopping:
+            if budget <= 0 or len(eng.running) >= eng.config.max_running_requests:
                 break
+            if eng.stopping and not req.resumed_tokens:
+                continue  # (a request preempted while the loop stops was running: it finishes, as they do)
             if req.rid in eng.aborting:
                 # aborted while this pass waited for a blocking restore (the list was taken before):
                 # the next tick ends it (regression: admitted, prefilled, sent a token after abort())
@@ -268,16 +270,16 @@ class Admission(Reservations, Restoring):
         if eng.speculator is not None:
             reqs, drafted = eng.speculator.split(reqs)
         binput = BatchInput(is_decode=drafted is None, verify_drafts=None if drafted is None else [])
-        ready = []
+        grown = []  # every request's pages first, then the rows of those still in decode (a preemption may take any)
         for req, draft in drafted or [(r, []) for r in reqs]:
             if req.state is not RequestState.DECODE:
                 continue  # preempted for an earlier row's page
             pos = len(req.prompt) + len(req.output) - 1
             if draft and not self._grow(req, pos + 1 + len(draft)):
                 draft = []  # (no page for its drafts now: its own token alone)
-            if not self._grow_or_preempt(req, pos + 1, ready):
+            if not self._grow_or_preempt(req, pos + 1):
                 if req.state is not RequestState.DECODE:
-                    continue  # (itself preempted: no other was left to preempt)
+                    continue  # (itself preempted: the least urgent)
                 # reserved pages exist but cannot be had yet: write_back is backing up the LRU
                 # leaves it must evict; their completion wakes the loop. Without pending
                 # operations nothing would ever free them: fail this request, not the loop.
@@ -285,6 +287,11 @@ class Admission(Reservations, Restoring):
                     self._log_overcommit(req)
                     eng.finish(req, RequestState.FAILED, "error", "no KV page available (accounting)")
                 continue
+            grown.append((req, draft, pos))
+        ready = []
+        for req, draft, pos in grown:
+            if req.state is not RequestState.DECODE:
+                continue  # preempted for a later row's page
             self._append(binput, req, [req.output[-1]] + draft, pos)
             if binput.verify_drafts is not None:
                 binput.verify_drafts.append(draft)
@@ -353,8 +360,11 @@ class Admission(Reservations, Restoring):
             # recomputed_tokens: prompt tokens prefill computed, each counted once, as its chunk is
             # kept (not at admission: a request aborted between chunks computed only those that ran;
             # an overlapped forward's output dropped by `Restoring` counts nothing, its rerun counts)
-            self.cache.metrics.recomputed_tokens += chunk
-            req.recomputed_tokens += chunk  # (the replay's per-request records)
+            if req.resumed_tokens:  # (a preempted request's again: no prompt's, as its hits are none: vLLM's
+                eng.stats["preempted_recomputed_tokens"] += chunk  # preempted queries, apart)
+            else:
+                self.cache.metrics.recomputed_tokens += chunk
+                req.recomputed_tokens += chunk  # (the replay's per-request records)
             if req.cached_len < req.prefill_len:
                 # more chunks to go; the sampled token is meaningless. The full pages computed so far
                 # are published now (regression: only once the whole prompt was, so a request sharing

@@ -35,7 +35,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     # the share of each request's possible output (max_tokens) admission reserves L1 pages for, in [0, 1]: 1, all of
     # it (a running request never runs short and nothing is preempted); below 1 more requests run at once, and one
-    # that outgrows L1 preempts the newest in decode, whose K/V stays in the prefix cache (scheduler/preemption.py)
+    # that outgrows L1 preempts the newest in decode, whose K/V stays in the prefix cache (scheduler/reservations.py)
     decode_reserve_ratio: float = 1.0
     max_context_tokens: int = 16384  # longest sequence a captured decode graph serves (longer: eager)
     max_prompt_tokens: int = 0  # 0: no limit beyond what the pool and the model's positions can hold

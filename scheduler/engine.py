@@ -121,7 +121,7 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         self._log_occupancy = OccupancyLog(self.cache.tree.allocators)  # after batches, at stops
         self.stats = {"batches": 0, "prefill_tokens": 0, "decode_tokens": 0, "finished": 0, "aborted": 0,
                       "failed": 0, "chained_steps": 0, "restore_overlaps": 0, "restore_waits_timed_out": 0,
-                      "preempted": 0}
+                      "preempted": 0, "preempted_recomputed_tokens": 0}
 
     def hold_l1_page(self, label: str) -> int:
         """Take one L1 page for good (before any request): requests are sized without it. Refuses the last one

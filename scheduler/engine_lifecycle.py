@@ -207,7 +207,7 @@ class EngineLifecycle:
     def _end_aborted(self, req: Request) -> None:
         stop = req.rid in self._stops
         self._stops.discard(req.rid)
-        if stop and req.state is RequestState.DECODE:
+        if stop and req.output:  # (in decode, or preempted: its tokens so far end at the stop string)
             self.finish(req, RequestState.FINISHED, "stop")
         else:
             self.finish(req, RequestState.ABORTED, "abort")

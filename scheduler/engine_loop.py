@@ -55,7 +55,7 @@ class EngineLoop:
             self._wake.clear()
             self._end_chain = False
             self._settle_aborts()
-            if self.stopping and not self.running:
+            if self.stopping and not self.running and not self._resuming():
                 return  # (nothing is admitted while stopping: waiting and parked requests stay as they are)
             self.admission.settle_parked()
             self.admission.settle_overlaps()
@@ -81,6 +81,10 @@ class EngineLoop:
                     await self._wake.wait()
                 continue
             await self._run(batch)
+
+    def _resuming(self) -> bool:
+        """Whether a request preempted while it ran waits to resume (a stop lets it finish as the running do)."""
+        return any(r.resumed_tokens for r in (*self.waiting, *self.parked))
 
     def _chunks_wait(self) -> bool:
         """Whether a prompt is part-way through its chunked prefill (not waiting for its restore to land)."""

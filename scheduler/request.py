@@ -324,7 +324,7 @@ class Request:
     locked_len: int = 0          # tokens covered by locked_node's path
     chunks_unbacked: bool = False  # prompt chunks it published still wait for their write-through backup
     reserved_pages: int = 0      # pages this request may still need (admission reservation)
-    # preemption (scheduler/preemption.py): output tokens its next prefill computes again after the prompt (0
+    # preemption (scheduler/reservations.py): output tokens its next prefill computes again after the prompt (0
     # once that prefill ended), how often it was preempted, and the hits its first admission reported
     resumed_tokens: int = 0
     preemptions: int = 0

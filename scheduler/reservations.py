@@ -5,7 +5,7 @@ Admission reserves a request's prefill (its prompt; after a preemption, its outp
 `decode_reserve_ratio` of the tokens it may still write K/V for. At 1 (the default) nothing runs short and
 nothing is preempted. Below it more requests run at once: a request in decode that needs a page past its
 reservation takes one that nobody reserved, and where L1 has none left the newest request in decode (the
-least urgent under priority scheduling, vLLM V1's choice) is preempted (`preempt`): its K/V is published
+least urgent under priority scheduling, itself included: vLLM V1's choice) is preempted (`preempt`): its K/V is published
 to the prefix cache as a finished request's is (and backed up by the write policy), its pages and
 reservation go back, and it is queued again with its output folded into its next prefill
 (`Request.resumed_tokens`). Readmitted, that prefix is a cache hit (L1, or a restore from L2 or L3 where
@@ -66,24 +66,20 @@ class Reservations:
         beyond = self._beyond_reservation(req, num_tokens)
         return beyond > 0 and beyond > self._l1_room_pages()
 
-    def _grow_or_preempt(self, req: Request, num_tokens: int, keep: list[Request]) -> bool:
-        """`_grow` for a decode step, preempting while `req` outgrew its reservation: the newest other request in
-        decode not in `keep` (this step's rows so far), and `req` itself once none is left. False: no page for
-        `req` this step (it was preempted, or its pages wait for backups)."""
+    def _grow_or_preempt(self, req: Request, num_tokens: int) -> bool:
+        """`_grow` for a decode step, preempting while `req` outgrew its reservation: the least urgent request in
+        decode, `req` itself included (the largest (priority, arrival): vLLM V1's choice), whose pages this step may
+        already have grown (the step appends its rows once every request has its pages: `decode_batch`). False: no
+        page for `req` this step (it was preempted, or its pages wait for backups)."""
         while not self._grow(req, num_tokens):
             if not self._outgrew(req, num_tokens):
                 return False
-            victim = self._victim(req, keep)
+            victim = max((r for r in self.engine.running if r.state is RequestState.DECODE),
+                         key=lambda r: (r.params.priority, r.arrival_s))
             self.preempt(victim)
             if victim is req:
                 return False
         return True
-
-    def _victim(self, req: Request, keep: list[Request]) -> Request:
-        kept = {id(r) for r in keep}
-        others = [r for r in self.engine.running
-                  if r.state is RequestState.DECODE and r is not req and id(r) not in kept]
-        return max(others, key=lambda r: (r.params.priority, r.arrival_s), default=req)
 
     def preempt(self, req: Request) -> None:
         """Take a request in decode off L1: publish its K/V (as `release` does at its end), give back its pages

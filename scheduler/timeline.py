@@ -105,8 +105,11 @@ class RequestSpan:
         return self._between_ns(parked_ns, None if parked_ns is None else self.first_ns("prefill_start", parked_ns))
 
     @property
-    def prefill_ns(self) -> int | None:  # first prefill_start to last prefill_end (chunked prefill)
-        return self._between_ns(self.first_ns("prefill_start"), self.last_ns("prefill_end"))
+    def prefill_ns(self) -> int | None:  # first prefill_start to its first token's prefill_end (the last before it:
+        # a discarded overlapped forward's admission ends one too), not a preempted request's resumption's
+        first = self.first_ns("first_token")
+        ends = [t for s, t in self.states if s == "prefill_end" and (first is None or t <= first)]
+        return self._between_ns(self.first_ns("prefill_start"), ends[-1] if ends else None)
 
     @property
     def first_token_ns(self) -> int | None:  # from arrival
@@ -291,7 +294,9 @@ def _add_request(b: _Builder, e: dict) -> bool:
         req.restore_tier = tier or req.restore_tier
     elif state == "restore_overlap_discarded":  # as the engine does (Restoring._rewind): that admission
         # counted no hit, restored nothing (regression: kept when the request ended before the next)
-        req.hit_tokens, req.restore_tier, req.restore_tokens = {t: 0 for t in TIERS}, "none", 0
+        req.restore_tier, req.restore_tokens = "none", 0
+        if req.first_ns("preempted") is None:  # (a resumption's: its first admission's hits stand)
+            req.hit_tokens = {t: 0 for t in TIERS}
     elif state in REQUEST_END_STATES:
         req.output_tokens = _opt_int(e.get("output_tokens"))
         why = [str(e[k]) for k in ("reason", "error") if e.get(k) not in (None, "")]

@@ -2,8 +2,9 @@
 its context): requests arriving together, each with a large max_tokens, stopping at a sampled stop token after a
 geometric number of tokens (a random set of --mean-output-tokens' share of the vocabulary as stop_token_ids, seeded
 sampling). Per --decode-reserve-ratio (EngineConfig.decode_reserve_ratio: the share of max_tokens admission reserves;
-1 reserves it all and preempts nothing), one engine switched between them: the wall time to the last token, output
-tokens/s, the most requests running at once, preemptions, and how many requests streamed the same tokens as at the
+1 reserves it all and preempts nothing), one engine switched between them: the wall time to the last token (the
+longest answer's decode bounds it), output tokens/s over it, the requests' latency to their last token, the most
+requests running at once, preemptions, and how many requests streamed the same tokens as at the
 first ratio (all on the CPU, where tests/test_preemption.py checks it; on the GPU a decode batch's size changes its
 kernels' rounding, and a sampled stream may part at a near-tie).
 
@@ -22,8 +23,8 @@ import time
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from bench_cli import check_device, check_engine_config, check_fits, positive_int, refused_as_usage  # noqa: E402
-from bench_common import (CPU_SMOKE, add_common_args, fmt, integrity_of, median, parse_common_args, sync,  # noqa: E402
-                          table, write_result)
+from bench_common import (CPU_SMOKE, add_common_args, fmt, integrity_of, median, parse_common_args,  # noqa: E402
+                          percentile, sync, table, write_result)
 from hicache.radix import Tier  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
@@ -93,12 +94,12 @@ async def one_round(engine: Engine, prompts, params, device: str) -> dict:
                 out.append(ev.token_id)
             if ev.finished and ev.finish_reason not in ("stop", "length"):
                 raise RuntimeError(f"a request ended {ev.finish_reason}: {ev.error}")
-        return out
-    outputs = await asyncio.gather(*(tokens_of(p, sp) for p, sp in zip(prompts, params)))
+        return out, time.perf_counter() - t0
+    done = await asyncio.gather(*(tokens_of(p, sp) for p, sp in zip(prompts, params)))
     seconds = time.perf_counter() - t0
     del engine._launch  # (the instance's wrapper goes: the class's method again)
-    return {"seconds": seconds, "outputs": outputs, "peak_running": peak[0],
-            "preempted": engine.stats["preempted"] - preempted}
+    return {"seconds": seconds, "outputs": [out for out, _ in done], "latency_s": [s for _, s in done],
+            "peak_running": peak[0], "preempted": engine.stats["preempted"] - preempted}
 
 
 async def main_async(args) -> dict:
@@ -123,6 +124,8 @@ async def main_async(args) -> dict:
         tokens = sum(len(o) for o in rounds[0]["outputs"])
         seconds = median([r["seconds"] for r in rounds])
         rows.append({"ratio": ratio, "seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
+                     "latency_p50_s": median([percentile(r["latency_s"], 50) for r in rounds]),
+                     "latency_p90_s": median([percentile(r["latency_s"], 90) for r in rounds]),
                      "peak_running": max(r["peak_running"] for r in rounds),
                      "preempted": median([r["preempted"] for r in rounds]),
                      "same_outputs": min(sum(a == b for a, b in zip(r["outputs"], reference)) for r in rounds)})
@@ -139,10 +142,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     out = asyncio.run(main_async(args))
     base = out["rows"][0]["seconds"]
-    head = ["reserve ratio", "seconds", "output tokens", "tok/s", "x first", "peak running", "preempted",
-            "same tokens as first"]
+    head = ["reserve ratio", "seconds", "output tokens", "tok/s", "x first", "latency p50 / p90 s", "peak running",
+            "preempted", "same tokens as first"]
     body = [[f"{r['ratio']:g}", fmt(r["seconds"], "{:.3f}"), str(r["output_tokens"]), fmt(r["tokens_per_s"], "{:.0f}"),
-             fmt(base / r["seconds"], "{:.2f}x"), str(r["peak_running"]), f"{r['preempted']:.0f}",
+             fmt(base / r["seconds"], "{:.2f}x"), f"{r['latency_p50_s']:.2f} / {r['latency_p90_s']:.2f}",
+             str(r["peak_running"]), f"{r['preempted']:.0f}",
              f"{r['same_outputs']} of {out['requests']}"] for r in out["rows"]]
     human = sys.stderr if args.json else sys.stdout
     print(f"{out['requests']} requests of {out['prompt_tokens']} prompt tokens, max_tokens {out['max_tokens']}, "

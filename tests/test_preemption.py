@@ -7,10 +7,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import random
 
 import pytest
 import structlog
 
+from hicache.faults import Fault, FaultInjector
 from scheduler.config import EngineConfig, add_engine_args, config_from_args
 from scheduler.engine import Engine
 from scheduler.guided import GuidedSpec
@@ -90,7 +92,12 @@ async def test_preempted_requests_stream_what_they_would_without_preemption(vari
         if variant == "l2":
             assert short.cache.metrics.restores_done > 0  # (some resumed from L2)
         if variant != "spec":  # (one prompt: how much of it later requests hit depends on how many run at once)
-            assert short.cache.metrics.hit_tokens == whole.cache.metrics.hit_tokens  # (the prompts' hits alone)
+            # the prompts' hits and computed tokens alone (regression, session 54's hunt: vllm:prefix_cache_queries
+            # and the replay's totals counted each resumption's tokens again)
+            assert short.cache.metrics.hit_tokens == whole.cache.metrics.hit_tokens
+            assert short.cache.metrics.recomputed_tokens == whole.cache.metrics.recomputed_tokens
+            assert [r.recomputed_tokens for r in short_reqs] == [r.recomputed_tokens for r in whole_reqs]
+        assert short.stats["preempted_recomputed_tokens"] > 0 == whole.stats["preempted_recomputed_tokens"]
     finally:
         await whole.shutdown()
         await short.shutdown()
@@ -138,12 +145,96 @@ async def test_the_victim_is_the_least_urgent_then_newest_request_in_decode():
         await asyncio.sleep(0.002)
     eng.cache.check_integrity()
     assert chosen
-    for victim, decoding in chosen:
+    for victim, decoding in chosen:  # (the request that needs the page among them: it may be the least urgent)
         assert victim in decoding
-        key = (victim.params.priority, victim.arrival_s)
-        # (the request that needed the page may have been the only one left to take: then it is itself)
-        assert key == max((r.params.priority, r.arrival_s) for r in decoding) or victim.preemptions >= 1
+        assert (victim.params.priority, victim.arrival_s) == max((r.params.priority, r.arrival_s) for r in decoding)
     await eng.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_less_urgent_request_that_outgrows_l1_preempts_itself_not_a_more_urgent_one():
+    """Regression (session 54's hunt): the requester and this step's rows were never candidates, so a priority-5
+    request needing a page preempted the priority-0 one decoding beside it."""
+    eng = Engine(dataclasses.replace(config(0.0), num_pages=16, scheduling_policy="priority"))
+    await eng.start()
+    low = eng.add_request([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=40, ignore_eos=True, priority=5))
+    while len(low.output) < 3:
+        await asyncio.sleep(0.001)
+    high = eng.add_request([9, 10, 11, 12, 13, 14, 15, 16], SamplingParams(max_tokens=40, ignore_eos=True, priority=0))
+    while not (low.state.done and high.state.done):
+        await asyncio.sleep(0.002)
+    eng.cache.check_integrity()
+    assert high.preemptions == 0 and low.preemptions > 0
+    assert len(high.output) == len(low.output) == 40 and high.finish_s < low.finish_s
+    await eng.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_stop_loop_lets_requests_preempted_during_the_stop_finish():
+    """Regression (session 54's hunt): stop_loop() lets the running requests finish, but one preempted meanwhile
+    was never admitted again while stopping: 6 of 8 stayed queued mid-stream until the next start()."""
+    eng = Engine(config(0.0))
+    await eng.start()
+    reqs = [eng.add_request([i + 1] * 8, SamplingParams(max_tokens=100, ignore_eos=True)) for i in range(8)]
+    while eng.waiting or any(r.state is not RequestState.DECODE for r in eng.running):
+        await asyncio.sleep(0.001)
+    running = [r for r in reqs if r in eng.running]
+    await eng.stop_loop()
+    assert eng.stats["preempted"] > 0
+    assert [(r.finish_reason, len(r.output)) for r in running] == [("length", 100)] * len(running)
+    eng.cache.check_integrity()
+    await eng.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_stop_string_while_preempted_finishes_the_request():
+    """Regression (session 54's hunt): abort(stop=True) (a stop string the server matched) of a preempted request
+    ended it "abort" (stats, log) where in decode it finishes "stop"."""
+    eng = Engine(config(0.0))
+    await eng.start()
+    reqs = [eng.add_request([i + 1] * 8, SamplingParams(max_tokens=100, ignore_eos=True)) for i in range(8)]
+    target = None
+    while target is None:
+        target = next((r for r in reqs if r.preemptions and r.state is RequestState.WAITING), None)
+        await asyncio.sleep(0.0005)
+    await eng.abort(target.rid, stop=True)
+    while not all(r.state.done for r in reqs):
+        await asyncio.sleep(0.002)
+    assert (target.state, target.finish_reason) == (RequestState.FINISHED, "stop")
+    assert eng.stats["aborted"] == 0 and eng.stats["finished"] == len(reqs)
+    eng.cache.check_integrity()
+    await eng.shutdown()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.asyncio
+async def test_the_timeline_keeps_a_preempted_requests_hits_through_a_discarded_restore(tmp_path, restore_logging,
+                                                                                        seed):
+    """Regression (session 54's hunt): a resumption's overlapped restore discarded (a transfer fault) zeroed the
+    request's hits in the timeline, where the engine reports its first admission's; the timeline's prefill time
+    spanned its decode up to its resumption's prefill."""
+    log = tmp_path / "run.jsonl"
+    faults = FaultInjector()
+    faults.arm(Fault.TRANSFER_RAISE, times=None, probability=0.5, seed=seed)
+    eng = Engine(config(0.0, "l2", log_json=str(log)), faults=faults)
+    await eng.start()
+    prefix = [9, 8, 7, 6] * 5
+    await eng.generate_async([prefix + [1]], SamplingParams(max_tokens=1))
+    rng = random.Random(seed)
+    reqs = [eng.add_request(prefix + [rng.randrange(20, 300) for _ in range(3 + i)],
+                            SamplingParams(max_tokens=60, ignore_eos=True)) for i in range(10)]
+    while not all(r.state.done for r in reqs):
+        await asyncio.sleep(0.001)
+    await eng.cache.drain()
+    eng.cache.check_integrity()
+    await eng.shutdown()
+    timeline = build_timeline(read_events(log))
+    assert any(r.preemptions for r in reqs)
+    for r in reqs:
+        span = timeline.requests[r.rid]
+        assert {t: n for t, n in span.hit_tokens.items() if n} == {t: n for t, n in r.result().cached_tokens.items()
+                                                                  if n}, [s for s, _ in span.states]
+        assert span.prefill_ns <= span.first_token_ns
 
 
 @pytest.fixture
