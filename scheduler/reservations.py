@@ -4,10 +4,10 @@ reservation was less than what the request may use (EngineConfig.decode_reserve_
 Admission reserves a request's prefill (its prompt; after a preemption, its output so far too) and
 `decode_reserve_ratio` of the tokens it may still write K/V for. At 1 (the default) nothing runs short and
 nothing is preempted. Below it more requests run at once: a request in decode that needs a page past its
-reservation takes one that nobody reserved, and where L1 has none left the newest request in decode (the
-least urgent under priority scheduling, itself included: vLLM V1's choice) is preempted (`preempt`): its K/V is published
-to the prefix cache as a finished request's is (and backed up by the write policy), its pages and
-reservation go back, and it is queued again with its output folded into its next prefill
+reservation takes one that nobody reserved, and where L1 has none left the least urgent request in decode
+(the newest; under priority scheduling the largest priority first; the requester included: vLLM V1's choice) is
+preempted (`preempt`): its K/V is published to the prefix cache as a finished request's is (and backed up by the
+write policy), its pages and reservation go back, and it is queued again with its output folded into its next prefill
 (`Request.resumed_tokens`). Readmitted, that prefix is a cache hit (L1, or a restore from L2 or L3 where
 it was evicted meanwhile) and the prefill's last row samples its next token: the client sees one stream.
 SGLang retracts decode requests alike; vLLM's preempted requests are recomputed, from its prefix cache
@@ -22,6 +22,7 @@ from scheduler.request import Request, RequestState, enqueue
 
 if TYPE_CHECKING:
     from scheduler.engine import Engine
+
 
 class Reservations:
     """Admission's L1 reservations (mixed into it: uses engine, cache, page_size, reserved_pages,
