@@ -300,17 +300,6 @@ class Admission(Reservations, Restoring):
             return None
         return Batch(ready, [1] * len(ready), binput)
 
-    def _log_overcommit(self, req: Request) -> None:
-        """A running request cannot get a page it had reserved and nothing pending will free one:
-        L1 was promised twice. What the promise rested on, for the post-mortem."""
-        cache, running = self.cache, self.engine.running
-        cache.metrics.count_failure("l1_overcommit")
-        log.error("l1_overcommit", rid=req.rid, reserved_pages=self.reserved_pages,
-                  reserved_by_running=sum(r.reserved_pages for r in running),
-                  free_pages=cache.l1.allocator.num_free, evictable_pages=cache.tree.evictable_pages(Tier.L1),
-                  running=len(running), parked=len(self.engine.parked), waiting=len(self.engine.waiting),
-                  request_pages=len(req.pages), request_reserved=req.reserved_pages)
-
     def chain_decode_batch(self, reqs: list[Request]) -> Batch | None:
         """The decode step after the one in flight for `reqs` (whose tokens are not back yet): the
         requests that will surely still run then (not finished, not at their last token by length),
@@ -332,18 +321,6 @@ class Admission(Reservations, Restoring):
                 return None
             self._append(binput, req, [0], pos)  # placeholder id: the runner takes the real one on the device
         return Batch(nxt, [1] * len(nxt), binput)
-
-    def _head_still_blocked(self) -> bool:
-        """Whether the queue's head is the request the last prefill pass found no L1 room for, and no room
-        came since. Room comes back as requests finish (then the chain ends and the head is tried again);
-        until then a tick would only try it in vain. (Regression: it ended the chain every step.) Under "lpm"
-        the head is whichever request that pass stopped at, while it still waits."""
-        blocked, waiting = self.memory_blocked, self.engine.waiting
-        if blocked is None or self._l1_room_pages() > blocked[1]:
-            return False
-        if self.engine.config.scheduling_policy == "lpm":
-            return any(req.rid == blocked[0] for req in waiting)
-        return waiting[0].rid == blocked[0]
 
     # -- after a step --------------------------------------------------------------------------
     def after_step(self, req: Request, chunk: int, token: int, same_step: bool = False) -> None:

@@ -35,7 +35,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     # the share of each request's possible output (max_tokens) admission reserves L1 pages for, in [0, 1]: 1, all of
     # it (a running request never runs short and nothing is preempted); below 1 more requests run at once, and one
-    # that outgrows L1 preempts the newest in decode, whose K/V stays in the prefix cache (scheduler/reservations.py)
+    # that outgrows L1 preempts the least urgent in decode, whose K/V stays in the prefix cache
+    # (scheduler/reservations.py)
     decode_reserve_ratio: float = 1.0
     max_context_tokens: int = 16384  # longest sequence a captured decode graph serves (longer: eager)
     max_prompt_tokens: int = 0  # 0: no limit beyond what the pool and the model's positions can hold
@@ -227,8 +228,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode-reserve-ratio", type=float, default=EngineConfig.decode_reserve_ratio,
                    help="share of each request's max_tokens admission reserves L1 pages for, in [0, 1] (default 1: "
                         "all, nothing is ever preempted); below 1 more requests run at once, and one that outgrows "
-                        "L1 preempts the newest decoding request, which resumes later from its K/V in the prefix "
-                        "cache (SGLang's retract, vLLM's recompute preemption)")
+                        "L1 preempts the newest decoding request (the least urgent under --scheduling-policy "
+                        "priority), which resumes later from its K/V in the prefix cache (SGLang's retract, vLLM's "
+                        "recompute preemption)")
     g.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="longest prompt in tokens (0: what the L1 pool holds, within the model's positions; "
                         "never above either)")

@@ -123,7 +123,7 @@ class Generation:
     def usage(self) -> Usage:
         # the tokens read: after a stop string, those up to and including the one that completed its
         # match (vLLM's count), not the ones the engine made before the abort landed
-        return Usage.of(len(self.req.prompt), self.output_tokens, self.req.hit_tokens)
+        return Usage.of(len(self.req.prompt), self.output_tokens, self.req.served_hit_tokens)
 
     def fail(self, fin) -> APIError:
         """The error of a failed or aborted choice, naming its prompt in a batch and its choice under n > 1

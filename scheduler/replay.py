@@ -42,8 +42,8 @@ from scheduler.replay_args import (REPLAY_OPTIONS, check_replay_args, check_writ
                                    fill_defaults, shown)
 from scheduler.replay_memory import flag_name as _flag
 from scheduler.request import kv_tokens
-from scheduler.trace import (MAX_PROBLEMS_SHOWN, TokenSynth, TraceError, TraceProblem, TraceRecord, load_trace,
-                             scale_record)
+from scheduler.trace import (MAX_PROBLEMS_SHOWN, SynthPrompt, TokenSynth, TraceError, TraceProblem, TraceRecord,
+                             load_trace, scale_record)
 
 DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
 TIERS = ("l1", "l2", "l3")
@@ -53,24 +53,6 @@ SAVE_GRACE_S = 60.0  # the end's shutdown with --hicache-storage-persist: at mos
 class EngineStartError(Exception):
     """The engine could not be built from this configuration (a path it cannot open, a transfer
     backend this machine cannot run): a user error, reported in one line."""
-
-
-@dataclass(frozen=True)
-class SynthPrompt:
-    """A prompt synthesized when its request is submitted: built up front, the prompts of the bundled
-    Mooncake trace (145 M tokens at 512 a hash id, as Python ints) took 6.1 GB and 33 s before the
-    first request, and a longer trace or larger blocks ran out of memory. Only requests in flight
-    hold their prompt now (and the synth its blocks: 2 KB a distinct hash id at 512 tokens)."""
-    synth: TokenSynth
-    record: TraceRecord  # scaled to the synth's block size (scale_record)
-    max_input_tokens: int | None
-
-    def __len__(self) -> int:
-        n = self.record.input_tokens
-        return n if self.max_input_tokens is None else min(n, self.max_input_tokens)
-
-    def tokens(self) -> list[int]:
-        return self.synth.prompt_tokens(self.record, self.max_input_tokens)
 
 
 @dataclass(frozen=True)
@@ -100,6 +82,7 @@ class Outcome:
     latency_s: float | None = None  # submission to its last event (None: refused at submission)
     hit_tokens: dict[str, int] | None = None  # per tier, as counted in the engine's metrics
     recomputed_tokens: int = 0
+    preemptions: int = 0  # (--decode-reserve-ratio below 1)
 
 
 def build_parser():
@@ -152,7 +135,8 @@ async def _one(engine, item: ReplayItem, rid_prefix: str) -> Outcome:
         if req is not None:
             if not req.state.done:  # (cancelled: an engine crash)
                 await engine.abort(req.rid)
-            out.hit_tokens, out.recomputed_tokens = dict(req.hit_tokens), req.recomputed_tokens
+            out.hit_tokens, out.recomputed_tokens = dict(req.served_hit_tokens), req.recomputed_tokens
+            out.preemptions = req.preemptions
             out.latency_s = time.perf_counter() - start
     if out.error is None and out.finish_reason not in ("length", "stop"):
         out.error = f"finished with reason {out.finish_reason!r}"
@@ -242,7 +226,8 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
             engine.runner.close()
     outcomes = [o if o is not None else Outcome(it, [], error=crash or "not run") for o, it in zip(outcomes, items)]
     return {"outcomes": outcomes, "metrics": metrics, "integrity": integrity, "wall_s": wall_s,
-            "engine_crash": crash, "speculative": status.get("speculative"), "preempted": status["preempted"]}
+            "engine_crash": crash, "speculative": status.get("speculative"), "preempted": status["preempted"],
+            "preempted_recomputed_tokens": status["preempted_recomputed_tokens"]}
 
 
 def replay(config: EngineConfig, items: list[ReplayItem], **kw) -> dict:
@@ -282,7 +267,7 @@ def request_records(outcomes: list[Outcome], timed: bool = True) -> list[dict]:
                         "prompt_tokens": o.item.prompt_tokens, "output_tokens": len(o.output_ids),
                         "hit_tokens": {t: int(hits.get(t, 0)) for t in TIERS},
                         "recomputed_tokens": o.recomputed_tokens, "ttft_ms": ms(o.ttft_s),
-                        "latency_ms": ms(o.latency_s),
+                        "latency_ms": ms(o.latency_s), "preemptions": o.preemptions,
                         "finish_reason": o.finish_reason, "error": o.error})
     return records
 
@@ -313,7 +298,8 @@ def summarize(run: dict, problems: list[TraceProblem], config: EngineConfig, rep
         "config": {"engine": _shown_config(config), "replay": replay_options},
         "metrics": m,
         "speculative": run.get("speculative"),  # (None: speculation off)
-        "preempted": run.get("preempted", 0),  # (--decode-reserve-ratio below 1)
+        # (--decode-reserve-ratio below 1: preemptions, and the tokens their resumptions computed again, apart)
+        "preempted": run.get("preempted", 0), "preempted_recomputed_tokens": run.get("preempted_recomputed_tokens", 0),
         # per trace line (`requests` is the count above); a --simulate run times nothing
         "request_records": request_records(outcomes, timed=timed),
     }
@@ -351,7 +337,8 @@ def format_summary(s: dict) -> str:
                                               if declined else "")
                                            + (f"; {cached:,} drafts from the prefix cache, {spec['cache_accepted_tokens']:,}"
                                               " of their tokens accepted" if cached else "")))
-    rows += [("preempted", f"{s['preempted']:,} times")] if s.get("preempted") else []
+    rows += [("preempted", f"{s['preempted']:,} times ({s['preempted_recomputed_tokens']:,} tokens computed again)")
+             ] if s.get("preempted") else []
     rows += [("integrity", s["integrity"]), ("outputs digest", s["outputs_digest"][:16])]
     if "compare_no_cache" in s:
         c = s["compare_no_cache"]

@@ -392,6 +392,12 @@ class Request:
         return self._salted
 
     @property
+    def served_hit_tokens(self) -> dict[str, int]:
+        """The prefix-cache hits its usage reports: its first admission's (a preempted request's resumption reads
+        its own K/V, and `hit_tokens` is that admission's until its prefill ends)."""
+        return self.hit_tokens if self.served_hits is None else self.served_hits
+
+    @property
     def prefill_len(self) -> int:
         """Tokens its prefill computes K/V for: the prompt, and after a preemption the output up to then."""
         return len(self.prompt) + self.resumed_tokens
@@ -416,7 +422,7 @@ class Request:
     def result(self) -> GenerationResult:
         return GenerationResult(
             rid=self.rid, prompt_tokens=len(self.prompt), output_ids=list(self.output),
-            finish_reason=self.finish_reason or "", error=self.error, cached_tokens=dict(self.hit_tokens),
+            finish_reason=self.finish_reason or "", error=self.error, cached_tokens=dict(self.served_hit_tokens),
             ttft_s=None if self.first_token_s is None else self.first_token_s - self.arrival_s,
             latency_s=None if self.finish_s is None else self.finish_s - self.arrival_s,
             logprobs=None if self.params.logprobs is None else list(self.output_logprobs),

@@ -18,15 +18,20 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import structlog
+
+from hicache.radix import Tier
 from scheduler.request import Request, RequestState, enqueue
 
 if TYPE_CHECKING:
     from scheduler.engine import Engine
 
+log = structlog.get_logger("scheduler.engine")
+
 
 class Reservations:
-    """Admission's L1 reservations (mixed into it: uses engine, cache, page_size, reserved_pages,
-    `_l1_room_pages` and `release`)."""
+    """Admission's L1 reservations (mixed into it: uses engine, cache, page_size, reserved_pages, memory_blocked,
+    `_reusable`, `_l1_room_pages`, `_room_beside` and `release`)."""
     engine: "Engine"
 
     def _reserve_tokens(self, req: Request) -> int:
@@ -103,3 +108,34 @@ class Reservations:
         eng.stats["preempted"] += 1
         eng.log_event(req, "preempted", output_tokens=len(req.output), kv_tokens=kv_tokens,
                       preemptions=req.preemptions, running=len(eng.running), waiting=len(eng.waiting))
+
+    def _head_still_blocked(self) -> bool:
+        """Whether the queue's head is the request the last prefill pass found no L1 room for, and no room
+        came since. Room comes back as requests finish (then the chain ends and the head is tried again);
+        until then a tick would only try it in vain. (Regression: it ended the chain every step.) Under "lpm"
+        the head is whichever request that pass stopped at, while it still waits. The room that counts is the
+        head's: beside its L1 prefix (as `_admit` counts it), which another request may have locked since, so
+        the room overall fell while the head's grew (regression, session 54: a chain went on past a head that
+        fit, one CI run in ~12)."""
+        blocked, waiting = self.memory_blocked, self.engine.waiting
+        if blocked is None or self._l1_room_pages() > blocked[1]:
+            return False
+        if self.engine.config.scheduling_policy == "lpm":
+            head = next((req for req in waiting if req.rid == blocked[0]), None)
+        else:
+            head = waiting[0] if waiting[0].rid == blocked[0] else None
+        if head is None:
+            return False
+        m = self.cache.tree.match(self._reusable(head), include_storage=False, touch=False)
+        return self._pages_after(head, m.lengths[Tier.L1]) > self._room_beside(m.handles[Tier.L1])
+
+    def _log_overcommit(self, req: Request) -> None:
+        """A running request cannot get a page it had reserved and nothing pending will free one:
+        L1 was promised twice. What the promise rested on, for the post-mortem."""
+        cache, running = self.cache, self.engine.running
+        cache.metrics.count_failure("l1_overcommit")
+        log.error("l1_overcommit", rid=req.rid, reserved_pages=self.reserved_pages,
+                  reserved_by_running=sum(r.reserved_pages for r in running),
+                  free_pages=cache.l1.allocator.num_free, evictable_pages=cache.tree.evictable_pages(Tier.L1),
+                  running=len(running), parked=len(self.engine.parked), waiting=len(self.engine.waiting),
+                  request_pages=len(req.pages), request_reserved=req.reserved_pages)

@@ -1,4 +1,4 @@
-"""Session 39's rule, hunted differentially (scheduler/admission.py `Admission._head_still_blocked`): the
+"""Session 39's rule, hunted differentially (scheduler/reservations.py `_head_still_blocked`): the
 queue's head that the last prefill pass found no L1 room for does not end a decode chain until the L1
 room grows above what it was then. Engines whose L1 holds two or three of a workload's requests at a
 time (page_size 4), with and without L2 (write_through, write_back), staggered submits, closed streams,
@@ -258,3 +258,30 @@ async def test_the_rule_chains_more_than_the_one_before_with_the_same_tokens(see
     for new, old in zip(runs["new"][1], runs["old"][1]):
         assert (new.output_ids, new.finish_reason) == (old.output_ids, old.finish_reason)
         assert all(same_logprobs(a, b) for a, b in zip(new.logprobs or [], old.logprobs or []))
+
+
+@pytest.mark.asyncio
+async def test_the_head_is_no_longer_blocked_once_its_room_beside_its_prefix_fits():
+    """Regression (session 54; one CI run in ~12 failed the workload test above): the rule compared L1's room
+    overall, which counts the head's own prefix as evictable while nobody holds it. Another request locking that
+    prefix then lowered the room overall while the head's room (beside its prefix) grew as pages came back: the
+    chain went on past a head that fit."""
+    eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=PAGE_TOKENS, num_pages=12))
+    prefix = [5, 6, 7, 8]
+    await eng.generate_async([prefix + [9]], SamplingParams(max_tokens=1))  # (its page is published, unlocked)
+    await eng.stop_loop()
+    adm, cache = eng.admission, eng.cache
+    head = eng.add_request(prefix + [10, 11, 12, 13], SamplingParams(max_tokens=9, ignore_eos=True))
+    m = cache.tree.match(adm._reusable(head), include_storage=False, touch=False)
+    assert m.lengths[Tier.L1] == PAGE_TOKENS
+    need = adm._pages_after(head, PAGE_TOKENS)
+    adm.reserved_pages += adm._room_beside(m.handles[Tier.L1]) - need + 1  # (others' reservations: one page short)
+    assert await adm._admit(head) is False and adm.memory_blocked[0] == head.rid
+    assert adm._head_still_blocked()
+    cache.lock(m.handles[Tier.L1])  # another request takes the prefix: the room overall falls by its page
+    adm.reserved_pages -= 1  # and a page comes back: the head's room is now what it needs
+    assert adm._l1_room_pages() <= adm.memory_blocked[1]  # (the room overall did not grow)
+    assert not adm._head_still_blocked()
+    cache.unlock(m.handles[Tier.L1])
+    adm.reserved_pages -= adm.reserved_pages
+    await eng.shutdown()

@@ -249,6 +249,12 @@ async def test_a_request_reports_its_first_admissions_hits_and_an_abort_while_pr
         tmp_path, restore_logging):
     log = tmp_path / "run.jsonl"
     eng = Engine(config(0.0, log_json=str(log)))
+    preempt, seen = eng.admission.preempt, []
+
+    def recorded(req):  # (regression, session 54's second hunt: a stream's usage chunk rendered after a preemption
+        preempt(req)    # reported no cached token: it read the hits its resumption was yet to find)
+        seen.append(req.result().cached_tokens)
+    eng.admission.preempt = recorded
     await eng.start()
     prefix = [9, 8, 7, 6] * 5  # 5 pages: each request's first admission hits them in L1
     [warm] = await eng.generate_async([prefix + [1]], SamplingParams(max_tokens=1))
@@ -263,6 +269,7 @@ async def test_a_request_reports_its_first_admissions_hits_and_an_abort_while_pr
         await asyncio.sleep(0.001)
     eng.cache.check_integrity()
     assert eng.stats["preempted"] > 0 and aborted is not None
+    assert seen == [{"l1": 20, "l2": 0, "l3": 0}] * eng.stats["preempted"]
     assert aborted.finish_reason == "abort" and aborted.result().cached_tokens == {"l1": 20, "l2": 0, "l3": 0}
     for r in reqs:
         if r is not aborted:
@@ -302,5 +309,10 @@ async def test_the_replay_reports_its_preemptions():
     summary = summarize(run, [], config(0.0), {})
     assert summary["integrity"] == "passed" and summary["completed"] == 8
     assert summary["preempted"] > 0 and f"{summary['preempted']:,} times" in format_summary(summary)
+    # (regression, session 54's second hunt: the tokens resumptions computed again, and each request's preemptions,
+    # were nowhere in the report)
+    assert summary["preempted_recomputed_tokens"] > 0
+    assert f"({summary['preempted_recomputed_tokens']:,} tokens computed again)" in format_summary(summary)
+    assert sum(r["preemptions"] for r in summary["request_records"]) == summary["preempted"]
     assert "preempted" not in format_summary(summarize(await replay_async(config(1.0), items, concurrency=8), [],
                                                        config(1.0), {}))
