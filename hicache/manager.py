@@ -266,8 +266,11 @@ class CacheManager:
         """Whether L1 pages that an allocation could not have now are on their way: under write_back
         the backups of the leaves an eviction must free are still copying (those leaves go once
         saved), so a caller that found no room waits for them rather than give up."""
-        return self.write_back and any(op.kind is OpKind.BACKUP and op.state is OpState.D2H_PENDING
-                                       for op in self.runner.live.values())
+        return self.write_back and self.backups_copying()
+
+    def backups_copying(self) -> bool:
+        """Whether a backup is copying L1 pages (its D2H): they are locked until copied, then evictable."""
+        return any(op.kind is OpKind.BACKUP and op.state is OpState.D2H_PENDING for op in self.runner.live.values())
 
     async def l1_room_saved(self) -> None:
         """Wait until a backup that `l1_room_coming` counts has copied its L1 pages (its leaf may go

@@ -149,7 +149,7 @@ class Admission(Reservations, Restoring):
         def held(req: Request) -> int:  # (of `_reusable`'s tokens, without copying them)
             if not self._reuses(req):
                 return 0
-            return tree.resident_tokens(req.cache_prompt, Tier.L1, end=len(req.cache_prompt) - 1)
+            return tree.resident_tokens(req.cache_prefill, Tier.L1, end=req.prefill_len - 1)
         return sorted(waiting, key=lambda req: -held(req))  # (stable: as queued among equals)
 
     def _computes_prefix_of(self, req: Request) -> Request | None:
@@ -400,11 +400,12 @@ class Admission(Reservations, Restoring):
         if private:
             kv = self.cache.l1.kv
             kv[:, :, torch.tensor(private, dtype=torch.int64, device=kv.device)] = 0
+        # (read before finish: a preempted request's resumption reused its own context, `cache_prefill`)
+        reused, tokens = sum(req.hit_tokens.values()), req.cache_prefill
         self.engine.finish(req, RequestState.FAILED, "error", "the model's logits for this request were NaN "
                            "(a non-finite forward): its prefix's KV or the model is broken")
-        reused = sum(req.hit_tokens.values())  # (after finish: its own lock is gone)
-        if reused:
-            dropped, kept_tokens = drop_suspect_prefix(self.cache, req.cache_prompt[:reused])
+        if reused:  # (after finish: its own lock is gone)
+            dropped, kept_tokens = drop_suspect_prefix(self.cache, tokens[:reused])
             log.warning("nan_prefix_dropped", rid=req.rid, reused_tokens=reused, dropped_tokens=reused - kept_tokens,
                         kept_locked_tokens=kept_tokens, dropped_pages=dropped)
 
@@ -456,7 +457,7 @@ class Admission(Reservations, Restoring):
             if self.engine.speculator is not None:  # (its tokens past the pages, for drafts: speculative.py)
                 self.engine.speculator.remember_tail(req)
         elif req.chunks_unbacked:  # it ends between prompt chunks: back up those it published
-            self.cache.back_up_l1(req.cache_prompt[: req.locked_len])
+            self.cache.back_up_l1(req.cache_prefill[: req.locked_len])
         self.cache.unlock(req.locked_node)
         req.locked_node = None
         self.cache.release_claim(req.claim)

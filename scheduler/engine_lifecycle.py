@@ -233,8 +233,6 @@ class EngineLifecycle:
         req.finish_s, req.penalty_state = time.perf_counter(), None  # (its device tensors go now, not with the Request)
         if unserved:
             req.hit_tokens.update(l1=0, l2=0, l3=0)
-        if req.resumed_tokens:  # preempted, its resumption unfinished: what its first admission served
-            req.hit_tokens = dict(req.served_hits)
         self.stats[state.value] += 1  # (finished / aborted / failed)
         if req.overlap_op is not None:
             # it ends before taking over the restore its forward ran behind: that admission's hits

@@ -77,7 +77,8 @@ class EngineLoop:
                 # (stopping: this tick may have ended the last running request, e.g. an overlapped
                 # restore's adopted by settle_overlaps; regression: it then waited for a wake-up that
                 # never came, and stop_loop() hung)
-                if not (self.aborting or self._wake.is_set() or (self.stopping and not self.running)):
+                if not (self.aborting or self._wake.is_set() or (self.stopping and not self.running
+                                                                 and not self._resuming())):
                     await self._wake.wait()
                 continue
             await self._run(batch)

@@ -11,8 +11,10 @@ import random
 
 import pytest
 import structlog
+import torch
 
 from hicache.faults import Fault, FaultInjector
+from hicache.radix import Tier
 from scheduler.config import EngineConfig, add_engine_args, config_from_args
 from scheduler.engine import Engine
 from scheduler.guided import GuidedSpec
@@ -316,3 +318,73 @@ async def test_the_replay_reports_its_preemptions():
     assert sum(r["preemptions"] for r in summary["request_records"]) == summary["preempted"]
     assert "preempted" not in format_summary(summarize(await replay_async(config(1.0), items, concurrency=8), [],
                                                        config(1.0), {}))
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.5])
+@pytest.mark.asyncio
+async def test_stop_loop_returns_when_a_preempted_request_resumes_through_l2(ratio):
+    """Regression (session 54's review): stopping, with nothing running and a preempted request waiting to resume
+    (parked on its L2 restore, or on backups holding L1), the loop spun without awaiting, so the restore's task never
+    ran and stop_loop() never returned."""
+    eng = Engine(config(ratio, "l2"))
+    await eng.start()
+    reqs = [eng.add_request([i + 1] * 8, SamplingParams(max_tokens=100, ignore_eos=True)) for i in range(8)]
+    while eng.waiting or any(r.state is not RequestState.DECODE for r in eng.running):
+        await asyncio.sleep(0.001)
+    await asyncio.wait_for(eng.stop_loop(), 60)
+    assert eng.stats["preempted"] > 0 and all(len(r.output) == 100 for r in reqs)
+    eng.cache.check_integrity()
+    await eng.shutdown()
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+@pytest.mark.asyncio
+async def test_one_short_page_preempts_one_request(write_policy):
+    """Regression (session 54's review): under write_through the first victim's published pages were locked by its
+    backup as the requester allocated, so the requester found no room again and preempted the next, until every
+    request in decode (8 in one step) was preempted."""
+    cfg = config(0.0).with_hicache(enable=True, policy="always", host_ratio=4.0, transfer_backend="torch",
+                                   write_policy=write_policy)
+    eng = Engine(cfg)
+    per_step, preempt = {}, eng.admission.preempt
+
+    def counted(req):
+        per_step[eng.stats["batches"]] = per_step.get(eng.stats["batches"], 0) + 1
+        preempt(req)
+    eng.admission.preempt = counted
+    await eng.start()
+    reqs = [eng.add_request([i + 1] * 8, SamplingParams(max_tokens=100, ignore_eos=True)) for i in range(8)]
+    while not all(r.state.done for r in reqs):
+        await asyncio.sleep(0.002)
+    await eng.cache.drain()
+    eng.cache.check_integrity()
+    assert per_step and max(per_step.values()) == 1 and all(len(r.output) == 100 for r in reqs)
+    await eng.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_resumption_that_reads_nan_kv_drops_the_prefix_it_reused():
+    """Regression (session 54's review): `_fail_nan` read the hits after finish() (the first admission's, none) and
+    sliced the prompt alone: a resumption failing on its own poisoned K/V dropped nothing, and the next request of
+    that prompt failed too."""
+    eng = Engine(dataclasses.replace(config(0.0), num_pages=16))
+    preempt, poisoned = eng.admission.preempt, []
+
+    def poison(req):
+        preempt(req)
+        if not poisoned:
+            poisoned.append(req)
+            m = eng.cache.tree.match(req.cache_prefill[:-1], include_storage=False, touch=False)
+            eng.cache.l1.kv[:, :, torch.tensor(m.pages[Tier.L1][:2], dtype=torch.int64)] = float("nan")
+    eng.admission.preempt = poison
+    await eng.start()
+    a = eng.add_request([1, 2, 3, 4, 5, 6, 7, 8], SamplingParams(max_tokens=30, ignore_eos=True))
+    b = eng.add_request([9, 10, 11, 12, 13, 14, 15, 16], SamplingParams(max_tokens=30, ignore_eos=True))
+    while not (a.state.done and b.state.done):
+        await asyncio.sleep(0.002)
+    [victim] = poisoned
+    assert victim.finish_reason == "error" and eng.cache.metrics.failures["nan_logits"] == 1
+    [again] = await eng.generate_async([victim.prompt + [17]], SamplingParams(max_tokens=3))
+    assert again.finish_reason == "length" and eng.cache.metrics.failures["nan_logits"] == 1
+    eng.cache.check_integrity()
+    await eng.shutdown()
