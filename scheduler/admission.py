@@ -26,7 +26,7 @@ from hicache.radix import Tier
 from hicache.suspect import drop_suspect_prefix
 from scheduler import load
 from scheduler.request import Request, RequestState, TokenEvent
-from scheduler.reservations import Reservations
+from scheduler.reservations import AutoReserveRatio, Reservations
 from scheduler.restoring import Restoring
 from scheduler.runner import Batch, BatchInput
 from scheduler.sampling import NAN_TOKEN
@@ -58,6 +58,7 @@ class Admission(Reservations, Restoring):
         self.fallback_end_tokens: dict[str, int] = {}
         # (rid, L1 room in pages) of the request the last prefill pass found no room for (`chain_decode_batch`)
         self.memory_blocked: tuple[str, int] | None = None
+        self.auto_ratio = AutoReserveRatio()  # (decode_reserve_ratio "auto": scheduler/reservations.py)
 
     # -- prefixes ------------------------------------------------------------------------------
     def _reusable(self, req: Request) -> list[int]:
@@ -75,6 +76,8 @@ class Admission(Reservations, Restoring):
         eng = self.engine
         budget = eng.config.max_prefill_tokens
         self.note_load()
+        if not eng.running:
+            self.auto_ratio.idle()
         reqs, chunks = [], []
         self.memory_blocked = None
         binput = BatchInput(is_decode=False)
@@ -266,6 +269,7 @@ class Admission(Reservations, Restoring):
         reqs = [r for r in eng.running if r.state is RequestState.DECODE]
         if not reqs:
             return None
+        self.auto_ratio.decode_step()
         drafted = None  # a verify step's requests and drafts (scheduler/speculative.py), or a plain decode step
         if eng.speculator is not None:
             reqs, drafted = eng.speculator.split(reqs)
@@ -320,6 +324,7 @@ class Admission(Reservations, Restoring):
             if not self._grow(req, pos + 1):
                 return None
             self._append(binput, req, [0], pos)  # placeholder id: the runner takes the real one on the device
+        self.auto_ratio.decode_step()
         return Batch(nxt, [1] * len(nxt), binput)
 
     # -- after a step --------------------------------------------------------------------------

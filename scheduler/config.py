@@ -35,9 +35,10 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     # the share of each request's possible output (max_tokens) admission reserves L1 pages for, in [0, 1]: 1, all of
     # it (a running request never runs short and nothing is preempted); below 1 more requests run at once, and one
-    # that outgrows L1 preempts the least urgent in decode, whose K/V stays in the prefix cache
-    # (scheduler/reservations.py)
-    decode_reserve_ratio: float = 1.0
+    # that outgrows L1 preempts the least urgent in decode, whose K/V stays in the prefix cache; "auto": a share
+    # that adapts as SGLang's new_token_ratio does, falling while nothing is preempted and rising after a
+    # preemption to what the running requests used (scheduler/reservations.py `AutoReserveRatio`)
+    decode_reserve_ratio: float | str = 1.0
     max_context_tokens: int = 16384  # longest sequence a captured decode graph serves (longer: eager)
     max_prompt_tokens: int = 0  # 0: no limit beyond what the pool and the model's positions can hold
     max_new_tokens_limit: int = 4096
@@ -83,8 +84,8 @@ class EngineConfig:
             if getattr(self, name) > maximum:
                 raise ValueError(f"{_field_name(name, FLAGS.get(name))} must be <= {maximum:,}"
                                  f"{MAXIMUM_REASONS[name]}, got {getattr(self, name)!r}")
-        if not 0.0 <= self.decode_reserve_ratio <= 1.0:  # (also NaN)
-            raise ValueError("decode_reserve_ratio (--decode-reserve-ratio) must be in [0, 1], "
+        if self.decode_reserve_ratio != "auto" and not 0.0 <= self.decode_reserve_ratio <= 1.0:  # (also NaN)
+            raise ValueError("decode_reserve_ratio (--decode-reserve-ratio) must be in [0, 1] or 'auto', "
                              f"got {self.decode_reserve_ratio!r}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:  # (also NaN)
             raise ValueError("gpu_memory_fraction (--gpu-memory-fraction) must be in (0, 1], "
@@ -127,9 +128,11 @@ class EngineConfig:
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("gpu_memory_fraction", "decode_reserve_ratio"):
-            if not isinstance(getattr(self, name), numbers.Real) or isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        for name, words in (("gpu_memory_fraction", "a number"), ("decode_reserve_ratio", "a number or 'auto'")):
+            value = getattr(self, name)
+            if value != "auto" or name != "decode_reserve_ratio":
+                if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                    raise ValueError(f"{name} must be {words}, got {value!r}")
         if not isinstance(self.hicache, HiCacheConfig):
             raise ValueError(f"hicache must be a HiCacheConfig (EngineConfig.with_hicache(...)), got {self.hicache!r}")
         for name in ("model", "log_json"):
@@ -199,6 +202,19 @@ def _check_at_least(name: str, value: int | float, minimum: int | float, flag: s
         raise ValueError(f"{_field_name(name, flag)} must be >= {minimum}, got {value!r}")
 
 
+def reserve_ratio(text: str) -> float | str:
+    """An argparse type: --decode-reserve-ratio's number in [0, 1], or "auto"."""
+    if text == "auto":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {text!r}") from None
+    if not 0.0 <= value <= 1.0:  # (also NaN)
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1] or 'auto', got {text!r}")
+    return value
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default="tiny", help="preset (tiny, qwen3-0.6b, qwen3-4b, qwen3-8b) or checkpoint dir")
@@ -225,12 +241,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="the queue's admission order: arrival (fcfs); a request's priority (lower first), then "
                         "arrival; or lpm, the most prompt tokens L1 holds first, then arrival (SGLang's longest "
                         "prefix match; arrival order past 128 queued); a more urgent request preempts none")
-    g.add_argument("--decode-reserve-ratio", type=float, default=EngineConfig.decode_reserve_ratio,
+    g.add_argument("--decode-reserve-ratio", type=reserve_ratio, default=EngineConfig.decode_reserve_ratio,
                    help="share of each request's max_tokens admission reserves L1 pages for, in [0, 1] (default 1: "
                         "all, nothing is ever preempted); below 1 more requests run at once, and one that outgrows "
                         "L1 preempts the newest decoding request (the least urgent under --scheduling-policy "
                         "priority), which resumes later from its K/V in the prefix cache (SGLang's retract, vLLM's "
-                        "recompute preemption)")
+                        "recompute preemption); auto: a share that starts at 0.7, falls to 0.1 over 600 decode steps "
+                        "without a preemption and, after one, rises to what the running requests used (SGLang's "
+                        "adaptive new_token_ratio)")
     g.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="longest prompt in tokens (0: what the L1 pool holds, within the model's positions; "
                         "never above either)")

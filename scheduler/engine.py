@@ -206,7 +206,7 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         s["engine"] = {"model": self.config.model, "model_id": self.model_id, "device": str(self.device),
                        "dtype": str(self.dtype).removeprefix("torch."), "page_size": self.page_size,
                        "waiting": len(self.waiting), "parked": len(self.parked), "running": len(self.running),
-                       **self.stats}
+                       "decode_reserve_ratio": self.admission.reserve_ratio(), **self.stats}
         if self.speculator is not None:
             s["engine"]["speculative"] = {**self.speculator.stats,
                                           "accepted_per_pos": list(self.speculator.stats["accepted_per_pos"])}

@@ -191,6 +191,9 @@ class EngineCollector(Collector):
                       "tail forward ran behind the layer-ordered copy",
                       {"decode_chain": eng.get("chained_steps", 0), "restore": eng.get("restore_overlaps", 0)},
                       "kind")
+        yield _family(GaugeMetricFamily, "hicache_engine_decode_reserve_ratio", "the share of its remaining "
+                      "max_tokens a request admitted now reserves L1 pages for (--decode-reserve-ratio; auto: its "
+                      "current value)", eng.get("decode_reserve_ratio", 1.0))
         yield _family(CounterMetricFamily, "hicache_engine_restore_waits_timed_out", "forwards whose wait for a "
                       "layer-ordered restore gave up on the device (output discarded, tail run again)",
                       eng.get("restore_waits_timed_out", 0))

@@ -136,7 +136,7 @@ class VllmCollector(Collector):
         yield self._one(GaugeMetricFamily, "vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent "
                         "usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.", usage)
         yield self._one(CounterMetricFamily, "vllm:num_preemptions", "Cumulative number of preemption from the "
-                        "engine (--decode-reserve-ratio below 1).", eng.get("preempted", 0))
+                        "engine (--decode-reserve-ratio below 1 or auto).", eng.get("preempted", 0))
         spec = eng.get("speculative")
         if spec is not None:  # (--speculative-config: scheduler/speculative.py)
             yield from self._spec_decode(spec)

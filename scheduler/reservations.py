@@ -11,7 +11,7 @@ write policy), its pages and reservation go back, and it is queued again with it
 (`Request.resumed_tokens`). Readmitted, that prefix is a cache hit (L1, or a restore from L2 or L3 where
 it was evicted meanwhile) and the prefill's last row samples its next token: the client sees one stream.
 SGLang retracts decode requests alike; vLLM's preempted requests are recomputed, from its prefix cache
-where that still holds them.
+where that still holds them. With decode_reserve_ratio "auto" the share adapts (`AutoReserveRatio`).
 """
 from __future__ import annotations
 
@@ -29,16 +29,46 @@ if TYPE_CHECKING:
 log = structlog.get_logger("scheduler.engine")
 
 
+class AutoReserveRatio:
+    """decode_reserve_ratio "auto": SGLang's adaptive new_token_ratio, with its defaults. The share starts at
+    START, falls by (START - MIN) / DECAY_STEPS each decode step to MIN (requests tend to end well before their
+    max_tokens: reserving less runs more at once); a preemption sets it to what the requests in decode have used of
+    their max_tokens, each given MARGIN_STEPS more (that much was needed: admit more cautiously); an idle engine
+    starts again at START."""
+    START, MIN, DECAY_STEPS, MARGIN_STEPS = 0.7, 0.1, 600, 20
+
+    def __init__(self) -> None:
+        self.value = self.START
+
+    def decode_step(self) -> None:
+        self.value = max(self.value - (self.START - self.MIN) / self.DECAY_STEPS, self.MIN)
+
+    def preempted(self, decoding: list[Request]) -> None:
+        """After a preemption: `decoding`, the requests still in decode (used tokens over max_tokens)."""
+        if decoding:
+            used = sum(len(r.output) + self.MARGIN_STEPS for r in decoding)
+            self.value = min(1.0, used / sum(r.params.max_tokens for r in decoding))
+
+    def idle(self) -> None:
+        self.value = self.START
+
+
 class Reservations:
     """Admission's L1 reservations (mixed into it: uses engine, cache, page_size, reserved_pages, memory_blocked,
-    `_reusable`, `_l1_room_pages`, `_room_beside` and `release`)."""
+    `_reusable`, `_l1_room_pages`, `_room_beside`, `release` and `auto_ratio`, an AutoReserveRatio)."""
     engine: "Engine"
+    auto_ratio: AutoReserveRatio
+
+    def reserve_ratio(self) -> float:
+        """The share of its remaining max_tokens a request admitted now reserves (decode_reserve_ratio)."""
+        setting = self.engine.config.decode_reserve_ratio  # (read at each admission: a bench changes it)
+        return self.auto_ratio.value if setting == "auto" else setting
 
     def _reserve_tokens(self, req: Request) -> int:
-        """Tokens whose K/V admission reserves for `req`: its prefill's, and `decode_reserve_ratio` of those it may
+        """Tokens whose K/V admission reserves for `req`: its prefill's, and `reserve_ratio()` of those it may
         write after (every token it may still generate but the last: `request.kv_tokens`)."""
         later = max(req.params.max_tokens - len(req.output) - 1, 0)
-        return req.prefill_len + math.ceil(self.engine.config.decode_reserve_ratio * later)
+        return req.prefill_len + math.ceil(self.reserve_ratio() * later)
 
     def _pages_after(self, req: Request, cached_tokens: int) -> int:
         """Pages the request reserves once `cached_tokens` of its prefill are in L1."""
@@ -109,8 +139,10 @@ class Reservations:
         req.state = RequestState.WAITING
         enqueue(eng.waiting, req)
         eng.stats["preempted"] += 1
+        self.auto_ratio.preempted([r for r in eng.running if r.state is RequestState.DECODE])
         eng.log_event(req, "preempted", output_tokens=len(req.output), kv_tokens=kv_tokens,
-                      preemptions=req.preemptions, running=len(eng.running), waiting=len(eng.waiting))
+                      preemptions=req.preemptions, running=len(eng.running), waiting=len(eng.waiting),
+                      reserve_ratio=round(self.reserve_ratio(), 4))
 
     def _head_still_blocked(self) -> bool:
         """Whether the queue's head is the request the last prefill pass found no L1 room for, and no room

@@ -2,7 +2,7 @@
 its context): requests arriving together, each with a large max_tokens, stopping at a sampled stop token after a
 geometric number of tokens (a random set of --mean-output-tokens' share of the vocabulary as stop_token_ids, seeded
 sampling). Per --decode-reserve-ratio (EngineConfig.decode_reserve_ratio: the share of max_tokens admission reserves;
-1 reserves it all and preempts nothing), one engine switched between them: the wall time to the last token (the
+1 reserves it all and preempts nothing; auto adapts it as SGLang does), one engine switched between them: the wall time to the last token (the
 longest answer's decode bounds it), output tokens/s over it, the requests' latency to their last token, the most
 requests running at once, preemptions, and how many requests streamed the same tokens as at the
 first ratio (all on the CPU, where tests/test_preemption.py checks it; on the GPU a decode batch's size changes its
@@ -31,21 +31,22 @@ from scheduler.engine import Engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
 
 
-def ratio_list(text: str) -> list[float]:
-    """An argparse type: a comma list of ratios in [0, 1]."""
+def ratio_list(text: str) -> list[float | str]:
+    """An argparse type: a comma list of ratios in [0, 1] or "auto"."""
     try:
-        values = [float(item) for item in text.split(",")]
+        values = [item if item == "auto" else float(item) for item in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of numbers in [0, 1], got {text!r}") from None
-    if not all(0.0 <= v <= 1.0 for v in values):  # (also NaN)
-        raise argparse.ArgumentTypeError(f"each ratio must be in [0, 1], got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a comma list of numbers in [0, 1] or 'auto', got {text!r}") from None
+    if not all(v == "auto" or 0.0 <= v <= 1.0 for v in values):  # (also NaN)
+        raise argparse.ArgumentTypeError(f"each ratio must be in [0, 1] or 'auto', got {text!r}")
     return values
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, model=CPU_SMOKE, device=("cuda", "cpu"), seed=0)
-    p.add_argument("--ratios", type=ratio_list, default=[1.0, 0.3, 0.1], help="comma list of --decode-reserve-ratio")
+    p.add_argument("--ratios", type=ratio_list, default=[1.0, 0.3, 0.1, "auto"],
+                   help="comma list of --decode-reserve-ratio (numbers in [0, 1] or auto)")
     p.add_argument("--requests", type=positive_int, default=128, help="requests arriving together")
     p.add_argument("--prompt-tokens", type=positive_int, default=512)
     p.add_argument("--max-tokens", type=positive_int, default=2048, help="each request's max_tokens")
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
     base = out["rows"][0]["seconds"]
     head = ["reserve ratio", "seconds", "output tokens", "tok/s", "x first", "latency p50 / p90 s", "peak running",
             "preempted", "same tokens as first"]
-    body = [[f"{r['ratio']:g}", fmt(r["seconds"], "{:.3f}"), str(r["output_tokens"]), fmt(r["tokens_per_s"], "{:.0f}"),
+    body = [[str(r["ratio"]), fmt(r["seconds"], "{:.3f}"), str(r["output_tokens"]), fmt(r["tokens_per_s"], "{:.0f}"),
              fmt(base / r["seconds"], "{:.2f}x"), f"{r['latency_p50_s']:.2f} / {r['latency_p90_s']:.2f}",
              str(r["peak_running"]), f"{r['preempted']:.0f}",
              f"{r['same_outputs']} of {out['requests']}"] for r in out["rows"]]

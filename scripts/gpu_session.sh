@@ -24,8 +24,8 @@ for s in "$@"; do
     engine_bans) step engine_bans 300 python3 scripts/bench_engine.py --model qwen3-8b --skip-eager --prefill-tokens 350 --decode-batches 1 --banned-decode 32,512,128 --out "$OUT/engine_bans.json" ;;
     restart) step restart 300 python3 scripts/bench_restart.py --json --out "$OUT/restart.json" ;;
     restart_cold) step restart_cold 300 python3 scripts/bench_restart.py --storage-cache cold --json --out "$OUT/restart_cold.json" ;;
-    preemption) step preemption 300 python3 scripts/bench_preemption.py --ratios 1,0.3,0.1,0 --json --out "$OUT/preemption.json"
-              step preemption_l2 300 python3 scripts/bench_preemption.py --l2 --l1-tokens 32768 --ratios 1,0 --json --out "$OUT/preemption_l2.json" ;;
+    preemption) step preemption 300 python3 scripts/bench_preemption.py --ratios 1,0.3,0.1,0,auto --json --out "$OUT/preemption.json"
+              step preemption_l2 300 python3 scripts/bench_preemption.py --l2 --l1-tokens 32768 --ratios 1,0,auto --json --out "$OUT/preemption_l2.json" ;;
     shared_prefill) step shared_prefill 300 python3 scripts/bench_shared_prefill.py --json --out "$OUT/shared_prefill.json" ;;
     speculative) step speculative 400 python3 scripts/bench_speculative.py --json --out "$OUT/speculative.json" ;;
     beam) step beam 400 python3 scripts/bench_beam_search.py --repeats 2 --json --out "$OUT/beam.json" ;;
