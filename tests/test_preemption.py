@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import dataclasses
 import random
+import threading
 
 import pytest
 import structlog
@@ -321,20 +322,65 @@ async def test_the_replay_reports_its_preemptions():
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5])
-@pytest.mark.asyncio
-async def test_stop_loop_returns_when_a_preempted_request_resumes_through_l2(ratio):
+def test_stop_loop_returns_when_a_preempted_request_resumes_through_l2(ratio):
     """Regression (session 54's review): stopping, with nothing running and a preempted request waiting to resume
     (parked on its L2 restore, or on backups holding L1), the loop spun without awaiting, so the restore's task never
-    ran and stop_loop() never returned."""
-    eng = Engine(config(ratio, "l2"))
-    await eng.start()
-    reqs = [eng.add_request([i + 1] * 8, SamplingParams(max_tokens=100, ignore_eos=True)) for i in range(8)]
-    while eng.waiting or any(r.state is not RequestState.DECODE for r in eng.running):
-        await asyncio.sleep(0.001)
-    await asyncio.wait_for(eng.stop_loop(), 60)
-    assert eng.stats["preempted"] > 0 and all(len(r.output) == 100 for r in reqs)
-    eng.cache.check_integrity()
-    await eng.shutdown()
+    ran and stop_loop() never returned (`_within`: a spinning loop cannot time itself out)."""
+    async def scenario() -> None:
+        eng = Engine(config(ratio, "l2"))
+        await eng.start()
+        reqs = [eng.add_request([i + 1] * 8, SamplingParams(max_tokens=100, ignore_eos=True)) for i in range(8)]
+        while eng.waiting or any(r.state is not RequestState.DECODE for r in eng.running):
+            await asyncio.sleep(0.001)
+        await eng.stop_loop()
+        assert eng.stats["preempted"] > 0 and all(len(r.output) == 100 for r in reqs)
+        eng.cache.check_integrity()
+        await eng.shutdown()
+
+    _within(120, scenario)
+
+
+def test_stop_loop_returns_when_a_resumption_parks_on_its_restore_with_nothing_running():
+    """The same regression, its window made certain: a loop stopping with nothing running, and the one request
+    waiting a preempted request (its context in L2 alone: its resumption parks on a restore). Before session 54's
+    review the loop ticked again without awaiting, the restore's task never ran, and stop_loop() never returned."""
+    async def scenario() -> None:
+        cfg = dataclasses.replace(config(1.0, "l2"), restore_overlap=False)  # (the restore parks the request)
+        eng = Engine(cfg)
+        whole = (await eng.generate_async([list(range(10, 43))], SamplingParams(max_tokens=20)))[0]
+        await eng.stop_loop()
+        await eng.cache.drain()
+        await eng.cache.flush_async(Tier.L1)  # (prompt and answer in L2 only)
+        req = eng.add_request(list(range(10, 43)), SamplingParams(max_tokens=20))
+        req.output, req.resumed_tokens, req.preemptions = list(whole.output_ids[:10]), 10, 1  # (as `preempt` left it)
+        req.served_hits = {"l1": 0, "l2": 0, "l3": 0}
+        await eng.start()
+        await eng.stop_loop()  # (stopping at its first tick: the resumption is admitted, parks, lands, finishes)
+        assert req.state is RequestState.FINISHED and req.output == list(whole.output_ids)
+        assert req.result().cached_tokens == req.served_hits and eng.cache.metrics.restores_done == 1
+        eng.cache.check_integrity()
+        await eng.shutdown()
+
+    _within(120, scenario)
+
+
+def _within(timeout_s: float, scenario) -> None:
+    """Run `scenario()` on its own thread's event loop; fail when it has not ended in `timeout_s` (a loop spinning
+    without awaiting cannot time itself out; the thread spins on, a daemon)."""
+    errors = []
+    thread = threading.Thread(target=lambda: _collect(errors, lambda: asyncio.run(scenario())), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"the scenario did not end within {timeout_s} s (a loop spins)"
+    if errors:
+        raise errors[0]
+
+
+def _collect(errors: list, call) -> None:
+    try:
+        call()
+    except BaseException as exc:  # (raised again on the test's thread)
+        errors.append(exc)
 
 
 @pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
