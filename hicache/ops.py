@@ -200,7 +200,6 @@ class Op:
     # whichever is longer)
     num_pages: int
     num_bytes: int
-    created_ns: int
     state_entered_ns: int
     history: list[tuple[OpState, int]] = field(default_factory=list)
     error: str | None = None
@@ -228,7 +227,7 @@ def new_op(op_id: int, kind: OpKind, *, num_pages: int, num_bytes: int,
     """An op in its kind's initial state."""
     now_ns = time.monotonic_ns() if now_ns is None else now_ns
     return Op(op_id=op_id, kind=kind, state=INITIAL[kind], request_id=request_id, num_pages=num_pages,
-              num_bytes=num_bytes, created_ns=now_ns, state_entered_ns=now_ns)
+              num_bytes=num_bytes, state_entered_ns=now_ns)
 
 
 def apply(op: Op, event: OpEvent, *, now_ns: int | None = None, error: str | None = None,

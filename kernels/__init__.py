@@ -1,4 +1,6 @@
-"""Page gather/scatter kernels (Triton) with torch references and a backend chooser."""
+"""Device kernels (Triton, and CUDA runtime calls): page gather/scatter with torch references and a backend
+chooser (exported here), and the forward's: decode attention, fused norms, skinny GEMMs, rejection sampling, layer
+flags for restores landing under the forward, host copies and launch helpers (each module says what it is)."""
 from kernels.chooser import ChosenBackends, choose_backends
 from kernels.page_copy import (
     gather_pages,

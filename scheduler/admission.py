@@ -111,7 +111,7 @@ class Admission(Reservations, Restoring):
             if req.prefetch_op is not None and not req.prefetch_op.done:
                 if not self._take_landed(req, alone=not reqs, budget=budget):
                     op = req.prefetch_op
-                    self._park(req, op, self._read_room_pages(req, op.payload["l3_end"]))
+                    self._park(req, self._read_room_pages(req, op.payload["l3_end"]))
                     continue
             else:
                 admitted = await self._admit(req, alone=not reqs, budget=budget)

@@ -118,10 +118,6 @@ class ToolFields(BaseModel):
                                  '--enable-auto-tool-choice --tool-call-parser hermes; or send tool_choice "none", '
                                  '"required" or a named function', "tool_choice")
 
-    def template_tools(self) -> list[dict] | None:
-        """The chat template's `tools` (transformers' form: the API's tool objects)."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
-
     def tool_spec(self) -> GuidedSpec | None:
         """The grammar a "required" or named tool_choice holds the answer to (None otherwise)."""
         mode = self.tool_mode()

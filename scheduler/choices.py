@@ -1,7 +1,7 @@
 """The choices of one API request, rendered as one JSON response or one event stream (scheduler/server.py).
 
 A completion's `prompt` may be a list of prompts (OpenAI's batch), and each prompt gets `n` choices: each
-choice is its own engine request (a server `_Generation`; n of one prompt share its K/V through the prefix
+choice is its own engine request (a server `Generation`, scheduler/generation.py; n of one prompt share its K/V through the prefix
 cache), all run concurrently, and choice j of prompt p has `index` p * n + j (OpenAI's order). A response
 carries the choices in that order and one usage: each prompt's tokens once (as OpenAI counts them), every
 choice's completion tokens; a stream interleaves their chunks as their tokens arrive (each chunk names its
@@ -46,7 +46,7 @@ _END = object()
 
 
 class Choices:
-    """The engine requests (`_Generation`s, n per prompt, in choice order) of one API request."""
+    """The engine requests (`Generation`s, n per prompt, in choice order) of one API request."""
 
     def __init__(self, gens: list, chat: bool, rid: str, api_req, model: str) -> None:
         self.gens, self.chat, self.rid, self.model = gens, chat, rid, model

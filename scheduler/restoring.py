@@ -226,7 +226,7 @@ class Restoring:
         was restored; or, counted by the failed op, when it then read the prefix from L3 itself)."""
         self.fallback_end_tokens[req.rid] = max(end_tokens, self.fallback_end_tokens.get(req.rid, 0))
 
-    def _park(self, req: Request, op, room_pages: int = 0) -> None:
+    def _park(self, req: Request, room_pages: int = 0) -> None:
         """room_pages: L1 pages the H2D after its L3 read will take, kept out of what later requests
         are admitted on (`reserved_pages`) until the request is back in the queue (regression: a
         parked read reserved nothing, requests admitted meanwhile took the room, and the read's H2D
@@ -295,7 +295,7 @@ class Restoring:
         leader = cache.runner.restore_in_flight(self._reusable(req), m, req.rid, kinds)
         if leader is not None:
             req.follow_op = leader
-            self._park(req, leader)
+            self._park(req)
             return "parked"
         # (an L2 restore of a longer L3 hit ends at L2: its forward computes the rest; regression:
         # planned with the L3 end, the gap was learned as the L2 source's overhead)
@@ -324,7 +324,7 @@ class Restoring:
             return "overlapped"
         # an L3 restore's H2D allocates once its read landed: its room is kept until then (an L2
         # restore's pages are its own from the start)
-        self._park(req, op, restore_l1_pages if op.kind is OpKind.RESTORE_L3 else 0)
+        self._park(req, restore_l1_pages if op.kind is OpKind.RESTORE_L3 else 0)
         if not cache.config.prefetch:  # blocking restore: the whole loop waits for it
             await cache.runner.wait_op(op)
             # an overlapped restore that ended meanwhile published its pages unlocked: its request

@@ -27,7 +27,8 @@ Two tokenizers, chosen by `load_tokenizer(model, vocab_size)`:
 ids and holds back text while it ends in an incomplete UTF-8 character. A completion is decoded after
 the last few prompt ids (`completion_context`), so its text is what continues the prompt's text (a
 SentencePiece "▁Paris" is " Paris" there); a whole response is decoded the same way as a stream
-(`decode_completion`), so streamed and non-streamed responses carry the same text.
+(scheduler/stop_strings.py `CompletionText`, for both), so streamed and non-streamed responses carry the same text.
+`decode_completion` decodes ids at once, without the server's special-token options: the tests' reference.
 """
 from __future__ import annotations
 

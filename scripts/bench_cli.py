@@ -75,10 +75,6 @@ def int_list(minimum: int = 1, length: int | None = None):
     return parse
 
 
-def positive_int_list(text: str) -> list[int]:
-    return int_list(1)(text)
-
-
 def choice_list(choices):
     """An argparse type: a non-empty comma list of names, each one of `choices` (no empty item)."""
     def parse(text: str) -> list[str]:

@@ -216,7 +216,6 @@ def main() -> int:
     hidden = cfg.hidden_size
     weights = [torch.randn(hidden * 3, hidden, dtype=torch.bfloat16, device=dev) for _ in range(24)]
     x = torch.randn(15, hidden, dtype=torch.bfloat16, device=dev)
-    spin_flag = torch.zeros(1, dtype=torch.int32, device=dev)
     spin_status = torch.zeros(1, dtype=torch.int32, device=dev)
     spin_expected = torch.zeros(1, dtype=torch.int64, device=dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count

@@ -160,7 +160,7 @@ def test_illegal_events_raise(kind: OpKind, state: OpState, event: OpEvent) -> N
 def test_op_rejects_foreign_state() -> None:
     with pytest.raises(ValueError):
         Op(op_id=1, kind=K.RESTORE_L2, state=S.L1_PRIVATE, request_id=None, num_pages=1, num_bytes=1,
-           created_ns=0, state_entered_ns=0)
+           state_entered_ns=0)
 
 
 def _transitions(logs: list[dict]) -> list[tuple[str, str]]:
