@@ -263,10 +263,12 @@ class CacheManager:
         return keep
 
     def l1_room_coming(self) -> bool:
-        """Whether L1 pages that an allocation could not have now are on their way: under write_back
-        the backups of the leaves an eviction must free are still copying (those leaves go once
-        saved), so a caller that found no room waits for them rather than give up."""
-        return self.write_back and self.backups_copying()
+        """Whether L1 pages that an allocation could not have now are on their way: backups are copying L1
+        pages, evictable once copied (under write_back the leaves an eviction must free, saved first; under
+        write_through the pages a due backup locked as the allocation started it, pages the caller had counted
+        on), so a caller that found no room waits for them rather than give up. (Regression, session 55: under
+        write_through a preempted request's resumption failed its L3 restore's H2D, failures["no_pages"].)"""
+        return self.backups_copying()
 
     def backups_copying(self) -> bool:
         """Whether a backup is copying L1 pages (its D2H): they are locked until copied, then evictable."""

@@ -318,7 +318,7 @@ class Restores:
                 break
             if match.lengths[Tier.L2] < len(tokens) or not mgr.l1_room_coming():
                 break
-            # write_back is saving the leaves its room comes from: wait for their copies (the read
+            # backups are copying the leaves its room comes from: wait for their copies (the read
             # locked in L2), then try again, as a request computing its prompt does (regression:
             # failed, counted in failures["no_pages"], and its request then restored it from L2)
             self._close_claim(op, Tier.L1)

@@ -307,7 +307,7 @@ class Restoring:
         op = cache.runner.start_restore(self._reusable(req), m, decision.tier, req.rid, layerwise=overlap,
                                         tail_tokens=req.prefill_len - end)
         if op is None:
-            if cache.l1_room_coming():  # write_back is saving the leaves it evicts: restore once saved
+            if cache.l1_room_coming():  # backups copy the leaves it would evict: restore once copied
                 return "wait"  # (regression: it recomputed a prefix L2 held)
             self._fell_back(req, end)  # (a fallback only if it is admitted without it now)
             return None
