@@ -130,9 +130,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name, words in (("gpu_memory_fraction", "a number"), ("decode_reserve_ratio", "a number or 'auto'")):
             value = getattr(self, name)
-            if value != "auto" or name != "decode_reserve_ratio":
-                if not isinstance(value, numbers.Real) or isinstance(value, bool):
-                    raise ValueError(f"{name} must be {words}, got {value!r}")
+            if name == "decode_reserve_ratio" and value == "auto":
+                continue
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise ValueError(f"{name} must be {words}, got {value!r}")
         if not isinstance(self.hicache, HiCacheConfig):
             raise ValueError(f"hicache must be a HiCacheConfig (EngineConfig.with_hicache(...)), got {self.hicache!r}")
         for name in ("model", "log_json"):

@@ -2,8 +2,8 @@
 its context): requests arriving together, each with a large max_tokens, stopping at a sampled stop token after a
 geometric number of tokens (a random set of --mean-output-tokens' share of the vocabulary as stop_token_ids, seeded
 sampling). Per --decode-reserve-ratio (EngineConfig.decode_reserve_ratio: the share of max_tokens admission reserves;
-1 reserves it all and preempts nothing; auto adapts it as SGLang does), one engine switched between them: the wall time to the last token (the
-longest answer's decode bounds it), output tokens/s over it, the requests' latency to their last token, the most
+1 reserves it all and preempts nothing; auto adapts it as SGLang does), one engine switched between them: the wall
+time to the last token (the longest answer's decode bounds it), output tokens/s over it, the requests' latency to their last token, the most
 requests running at once, preemptions, and how many requests streamed the same tokens as at the
 first ratio (all on the CPU, where tests/test_preemption.py checks it; on the GPU a decode batch's size changes its
 kernels' rounding, and a sampled stream may part at a near-tie).
@@ -36,7 +36,8 @@ def ratio_list(text: str) -> list[float | str]:
     try:
         values = [item if item == "auto" else float(item) for item in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma list of numbers in [0, 1] or 'auto', got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a comma list of numbers in [0, 1] or 'auto', got {text!r}") \
+            from None
     if not all(v == "auto" or 0.0 <= v <= 1.0 for v in values):  # (also NaN)
         raise argparse.ArgumentTypeError(f"each ratio must be in [0, 1] or 'auto', got {text!r}")
     return values
