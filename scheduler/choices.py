@@ -4,8 +4,8 @@ A completion's `prompt` may be a list of prompts (OpenAI's batch), and each prom
 choice is its own engine request (a server `Generation`, scheduler/generation.py; n of one prompt share its
 K/V through the prefix cache), all run concurrently, and choice j of prompt p has `index` p * n + j (OpenAI's
 order). A response carries the choices in that order and one usage: each prompt's tokens once (as OpenAI counts
-them), every choice's completion tokens; a stream interleaves their chunks as their tokens arrive (each chunk names its
-choice's `index`; a chat's first chunks are its choices' roles alone, `content` "", all before any content, as
+them), every choice's completion tokens; a stream interleaves their chunks as their tokens arrive (each chunk
+names its choice's `index`; a chat's first chunks are its choices' roles alone, `content` "", all before any content, as
 vLLM's; calls a chat choice sends at its end come in a chunk before its finish chunk), then sends one usage chunk
 (with stream_options.include_usage) and one `data: [DONE]`; with vLLM's stream_options.continuous_usage_stats too,
 each choice chunk carries its choice's usage so far (its prompt's tokens, its own tokens so far: vLLM's per choice),
