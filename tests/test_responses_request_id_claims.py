@@ -79,3 +79,18 @@ def test_two_background_posts_of_one_new_id_racing_a_grammar_compile_start_one_r
             time.sleep(0.05)
         assert got["status"] in ("completed", "incomplete") and got["text"]["format"]["type"] == "json_schema"
         srv.call(srv.engine.check_integrity)
+
+
+def test_a_background_request_failing_after_its_claim_gives_its_id_back(tmp_path_factory):
+    """Regression guard (session 55's mutation check: nothing failed with the server's release_claim() calls gone):
+    a background POST whose id was claimed and which then fails (a schema llguidance refuses, a 400) gives the id
+    back; before, the next background POST of that id was refused as "still running" until a restart."""
+    bad = {"type": "json_schema", "name": "s", "schema": {"type": "object", "properties": {
+        "a": {"type": "string", "pattern": "[^\\s\\S]"}}, "required": ["a"]}}
+    with _server(tmp_path_factory, max_concurrent_requests=4) as srv:
+        refused = httpx.post(srv.url + "/v1/responses", json={**BODY, "background": True, "request_id": "once",
+                                                               "text": {"format": bad}}, timeout=60)
+        assert refused.status_code == 400, refused.text
+        again = httpx.post(srv.url + "/v1/responses", json={**BODY, "background": True, "request_id": "once"},
+                           timeout=60)
+        assert again.status_code == 200, again.text
