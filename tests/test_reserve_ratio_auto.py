@@ -16,7 +16,7 @@ from scheduler.engine import Engine
 from scheduler.prom import EngineCollector
 from scheduler.request import Request, RequestState, SamplingParams
 from scheduler.reservations import AutoReserveRatio
-from tests.test_preemption import config, mixed_params, prompt_of, run_all, streamed
+from test_preemption import config, mixed_params, prompt_of, run_all, streamed
 
 
 def decoding(outputs_and_max: list[tuple[int, int]]) -> list[Request]:
