@@ -76,8 +76,8 @@ class Admission(Reservations, Restoring):
         eng = self.engine
         budget = eng.config.max_prefill_tokens
         self.note_load()
-        if not eng.running:
-            self.auto_ratio.idle()
+        if not (eng.running or eng.waiting or eng.parked):
+            self.auto_ratio.idle()  # (not while requests queue behind a full batch: regression, session 55's hunt)
         reqs, chunks = [], []
         self.memory_blocked = None
         binput = BatchInput(is_decode=False)

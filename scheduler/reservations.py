@@ -32,9 +32,11 @@ log = structlog.get_logger("scheduler.engine")
 class AutoReserveRatio:
     """decode_reserve_ratio "auto": SGLang's adaptive new_token_ratio, with its defaults. The share starts at
     START, falls by (START - MIN) / DECAY_STEPS each decode step to MIN (requests tend to end well before their
-    max_tokens: reserving less runs more at once); a preemption sets it to what the requests in decode have used of
-    their max_tokens, each given MARGIN_STEPS more (that much was needed: admit more cautiously); an idle engine
-    starts again at START."""
+    max_tokens: reserving less runs more at once); a preemption raises it to what the requests in decode have used
+    of their max_tokens, each given MARGIN_STEPS more (that much was needed: admit more cautiously; SGLang sets it
+    so even where that is less, below MIN where the max_tokens are far larger than what is used, as a chat's without
+    one: here a preemption never lowers it, regression, session 55's hunt); an idle engine (nothing running, queued
+    or parked) starts again at START."""
     START, MIN, DECAY_STEPS, MARGIN_STEPS = 0.7, 0.1, 600, 20
 
     def __init__(self) -> None:
@@ -47,7 +49,7 @@ class AutoReserveRatio:
         """After a preemption: `decoding`, the requests still in decode (used tokens over max_tokens)."""
         if decoding:
             used = sum(len(r.output) + self.MARGIN_STEPS for r in decoding)
-            self.value = min(1.0, used / sum(r.params.max_tokens for r in decoding))
+            self.value = min(1.0, max(self.value, used / sum(r.params.max_tokens for r in decoding)))
 
     def idle(self) -> None:
         self.value = self.START

@@ -53,6 +53,19 @@ def test_a_preemption_sets_the_share_to_what_the_requests_in_decode_used():
     assert ratio.value == 1.0
 
 
+def test_a_preemption_never_lowers_the_share():
+    """Regression (session 55's hunt): requests using little of a huge max_tokens (chats without one) set the share
+    below its floor after a preemption, admission less cautious than before L1 ran short."""
+    ratio = AutoReserveRatio()
+    for _ in range(600):
+        ratio.decode_step()
+    ratio.preempted(decoding([(30, 4000), (50, 4000)]))  # ((30 + 20 + 50 + 20) / 8000: 0.015)
+    assert ratio.value == 0.1
+    ratio.value = 0.5
+    ratio.preempted(decoding([(30, 200)]))  # (0.25)
+    assert ratio.value == 0.5
+
+
 def test_auto_is_checked_and_has_a_flag():
     assert EngineConfig(decode_reserve_ratio="auto").decode_reserve_ratio == "auto"
     for bad in ("Auto", "0.5", "x"):
@@ -82,6 +95,31 @@ async def test_requests_stream_what_they_would_at_ratio_one(variant):
     finally:
         await whole.shutdown()
         await auto.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_the_share_starts_again_only_when_nothing_runs_or_waits():
+    """Regression (session 55's hunt): with requests queued behind a full batch (max_running_requests), every
+    prefill pass between one batch's end and the next admission found nothing running and reset the share to 0.7,
+    though the engine never idled."""
+    eng = Engine(dataclasses.replace(config("auto"), num_pages=512, max_running_requests=2))
+    admitted_at = []
+    admit = eng.admission._admit
+
+    async def recorded(req, alone=False, budget=0):
+        admitted_at.append(eng.admission.reserve_ratio())
+        return await admit(req, alone, budget)
+    eng.admission._admit = recorded
+    await eng.start()
+    reqs = [eng.add_request([i + 3] * 8, SamplingParams(max_tokens=300, ignore_eos=True)) for i in range(4)]
+    while not all(r.state.done for r in reqs):
+        await asyncio.sleep(0.002)
+    assert admitted_at[:2] == [0.7, 0.7] and len(admitted_at) == 4
+    assert all(value < 0.5 for value in admitted_at[2:]), admitted_at  # (~300 decode steps later: ~0.4)
+    await asyncio.sleep(0.05)
+    assert eng.admission.reserve_ratio() == 0.7  # (idle now)
+    eng.cache.check_integrity()
+    await eng.shutdown()
 
 
 @pytest.mark.asyncio
