@@ -323,9 +323,10 @@ async def test_the_replay_reports_its_preemptions():
 
 @pytest.mark.parametrize("ratio", [0.0, 0.5])
 def test_stop_loop_returns_when_a_preempted_request_resumes_through_l2(ratio):
-    """Regression (session 54's review): stopping, with nothing running and a preempted request waiting to resume
-    (parked on its L2 restore, or on backups holding L1), the loop spun without awaiting, so the restore's task never
-    ran and stop_loop() never returned (`_within`: a spinning loop cannot time itself out)."""
+    """stop_loop() while requests preempt one another and resume through L2: every one finishes and the loop ends.
+    (Session 54's review found the loop spinning here, with nothing running and a resumption parked on its
+    restore; this scenario no longer reaches that window, session 55's mutation check: the next test makes it
+    certain. `_within`: a spinning loop cannot time itself out.)"""
     async def scenario() -> None:
         eng = Engine(config(ratio, "l2"))
         await eng.start()
