@@ -1,6 +1,7 @@
-"""Two of session 54's preemption fixes that no test guarded (session 55's mutation check): under "lpm" a resumed
-request is ordered by the L1 its whole prefill (prompt and folded output) finds, not its prompt's; and a resumed
-request ending between its prefill's chunks backs up every chunk it published, the folded output's too. Each
+"""Three of session 54's preemption fixes that no test guarded (session 55's mutation check): under "lpm" a resumed
+request is ordered by the L1 its whole prefill (prompt and folded output) finds, not its prompt's; a resumed
+request ending between its prefill's chunks backs up every chunk it published, the folded output's too; and one
+failing on NaN K/V drops the whole prefix it reused, the output's pages too. Each
 resumption here is made by hand as `Reservations.preempt` leaves one (output kept, `resumed_tokens` set), its
 output taken from a run without preemption, so the scenario is certain."""
 from __future__ import annotations
@@ -9,6 +10,7 @@ import asyncio
 import dataclasses
 
 import pytest
+import torch
 
 from hicache.radix import Tier
 from scheduler.engine import Engine
@@ -66,5 +68,32 @@ async def test_a_resumption_ending_between_its_chunks_backs_up_the_output_it_pub
     assert states == [RequestState.PREFILL] and req.finish_reason == "abort" and req.output == out[:12]
     backed = eng.cache.tree.match(PROMPT + out[:12], touch=False).lengths[Tier.L2]
     assert backed >= 16  # (regression: 8, the prompt's pages alone)
+    eng.cache.check_integrity()
+    await eng.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_resumption_failing_on_its_outputs_nan_kv_drops_it_beside_a_request_locking_its_prompt():
+    """The half of session 54's NaN fix no test guarded (session 55's mutation check): the resumption's reused
+    tokens are sliced from its whole prefill. Sliced from the prompt alone, the drop stopped at the prompt's
+    nodes, which another running request of that prompt locks: the poisoned output pages stayed, and the next
+    request reusing them failed too."""
+    eng = Engine(config(1.0))
+    [first] = await eng.generate_async([PROMPT], SamplingParams(max_tokens=14, ignore_eos=True))
+    out = list(first.output_ids)  # (L1 holds PROMPT + out[:12]: 5 pages)
+    m = eng.cache.tree.match(PROMPT + out[:12], include_storage=False, touch=False)
+    assert m.lengths[Tier.L1] == 20
+    eng.cache.l1.kv[:, :, torch.tensor(m.pages[Tier.L1][2:], dtype=torch.int64)] = float("nan")  # (out's pages)
+    other = eng.add_request(PROMPT + [1], SamplingParams(max_tokens=200, ignore_eos=True))  # (locks PROMPT's pages)
+    while other.state is not RequestState.DECODE:
+        await asyncio.sleep(0.001)
+    req = resumed(eng, out, 12)  # (reuses PROMPT + out[:8]: 4 pages, 2 of them poisoned)
+    while not req.state.done:
+        await asyncio.sleep(0.001)
+    assert req.finish_reason == "error" and eng.cache.metrics.failures["nan_logits"] == 1
+    assert eng.cache.tree.match(PROMPT + out[:12], include_storage=False, touch=False).lengths[Tier.L1] == 8
+    await eng.abort(other.rid)
+    [again] = await eng.generate_async([PROMPT + out[:12] + [1]], SamplingParams(max_tokens=3))
+    assert again.finish_reason == "length" and eng.cache.metrics.failures["nan_logits"] == 1
     eng.cache.check_integrity()
     await eng.shutdown()
