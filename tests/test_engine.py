@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from hicache.radix import Tier
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import RequestError, RequestState, SamplingParams
@@ -315,13 +316,27 @@ async def test_a_duplicate_publish_does_not_promise_l1_twice(concurrent, hicache
     """A request whose computed pages the tree already holds (a page-aligned prompt served again,
     whose last page is recomputed; or an identical prompt computed alongside) used to keep its own
     copies and lock the tree's too: pages another request had been admitted on, so a running
-    request failed with "no KV page available". Now it switches to the tree's pages and frees its own."""
+    request failed with "no KV page available". Now it switches to the tree's pages and frees its own. (Concurrent
+    prompts with shared prefill off: with it on the second waits for the first's pages and computes none twice, and
+    this case published no duplicate, session 55's mutation check.)"""
     rng = random.Random(3)
     cfg = EngineConfig(model="tiny", device="cpu", num_pages=24 if concurrent else 10, page_size=4,
-                       max_prefill_tokens=40)
+                       max_prefill_tokens=40, share_prefill=not concurrent)
     if hicache:
         cfg = cfg.with_hicache(enable=True, policy="always", transfer_backend="torch", storage_ratio=0.0)
     eng = Engine(cfg)
+    insert, publish, duplicates = eng.cache.insert_l1, eng.admission._publish, []
+
+    def counted_insert(*args, **kwargs):
+        duplicates.extend(got := insert(*args, **kwargs))
+        return got
+
+    def checked_publish(req, tokens, backup=True):
+        publish(req, tokens, backup)
+        held = req.locked_len // 4  # (its pages of the prefix it locks are the tree's: none of its own beside them)
+        tree_pages = eng.cache.tree.match(tokens[:req.locked_len], include_storage=False, touch=False).pages
+        assert req.pages[:held] == list(tree_pages[Tier.L1]), "a duplicate publish kept its own pages"
+    eng.cache.insert_l1, eng.admission._publish = counted_insert, checked_publish
     await eng.start()
     prompt = [rng.randrange(512) for _ in range(33 if concurrent else 8)]
     other = [rng.randrange(512) for _ in range(12 if concurrent else 8)]
@@ -338,6 +353,7 @@ async def test_a_duplicate_publish_does_not_promise_l1_twice(concurrent, hicache
     await eng.shutdown()
     assert [(e.finish_reason, e.error) for e in events] == [("length", None)] * len(events)
     assert eng.cache.metrics.failures.get("l1_overcommit", 0) == 0
+    assert duplicates  # (the case this test is about happened)
 
 
 @pytest.mark.asyncio
