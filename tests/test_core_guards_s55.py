@@ -157,3 +157,16 @@ def test_an_allocation_no_run_holds_takes_the_fewest_runs():
     got = alloc.alloc(7, alloc.new_claim("d"))
     assert 1 + sum(b != a + 1 for a, b in zip(got, got[1:])) == 2, got  # (the 6, then one of the others)
     alloc.check([])
+
+
+@pytest.mark.asyncio
+async def test_write_through_selective_backs_up_a_prefix_on_its_second_hit_not_its_first():
+    mgr = make_manager(l1_pages=16, storage_pages=0, write_policy="write_through_selective")
+    a = tuple(range(100, 116))
+    write_prefix(mgr, a)  # (computed: no backup under this policy)
+    for hit, l2_tokens in ((1, 0), (2, len(a))):
+        mgr.note_hit(a, mgr.match(a))
+        await mgr.drain()
+        assert mgr.tree.match(a, touch=False).lengths[Tier.L2] == l2_tokens, hit
+    mgr.check_integrity()
+    await mgr.close()

@@ -97,3 +97,15 @@ async def test_a_resumption_failing_on_its_outputs_nan_kv_drops_it_beside_a_requ
     assert again.finish_reason == "length" and eng.cache.metrics.failures["nan_logits"] == 1
     eng.cache.check_integrity()
     await eng.shutdown()
+
+
+def test_a_request_needing_exactly_the_room_left_has_not_outgrown_it():
+    """(`Reservations._outgrew`: beyond its reservation by exactly the unreserved room left, it takes that room;
+    counted as outgrown, a request preempted another needlessly. Session 55's mutation check: no test saw `>=`.)"""
+    eng = Engine(config(0.0))
+    adm = eng.admission
+    req = eng.add_request(PROMPT, SamplingParams(max_tokens=8))  # (no pages, nothing reserved yet)
+    adm.reserved_pages = eng.cache.available_l1_pages() - 2  # (2 pages of room left)
+    assert not adm._outgrew(req, 8)  # (2 pages beyond)
+    assert adm._outgrew(req, 9)  # (3)
+    adm.reserved_pages = 0
