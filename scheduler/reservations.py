@@ -33,10 +33,10 @@ class AutoReserveRatio:
     """decode_reserve_ratio "auto": SGLang's adaptive new_token_ratio, with its defaults. The share starts at
     START, falls by (START - MIN) / DECAY_STEPS each decode step to MIN (requests tend to end well before their
     max_tokens: reserving less runs more at once); a preemption raises it to what the requests in decode have used
-    of their max_tokens, each given MARGIN_STEPS more (that much was needed: admit more cautiously; SGLang sets it
-    so even where that is less, below MIN where the max_tokens are far larger than what is used, as a chat's without
-    one: here a preemption never lowers it, regression, session 55's hunt); an idle engine (nothing running, queued
-    or parked) starts again at START."""
+    of their max_tokens, each given MARGIN_STEPS more (that much was needed: admit more cautiously). SGLang sets it
+    to that estimate even where it is lower, as it is below MIN where max_tokens far exceed what is used (a chat
+    without one); here a preemption never lowers it (regression, session 55's hunt). An idle engine (nothing
+    running, queued or parked) starts again at START."""
     START, MIN, DECAY_STEPS, MARGIN_STEPS = 0.7, 0.1, 600, 20
 
     def __init__(self) -> None:
