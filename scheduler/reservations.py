@@ -110,7 +110,7 @@ class Reservations:
         already have grown (the step appends its rows once every request has its pages: `decode_batch`). False: no
         page for `req` this step (it was preempted, or its pages wait for backups)."""
         while not self._grow(req, num_tokens):
-            if not self._outgrew(req, num_tokens) or self.cache.backups_copying():
+            if not self._outgrew(req, num_tokens) or self.cache.l1_room_coming():
                 # (pages a backup copies are evictable once copied, a preempted request's K/V among them under
                 # write_through: the request waits a step for them. Regression: the first victim's pages were
                 # locked by its backup as the request allocated, and one page short preempted every request)
