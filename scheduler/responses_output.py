@@ -219,11 +219,17 @@ class ResponseOutput:
 
     async def events(self):
         """The stream's events, numbered from 0 (`sequence_number`): a stream sends them, a background response
-        records them (scheduler/responses_background.py). A background response is "queued" as it is created."""
+        records them (scheduler/responses_background.py). A background response is "queued" as it is created, and
+        says so in a `response.queued` event before it is "in_progress", as OpenAI's."""
         self._items = OutputItems(self.logprobs)
         event = self._numbered
         head = self.response("in_progress", [])
-        yield event({"type": "response.created", "response": {**head, "status": "queued"} if self.background else head})
+        if self.background:
+            queued = {**head, "status": "queued"}
+            yield event({"type": "response.created", "response": queued})
+            yield event({"type": "response.queued", "response": queued})
+        else:
+            yield event({"type": "response.created", "response": head})
         yield event({"type": "response.in_progress", "response": head})
         items, finish = self._items, None
         shaper = self._answer_logprobs() if self.logprobs else None

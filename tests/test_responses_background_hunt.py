@@ -54,10 +54,9 @@ def _clean(srv) -> dict:
 
 
 def _final(events: list[dict]) -> dict:
-    """check_events of a background stream (its first event's Response queued, not in_progress)."""
-    assert events[0]["response"]["status"] == "queued" and events[0]["response"]["background"] is True
-    head = {**events[0], "response": {**events[0]["response"], "status": "in_progress"}}
-    return check_events([head, *events[1:]])
+    """check_events of a background stream (its first events' Response queued, not in_progress)."""
+    assert events[0]["response"]["background"] is True and events[1]["type"] == "response.queued"
+    return check_events(events)
 
 
 def _strip(output: list[dict]) -> list[dict]:

@@ -78,20 +78,25 @@ def _events(srv, body: dict) -> list[dict]:
 
 def check_events(events: list[dict]) -> dict:
     """A stream's events as OpenAI's: each one the SDK's type (validated, not merely constructed), numbered from 0,
-    created and in_progress first and one terminal event last; each item added, written and done before the next,
-    at its output_index, its events naming it; the final response's output: the items done, their text the
-    deltas'. Returns the final response."""
+    created and in_progress first (a background response's created and queued, its Response queued, then
+    in_progress) and one terminal event last; each item added, written and done before the next, at its
+    output_index, its events naming it; the final response's output: the items done, their text the deltas'.
+    Returns the final response."""
     for e in events:
         EVENT.validate_python(e)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     types = [e["type"] for e in events]
-    assert types[:2] == ["response.created", "response.in_progress"]
+    head = events[0]["response"]
+    queued = ["response.queued"] if head["background"] else []
+    lead = ["response.created", *queued, "response.in_progress"]
+    assert types[:len(lead)] == lead and not set(lead) & set(types[len(lead):]), types
     terminal = ("response.completed", "response.incomplete", "response.failed")
     assert types[-1] in terminal and sum(t in terminal for t in types) == 1
-    head = events[0]["response"]
-    assert head["status"] == "in_progress" and head["output"] == [] and events[1]["response"]["id"] == head["id"]
+    statuses = [e["response"]["status"] for e in events[:len(lead)]]
+    assert statuses == ["queued" if queued else "in_progress"] * (len(lead) - 1) + ["in_progress"], statuses
+    assert head["output"] == [] and all(e["response"]["id"] == head["id"] for e in events[:len(lead)])
     done, item, text = [], None, ""
-    for e in events[2:-1]:
+    for e in events[len(lead):-1]:
         kind = e["type"]
         if kind == "error":
             assert item is None and types[-1] == "response.failed"
