@@ -35,10 +35,11 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     # the share of each request's possible output (max_tokens) admission reserves L1 pages for, in [0, 1]: 1, all of
     # it (a running request never runs short and nothing is preempted); below 1 more requests run at once, and one
-    # that outgrows L1 preempts the least urgent in decode, whose K/V stays in the prefix cache; "auto": a share
-    # that adapts as SGLang's new_token_ratio does, falling while nothing is preempted and rising after a
-    # preemption to what the running requests used (scheduler/reservations.py `AutoReserveRatio`)
-    decode_reserve_ratio: float | str = 1.0
+    # that outgrows L1 preempts the least urgent in decode, whose K/V stays in the prefix cache; "auto" (the
+    # default, as SGLang and vLLM overcommit by default; docs/benchmarks.md session 56): a share that adapts as
+    # SGLang's new_token_ratio does, falling while nothing is preempted and rising after a preemption to what the
+    # running requests used (scheduler/reservations.py `AutoReserveRatio`)
+    decode_reserve_ratio: float | str = "auto"
     max_context_tokens: int = 16384  # longest sequence a captured decode graph serves (longer: eager)
     max_prompt_tokens: int = 0  # 0: no limit beyond what the pool and the model's positions can hold
     max_new_tokens_limit: int = 4096
@@ -243,13 +244,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "arrival; or lpm, the most prompt tokens L1 holds first, then arrival (SGLang's longest "
                         "prefix match; arrival order past 128 queued); a more urgent request preempts none")
     g.add_argument("--decode-reserve-ratio", type=reserve_ratio, default=EngineConfig.decode_reserve_ratio,
-                   help="share of each request's max_tokens admission reserves L1 pages for, in [0, 1] (default 1: "
-                        "all, nothing is ever preempted); below 1 more requests run at once, and one that outgrows "
-                        "L1 preempts the newest decoding request (the least urgent under --scheduling-policy "
+                   help="share of each request's max_tokens admission reserves L1 pages for, in [0, 1] (1: all, "
+                        "nothing is ever preempted); below 1 more requests run at once, and one that outgrows L1 "
+                        "preempts the newest decoding request (the least urgent under --scheduling-policy "
                         "priority), which resumes later from its K/V in the prefix cache (SGLang's retract, vLLM's "
-                        "recompute preemption); auto: a share that starts at 0.7, falls to 0.1 over 600 decode steps "
-                        "without a preemption and, after one, rises to what the running requests used (SGLang's "
-                        "adaptive new_token_ratio)")
+                        "recompute preemption); auto (default): a share that starts at 0.7, falls to 0.1 over 600 "
+                        "decode steps without a preemption and, after one, rises to what the running requests used "
+                        "(SGLang's adaptive new_token_ratio)")
     g.add_argument("--max-prompt-tokens", type=int, default=0,
                    help="longest prompt in tokens (0: what the L1 pool holds, within the model's positions; "
                         "never above either)")

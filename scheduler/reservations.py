@@ -2,8 +2,8 @@
 reservation was less than what the request may use (EngineConfig.decode_reserve_ratio < 1).
 
 Admission reserves a request's prefill (its prompt; after a preemption, its output so far too) and
-`decode_reserve_ratio` of the tokens it may still write K/V for. At 1 (the default) nothing runs short and
-nothing is preempted. Below it more requests run at once: a request in decode that needs a page past its
+`decode_reserve_ratio` of the tokens it may still write K/V for. At 1 nothing runs short and nothing is
+preempted. Below it more requests run at once: a request in decode that needs a page past its
 reservation takes one that nobody reserved, and where L1 has none left the least urgent request in decode
 (the newest; under priority scheduling the largest priority first; the requester included: vLLM V1's choice) is
 preempted (`preempt`): its K/V is published to the prefix cache as a finished request's is (and backed up by the
@@ -11,7 +11,7 @@ write policy), its pages and reservation go back, and it is queued again with it
 (`Request.resumed_tokens`). Readmitted, that prefix is a cache hit (L1, or a restore from L2 or L3 where
 it was evicted meanwhile) and the prefill's last row samples its next token: the client sees one stream.
 SGLang retracts decode requests alike; vLLM's preempted requests are recomputed, from its prefix cache
-where that still holds them. With decode_reserve_ratio "auto" the share adapts (`AutoReserveRatio`).
+where that still holds them. With decode_reserve_ratio "auto" (the default) the share adapts (`AutoReserveRatio`).
 """
 from __future__ import annotations
 

@@ -161,8 +161,9 @@ def test_a_request_waiting_for_a_slot_or_l1_room_does_not_unchain_decode(wait_fo
     as three times one pair does, with the same tokens (under write_back too, whose admission may wait for
     the backups of the leaves it evicts)."""
     def run(n: int) -> tuple[int, list]:
+        # (12 pages: 5 a request, each reserving all its max_tokens: decode_reserve_ratio 1)
         limit = dict(max_running_requests=2, num_pages=256) if wait_for == "slot" else dict(num_pages=12)
-        cfg = EngineConfig(model="tiny", device="cpu", page_size=4, **limit)  # (12 pages: 5 a request)
+        cfg = EngineConfig(model="tiny", device="cpu", page_size=4, decode_reserve_ratio=1.0, **limit)
         eng = Engine(cfg.with_hicache(enable=True, write_policy=write_policy, storage_ratio=0.0)  # (no L3:
                      if write_policy else cfg)  # tests/test_write_back_wake_s40.py has it)
         results = eng.generate([[i + 1] * 9 for i in range(n)], SamplingParams(max_tokens=10))

@@ -192,7 +192,8 @@ async def test_a_head_waiting_for_room_is_admitted_within_a_step_of_its_coming_b
     for rule in ("new", "old"):
         if rule == "old":
             old_rule(monkeypatch)
-        eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=PAGE_TOKENS, num_pages=17))
+        eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=PAGE_TOKENS, num_pages=17,
+                                  decode_reserve_ratio=1.0))  # (each reserving all its max_tokens)
         with capture_op_logs() as logs, watch_chain(monkeypatch):
             got = await serve(eng, requests, act_after, act)
         assert_whole(eng.cache)

@@ -301,8 +301,10 @@ def test_the_ratio_is_checked_and_has_a_flag():
             EngineConfig(decode_reserve_ratio=bad)
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    assert config_from_args(parser.parse_args([])).decode_reserve_ratio == 1.0
+    assert config_from_args(parser.parse_args([])).decode_reserve_ratio == "auto"  # (the default, session 56)
+    assert EngineConfig().decode_reserve_ratio == "auto"
     assert config_from_args(parser.parse_args(["--decode-reserve-ratio", "0.3"])).decode_reserve_ratio == 0.3
+    assert config_from_args(parser.parse_args(["--decode-reserve-ratio", "1"])).decode_reserve_ratio == 1.0
 
 
 @pytest.mark.asyncio

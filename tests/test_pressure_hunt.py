@@ -34,12 +34,13 @@ WAIT_S = 60  # a request that takes longer hangs
 
 
 def make_engine(num_pages: int = 16, max_running_requests: int = 64, max_prefill_tokens: int = 2048,
-                hicache: bool = True, restore_overlap: bool = False, **config) -> Engine:
+                hicache: bool = True, restore_overlap: bool = False, decode_reserve_ratio: float | str = "auto",
+                **config) -> Engine:
     config.setdefault("transfer_backend", "torch")
     config.setdefault("policy", "always")
     base = EngineConfig(model="tiny", device="cpu", num_pages=num_pages, page_size=PAGE,
                         max_running_requests=max_running_requests, max_prefill_tokens=max_prefill_tokens,
-                        restore_overlap=restore_overlap)
+                        restore_overlap=restore_overlap, decode_reserve_ratio=decode_reserve_ratio)
     return Engine(base.with_hicache(enable=True, **config) if hicache else base)
 
 
@@ -261,7 +262,7 @@ async def test_requests_aborted_or_shut_down_while_waiting_for_pages_end_once_an
     for pages behind it. B is aborted while waiting; then shutdown() ends A, C and D: each gets
     exactly one final event, the queued ones no token, shutdown returns, and nothing leaks."""
     rng = random.Random(7)
-    eng = make_engine(num_pages=64, storage_ratio=0.0)
+    eng = make_engine(num_pages=64, storage_ratio=0.0, decode_reserve_ratio=1.0)  # (each reserving all of it)
     await eng.start()
     a = eng.add_request(prompt_of(rng, 10), SamplingParams(max_tokens=200, ignore_eos=True))
     await until(lambda: a.state is RequestState.DECODE)

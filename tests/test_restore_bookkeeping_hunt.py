@@ -33,13 +33,13 @@ class HeldReads(ReadGate):
 
 
 def make_engine(num_pages: int = 64, faults: FaultInjector | None = None, restore_overlap: bool = True,
-                **hicache) -> Engine:
+                decode_reserve_ratio: float | str = "auto", **hicache) -> Engine:
     hicache.setdefault("transfer_backend", "torch")
     hicache.setdefault("policy", "always")
     hicache.setdefault("host_ratio", 2.0)
     hicache.setdefault("storage_ratio", 4.0)
     config = EngineConfig(model="tiny", device="cpu", num_pages=num_pages, page_size=PAGE,
-                          restore_overlap=restore_overlap)
+                          restore_overlap=restore_overlap, decode_reserve_ratio=decode_reserve_ratio)
     return Engine(config.with_hicache(enable=True, **hicache), faults=faults or FaultInjector())
 
 
@@ -82,11 +82,11 @@ async def test_a_parked_l3_read_keeps_the_l1_room_its_h2d_needs(read):
     on what is left, and the restore lands with no failure.
 
     L1 32 pages: the read needs 8; each other request reserves 16 (50 + 15 - 1 tokens), so one of them
-    fits beside the read's room, the second must wait."""
+    fits beside the read's room, the second must wait (decode_reserve_ratio 1: each reserves all its max_tokens)."""
     rng = random.Random(31)
     prefix = [rng.randrange(VOCAB) for _ in range(32)]
     others = [[rng.randrange(VOCAB) for _ in range(50)] for _ in range(2)]
-    eng = make_engine(num_pages=32)
+    eng = make_engine(num_pages=32, decode_reserve_ratio=1.0)
     await eng.start()
     await prefix_in_l3(eng, prefix, l2_too=read == "restore")
     before = eng.metrics()
@@ -218,7 +218,7 @@ async def test_a_restore_that_could_not_start_is_a_fallback_only_if_its_request_
     rng = random.Random(33)
     prefix = [rng.randrange(VOCAB) for _ in range(16)]
     x_prompt = [rng.randrange(VOCAB) for _ in range(29)]
-    eng = make_engine(num_pages=24, host_ratio=0.34, storage_ratio=8.0)
+    eng = make_engine(num_pages=24, host_ratio=0.34, storage_ratio=8.0, decode_reserve_ratio=1.0)
     assert eng.cache.l2.num_pages == 8
     await eng.start()
     await prefix_in_l3(eng, prefix)

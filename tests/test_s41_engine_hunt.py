@@ -187,7 +187,8 @@ async def test_a_later_urgent_request_passes_a_head_blocked_on_memory_and_a_less
     later request of a lower priority value that fits is admitted at once (its arrival ends the chain; the head
     is no longer first), one of a higher value that fits waits behind the head (no jumping the order), and the
     head runs once room comes back."""
-    eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=64, page_size=4, scheduling_policy="priority"))
+    eng = Engine(EngineConfig(model="tiny", device="cpu", num_pages=64, page_size=4, scheduling_policy="priority",
+                              decode_reserve_ratio=1.0))  # (each reserving all its max_tokens)
     await eng.start()
     long = eng.add_request([1] * 20, SamplingParams(max_tokens=200))  # (55 of 64 pages)
     await until(lambda: len(long.output) >= 2)

@@ -28,14 +28,14 @@ from test_restore_bookkeeping_hunt import VOCAB, HeldReads, make_engine, prefix_
 
 @pytest.mark.asyncio
 async def test_a_request_parked_on_its_prefetch_keeps_no_more_room_than_l1_has():
-    """L1 32 pages; a request of 60 + 40 - 1 tokens runs and reserves all but 7 of the pages free or
-    evictable. The next request's 8-page prefix is read from L3 (its prefetch, held): parked on it,
+    """L1 32 pages; a request of 60 + 40 - 1 tokens runs and reserves (decode_reserve_ratio 1) all but 7 of the
+    pages free or evictable. The next request's 8-page prefix is read from L3 (its prefetch, held): parked on it,
     the request keeps the 7 pages left for the read's H2D, not the 8 it would take, which would
     promise L1 a page it does not have (room below 0)."""
     rng = random.Random(7)
     prefix = [rng.randrange(VOCAB) for _ in range(32)]
     hog = [rng.randrange(VOCAB) for _ in range(60)]
-    eng = make_engine(num_pages=32, prefetch=True)
+    eng = make_engine(num_pages=32, prefetch=True, decode_reserve_ratio=1.0)
     await eng.start()
     await prefix_in_l3(eng, prefix)
     gate = HeldReads(eng.cache.store)
