@@ -145,8 +145,12 @@ async def test_a_page_changed_between_runs_fails_its_checksum_and_is_dropped(tmp
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("damage", ["garbage", "slots_twice", "parent_after_child", "float_tokens"])
+@pytest.mark.parametrize("damage", ["garbage", "slots_twice", "parent_after_child", "float_tokens", "own_parent",
+                                    "negative_slot"])
 async def test_a_damaged_index_is_ignored(tmp_path, damage):
+    """An index that is not one, or names a slot twice, a parent after its child or itself, a negative slot, float
+    tokens: ignored, the engine starts with an empty, whole L3 (not a start that fails, nor pages adopted at a slot
+    that does not exist; own_parent and negative_slot: session 56's mutation check)."""
     await _saved(tmp_path, A, B)
     path = index_path(str(tmp_path / "l3.kv"))
     if damage == "garbage":
@@ -159,6 +163,10 @@ async def test_a_damaged_index_is_ignored(tmp_path, damage):
             arrays["slots"][1] = arrays["slots"][0]
         elif damage == "float_tokens":  # (tokens 1.0 and 1 match in a tuple: an index of floats is no index)
             arrays["tokens"] = arrays["tokens"].astype(np.float64)
+        elif damage == "own_parent":
+            arrays["parents"][0] = 0
+        elif damage == "negative_slot":
+            arrays["slots"][0] = -1
         else:
             arrays["parents"][0] = len(arrays["parents"]) - 1
         with open(path, "wb") as f:

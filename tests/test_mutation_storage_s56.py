@@ -1,29 +1,27 @@
 """Rules of the L3 tier that session 56's mutation check of hicache/storage*.py, l3_index.py, page_keys.py,
 redis_limits.py and storage_redis.py found unguarded: the file store's ENOSPC back-off counted once per failed
 write and bounded for a disk full for days, a failed read naming every page it lost, a restart on a full disk
-reusing its own file's blocks, damaged index entries ignored, misaligned key ranges refused, a small hint table
-filled as far as it goes, the Redis limits' boundaries, and a suspect delete never sent to a server the store
-backs off. Redis tests start `redis-server` on a free loopback port (skipped without the binary)."""
+reusing its own file's blocks, misaligned key ranges refused, a small hint table filled as far as it goes, the
+Redis limits' boundaries, and a suspect delete never sent to a server the store backs off (its damaged index
+entries are in tests/test_l3_persist.py). Redis tests start `redis-server` on a free loopback port (skipped
+without the binary)."""
 from __future__ import annotations
 
 import asyncio
 import errno
 import os
 
-import numpy as np
 import pytest
 import torch
 from redis import exceptions as rexc
 
 from hicache.faults import Fault, FaultInjector
-from hicache.l3_index import index_path
 from hicache.page_keys import PageKeyer, kv_salt, page_keys
 from hicache.radix import Tier
 from hicache.redis_limits import Refusals, ServerLimits, limits_from_config
 from hicache.storage import FileStore, StorageError
 from hicache_helpers import assert_whole, make_manager
 from redis_server import GEOM, free_port, needs_redis, random_pages, redis_server, server  # noqa: F401
-from test_l3_persist import A, B, _manager, _saved
 from test_l3_reserve_hunt import NUM_SLOTS, SMALL, _Clock, _enospc_pwritev
 from test_redis import make_store
 
@@ -99,30 +97,6 @@ def test_a_store_reopened_on_a_full_disk_reuses_its_own_file_s_blocks(tmp_path, 
         assert store.size_bytes == NUM_SLOTS * SMALL.bytes_per_page
     with pytest.raises(ValueError, match="available"):  # (a larger one does not fit)
         FileStore(SMALL, 2 * NUM_SLOTS, path=path)
-
-
-# ---- the persisted index: damaged entries -----------------------------------------------------------------
-@pytest.mark.asyncio
-@pytest.mark.parametrize("damage", ["own_parent", "negative_slot"])
-async def test_an_index_with_a_node_its_own_parent_or_a_negative_slot_is_ignored(tmp_path, damage):
-    """An index edited or damaged so that a node names itself as its parent, or a slot is negative, is
-    ignored: the engine starts with an empty, whole L3 (not a start that fails, nor pages adopted at a slot
-    that does not exist)."""
-    await _saved(tmp_path, A, B)
-    path = index_path(str(tmp_path / "l3.kv"))
-    with np.load(path, allow_pickle=False) as data:
-        arrays = {k: data[k] for k in data.files}
-    if damage == "own_parent":
-        arrays["parents"][0] = 0
-    else:
-        arrays["slots"][0] = -1
-    with open(path, "wb") as f:
-        np.savez(f, **arrays)
-    mgr = _manager(tmp_path)
-    assert mgr.tree.num_resident_pages[Tier.L3] == 0
-    assert not os.path.exists(path)
-    assert_whole(mgr)
-    await mgr.close()
 
 
 # ---- page keys ----------------------------------------------------------------------------------------------
