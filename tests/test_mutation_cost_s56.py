@@ -19,7 +19,8 @@ from scheduler.request import RequestState
 N = 100  # tokens a write or a hit carries in these tests
 
 
-def _set_lines(cost: CostModel, *, recompute_us: float, h2d_us: float, s2h_us: float = 0.0, d2h_us: float = 0.0) -> None:
+def _set_lines(cost: CostModel, *, recompute_us: float, h2d_us: float, s2h_us: float = 0.0,
+               d2h_us: float = 0.0) -> None:
     """Cost lines with no fixed cost, each given in microseconds per token."""
     per_byte = 1e-6 / cost.bytes_per_token
     dirs = cost.directions

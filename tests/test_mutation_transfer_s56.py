@@ -326,7 +326,8 @@ def test_only_a_regular_file_at_the_l3_path_counts_as_free_disk(tmp_path, monkey
     monkeypatch.setattr(os, "statvfs", lambda path: SimpleNamespace(f_bavail=1000, f_frsize=4096))
     old = tmp_path / "l3.bin"
     old.write_bytes(b"x" * 8192)
-    assert disk_free_bytes(HiCacheConfig(enable=True, storage_path=str(old))) == 1000 * 4096 + os.stat(old).st_blocks * 512
+    free_bytes = disk_free_bytes(HiCacheConfig(enable=True, storage_path=str(old)))
+    assert free_bytes == 1000 * 4096 + os.stat(old).st_blocks * 512
     other = tmp_path / "a_directory"
     other.mkdir()
     assert disk_free_bytes(HiCacheConfig(enable=True, storage_path=str(other))) == 1000 * 4096
