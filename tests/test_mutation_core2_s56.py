@@ -322,11 +322,9 @@ def test_a_failed_operation_is_logged_under_the_quiet_production_log(monkeypatch
     assert seen == [("warning", "op", "h2d failed")]
 
 
-@pytest.mark.asyncio
-async def test_a_read_whose_bytes_landed_no_longer_counts_as_storage_reading():
-    """The cost model prices a new L3 read behind the reads still in flight (`reading_s`). A prefetch
-    whose bytes have landed, only its checksums still running, is no longer in storage's queue: it
-    adds nothing to that wait."""
+async def _l3_only_with_slow_checks():
+    """A manager whose 16-token prefix is in L3 only, its next read's checksums slowed by 0.3 s (the read stays
+    landed, S2H_LANDED, a while) -> (mgr, tokens)."""
     faults = FaultInjector()
     mgr = make_manager(faults=faults)
     tokens = toks((500, 516))
@@ -334,7 +332,16 @@ async def test_a_read_whose_bytes_landed_no_longer_counts_as_storage_reading():
     await mgr.drain()
     mgr.flush(Tier.L1)
     mgr.flush(Tier.L2)
-    faults.arm(Fault.SLOW_VERIFY, times=1, delay_s=0.3)  # its checksums are slow: it stays landed a while
+    faults.arm(Fault.SLOW_VERIFY, times=1, delay_s=0.3)
+    return mgr, tokens
+
+
+@pytest.mark.asyncio
+async def test_a_read_whose_bytes_landed_no_longer_counts_as_storage_reading():
+    """The cost model prices a new L3 read behind the reads still in flight (`reading_s`). A prefetch
+    whose bytes have landed, only its checksums still running, is no longer in storage's queue: it
+    adds nothing to that wait."""
+    mgr, tokens = await _l3_only_with_slow_checks()  # (its checksums are slow: it stays landed a while)
     op = mgr.runner.start_restore(tokens, mgr.tree.match(tokens), "prefetch", "r1")
     assert op is not None and mgr.runner.reading_s() > 0
     await until(lambda: op.state is OpState.S2H_LANDED)
@@ -479,15 +486,8 @@ async def test_a_prefetch_taken_on_to_l1_counts_as_one_restore_started_and_done(
     """A prefetch that its request takes on to L1 (its read landed, checksums still running) becomes a
     restore: restores started and restores done both count it once, so started minus done stays the
     number of restores under way."""
-    faults = FaultInjector()
-    mgr = make_manager(faults=faults)
-    tokens = toks((500, 516))
-    write_prefix(mgr, tokens, seed=3)
-    await mgr.drain()
-    mgr.flush(Tier.L1)
-    mgr.flush(Tier.L2)
+    mgr, tokens = await _l3_only_with_slow_checks()
     started, done = mgr.metrics.restores_started, mgr.metrics.restores_done
-    faults.arm(Fault.SLOW_VERIFY, times=1, delay_s=0.3)
     op = mgr.runner.start_restore(tokens, mgr.tree.match(tokens), "prefetch", "r1")
     await until(lambda: op.state is OpState.S2H_LANDED)
     assert mgr.runner.take_to_l1(op, mgr.match(tokens))
