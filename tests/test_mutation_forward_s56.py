@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache_helpers import until
 from scheduler.guided import GuidedSpec
 from scheduler.loader import CheckpointError, export_hf_state_dict, load_checkpoint
 from scheduler.model import Qwen3Model, init_random_weights
@@ -90,8 +91,7 @@ async def test_a_penalized_request_stopped_mid_chain_lets_go_of_its_device_state
     try:
         req = engine.add_request(PROMPTS[0], SamplingParams(**p, stop_token_ids=(stop,)))
         guided = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=20, guided=GuidedSpec("regex", "[a-z]{20}")))
-        while not (req.state.done and guided.state.done):
-            await asyncio.sleep(0.01)
+        await until(lambda: req.state.done and guided.state.done, 60)
         for _ in range(20):  # (let the chained step after its end be processed too)
             await asyncio.sleep(0.01)
         assert req.finish_reason == "stop" and req.output == out[:out.index(stop) + 1]

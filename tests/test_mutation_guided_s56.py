@@ -10,6 +10,7 @@ import re
 
 import pytest
 
+from hicache_helpers import until
 from scheduler.api_guided import GuidedFields
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
@@ -137,8 +138,7 @@ async def test_a_request_aborted_while_a_prefill_pass_runs_is_not_admitted_by_it
     victim.append(eng.add_request([20, 21, 22, 23, 24], SamplingParams(max_tokens=2)))
     await eng.start()
     try:
-        while not (first.state.done and victim[0].state.done):
-            await asyncio.sleep(0.002)
+        await until(lambda: first.state.done and victim[0].state.done, 60)
         events = []
         while not victim[0].queue.empty():
             events.append(victim[0].queue.get_nowait())
@@ -188,8 +188,7 @@ async def test_a_preempted_prompt_logprobs_request_resumes_from_its_cached_kv():
             await asyncio.sleep(0)
             new = eng.add_request([(j * 7) % 200 + 3 for j in range(20)],
                                   SamplingParams(max_tokens=40, ignore_eos=True, prompt_logprobs=prompt_logprobs))
-            while not (old.state.done and new.state.done):
-                await asyncio.sleep(0.002)
+            await until(lambda: old.state.done and new.state.done, 60)
             eng.check_integrity()
             return eng.stats["preempted"], eng.stats["preempted_recomputed_tokens"], old.output, new.output
         finally:

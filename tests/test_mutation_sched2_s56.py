@@ -6,7 +6,6 @@ verify steps; a follower scores as L3 exactly the whole pages the read it follow
 prefetch whose request recomputes counts a fallback; a beam search's later steps ask no prompt logprobs."""
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import random
 from types import SimpleNamespace
@@ -16,7 +15,7 @@ import pytest
 from hicache.faults import Fault, FaultInjector
 from hicache.ops import OpKind
 from hicache.radix import Tier
-from hicache_helpers import finish
+from hicache_helpers import finish, until
 from scheduler.beam_search import BeamSearchParams
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
@@ -42,8 +41,7 @@ async def test_at_ratio_one_requests_grow_into_their_reservations_without_preemp
     await eng.start()
     try:
         reqs = [eng.add_request([i + 1] * 8, SamplingParams(max_tokens=9, ignore_eos=True)) for i in range(4)]
-        while not all(r.state.done for r in reqs):
-            await asyncio.sleep(0.002)
+        await until(lambda: all(r.state.done for r in reqs), 60)
         assert eng.stats["preempted"] == 0
         assert all(r.state is RequestState.FINISHED and len(r.output) == 9 for r in reqs)
         eng.cache.check_integrity()
@@ -69,8 +67,7 @@ async def test_a_preemption_in_the_engine_raises_the_auto_share_to_what_decode_u
     await eng.start()
     try:
         reqs = [eng.add_request([i + 1] * 8, SamplingParams(max_tokens=100, ignore_eos=True)) for i in range(8)]
-        while not all(r.state.done for r in reqs):
-            await asyncio.sleep(0.002)
+        await until(lambda: all(r.state.done for r in reqs), 60)
         assert eng.stats["preempted"] > 0 and seen
         assert all(share >= estimate for share, estimate in seen), seen
         assert any(estimate > AutoReserveRatio.START for _, estimate in seen), seen  # (a raise was due)
@@ -119,8 +116,7 @@ async def test_a_preempted_request_whose_first_restore_failed_resumes_from_l2():
     await eng.start()
     try:
         reqs = [eng.add_request(prompt_of(i), mixed_params(i)) for i in range(12)]
-        while not all(r.state.done for r in reqs):
-            await asyncio.sleep(0.002)
+        await until(lambda: all(r.state.done for r in reqs), 60)
         await eng.cache.drain()
         assert eng.stats["preempted"] > 0 and all(r.state is RequestState.FINISHED for r in reqs)
         assert eng.cache.metrics.restores_done > 0  # (some resumed from L2)
@@ -145,11 +141,9 @@ async def test_a_seeded_request_decodes_between_the_verify_steps_of_a_greedy_one
         greedy = eng.add_request([rng.randrange(VOCAB) for _ in range(12)], SamplingParams(max_tokens=30))
         seeded = eng.add_request([rng.randrange(VOCAB) for _ in range(12)],
                                  SamplingParams(max_tokens=30, temperature=0.8, seed=3))
-        while not greedy.state.done:
-            await asyncio.sleep(0.001)
+        await until(lambda: greedy.state.done, 60)
         seeded_when_greedy_ended = len(seeded.output)
-        while not seeded.state.done:
-            await asyncio.sleep(0.001)
+        await until(lambda: seeded.state.done, 60)
         assert eng.speculator.stats["verify_steps"] >= 10  # (the premise: the greedy request verified)
         assert seeded_when_greedy_ended >= 10, seeded_when_greedy_ended
         assert len(seeded.output) == 30 and len(greedy.output) == 30
