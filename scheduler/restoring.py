@@ -171,8 +171,8 @@ class Restoring:
         recomputed the whole prefix)."""
         self.engine.parked.remove(req)
         self._give_back_room(req)
-        if op is not None and not op.succeeded and op is not req.follow_op:
-            req.span_plan = None  # a failed restore or prefetch: not what its source costs
+        if op is not None and not op.succeeded:  # (regression: a follower's wait for a failed read was scored)
+            req.span_plan = None  # a failed restore, prefetch or followed read: not what its source costs
         if op is req.restore_op and op is not None and not op.succeeded:
             req.restore_failed = not op.payload.get("l1_room_lost", False)
             if req.restore_failed:
