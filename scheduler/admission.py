@@ -9,10 +9,10 @@ Page rules for a request (page aligned throughout):
   for the request (`hold_published`) until `adopt_restored`.
 Admission reserves a request's prefill and a share of the pages it may still need
 (scheduler/reservations.py: by default an adaptive share, decode_reserve_ratio "auto"; a request that outgrows
-L1 preempts another). At decode_reserve_ratio 1 it reserves every page (`kv_tokens`: prompt + max_tokens - 1; a
-prefill alone, max_tokens 0: prompt), so nothing is preempted and a running request never waits for memory,
-except under write_back: there a reserved page may have to wait a tick for the backups of the LRU leaves it must
-evict.
+L1 preempts the newest request in decode, itself included). At decode_reserve_ratio 1 it reserves every page
+(`kv_tokens`: prompt + max_tokens - 1; a prefill alone, max_tokens 0: prompt), so nothing is preempted and a
+running request never waits for memory, except under write_back: there a reserved page may have to wait a tick for
+the backups of the LRU leaves it must evict.
 """
 from __future__ import annotations
 
