@@ -19,7 +19,8 @@ real CPU run has float32, so capacities in GiB hold half the pages there; give t
 give --dtype).
 Exit status: 2 for bad input (an option out of range, a trace or path that cannot be used, an engine
 that cannot start), 1 when no request completed, the engine crashed, the cache failed its integrity
-check or --compare-no-cache found other outputs. Prompt tokens are those of completed requests.
+check or --compare-no-cache found other outputs. Prompt tokens, hits and recomputed tokens are those of
+completed requests.
 """
 from __future__ import annotations
 
@@ -284,8 +285,10 @@ def summarize(run: dict, problems: list[TraceProblem], config: EngineConfig, rep
         "prompt_tokens": sum(o.item.prompt_tokens for o in ok),
         "failed_prompt_tokens": sum(o.item.prompt_tokens for o in outcomes if o.error is not None),
         "output_tokens": sum(len(o.output_ids) for o in outcomes),
-        "hit_tokens": {t: int(m["hit_tokens"].get(t, 0)) for t in TIERS},
-        "recomputed_tokens": int(m["recomputed_tokens"]),
+        # (the completed requests' own; the engine's totals, in `metrics`, also count the prefills of requests that
+        # failed after admission, e.g. when the engine crashed: regression, shown over 100 % of the prompts)
+        "hit_tokens": {t: sum(int((o.hit_tokens or {}).get(t, 0)) for o in ok) for t in TIERS},
+        "recomputed_tokens": sum(o.recomputed_tokens for o in ok),
         "ttft_ms": {f"p{q}": _percentile(ttft_ms, q / 100) for q in (50, 90, 99)},
         "throughput_req_s": (len(ok) / wall_s if wall_s > 0 else 0.0) if timed else None,
         "wall_s": wall_s,

@@ -192,6 +192,9 @@ def test_engine_crash_fails_the_remaining_requests(monkeypatch):
     args = ["--simulate", "--no-progress", "--max-requests", "20"]
     s = run_cli(args)
     assert "injected crash" in s["engine_crash"] and s["completed"] + s["failed"] == 20 and s["failed"] >= 1
+    # the completed requests' hits and recomputed tokens add up to their prompts (regression: the engine's totals,
+    # the failed requests' prefills among them, were shown against the completed prompts: over 100 %)
+    assert sum(s["hit_tokens"].values()) + s["recomputed_tokens"] == s["prompt_tokens"]
     calls.clear()
     assert main(args) == 1
 
