@@ -100,9 +100,12 @@ class RequestSpan:
         return self._between_ns(self.first_ns("queued"), self.first_ns("prefill_start"))
 
     @property
-    def restore_wait_ns(self) -> int | None:
-        parked_ns = self.first_ns("parked")
-        return self._between_ns(parked_ns, None if parked_ns is None else self.first_ns("prefill_start", parked_ns))
+    def restore_wait_ns(self) -> int | None:  # the first admission's, as the hits and restore tier shown beside it
+        # (regression: a resumption's park after a preemption was shown as the first admission's restore wait)
+        parked_ns, preempted_ns = self.first_ns("parked"), self.first_ns("preempted")
+        if parked_ns is None or (preempted_ns is not None and parked_ns > preempted_ns):
+            return None
+        return self._between_ns(parked_ns, self.first_ns("prefill_start", parked_ns))
 
     @property
     def prefill_ns(self) -> int | None:  # first prefill_start to its first token's prefill_end (the last before it:
@@ -292,11 +295,12 @@ def _add_request(b: _Builder, e: dict) -> bool:
         req.restore_tier, req.restore_tokens = tier or req.restore_tier, _opt_int(e.get("restore_tokens"))
     elif state == "parked" and req.first_ns("prefill_start") is None:
         req.restore_tier = tier or req.restore_tier
-    elif state == "restore_overlap_discarded":  # as the engine does (Restoring._rewind): that admission
-        # counted no hit, restored nothing (regression: kept when the request ended before the next)
+    elif state == "restore_overlap_discarded" and req.first_ns("preempted") is None:  # as the engine does
+        # (Restoring._rewind): that admission counted no hit, restored nothing (regression: kept when the request
+        # ended before the next); a resumption's: its first admission's hits and restore stand (regression: its
+        # restore was shown as none beside those hits)
         req.restore_tier, req.restore_tokens = "none", 0
-        if req.first_ns("preempted") is None:  # (a resumption's: its first admission's hits stand)
-            req.hit_tokens = {t: 0 for t in TIERS}
+        req.hit_tokens = {t: 0 for t in TIERS}
     elif state in REQUEST_END_STATES:
         req.output_tokens = _opt_int(e.get("output_tokens"))
         why = [str(e[k]) for k in ("reason", "error") if e.get(k) not in (None, "")]

@@ -350,3 +350,32 @@ def test_each_opened_log_starts_a_run(tmp_path):
     assert [e["event"] for e in events].count("run_start") == 2
     tl = build_timeline(events)
     assert tl.num_runs == 2 and list(tl.requests) == ["r0", "r0#2"] and tl.num_unknown_events == 0
+
+
+def test_a_preempted_requests_restore_columns_are_its_first_admissions():
+    """The Requests table shows a request's first admission (its hits, its restore), as the engine reports it;
+    a resumption after a preemption is not that admission. Regressions (session 57's hunt): a request that restored
+    nothing at first and parked for an L2 restore only on resuming showed `restore none` beside the resumption's
+    park time as its restore wait; one whose resumption's overlapped restore was discarded kept its first hits but
+    showed its restore as none."""
+    resumption = dict(prompt_tokens=74, hit_l1=0, hit_l2=64, hit_l3=0, restore_tier="l2", restore_tokens=64)
+    events = [req(0, "a", "queued"), req(1, "a", "prefill_start", **{**PREFILL_HITS, "hit_l1": 48}),
+              req(2, "a", "prefill_end"), req(2, "a", "first_token"), req(50, "a", "preempted", preemptions=1),
+              req(60, "a", "parked", restore_tier="l2"), req(240, "a", "prefill_start", **resumption),
+              req(241, "a", "prefill_end"), req(241, "a", "resumed"),
+              req(300, "a", "finished", output_tokens=20, reason="length"),
+              req(0, "b", "queued"),
+              req(1, "b", "prefill_start", **{**PREFILL_HITS, "hit_l2": 32, "restore_tier": "l2",
+                                              "restore_tokens": 32, "restore_overlap": True}),
+              req(2, "b", "prefill_end"), req(2, "b", "first_token"), req(50, "b", "preempted", preemptions=1),
+              req(60, "b", "prefill_start", **resumption, restore_overlap=True),
+              req(61, "b", "restore_overlap_discarded"), req(62, "b", "prefill_start", **PREFILL_HITS),
+              req(63, "b", "prefill_end"), req(63, "b", "resumed"),
+              req(300, "b", "finished", output_tokens=20, reason="length")]
+    a, b = build_timeline(events).requests.values()
+    hits = lambda span: {t: n for t, n in span.hit_tokens.items() if n}  # noqa: E731
+    assert (hits(a), a.restore_tier, a.restore_wait_ns) == ({"l1": 48}, "none", None)
+    assert (hits(b), b.restore_tier, b.restore_tokens) == ({"l2": 32}, "l2", 32)
+    parked_first = build_timeline([req(0, "c", "queued"), req(1, "c", "parked", restore_tier="l2"),
+                                   req(9, "c", "prefill_start", **resumption)]).requests["c"]
+    assert parked_first.restore_wait_ns == 8 * MS  # (a first admission's park still counts)
