@@ -388,7 +388,7 @@ def _warn_will_fail(parser: argparse.ArgumentParser, args: argparse.Namespace, i
     the engine sizes it from the GPU's memory. (Regressions: the bundled sample given as --trace, at its 512
     tokens a hash id, failed 214 of 300 requests on the tiny preset, said only after the replay; --simulate at
     the 8B shape, its L1 the CPU's default 8,192 tokens, failed 148 of 300 where the line counted the 15 past
-    the positions.)"""
+    the positions.) A second line counts the outputs past the engine's max_tokens limit."""
     page = config.page_size_on(resolve_device(config)[0].type)
     limits = [(positions, f"the model's {positions:,} positions")]
     if not config.l1_from_gpu_memory():
@@ -406,6 +406,11 @@ def _warn_will_fail(parser: argparse.ArgumentParser, args: argparse.Namespace, i
               f"{min(past):,}-{max(past):,} tokens at {_flag('block_tokens')} {args.block_tokens}) and will fail; "
               f"{_flag('max_input_tokens')} and {_flag('max_output_tokens')} clip them, a smaller "
               f"{_flag('block_tokens')} scales every prompt down", file=sys.stderr)
+    long_outputs = [it.output_tokens for it in items if it.output_tokens > config.max_new_tokens_limit]
+    if long_outputs:  # (regression: said only after the replay, each request failing on its max_tokens)
+        print(f"{parser.prog}: {len(long_outputs):,} of {len(items):,} requests ask for more than the engine's "
+              f"{config.max_new_tokens_limit:,} output tokens (outputs of up to {max(long_outputs):,}) and will fail; "
+              f"{_flag('max_output_tokens')} clips them", file=sys.stderr)
 
 
 def run_cli(argv: list[str] | None = None) -> dict:

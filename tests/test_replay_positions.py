@@ -47,3 +47,20 @@ def test_a_replay_s_report_masks_the_storage_url_s_password(tmp_path, capsys):
     text = out.read_text()
     assert "s3cretPW" not in text and "redis://:***@127.0.0.1:1/0" in text
     assert "s3cretPW" not in capsys.readouterr().out
+
+
+def test_the_line_before_a_replay_counts_outputs_past_the_max_tokens_limit(tmp_path, capsys):
+    """Session 57. Regression: a trace asking for more output tokens than the engine's max_tokens limit (4,096) failed
+    every such request, said only after the replay; now a line before it counts them and names the flag that clips."""
+    trace = tmp_path / "long.jsonl"
+    lines = [f'{{"timestamp": {i}, "input_length": 512, "output_length": {n}, "hash_ids": [{i}]}}'
+             for i, n in enumerate((6000, 8, 5000))]
+    trace.write_text("\n".join(lines) + "\n")
+    argv = ["--trace", str(trace), "--simulate", "--no-progress", "--time-scale", "0",
+            "--model", "qwen3-8b", "--l1-tokens", "200000"]
+    summary = replay.run_cli(argv)
+    line = next(ln for ln in capsys.readouterr().err.splitlines() if "will fail" in ln)
+    assert "2 of 3 requests ask for more than the engine's 4,096 output tokens (outputs of up to 6,000)" in line
+    assert "--max-output-tokens" in line and summary["failed"] == 2
+    replay.run_cli(argv + ["--max-output-tokens", "4096"])
+    assert "will fail" not in capsys.readouterr().err
