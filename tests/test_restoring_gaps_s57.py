@@ -165,5 +165,5 @@ async def test_a_request_that_waited_on_a_failed_read_teaches_the_cost_model_not
     assert out.output_ids == (await reference([follower.prompt], 3))[0]
     assert eng.metrics()["failures"] == {"timeout": 1}
     assert out.cached_tokens == {"l1": 0, "l2": 0, "l3": 24}
-    assert scored == [], f"the follower's wait for the failed read was scored (source, arrival to first token): {scored}"
+    assert scored == [], f"the follower's wait for the failed read was scored (source, arrival to 1st token): {scored}"
     await finish(eng)
