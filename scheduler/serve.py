@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="TCP port, 0 to 65535 (0 picks a free one; the log says which)")
     s.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
     s.add_argument("--max-concurrent-requests", type=int, default=ServerLimits.max_concurrent_requests,
-                   help="generation requests served at once (429 above); a /v1/completions list of K prompts "
-                        "takes K places (400 when K is above this)")
+                   help="generation requests served at once (429 above); each choice is one: a /v1/completions "
+                        "list of K prompts with n choices (or n beams) takes K × n places (400 when that is above "
+                        "this)")
     s.add_argument("--max-body-bytes", type=int, default=ServerLimits.max_body_bytes,
                    help="largest request body in bytes (413 above)")
     s.add_argument("--shutdown-grace-s", type=float, default=ServerLimits.shutdown_grace_s,
