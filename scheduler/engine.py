@@ -78,7 +78,7 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         """What an engine holds beside its cache: the runner, graphs, speculator, admission, queues and counters."""
         self.cache.wakeup = self.wake_soon
         self.cache.defer_backups = True  # a step's tokens reach their clients before its backups start
-        self.cache.wakeup_idle = self._wake_idle
+        self.cache.wakeup_idle = self.wake_idle
         self.page_size = page_size
         self.held_l1_pages = 0  # L1 pages taken for good at start (usable_l1_pages)
         self.runner = (SimRunner(self.model_config.vocab_size) if config.simulate
@@ -103,7 +103,7 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         self.aborting: set[str] = set()  # rids aborted, ended at the next tick (admission and pricing skip them)
         self._stops: set[str] = set()  # of those, the ones a caller's stop condition ended (`abort`)
         self._wake: asyncio.Event | None = None
-        self._end_chain = False  # set by wake_soon, not by _wake_idle: a decode chain stops for it
+        self._end_chain = False  # set by wake_soon, not by wake_idle: a decode chain stops for it
         self._prefill_turn = True  # the loop's next tick tries prefill first (it alternates while requests decode)
         self._loop_task: asyncio.Task | None = None
         self.stopping = False  # the loop is asked to stop: nothing more is admitted (a restart clears it)

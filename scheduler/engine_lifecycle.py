@@ -243,4 +243,4 @@ class EngineLifecycle:
         req.emit(TokenEvent(req.rid, None, len(req.output), finished=True, finish_reason=reason, error=error))
         self.requests.pop(req.rid, None)
         if self.waiting or self.running:  # its pages may let one of them on: a loop about to sleep plans again
-            self._wake_idle()
+            self.wake_idle()

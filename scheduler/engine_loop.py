@@ -1,7 +1,7 @@
 """The engine's scheduler loop, mixed into the Engine: one asyncio task whose tick settles aborts and
 parked restores, forms a batch, launches it on the device, awaits its tokens and post-processes them
 (`_after_batch`); with overlap scheduling, decode steps chain on the device (`_run_decode_chain`). Also
-what wakes it (`wake_soon`, `_wake_idle`). Forming batches and taking their tokens is the Engine's
+what wakes it (`wake_soon`, `wake_idle`). Forming batches and taking their tokens is the Engine's
 `admission` (scheduler/admission.py); ending requests is `finish` / `_settle_aborts`
 (scheduler/engine_lifecycle.py).
 
@@ -36,7 +36,7 @@ class EngineLoop:
         if self._wake is not None:
             self._wake.set()
 
-    def _wake_idle(self) -> None:
+    def wake_idle(self) -> None:
         """Wake a loop that is waiting with nothing to run; a decode chain goes on."""
         if self._wake is not None:
             self._wake.set()

@@ -145,6 +145,10 @@ class Reservations:
         eng.log_event(req, "preempted", output_tokens=len(req.output), kv_tokens=kv_tokens,
                       preemptions=req.preemptions, running=len(eng.running), waiting=len(eng.waiting),
                       reserve_ratio=round(self.reserve_ratio(), 4))
+        # the queue changed: the loop plans again rather than sleep if this step comes out empty (regression: a
+        # verify step's one drafted request preempted itself, the step was empty, and the loop slept with a request
+        # that drafts nothing still in decode, scheduler/speculative.py `split`, until another request arrived)
+        eng.wake_idle()
 
     def _head_still_blocked(self) -> bool:
         """Whether the queue's head is the request the last prefill pass found no L1 room for, and no room

@@ -16,6 +16,7 @@ import torch
 
 from hicache.faults import Fault, FaultInjector
 from hicache.radix import Tier
+from hicache_helpers import until
 from scheduler.config import EngineConfig, add_engine_args, config_from_args
 from scheduler.engine import Engine
 from scheduler.guided import GuidedSpec
@@ -437,3 +438,30 @@ async def test_a_resumption_that_reads_nan_kv_drops_the_prefix_it_reused():
     assert again.finish_reason == "length" and eng.cache.metrics.failures["nan_logits"] == 1
     eng.cache.check_integrity()
     await eng.shutdown()
+
+
+@pytest.mark.parametrize("ratio", [0.0, "auto"])
+@pytest.mark.asyncio
+async def test_a_verify_step_whose_only_drafted_request_preempts_itself_leaves_the_others_decoding(ratio):
+    """Regression (session 57's hunt): with speculation a verify step holds only the requests that draft; when its
+    one drafted request outgrew L1 and preempted itself (the newest), the step came out empty, the tick ran nothing
+    and the loop slept with a sampled request still in decode and the preempted one queued: both hung until some
+    other request arrived. A preemption now wakes the loop to plan again."""
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=2, draft_policy="always")
+    eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=18, decode_reserve_ratio=ratio,
+                              speculative=spec))
+    await eng.start()
+    sampled = eng.add_request([11, 12, 13, 14], SamplingParams(max_tokens=40, temperature=1.0, seed=3,
+                                                               ignore_eos=True))  # (never drafts)
+    await asyncio.sleep(0)  # (the greedy one arrives later: the newest, the victim)
+    greedy = eng.add_request([5, 6, 7, 8] * 2, SamplingParams(max_tokens=40, ignore_eos=True))
+    await until(lambda: sampled.state.done and greedy.state.done, 60)
+    assert greedy.preemptions >= 1 and len(sampled.output) == len(greedy.output) == 40
+    roomy = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=64, decode_reserve_ratio=1.0))
+    await roomy.start()
+    alone = (await roomy.generate_async([greedy.prompt], SamplingParams(max_tokens=40, ignore_eos=True)))[0]
+    assert greedy.output == alone.output_ids
+    await eng.cache.drain()
+    eng.cache.check_integrity()
+    await eng.shutdown()
+    await roomy.shutdown()
