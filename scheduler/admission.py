@@ -452,8 +452,11 @@ class Admission(Reservations, Restoring):
         self.fallback_end_tokens.pop(req.rid, None)
         self.reserved_pages -= req.reserved_pages
         req.reserved_pages = 0
-        if req.overlap_op is not None:  # it ends before taking over the restore its forward ran behind
+        if req.overlap_op is not None:  # it ends before taking over the restore its forward ran behind: the pages
+            # past its L1 prefix are the op's, which publishes them (regression: a resumed request finished by its
+            # stop string there published them from its own claim, AllocatorError, and the loop crashed)
             self.cache.runner.release_held(req.overlap_op)
+            publish = False
         if req.claim is None:
             return
         if publish:
