@@ -270,9 +270,21 @@ class Admission(Reservations, Restoring):
         if not reqs:
             return None
         self.auto_ratio.decode_step()
-        drafted = None  # a verify step's requests and drafts (scheduler/speculative.py), or a plain decode step
-        if eng.speculator is not None:
-            reqs, drafted = eng.speculator.split(reqs)
+        if eng.speculator is None:
+            return self._decode_step(reqs, None)
+        step, drafted = eng.speculator.split(reqs)  # a verify step's requests and drafts, or a plain step's requests
+        batch = self._decode_step(step, drafted)
+        if batch is None:  # none of that step's requests has its page now (they wait for backups, or were preempted):
+            # the requests split off it decode instead (regression: the loop slept until a backup ended)
+            taken = {id(r) for r in step} | {id(r) for r, _ in drafted or ()}
+            batch = self._decode_step([r for r in reqs if id(r) not in taken], None)
+        return batch
+
+    def _decode_step(self, reqs: list[Request], drafted: list | None) -> Batch | None:
+        """A plain decode step of `reqs` (drafted None), or a verify step of `drafted` (requests with their drafts),
+        each request's page for its next token grown first (preempting where it outgrew L1); None when no row
+        has one."""
+        eng = self.engine
         binput = BatchInput(is_decode=drafted is None, verify_drafts=None if drafted is None else [])
         grown = []  # every request's pages first, then the rows of those still in decode (a preemption may take any)
         for req, draft in drafted or [(r, []) for r in reqs]:

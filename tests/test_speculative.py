@@ -6,6 +6,7 @@ caps, a stop token inside an accepted run, a mixed batch). Abort, Prometheus and
 speculation: tests/test_speculative_hunt.py."""
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import random
@@ -16,10 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hicache_helpers import until
 from scheduler import serve
 from scheduler.config import EngineConfig, config_from_args
 from scheduler.engine import Engine
-from scheduler.request import SamplingParams
+from scheduler.request import RequestState, SamplingParams
 from scheduler.speculative import SpeculativeConfig, Speculator, TokenHistory, accept
 
 SPEC = SpeculativeConfig(num_speculative_tokens=4, prompt_lookup_max=4, prompt_lookup_min=2, draft_policy="always")
@@ -405,3 +407,47 @@ def test_greedy_sampled_and_logprobs_requests_together(plain, prompts, monkeypat
 def test_verify_rows_are_the_drafts_and_pending_token_rounded_up_to_a_power_of_two():
     from scheduler.speculative import verify_rows
     assert [verify_rows(k) for k in range(1, 16)] == [2, 4, 4] + [8] * 4 + [16] * 8
+
+
+
+@pytest.mark.asyncio
+async def test_requests_split_off_a_verify_step_decode_while_its_drafting_request_waits_for_room():
+    """Regression (session 57's liveness hunt): a verify step holds only the requests that draft; when its drafting
+    request waited for an L1 page that a write_back backup was still copying, the step came out empty and the loop
+    slept until that copy ended, although a sampled request beside it had every page its next token needed. The
+    backups' copies are slowed here (a busy link) so that window is wide; the loop must never sleep while a request
+    in decode holds the pages of its next token."""
+    spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2, prompt_lookup_min=1, draft_policy="always")
+    eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=12, decode_reserve_ratio=0.0,
+                              overlap_schedule=False, speculative=spec).with_hicache(
+        enable=True, policy="always", host_ratio=4.0, storage_ratio=0.0, transfer_backend="torch",
+        write_policy="write_back"))
+    transfer = eng.cache.transfer
+    wait = transfer.wait
+
+    async def slow_wait(handle):
+        if handle.direction == "d2h":
+            await asyncio.sleep(0.3)
+        return await wait(handle)
+    transfer.wait = slow_wait
+    await eng.start()
+    idle_beside_ready, sleep = [], eng._wake.wait
+
+    async def watched_sleep():  # (the loop sleeps here when a tick formed no batch)
+        idle_beside_ready.extend(r.rid for r in eng.running if r.state is RequestState.DECODE
+                                 and len(r.pages) * eng.page_size >= len(r.prompt) + len(r.output))
+        await sleep()
+    eng._wake.wait = watched_sleep
+    # two answers fill the L1 the two requests below leave free, unsaved (write_back); the first is the greedy
+    # prompt's earlier answer, which the greedy request drafts from
+    await eng.generate_async([[5, 6, 7, 8] * 2, [100 + j for j in range(16)]],
+                             [SamplingParams(max_tokens=12, ignore_eos=True), SamplingParams(max_tokens=1)])
+    greedy = eng.add_request([5, 6, 7, 8] * 2, SamplingParams(max_tokens=12, ignore_eos=True))
+    sampled = eng.add_request([11, 12, 13, 14], SamplingParams(max_tokens=12, temperature=1.0, seed=3,
+                                                               ignore_eos=True))  # (never drafts)
+    await until(lambda: greedy.state.done and sampled.state.done, 60)
+    assert idle_beside_ready == []
+    assert len(greedy.output) == len(sampled.output) == 12
+    await eng.cache.drain()
+    eng.cache.check_integrity()
+    await eng.shutdown()
