@@ -7,7 +7,8 @@ Every log line is a JSON object with "event" and "ts_ns" (time.monotonic_ns()). 
              shared_tokens and published_tokens;
              restore_overlap_discarded drops the last admission's hits (its forward's output was
              discarded, or the request ended before taking over its restore);
-             finished / aborted / failed add output_tokens (and the engine's reason, error).
+             finished / aborted / failed add output_tokens (and the engine's reason, error);
+             preempted (its K/V out of L1, back in the queue) and resumed (decoding again) mark a preemption.
   batch      batch_id, kind ("prefill"|"decode"|"verify"), num_seqs, num_tokens, start_ns, end_ns (once, at end).
   op         op_id, kind in OP_KINDS, from_state, to_state, bytes, pages, request_id, error: one per
              state transition (hicache.ops.apply); the first carries the op's initial state (L1_PRIVATE,
@@ -43,8 +44,8 @@ OP_KINDS = tuple(k.value for k in OpKind)  # backup, restore_l2, restore_l3, pre
 OP_END_STATES: dict[str, frozenset[str]] = {k.value: frozenset(s.name for s in TERMINAL[k]) for k in OpKind}
 TIERS = ("l1", "l2", "l3")
 # Name of the phase a request is in after each state.
-REQUEST_PHASES = {"queued": "queued", "parked": "parked (restore)", "prefill_waits": "queued (its prefix computed by another)",
-                  "prefill_start": "prefill",
+REQUEST_PHASES = {"queued": "queued", "parked": "parked (restore)",
+                  "prefill_waits": "queued (its prefix computed by another)", "prefill_start": "prefill",
                   "prefill_end": "prefilled", "first_token": "decode", "restore_overlap_discarded": "queued",
                   "preempted": "queued (preempted)", "resumed": "decode"}
 
@@ -113,6 +114,23 @@ class RequestSpan:
         first = self.first_ns("first_token")
         ends = [t for s, t in self.states if s == "prefill_end" and (first is None or t <= first)]
         return self._between_ns(self.first_ns("prefill_start"), ends[-1] if ends else None)
+
+    @property
+    def preemptions(self) -> int:
+        return sum(s == "preempted" for s, _ in self.states)
+
+    def preempted_ns(self, open_end_ns: int) -> int | None:
+        """Time spent preempted: from each preemption to the request's next resumption (to its end, or to
+        `open_end_ns`, if it never resumed). None if it was never preempted."""
+        if not self.preemptions:
+            return None
+        total_ns, since_ns = 0, None
+        for s, t in self.states:
+            if s == "preempted" and since_ns is None:
+                since_ns = t
+            elif s in ("resumed", *REQUEST_END_STATES) and since_ns is not None:
+                total_ns, since_ns = total_ns + t - since_ns, None
+        return total_ns if since_ns is None else total_ns + self.close_ns(open_end_ns) - since_ns
 
     @property
     def first_token_ns(self) -> int | None:  # from arrival

@@ -20,13 +20,14 @@ def _fmt_ms(ns: int | None) -> str:
 
 
 REQUEST_COLUMNS = ("rid", "arrival_ms", "queue_ms", "restore", "restore_ms", "prefill_ms",
-                   "first_token_ms", "finish_ms", "output_tokens", "state", "reason")
+                   "first_token_ms", "preemptions", "preempted_ms", "finish_ms", "output_tokens", "state", "reason")
 OP_COLUMNS = ("op", "kind", "request", "states (ms in each)", "bytes", "outcome")
 
 
 def request_rows(tl: Timeline) -> list[tuple[str, ...]]:
     return [(r.key, f"{tl.rel_ms(r.arrival_ns):.2f}", _fmt_ms(r.queue_wait_ns), r.restore_tier or "-",
-             _fmt_ms(r.restore_wait_ns), _fmt_ms(r.prefill_ns), _fmt_ms(r.first_token_ns), _fmt_ms(r.finish_ns),
+             _fmt_ms(r.restore_wait_ns), _fmt_ms(r.prefill_ns), _fmt_ms(r.first_token_ns), str(r.preemptions),
+             _fmt_ms(r.preempted_ns(tl.open_end_ns(r.run))), _fmt_ms(r.finish_ns),
              "-" if r.output_tokens is None else str(r.output_tokens), r.final_state, r.end_reason or "")
             for r in tl.requests.values()]
 
@@ -122,7 +123,8 @@ def to_chrome(tl: Timeline) -> dict:
         nested = [(phase, us(a), us(b)) for phase, a, b in r.phase_spans(tl.open_end_ns(r.run))]
         args_b = {"rid": r.rid, "run": r.run, "prompt_tokens": r.prompt_tokens, "restore_tier": r.restore_tier,
                   "restore_tokens": r.restore_tokens, **{f"hit_{t}_tokens": n for t, n in r.hit_tokens.items()}}
-        args_e = {"final_state": r.final_state, "output_tokens": r.output_tokens, "reason": r.end_reason}
+        args_e = {"final_state": r.final_state, "output_tokens": r.output_tokens, "reason": r.end_reason,
+                  "preemptions": r.preemptions}
         if r.end_ns is None:
             args_e["incomplete"] = True
         ev += _async_slices(f"request {r.key}", "request", r.key, PID_REQUESTS, 1, us(r.arrival_ns),

@@ -238,6 +238,8 @@ async def test_the_timeline_keeps_a_preempted_requests_hits_through_a_discarded_
         assert {t: n for t, n in span.hit_tokens.items() if n} == {t: n for t, n in r.result().cached_tokens.items()
                                                                   if n}, [s for s, _ in span.states]
         assert span.prefill_ns <= span.first_token_ns
+        assert span.preemptions == r.preemptions and (span.preempted_ns(timeline.open_end_ns(0)) is None) == (
+            not r.preemptions)  # (the Requests table's columns)
 
 
 @pytest.fixture

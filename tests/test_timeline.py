@@ -379,3 +379,32 @@ def test_a_preempted_requests_restore_columns_are_its_first_admissions():
     parked_first = build_timeline([req(0, "c", "queued"), req(1, "c", "parked", restore_tier="l2"),
                                    req(9, "c", "prefill_start", **resumption)]).requests["c"]
     assert parked_first.restore_wait_ns == 8 * MS  # (a first admission's park still counts)
+
+
+def test_the_requests_table_counts_each_requests_preemptions_and_the_time_it_spent_preempted():
+    """A preempted request's row says how often it was preempted and for how long (each preemption to its
+    resumption; one never resumed, to its end or its run's last event); the others show 0 and "-"."""
+    twice = [req(0, "a", "queued"), req(1, "a", "prefill_start", **PREFILL_HITS), req(2, "a", "prefill_end"),
+             req(2, "a", "first_token"), req(10, "a", "preempted", preemptions=1), req(14, "a", "prefill_start"),
+             req(15, "a", "prefill_end"), req(15, "a", "resumed"), req(20, "a", "preempted", preemptions=2),
+             req(30, "a", "resumed"), req(40, "a", "finished", output_tokens=9, reason="length")]
+    ended_preempted = [req(0, "b", "queued"), req(1, "b", "first_token"), req(5, "b", "preempted", preemptions=1),
+                       req(12, "b", "aborted", output_tokens=3, reason="abort")]
+    left_open = [req(0, "c", "queued"), req(1, "c", "first_token"), req(6, "c", "preempted", preemptions=1),
+                 req(50, "d", "queued")]
+    plain = [req(0, "e", "queued"), req(1, "e", "first_token"), req(3, "e", "finished", output_tokens=2)]
+    tl = build_timeline(twice + ended_preempted + left_open + plain)
+    a, b, c, _, e = tl.requests.values()
+    assert (a.preemptions, a.preempted_ns(tl.open_end_ns(0))) == (2, 5 * MS + 10 * MS)
+    assert (b.preemptions, b.preempted_ns(tl.open_end_ns(0))) == (1, 7 * MS)
+    assert (c.preemptions, c.preempted_ns(tl.open_end_ns(0))) == (1, 44 * MS)
+    assert (e.preemptions, e.preempted_ns(tl.open_end_ns(0))) == (0, None)
+    lines = format_tables(tl).splitlines()
+    header = next(ln.split() for ln in lines if ln.startswith("rid"))
+    rows = {ln.split()[0]: ln.split() for ln in lines if ln.split() and ln.split()[0] in "abcde"}
+    col = lambda rid, name: rows[rid][header.index(name)]  # noqa: E731
+    assert (col("a", "preemptions"), col("a", "preempted_ms")) == ("2", "15.00")
+    assert (col("e", "preemptions"), col("e", "preempted_ms")) == ("0", "-")
+    chrome_ends = [ev for ev in to_chrome(tl)["traceEvents"] if ev.get("ph") == "e" and ev.get("cat") == "request"
+                   and ev["name"].startswith("request ") and "args" in ev]
+    assert {ev["id"]: ev["args"]["preemptions"] for ev in chrome_ends} == {"a": 2, "b": 1, "c": 1, "d": 0, "e": 0}
