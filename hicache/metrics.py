@@ -61,7 +61,8 @@ class Metrics:
     # prompt tokens computed by prefill (not served from a tier: with hit_tokens, a finished request's
     # prompt), counted as each chunk's output is kept (Admission.after_step): a request aborted between
     # chunks counts those that ran; an overlapped forward whose output was discarded counts nothing
-    # (its rerun does), so it equals the engine's prefill_tokens less such discarded forwards
+    # (its rerun does), so it equals the engine's prefill_tokens less such discarded forwards and less what
+    # preempted requests' resumptions compute again (the engine's preempted_recomputed_tokens)
     recomputed_tokens: int = 0
     evictions_pages: dict[str, int] = field(default_factory=lambda: {"l1": 0, "l2": 0, "l3": 0})
     promotions: int = 0            # L3 -> L2 publications
@@ -71,12 +72,13 @@ class Metrics:
     restores_done: int = 0
     # requests admitted to compute what a restore or prefetch of their own was to bring from L2/L3,
     # because it failed or could not start (counted by the engine, once, at admission; not when the
-    # request waited and was restored after all)
+    # request waited and was restored after all, nor when a preempted request's resumption recomputes its own K/V)
     fallbacks: int = 0
     failures: dict[str, int] = field(default_factory=dict)  # by kind: eio, short, checksum, transfer ...
     cancellations: int = 0
     # restore: requests admitted to recompute a hit a lower tier held, by policy (once per request,
-    # however many loop turns it waited); write_l2 / write_l3: backups refused or without a free page
+    # however many loop turns it waited, and not again as it resumes after a preemption);
+    # write_l2 / write_l3: backups refused or without a free page
     policy_skips: dict[str, int] = field(default_factory=lambda: {"restore": 0, "write_l2": 0, "write_l3": 0})
     restore_s: float = 0.0
     restore_overlapped_s: float = 0.0  # wall time decode batches ran while a restore was pending

@@ -226,13 +226,13 @@ class Admission(Reservations, Restoring):
         self.reserved_pages += need
         req.state = RequestState.PREFILL
         eng.running.append(req)
-        if not req.resumed_tokens:  # (a preempted request's resumption reads its own K/V: no prompt's hit)
+        fell_back = self.fallback_end_tokens.pop(req.rid, 0) > l1_len  # (Restoring._fell_back)
+        if not req.resumed_tokens:  # (a preempted request's resumption reads its own K/V: no prompt's hit, no second
+            # fallback or policy skip; regression, session 58's hunt: one recomputing its K/V from L2 counted again)
             for tier in ("l1", "l2", "l3"):
                 cache.metrics.hit_tokens[tier] += req.hit_tokens[tier]
-        if self.fallback_end_tokens.pop(req.rid, 0) > l1_len:  # (Restoring._fell_back)
-            cache.metrics.fallbacks += 1
-        if req.restore_tier == "none" and req.restore_declined:  # (Restoring._try_restore)
-            cache.metrics.policy_skips["restore"] += 1
+            cache.metrics.fallbacks += fell_back
+            cache.metrics.policy_skips["restore"] += req.restore_tier == "none" and req.restore_declined  # (_try_restore)
         req.scheduled_s = req.scheduled_s or time.perf_counter()
         eng.log_event(req, "prefill_start", prompt_tokens=req.prefill_len, hit_l1=req.hit_tokens["l1"],
                    hit_l2=req.hit_tokens["l2"], hit_l3=req.hit_tokens["l3"], restore_tier=req.restore_tier,

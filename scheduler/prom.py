@@ -183,8 +183,8 @@ class EngineCollector(Collector):
         yield queue
         yield _family(CounterMetricFamily, "hicache_engine_batches", "batches run", eng.get("batches", 0))
         yield _family(CounterMetricFamily, "hicache_engine_tokens", "tokens by kind: prefill, the prompt tokens "
-                      "computed; decode, the tokens decode and verify steps yielded (a verify step's rejected drafts "
-                      "left out)",
+                      "computed (and a preempted request's K/V its resumption computed again); decode, the tokens "
+                      "decode and verify steps yielded (a verify step's rejected drafts left out)",
                       {"prefill": eng.get("prefill_tokens", 0), "decode": eng.get("decode_tokens", 0)}, "kind")
         yield _family(CounterMetricFamily, "hicache_engine_overlapped_steps", "work overlapped with the device by "
                       "kind: decode steps enqueued before the previous step's tokens were back, restores whose "
