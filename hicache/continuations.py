@@ -38,22 +38,23 @@ def attached(tree: RadixTree, node: Node) -> bool:
 
 class Tails:
     """The tokens a finished sequence had past the last node it published (fewer than a page and its last token),
-    per node (the latest sequence's), for the `capacity` nodes most recently given one. An entry whose node left
-    the tree is never read (node ids are never reused)."""
+    per node (the latest sequence's), for the `capacity` nodes most recently given one, keyed by the node's id
+    alone (ids are never reused): an entry whose node left the tree is never read, and keeps no node alive
+    (regression, session 58's hunt: each entry held its node, and so the whole key of one the tree had dropped, as
+    long as its prompt: up to `capacity` dead prompts in host memory on a long-running server)."""
 
     def __init__(self, capacity: int = 4096) -> None:
         self.capacity = capacity
-        self._tails: OrderedDict[int, tuple[Node, tuple[int, ...]]] = OrderedDict()
+        self._tails: OrderedDict[int, tuple[int, ...]] = OrderedDict()  # node_id -> tokens
 
     def put(self, node: Node, tokens: Sequence[int]) -> None:
-        self._tails[node.node_id] = (node, tuple(tokens))
+        self._tails[node.node_id] = tuple(tokens)
         self._tails.move_to_end(node.node_id)
         while len(self._tails) > self.capacity:
             self._tails.popitem(last=False)
 
     def get(self, tree: RadixTree, node: Node) -> tuple[int, ...]:
-        entry = self._tails.get(node.node_id)
-        return entry[1] if entry is not None and entry[0] is node and attached(tree, node) else ()
+        return self._tails.get(node.node_id, ()) if attached(tree, node) else ()
 
     def __len__(self) -> int:
         return len(self._tails)

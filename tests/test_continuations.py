@@ -270,3 +270,34 @@ async def test_an_answer_below_l1_still_drafts(tier):
         eng.check_integrity()
     finally:
         await eng.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_tails_keep_no_node_the_tree_dropped():
+    """Regression (session 58's leak hunt): each Tails entry held its node, so a node evicted from every tier, out
+    of the tree and never read again, stayed alive with its whole key (the request's tokens past the shared prefix,
+    as long as its prompt): up to 4,096 dead prompts in host memory. 40 unique 101-token prompts through an L1 and
+    an L2 of 64 pages each: most leave the tree, and none may stay alive."""
+    import gc
+
+    from hicache.radix import Node
+    rng = random.Random(58)
+    first_id = next(Node._ids)  # (this engine's nodes are those made from now on; other tests' may be alive)
+    spec = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=1, draft_policy="always")
+    cfg = EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=64, max_running_requests=4, speculative=spec)
+    eng = Engine(cfg.with_hicache(enable=True, policy="always", host_ratio=1.0, storage_ratio=0,
+                                  transfer_backend="torch"))
+    await eng.start()
+    try:
+        for _ in range(40):
+            await eng.generate_async([[rng.randrange(1, 500) for _ in range(101)]], SamplingParams(max_tokens=3))
+        await eng.cache.drain()
+        tree = eng.cache.tree
+        kept = {id(n) for n in tree.iter_nodes()}
+        kept |= {id(entry[2]) for heap in tree._candidates for entry in heap}  # (eviction heaps: bounded by pages)
+        assert len(eng.speculator.tails) == 40
+        gc.collect()
+        dead = [o for o in gc.get_objects() if type(o) is Node and o.node_id > first_id and id(o) not in kept]
+        assert not dead, f"{len(dead)} nodes that left the tree are alive, with {sum(len(n.key) for n in dead)} tokens"
+    finally:
+        await eng.shutdown()
