@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # One device run: install the carried wheels, then run the named steps, each under its own timeout,
 # writing logs and JSON into $OUT. Usage: bash scripts/gpu_session.sh STEP [STEP ...]
+# The device image lacks some of the project's packages: fill .whl/ first (and carry it), with every one of them
+# (session 58's first run had only the tool's default two: the beam and guided GPU tests failed on imports):
+#   ../shared/tools/device-wheels structlog pytest-asyncio pydantic pydantic-core annotated-types \
+#     typing-inspection typing-extensions llguidance
 set -u
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="/tmp/site:$PWD"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
