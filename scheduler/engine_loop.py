@@ -22,7 +22,6 @@ from scheduler.logs import info_enabled
 from scheduler.loop_task import fail_live_requests
 from scheduler.request import RequestState
 from scheduler.runner import Batch, PendingSample
-from scheduler.sampling import NAN_TOKEN
 from scheduler.speculative import rows_of
 
 log = structlog.get_logger("scheduler.engine")
@@ -195,7 +194,8 @@ class EngineLoop:
                 self.cache.observe_prefill(len(binput.input_ids), (end_ns - start_ns) / 1e9)
         step_extras.fail_broken_bans(self, work, next_ids)  # (before its tokens are taken: a row with none left)
         for req, chunk, token in zip(reqs, chunks, next_ids):
-            if binput.is_decode and not req.state.done and token != NAN_TOKEN:  # the tokens kept, as a verify
-                # step's (regression: a chained step's rows of requests its step before had ended were counted)
-                self.stats["decode_tokens"] += 1
+            kept = len(req.output)
             self.admission.after_step(req, chunk, token)
+            if binput.is_decode:  # the tokens kept, as a verify step's (regression: a chained step's rows of
+                # requests its step before had ended were counted; so was a token that broke its grammar)
+                self.stats["decode_tokens"] += len(req.output) - kept

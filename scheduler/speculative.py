@@ -323,7 +323,8 @@ class Speculator:
 
     def after_verify(self, reqs: list, drafts: list[list[int]], greedy: list[list[int]], after_step) -> int:
         """A verify step's tokens: per request, its accepted drafts and the token after them, each through
-        `after_step(req, 1, token)` until the request ends. -> the tokens taken."""
+        `after_step(req, 1, token)` until the request ends. -> the tokens taken (those its requests kept: a NaN
+        mark, or a token its bans refuse, fails its request and is none; as a plain step's)."""
         taken = 0
         self.stats["verify_steps"] += 1
         stats = self.stats
@@ -346,8 +347,9 @@ class Speculator:
                     break
                 if rows_allow_none is not None:  # (the mask of the row that chose it: `after_step` reads it)
                     req.guide.allows_none = rows_allow_none[i]
+                kept = len(req.output)
                 after_step(req, 1, token, same_step=i > 0)
-                taken += 1
+                taken += len(req.output) - kept  # (the tokens kept: not a NaN mark, nor one its bans fail it at)
             if rows_allow_none is not None:
                 req.guide.rows_allow_none = None
         return taken
