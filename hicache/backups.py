@@ -37,11 +37,11 @@ class Backups:
         it was copied to L2 again, L1 waiting for it, when L2 had evicted it)."""
         if not self.mgr.write_back or self.saved_in_l2_or_l3(node):
             return False
-        key = self._tokens_of(node)
-        failed_at = self._backup_failed.pop(key, None)
+        failed_at = self._backup_failed.pop(node.node_id, None)
         if failed_at is not None and node.stamp[Tier.L1] <= failed_at:
             return False  # (one used since is backed up again; regression: it went unsaved)
         # kept while a backup of it runs, or waits for the one of its prefix (start_backup defers it)
+        key = self._tokens_of(node)
         return self.start_backup(key) is not None or any(key in waiting for waiting in self._deferred.values())
 
     @staticmethod
@@ -258,7 +258,8 @@ class Backups:
         self._backing_up.add(key)
         # set once its L1 source is unlocked: its D2H ended, or the op did (write_back_l1 waits on it)
         l1_free = asyncio.get_running_loop().create_future()
-        op.payload.update(transfer=tr, backup_key=key, l1_free=l1_free)
+        # backup_node: the L1 node whose path is `key` (split, it keeps that path), by id (`_fail`)
+        op.payload.update(transfer=tr, backup_key=key, backup_node=m.handles[Tier.L1].node_id, l1_free=l1_free)
         self._register(op, self._drive_backup(op, key, n2, host_pages))
         self._tasks[op.op_id].add_done_callback(lambda _: l1_free.done() or l1_free.set_result(None))
         return op

@@ -74,7 +74,11 @@ class OpRunner(Backups, Restores):
         # ask instead of vetoed again (regression: while copies kept failing, the veto restarted the
         # backup on every retry and the request that needed the pages never got them)
         # (-> the tree's tick at the failure: a leaf used again since is backed up again; regression)
-        self._backup_failed: dict[tuple[int, ...], int] = {}
+        # keyed by the id of the L1 node the backup's key ends at (ids are never reused), not by the key: an entry
+        # kept no prompt-long token tuple alive (regression, session 58's hunt: under write_back every failed L3
+        # write kept its whole key, up to 1,024 of them, ~1.7 GB at qwen3-8b's 40,960-token context, long after
+        # the tree dropped the prefix; its node in L2, the veto never read it)
+        self._backup_failed: dict[int, int] = {}
 
     # -- shared helpers ------------------------------------------------------------------------
     def _new(self, kind: OpKind, num_pages: int, request_id: str | None) -> Op:
@@ -204,7 +208,7 @@ class OpRunner(Backups, Restores):
         # only write_back's eviction veto reads `_backup_failed` (regression: under the other policies
         # every failed backup's prompt-long key was kept for nothing, up to its cap)
         write_back = self.mgr.write_back
-        key = op.payload.get("backup_key") if op.kind is OpKind.BACKUP and write_back else None
+        key = op.payload.get("backup_node") if op.kind is OpKind.BACKUP and write_back else None
         if key is not None:
             self._backup_failed[key] = self.mgr.tree.tick
             if len(self._backup_failed) > 1024:  # (only the latest matter: their leaves are being evicted)

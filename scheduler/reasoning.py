@@ -27,7 +27,7 @@ counts the ids the reasoning text is made of, markers left out (vLLM's count_rea
 from __future__ import annotations
 
 import enum
-import functools
+import contextlib
 from collections.abc import Iterable, Sequence
 
 PARSERS = ("qwen3", "deepseek_r1")  # vLLM's names; both think in <think> ... </think>
@@ -122,10 +122,16 @@ class ThinkMarkers:
         return known
 
 
-@functools.lru_cache(maxsize=16)
 def think_markers(tokenizer) -> ThinkMarkers:
-    """`tokenizer`'s ThinkMarkers, made once (a server has one tokenizer)."""
-    return ThinkMarkers(tokenizer)
+    """`tokenizer`'s ThinkMarkers, made once and kept by the tokenizer itself (regression, session 58's hunt: an
+    lru_cache of 16 kept the last 16 tokenizers alive, ~33 MB each at Qwen3's vocabulary, after their servers were
+    gone: an in-process user's apps each load one)."""
+    markers = getattr(tokenizer, "_think_markers", None)
+    if markers is None:
+        markers = ThinkMarkers(tokenizer)
+        with contextlib.suppress(AttributeError):  # (a tokenizer that takes no attribute: made each time)
+            tokenizer._think_markers = markers
+    return markers
 
 
 class ReasoningTokens:

@@ -31,14 +31,14 @@ import importlib.metadata
 import os
 import sys
 import time
+import weakref
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-import anyio
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
@@ -51,6 +51,7 @@ from scheduler.api_models import APIError, jsonable, read_json_body, validation_
 from scheduler.api_responses import ResponsesShape
 from scheduler.responses_background import BackgroundResponses
 from scheduler.responses_store import ResponsesStore
+from scheduler.sse_response import SSEResponse
 from scheduler.api_tokenize import chat_unavailable, detokenize, tokenize
 from scheduler.choices import Choices
 from scheduler.engine import Engine
@@ -166,6 +167,10 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         engine.add_eos_token_id(eos)  # (its eos_token ends an answer, as vLLM's)
     st = _ServerState(engine, limits, tokenizer)
     engine.guides.use(tokenizer)  # (structured outputs' grammars see the bytes of each id this server's text has)
+    # the app holds the state (app.state.hc); routes reach it, and the engine, by a weak proxy: FastAPI caches every
+    # route's function for good (fastapi.dependencies.models), so a route holding the engine kept each app's alive
+    # (regression, session 58's hunt: 20 apps made and dropped in one process left 20 engines, weights and KV pools)
+    app_state, st = st, weakref.proxy(st)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -181,7 +186,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
             await st._spawn_shutdown()
 
     app = FastAPI(title="hicache", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.hc = st
+    app.state.hc = app_state
     install_access(app, limits)
     if limits.enable_request_id_headers:  # (added last: the outer middleware, a 401's response carries it too)
         app.add_middleware(RequestIdHeaders)
@@ -244,7 +249,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
 
     def model_card() -> dict:
         return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "hicache",
-                "root": engine.model_id, "max_model_len": engine.max_kv_tokens}
+                "root": st.engine.model_id, "max_model_len": st.engine.max_kv_tokens}
 
     # GET routes answer HEAD too (RFC 9110; `curl -I`, uptime checks): FastAPI's got a 405
     get = functools.partial(app.api_route, methods=["GET", "HEAD"])
@@ -291,16 +296,16 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
 
     @get("/hicache/status")
     async def status():
-        s = engine.status()
+        s = st.engine.status()
         # the limits requests are held to: a 0 in ServerLimits means the engine's, reported as such
         # (regression: hicache-serve reported a prompt limit of 0)
-        effective = {**dataclasses.asdict(limits), "api_key": bool(limits.api_key),  # (never the key itself)
-                     "chat_template": limits.chat_template is not None,  # (its text: the tokenizer's below)
+        effective = {**dataclasses.asdict(st.limits), "api_key": bool(st.limits.api_key),  # (never the key itself)
+                     "chat_template": st.limits.chat_template is not None,  # (its text: the tokenizer's below)
                      "max_prompt_tokens": st.prompt_limit,
                      "max_tokens_limit": st.max_tokens_limit}
         s["server"] = {"in_flight": st.in_flight, "draining": st.draining, "limits": effective,
-                       "tokenizer": getattr(tokenizer, "kind", None),
-                       "chat_template": getattr(tokenizer, "chat_template", None) is not None}
+                       "tokenizer": getattr(st.tokenizer, "kind", None),
+                       "chat_template": getattr(st.tokenizer, "chat_template", None) is not None}
         return JSONResponse(jsonable(s))
 
     return app
@@ -424,7 +429,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
         finally:
             shape.release_claim()  # (its run, where it started, is kept under the id by now)
     if api_req.stream:
-        return _SSEResponse(choices.sse(), choices, slot, media_type="text/event-stream",
+        return SSEResponse(choices.sse(), choices, slot, media_type="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         return await choices.complete(request)
@@ -455,42 +460,6 @@ def _refused(st: _ServerState, exc: RequestError, index: int, batch_size: int, a
 async def _abort_all(st: _ServerState, gens: list[Generation]) -> None:
     for gen in gens:
         await abort_quietly(st.engine, gen.req)
-
-
-class _SSEResponse(StreamingResponse):
-    """A streaming response that always closes its generator, aborts its requests and frees its slot,
-    whether it ended, the client went away (starlette cancels the send) or the server stopped."""
-
-    def __init__(self, content, choices: Choices, slot: _Slot, **kw) -> None:
-        super().__init__(content, **kw)
-        self._choices, self._slot = choices, slot
-
-    async def __call__(self, scope, receive, send) -> None:
-        async def receive_watching():
-            # Starlette stops the stream on a disconnect by cancelling it, which never lands while
-            # a token arrives every loop turn (a CPU forward): abort the requests, and the stream ends
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                await self._choices.abort()
-            return message
-
-        async def watch() -> None:
-            while (await receive_watching())["type"] != "http.disconnect":
-                pass
-
-        # from ASGI 2.4 Starlette listens for no disconnect (a write to a gone client raises): a
-        # stream still waiting for its first token would run on until it wrote one (regression)
-        spec = tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
-        watcher = asyncio.ensure_future(watch()) if spec >= (2, 4) else None
-        try:
-            await super().__call__(scope, receive_watching, send)
-        finally:
-            if watcher is not None:
-                watcher.cancel()
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-                await self._choices.close()
-            self._slot.release()
 
 
 if __name__ == "__main__":  # python -m scheduler.server: the command line (scheduler/serve.py)

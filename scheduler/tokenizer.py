@@ -33,7 +33,6 @@ SentencePiece "▁Paris" is " Paris" there); a whole response is decoded the sam
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from scheduler.chat_template import ChatTemplate
 from scheduler.presets import is_preset
 
 BYTE_OFFSET = 3
+KEPT_REQUEST_TEMPLATES = 8  # requests' own chat templates kept compiled, per tokenizer (`request_template`)
 _REPLACEMENT = "\ufffd"
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: what `apply_chat_template` passes a template (special_tokens_map)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -65,11 +65,19 @@ class _Chat:
     def chat_template(self) -> str | None:
         return None if self.template is None else self.template.text
 
-    @functools.lru_cache(maxsize=8)  # (a client sends one template with every request: compiled once)
     def request_template(self, text: str) -> ChatTemplate:
         """A request's own template (vLLM's `chat_template` field, --trust-request-chat-template), compiled with this
-        tokenizer's special tokens; ValueError where it does not compile."""
-        return ChatTemplate(text, self.special_tokens)
+        tokenizer's special tokens; ValueError where it does not compile. The last KEPT_REQUEST_TEMPLATES are kept, by
+        this tokenizer (a client sends one template with every request: compiled once). (Regression, session 58's
+        hunt: an lru_cache on the method kept its last 8 tokenizers alive, ~33 MB each at Qwen3's vocabulary.)"""
+        kept = self.__dict__.setdefault("_request_templates", {})
+        template = kept.pop(text, None)  # (re-inserted: the most recently used last)
+        if template is None:
+            template = ChatTemplate(text, self.special_tokens)
+        kept[text] = template
+        while len(kept) > KEPT_REQUEST_TEMPLATES:
+            kept.pop(next(iter(kept)), None)
+        return template
 
     def use_chat_template(self, text: str) -> None:
         """Render chats with `text` from now on (--chat-template: with tools too); ValueError where it does not
