@@ -18,7 +18,8 @@ kept as it ends. Its id is claimed from its request's check to its run's start (
 between is refused as one while it runs; and a response of the id that finishes while it runs is not kept over it.
 
 Bounded by a count (--responses-store-max; 0: nothing kept) and by the bytes of their JSON (--responses-store-max-mib:
-a response's, its input items' and a finished background run's events'; Python's objects take some five times that):
+a response's, its input items', its conversation's and a finished background run's events'; Python's objects take
+some five times that):
 the response used least recently (kept, followed or read by GET) dropped first, a background one's events with it;
 one still running is not dropped (the running ones are bounded by --max-concurrent-requests), and a finished one
 larger than the whole bound is not kept (a warning). (Regression: 40 responses of 2,000 tokens with logprobs took
@@ -126,9 +127,12 @@ class ResponsesStore:
             self._drop(response_id)
 
     def _size(self, stored: StoredResponse, run: BackgroundRun | None) -> int:
-        """A kept response's bytes of JSON: the Response, its input items and its run's events so far."""
+        """A kept response's bytes of JSON: the Response, its input items, the conversation it ends and its run's
+        events so far. (The conversation's messages are shared with the kept turns before it in its chain, and
+        counted with each: a bound, the earlier turns going first. Regression, session 58's hunt: uncounted, the
+        latest turn of each long conversation kept its whole history beyond --responses-store-max-mib.)"""
         events = sum(json_bytes(e) for e in run.events) if run is not None else 0
-        return json_bytes(stored.response) + json_bytes(stored.input_items) + events
+        return json_bytes(stored.response) + json_bytes(stored.input_items) + json_bytes(stored.conversation) + events
 
     def _drop(self, response_id: str) -> None:
         if self._kept.pop(response_id, None) is not None:

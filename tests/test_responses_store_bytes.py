@@ -17,7 +17,7 @@ def big(rid: str, chars: int) -> StoredResponse:
 
 
 def test_the_least_recently_used_go_until_the_bytes_fit():
-    one = json_bytes(big("a", 1000).response) + json_bytes(())
+    one = json_bytes(big("a", 1000).response) + 2 * json_bytes(())  # (its input items and its conversation: none)
     store = ResponsesStore(max_responses=100, max_bytes=3 * one)
     for rid in "abc":
         store.put(big(rid, 1000))
@@ -28,7 +28,7 @@ def test_the_least_recently_used_go_until_the_bytes_fit():
     store.put(big("e", 1900))  # (the room of almost two: c and a go, in that order)
     assert sorted(store._kept) == ["d", "e"] and store.kept_bytes <= 3 * one
     store.delete("d")
-    assert store.kept_bytes == json_bytes(big("e", 1900).response) + json_bytes(())
+    assert store.kept_bytes == json_bytes(big("e", 1900).response) + 2 * json_bytes(())
 
 
 def test_one_larger_than_the_whole_bound_is_not_kept():
@@ -57,3 +57,18 @@ def test_the_flag_is_checked():
                          capture_output=True, text=True)
     assert ran.returncode == 2 and "--responses-store-max-mib" in ran.stderr
     assert ServerLimits().responses_store_max_mib == 64
+
+
+def test_a_kept_turn_counts_the_conversation_it_ends():
+    """Regression (session 58's hunt): the bound left out a kept response's conversation, so the latest turn of a
+    long conversation, its earlier turns dropped, kept the whole history beyond --responses-store-max-mib. A turn
+    whose history alone exceeds the bound is not kept; one that fits counts it."""
+    history = tuple({"role": "user", "content": "y" * 1000} for _ in range(10))  # (~10 KB of earlier turns)
+    turn = StoredResponse(response={"id": "t", "status": "completed", "text": "z"}, conversation=history,
+                          input_items=())
+    store = ResponsesStore(max_responses=10, max_bytes=5000)
+    store.put(turn)
+    assert "t" not in store and store.kept_bytes == 0
+    store = ResponsesStore(max_responses=10, max_bytes=50_000)
+    store.put(turn)
+    assert "t" in store and store.kept_bytes == json_bytes(turn.response) + 2 + json_bytes(history)
