@@ -383,6 +383,11 @@ class CacheManager:
         return sum(op.kind is not OpKind.BACKUP for op in self.runner.live.values())
 
     async def drain(self, cancel: bool = False) -> None:
+        """Wait until no operation is in flight: start the backups queued by `backup_soon` (a request that just
+        finished queued its own), then wait for every op's driver, for the backups that start as those they
+        waited for end, and for every abandoned copy's settling. Not: write_back's unsaved L1 pages (saved as
+        they are evicted, or by `flush_async`), nor what requests still running queue after it returned.
+        cancel: drop the queued backups and ask every live op to stop (shutdown's)."""
         await self.runner.drain(cancel=cancel)
 
     async def release_loop(self) -> None:

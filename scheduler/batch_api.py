@@ -69,6 +69,8 @@ class BatchAPI:
             try:
                 return await self.generate_async(prompts, params)
             finally:
-                await self.stop_loop()
-                await self.cache.release_loop()
+                try:
+                    await self.stop_loop()
+                finally:  # (also after a crash, which stop_loop raises: regression, Redis' client was left open)
+                    await self.cache.release_loop()
         return uvloop.run(run())

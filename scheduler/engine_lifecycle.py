@@ -122,7 +122,9 @@ class EngineLifecycle:
 
     async def stop_loop(self) -> None:
         """Stop admitting, let the running requests finish, end the loop task and drain the
-        operations in flight; waiting and parked requests stay queued (`start()` resumes them)."""
+        operations in flight; waiting and parked requests stay queued (`start()` resumes them). A crashed
+        loop's error is raised after the drain (regression: raised before it, leaving the backups of the
+        requests before the crash in flight; `generate()`'s loop then ended and cancelled them)."""
         check_loop(self._loop_task, asyncio.get_running_loop())
         await self._stop_ended()  # (one at a time)
         self._stop_done = done = asyncio.get_running_loop().create_future()
@@ -130,7 +132,11 @@ class EngineLifecycle:
             if self._loop_task is not None:
                 self.stopping = True
                 self.wake_soon()
-                await join_loop(self._loop_task, shield=True)
+                try:
+                    await join_loop(self._loop_task, shield=True)
+                except Exception:
+                    await self.cache.drain()
+                    raise
                 self._loop_task = None
                 self.stopping = False
             await self.cache.drain()
