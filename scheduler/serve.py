@@ -125,8 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Responses (/v1/responses, store true) kept in memory for previous_response_id and "
                         "GET /v1/responses/{id}, the least recently used dropped first; 0: none kept")
     s.add_argument("--responses-store-max-mib", type=int, default=ServerLimits.responses_store_max_mib, metavar="MIB",
-                   help="and at most this many MiB of their JSON (a response's, its input's, a background one's "
-                        "events'; in memory some five times that); one larger alone is not kept")
+                   help="and at most this many MiB of their JSON (a response's, its input's, the conversation it "
+                        "ends, a background one's events'; in memory some five times that, less where turns share "
+                        "their conversation); one larger alone is not kept")
     s.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries X-Request-Id: the request's own, else the id it ran under (vLLM's)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],

@@ -72,3 +72,12 @@ def test_a_kept_turn_counts_the_conversation_it_ends():
     store = ResponsesStore(max_responses=10, max_bytes=50_000)
     store.put(turn)
     assert "t" in store and store.kept_bytes == json_bytes(turn.response) + 2 + json_bytes(history)
+
+
+def test_the_store_bounds_help_names_the_conversation():
+    """--responses-store-max-mib's help lists what the bound counts; since 70eb80b a kept response's conversation
+    counts too (regression, session 59's docs hunt: the help still listed the response, its input and events only)."""
+    from scheduler.serve import build_parser
+
+    action = next(a for a in build_parser()._actions if "--responses-store-max-mib" in a.option_strings)
+    assert "conversation" in action.help, action.help
