@@ -109,8 +109,8 @@ class RequestSpan:
         return self._between_ns(parked_ns, self.first_ns("prefill_start", parked_ns))
 
     @property
-    def prefill_ns(self) -> int | None:  # first prefill_start to its first token's prefill_end (the last before it:
-        # a discarded overlapped forward's admission ends one too), not a preempted request's resumption's
+    def prefill_ns(self) -> int | None:  # first prefill_start to its first token's prefill_end (logged with the
+        # first token: the last before it), not a preempted request's resumption's
         first = self.first_ns("first_token")
         ends = [t for s, t in self.states if s == "prefill_end" and (first is None or t <= first)]
         return self._between_ns(self.first_ns("prefill_start"), ends[-1] if ends else None)
