@@ -5,4 +5,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export TRITON_INTERPRET=1
-python -m pytest -q -p no:cacheprovider "$@"
+# every core (CI's two): tests taken one by one by whichever worker is free (worksteal), so the slowest files
+# (the interpreted sampling kernels) spread over both; `-n 0` after it runs them in this process
+python -m pytest -q -p no:cacheprovider -n auto --dist worksteal "$@"
