@@ -367,7 +367,10 @@ class OpRunner(Backups, Restores):
 
     # -- lifecycle and integrity ---------------------------------------------------------------
     def pending_counts(self) -> dict:
-        counts = {"backups": len(self._due), "restores": 0, "prefetches": 0, "settling": len(self._settling)}
+        """Operations not ended, by kind: backups queued (`_due`), waiting for another (`_deferred`: regression,
+        /hicache/status and hicache_pending_operations left them out) or live; restores, prefetches; settling."""
+        waiting = sum(len(w) for w in self._deferred.values())
+        counts = {"backups": len(self._due) + waiting, "restores": 0, "prefetches": 0, "settling": len(self._settling)}
         for op in self.live.values():
             key = {OpKind.BACKUP: "backups", OpKind.PREFETCH_L3: "prefetches"}.get(op.kind, "restores")
             counts[key] += 1

@@ -190,3 +190,20 @@ def test_generate_after_a_loop_crash_lets_its_backups_land():
     assert_whole(eng.cache)
     with pytest.raises(RuntimeError, match="injected"):
         asyncio.run(eng.shutdown())
+
+
+@pytest.mark.asyncio
+async def test_pending_backups_count_those_waiting_for_another():
+    """A sibling's backup asked for while one sharing its head is in flight waits for it (`_deferred`); the
+    pending counts (/hicache/status, hicache_pending_operations) count it (regression: only queued and live
+    backups were counted, 1 for these 2)."""
+    from hicache_helpers import make_manager, toks, write_prefix
+
+    mgr = make_manager(write_policy="write_through")
+    write_prefix(mgr, toks((0, 8), (100, 104)))
+    write_prefix(mgr, toks((0, 8), (200, 204)), start=8)
+    assert len(mgr.runner.live) == 1 and mgr.runner._deferred  # (the second waits for the first)
+    assert mgr.runner.pending_counts()["backups"] == 2
+    await mgr.drain()
+    assert mgr.runner.pending_counts()["backups"] == 0
+    assert_whole(mgr)
