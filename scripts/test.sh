@@ -5,6 +5,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export TRITON_INTERPRET=1
-# every core (CI's two): tests taken one by one by whichever worker is free (worksteal), so the slowest files
-# (the interpreted sampling kernels) spread over both; `-n 0` after it runs them in this process
-python -m pytest -q -p no:cacheprovider -n auto --dist worksteal "$@"
+# a worker per core (CI's two), at most 4 (each holds its own torch); tests taken one by one by whichever worker is
+# free (worksteal), so the slowest files (the interpreted sampling kernels) spread over all; `-n 0` after it runs
+# them in this process
+workers=$(python -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))")
+python -m pytest -q -p no:cacheprovider -n "$workers" --dist worksteal "$@"
