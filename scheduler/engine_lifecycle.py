@@ -135,6 +135,9 @@ class EngineLifecycle:
                 try:
                     await join_loop(self._loop_task, shield=True)
                 except Exception:
+                    # crashed, not stopping: add_request names the crash (regression: it said "stopping
+                    # (stop_loop)" for good, and `accepting` stayed False)
+                    self.stopping = False
                     await self.cache.drain()
                     raise
                 self._loop_task = None

@@ -207,3 +207,29 @@ async def test_pending_backups_count_those_waiting_for_another():
     await mgr.drain()
     assert mgr.runner.pending_counts()["backups"] == 0
     assert_whole(mgr)
+
+
+@pytest.mark.asyncio
+async def test_after_stop_loop_raised_a_crash_add_request_names_the_crash(monkeypatch):
+    """stop_loop() re-raises a crashed loop's error; the engine is then crashed, not stopping: add_request names
+    the crash and start() as the way on, `accepting` is True again (regression, session 59's crash hunt: "the
+    engine loop is stopping (stop_loop)" for good, and a beam step refused then was counted an abort)."""
+    import asyncio
+
+    from scheduler.request import RequestError
+    eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=PAGE, num_pages=64))
+    await eng.start()
+
+    def broken():
+        raise RuntimeError("injected scheduler bug")
+    monkeypatch.setattr(eng.admission, "decode_batch", broken)
+    req = eng.add_request([1, 2, 3], SamplingParams(max_tokens=3))
+    while not (await asyncio.wait_for(req.queue.get(), 60)).finished:
+        pass
+    with pytest.raises(RuntimeError, match="injected"):
+        await eng.stop_loop()
+    assert eng.accepting and not eng.stopping
+    with pytest.raises(RequestError, match="crashed"):
+        eng.add_request([4, 5, 6], SamplingParams(max_tokens=3))
+    with pytest.raises(RuntimeError, match="injected"):
+        await eng.shutdown()
