@@ -1,6 +1,7 @@
 """Cache-core guards found untested by session 59's mutation check of hicache/ops.py, radix.py, allocator.py,
 restores.py, outcomes.py, continuations.py and suspect.py: what a cancelled op records and logs, when an op counts
-as succeeded, ..."""
+as succeeded, the NaN drop's page counts and the tiers a repeated drop takes, the tokens a tier holds from the root,
+and no restore for a stale match nor a request's own restore taken as one to follow."""
 from __future__ import annotations
 
 import pytest
