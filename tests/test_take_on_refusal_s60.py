@@ -1,0 +1,72 @@
+"""The two restore guards session 59's mutation check left unpinned (survivors S6, S9 of hicache/restores.py):
+a prefetch whose bytes landed no longer counts as a storage read in flight (`OpRunner.reading_s`, which the cost
+model queues a new L3 read behind), and a take-on to L1 that is refused lets go at once of the L1 lock it took
+(`OpRunner.take_to_l1`), not when its op ends."""
+from __future__ import annotations
+
+import pytest
+
+from hicache.faults import Fault, FaultInjector
+from hicache.ops import OpState
+from hicache.radix import Tier
+from hicache_helpers import make_manager, toks, until, write_prefix
+
+
+async def _landed_prefetch(faults: FaultInjector, l1_pages: int = 16):
+    """A manager whose first 2 pages (`a`) are in every tier and whose next 2 (`b`) are in L3 only, and a prefetch
+    of `b` whose read landed while its checksums (slowed 0.5 s) still run -> (mgr, tokens, op)."""
+    mgr = make_manager(l1_pages=l1_pages, host_pages=32, storage_pages=64, faults=faults)
+    a = toks((0, 8))
+    tokens = a + toks((100, 108))
+    write_prefix(mgr, a)
+    await mgr.drain()
+    write_prefix(mgr, tokens, 8)
+    await mgr.drain()
+    mgr.tree.evict(Tier.L1, 2)  # the leaf `b` leaves L1 and L2; `a` stays
+    mgr.tree.evict(Tier.L2, 2)
+    m = mgr.match(tokens)
+    assert m.lengths == [8, 8, 16]
+    faults.arm(Fault.SLOW_VERIFY, times=None, delay_s=0.5)
+    op = mgr.runner.start_restore(tokens, m, "prefetch", "r", take_soon=True)
+    assert op is not None
+    return mgr, tokens, op
+
+
+@pytest.mark.asyncio
+async def test_a_landed_read_is_no_longer_priced_as_a_read_in_flight():
+    """While a prefetch's bytes are on their way, `reading_s` prices them; once they landed (its checksums still
+    running), a new L3 read no longer queues behind them, so they are not priced (counting every live L3 read
+    would have the cost model recompute prefixes a free storage line could restore)."""
+    faults = FaultInjector()
+    faults.arm(Fault.SLOW_READ, delay_s=0.2)
+    mgr, tokens, op = await _landed_prefetch(faults)
+    assert op.state is OpState.S2H_PENDING and mgr.runner.reading_s() > 0
+    await until(lambda: op.state is OpState.S2H_LANDED, 10)
+    assert mgr.runner.reading_s() == 0.0
+    await mgr.drain()
+    mgr.check_integrity()
+    await mgr.close()
+
+
+@pytest.mark.asyncio
+async def test_a_refused_take_on_unlocks_its_l1_prefix_at_once():
+    """A landed prefetch its request cannot take on to L1 (no L1 page free) leaves the op as it was: the lock
+    `take_to_l1` took on the L1 prefix goes at once, so that prefix stays evictable while the op verifies its
+    checksums, and the op still publishes its read in L2."""
+    faults = FaultInjector()
+    mgr, tokens, op = await _landed_prefetch(faults, l1_pages=4)
+    await until(lambda: op.state is OpState.S2H_LANDED, 10)
+    m = mgr.tree.match(tokens, include_storage=False, touch=False)
+    a_node = m.handles[Tier.L1]
+    locks_before, op_locks_before = a_node.locks[Tier.L1], list(op.payload["locks"])
+    claim = mgr.new_claim("squatter")
+    assert mgr.alloc_l1(2, claim) is not None  # the two L1 pages `a` does not hold
+    assert not mgr.runner.take_to_l1(op, m, tail_tokens=1)
+    assert a_node.locks[Tier.L1] == locks_before and op.payload["locks"] == op_locks_before
+    assert op.state is OpState.S2H_LANDED
+    mgr.release_claim(claim)
+    await mgr.drain()
+    assert op.state is OpState.L2_L3
+    assert mgr.tree.match(tokens, touch=False).lengths == [8, 16, 16]
+    mgr.check_integrity()
+    await mgr.close()
