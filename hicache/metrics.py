@@ -10,6 +10,7 @@ DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
 # logits were NaN (Admission._fail_nan). Listed so /metrics exports each at 0 before it first happens.
 FAILURE_KINDS = ("eio", "short", "enospc", "checksum", "timeout", "closed", "missing",
                  "transfer", "driver", "no_pages", "l1_overcommit", "hint_refresh", "nan_logits")
+NOT_OP_FAILURES = ("l1_overcommit", "hint_refresh", "nan_logits")  # a request's or a store's, not an op's end
 
 
 @dataclass
@@ -68,8 +69,16 @@ class Metrics:
     promotions: int = 0            # L3 -> L2 publications
     backups_started: int = 0
     backups_done: int = 0
-    restores_started: int = 0
+    restores_started: int = 0      # L2 and L3 restores into L1, and prefetches taken on to L1
     restores_done: int = 0
+    # L3 -> L2 prefetches: started; taken on to L1 by their request once landed (each then also counted in
+    # restores_started: it ends as a restore); ended published in L2 with no request taking them on. Once
+    # nothing is in flight, every op started ended once: backups_started + restores_started +
+    # prefetches_started == backups_done + restores_done + prefetches_taken + prefetches_done + failures +
+    # cancellations (the ops' failures: `op_failures`)
+    prefetches_started: int = 0
+    prefetches_taken: int = 0
+    prefetches_done: int = 0
     # requests admitted to compute what a restore or prefetch of their own was to bring from L2/L3,
     # because it failed or could not start (counted by the engine, once, at admission; not when the
     # request waited and was restored after all, nor when a preempted request's resumption recomputes its own K/V)
@@ -98,12 +107,18 @@ class Metrics:
     def count_failure(self, kind: str) -> None:
         self.failures[kind] = self.failures.get(kind, 0) + 1
 
+    def op_failures(self) -> int:
+        """Ops that ended FAILED: the failures but those of requests and of a store's hints."""
+        return sum(n for kind, n in self.failures.items() if kind not in NOT_OP_FAILURES)
+
     def as_dict(self) -> dict:
         return {
             "hit_tokens": dict(self.hit_tokens), "recomputed_tokens": self.recomputed_tokens,
             "evictions_pages": dict(self.evictions_pages), "promotions": self.promotions,
             "backups_started": self.backups_started, "backups_done": self.backups_done,
             "restores_started": self.restores_started, "restores_done": self.restores_done,
+            "prefetches_started": self.prefetches_started, "prefetches_taken": self.prefetches_taken,
+            "prefetches_done": self.prefetches_done,
             "fallbacks": self.fallbacks, "failures": dict(self.failures),
             "cancellations": self.cancellations, "policy_skips": dict(self.policy_skips),
             "restore_s": self.restore_s, "restore_overlapped_s": self.restore_overlapped_s,

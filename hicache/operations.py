@@ -396,8 +396,17 @@ class OpRunner(Backups, Restores):
                                  return_exceptions=True)
 
     def check_integrity(self) -> None:
-        """Invariant 2: every live op's sources are locked and still in the tree."""
+        """Invariant 2: every live op's sources are locked and still in the tree. And every op started has
+        ended once, counted once, or is running (hicache/metrics.py: the op counters)."""
         for op in self.live.values():
             for node, tier in op.payload["locks"]:
                 if node.locks[tier] <= 0 or node.pages[tier] is None:
                     raise AssertionError(f"op {op.op_id}: source {node} not locked/resident in {tier.name}")
+        m = self.mgr.metrics
+        started = m.backups_started + m.restores_started + m.prefetches_started
+        ended = (m.backups_done + m.restores_done + m.prefetches_taken + m.prefetches_done
+                 + m.op_failures() + m.cancellations)
+        running = sum(not op.done for op in self.live.values())
+        if started != ended + running:
+            raise AssertionError(f"{started} ops started, {ended} counted as ended and {running} running: "
+                                 f"{m.as_dict()}")

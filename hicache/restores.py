@@ -78,6 +78,7 @@ class Restores:
             return None
         op.payload.update(l2_start=l2, l3_end=l3)
         mgr.metrics.restores_started += kind is OpKind.RESTORE_L3
+        mgr.metrics.prefetches_started += kind is OpKind.PREFETCH_L3
         return self._register(op, self._drive_restore(op, tuple(tokens[:l3]), future, l2))
 
     def restore_in_flight(self, tokens: Sequence[int], match, request_id: str | None = None,
@@ -248,6 +249,7 @@ class Restores:
             return False
         apply(op, OpEvent.START)
         op.payload.update(layerwise=True, l1_pages=l1_pages, l1_start=l1, l1_end=end, transfer=transfer)
+        mgr.metrics.prefetches_taken += 1  # (it ends as a restore)
         mgr.metrics.restores_started += 1
         return True
 
@@ -298,6 +300,7 @@ class Restores:
             self._lock(op, mgr.tree.match(tokens, include_storage=False).handles[Tier.L2], Tier.L2)
         elif op.kind is OpKind.PREFETCH_L3:
             self._unlock_all(op)
+            mgr.metrics.prefetches_done += 1
             return False
         else:
             self._unlock_all_but_l1(op)

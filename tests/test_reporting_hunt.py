@@ -170,7 +170,8 @@ def test_counters_agree_with_usage_and_the_engine_over_evictions_and_restores(sr
         for state in ("free", "resident", "evictable", "protected", "private"):
             assert counter(after, "hicache_pool_pages", tier=t, state=state) == st["tiers"][t][f"{state}_pages"]
     for key in ("recomputed_tokens", "backups_started", "backups_done", "restores_started", "restores_done",
-                "fallbacks", "promotions", "cancellations"):
+                "fallbacks", "promotions", "cancellations", "prefetches_started", "prefetches_taken",
+                "prefetches_done"):
         assert counter(after, f"hicache_{key}_total") == m[key], key
     for d, s in m["directions"].items():
         assert counter(after, "hicache_transfer_bytes_total", direction=d) == s["bytes"], d

@@ -1,7 +1,10 @@
-"""The two restore guards session 59's mutation check left unpinned (survivors S6, S9 of hicache/restores.py):
-a prefetch whose bytes landed no longer counts as a storage read in flight (`OpRunner.reading_s`, which the cost
-model queues a new L3 read behind), and a take-on to L1 that is refused lets go at once of the L1 lock it took
-(`OpRunner.take_to_l1`), not when its op ends."""
+"""An L3 prefetch's accounting. The counters of its ends (`prefetches_started`, `_taken`, `_done`), which close the
+op counters' identity `OpRunner.check_integrity` checks (regression: prefetches had no started counter, so where one
+was cancelled or failed, the ops counted as ended outnumbered those started). And the two guards session 59's
+mutation check left unpinned (survivors S6, S9 of hicache/restores.py): a prefetch whose bytes landed no longer
+counts as a storage read in flight (`OpRunner.reading_s`, which the cost model queues a new L3 read behind), and a
+take-on to L1 that is refused lets go at once of the L1 lock it took (`OpRunner.take_to_l1`), not when its op
+ends."""
 from __future__ import annotations
 
 import pytest
@@ -68,5 +71,48 @@ async def test_a_refused_take_on_unlocks_its_l1_prefix_at_once():
     await mgr.drain()
     assert op.state is OpState.L2_L3
     assert mgr.tree.match(tokens, touch=False).lengths == [8, 16, 16]
+    mgr.check_integrity()
+    await mgr.close()
+
+
+def _prefetch_counts(mgr) -> tuple[int, ...]:
+    m = mgr.metrics
+    return (m.prefetches_started, m.prefetches_taken, m.prefetches_done, m.restores_started, m.restores_done)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("taken", [False, True])
+async def test_a_prefetch_is_counted_as_it_starts_and_once_as_it_ends(taken):
+    """A prefetch no request takes on ends published in L2 (`prefetches_done`); one taken on to L1 ends as a
+    restore (`prefetches_taken`, then a restore started and done). Either way the op counters add up."""
+    faults = FaultInjector()
+    mgr, tokens, op = await _landed_prefetch(faults)
+    assert _prefetch_counts(mgr) == (1, 0, 0, 0, 0)
+    await until(lambda: op.state is OpState.S2H_LANDED, 10)
+    if taken:
+        assert mgr.runner.take_to_l1(op, mgr.tree.match(tokens, include_storage=False, touch=False), tail_tokens=1)
+        mgr.runner.release_held(op)
+    mgr.check_integrity()  # (running ops count as neither ended nor missing)
+    await mgr.drain()
+    assert _prefetch_counts(mgr) == ((1, 1, 0, 1, 1) if taken else (1, 0, 1, 0, 0))
+    mgr.check_integrity()
+    await mgr.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("end", ["cancelled", "failed"])
+async def test_a_cancelled_or_failed_prefetch_keeps_the_op_counters_whole(end):
+    """A prefetch cancelled (its request aborted) or failed (an unreadable page) counts in `cancellations` or
+    `failures` and in no other end; `check_integrity` holds after it (it raised before `prefetches_started`)."""
+    faults = FaultInjector()
+    if end == "failed":
+        faults.arm(Fault.EIO_READ)
+    mgr, tokens, op = await _landed_prefetch(faults)
+    if end == "cancelled":
+        mgr.runner.cancel(op)
+    await mgr.drain()
+    m = mgr.metrics
+    assert _prefetch_counts(mgr) == (1, 0, 0, 0, 0)
+    assert (m.cancellations, m.op_failures()) == ((1, 0) if end == "cancelled" else (0, 1))
     mgr.check_integrity()
     await mgr.close()
