@@ -4,8 +4,11 @@ was cancelled or failed, the ops counted as ended outnumbered those started). An
 mutation check left unpinned (survivors S6, S9 of hicache/restores.py): a prefetch whose bytes landed no longer
 counts as a storage read in flight (`OpRunner.reading_s`, which the cost model queues a new L3 read behind), and a
 take-on to L1 that is refused lets go at once of the L1 lock it took (`OpRunner.take_to_l1`), not when its op
-ends."""
+ends. Then four that session 60's check left (S16-S19): what L3's reuse record counts as read, what a take-on needs
+L2 to hold, and the locks a taken prefetch and a held restore keep."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,11 +16,13 @@ from hicache.faults import Fault, FaultInjector
 from hicache.ops import OpState
 from hicache.radix import Tier
 from hicache_helpers import make_manager, toks, until, write_prefix
+from test_faults import TransferGate
 
 
-async def _landed_prefetch(faults: FaultInjector, l1_pages: int = 16):
-    """A manager whose first 2 pages (`a`) are in every tier and whose next 2 (`b`) are in L3 only, and a prefetch
-    of `b` whose read landed while its checksums (slowed 0.5 s) still run -> (mgr, tokens, op)."""
+async def _landed_prefetch(faults: FaultInjector, l1_pages: int = 16, a_in_l1: bool = True):
+    """A manager whose first 2 pages (`a`) are in every tier (but L1 unless `a_in_l1`) and whose next 2 (`b`) are
+    in L3 only, and a prefetch of `b` whose read lands while its checksums (slowed 0.5 s) still run -> (mgr, tokens,
+    op)."""
     mgr = make_manager(l1_pages=l1_pages, host_pages=32, storage_pages=64, faults=faults)
     a = toks((0, 8))
     tokens = a + toks((100, 108))
@@ -27,8 +32,10 @@ async def _landed_prefetch(faults: FaultInjector, l1_pages: int = 16):
     await mgr.drain()
     mgr.tree.evict(Tier.L1, 2)  # the leaf `b` leaves L1 and L2; `a` stays
     mgr.tree.evict(Tier.L2, 2)
+    if not a_in_l1:
+        mgr.tree.evict(Tier.L1, 2)
     m = mgr.match(tokens)
-    assert m.lengths == [8, 8, 16]
+    assert m.lengths == [8 if a_in_l1 else 0, 8, 16]
     faults.arm(Fault.SLOW_VERIFY, times=None, delay_s=0.5)
     op = mgr.runner.start_restore(tokens, m, "prefetch", "r", take_soon=True)
     assert op is not None
@@ -114,5 +121,77 @@ async def test_a_cancelled_or_failed_prefetch_keeps_the_op_counters_whole(end):
     m = mgr.metrics
     assert _prefetch_counts(mgr) == (1, 0, 0, 0, 0)
     assert (m.cancellations, m.op_failures()) == ((1, 0) if end == "cancelled" else (0, 1))
+    mgr.check_integrity()
+    await mgr.close()
+
+
+# -- what a landed read and a restore hold (session 60's mutation check: S16-S19 of hicache/restores.py) ---------
+@pytest.mark.asyncio
+async def test_l3_reuse_counts_the_pages_read_not_those_l2_already_held():
+    """A prefetch of a prefix whose first half L2 held reads only the second half: L3's reuse record (what admits
+    L3 writes, `hicache/reuse.py`) counts those 2 pages, not the op's 4."""
+    faults = FaultInjector()
+    mgr, tokens, op = await _landed_prefetch(faults, a_in_l1=False)
+    assert op.num_pages == 4 and op.payload["num_read_pages"] == 2
+    before = mgr.reuse[Tier.L3].read_pages
+    await mgr.drain()
+    assert mgr.reuse[Tier.L3].read_pages - before == 2
+    await mgr.close()
+
+
+@pytest.mark.asyncio
+async def test_a_take_on_needs_l2_to_hold_what_lies_below_the_read():
+    """`take_to_l1` copies L2's pages [l1, l2_start) with the read's: given a match whose L2 ends short of where the
+    read starts, it refuses and changes nothing (it would have copied too few pages)."""
+    faults = FaultInjector()
+    mgr, tokens, op = await _landed_prefetch(faults, a_in_l1=False)
+    await until(lambda: op.state is OpState.S2H_LANDED, 10)
+    short = mgr.tree.match(tokens[:4], include_storage=False, touch=False)
+    assert short.lengths[:2] == [0, 4]
+    locks = list(op.payload["locks"])
+    assert not mgr.runner.take_to_l1(op, short, tail_tokens=1)
+    assert op.state is OpState.S2H_LANDED and op.payload["locks"] == locks
+    await mgr.drain()
+    mgr.check_integrity()
+    await mgr.close()
+
+
+@pytest.mark.asyncio
+async def test_a_taken_prefetch_keeps_its_published_l2_pages_until_its_copy_ends():
+    """A prefetch taken on to L1 publishes its L2 pages once verified, while its H2D may still read them: it locks
+    them until the op ends, so no eviction frees them under the copy."""
+    faults = FaultInjector()
+    mgr, tokens, op = await _landed_prefetch(faults)
+    await until(lambda: op.state is OpState.S2H_LANDED, 10)
+    gate = TransferGate(SimpleNamespace(cache=mgr), "h2d")
+    assert mgr.runner.take_to_l1(op, mgr.tree.match(tokens, include_storage=False, touch=False), tail_tokens=1)
+    await until(lambda: op.state is OpState.H2D_PENDING, 10)  # verified, published in L2; its H2D held back
+    mgr.tree.evict(Tier.L2, 10 ** 9)
+    assert mgr.tree.match(tokens, include_storage=False, touch=False).lengths[Tier.L2] == 16
+    gate.release.set()
+    mgr.runner.release_held(op)
+    await mgr.drain()
+    assert op.state is OpState.L1_L2_L3
+    mgr.check_integrity()
+    await mgr.close()
+
+
+@pytest.mark.asyncio
+async def test_a_held_restore_keeps_its_l1_pages_locked_until_released():
+    """A restore whose request runs its forward on the pages (`hold_published`) keeps them locked once published,
+    until the request takes them over (`release_held`): unlocked, admission counted them as room and they could be
+    evicted before the request locked them."""
+    mgr = make_manager()
+    tokens = toks((0, 16))
+    write_prefix(mgr, tokens)
+    await mgr.drain()
+    mgr.tree.evict(Tier.L1, 10 ** 9)
+    op = mgr.runner.start_restore(tokens, mgr.tree.match(tokens, include_storage=False, touch=False), "l2", "r")
+    mgr.runner.hold_published(op)
+    await mgr.drain()
+    handle = mgr.tree.match(tokens, include_storage=False, touch=False).handles[Tier.L1]
+    assert handle.locks[Tier.L1] == 1
+    mgr.runner.release_held(op)
+    assert handle.locks[Tier.L1] == 0
     mgr.check_integrity()
     await mgr.close()
