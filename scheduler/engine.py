@@ -179,9 +179,8 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
             raise RequestError(f"prompt of {len(prompt)} tokens exceeds the limit of {self.max_prompt_tokens}")
         kv = kv_tokens(len(prompt), params.max_tokens)
         positions = self.model_config.max_position_embeddings
-        # the field to lower: max_tokens where the prompt alone (one new token) would fit
-        fits_alone = -(-len(prompt) // self.page_size) <= self.usable_l1_pages and len(prompt) <= positions
-        param = "max_tokens" if fits_alone else None
+        # the field to lower: max_tokens (the prompt alone fits, within `max_prompt_tokens` <= `max_kv_tokens`)
+        param = "max_tokens"
         if kv > positions:  # past the positions it was trained for
             raise RequestError(f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) - 1 exceeds the model's "
                                f"{positions} positions (max_position_embeddings)", param)
