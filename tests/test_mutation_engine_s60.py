@@ -299,3 +299,22 @@ def test_logprobs_are_the_models_not_the_biased_or_masked_ones():
     assert biased.output_ids == allowed.output_ids == [42, 42]
     assert [lp.logprob for lp in biased.logprobs] == pytest.approx([lp.logprob for lp in allowed.logprobs])
     assert all(lp.logprob < -1 for lp in biased.logprobs + allowed.logprobs)
+
+
+def test_a_verify_steps_sampled_rows_are_drawn_not_taken_greedily(monkeypatch):
+    """A sampled request's tokens in a verify step are drawn from its distribution (rejection sampling of its
+    drafts), not its likeliest tokens: at temperature 1 among the 2 likeliest, some token a verify step yielded is
+    not the likeliest at its position (its logprobs' top 1). Regression guard: the whole output differing from
+    greedy decoding (test_speculative_sampled.py) held from the prefill's draw alone."""
+    import torch
+    from test_speculative import SPEC, looping_prompts, make_engine as make_spec_engine, record_steps
+
+    eng = make_spec_engine(SPEC)
+    steps = record_steps(monkeypatch)
+    torch.manual_seed(3)
+    [res] = eng.generate(looping_prompts(5, 20, 8, 32, need=3)[:1],
+                         SamplingParams(max_tokens=24, temperature=1.0, top_k=2, logprobs=1))
+    verified = [s.out_before + i for s in steps for i in range(len(s.taken))]
+    assert verified, "no verify step ran"
+    assert any(res.output_ids[i] != res.logprobs[i].top[0][0] for i in verified)
+    eng.check_integrity()
