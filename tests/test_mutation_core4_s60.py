@@ -14,25 +14,7 @@ from structlog.testing import capture_logs
 
 from hicache import pinned
 from hicache.faults import Fault, FaultInjector
-
-
-class _Runtime:
-    """Records the calls hicache/pinned.py makes to CUDA's runtime (as tests/test_pinned.py's does)."""
-
-    def __init__(self, register_code: int = 0) -> None:
-        self.register_code, self.calls = register_code, []
-
-    def cudaHostRegister(self, ptr, num_bytes, flags):  # noqa: N802 - the runtime's name
-        self.calls.append(("register", ptr, num_bytes, flags))
-        return self.register_code
-
-    def cudaHostUnregister(self, ptr):  # noqa: N802
-        self.calls.append(("unregister", ptr))
-        return 0
-
-
-class _Owner:
-    pass
+from test_pinned import _Owner, _Runtime  # (CUDA's runtime, recorded)
 
 
 # -- pinned ---------------------------------------------------------------------------------------
