@@ -17,7 +17,8 @@ Contract (what callers may rely on):
   - Everything here runs on the event loop's thread; nothing is thread-safe.
   - Operations (backup / restore / prefetch) lock their sources and keep their destinations private
     until the copy completed; see hicache/operations.py.
-  - `check_integrity()` verifies the tree, every allocator and every live operation's locks.
+  - `check_integrity()` verifies the tree, every allocator, every live operation's locks, and that every
+    operation started is counted once as ended or is running (hicache/metrics.py).
 """
 from __future__ import annotations
 
