@@ -352,3 +352,30 @@ def test_a_grammar_the_engine_cannot_compile_is_a_400_naming_its_field(client, f
     """The engine's refusal of a grammar names the request's field that asked for it, not the engine's "guided"."""
     r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, field: value})
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_a_client_gone_mid_body_is_a_499_counted_aborted_and_holds_no_slot(client):
+    """A client that leaves while its body is read is answered 499 (client closed request), counted as aborted,
+    not as a rejected 400, and holds none of --max-concurrent-requests (session 61: server.py's S20 survived)."""
+    def aborted() -> float:
+        return client.hc.metrics.requests.labels("aborted")._value.get()
+
+    before, sent = aborted(), []
+    messages = [{"type": "http.request", "body": b'{"prompt": "h', "more_body": True}, {"type": "http.disconnect"}]
+
+    async def call():
+        async def receive():
+            return messages.pop(0) if len(messages) > 1 else messages[0]
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "root_path": "", "client": ("test", 1), "server": ("test", 80),
+                 "headers": [(b"content-type", b"application/json"), (b"authorization", f"Bearer {KEY}".encode())]}
+        await client.app(scope, receive, send)
+
+    client.portal.call(call)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499, sent
+    assert aborted() == before + 1 and client.hc.in_flight == 0

@@ -1,0 +1,55 @@
+"""Guards session 61 added for mutants earlier checks left alive (each verified failing on its mutant): a chat
+stream's last chunk counts the thought held at its end (choices.py's C10 of session 60)."""
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+from scheduler.api_models import ChatCompletionRequest, Usage
+from scheduler.choices import Choices
+from scheduler.request import TokenEvent
+from scheduler.tokenizer import HFTokenizer
+from tokenizer_files import write_byte_tokenizer
+
+
+class _ChatGen:
+    """What Choices reads of a chat choice's Generation: its prompt, its events (text, ids, end, logprobs
+    entries), its usage so far, close."""
+
+    def __init__(self, tok, prompt: list[int], items: list[tuple]) -> None:
+        self.req = SimpleNamespace(prompt=prompt, prompt_logprobs=None, params=SimpleNamespace(guided=None))
+        self.st = SimpleNamespace(tokenizer=tok, engine=SimpleNamespace(vocab_size=256),
+                                  limits=SimpleNamespace(reasoning_parser="qwen3"))
+        self.items, self.logprobs, self.stop_reason, self.sent, self.index = items, None, None, 0, 0
+
+    async def events(self):
+        for item in self.items:
+            self.sent += len(item[1])
+            yield item
+
+    def usage(self) -> Usage:
+        return Usage.of(len(self.req.prompt), self.sent, {})
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_chat_stream_s_last_chunk_counts_the_thought_held_at_its_end(tmp_path):
+    """continuous_usage_stats with --reasoning-parser: an answer cut (length) inside its thought, its last ids the
+    start of "</think>" (eight byte ids here, so held by the counter), counts them as thought in its last chunk,
+    as the split shows them as reasoning and as the usage chunk after it does: 2 + 5, not the 2 settled before."""
+    tok = HFTokenizer(str(write_byte_tokenizer(tmp_path)))
+    prompt = tok.encode("<user>hi\n<assistant><think>\n")  # (the prompt opened the thought)
+    end = TokenEvent("r", None, 1, finished=True, finish_reason="length")
+    gen = _ChatGen(tok, prompt, [("ab", tok.encode("ab"), None, []), ("</thi", tok.encode("</thi"), end, [])])
+    api_req = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], stream=True,
+                                    stream_options={"include_usage": True, "continuous_usage_stats": True})
+    choices = Choices([gen], True, "chatcmpl-r", api_req, "tiny")
+
+    async def read():
+        return [json.loads(c[6:]) for c in [c async for c in choices.sse()] if c != "data: [DONE]\n\n"]
+    *chunks, usage = asyncio.run(read())
+    assert "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks) == "ab</thi"
+    thought = [c["usage"]["completion_tokens_details"]["reasoning_tokens"] for c in chunks]
+    assert thought == [0, 2, 7] and usage["usage"]["completion_tokens_details"] == {"reasoning_tokens": 7}
