@@ -37,7 +37,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from hicache.metrics import DIRECTIONS, FAILURE_KINDS
+from hicache.metrics import DIRECTIONS, FAILURE_KINDS, NOT_OP_FAILURES
 from scheduler.prom_vllm import VllmCollector
 
 OUTCOMES = ("success", "aborted", "failed", "rejected")
@@ -71,7 +71,9 @@ _CACHE_COUNTERS = (
      "requests that computed what a restore of theirs, failed or not started, was to bring"),
     ("promotions", "hicache_promotions", None, "L3 -> L2 promotions"),
     ("cancellations", "hicache_cancellations", None, "cancelled operations"),
-    ("failures", "hicache_operation_failures", "kind", "failed operations by kind"),
+    ("failures", "hicache_operation_failures", "kind", "failures by kind: operations that failed ("
+     + ", ".join(k for k in FAILURE_KINDS if k not in NOT_OP_FAILURES) + "), and a request's or a store's ("
+     + ", ".join(NOT_OP_FAILURES) + ")"),
     ("policy_skips", "hicache_policy_skips", "kind", "requests that recomputed a lower-tier hit rather "
      "than restore it (restore) and backups not written to L2 / L3 (write_l2, write_l3): refused by the "
      "cost policy, or no free page in the tier"),

@@ -1,5 +1,6 @@
-"""Guards session 61 added for mutants earlier checks left alive (each verified failing on its mutant): a chat
-stream's last chunk counts the thought held at its end (choices.py's C10 of session 60)."""
+"""Guards session 61 added (each verified failing on its mutant or on the code before its fix): a chat
+stream's last chunk counts the thought held at its end (choices.py's C10 of session 60); /metrics' failure
+kinds said to be an operation's or not."""
 from __future__ import annotations
 
 import asyncio
@@ -53,3 +54,21 @@ def test_a_chat_stream_s_last_chunk_counts_the_thought_held_at_its_end(tmp_path)
     assert "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in chunks) == "ab</thi"
     thought = [c["usage"]["completion_tokens_details"]["reasoning_tokens"] for c in chunks]
     assert thought == [0, 2, 7] and usage["usage"]["completion_tokens_details"] == {"reasoning_tokens": 7}
+
+
+def test_operation_failures_help_names_each_kind_as_an_operation_s_or_not():
+    """hicache_operation_failures holds a request's and a store's failures too (l1_overcommit, hint_refresh,
+    nan_logits: `Metrics.op_failures` leaves them out of the op counts' identity); its HELP says which kinds are
+    operations' (session 61: it said "failed operations by kind" of all of them)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from hicache.metrics import FAILURE_KINDS, NOT_OP_FAILURES
+    from scheduler.config import EngineConfig
+    from scheduler.engine import Engine
+    from scheduler.prom import ServerMetrics
+    text = ServerMetrics(Engine(EngineConfig(model="tiny", device="cpu", num_pages=16))).render().decode()
+    [fam] = [f for f in text_string_to_metric_families(text) if f.name == "hicache_operation_failures"]
+    ops, _, others = fam.documentation.partition(" and ")
+    assert all(k in ops for k in FAILURE_KINDS if k not in NOT_OP_FAILURES), fam.documentation
+    assert all(k in others and k not in ops for k in NOT_OP_FAILURES), fam.documentation
+    assert sorted(s.labels["kind"] for s in fam.samples if s.name.endswith("_total")) == sorted(FAILURE_KINDS)
