@@ -1,6 +1,6 @@
 """Guards session 61 added (each verified failing on its mutant or on the code before its fix): a chat
 stream's last chunk counts the thought held at its end (choices.py's C10 of session 60); /metrics' failure
-kinds said to be an operation's or not."""
+kinds said to be an operation's or not; a write_back backup's end waking the loop (operations.py's P9)."""
 from __future__ import annotations
 
 import asyncio
@@ -72,3 +72,26 @@ def test_operation_failures_help_names_each_kind_as_an_operation_s_or_not():
     assert all(k in ops for k in FAILURE_KINDS if k not in NOT_OP_FAILURES), fam.documentation
     assert all(k in others and k not in ops for k in NOT_OP_FAILURES), fam.documentation
     assert sorted(s.labels["kind"] for s in fam.samples if s.name.endswith("_total")) == sorted(FAILURE_KINDS)
+
+
+def test_a_write_back_backup_ending_before_its_l1_copy_wakes_the_loop_not_only_when_idle():
+    """A backup's end wakes an idle loop only (`wakeup_idle`: a decode chain goes on), except under write_back
+    while its L1 copy is not done (it failed before freeing L1: its leaf goes unsaved and an eviction waiting on
+    it can go on): then `wakeup`, which ends the chain (operations.py's P9 of session 61's mutation check)."""
+    import concurrent.futures as cf
+
+    from hicache.operations import OpRunner
+    from hicache.ops import OpKind, new_op
+    woken = []
+    for write_back in (False, True):
+        mgr = SimpleNamespace(write_back=write_back, wakeup=lambda: woken.append("wakeup"),
+                              wakeup_idle=lambda: woken.append("idle"))
+        runner, pending, copied = OpRunner(mgr), cf.Future(), cf.Future()
+        copied.set_result(None)
+        for l1_free in (None, copied, pending):
+            op = new_op(1, OpKind.BACKUP, num_pages=1, num_bytes=1)
+            if l1_free is not None:
+                op.payload["l1_free"] = l1_free
+            runner._wake(op)
+        runner._wake(new_op(2, OpKind.RESTORE_L2, num_pages=1, num_bytes=1))
+    assert woken == ["idle", "idle", "idle", "wakeup"] + ["idle", "idle", "wakeup", "wakeup"]
