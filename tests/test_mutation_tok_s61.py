@@ -262,6 +262,14 @@ def test_continue_final_message_cuts_after_the_last_occurrence_and_the_stripped_
     assert _render(tpl, msgs, add_generation_prompt=False, continue_final_message=True) == "<user>hi</s><assistant>hi"
 
 
+def test_continue_final_message_that_the_template_drops_is_refused_saying_so():
+    """A template that leaves the final message out: the refusal (a 400 for the request) says so, not "substring
+    not found" (chat_template.py's C20)."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Once upon"}]
+    with pytest.raises(ValueError, match="the final message does not appear in the chat"):
+        _render("{{ messages[0].content }}", msgs, add_generation_prompt=False, continue_final_message=True)
+
+
 def test_developer_messages_are_system_ones_unless_the_template_names_the_role():
     msgs = [{"role": "developer", "content": "be brief"}]
     assert _render("{{ messages[0].role }}", msgs) == "system"
