@@ -1,6 +1,7 @@
 """Guards session 61 added (each verified failing on its mutant or on the code before its fix): a chat
 stream's last chunk counts the thought held at its end (choices.py's C10 of session 60); /metrics' failure
-kinds said to be an operation's or not; a write_back backup's end waking the loop (operations.py's P9)."""
+kinds said to be an operation's or not; a write_back backup's end waking the loop (operations.py's P9); an SSE stream's ends
+(sse_response.py's S2-S8)."""
 from __future__ import annotations
 
 import asyncio
@@ -95,3 +96,79 @@ def test_a_write_back_backup_ending_before_its_l1_copy_wakes_the_loop_not_only_w
             runner._wake(op)
         runner._wake(new_op(2, OpKind.RESTORE_L2, num_pages=1, num_bytes=1))
     assert woken == ["idle", "idle", "idle", "wakeup"] + ["idle", "idle", "wakeup", "wakeup"]
+
+
+class _Ends:
+    """What an SSEResponse ends: its choices (abort, close), its slot (release), its generator, its watcher."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    async def abort(self) -> None:
+        self.events.append("abort")
+
+    async def close(self) -> None:
+        self.events.append("close")
+
+    def release(self) -> None:
+        self.events.append("release")
+
+    async def body(self):
+        try:
+            yield "data: a\n\n"
+            await asyncio.Event().wait()  # (a token that never comes)
+            yield "data: b\n\n"
+        finally:
+            self.events.append("generator closed")
+
+
+def _sse(ends: _Ends, spec: str | None, receive, send) -> None:
+    from scheduler.sse_response import SSEResponse
+
+    async def call() -> None:
+        scope = {"type": "http", "asgi": {"version": "3.0"} | ({"spec_version": spec} if spec else {})}
+        try:
+            await asyncio.wait_for(SSEResponse(ends.body(), ends, ends)(scope, receive, send), 10)
+        except Exception as exc:
+            ends.events.append(type(exc).__name__)
+        await asyncio.sleep(0)  # (a cancelled watcher's receive sees its cancellation)
+        ends.events.append("returned")
+    asyncio.run(call())
+
+
+def test_a_stream_whose_write_fails_closes_its_generator_and_choices_and_stops_watching():
+    """ASGI 2.4 (the server stopping, or a write to a gone client that raised): the stream's generator is closed,
+    its choices closed (aborting what has not ended), its slot freed, and the watcher of the client's disconnect
+    cancelled before the response returns (sse_response.py's S3, S4, S6 of session 61's mutation check)."""
+    ends = _Ends()
+
+    async def receive():
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            ends.events.append("watcher cancelled")
+            raise
+
+    async def send(message):
+        await asyncio.sleep(0)  # (the watcher waits on the client by now)
+        if message["type"] == "http.response.body" and message.get("body"):
+            raise OSError("broken pipe")
+    _sse(ends, "2.4", receive, send)
+    assert ends.events[:3] == ["generator closed", "close", "release"] and ends.events[-1] == "returned", ends.events
+    assert sorted(ends.events[3:-1]) == ["ClientDisconnect", "watcher cancelled"], ends.events
+
+
+def test_a_client_gone_before_its_first_token_aborts_the_stream_before_asgi_2_4():
+    """An ASGI server before spec 2.4 (the default where it names none): Starlette listens for the disconnect,
+    alone, through the receive that aborts the requests, and ends the stream (sse_response.py's S7, S8)."""
+    ends, sent = _Ends(), []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message["type"])
+    _sse(ends, None, receive, send)
+    # (aborted once: only Starlette's listener receives, no watcher of ours beside it)
+    assert ends.events[0] == "abort" and ends.events.count("abort") == 1 and ends.events[-1] == "returned", ends.events
+    assert "TimeoutError" not in ends.events and {"close", "release", "generator closed"} <= set(ends.events)
