@@ -1,7 +1,7 @@
 """Guards session 61 added (each verified failing on its mutant or on the code before its fix): a chat
 stream's last chunk counts the thought held at its end (choices.py's C10 of session 60); /metrics' failure
-kinds said to be an operation's or not; a write_back backup's end waking the loop (operations.py's P9); an SSE stream's ends
-(sse_response.py's S2-S8)."""
+kinds said to be an operation's or not; a write_back backup's end waking the loop (operations.py's P9); an
+SSE stream's ends (sse_response.py's S2-S8)."""
 from __future__ import annotations
 
 import asyncio
