@@ -1,7 +1,8 @@
 """Guards session 61 added (each verified failing on its mutant or on the code before its fix): a chat
 stream's last chunk counts the thought held at its end (choices.py's C10 of session 60); /metrics' failure
 kinds said to be an operation's or not; a write_back backup's end waking the loop (operations.py's P9); an
-SSE stream's ends (sse_response.py's S2-S8)."""
+SSE stream's ends (sse_response.py's S2-S8); the ops' referee failing where it must, a cancelling drain
+(operations.py's P36-P38)."""
 from __future__ import annotations
 
 import asyncio
@@ -172,3 +173,44 @@ def test_a_client_gone_before_its_first_token_aborts_the_stream_before_asgi_2_4(
     # (aborted once: only Starlette's listener receives, no watcher of ours beside it)
     assert ends.events[0] == "abort" and ends.events.count("abort") == 1 and ends.events[-1] == "returned", ends.events
     assert "TimeoutError" not in ends.events and {"close", "release", "generator closed"} <= set(ends.events)
+
+
+def _runner():
+    from hicache.metrics import Metrics
+    from hicache.operations import OpRunner
+    return OpRunner(SimpleNamespace(metrics=Metrics()))
+
+
+def test_the_referee_catches_an_unlocked_source_and_an_op_counted_off():
+    """OpRunner.check_integrity (in the manager's): a live op whose source is no longer locked, or no longer
+    resident, fails it; so do op counters that do not add up (an op started that never ended nor runs). The
+    referee of every test must be able to fail (operations.py's P37, P38)."""
+    import pytest
+
+    from hicache.ops import OpKind, new_op
+    from hicache.radix import Tier
+    runner = _runner()
+    runner.check_integrity()
+    op = runner.live[1] = new_op(1, OpKind.RESTORE_L2, num_pages=1, num_bytes=1)
+    runner.mgr.metrics.restores_started += 1
+    node = SimpleNamespace(locks={Tier.L2: 1}, pages={Tier.L2: [3]})
+    op.payload["locks"] = [(node, Tier.L2)]
+    runner.check_integrity()
+    node.locks[Tier.L2] = 0
+    with pytest.raises(AssertionError, match="not locked/resident in L2"):
+        runner.check_integrity()
+    node.locks[Tier.L2], node.pages[Tier.L2] = 1, None
+    with pytest.raises(AssertionError, match="not locked/resident in L2"):
+        runner.check_integrity()
+    del runner.live[1]
+    with pytest.raises(AssertionError, match="1 ops started, 0 counted as ended and 0 running"):
+        runner.check_integrity()
+
+
+def test_a_drain_that_cancels_drops_the_backups_still_due():
+    """drain(cancel=True) (a shutdown without its grace): backups queued to start when the loop next turns are
+    dropped, not left to start after it (operations.py's P36)."""
+    runner = _runner()
+    runner._due.append((1, 2, 3, 4))
+    asyncio.run(runner.drain(cancel=True))
+    assert not runner.has_due and runner.pending_counts()["backups"] == 0
