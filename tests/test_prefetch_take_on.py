@@ -299,6 +299,28 @@ async def test_a_driver_that_raises_with_a_copy_in_flight_keeps_its_pages_until_
     await eng.shutdown()
 
 
+@pytest.mark.asyncio
+async def test_a_taken_prefetch_whose_checksum_fails_with_its_h2d_in_flight_keeps_its_pages_until_it_settled():
+    """A bad checksum found while the taken prefetch's H2D still runs: its L1 pages are freed only once that
+    copy settled (a copy still landing could write into pages already reused; operations.py's P26 of session
+    61's mutation check: `_storage_failed` released them at once)."""
+    faults = FaultInjector()
+    eng = await _prefix_only_in_l3(faults, write_policy="write_through_selective")
+    flip_l3_byte(eng.cache, eng.cache.tree.match(PROMPT[:REUSABLE], touch=False).pages[Tier.L3][2])
+    gate, runner = TransferGate(eng, "h2d"), eng.cache.runner
+    task = asyncio.create_task(run_one(eng))
+    await until(lambda: eng.cache.metrics.failures.get("checksum"))
+    await asyncio.sleep(0.05)
+    assert runner.pending_counts()["settling"] == 1  # its pages wait for the H2D held back
+    gate.release.set()
+    result = await task
+    assert result.output_ids == await reference(PROMPT) and result.cached_tokens["l3"] == 0  # recomputed
+    await eng.cache.drain()
+    assert runner.pending_counts()["settling"] == 0
+    assert_whole(eng.cache)
+    await finish(eng)
+
+
 async def _held_prefetch(monkeypatch, prompts_first=()):
     """An engine whose loop is stopped, PROMPT's prefix only in L3, no driver fallback within the
     test (HOLD_CHECKS_MAX_S far away), and `prompts_first` queued before PROMPT; returns the engine
