@@ -1,8 +1,8 @@
 """Guards session 61 added (each verified failing on its mutant or on the code before its fix): a chat
 stream's last chunk counts the thought held at its end (choices.py's C10 of session 60); /metrics' failure
 kinds said to be an operation's or not; a write_back backup's end waking the loop (operations.py's P9); an
-SSE stream's ends (sse_response.py's S2-S8); the ops' referee failing where it must, a cancelling drain
-(operations.py's P36-P38)."""
+SSE stream's ends (sse_response.py's S2-S8); the ops' referee failing where it must, a cancelling drain, bad L3
+slots' drop, freed pages waking the loop (operations.py's P24, P28, P36-P38)."""
 from __future__ import annotations
 
 import asyncio
@@ -214,3 +214,43 @@ def test_a_drain_that_cancels_drops_the_backups_still_due():
     runner._due.append((1, 2, 3, 4))
     asyncio.run(runner.drain(cancel=True))
     assert not runner.has_due and runner.pending_counts()["backups"] == 0
+
+
+def test_bad_l3_slots_drop_their_pages_from_the_first_bad_one_except_where_a_read_holds_them():
+    """A failed read's bad slots: each node holding one loses its L3 pages from the first bad one on, counted;
+    a node an op holds locked in L3 (another read of it runs) is left to that op (operations.py's P28)."""
+    from hicache.radix import Tier
+    dropped = []
+
+    def drop(node, tier, from_pages):
+        dropped.append((node.name, from_pages))
+        return node.pages[tier][from_pages:]
+    free = SimpleNamespace(name="free", pages={Tier.L3: [4, 5, 6]}, locks={Tier.L3: 0}, parent=object())
+    held = SimpleNamespace(name="held", pages={Tier.L3: [7, 8]}, locks={Tier.L3: 1}, parent=object())
+    clean = SimpleNamespace(name="clean", pages={Tier.L3: [9]}, locks={Tier.L3: 0}, parent=object())
+    runner = _runner()
+    runner.mgr.tree = SimpleNamespace(iter_nodes=lambda: [free, held, clean], drop=drop)
+    assert runner._drop_l3_slots({5, 8}) == 2 and dropped == [("free", 1)]
+
+
+def test_an_op_s_pages_freed_after_its_copy_settled_wake_the_loop():
+    """An abandoned op's pages, held until its copy settled, wake the loop once freed (a request may be waiting
+    for that room; operations.py's P24)."""
+    import concurrent.futures as cf
+
+    from hicache.ops import OpKind, new_op
+    woken = []
+    runner = _runner()
+    runner.mgr.wakeup, runner.mgr.write_back = (lambda: woken.append("wakeup")), False
+    op = new_op(1, OpKind.RESTORE_L2, num_pages=1, num_bytes=1)
+    op.payload.update(locks=[], claims={}, cancel=False)  # (as OpRunner._new makes every op)
+    copy = cf.Future()
+
+    async def go():
+        runner._settle_then_release(op, copy)
+        await asyncio.sleep(0.01)
+        assert woken == [] and runner.pending_counts()["settling"] == 1
+        copy.set_result(None)
+        await runner.drain()
+    asyncio.run(go())
+    assert woken == ["wakeup"] and runner.pending_counts()["settling"] == 0
