@@ -231,6 +231,7 @@ def test_a_batch_gets_one_choice_per_prompt_in_order_and_the_usage_summed(srv, p
 def test_a_streamed_batch_interleaves_its_choices_and_ends_with_one_usage_and_one_done(srv):
     prompts = BATCHES[0]
     body = {"max_tokens": 8, **GREEDY, "prompt": prompts}
+    _post(srv.url, body)  # (the prompts now in L1 for both: what they cache the same)
     whole = _post(srv.url, body)
     chunks = _stream(srv.url, {**body, "stream_options": {"include_usage": True}})
     *chunks, usage = chunks
