@@ -270,6 +270,17 @@ async def test_a_prefetch_expected_to_be_taken_on_verifies_after_landing(overlap
     await finish(eng)
 
 
+async def _fails_with_its_h2d_held(eng, gate, kind: str):
+    """PROMPT's request, whose taken prefetch fails (`kind`) while `gate` holds its H2D: its pages wait for
+    that copy (one op settling) until the gate opens; returns the request's result."""
+    task = asyncio.create_task(run_one(eng))
+    await until(lambda: eng.cache.metrics.failures.get(kind))
+    await asyncio.sleep(0.05)
+    assert eng.cache.runner.pending_counts()["settling"] == 1  # its pages wait for the H2D held back
+    gate.release.set()
+    return await task
+
+
 @pytest.mark.asyncio
 async def test_a_driver_that_raises_with_a_copy_in_flight_keeps_its_pages_until_it_settled(monkeypatch):
     """A driver bug (here: publishing the verified L2 pages raises) while its H2D still runs: the op
@@ -285,12 +296,7 @@ async def test_a_driver_that_raises_with_a_copy_in_flight_keeps_its_pages_until_
         return real_publish(op, tokens, tier, *args, **kw)
     monkeypatch.setattr(runner, "_publish", publish)
     with capture_op_logs():
-        task = asyncio.create_task(run_one(eng))
-        await until(lambda: eng.cache.metrics.failures.get("driver"))
-        await asyncio.sleep(0.05)
-        assert runner.pending_counts()["settling"] == 1  # its pages wait for the H2D held back
-        gate.release.set()
-        result = await task
+        result = await _fails_with_its_h2d_held(eng, gate, "driver")
     assert result.output_ids == await reference(PROMPT)  # recomputed
     await eng.stop_loop()
     await eng.cache.drain()
@@ -308,12 +314,7 @@ async def test_a_taken_prefetch_whose_checksum_fails_with_its_h2d_in_flight_keep
     eng = await _prefix_only_in_l3(faults, write_policy="write_through_selective")
     flip_l3_byte(eng.cache, eng.cache.tree.match(PROMPT[:REUSABLE], touch=False).pages[Tier.L3][2])
     gate, runner = TransferGate(eng, "h2d"), eng.cache.runner
-    task = asyncio.create_task(run_one(eng))
-    await until(lambda: eng.cache.metrics.failures.get("checksum"))
-    await asyncio.sleep(0.05)
-    assert runner.pending_counts()["settling"] == 1  # its pages wait for the H2D held back
-    gate.release.set()
-    result = await task
+    result = await _fails_with_its_h2d_held(eng, gate, "checksum")
     assert result.output_ids == await reference(PROMPT) and result.cached_tokens["l3"] == 0  # recomputed
     await eng.cache.drain()
     assert runner.pending_counts()["settling"] == 0
