@@ -170,6 +170,7 @@ def test_responses_refuse_continuous_usage_stats_by_name(srv):
 # -- return_tokens_as_token_ids ---------------------------------------------------------------------
 def test_completion_logprobs_as_token_ids(srv):
     body = {"prompt": TEXT, "max_tokens": 5, "temperature": 0, "logprobs": 2, "return_tokens_as_token_ids": True}
+    ok(srv, "/v1/completions", body)  # (the prompt now cached for both: its tail's logprobs the same)
     choice = ok(srv, "/v1/completions", body)["choices"][0]
     lp, ids = choice["logprobs"], choice["token_ids"]
     assert lp["tokens"] == [f"token_id:{t}" for t in ids]
@@ -196,6 +197,7 @@ def test_an_echoed_prompts_logprobs_as_token_ids(srv):
 def test_chat_logprobs_as_token_ids(srv):
     body = {"messages": HI, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 2,
             "return_tokens_as_token_ids": True}
+    ok(srv, "/v1/chat/completions", body)  # (the prompt now cached for both: its tail's logprobs the same)
     choice = ok(srv, "/v1/chat/completions", body)["choices"][0]
     content, ids = choice["logprobs"]["content"], choice["token_ids"]
     assert [e["token"] for e in content] == [f"token_id:{t}" for t in ids]
