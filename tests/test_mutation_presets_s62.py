@@ -1,6 +1,7 @@
-"""Session 62's mutation check of scheduler/presets.py: a checkpoint's config.json read as HF's Qwen3Config reads it
-(its defaults for absent keys), the shape checks, and the parameter count the memory plan sizes weights by, exact
-against the model's own parameters. No weights loaded beyond the tiny preset's."""
+"""Session 62's mutation check of scheduler/presets.py (and one of hicache/config.py's bounds): a checkpoint's
+config.json read as HF's Qwen3Config reads it (its defaults for absent keys), the shape checks, and the parameter
+count the memory plan sizes weights by, exact against the model's own parameters. No weights loaded beyond the tiny
+preset's."""
 from __future__ import annotations
 
 import dataclasses
@@ -63,3 +64,29 @@ def test_a_sliding_window_switched_on_without_a_size_is_served():
     assert ModelConfig.from_hf_config({**HF, "use_sliding_window": True, "sliding_window": None}).num_layers == 2
     with pytest.raises(ValueError, match="sliding-window attention is not supported"):
         ModelConfig.from_hf_config({**HF, "use_sliding_window": True, "sliding_window": 4096})
+
+
+def test_null_flags_and_an_absent_rope_theta_take_their_defaults():
+    """null is the default (tie_word_embeddings null: untied); no rope_theta anywhere is HF's 10,000."""
+    cfg = ModelConfig.from_hf_config({**HF, "tie_word_embeddings": None, "use_sliding_window": None})
+    assert cfg.tie_word_embeddings is False and cfg.rope_theta == 10000.0
+
+
+@pytest.mark.parametrize("key", ["rope_scaling", "rope_parameters"])
+def test_a_rope_scaling_named_by_its_old_type_key_is_refused(key):
+    """transformers 4's {"type": "linear"} is a scaling as much as {"rope_type": "linear"}."""
+    with pytest.raises(ValueError, match="RoPE scaling is not supported"):
+        ModelConfig.from_hf_config({**HF, key: {"type": "linear", "factor": 2.0}})
+
+
+def test_an_unknown_preset_is_named_with_the_presets():
+    with pytest.raises(ValueError, match=r"unknown model preset 'qwen9'; presets: .*tiny"):
+        get_preset("qwen9")
+
+
+@pytest.mark.parametrize("name", ["host_ratio", "storage_ratio"])
+def test_an_infinite_tier_ratio_is_refused(name):
+    from hicache.config import HiCacheConfig
+
+    with pytest.raises(ValueError, match=f"hicache.{name} .* must be a finite number >= 0, got inf"):
+        HiCacheConfig(**{name: float("inf")})
