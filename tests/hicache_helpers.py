@@ -254,3 +254,16 @@ async def l3_only_prefix_with_slow_reads() -> tuple[CacheManager, tuple[int, ...
     assert m.lengths == [0, 0, 16]
     faults.arm(Fault.SLOW_READ, delay_s=0.3)
     return mgr, a, b, m
+
+
+def hold_copies(mgr, each: bool = False):
+    """Hold every L1 <-> L2 copy's completion: until the returned event is set, or (each) its own
+    event, appended to the returned list as the copy is awaited."""
+    gates, real, one = [], mgr.transfer.wait, asyncio.Event()
+
+    async def held(tr):
+        gates.append(asyncio.Event() if each else one)
+        await gates[-1].wait()
+        return await real(tr)
+    mgr.transfer.wait = held
+    return gates if each else one

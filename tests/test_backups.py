@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from hicache.radix import Tier
-from hicache_helpers import assert_whole, make_manager, toks, write_prefix
+from hicache_helpers import assert_whole, hold_copies, make_manager, toks, write_prefix
 from test_faults import OTHER, PAGE, PROMPT, TransferGate, finish, make_engine, reference, run_one, until
 
 
@@ -136,16 +136,6 @@ async def test_due_backups_start_before_a_match_returns():
     await finish(eng)
 
 
-def _hold_d2h(mgr):
-    ev, real = asyncio.Event(), mgr.transfer.wait
-
-    async def held(tr):
-        await ev.wait()
-        return await real(tr)
-    mgr.transfer.wait = held
-    return ev
-
-
 @pytest.mark.asyncio
 async def test_sibling_backups_waiting_on_one_in_flight_all_start():
     """Two continuations of one prefix (K+c, K+d) asked for while K's backup is in flight: both wait
@@ -153,7 +143,7 @@ async def test_sibling_backups_waiting_on_one_in_flight_all_start():
     mgr = make_manager(l1_pages=32, host_pages=64, storage_pages=0)
     base = toks((1, 9))
     c, d = base + toks((100, 104)), base + toks((200, 204))
-    release = _hold_d2h(mgr)
+    release = hold_copies(mgr)
     write_prefix(mgr, base)
     write_prefix(mgr, c, start=len(base))
     write_prefix(mgr, d, start=len(base))
@@ -173,7 +163,7 @@ async def test_write_back_keeps_every_waiting_sibling_until_it_is_saved():
     c, d = base + toks((100, 104)), base + toks((200, 204))
     for seq, start in ((base, 0), (c, len(base)), (d, len(base))):
         write_prefix(mgr, seq, start=start)
-    release = _hold_d2h(mgr)
+    release = hold_copies(mgr)
     assert mgr.runner.start_backup(base) is not None
     claim = mgr.new_claim("pressure")
     mgr.alloc_l1(2, claim)  # L1 is full: evicting c or d must wait for their backups

@@ -12,22 +12,11 @@ from hicache.geometry import KVGeometry
 from hicache.manager import CacheManager
 from hicache.ops import OpState
 from hicache.radix import Tier
-from hicache_helpers import WriteGate, assert_whole, make_manager, toks, until, write_prefix
+from hicache_helpers import WriteGate, assert_whole, hold_copies, make_manager, toks, until, write_prefix
 
 
 def lengths(mgr, *prefixes) -> list[list[int]]:
     return [mgr.tree.match(p, touch=False).lengths for p in prefixes]
-
-
-def hold_copies(mgr):
-    """Hold every L1 <-> L2 copy's completion until the returned event is set."""
-    gate, real = asyncio.Event(), mgr.transfer.wait
-
-    async def held(tr):
-        await gate.wait()
-        return await real(tr)
-    mgr.transfer.wait = held
-    return gate
 
 
 def test_a_flush_of_l1_without_a_loop_keeps_write_backs_unsaved_prefixes():

@@ -7,24 +7,11 @@ import asyncio
 import pytest
 
 from hicache.radix import Tier
-from hicache_helpers import assert_whole, make_manager, toks, write_prefix
+from hicache_helpers import assert_whole, hold_copies, make_manager, toks, write_prefix
 
 
 def lengths(mgr, *prefixes) -> list[list[int]]:
     return [mgr.tree.match(p, touch=False).lengths for p in prefixes]
-
-
-def hold_copies(mgr, each: bool = False):
-    """Hold every L1 <-> L2 copy's completion: until the returned event is set, or (each) its own
-    event, appended to the returned list as the copy is awaited."""
-    gates, real, one = [], mgr.transfer.wait, asyncio.Event()
-
-    async def held(tr):
-        gates.append(asyncio.Event() if each else one)
-        await gates[-1].wait()
-        return await real(tr)
-    mgr.transfer.wait = held
-    return gates if each else one
 
 
 @pytest.mark.asyncio
