@@ -52,6 +52,7 @@ def test_the_api_field_refuses_a_logit_bias_past_its_most_tokens():
         PenaltyFields.model_validate({"logit_bias": {**most, "1024": 1}})
     assert err.value.errors()[0]["type"] == "less_than_equal" and "at most 1024" in str(err.value)
 
+
 # -- scheduler/penalty_state.py --------------------------------------------------------------------------------
 def test_min_tokens_leaves_out_stop_ids_outside_the_vocabulary():
     """A stop id past the vocabulary or negative is never sampled: not held (mutant Q7: -1 put the last token at
@@ -64,7 +65,6 @@ def test_min_tokens_leaves_out_stop_ids_outside_the_vocabulary():
     out = apply_penalties(logits, [None, row])
     assert out[1, 2] == float("-inf") and torch.isfinite(out[1, [0, 1, 3, 4, 5, 6, 7]]).all()
     assert torch.equal(out[0], logits[0])
-
 
 
 # -- scheduler/token_bans.py ---------------------------------------------------------------------------------------
@@ -153,6 +153,7 @@ def test_logprob_counts_of_the_request_fields():
     assert CompletionLogprobsField(logprobs=20).logprob_count() == 20
     with pytest.raises(ValidationError):
         ChatLogprobsFields(logprobs="true")
+
 
 # -- scheduler/prompt_logprobs_api.py ----------------------------------------------------------------------------
 def _req(prompt_logprobs=None, stream=False, n=None, echo=False, logprobs=None):
