@@ -48,14 +48,16 @@ def asked_count(req, vocab_size: int) -> int | None:
     return None if req.stream else count
 
 
-MAX_RESPONSE_ENTRIES = 1 << 21  # prompt logprob entries one response carries (~70 bytes of JSON each; scoring a
-# million prompt tokens, echo and logprobs 1, fits)
+MAX_RESPONSE_ENTRIES = 1 << 21  # prompt logprob entries one request may ask for, n times each prompt's (the engine
+# keeps each choice's; ~70 bytes of JSON each; scoring a million prompt tokens, echo and logprobs 1, fits)
 
 
 def check_fan_out(req, prompt_tokens: list[int], vocab_size: int) -> None:
-    """APIError (400) where the prompts' logprob entries a response would carry, `prompt_logprobs` and an echo's, on
+    """APIError (400) where the prompts' logprob entries a request asks for, `prompt_logprobs` and an echo's, for
     every choice, pass MAX_RESPONSE_ENTRIES (regression: four prompts of 4,000 tokens, n=16, prompt_logprobs 20: a
-    378 MB body, 2 GB of memory and the loop held 17-28 s; n and a batch multiply what one prompt asks)."""
+    378 MB body, 2 GB of memory and the loop held 17-28 s; n and a batch multiply what one prompt asks). A chat's
+    response shows its prompt's once, but the engine keeps each choice's, so n counts there too (regression: the
+    message said "one response carries" them)."""
     from scheduler.api_models import APIError  # (api_models imports this module's fields)
     shown = shown_count(req, vocab_size)
     echoed = req.logprob_count() if getattr(req, "echo", False) else None
@@ -64,8 +66,8 @@ def check_fan_out(req, prompt_tokens: list[int], vocab_size: int) -> None:
     if entries > MAX_RESPONSE_ENTRIES:
         param = PARAM if shown is not None else "logprobs"
         raise APIError(400, f"the prompts' logprobs would be {entries:,} entries ({sum(prompt_tokens):,} prompt "
-                            f"tokens x {per_token} x n={req.n or 1}), past the {MAX_RESPONSE_ENTRIES:,} one response "
-                            f"carries: ask fewer (a smaller k, n or batch)", param=param, code="invalid_value")
+                            f"tokens x {per_token} x n={req.n or 1}), past the {MAX_RESPONSE_ENTRIES:,} one request "
+                            f"may ask for: ask fewer (a smaller k, n or batch)", param=param, code="invalid_value")
 
 
 def shown_count(req, vocab_size: int) -> int | None:

@@ -175,6 +175,8 @@ def test_a_response_past_the_prompt_logprob_entries_limit_is_a_400(kw, tokens, p
     with pytest.raises(APIError) as err:
         check_fan_out(_req(**kw), [tokens - 1, 1], 48)
     assert err.value.status == 400 and err.value.param == param and "past the 2,097,152" in err.value.message
+    # (regression: it said "one response carries", which a chat's, showing its prompt's once, does not)
+    assert "one request may ask for" in err.value.message and "response" not in err.value.message
     check_fan_out(_req(**kw), [tokens - 2, 1], 48)
 
 
