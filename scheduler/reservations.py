@@ -137,6 +137,7 @@ class Reservations:
         req.hit_tokens = {"l1": 0, "l2": 0, "l3": 0}
         req.restore_tier, req.restore_l1_start, req.restore_op = "none", 0, None
         req.restore_failed = req.restore_declined = req.landed_offered = False
+        req.promoted_tokens = 0  # (what its L3 read promoted was its first admission's hit, not its resumption's)
         req.span_plan = None  # (its next prefill is no first token to learn the cost model from)
         req.state = RequestState.WAITING
         enqueue(eng.waiting, req)

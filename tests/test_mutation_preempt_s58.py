@@ -70,11 +70,14 @@ def test_a_preemption_resets_its_requests_admission_and_raises_the_share_by_deco
     prefilling = decoding_request("p", 0, state=RequestState.PREFILL)
     req.hit_tokens = {"l1": 4, "l2": 8, "l3": 0}
     req.restore_tier, req.restore_l1_start, req.restore_declined, req.span_plan = "l2", 4, True, object()
+    req.promoted_tokens = 8  # (its prefetch brought 8 tokens from L3 to L2)
     eng.running.extend([other, prefilling, req])
     adm.preempt(req)
     assert list(eng.waiting) == [req] and req.state is RequestState.WAITING and req.resumed_tokens == 6
     assert req.served_hits == {"l1": 4, "l2": 8, "l3": 0} and req.hit_tokens == {"l1": 0, "l2": 0, "l3": 0}
     assert (req.restore_tier, req.restore_l1_start, req.restore_declined, req.span_plan) == ("none", 0, False, None)
+    # (regression: promoted_tokens stayed, so a resumption's L2 restore of its own K/V logged that much as L3 hits)
+    assert req.promoted_tokens == 0
     assert req.preemptions == 1 and eng.stats["preempted"] == 1
     assert adm.auto_ratio.value == pytest.approx((30 + 20) / 100)  # (not (30 + 20 + 0 + 20) / 200 with `p`)
 
