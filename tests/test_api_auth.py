@@ -137,7 +137,7 @@ def test_without_the_flags_nothing_changes(engine):
 
 # -- the command line ------------------------------------------------------------------------------------
 def parse(*argv: str):
-    return serve.build_parser().parse_args(["--model", "tiny", *argv])
+    return serve.build_parser().parse_args(["--port", "0", "--model", "tiny", *argv])
 
 
 def test_cli_flags_become_the_limits(monkeypatch):
@@ -169,7 +169,7 @@ def test_cli_api_key_falls_back_to_hicache_api_key(monkeypatch):
 ])
 def test_cli_refuses_empty_names(argv, says, capsys):
     assert says in serve._check_server_args(parse(*argv))
-    assert serve.main(["--device", "cpu", "--model", "tiny", *argv]) == 2
+    assert serve.main(["--port", "0", "--device", "cpu", "--model", "tiny", *argv]) == 2
     assert says in capsys.readouterr().err
 
 

@@ -128,7 +128,7 @@ def test_bad_sampling_fields_are_400s_naming_them_while_a_defaulted_stream_runs(
 def test_generation_config_takes_a_directory_as_vllms_does(ckpt, tmp_path, capsys):
     """vLLM's --generation-config is auto, vllm or a directory holding generation_config.json (its
     defaults then, whatever the model); regression: a directory was argparse's "invalid choice"."""
-    args = serve.build_parser().parse_args(["--model", "tiny", "--generation-config", str(ckpt)])
+    args = serve.build_parser().parse_args(["--port", "0", "--model", "tiny", "--generation-config", str(ckpt)])
     assert serve._check_server_args(args) is None
     defaults = serve._generation_defaults(args)
     assert defaults.given() == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.01,
@@ -136,6 +136,7 @@ def test_generation_config_takes_a_directory_as_vllms_does(ckpt, tmp_path, capsy
     (tmp_path / "generation_config.json").write_text("{}")
     for bad in (tmp_path / "missing", ckpt.parent, ""):  # no directory; one without the file; "" (not the cwd)
         with contextlib.chdir(tmp_path):
-            assert serve.main(["--device", "cpu", "--model", "tiny", "--generation-config", str(bad)]) == 2
+            assert serve.main(["--port", "0", "--device", "cpu", "--model", "tiny",
+                               "--generation-config", str(bad)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("hicache-serve: --generation-config ") and str(bad) in err and err.count("\n") == 1, err

@@ -28,7 +28,8 @@ def test_the_flag_reads_a_file_or_takes_the_template_itself(tmp_path):
 
 
 def test_a_template_that_does_not_compile_stops_the_server_before_the_model_loads(capsys):
-    assert serve.main(["--device", "cpu", "--model", "tiny", "--chat-template", "{% for m in messages %}"]) == 2
+    assert serve.main(["--port", "0", "--device", "cpu", "--model", "tiny",
+                       "--chat-template", "{% for m in messages %}"]) == 2
     assert "does not compile" in capsys.readouterr().err
     assert serve.build_parser().parse_args(["--model", "tiny"]).chat_template is None
 

@@ -78,7 +78,7 @@ def test_a_temporary_l3_file_leaves_nothing_however_its_process_ends(tmp_path, h
 
 def test_the_servers_host_and_port_are_checked_before_the_model_loads(capsys, monkeypatch):
     monkeypatch.setattr(serve, "Engine", lambda config: pytest.fail("the model was built"))
-    assert serve.main(["--model", "tiny", "--device", "cpu", "--host", ""]) == 2
+    assert serve.main(["--port", "0", "--model", "tiny", "--device", "cpu", "--host", ""]) == 2
     assert "--host must not be empty" in capsys.readouterr().err
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -86,7 +86,7 @@ def test_the_servers_host_and_port_are_checked_before_the_model_loads(capsys, mo
         port = taken.getsockname()[1]
         assert serve.main(["--model", "tiny", "--device", "cpu", "--port", str(port)]) == 2
     assert f"--port {port} on --host 127.0.0.1:" in capsys.readouterr().err
-    assert serve.main(["--model", "tiny", "--device", "cpu", "--log-json", ""]) == 2
+    assert serve.main(["--port", "0", "--model", "tiny", "--device", "cpu", "--log-json", ""]) == 2
     assert "--log-json must not be empty" in capsys.readouterr().err
 
 

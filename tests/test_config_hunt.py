@@ -22,7 +22,7 @@ SIM = ["--simulate", "--no-progress", "--max-requests", "2"]  # the bundled samp
 
 def serve_error(capsys, argv: list[str]) -> tuple[int, str]:
     """hicache-serve's exit code and stderr for a configuration it must refuse before serving."""
-    code = serve.main(["--device", "cpu", *argv])
+    code = serve.main(["--port", "0", "--device", "cpu", *argv])
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return code, err

@@ -215,7 +215,7 @@ def test_a_bad_value_stops_the_server_before_the_model_loads(tmp_path, capsys):
     path.mkdir()
     (path / "config.json").write_text(json.dumps(PRESETS["tiny"].to_hf_config()))
     write_generation_config(path, {**QWEN3, "top_k": 20.5})
-    code = serve.main(["--device", "cpu", "--model", str(path)])
+    code = serve.main(["--port", "0", "--device", "cpu", "--model", str(path)])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err == f"hicache-serve: {path / 'generation_config.json'}: 'top_k' must be an integer >= -1 " \

@@ -287,7 +287,7 @@ def test_hicache_serve_names_the_store_file_the_os_cannot_size(monkeypatch, tmp_
     from scheduler import serve
     path = tmp_path / "l3.kv"
     monkeypatch.setattr(os, "ftruncate", _fail_with(errno.EFBIG))
-    code = serve.main(["--device", "cpu", "--enable-hicache", "--hicache-storage-path", str(path)])
+    code = serve.main(["--port", "0", "--device", "cpu", "--enable-hicache", "--hicache-storage-path", str(path)])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert str(path) in err and "File too large" in err and "--hicache-storage-path" in err, err

@@ -136,7 +136,7 @@ def test_server_refuses_enable_hicache_with_disable_prefix_cache(capsys, monkeyp
     """Before: the server started, its L2/L3 idle."""
     served = []
     monkeypatch.setattr(serve._Server, "run", lambda self, *a, **k: served.append(True))
-    code = serve.main(["--device", "cpu", "--enable-hicache", "--disable-prefix-cache"])
+    code = serve.main(["--port", "0", "--device", "cpu", "--enable-hicache", "--disable-prefix-cache"])
     err = capsys.readouterr().err
     assert code == 2 and not served, err
     assert "--enable-hicache" in err and "--disable-prefix-cache" in err and "Traceback" not in err, err

@@ -48,7 +48,7 @@ def test_a_tokenizer_file_that_cannot_be_read_is_one_line_before_the_weights_loa
     def no_engine(config):
         raise AssertionError("the weights were loaded before the tokenizer was read")
     monkeypatch.setattr(serve, "Engine", no_engine)
-    assert serve.main(["--device", "cpu", "--model", str(ckpt)]) == 2
+    assert serve.main(["--port", "0", "--device", "cpu", "--model", str(ckpt)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hicache-serve: cannot read the tokenizer's") and str(ckpt / name) in err, err
     assert "Traceback" not in err

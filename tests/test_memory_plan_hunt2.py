@@ -94,7 +94,7 @@ def test_a_storage_path_that_cannot_be_used_is_refused_naming_the_flag_before_th
     directory ("refusing L3 storage path '/cwd': it exists and is not a regular file"), and a
     directory, or a path in none, were refused naming no flag, each only after the model was loaded
     (minutes, for a checkpoint)."""
-    rc = serve.main(["--model", "tiny", "--device", "cpu", "--enable-hicache", "--hicache-storage-path",
+    rc = serve.main(["--port", "0", "--model", "tiny", "--device", "cpu", "--enable-hicache", "--hicache-storage-path",
                      path_of(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("hicache-serve: --hicache-storage-path") and err.count("\n") == 1, err

@@ -209,8 +209,8 @@ def test_server_flags_that_cannot_be_used_are_one_line_and_exit_2(argv, says, ca
     without --enable-auto-tool-choice (or the other way round: vLLM's flags go together)."""
     from scheduler import serve
 
-    assert says in serve._check_server_args(serve.build_parser().parse_args(["--model", "tiny", *argv]))
-    assert serve.main(["--device", "cpu", "--model", "tiny", *argv]) == 2
+    assert says in serve._check_server_args(serve.build_parser().parse_args(["--port", "0", "--model", "tiny", *argv]))
+    assert serve.main(["--port", "0", "--device", "cpu", "--model", "tiny", *argv]) == 2
     assert says in capsys.readouterr().err
 
 

@@ -150,7 +150,7 @@ def test_the_flag_reaches_the_server(monkeypatch, argv, parser):
             pass
 
     monkeypatch.setattr(serve, "_Server", NoListen)
-    assert serve.main(["--device", "cpu", "--model", "tiny", "--max-total-tokens", "256", *argv]) == 0
+    assert serve.main(["--port", "0", "--device", "cpu", "--model", "tiny", "--max-total-tokens", "256", *argv]) == 0
     assert seen == [parser]
 
 

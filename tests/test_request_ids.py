@@ -187,5 +187,5 @@ def test_the_flag_reaches_the_server(monkeypatch):
     monkeypatch.setattr(serve, "create_app", create)
     for argv in (["--enable-request-id-headers"], []):
         with pytest.raises(Started):
-            serve.main(["--device", "cpu", "--model", "tiny", *argv])
+            serve.main(["--port", "0", "--device", "cpu", "--model", "tiny", *argv])
     assert [limits.enable_request_id_headers for limits in seen] == [True, False]

@@ -78,7 +78,7 @@ def test_a_storage_path_beside_the_redis_backend_is_refused_for_that_not_for_its
     only used by the file backend: a missing directory was the message, not the real problem."""
     from scheduler.serve import main
 
-    code = main(["--model", "tiny", "--enable-hicache", "--hicache-storage-backend", "redis",
+    code = main(["--port", "0", "--model", "tiny", "--enable-hicache", "--hicache-storage-backend", "redis",
                  "--hicache-storage-url", "redis://127.0.0.1:1/0", "--hicache-storage-path", "/no/such/dir/l3.kv"])
     err = capsys.readouterr().err
     assert code == 2 and "only used by --hicache-storage-backend file" in err, err

@@ -182,6 +182,6 @@ def test_hicache_flags_without_enable_hicache_are_named_at_start(monkeypatch, ca
     assert serve._idle_hicache_flags(parser, parser.parse_args(["--hicache-policy", "cost"])) == []  # (the default)
     ran = []
     monkeypatch.setattr(serve._Server, "run", lambda self: ran.append(True))  # start, then return at once
-    assert serve.main(["--device", "cpu", "--model", "tiny", "--hicache-size-gb", "1"]) == 0 and ran
+    assert serve.main(["--port", "0", "--device", "cpu", "--model", "tiny", "--hicache-size-gb", "1"]) == 0 and ran
     err = capsys.readouterr().err
     assert "ignored without --enable-hicache (L1 only): --hicache-size-gb\n" in err, err

@@ -165,7 +165,7 @@ def test_the_server_flag_reaches_the_engine_config():
     ('{"method": "medusa", "num_speculative_tokens": 2}', "not served"),
 ])
 def test_the_server_refuses_a_bad_flag_with_exit_2(capsys, value, match):
-    assert serve.main(["--device", "cpu", "--model", "tiny", "--speculative-config", value]) == 2
+    assert serve.main(["--port", "0", "--device", "cpu", "--model", "tiny", "--speculative-config", value]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hicache-serve: ") and len(err.strip().splitlines()) == 1
     assert re.search(match, err), err

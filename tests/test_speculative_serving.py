@@ -185,12 +185,12 @@ def test_the_serve_cli_builds_a_speculating_engine(monkeypatch):
         run=lambda: None))
     flag = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
                        "draft_policy": "always"})
-    assert serve.main(["--model", "tiny", "--device", "cpu", "--speculative-config", flag, "--enable-hicache",
-                       "--scheduling-policy", "priority"]) == 0
+    assert serve.main(["--port", "0", "--model", "tiny", "--device", "cpu", "--speculative-config", flag,
+                       "--enable-hicache", "--scheduling-policy", "priority"]) == 0
     eng = built[0].state.hc.engine
     assert eng.config.speculative == SPEC and eng.speculator is not None and eng.speculator.config == SPEC
     assert eng.config.hicache.enable and eng.config.scheduling_policy == "priority"
-    assert serve.main(["--model", "tiny", "--device", "cpu"]) == 0
+    assert serve.main(["--port", "0", "--model", "tiny", "--device", "cpu"]) == 0
     assert built[1].state.hc.engine.speculator is None
     for app in built:  # (the L3 temp file removed)
         asyncio.run(app.state.hc.engine.shutdown())
