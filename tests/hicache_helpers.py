@@ -34,10 +34,10 @@ class CompletionGate:
         setattr(store, method, self._held)
 
     def _held(self, *args, **kwargs):
-        inner, outer = self._call(*args, **kwargs), cf.Future()
+        inner, outer, gate = self._call(*args, **kwargs), cf.Future(), self._gate_of_call()
 
         def relay():
-            self.gate.wait(30)
+            gate.wait(30)
             self.released(inner)
             try:
                 outer.set_result(inner.result())
@@ -45,6 +45,10 @@ class CompletionGate:
                 outer.set_exception(exc)
         threading.Thread(target=relay, daemon=True).start()
         return outer
+
+    def _gate_of_call(self) -> threading.Event:
+        """The event a call waits for: the one gate (EachWriteGate: each call's own)."""
+        return self.gate
 
     def released(self, inner) -> None:
         """Called with a held call's own future once the gate opened, before its result is relayed."""
@@ -58,6 +62,18 @@ class WriteGate(CompletionGate):
 
     def __init__(self, store) -> None:
         super().__init__(store, "write_pages")
+
+
+class EachWriteGate(CompletionGate):
+    """Each L3 write held by an event of its own (`events`, one per call, in call order)."""
+
+    def __init__(self, store) -> None:
+        self.events: list[threading.Event] = []
+        super().__init__(store, "write_pages")
+
+    def _gate_of_call(self) -> threading.Event:
+        self.events.append(threading.Event())
+        return self.events[-1]
 
 
 class ReadGate(CompletionGate):

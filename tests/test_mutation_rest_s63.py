@@ -3,8 +3,6 @@ rules no test pinned, each test named after what a user would notice."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
-import threading
 
 import pytest
 
@@ -15,34 +13,12 @@ from scheduler.api_models import APIError, ChatCompletionRequest
 from scheduler.reasoning import prompt_opens_thinking
 from scheduler.request import SEED_MAX, SamplingParams
 from scheduler.tokenizer import ByteTokenizer, HFTokenizer
-from hicache_helpers import WriteGate, assert_whole, hold_copies, make_manager, toks, until, write_prefix
+from hicache_helpers import EachWriteGate, WriteGate, assert_whole, hold_copies, make_manager, toks, until, write_prefix
 from tokenizer_files import write_byte_tokenizer
 
 
 def lengths(mgr, *prefixes) -> list[list[int]]:
     return [mgr.tree.match(p, include_storage=True, touch=False).lengths for p in prefixes]
-
-
-class EachWrite:
-    """Each L3 write's completion held by an event of its own (`events`, one per call, in order)."""
-
-    def __init__(self, store) -> None:
-        self.events: list[threading.Event] = []
-        self._call = store.write_pages
-        store.write_pages = self._held
-
-    def _held(self, *args, **kwargs):
-        inner, outer, event = self._call(*args, **kwargs), cf.Future(), threading.Event()
-        self.events.append(event)
-
-        def relay():
-            event.wait(30)
-            try:
-                outer.set_result(inner.result())
-            except BaseException as exc:
-                outer.set_exception(exc)
-        threading.Thread(target=relay, daemon=True).start()
-        return outer
 
 
 @pytest.mark.asyncio
@@ -92,7 +68,7 @@ async def test_a_newer_backup_of_the_same_tokens_is_not_duplicated_when_the_olde
     write_prefix(mgr, x)
     write_prefix(mgr, y[:8], 4)
     write_prefix(mgr, y, 8)  # y's last page a node of its own
-    writes = EachWrite(mgr.store)
+    writes = EachWriteGate(mgr.store)
     runner = mgr.runner
     assert runner.start_backup(x) is not None
     await until(lambda: len(writes.events) == 1, 10)
