@@ -129,7 +129,10 @@ def _scan_victims(tree, tier, num_pages, keep=None):
         victims.append(node.node_id)
         freed += len(node.pages[tier])
         parent = node.parent
-        others = [c for c in parent.children.values() if c is not node and c.pages[tier] is not None]
+        # (a sibling chosen before is gone by now too: regression, the walk counted it, so a parent left a leaf
+        # by its last two children was never offered, in a tree shape only some node ids' vetoes led to)
+        others = [c for c in parent.children.values()
+                  if c is not node and c.pages[tier] is not None and c.node_id not in victims]
         if (parent is not tree.root and parent.pages[tier] is not None and parent.locks[tier] == 0
                 and not others and id(parent) not in leaf_now):
             heapq.heappush(heap, (parent.stamp[tier], parent.node_id, parent))
