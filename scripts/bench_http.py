@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_cli import check_device, human_output, positive_int, refused_as_usage  # noqa: E402
 from bench_common import add_common_args, percentile, write_result  # noqa: E402
+from scheduler.api_auth import api_key_from  # noqa: E402
 from scheduler.config import add_engine_args, config_from_args  # noqa: E402
 from scheduler.engine import Engine  # noqa: E402
 from scheduler.presets import model_config_of  # noqa: E402
@@ -71,11 +72,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def client_settings() -> dict:
+    """httpx's settings for calls to the server this script starts: on this machine, so never through a proxy of
+    the environment's (HTTP_PROXY and the like); with the key that server takes from HICACHE_API_KEY, which it
+    inherits (regression: with the variable set, every call was refused 401 and the benchmark ended in a
+    traceback)."""
+    key = api_key_from(None)
+    return {"trust_env": False, "headers": {"Authorization": f"Bearer {key}"} if key else {}}
+
+
 async def over_http(url: str, args, batches, stream: bool) -> dict:
     body = {"max_tokens": args.new_tokens, "ignore_eos": True, "temperature": args.temperature, "seed": 1,
             "stream": stream}
     limits = httpx.Limits(max_connections=args.batch + 1, max_keepalive_connections=args.batch + 1)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits, **client_settings()) as client:
         async def one(prompt) -> list[float]:
             if not stream:
                 r = await client.post("/v1/completions", json={**body, "prompt": prompt})
@@ -138,7 +148,7 @@ def server_log(proc: subprocess.Popen, lines: int = 30) -> str:
 
 async def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
-    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=5, **client_settings()) as client:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"the server exited with status {proc.returncode}:\n{server_log(proc)}")

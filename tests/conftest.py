@@ -3,6 +3,12 @@ shapes run fastest that way on a shared 2-core machine), logs stay quiet unless 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# A developer's shell, unlike CI's, may hold what changes every server test: HICACHE_API_KEY (hicache-serve's key
+# where --api-key is not given; a test that wants it sets it with monkeypatch) and a proxy for httpx and the openai
+# client (the tests' servers are on 127.0.0.1; a proxy would carry those calls off this machine). The servers that
+# tests start in a subprocess inherit what is left.
+for _var in ("HICACHE_API_KEY", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
+    os.environ.pop(_var, None)
 
 import pytest  # noqa: E402
 import structlog  # noqa: E402
