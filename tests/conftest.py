@@ -9,6 +9,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # tests start in a subprocess inherit what is left.
 for _var in ("HICACHE_API_KEY", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
     os.environ.pop(_var, None)
+# argparse wraps help and usage at $COLUMNS (80 where stdout is no terminal, as in CI): a narrow shell's value
+# split the `usage: hicache-replay ...` line that the scripts' tests read (envhunt63).
+os.environ["COLUMNS"] = "80"
 
 import pytest  # noqa: E402
 import structlog  # noqa: E402

@@ -23,6 +23,17 @@ def test_the_suite_runs_without_the_shells_key_or_proxy():
     assert [v for v in SHELL_ONLY if v in os.environ] == []
 
 
+def test_the_suite_formats_help_at_80_columns_whatever_the_shell():
+    """Regression: with COLUMNS=30 exported, test_scripts_s38's help test failed (argparse wrapped the usage line
+    after `usage: hicache-replay`); conftest.py fixes the width CI's pipes give."""
+    from scheduler.replay_args import build_parser
+
+    assert os.environ["COLUMNS"] == "80"
+    parser = build_parser()
+    parser.prog = "hicache-replay"
+    assert parser.format_usage().startswith("usage: hicache-replay [-h] ")
+
+
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
     with byte_level_server(tmp_path_factory, tiny_config(max_new_tokens_limit=8),
