@@ -16,6 +16,18 @@ def engine(**kw) -> Engine:
     return Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=512, **kw))
 
 
+def poison_the_next_decode_step(eng: Engine) -> None:
+    """The next decode step's requests have their K/V turned NaN just before it is planned (their logits NaN)."""
+    orig = eng.admission.decode_batch
+
+    def poisoned():
+        for r in eng.running:
+            eng.cache.l1.kv[:, :, torch.tensor(r.pages, dtype=torch.int64)] = float("nan")
+        eng.admission.decode_batch = orig
+        return orig()
+    eng.admission.decode_batch = poisoned
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_decode_tokens_are_the_tokens_yielded_after_each_first(overlap):
     rng = random.Random(7)
@@ -63,14 +75,7 @@ async def test_a_nan_row_of_a_verify_step_is_not_counted_as_decoded(spec):
     [first] = await eng.generate_async([prompt], SamplingParams(max_tokens=12, ignore_eos=True))  # (its answer:
     made = eng.stats["decode_tokens"]  # the next one's drafts, from the prefix cache)
     verified = eng.speculator.stats["verify_steps"] if spec else 0
-    orig = eng.admission.decode_batch
-
-    def poisoned():  # (the first decode step: its request's K/V NaN)
-        for r in eng.running:
-            eng.cache.l1.kv[:, :, torch.tensor(r.pages, dtype=torch.int64)] = float("nan")
-        eng.admission.decode_batch = orig
-        return orig()
-    eng.admission.decode_batch = poisoned
+    poison_the_next_decode_step(eng)
     [r] = await eng.generate_async([prompt], SamplingParams(max_tokens=12, ignore_eos=True))
     assert r.finish_reason == "error" and "NaN" in r.error and r.output_ids == first.output_ids[:1], r
     if spec is not None:

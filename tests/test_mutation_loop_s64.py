@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 
 from hicache.radix import Tier
 from hicache_helpers import until
@@ -13,6 +12,8 @@ from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import Request, RequestState, SamplingParams
 from scheduler.speculative import SpeculativeConfig
+from test_decode_token_count import poison_the_next_decode_step
+from test_mutation_loop_s63 import _record
 
 
 def _hicache_engine(**kw) -> Engine:
@@ -32,17 +33,13 @@ def _hold_h2d(eng: Engine) -> asyncio.Event:
     return gate
 
 
-def _record(eng: Engine) -> list[str]:
-    """Each launched step's kind: P prefill, V verify, D a decode step the loop planned, C one chained on it."""
-    kinds, launch = [], eng._launch
-
-    def recorded(work, chain=None):
-        b = work.binput
-        kinds.append("P" if not b.is_decode and b.verify_drafts is None else "V" if not b.is_decode
-                     else "C" if chain is not None else "D")
-        return launch(work, chain)
-    eng._launch = recorded
-    return kinds
+async def _prefix_in_l2_only(eng: Engine) -> tuple[list[int], asyncio.Event]:
+    """A 16-token prefix computed, then flushed from L1 (in L2 only), with its restores held (`_hold_h2d`)."""
+    prefix = [(i * 5) % 97 + 1 for i in range(16)]
+    await eng.generate_async([prefix + [1]], SamplingParams(max_tokens=1))
+    await eng.stop_loop()
+    eng.cache.flush(Tier.L1)
+    return prefix, _hold_h2d(eng)
 
 
 def _steps(eng: Engine) -> list[tuple[int, int, bool, bool]]:
@@ -85,11 +82,7 @@ async def test_decode_chains_right_after_a_forward_behind_an_overlapped_restore(
     """A request whose tail's forward ran behind its overlapped restore waits for the restore, not for a chunk
     (`_chunks_wait`): the decode step after that forward chains on as after any short prefill."""
     eng = _hicache_engine(num_pages=128)
-    prefix = [(i * 5) % 97 + 1 for i in range(16)]
-    await eng.generate_async([prefix + [1]], SamplingParams(max_tokens=1))
-    await eng.stop_loop()
-    eng.cache.flush(Tier.L1)  # the prefix is in L2 only
-    gate = _hold_h2d(eng)
+    prefix, gate = await _prefix_in_l2_only(eng)
     kinds = _record(eng)
     await eng.start()
     decoding = eng.add_request([3, 4, 5, 6], SamplingParams(max_tokens=200, ignore_eos=True))
@@ -113,11 +106,7 @@ async def test_each_chained_step_is_timed_from_its_own_launch_and_restore_overla
     not when the chain's first step was; and the time decode steps ran beside a pending restore
     (restore_overlapped_s) counts each instant once, though a chained step starts before the one before ends."""
     eng = _hicache_engine(num_pages=128, restore_overlap=False)
-    prefix = [(i * 5) % 97 + 1 for i in range(16)]
-    await eng.generate_async([prefix + [1]], SamplingParams(max_tokens=1))
-    await eng.stop_loop()
-    eng.cache.flush(Tier.L1)  # the prefix is in L2 only
-    gate = _hold_h2d(eng)
+    prefix, gate = await _prefix_in_l2_only(eng)
     steps = _steps(eng)
     await eng.start()
     decoding = eng.add_request([3, 4, 5, 6], SamplingParams(max_tokens=200, ignore_eos=True))
@@ -152,14 +141,7 @@ async def test_a_nan_row_of_a_verify_step_fails_as_nan_though_the_request_restri
     params = SamplingParams(max_tokens=12, ignore_eos=True, allowed_token_ids=(5, 7))
     [first] = await eng.generate_async([prompt], params)  # (its answer: the next one's drafts, from the prefix cache)
     verified = eng.speculator.stats["verify_steps"]
-    orig = eng.admission.decode_batch
-
-    def poisoned():  # (the first decode step: its request's K/V NaN)
-        for r in eng.running:
-            eng.cache.l1.kv[:, :, torch.tensor(r.pages, dtype=torch.int64)] = float("nan")
-        eng.admission.decode_batch = orig
-        return orig()
-    eng.admission.decode_batch = poisoned
+    poison_the_next_decode_step(eng)  # (the first decode step: its request's K/V NaN)
     [r] = await eng.generate_async([prompt], params)
     assert eng.speculator.stats["verify_steps"] == verified + 1  # (the premise: the NaN step was a verify step)
     assert r.finish_reason == "error" and "NaN" in r.error and r.output_ids == first.output_ids[:1], r
@@ -194,11 +176,7 @@ async def test_a_request_aborted_while_the_loop_waits_for_a_blocking_restore_is_
     eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=128, restore_overlap=False)
                  .with_hicache(enable=True, policy="always", transfer_backend="torch", storage_ratio=0.0,
                                prefetch=False))
-    prefix = [(i * 5) % 97 + 1 for i in range(16)]
-    await eng.generate_async([prefix + [1]], SamplingParams(max_tokens=1))
-    await eng.stop_loop()
-    eng.cache.flush(Tier.L1)  # the prefix is in L2 only
-    gate = _hold_h2d(eng)
+    prefix, gate = await _prefix_in_l2_only(eng)
     await eng.start()
     restoring = eng.add_request(prefix + [2], SamplingParams(max_tokens=2))
     behind = eng.add_request([50, 51, 52, 53], SamplingParams(max_tokens=2))
