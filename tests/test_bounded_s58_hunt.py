@@ -1,26 +1,57 @@
 """Session 58's bounded-structures hunt (tiny preset, CPU)."""
 from __future__ import annotations
 
+import asyncio
 import gc
 import random
+import time
 import tracemalloc
 
 import pytest
 
 from hicache.faults import Fault, FaultInjector
 from hicache.radix import Tier
+from hicache.storage import FileStore
 from scheduler.request import SamplingParams
 from test_leak_hunt import VOCAB, assert_idle, make_engine
 
 
+async def kept_hicache_bytes(bound_bytes: int, within_s: float = 5.0) -> tuple[int, tracemalloc.Snapshot]:
+    """The traced bytes hicache/ allocated that are still alive, taken again (for up to `within_s`) while over
+    `bound_bytes`: an L3 worker thread holds its finished task's arguments until the OS runs it again, and through
+    the failed write's exception (its traceback) the backup driver's frame with the prompt's key and pages (seen
+    once in CI on a loaded machine). A leak stays; that thread lets go."""
+    give_up_at = time.monotonic() + within_s
+    while True:
+        gc.collect()
+        snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/hicache/*")])
+        kept = sum(s.size for s in snap.statistics("filename"))
+        if kept < bound_bytes or time.monotonic() > give_up_at:
+            return kept, snap
+        await asyncio.sleep(0.02)
+
+
 @pytest.mark.asyncio
-async def test_write_back_failed_l3_writes_keep_no_prompt_once_the_tree_dropped_it():
+@pytest.mark.parametrize("lagging_io_threads", [False, True])
+async def test_write_back_failed_l3_writes_keep_no_prompt_once_the_tree_dropped_it(lagging_io_threads, monkeypatch):
     """Regression: under write_back each failed backup's whole token key went into the op runner's
     `_backup_failed` (the eviction veto's memory), up to 1,024 of them. A backup whose L3 write failed had its
     L2 copy, so the veto (which returns for a node L2 holds before reading it) never took the key out: every
     failed L3 write (EIO, a Redis error) kept a prompt-long tuple for good, after the tree had dropped the prefix
     from every tier: 1,024 x 4,096 tokens at the tiny preset's context, 1,024 x 40,960 (~1.7 GB with their ints)
-    at qwen3-8b's. Once the prompts left every tier, the backups' bookkeeping holds (near) no bytes of them."""
+    at qwen3-8b's. Once the prompts left every tier, the backups' bookkeeping holds (near) no bytes of them.
+    lagging_io_threads: each L3 task's thread lingers before it takes the next (a loaded machine's scheduling):
+    regression, the test failed once in CI on a thread's transient hold (`kept_hicache_bytes`), not a leak."""
+    if lagging_io_threads:
+        run_task = FileStore._run_task
+
+        def lagging(self, op, pieces):
+            try:
+                return run_task(self, op, pieces)
+            finally:
+                time.sleep(0.1)
+
+        monkeypatch.setattr(FileStore, "_run_task", lagging)
     faults = FaultInjector()
     faults.arm(Fault.EIO_WRITE, times=None)
     eng = make_engine(faults, num_pages=1200, write_policy="write_back")
@@ -36,13 +67,11 @@ async def test_write_back_failed_l3_writes_keep_no_prompt_once_the_tree_dropped_
             await eng.cache.flush_async(tier, through_l3=True)
             await eng.cache.drain()
         assert sum(1 for _ in eng.cache.tree.iter_nodes()) == 1  # (the root alone)
-        gc.collect()
-        snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/hicache/*")])
+        # (8 prompts of 1,000 tokens: 64,000 bytes of tuple alone where their keys are kept)
+        kept, snap = await kept_hicache_bytes(16_000)
     finally:
         tracemalloc.stop()
     assert eng.metrics()["failures"].get("eio") == len(prompts)
-    kept = sum(s.size for s in snap.statistics("filename"))
-    # (8 prompts of 1,000 tokens: 64,000 bytes of tuple alone where their keys are kept)
     assert kept < 16_000, snap.statistics("lineno")[:3]
     await eng.stop_loop()
     assert_idle(eng)
