@@ -259,3 +259,35 @@ async def test_a_decode_chain_launches_no_step_past_a_requests_last_token():
     assert len(req.output) == 12 and "C" in kinds  # (the premise: its steps chained)
     assert "".join(kinds).count("P") == 1 and len(kinds) == 12, kinds  # its prefill, then 11 decode steps
     await eng.shutdown()
+
+
+
+@pytest.mark.asyncio
+async def test_a_preempted_request_with_prompt_logprobs_resumes_on_its_kept_pages():
+    """A39 (session 65): a request asking for prompt logprobs computes every prompt row once (it reuses no cached
+    prefix), but a preempted one has them all: its resumption reuses the K/V it kept (L1's, or L2's restored),
+    as any other request's does, instead of recomputing its whole context (prompt and output so far)."""
+    from test_preemption import config, prompt_of
+
+    eng = Engine(config(0.0, "l2"))  # (no decode reserve: requests that outgrow L1 are preempted)
+    resumed: list[int] = []  # the tokens each resumption found cached
+    admit = eng.admission._admit
+
+    async def admitted(req, *args, **kw):
+        out = await admit(req, *args, **kw)
+        if out and req.resumed_tokens > 0:
+            resumed.append(req.cached_len)
+        return out
+    eng.admission._admit = admitted
+    await eng.start()
+    params = SamplingParams(max_tokens=30, ignore_eos=True, prompt_logprobs=2)
+    reqs = [eng.add_request(prompt_of(i), params) for i in range(6)]
+    await until(lambda: all(r.state.done for r in reqs), 120)
+    try:
+        assert all(r.state is RequestState.FINISHED and len(r.prompt_logprobs) == len(r.prompt) for r in reqs)
+        assert resumed, "nothing was preempted"
+        assert any(cached > 0 for cached in resumed), resumed
+        await eng.cache.drain()
+        eng.cache.check_integrity()
+    finally:
+        await eng.shutdown()
