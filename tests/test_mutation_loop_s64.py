@@ -291,3 +291,32 @@ async def test_a_preempted_request_with_prompt_logprobs_resumes_on_its_kept_page
         eng.cache.check_integrity()
     finally:
         await eng.shutdown()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("variant", ["plain", "l2"])
+async def test_a_preempted_request_keeps_its_first_prefills_start(variant):
+    """A25 (session 65): a request's `scheduled_s` is its first prefill's start, and a preemption does not move
+    it: the server's phases read from it (vllm:request_prefill_time_seconds, first token minus it, went negative
+    for a request resumed after its first token; request_inference_time_seconds lost the time before)."""
+    from test_preemption import config, prompt_of
+
+    eng = Engine(config(0.0, variant))  # (l2: resumptions behind an overlapped restore too)
+    first: dict[str, float] = {}  # rid -> scheduled_s as its first admission left it
+    admit = eng.admission._admit
+
+    async def admitted(req, *args, **kw):
+        out = await admit(req, *args, **kw)
+        if req.scheduled_s is not None:
+            first.setdefault(req.rid, req.scheduled_s)
+        return out
+    eng.admission._admit = admitted
+    await eng.start()
+    reqs = [eng.add_request(prompt_of(i), SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(6)]
+    await until(lambda: all(r.state.done for r in reqs), 120)
+    try:
+        preempted = [r for r in reqs if r.preemptions]
+        assert preempted, "nothing was preempted"
+        assert [r.scheduled_s for r in preempted] == [first[r.rid] for r in preempted]
+    finally:
+        await eng.shutdown()
