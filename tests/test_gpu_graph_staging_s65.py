@@ -27,6 +27,19 @@ def graph_engine(**kw):
     return eng, eng.runner.graphs, eng.hold_l1_page("test")
 
 
+def alone_then_queued(step, inputs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Each input's `step` result run alone (the device idle before each), then all of them queued behind a busy
+    device (the host staging every step well before the device reads what it staged)."""
+    alone = []
+    for x in inputs:
+        alone.append(step(x))
+        torch.cuda.synchronize()
+    torch.cuda._sleep(BUSY_CYCLES)
+    queued = [step(x) for x in inputs]
+    torch.cuda.synchronize()
+    return alone, queued
+
+
 def test_graph_steps_queued_behind_a_busy_device_each_read_their_own_inputs():
     """Two pinned staging buffers alternate; a step refills one only once the device has copied what the step
     two before staged in it. Without that wait, a third step's inputs overwrote the first's before the device read
@@ -36,14 +49,7 @@ def test_graph_steps_queued_behind_a_busy_device_each_read_their_own_inputs():
     def step(token: int) -> torch.Tensor:  # one token at position 0 of `page`: its logits depend on its id alone
         return graphs.run((1, 1), [token], [0], [1], [[page]]).clone()  # [1, V]
 
-    tokens = [11, 222, 333, 444]
-    alone = []
-    for token in tokens:
-        alone.append(step(token))
-        torch.cuda.synchronize()
-    torch.cuda._sleep(BUSY_CYCLES)
-    queued = [step(token) for token in tokens]
-    torch.cuda.synchronize()
+    alone, queued = alone_then_queued(step, [11, 222, 333, 444])
     assert not torch.equal(alone[0], alone[2])  # (the tokens give different logits)
     assert all(torch.equal(a, q) for a, q in zip(alone, queued))
 
@@ -57,13 +63,7 @@ def test_prefill_graphs_queued_behind_a_busy_device_each_read_their_own_inputs()
     def prefill(prompt: list[int]) -> torch.Tensor:
         return graphs.run_prefill(length, prompt, [page]).clone()  # [1, V]
 
-    alone = []
-    for prompt in prompts:
-        alone.append(prefill(prompt))
-        torch.cuda.synchronize()
-    torch.cuda._sleep(BUSY_CYCLES)
-    queued = [prefill(prompt) for prompt in prompts]
-    torch.cuda.synchronize()
+    alone, queued = alone_then_queued(prefill, prompts)
     assert not torch.equal(alone[0], alone[1])
     assert all(torch.equal(a, q) for a, q in zip(alone, queued))
 
