@@ -16,6 +16,7 @@ import hicache.storage as storage
 from hicache.faults import Fault, FaultInjector
 from hicache.storage import FileStore, StorageError, _error_from_oserror
 from test_l3_reserve_hunt import SMALL, _Clock, _enospc_pwritev
+from test_storage import _flip_byte
 
 BPP = SMALL.bytes_per_page
 
@@ -23,14 +24,6 @@ BPP = SMALL.bytes_per_page
 def _pages(num_pages: int, seed: int = 0) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (num_pages, BPP), generator=gen, dtype=torch.uint8)
-
-
-def _flip_byte(path: str, offset_bytes: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset_bytes)
-        b = f.read(1)
-        f.seek(offset_bytes)
-        f.write(bytes([b[0] ^ 0x01]))
 
 
 # ---- errors: a quota is no room ------------------------------------------------------------------------------
