@@ -261,6 +261,16 @@ async def test_a_decode_chain_launches_no_step_past_a_requests_last_token():
     await eng.shutdown()
 
 
+def _after_each_admission(eng: Engine, record) -> None:
+    """`record(req, admitted)` after each admission attempt of `eng`'s loop."""
+    admit = eng.admission._admit
+
+    async def admitted(req, *args, **kw):
+        out = await admit(req, *args, **kw)
+        record(req, out)
+        return out
+    eng.admission._admit = admitted
+
 
 @pytest.mark.asyncio
 async def test_a_preempted_request_with_prompt_logprobs_resumes_on_its_kept_pages():
@@ -271,19 +281,16 @@ async def test_a_preempted_request_with_prompt_logprobs_resumes_on_its_kept_page
 
     eng = Engine(config(0.0, "l2"))  # (no decode reserve: requests that outgrow L1 are preempted)
     resumed: list[int] = []  # the tokens each resumption found cached
-    admit = eng.admission._admit
 
-    async def admitted(req, *args, **kw):
-        out = await admit(req, *args, **kw)
-        if out and req.resumed_tokens > 0:
+    def note_resumed(req, admitted) -> None:
+        if admitted and req.resumed_tokens > 0:
             resumed.append(req.cached_len)
-        return out
-    eng.admission._admit = admitted
+    _after_each_admission(eng, note_resumed)
     await eng.start()
     params = SamplingParams(max_tokens=30, ignore_eos=True, prompt_logprobs=2)
     reqs = [eng.add_request(prompt_of(i), params) for i in range(6)]
-    await until(lambda: all(r.state.done for r in reqs), 120)
     try:
+        await until(lambda: all(r.state.done for r in reqs), 120)
         assert all(r.state is RequestState.FINISHED and len(r.prompt_logprobs) == len(r.prompt) for r in reqs)
         assert resumed, "nothing was preempted"
         assert any(cached > 0 for cached in resumed), resumed
@@ -303,18 +310,15 @@ async def test_a_preempted_request_keeps_its_first_prefills_start(variant):
 
     eng = Engine(config(0.0, variant))  # (l2: resumptions behind an overlapped restore too)
     first: dict[str, float] = {}  # rid -> scheduled_s as its first admission left it
-    admit = eng.admission._admit
 
-    async def admitted(req, *args, **kw):
-        out = await admit(req, *args, **kw)
+    def note_first(req, _admitted) -> None:
         if req.scheduled_s is not None:
             first.setdefault(req.rid, req.scheduled_s)
-        return out
-    eng.admission._admit = admitted
+    _after_each_admission(eng, note_first)
     await eng.start()
     reqs = [eng.add_request(prompt_of(i), SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(6)]
-    await until(lambda: all(r.state.done for r in reqs), 120)
     try:
+        await until(lambda: all(r.state.done for r in reqs), 120)
         preempted = [r for r in reqs if r.preemptions]
         assert preempted, "nothing was preempted"
         assert [r.scheduled_s for r in preempted] == [first[r.rid] for r in preempted]
