@@ -134,12 +134,15 @@ class FileStore:
 
     def write_pages(self, host_buffer: torch.Tensor, host_pages: Sequence[int], slots: Sequence[int]) -> cf.Future:
         """Write host_buffer[host_pages[i]] into slot slots[i]; resolves to IoResult. Refused
-        (StorageError "enospc") while backing off after an ENOSPC (`write_retry_in_s`)."""
+        (StorageError "enospc") while backing off after an ENOSPC (`write_retry_in_s`), once its
+        arguments passed the checks every write gets (regression: a bad slot got "enospc", not
+        ValueError, until the pause ended)."""
+        checked = self._checked(False, host_buffer, host_pages, slots)
         wait_s = self.write_retry_in_s()
-        if wait_s > 0 and not self._closed:
+        if wait_s > 0:
             return _done_future(error=StorageError(
                 "enospc", f"L3 writes to {self.path!r} paused after ENOSPC (retry in {wait_s:.2f} s)"))
-        return self._submit(False, host_buffer, host_pages, slots)
+        return self._submit(checked)
 
     def write_retry_in_s(self) -> float:
         """Seconds until writes are tried again after an ENOSPC (0: they go ahead); the backups skip
@@ -155,7 +158,7 @@ class FileStore:
         (for a caller that takes them on then: a prefetch taken on to L1, hicache/restores.py);
         with `hold_checks` once every byte landed and the caller called
         `future.start_checks()` (the hashing threads would slow the caller's own work meanwhile)."""
-        return self._submit(True, host_buffer, host_pages, slots, checksums_after_landing, hold_checks)
+        return self._submit(self._checked(True, host_buffer, host_pages, slots), checksums_after_landing, hold_checks)
 
     def invalidate(self, slots: Sequence[int]) -> None:
         """Forget what the slots hold (the tree freed them); an in-flight write will not publish."""
@@ -265,22 +268,29 @@ class FileStore:
                              f"store pages are {self.bytes_per_page} bytes")
         return memoryview(flat.numpy()).cast("B"), num_pages
 
-    def _submit(self, is_read: bool, host_buffer: torch.Tensor, host_pages: Sequence[int],
-                slots: Sequence[int], checksums_after_landing: bool = False,
-                hold_checks: bool = False) -> cf.Future:
+    def _checked(self, is_read: bool, host_buffer: torch.Tensor, host_pages: Sequence[int],
+                 slots: Sequence[int]) -> tuple:
+        """An operation's arguments, checked: (is_read, host_buffer, its byte view or None when no
+        page moves, host pages, slots) as int64 arrays. Raises StorageError "closed" or ValueError."""
         self._check_open()
         slot_arr = self._slot_array(slots)
         host_arr = np.asarray(host_pages, dtype=np.int64).reshape(-1)
         if len(host_arr) != len(slot_arr):
             raise ValueError(f"{len(host_arr)} host pages but {len(slot_arr)} slots")
         if len(slot_arr) == 0:
-            return _done_future(IoResult(0, 0, 0, 0))
+            return is_read, host_buffer, None, host_arr, slot_arr
         view, num_host_pages = self._byte_view(host_buffer)
         if host_arr.min() < 0 or host_arr.max() >= num_host_pages:
             raise ValueError(f"host page out of range [0, {num_host_pages})")
         dest = host_arr if is_read else slot_arr
         if len(np.unique(dest)) != len(dest):
             raise ValueError(f"duplicate destination {'host pages' if is_read else 'slots'} in one operation")
+        return is_read, host_buffer, view, host_arr, slot_arr
+
+    def _submit(self, checked: tuple, checksums_after_landing: bool = False, hold_checks: bool = False) -> cf.Future:
+        is_read, host_buffer, view, host_arr, slot_arr = checked
+        if len(slot_arr) == 0:
+            return _done_future(IoResult(0, 0, 0, 0))
         extents = coalesce_extents(host_arr, slot_arr)
         groups = self._plan_tasks(extents, host_arr, slot_arr)
         expected = gens = None

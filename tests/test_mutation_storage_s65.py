@@ -109,6 +109,31 @@ def test_a_closed_store_refuses_writes_as_closed_while_backing_off(tmp_path, mon
     assert info.value.kind == "closed"
 
 
+def test_a_bad_write_is_refused_as_bad_while_backing_off(tmp_path, monkeypatch):
+    """While writes pause after an ENOSPC, a write with bad arguments is refused for them (ValueError, at once),
+    as at any other time, not answered "enospc" as if a retry later could succeed (session 66's fix). A good
+    write is still paused, and goes ahead once the pause ends."""
+    store = FileStore(SMALL, 4, path=tmp_path / "l3.kv")
+    store.clock = clock = _Clock()
+    host = _pages(2)
+    with monkeypatch.context() as m:
+        m.setattr(os, "pwritev", _enospc_pwritev([]))
+        with pytest.raises(StorageError, match="enospc"):
+            store.write_pages(host, [0], [0]).result(timeout=10)
+    assert store.write_retry_in_s() > 0
+    for host_pages, slots, message in (([0], [4], "slot out of range"), ([0], [-1], "slot out of range"),
+                                       ([2], [0], "host page out of range"), ([0, 1], [0], "2 host pages but 1"),
+                                       ([0, 1], [1, 1], "duplicate destination slots")):
+        with pytest.raises(ValueError, match=message):
+            store.write_pages(host, host_pages, slots)
+    with pytest.raises(StorageError, match="paused after ENOSPC"):
+        store.write_pages(host, [0], [0]).result(timeout=10)
+    clock.now_s += store.write_retry_in_s()
+    store.write_pages(host, [0, 1], [0, 1]).result(timeout=10)
+    assert store.exists([0, 1, 2]) == [True, True, False]
+    store.close()
+
+
 # ---- an overwrite that fails ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("checksum", [True, False])
 def test_an_overwrite_that_fails_leaves_its_slots_unreadable(checksum):
