@@ -107,6 +107,7 @@ def test_a_stop_inside_a_verify_step_ends_the_request_before_the_next_rows_bans_
     assert (got.output_ids, got.finish_reason, got.error) == ([10, 20], "stop", None)
     assert eng.speculator.stats["accepted_tokens"] == 1 and eng.stats["failed"] == 0
 
+
 # -- beam_search.py -----------------------------------------------------------------------------------------------
 def test_the_widest_beam_search_and_the_longest_length_penalty_are_served():
     """B1: beam_width == MAX_BEAM_WIDTH (2 * it logprobs == MAX_LOGPROBS) is valid, as README's 1..MAX_BEAM_WIDTH."""
