@@ -5,8 +5,8 @@ by size.
 llguidance recurses along a grammar's chains of rules and of a schema's `$ref`s: on a thread of the default 8 MiB
 stack a chain of ~3,000 Lark rules or ~1,000 `$defs` overflowed it, a segfault that took the server and every
 client's stream with it (session 52). So compiles run on threads of COMPILE_STACK_BYTES (their pages are taken only
-as used), and a grammar of more than MAX_GRAMMAR_RULES rules, or a schema of more than MAX_SCHEMA_DEFS definitions,
-is refused first (a 400), far inside what that stack holds. An integer bound past 64 bits is refused too: llguidance
+as used), and a grammar of more than MAX_GRAMMAR_RULES rules, or a schema of more than MAX_SCHEMA_DEFS definitions
+or `$ref`s, is refused first (a 400), far inside what that stack holds. An integer bound past 64 bits is refused too: llguidance
 clamps it (minimum 1e20 gave 9223372036854775807, below it).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 COMPILE_STACK_BYTES, COMPILE_THREADS = 256 << 20, 4
 MAX_GRAMMAR_RULES = 1000  # a Lark grammar's rule and terminal definitions
-MAX_SCHEMA_DEFS = 500  # a JSON schema's definitions ("$defs", "definitions"), the links of its $ref chains
+MAX_SCHEMA_DEFS = 500  # a JSON schema's definitions ("$defs", "definitions"), and its "$ref"s: the links of its chains
 KEPT_MATCHERS, KEPT_SPEC_CHARS = 64, 4 << 20  # matchers kept: at most this many, of specs of this much text
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
@@ -42,7 +42,10 @@ def check_limits(kind: str, value: str) -> None:
 
 
 def _check_schema(schema: Any) -> None:
-    definitions = 0
+    """Refuses a schema past the limits: its integer bounds, its definitions and its "$ref"s (regression: a chain
+    of $refs through "#/properties/..." passed with no definition counted; 2,000 links took ~8 s of a compile
+    thread and overflowed a default stack, session 66)."""
+    definitions = refs = 0
     stack = [schema]  # (iterative: a schema nested past Python's stack is llguidance's to refuse)
     while stack:
         node = stack.pop()
@@ -54,6 +57,7 @@ def _check_schema(schema: Any) -> None:
         for key in ("$defs", "definitions"):
             if isinstance(node.get(key), dict):
                 definitions += len(node[key])
+        refs += isinstance(node.get("$ref"), str)
         kind = node.get("type")
         if kind == "integer" or isinstance(kind, list) and "integer" in kind:
             for key in _BOUNDS:
@@ -65,6 +69,8 @@ def _check_schema(schema: Any) -> None:
         stack.extend(node.values())
     if definitions > MAX_SCHEMA_DEFS:
         raise ValueError(f"a schema of {definitions} definitions: at most {MAX_SCHEMA_DEFS} are compiled")
+    if refs > MAX_SCHEMA_DEFS:
+        raise ValueError(f"a schema of {refs} $refs: at most {MAX_SCHEMA_DEFS} are compiled")
 
 
 _pool: ThreadPoolExecutor | None = None

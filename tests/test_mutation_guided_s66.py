@@ -200,3 +200,15 @@ def test_a_call_s_arguments_keep_their_keys_unescaped():
     block = '<tool_call>{"name": "f", "arguments": {"clé": "été", "日": [1, "ü"]}}</tool_call>'
     content, calls = parser.feed(block)
     assert content == "" and [c.arguments for c in calls] == ['{"clé": "été", "日": [1, "ü"]}']
+
+
+def test_a_chain_of_refs_through_properties_counts_against_the_limit():
+    """A $ref chain needs no definitions: each property may point at the next ("#/properties/p1", ...). Its links are
+    counted as a $defs chain's are (regression: 2,000 such links passed the limits and took ~8 s of a compile thread;
+    a default 8 MiB stack overflowed on them, session 66's guided check)."""
+    def chain(links: int) -> str:
+        props = {f"p{i}": {"$ref": f"#/properties/p{i + 1}"} for i in range(links)}
+        return json.dumps({"type": "object", "properties": {**props, f"p{links}": {"type": "string"}}})
+    check_limits("json_schema", chain(MAX_SCHEMA_DEFS))
+    with pytest.raises(ValueError, match=f"a schema of {MAX_SCHEMA_DEFS + 1} \\$refs: at most {MAX_SCHEMA_DEFS}"):
+        check_limits("json_schema", chain(MAX_SCHEMA_DEFS + 1))
