@@ -250,7 +250,8 @@ class FileStore:
     def _slot_array(self, slots: Sequence[int]) -> np.ndarray:
         idx = np.asarray(slots, dtype=np.int64).reshape(-1)
         if idx.size and (idx.min() < 0 or idx.max() >= self.num_slots):
-            raise ValueError(f"slot out of range [0, {self.num_slots}): {idx[(idx < 0) | (idx >= self.num_slots)][:8].tolist()}")
+            bad = idx[(idx < 0) | (idx >= self.num_slots)]
+            raise ValueError(f"slot out of range [0, {self.num_slots}): {bad[:8].tolist()}")
         return idx
 
     def _byte_view(self, host_buffer: torch.Tensor) -> tuple[memoryview, int]:
@@ -269,7 +270,7 @@ class FileStore:
         return memoryview(flat.numpy()).cast("B"), num_pages
 
     def _checked(self, is_read: bool, host_buffer: torch.Tensor, host_pages: Sequence[int],
-                 slots: Sequence[int]) -> tuple:
+                 slots: Sequence[int]) -> tuple[bool, torch.Tensor, memoryview | None, np.ndarray, np.ndarray]:
         """An operation's arguments, checked: (is_read, host_buffer, its byte view or None when no
         page moves, host pages, slots) as int64 arrays. Raises StorageError "closed" or ValueError."""
         self._check_open()
@@ -446,6 +447,7 @@ class FileStore:
                 moved = syscall(self._fd, [view[done_bytes:end]], offset_bytes + done_bytes)
             if moved == 0:
                 raise StorageError("short", f"short {'read' if is_read else 'write'} of L3 slots [{slot}, "
-                                            f"{slot + num_pages}) in {self.path!r}: {done_bytes} of {total_bytes} bytes")
+                                            f"{slot + num_pages}) in {self.path!r}: {done_bytes} of {total_bytes} "
+                                            f"bytes")
             done_bytes += moved
             unread[1] = slot + done_bytes // self.bytes_per_page

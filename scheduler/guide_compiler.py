@@ -6,8 +6,8 @@ llguidance recurses along a grammar's chains of rules and of a schema's `$ref`s:
 stack a chain of ~3,000 Lark rules or ~1,000 `$defs` overflowed it, a segfault that took the server and every
 client's stream with it (session 52). So compiles run on threads of COMPILE_STACK_BYTES (their pages are taken only
 as used), and a grammar of more than MAX_GRAMMAR_RULES rules, or a schema of more than MAX_SCHEMA_DEFS definitions
-or `$ref`s, is refused first (a 400), far inside what that stack holds. An integer bound past 64 bits is refused too: llguidance
-clamps it (minimum 1e20 gave 9223372036854775807, below it).
+or `$ref`s, is refused first (a 400), far inside what that stack holds. An integer bound past 64 bits is refused too:
+llguidance clamps it (minimum 1e20 gave 9223372036854775807, below it).
 """
 from __future__ import annotations
 
