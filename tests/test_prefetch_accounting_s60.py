@@ -19,10 +19,11 @@ from hicache_helpers import make_manager, toks, until, write_prefix
 from test_faults import TransferGate
 
 
-async def _landed_prefetch(faults: FaultInjector, l1_pages: int = 16, a_in_l1: bool = True):
+async def _landed_prefetch(faults: FaultInjector, l1_pages: int = 16, a_in_l1: bool = True,
+                           verify_delay_s: float = 0.5):
     """A manager whose first 2 pages (`a`) are in every tier (but L1 unless `a_in_l1`) and whose next 2 (`b`) are
-    in L3 only, and a prefetch of `b` whose read lands while its checksums (slowed 0.5 s) still run -> (mgr, tokens,
-    op)."""
+    in L3 only, and a prefetch of `b` whose read lands while its checksums (slowed `verify_delay_s`) still run ->
+    (mgr, tokens, op)."""
     mgr = make_manager(l1_pages=l1_pages, host_pages=32, storage_pages=64, faults=faults)
     a = toks((0, 8))
     tokens = a + toks((100, 108))
@@ -36,7 +37,7 @@ async def _landed_prefetch(faults: FaultInjector, l1_pages: int = 16, a_in_l1: b
         mgr.tree.evict(Tier.L1, 2)
     m = mgr.match(tokens)
     assert m.lengths == [8 if a_in_l1 else 0, 8, 16]
-    faults.arm(Fault.SLOW_VERIFY, times=None, delay_s=0.5)
+    faults.arm(Fault.SLOW_VERIFY, times=None, delay_s=verify_delay_s)
     op = mgr.runner.start_restore(tokens, m, "prefetch", "r", take_soon=True)
     assert op is not None
     return mgr, tokens, op
