@@ -13,23 +13,9 @@ import httpx
 import pytest
 
 from scheduler.chat_messages import ChatMessage
-from scheduler.server import ServerLimits, create_app
-from scheduler.tokenizer import HFTokenizer
 from test_mutation_s61 import _Ends
 from test_mutation_sched_s60 import KEY, _app
-from test_server import ServerThread
-from test_tokenize_api import _engine, _write_tokenizer
-
-
-@pytest.fixture(scope="module")
-def chat_srv(tmp_path_factory):
-    """A server whose tokenizer has a chat template (tests/test_tokenize_api.py's)."""
-    path = tmp_path_factory.mktemp("tok")
-    _write_tokenizer(path)
-    tokenizer = HFTokenizer(str(path))
-    with ServerThread(create_app(_engine(), ServerLimits(shutdown_grace_s=1.0), tokenizer=tokenizer)) as s:
-        s.tokenizer = tokenizer
-        yield s
+from test_tokenize_api import chat_srv  # noqa: F401 (a fixture: a server whose tokenizer has a chat template)
 
 
 # -- api_auth.py ------------------------------------------------------------------------------------------

@@ -17,14 +17,14 @@ import pytest
 from hicache.faults import Fault, FaultInjector
 from hicache.ops import OpEvent, OpKind, OpState, apply
 from hicache.radix import Tier
-from hicache_helpers import ReadGate, assert_whole, make_manager, toks, until, write_prefix
+from hicache_helpers import assert_whole, make_manager, toks, write_prefix
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
-from test_faults import TransferGate
 from test_mutation_l3_s61 import _runner
 from test_prefetch_accounting_s60 import _landed_prefetch
 from test_radix import make_tree, put
+from test_room_coming_s55_hunt import restore_waiting_for_room
 
 
 def test_a_match_without_storage_neither_reports_nor_stamps_l3():
@@ -64,25 +64,8 @@ async def test_an_l3_restore_cancelled_while_it_waits_for_l1_room_ends_without_a
     """An L3 restore whose read landed waits for the L1 room a backup's copy frees (`l1_room_coming`); cancelled
     meanwhile (its request aborted), it ends once that room came, cancelled, and copies nothing into L1 for no
     one (S40: it started the H2D, allocating L1 pages and evicting for it)."""
-    mgr = make_manager(l1_pages=8, host_pages=8, storage_pages=64)
-    a, b = toks((1, 17)), toks((500, 516))  # 4 pages each
-    write_prefix(mgr, a)
-    await mgr.flush_async(Tier.L1)
-    await mgr.drain()
-    mgr.flush(Tier.L2)
-    match = mgr.match(a)
-    assert match.lengths == [0, 0, 16]
-    reads = ReadGate(mgr.store)
-    restore = mgr.runner.start_restore(a, match, "l3", "req")  # (its read held)
-    copies = TransferGate(SimpleNamespace(cache=mgr), "d2h")
-    claim = mgr.new_claim("request")
-    held = mgr.alloc_l1(4, claim)  # (half of L1 a running request's)
-    write_prefix(mgr, b)  # (the other half: b, published; its backup copies it, held)
-    mgr.runner.start_due()
-    await until(lambda: any(op.kind is OpKind.BACKUP and op.state is OpState.D2H_PENDING
-                            for op in mgr.runner.live.values()))
-    reads.release()  # the read lands; its H2D needs b's 4 pages, locked while they copy
-    await until(lambda: restore.state not in (OpState.L3, OpState.S2H_PENDING, OpState.S2H_LANDED))
+    w = await restore_waiting_for_room()
+    mgr, a, restore, copies, claim, held = w.mgr, w.a, w.restore, w.copies, w.claim, w.held
     mgr.runner.cancel(restore)  # (it waits for the room: its driver sleeps on l1_room_saved)
     copies.release.set()
     await mgr.drain()
@@ -231,19 +214,26 @@ async def test_each_prefill_pass_notes_the_load_its_backups_are_admitted_by():
     assert eng.cache.busy_s == load.write_busy_s(eng) != 123.0
 
 
-def test_a_request_waits_only_for_a_sharer_with_the_threshold_still_to_compute_beyond_what_it_published():
-    """A queued request waits for one in prefill computing its prefix only where that one still has at least
-    PREFILL_SHARE_MIN_TOKENS of it to compute past what it published (its `cached_len`): with fewer left,
-    waiting a step costs more than computing them alongside (A19: it waited whenever the first 32 agreed)."""
-    from scheduler.admission import PREFILL_SHARE_MIN_TOKENS
+def _beside_a_sharer(shared_tokens: int):
+    """An engine (page 4) with two requests whose prompts share their first `shared_tokens`: `other` in prefill
+    (its cached_len set by the test), `req` queued -> (engine, other, req)."""
     from scheduler.request import RequestState
     eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=400))
-    shared = list(range(100, 180))  # 80 tokens both prompts start with
+    shared = list(range(100, 100 + shared_tokens))
     other = eng.add_request(shared + list(range(300, 320)), SamplingParams(max_tokens=1))
     req = eng.add_request(shared + list(range(400, 420)), SamplingParams(max_tokens=1))
     eng.waiting.remove(other)
     other.state = RequestState.PREFILL
     eng.running.append(other)
+    return eng, other, req
+
+
+def test_a_request_waits_only_for_a_sharer_with_the_threshold_still_to_compute_beyond_what_it_published():
+    """A queued request waits for one in prefill computing its prefix only where that one still has at least
+    PREFILL_SHARE_MIN_TOKENS of it to compute past what it published (its `cached_len`): with fewer left,
+    waiting a step costs more than computing them alongside (A19: it waited whenever the first 32 agreed)."""
+    from scheduler.admission import PREFILL_SHARE_MIN_TOKENS
+    eng, other, req = _beside_a_sharer(80)
     other.cached_len = 32  # 48 shared tokens still to compute: wait for them
     assert eng.admission._computes_prefix_of(req) is other
     other.cached_len = 80 - PREFILL_SHARE_MIN_TOKENS + 4  # 28 left: compute alongside
@@ -253,14 +243,7 @@ def test_a_request_waits_only_for_a_sharer_with_the_threshold_still_to_compute_b
 def test_the_tokens_a_sharer_must_still_compute_are_counted_in_whole_pages():
     """What a sharer would publish is whole pages: past a `cached_len` between pages (a chunk's end), the
     threshold's end is rounded up to a page, and a prefix ending before it is not waited for (A20)."""
-    from scheduler.request import RequestState
-    eng = Engine(EngineConfig(model="tiny", device="cpu", page_size=4, max_total_tokens=400))
-    shared = list(range(100, 183))  # 83 tokens both prompts start with
-    other = eng.add_request(shared + list(range(300, 320)), SamplingParams(max_tokens=1))
-    req = eng.add_request(shared + list(range(400, 420)), SamplingParams(max_tokens=1))
-    eng.waiting.remove(other)
-    other.state = RequestState.PREFILL
-    eng.running.append(other)
+    eng, other, req = _beside_a_sharer(83)
     other.cached_len = 48  # 48 + 32 = 80: within the 83 shared tokens
     assert eng.admission._computes_prefix_of(req) is other
     other.cached_len = 50  # 82, a page up: 84, past them

@@ -16,9 +16,9 @@ from hicache_helpers import ReadGate, assert_whole, make_manager, toks, until, w
 from test_faults import TransferGate
 
 
-@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
-@pytest.mark.asyncio
-async def test_an_l3_restore_waits_for_a_backup_copying_the_l1_room_it_needs(write_policy):
+async def restore_waiting_for_room(write_policy: str = "write_through") -> SimpleNamespace:
+    """An L3 restore of `a` (4 pages) whose read landed and whose H2D waits for L1 room: L1 (8 pages) holds a running
+    request's 4 pages and `b`'s 4, published and held in their backup's D2H (`copies`, a TransferGate)."""
     mgr = make_manager(l1_pages=8, host_pages=8, storage_pages=64, write_policy=write_policy)
     a, b = toks((1, 17)), toks((500, 516))  # 4 pages each
     write_prefix(mgr, a)
@@ -40,6 +40,14 @@ async def test_an_l3_restore_waits_for_a_backup_copying_the_l1_room_it_needs(wri
                             for op in mgr.runner.live.values()))
     reads.release()  # the read lands; its H2D needs b's 4 pages, locked while they copy
     await until(lambda: restore.state not in (OpState.L3, OpState.S2H_PENDING, OpState.S2H_LANDED))
+    return SimpleNamespace(mgr=mgr, a=a, restore=restore, copies=copies, claim=claim, held=held)
+
+
+@pytest.mark.parametrize("write_policy", ["write_through", "write_back"])
+@pytest.mark.asyncio
+async def test_an_l3_restore_waits_for_a_backup_copying_the_l1_room_it_needs(write_policy):
+    w = await restore_waiting_for_room(write_policy)
+    mgr, a, restore, copies, claim, held = w.mgr, w.a, w.restore, w.copies, w.claim, w.held
     await asyncio.sleep(0.05)
     copies.release.set()  # b copied: its pages may go
     await mgr.drain()
