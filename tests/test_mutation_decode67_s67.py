@@ -18,11 +18,11 @@ from test_penalties import PROMPTS, make_engine, run
 TOK = ByteTokenizer(512)
 
 
-def _dense_logprobs(eng: Engine, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """log_softmax of a dense forward's raw logits: row i is the distribution of output[i] [len(output), V]."""
+def _dense_logprobs(eng: Engine, tokens: list[int]) -> torch.Tensor:
+    """log_softmax of a dense forward's raw logits over `tokens`: row i is the distribution after tokens[:i + 1]
+    [len(tokens), V]."""
     with torch.inference_mode():
-        logits = eng.model.forward_dense(torch.tensor(prompt + output[:-1]))[len(prompt) - 1:]
-    return torch.log_softmax(logits.float(), dim=-1)
+        return torch.log_softmax(eng.model.forward_dense(torch.tensor(tokens)).float(), dim=-1)
 
 
 # -- runner.py ------------------------------------------------------------------------------------------------
@@ -63,7 +63,7 @@ def test_allowed_token_ids_leave_logprobs_those_of_the_raw_logits():
     [res] = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=6, ignore_eos=True, allowed_token_ids=[allowed],
                                                        logprobs=1))
     assert res.output_ids == [allowed] * 6
-    ref = _dense_logprobs(eng, PROMPTS[0], res.output_ids)
+    ref = _dense_logprobs(eng, PROMPTS[0] + res.output_ids[:-1])[len(PROMPTS[0]) - 1:]  # row i: output[i]'s
     for i, lp in enumerate(res.logprobs):
         assert math.isclose(lp.logprob, float(ref[i, allowed]), abs_tol=1e-4) and lp.logprob < -1e-3, i
         assert lp.top[0][0] == int(ref[i].argmax()) != allowed, i
@@ -76,8 +76,7 @@ def test_prompt_logprobs_carry_vllms_rank_of_each_prompt_token():
     eng = make_engine()
     prompt = PROMPTS[2] + PROMPTS[0]
     [res] = eng.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=2))
-    with torch.inference_mode():
-        ref = torch.log_softmax(eng.model.forward_dense(torch.tensor(prompt)).float(), dim=-1)
+    ref = _dense_logprobs(eng, prompt)
     assert res.prompt_logprobs[0] is None
     for i in range(1, len(prompt)):
         row, value = ref[i - 1], float(ref[i - 1, prompt[i]])
