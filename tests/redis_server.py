@@ -35,27 +35,42 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """A throwaway redis-server on 127.0.0.1 (no persistence)."""
+    """A throwaway redis-server on 127.0.0.1 (no persistence). Without a port it takes a free one, and
+    another if a server of another test process took that port between the probe and the bind."""
 
     def __init__(self, port: int | None = None, password: str | None = None) -> None:
+        self.own_port = port is None
         self.port = port or free_port()
         self.password = password
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "RedisServer":
+    def start(self, attempts: int = 5) -> "RedisServer":
+        for _ in range(attempts):
+            if self._spawn():
+                return self
+            if not self.own_port:
+                break
+            self.port = free_port()
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def _spawn(self) -> bool:
+        """Start one server on self.port; True once it answers as itself (its process id), False when the
+        port was another server's (free_port's probe and the bind race between pytest-xdist workers)."""
         auth = ["--requirepass", self.password] if self.password else []
         self.proc = subprocess.Popen(
             [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--protected-mode", "no", *auth], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
-        while True:
+        while self.proc.poll() is None and time.monotonic() < deadline:
             try:
-                self.client().ping()
-                return self
-            except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline or self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                if self.client().info("server")["process_id"] == self.proc.pid:
+                    return True
+                break  # another process's server holds the port: ours cannot bind it
+            except (redis.exceptions.ConnectionError, redis.exceptions.AuthenticationError,
+                    redis.exceptions.ResponseError):
                 time.sleep(0.02)
+        self.stop()
+        return False
 
     def stop(self) -> None:
         if self.proc is not None:
