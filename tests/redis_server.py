@@ -34,6 +34,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_REFUSING: list[socket.socket] = []
+
+
+def refused_url(db: int = 0) -> str:
+    """A loopback URL nothing listens on, for the whole test process: its port stays bound and is never
+    listened on, so a connect is refused and no other worker's server can take it (free_port's could)."""
+    if not _REFUSING:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        _REFUSING.append(sock)
+    return f"redis://127.0.0.1:{_REFUSING[0].getsockname()[1]}/{db}"
+
+
 class RedisServer:
     """A throwaway redis-server on 127.0.0.1 (no persistence). Without a port it takes a free one, and
     another if a server of another test process took that port between the probe and the bind."""

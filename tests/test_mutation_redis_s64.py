@@ -9,7 +9,7 @@ import torch
 from redis import exceptions as rexc
 
 from hicache.storage import StorageError
-from redis_server import (GEOM, free_port, needs_redis, private_server, random_pages, redis_server,  # noqa: F401
+from redis_server import (GEOM, refused_url, needs_redis, private_server, random_pages, redis_server,  # noqa: F401
                           same_bytes, server)
 from hicache_helpers import make_manager
 from test_redis import make_store
@@ -19,7 +19,7 @@ OUTPUT = "client-output-buffer-limit"
 
 
 def _dead_url() -> str:
-    return f"redis://127.0.0.1:{free_port()}/0"
+    return refused_url()
 
 
 # ---- arguments ------------------------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from hicache.radix import Tier
 from hicache.redis_limits import Refusals, ServerLimits, limits_from_config
 from hicache.storage import FileStore, StorageError
 from hicache_helpers import assert_whole, make_manager
-from redis_server import GEOM, free_port, needs_redis, random_pages, redis_server, server  # noqa: F401
+from redis_server import GEOM, refused_url, needs_redis, random_pages, redis_server, server  # noqa: F401
 from test_l3_reserve_hunt import NUM_SLOTS, SMALL, _Clock, _enospc_pwritev
 from test_redis import make_store
 
@@ -200,7 +200,7 @@ async def test_a_hint_refresh_waits_for_a_suspect_delete_sent_just_before_it(ser
 async def test_suspect_pages_are_not_deleted_on_a_server_the_store_backs_off():
     """While the store backs off a dead server, deleting a suspect prefix's pages sends nothing: no
     operation in flight, no further error counted and the back-off not lengthened by it."""
-    store = make_store(f"redis://127.0.0.1:{free_port()}/0", backoff_s=(30.0, 30.0))
+    store = make_store(refused_url(), backoff_s=(30.0, 30.0))
     keys = store.page_keys(list(range(8)), 0, 8)
     src = random_pages(GEOM, 2)
     with pytest.raises(StorageError):

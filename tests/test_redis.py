@@ -15,7 +15,7 @@ import torch
 from hicache.geometry import KVGeometry
 from hicache.page_keys import PageKeyer, kv_salt, page_keys
 from hicache.storage import StorageError
-from redis_server import (GEOM, RedisServer, free_port, needs_redis, random_pages, redis_server,  # noqa: F401
+from redis_server import (GEOM, RedisServer, refused_url, needs_redis, random_pages, redis_server,  # noqa: F401
                           same_bytes, server)
 
 
@@ -167,7 +167,7 @@ async def test_corruption_is_detected(server, corruption):
 
 @pytest.mark.asyncio
 async def test_unreachable_server_fails_fast_and_counts():
-    store = make_store(f"redis://127.0.0.1:{free_port()}/0", backoff_s=(0.2, 0.2))
+    store = make_store(refused_url(), backoff_s=(0.2, 0.2))
     src = random_pages(GEOM, 2)
     keys = store.page_keys(list(range(8)), 0, 8)
     for op in range(2):  # the second fails at once: the store backs off a dead server

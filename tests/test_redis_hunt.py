@@ -19,7 +19,7 @@ from hicache.radix import Tier
 from hicache.storage import StorageError
 from hicache_helpers import capture_op_logs
 from redis_server import (GEOM, RedisServer, free_port, needs_redis, private_server, random_pages,  # noqa: F401
-                          redis_server, server)
+                          redis_server, refused_url, server)
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
 from test_redis_engine import BASE, P1, P2, engine_config, reference, serve, serve_once
@@ -85,7 +85,7 @@ def test_an_unusable_server_is_named_with_its_reason_at_start(private_server, ca
     database it was, the operator could not tell."""
     private_server.client().config_set("requirepass", "s3cret")
     port = private_server.port
-    url = {"refused": f"redis://127.0.0.1:{free_port()}/0",
+    url = {"refused": refused_url(),
            "wrong password": f"redis://:wrong@127.0.0.1:{port}/0",
            "no password": f"redis://127.0.0.1:{port}/0",
            "database out of range": f"redis://:s3cret@127.0.0.1:{port}/99"}[case]
