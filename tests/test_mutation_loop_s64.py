@@ -81,11 +81,17 @@ async def test_a_preempted_request_parked_on_its_restore_as_the_loop_stops_finis
 async def test_decode_chains_right_after_a_forward_behind_an_overlapped_restore():
     """A request whose tail's forward ran behind its overlapped restore waits for the restore, not for a chunk
     (`_chunks_wait`): the decode step after that forward chains on as after any short prefill."""
-    eng = _hicache_engine(num_pages=128)
+    await chains_after_an_overlapped_restore(_hicache_engine(num_pages=128),
+                                             SamplingParams(max_tokens=200, ignore_eos=True))
+
+
+async def chains_after_an_overlapped_restore(eng, decoding_params: SamplingParams) -> None:
+    """Asserts, with a request decoding by `decoding_params`, that the decode step after a forward behind an
+    overlapped restore chains on ("PDC": prefill, decode, chained decode)."""
     prefix, gate = await _prefix_in_l2_only(eng)
     kinds = _record(eng)
     await eng.start()
-    decoding = eng.add_request([3, 4, 5, 6], SamplingParams(max_tokens=200, ignore_eos=True))
+    decoding = eng.add_request([3, 4, 5, 6], decoding_params)
     await until(lambda: len(decoding.output) > 4, 60)
     start = len(kinds)
     req = eng.add_request(prefix + [2], SamplingParams(max_tokens=4))

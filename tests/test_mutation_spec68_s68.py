@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import pytest
 
-from hicache_helpers import until
 from scheduler import draft_policy
 import scheduler.beam_search as beam_module
 from scheduler.beam_search import BeamSearchParams
@@ -29,8 +28,7 @@ from test_beam_search import make_engine as beam_engine
 from test_beam_search import run as run_beams
 from test_beam_search import CHAT, CMPL, HI
 from test_continuations import cache_stats, fresh_prompts, spec_config
-from test_mutation_loop_s63 import _record
-from test_mutation_loop_s64 import _hicache_engine, _prefix_in_l2_only
+from test_mutation_loop_s64 import _hicache_engine, chains_after_an_overlapped_restore
 from test_mutation_sched_s60 import _beams
 from server_fixtures import byte_level_server, ok, tiny_config
 from test_mutation_spec_s65 import request, speculator
@@ -142,23 +140,8 @@ async def test_a_request_behind_its_overlapped_restore_does_not_end_a_speculativ
     the restore lands) may not draft, so the decode step after that forward chains on, as without speculation
     (test_mutation_loop_s64). (Mutant: any running request the chain left out ended it: "PDD".)"""
     eng = _hicache_engine(num_pages=128, speculative=SpeculativeConfig(num_speculative_tokens=2))
-    prefix, gate = await _prefix_in_l2_only(eng)
-    kinds = _record(eng)
-    await eng.start()
     seeded = SamplingParams(max_tokens=200, ignore_eos=True, temperature=1.0, seed=7)  # (decodes plainly)
-    decoding = eng.add_request([3, 4, 5, 6], seeded)
-    await until(lambda: len(decoding.output) > 4, 60)
-    start = len(kinds)
-    req = eng.add_request(prefix + [2], SamplingParams(max_tokens=4))
-    await until(lambda: req.overlap_op is not None and "P" in kinds[start:] and len(kinds) > start + 6, 60)
-    after = "".join(kinds[start:])
-    after = after[after.index("P"):]
-    gate.set()
-    await until(lambda: req.state.done, 60)
-    assert eng.stats["restore_overlaps"] == 1 and req.hit_tokens["l2"] == 16  # (the premise)
-    assert after.startswith("PDC"), after
-    await eng.abort(decoding.rid)
-    await eng.shutdown()
+    await chains_after_an_overlapped_restore(eng, seeded)
 
 
 # -- drafts from the prefix cache: tails ---------------------------------------------------------------------------
