@@ -27,6 +27,8 @@ from hicache.storage import FileStore
 from hicache.storage_file import open_store_file, release_file
 from hicache.storage_op import StorageOp
 from hicache_helpers import assert_whole, make_manager, write_prefix
+from test_mutation_cost_s64 import _manager
+from test_mutation_cost_s64 import _saved as save_prefixes
 from test_storage import SMALL, _random_pages
 
 PAGE_BYTES = 4096
@@ -83,17 +85,9 @@ def test_a_store_without_checksums_hashes_no_write():
 
 
 # ---- l3_index -------------------------------------------------------------------------------------------
-def _manager(tmp_path, **config):
-    return make_manager(storage_path=str(tmp_path / "l3.kv"), storage_persist=True, model_id="m1", **config)
-
-
 async def _saved(tmp_path, *prefixes) -> str:
-    """A manager that wrote `prefixes` through to L3 and closed cleanly; its index's path."""
-    mgr = _manager(tmp_path)
-    for seed, tokens in enumerate(prefixes):
-        write_prefix(mgr, tokens, seed=seed)
-        await mgr.drain()
-    await mgr.close()
+    """A manager that wrote `prefixes` through to L3 and closed cleanly (test_mutation_cost_s64's); its index's path."""
+    await save_prefixes(tmp_path, *prefixes)
     return index_path(str(tmp_path / "l3.kv"))
 
 
