@@ -10,7 +10,6 @@ the mutant (harness id) it kills."""
 from __future__ import annotations
 
 import errno
-import json
 import os
 import threading
 import time
@@ -26,8 +25,8 @@ from hicache.radix import Tier
 from hicache.storage import FileStore
 from hicache.storage_file import open_store_file, release_file
 from hicache.storage_op import StorageOp
-from hicache_helpers import assert_whole, make_manager, write_prefix
-from test_mutation_cost_s64 import _manager
+from hicache_helpers import assert_whole, make_manager
+from test_mutation_cost_s64 import _edit, _manager
 from test_mutation_cost_s64 import _saved as save_prefixes
 from test_storage import SMALL, _random_pages
 
@@ -91,23 +90,13 @@ async def _saved(tmp_path, *prefixes) -> str:
     return index_path(str(tmp_path / "l3.kv"))
 
 
-def _edit_index(path: str, edit) -> None:
-    """Rewrite the index with `edit(header, arrays)` applied (a hand-edited or damaged index)."""
-    with np.load(path, allow_pickle=False) as z:
-        arrays = {k: z[k] for k in z.files}
-    header = json.loads(str(arrays.pop("header")))
-    edit(header, arrays)
-    with open(path, "wb") as f:
-        np.savez(f, header=np.array(json.dumps(header)), **arrays)
-
-
 @pytest.mark.asyncio
 async def test_an_index_whose_tokens_are_rows_not_a_list_is_ignored(tmp_path):
     """An index whose tokens array is 2-D (48 rows of one token: its length, and every count, still add up):
     ignored, the engine starts with an empty, whole L3 and the index gone, not a start failing on a path of lists
     the tree cannot hash (LI10; session 64's test_an_index_that_does_not_add_up_is_ignored has the other damages)."""
     path = await _saved(tmp_path, A, B)
-    _edit_index(path, lambda h, a: a.update(tokens=a["tokens"].reshape(-1, 1)))
+    _edit(tmp_path, lambda a, h: a.update(tokens=a["tokens"].reshape(-1, 1)))
     mgr = _manager(tmp_path)
     assert mgr.tree.num_resident_pages[Tier.L3] == 0 and mgr.metrics.storage_adopted_pages == 0
     assert not os.path.exists(path)
