@@ -243,13 +243,17 @@ class EngineLifecycle:
         if unserved:
             req.hit_tokens.update(l1=0, l2=0, l3=0)
         self.stats[state.value] += 1  # (finished / aborted / failed)
-        if req.overlap_op is not None:
-            # it ends before taking over the restore its forward ran behind: that admission's hits
-            # never count (Restoring.adopt_restored), so its log says it was discarded (regression:
-            # the timeline kept the hits of its prefill_start, which the metrics never counted)
-            self.log_event(req, "restore_overlap_discarded", restore_failed=False)
-        self.log_event(req, state.value, output_tokens=len(req.output), reason=reason, error=error)
-        req.emit(TokenEvent(req.rid, None, len(req.output), finished=True, finish_reason=reason, error=error))
-        self.requests.pop(req.rid, None)
+        try:
+            if req.overlap_op is not None:
+                # it ends before taking over the restore its forward ran behind: that admission's hits
+                # never count (Restoring.adopt_restored), so its log says it was discarded (regression:
+                # the timeline kept the hits of its prefill_start, which the metrics never counted)
+                self.log_event(req, "restore_overlap_discarded", restore_failed=False)
+            self.log_event(req, state.value, output_tokens=len(req.output), reason=reason, error=error)
+        finally:
+            # ended, it gets its last event even when logging that raised (regression: the loop crashed, and
+            # fail_live_requests, which skips ended requests, left its client waiting forever)
+            req.emit(TokenEvent(req.rid, None, len(req.output), finished=True, finish_reason=reason, error=error))
+            self.requests.pop(req.rid, None)
         if self.waiting or self.running:  # its pages may let one of them on: a loop about to sleep plans again
             self.wake_idle()
