@@ -52,6 +52,9 @@ class HiCacheConfig:
     # (docs/benchmarks.md; nothing timed between 3,500 and 4,096). Longer ones keep the DMAs, which
     # move a restore longer than its forward partly whole (`whole_first`)
     kernel_restore_max_tokens: int = 4096
+    # at start, time a restore by the copy kernel against one by the DMAs, and where the kernel is the slower
+    # (a host whose SMs read pinned memory slowly) lower the bound above (hicache/kernel_calibration.py)
+    kernel_calibration: bool = True
     # a layer-ordered restore longer than its forward moves the pages the forward does not wait on
     # first, whole, at the pinned copy's rate (CacheManager.whole_first_pages); False: all in layers
     whole_first: bool = True
@@ -187,7 +190,8 @@ _INT_FIELDS = ("io_workers", "kernel_restore_max_tokens", "storage_explore_reads
                "restore_explore_every")
 _REAL_FIELDS = ("host_ratio", "host_size_gb", "storage_ratio", "storage_size_gb", "io_timeout_s",
                 "recompute_us_per_token", "host_bandwidth_gib_s", "storage_bandwidth_gib_s", "cost_margin")
-_BOOL_FIELDS = ("enable", "storage_checksum", "storage_persist", "whole_first", "prefetch", "learn_outcomes")
+_BOOL_FIELDS = ("enable", "storage_checksum", "storage_persist", "whole_first", "prefetch", "learn_outcomes",
+                "kernel_calibration")
 
 
 def _pages_in(amount: float, per_page: int) -> int:

@@ -35,6 +35,7 @@ from hicache.cost_model import CostModel, Decision
 from hicache.cost_policy import CostPolicy
 from hicache.faults import FaultInjector
 from hicache.geometry import KVGeometry
+from hicache.kernel_calibration import Calibration, calibrate
 from hicache.metrics import Metrics
 from hicache.operations import OpRunner
 from hicache.ops import OpKind, OpState
@@ -64,6 +65,7 @@ class CacheManager:
         self.store = None
         self.transfer: TransferEngine | None = None
         self.backends = None
+        self.kernel_calibration: Calibration | None = None  # (CUDA: what the copy kernel was timed at, at start)
         # the engine sets this (scheduler/cuda_graphs.py: its tail forward, timed once its graphs are
         # captured): how long the forward that waits for a layer-ordered restore takes
         self.overlap_forward_s: float | None = None
@@ -105,6 +107,8 @@ class CacheManager:
                 self.backends = choose_backends(self.l1.kv, cfg.transfer_backend)
                 self.transfer = TransferEngine(self.l1, self.l2, self.backends, self.faults,
                                                kernel_max_pages=cfg.kernel_restore_max_tokens // self.page_size)
+                if cfg.kernel_calibration:  # (before any page is in use: the probe writes L1 pages)
+                    self.kernel_calibration = calibrate(self.transfer, self.transfer.kernel_max_pages)
         self.tree = RadixTree(self.page_size, allocators)
         self.tree.on_evict = self._on_evict
         self.tree.on_drop = self._on_drop

@@ -313,6 +313,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="restores block the request instead of running beside other work")
     h.add_argument("--hicache-kernel-restore-max-tokens", type=int, default=HiCacheConfig.kernel_restore_max_tokens,
                    help="layer-ordered L2 restores up to this many tokens use the copy kernel, not the copy engine")
+    h.add_argument("--disable-hicache-kernel-calibration", action="store_true",
+                   help="keep --hicache-kernel-restore-max-tokens as given (default: lowered at start where a "
+                        "restore by the copy kernel times slower than one by the copy engine)")
     h.add_argument("--disable-hicache-whole-first", action="store_true",
                    help="layer-ordered restores move every page in layers (default: a restore by the DMAs, "
                         "longer than --hicache-kernel-restore-max-tokens, that is also longer than its "
@@ -356,6 +359,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         write_policy=args.hicache_write_policy,
         transfer_backend=args.hicache_transfer_backend,
         kernel_restore_max_tokens=args.hicache_kernel_restore_max_tokens,
+        kernel_calibration=not args.disable_hicache_kernel_calibration,
         whole_first=not args.disable_hicache_whole_first,
         prefetch=not args.disable_hicache_prefetch,
         recompute_us_per_token=args.hicache_recompute_us_per_token,

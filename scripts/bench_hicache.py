@@ -34,6 +34,7 @@ after the restore (`tail_tokens`); the tail-forward limit measures that same tai
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import sys
@@ -266,6 +267,9 @@ async def measure(args, tier: str, prefix_tokens: int, prompts, bdir: BenchDir) 
         forward = (await tail_forward_s(eng, last, tail_tokens, max(8, args.iterations))
                    if reusable >= tail_tokens > 0 else tail)
         cost_state = eng.cache.cost.state()["directions"]
+        # (CUDA: the copy kernel's restore timed against the DMAs' at start, and the bound that chose)
+        calibration = getattr(eng.cache, "kernel_calibration", None)
+        calibration = dataclasses.asdict(calibration) if calibration is not None else None
         store_dir = Path(eng.cache.store.path).parent if eng.cache.store is not None else Path(bdir.dir)
     finally:
         await close_engine(eng)
@@ -327,6 +331,7 @@ async def measure(args, tier: str, prefix_tokens: int, prompts, bdir: BenchDir) 
         "transfers": dirs,
         "l3_extents": (s2h["extents"] / s2h["count"]) if s2h["count"] else None,
         "limits": limits,
+        "kernel_calibration": calibration,
         "floor_ms": floor_s * 1e3 if floor_s else None,
         "ratio_to_floor": (lat_ms["p50"] / (floor_s * 1e3)) if floor_s else None,
         "decisions": {"sources": {s: sources.count(s) for s in ("l1", "l2", "l3", "recompute")},
