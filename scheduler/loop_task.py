@@ -57,6 +57,8 @@ def fail_live_requests(engine, exc: BaseException) -> None:
             engine.finish(req, RequestState.FAILED, "error", error)
         except Exception:
             log.exception("failing_request_after_loop_crash", rid=req.rid)
+            if engine.requests.get(req.rid) is not req:  # (finish sent its last event; only logging its end failed)
+                continue
             for queue in (engine.running, engine.waiting, engine.parked):
                 if req in queue:
                     queue.remove(req)
