@@ -188,6 +188,8 @@ def add_engine_mode_args(p) -> None:
                    help="finish each L2 restore before its tail forward starts")
     p.add_argument("--kernel-restore-max-tokens", type=non_negative_int, default=None,
                    help="layer-ordered restores up to this many tokens by the copy kernel (default: the engine's)")
+    p.add_argument("--disable-kernel-calibration", action="store_true",
+                   help="keep --kernel-restore-max-tokens as given (not lowered where the kernel times slower)")
     p.add_argument("--disable-whole-first", action="store_true",
                    help="layer-ordered restores move every page in layers (none first, whole)")
     p.add_argument("--disable-outcomes", action="store_true",
@@ -201,9 +203,11 @@ def add_engine_mode_args(p) -> None:
 
 
 def hicache_override_args(args) -> dict:
-    """with_hicache() changes for --kernel-restore-max-tokens, --disable-whole-first, --disable-outcomes (if given)."""
+    """with_hicache() changes for --kernel-restore-max-tokens, --disable-kernel-calibration, --disable-whole-first,
+    --disable-outcomes (if given)."""
     n = getattr(args, "kernel_restore_max_tokens", None)
     return (({} if n is None else {"kernel_restore_max_tokens": n})
+            | ({"kernel_calibration": False} if getattr(args, "disable_kernel_calibration", False) else {})
             | ({"whole_first": False} if getattr(args, "disable_whole_first", False) else {})
             | ({"learn_outcomes": False} if getattr(args, "disable_outcomes", False) else {}))
 

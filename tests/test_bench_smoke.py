@@ -350,3 +350,17 @@ def test_bench_speculative_sampled_steps_and_decode(capsys):
     assert out["steps"][0]["verify_3_ms"] > 0
     [oracle] = [r for r in out["runs"] if r["workload"] == "oracle"]
     assert oracle["verify_steps"] > 0 and 0 <= oracle["accepted_tokens"] < oracle["draft_tokens"]
+
+
+def test_the_hicache_benchmarks_pass_their_engine_overrides_to_with_hicache():
+    """--kernel-restore-max-tokens, --disable-kernel-calibration, --disable-whole-first and --disable-outcomes
+    reach the engine's hicache config; none given changes nothing (the A/B of session 69 needs the second)."""
+    import argparse
+    common = load("bench_common")
+    p = argparse.ArgumentParser()
+    common.add_engine_mode_args(p)
+    assert common.hicache_override_args(p.parse_args([])) == {}
+    args = p.parse_args(["--kernel-restore-max-tokens", "0", "--disable-kernel-calibration", "--disable-whole-first",
+                         "--disable-outcomes"])
+    assert common.hicache_override_args(args) == {"kernel_restore_max_tokens": 0, "kernel_calibration": False,
+                                                  "whole_first": False, "learn_outcomes": False}
