@@ -93,8 +93,8 @@ def calibrate(transfer, configured_pages: int) -> Calibration | None:
 
 
 def _best(transfer, pages: list[int], by_kernel: bool) -> RestoreTimes | None:
-    """The fastest of REPEATS restores of `pages` by one path (after one untimed); None if one failed
-    or the other path was taken (too fragmented for the DMA plan: not at start)."""
+    """The fastest of REPEATS restores of `pages` by one path (after one untimed); None if one failed or
+    could not be made (h2d_layerwise's None). Pages 0..n-1 are one run each side: the DMA plan takes them."""
     configured, faults = transfer.kernel_max_pages, transfer.faults
     transfer.kernel_max_pages = len(pages) if by_kernel else 0
     transfer.faults = None  # (an injected fault is meant for a request's transfer, not this probe)
