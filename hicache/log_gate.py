@@ -17,6 +17,17 @@ def drop_below_warning(_logger, method_name: str, event_dict: dict) -> dict:
     return event_dict
 
 
+def log_anyway(method, event: str, **fields) -> None:
+    """`method(event, **fields)` (a structlog logger's info, warning or exception) where what follows must run
+    whether or not the line is written: a logger that raises (a full disk, a closed pipe, an in-process user's
+    own structlog setup) loses the line, not that step (regression: an operation's transition whose line
+    raised left its locks and pages held; a crash handler's, every client waiting)."""
+    try:
+        method(event, **fields)
+    except Exception:
+        pass
+
+
 def info_enabled() -> bool:
     """False only under the quiet configuration; a JSON log and capture_logs() make it True."""
     processors = structlog.get_config()["processors"]

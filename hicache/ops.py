@@ -53,7 +53,7 @@ from typing import Any, Mapping
 
 import structlog
 
-from hicache.log_gate import info_enabled
+from hicache.log_gate import info_enabled, log_anyway
 
 
 class OpKind(enum.Enum):
@@ -259,10 +259,8 @@ def apply(op: Op, event: OpEvent, *, now_ns: int | None = None, error: str | Non
         fields["error"] = op.error
     if logger is None:  # a fresh lazy proxy per call: works under capture_logs with caching on
         logger = structlog.get_logger("hicache.ops")
-    if event is OpEvent.FAIL:
-        logger.warning("op", **fields)
-    else:
-        logger.info("op", **fields)
+    # (after the op moved: its driver's bookkeeping must follow whatever the log does)
+    log_anyway(logger.warning if event is OpEvent.FAIL else logger.info, "op", **fields)
     return action
 
 

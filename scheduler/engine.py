@@ -51,8 +51,8 @@ log = structlog.get_logger("scheduler.engine")
 class Engine(EngineLifecycle, EngineLoop, BatchAPI):
     def __init__(self, config: EngineConfig | None = None, faults: FaultInjector | None = None) -> None:
         self.config = config = config or EngineConfig()
-        if config.log_json or not structlog.is_configured():
-            configure_logging(config.log_json)
+        # (--log-json: its file, whose lines are dropped, not raised, once the disk is full)
+        self.log_sink = configure_logging(config.log_json) if config.log_json or not structlog.is_configured() else None
         self.device, self.dtype = resolve_device(config)
         if self.device.type == "cpu" and config.cpu_threads > 0:
             torch.set_num_threads(config.cpu_threads)

@@ -66,8 +66,8 @@ class EngineLifecycle:
         req.arrival_batch = self.stats["batches"]
         self.requests[req.rid] = req
         enqueue(self.waiting, req)
-        self.log_event(req, "queued", prompt_tokens=len(req.prompt), priority=params.priority)
         try:
+            self.log_event(req, "queued", prompt_tokens=len(req.prompt), priority=params.priority)
             self.admission.maybe_prefetch(req)
         except BaseException as exc:
             # the caller is told it failed: it must not stay queued, to run later or hold up an
@@ -189,12 +189,14 @@ class EngineLifecycle:
                 await asyncio.wait([self._loop_task])
                 crash_of(self._loop_task)  # (a crash now was logged: taken, not raised; the cancel goes on)
             self._loop_task = None
-            self._settle_aborts()
-            await self.cache.drain(cancel=True)
-            self._log_occupancy()
-            await self.cache.close()
-            self.runner.close()
-            self._shut_down = True
+            try:
+                self._settle_aborts()
+                await self.cache.drain(cancel=True)
+                self._log_occupancy()
+            finally:  # (the tiers close whatever that raised, e.g. the occupancy's line on a full disk)
+                await self.cache.close()
+                self.runner.close()
+                self._shut_down = True
 
     def _abort_all(self) -> None:
         """Stop: the loop admits nothing more and ends once every live request was aborted."""

@@ -18,7 +18,7 @@ import time
 import structlog
 
 from scheduler import step_extras
-from scheduler.logs import info_enabled
+from scheduler.logs import info_enabled, log_anyway
 from scheduler.loop_task import fail_live_requests
 from scheduler.request import RequestState
 from scheduler.runner import Batch, PendingSample
@@ -44,8 +44,9 @@ class EngineLoop:
         try:
             await self._ticks()
         except Exception as exc:
-            # a bug must not leave clients waiting forever: fail every live request, then re-raise
-            log.exception("engine_loop_crashed")
+            # a bug must not leave clients waiting forever: fail every live request, then re-raise (the crash
+            # may be the log's own, a full disk: logging it must not stop that)
+            log_anyway(log.exception, "engine_loop_crashed")
             fail_live_requests(self, exc)
             raise
 

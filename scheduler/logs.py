@@ -9,12 +9,13 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
+import sys
 import time
 from pathlib import Path
 
 import structlog
 
-from hicache.log_gate import drop_below_warning, info_enabled  # noqa: F401  (re-exported)
+from hicache.log_gate import drop_below_warning, info_enabled, log_anyway  # noqa: F401  (re-exported)
 
 RUN_START_EVENT = "run_start"
 
@@ -41,6 +42,16 @@ def _ends_mid_line(path: str) -> bool:
 _SINKS: dict[str, object] = {}  # a log's real path -> this process's open (and locked) file of it
 
 
+def _forget(path: str) -> None:
+    """Close this process's file of the log at `path` (whatever its last buffered line does) and forget it."""
+    sink = _SINKS.pop(os.path.realpath(path), None)
+    if sink is not None:
+        try:
+            sink.close()
+        except OSError:
+            pass
+
+
 def _sink(path: str):
     """This process's file of the log at `path`, opened to append (line buffered: a crash keeps every event) and
     locked the first time; a ValueError where another process holds it (regression: two replays sharing one log
@@ -60,12 +71,47 @@ def _sink(path: str):
     return sink
 
 
-def configure_logging(log_json_path: str | None) -> None:
-    """JSON lines appended to `log_json_path` (its directory created) after a RUN_START_EVENT line, or
-    quiet (warnings and up to stderr) without one."""
+class LogSink:
+    """A JSON log's file as structlog writes to it. Once the run's first line is in, a line that cannot be written
+    (the disk filled up; a pipe's reader went away; the file was closed) is dropped and counted, with one notice on
+    stderr, instead of raising into what it reports on: a request's end, an operation's step, the loop's crash
+    handler (regression: a full disk crashed the engine loop, and its clients waited forever). Until then
+    (`strict`) it raises, so a log that cannot be written at all is refused at start."""
+
+    def __init__(self, file) -> None:
+        self.file, self.strict, self.dropped_writes = file, True, 0
+
+    def write(self, text: str) -> int:
+        try:
+            return self.file.write(text)
+        except (OSError, ValueError) as exc:  # (ValueError: a closed file)
+            return self._dropped(exc)
+
+    def flush(self) -> None:
+        try:
+            self.file.flush()
+        except (OSError, ValueError) as exc:
+            self._dropped(exc)
+
+    def _dropped(self, exc: Exception) -> int:
+        if self.strict:
+            raise exc
+        self.dropped_writes += 1
+        if self.dropped_writes == 1:
+            try:
+                sys.stderr.write(f"hicache: lines of the JSON log {getattr(self.file, 'name', '?')} are being "
+                                 f"dropped: {exc!r}\n")
+            except (OSError, ValueError):
+                pass
+        return 0
+
+
+def configure_logging(log_json_path: str | None) -> LogSink | None:
+    """JSON lines appended to `log_json_path` (its directory created) after a RUN_START_EVENT line (its sink
+    returned), or quiet (warnings and up to stdout) without one."""
     if log_json_path:
         Path(log_json_path).parent.mkdir(parents=True, exist_ok=True)
-        sink = _sink(log_json_path)
+        sink = LogSink(_sink(log_json_path))
         if _ends_mid_line(log_json_path):
             # regression: a run killed mid-line left its last line open, this run's RUN_START_EVENT
             # was glued to it and lost, and the timeline took both runs for one
@@ -77,11 +123,20 @@ def configure_logging(log_json_path: str | None) -> None:
             logger_factory=structlog.WriteLoggerFactory(file=sink),
             cache_logger_on_first_use=False,
         )
-        structlog.get_logger().info(RUN_START_EVENT, pid=os.getpid())
+        try:
+            structlog.get_logger().info(RUN_START_EVENT, pid=os.getpid())
+        except (OSError, ValueError) as exc:  # (nothing of it can be written: quiet again, and the file let go)
+            configure_logging(None)
+            _forget(log_json_path)
+            raise ValueError(f"log_json (--log-json) {log_json_path} cannot be written: {exc}") from exc
+        sink.strict = False
+        return sink
     else:
         structlog.configure(
             processors=[drop_below_warning, structlog.processors.add_log_level, add_monotonic_ns,
                         structlog.dev.ConsoleRenderer(colors=False)],
+            # (named: configure() keeps what it is not given, and warnings went on to an earlier JSON log's file)
+            logger_factory=structlog.PrintLoggerFactory(),
             cache_logger_on_first_use=False,
         )
 

@@ -6,6 +6,8 @@ import asyncio
 
 import structlog
 
+from scheduler.logs import log_anyway
+
 log = structlog.get_logger("scheduler.engine")
 
 
@@ -56,7 +58,7 @@ def fail_live_requests(engine, exc: BaseException) -> None:
         try:
             engine.finish(req, RequestState.FAILED, "error", error)
         except Exception:
-            log.exception("failing_request_after_loop_crash", rid=req.rid)
+            log_anyway(log.exception, "failing_request_after_loop_crash", rid=req.rid)  # (the log may be what raised)
             if engine.requests.get(req.rid) is not req:  # (finish sent its last event; only logging its end failed)
                 continue
             for queue in (engine.running, engine.waiting, engine.parked):
