@@ -1,8 +1,9 @@
-"""Session 69's raise hunt: the engine's own logging raising (a --log-json file on a full disk, a stdout pipe
-whose reader went away) must leave no client waiting forever and no tier open.
+"""Session 69's raise hunt: the engine's own logging raising (a full disk, a stdout pipe whose reader went away,
+an in-process user's own structlog setup) must leave no client waiting forever and no tier open.
 
-structlog's WriteLogger writes each line straight to its file, so on a full disk every log call raises
-OSError(ENOSPC). Pinned here:
+A plain structlog WriteLogger writes each line straight to its file, so on a full disk every log call raises
+OSError(ENOSPC); --log-json's own sink now drops such lines instead (tests/test_log_sink_s69.py), and these
+tests configure a plain one, as a user of the in-process API may. Pinned here:
 - the loop's crash handler logged the crash before failing the live requests: that log raised too, and
   `fail_live_requests` never ran, so every live client waited forever;
 - `fail_live_requests` logged a request it could not fail cleanly: that log raised, and every later request
@@ -44,7 +45,7 @@ class LogFile:
 
 @pytest.fixture
 def log_file():
-    """structlog configured as --log-json configures it (scheduler/logs.py), on a LogFile."""
+    """structlog configured as --log-json configures it (scheduler/logs.py), but writing to a LogFile plainly."""
     saved = structlog.get_config()
     sink = LogFile()
     structlog.configure(processors=[structlog.processors.add_log_level, structlog.processors.format_exc_info,
