@@ -268,3 +268,14 @@ def test_no_calibration_where_one_path_is_missing(flags):
     te = ScriptedEngine(KERNEL_RUNS, DMA_RUNS, **flags)
     assert calibrate(te, 256) is None
     assert te.calls == [] and te.kernel_max_pages == 256
+
+
+def test_a_copy_done_inside_its_enqueue_counts_that_enqueue_once_in_its_queue_wait():
+    """The CPU copies a transfer inside its enqueue: its service is that enqueue plus its finish, so the wait
+    for its completion to be seen is the rest of its time (regression: the enqueue was taken off twice, 44 ms
+    reported of 47)."""
+    tr = Transfer("h2d", 8, 8 << 20, enqueue_ns=3_000_000, setup_ns=0, started_ns=0, synchronous=True)
+    tr.service_ns, tr.done_ns = tr.enqueue_ns + tr.finish_ns, 50_000_000
+    assert tr.queue_wait_ns == 47_000_000
+    tr.synchronous, tr.service_ns = False, 2_000_000  # (asynchronous: its enqueue is not in its service)
+    assert tr.queue_wait_ns == 45_000_000
