@@ -101,8 +101,14 @@ class Choices:
 
     async def close(self) -> None:
         """Abort what has not ended (counted as aborted), once the response is over."""
-        for g in self.gens:
-            await g.close()
+        errors = []
+        for g in self.gens:  # (every one, whichever raised)
+            try:
+                await g.close()
+            except Exception as exc:  # (the first raised once all were closed)
+                errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def reasoning_counter(self, gen) -> ReasoningTokens | None:
         """A chat choice's reasoning tokens counted from its ids as its splitter splits its text (None: no

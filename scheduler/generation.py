@@ -144,11 +144,13 @@ class Generation:
         """Abort the request unless it ended (the client went away, or the server is stopping)."""
         if not self._closed:
             self._closed = True
-            if not self._counted:
-                self._counted = True
-                self.st.metrics.outcome("aborted")
-                self._ended("abort", len(self.req.output))
-            await self.abort()
+            try:
+                if not self._counted:
+                    self._counted = True
+                    self.st.metrics.outcome("aborted")
+                    self._ended("abort", len(self.req.output))
+            finally:
+                await self.abort()
 
     async def events(self):
         """(text, token ids, the finishing event or None, logprobs entries: its `LogprobsShaper.entry`

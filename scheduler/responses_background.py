@@ -79,11 +79,15 @@ class BackgroundRun:
             self._end("failed", {"code": "server_error", "message": f"internal error: {type(exc).__name__}: {exc}"})
         finally:
             self._cancelling = True  # (no cancel lands in its cleanup: the slot is released whatever comes)
-            await self.out.close()  # (each engine request aborted unless it ended, counted as aborted)
-            self.slot.release()
-            self.finished, self.out, self.keep = True, None, None
-            self._notify()
-            self._on_end(self)
+            try:
+                await self.out.close()  # (each engine request aborted unless it ended, counted as aborted)
+            except Exception:  # (its end is still recorded: no slot held, no follower left waiting)
+                log.exception("background_response_close_failed", response_id=self.id)
+            finally:
+                self.slot.release()
+                self.finished, self.out, self.keep = True, None, None
+                self._notify()
+                self._on_end(self)
 
     def _record(self, event: dict) -> None:
         self.events.append(event)

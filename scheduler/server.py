@@ -334,15 +334,15 @@ class _Slot:
             raise APIError(429, f"too many concurrent requests (limit {st.limits.max_concurrent_requests}, "
                                 f"--max-concurrent-requests); retry later", code="too_many_requests",
                            headers={"Retry-After": "1"})
+        st.metrics.in_flight.inc(count)  # (first: where it raises, no place is held)
         st.in_flight += count
         self.count += count
-        st.metrics.in_flight.inc(count)
 
     def release(self) -> None:
-        if self.st is not None:
-            self.st.in_flight -= self.count
-            self.st.metrics.in_flight.dec(self.count)
-            self.st = None
+        st, self.st = self.st, None
+        if st is not None:
+            st.in_flight -= self.count
+            st.metrics.in_flight.dec(self.count)
 
 
 async def _generate(request: Request, st: _ServerState, chat: bool, shape: ResponsesShape | None = None):
@@ -419,18 +419,23 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
             shape.release_claim()
         st.metrics.outcome("aborted" if isinstance(exc, asyncio.CancelledError) else "failed")
         raise
-    st.metrics.prompt_tokens.inc(sum(len(g.req.prompt) for g in gens))  # (each choice's: vLLM's child requests)
-    choices = Choices(gens, chat, rids.response_id, api_req, st.model_name)
-    if shape is not None:
-        try:
-            choices = shape.output(choices)
-            if shape.req.background:  # its task holds the slot, detached from this request (responses_background.py)
-                return st.background.start(choices, slot, api_req.stream)
-        finally:
-            shape.release_claim()  # (its run, where it started, is kept under the id by now)
-    if api_req.stream:
-        return SSEResponse(choices.sse(), choices, slot, media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:  # (until a response holds them: a raise here left the slot held for good and the requests running)
+        st.metrics.prompt_tokens.inc(sum(len(g.req.prompt) for g in gens))  # (each choice's: vLLM's child requests)
+        choices = Choices(gens, chat, rids.response_id, api_req, st.model_name)
+        if shape is not None:
+            try:
+                choices = shape.output(choices)
+                if shape.req.background:  # its task holds the slot, detached from this request
+                    return st.background.start(choices, slot, api_req.stream)
+            finally:
+                shape.release_claim()  # (its run, where it started, is kept under the id by now)
+        if api_req.stream:
+            return SSEResponse(choices.sse(), choices, slot, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    except BaseException:
+        await _abort_all(st, gens)
+        slot.release()
+        raise
     try:
         return await choices.complete(request)
     finally:

@@ -40,7 +40,11 @@ class SSEResponse(StreamingResponse):
         finally:
             if watcher is not None:
                 watcher.cancel()
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-                await self._choices.close()
-            self._slot.release()
+            try:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await self.body_iterator.aclose()
+                    finally:
+                        await self._choices.close()
+            finally:
+                self._slot.release()

@@ -25,6 +25,14 @@ def make_engine(**kw) -> Engine:
     return Engine(EngineConfig(model="tiny", device="cpu", page_size=PAGE, max_new_tokens_limit=64, **kw))
 
 
+def post_scope(path: str, body: bytes) -> dict:
+    """The ASGI scope of a JSON POST of `body` to `path` (spec 2.3)."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 8000),
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+
 class ASGICall:
     """One HTTP request to the app, run as a task: its body is sent when `send_body()` is called."""
 
@@ -33,13 +41,7 @@ class ASGICall:
         self.inbox: asyncio.Queue = asyncio.Queue()
         self.sent: list[dict] = []
         self.reading = asyncio.Event()  # the app asked for the body
-        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-                 "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
-                 "query_string": b"", "root_path": "", "client": ("127.0.0.1", 50000),
-                 "server": ("127.0.0.1", 8000),
-                 "headers": [(b"content-type", b"application/json"),
-                             (b"content-length", str(len(self.body)).encode())]}
-        self.task = asyncio.ensure_future(app(scope, self._receive, self._send))
+        self.task = asyncio.ensure_future(app(post_scope(path, self.body), self._receive, self._send))
 
     async def _receive(self) -> dict:
         self.reading.set()
