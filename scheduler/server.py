@@ -404,7 +404,11 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
                                                  rid=rids.engine_rid(i * n + j, total))
                 except RequestError as exc:
                     raise _refused(st, exc, i, k, api_req) from None
-                gens.append(Generation(st, ereq, api_req, chat, arrival, index=i, batch_size=k, choice=j, n=n))
+                try:
+                    gens.append(Generation(st, ereq, api_req, chat, arrival, index=i, batch_size=k, choice=j, n=n))
+                except BaseException:  # (queued, but in no Generation that the clean-up below aborts)
+                    await abort_quietly(st.engine, ereq)
+                    raise
     except APIError:
         await _abort_all(st, gens)  # a batch's prompts queued before one was refused
         slot.release()

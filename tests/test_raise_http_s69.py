@@ -2,8 +2,9 @@
 the Prometheus client, a metric's bookkeeping) must still free the request's --max-concurrent-requests places, abort its
 engine requests and let shutdown end. The server is driven in-process through its ASGI app (its own lifespan, the real
 engine on the tiny preset, CPU). Pinned here:
-- `_generate` after admission (the prompt-tokens counter, `Choices(...)`, the Responses API's `shape.output`, a
-  background response's start, the stream's response) was outside every guard: a raise there answered 500 but left
+- `_generate` after admission (a choice's `Generation(...)` just after its engine request was queued, the
+  prompt-tokens counter, `Choices(...)`, the Responses API's `shape.output`, a background response's start, the
+  stream's response) was outside every guard: a raise there answered 500 but left
   the slots held for good (the server 429s once --max-concurrent-requests of them leaked) and the engine requests
   generating to their end with nobody reading them;
 - `_Slot.add` counted the place before the in-flight gauge's `inc`: that raising leaked the place;
@@ -116,6 +117,7 @@ RESPONSE = {"model": "tiny", "input": "hi", "max_output_tokens": 64}
 AFTER_ADMISSION = {  # a call _generate makes once the engine requests are queued, before the response takes them
     "prompt_tokens_counter": (lambda st: st.metrics.prompt_tokens, "inc", "/v1/completions", {"stream": True}),
     "choices": (lambda st: server, "Choices", "/v1/completions", {}),
+    "generation": (lambda st: server, "Generation", "/v1/completions", {}),  # (its engine request just queued)
     "responses_output": (lambda st: server.ResponsesShape, "output", "/v1/responses", None),
     "background_start": (lambda st: st.background, "start", "/v1/responses", {"background": True}),
 }
