@@ -409,6 +409,20 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
                 except BaseException:  # (queued, but in no Generation that the clean-up below aborts)
                     await abort_quietly(st.engine, ereq)
                     raise
+        # until a response holds the requests, a raise is cleaned up below (regression: one here, in a counter,
+        # Choices, the Responses output or a background start, left the slot held for good and the requests running)
+        st.metrics.prompt_tokens.inc(sum(len(g.req.prompt) for g in gens))  # (each choice's: vLLM's child requests)
+        choices = Choices(gens, chat, rids.response_id, api_req, st.model_name)
+        if shape is not None:
+            try:
+                choices = shape.output(choices)
+                if shape.req.background:  # its task holds the slot, detached from this request
+                    return st.background.start(choices, slot, api_req.stream)
+            finally:
+                shape.release_claim()  # (its run, where it started, is kept under the id by now)
+        if api_req.stream:
+            return SSEResponse(choices.sse(), choices, slot, media_type="text/event-stream",
+                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     except APIError:
         await _abort_all(st, gens)  # a batch's prompts queued before one was refused
         slot.release()
@@ -422,23 +436,6 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
         if shape is not None:
             shape.release_claim()
         st.metrics.outcome("aborted" if isinstance(exc, asyncio.CancelledError) else "failed")
-        raise
-    try:  # (until a response holds them: a raise here left the slot held for good and the requests running)
-        st.metrics.prompt_tokens.inc(sum(len(g.req.prompt) for g in gens))  # (each choice's: vLLM's child requests)
-        choices = Choices(gens, chat, rids.response_id, api_req, st.model_name)
-        if shape is not None:
-            try:
-                choices = shape.output(choices)
-                if shape.req.background:  # its task holds the slot, detached from this request
-                    return st.background.start(choices, slot, api_req.stream)
-            finally:
-                shape.release_claim()  # (its run, where it started, is kept under the id by now)
-        if api_req.stream:
-            return SSEResponse(choices.sse(), choices, slot, media_type="text/event-stream",
-                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    except BaseException:
-        await _abort_all(st, gens)
-        slot.release()
         raise
     try:
         return await choices.complete(request)
