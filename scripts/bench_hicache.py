@@ -268,8 +268,7 @@ async def measure(args, tier: str, prefix_tokens: int, prompts, bdir: BenchDir) 
                    if reusable >= tail_tokens > 0 else tail)
         cost_state = eng.cache.cost.state()["directions"]
         # (CUDA: the copy kernel's restore timed against the DMAs' at start, and the bound that chose)
-        calibration = getattr(eng.cache, "kernel_calibration", None)
-        calibration = dataclasses.asdict(calibration) if calibration is not None else None
+        calibration = eng.cache.kernel_calibration and dataclasses.asdict(eng.cache.kernel_calibration)
         store_dir = Path(eng.cache.store.path).parent if eng.cache.store is not None else Path(bdir.dir)
     finally:
         await close_engine(eng)
