@@ -99,11 +99,28 @@ class LogSink:
         self.dropped_writes += 1
         if self.dropped_writes == 1:
             try:
-                sys.stderr.write(f"hicache: lines of the JSON log {getattr(self.file, 'name', '?')} are being "
+                sys.stderr.write(f"hicache: lines of the log {getattr(self.file, 'name', '?')} are being "
                                  f"dropped: {exc!r}\n")
             except (OSError, ValueError):
                 pass
         return 0
+
+
+class _Stdout:
+    """sys.stdout as it is at each write (a test's capture, a caller's redirect), for the quiet log's sink."""
+    name = "<stdout>"
+
+    def write(self, text: str) -> int:
+        return sys.stdout.write(text)
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+
+def _quiet_sink() -> LogSink:
+    sink = LogSink(_Stdout())
+    sink.strict = False  # (regression: a warning to a stdout whose reader went away raised into the engine)
+    return sink
 
 
 def configure_logging(log_json_path: str | None) -> LogSink | None:
@@ -136,7 +153,7 @@ def configure_logging(log_json_path: str | None) -> LogSink | None:
             processors=[drop_below_warning, structlog.processors.add_log_level, add_monotonic_ns,
                         structlog.dev.ConsoleRenderer(colors=False)],
             # (named: configure() keeps what it is not given, and warnings went on to an earlier JSON log's file)
-            logger_factory=structlog.PrintLoggerFactory(),
+            logger_factory=structlog.WriteLoggerFactory(file=_quiet_sink()),
             cache_logger_on_first_use=False,
         )
 
