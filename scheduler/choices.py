@@ -20,7 +20,8 @@ Each choice carries vLLM's `stop_reason` (scheduler/generation.py), kept where a
 "tool_calls" (vLLM's); a stream's is in its choice's last chunk.
 A choice that fails (the engine failed it, or it was aborted at shutdown) fails the whole request, as a
 single request fails: the other choices are aborted; a response is that error (500, or 503 for an abort)
-and a stream ends with it as an error event, then `data: [DONE]`; in a batch the error names the
+and a stream ends with it as an error event, then `data: [DONE]` (as it does where the server itself raises
+while it streams: an `internal_error` event, as a whole response's 500); in a batch the error names the
 prompt ("prompt 2 of the batch: ...", param "prompt.2"). A client that goes away aborts them all.
 Each choice holds one of --max-concurrent-requests (server._Slot) and is counted in the metrics as a
 request (its outcome, its tokens); a refused batch counts one rejection.
@@ -34,15 +35,18 @@ import time
 from collections.abc import AsyncIterator
 
 import anyio
+import structlog
 from fastapi.responses import JSONResponse
 
 from scheduler import prompt_logprobs_api
 from scheduler.api_inputs import echo_text
 from scheduler.api_models import APIError, Usage, response_body, stream_chunk, usage_chunk
 from scheduler.chat_answer import ChatAnswer, Delta
+from scheduler.logs import log_anyway
 from scheduler.reasoning import ReasoningSplitter, ReasoningTokens, prompt_opens_thinking, think_markers
 
 _END = object()
+log = structlog.get_logger("scheduler.server")
 
 
 class Choices:
@@ -99,12 +103,13 @@ class Choices:
         for g in self.gens:
             await g.abort()
 
-    async def close(self) -> None:
-        """Abort what has not ended (counted as aborted), once the response is over."""
+    async def close(self, outcome: str = "aborted") -> None:
+        """Abort what has not ended (counted as `outcome`: aborted, or failed where the server raised as it served
+        them), once the response is over."""
         errors = []
         for g in self.gens:  # (every one, whichever raised)
             try:
-                await g.close()
+                await g.close(outcome)
             except Exception as exc:  # (the first raised once all were closed)
                 errors.append(exc)
         if errors:
@@ -161,7 +166,7 @@ class Choices:
         ids: list[list[int]] = [[] for _ in self.gens]
         finish: list[str] = [""] * len(self.gens)
         logprobs: list[list] = [[] for _ in self.gens]
-        failed = None
+        failed, outcome = None, "aborted"
         try:
             async with contextlib.aclosing(self._events()) as events:
                 async for i, (text, token_ids, fin, entries) in events:
@@ -172,9 +177,12 @@ class Choices:
                         break
                     if fin is not None:
                         finish[i] = fin.finish_reason
+        except Exception:  # (a bug: the server's 500; what had not ended counts as failed, not as a client's abort)
+            outcome = "failed"
+            raise
         finally:
             watcher.cancel()
-            await self.close()
+            await self.close(outcome)
         if failed is not None:
             raise failed
         shaped = [None if g.logprobs is None else g.logprobs.render(lps) for g, lps in zip(self.gens, logprobs)]
@@ -262,6 +270,7 @@ class Choices:
         first, roles_sent = [True] * len(self.gens), False
         answers = [self._answer(g) for g in self.gens] if self.chat else None
         counters = self._counting = [self.reasoning_counter(g) for g in self.gens]
+        outcome = "aborted"
         try:
             async with contextlib.aclosing(self._events()) as events:
                 async for i, (text, token_ids, fin, entries) in events:
@@ -296,8 +305,15 @@ class Choices:
                         usage["usage"] = self.usage_body()
                         yield f"data: {json.dumps(usage)}\n\n"
             yield "data: [DONE]\n\n"
+        except Exception as exc:  # a bug in a token's text, logprobs or tool calls: the stream ends as a failed
+            # choice's, not cut (regression: the response had started, so its connection was closed mid-body)
+            log_anyway(log.exception, "stream_failed", rid=self.rid)
+            outcome = "failed"
+            error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+            yield f"data: {json.dumps(error.body())}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
-            await self.close()
+            await self.close(outcome)
 
 
 async def _echoed(gen, text: str) -> AsyncIterator[tuple]:

@@ -140,14 +140,15 @@ class Generation:
     async def abort(self, stop: bool = False) -> None:
         await abort_quietly(self.st.engine, self.req, stop)
 
-    async def close(self) -> None:
-        """Abort the request unless it ended (the client went away, or the server is stopping)."""
+    async def close(self, outcome: str = "aborted") -> None:
+        """Abort the request unless it ended (the client went away, or the server is stopping; outcome "failed":
+        the server raised as it served it)."""
         if not self._closed:
             self._closed = True
             try:
                 if not self._counted:
                     self._counted = True
-                    self.st.metrics.outcome("aborted")
+                    self.st.metrics.outcome(outcome)
                     self._ended("abort", len(self.req.output))
             finally:
                 await self.abort()

@@ -74,7 +74,7 @@ class BackgroundRun:
                     self._record(event)
         except asyncio.CancelledError:  # cancel(): the events' generators closed, the engine requests aborted
             self._end("cancelled")
-        except Exception as exc:  # a bug (a stream's would end broken): the response failed
+        except Exception as exc:  # a bug in the output's own events (a stream's would end broken): the response failed
             log.exception("background_response_failed", response_id=self.id)
             self._end("failed", {"code": "server_error", "message": f"internal error: {type(exc).__name__}: {exc}"})
         finally:

@@ -34,7 +34,7 @@ class _ChatGen:
     def usage(self) -> Usage:
         return Usage.of(len(self.req.prompt), self.sent, {})
 
-    async def close(self) -> None:
+    async def close(self, outcome: str = "aborted") -> None:
         pass
 
 

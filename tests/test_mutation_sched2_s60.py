@@ -251,7 +251,7 @@ class _Gen:
         from scheduler.api_models import Usage
         return Usage.of(len(self.req.prompt), sum(len(ids) for _, ids, _, _ in self.items), {})
 
-    async def close(self) -> None:
+    async def close(self, outcome: str = "aborted") -> None:
         self.closed = True
 
     def fail(self, fin) -> APIError:
