@@ -64,6 +64,11 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+def internal_error(exc: BaseException) -> APIError:
+    """A bug's error as the client gets it: a response's 500, or a stream's last error event (its status sent)."""
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
 _DEFAULT_TYPES = {404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
                   503: "service_unavailable"}
 

@@ -40,12 +40,13 @@ from fastapi.responses import JSONResponse
 
 from scheduler import prompt_logprobs_api
 from scheduler.api_inputs import echo_text
-from scheduler.api_models import APIError, Usage, response_body, stream_chunk, usage_chunk
+from scheduler.api_models import APIError, Usage, internal_error, response_body, stream_chunk, usage_chunk
 from scheduler.chat_answer import ChatAnswer, Delta
 from scheduler.logs import log_anyway
 from scheduler.reasoning import ReasoningSplitter, ReasoningTokens, prompt_opens_thinking, think_markers
 
 _END = object()
+_DONE = "data: [DONE]\n\n"
 log = structlog.get_logger("scheduler.server")
 
 
@@ -267,53 +268,66 @@ class Choices:
         return f"data: {json.dumps(chunk)}\n\n"
 
     async def sse(self):
+        """The stream's chunks. A raise (a bug: in a token's text, a stop string's matcher, logprobs, tool calls, a
+        chunk's building) ends it with an internal_error event and `data: [DONE]`, the choices it left counted as
+        failed; one in the clean-up after its [DONE] is only logged (regression: either raised out of the app after
+        the 200, and the client's connection was cut mid-body: no error, no end)."""
+        done = False
+        try:
+            outcome = "aborted"
+            try:
+                async with contextlib.aclosing(self._sse()) as chunks:
+                    async for chunk in chunks:
+                        done = chunk == _DONE
+                        yield chunk
+            except Exception:
+                outcome = "failed"
+                raise
+            finally:
+                await self.close(outcome)
+        except Exception as exc:
+            log_anyway(log.exception, "stream_failed", rid=self.rid)
+            if not done:
+                yield f"data: {json.dumps(internal_error(exc).body())}\n\n"
+                yield _DONE
+
+    async def _sse(self):
         first, roles_sent = [True] * len(self.gens), False
         answers = [self._answer(g) for g in self.gens] if self.chat else None
         counters = self._counting = [self.reasoning_counter(g) for g in self.gens]
-        outcome = "aborted"
-        try:
-            async with contextlib.aclosing(self._events()) as events:
-                async for i, (text, token_ids, fin, entries) in events:
-                    if (failed := self._failed(self.gens[i], fin)) is not None:
-                        yield f"data: {json.dumps(failed.body())}\n\n"
-                        break
-                    reasoning, calls, finish = "", None, None if fin is None else fin.finish_reason
-                    if answers is not None:
-                        delta = answers[i].feed(text) + (answers[i].flush() if fin is not None else Delta())
-                        reasoning = delta.reasoning if self.shows_reasoning else ""
-                        text, calls = delta.content, delta.calls
-                        finish = finish and answers[i].finish_reason(finish)
-                    counter = counters[i]
-                    if counter is not None:
-                        counter.feed(token_ids)
-                    if fin is not None and answers is not None:
-                        self._ended(i, answers[i], counter)
-                    if self.chat and not roles_sent:  # (every choice's at once, before any content: vLLM's)
-                        roles_sent = True
-                        for j in range(len(self.gens)):
-                            yield self._role_chunk(j)
-                    if calls and finish is not None:  # the calls in a chunk of their own, then the end (the SDK's
-                        # stream helper looks for a finished call before it reads the calls of the finish chunk:
-                        # the calls a "required" tool_choice sends at its end never had arguments.done)
-                        yield self._chunk(i, text, token_ids, None, entries, reasoning, calls, counter, None)
-                        text, token_ids, entries, reasoning, calls = "", [], [], "", None
-                    yield self._chunk(i, text, token_ids, finish, entries, reasoning, calls, counter, fin, first[i])
-                    first[i] = False
-                else:
-                    if self.includes_usage:
-                        usage = usage_chunk(self.chat, self.rid, self.created, self.model, self.usage())
-                        usage["usage"] = self.usage_body()
-                        yield f"data: {json.dumps(usage)}\n\n"
-            yield "data: [DONE]\n\n"
-        except Exception as exc:  # a bug in a token's text, logprobs or tool calls: the stream ends as a failed
-            # choice's, not cut (regression: the response had started, so its connection was closed mid-body)
-            log_anyway(log.exception, "stream_failed", rid=self.rid)
-            outcome = "failed"
-            error = APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
-            yield f"data: {json.dumps(error.body())}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            await self.close(outcome)
+        async with contextlib.aclosing(self._events()) as events:
+            async for i, (text, token_ids, fin, entries) in events:
+                if (failed := self._failed(self.gens[i], fin)) is not None:
+                    yield f"data: {json.dumps(failed.body())}\n\n"
+                    break
+                reasoning, calls, finish = "", None, None if fin is None else fin.finish_reason
+                if answers is not None:
+                    delta = answers[i].feed(text) + (answers[i].flush() if fin is not None else Delta())
+                    reasoning = delta.reasoning if self.shows_reasoning else ""
+                    text, calls = delta.content, delta.calls
+                    finish = finish and answers[i].finish_reason(finish)
+                counter = counters[i]
+                if counter is not None:
+                    counter.feed(token_ids)
+                if fin is not None and answers is not None:
+                    self._ended(i, answers[i], counter)
+                if self.chat and not roles_sent:  # (every choice's at once, before any content: vLLM's)
+                    roles_sent = True
+                    for j in range(len(self.gens)):
+                        yield self._role_chunk(j)
+                if calls and finish is not None:  # the calls in a chunk of their own, then the end (the SDK's
+                    # stream helper looks for a finished call before it reads the calls of the finish chunk:
+                    # the calls a "required" tool_choice sends at its end never had arguments.done)
+                    yield self._chunk(i, text, token_ids, None, entries, reasoning, calls, counter, None)
+                    text, token_ids, entries, reasoning, calls = "", [], [], "", None
+                yield self._chunk(i, text, token_ids, finish, entries, reasoning, calls, counter, fin, first[i])
+                first[i] = False
+            else:
+                if self.includes_usage:
+                    usage = usage_chunk(self.chat, self.rid, self.created, self.model, self.usage())
+                    usage["usage"] = self.usage_body()
+                    yield f"data: {json.dumps(usage)}\n\n"
+        yield _DONE
 
 
 async def _echoed(gen, text: str) -> AsyncIterator[tuple]:

@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from scheduler.loop_task import check_loop, crash_of, join_loop
+from scheduler.loop_task import check_loop, crash_of, end_broken, join_loop
 from scheduler.request import Request, RequestError, RequestState, SamplingParams, TokenEvent, enqueue
 from scheduler.sampling import seeded_generator
 
@@ -207,13 +207,22 @@ class EngineLifecycle:
     # -- finishing -----------------------------------------------------------------------------
     def _settle_aborts(self) -> None:
         """End the requests aborted since the last tick; each stays in `aborting` until all have
-        ended, so that none keeps another's restore going for its sake (`Restoring.drop_ops`)."""
+        ended, so that none keeps another's restore going for its sake (`Restoring.drop_ops`). One whose end
+        raises still gets its last event (failed: `end_broken`), and the others end, before its error is raised
+        (regression: it and those after it never ended; with no loop running, their clients waited forever)."""
+        errors = []
         for rid in list(self.aborting):
             req = self.requests.get(rid)
             if req is not None and not req.state.done:
-                self._end_aborted(req)
+                try:
+                    self._end_aborted(req)
+                except Exception as exc:
+                    end_broken(self, req, f"ending the aborted request raised: {exc!r}")
+                    errors.append(exc)
         self.aborting.clear()
         self._stops.clear()
+        if errors:
+            raise errors[0]
 
     def _end_aborted(self, req: Request) -> None:
         stop = req.rid in self._stops

@@ -49,7 +49,7 @@ def fail_live_requests(engine, exc: BaseException) -> None:
     """The loop crashed: end every live request FAILED, so that no client waits forever. Failing one
     may raise too (the state that crashed the loop is its own): that request still gets its final
     event, and the others are failed (regression: the first such error left every later client waiting)."""
-    from scheduler.request import RequestState, TokenEvent
+    from scheduler.request import RequestState
 
     error = f"engine loop crashed: {exc!r}"
     for req in list(engine.requests.values()):
@@ -59,14 +59,23 @@ def fail_live_requests(engine, exc: BaseException) -> None:
             engine.finish(req, RequestState.FAILED, "error", error)
         except Exception:
             log_anyway(log.exception, "failing_request_after_loop_crash", rid=req.rid)  # (the log may be what raised)
-            if engine.requests.get(req.rid) is not req:  # (finish sent its last event; only logging its end failed)
-                continue
-            for queue in (engine.running, engine.waiting, engine.parked):
-                if req in queue:
-                    queue.remove(req)
-            if not req.state.done:
-                req.state, req.finish_reason, req.error = RequestState.FAILED, "error", error
-                engine.stats["failed"] += 1
-            req.penalty_state = None  # (its device tensors go now, as Engine.finish frees them)
-            req.emit(TokenEvent(req.rid, None, len(req.output), finished=True, finish_reason="error", error=error))
-            engine.requests.pop(req.rid, None)
+            end_broken(engine, req, error)
+
+
+def end_broken(engine, req, error: str) -> None:
+    """`engine.finish(req, ...)` raised: the request still leaves the queues and gets its last event, FAILED with
+    `error` (its pages and locks are what broke: left as they are), unless finish sent that event already (only
+    logging its end raised)."""
+    from scheduler.request import RequestState, TokenEvent
+
+    if engine.requests.get(req.rid) is not req:
+        return
+    for queue in (engine.running, engine.waiting, engine.parked):
+        if req in queue:
+            queue.remove(req)
+    if not req.state.done:
+        req.state, req.finish_reason, req.error = RequestState.FAILED, "error", error
+        engine.stats["failed"] += 1
+    req.penalty_state = None  # (its device tensors go now, as Engine.finish frees them)
+    req.emit(TokenEvent(req.rid, None, len(req.output), finished=True, finish_reason="error", error=error))
+    engine.requests.pop(req.rid, None)

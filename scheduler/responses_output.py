@@ -23,13 +23,17 @@ import json
 import uuid
 from typing import TYPE_CHECKING, Callable
 
+import structlog
 from fastapi.responses import JSONResponse
 
+from scheduler.api_models import internal_error
 from scheduler.responses_logprobs import AnswerLogprobs, event_form
 
 if TYPE_CHECKING:
     from scheduler.api_responses import ResponsesRequest
     from scheduler.choices import Choices
+
+log = structlog.get_logger("scheduler.server")
 
 _PREFIXES = {"reasoning": "rs", "message": "msg", "function_call": "fc"}
 
@@ -212,9 +216,19 @@ class ResponseOutput:
         return JSONResponse(self._kept(self.response(status, items.items, _usage(chat["usage"]))))
 
     async def sse(self):
-        """The stream's events as server-sent events."""
-        async with contextlib.aclosing(self.events()) as events:
-            async for event in events:
+        """The stream's events as server-sent events. A raise (a bug: in an event's making, in keeping the Response)
+        ends it with an `error` event, then `cut_short`'s `response.failed` (regression: it raised out of the app after
+        the 200, and the client's connection was cut mid-body: no error, no end)."""
+        try:
+            async with contextlib.aclosing(self.events()) as events:
+                async for event in events:
+                    yield sse_block(event)
+        except Exception as exc:
+            log.exception("response_stream_failed", response_id=self.id)
+            error = internal_error(exc)
+            yield sse_block(self._numbered({"type": "error", "code": error.code, "message": error.message,
+                                            "param": None}))
+            for event in self.cut_short("failed", {"code": "server_error", "message": error.message}):
                 yield sse_block(event)
 
     async def events(self):

@@ -47,7 +47,7 @@ from scheduler.api_admin import PrefixCacheReset
 from scheduler.api_auth import CORSSettings, install_access
 from scheduler.api_beam_search import BeamSearches
 from scheduler.api_inputs import choice_params, model_not_found, parse_prompts
-from scheduler.api_models import APIError, jsonable, read_json_body, validation_error
+from scheduler.api_models import APIError, internal_error, jsonable, read_json_body, validation_error
 from scheduler.api_responses import ResponsesShape
 from scheduler.responses_background import BackgroundResponses
 from scheduler.responses_store import ResponsesStore
@@ -203,7 +203,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
             exc = APIError(exc.status_code, f"{exc.detail}: {_request.method} {_request.url.path}",
                            code=f"http_{exc.status_code}", type="invalid_request_error", headers=headers)
         elif not isinstance(exc, APIError):
-            exc = APIError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+            exc = internal_error(exc)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     for exc_type in (APIError, RequestValidationError, StarletteHTTPException, Exception):
