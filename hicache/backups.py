@@ -237,12 +237,21 @@ class Backups:
             return None
         op = self._new(OpKind.BACKUP, (n1 - n2) // ps, request_id)
         op.payload["l3_probe"] = l3_probe
-        # lock the sources first: allocating L2 pages evicts L2 leaves, and the L2 prefix [0, n2)
-        # that the new pages extend must survive it
-        self._lock(op, m.handles[Tier.L1], Tier.L1)
-        self._lock(op, m.handles[Tier.L2], Tier.L2)
-        claim = self._claim(op, Tier.L2)
-        host_pages = mgr.alloc_pages(Tier.L2, (n1 - n2) // ps, claim)
+        try:  # (until its driver is registered: `_not_started`)
+            # set once its L1 source is unlocked: its D2H ended, or the op did (write_back_l1 waits on it)
+            l1_free = asyncio.get_running_loop().create_future()
+            # lock the sources first: allocating L2 pages evicts L2 leaves, and the L2 prefix [0, n2)
+            # that the new pages extend must survive it
+            self._lock(op, m.handles[Tier.L1], Tier.L1)
+            self._lock(op, m.handles[Tier.L2], Tier.L2)
+            claim = self._claim(op, Tier.L2)
+            host_pages = mgr.alloc_pages(Tier.L2, (n1 - n2) // ps, claim)
+            if host_pages is not None:
+                apply(op, OpEvent.START)
+                tr = mgr.transfer.d2h(m.pages[Tier.L1][n2 // ps: n1 // ps], host_pages)
+        except Exception as exc:
+            self._not_started(op, exc)
+            return None
         if host_pages is None:  # L2 full of locked pages: skip, never wait
             self._release(op)
             l3_writer_key = l3_writer_key or self._extended_l3_writer(tokens)
@@ -251,13 +260,9 @@ class Backups:
                 return None
             mgr.metrics.policy_skips["write_l2"] += 1
             return None
-        apply(op, OpEvent.START)
-        tr = mgr.transfer.d2h(m.pages[Tier.L1][n2 // ps: n1 // ps], host_pages)
         mgr.metrics.backups_started += 1
         key = tokens[:n1]
         self._backing_up.add(key)
-        # set once its L1 source is unlocked: its D2H ended, or the op did (write_back_l1 waits on it)
-        l1_free = asyncio.get_running_loop().create_future()
         # backup_node: the L1 node whose path is `key` (split, it keeps that path), by id (`_fail`)
         op.payload.update(transfer=tr, backup_key=key, backup_node=m.handles[Tier.L1].node_id, l1_free=l1_free)
         self._register(op, self._drive_backup(op, key, n2, host_pages))

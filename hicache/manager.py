@@ -416,16 +416,20 @@ class CacheManager:
 
     async def close(self) -> None:
         await self.runner.drain(cancel=True)
-        if self.transfer is not None:
-            self.transfer.close()
-        if getattr(self.store, "persistent", False) and not self.store.closed:
-            l3_index.save(self)  # (nothing moves now: the next engine on this file adopts it)
-        if self.store is not None:
-            closer = getattr(self.store, "aclose", None)
-            if closer is not None:
-                await closer()
-            else:
-                self.store.close()
+        try:
+            if self.transfer is not None:
+                self.transfer.close()
+            if getattr(self.store, "persistent", False) and not self.store.closed:
+                l3_index.save(self)  # (nothing moves now: the next engine on this file adopts it)
+        finally:
+            # the store closes whatever that raised (a device error re-raised by the copy streams' synchronize):
+            # regression, its file, threads and lock stayed, and the next engine on the path was refused
+            if self.store is not None:
+                closer = getattr(self.store, "aclose", None)
+                if closer is not None:
+                    await closer()
+                else:
+                    self.store.close()
 
     # -- observability and integrity (the views: hicache/inspection.py) --------------------------
     def tier_status(self, tier: Tier) -> dict | None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from hicache.backups import Backups
+from hicache.log_gate import log_anyway
 from hicache.ops import Op, OpEvent, OpKind, apply, new_op
 from hicache.radix import Node, Tier
 from hicache.restores import Restores
@@ -142,6 +143,26 @@ class OpRunner(Backups, Restores):
         for tier in list(op.payload["claims"]):
             self._close_claim(op, tier)
 
+    def _not_started(self, op: Op, exc: Exception) -> None:
+        """Starting `op` raised before its driver was registered (a copy or read that could not be enqueued,
+        an eviction's veto, no running loop, a bug): nothing of it can be awaited, so it ends here, FAILED and
+        counted as a driver that raised (`_guard`), its locks and private pages given back, and its caller goes
+        on as for an op not made (a backup is skipped, a restore's request recomputes). Regression: the error
+        escaped with the op's locks and pages held by no op, for good, and out of admission it crashed the
+        engine loop (every live request failed; a prefetch's, out of add_request)."""
+        log_anyway(log.exception, "op_start_error", op_id=op.op_id, kind=op.kind.value)
+        if not op.done:
+            apply(op, OpEvent.FAIL, error=f"not started: {exc!r}")
+        self._release(op)
+        m = self.mgr.metrics
+        if op.kind is OpKind.BACKUP:  # (each start counts its op only once it was enqueued)
+            m.backups_started += 1
+        elif op.kind is OpKind.PREFETCH_L3:
+            m.prefetches_started += 1
+        else:
+            m.restores_started += 1
+        m.count_failure("driver")
+
     def _register(self, op: Op, coro) -> Op:
         self.live[op.op_id] = op
         task = asyncio.get_running_loop().create_task(self._guard(op, coro))
@@ -184,7 +205,9 @@ class OpRunner(Backups, Restores):
         try:
             await coro
         except Exception as exc:  # a bug in a driver must not leak pages or hang a request
-            log.exception("op_driver_error", op_id=op.op_id)
+            # (a line that raises must not skip what follows: regression, the op never ended and a request parked
+            # on it waited for good)
+            log_anyway(log.exception, "op_driver_error", op_id=op.op_id)
             if not op.done:
                 apply(op, OpEvent.FAIL, error=f"driver error: {exc!r}")
             # its pages are freed once a copy or read it enqueued has settled (freed now, a copy

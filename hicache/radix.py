@@ -322,30 +322,34 @@ class RadixTree:
         first). Returns the number of pages freed."""
         heap = self._candidates[tier]
         freed, vetoed = 0, []
-        while freed < num_pages and heap:
-            stamp, _, node = heapq.heappop(heap)
-            if node.parent is None or not self._is_tier_leaf(node, tier):
-                continue  # gone, locked or no longer a leaf: offered again if it becomes one
-            if stamp != node.stamp[tier]:  # touched since it was offered: back in at its stamp
-                heapq.heappush(heap, (node.stamp[tier], node.node_id, node))
-                continue
-            if keep is not None and keep(node):
-                vetoed.append(node)
-                continue
-            pages = node.pages[tier]
-            assert pages is not None
-            node.pages[tier] = None
-            self.num_resident_pages[tier] -= len(pages)
-            self.allocators[tier].free_from_tree(pages)
-            freed += len(pages)
-            if self.on_evict is not None:
-                self.on_evict(tier, node, pages)
-            parent = node.parent
-            self._maybe_remove(node)
-            if parent is not None and self._is_tier_leaf(parent, tier):
-                self._offer(parent, tier)
-        for node in vetoed:
-            self._offer(node, tier)
+        try:  # (a veto or an on_evict that raises leaves the tree whole: every leaf found again, none empty)
+            while freed < num_pages and heap:
+                stamp, _, node = heapq.heappop(heap)
+                if node.parent is None or not self._is_tier_leaf(node, tier):
+                    continue  # gone, locked or no longer a leaf: offered again if it becomes one
+                if stamp != node.stamp[tier]:  # touched since it was offered: back in at its stamp
+                    heapq.heappush(heap, (node.stamp[tier], node.node_id, node))
+                    continue
+                if keep is not None:
+                    vetoed.append(node)  # (until keep said no: offered again below, also if it raises)
+                    if keep(node):
+                        continue
+                    vetoed.pop()
+                pages = node.pages[tier]
+                assert pages is not None
+                node.pages[tier] = None
+                self.num_resident_pages[tier] -= len(pages)
+                self.allocators[tier].free_from_tree(pages)
+                freed += len(pages)
+                parent = node.parent
+                self._maybe_remove(node)
+                if parent is not None and self._is_tier_leaf(parent, tier):
+                    self._offer(parent, tier)
+                if self.on_evict is not None:
+                    self.on_evict(tier, node, pages)
+        finally:
+            for node in vetoed:
+                self._offer(node, tier)
         return freed
 
     def drop(self, node: Node, tier: Tier, from_pages: int = 0) -> list[int]:

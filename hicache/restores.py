@@ -15,6 +15,9 @@ import functools
 import time
 from collections.abc import Callable, Sequence
 
+import structlog
+
+from hicache.log_gate import log_anyway
 from hicache.ops import Op, OpEvent, OpKind, OpState, apply
 from hicache.radix import Node, Tier
 from hicache.storage import StorageError
@@ -35,6 +38,8 @@ HOLD_CHECKS_MAX_S = 0.005
 # ops a request may wait for rather than copy their pages again (`restore_in_flight`); those reading L3
 RESTORE_KINDS = (OpKind.RESTORE_L2, OpKind.RESTORE_L3, OpKind.PREFETCH_L3)
 L3_READS = (OpKind.RESTORE_L3, OpKind.PREFETCH_L3)
+
+log = structlog.get_logger("hicache.ops")
 
 
 class Restores:
@@ -62,8 +67,13 @@ class Restores:
         if source == "l2":
             op = self._new(OpKind.RESTORE_L2, (l2 - l1) // ps, request_id)
             op.payload["tokens"] = tuple(tokens[:l2])  # what it publishes (restore_in_flight)
-            self._lock(op, match.handles[Tier.L1], Tier.L1)
-            if not self._start_h2d(op, tuple(tokens[:l2]), match, l1, layerwise, tail_tokens):
+            try:  # (until its driver is registered: `_not_started`)
+                self._lock(op, match.handles[Tier.L1], Tier.L1)
+                started = self._start_h2d(op, tuple(tokens[:l2]), match, l1, layerwise, tail_tokens)
+            except Exception as exc:
+                self._not_started(op, exc)
+                return None
+            if not started:
                 self._release(op)
                 return None
             mgr.metrics.restores_started += 1
@@ -71,8 +81,12 @@ class Restores:
         kind = OpKind.RESTORE_L3 if source == "l3" else OpKind.PREFETCH_L3
         op = self._new(kind, (l3 - min(l1, l2)) // ps, request_id)
         op.payload["tokens"] = tuple(tokens[:l3])
-        self._lock(op, match.handles[Tier.L1], Tier.L1)
-        future = self._start_s2h(op, match, tokens, take_soon and kind is OpKind.PREFETCH_L3)
+        try:
+            self._lock(op, match.handles[Tier.L1], Tier.L1)
+            future = self._start_s2h(op, match, tokens, take_soon and kind is OpKind.PREFETCH_L3)
+        except Exception as exc:
+            self._not_started(op, exc)
+            return None
         if future is None:
             self._release(op)
             return None
@@ -225,9 +239,10 @@ class Restores:
         op publishes its L2 pages once the checksums passed and its L1 pages once the H2D is done;
         a failed checksum fails it, and the forward's output goes with it (Admission.adopt_restored).
         False, with nothing changed, when it cannot be taken: not landed, cancelled, L1 now holds
-        part of the promoted range, L2 no longer holds all of [l1, l2_start), no L1 pages, or no
-        layer-ordered copy on this machine. The L2 pages [l1, l2_start) it copies from stay locked
-        by the lock `_start_s2h` took on the L2 prefix; the promoted ones are the op's own."""
+        part of the promoted range, L2 no longer holds all of [l1, l2_start), no L1 pages, no
+        layer-ordered copy on this machine, or its H2D raised as it was enqueued (logged). The L2
+        pages [l1, l2_start) it copies from stay locked by the lock `_start_s2h` took on the L2
+        prefix; the promoted ones are the op's own."""
         mgr, ps = self.mgr, self.mgr.page_size
         l2_start, end = op.payload.get("l2_start", 0), op.payload.get("l3_end", 0)
         l1 = match.lengths[Tier.L1]
@@ -237,10 +252,15 @@ class Restores:
         # [n] host pages in token order: the published L2 prefix [l1, l2_start), then the promoted pages
         host_pages = list(match.pages[Tier.L2][l1 // ps: l2_start // ps]) + list(op.payload["host_pages"])
         num_locks = len(op.payload["locks"])
-        self._lock(op, match.handles[Tier.L1], Tier.L1)  # allocating may evict: keep the L1 prefix
-        l1_pages = mgr.alloc_pages(Tier.L1, len(host_pages), self._claim(op, Tier.L1))
-        transfer = (mgr.transfer.h2d_layerwise(host_pages, l1_pages, mgr.whole_first_pages(len(l1_pages), tail_tokens))
-                    if l1_pages else None)
+        try:
+            self._lock(op, match.handles[Tier.L1], Tier.L1)  # allocating may evict: keep the L1 prefix
+            l1_pages = mgr.alloc_pages(Tier.L1, len(host_pages), self._claim(op, Tier.L1))
+            transfer = (mgr.transfer.h2d_layerwise(host_pages, l1_pages,
+                                                   mgr.whole_first_pages(len(l1_pages), tail_tokens))
+                        if l1_pages else None)
+        except Exception:  # (the prefetch goes on to L2 for its request; regression: it crashed the engine loop)
+            log_anyway(log.exception, "take_to_l1_error", op_id=op.op_id)
+            transfer = None
         if transfer is None:
             self._close_claim(op, Tier.L1)
             for node, tier in reversed(op.payload["locks"][num_locks:]):

@@ -311,8 +311,15 @@ class FileStore:
         with self._state_lock:
             if self._closed:
                 raise StorageError("closed", f"L3 store {self.path!r} is closed")
-            for pieces in groups:
-                inner = self._pool.submit(self._run_task, op, pieces)
+            for k, pieces in enumerate(groups):
+                try:
+                    inner = self._pool.submit(self._run_task, op, pieces)
+                except RuntimeError as exc:  # (a thread that cannot start): the groups queued still run, so the
+                    # op fails through its future once they ended, never here (its caller would free the pages
+                    # they are reading into: `OpRunner._not_started`)
+                    for _ in groups[k:]:
+                        op.task_done(exc, time.monotonic_ns())
+                    break
                 inner.add_done_callback(lambda f, op=op: f.cancelled() and op.task_done(
                     StorageError("closed", "L3 store closed before the operation ran"), time.monotonic_ns()))
         return op.future

@@ -194,9 +194,11 @@ class EngineLifecycle:
                 await self.cache.drain(cancel=True)
                 self._log_occupancy()
             finally:  # (the tiers close whatever that raised, e.g. the occupancy's line on a full disk)
-                await self.cache.close()
-                self.runner.close()
-                self._shut_down = True
+                try:
+                    await self.cache.close()
+                finally:  # (and the model's runner whatever the tiers' closing raised: a device error)
+                    self.runner.close()
+                    self._shut_down = True
 
     def _abort_all(self) -> None:
         """Stop: the loop admits nothing more and ends once every live request was aborted."""
