@@ -1,12 +1,10 @@
-"""A shared L3 on Redis: content-addressed KV pages that many serving instances read and write
-(DESIGN.md section 12).
+"""A shared L3 on Redis: content-addressed KV pages that many serving instances read and write (DESIGN.md section 12).
 
-Addressing. A page's Redis key is `hicache:kv:<hex>` with <hex> the chained hash of the token prefix
-through that page, salted with model identity, dtype, page size, KV geometry and rank
-(hicache/page_keys.py). The `slots` the op drivers pass are only local handles from the tree's L3
-allocator (the capacity of this instance's hint table); the key is what addresses the data, so
-`invalidate()` is a no-op: another instance may still use the page, and Redis's own eviction policy
-(maxmemory + allkeys-lru) decides what stays.
+Addressing. A page's Redis key is `hicache:kv:<hex>` with <hex> the chained hash of the token prefix through that
+page, salted with model identity, dtype, page size, KV geometry and rank (hicache/page_keys.py). The `slots` the op
+drivers pass are only local handles from the tree's L3 allocator (the capacity of this instance's hint table); the key
+is what addresses the data, so `invalidate()` is a no-op: another instance may still use the page, and Redis's own
+eviction policy (maxmemory + allkeys-lru) decides what stays.
 
 Values. A header binding the value to its key, then the page (hicache/redis_values.py). A missing key or a bad value
 fails the operation with StorageError("missing" / "checksum", bad_slots=...) so the caller drops the hint and
@@ -27,13 +25,12 @@ a restore; an MGET within the server's output buffer limit, "Start"); packing va
 is parsed on the loop, by hiredis (C): a 32 MiB chunk held the loop 13-25 ms (20-25 with redis-py's Python parser),
 an 8 MiB one 2.5-3 ms (this 2-core machine; an 8B read of 64 pages).
 
-Hints. `refresh_hints(mgr, tokens)` asks which of the prompt's full pages exist, in one round trip
-(a tiny Lua script that TOUCHes the keys in order and returns how many exist contiguously from the
-first; TOUCH refreshes their LRU age, as a read is likely to follow; a plain pipeline of EXISTS where
-scripting is refused), then publishes local L3 slots for the pages beyond the tree's current L3
-match and drops hints whose pages are gone. A backup about to write to L3 past hinted pages asks the
-same of those pages first (`recheck_hints`): hints of a prefix that L1/L2 serve are never refreshed
-otherwise, and a flush, a restart or an eviction would keep it out of Redis for good.
+Hints. `refresh_hints(mgr, tokens)` asks which of the prompt's full pages exist, in one round trip (a tiny Lua script
+that TOUCHes the keys in order and returns how many exist contiguously from the first; TOUCH refreshes their LRU age,
+as a read is likely to follow; a plain pipeline of EXISTS where scripting is refused), then publishes local L3 slots
+for the pages beyond the tree's current L3 match and drops hints whose pages are gone. A backup about to write to L3
+past hinted pages asks the same of those pages first (`recheck_hints`): hints of a prefix that L1/L2 serve are never
+refreshed otherwise, and a flush, a restart or an eviction would keep it out of Redis for good.
 """
 from __future__ import annotations
 
@@ -240,9 +237,9 @@ class RedisStore:
         return [pack_value(memoryview(pages[h]), key) for key, h in zip(keys, host.tolist())]
 
     def _unpack(self, pages: np.ndarray, values: list, keys: list[bytes], host: np.ndarray) -> list[tuple[int, str]]:
-        """Copy valid values into their host pages; returns (index, why) of the invalid ones."""
+        """Copy valid values into their host pages; (index, why) of the invalid ones; a short reply raises."""
         bad = []
-        for i, (value, key, h) in enumerate(zip(values, keys, host.tolist())):
+        for i, (value, key, h) in enumerate(zip(values, keys, host.tolist(), strict=True)):
             why = check_value(value, key, self.bytes_per_page, self.checksum)
             if why is None:
                 pages[h] = np.frombuffer(value, dtype=np.uint8, offset=HEADER.size)
@@ -461,7 +458,8 @@ class RedisStore:
     async def release_loop(self) -> None:
         """The running loop is about to end (`Engine.generate` runs each call on a loop of its own):
         wait for its in-flight operations and close its client; the next loop opens another
-        (regression: each call's connections were left to the garbage collector)."""
+        (regression: each call's connections were left to the garbage collector). A close that fails only warns
+        (regression: raised, it replaced generate()'s results, and ended a shutdown: the engine never shut down)."""
         loop = asyncio.get_running_loop()
         pending = [t for t in self._tasks if not t.done() and t.get_loop() is loop]
         if pending:
@@ -469,7 +467,9 @@ class RedisStore:
         client = self._redis
         if client is not None and self._loop is loop:
             self._redis, self._loop = None, None
-            await client.aclose()
+            [error] = await asyncio.gather(client.aclose(), return_exceptions=True)
+            if error is not None:  # (a TLS server that stopped answering: its connections go all the same)
+                log.warning("l3_redis_close_failed", url=redact_url(self.url), error=f"{type(error).__name__}: {error}")
 
     async def aclose(self) -> None:
         """Wait for this loop's in-flight operations, then close the client."""
