@@ -27,6 +27,7 @@ import structlog
 from fastapi.responses import JSONResponse
 
 from scheduler.api_models import internal_error
+from scheduler.logs import log_anyway
 from scheduler.responses_logprobs import AnswerLogprobs, event_form
 
 if TYPE_CHECKING:
@@ -224,7 +225,7 @@ class ResponseOutput:
                 async for event in events:
                     yield sse_block(event)
         except Exception as exc:
-            log.exception("response_stream_failed", response_id=self.id)
+            log_anyway(log.exception, "response_stream_failed", response_id=self.id)
             error = internal_error(exc)
             yield sse_block(self._numbered({"type": "error", "code": error.code, "message": error.message,
                                             "param": None}))
