@@ -4,7 +4,10 @@ much of a layer-ordered restore goes first, whole. `CostPolicy` answers them for
 (hicache/cost_model.py), the tiers' observed reuse (hicache/reuse.py) and the policy configured
 ("cost" asks both; "always" / "never" decide alone). It moves no page and changes no residency: its
 only effects are counters (metrics.policy_skips, the reuse gates' probes) and what the cost model
-learns.
+learns. So where the cost model raises (a bug, a line gone wrong) as it decides or learns for a request,
+that request recomputes its prefix and the sample is dropped (`failures.cost_model`, a `cost_model_failed`
+error line): recompute is always right (regression: the error went out of admission, or out of the step
+that timed a prefill, crashed the engine loop, and every live request failed with it).
 
 Everything is read from the manager when asked, never copied at construction: the engine sets
 `busy_s` and `overlap_forward_s` on the manager as it runs, and tests swap its reuse gates.
@@ -14,7 +17,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import structlog
+
 from hicache.cost_model import Decision
+from hicache.log_gate import log_anyway
 from hicache.radix import MatchResult, Tier
 
 if TYPE_CHECKING:
@@ -23,6 +29,8 @@ if TYPE_CHECKING:
 # A layer-ordered restore keeps this much more than its forward's time in layers (whole_first_pages):
 # a forward left waiting for whole pages costs all its time, a page too many in layers ~10 % of its copy
 OVERLAP_MARGIN = 1.25
+
+log = structlog.get_logger("hicache.cost")
 
 
 class CostPolicy:
@@ -62,10 +70,14 @@ class CostPolicy:
         mgr = self.mgr
         l1, l2, l3 = match.lengths
         policy = mgr.config.policy if mgr.has_l2 else "never"
-        # (an L3 read queues behind the storage reads in flight: what they take hides nothing for it)
-        reading_s = mgr.runner.reading_s() if hidden_s > 0 else 0.0
-        decision = mgr.cost.decide(l1, l2 if mgr.has_l2 else 0, l3 if mgr.has_l3 else 0, policy, overlap_h2d,
-                                   l3_taken_on, lookahead, hidden_s, reading_s, prompt_tokens, chunk_tokens)
+        try:
+            # (an L3 read queues behind the storage reads in flight: what they take hides nothing for it)
+            reading_s = mgr.runner.reading_s() if hidden_s > 0 else 0.0
+            decision = mgr.cost.decide(l1, l2 if mgr.has_l2 else 0, l3 if mgr.has_l3 else 0, policy, overlap_h2d,
+                                       l3_taken_on, lookahead, hidden_s, reading_s, prompt_tokens, chunk_tokens)
+        except Exception:
+            self._failed("decide")
+            decision = Decision(tier="l1", restore_tokens=0, benefit_s=0.0, costs={"failed": 1.0})
         if count_skip and not lookahead and self.declines_restore(match, decision):
             mgr.metrics.policy_skips["restore"] += 1
         return decision
@@ -129,13 +141,24 @@ class CostPolicy:
 
     # -- learning ------------------------------------------------------------------------------
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens > 0:
-            self.mgr.cost.observe_prefill(num_tokens, seconds)
+        try:
+            if num_tokens > 0:
+                self.mgr.cost.observe_prefill(num_tokens, seconds)
+        except Exception:
+            self._failed("observe_prefill")
 
     def observe_outcome(self, source: str, plan: tuple, actual_s: float) -> None:
         """A request that ran alone took `actual_s` from arrival to its first token, its prefix from
         `source`, planned as `plan` = (Decision.priced or (), uncached tokens): priced now
         (CostModel.span_s) and learned (hicache/outcomes.py)."""
         mgr = self.mgr
-        if mgr.has_l2 and mgr.config.policy == "cost":
-            mgr.cost.observe_outcome(source, mgr.cost.span_s(source, *plan), actual_s)
+        try:
+            if mgr.has_l2 and mgr.config.policy == "cost":
+                mgr.cost.observe_outcome(source, mgr.cost.span_s(source, *plan), actual_s)
+        except Exception:
+            self._failed("observe_outcome")
+
+    def _failed(self, call: str) -> None:
+        """The cost model raised in `call`: counted and logged; the caller goes on with the safe answer."""
+        self.mgr.metrics.count_failure("cost_model")
+        log_anyway(log.exception, "cost_model_failed", call=call)

@@ -7,10 +7,12 @@ DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
 # every kind `Metrics.count_failure` is given: an L3 error (StorageError.KINDS), a failed copy, a
 # driver's bug, an L3 read with no L1 room for its H2D, a running request that found no page it had
 # reserved (L1 promised twice), a shared store's hints that could not be refreshed, a request whose
-# logits were NaN (Admission._fail_nan). Listed so /metrics exports each at 0 before it first happens.
+# logits were NaN (Admission._fail_nan), a cost model that raised as it decided or learned (CostPolicy._failed).
+# Listed so /metrics exports each at 0 before it first happens.
 FAILURE_KINDS = ("eio", "short", "enospc", "checksum", "timeout", "closed", "missing",
-                 "transfer", "driver", "no_pages", "l1_overcommit", "hint_refresh", "nan_logits")
-NOT_OP_FAILURES = ("l1_overcommit", "hint_refresh", "nan_logits")  # a request's or a store's, not an op's end
+                 "transfer", "driver", "no_pages", "l1_overcommit", "hint_refresh", "nan_logits", "cost_model")
+# a request's, a store's or the cost model's, not an op's end
+NOT_OP_FAILURES = ("l1_overcommit", "hint_refresh", "nan_logits", "cost_model")
 
 
 @dataclass

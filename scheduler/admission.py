@@ -209,19 +209,20 @@ class Admission(Reservations, Restoring):
             from_l3 = min(lost, req.hit_tokens["l3"])
             req.hit_tokens.update(l3=req.hit_tokens["l3"] - from_l3, l2=req.hit_tokens["l2"] - (lost - from_l3))
             req.hit_tokens["l1"] = max(0, m.lengths[Tier.L1] - req.hit_tokens["l2"] - req.hit_tokens["l3"])
-        l1_len = m.lengths[Tier.L1]
-        cache.lock(m.handles[Tier.L1])
+        l1_len, l1_node = m.lengths[Tier.L1], m.handles[Tier.L1]
         need = self._pages_after(req, l1_len)
-        if need > self._l1_room_pages():
-            cache.unlock(m.handles[Tier.L1])
+        if need > self._room_beside(l1_node):
             self.memory_blocked = (req.rid, self._l1_room_pages())
             return False
         cache.note_hit(tokens, m)
         eng.waiting.remove(req)
         req.claim = cache.new_claim(req.rid)
+        # locked with its claim, as `release` unlocks it (regression: locked before the calls above, one raising
+        # crashed the loop and left the prefix locked by no request, its L1 pages never evictable again)
+        cache.lock(l1_node)
+        req.locked_node = l1_node
         req.pages = list(m.pages[Tier.L1])
         req.cached_len = req.locked_len = l1_len
-        req.locked_node = m.handles[Tier.L1]
         req.reserved_pages = need
         self.reserved_pages += need
         req.state = RequestState.PREFILL

@@ -251,9 +251,10 @@ class Restoring:
     def _room_beside(self, handle) -> int:
         """`_l1_room_pages` with the L1 prefix at `handle` kept (it is no room: its user holds it)."""
         self.cache.lock(handle)
-        room = self._l1_room_pages()
-        self.cache.unlock(handle)
-        return room
+        try:
+            return self._l1_room_pages()
+        finally:  # (a raise crashes the loop: the lock must not outlive it)
+            self.cache.unlock(handle)
 
     def _read_room_pages(self, req: Request, end_tokens: int) -> int:
         """L1 pages a request parked on its prefetch keeps for the H2D of its prefix up to
@@ -393,10 +394,10 @@ class Restoring:
         eng, cache = self.engine, self.cache
         end = op.payload["l1_end"]
         self.fallback_end_tokens.pop(req.rid, None)  # (its restore brings it)
-        cache.lock(m.handles[Tier.L1])
         cache.note_hit(self._reusable(req), m)
         eng.waiting.remove(req)
         req.claim = cache.new_claim(req.rid)
+        cache.lock(m.handles[Tier.L1])  # (with its claim, as `Admission._admit` locks)
         req.pages = list(m.pages[Tier.L1]) + list(op.payload["l1_pages"])
         req.locked_len, req.locked_node = m.lengths[Tier.L1], m.handles[Tier.L1]
         req.cached_len = end
