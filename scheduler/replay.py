@@ -19,7 +19,8 @@ real CPU run has float32, so capacities in GiB hold half the pages there; give t
 give --dtype).
 Exit status: 2 for bad input (an option out of range, a trace or path that cannot be used, an engine
 that cannot start), 1 when no request completed, the engine crashed, the cache failed its integrity
-check or --compare-no-cache found other outputs. Prompt tokens, hits and recomputed tokens are those of
+check or --compare-no-cache found other outputs, 143 when SIGTERM ended the run (its engine shut down first, a kept
+L3's index saved, as at Ctrl-C; no summary). Prompt tokens, hits and recomputed tokens are those of
 completed requests.
 """
 from __future__ import annotations
@@ -36,13 +37,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hicache.redis_limits import redact_url
-from scheduler import replay_args, replay_memory
-from scheduler.config import EngineConfig, resolve_device
+from scheduler import replay_args, replay_memory, sigterm
+from scheduler.config import EngineConfig
 from scheduler.presets import model_config_of
 from scheduler.replay_args import (REPLAY_OPTIONS, check_replay_args, check_writable, config_from_replay_args,
                                    fill_defaults, shown)
 from scheduler.replay_memory import flag_name as _flag
-from scheduler.request import kv_tokens
 from scheduler.trace import (MAX_PROBLEMS_SHOWN, SynthPrompt, TokenSynth, TraceError, TraceProblem, TraceRecord,
                              load_trace, scale_record)
 
@@ -184,17 +184,18 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
         engine = Engine(config)
     except (OSError, RuntimeError) as exc:
         raise EngineStartError(f"cannot start the engine: {exc}") from exc
-    if announce is not None:  # (regression: the replay never said what it ran; the server's start line)
-        print(f"{announce}{pools_line(engine.status())}", file=sys.stderr, flush=True)
     outcomes: list[Outcome | None] = [None] * len(items)
     bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=len(items), unit="req", desc="replay", leave=False)
-    on_done = (lambda o: bar.update(1)) if bar is not None else (lambda o: None)
     crash = None
-    start = time.perf_counter()
-    try:
+    restore_sigterm = sigterm.cancels(asyncio.current_task())
+    try:  # (from here on the engine is shut down whatever raises: regression, the start line's print raised before)
+        if announce is not None:  # (regression: the replay never said what it ran; the server's start line)
+            print(f"{announce}{pools_line(engine.status())}", file=sys.stderr, flush=True)
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(items), unit="req", desc="replay", leave=False)
+        on_done = (lambda o: bar.update(1)) if bar is not None else (lambda o: None)
+        start = time.perf_counter()
         await engine.start()
         driver = asyncio.get_running_loop().create_task(
             _dispatch(engine, items, time_scale, concurrency, rid_prefix, outcomes, on_done))
@@ -225,6 +226,8 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
             crash = crash or f"engine shutdown failed: {exc!r}"
             await engine.cache.close()
             engine.runner.close()
+        finally:
+            restore_sigterm()
     outcomes = [o if o is not None else Outcome(it, [], error=crash or "not run") for o, it in zip(outcomes, items)]
     return {"outcomes": outcomes, "metrics": metrics, "integrity": integrity, "wall_s": wall_s,
             "engine_crash": crash, "speculative": status.get("speculative"), "preempted": status["preempted"],
@@ -232,8 +235,9 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
 
 
 def replay(config: EngineConfig, items: list[ReplayItem], **kw) -> dict:
+    """replay_async on a uvloop; sigterm.Terminated where SIGTERM ended it."""
     import uvloop
-    return uvloop.run(replay_async(config, items, **kw))
+    return sigterm.run(uvloop.run, replay_async(config, items, **kw))
 
 
 # -- reporting ------------------------------------------------------------------------------------
@@ -379,38 +383,9 @@ def _replay_or_exit(parser: argparse.ArgumentParser, args: argparse.Namespace, c
         parser.exit(2, f"{parser.prog}: {what}{exc}\n")
     except MemoryError as exc:  # pools larger than this process may have after all (a traceback before)
         parser.exit(2, f"{parser.prog}: {what}{replay_memory.out_of_memory(args, config, exc)}\n")
-
-
-def _warn_will_fail(parser: argparse.ArgumentParser, args: argparse.Namespace, items: list[ReplayItem],
-                    config: EngineConfig, positions: int) -> None:
-    """One line before the replay when requests cannot fit (prompt + output - 1 tokens of K/V) the model's
-    positions or the L1 pool, or their prompts --max-prompt-tokens: they will fail. The pool is known here unless
-    the engine sizes it from the GPU's memory. (Regressions: the bundled sample given as --trace, at its 512
-    tokens a hash id, failed 214 of 300 requests on the tiny preset, said only after the replay; --simulate at
-    the 8B shape, its L1 the CPU's default 8,192 tokens, failed 148 of 300 where the line counted the 15 past
-    the positions.) A second line counts the outputs past the engine's max_tokens limit."""
-    page = config.page_size_on(resolve_device(config)[0].type)
-    limits = [(positions, f"the model's {positions:,} positions")]
-    if not config.l1_from_gpu_memory():
-        l1_tokens = config.l1_pages(page) * page
-        sized_by = replay_memory.sizing_flag(args, "L1")  # (regression: --l1-tokens, whichever flag sized it)
-        limits.append((l1_tokens, f"the L1 pool's {l1_tokens:,} tokens ({sized_by} sizes it)"))
-    kv_limit, why = min(limits)
-    prompt_limit = min(config.max_prompt_tokens or kv_limit, kv_limit)
-    past = [it.prompt_tokens for it in items
-            if kv_tokens(it.prompt_tokens, it.output_tokens) > kv_limit or it.prompt_tokens > prompt_limit]
-    if past:
-        if prompt_limit < kv_limit:
-            why += f" or --max-prompt-tokens {prompt_limit:,}"
-        print(f"{parser.prog}: {len(past):,} of {len(items):,} requests need more than {why} (prompts of "
-              f"{min(past):,}-{max(past):,} tokens at {_flag('block_tokens')} {args.block_tokens}) and will fail; "
-              f"{_flag('max_input_tokens')} and {_flag('max_output_tokens')} clip them, a smaller "
-              f"{_flag('block_tokens')} scales every prompt down", file=sys.stderr)
-    long_outputs = [it.output_tokens for it in items if it.output_tokens > config.max_new_tokens_limit]
-    if long_outputs:  # (regression: said only after the replay, each request failing on its max_tokens)
-        print(f"{parser.prog}: {len(long_outputs):,} of {len(items):,} requests ask for more than the engine's "
-              f"{config.max_new_tokens_limit:,} output tokens (outputs of up to {max(long_outputs):,}) and will fail; "
-              f"{_flag('max_output_tokens')} clips them", file=sys.stderr)
+    except sigterm.Terminated:  # (the shell's status of a process SIGTERM killed)
+        parser.exit(sigterm.EXIT_STATUS, f"{parser.prog}: {what}terminated (SIGTERM): the engine shut down, its "
+                                          "tiers closed; no summary\n")
 
 
 def run_cli(argv: list[str] | None = None) -> dict:
@@ -448,7 +423,7 @@ def run_cli(argv: list[str] | None = None) -> dict:
     items = build_items(records, model.vocab_size, args.block_tokens,
                         seed=args.synth_seed, max_input_tokens=args.max_input_tokens,
                         max_output_tokens=args.max_output_tokens)
-    _warn_will_fail(parser, args, items, config, model.max_position_embeddings)
+    replay_memory.warn_will_fail(parser, args, items, config, model.max_position_embeddings)
     options = {k: getattr(args, k) for k in REPLAY_OPTIONS}
     progress = sys.stdout.isatty() and not args.no_progress
     kw = dict(time_scale=args.time_scale, concurrency=args.concurrency)

@@ -1,12 +1,14 @@
 """What a `--simulate` replay's pools need in host memory, checked before anything is allocated
 (scheduler/replay.py): a pool whose bookkeeping cannot fit is one line naming the option that sized
-it, not numpy's MemoryError."""
+it, not numpy's MemoryError; and requests the pools or the model cannot hold, said before the replay runs."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from scheduler.config import EngineConfig, resolve_device
 from scheduler.presets import model_config_of
+from scheduler.request import kv_tokens
 
 GIB = 1 << 30
 # The options that size each tier, in the order they win (the last is the fallback): the one to lower
@@ -73,3 +75,36 @@ def out_of_memory(args: argparse.Namespace, cfg: EngineConfig, exc: MemoryError)
     pages = pool_pages(cfg)
     return (f"{_sizing_flag(args, pages)}: out of memory building a pool of {_pool_text(pages)} ({detail}); "
             f"lower it")
+
+
+def warn_will_fail(parser: argparse.ArgumentParser, args: argparse.Namespace, items: list, config: EngineConfig,
+                   positions: int) -> None:
+    """One line before the replay when requests cannot fit (prompt + output - 1 tokens of K/V) the model's
+    positions or the L1 pool, or their prompts --max-prompt-tokens: they will fail. The pool is known here unless
+    the engine sizes it from the GPU's memory. (Regressions: the bundled sample given as --trace, at its 512
+    tokens a hash id, failed 214 of 300 requests on the tiny preset, said only after the replay; --simulate at
+    the 8B shape, its L1 the CPU's default 8,192 tokens, failed 148 of 300 where the line counted the 15 past
+    the positions.) A second line counts the outputs past the engine's max_tokens limit."""
+    page = config.page_size_on(resolve_device(config)[0].type)
+    limits = [(positions, f"the model's {positions:,} positions")]
+    if not config.l1_from_gpu_memory():
+        l1_tokens = config.l1_pages(page) * page
+        sized_by = sizing_flag(args, "L1")  # (regression: --l1-tokens, whichever flag sized it)
+        limits.append((l1_tokens, f"the L1 pool's {l1_tokens:,} tokens ({sized_by} sizes it)"))
+    kv_limit, why = min(limits)
+    prompt_limit = min(config.max_prompt_tokens or kv_limit, kv_limit)
+    past = [it.prompt_tokens for it in items
+            if kv_tokens(it.prompt_tokens, it.output_tokens) > kv_limit or it.prompt_tokens > prompt_limit]
+    if past:
+        if prompt_limit < kv_limit:
+            why += f" or --max-prompt-tokens {prompt_limit:,}"
+        blocks = flag_name("block_tokens")
+        print(f"{parser.prog}: {len(past):,} of {len(items):,} requests need more than {why} (prompts of "
+              f"{min(past):,}-{max(past):,} tokens at {blocks} {args.block_tokens}) and will fail; "
+              f"{flag_name('max_input_tokens')} and {flag_name('max_output_tokens')} clip them, a smaller "
+              f"{blocks} scales every prompt down", file=sys.stderr)
+    long_outputs = [it.output_tokens for it in items if it.output_tokens > config.max_new_tokens_limit]
+    if long_outputs:  # (regression: said only after the replay, each request failing on its max_tokens)
+        print(f"{parser.prog}: {len(long_outputs):,} of {len(items):,} requests ask for more than the engine's "
+              f"{config.max_new_tokens_limit:,} output tokens (outputs of up to {max(long_outputs):,}) and will fail; "
+              f"{flag_name('max_output_tokens')} clips them", file=sys.stderr)

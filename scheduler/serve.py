@@ -252,6 +252,37 @@ def _idle_hicache_flags(parser: argparse.ArgumentParser, args: argparse.Namespac
             if "hicache" in name and name != "enable_hicache" and value != parser.get_default(name)]
 
 
+def _server(parser: argparse.ArgumentParser, args: argparse.Namespace, engine: Engine,
+            sampling_defaults: GenerationDefaults, chat_template: str | None, tokenizer) -> _Server:
+    """The app on `engine` and the uvicorn server that will run it, what they use said on stderr."""
+    print(f"hicache-serve: {pools_line(engine.status())}", file=sys.stderr)
+    if idle := _idle_hicache_flags(parser, args):
+        print(f"hicache-serve: ignored without --enable-hicache (L1 only): {', '.join(idle)}", file=sys.stderr)
+    if sampling_defaults.describe():
+        print(f"hicache-serve: {sampling_defaults.describe()}", file=sys.stderr)
+    limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
+                          max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
+                          shutdown_grace_s=max(0.0, args.shutdown_grace_s), sampling_defaults=sampling_defaults,
+                          reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+                          chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
+                          enable_request_id_headers=args.enable_request_id_headers,
+                          responses_store_max=args.responses_store_max,
+                          responses_store_max_mib=args.responses_store_max_mib,
+                          **_access_limits(args))
+    if limits.api_key:  # (where the key came from; never the key)
+        print(f"hicache-serve: the /v1/ routes ask for the API key of "
+              f"{'--api-key' if args.api_key else 'HICACHE_API_KEY'}", file=sys.stderr)
+    if limits.cors is None and (idle := [f for f in ("allow_credentials", "allowed_methods", "allowed_headers")
+                                         if getattr(args, f) != parser.get_default(f)]):
+        print(f"hicache-serve: ignored without --allowed-origins (no CORS): "
+              f"{', '.join('--' + f.replace('_', '-') for f in idle)}", file=sys.stderr)
+    app = create_app(engine, limits, tokenizer=tokenizer)
+    uv_config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", lifespan="on",
+                               log_level=args.log_level, access_log=not args.disable_access_log,
+                               timeout_graceful_shutdown=limits.shutdown_grace_s + 2.0)
+    return _Server(uv_config, on_exit=app.state.hc.begin_shutdown)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -278,32 +309,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hicache-serve: cannot start the engine: {str(exc).splitlines()[0] if str(exc) else repr(exc)}",
               file=sys.stderr)
         return 2
-    print(f"hicache-serve: {pools_line(engine.status())}", file=sys.stderr)
-    if idle := _idle_hicache_flags(parser, args):
-        print(f"hicache-serve: ignored without --enable-hicache (L1 only): {', '.join(idle)}", file=sys.stderr)
-    if sampling_defaults.describe():
-        print(f"hicache-serve: {sampling_defaults.describe()}", file=sys.stderr)
-    limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens, max_tokens_limit=args.max_tokens_limit,
-                          max_concurrent_requests=args.max_concurrent_requests, max_body_bytes=args.max_body_bytes,
-                          shutdown_grace_s=max(0.0, args.shutdown_grace_s), sampling_defaults=sampling_defaults,
-                          reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-                          chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
-                          enable_request_id_headers=args.enable_request_id_headers,
-                          responses_store_max=args.responses_store_max,
-                          responses_store_max_mib=args.responses_store_max_mib,
-                          **_access_limits(args))
-    if limits.api_key:  # (where the key came from; never the key)
-        print(f"hicache-serve: the /v1/ routes ask for the API key of "
-              f"{'--api-key' if args.api_key else 'HICACHE_API_KEY'}", file=sys.stderr)
-    if limits.cors is None and (idle := [f for f in ("allow_credentials", "allowed_methods", "allowed_headers")
-                                         if getattr(args, f) != parser.get_default(f)]):
-        print(f"hicache-serve: ignored without --allowed-origins (no CORS): "
-              f"{', '.join('--' + f.replace('_', '-') for f in idle)}", file=sys.stderr)
-    app = create_app(engine, limits, tokenizer=tokenizer)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", lifespan="on",
-                               log_level=args.log_level, access_log=not args.disable_access_log,
-                               timeout_graceful_shutdown=limits.shutdown_grace_s + 2.0)
-    _Server(uv_config, on_exit=app.state.hc.begin_shutdown).run()
+    try:  # (uvicorn's lifespan shuts the engine down once it runs the app; till then a raise, or a Ctrl-C, must
+        # close it: regression, its tiers stayed open and the kept L3's index it adopted, deleted as read, was lost)
+        server = _server(parser, args, engine, sampling_defaults, chat_template, tokenizer)
+    except BaseException:
+        engine.cache.abandon()  # (an index adopted is saved again as it was read; the L3 file unlocked)
+        engine.runner.close()
+        raise
+    server.run()
     return 0
 
 

@@ -164,8 +164,8 @@ def test_the_replay_warns_of_no_failure_for_a_prompt_exactly_at_max_prompt_token
     from types import SimpleNamespace
 
     from scheduler.config import EngineConfig
-    from scheduler.replay import _warn_will_fail
     from scheduler.replay_args import build_parser
+    from scheduler.replay_memory import warn_will_fail as _warn_will_fail
 
     parser = build_parser()
     args = parser.parse_args(["--max-total-tokens", "4096", "--block-tokens", "16"])

@@ -14,7 +14,7 @@ from types import SimpleNamespace as NS
 
 import pytest
 
-from scheduler import replay
+from scheduler import replay, replay_memory
 from scheduler.replay import ReplayItem, build_items
 from scheduler.request import TokenEvent
 from scheduler.timeline import build_timeline
@@ -124,9 +124,9 @@ def test_the_replay_warns_of_no_failure_for_a_request_exactly_at_the_models_posi
     parser = build_parser()
     args = parser.parse_args(["--max-total-tokens", "4096", "--block-tokens", "16"])
     config = EngineConfig(model="tiny", device="cpu", max_total_tokens=4096)
-    replay._warn_will_fail(parser, args, [NS(prompt_tokens=100, output_tokens=29)], config, 128)
+    replay_memory.warn_will_fail(parser, args, [NS(prompt_tokens=100, output_tokens=29)], config, 128)
     assert "will fail" not in capsys.readouterr().err
-    replay._warn_will_fail(parser, args, [NS(prompt_tokens=100, output_tokens=30)], config, 128)
+    replay_memory.warn_will_fail(parser, args, [NS(prompt_tokens=100, output_tokens=30)], config, 128)
     assert "1 of 1 requests need more than the model's 128 positions" in capsys.readouterr().err
 
 
