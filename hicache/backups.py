@@ -176,8 +176,7 @@ class Backups:
             return
         try:
             loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop (a synchronous caller): now
-            self.start_due()
+        except RuntimeError:  # no loop (a synchronous caller): due until a match, an allocation or a drain in one
             return
         self._due_scheduled = True
         loop.call_soon(loop.call_soon, self.start_due)
@@ -187,9 +186,10 @@ class Backups:
         return bool(self._due)
 
     def start_due(self) -> None:
-        """Start every backup `backup_soon` queued, in the order asked (nothing when none is)."""
+        """Start every backup `backup_soon` queued, in the order asked (nothing when none is, or where no loop runs
+        to drive them: they stay due)."""
         self._due_scheduled = False  # (a hop still scheduled then finds nothing, or what came since)
-        if not self._due:
+        if not self._due or not _loop_running():
             return
         due, self._due = self._due, []
         for tokens in due:
@@ -207,6 +207,8 @@ class Backups:
         tokens = tuple(tokens[: len(tokens) - len(tokens) % ps])
         if tokens in self._backing_up or not tokens or any(tokens in w for w in self._deferred.values()):
             return None  # (a waiting one starts when the backup it waits for ends)
+        if not _loop_running():  # (a synchronous caller's insert: no loop to drive its copy; regression, each such
+            return None  # backup started, could not make its future, and failed as a driver error)
         for key in self._backing_up:
             if tokens[:len(key)] == key or key[:len(tokens)] == tokens:
                 if len(tokens) > len(key):  # extends an in-flight backup: start when it ends
@@ -443,3 +445,11 @@ class Backups:
             op = self.start_backup(waiting, l3_writer_key=key if l2_locked else None)
             if op is not None and failed:
                 first = op.payload["backup_key"]
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
