@@ -39,11 +39,12 @@ from hicache.radix import Tier
 from hicache_helpers import assert_whole, make_manager, toks, write_prefix
 from scheduler.logs import configure_logging
 from scheduler.request import RequestState, SamplingParams
-from test_faults import PROMPT, REUSABLE, make_engine, only_in_l3, reference
+from test_faults import PROMPT, REUSABLE, reference
 from test_lifecycle_hunt import assert_nothing_queued
 from test_lifecycle_hunt import make_engine as make_plain_engine
+from test_log_sink_s69 import saved_logging  # noqa: F401  (a fixture)
 from test_raise_api_s70 import sse_events
-from test_raise_cache_s70 import RaiseOnce, _output
+from test_raise_cache_s70 import RaiseOnce, _output, served_then_only_in_l3
 from test_raise_http_s69 import RESPONSE, ASGICall, ends, raise_once, serving
 
 HANG_GUARD_S = 20
@@ -144,12 +145,7 @@ async def test_a_take_on_that_raises_over_an_l1_prefix_gives_its_lock_back():
     """The request's first pages are in L1, the rest only in L3: its prefetch is taken on to L1 from that prefix,
     whose lock the take-on adds. Its copy raising (and its log line raising too) leaves the request to be restored
     from L2 once landed, and that lock is given back (regression shape: the node stayed locked for good)."""
-    eng = make_engine(prefetch=True)
-    await eng.start()
-    want = await reference(PROMPT)
-    assert await _output(eng, PROMPT) == want
-    await eng.cache.drain()
-    only_in_l3(eng, PROMPT[:REUSABLE])
+    eng, want = await served_then_only_in_l3()
     head = PROMPT[:8] + [3]  # (its restore puts PROMPT[:8] back in L1 and L2)
     assert await _output(eng, head) == await reference(head)
     await eng.cache.drain()
@@ -289,15 +285,6 @@ async def test_a_responses_stream_failed_by_a_bug_carries_the_error_in_its_respo
         assert name == "response.failed" and response["status"] == "failed"
         assert response["error"]["code"] == "server_error", response["error"]
         assert "injected: sse_block raised" in response["error"]["message"], response["error"]
-
-
-@pytest.fixture
-def saved_logging():
-    saved = structlog.get_config()
-    try:
-        yield
-    finally:
-        structlog.configure(**saved)
 
 
 def test_the_quiet_log_follows_a_redirected_stdout_and_flushes_each_line(saved_logging):

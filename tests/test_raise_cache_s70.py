@@ -107,16 +107,22 @@ async def test_an_op_whose_start_raises_falls_back_and_leaves_the_tiers_whole(wh
     await eng.shutdown()
 
 
-@pytest.mark.asyncio
-async def test_a_prefetch_whose_take_on_raises_is_restored_once_landed():
-    """Taking a landed prefetch on to L1 raised out of admission and crashed the engine loop. Now the request
-    stays parked on the prefetch and is restored from L2 once it landed: recompute's output, every tier whole."""
+async def served_then_only_in_l3():
+    """A started prefetching engine that served PROMPT, its reusable prefix then left in L3 only; and PROMPT's output."""
     eng = make_engine(prefetch=True)
     await eng.start()
     want = await reference(PROMPT)
     assert await _output(eng, PROMPT) == want
     await eng.cache.drain()
     only_in_l3(eng, PROMPT[:REUSABLE])
+    return eng, want
+
+
+@pytest.mark.asyncio
+async def test_a_prefetch_whose_take_on_raises_is_restored_once_landed():
+    """Taking a landed prefetch on to L1 raised out of admission and crashed the engine loop. Now the request
+    stays parked on the prefetch and is restored from L2 once it landed: recompute's output, every tier whole."""
+    eng, want = await served_then_only_in_l3()
     fault = RaiseOnce(eng.cache.transfer, "h2d_layerwise")
     taken = []  # (what each take-on returned, whether the fault fired in it)
     real_take = eng.cache.runner.take_to_l1
