@@ -83,9 +83,11 @@ class CostPolicy:
         return decision
 
     def declines_restore(self, match: MatchResult, decision: Decision) -> bool:
-        """The policy recomputes what a lower tier holds beyond L1 (a restore policy skip)."""
+        """The policy recomputes what a lower tier holds beyond L1 (a restore policy skip; not a decision that failed,
+        counted as `failures.cost_model`)."""
         l1, l2, l3 = match.lengths
-        return decision.tier == "l1" and max(l2, l3) > l1 and self.mgr.has_l2 and self.mgr.config.policy != "never"
+        return (decision.tier == "l1" and "failed" not in decision.costs and max(l2, l3) > l1 and self.mgr.has_l2
+                and self.mgr.config.policy != "never")
 
     # -- writes (backups to L2, L3) ------------------------------------------------------------
     def worth_writing(self, tier: str, num_tokens: int) -> bool:

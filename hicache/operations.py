@@ -204,15 +204,24 @@ class OpRunner(Backups, Restores):
     async def _guard(self, op: Op, coro) -> None:
         try:
             await coro
-        except Exception as exc:  # a bug in a driver must not leak pages or hang a request
-            # (a line that raises must not skip what follows: regression, the op never ended and a request parked
-            # on it waited for good)
-            log_anyway(log.exception, "op_driver_error", op_id=op.op_id)
+        except (Exception, KeyboardInterrupt, SystemExit) as exc:
+            # a bug in a driver must not leak pages or hang a request; nor a Ctrl-C's KeyboardInterrupt raised in
+            # it: the op ends cancelled, as by a cancelled task, and the interrupt goes on (regression: the op was
+            # unlisted unended, its locks and pages held for good and check_integrity failing)
+            bug = isinstance(exc, Exception)
+            if bug:
+                # (a line that raises must not skip what follows: regression, the op never ended and a request
+                # parked on it waited for good)
+                log_anyway(log.exception, "op_driver_error", op_id=op.op_id)
             if not op.done:
-                apply(op, OpEvent.FAIL, error=f"driver error: {exc!r}")
+                apply(op, OpEvent.FAIL if bug else OpEvent.CANCEL,
+                      error=f"driver {'error' if bug else 'interrupted'}: {exc!r}")
             # its pages are freed once a copy or read it enqueued has settled (freed now, a copy
             # still running could write into pages their next owner already uses)
             self._settle_then_release(op, self._in_flight(op))
+            if not bug:
+                self.mgr.metrics.cancellations += 1
+                raise
             self.mgr.metrics.count_failure("driver")
         finally:
             # a cancelled driver stays listed until its done-callback has queued the settling of its

@@ -70,7 +70,16 @@ class BatchAPI:
                 return await self.generate_async(prompts, params)
             finally:
                 try:
-                    await self.stop_loop()
+                    try:
+                        await self.stop_loop()
+                    except asyncio.CancelledError:
+                        # (Ctrl-C as it drained: asyncio.run cancelled it) nothing of the engine may stay pending
+                        # on this loop, which ends now (regression: a backup's L3 write was settling; destroyed
+                        # with the loop, its pages never came back, and every later generate() raised ValueError
+                        # from its drain): the loop ends, the backups not yet written are dropped, copies in flight
+                        # settle, then the cancellation goes on
+                        await self.stop_loop(cancel_ops=True)
+                        raise
                 finally:  # (also after a crash, which stop_loop raises: regression, Redis' client was left open)
                     await self.cache.release_loop()
         return uvloop.run(run())

@@ -120,11 +120,12 @@ class EngineLifecycle:
             self._settle_aborts()
         return True
 
-    async def stop_loop(self) -> None:
+    async def stop_loop(self, cancel_ops: bool = False) -> None:
         """Stop admitting, let the running requests finish, end the loop task and drain the
         operations in flight; waiting and parked requests stay queued (`start()` resumes them). A crashed
         loop's error is raised after the drain (regression: raised before it, leaving the backups of the
-        requests before the crash in flight; `generate()`'s loop then ended and cancelled them)."""
+        requests before the crash in flight; `generate()`'s loop then ended and cancelled them).
+        cancel_ops: the drain drops the backups queued and asks the live ops to stop (`CacheManager.drain`)."""
         check_loop(self._loop_task, asyncio.get_running_loop())
         await self._stop_ended()  # (one at a time)
         self._stop_done = done = asyncio.get_running_loop().create_future()
@@ -134,15 +135,19 @@ class EngineLifecycle:
                 self.wake_soon()
                 try:
                     await join_loop(self._loop_task, shield=True)
-                except Exception:
+                except BaseException:
+                    if crash_of(self._loop_task) is None:  # (this caller cancelled: the loop stops on)
+                        raise
                     # crashed, not stopping: add_request names the crash (regression: it said "stopping
-                    # (stop_loop)" for good, and `accepting` stayed False)
+                    # (stop_loop)" for good, and `accepting` stayed False); also of a KeyboardInterrupt raised
+                    # in it (regression: the drain was skipped, and the aborts' settling left to a closing loop
+                    # stayed pending for good: every later drain raised on a closed loop's task)
                     self.stopping = False
-                    await self.cache.drain()
+                    await self.cache.drain(cancel=cancel_ops)
                     raise
                 self._loop_task = None
                 self.stopping = False
-            await self.cache.drain()
+            await self.cache.drain(cancel=cancel_ops)
             self._log_occupancy()
         finally:
             done.set_result(None)

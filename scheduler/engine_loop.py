@@ -43,6 +43,13 @@ class EngineLoop:
     async def _loop(self) -> None:
         try:
             await self._ticks()
+        except asyncio.CancelledError:
+            # cancelled from outside (the engine never cancels it): its event loop ends, an asyncio.run() that
+            # forgot stop_loop(); its copies in flight settle first, as asyncio.run waits for this task
+            # (regression: an L3 write's settling was destroyed with the loop and kept for good: its pages never
+            # came back, and every later drain raised ValueError, shutdown's before it closed the L3 file)
+            await self.cache.drain(cancel=True)
+            raise
         except Exception as exc:
             # a bug must not leave clients waiting forever: fail every live request, then re-raise (the crash
             # may be the log's own, a full disk: logging it must not stop that)

@@ -29,6 +29,16 @@ structlog.configure(
 )
 
 
+@pytest.fixture(autouse=True)
+def _quiet_logging_restored():
+    """Whatever logging a test configures (a replay's or a server's --log-json, its own setup), the next test finds
+    the quiet configuration above (regression: a replay test's --log-json left info logging on, and tests that rely
+    on the quiet production log failed after it in a random order)."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
+
+
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="run the full-size soak and other slow tests")
 

@@ -96,6 +96,7 @@ async def test_a_cost_model_that_raises_costs_one_request_its_restore_not_every_
         assert reason == "length" and len(out) == LONG.max_tokens - 1  # (its first token was read before)
     assert crash_of(eng._loop_task) is None
     assert eng.cache.metrics.failures.get("cost_model") == 1
+    assert eng.cache.metrics.policy_skips["restore"] == 0  # (a failed decision is no policy's skip: counted once)
     restored = eng.cache.metrics.hit_tokens["l2"]
     if where in ("decide", "predict"):
         assert restored == 0  # (it recomputed)
