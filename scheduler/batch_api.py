@@ -72,12 +72,12 @@ class BatchAPI:
                 try:
                     try:
                         await self.stop_loop()
-                    except asyncio.CancelledError:
-                        # (Ctrl-C as it drained: asyncio.run cancelled it) nothing of the engine may stay pending
-                        # on this loop, which ends now (regression: a backup's L3 write was settling; destroyed
-                        # with the loop, its pages never came back, and every later generate() raised ValueError
-                        # from its drain): the loop ends, the backups not yet written are dropped, copies in flight
-                        # settle, then the cancellation goes on
+                    except (asyncio.CancelledError, KeyboardInterrupt, SystemExit):
+                        # (Ctrl-C as it drained: asyncio.run cancelled it, or a second one landed in this code)
+                        # nothing of the engine may stay pending on this loop, which ends now (regression: a backup's
+                        # L3 write was settling; destroyed with the loop, its pages never came back, and every later
+                        # generate() raised ValueError from its drain): the loop ends, the backups not yet written
+                        # are dropped, copies in flight settle, then the cancellation or the interrupt goes on
                         await self.stop_loop(cancel_ops=True)
                         raise
                 finally:  # (also after a crash, which stop_loop raises: regression, Redis' client was left open)
