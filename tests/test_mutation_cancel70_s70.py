@@ -5,7 +5,8 @@ cost decision that is no policy skip): the rules that no test watched, each pinn
 - an interrupt raised in an op's driver (Ctrl-C's KeyboardInterrupt, or a SystemExit: `sys.exit()` from a signal
   handler) ends that op CANCELLED ("driver interrupted"), not FAILED and not left unended: integrity alone did not
   show it (the op is unlisted and counted in `cancellations` either way), nor a SystemExit left to escape `_guard`
-  through a test that raised only KeyboardInterrupt;
+  through a test that raised only KeyboardInterrupt (pinned by tests/test_raise_cancel_s70.py's op-driver test,
+  parametrised over both since);
 - `stop_loop(cancel_ops=True)` on a crashed loop drops the backups queued, as on a loop that stopped cleanly
   (the crash branch's drain took the flag too: a test reached only the clean one);
 - a generate() cancelled while its stop_loop drains stops with a drain that cancels: the backup whose L3 write was
@@ -31,34 +32,9 @@ from hicache.ops import OpState
 from scheduler.loop_task import crash_of
 from scheduler.request import SamplingParams
 from test_faults import PROMPT, make_engine
-from test_raise_admit_s70 import _end
 from hicache_helpers import WriteGate
-from test_raise_cancel_s70 import LONG, serves_on
-
-
-@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
-def test_an_interrupt_in_an_op_driver_ends_that_op_cancelled(monkeypatch, interrupt):
-    """The interrupt lands in a backup's driver as it starts the L3 write (mid-batch): it goes on out of
-    generate(), the op it hit ends CANCELLED as a cancelled driver's would (its pages back, no driver error
-    counted), every other op in flight then ends too, and the engine serves on."""
-    eng = make_engine(num_pages=256)
-    write_pages, live = eng.cache.store.write_pages, []
-
-    def interrupted_write(*args, **kwargs):
-        if not live:
-            live.extend(eng.cache.runner.live.values())
-            raise interrupt
-        return write_pages(*args, **kwargs)
-    monkeypatch.setattr(eng.cache.store, "write_pages", interrupted_write)
-    with pytest.raises(interrupt):
-        eng.generate([PROMPT, [4, 5, 6, 7]], LONG)
-    monkeypatch.undo()
-    assert live, "no op was in flight as the write started"
-    assert all(op.done for op in live), [(op.op_id, op.state) for op in live]
-    hit = [op for op in live if (op.error or "").startswith("driver interrupted")]
-    assert len(hit) == 1 and hit[0].state is OpState.CANCELLED, [(op.state, op.error) for op in live]
-    assert interrupt.__name__ in hit[0].error
-    serves_on(eng)  # (also: no driver error counted, every tier whole)
+from test_raise_admit_s70 import _end
+from test_raise_cancel_s70 import serves_on
 
 
 @pytest.mark.asyncio

@@ -27,6 +27,7 @@ import asyncio
 
 import pytest
 
+from hicache.ops import OpState
 from hicache_helpers import WriteGate, assert_whole
 from scheduler.request import SamplingParams
 from test_faults import OTHER, PROMPT, make_engine, reference
@@ -127,21 +128,27 @@ def test_an_asyncio_run_that_forgot_stop_loop_with_a_write_in_flight_leaves_the_
     assert eng.cache.store.closed
 
 
-def test_a_keyboard_interrupt_in_an_op_driver_ends_its_op_and_frees_its_pages(monkeypatch):
-    """A Ctrl-C lands in a backup's driver as it starts the L3 write (on the loop's thread, mid-batch): the op
-    ends cancelled and its locks and pages come back before the interrupt goes on out of generate() (it was
-    unlisted unended: check_integrity failed for good, "ops started ... counted as ended")."""
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_in_an_op_driver_ends_that_op_cancelled(monkeypatch, interrupt):
+    """The interrupt (a Ctrl-C's KeyboardInterrupt, or a SystemExit) lands in a backup's driver as it starts the L3
+    write (mid-batch): it goes on out of generate(), the op it hit ends CANCELLED as a cancelled driver's would (its
+    pages back, no driver error counted), every other op in flight then ends too, and the engine serves on
+    (regression: the op was unlisted unended: check_integrity failed for good, "ops started ... counted as ended")."""
     eng = make_engine(num_pages=256)
-    write_pages, interrupted = eng.cache.store.write_pages, []
+    write_pages, live = eng.cache.store.write_pages, []
 
     def interrupted_write(*args, **kwargs):
-        if not interrupted:
-            interrupted.append(True)
-            raise KeyboardInterrupt
+        if not live:
+            live.extend(eng.cache.runner.live.values())
+            raise interrupt
         return write_pages(*args, **kwargs)
     monkeypatch.setattr(eng.cache.store, "write_pages", interrupted_write)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(interrupt):
         eng.generate([PROMPT, [4, 5, 6, 7]], LONG)
     monkeypatch.undo()
-    assert interrupted
-    serves_on(eng)
+    assert live, "no op was in flight as the write started"
+    assert all(op.done for op in live), [(op.op_id, op.state) for op in live]
+    hit = [op for op in live if (op.error or "").startswith("driver interrupted")]
+    assert len(hit) == 1 and hit[0].state is OpState.CANCELLED, [(op.state, op.error) for op in live]
+    assert interrupt.__name__ in hit[0].error
+    serves_on(eng)  # (also: no driver error counted, every tier whole)
