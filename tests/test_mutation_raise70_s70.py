@@ -50,16 +50,6 @@ from test_raise_http_s69 import RESPONSE, ASGICall, ends, raise_once, serving
 HANG_GUARD_S = 20
 
 
-class ValueErrorOnce(RaiseOnce):
-    """RaiseOnce with a bug's ValueError rather than a RuntimeError."""
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls == 1:
-            raise ValueError("a bug")
-        return self.real(*args, **kwargs)
-
-
 @contextlib.contextmanager
 def unloggable(*events: str):
     """structlog set up to record every event dict and raise OSError on the lines named `events` (a full disk, an
@@ -99,11 +89,11 @@ async def test_an_op_start_that_raises_a_bug_is_counted_failed_under_its_kind(ki
             mgr.tree.evict(Tier.L2, 10 ** 9)
     before = _started(mgr)
     if kind == "backup":
-        fault = ValueErrorOnce(mgr.transfer, "d2h")
+        fault = RaiseOnce(mgr.transfer, "d2h", ValueError("a bug"))
     elif kind == "restore_l2":
-        fault = ValueErrorOnce(mgr.transfer, "h2d")
+        fault = RaiseOnce(mgr.transfer, "h2d", ValueError("a bug"))
     else:
-        fault = ValueErrorOnce(mgr.store, "read_pages")
+        fault = RaiseOnce(mgr.store, "read_pages", ValueError("a bug"))
     with unloggable("op_start_error") as seen:
         if kind == "backup":
             assert write_prefix(mgr, tokens) is not None  # (its write-through backup starts here)

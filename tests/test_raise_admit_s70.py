@@ -24,23 +24,10 @@ from hicache_helpers import assert_whole
 from scheduler.loop_task import crash_of
 from scheduler.request import RequestError, SamplingParams
 from test_faults import OTHER, PROMPT, make_engine, reference
+from test_raise_cache_s70 import RaiseOnce
 
 HANG_GUARD_S = 20  # a client with no last event by then would wait forever
 LONG = SamplingParams(max_tokens=60, ignore_eos=True)
-
-
-class RaiseOnce:
-    """Replaces `obj.name`; its first call raises `exc`, later ones call the real method."""
-
-    def __init__(self, obj, name: str, exc: Exception) -> None:
-        self.real, self.exc, self.calls = getattr(obj, name), exc, 0
-        setattr(obj, name, self)
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls == 1:
-            raise self.exc
-        return self.real(*args, **kwargs)
 
 
 async def _end(req) -> tuple[str, list[int]]:

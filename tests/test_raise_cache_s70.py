@@ -44,16 +44,17 @@ OTHER = [7] * 30  # a prompt nothing cached: its write-through backup starts
 
 
 class RaiseOnce:
-    """Replaces `obj.name`; its first call raises RuntimeError, later ones call the real method."""
+    """Replaces `obj.name`; its first call raises `exc`, later ones call the real method."""
 
-    def __init__(self, obj, name: str) -> None:
+    def __init__(self, obj, name: str, exc: Exception | None = None) -> None:
         self.real, self.calls = getattr(obj, name), 0
+        self.exc = RuntimeError("cannot enqueue") if exc is None else exc
         setattr(obj, name, self)
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
         if self.calls == 1:
-            raise RuntimeError("cannot enqueue")
+            raise self.exc
         return self.real(*args, **kwargs)
 
 
