@@ -45,6 +45,7 @@ class Decision:
     # what the restores were priced from: (l1, l2, l3 matched tokens, overlap_h2d, l3_taken_on), so
     # that `CostModel.span_s` can price the same path again later with the lines as they are then
     priced: tuple = ()
+    failed: bool = False  # the cost model raised as it decided: recompute, counted as failures.cost_model (CostPolicy)
 
 
 def _restore_tokens(l1_tokens: int, l2_tokens: int, l3_tokens: int) -> dict[str, int]:

@@ -77,7 +77,7 @@ class CostPolicy:
                                        l3_taken_on, lookahead, hidden_s, reading_s, prompt_tokens, chunk_tokens)
         except Exception:
             self._failed("decide")
-            decision = Decision(tier="l1", restore_tokens=0, benefit_s=0.0, costs={"failed": 1.0})
+            decision = Decision(tier="l1", restore_tokens=0, benefit_s=0.0, costs={}, failed=True)
         if count_skip and not lookahead and self.declines_restore(match, decision):
             mgr.metrics.policy_skips["restore"] += 1
         return decision
@@ -86,7 +86,7 @@ class CostPolicy:
         """The policy recomputes what a lower tier holds beyond L1 (a restore policy skip; not a decision that failed,
         counted as `failures.cost_model`)."""
         l1, l2, l3 = match.lengths
-        return (decision.tier == "l1" and "failed" not in decision.costs and max(l2, l3) > l1 and self.mgr.has_l2
+        return (decision.tier == "l1" and not decision.failed and max(l2, l3) > l1 and self.mgr.has_l2
                 and self.mgr.config.policy != "never")
 
     # -- writes (backups to L2, L3) ------------------------------------------------------------
