@@ -105,14 +105,20 @@ class EngineLifecycle:
         its blocking restore was admitted after it, prefilled and sent a token before it ended).
         stop: the caller's own stop condition ended it (an API stop string): a decoding request FINISHES ("stop") and
         publishes what it computed, as a stop token would (regression: counted as aborted, its answer's
-        KV left out of the prefix cache)."""
+        KV left out of the prefix cache). A parked request whose end raises still ends, failed (`end_broken`, as
+        `_settle_aborts` ends one), before the error is raised (regression: left half-ended, out of the parked list
+        but PARKED, with no last event: its read's landing unparked it and crashed the loop)."""
         req = self.requests.get(rid)
         if req is None or req.state.done:
             return False
         if stop:
             self._stops.add(rid)
         if req.state is RequestState.PARKED:
-            self._end_aborted(req)
+            try:
+                self._end_aborted(req)
+            except Exception as exc:
+                end_broken(self, req, f"ending the aborted request raised: {exc!r}")
+                raise
             return True
         self.aborting.add(rid)
         self.wake_soon()

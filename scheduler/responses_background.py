@@ -90,11 +90,11 @@ class BackgroundRun:
                 self._on_end(self)
 
     def _record(self, event: dict) -> None:
+        if event["type"] in _TERMINAL:  # (kept before it is recorded: one that could not be, recorded failed)
+            event = self._kept(event)
         self.events.append(event)
         if "response" in event:  # created, in_progress, and the end
             self.response = event["response"]
-            if event["type"] in _TERMINAL:
-                self._kept()
         elif event["type"] == "response.output_item.done":
             self.response = {**self.response, "output": [*self.response["output"], event["item"]]}
         self._notify()
@@ -108,16 +108,33 @@ class BackgroundRun:
             ending = self.out.cut_short(status, error)
         except Exception:  # noqa: BLE001 - (a bug in the items themselves: the Response alone, the items finished)
             log.exception("background_response_end_failed", response_id=self.id)
-            self.response = self.out.response(status, self.response["output"], error=error)
-            self._kept()
+            response = self.out.response(status, self.response["output"], error=error)
+            self.response = self._kept({"type": f"response.{status}", "response": response})["response"]
             return
         for event in ending:
             self._record(event)
 
-    def _kept(self) -> None:
-        """The final Response kept, unless its id was taken by a later response while it ran (the later one kept)."""
-        if self.store.holds(self):
-            self.keep(self.response, self)
+    def _kept(self, ending: dict) -> dict:
+        """The final Response kept, unless its id was taken by a later response while it ran (the later one kept);
+        `ending`: its last event, returned as it is to be recorded. Where keeping it raised, the run failed:
+        `response.failed` (its number, its output), kept in its place where it can be, GET reading the run's
+        Response either way (regression: the run's Response said "completed" while the store held the queued one,
+        and a follow-up naming it was served on a conversation without its answer)."""
+        if not self.store.holds(self):
+            return ending
+        try:
+            self.keep(ending["response"], self)
+            return ending
+        except Exception as exc:
+            log.exception("background_response_not_kept", response_id=self.id)
+            if ending["type"] in ("response.failed", "response.cancelled"):
+                return ending
+            error = {"code": "server_error", "message": f"internal error: keeping the response raised: "
+                                                        f"{type(exc).__name__}: {exc}"}
+        failed = {**ending["response"], "status": "failed", "error": error, "incomplete_details": None}
+        with contextlib.suppress(Exception):  # (logged above)
+            self.keep(failed, self)
+        return {**ending, "type": "response.failed", "response": failed}
 
     def _notify(self) -> None:
         self._changed.set()
