@@ -7,13 +7,18 @@ only effects are counters (metrics.policy_skips, the reuse gates' probes) and wh
 learns. So where the cost model raises (a bug, a line gone wrong) as it decides or learns for a request,
 that request recomputes its prefix and the sample is dropped (`failures.cost_model`, a `cost_model_failed`
 error line): recompute is always right (regression: the error went out of admission, or out of the step
-that timed a prefill, crashed the engine loop, and every live request failed with it).
+that timed a prefill, crashed the engine loop, and every live request failed with it). Where it raises as
+it admits a write, the write is refused, and as it splits a layer-ordered restore, the restore goes all in
+layers, both counted so (regression: out of write_through_selective's backup at a hit, or write_back's
+eviction veto, it crashed the engine loop; out of the backups started after a step, those after it were
+dropped, uncounted).
 
 Everything is read from the manager when asked, never copied at construction: the engine sets
 `busy_s` and `overlap_forward_s` on the manager as it runs, and tests swap its reuse gates.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -33,11 +38,33 @@ OVERLAP_MARGIN = 1.25
 log = structlog.get_logger("hicache.cost")
 
 
+def _failed(mgr: "CacheManager", call: str) -> None:
+    """The cost model raised in `call`: counted and logged; the caller goes on with the safe answer."""
+    mgr.metrics.count_failure("cost_model")
+    log_anyway(log.exception, "cost_model_failed", call=call)
+
+
+def _guarded(safe_answer):
+    """A CostPolicy method whose raise is `_failed` (counted, logged) and answers `safe_answer` instead: no
+    write, a restore all in layers, a sample dropped (see the module docstring)."""
+    def guard(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except Exception:
+                _failed(self.mgr, method.__name__)
+                return safe_answer
+        return guarded
+    return guard
+
+
 class CostPolicy:
     def __init__(self, mgr: "CacheManager") -> None:
         self.mgr = mgr
 
     # -- restores ------------------------------------------------------------------------------
+    @_guarded(0)  # (all in layers)
     def whole_first_pages(self, num_pages: int, tail_tokens: int = 0) -> int:
         """How many of a layer-ordered restore's `num_pages` go first, whole (the pipelined DMA and
         scatter, at the pinned copy's rate, before its forward has anything to do; 2-D DMAs beside
@@ -76,7 +103,7 @@ class CostPolicy:
             decision = mgr.cost.decide(l1, l2 if mgr.has_l2 else 0, l3 if mgr.has_l3 else 0, policy, overlap_h2d,
                                        l3_taken_on, lookahead, hidden_s, reading_s, prompt_tokens, chunk_tokens)
         except Exception:
-            self._failed("decide")
+            _failed(mgr, "decide")
             decision = Decision(tier="l1", restore_tokens=0, benefit_s=0.0, costs={}, failed=True)
         if count_skip and not lookahead and self.declines_restore(match, decision):
             mgr.metrics.policy_skips["restore"] += 1
@@ -90,6 +117,7 @@ class CostPolicy:
                 and self.mgr.config.policy != "never")
 
     # -- writes (backups to L2, L3) ------------------------------------------------------------
+    @_guarded(False)
     def worth_writing(self, tier: str, num_tokens: int) -> bool:
         """Write admission by cost: a forced policy decides alone ("always" writes, "never" does not);
         "cost" writes only where a restore can beat recompute for this length, beside the GPU work
@@ -100,6 +128,7 @@ class CostPolicy:
             return mgr.config.policy == "always"
         return mgr.cost.worth_writing(tier, num_tokens, hidden_s=mgr.busy_s, reading_s=mgr.runner.reading_s())
 
+    @_guarded(False)
     def backup_worth_its_cost(self, new_tokens: int) -> bool:
         """Cost policy: is a backup of this many new tokens cheaper than one recompute of them
         (CostModel.backup_worth_its_cost)? Yes too while the storage speed is being explored: L3 is
@@ -123,6 +152,7 @@ class CostPolicy:
         l3 = self.mgr.reuse[Tier.L3]
         return self.mgr.config.policy == "cost" and not l3.productive and l3.admit()
 
+    @_guarded(False)
     def backup_pays_off(self, num_tokens: int) -> bool:
         """Cost policy: is an L1 -> L2 backup of this prefix worth its traffic? Yes while L2 gets read
         back, or while it feeds an L3 worth writing that gets read back; otherwise only as a probe."""
@@ -142,25 +172,16 @@ class CostPolicy:
         return l2.admit()
 
     # -- learning ------------------------------------------------------------------------------
+    @_guarded(None)
     def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        try:
-            if num_tokens > 0:
-                self.mgr.cost.observe_prefill(num_tokens, seconds)
-        except Exception:
-            self._failed("observe_prefill")
+        if num_tokens > 0:
+            self.mgr.cost.observe_prefill(num_tokens, seconds)
 
+    @_guarded(None)
     def observe_outcome(self, source: str, plan: tuple, actual_s: float) -> None:
         """A request that ran alone took `actual_s` from arrival to its first token, its prefix from
         `source`, planned as `plan` = (Decision.priced or (), uncached tokens): priced now
         (CostModel.span_s) and learned (hicache/outcomes.py)."""
         mgr = self.mgr
-        try:
-            if mgr.has_l2 and mgr.config.policy == "cost":
-                mgr.cost.observe_outcome(source, mgr.cost.span_s(source, *plan), actual_s)
-        except Exception:
-            self._failed("observe_outcome")
-
-    def _failed(self, call: str) -> None:
-        """The cost model raised in `call`: counted and logged; the caller goes on with the safe answer."""
-        self.mgr.metrics.count_failure("cost_model")
-        log_anyway(log.exception, "cost_model_failed", call=call)
+        if mgr.has_l2 and mgr.config.policy == "cost":
+            mgr.cost.observe_outcome(source, mgr.cost.span_s(source, *plan), actual_s)

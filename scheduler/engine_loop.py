@@ -56,6 +56,17 @@ class EngineLoop:
             log_anyway(log.exception, "engine_loop_crashed")
             fail_live_requests(self, exc)
             raise
+        except BaseException:
+            # an interrupt landed in the loop's code (a Ctrl-C's KeyboardInterrupt, a SystemExit): the event loop ends
+            # with it, and nobody reads the live requests' streams any more: they end aborted, as their callers'
+            # cancellation would end them (regression: left listed as running or queued, the next loop ran them to
+            # their end for no one, and a caller that caught the interrupt and read on waited forever)
+            self.aborting.update(rid for rid, req in self.requests.items() if not req.state.done)
+            try:
+                self._settle_aborts()
+            except Exception:  # (each one ended, `end_broken`: the interrupt goes on, not what ending one raised)
+                log_anyway(log.exception, "aborting_requests_after_loop_interrupt_failed")
+            raise
 
     async def _ticks(self) -> None:
         while True:

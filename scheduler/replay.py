@@ -19,8 +19,8 @@ real CPU run has float32, so capacities in GiB hold half the pages there; give t
 give --dtype).
 Exit status: 2 for bad input (an option out of range, a trace or path that cannot be used, an engine
 that cannot start), 1 when no request completed, the engine crashed, the cache failed its integrity
-check or --compare-no-cache found other outputs, 143 when SIGTERM ended the run (its engine shut down first, a kept
-L3's index saved, as at Ctrl-C; no summary). Prompt tokens, hits and recomputed tokens are those of
+check or --compare-no-cache found other outputs, 143 when SIGTERM ended the run and 130 when Ctrl-C did (its engine
+shut down first, a kept L3's index saved; no summary). Prompt tokens, hits and recomputed tokens are those of
 completed requests.
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from scheduler.trace import (MAX_PROBLEMS_SHOWN, SynthPrompt, TokenSynth, TraceE
 
 DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
 TIERS = ("l1", "l2", "l3")
+INTERRUPTED_STATUS = 128 + signal.SIGINT  # (the shell's status of a process Ctrl-C killed)
 SAVE_GRACE_S = 60.0  # the end's shutdown with --hicache-storage-persist: at most this long to save L1's pages
 
 
@@ -187,7 +189,6 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
     outcomes: list[Outcome | None] = [None] * len(items)
     bar = None
     crash = None
-    restore_sigterm = sigterm.cancels(asyncio.current_task())
     try:  # (from here on the engine is shut down whatever raises: regression, the start line's print raised before)
         if announce is not None:  # (regression: the replay never said what it ran; the server's start line)
             print(f"{announce}{pools_line(engine.status())}", file=sys.stderr, flush=True)
@@ -226,8 +227,6 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
             crash = crash or f"engine shutdown failed: {exc!r}"
             await engine.cache.close()
             engine.runner.close()
-        finally:
-            restore_sigterm()
     outcomes = [o if o is not None else Outcome(it, [], error=crash or "not run") for o, it in zip(outcomes, items)]
     return {"outcomes": outcomes, "metrics": metrics, "integrity": integrity, "wall_s": wall_s,
             "engine_crash": crash, "speculative": status.get("speculative"), "preempted": status["preempted"],
@@ -235,9 +234,18 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
 
 
 def replay(config: EngineConfig, items: list[ReplayItem], **kw) -> dict:
-    """replay_async on a uvloop; sigterm.Terminated where SIGTERM ended it."""
+    """replay_async on a uvloop of its own, whose run SIGTERM cancels (its engine shut down first); sigterm.Terminated
+    where it did. (Only on that loop: replay_async awaited on a program's own loop replaced the SIGTERM handler that
+    program had set on it, and after the run left SIGTERM ignored: regression.)"""
     import uvloop
-    return sigterm.run(uvloop.run, replay_async(config, items, **kw))
+
+    async def run() -> dict:
+        restore_sigterm = sigterm.cancels(asyncio.current_task())
+        try:
+            return await replay_async(config, items, **kw)
+        finally:
+            restore_sigterm()
+    return sigterm.run(uvloop.run, run())
 
 
 # -- reporting ------------------------------------------------------------------------------------
@@ -386,6 +394,12 @@ def _replay_or_exit(parser: argparse.ArgumentParser, args: argparse.Namespace, c
     except sigterm.Terminated:  # (the shell's status of a process SIGTERM killed)
         parser.exit(sigterm.EXIT_STATUS, f"{parser.prog}: {what}terminated (SIGTERM): the engine shut down, its "
                                           "tiers closed; no summary\n")
+    except KeyboardInterrupt as exc:  # Ctrl-C: asyncio's runner cancelled the run, as SIGTERM does (regression: a
+        # traceback); a second one lands in whatever runs, the engine's shutdown too (not the runner's, after the run)
+        shut = isinstance(exc.__context__, asyncio.CancelledError)
+        parser.exit(INTERRUPTED_STATUS, f"{parser.prog}: {what}interrupted (Ctrl-C): "
+                                        f"{'the engine shut down, its tiers closed' if shut else 'the run stopped'}; "
+                                        "no summary\n")
 
 
 def run_cli(argv: list[str] | None = None) -> dict:
@@ -424,6 +438,7 @@ def run_cli(argv: list[str] | None = None) -> dict:
                         seed=args.synth_seed, max_input_tokens=args.max_input_tokens,
                         max_output_tokens=args.max_output_tokens)
     replay_memory.warn_will_fail(parser, args, items, config, model.max_position_embeddings)
+    replay_memory.warn_long_waits(parser, args, items)
     options = {k: getattr(args, k) for k in REPLAY_OPTIONS}
     progress = sys.stdout.isatty() and not args.no_progress
     kw = dict(time_scale=args.time_scale, concurrency=args.concurrency)

@@ -1,6 +1,7 @@
 """What a `--simulate` replay's pools need in host memory, checked before anything is allocated
 (scheduler/replay.py): a pool whose bookkeeping cannot fit is one line naming the option that sized
-it, not numpy's MemoryError; and requests the pools or the model cannot hold, said before the replay runs."""
+it, not numpy's MemoryError; and requests the pools or the model cannot hold, and a timed replay's
+waits of hours between arrivals, said before the replay runs."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,8 @@ import sys
 from scheduler.config import EngineConfig, resolve_device
 from scheduler.presets import model_config_of
 from scheduler.request import kv_tokens
+
+MAX_QUIET_WAIT_S = 3600.0  # a timed replay's wait between two arrivals beyond this is said first (warn_long_waits)
 
 GIB = 1 << 30
 # The options that size each tier, in the order they win (the last is the fallback): the one to lower
@@ -108,3 +111,19 @@ def warn_will_fail(parser: argparse.ArgumentParser, args: argparse.Namespace, it
         print(f"{parser.prog}: {len(long_outputs):,} of {len(items):,} requests ask for more than the engine's "
               f"{config.max_new_tokens_limit:,} output tokens (outputs of up to {max(long_outputs):,}) and will fail; "
               f"{flag_name('max_output_tokens')} clips them", file=sys.stderr)
+
+
+def warn_long_waits(parser: argparse.ArgumentParser, args: argparse.Namespace, items: list) -> None:
+    """One line before a timed replay (--time-scale > 0) that would wait more than an hour between two arrivals (a
+    timestamp in microseconds rather than ms, a jump of days): the replay waits that long in silence (regression:
+    a timestamp of 1e12 among the sample's waited 31 years with no word)."""
+    if args.time_scale <= 0:
+        return
+    waits = [((b.arrival_s - a.arrival_s) * args.time_scale, b.line_no) for a, b in zip(items, items[1:])]
+    long_waits = [w for w in waits if w[0] > MAX_QUIET_WAIT_S]
+    if long_waits:
+        wait_s, line_no = max(long_waits)
+        more = f" ({len(long_waits):,} waits of more than an hour in all)" if len(long_waits) > 1 else ""
+        print(f"{parser.prog}: {args.trace}:{line_no}: arrives {wait_s / 3600:,.1f} h after the request before it at "
+              f"{flag_name('time_scale')} {args.time_scale:g} (timestamps are ms since the trace's start): the replay "
+              f"will wait that long{more}; {flag_name('time_scale')} 0 replays as fast as possible", file=sys.stderr)
