@@ -473,7 +473,12 @@ def run_cli(argv: list[str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    summary = run_cli(argv)
+    try:
+        summary = run_cli(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the replay's run (reading a large trace) or after it: nothing of the
+        # engine runs then (regression: a traceback; one during the run is `_replay_or_exit`'s)
+        print(f"{os.path.basename(sys.argv[0])}: interrupted (Ctrl-C); no summary", file=sys.stderr)
+        return INTERRUPTED_STATUS
     if summary["completed"] == 0:
         print(f"{os.path.basename(sys.argv[0])}: no request completed", file=sys.stderr)
         return 1

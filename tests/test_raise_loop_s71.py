@@ -1,7 +1,8 @@
 """Session 71's raise hunt of the engine's loop and the replay's command line: what an interrupt, an odd trace or a
 raising cost model does to a run. Pinned here:
 - Ctrl-C mid-replay: asyncio's runner cancelled the run (its engine shut down, a kept L3's index saved, as at SIGTERM)
-  and then raised KeyboardInterrupt out of the command: a traceback. Now exit status 130 and one line on stderr;
+  and then raised KeyboardInterrupt out of the command: a traceback. Now exit status 130 and one line on stderr, as
+  for a Ctrl-C while the trace is read;
 - a trace whose arrivals are more than an hour apart (a timestamp of 1e12 ms, a jump of days): a timed replay slept
   that long in silence. Now one line before the replay names the line and the wait, and --time-scale 0;
 - a KeyboardInterrupt (or SystemExit) raised in the engine's loop task left its live requests listed as running or
@@ -60,6 +61,20 @@ def test_ctrl_c_mid_replay_exits_130_with_one_line_and_the_engine_shut_down(tmp_
     assert (tmp_path / "l3.index").exists(), "the engine was not shut down: its adopted index is lost"
     monkeypatch.setattr(runner.ModelRunner, "launch", launch)
     assert adopted_pages(tmp_path) > 0
+
+
+def test_ctrl_c_while_the_trace_is_read_exits_130_with_one_line(tmp_path, monkeypatch, capsys):
+    """Ctrl-C before the run (a large trace being read): no engine yet, exit status 130 and one line, no traceback."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(replay, "load_trace", interrupted)
+    try:
+        assert replay.main(SHORT) == 128 + signal.SIGINT
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C while the trace was read ended the replay with a KeyboardInterrupt's traceback")
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C); no summary" in err and "Traceback" not in err
 
 
 # -- a trace's long waits -------------------------------------------------------------------------
