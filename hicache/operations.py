@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import structlog
@@ -426,6 +427,16 @@ class OpRunner(Backups, Restores):
             # task cancelled so freed an abandoned read's pages while the read still ran into them)
             await asyncio.gather(*(asyncio.shield(t) for t in (*self._tasks.values(), *self._settling)),
                                  return_exceptions=True)
+
+    def lock_holds(self, ops: Iterable[Op] = ()) -> Counter:
+        """(node, tier) -> how many locks the live ops, and `ops` (ended ones a request still refers to), hold
+        there: their sources', and a restore's published L1 pages held for its request (`hold_published`)."""
+        holds: Counter = Counter()
+        for op in {id(op): op for op in (*self.live.values(), *ops)}.values():
+            holds.update(op.payload.get("locks", ()))
+            if op.payload.get("held_l1") is not None:
+                holds[(op.payload["held_l1"], Tier.L1)] += 1
+        return holds
 
     def check_integrity(self) -> None:
         """Invariant 2: every live op's sources are locked and still in the tree. And every op started has

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -404,6 +405,16 @@ class RadixTree:
             if n.pages[tier] is not None:
                 out.extend(n.pages[tier])
         return out
+
+    def check_lock_holders(self, holds: Counter) -> None:
+        """The locks on the tree are those its holders hold: `holds` counts, per (node, tier), the holders that
+        locked that node (a lock counts on every ancestor: a node's own locks are its count less its children's).
+        A lock no holder holds (a release skipped) kept its pages from eviction for good."""
+        own = Counter({(n, tier): n.locks[tier] - sum(c.locks[tier] for c in n.children.values())
+                       for n in self.iter_nodes() if n is not self.root for tier in TIERS})
+        if +own != +holds:
+            raise AssertionError(f"locks held by no holder: {dict(own - holds)}; held but not locked: "
+                                 f"{dict(holds - own)}")
 
     def check_integrity(self) -> None:
         """Invariants 1, 3, 4 of DESIGN.md section 4 for the tree and every tier allocator."""

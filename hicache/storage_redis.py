@@ -11,7 +11,7 @@ fails the operation with StorageError("missing" / "checksum", bad_slots=...) so 
 recomputes: never a wrong output. Connection errors and timeouts -> "eio" (and a short back-off during which
 operations fail at once instead of waiting on a dead server; a command is sent once more only after its connection
 dropped, never after a timeout); OOM under `noeviction` -> "enospc". A hint query's OOM, MASTERDOWN, BUSY or LOADING
-is the server's passing state (`_PASSING_ERRORS`), not scripting refused.
+is the server's passing state (hicache/redis_hints.py `_PASSING_ERRORS`), not scripting refused.
 
 Start. One PING, and the server's limits read (hicache/redis_limits.py): a server that cannot be
 used, one that never evicts, and one whose limits refuse a page's value (writes or reads refused at
@@ -25,12 +25,8 @@ a restore; an MGET within the server's output buffer limit, "Start"); packing va
 is parsed on the loop, by hiredis (C): a 32 MiB chunk held the loop 13-25 ms (20-25 with redis-py's Python parser),
 an 8 MiB one 2.5-3 ms (this 2-core machine; an 8B read of 64 pages).
 
-Hints. `refresh_hints(mgr, tokens)` asks which of the prompt's full pages exist, in one round trip (a tiny Lua script
-that TOUCHes the keys in order and returns how many exist contiguously from the first; TOUCH refreshes their LRU age,
-as a read is likely to follow; a plain pipeline of EXISTS where scripting is refused), then publishes local L3 slots
-for the pages beyond the tree's current L3 match and drops hints whose pages are gone. A backup about to write to L3
-past hinted pages asks the same of those pages first (`recheck_hints`): hints of a prefix that L1/L2 serve are never
-refreshed otherwise, and a flush, a restart or an eviction would keep it out of Redis for good.
+Hints. Which of a prompt's pages Redis holds, and the pages of a prefix that gave NaN logits
+(hicache/redis_hints.py).
 """
 from __future__ import annotations
 
@@ -38,7 +34,6 @@ import asyncio
 import concurrent.futures as cf
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 import redis.asyncio as aioredis
@@ -50,29 +45,16 @@ from redis.backoff import NoBackoff
 
 from hicache.faults import Fault, FaultInjector
 from hicache.geometry import KVGeometry
-from hicache.page_keys import PageKeyer, kv_salt, publish_l3_hints
-from hicache.radix import Tier
+from hicache.page_keys import PageKeyer, kv_salt
+from hicache.redis_hints import PREFIX_SCRIPT, RedisHints
 from hicache.redis_limits import Refusals, check_server, redact_url
 from hicache.redis_values import HEADER, check_value, pack_value
 from hicache.storage import IoResult, StorageError
-
-if TYPE_CHECKING:
-    from hicache.manager import CacheManager
 
 log = structlog.get_logger("hicache.storage_redis")
 
 KEY_PREFIX = b"hicache:kv:"
 OFFLOAD_BYTES = 1 << 20  # chunks at least this large are packed / unpacked on the helper thread
-# How many keys exist contiguously from the first one (TOUCH also refreshes their LRU age).
-_PREFIX_SCRIPT = """
-for i, k in ipairs(KEYS) do
-  if redis.call('TOUCH', k) == 0 then return i - 1 end
-end
-return #KEYS
-"""
-# (regressions: BUSY was taken for scripting refused; redis-py 8 strips OOM's and MASTERDOWN's codes from messages)
-_PASSING_ERRORS = (rexc.OutOfMemoryError, rexc.MasterDownError, rexc.BusyLoadingError, rexc.TryAgainError)
-_PASSING_CODES = ("OOM", "BUSY", "MASTERDOWN", "LOADING", "TRYAGAIN")
 
 
 def _retry_dropped_connections() -> Retry:
@@ -82,7 +64,7 @@ def _retry_dropped_connections() -> Retry:
     return Retry(NoBackoff(), 1, supported_errors=(rexc.ConnectionError,))
 
 
-class RedisStore:
+class RedisStore(RedisHints):
     """L3 pages in Redis, addressed by content keys; see the module docstring."""
 
     content_addressed = True
@@ -114,6 +96,7 @@ class RedisStore:
         self._cpu = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-redis-cpu")
         self._tasks: set[asyncio.Task] = set()
         self._deletes: set[asyncio.Task] = set()  # suspect pages' deletions in flight (a hint refresh waits)
+        self._suspect: set[bytes] = set()  # suspect pages' keys not deleted yet (never hinted; `delete_suspect`)
         self._closed = False
         self._down_until = 0.0
         self._consecutive_failures = 0
@@ -132,7 +115,7 @@ class RedisStore:
         if self._redis is None or self._loop is not loop:
             # a client's connections belong to the loop that opened them; an old loop is gone
             self._redis = aioredis.from_url(self.url, **self._client_kwargs)
-            self._prefix_script = self._redis.register_script(_PREFIX_SCRIPT)  # EVALSHA, loads on NOSCRIPT
+            self._prefix_script = self._redis.register_script(PREFIX_SCRIPT)  # EVALSHA, loads on NOSCRIPT
             self._loop, self._script_ok = loop, True
         return self._redis
 
@@ -279,6 +262,8 @@ class RedisStore:
             raise self._error(exc, "write") from exc
         self._succeeded()
         self.refusals.write_succeeded()
+        if self._suspect:  # (clean pages now, recomputed: this engine's backups copy no dropped page)
+            self._suspect.difference_update(keys)
         num_bytes = len(keys) * self.bytes_per_page
         self.counters["writes"] += 1
         self.counters["pages_written"] += len(keys)
@@ -333,123 +318,6 @@ class RedisStore:
         bad_slots = sorted(int(slot_arr[i]) for i in missing + corrupt)
         raise self._error(StorageError(kind, f"redis read: {len(missing)} page(s) missing, {len(corrupt)} "
                                              f"corrupt (L3 slots {bad_slots[:8]})", bad_slots=bad_slots), "read")
-
-    # ---- hints -----------------------------------------------------------------------------------
-    async def count_present(self, keys: Sequence[bytes]) -> int:
-        """How many of `keys` exist contiguously from the first (one round trip)."""
-        self._check_available()
-        client = self._client()
-        try:
-            if self._script_ok:
-                try:
-                    return int(await self._prefix_script(keys=list(keys)))
-                except rexc.ResponseError as exc:
-                    if isinstance(exc, _PASSING_ERRORS) or str(exc).startswith(_PASSING_CODES):
-                        raise
-                    self._script_ok = False  # scripting refused (ACL, disabled): plain EXISTS instead
-                    log.warning("l3_redis_no_scripting", error=str(exc))
-            pipe = client.pipeline(transaction=False)
-            for key in keys:
-                pipe.exists(key)
-            found = await pipe.execute()
-            return next((i for i, n in enumerate(found) if not n), len(keys))
-        except Exception as exc:
-            raise self._error(exc, "existence query") from exc
-
-    async def refresh_hints(self, mgr: "CacheManager", tokens: Sequence[int]) -> None:
-        """Record in mgr's tree which of tokens' full pages Redis holds (see the module docstring).
-        No query when L3 cannot help: restores disabled, or L1/L2 already hold every full page."""
-        ps = self.geometry.page_size
-        end = len(tokens) - len(tokens) % ps
-        if end == 0 or self._closed or mgr.config.policy == "never" or await self.refusals.refused_reads(self._client):
-            return
-        tokens = tuple(tokens[:end])
-        local = mgr.tree.match(tokens, include_storage=False, touch=False)
-        if max(local.lengths[Tier.L1], local.lengths[Tier.L2]) >= end:
-            self.counters["hints_not_needed"] += 1
-            return
-        if time.monotonic() < self._down_until:
-            self.counters["hint_skips"] += 1  # backing off a dead server: no hints, no wait
-            return
-        await self.settle_deletes()  # (else it could find a suspect prefix about to be deleted)
-        keys = self.page_keys(tokens, 0, end)
-        self.counters["hint_queries"] += 1
-        try:
-            present = await asyncio.wait_for(self.count_present(keys), self.hint_timeout_s)
-        except asyncio.TimeoutError:
-            raise self._error(asyncio.TimeoutError(), f"existence query slower than {self.hint_timeout_s} s") \
-                from None
-        self._succeeded()
-        self.counters["hint_pages_found"] += present
-        published, dropped = publish_l3_hints(mgr, tokens, present * ps)
-        self.counters["hint_pages_published"] += published
-        self.counters["stale_hints_dropped"] += dropped
-
-    async def recheck_hints(self, mgr: "CacheManager", tokens: Sequence[int], hinted_tokens: int) -> None:
-        """A backup is about to write tokens' pages to L3 past tokens[:hinted_tokens] (page aligned),
-        which the tree hints are there: check that they still are, in one round trip, and drop the
-        hints from the first page gone on, so that the write puts them back.
-        Why at the write: an engine holding a prefix in L1/L2 never queries its hints (refresh_hints
-        skips them by design) nor reads its pages, so its hints outlived a flush, a restart or an LRU
-        eviction of the pages, and its backups wrote only the new pages: the prefix never reached
-        Redis again and other instances lost its hits (regression). A restart's run_id or a sentinel
-        key would miss single keys that LRU evicts (the usual case under allkeys-lru: this engine
-        never touches the keys of what it serves locally), and aged hints would re-query per request;
-        this costs one small script call per backup that gets to its L3 write over hinted pages, off
-        the request's path; its TOUCH also keeps the prefix this engine extends young in Redis's LRU.
-        A check that fails (a server down) leaves the hints: the write that follows tells (as it
-        does at once where writes are refused: no check then; the limits read again first where due,
-        else a write that a raised limit lets through skipped the check: regression)."""
-        ps = self.geometry.page_size
-        hinted_tokens -= hinted_tokens % ps
-        if (hinted_tokens <= 0 or self._closed or time.monotonic() < self._down_until
-                or await self.refusals.refused_writes(self._client) is not None):
-            return
-        tokens = tuple(tokens[:hinted_tokens])
-        self.counters["hint_rechecks"] += 1
-        try:
-            present = await asyncio.wait_for(self.count_present(self.page_keys(tokens, 0, hinted_tokens)),
-                                             self.hint_timeout_s)
-        except asyncio.TimeoutError:
-            self._error(asyncio.TimeoutError(), f"existence query slower than {self.hint_timeout_s} s")
-            return
-        except StorageError:  # (counted by count_present)
-            return
-        self._succeeded()
-        if present * ps < hinted_tokens:
-            _, dropped = publish_l3_hints(mgr, tokens, present * ps)
-            self.counters["stale_hints_dropped"] += dropped
-
-    # ---- suspect pages ---------------------------------------------------------------------------
-    def delete_suspect(self, keys: Sequence[bytes]) -> None:
-        """Delete `keys`, pages of a prefix whose reuse gave NaN logits (hicache/suspect.py), best
-        effort and off the request's path. A NaN page passes its checks (the checksum is its own), so
-        the next hint refresh found the pages again and every request for that prefix, on every
-        instance, restored them and failed (regression). A read of a deleted key fails "missing" and
-        recomputes; with the server down or backed off they stay (a later failure deletes them)."""
-        if not keys or self._closed or time.monotonic() < self._down_until:
-            return
-        task = asyncio.get_running_loop().create_task(self._delete(list(keys)))
-        self._tasks.add(task)
-        self._deletes.add(task)
-        task.add_done_callback(self._tasks.discard)
-        task.add_done_callback(self._deletes.discard)
-
-    async def _delete(self, keys: list[bytes]) -> None:
-        try:
-            deleted = await self._client().delete(*keys)
-        except Exception as exc:  # noqa: BLE001 - best effort (counted; a connection error backs off)
-            self._error(exc, "delete")
-            return
-        self._succeeded()
-        self.counters["suspect_pages_deleted"] += int(deleted)
-
-    async def settle_deletes(self) -> None:
-        """Wait for this loop's deletions in flight, at most the hint timeout."""
-        loop = asyncio.get_running_loop()
-        pending = [t for t in self._deletes if t.get_loop() is loop]
-        if pending:
-            await asyncio.wait(pending, timeout=self.hint_timeout_s)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def invalidate(self, slots: Sequence[int]) -> None:

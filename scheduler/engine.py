@@ -29,6 +29,7 @@ import torch
 
 from hicache.faults import FaultInjector
 from hicache.manager import CacheManager
+from hicache.radix import Tier
 from scheduler import step_extras
 from scheduler.admission import Admission
 from scheduler.batch_api import BatchAPI
@@ -215,7 +216,15 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         return self.cache.metrics.as_dict()
 
     def check_integrity(self) -> None:
+        """The cache's checks, and every lock on its tree held by a live request (its shared prefix, in L1) or an
+        operation (hicache/operations.py `lock_holds`): a lock no one releases is caught (regression watch)."""
         self.cache.check_integrity()
+        live = list(self.requests.values())
+        holds = self.cache.runner.lock_holds(op for req in live
+                                             for op in (req.overlap_op, req.restore_op, req.prefetch_op)
+                                             if op is not None)
+        holds.update((req.locked_node, Tier.L1) for req in live if req.locked_node is not None)
+        self.cache.tree.check_lock_holders(holds)
 
     def log_event(self, req: Request, state: str, **fields) -> None:
         """One line of a request's timeline (scheduler/timeline.py reads them back)."""
