@@ -24,13 +24,12 @@ import torch
 
 from hicache.radix import Tier
 from hicache.suspect import drop_suspect_prefix
-from scheduler import load
+from scheduler import load, step_extras
 from scheduler.request import Request, RequestState, TokenEvent
 from scheduler.reservations import AutoReserveRatio, Reservations
 from scheduler.restoring import Restoring
 from scheduler.runner import Batch, BatchInput
 from scheduler.sampling import NAN_TOKEN
-from scheduler.token_bans import nothing_left
 
 if TYPE_CHECKING:
     from scheduler.engine import Engine
@@ -382,24 +381,15 @@ class Admission(Reservations, Restoring):
                 return
         else:
             req.cached_len += 1
-        if req.guide is not None and req.guide.allows_none:  # (its mask was empty: this token is no answer's)
-            error = req.guide.stuck_error()  # (None: its grammar is whole, only an EOS the model lacks could follow)
-            state, reason = (RequestState.FAILED, "error") if error else (RequestState.FINISHED, "stop")
-            eng.finish(req, state, reason, error)
-            return
-        if req.guide is not None and (broken := req.guide.accept(int(token))) is not None:
-            # a grammar's mask holds every token it refuses, so a token it refuses was sampled from a row that had
-            # none left: the bans' doing where there are any (regression: an arbitrary token was named as breaking
-            # the grammar), else llguidance gave up on the grammar (one too ambiguous) or the row was NaN
-            eng.finish(req, RequestState.FAILED, "error", nothing_left(req) if req.params.restricts_tokens
-                       else f"the token sampled broke the request's grammar: {broken}")
+        complete = False  # (its grammar's answer is whole with this token)
+        if req.guide is not None and (complete := step_extras.guide_takes(eng, req, int(token))) is None:
             return
         req.output.append(int(token))
         req.emit(TokenEvent(req.rid, int(token), len(req.output) - 1, same_step=same_step))
         p = req.params
         if int(token) in p.stop_token_ids or (not p.ignore_eos and int(token) in eng.model_config.eos_token_ids):
             eng.finish(req, RequestState.FINISHED, "stop")
-        elif req.guide is not None and req.guide.complete:  # (only EOS could follow: the answer is whole)
+        elif complete:  # (only EOS could follow: the answer is whole)
             eng.finish(req, RequestState.FINISHED, "stop")
         elif len(req.output) >= p.max_tokens:
             eng.finish(req, RequestState.FINISHED, "length")

@@ -120,7 +120,7 @@ class EngineLoop:
         next_ids = await self.runner.collect(handle)
         if work.binput.verify_drafts is not None:  # every row's greedy token: per sequence
             next_ids = rows_of(next_ids, work.binput.new_lens, handle.row_stride)
-        step_extras.keep_logprobs(self.runner, work.reqs, work.binput, handle, next_ids)
+        step_extras.keep_logprobs(self, work.reqs, work.binput, handle, next_ids)
         await asyncio.sleep(0)  # on the CPU nothing above yields: let streams and aborts run
         if work.binput.wait_restore:
             work, next_ids = self.admission.after_overlapped_forward(work, next_ids)
@@ -145,7 +145,7 @@ class EngineLoop:
                 next_handle = self._launch(nxt, chain=(handle, rows))
                 self.stats["chained_steps"] += 1
             next_ids = await self.runner.collect(handle)
-            step_extras.keep_logprobs(self.runner, work.reqs, work.binput, handle, next_ids)
+            step_extras.keep_logprobs(self, work.reqs, work.binput, handle, next_ids)
             await asyncio.sleep(0)
             self._after_batch(work, next_ids, start_ns, restoring)
             self._settle_aborts()
@@ -159,13 +159,22 @@ class EngineLoop:
         if chain is not None and any(r.guide is not None for r in work.reqs):  # (scheduler/guided.py)
             # its guided rows' masks need the step before it processed: its forward now, its sampling at `_sample`
             return self.runner.launch(work.binput, chain=chain, defer_sample=True)
-        step_extras.ask(work.reqs, work.binput, self.model_config.eos_token_ids)  # logprobs, penalties: where asked
+        step_extras.ask_or_fail(self, work)  # logprobs, penalties: where asked
         return self.runner.launch(work.binput, chain=chain)
 
     def _sample(self, work: Batch, pending: PendingSample):
         """A deferred step's sampling (`_launch`), its extras asked now that the host has every token."""
-        step_extras.ask(work.reqs, work.binput, self.model_config.eos_token_ids)
+        step_extras.ask_or_fail(self, work)
         return self.runner.sample(pending, work.binput)
+
+    def fail_own_work(self, req, what: str, exc: Exception) -> None:
+        """Fail `req` alone for a raise in work that is its own, not its batch's (its grammar's mask or matcher, its
+        penalties', logit_bias', min_tokens' or bans' inputs, its logprobs, its drafts: scheduler/step_extras.py,
+        Admission.after_step, the Speculator), its error naming what raised; the others in its step go on, and so
+        does the loop (regression: the loop crashed, every live request failed with it, and a server refused every
+        later request, 503 "the engine loop failed", until restarted). vLLM fails the one request where it can."""
+        log_anyway(log.error, "request_work_failed", rid=req.rid, what=what, exc_info=exc)
+        self.finish(req, RequestState.FAILED, "error", f"{what} raised {type(exc).__name__}: {exc}")
 
     def _after_batch(self, work: Batch, next_ids: list[int], start_ns: int, restoring: bool) -> None:
         reqs, chunks, binput = work

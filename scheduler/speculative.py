@@ -248,12 +248,15 @@ class Speculator:
         before = self.config.prompt_lookup_min - 1
         may = []  # those that may have a draft (a 1-gram: any token may have occurred before)
         for req in spec:
-            if req.spec_history is None:
-                req.spec_history = TokenHistory()
-            req.spec_history.sync(req.prompt, req.output)
-            if (before == 0 or req.spec_history.propose(1, before, before)
-                    or self._cache_lookup and len(self.cache_draft(req, 2)) == 2):  # (its first: the token in flight)
-                may.append(req)
+            try:
+                if req.spec_history is None:
+                    req.spec_history = TokenHistory()
+                req.spec_history.sync(req.prompt, req.output)
+                if (before == 0 or req.spec_history.propose(1, before, before)
+                        or self._cache_lookup and len(self.cache_draft(req, 2)) == 2):  # (its 1st: the token in flight)
+                    may.append(req)
+            except Exception as exc:  # (its step in flight is dropped, as an abort's: `after_step`)
+                self.engine.fail_own_work(req, "looking up this request's speculative drafts", exc)
         if not may or self.policy is None:
             return bool(may)
         k = self.config.num_speculative_tokens  # (the most they could accept: a step pays at best this)
@@ -275,9 +278,13 @@ class Speculator:
         for req in spec:
             room = req.params.max_tokens - len(req.output) - 1  # (the step's own token is the last it may have)
             k = min(self.config.num_speculative_tokens, room)
-            draft = self.draft(req, k) if k > 0 else []
-            if req.guide is not None:  # (those its grammar takes: scheduler/guided.py)
-                draft = req.guide.valid_drafts(draft)
+            try:
+                draft = self.draft(req, k) if k > 0 else []
+                if req.guide is not None:  # (those its grammar takes: scheduler/guided.py)
+                    draft = req.guide.valid_drafts(draft)
+            except Exception as exc:  # its own: it fails alone, and the step goes on without it (`_decode_step`)
+                self.engine.fail_own_work(req, "proposing this request's speculative drafts", exc)
+                continue
             drafted.append((req, draft))
         if not any(d for _, d in drafted):
             return reqs, None

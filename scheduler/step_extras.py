@@ -83,6 +83,49 @@ def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) 
                        if b else None for r, b in zip(reqs, bans)]
 
 
+def ask_or_fail(engine, work) -> None:
+    """`ask` for a Batch, where a raise of one request's own inputs (its grammar's mask: a matcher's bug in
+    llguidance; its penalties', logit_bias', min_tokens' or bans' rows) fails that request alone
+    (Engine.fail_own_work) and the step is asked again without it: a done row asks nothing, and its token is dropped
+    (`after_step`). The culprit is found by asking each request alone, on this failure path only; a raise that no
+    request makes alone (the batch's own) goes out, and crashes the loop (regression: any such raise did, and
+    every live request failed with it)."""
+    reqs, _, binput = work
+    eos_ids = engine.model_config.eos_token_ids
+    try:
+        ask(reqs, binput, eos_ids)
+        return
+    except Exception:
+        culprits = [(r, e) for i, r in enumerate(reqs) if not r.state.done
+                    and (e := _ask_alone(r, i, binput, eos_ids)) is not None]
+        if not culprits:
+            raise
+    for req, exc in culprits:
+        engine.fail_own_work(req, f"making this request's step inputs ({', '.join(_asks(req)) or 'none'})", exc)
+    binput.logprobs = binput.prompt_logprobs = binput.penalties = binput.bans = binput.token_masks = None
+    ask(reqs, binput, eos_ids)
+
+
+def _ask_alone(req: Request, i: int, binput: BatchInput, eos_ids: tuple[int, ...]) -> Exception | None:
+    """What `ask` raises for row i's request alone (a probe BatchInput of that row), or None."""
+    probe = BatchInput(prefix_lens=[binput.prefix_lens[i]], new_lens=[binput.new_lens[i]], is_decode=binput.is_decode,
+                       verify_drafts=None if binput.verify_drafts is None else [binput.verify_drafts[i]])
+    try:
+        ask([req], probe, eos_ids)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _asks(req: Request) -> list[str]:
+    """What a request's step inputs hold beside its tokens (named in its error when making them raised)."""
+    p = req.params
+    return [name for name, on in (("grammar mask", req.guide is not None), ("penalties", p.penalized),
+                                  ("logit_bias", bool(p.logit_bias)), ("min_tokens", bool(p.min_tokens)),
+                                  ("token bans", p.restricts_tokens), ("logprobs", p.logprobs is not None),
+                                  ("prompt logprobs", p.prompt_logprobs is not None)) if on]
+
+
 def _verify_masks(reqs: list[Request], binput: BatchInput, guided: list[int],
                   held: list[tuple[int, ...]]) -> dict[int, frozenset[int]]:
     """A verify step's guided masks (scheduler/guided.py fill_verify_masks): its rows counted as if packed (sequence
@@ -123,14 +166,15 @@ def _row(req: Request, held_stops: tuple[int, ...], unheld_rows: frozenset[int] 
                         _state(req), p.logit_bias, p.min_tokens, held_stops, unheld_rows=unheld_rows)
 
 
-def keep_logprobs(runner, reqs: list[Request], binput: BatchInput, handle: StepHandle, next_ids: list[int]) -> None:
+def keep_logprobs(engine, reqs: list[Request], binput: BatchInput, handle: StepHandle, next_ids: list[int]) -> None:
     """After `collect`: each asking request's logprobs of that step, kept with their token until it is
     emitted (Request.emit; an overlapped restore's forward may be applied later); a prefill chunk's
     prompt logprobs, added to its request's."""
+    runner = engine.runner
     if binput.verify_drafts is not None:  # next_ids: per sequence, its rows' tokens
-        _keep_verify_logprobs(runner, reqs, binput, handle, next_ids)
+        _keep_verify_logprobs(engine, reqs, binput, handle, next_ids)
         return
-    lps = runner.logprobs_of(handle, binput.logprobs)
+    lps = _logprobs_or_fail(engine, reqs, handle, binput.logprobs, [[i] for i in range(len(reqs))])
     if lps is not None:
         for req, token, lp in zip(reqs, next_ids, lps):
             if lp is not None:
@@ -145,7 +189,33 @@ def keep_logprobs(runner, reqs: list[Request], binput: BatchInput, handle: StepH
             req.prompt_logprobs += lp or []
 
 
-def _keep_verify_logprobs(runner, reqs: list[Request], binput: BatchInput, handle: StepHandle,
+def _logprobs_or_fail(engine, reqs: list[Request], handle: StepHandle, wants: list[int | None] | None,
+                      rows: list[list[int]]) -> list | None:
+    """`runner.logprobs_of(handle, wants)`; where it raises, each asking request's rows (rows[i], of reqs[i]) are
+    read alone, a request whose rows raise alone fails (Engine.fail_own_work), and the others' are read without
+    them (a row's are its own: `unpack_logprobs`). A raise no request's rows make alone goes out (regression: any
+    such raise crashed the loop). Prompt logprobs are read as a whole (one row's fit the others' by position)."""
+    try:
+        return engine.runner.logprobs_of(handle, wants)
+    except Exception:
+        culprits = []
+        for req, own in zip(reqs, rows):
+            if not req.state.done and any(wants[j] is not None for j in own):
+                try:
+                    engine.runner.logprobs_of(handle, [w if j in own else None for j, w in enumerate(wants)])
+                except Exception as exc:
+                    culprits.append((req, own, exc))
+        if not culprits:
+            raise
+    wants = list(wants)
+    for req, own, exc in culprits:
+        engine.fail_own_work(req, "reading this request's logprobs", exc)
+        for j in own:
+            wants[j] = None
+    return engine.runner.logprobs_of(handle, wants)
+
+
+def _keep_verify_logprobs(engine, reqs: list[Request], binput: BatchInput, handle: StepHandle,
                           tokens: list[list[int]]) -> None:
     """A verify step's logprobs: per asking request, each of its rows' token with its logprobs, in order (`emit`
     takes those of the tokens the step yields: the accepted drafts, then the row after them). Sequence b's rows
@@ -157,9 +227,9 @@ def _keep_verify_logprobs(runner, reqs: list[Request], binput: BatchInput, handl
     starts = row_starts(new_lens, stride)
     for start, want, n in zip(starts, binput.logprobs, new_lens):
         wants[start:start + n] = [want] * n
-    lps = runner.logprobs_of(handle, wants)
+    lps = _logprobs_or_fail(engine, reqs, handle, wants, [list(range(s, s + n)) for s, n in zip(starts, new_lens)])
     for req, want, start, rows in zip(reqs, binput.logprobs, starts, tokens):
-        if want is not None:
+        if want is not None and not req.state.done:
             req.step_logprobs = list(zip(rows, lps[start:start + len(rows)]))
 
 
@@ -178,8 +248,37 @@ def fail_broken_bans(engine, work, next_ids: list[int]) -> None:
 
 def fail_if_banned(engine, req: Request, row: RowBans, token: int) -> bool:
     """Fail `req` if `token`, its next, is one its bans ban (its row had no token left); -> whether it did. A verify
-    step asks this of each token it yields, before that token is taken (scheduler/speculative.py after_verify)."""
-    if not row.sampled_banned(token):
+    step asks this of each token it yields, before that token is taken (scheduler/speculative.py after_verify).
+    A raise as its bans judge it fails it alone (Engine.fail_own_work; regression: the loop crashed)."""
+    try:
+        banned = row.sampled_banned(token)
+    except Exception as exc:
+        engine.fail_own_work(req, "checking this request's token against its token bans", exc)
+        return True
+    if not banned:
         return False
     engine.finish(req, RequestState.FAILED, "error", nothing_left(req))
     return True
+
+
+def guide_takes(engine, req: Request, token: int) -> bool | None:
+    """`req`'s grammar takes its step's `token` -> whether the answer is whole with it (`Guide.complete`), or
+    None where the request ended here. A raise of its matcher (a bug of llguidance's on an odd grammar) fails
+    it alone (Engine.fail_own_work; regression: the loop crashed, and every live request failed with it)."""
+    try:
+        if req.guide.allows_none:  # (its mask was empty: this token is no answer's)
+            error = req.guide.stuck_error()  # (None: whole, only an EOS the model lacks could follow)
+            ended = (RequestState.FAILED, "error", error) if error else (RequestState.FINISHED, "stop", None)
+        elif (broken := req.guide.accept(token)) is not None:
+            # a grammar's mask holds every token it refuses, so a token it refuses was sampled from a row that had
+            # none left: the bans' doing where there are any (regression: an arbitrary token was named as breaking
+            # the grammar), else llguidance gave up on the grammar (one too ambiguous) or the row was NaN
+            ended = (RequestState.FAILED, "error", nothing_left(req) if req.params.restricts_tokens
+                     else f"the token sampled broke the request's grammar: {broken}")
+        else:
+            return req.guide.complete
+    except Exception as exc:
+        engine.fail_own_work(req, "advancing this request's grammar by its token", exc)
+        return None
+    engine.finish(req, *ended)
+    return None
