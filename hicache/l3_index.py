@@ -175,7 +175,8 @@ def _problem(mgr: "CacheManager", header: dict, a: dict) -> str | None:
         if header.get(key) != want[key]:
             return f"{key} {header.get(key)!r} is not this engine's {want[key]!r}"
     found = getattr(mgr.store, "found_bytes", None)
-    if header.get("file_bytes") != found:
+    if found is None or header.get("file_bytes") != found:  # (None: no file was there; regression: an index naming
+        # no size, None too, was adopted against the new empty file)
         return (f"the L3 file was {header.get('file_bytes')} bytes at its save and {found} as this engine opened "
                 f"it (deleted, cut short or replaced since)")
     n, page = len(a["parents"]), mgr.page_size

@@ -99,6 +99,10 @@ class CacheManager:
             storage_pages = cfg.storage_pages(host_pages, self.geometry.bytes_per_page)
             if storage_pages > 0:
                 self.store = self._open_store(storage_pages)
+                if not getattr(self.store, "persistent", False) and getattr(self.store, "is_temp", True) is False:
+                    # a path truncated as it opened: no index of it stays (at once: regression, a start that
+                    # failed before the tree was built left it, and the next run with the flag adopted it)
+                    l3_index.discard(self.store.path)
                 allocators[Tier.L3] = PageAllocator(storage_pages, "l3")
             if self.simulate:
                 from hicache.simulated import NullTransferEngine
@@ -116,8 +120,6 @@ class CacheManager:
         if getattr(self.store, "persistent", False):  # what the file held at the last clean close
             adopted = l3_index.load(self)
             self.metrics.storage_adopted_pages = adopted.pages
-        elif getattr(self.store, "is_temp", True) is False:  # a path truncated as it opened: no index of it stays
-            l3_index.discard(self.store.path)
         self.cost = CostModel(cfg, self.geometry.bytes_per_token)
         self.cost.learning = not self.simulate  # simulated copies take no time: keep the priors
         if adopted is not None and adopted.cost_samples:  # (timed on this machine by the engine before)
