@@ -6,7 +6,8 @@ and what each slot's page hashed to (FileStore's checksums). `save` writes both 
 `<path>.index`: an npz of the tree's L3 nodes in breadth-first order (each its parent's index, its tokens
 and its slots), the slots' checksums, the nodes' LRU order, and a header naming the KV layout (page_keys.kv_salt:
 model identity, dtype, page size, layers, heads), the file's page size and its size. It runs once the operations
-drained (CacheManager.close), after an fsync of the file, and lands by a rename: it is whole or absent.
+drained (CacheManager.close), after an fsync of the file, and lands by a rename (its folder synced): it is whole
+or absent.
 
 The header also carries the cost model's windows of samples (CostModel.samples), each direction's reference slope
 (the last fit of several sizes: a window of one size prices against it) and the machine they were timed on (host name
@@ -114,6 +115,7 @@ def save(mgr: "CacheManager") -> int:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        _sync_dir(path)
     except OSError as exc:
         log.warning("l3_index_not_saved", path=path, error=exc.strerror or str(exc))
         _unlink_quietly(tmp)
@@ -129,6 +131,22 @@ def discard(store_path: str) -> None:
         log.warning("l3_index_ignored", path=index_path(store_path),
                     reason="the L3 file was opened without --hicache-storage-persist (truncated)")
         _unlink_quietly(index_path(store_path))
+
+
+def _sync_dir(path: str) -> None:
+    """fsync the folder holding `path`, so that a rename or an unlink there outlives a power loss (regression: the
+    saved index could be lost after its rename, and the index deleted as it was read come back). Best effort: a
+    file system that cannot sync a folder (some network ones) keeps the index's rules as they were."""
+    try:
+        fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _unlink_quietly(path: str) -> OSError | None:
@@ -162,7 +180,9 @@ def _read(path: str) -> tuple[dict, dict] | None:
         log.warning("l3_index_ignored", path=path, reason=f"unreadable: {type(exc).__name__}: {exc}")
         _unlink_quietly(path)
         return None
-    if (err := _unlink_quietly(path)) is not None:  # (regression: adopted anyway, and again by the next start)
+    if (err := _unlink_quietly(path)) is None:
+        _sync_dir(path)  # (its deletion made durable before the file is written: else it could come back)
+    else:  # (regression: adopted anyway, and again by the next start)
         log.warning("l3_index_ignored", path=path, reason=f"cannot be deleted as it is read: {err.strerror or err}")
         return None
     return header, arrays

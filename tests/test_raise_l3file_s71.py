@@ -11,6 +11,9 @@ output, but pages adopted that are not what they claim):
   built: a start that failed in between (the copy engine, the kernel calibration, a Ctrl-C) left the truncated
   file at its old size and the old index beside it, which the next run with the flag adopted. Now the index goes as
   soon as the file is opened (truncated).
+- The index's rename at its save and its deletion as it is read were not made durable (no fsync of their folder):
+  after a power loss the saved index could be missing, or the one read and deleted come back next to a file
+  rewritten since. Now the folder is synced after each (best effort).
 """
 from __future__ import annotations
 
@@ -69,4 +72,24 @@ async def test_a_run_without_the_flag_that_fails_to_start_leaves_no_index_of_the
     mgr = _manager(tmp_path)
     assert mgr.tree.num_resident_pages[Tier.L3] == 0 and mgr.metrics.storage_adopted_pages == 0
     assert_whole(mgr)
+    await mgr.close()
+
+
+@pytest.mark.asyncio
+async def test_the_index_s_rename_and_its_deletion_as_it_is_read_are_synced_to_its_folder(tmp_path, monkeypatch):
+    """The folder is fsynced after the index lands by its rename, and again after the index is deleted as the
+    next engine reads it: both outlive a power loss."""
+    import hicache.l3_index as l3_index_module
+    real_fsync, synced = os.fsync, []
+
+    def fsync(fd):
+        synced.append((os.path.isdir(f"/proc/self/fd/{fd}"), os.path.exists(index_path(str(tmp_path / "l3.kv")))))
+        return real_fsync(fd)
+    monkeypatch.setattr(l3_index_module.os, "fsync", fsync)
+    await _saved(tmp_path, A)
+    assert (True, True) in synced, "the index's rename was not synced to its folder"
+    synced.clear()
+    mgr = _manager(tmp_path)
+    assert mgr.metrics.storage_adopted_pages > 0
+    assert (True, False) in synced, "the index's deletion as it was read was not synced to its folder"
     await mgr.close()
