@@ -194,7 +194,16 @@ def _logprobs_or_fail(engine, reqs: list[Request], handle: StepHandle, wants: li
     """`runner.logprobs_of(handle, wants)`; where it raises, each asking request's rows (rows[i], of reqs[i]) are
     read alone, a request whose rows raise alone fails (Engine.fail_own_work), and the others' are read without
     them (a row's are its own: `unpack_logprobs`). A raise no request's rows make alone goes out (regression: any
-    such raise crashed the loop). Prompt logprobs are read as a whole (one row's fit the others' by position)."""
+    such raise crashed the loop). Prompt logprobs are read as a whole (one row's fit the others' by position).
+    The rows of a request that ended before its step's tokens came (at the step before a chained step, or by its
+    own inputs: `ask_or_fail`) are no one's and are not read (regression: a raise reading them, found in no live
+    request's rows, crashed the loop)."""
+    if wants is not None and any(req.state.done for req in reqs):
+        wants = list(wants)
+        for req, own in zip(reqs, rows):
+            if req.state.done:
+                for j in own:
+                    wants[j] = None
     try:
         return engine.runner.logprobs_of(handle, wants)
     except Exception:
