@@ -337,7 +337,9 @@ class Speculator:
         stats = self.stats
         for req, draft, rows in zip(reqs, drafts, greedy):
             tokens = accept(draft, rows)
-            if draft:
+            # (a request ended before its step's tokens came, aborted or failed by its own inputs, takes none: its
+            # drafts count nowhere; regression: counted accepted, and learned by the draft policy)
+            if draft and not req.state.done:
                 if self.policy is not None:
                     self.policy.observe_request(req, len(tokens) - 1)
                 stats["drafts"] += 1

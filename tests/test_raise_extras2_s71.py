@@ -30,10 +30,11 @@ from hicache_helpers import capture_op_logs
 from scheduler import step_extras
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
-from scheduler.request import Request, SamplingParams
+from scheduler.request import Request, RequestState, SamplingParams
 from scheduler.speculative import SpeculativeConfig, TokenHistory
 from test_faults import OTHER, PROMPT, REUSABLE, TransferGate, make_engine, reference, until
 from test_lifecycle_hunt import assert_nothing_queued, assert_whole
+from test_mutation_spec_s65 import request, speculator
 from test_raise_extras_s71 import HANG_GUARD_S, REGEX, SPEC, culprit_of, make, patch, prompts
 from test_restore_overlap import _prefix_only_in_l2
 
@@ -277,3 +278,22 @@ async def test_logprobs_of_a_request_ended_before_its_step_are_not_read(monkeypa
     assert faulty[1].output_ids == clean[1].output_ids
     assert len(faulty[1].logprobs) == len(faulty[1].output_ids)
     await served_whole(eng, loop)
+
+
+def test_the_drafts_of_a_request_ended_before_its_verify_step_came_back_count_nowhere():
+    """A request that ended before its verify step's tokens came (failed by its own inputs as the step launched, or
+    aborted) takes none of them: its drafts are counted in none of vLLM's counters and the draft policy learns
+    nothing from them (regression: they were counted accepted, and learned)."""
+    spec = speculator(SpeculativeConfig(num_speculative_tokens=2, draft_policy="cost"))
+    ended, live = request([1, 2, 3]), request([4, 5, 6])
+    ended.state = RequestState.FAILED
+    learned = []
+    spec.policy.observe_request = lambda req, accepted: learned.append(req)
+
+    def after_step(req, chunk, token, same_step=False):
+        req.output.append(token)
+
+    assert spec.after_verify([ended, live], [[5, 6], [3, 4]], [[5, 6, 9], [3, 8, 2]], after_step) == 2
+    stats = spec.stats
+    assert (stats["drafts"], stats["draft_tokens"], stats["accepted_tokens"]) == (1, 2, 1)
+    assert stats["accepted_per_pos"][:2] == [1, 0] and learned == [live] and ended.output == []
