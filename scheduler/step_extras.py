@@ -181,7 +181,16 @@ def keep_logprobs(engine, reqs: list[Request], binput: BatchInput, handle: StepH
                 req.step_logprobs = [(token, lp)]
     if binput.is_decode:
         return
-    prompt_lps = runner.prompt_logprobs_of(handle, binput.prompt_logprobs) or [None] * len(reqs)
+    try:
+        prompt_lps = runner.prompt_logprobs_of(handle, binput.prompt_logprobs) or [None] * len(reqs)
+    except Exception as exc:  # (read as a whole, one row's fitting the others' by position: those that asked fail,
+        # the others go on; regression: the loop crashed, every live request failed with it)
+        askers = [r for r, want in zip(reqs, binput.prompt_logprobs or ()) if want is not None and not r.state.done]
+        if not askers:
+            raise
+        for req in askers:
+            engine.fail_own_work(req, "reading this step's prompt logprobs", exc)
+        return
     for req, start, lp in zip(reqs, binput.prefix_lens, prompt_lps):
         if req.params.prompt_logprobs is not None and not req.resumed_tokens:  # (a preempted one's are all there)
             if start == 0:  # its first chunk (its prompt is computed whole, from position 0: Admission._reusable)

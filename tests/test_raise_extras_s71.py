@@ -197,3 +197,14 @@ async def test_a_mask_raise_no_request_makes_alone_still_crashes_the_loop(monkey
     assert fresh.finish_reason == "length" and eng._loop_task is not loop
     assert_whole(eng)
     await eng.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_prompt_logprobs_that_raise_fail_only_the_requests_that_asked(monkeypatch):
+    """A prefill step's prompt logprobs are read as a whole (a row's fit the others' by position): where that read
+    raises, the requests that asked for them fail, and the others in the step go on (regression: the loop crashed)."""
+    eng = make()
+    params = [SamplingParams(max_tokens=8, prompt_logprobs=2)] + [SamplingParams(max_tokens=8)] * 2
+    await fault_spares_the_others(eng, params, lambda: patch(
+        monkeypatch, eng.runner, "prompt_logprobs_of", lambda handle, wants: wants is not None),
+        "reading this step's prompt logprobs")
