@@ -11,9 +11,11 @@ part of the one message in a whole response: their `output_text` is the same, an
 reads from them (api_responses.items_messages continues a turn's text after a call). finish_reason "length" is
 status "incomplete" (incomplete_details.reason "max_output_tokens", the last item "incomplete"); a choice
 that failed ends a stream with an `error` event and `response.failed`. A Response kept (scheduler/responses_store.py)
-is handed to its `keep` as it was sent, once it finished (not failed): a stream's when its last event is made; a
-background response's by its run (scheduler/responses_background.py), which records the events a stream sends
-(`ResponseOutput.events`; `sse` formats them), failed too.
+is handed to its `keep` as it was sent, once it ended: a stream's when its last event is made; a background
+response's by its run (scheduler/responses_background.py), which records the events a stream sends
+(`ResponseOutput.events`; `sse` formats them). A failed one is kept too (OpenAI's: GET reads it, its error set, and a
+follow-up naming it is a 400): a stream's `response.failed` Response, a whole response's made of its 500's message
+(no output: the client saw none); not one aborted (its client went away, or the server stops: code "aborted").
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Callable
 import structlog
 from fastapi.responses import JSONResponse
 
-from scheduler.api_models import internal_error
+from scheduler.api_models import APIError, internal_error
 from scheduler.logs import log_anyway
 from scheduler.responses_logprobs import AnswerLogprobs, event_form
 
@@ -207,14 +209,24 @@ class ResponseOutput:
         await self.choices.close()
 
     async def complete(self, request) -> JSONResponse:
-        chat = await self.choices.body(request)
-        [choice] = chat["choices"]
-        items, status = OutputItems(self.logprobs), _status(choice["finish_reason"])
-        message = choice["message"]  # (its reasoning_content, content and tool_calls: one delta)
-        shaper = self._answer_logprobs() if self.logprobs else None
-        items.feed(message, self._entries(shaper, choice, message))
-        items.close(status)
-        return JSONResponse(self._kept(self.response(status, items.items, _usage(chat["usage"]))))
+        """The whole Response; where it failed (the engine failed its request, or a bug raised: the 500 the client
+        gets), the failed Response kept, its error the 500's message (regression: not kept, GET was a 404 where a
+        stream's failed Response was kept)."""
+        try:
+            chat = await self.choices.body(request)
+            [choice] = chat["choices"]
+            items, status = OutputItems(self.logprobs), _status(choice["finish_reason"])
+            message = choice["message"]  # (its reasoning_content, content and tool_calls: one delta)
+            shaper = self._answer_logprobs() if self.logprobs else None
+            items.feed(message, self._entries(shaper, choice, message))
+            items.close(status)
+            return JSONResponse(self._kept(self.response(status, items.items, _usage(chat["usage"]))))
+        except Exception as exc:
+            error = exc if isinstance(exc, APIError) else internal_error(exc)
+            if error.status >= 500:
+                self._kept_failed(self.response("failed", [], error={"code": "server_error", "message": error.message}),
+                                  aborted=error.code == "aborted")
+            raise
 
     async def sse(self):
         """The stream's events as server-sent events. A raise (a bug: in an event's making, in keeping the Response)
@@ -229,7 +241,9 @@ class ResponseOutput:
             error = internal_error(exc)
             yield sse_block(self._numbered({"type": "error", "code": error.code, "message": error.message,
                                             "param": None}))
-            for event in self.cut_short("failed", {"code": "server_error", "message": error.message}):
+            ending = self.cut_short("failed", {"code": "server_error", "message": error.message})
+            self._kept_failed(ending[-1]["response"])
+            for event in ending:
                 yield sse_block(event)
 
     async def events(self):
@@ -261,6 +275,7 @@ class ResponseOutput:
                                  "param": error["param"]})
                     failed = self.response("failed", items.items, error={"code": "server_error",
                                                                          "message": error["message"]})
+                    self._kept_failed(failed, aborted=error["code"] == "aborted")
                     yield event({"type": "response.failed", "response": failed})
                     return
                 choice = chunk["choices"][0]
@@ -294,6 +309,15 @@ class ResponseOutput:
         if self.keep is not None and not self.background:
             self.keep(response)
         return response
+
+    def _kept_failed(self, response: dict, aborted: bool = False) -> None:
+        """A failed Response kept as `_kept` keeps a finished one, unless it was `aborted` (its client went away, or
+        the server stops: nobody reads it back); a raise keeping it is only logged (the failure is the answer)."""
+        if self.keep is not None and not self.background and not aborted:
+            try:
+                self.keep(response)
+            except Exception:  # noqa: BLE001
+                log_anyway(log.exception, "response_not_kept", response_id=self.id)
 
     def response(self, status: str, output: list[dict], usage: dict | None = None, error: dict | None = None) -> dict:
         """The Response object, with the request's settings echoed as the openai SDK's Response wants them."""

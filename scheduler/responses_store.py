@@ -1,8 +1,12 @@
 """The Responses API's kept responses (scheduler/api_responses.py): what `previous_response_id`, GET / DELETE
 /v1/responses/{id} and GET /v1/responses/{id}/input_items read, as OpenAI and vLLM keep them.
 
-A response is kept when it finished (completed or incomplete, whole or streamed; not failed) and its request left
-`store` true (the default). Per id, a `StoredResponse`: the Response as it was sent, the conversation it ends as a
+A response is kept when it ended (completed, incomplete or failed, whole or streamed) and its request left `store`
+true (the default). A failed one (OpenAI's: the engine failed its request, or a bug raised) is kept as the client last
+saw it: a stream's `response.failed` Response, or, for a whole response's 500, a failed Response of that error's
+message and no output (scheduler/responses_output.py); GET reads it, its input_items are listed, DELETE drops it,
+and a follow-up naming it is a 400 (no conversation to follow). One aborted (its client went away, or the server
+stops) is not kept. Per id, a `StoredResponse`: the Response as it was sent, the conversation it ends as a
 chat's messages, and the request's input items as given (ids added to those without one, a message's string
 content as one text part, as OpenAI lists them). The conversation: the one it followed (previous_response_id's),
 the request's input items and the response's output items as the messages that the same items sent back as
@@ -172,7 +176,7 @@ class ResponsesStore:
 
     def prior(self, response_id: str) -> StoredResponse:
         """The kept response a request's previous_response_id names (a 404 naming that field otherwise); a 400 for
-        one that has no conversation to follow: a background response running, failed or cancelled."""
+        one that has no conversation to follow: a background response running, or a response failed or cancelled."""
         stored = self._use(response_id, "previous_response_id")
         status = self.response(response_id).get("status")
         if status in ("queued", "in_progress"):

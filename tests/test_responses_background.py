@@ -290,8 +290,8 @@ class _FailingChoices:
 
 
 def test_a_failed_background_response_is_kept_failed_and_cannot_be_followed():
-    """The existing rule (a failed stream is not kept) is for responses that are not background: GET reports this
-    one, its error set; previous_response_id of it is a 400; its slot is released and its choices closed."""
+    """Kept failed, as one that is not background is (tests/test_responses_failed_s71.py): GET reports this one,
+    its error set; previous_response_id of it is a 400; its slot is released and its choices closed."""
     store, slot, choices = ResponsesStore(4), _Slot(), _FailingChoices()
     req = parse_request({"input": "hi", "background": True})
     out = ResponseOutput(choices, req, store.keeper(req, None))
