@@ -10,9 +10,10 @@ DIRECTIONS = ("d2h", "h2d", "h2s", "s2h")
 # logits were NaN (Admission._fail_nan), a cost model that raised as it decided or learned (CostPolicy._failed).
 # Listed so /metrics exports each at 0 before it first happens.
 FAILURE_KINDS = ("eio", "short", "enospc", "checksum", "timeout", "closed", "missing",
-                 "transfer", "driver", "no_pages", "l1_overcommit", "hint_refresh", "nan_logits", "cost_model")
+                 "transfer", "driver", "no_pages", "l1_overcommit", "hint_refresh", "nan_logits", "cost_model",
+                 "request_work")
 # a request's, a store's or the cost model's, not an op's end
-NOT_OP_FAILURES = ("l1_overcommit", "hint_refresh", "nan_logits", "cost_model")
+NOT_OP_FAILURES = ("l1_overcommit", "hint_refresh", "nan_logits", "cost_model", "request_work")
 
 
 @dataclass

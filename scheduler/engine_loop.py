@@ -174,6 +174,7 @@ class EngineLoop:
         does the loop (regression: the loop crashed, every live request failed with it, and a server refused every
         later request, 503 "the engine loop failed", until restarted). vLLM fails the one request where it can."""
         log_anyway(log.error, "request_work_failed", rid=req.rid, what=what, exc_info=exc)
+        self.cache.metrics.count_failure("request_work")
         self.finish(req, RequestState.FAILED, "error", f"{what} raised {type(exc).__name__}: {exc}")
 
     def _after_batch(self, work: Batch, next_ids: list[int], start_ns: int, restoring: bool) -> None:

@@ -60,6 +60,7 @@ async def fault_spares_the_others(eng: Engine, params: list[SamplingParams], inj
         "the other requests' outputs changed (or they failed with the culprit)"
     assert [r.finish_reason for r in faulty[1:]] == [r.finish_reason for r in clean[1:]]
     assert eng._loop_task is loop, "the engine loop crashed: generate_async started a new one"
+    assert eng.cache.metrics.failures.get("request_work", 0) >= 1, "the culprit's failure was not counted"
     [fresh] = await asyncio.wait_for(eng.generate_async([prompts(eng)[2][::-1]], SamplingParams(max_tokens=6)),
                                      HANG_GUARD_S)
     assert fresh.finish_reason == "length" and eng._loop_task is loop
