@@ -38,6 +38,9 @@ class EngineLifecycle:
             self._wake = asyncio.Event()
             self.stopping = False
             self._loop_task = asyncio.get_running_loop().create_task(self._loop())
+            # (its end read as it ends: a crash the loop logged, an interrupt that went out of the event loop; else
+            # asyncio added "Task exception was never retrieved" as the task was collected: regression)
+            self._loop_task.add_done_callback(crash_of)
         elif self.stopping:
             self.stopping = False
             self.wake_soon()
