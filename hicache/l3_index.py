@@ -24,7 +24,9 @@ saves it again, CacheManager.abandon); a run without the flag on the path, which
 found as it opened is not the saved one), one that is no regular file, cannot be read or does not add up, is ignored
 with a warning (the engine starts with an empty L3); nodes whose slots lie past a smaller file are dropped, with
 everything below them. Every page is still verified by its checksum when read, so a file changed between runs costs
-a recompute (hicache/restores.py), never a wrong answer; persistence therefore needs checksums (HiCacheConfig).
+a recompute (hicache/restores.py), never a wrong answer; persistence therefore needs checksums (HiCacheConfig). The
+checksums are bound to their pages' prefix keys (FileStore.bound_checksums), so an index whose tree was edited (a node
+re-parented) adopts pages that fail their first read under the prefix they were not computed for.
 """
 from __future__ import annotations
 
@@ -46,7 +48,9 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("hicache.l3_index")
 
-INDEX_FORMAT = "hicache-l3-index-v1"
+# v2: its checksums are bound to their pages' prefix keys (FileStore.bound_checksums); a v1 index's are not, and
+# is ignored with a warning
+INDEX_FORMAT = "hicache-l3-index-v2"
 _ARRAYS = ("parents", "key_tokens", "tokens", "slots", "checksums", "lru_ranks")
 
 

@@ -136,9 +136,12 @@ class CacheManager:
             from hicache.storage_redis import RedisStore
             return RedisStore(self.geometry, storage_pages, cfg.storage_url, model_id=cfg.model_id,
                               checksum=cfg.storage_checksum, faults=self.faults)
+        from hicache.page_keys import kv_salt
         from hicache.storage import FileStore
+        # (key_salt: each slot's checksum bound to its page's prefix key, as a Redis value to its key)
         return FileStore(self.geometry, storage_pages, path=cfg.storage_path, io_workers=cfg.io_workers,
-                         checksum=cfg.storage_checksum, faults=self.faults, persistent=cfg.storage_persist)
+                         checksum=cfg.storage_checksum, faults=self.faults, persistent=cfg.storage_persist,
+                         key_salt=kv_salt(cfg.model_id, self.geometry))
 
     # -- tiers ---------------------------------------------------------------------------------
     @property
@@ -358,8 +361,9 @@ class CacheManager:
     # -- shared (content-addressed) L3 ---------------------------------------------------------
     def page_keys(self, tokens: Sequence[int], start_tokens: int, end_tokens: int) -> dict:
         """Extra keyword arguments for store I/O: the content keys of pages [start, end) when the
-        store is content addressed (shared between instances), else nothing."""
-        if not getattr(self.store, "content_addressed", False):
+        store is content addressed (shared between instances) or binds its checksums to them (a file
+        L3 with checksums, FileStore.binds_keys: a slot read under another prefix fails), else nothing."""
+        if not (getattr(self.store, "content_addressed", False) or getattr(self.store, "binds_keys", False)):
             return {}
         return {"keys": self.store.page_keys(tokens, start_tokens, end_tokens)}
 

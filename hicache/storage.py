@@ -9,6 +9,9 @@ consecutive; a large one split between threads, a verified read's in ~8 MiB piec
 thread pool, never on the caller's thread. Each operation returns a concurrent.futures.Future
 resolving to an IoResult or raising StorageError; a failed operation never
 returns garbage: short transfers, I/O errors and (when enabled) checksum mismatches all fail it.
+A slot's checksum is bound to the prefix its page was computed for (`bound_checksums`): a read of
+a slot under another prefix's key (a kept index edited since, a slot mixed up) fails like a corrupt
+page, never restores another prefix's KV.
 One operation in flight, its checksum jobs and its result: hicache/storage_op.py.
 """
 from __future__ import annotations
@@ -27,6 +30,7 @@ import xxhash
 
 from .faults import Fault, FaultInjector
 from .geometry import KVGeometry
+from .page_keys import PageKeyer
 from .storage_file import open_store_file, release_file
 from .storage_op import IoResult, ReadFuture, StorageError, StorageOp  # noqa: F401 (the store's API)
 
@@ -66,6 +70,24 @@ def page_checksum(page: memoryview) -> int:
     return xxhash.xxh3_64(page).intdigest()
 
 
+def key_digests(keys: Sequence[bytes] | None, num_pages: int) -> np.ndarray | None:
+    """The 64-bit digests (xxh3-64, as redis_values.key_digest) of the pages' prefix keys, that a slot's
+    checksum is XORed with (`bound_checksums`); None without keys (the bytes' checksum alone)."""
+    if keys is None:
+        return None
+    if len(keys) != num_pages:
+        raise ValueError(f"{len(keys)} keys for {num_pages} pages")
+    return np.fromiter((xxhash.xxh3_64_intdigest(k) for k in keys), dtype=np.uint64, count=num_pages)
+
+
+def bound_checksums(checksums: np.ndarray, digests: np.ndarray | None) -> np.ndarray:
+    """What a slot keeps, and a read expects of its bytes' checksum XOR its key's digest: xxh3-64 of its
+    page XOR the digest of the prefix key it was written under (unbound without keys). Its own inverse:
+    a read expects `bound_checksums(kept, its keys' digests)` of the bytes, which only the page written
+    under the same key passes."""
+    return checksums if digests is None else checksums ^ digests
+
+
 def _size_of(path: str | os.PathLike) -> int | None:
     """The size of the file at `path` in bytes; None where there is none (or it cannot be seen)."""
     try:
@@ -89,7 +111,8 @@ class FileStore:
 
     def __init__(self, geometry: KVGeometry, num_slots: int, path: str | None = None, io_workers: int = 4,
                  checksum: bool = True, faults: FaultInjector | None = None,
-                 enospc_backoff_s: tuple[float, float] = (1.0, 60.0), persistent: bool = False) -> None:
+                 enospc_backoff_s: tuple[float, float] = (1.0, 60.0), persistent: bool = False,
+                 key_salt: bytes | None = None) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if io_workers < 1:
@@ -109,6 +132,10 @@ class FileStore:
         fd, self.path, self.reserved = open_store_file(path, self.size_bytes, keep=self.persistent)
         self._fd = fd
         self._finalizer = weakref.finalize(self, release_file, fd, self.path if self.is_temp else None)
+        # key_salt (page_keys.kv_salt): each slot's checksum is bound to its page's prefix key, which
+        # CacheManager.page_keys passes to write_pages / read_pages (`keys=`) while `binds_keys`
+        self.keyer = PageKeyer(key_salt, geometry.page_size) if key_salt is not None and self.checksum else None
+        self.binds_keys = self.keyer is not None
         self._checksums = np.zeros(self.num_slots, dtype=np.uint64)
         self._valid = np.zeros(self.num_slots, dtype=bool)  # written and not invalidated since
         self._gens = np.zeros(self.num_slots, dtype=np.uint64)
@@ -132,12 +159,18 @@ class FileStore:
     def offset(self, slot: int) -> int:
         return slot * self.bytes_per_page
 
-    def write_pages(self, host_buffer: torch.Tensor, host_pages: Sequence[int], slots: Sequence[int]) -> cf.Future:
-        """Write host_buffer[host_pages[i]] into slot slots[i]; resolves to IoResult. Refused
+    def page_keys(self, tokens: Sequence[int], start_tokens: int, end_tokens: int) -> list[bytes]:
+        """The prefix keys (page_keys.PageKeyer) of the pages covering tokens[start_tokens:end_tokens]."""
+        return self.keyer.keys(tokens, start_tokens, end_tokens)
+
+    def write_pages(self, host_buffer: torch.Tensor, host_pages: Sequence[int], slots: Sequence[int],
+                    keys: Sequence[bytes] | None = None) -> cf.Future:
+        """Write host_buffer[host_pages[i]] into slot slots[i], its checksum bound to keys[i] (the
+        page's prefix key, `bound_checksums`; none: to the bytes alone); resolves to IoResult. Refused
         (StorageError "enospc") while backing off after an ENOSPC (`write_retry_in_s`), once its
         arguments passed the checks every write gets (regression: a bad slot got "enospc", not
         ValueError, until the pause ended)."""
-        checked = self._checked(False, host_buffer, host_pages, slots)
+        checked = self._checked(False, host_buffer, host_pages, slots, keys)
         wait_s = self.write_retry_in_s()
         if wait_s > 0:
             return _done_future(error=StorageError(
@@ -150,15 +183,19 @@ class FileStore:
         return max(0.0, self._writes_paused_until - self.clock())
 
     def read_pages(self, slots: Sequence[int], host_buffer: torch.Tensor, host_pages: Sequence[int],
-                   checksums_after_landing: bool = False, hold_checks: bool = False) -> cf.Future:
+                   checksums_after_landing: bool = False, hold_checks: bool = False,
+                   keys: Sequence[bytes] | None = None) -> cf.Future:
         """Read slot slots[i] into host_buffer[host_pages[i]]; resolves to IoResult (a ReadFuture
-        when checksums are on: its `landed` resolves first). A piece's checksums start as soon as
+        when checksums are on: its `landed` resolves first). Each page is verified against the
+        checksum its write kept, bound to keys[i] (as the write's: a page written under another
+        prefix fails it, "checksum"). A piece's checksums start as soon as
         it is read, beside the read's other pieces, so the whole read is verified soonest; with
         `checksums_after_landing` they all start once every byte landed, so the bytes land soonest
         (for a caller that takes them on then: a prefetch taken on to L1, hicache/restores.py);
         with `hold_checks` once every byte landed and the caller called
         `future.start_checks()` (the hashing threads would slow the caller's own work meanwhile)."""
-        return self._submit(self._checked(True, host_buffer, host_pages, slots), checksums_after_landing, hold_checks)
+        return self._submit(self._checked(True, host_buffer, host_pages, slots, keys), checksums_after_landing,
+                            hold_checks)
 
     def invalidate(self, slots: Sequence[int]) -> None:
         """Forget what the slots hold (the tree freed them); an in-flight write will not publish."""
@@ -174,14 +211,15 @@ class FileStore:
             return self._valid[idx].tolist()
 
     def checksums_of(self, slots: Sequence[int]) -> np.ndarray:
-        """The checksums the slots' writes published (uint64; 0 where none was taken)."""
+        """The checksums the slots' writes published, bound to their keys (uint64; 0 where none was taken)."""
         idx = self._slot_array(slots)
         with self._meta_lock:
             return self._checksums[idx].copy()
 
     def adopt(self, slots: Sequence[int], checksums: np.ndarray) -> None:
         """Slots that a persisted index says hold pages written by an earlier process (hicache/l3_index.py):
-        readable from now on, each read verified against its checksum."""
+        readable from now on, each read verified against its checksum (as `checksums_of` gave it: bound to
+        the page's prefix key, so a slot adopted under another prefix fails its first read)."""
         idx = self._slot_array(slots)
         with self._meta_lock:
             self._checksums[idx] = np.asarray(checksums, dtype=np.uint64)
@@ -269,27 +307,29 @@ class FileStore:
                              f"store pages are {self.bytes_per_page} bytes")
         return memoryview(flat.numpy()).cast("B"), num_pages
 
-    def _checked(self, is_read: bool, host_buffer: torch.Tensor, host_pages: Sequence[int],
-                 slots: Sequence[int]) -> tuple[bool, torch.Tensor, memoryview | None, np.ndarray, np.ndarray]:
+    def _checked(self, is_read: bool, host_buffer: torch.Tensor, host_pages: Sequence[int], slots: Sequence[int],
+                 keys: Sequence[bytes] | None = None) -> tuple:
         """An operation's arguments, checked: (is_read, host_buffer, its byte view or None when no
-        page moves, host pages, slots) as int64 arrays. Raises StorageError "closed" or ValueError."""
+        page moves, host pages, slots as int64 arrays, the keys' digests or None: `key_digests`, none
+        without checksums). Raises StorageError "closed" or ValueError."""
         self._check_open()
         slot_arr = self._slot_array(slots)
         host_arr = np.asarray(host_pages, dtype=np.int64).reshape(-1)
         if len(host_arr) != len(slot_arr):
             raise ValueError(f"{len(host_arr)} host pages but {len(slot_arr)} slots")
+        digests = key_digests(keys, len(slot_arr)) if self.checksum else None
         if len(slot_arr) == 0:
-            return is_read, host_buffer, None, host_arr, slot_arr
+            return is_read, host_buffer, None, host_arr, slot_arr, digests
         view, num_host_pages = self._byte_view(host_buffer)
         if host_arr.min() < 0 or host_arr.max() >= num_host_pages:
             raise ValueError(f"host page out of range [0, {num_host_pages})")
         dest = host_arr if is_read else slot_arr
         if len(np.unique(dest)) != len(dest):
             raise ValueError(f"duplicate destination {'host pages' if is_read else 'slots'} in one operation")
-        return is_read, host_buffer, view, host_arr, slot_arr
+        return is_read, host_buffer, view, host_arr, slot_arr, digests
 
     def _submit(self, checked: tuple, checksums_after_landing: bool = False, hold_checks: bool = False) -> cf.Future:
-        is_read, host_buffer, view, host_arr, slot_arr = checked
+        is_read, host_buffer, view, host_arr, slot_arr, digests = checked
         if len(slot_arr) == 0:
             return _done_future(IoResult(0, 0, 0, 0))
         extents = coalesce_extents(host_arr, slot_arr)
@@ -301,13 +341,13 @@ class FileStore:
                 if invalid.size:
                     return _done_future(error=StorageError(
                         "checksum", f"L3 slots {invalid.tolist()} hold no valid page", bad_slots=invalid.tolist()))
-                expected = self._checksums[slot_arr].copy()
+                expected = bound_checksums(self._checksums[slot_arr], digests)  # (a copy)
             if not is_read:
                 self._gens[slot_arr] += np.uint64(1)
                 self._valid[slot_arr] = False
                 gens = self._gens[slot_arr].copy()
         op = StorageOp(self, is_read, host_buffer, view, slot_arr, len(groups), len(extents), expected, gens,
-                 checksums_after_landing, hold_checks)
+                       checksums_after_landing, hold_checks, None if is_read else digests)
         with self._state_lock:
             if self._closed:
                 raise StorageError("closed", f"L3 store {self.path!r} is closed")

@@ -66,12 +66,13 @@ class StorageOp:
     def __init__(self, store: FileStore, is_read: bool, buffer_ref: torch.Tensor, view: memoryview,
                  slots: np.ndarray, num_tasks: int, num_extents: int, expected: np.ndarray | None,
                  gens: np.ndarray | None, checksums_after_landing: bool = False,
-                 hold_checks: bool = False) -> None:
+                 hold_checks: bool = False, key_digests: np.ndarray | None = None) -> None:
         self.store, self.is_read, self.slots, self.num_extents = store, is_read, slots, num_extents
         self.buffer_ref, self.view = buffer_ref, view  # keep the caller's memory alive while workers use it
         self.expected = expected  # read: checksums to verify against, by op index
         self.gens = gens  # write: slot generations at submit; published only if unchanged
         self.hashes = np.zeros(len(slots), dtype=np.uint64) if (not is_read and store.checksum) else None
+        self.key_digests = key_digests  # write: its pages' keys' digests, bound into what it publishes
         self.future: cf.Future = ReadFuture() if expected is not None else cf.Future()
         self.future.set_running_or_notify_cancel()  # I/O cannot be abandoned midway: no cancel
         self._landed_left = num_tasks  # verified reads: tasks whose bytes have not all landed yet
@@ -184,7 +185,10 @@ class StorageOp:
                 "checksum", f"checksum mismatch in L3 slots {bad}", bad_slots=bad))
             return
         if not self.is_read:
-            self.store._publish(self.slots, self.gens, self.hashes)
+            hashes = self.hashes  # (bound to the keys: storage.bound_checksums)
+            if hashes is not None and self.key_digests is not None:
+                hashes = hashes ^ self.key_digests
+            self.store._publish(self.slots, self.gens, hashes)
         first = self._first_start_ns if self._first_start_ns is not None else self.submit_ns
         self.future.set_result(IoResult(
             num_bytes=len(self.slots) * self.store.bytes_per_page,

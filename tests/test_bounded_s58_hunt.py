@@ -67,6 +67,9 @@ async def test_write_back_failed_l3_writes_keep_no_prompt_once_the_tree_dropped_
             await eng.cache.flush_async(tier, through_l3=True)
             await eng.cache.drain()
         assert sum(1 for _ in eng.cache.tree.iter_nodes()) == 1  # (the root alone)
+        keyer = eng.cache.store.keyer  # (the L3 checksums' prefix keys, session 71: a cache of the last 16 prompts'
+        assert len(keyer._cache) <= keyer.cache_entries  # chains, bounded, not the backups' bookkeeping)
+        keyer._cache.clear()
         # (8 prompts of 1,000 tokens: 64,000 bytes of tuple alone where their keys are kept)
         kept, snap = await kept_hicache_bytes(16_000)
     finally:

@@ -180,7 +180,7 @@ def _misaligned(a, h):  # two tokens moved from the last node to the one before:
 
 
 DAMAGE = {
-    "format": lambda a, h: h.update(format="hicache-l3-index-v2"),
+    "format": lambda a, h: h.update(format="hicache-l3-index-v3"),
     "short_lru_ranks": lambda a, h: a.update(lru_ranks=a["lru_ranks"][:-1]),
     "short_key_tokens": _last_node_gone("key_tokens"),
     "zero_length_node": _last_node_gone(),

@@ -23,10 +23,10 @@ def chained_steps(l3: bool, tmp_path) -> tuple[int, list[list[int]], int]:
     if l3:
         write, pool = eng.cache.store.write_pages, ThreadPoolExecutor(1)
 
-        def slow_write(*args):
+        def slow_write(*args, **kwargs):
             def late():
                 time.sleep(0.02)
-                return write(*args).result()
+                return write(*args, **kwargs).result()
             return pool.submit(late)
 
         eng.cache.store.write_pages = slow_write
