@@ -409,12 +409,14 @@ class RadixTree:
     def check_lock_holders(self, holds: Counter) -> None:
         """The locks on the tree are those its holders hold: `holds` counts, per (node, tier), the holders that
         locked that node (a lock counts on every ancestor: a node's own locks are its count less its children's).
-        A lock no holder holds (a release skipped) kept its pages from eviction for good."""
+        A lock no holder holds (a release skipped) kept its pages from eviction for good; a node locked fewer times
+        than its children (a count gone wrong) fails too (its own count negative)."""
         own = Counter({(n, tier): n.locks[tier] - sum(c.locks[tier] for c in n.children.values())
                        for n in self.iter_nodes() if n is not self.root for tier in TIERS})
-        if +own != +holds:
+        if own != holds:  # (Counters: a missing key counts 0; a negative own count is unequal to any hold)
+            below = {key: k for key, k in own.items() if k < 0}
             raise AssertionError(f"locks held by no holder: {dict(own - holds)}; held but not locked: "
-                                 f"{dict(holds - own)}")
+                                 f"{dict(holds - own)}; counts below their children's: {below}")
 
     def check_integrity(self) -> None:
         """Invariants 1, 3, 4 of DESIGN.md section 4 for the tree and every tier allocator."""

@@ -42,7 +42,6 @@ _PASSING_ERRORS = (rexc.OutOfMemoryError, rexc.MasterDownError, rexc.BusyLoading
 _PASSING_CODES = ("OOM", "BUSY", "MASTERDOWN", "LOADING", "TRYAGAIN")
 
 
-
 class RedisHints:
     """RedisStore's hints and suspect pages (its client, back-off, counters and tasks are the store's)."""
 

@@ -49,11 +49,15 @@ def ask(reqs: list[Request], binput: BatchInput, eos_ids: tuple[int, ...] = ()) 
     the device, and the runner counts it from there (`penalty_state.apply_penalties`). eos_ids: the model's,
     which min_tokens holds back unless a request ignores EOS, or its grammar allows nothing else (guided rows'
     masks: scheduler/guided.py)."""
-    if any(r.params.logprobs is not None for r in reqs):
-        binput.logprobs = [r.params.logprobs for r in reqs]
-    if not binput.is_decode and any(r.params.prompt_logprobs is not None for r in reqs):
+    # (a row whose request ended, `ask_or_fail`'s culprit or one stopped at the step before, asks no logprobs
+    # either: regression, its prompt logprobs were read, and a raise reading them failed the step's other askers,
+    # or crashed the loop where it had none)
+    if any(r.params.logprobs is not None and not r.state.done for r in reqs):
+        binput.logprobs = [None if r.state.done else r.params.logprobs for r in reqs]
+    if not binput.is_decode and any(r.params.prompt_logprobs is not None and not r.state.done for r in reqs):
         # a chunk's row at position p gives the logprobs of prompt token p + 1 (the last prompt row samples)
-        targets = [r.prompt[start + 1:start + new + 1] if r.params.prompt_logprobs is not None and not r.resumed_tokens
+        targets = [r.prompt[start + 1:start + new + 1]
+                   if r.params.prompt_logprobs is not None and not r.resumed_tokens and not r.state.done
                    else []  # (a preempted request's resumption: its prompt's were all computed)
                    for r, start, new in zip(reqs, binput.prefix_lens, binput.new_lens)]
         if any(targets):
@@ -192,7 +196,8 @@ def keep_logprobs(engine, reqs: list[Request], binput: BatchInput, handle: StepH
             engine.fail_own_work(req, "reading this step's prompt logprobs", exc)
         return
     for req, start, lp in zip(reqs, binput.prefix_lens, prompt_lps):
-        if req.params.prompt_logprobs is not None and not req.resumed_tokens:  # (a preempted one's are all there)
+        if req.params.prompt_logprobs is not None and not req.resumed_tokens and not req.state.done:  # (a
+            # preempted one's are all there; one ended asked none: `ask`)
             if start == 0:  # its first chunk (its prompt is computed whole, from position 0: Admission._reusable)
                 req.prompt_logprobs = [None]
             req.prompt_logprobs += lp or []
