@@ -38,10 +38,10 @@ from test_mutation_raise70b_s70 import _l2_only, _raise
 from test_mutation_responses69_s69 import _output, _streaming
 from test_raise_api2_s71 import _answer
 from test_raise_api_s70 import _release_raises_for
-from test_raise_cancel_s70 import LONG, serves_on
+from test_raise_cancel_s70 import serves_on
 from test_raise_cli_s70 import SHORT
 from test_raise_http_s69 import RESPONSE, ASGICall, raise_once, serving
-from test_raise_loop_s71 import Replayed, trace_of
+from test_raise_loop_s71 import Replayed, interrupted_run, trace_of
 from test_raise_store_s71 import _time_out_one_delete
 from test_responses_background import _HangingChoices
 from test_responses_background_hunt import _Slot
@@ -93,28 +93,8 @@ def test_an_interrupt_ends_waiting_requests_too_and_an_end_that_raises_does_not_
     asyncio.run as it came; the running and the first waiting request end aborted, the broken one failed, each
     with its last event (regression shapes: only running requests aborted; the end's RuntimeError went out)."""
     eng = make_cancel_engine(num_pages=256, max_running_requests=1)
-    after_step, steps, reqs = eng.admission.after_step, [], []
-
-    def interrupted(req, *args, **kwargs):
-        steps.append(req.rid)
-        if len(steps) == 3:
-            raise KeyboardInterrupt
-        return after_step(req, *args, **kwargs)
-    monkeypatch.setattr(eng.admission, "after_step", interrupted)
-
-    async def read(req) -> None:
-        while not (await req.queue.get()).finished:
-            pass
-
-    async def main() -> None:
-        await eng.start()
-        reqs.extend(eng.add_request(p, LONG) for p in (PROMPT, [4, 5, 6, 7], [8, 9, 10, 11]))
-        _release_raises_for(monkeypatch, eng, reqs[2])
-        for req in reqs:  # (one after another: a gather's future, cancelled by the interrupt, went unread)
-            await asyncio.wait_for(read(req), HANG_GUARD_S)
-    with pytest.raises(KeyboardInterrupt):
-        asyncio.run(main())
-    monkeypatch.undo()
+    reqs = interrupted_run(monkeypatch, eng, (PROMPT, [4, 5, 6, 7], [8, 9, 10, 11]), KeyboardInterrupt, at_step=3,
+                           before_reading=lambda reqs: _release_raises_for(monkeypatch, eng, reqs[2]))
     assert [r.state for r in reqs] == [RequestState.ABORTED, RequestState.ABORTED, RequestState.FAILED], \
         [(r.rid, r.state) for r in reqs]
     assert all(r.queue.qsize() and r.queue._queue[-1].finished for r in reqs)

@@ -113,18 +113,15 @@ def test_a_wait_of_years_between_arrivals_is_said_before_the_replay(tmp_path, mo
 
 
 # -- an interrupt in the engine's loop ------------------------------------------------------------
-@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
-def test_an_interrupt_in_the_engine_loop_ends_its_live_requests(monkeypatch, caplog, interrupt):
-    """asyncio.run(main) queues two requests and reads their streams (as the replay does, with add_request); the
-    interrupt lands in the loop mid-batch and goes out of asyncio.run. Both requests ended aborted, each with its
-    last event, and nothing stays listed; the engine then serves (test_raise_cancel_s70.serves_on), and the ended
-    loop task, collected, adds no "Task exception was never retrieved" to the interrupt's own traceback."""
-    eng = make_engine(num_pages=256)
+def interrupted_run(monkeypatch, eng, prompts, interrupt, at_step: int, before_reading=None) -> list:
+    """asyncio.run(main): queue `prompts` (LONG) and read their streams, one after another, as the replay does with
+    add_request; `interrupt` is raised in the loop at its `at_step`-th after_step and goes out of asyncio.run.
+    before_reading(reqs): called once they are queued. -> the requests (the monkeypatches undone)."""
     after_step, steps, reqs = eng.admission.after_step, [], []
 
     def interrupted(req, *args, **kwargs):
         steps.append(req.rid)
-        if len(steps) == 5:
+        if len(steps) == at_step:
             raise interrupt
         return after_step(req, *args, **kwargs)
     monkeypatch.setattr(eng.admission, "after_step", interrupted)
@@ -135,12 +132,25 @@ def test_an_interrupt_in_the_engine_loop_ends_its_live_requests(monkeypatch, cap
 
     async def main() -> None:
         await eng.start()
-        reqs.extend(eng.add_request(p, LONG) for p in (PROMPT, [4, 5, 6, 7]))
+        reqs.extend(eng.add_request(p, LONG) for p in prompts)
+        if before_reading is not None:
+            before_reading(reqs)
         for req in reqs:  # (one after another: a gather's future, cancelled by the interrupt, went unread)
             await asyncio.wait_for(read(req), HANG_GUARD_S)
     with pytest.raises(interrupt):
         asyncio.run(main())
     monkeypatch.undo()
+    return reqs
+
+
+@pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])
+def test_an_interrupt_in_the_engine_loop_ends_its_live_requests(monkeypatch, caplog, interrupt):
+    """asyncio.run(main) queues two requests and reads their streams (as the replay does, with add_request); the
+    interrupt lands in the loop mid-batch and goes out of asyncio.run. Both requests ended aborted, each with its
+    last event, and nothing stays listed; the engine then serves (test_raise_cancel_s70.serves_on), and the ended
+    loop task, collected, adds no "Task exception was never retrieved" to the interrupt's own traceback."""
+    eng = make_engine(num_pages=256)
+    reqs = interrupted_run(monkeypatch, eng, (PROMPT, [4, 5, 6, 7]), interrupt, at_step=5)
     assert [r.state for r in reqs] == [RequestState.ABORTED] * 2, [(r.rid, r.state) for r in reqs]
     assert all(r.queue.qsize() and r.queue._queue[-1].finished for r in reqs)  # (their last event, unread)
     assert_nothing_queued(eng)
