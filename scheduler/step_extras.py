@@ -190,8 +190,8 @@ def keep_logprobs(engine, reqs: list[Request], binput: BatchInput, handle: StepH
     except Exception as exc:  # (read as a whole, one row's fitting the others' by position: those that asked fail,
         # the others go on; regression: the loop crashed, every live request failed with it)
         askers = [r for r, want in zip(reqs, binput.prompt_logprobs or ()) if want is not None and not r.state.done]
-        if not askers:
-            raise
+        if not askers:  # those that asked ended since the launch (failed reading their logprobs, above): the rows are
+            return  # no one's (regression: the raise went out, and the loop crashed with every other request)
         for req in askers:
             engine.fail_own_work(req, "reading this step's prompt logprobs", exc)
         return
