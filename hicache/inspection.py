@@ -38,6 +38,8 @@ def manager_status(mgr: "CacheManager") -> dict:
             "reason": mgr.backends.reason, "timings_us": mgr.backends.timings_us},
         "storage": None if mgr.store is None else mgr.store.stats(),
         "cost_model": mgr.cost.state(),
+        # whether backups to a tier pay off (throttled while its pages are evicted unread: hicache/reuse.py)
+        "write_reuse": {t.label: mgr.reuse[t].state() for t in (Tier.L2, Tier.L3)},
         "policy": mgr.config.policy, "write_policy": mgr.config.write_policy,
         "metrics": mgr.metrics.as_dict(),
     }
