@@ -191,9 +191,7 @@ class PageAllocator:
         self.owner[idx] = to
         if expect >= 0:
             self._held[expect].difference_update(listed)
-        if to >= 0:
-            self._held[to].update(listed)
-        elif to == FREE:
+        if to == FREE:
             if run:
                 self._release_run(lo, hi)
             else:

@@ -190,11 +190,9 @@ class Restores:
         restore, or a prefetch taken on): once published, keep them locked for it (`release_held`)."""
         op.payload["hold_l1"] = True
 
-    def release_held(self, op: Op | None) -> None:
+    def release_held(self, op: Op) -> None:
         """The request of `hold_published` took the pages over, dropped them or ended: the restore
         stops holding them, or will not hold them once done."""
-        if op is None:
-            return
         op.payload["hold_l1"] = False
         held = op.payload.pop("held_l1", None)
         if held is not None:

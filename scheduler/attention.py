@@ -57,14 +57,6 @@ class AttentionBatch:
         plain decode batch (one row per sequence), or rows of a tail batch given no last rows."""
         return None if self.is_decode and (self.rows_per_seq == 1 or self.last_rows is None) else self.last_rows
 
-    @property
-    def batch_size(self) -> int:
-        return len(self.new_lens)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.new_lens)
-
     @classmethod
     def build(cls, prefix_lens: list[int], new_lens: list[int], page_tables_list: list[list[int]],
               page_size: int, device: torch.device | str, is_decode: bool) -> "AttentionBatch":

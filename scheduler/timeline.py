@@ -69,9 +69,6 @@ class RequestSpan:
     def first_ns(self, state: str, after_ns: int | None = None) -> int | None:
         return next((t for s, t in self.states if s == state and (after_ns is None or t >= after_ns)), None)
 
-    def last_ns(self, state: str) -> int | None:
-        return next((t for s, t in reversed(self.states) if s == state), None)
-
     @property
     def arrival_ns(self) -> int:
         return self.states[0][1]
