@@ -385,10 +385,9 @@ class OpRunner(Backups, Restores):
         for node in list(self.mgr.tree.iter_nodes()):
             pages = node.pages[Tier.L3]
             if pages is not None and bad.intersection(pages) and node.locks[Tier.L3] == 0:
-                if node.parent is not None:  # still in the tree
-                    first_bad = next(i for i, slot in enumerate(pages) if slot in bad)
-                    # (the manager invalidates the slots: on_drop)
-                    dropped += len(self.mgr.tree.drop(node, Tier.L3, from_pages=first_bad))
+                # (a node a drop above removed has no L3 pages left; the manager invalidates the slots: on_drop)
+                first_bad = next(i for i, slot in enumerate(pages) if slot in bad)
+                dropped += len(self.mgr.tree.drop(node, Tier.L3, from_pages=first_bad))
         return dropped
 
     def _read_bytes(self, op: Op) -> int:

@@ -440,7 +440,7 @@ def run_cli(argv: list[str] | None = None) -> dict:
     replay_memory.warn_will_fail(parser, args, items, config, model.max_position_embeddings)
     replay_memory.warn_long_waits(parser, args, items)
     options = {k: getattr(args, k) for k in REPLAY_OPTIONS}
-    progress = sys.stdout.isatty() and not args.no_progress
+    progress = sys.stderr.isatty() and not args.no_progress  # (tqdm draws on stderr: a piped stdout keeps it)
     kw = dict(time_scale=args.time_scale, concurrency=args.concurrency)
     simulated = " (simulated)" if config.simulate else ""
     summary = summarize(_replay_or_exit(parser, args, config, items, progress=progress,
