@@ -6,8 +6,8 @@ no test took, each pinned as the rule a user meets.
   sets it.
 - The replay's memory summary (`pool_pages`) of a cache with no L2 page (--hicache-size-gb 0 / --hicache-ratio 0)
   gives L2 and L3 0 pages, not the L3 sizing's unrelated "raise --hicache-storage-ratio" error.
-- The replay's progress bar (on a terminal, unless --no-progress) counts each request once and is closed at the end of the run
-  (left open, tqdm's line stays on the terminal, under the summary).
+- The replay's progress bar (stderr a terminal, unless --no-progress) counts each request once and is closed at the
+  end of the run (left open, tqdm's line stays on the terminal, under the summary).
 - A trace record with no hash ids (no blocks) keeps its scaled input length: it is not clamped into 0 blocks."""
 from __future__ import annotations
 
