@@ -25,7 +25,7 @@ found as it opened is not the saved one), one that is no regular file, cannot be
 with a warning (the engine starts with an empty L3); nodes whose slots lie past a smaller file are dropped, with
 everything below them. Every page is still verified by its checksum when read, so a file changed between runs costs
 a recompute (hicache/restores.py), never a wrong answer; persistence therefore needs checksums (HiCacheConfig). The
-checksums are bound to their pages' prefix keys (FileStore.bound_checksums), so an index whose tree was edited (a node
+checksums are bound to their pages' prefix keys (storage.bound_checksums), so an index whose tree was edited (a node
 re-parented) adopts pages that fail their first read under the prefix they were not computed for.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("hicache.l3_index")
 
-# v2: its checksums are bound to their pages' prefix keys (FileStore.bound_checksums); a v1 index's are not, and
+# v2: its checksums are bound to their pages' prefix keys (storage.bound_checksums); a v1 index's are not, and
 # is ignored with a warning
 INDEX_FORMAT = "hicache-l3-index-v2"
 _ARRAYS = ("parents", "key_tokens", "tokens", "slots", "checksums", "lru_ranks")
