@@ -241,7 +241,7 @@ def test_a_progress_bar_that_cannot_be_built_still_shuts_the_engine_down(tmp_pat
     def no_bar(*args, **kwargs):
         raise BrokenPipeError("the terminal went away")
     monkeypatch.setattr("tqdm.tqdm", no_bar)
-    monkeypatch.setattr(sys, "stdout", _Terminal())
+    monkeypatch.setattr(sys, "stderr", _Terminal())  # (tqdm's stream)
     with pytest.raises(BrokenPipeError):
         replay.run_cli([*SHORT[1:], *persisted(tmp_path)])  # (without --no-progress)
     monkeypatch.undo()
