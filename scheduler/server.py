@@ -139,9 +139,9 @@ class _ServerState:
             raise APIError(503, self.engine_error, code="engine_failed")
         if self.draining:
             raise APIError(503, "the server is shutting down and admits no new requests", code="shutting_down")
-        if not self.engine.accepting:  # stopped under the app (a library user's shutdown() or stop_loop()): /health
-            # fails too (regression: it said ok while every completion was refused)
-            raise APIError(503, "the engine was shut down and admits no new requests", code="shutting_down")
+        if not self.engine.accepting:  # shut down under the app (a library user's shutdown(), or a stop_loop() under
+            # way): /health fails too (regression: it said ok while every completion was refused)
+            raise APIError(503, "the engine is stopping or shut down and admits no new requests", code="shutting_down")
 
     @property
     def prompt_limit(self) -> int:

@@ -189,7 +189,10 @@ def keep_logprobs(engine, reqs: list[Request], binput: BatchInput, handle: StepH
         prompt_lps = runner.prompt_logprobs_of(handle, binput.prompt_logprobs) or [None] * len(reqs)
     except Exception as exc:  # (read as a whole, one row's fitting the others' by position: those that asked fail,
         # the others go on; regression: the loop crashed, every live request failed with it)
-        askers = [r for r, want in zip(reqs, binput.prompt_logprobs or ()) if want is not None and not r.state.done]
+        asked = [r for r, want in zip(reqs, binput.prompt_logprobs or ()) if want is not None]
+        if not asked:
+            raise  # (a raise no request asked for: the batch's own bug goes out)
+        askers = [r for r in asked if not r.state.done]
         if not askers:  # those that asked ended since the launch (failed reading their logprobs, above): the rows are
             return  # no one's (regression: the raise went out, and the loop crashed with every other request)
         for req in askers:
