@@ -57,25 +57,31 @@ async def test_a_request_failed_in_its_overlapped_forward_takes_no_restored_pref
     await finish(eng)
 
 
-@pytest.mark.asyncio
-async def test_a_logprobs_raise_no_request_makes_alone_still_crashes_the_loop(monkeypatch):
+async def crashes_the_loop(monkeypatch, params: list[SamplingParams], name: str, raises, says: str = "") -> None:
+    """`eng.runner.<name>` raises where `raises(handle, wants)`: every request of the step fails (`says` in its error)
+    with the crashed loop, no request is blamed for it, and a new loop then serves the same outputs as before."""
     eng = make()
-    params = [SamplingParams(max_tokens=6, logprobs=2)] * 2 + [SamplingParams(max_tokens=6)]
     clean = await asyncio.wait_for(eng.generate_async(prompts(eng), params), HANG_GUARD_S)
     loop = eng._loop_task
-    # raises whenever two rows' logprobs are read together, never for one request's rows alone
-    undo = patch(monkeypatch, eng.runner, "logprobs_of",
-                 lambda handle, wants: wants is not None and sum(w is not None for w in wants) > 1)
+    undo = patch(monkeypatch, eng.runner, name, raises)
     out = await asyncio.wait_for(eng.generate_async(prompts(eng), params), HANG_GUARD_S)
     undo()
-    assert all(r.finish_reason == "error" and "injected: logprobs_of raised" in r.error for r in out), \
-        [(r.finish_reason, r.error) for r in out]
+    assert all(r.finish_reason == "error" and says in r.error for r in out), [(r.finish_reason, r.error) for r in out]
     assert loop.done() and loop.exception() is not None
     assert eng.cache.metrics.failures.get("request_work", 0) == 0, "the batch's raise was blamed on a request"
     again = await asyncio.wait_for(eng.generate_async(prompts(eng), params), HANG_GUARD_S)
     assert [r.output_ids for r in again] == [r.output_ids for r in clean] and eng._loop_task is not loop
     assert_engine_whole(eng)
     await eng.shutdown()
+
+
+@pytest.mark.asyncio
+async def test_a_logprobs_raise_no_request_makes_alone_still_crashes_the_loop(monkeypatch):
+    # raises whenever two rows' logprobs are read together, never for one request's rows alone
+    params = [SamplingParams(max_tokens=6, logprobs=2)] * 2 + [SamplingParams(max_tokens=6)]
+    await crashes_the_loop(monkeypatch, params, "logprobs_of",
+                           lambda handle, wants: wants is not None and sum(w is not None for w in wants) > 1,
+                           says="injected: logprobs_of raised")
 
 
 @pytest.mark.asyncio
@@ -83,17 +89,5 @@ async def test_a_prompt_logprobs_raise_no_request_asked_for_still_crashes_the_lo
     """The step's prompt-logprobs read raises though no row asked for prompt logprobs: no request's work explains it,
     so it goes out and crashes the loop (each live request failed with it), as the logprobs read's does above; it is
     not swallowed as the rows of askers that ended since the launch are (test_cover_core_s72b.py)."""
-    eng = make()
-    params = [SamplingParams(max_tokens=6)] * 3
-    clean = await asyncio.wait_for(eng.generate_async(prompts(eng), params), HANG_GUARD_S)
-    loop = eng._loop_task
-    undo = patch(monkeypatch, eng.runner, "prompt_logprobs_of", lambda handle, wants: True)
-    out = await asyncio.wait_for(eng.generate_async(prompts(eng), params), HANG_GUARD_S)
-    undo()
-    assert all(r.finish_reason == "error" for r in out), [(r.finish_reason, r.error) for r in out]
-    assert loop.done() and loop.exception() is not None
-    assert eng.cache.metrics.failures.get("request_work", 0) == 0, "the batch's raise was blamed on a request"
-    again = await asyncio.wait_for(eng.generate_async(prompts(eng), params), HANG_GUARD_S)
-    assert [r.output_ids for r in again] == [r.output_ids for r in clean] and eng._loop_task is not loop
-    assert_engine_whole(eng)
-    await eng.shutdown()
+    await crashes_the_loop(monkeypatch, [SamplingParams(max_tokens=6)] * 3, "prompt_logprobs_of",
+                           lambda handle, wants: True)
