@@ -133,9 +133,8 @@ class OpRunner(Backups, Restores):
         duplicates (pages another op published first) stay the op's until it releases them.
         stamp_from: a backup's source tier, whose last use the pages keep (RadixTree.insert)."""
         claim = op.payload["claims"][tier]
-        dups = self.mgr.tree.insert(tokens, tier, pages, claim, start_tokens=start, stamp_from=stamp_from)
-        if dups and tier is Tier.L3 and self.mgr.store is not None:
-            self.mgr.store.invalidate(dups)
+        # duplicates (pages another op published first) stay in the claim: L3 slots invalidated as it is closed
+        self.mgr.tree.insert(tokens, tier, pages, claim, start_tokens=start, stamp_from=stamp_from)
         if not keep_claim:
             self._close_claim(op, tier)  # frees duplicates; the op no longer owns the published pages
 

@@ -138,11 +138,9 @@ class ToolFields(BaseModel):
         return next(t for t in self.tools if t.function.name == name)
 
 
-def forced_calls(mode: ToolMode, text: str, named: str | None = None) -> list[ToolCall] | None:
-    """The calls of an answer held to a "required" list (None where the text is not one: cut off by max_tokens)
-    or a named function's arguments (its one call, the text as its arguments whatever they are)."""
-    if mode == "named":
-        return [ToolCall(named, text)]
+def required_calls(text: str) -> list[ToolCall] | None:
+    """The calls of an answer held to a "required" list (None where the text is not one: cut off by max_tokens).
+    A named function's one call is the answer's text as its arguments (scheduler/chat_answer.py)."""
     try:
         items = loads_keeping_numbers(text)  # (its numbers as the model wrote them: 1E999 is no Infinity)
     except (ValueError, RecursionError):

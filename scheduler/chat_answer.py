@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.api_tools import ToolMode, forced_calls
+from scheduler.api_tools import ToolMode, required_calls
 from scheduler.reasoning import ReasoningSplitter
 from scheduler.tool_calls import HermesToolParser, ToolCall, new_call_id
 
@@ -63,7 +63,7 @@ class ChatAnswer:
             out += Delta(content=content, calls=self._made(calls))
         elif self.mode == "required":
             text = "".join(self._text)
-            calls = forced_calls("required", text)
+            calls = required_calls(text)
             out += Delta(content=text) if calls is None else Delta(calls=self._made(calls))
         return out
 

@@ -53,9 +53,7 @@ class DraftPolicy:
 
     @staticmethod
     def _average_of(req) -> float:
-        """`req`'s average of accepted drafts, drifted towards the prior by the tokens since (the prior if none)."""
-        if req.spec_accepted is None:
-            return PRIOR_ACCEPTED
+        """`req`'s average of accepted drafts (it has one), drifted towards the prior by the tokens since."""
         average, at_tokens = req.spec_accepted
         return PRIOR_ACCEPTED + (average - PRIOR_ACCEPTED) * RECOVERY ** max(0, len(req.output) - at_tokens)
 

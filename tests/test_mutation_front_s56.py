@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from scheduler.api_tools import ToolFieldError, ToolFields, forced_calls
+from scheduler.api_tools import ToolFieldError, ToolFields, required_calls
 from scheduler.chat_messages import ChatMessage
 from scheduler.chat_template import ChatTemplate, read_chat_template
 from scheduler.responses_output import OutputItems
@@ -32,8 +32,8 @@ def test_a_tool_with_an_empty_function_name_is_refused():
 def test_a_required_answer_whose_items_have_no_string_name_is_no_list_of_calls(text):
     """A "required" answer is a list of calls only where every item names its function with a string: an item
     without one makes the answer no calls (None), not a crash or a call of no name."""
-    assert forced_calls("required", text) is None
-    assert [c.name for c in forced_calls("required", '[{"name": "f", "parameters": {}}]')] == ["f"]
+    assert required_calls(text) is None
+    assert [c.name for c in required_calls('[{"name": "f", "parameters": {}}]')] == ["f"]
 
 
 # ---------------------------------------------------------------- chat templates and messages

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from scheduler.api_tools import ToolFieldError, ToolFields, forced_calls
+from scheduler.api_tools import ToolFieldError, ToolFields, required_calls
 from scheduler.chat_template import ChatTemplate
 from scheduler.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, decode_completion, load_tokenizer
 from tokenizer_files import write_byte_tokenizer
@@ -288,10 +288,10 @@ def test_lifted_defs_point_into_their_tool_and_data_is_left_alone():
     assert props == {"n": {"$ref": "#/$defs/node"}, "k": {"const": {"$ref": "#"}}}
 
 
-def test_forced_calls_read_a_held_list_and_nothing_else():
+def test_required_calls_read_a_held_list_and_nothing_else():
     """A required list's item without parameters is a call with {} arguments; text that is no list (a number, an
     object) is no list of calls (None), never an error."""
-    (call,) = forced_calls("required", '[{"name": "f"}]')
+    (call,) = required_calls('[{"name": "f"}]')
     assert (call.name, call.arguments) == ("f", "{}")
-    assert forced_calls("required", "5") is None and forced_calls("required", '{"name": "f"}') is None
+    assert required_calls("5") is None and required_calls('{"name": "f"}') is None
 

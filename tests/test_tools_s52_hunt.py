@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from scheduler.api_tools import forced_calls
+from scheduler.api_tools import required_calls
 from scheduler.tool_calls import call_of
 from server_fixtures import byte_level_server, post, tiny_config
 
@@ -16,7 +16,7 @@ MESSAGES = [{"role": "user", "content": "q"}]
 
 
 def test_required_calls_keep_the_models_numbers():
-    [call] = forced_calls("required", '[{"name":"f","parameters":{"x":1E999,"y":[4E7,-0.5,true,null,"\\u00e9"]}}]')
+    [call] = required_calls('[{"name":"f","parameters":{"x":1E999,"y":[4E7,-0.5,true,null,"\\u00e9"]}}]')
     assert call.arguments == '{"x": 1E999, "y": [4E7, -0.5, true, null, "é"]}'
     assert "Infinity" not in call.arguments and json.loads(call.arguments)["y"][0] == 4e7
 
@@ -78,5 +78,5 @@ def test_arguments_nested_past_what_is_written_back_are_no_call():
     """(Review of the above) json_text recursed ~2 frames a level: 400 levels parsed, then a RecursionError, a 500."""
     deep = "[" * 400 + "1" + "]" * 400
     assert call_of('{"name": "f", "arguments": {"x": ' + deep + '}}') is None
-    assert forced_calls("required", '[{"name": "f", "parameters": {"x": ' + deep + '}}]') is None
+    assert required_calls('[{"name": "f", "parameters": {"x": ' + deep + '}}]') is None
     assert call_of('{"name": "f", "arguments": {"x": ' + "[" * 100 + "1" + "]" * 100 + '}}') is not None
