@@ -34,11 +34,18 @@ MAX_STOP_STRINGS = 4  # OpenAI: "Up to 4 sequences where the API will stop gener
 
 
 def check_stop_strings(stops: Sequence[str]) -> tuple[str, ...]:
-    """The stop strings of a request, deduplicated; ValueError for an empty one or too many."""
+    """The stop strings of a request, deduplicated; ValueError for an empty one, one that is no text (a lone
+    surrogate, which JSON carries and UTF-8 cannot: no generated text holds it, as `bad_words` refuses it) or too
+    many."""
     if len(stops) > MAX_STOP_STRINGS:
         raise ValueError(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
     if any(s == "" for s in stops):
         raise ValueError("'stop' cannot contain an empty string")
+    for stop in stops:
+        try:
+            stop.encode("utf-8")
+        except UnicodeError as exc:
+            raise ValueError(f"the stop is not valid Unicode text: {exc}") from None
     return tuple(dict.fromkeys(stops))
 
 
