@@ -23,6 +23,8 @@ import weakref
 import structlog
 import torch
 
+from kernels import cuda_rt
+
 log = structlog.get_logger("hicache.pinned")
 
 _REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
@@ -41,6 +43,7 @@ def pinned_zeros(owner: object, shape: tuple[int, ...], dtype: torch.dtype) -> t
     cudart = torch.cuda.cudart()
     code = int(cudart.cudaHostRegister(buf.data_ptr(), num_bytes, _REGISTER_PORTABLE | _REGISTER_MAPPED))
     if code != 0:
+        cuda_rt.clear_last_error()  # (else torch's next kernel launch raises it)
         log.warning("l2_host_register_failed", cuda_error=code, num_bytes=num_bytes,
                     fallback="torch pinned allocator")
         del buf

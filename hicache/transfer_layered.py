@@ -46,9 +46,8 @@ class LayeredRestores:
         if whole and list(host_pages[:whole]) != list(range(host_pages[0], host_pages[0] + whole)):
             whole = 0  # (one pipeline only: the L2 pages of the whole part must be consecutive)
         plan = None if short else layer_plan(self.geometry, self.l1.num_pages, l1_pages[whole:], host_pages[whole:])
-        if plan is None and whole:  # the rest too fragmented for the DMA plan: all by the kernel
+        if plan is None:  # the rest too fragmented for the DMA plan, so are all the pages (more runs): by the kernel
             whole = 0
-            plan = layer_plan(self.geometry, self.l1.num_pages, l1_pages, host_pages)
         if plan is None and not self.host_reads:
             return None
         tr = Transfer("h2d", n, n * self.geometry.bytes_per_page, 0, 0, t0, synchronous=not self.cuda)

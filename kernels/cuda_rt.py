@@ -77,8 +77,18 @@ def available() -> bool:
     return _lib() is not None
 
 
+def clear_last_error() -> None:
+    """Take a refused runtime call's error off this thread's last error. The runtime keeps it there, and torch's next
+    kernel launch on the thread reads it (cudaGetLastError) and raises it as its own (regression: a transfer whose DMA
+    was refused failed as it should, and then the forward launched next failed too, with the DMA's error)."""
+    lib = _lib()
+    if lib is not None:
+        lib.cudaGetLastError()
+
+
 def _check(code: int, what: str) -> None:
     if code != 0:
+        clear_last_error()
         raise RuntimeError(f"{what} failed with CUDA error {code}")
 
 
