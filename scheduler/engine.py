@@ -55,8 +55,17 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         # (--log-json: its file, whose lines are dropped, not raised, once the disk is full)
         self.log_sink = configure_logging(config.log_json) if config.log_json or not structlog.is_configured() else None
         self.device, self.dtype = resolve_device(config)
+        threads = torch.get_num_threads()
         if self.device.type == "cpu" and config.cpu_threads > 0:
             torch.set_num_threads(config.cpu_threads)
+        try:
+            self._load(config, faults)
+        except BaseException:  # (an engine refused leaves torch's threads as it found them: regression, a mistyped
+            torch.set_num_threads(threads)  # model path left the caller's CPU work on cpu_threads' one thread)
+            raise
+
+    def _load(self, config: EngineConfig, faults: FaultInjector | None) -> None:
+        """The model, its pools and cache, then what the engine holds beside them (`_build`)."""
         if config.simulate:
             self.model, self.model_config = None, model_config_of(config.model)
             self.model_id = f"{config.model}:simulated"

@@ -89,9 +89,16 @@ def _compiler() -> ThreadPoolExecutor:
             try:
                 pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="hicache-grammar")
                 started = threading.Barrier(COMPILE_THREADS + 1)
-                for _ in range(COMPILE_THREADS):  # (each thread made now: a pool makes one per task it waits on)
-                    pool.submit(started.wait)
-                started.wait()
+                try:
+                    for _ in range(COMPILE_THREADS):  # (each thread made now: a pool makes one per task it waits on)
+                        pool.submit(started.wait)
+                    started.wait()
+                except BaseException:  # a thread not made ("can't start new thread"): those made wait no more, and
+                    # end (regression: they waited on the barrier for good, and the process hung at its exit,
+                    # which joins a pool's threads)
+                    started.abort()
+                    pool.shutdown(wait=False)
+                    raise
             finally:
                 threading.stack_size(previous)
             _pool = pool

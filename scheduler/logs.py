@@ -129,10 +129,6 @@ def configure_logging(log_json_path: str | None) -> LogSink | None:
     if log_json_path:
         Path(log_json_path).parent.mkdir(parents=True, exist_ok=True)
         sink = LogSink(_sink(log_json_path))
-        if _ends_mid_line(log_json_path):
-            # regression: a run killed mid-line left its last line open, this run's RUN_START_EVENT
-            # was glued to it and lost, and the timeline took both runs for one
-            sink.write("\n")
         structlog.configure(
             processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
                         add_monotonic_ns, structlog.processors.format_exc_info,
@@ -141,8 +137,13 @@ def configure_logging(log_json_path: str | None) -> LogSink | None:
             cache_logger_on_first_use=False,
         )
         try:
+            if _ends_mid_line(log_json_path):
+                # regression: a run killed mid-line left its last line open, this run's RUN_START_EVENT
+                # was glued to it and lost, and the timeline took both runs for one
+                sink.write("\n")
             structlog.get_logger().info(RUN_START_EVENT, pid=os.getpid())
-        except (OSError, ValueError) as exc:  # (nothing of it can be written: quiet again, and the file let go)
+        except (OSError, ValueError) as exc:  # (nothing of it can be written: quiet again, and the file let go;
+            # regression: the newline's failure, on the full disk that had cut that line, kept it open and locked)
             configure_logging(None)
             _forget(log_json_path)
             raise ValueError(f"log_json (--log-json) {log_json_path} cannot be written: {exc}") from exc
