@@ -124,6 +124,9 @@ def save(mgr: "CacheManager") -> int:
         log.warning("l3_index_not_saved", path=path, error=exc.strerror or str(exc))
         _unlink_quietly(tmp)
         return 0
+    except BaseException:  # (regression: anything else, a bug, left the half-written temporary index on the disk)
+        _unlink_quietly(tmp)
+        raise
     log.info("l3_index_saved", path=path, nodes=len(nodes), pages=len(slots))
     return len(slots)
 

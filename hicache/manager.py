@@ -412,13 +412,17 @@ class CacheManager:
         """Close what this manager opened, at once, for an engine that failed to start (no operation ran): the
         transfer's streams and the L3 store, whose file lock a retry on the same path needs (regression: it stayed
         locked until the half-built engine was collected). An index adopted from a kept file is saved again, as it
-        was read (regression: deleted as it was read, the next start lost the whole L3)."""
-        if self.transfer is not None:
-            self.transfer.close()
-        if self.store is not None and not getattr(self.store, "closed", False):
-            if self.metrics.storage_adopted_pages and hasattr(self, "runner"):
+        was read (regression: deleted as it was read, the next start lost the whole L3). The store closes whatever
+        the streams' close or the save raised (as `close`; regression: its file stayed locked, a retry was refused)."""
+        store_open = self.store is not None and not getattr(self.store, "closed", False)
+        try:
+            if self.transfer is not None:
+                self.transfer.close()
+            if store_open and self.metrics.storage_adopted_pages and hasattr(self, "runner"):
                 l3_index.save(self)
-            self.store.close()
+        finally:
+            if store_open:
+                self.store.close()
 
     async def close(self) -> None:
         await self.runner.drain(cancel=True)
