@@ -16,6 +16,12 @@ for s in "$@"; do
   case $s in
     info) nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; df -h . | tail -1 ;;
     tests) step tests 360 python3 -m pytest -q -p no:cacheprovider -m gpu $(grep -l "mark\.gpu" tests/test_*.py) ;;  # every gpu-marked test, wherever it lives
+    # compute-sanitizer memcheck over the transfer and copy-kernel tests, torch's caching allocator off so that an access
+    # past a tensor is past an allocation (the errors, if any, in memcheck.txt; its last line counts them; the refused
+    # runtime calls test_gpu_cover_s73 makes on purpose show there as API errors: cudaErrorInvalidPitchValue, 712)
+    memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck 500 compute-sanitizer --tool memcheck --print-limit 40 \
+                --log-file "$OUT/memcheck.txt" python3 -m pytest -q -p no:cacheprovider -m gpu --tb=line \
+                tests/test_gpu_cover_s73.py tests/test_gpu_transfers.py; tail -n 3 "$OUT/memcheck.txt" ;;
     tests_sampling) step tests_sampling 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_sampling.py ;;
     kernels) step kernels 200 python3 scripts/bench_kernels.py --out "$OUT/kernels.json" ;;
     transfer) step transfer 200 python3 scripts/bench_transfer.py --out "$OUT/transfer.json" ;;
