@@ -20,10 +20,7 @@ from hicache.transfer import TransferEngine
 from scheduler.engine import Engine
 from scheduler.request import SamplingParams
 from test_faults import PROMPT, make_engine
-
-
-def _build_raises(*_args) -> None:
-    raise RuntimeError("build failed")
+from test_state_left_s73 import _build_raises
 
 
 def _streams_raise(_self) -> None:
