@@ -70,6 +70,9 @@ def _huge_page_zeros(num_bytes: int) -> torch.Tensor:
 
 def _unregister(cudart, ptr: int, _buf: torch.Tensor) -> None:
     try:
-        cudart.cudaHostUnregister(ptr)
+        code = int(cudart.cudaHostUnregister(ptr))
     except Exception:  # noqa: BLE001 - at interpreter exit the runtime may be gone; the OS frees it all
-        pass
+        return
+    if code != 0:  # the memory goes back to the OS with `_buf` all the same
+        cuda_rt.clear_last_error()  # (else torch's next kernel launch on this thread raises it)
+        log.warning("l2_host_unregister_failed", cuda_error=code)
