@@ -82,7 +82,7 @@ class CacheManager:
         try:
             self._build(l1_pages)
         except BaseException:  # (regression: a failure past the L3 store's open, e.g. its index unreadable, left
-            self.abandon()     # its file locked)
+            self.abandon_all()  # its file locked)
             raise
 
     def _build(self, l1_pages: int) -> None:
@@ -423,6 +423,15 @@ class CacheManager:
         finally:
             if store_open:
                 self.store.close()
+
+    def abandon_all(self) -> None:
+        """`abandon`, then let go at once of all it holds, its pools' tensors with the rest: its tree's callbacks,
+        cost policy and op runner refer back to it, a cycle only the cyclic gc frees (regression: a refused engine's
+        L1 and pinned L2 stayed allocated till then, and a retry in the same process found that much less memory)."""
+        try:
+            self.abandon()
+        finally:
+            vars(self).clear()
 
     async def close(self) -> None:
         await self.runner.drain(cancel=True)

@@ -62,6 +62,9 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
             self._load(config, faults)
         except BaseException:  # (an engine refused leaves torch's threads as it found them: regression, a mistyped
             torch.set_num_threads(threads)  # model path left the caller's CPU work on cpu_threads' one thread)
+            # nor holds its weights and pools until the cyclic gc finds them (its admission, speculator and cache's
+            # wakeup refer back to it: regression, a retry in the same process found that much less GPU memory)
+            vars(self).clear()
             raise
 
     def _load(self, config: EngineConfig, faults: FaultInjector | None) -> None:
@@ -81,7 +84,7 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         try:
             self._build(config, page_size)
         except BaseException:  # (its L3 file locked, its streams open, until this half-built engine is collected)
-            self.cache.abandon()
+            self.cache.abandon_all()
             raise
 
     def _build(self, config: EngineConfig, page_size: int) -> None:

@@ -67,6 +67,9 @@ def _sink(path: str):
             sink.close()
             raise ValueError(f"log_json (--log-json) {path} is being written by another process: give each "
                              "process a log of its own") from None
+        except BaseException:  # (ENOLCK on a network file system, EBADF: regression, its file was left open)
+            sink.close()
+            raise
         _SINKS[key] = sink
     return sink
 
