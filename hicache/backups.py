@@ -341,8 +341,12 @@ class Backups:
             op.num_pages = len(slots)
             op.num_bytes = op.num_pages * mgr.geometry.bytes_per_page
             apply(op, OpEvent.START)
-            future = mgr.store.write_pages(mgr.l2.page_buffer, m.pages[Tier.L2][n3 // ps: n2 // ps], slots,
-                                           **mgr.page_keys(tokens, n3, n2))
+            try:  # (a closed FileStore refuses as the write is submitted; the Redis L3 fails its future)
+                future = mgr.store.write_pages(mgr.l2.page_buffer, m.pages[Tier.L2][n3 // ps: n2 // ps], slots,
+                                               **mgr.page_keys(tokens, n3, n2))
+            except StorageError as exc:
+                self._storage_failed(op, exc)
+                return
             self._l3_writing[op.op_id] = tokens[:n2]
             # its pages are in L2, locked by this write: the backups waiting for its D2H start now,
             # and those asked for from now on (extensions) at once (their L3 writes wait for this

@@ -146,11 +146,14 @@ class OpRunner(Backups, Restores):
     def _not_started(self, op: Op, exc: Exception) -> None:
         """Starting `op` raised before its driver was registered (a copy or read that could not be enqueued,
         an eviction's veto, no running loop, a bug): nothing of it can be awaited, so it ends here, FAILED and
-        counted as a driver that raised (`_guard`), its locks and private pages given back, and its caller goes
-        on as for an op not made (a backup is skipped, a restore's request recomputes). Regression: the error
-        escaped with the op's locks and pages held by no op, for good, and out of admission it crashed the
-        engine loop (every live request failed; a prefetch's, out of add_request)."""
-        log_anyway(log.exception, "op_start_error", op_id=op.op_id, kind=op.kind.value)
+        counted as a driver that raised (`_guard`; a store's refusal, a StorageError, as its kind: a closed file
+        L3), its locks and private pages given back, and its caller goes on as for an op not made (a backup is
+        skipped, a restore's request recomputes). Regression: the error escaped with the op's locks and pages
+        held by no op, for good, and out of admission it crashed the engine loop (every live request failed; a
+        prefetch's, out of add_request)."""
+        refused = isinstance(exc, StorageError)  # (a closed FileStore refuses a read as it is submitted: no bug)
+        if not refused:
+            log_anyway(log.exception, "op_start_error", op_id=op.op_id, kind=op.kind.value)
         if not op.done:
             apply(op, OpEvent.FAIL, error=f"not started: {exc!r}")
         self._release(op)
@@ -161,7 +164,7 @@ class OpRunner(Backups, Restores):
             m.prefetches_started += 1
         else:
             m.restores_started += 1
-        m.count_failure("driver")
+        m.count_failure(exc.kind if refused else "driver")
 
     def _register(self, op: Op, coro) -> Op:
         self.live[op.op_id] = op

@@ -3,12 +3,11 @@
 Slot s lives at byte offset s * bytes_per_page and holds the same bytes as one page-major L2 page.
 This class only moves bytes: which slot holds what is decided by the cache tree and its allocator.
 
-I/O goes straight between the file and the caller's CPU tensor through memoryviews (os.preadv /
-os.pwritev, no copies), one syscall per extent (a run where both host pages and slots are
-consecutive; a large one split between threads, a verified read's in ~8 MiB pieces), on a bounded
-thread pool, never on the caller's thread. Each operation returns a concurrent.futures.Future
-resolving to an IoResult or raising StorageError; a failed operation never
-returns garbage: short transfers, I/O errors and (when enabled) checksum mismatches all fail it.
+I/O goes straight between the file and the caller's CPU tensor through memoryviews (os.preadv / os.pwritev, no
+copies), one syscall per extent (a run where both host pages and slots are consecutive; a large one split between
+threads, a verified read's in ~8 MiB pieces), on a bounded thread pool, never on the caller's thread. Each operation
+returns a concurrent.futures.Future resolving to an IoResult or raising StorageError; a failed operation never returns
+garbage: short transfers, I/O errors and (when enabled) checksum mismatches all fail it.
 A slot's checksum is bound to the prefix its page was computed for (`bound_checksums`): a read of
 a slot under another prefix's key (a kept index edited since, a slot mixed up) fails like a corrupt
 page, never restores another prefix's KV.
@@ -32,7 +31,7 @@ from .faults import Fault, FaultInjector
 from .geometry import KVGeometry
 from .page_keys import PageKeyer
 from .storage_file import open_store_file, release_file
-from .storage_op import IoResult, ReadFuture, StorageError, StorageOp  # noqa: F401 (the store's API)
+from .storage_op import IoResult, ReadFuture, StorageError, StorageOp, refuse_own_thread  # noqa: F401 (the API)
 
 # An extent is split into pieces of at least this many bytes so that one large transfer can use
 # several worker threads (cold buffered reads scale with threads, DESIGN.md section 10).
@@ -245,6 +244,7 @@ class FileStore:
     def close(self, cancel_queued: bool = False) -> None:
         """Wait for in-flight I/O (queued operations too, unless cancel_queued: those fail with
         StorageError('closed')), then close the file; a temp file is removed, a path is kept."""
+        refuse_own_thread(self._pool, self._verify_pool)  # (first: on one, nothing is closed)
         with self._state_lock:
             if self._closed:
                 return

@@ -33,6 +33,15 @@ class StorageError(Exception):
         self.errno = errno_
 
 
+def refuse_own_thread(*pools: cf.ThreadPoolExecutor | None) -> None:
+    """FileStore.close() on one of its own pools' threads (in a done-callback of an operation's future: it runs where
+    the operation ended) would join that very thread as the pools shut down: refused before anything closes
+    (regression: "cannot join current thread" left the store marked closed with its file, lock and threads)."""
+    if any(threading.current_thread() in pool._threads for pool in pools if pool is not None):
+        raise RuntimeError("FileStore.close() on one of its own I/O threads (in a callback of an operation's "
+                           "future) would wait for itself: close it from another thread")
+
+
 class IoResult(NamedTuple):
     num_bytes: int
     num_extents: int
