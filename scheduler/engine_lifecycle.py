@@ -170,6 +170,11 @@ class EngineLifecycle:
             await asyncio.shield(self._stop_done)
 
     @property
+    def loop_stopped(self) -> bool:
+        """Whether a stop_loop() ended the loop and no start() began it again (queued requests wait for one)."""
+        return self._loop_task is None and self._stop_done is not None
+
+    @property
     def accepting(self) -> bool:
         """Whether add_request takes new requests (False once shutdown() or stop_loop() began)."""
         return not (self._closing or self.stopping)

@@ -135,7 +135,8 @@ class Generation:
         if fin.finish_reason == "abort":
             return APIError(503, f"{where}the request was aborted (the server is shutting down or the client went "
                                  f"away)", param=param, code="aborted")
-        return APIError(500, f"{where}the engine failed this request: {fin.error}", param=param, code="engine_error")
+        return APIError(500, f"{where}the engine failed this request ({self.req.rid}, as the logs name it): "
+                                f"{fin.error}", param=param, code="engine_error")
 
     async def abort(self, stop: bool = False) -> None:
         await abort_quietly(self.st.engine, self.req, stop)

@@ -155,10 +155,12 @@ class BackgroundRun:
     async def cancel(self) -> None:
         """Cancel its task unless it ended, and wait for its end (a task is cancelled once it started: one cancelled
         before its first step would never run its cleanup)."""
+        while not self._started and not self.task.done():
+            await asyncio.sleep(0)  # (its first step is already scheduled)
+        # (flagged as it is cancelled, not before the wait: a caller cancelled in it left the flag set and the task
+        # running, every later cancel, the shutdown's too, only waiting for its end: regression)
         if not self.finished and not self._cancelling:
             self._cancelling = True
-            while not self._started and not self.task.done():
-                await asyncio.sleep(0)  # (its first step is already scheduled)
             self.task.cancel()
         await asyncio.wait([self.task])
 

@@ -142,6 +142,10 @@ class _ServerState:
         if not self.engine.accepting:  # shut down under the app (a library user's shutdown(), or a stop_loop() under
             # way): /health fails too (regression: it said ok while every completion was refused)
             raise APIError(503, "the engine is stopping or shut down and admits no new requests", code="shutting_down")
+        if self.engine.loop_stopped:  # (not started again: a request would wait queued until start(); regression:
+            # /health said ok, and a load balancer's requests hung)
+            raise APIError(503, "the engine loop is stopped (stop_loop) and serves no requests; start() resumes it",
+                           code="shutting_down")
 
     @property
     def prompt_limit(self) -> int:
@@ -468,6 +472,9 @@ def _refused(st: _ServerState, exc: RequestError, index: int, batch_size: int, a
 
 async def _abort_all(st: _ServerState, gens: list[Generation]) -> None:
     for gen in gens:
+        # (its prompt's tally too: refused, it never ends, and the tally kept its count above 0 and the request's
+        # body, its whole prompt, until the next request: regression)
+        gen.prompt_choices.ended(0)
         await abort_quietly(st.engine, gen.req)
 
 
