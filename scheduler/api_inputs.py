@@ -272,7 +272,8 @@ def _sampling(req: _SamplingFields, max_tokens_limit: int, default_max_tokens: i
         prompt_logprobs = asked if prompt_logprobs is None else max(asked, prompt_logprobs)
     # no temperature: OpenAI's default of 1 (it was greedy here, so a seed or top_p alone changed nothing)
     return SamplingParams(max_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                          top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed,
+                          top_p=1.0 if req.top_p is None else req.top_p,
+                          seed=None if req.seed == -1 else req.seed,  # (vLLM's: -1 is no seed, a random answer)
                           stop_token_ids=req.stop_ids(), ignore_eos=req.ignore_eos, logprobs=logprobs,
                           prompt_logprobs=prompt_logprobs, guided=guided, priority=req.priority,
                           cache_salt=req.cache_salt,
