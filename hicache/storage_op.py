@@ -60,6 +60,9 @@ class ReadFuture(cf.Future):
     def __init__(self) -> None:
         super().__init__()
         self.landed: cf.Future = cf.Future()
+        # as the read's own, it cannot be cancelled: a waiter's give-up (a wait_for on its asyncio wrapper) cancelled
+        # it, and the I/O thread's set_result raised (regression: the read failed, or its checksums never started)
+        self.landed.set_running_or_notify_cancel()
         self._start_held = None  # read_pages(hold_checks=True): what start_checks() calls
 
     def start_checks(self) -> None:
