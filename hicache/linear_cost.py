@@ -31,7 +31,7 @@ class LinearCost:
     slope and intercept cannot both be identified. A sample slower than the reference slope predicts
     moves, by EWMA (alpha 0.2), the slope towards the reference and fixed_s towards the excess,
     seconds - size * reference (DESIGN.md section 7). The reference is the prior until a window of several sizes
-    identified a slope, then the last such fit: a window that has lost its spread (a recompute
+    identified a slope, then the last such fit no one sample decided: a window that has lost its spread (a recompute
     model that sees only restores' short tails once every hit is restored) would otherwise drift
     back to the prior and forget what it measured (session 19: the stress L3 tier's recompute
     slope went back to the prior's 50 us a token, 3.6 x the 14 it had fitted, and every hit was
@@ -124,8 +124,14 @@ class LinearCost:
         supported = min(sum(x - lo > thr for x in sizes), sum(hi - x > thr for x in sizes)) >= 2
         # a reference (what later outliers are held back against) only from a fit with two samples
         # at each end of the spread (regression: one slow sample at another size, a GC pause, set
-        # the slope alone and stayed the reference: recompute learned at 162 us/token, not 14)
-        if self.slope > 0 and supported:
+        # the slope alone and stayed the reference: recompute learned at 162 us/token, not 14), and
+        # that no one sample decides: leaving out any keeps the slope within a factor of 2 (regression: one
+        # of the last two full prefills before a window of tails only, 5 x slow, set it at 5.2 x for good)
+        k = n / (n - 1)
+        steady = slope > 0 and all(
+            0 < slope * (sxx - k * (x - mean_x) ** 2) / 2 <= sxy - k * (x - mean_x) * (y - mean_y)
+            <= 2 * slope * (sxx - k * (x - mean_x) ** 2) for x, y in self._samples)
+        if self.slope > 0 and supported and steady:
             self.reference_slope = self.slope
 
     def predict(self, size: float) -> float:
