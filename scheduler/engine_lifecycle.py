@@ -232,7 +232,9 @@ class EngineLifecycle:
         raises still gets its last event (failed: `end_broken`), and the others end, before its error is raised
         (regression: it and those after it never ended; with no loop running, their clients waited forever)."""
         errors = []
-        for rid in list(self.aborting):
+        # (in arrival order, not the set's, which follows the hash seed: so did the order they published their K/V in,
+        # and so which the prefix cache evicted first, from one run of the same requests to the next)
+        for rid in [rid for rid in self.requests if rid in self.aborting] if self.aborting else ():
             req = self.requests.get(rid)
             if req is not None and not req.state.done:
                 try:
