@@ -397,7 +397,10 @@ class OpRunner(Backups, Restores):
         return op.payload.get("num_read_pages", op.num_pages) * self.mgr.geometry.bytes_per_page
 
     def _io_deadline_s(self, num_bytes: int) -> float:
-        return max(self.mgr.config.io_timeout_s, 4 * self.mgr.cost.directions["s2h"].predict(num_bytes))
+        # at most 4x io_timeout_s: a read past its deadline is learned as taking it (`_await_io`), so on a storage
+        # that hangs each one raised the next one's 1.6x, unbounded (30 s, 43 s, ... 20 min after 10 timeouts)
+        timeout_s = self.mgr.config.io_timeout_s
+        return min(4 * timeout_s, max(timeout_s, 4 * self.mgr.cost.directions["s2h"].predict(num_bytes)))
 
     # -- lifecycle and integrity ---------------------------------------------------------------
     def pending_counts(self) -> dict:

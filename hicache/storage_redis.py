@@ -139,11 +139,15 @@ class RedisStore(RedisHints):
             err = StorageError("enospc", f"redis {what}: out of memory (maxmemory with noeviction): {exc}")
         else:
             err = StorageError("eio", f"redis {what}: {type(exc).__name__}: {exc}")
-            if isinstance(exc, (rexc.ConnectionError, rexc.TimeoutError, OSError, asyncio.TimeoutError)):
+            now_s = time.monotonic()
+            # (one while already backing off is an operation sent before: it does not count, or the ops in
+            # flight at one dropped connection doubled the first back-off once each)
+            if isinstance(exc, (rexc.ConnectionError, rexc.TimeoutError, OSError, asyncio.TimeoutError)) \
+                    and now_s >= self._down_until:
                 self._consecutive_failures += 1
                 lo, hi = self.backoff_s
                 # (the exponent capped: after ~1,025 failures in a row, 2 ** n overflowed a float)
-                self._down_until = time.monotonic() + min(hi, lo * 2 ** min(self._consecutive_failures - 1, 32))
+                self._down_until = now_s + min(hi, lo * 2 ** min(self._consecutive_failures - 1, 32))
         self.errors[err.kind] = self.errors.get(err.kind, 0) + 1
         return err
 

@@ -57,18 +57,21 @@ class Restoring:
     async def _refresh_then_prefetch(self, req: Request) -> None:
         try:
             await self.cache.refresh_l3_hints(self._reusable(req))
-            if not req.state.done:
-                self._prefetch(req)
         except Exception as exc:  # a store that cannot answer only costs the hint
             log.warning("l3_hint_refresh_failed", rid=req.rid, error=repr(exc))
             self.cache.metrics.count_failure("hint_refresh")
+        else:
+            try:  # (a raise here is the prefetch's, a bug, not the store's: it costs no hint_refresh failure)
+                self._prefetch(req)
+            except Exception:
+                log.exception("l3_prefetch_failed", rid=req.rid)
         finally:
             self.engine.wake_soon()
 
     def _prefetch(self, req: Request) -> None:
         cache = self.cache
-        if not (cache.has_l3 and cache.config.prefetch and cache.config.policy != "never"):
-            return
+        if req.state.done or not (cache.has_l3 and cache.config.prefetch and cache.config.policy != "never"):
+            return  # (done: it ended while its hints were fetched)
         tokens = self._reusable(req)
         m = cache.tree.match(tokens, include_storage=True, touch=False)
         l1, l2, l3 = m.lengths

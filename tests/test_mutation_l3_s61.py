@@ -204,8 +204,8 @@ def _runner(**mgr):
 
 
 def test_an_l3_read_s_deadline_and_bytes():
-    """An L3 read's deadline is the configured one or 4x its predicted time, whichever is longer, and
-    what it reads is its pages [l2, l3), not its longest copy."""
+    """An L3 read's deadline is the configured one or 4x its predicted time, whichever is longer (at most 4x the
+    configured one), and what it reads is its pages [l2, l3), not its longest copy."""
     from types import SimpleNamespace
 
     from hicache.ops import OpKind, new_op
@@ -213,7 +213,8 @@ def test_an_l3_read_s_deadline_and_bytes():
     runner = _runner(config=SimpleNamespace(io_timeout_s=1.0), cost=SimpleNamespace(directions={"s2h": predict}),
                      geometry=SimpleNamespace(bytes_per_page=100))
     assert runner._io_deadline_s(100) == 1.0
-    assert runner._io_deadline_s(2000) == 8.0
+    assert runner._io_deadline_s(750) == 3.0
+    assert runner._io_deadline_s(2000) == 4.0  # (at most 4x io_timeout_s: tests/test_timers_s74.py)
     op = new_op(1, OpKind.RESTORE_L3, num_pages=5, num_bytes=500)
     assert runner._read_bytes(op) == 500
     op.payload["num_read_pages"] = 2
