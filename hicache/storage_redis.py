@@ -260,11 +260,11 @@ class RedisStore(RedisHints):
                 values = await self._on_cpu(self._pack, pages, keys[lo:hi], host_arr[lo:hi])
                 await client.mset(dict(zip(keys[lo:hi], values)))
                 self.counters["round_trips"] += 1
+                self._succeeded()  # (before a later chunk's refusal fails the write, as a read's round trip)
         except Exception as exc:
             if await self.refusals.write_failed(self._client, exc) is not None:
                 raise self._error(StorageError("enospc", f"redis write: {self.refusals.writes}"), "write") from exc
             raise self._error(exc, "write") from exc
-        self._succeeded()
         self.refusals.write_succeeded()
         if self._suspect:  # (clean pages now, recomputed: this engine's backups copy no dropped page)
             self._suspect.difference_update(keys)
