@@ -112,8 +112,8 @@ class HiCacheConfig:
             size_gb = getattr(self, name)
             if size_gb is not None and not 0 <= size_gb < math.inf:  # (negative: no tier; NaN, inf: a crash)
                 raise ValueError(f"hicache.{name} ({flag}) must be a finite number >= 0, got {size_gb!r}")
-        if not self.io_timeout_s > 0:
-            raise ValueError(f"hicache.io_timeout_s must be > 0, got {self.io_timeout_s!r}")
+        if not 0 < self.io_timeout_s < math.inf:  # (NaN, inf: an L3 read on a hung storage never timed out)
+            raise ValueError(f"hicache.io_timeout_s must be > 0 and finite, got {self.io_timeout_s!r}")
         for name, flag in (("recompute_us_per_token", "--hicache-recompute-us-per-token"),
                            ("host_bandwidth_gib_s", "--hicache-host-bandwidth-gib-s"),
                            ("storage_bandwidth_gib_s", "--hicache-storage-bandwidth-gib-s")):
@@ -228,7 +228,11 @@ def _check_redis_url(url: str) -> None:
             # its query's options as the client reads them (regression: "?db=x" and "?socket_timeout=abc" passed,
             # then stopped the engine's start)
             from redis.connection import parse_url
-            parse_url(url)
+            options = parse_url(url)
+            for key in ("socket_timeout", "socket_connect_timeout"):  # (they win over the store's own: 0 or less
+                # timed every command out, L3 "unreachable"; NaN, inf: no socket timeout, a hung server's waited on)
+                if key in options and not 0 < options[key] < math.inf:
+                    problem = f"{key} must be a finite number of seconds > 0, got {options[key]!r}"
     except ValueError as exc:
         problem = str(exc)
     if problem:

@@ -28,6 +28,8 @@ import asyncio
 import dataclasses
 import functools
 import importlib.metadata
+import math
+import numbers
 import os
 import sys
 import time
@@ -86,6 +88,20 @@ class ServerLimits:
     enable_request_id_headers: bool = False  # X-Request-Id on every response (request_ids.RequestIdHeaders)
     responses_store_max: int = 1000  # Responses kept for previous_response_id and GET (responses_store.py); 0: none
     responses_store_max_mib: int = 64  # and at most this many MiB of their JSON
+
+    def __post_init__(self) -> None:
+        """The in-process API's numbers, checked as hicache-serve checks its flags (serve.py): a ValueError naming the
+        field (regression: a NaN grace aborted every request at once, a NaN max_concurrent_requests admitted all)."""
+        for name, least in (("max_prompt_tokens", 0), ("max_tokens_limit", 0), ("max_concurrent_requests", 1),
+                            ("max_body_bytes", 1), ("default_max_tokens", 1), ("responses_store_max", 0),
+                            ("responses_store_max_mib", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
+                raise ValueError(f"ServerLimits.{name} must be an integer >= {least}, got {value!r}")
+            object.__setattr__(self, name, int(value))  # (numpy's integers as Python's)
+        grace_s = self.shutdown_grace_s
+        if not isinstance(grace_s, numbers.Real) or isinstance(grace_s, bool) or math.isnan(grace_s):
+            raise ValueError(f"ServerLimits.shutdown_grace_s must be a number of seconds, got {grace_s!r}")
 
 
 class _ServerState:
