@@ -88,7 +88,7 @@ if triton is not None:
             l1_page = tl.load(pages_ptr + num_pages + i, mask=ok, other=0).to(tl.int64)
             slab = kv * NUM_LAYERS + layer
             host = (host_page * (2 * NUM_LAYERS) + slab) * SLAB + chunk * BLOCK  # [ROWS] word offsets
-            dev = (slab * pool_pages + l1_page) * SLAB + chunk * BLOCK
+            dev = (slab.to(tl.int64) * pool_pages + l1_page) * SLAB + chunk * BLOCK  # (2L - 1) * pool_pages > 2^31
             m = ok[:, None]
             words = tl.load(src_ptr + host[:, None] + offs[None, :], mask=m)    # [ROWS, BLOCK]
             tl.store(dst_ptr + dev[:, None] + offs[None, :], words, mask=m)
@@ -119,7 +119,7 @@ if triton is not None:
             host_page = tl.load(pages_ptr + i).to(tl.int64)
             l1_page = tl.load(pages_ptr + num_pages + i).to(tl.int64)
             host = (host_page * TWO_L + slab) * SLAB + chunk * BLOCK             # [ROWS] word offsets
-            dev = (slab * pool_pages + l1_page) * SLAB + chunk * BLOCK
+            dev = (slab.to(tl.int64) * pool_pages + l1_page) * SLAB + chunk * BLOCK
             m = ok[:, None]
             words = tl.load(src_ptr + dev[:, None] + offs[None, :], mask=m)     # [ROWS, BLOCK]
             tl.store(dst_ptr + host[:, None] + offs[None, :], words, mask=m)

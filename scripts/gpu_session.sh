@@ -19,9 +19,12 @@ for s in "$@"; do
     # compute-sanitizer memcheck over the transfer and copy-kernel tests, torch's caching allocator off so that an access
     # past a tensor is past an allocation (the errors, if any, in memcheck.txt; its last line counts them; the refused
     # runtime calls test_gpu_cover_s73 makes on purpose show there as API errors: cudaErrorInvalidPitchValue, 712)
-    memcheck) PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck 500 compute-sanitizer --tool memcheck --print-limit 40 \
+    # (the CUDA-graph cases deselected: without the caching allocator a capture's cudaMalloc is refused, and the
+    # failed capture broke the RNG for every later test: session 74's run, 9 such failures, no memory error)
+    memcheck) MEMCHECK_DESELECT=$(printf -- '--deselect tests/test_gpu_transfers.py::test_layer_flags_hold_each_layer_until_its_copy_landed[True-%s] ' False-0 True-0 False-112)
+              PYTORCH_NO_CUDA_MEMORY_CACHING=1 step memcheck 500 compute-sanitizer --tool memcheck --print-limit 40 \
                 --log-file "$OUT/memcheck.txt" python3 -m pytest -q -p no:cacheprovider -m gpu --tb=line \
-                tests/test_gpu_cover_s73.py tests/test_gpu_transfers.py; tail -n 3 "$OUT/memcheck.txt" ;;
+                tests/test_gpu_cover_s73.py tests/test_gpu_transfers.py $MEMCHECK_DESELECT; tail -n 3 "$OUT/memcheck.txt" ;;
     tests_sampling) step tests_sampling 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_sampling.py ;;
     kernels) step kernels 200 python3 scripts/bench_kernels.py --out "$OUT/kernels.json" ;;
     transfer) step transfer 200 python3 scripts/bench_transfer.py --out "$OUT/transfer.json" ;;
