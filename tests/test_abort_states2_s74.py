@@ -1,10 +1,10 @@
-"""Abort in every state, part 2 (session 74 hunt; tests/test_abort_states_s74.py holds part 1): an L3
-restore held in H2D_PENDING (its read done, its copy into L1 held) under stop_loop() without cancel_ops,
-shutdown(grace_s=0) and a cancelling drain, the copy then succeeding or raising; a streaming HTTP client
-that leaves while its request's op is in S2H_PENDING or H2D_PENDING (L2 and L3 restores), or while its
-prefix is being backed up (D2H_PENDING, H2S_PENDING) for an earlier request; and a second request for a
-prefix whose L3 read is in S2H_PENDING under stop_loop(). Each checks the op ends (bounded waits), every
-tier is whole, and a later identical request's output equals a recompute's.
+"""Abort in every state, part 2 (session 74 hunt; tests/test_abort_states_s74.py holds part 1, and the cancelling
+drain's cells of both restores): an L3 restore held in H2D_PENDING (its read done, its copy into L1 held) under
+stop_loop() without cancel_ops and shutdown(grace_s=0), the copy then succeeding or raising; a streaming HTTP
+client that leaves while its request's op is in S2H_PENDING or H2D_PENDING (L2 and L3 restores), or while its
+prefix is being backed up (D2H_PENDING, H2S_PENDING) for an earlier request; and a second request for a prefix
+whose L3 read is in S2H_PENDING under stop_loop(). Each checks the op ends (bounded waits), every tier is whole,
+and a later identical request's output equals a recompute's.
 """
 from __future__ import annotations
 
@@ -12,13 +12,11 @@ import asyncio
 
 import httpx
 import pytest
-import torch
 
 from hicache.faults import Fault, FaultInjector
 from hicache.ops import OpState
 from hicache.radix import Tier
-from hicache_helpers import (ReadGate, WriteGate, assert_whole, capture_op_logs, finish, hold_copies, l1_bytes,
-                             make_manager, toks, until, write_prefix)
+from hicache_helpers import ReadGate, WriteGate, assert_whole, capture_op_logs, finish, until
 from test_abort_states_s74 import _engine_with_prompt_in_l3
 from test_cancel_hunt import FIRST, PARAMS, SECOND, _raw_stream, _until_status
 from test_cancel_hunt import make_engine as make_hunt_engine
@@ -26,7 +24,7 @@ from test_cancel_hunt import reference as hunt_reference
 from test_faults import PROMPT, TransferGate, ended, live_in, op_paths, reference, run_one
 
 
-# -- H2D_PENDING of an L3 restore: stop_loop(), shutdown(grace_s=0), drain(cancel=True) ----------------------
+# -- H2D_PENDING of an L3 restore: stop_loop(), shutdown(grace_s=0) (its cancelling drain: in part 1) ---------
 @pytest.mark.asyncio
 @pytest.mark.parametrize("copy_fails", [False, True])
 async def test_stop_loop_under_an_l3_restores_held_copy_waits_for_it_then_serves(copy_fails):
@@ -84,44 +82,6 @@ async def test_shutdown_without_grace_under_an_l3_restores_held_copy_aborts_its_
     assert op.done and [e["from_state"] for e in ended(logs, "FAILED")] == (["H2D_PENDING"] if copy_fails else [])
     assert not eng.cache.runner.live and not eng.cache.runner._settling
     eng.cache.tree.check_integrity()
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("copy_fails", [False, True])
-async def test_a_cancelling_drain_under_an_l3_restores_copy_keeps_its_read_in_l2(copy_fails):
-    """drain(cancel=True) while an L3 restore's H2D is held (its read published in L2): its L1 pages
-    stay reserved until the copy settled, then go back; the read stays in L2, and a restore from it
-    brings the bytes first written."""
-    faults = FaultInjector()
-    mgr = make_manager(l1_pages=16, host_pages=32, storage_pages=64, faults=faults)
-    tokens = toks((1, 17))
-    write_prefix(mgr, tokens, seed=5)
-    want = l1_bytes(mgr, tokens)
-    await mgr.drain()
-    mgr.tree.evict(Tier.L1, 10 ** 9)
-    mgr.tree.evict(Tier.L2, 10 ** 9)
-    assert mgr.tree.match(tokens, touch=False).lengths == [0, 0, 16]
-    free_l1 = mgr.allocator(Tier.L1).num_free
-    release = hold_copies(mgr)
-    if copy_fails:
-        faults.arm(Fault.TRANSFER_RAISE)
-    op = mgr.runner.start_restore(tokens, mgr.match(tokens), "l3", "req")
-    await until(lambda: op.state is OpState.H2D_PENDING)
-    draining = asyncio.create_task(mgr.drain(cancel=True))
-    await until(lambda: op.payload["cancel"] or op.done)
-    assert mgr.allocator(Tier.L1).num_free < free_l1  # (the copy may still write into them)
-    release.set()
-    await asyncio.wait_for(draining, 10)
-    assert op.state is OpState.CANCELLED or (copy_fails and op.state is OpState.FAILED)
-    assert mgr.allocator(Tier.L1).num_free == free_l1
-    assert mgr.tree.match(tokens, touch=False).lengths == [0, 16, 16]
-    assert_whole(mgr)
-    again = mgr.runner.start_restore(tokens, mgr.match(tokens), "l2", "req2")
-    await mgr.runner.wait_op(again)
-    assert again.succeeded and torch.equal(l1_bytes(mgr, tokens), want)
-    await mgr.drain()
-    assert_whole(mgr)
-    await mgr.close()
 
 
 # -- S2H_PENDING: a second request for the prefix the first's L3 read brings up, under stop_loop() -----------
