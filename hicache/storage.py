@@ -244,10 +244,10 @@ class FileStore:
     def close(self, cancel_queued: bool = False) -> None:
         """Wait for in-flight I/O (queued operations too, unless cancel_queued: those fail with
         StorageError('closed')), then close the file; a temp file is removed, a path is kept."""
-        refuse_own_thread(self._pool, self._verify_pool)  # (first: on one, nothing is closed)
         with self._state_lock:
             if self._closed:
                 return
+            refuse_own_thread(self._pool, self._verify_pool)  # (before anything closes; a closed store: a no-op)
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=cancel_queued)
         with self._state_lock:

@@ -7,6 +7,7 @@ L3 closed from a callback of its own operation's future (on its I/O thread) says
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from structlog.testing import capture_logs
@@ -83,3 +84,35 @@ def test_a_file_store_closed_from_its_own_operations_callback_says_so_and_stays_
     store.close()
     assert store.closed
     FileStore(GEOM, num_slots=4, path=path).close()  # (the path's lock went with the close)
+
+
+def test_a_close_on_an_io_thread_while_another_thread_closes_is_a_no_op(tmp_path):
+    """close() of a store already closed is a no-op from any thread, its own I/O threads too (regression: the
+    own-thread check ran before the `_closed` test, so a write's done-callback closing the store while another
+    thread's close() drained the pool got a RuntimeError)."""
+    store = FileStore(GEOM, num_slots=4, path=str(tmp_path / "l3.bin"), io_workers=1)
+    gate, called = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+    store._pool.submit(gate.wait, 10)  # (the write queues behind it: its callback is added before it runs)
+    future = store.write_pages(random_pages(GEOM, 1), [0], [0])
+
+    def close_here(_future):
+        try:
+            store.close()  # (the store is closed by now: nothing to do, nothing to refuse)
+        except BaseException as exc:  # noqa: BLE001 - (what the test checks)
+            errors.append(exc)
+        finally:
+            called.set()
+    future.add_done_callback(close_here)
+    closer = threading.Thread(target=store.close)  # waits for the queued write, whose callback then runs
+    closer.start()
+    deadline = time.monotonic() + 10
+    while not store.closed and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert store.closed
+    gate.set()
+    assert called.wait(10)
+    closer.join(10)
+    assert not closer.is_alive()
+    assert errors == []
+    assert future.result(timeout=10).num_bytes == GEOM.bytes_per_page
