@@ -129,11 +129,11 @@ class _SamplingFields(_Strict, PenaltyFields, SamplerFields, GuidedFields, Trunc
             stop.append(self.stop)
         elif self.stop and not isinstance(self.stop, str):
             stop.extend(t for t in self.stop if isinstance(t, int))
-        stop.extend(self.stop_token_ids or ())
-        for t in stop:
-            if t < 0:
-                raise APIError(400, f"stop token id {t} must be >= 0", param="stop", code="invalid_value")
-        return tuple(dict.fromkeys(stop))
+        for param, ids in (("stop", stop), ("stop_token_ids", self.stop_token_ids or ())):  # (the field at fault)
+            for t in ids:
+                if t < 0:
+                    raise APIError(400, f"{param}: token id {t} must be >= 0", param=param, code="invalid_value")
+        return tuple(dict.fromkeys([*stop, *(self.stop_token_ids or ())]))
 
     def check_unsupported(self) -> None:
         if self.n is not None and not 1 <= self.n <= N_MAX:

@@ -33,12 +33,12 @@ def _parse(body: dict, chat: bool = False):
 
 @pytest.mark.parametrize("field", [{"stop": -1}, {"stop": [3, -1]}, {"stop_token_ids": [-1]}],
                          ids=["stop-int", "stop-list", "stop_token_ids"])
-def test_a_negative_stop_token_id_is_a_400_naming_stop(field):
-    """A stop token id below 0 (-1 included) names no token: the request is refused with a 400 naming 'stop',
-    not run with a stop that can never match."""
+def test_a_negative_stop_token_id_is_a_400_naming_its_field(field):
+    """A stop token id below 0 (-1 included) names no token: the request is refused with a 400 naming the field
+    that held it ('stop' or 'stop_token_ids': session 74), not run with a stop that can never match."""
     with pytest.raises(APIError) as err:
         _parse({"prompt": [1, 2, 3], "max_tokens": 4, **field})
-    assert err.value.status == 400 and err.value.param == "stop", err.value.message
+    assert err.value.status == 400 and err.value.param == next(iter(field)), err.value.message
     _, _, params = _parse({"prompt": [1, 2, 3], "max_tokens": 4, "stop_token_ids": [0]})  # (id 0 is a token)
     assert params.stop_token_ids == (0,)
 
