@@ -139,6 +139,8 @@ class SamplingParams:
         if not isinstance(self.stop_token_ids, (tuple, list)) or not all(map(_is_integer, self.stop_token_ids)):
             raise RequestError(f"stop_token_ids must be a tuple of token ids, got {self.stop_token_ids!r}",
                                "stop_token_ids")
+        # a tuple of what was checked (regression: a caller's list changed after add_request crashed the loop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", "ignore_eos")
         self._check_logprobs("logprobs")
