@@ -35,6 +35,9 @@ async def _kept_file_with_an_index(kw: dict) -> None:
     """A kept L3 file whose index lists pages (the next engine on it adopts them: abandon saves them again)."""
     eng = make_engine(**kw)
     await eng.generate_async([PROMPT], SamplingParams())
+    # (its backups' L3 writes done first: shutdown() without a grace cancels those under way, and under load (CI's
+    # -n 2 beside session 74's helpers) the write had not landed, the index listed nothing)
+    await eng.cache.drain()
     await eng.shutdown()
     with np.load(l3_index.index_path(kw["storage_path"])) as index:
         assert len(index["slots"]) > 0

@@ -167,7 +167,9 @@ def test_text_utf8_cannot_encode_is_a_400(chat_srv):
 
 def test_no_generation_slot_and_no_completion_metrics():
     """With every generation slot taken (none here) both still answer; neither counts as a completion."""
-    with ServerThread(create_app(_engine(), ServerLimits(shutdown_grace_s=1.0, max_concurrent_requests=0))) as s:
+    limits = ServerLimits(shutdown_grace_s=1.0)
+    object.__setattr__(limits, "max_concurrent_requests", 0)  # (every slot taken; ServerLimits refuses a 0 of a user's)
+    with ServerThread(create_app(_engine(), limits)) as s:
         before = metric_samples(s.url)
         assert _post(s, "/v1/completions", prompt="hi", max_tokens=1).status_code == 429
         assert _post(s, "/tokenize", prompt="hi").status_code == 200
