@@ -25,7 +25,6 @@ from collections import deque
 from collections.abc import Sequence
 
 import structlog
-import torch
 
 from hicache.faults import FaultInjector
 from hicache.manager import CacheManager

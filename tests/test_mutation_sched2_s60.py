@@ -111,7 +111,8 @@ def test_a_reset_whose_body_was_read_as_a_shutdown_began_is_refused_and_flushes_
     from scheduler.server import _ServerState
 
     cache = _FakeCache()
-    st = SimpleNamespace(engine=SimpleNamespace(cache=cache, accepting=True, loop_stopped=False), engine_error=None, draining=False,
+    engine = SimpleNamespace(cache=cache, accepting=True, loop_stopped=False)
+    st = SimpleNamespace(engine=engine, engine_error=None, draining=False,
                          limits=SimpleNamespace(max_body_bytes=1 << 20),
                          metrics=SimpleNamespace(registry=CollectorRegistry()))
     st.check_admitting = lambda: _ServerState.check_admitting(st)
