@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Sequence
 
 import structlog
+import torch
 
 from hicache.faults import FaultInjector
 from hicache.manager import CacheManager
@@ -34,7 +35,7 @@ from scheduler.admission import Admission
 from scheduler.batch_api import BatchAPI
 from scheduler.config import EngineConfig, resolve_device
 from scheduler.cuda_graphs import TAIL_SIZES, capture_graphs
-from scheduler.engine_lifecycle import TORCH_THREADS, EngineLifecycle
+from scheduler.engine_lifecycle import EngineLifecycle
 from scheduler.engine_loop import EngineLoop
 from scheduler.logs import OccupancyLog, configure_logging, info_enabled
 from scheduler.memory_plan import plan_pools
@@ -54,12 +55,13 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         # (--log-json: its file, whose lines are dropped, not raised, once the disk is full)
         self.log_sink = configure_logging(config.log_json) if config.log_json or not structlog.is_configured() else None
         self.device, self.dtype = resolve_device(config)
+        threads = torch.get_num_threads()
         if self.device.type == "cpu" and config.cpu_threads > 0:
-            TORCH_THREADS.take(self, config.cpu_threads)
+            torch.set_num_threads(config.cpu_threads)
         try:
             self._load(config, faults)
         except BaseException:  # (an engine refused leaves torch's threads as it found them: regression, a mistyped
-            TORCH_THREADS.give_back(self)  # model path left the caller's CPU work on cpu_threads' one thread)
+            torch.set_num_threads(threads)  # model path left the caller's CPU work on cpu_threads' one thread)
             # nor holds its weights and pools until the cyclic gc finds them (its admission, speculator and cache's
             # wakeup refer back to it: regression, a retry in the same process found that much less GPU memory)
             vars(self).clear()

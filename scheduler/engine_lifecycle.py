@@ -9,38 +9,11 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-import weakref
 from collections.abc import AsyncIterator, Sequence
-
-import torch
 
 from scheduler.loop_task import check_loop, crash_of, end_broken, join_loop
 from scheduler.request import Request, RequestError, RequestState, SamplingParams, TokenEvent, enqueue
 from scheduler.sampling import seeded_generator
-
-
-class _TorchThreads:
-    """torch's CPU threads are the process's: the CPU engines alive that set them (cpu_threads), and the count found
-    before the first of them, put back once the last is shut down or refused (regression: after a notebook's engine
-    was shut down, its own CPU work ran on cpu_threads' one thread for good)."""
-
-    def __init__(self) -> None:
-        self.engines, self.found = weakref.WeakSet(), 0
-
-    def take(self, engine: object, threads: int) -> None:
-        if not self.engines:
-            self.found = torch.get_num_threads()
-        self.engines.add(engine)
-        torch.set_num_threads(threads)
-
-    def give_back(self, engine: object) -> None:
-        if engine in self.engines:
-            self.engines.discard(engine)
-            if not self.engines:
-                torch.set_num_threads(self.found)
-
-
-TORCH_THREADS = _TorchThreads()
 
 
 class EngineLifecycle:
@@ -245,7 +218,6 @@ class EngineLifecycle:
                 finally:  # (and the model's runner whatever the tiers' closing raised: a device error)
                     self.runner.close()
                     self._shut_down = True
-                    TORCH_THREADS.give_back(self)
 
     def _abort_all(self) -> None:
         """Stop: the loop admits nothing more and ends once every live request was aborted."""
