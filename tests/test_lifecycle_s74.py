@@ -56,13 +56,9 @@ async def test_a_read_of_l3_started_after_close_fails_closed_not_as_a_driver_bug
     assert_whole(mgr)
 
 
-def test_a_file_store_closed_from_its_own_operations_callback_says_so_and_stays_whole(tmp_path):
-    """A done-callback of a write's future runs on the store's I/O thread; close() there would wait for that very
-    thread: a clear RuntimeError, the store left open, and a later close() from another thread releases the file
-    (regression: "cannot join current thread" out of the pool's shutdown, the store marked closed with its file,
-    lock and checksum threads kept, and every later close() a no-op: the path stayed locked)."""
-    path = str(tmp_path / "l3.bin")
-    store = FileStore(GEOM, num_slots=4, path=path, io_workers=1)
+def _write_whose_callback_closes(store: FileStore):
+    """A one-page write queued behind a gate on the store's one I/O thread, with a done-callback (run on that thread)
+    that calls store.close(): (the gate, the write's future, an Event set once the callback ran, what it raised)."""
     gate, called = threading.Event(), threading.Event()
     errors: list[BaseException] = []
     store._pool.submit(gate.wait, 10)  # (the write queues behind it: its callback is added before it runs)
@@ -71,11 +67,22 @@ def test_a_file_store_closed_from_its_own_operations_callback_says_so_and_stays_
     def close_here(_future):
         try:
             store.close()
-        except BaseException as exc:  # noqa: BLE001 - (what the test checks)
+        except BaseException as exc:  # noqa: BLE001 - (what the tests check)
             errors.append(exc)
         finally:
             called.set()
     future.add_done_callback(close_here)
+    return gate, future, called, errors
+
+
+def test_a_file_store_closed_from_its_own_operations_callback_says_so_and_stays_whole(tmp_path):
+    """A done-callback of a write's future runs on the store's I/O thread; close() there would wait for that very
+    thread: a clear RuntimeError, the store left open, and a later close() from another thread releases the file
+    (regression: "cannot join current thread" out of the pool's shutdown, the store marked closed with its file,
+    lock and checksum threads kept, and every later close() a no-op: the path stayed locked)."""
+    path = str(tmp_path / "l3.bin")
+    store = FileStore(GEOM, num_slots=4, path=path, io_workers=1)
+    gate, future, called, errors = _write_whose_callback_closes(store)
     gate.set()
     future.result(timeout=10)
     assert called.wait(10)
@@ -91,19 +98,7 @@ def test_a_close_on_an_io_thread_while_another_thread_closes_is_a_no_op(tmp_path
     own-thread check ran before the `_closed` test, so a write's done-callback closing the store while another
     thread's close() drained the pool got a RuntimeError)."""
     store = FileStore(GEOM, num_slots=4, path=str(tmp_path / "l3.bin"), io_workers=1)
-    gate, called = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-    store._pool.submit(gate.wait, 10)  # (the write queues behind it: its callback is added before it runs)
-    future = store.write_pages(random_pages(GEOM, 1), [0], [0])
-
-    def close_here(_future):
-        try:
-            store.close()  # (the store is closed by now: nothing to do, nothing to refuse)
-        except BaseException as exc:  # noqa: BLE001 - (what the test checks)
-            errors.append(exc)
-        finally:
-            called.set()
-    future.add_done_callback(close_here)
+    gate, future, called, errors = _write_whose_callback_closes(store)
     closer = threading.Thread(target=store.close)  # waits for the queued write, whose callback then runs
     closer.start()
     deadline = time.monotonic() + 10
