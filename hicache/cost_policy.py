@@ -44,6 +44,17 @@ def _failed(mgr: "CacheManager", call: str) -> None:
     log_anyway(log.exception, "cost_model_failed", call=call)
 
 
+def observe_transfer(mgr: "CacheManager", direction: str, num_bytes: int, seconds: float) -> None:
+    """A copy's or an L3 read's / write's time learned (`CostModel.observe_transfer`, from the op runner's waits);
+    where the cost model raises, the sample is dropped (`_failed`) and the op that timed it ends as its copy did
+    (regression: a D2H or H2D that had landed failed as a `transfer` failure, its pages thrown away, an L3 write or
+    read as a driver bug)."""
+    try:
+        mgr.cost.observe_transfer(direction, num_bytes, seconds)
+    except Exception:
+        _failed(mgr, "observe_transfer")
+
+
 def _guarded(safe_answer):
     """A CostPolicy method whose raise is `_failed` (counted, logged) and answers `safe_answer` instead: no
     write, a restore all in layers, a sample dropped (see the module docstring)."""

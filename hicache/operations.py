@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from hicache.backups import Backups
+from hicache.cost_policy import observe_transfer
 from hicache.log_gate import log_anyway
 from hicache.ops import Op, OpEvent, OpKind, apply, new_op
 from hicache.radix import Node, Tier
@@ -283,7 +284,7 @@ class OpRunner(Backups, Restores):
                   seen_wait_s=tr.seen_wait_ns / 1e9, service_s=tr.service_ns / 1e9, end_to_end_s=e2e_s,
                   recurring_s=tr.recurring_ns / 1e9)
         if learnable(tr):
-            mgr.cost.observe_transfer(direction, tr.num_bytes, tr.recurring_ns / 1e9)
+            observe_transfer(mgr, direction, tr.num_bytes, tr.recurring_ns / 1e9)
 
     async def _wait_landed(self, op: Op, future, deadline_s: float) -> None:
         """Await a verified L3 read's bytes (storage.ReadFuture.landed), not its checksums. Raises
@@ -308,7 +309,7 @@ class OpRunner(Backups, Restores):
         stats.add(result.num_bytes, queue_wait_s=result.queue_wait_ns / 1e9,
                   service_s=result.service_ns / 1e9, end_to_end_s=e2e_s, extents=result.num_extents,
                   recurring_s=recurring_s)
-        self.mgr.cost.observe_transfer(direction, result.num_bytes, recurring_s)
+        observe_transfer(self.mgr, direction, result.num_bytes, recurring_s)
 
     async def _await_io(self, op: Op, io, awaited, direction: str, deadline_s: float | None):
         """Await `awaited` (the I/O future `io`, or its `landed`) with `io` recorded as the op's
@@ -323,8 +324,8 @@ class OpRunner(Backups, Restores):
         except asyncio.TimeoutError:
             # at least the deadline: learned as such, or a storage that became slower than its
             # deadline would never be timed, and every hit would wait it out before recomputing
-            self.mgr.cost.observe_transfer(direction, self._read_bytes(op) if direction == "s2h" else op.num_bytes,
-                                           deadline_s)
+            observe_transfer(self.mgr, direction, self._read_bytes(op) if direction == "s2h" else op.num_bytes,
+                             deadline_s)
             raise StorageError("timeout", f"{direction} slower than its {deadline_s:.3f} s deadline") from None
         finally:
             if not asyncio.current_task().cancelling():

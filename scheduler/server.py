@@ -137,8 +137,8 @@ class _ServerState:
     async def _shutdown(self) -> None:
         try:
             await self.engine.shutdown(self.limits.shutdown_grace_s)
-        except Exception:  # a crashed loop re-raises here; Engine.shutdown has still cleaned up
-            log.exception("engine_shutdown_after_loop_crash")
+        except Exception:  # a crashed loop re-raises here, or a tier's close (then no crash: regression, named one)
+            log.exception("engine_shutdown_after_loop_crash" if self.engine_error else "engine_shutdown_failed")
         finally:  # background responses had the grace too: those still going cancelled and awaited
             await self.background.close()
 
