@@ -32,7 +32,8 @@ uses is locked or private (a restore's pages stay held for their request from th
 adopts them, Restores.hold_published); a match and the lock of its result never have an await between
 them. So no step is ever mid-way over the tree when it runs (tests/test_diff_fuzz_hunt.py flushes at such
 points against a no-cache engine's outputs). Refused with a 503 while the server drains or once the
-engine loop failed, as generation is.
+engine loop failed, as generation is. A reset of the query alone sent by a browser page of an origin that
+--allowed-origins does not list (its Origin header) is a 403: no CORS preflight guards it.
 
 Departures from vLLM. vLLM answers an empty 200 (a 409 where running requests hold blocks); here a JSON
 body of pages, and never a 409: a reset leaves in-flight requests their pages rather than fail.
@@ -79,6 +80,12 @@ class PrefixCacheReset:
             body = await _body(request, st.limits.max_body_bytes)
         except ClientDisconnect:  # the client left while its body was read: nothing to answer
             return Response(status_code=499)
+        if not body and _cross_site(request.headers.get("origin"), st.limits):
+            # (the query alone, no body: what a form or a no-cors fetch of another site's page sends, which no CORS
+            # preflight guards; regression: such a page reset every tier, L3 too, where a body is refused so that
+            # it cannot: api_models.read_json_body)
+            raise APIError(403, "a browser page of another origin may not reset the cache (its Origin is not in "
+                                "--allowed-origins)", code="cross_site_request", type="permission_error")
         tiers = requested_tiers(request.query_params.multi_items(), body)
         st.check_admitting()  # (the body's read may have awaited a shutdown's start)
         return await reset_tiers(st.engine.cache, tiers, self.resets)
@@ -88,6 +95,15 @@ async def _body(request, max_bytes: int) -> dict:
     """The JSON object of the body; {} for none (vLLM's form: query parameters alone, `curl -X POST`; regression: an
     empty body sent chunked, or of a Content-Length "00", was a 400)."""
     return await read_json_body(request, max_bytes, empty_ok=True)
+
+
+def _cross_site(origin: str | None, limits) -> bool:
+    """Whether a request comes from a browser page (its Origin header; clients that are no page send none) of an
+    origin --allowed-origins does not let in (ServerLimits.cors, None without the flag)."""
+    if origin is None:
+        return False
+    allowed = limits.cors.allowed_origins if limits.cors is not None else ()
+    return "*" not in allowed and origin not in allowed
 
 
 def requested_tiers(query: list[tuple[str, str]], body: dict) -> tuple[Tier, ...]:
