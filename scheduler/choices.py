@@ -55,6 +55,7 @@ class Choices:
 
     def __init__(self, gens: list, chat: bool, rid: str, api_req, model: str) -> None:
         self.gens, self.chat, self.rid, self.model = gens, chat, rid, model
+        self.cut_short = "aborted"  # what those not ended count as when the response ends: failed where the server failed
         self.n = api_req.n or 1
         self.created = int(time.time())
         opts = api_req.stream_options
@@ -153,9 +154,15 @@ class Choices:
     def _events(self) -> AsyncIterator[tuple[int, tuple]]:
         return merge([g.events() if echo is None else _echoed(g, echo) for g, echo in zip(self.gens, self.echoes)])
 
-    @staticmethod
-    def _failed(gen, fin) -> APIError | None:
-        return None if fin is None or fin.finish_reason in ("length", "stop") else gen.fail(fin)
+    def _failed(self, gen, fin) -> APIError | None:
+        """A choice's error where it ended otherwise than by length or stop; the engine's failure of one choice
+        (a 500) makes the rest failed too, not aborted (regression: counted as though their client had left)."""
+        if fin is None or fin.finish_reason in ("length", "stop"):
+            return None
+        error = gen.fail(fin)
+        if error.status >= 500 and error.code != "aborted":
+            self.cut_short = "failed"
+        return error
 
     async def complete(self, request) -> JSONResponse:
         return JSONResponse(await self.body(request))
@@ -167,7 +174,7 @@ class Choices:
         ids: list[list[int]] = [[] for _ in self.gens]
         finish: list[str] = [""] * len(self.gens)
         logprobs: list[list] = [[] for _ in self.gens]
-        failed, outcome = None, "aborted"
+        failed = None
         try:
             async with contextlib.aclosing(self._events()) as events:
                 async for i, (text, token_ids, fin, entries) in events:
@@ -179,11 +186,11 @@ class Choices:
                     if fin is not None:
                         finish[i] = fin.finish_reason
         except Exception:  # (a bug: the server's 500; what had not ended counts as failed, not as a client's abort)
-            outcome = "failed"
+            self.cut_short = "failed"
             raise
         finally:
             watcher.cancel()
-            await self.close(outcome)
+            await self.close(self.cut_short)
         if failed is not None:
             raise failed
         shaped = [None if g.logprobs is None else g.logprobs.render(lps) for g, lps in zip(self.gens, logprobs)]
@@ -274,17 +281,16 @@ class Choices:
         the 200, and the client's connection was cut mid-body: no error, no end)."""
         done = False
         try:
-            outcome = "aborted"
             try:
                 async with contextlib.aclosing(self._sse()) as chunks:
                     async for chunk in chunks:
                         done = chunk == _DONE
                         yield chunk
             except Exception:
-                outcome = "failed"
+                self.cut_short = "failed"
                 raise
             finally:
-                await self.close(outcome)
+                await self.close(self.cut_short)
         except Exception as exc:
             log_anyway(log.exception, "stream_failed", rid=self.rid)
             if not done:
