@@ -294,7 +294,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     async def model(model: str):  # the openai SDK's models.retrieve (it was a 404 for the served model)
         if model in ("", "/"):  # (/v1/models/: the list, as others redirect a trailing slash; it was a 404 "model ''")
             return await models()
-        model = model.removesuffix("/")
+        model = model if model in st.served_names else model.removesuffix("/")  # (a listed name may end in "/")
         if model not in st.served_names:
             raise model_not_found(model, st.served_names, st.model_name)
         return model_card()
