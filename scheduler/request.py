@@ -349,6 +349,7 @@ class Request:
                                   # (Admission._computes_prefix_of: logged once per request it waits for)
     landed_offered: bool = False  # its prefetch's read landed and the request was offered to take it on
     promoted_tokens: int = 0      # tokens an L3 read (its prefetch, its restore, or one it followed) promoted to L2
+    promoted_end: int = 0         # where they end in its prefix (they are that read's tail: `promote`)
     hint_task: object = None      # shared L3: the existence query that must finish before admission
     hint_deferred: bool = False   # queued outside a running loop: that query (or its prefetch) starts on the
                                   # loop's next plan
@@ -413,6 +414,17 @@ class Request:
     def cache_prefill(self) -> list[int]:
         """`prefill_ids` as the prefix cache keys them (`cache_prompt`, then the folded output)."""
         return self.cache_prompt + self.output[:self.resumed_tokens] if self.resumed_tokens else self.cache_prompt
+
+    def promote(self, start_tokens: int, end_tokens: int, keep_longer: bool = False) -> None:
+        """An L3 read (its prefetch, its restore, or one it followed) promoted [start, end) of its prefix to L2."""
+        if not keep_longer or end_tokens - start_tokens > self.promoted_tokens:
+            self.promoted_tokens, self.promoted_end = end_tokens - start_tokens, end_tokens
+
+    def promoted_in(self, start_tokens: int, end_tokens: int) -> int:
+        """Tokens of [start, end) that the read of `promote` brought, an L2 restore's share scored as L3
+        (regression: min(promoted, restored) counted L2's own head as L3 where L2 had lost the read's tail since)."""
+        first = self.promoted_end - self.promoted_tokens
+        return max(0, min(end_tokens, self.promoted_end) - max(start_tokens, first))
 
     def emit(self, event: TokenEvent) -> None:
         if event.token_id is not None and self.step_logprobs and self.step_logprobs[0][0] == event.token_id:

@@ -88,7 +88,7 @@ class Restoring:
             return
         req.prefetch_op = cache.runner.start_restore(tokens, m, "prefetch", req.rid, take_soon=overlap)
         if req.prefetch_op is not None:
-            req.promoted_tokens = l3 - l2  # served from L3 when this request later restores from L2
+            req.promote(l2, l3)  # served from L3 when this request later restores from L2
             self._plan(req, "l3", decision, req.prefill_len - l3)
 
     def drop_ops(self, req: Request, aborting: set[str]) -> None:
@@ -181,7 +181,7 @@ class Restoring:
             if req.restore_failed:
                 self._fell_back(req, len(op.payload["tokens"]))
             else:  # (what its read brought is scored as L3, as a prefetch's is)
-                req.promoted_tokens = op.payload["l3_end"] - op.payload["l2_start"]
+                req.promote(op.payload["l2_start"], op.payload["l3_end"])
             req.hit_tokens.update(l2=0, l3=0)
             req.restore_tier = "none"
         if op is req.prefetch_op and op is not None:
@@ -207,9 +207,9 @@ class Restoring:
                 break
             shared += 1
         shared -= shared % self.page_size
-        promoted = min(op.payload["l3_end"], shared) - op.payload["l2_start"]
-        if promoted > 0:
-            req.promoted_tokens = max(req.promoted_tokens, promoted)
+        end = min(op.payload["l3_end"], shared)
+        if end > op.payload["l2_start"]:
+            req.promote(op.payload["l2_start"], end, keep_longer=True)
             req.span_plan = None
 
     def prefetch_ended(self, req: Request) -> None:
@@ -319,7 +319,7 @@ class Restoring:
         req.restore_l1_start = m.lengths[Tier.L1]
         l1, l2, l3 = m.lengths
         # an L3 restore reads [max(l1, l2), l3); what L2 already held comes from there
-        from_l3 = l3 - max(l1, l2) if decision.tier == "l3" else min(req.promoted_tokens, decision.restore_tokens)
+        from_l3 = l3 - max(l1, l2) if decision.tier == "l3" else min(req.promoted_in(l1, end), decision.restore_tokens)
         # (an L2 restore of what this request's prefetch promoted is scored as that prefetch's L3 hit)
         self._plan(req, "l3" if from_l3 else decision.tier, decision, req.prefill_len - end)
         req.hit_tokens.update(l3=from_l3, l2=decision.restore_tokens - from_l3)
