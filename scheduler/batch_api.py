@@ -35,7 +35,8 @@ class BatchAPI:
                 except RequestError as exc:
                     reqs.append(GenerationResult(rid="", prompt_tokens=len(prompt) if hasattr(prompt, "__len__") else 0,
                                                  output_ids=[], finish_reason="error", error=str(exc),
-                                                 cached_tokens={}, ttft_s=None, latency_s=None,
+                                                 cached_tokens=dict.fromkeys(("l1", "l2", "l3"), 0),
+                                                 ttft_s=None, latency_s=None,
                                                  logprobs=None if getattr(p, "logprobs", None) is None else []))
             for r in reqs:
                 if isinstance(r, Request):
