@@ -171,6 +171,9 @@ class OpRunner(Backups, Restores):
         self.live[op.op_id] = op
         task = asyncio.get_running_loop().create_task(self._guard(op, coro))
         task.add_done_callback(lambda t: self._on_task_cancelled(op, coro) if t.cancelled() else self._forget(op))
+        # (an interrupt `_guard` let go on, out of the event loop already, is read: else asyncio logged "Task
+        # exception was never retrieved" with its traceback as the task was collected, regression)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         self._tasks[op.op_id] = task
         return op
 
@@ -353,14 +356,24 @@ class OpRunner(Backups, Restores):
         self.start_checks(op)  # a read whose checksums wait for a launch settles only once they ran
 
         async def settle():
-            try:
-                if future is not None:
-                    await (future if isinstance(future, asyncio.Future) else asyncio.wrap_future(future))
-            except BaseException:
-                pass
+            # its own cancellation (an asyncio.run() that ends cancels every task left) waits for the copy all
+            # the same, then goes on (regression: taken for the copy's outcome, the pages were freed at once while
+            # an abandoned read still ran into them)
+            cancelled = None
+            awaited = None if future is None else \
+                future if isinstance(future, asyncio.Future) else asyncio.wrap_future(future)
+            while awaited is not None and not awaited.done():
+                try:
+                    await asyncio.shield(awaited)
+                except asyncio.CancelledError as exc:
+                    cancelled = cancelled or exc
+                except BaseException:  # (the copy's failure: it settled)
+                    break
             for tier, claim in claims.items():  # (an abandoned L3 write that finished left its slots valid)
                 self._free_claim(claim, tier, op.payload.get("suspect", False))
             self._wake(op)
+            if cancelled is not None:
+                raise cancelled
 
         task = asyncio.get_running_loop().create_task(settle())
         self._settling.add(task)

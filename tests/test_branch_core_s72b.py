@@ -12,7 +12,8 @@ took, each pinned as the rule it is.
 - `cancel` of no op, or of one that already ended, changes nothing: the ended op keeps its state, is not marked
   cancelled and no cancellation is counted (callers pass a request's restore / prefetch op, None or ended).
 - An op's abandoned pages are held until its copy settles (`_settle_then_release`); where that settling task is itself
-  cancelled (the loop shutting down, a drain's caller cancelled) the pages are still freed: no private page leaks."""
+  cancelled (an asyncio.run() ending cancels every task left) they are held on until the copy settled, then freed: no
+  private page leaks, and none is reused while the copy still runs into it (session 75: freed at the cancel before)."""
 from __future__ import annotations
 
 import asyncio
@@ -56,20 +57,26 @@ async def test_bad_l3_pages_on_a_node_and_below_it_are_dropped_and_counted_once(
 
 @pytest.mark.asyncio
 async def test_a_cancelled_settling_still_frees_the_ops_pages():
-    """An op holding 2 private L1 pages, abandoned with a copy in flight that never settles: its pages stay
-    reserved while the copy runs; the settling task cancelled (a shutdown), they are freed all the same."""
+    """An op holding 2 private L1 pages, abandoned with a copy in flight: its pages stay reserved while the copy
+    runs, also once the settling task is cancelled (an asyncio.run() that ends); they are freed as the copy settles,
+    and the settling then ends cancelled."""
     mgr = make_manager(storage_pages=0)
     runner = mgr.runner
     op = runner._new(OpKind.RESTORE_L2, 2, "r")
     claim = runner._claim(op, Tier.L1)
     assert len(mgr.alloc_pages(Tier.L1, 2, claim)) == 2
-    copy = asyncio.get_running_loop().create_future()  # never settles
+    copy = asyncio.get_running_loop().create_future()  # settled below
     runner._settle_then_release(op, copy)
     [settling] = runner._settling
     await asyncio.sleep(0)  # (it waits on the copy)
     assert not op.payload["claims"] and mgr.allocator(Tier.L1).num_private() == 2, "freed before the copy settled"
     settling.cancel()
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not settling.done() and mgr.allocator(Tier.L1).num_private() == 2, "freed while the copy still runs"
+    copy.set_result(None)
     await asyncio.wait_for(asyncio.gather(settling, return_exceptions=True), 20)
+    assert settling.cancelled()
     assert mgr.allocator(Tier.L1).num_private() == 0, "the cancelled settling leaked the op's pages"
     assert not runner._settling
     assert_whole(mgr)
