@@ -20,6 +20,7 @@ from pathlib import Path
 
 import uvicorn
 
+from scheduler import sigterm
 from scheduler.api_auth import CORSSettings, api_key_from, json_str_list
 from scheduler.chat_template import ChatTemplate, read_chat_template
 from scheduler.config import HICACHE_NEEDS_PREFIX_CACHE, add_engine_args, config_from_args
@@ -300,22 +301,29 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # (a CheckpointError is one)
         print(f"hicache-serve: {exc}", file=sys.stderr)
         return 2
-    try:
-        engine = Engine(config)
-    except ValueError as exc:
-        print(f"hicache-serve: {exc}", file=sys.stderr)
-        return 2
-    except (OSError, RuntimeError, MemoryError) as exc:  # (a pool larger than the machine: a traceback)
-        print(f"hicache-serve: cannot start the engine: {str(exc).splitlines()[0] if str(exc) else repr(exc)}",
+    try:  # (SIGTERM as Ctrl-C until uvicorn handles both: its default killed a start with the index adopted)
+        with sigterm.raises_terminated():
+            try:
+                engine = Engine(config)
+            except ValueError as exc:
+                print(f"hicache-serve: {exc}", file=sys.stderr)
+                return 2
+            except (OSError, RuntimeError, MemoryError) as exc:  # (a pool larger than the machine: a traceback)
+                print(f"hicache-serve: cannot start the engine: "
+                      f"{str(exc).splitlines()[0] if str(exc) else repr(exc)}", file=sys.stderr)
+                return 2
+            try:  # (uvicorn's lifespan shuts the engine down once it runs the app; till then a raise, or a Ctrl-C,
+                # must close it: regression, its tiers stayed open and the kept L3's index it adopted, deleted as
+                # read, was lost)
+                server = _server(parser, args, engine, sampling_defaults, chat_template, tokenizer)
+            except BaseException:
+                engine.cache.abandon()  # (an index adopted is saved again as it was read; the L3 file unlocked)
+                engine.runner.close()
+                raise
+    except sigterm.Terminated:
+        print("hicache-serve: terminated (SIGTERM) while starting: the engine was closed, a kept L3's index saved",
               file=sys.stderr)
-        return 2
-    try:  # (uvicorn's lifespan shuts the engine down once it runs the app; till then a raise, or a Ctrl-C, must
-        # close it: regression, its tiers stayed open and the kept L3's index it adopted, deleted as read, was lost)
-        server = _server(parser, args, engine, sampling_defaults, chat_template, tokenizer)
-    except BaseException:
-        engine.cache.abandon()  # (an index adopted is saved again as it was read; the L3 file unlocked)
-        engine.runner.close()
-        raise
+        return sigterm.EXIT_STATUS
     server.run()
     return 0
 
