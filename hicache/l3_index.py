@@ -133,7 +133,9 @@ def save(mgr: "CacheManager") -> int:
 
 def discard(store_path: str) -> None:
     """The file at `store_path` was opened without --hicache-storage-persist, truncated: an index a run with
-    the flag left next to it describes bytes gone, and goes (a later run with the flag starts empty)."""
+    the flag left next to it describes bytes gone, and goes (a later run with the flag starts empty), as does what
+    a save a crash cut short left."""
+    _unlink_quietly(index_path(store_path) + ".tmp")
     if os.path.lexists(index_path(store_path)):
         log.warning("l3_index_ignored", path=index_path(store_path),
                     reason="the L3 file was opened without --hicache-storage-persist (truncated)")
@@ -227,6 +229,7 @@ def load(mgr: "CacheManager") -> Adopted:
     adopted, and its cost samples where they were timed on this machine."""
     store, tree = mgr.store, mgr.tree
     path = index_path(store.path)
+    _unlink_quietly(path + ".tmp")  # (a save a crash cut short: tens of MiB left beside the file; ours, it is locked)
     read = _read(path)
     if read is None:
         return Adopted(0, None)
