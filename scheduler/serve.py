@@ -301,31 +301,38 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # (a CheckpointError is one)
         print(f"hicache-serve: {exc}", file=sys.stderr)
         return 2
-    try:  # (SIGTERM as Ctrl-C until uvicorn handles both: its default killed a start with the index adopted)
-        with sigterm.raises_terminated():
-            try:
-                engine = Engine(config)
-            except ValueError as exc:
-                print(f"hicache-serve: {exc}", file=sys.stderr)
-                return 2
-            except (OSError, RuntimeError, MemoryError) as exc:  # (a pool larger than the machine: a traceback)
-                print(f"hicache-serve: cannot start the engine: "
-                      f"{str(exc).splitlines()[0] if str(exc) else repr(exc)}", file=sys.stderr)
-                return 2
-            try:  # (uvicorn's lifespan shuts the engine down once it runs the app; till then a raise, or a Ctrl-C,
-                # must close it: regression, its tiers stayed open and the kept L3's index it adopted, deleted as
-                # read, was lost)
-                server = _server(parser, args, engine, sampling_defaults, chat_template, tokenizer)
-            except BaseException:
-                engine.cache.abandon()  # (an index adopted is saved again as it was read; the L3 file unlocked)
-                engine.runner.close()
-                raise
+    try:  # (SIGTERM before uvicorn takes it raises, as Ctrl-C does: regression, its default killed the process as the
+        # engine was built, e.g. in a GPU's graph capture, past the cache's adopting a kept L3's index: it was lost)
+        with sigterm.raises():
+            server = _start(parser, args, config, sampling_defaults, chat_template, tokenizer)
     except sigterm.Terminated:
-        print("hicache-serve: terminated (SIGTERM) while starting: the engine was closed, a kept L3's index saved",
-              file=sys.stderr)
+        print("hicache-serve: terminated (SIGTERM) while starting; the engine closed", file=sys.stderr)
         return sigterm.EXIT_STATUS
+    if server is None:
+        return 2
     server.run()
     return 0
+
+
+def _start(parser: argparse.ArgumentParser, args: argparse.Namespace, config, sampling_defaults: GenerationDefaults,
+           chat_template: str | None, tokenizer) -> _Server | None:
+    """The engine and the server that will run it; None: the engine refused to start (said on stderr)."""
+    try:
+        engine = Engine(config)
+    except ValueError as exc:
+        print(f"hicache-serve: {exc}", file=sys.stderr)
+        return None
+    except (OSError, RuntimeError, MemoryError) as exc:  # (a pool larger than the machine: a traceback)
+        print(f"hicache-serve: cannot start the engine: {str(exc).splitlines()[0] if str(exc) else repr(exc)}",
+              file=sys.stderr)
+        return None
+    try:  # (uvicorn's lifespan shuts the engine down once it runs the app; till then a raise, or a Ctrl-C, must
+        # close it: regression, its tiers stayed open and the kept L3's index it adopted, deleted as read, was lost)
+        return _server(parser, args, engine, sampling_defaults, chat_template, tokenizer)
+    except BaseException:
+        engine.cache.abandon()  # (an index adopted is saved again as it was read; the L3 file unlocked)
+        engine.runner.close()
+        raise
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from collections.abc import Callable, Coroutine, Iterator
 
 EXIT_STATUS = 128 + signal.SIGTERM  # (the shell's status of a process SIGTERM killed)
 _MESSAGE = "SIGTERM"  # the run's cancel message at SIGTERM
+_received = False  # SIGTERM cancelled the run under way (`run`); a later cancel (a Ctrl-C's) ends it with its message
 
 
 class Terminated(KeyboardInterrupt):
@@ -22,7 +23,7 @@ def cancels(task: asyncio.Task) -> Callable[[], None]:
     back; where no handler can be set (not the main thread) it does nothing."""
     loop, previous = asyncio.get_running_loop(), signal.getsignal(signal.SIGTERM)
     try:
-        loop.add_signal_handler(signal.SIGTERM, task.cancel, _MESSAGE)
+        loop.add_signal_handler(signal.SIGTERM, _terminate, task)
     except (ValueError, RuntimeError, NotImplementedError):
         return lambda: None
 
@@ -34,15 +35,15 @@ def cancels(task: asyncio.Task) -> Callable[[], None]:
 
 
 @contextlib.contextmanager
-def raises_terminated() -> Iterator[None]:
-    """SIGTERM raises Terminated in the block (the main thread's only), as Ctrl-C raises KeyboardInterrupt: for work
-    no loop runs, which `cancels` cannot reach (the server's engine being built, its kept L3's index adopted: its
-    refusal paths save the index again; regression, SIGTERM's default killed the process and the index was lost)."""
+def raises() -> Iterator[None]:
+    """SIGTERM raises Terminated in the block (synchronous work with no loop to cancel: hicache-serve's start-up, whose
+    half-built engine then closes, as at Ctrl-C), where its default killed the process; the handler found is put back
+    after it. Nothing outside the main thread (no handler can be set there)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def terminated(signum, frame) -> None:
+    def terminated(sig, frame) -> None:
         raise Terminated()
     previous = signal.signal(signal.SIGTERM, terminated)
     try:
@@ -51,11 +52,20 @@ def raises_terminated() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _terminate(task: asyncio.Task) -> None:
+    global _received
+    _received = True
+    task.cancel(_MESSAGE)
+
+
 def run(runner: Callable, main: Coroutine):
-    """runner(main) (uvloop.run), whose task called `cancels`; Terminated where SIGTERM cancelled it."""
+    """runner(main) (uvloop.run), whose task called `cancels`; Terminated where SIGTERM cancelled it, also where a
+    Ctrl-C then cancelled its shutdown again (regression: that cancel's CancelledError went out: traceback, exit 1)."""
+    global _received
+    _received = False
     try:
         return runner(main)
     except asyncio.CancelledError as exc:
-        if exc.args != (_MESSAGE,):
+        if exc.args != (_MESSAGE,) and not _received:
             raise
         raise Terminated() from None
