@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     if server is None:
         return 2
     server.run()
-    return 0
+    # not a clean stop where its engine loop crashed or its shutdown failed: 1, for a supervisor to see (regression: 0)
+    return 1 if server.config.app.state.hc.engine_error else 0
 
 
 def _start(parser: argparse.ArgumentParser, args: argparse.Namespace, config, sampling_defaults: GenerationDefaults,

@@ -139,6 +139,7 @@ class _ServerState:
             await self.engine.shutdown(self.limits.shutdown_grace_s)
         except Exception:  # a crashed loop re-raises here, or a tier's close (then no crash: regression, named one)
             log.exception("engine_shutdown_after_loop_crash" if self.engine_error else "engine_shutdown_failed")
+            self.engine_error = self.engine_error or "the engine's shutdown failed"  # (hicache-serve exits 1)
         finally:  # background responses had the grace too: those still going cancelled and awaited
             await self.background.close()
 
@@ -324,8 +325,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         # (regression: hicache-serve reported a prompt limit of 0)
         effective = {**dataclasses.asdict(st.limits), "api_key": bool(st.limits.api_key),  # (never the key itself)
                      "chat_template": st.limits.chat_template is not None,  # (its text: the tokenizer's below)
-                     "max_prompt_tokens": st.prompt_limit,
-                     "max_tokens_limit": st.max_tokens_limit}
+                     "max_prompt_tokens": st.prompt_limit, "max_tokens_limit": st.max_tokens_limit}
         s["server"] = {"in_flight": st.in_flight, "draining": st.draining, "limits": effective,
                        "tokenizer": getattr(st.tokenizer, "kind", None),
                        "chat_template": getattr(st.tokenizer, "chat_template", None) is not None}
