@@ -303,7 +303,8 @@ class Builder:
         neutral += [("tools", []), ("tool_choice", "none"), ("response_format", {"type": "text"})] if chat else \
             [("echo", False), ("best_of", 1), ("suffix", None)]
         for name, value in neutral:
-            if rng.random() < 0.05 and name not in body:
+            # (best_of 1 beside n > 1 is a 400, OpenAI's and vLLM's: not neutral; drawn still, so seeds stay alike)
+            if rng.random() < 0.05 and name not in body and not (name == "best_of" and n > 1):
                 body[name] = value
         if chat and "max_tokens" in body and rng.random() < 0.3:  # the newer name
             body["max_completion_tokens"] = body.pop("max_tokens")
