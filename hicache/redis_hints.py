@@ -92,16 +92,25 @@ class RedisHints:
             self.delete_suspect(suspect)  # (again: their deletion failed)
             await self.settle_deletes()
         self.counters["hint_queries"] += 1
+        hinted_tokens = mgr.tree.match(tokens, include_storage=True, touch=False, split=False).lengths[Tier.L3]
         try:
             present = await asyncio.wait_for(self.count_present(keys), self.hint_timeout_s)
         except asyncio.TimeoutError:
             raise self._error(asyncio.TimeoutError(), f"existence query slower than {self.hint_timeout_s} s") \
                 from None
         self._succeeded()
+        held = present  # what the tree may hint: the reply, or more
+        if present * ps >= hinted_tokens:
+            # L3 pages the tree gained while the query was in flight were written since (this engine's own
+            # writes publish once done): the reply is older than them, not a sign they vanished (regression:
+            # dropped as stale, and the next backup wrote them to Redis again)
+            now_tokens = mgr.tree.match(tokens, include_storage=True, touch=False, split=False).lengths[Tier.L3]
+            held = max(present, now_tokens // ps)
         if self._suspect:  # (still there: not hinted, the request recomputes them)
-            present = next((i for i, k in enumerate(keys[:present]) if k in self._suspect), present)
+            first = next((i for i, k in enumerate(keys[:held]) if k in self._suspect), held)
+            present, held = min(present, first), first
         self.counters["hint_pages_found"] += present
-        published, dropped = publish_l3_hints(mgr, tokens, present * ps)
+        published, dropped = publish_l3_hints(mgr, tokens, held * ps)
         self.counters["hint_pages_published"] += published
         self.counters["stale_hints_dropped"] += dropped
 
