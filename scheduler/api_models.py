@@ -55,6 +55,9 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None) -> None:
+        # (a body's field name quoted in it may hold a lone surrogate, which JSON carries and UTF-8 cannot: written
+        # as its escape, or the error could not be sent; regression: a 500 for '{"\\ud800": NaN}', on every route)
+        message, param = _sendable(message), None if param is None else _sendable(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _DEFAULT_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
@@ -62,6 +65,11 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _sendable(text: str) -> str:
+    """`text` as UTF-8 can carry it: a lone surrogate as its backslash escape."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def internal_error(exc: BaseException) -> APIError:
