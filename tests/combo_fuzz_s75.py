@@ -232,18 +232,29 @@ async def run_case(seed: int, pressure: bool = PRESSURE) -> list[str]:
     return problems
 
 
-if __name__ == "__main__":
+def run_seeds(run_case, argv: list[str]) -> int:
+    """`python tests/<fuzz>.py FIRST LAST`: run_case over seeds FIRST..LAST, each case's problems printed; the
+    failed count returned (the three fuzzes of this session share it)."""
+    import traceback
+
     import conftest  # noqa: F401
     import uvloop
 
-    first, last = int(sys.argv[1]), int(sys.argv[2])
     bad = 0
-    for s in range(first, last + 1):
-        probs = uvloop.run(run_case(s))
+    for s in range(int(argv[1]), int(argv[2]) + 1):
+        try:
+            probs = uvloop.run(run_case(s))
+        except Exception as exc:  # noqa: BLE001  (a case that raised: printed as its problem)
+            probs = ["exception " + "".join(traceback.format_exception(exc))[-3000:]]
         bad += bool(probs)
         print(("FAIL " if probs else "ok   ") + str(s), flush=True)
         for p in probs[:6]:
             print("    " + p[:3000], flush=True)
+    return bad
+
+
+if __name__ == "__main__":
+    bad = run_seeds(run_case, sys.argv)
     counts = {name: sum(bool(test(p)) for p in PREEMPTED) for name, test in (
         ("guided", lambda p: p.guided), ("seeded", lambda p: p.seed is not None),
         ("logprobs", lambda p: p.logprobs is not None), ("penalized", lambda p: p.presence_penalty),

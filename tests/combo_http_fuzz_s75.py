@@ -398,19 +398,6 @@ async def run_case(seed: int) -> list[str]:
 
 
 if __name__ == "__main__":
-    import conftest  # noqa: F401
-    import uvloop
+    from combo_fuzz_s75 import run_seeds
 
-    first, last = int(sys.argv[1]), int(sys.argv[2])
-    bad = 0
-    for s in range(first, last + 1):
-        try:
-            probs = uvloop.run(run_case(s))
-        except Exception as exc:  # noqa: BLE001
-            import traceback
-            probs = ["exception " + "".join(traceback.format_exception(exc))]
-        bad += bool(probs)
-        print(("FAIL " if probs else "ok   ") + str(s), flush=True)
-        for p in probs[:6]:
-            print("    " + p[:3500], flush=True)
-    print(f"{bad} failed")
+    print(f"{run_seeds(run_case, sys.argv)} failed")
