@@ -157,8 +157,8 @@ class EngineConfig:
         return self.num_pages == 0 and self.max_total_tokens == 0 and not self.simulate and self._on_cuda()
 
     def _on_cuda(self) -> bool:
-        """Whether the engine runs on CUDA (auto: where there is one)."""
-        return self.device == "cuda" or self.device == "auto" and torch.cuda.is_available()
+        """Whether the engine runs on CUDA (auto: where there is one; "cuda:N" too, as resolve_device's type)."""
+        return self.device.startswith("cuda") or self.device == "auto" and torch.cuda.is_available()
 
     def l1_pages(self, page_size: int) -> int:
         """L1 pages: --num-pages, else --max-total-tokens (0: DEFAULT_L1_TOKENS; on CUDA the engine sizes it

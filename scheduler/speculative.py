@@ -65,20 +65,32 @@ DRAFT_POLICIES = ("cost", "always")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `--speculative-config` for method "ngram" (prompt lookup). `parse` fills the lookup bounds as vLLM
-    does: both 5 when neither is given, each the other when one is. This engine's keys: draft_policy, "cost"
+    """vLLM's `--speculative-config` for method "ngram" (prompt lookup). The lookup bounds are filled as vLLM's
+    are: both 5 when neither is given, each the other when one is. This engine's keys: draft_policy, "cost"
     verifies only when the drafts expected to be accepted pay for the step (scheduler/draft_policy.py), "always"
     whenever a draft is found (vLLM's way); cache_lookup (default true), drafts first from what followed the
     request's whole context in the prefix cache (hicache/continuations.py), then by prompt lookup."""
 
     num_speculative_tokens: int
-    prompt_lookup_max: int = 5
-    prompt_lookup_min: int = 5
+    # None: filled as vLLM fills them (__post_init__: the other bound, or 5), in the dataclass as from the flag
+    # (regression: the dataclass kept 5 for a bound left out, where the flag's same keys took the other bound)
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
     method: str = "ngram"
     draft_policy: str = "cost"
     cache_lookup: bool = True
 
     def __post_init__(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):  # (the one given, before the other is made of it:
+            # regression, a max of 0 was said of the min)
+            given = getattr(self, name)
+            if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 1):
+                raise ValueError(f"speculative {name} must be an integer >= 1, got {given!r}")
+        if lo is None and hi is None:
+            lo = hi = 5
+        object.__setattr__(self, "prompt_lookup_min", hi if lo is None else lo)
+        object.__setattr__(self, "prompt_lookup_max", lo if hi is None else hi)
         if self.method not in METHODS:
             raise ValueError(f"speculative method {self.method!r} is not served: only {list(METHODS)} "
                              "(prompt lookup; this engine has no draft model)")
@@ -124,17 +136,7 @@ class SpeculativeConfig:
             fields["method"] = "ngram"
         if "num_speculative_tokens" not in fields:
             raise ValueError("--speculative-config needs num_speculative_tokens")
-        lo, hi = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
-        if lo is None and hi is None:
-            lo = hi = 5
-        for name in ("prompt_lookup_min", "prompt_lookup_max"):  # (the one given, before the other is made of it:
-            # regression, a max of 0 was said of the min)
-            given = fields.get(name)
-            if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 1):
-                raise ValueError(f"speculative {name} must be an integer >= 1, got {given!r}")
-        fields["prompt_lookup_min"] = hi if lo is None else lo
-        fields["prompt_lookup_max"] = lo if hi is None else hi
-        return cls(**fields)
+        return cls(**fields)  # (the lookup bounds left out filled there)
 
 
 def eligible(params) -> bool:
