@@ -301,7 +301,7 @@ class Backups:
             try:
                 await self._wait_transfer(op, op.payload.pop("transfer"), "d2h")
             except Exception as exc:
-                self._fail(op, str(exc), "transfer")
+                self._fail(op, str(exc), getattr(exc, "kind", "transfer"))  # ("closed": after close())
                 return
             if self._cancelled(op):
                 return

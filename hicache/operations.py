@@ -299,9 +299,12 @@ class OpRunner(Backups, Restores):
                        since_ns: int | None = None) -> None:
         """Await an L3 read/write (its end-to-end time counted from `since_ns`, default now). Past
         the deadline the op fails now, but its private pages stay reserved until the I/O settles
-        (a late read must not land in reused pages)."""
+        (a late read must not land in reused pages). The deadline counts from `since_ns` too: a prefetch's read waited
+        for its landing first, and its checksums got only what was left (regression: a whole deadline again, up to
+        twice `io_timeout_s` in all)."""
         t0 = time.monotonic_ns() if since_ns is None else since_ns
-        result = await self._await_io(op, future, future, direction, deadline_s)
+        left_s = None if deadline_s is None else max(0.0, deadline_s - (time.monotonic_ns() - t0) / 1e9)
+        result = await self._await_io(op, future, future, direction, deadline_s, left_s)
         stats = self.mgr.metrics.directions[direction]
         e2e_s = (time.monotonic_ns() - t0) / 1e9
         # a read verified after its landing (a prefetch about to be taken on) costs the restore its
@@ -314,16 +317,17 @@ class OpRunner(Backups, Restores):
                   recurring_s=recurring_s)
         observe_transfer(self.mgr, direction, result.num_bytes, recurring_s)
 
-    async def _await_io(self, op: Op, io, awaited, direction: str, deadline_s: float | None):
+    async def _await_io(self, op: Op, io, awaited, direction: str, deadline_s: float | None,
+                        left_s: float | None = None):
         """Await `awaited` (the I/O future `io`, or its `landed`) with `io` recorded as the op's
-        in-flight I/O; past the deadline raise StorageError("timeout")."""
+        in-flight I/O; past the deadline (`left_s` of it left, default all) raise StorageError("timeout")."""
         fut = asyncio.wrap_future(awaited)
         # left behind (a timeout, a cancelled driver), the settle task awaits the I/O itself: mark
         # this wrapper's late outcome as seen, or a late failure is "Future exception was never retrieved"
         fut.add_done_callback(lambda f: f.cancelled() or f.exception())
         op.payload["inflight"] = io
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), deadline_s)
+            return await asyncio.wait_for(asyncio.shield(fut), deadline_s if left_s is None else left_s)
         except asyncio.TimeoutError:
             # at least the deadline: learned as such, or a storage that became slower than its
             # deadline would never be timed, and every hit would wait it out before recomputing

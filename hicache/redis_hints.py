@@ -136,15 +136,24 @@ class RedisHints:
             return
         tokens = tuple(tokens[:hinted_tokens])
         self.counters["hint_rechecks"] += 1
+        keys = self.page_keys(tokens, 0, hinted_tokens)
+        written: set[bytes] = set()  # keys this store wrote while the query was in flight (`_write`)
+        self._rechecking[id(written)] = written
         try:
-            present = await asyncio.wait_for(self.count_present(self.page_keys(tokens, 0, hinted_tokens)),
-                                             self.hint_timeout_s)
+            present = await asyncio.wait_for(self.count_present(keys), self.hint_timeout_s)
         except asyncio.TimeoutError:
             self._error(asyncio.TimeoutError(), f"existence query slower than {self.hint_timeout_s} s")
             return
         except StorageError:  # (counted by count_present)
             return
+        finally:
+            del self._rechecking[id(written)]
         self._succeeded()
+        # the reply may be older than a write of these pages that landed meanwhile (a sibling backup's, after its
+        # own recheck dropped the same stale hints): they are there (regression: the hints that write had just
+        # published were dropped as stale, and this backup wrote the pages to Redis again)
+        while present < len(keys) and keys[present] in written:
+            present += 1
         if present * ps < hinted_tokens:
             _, dropped = publish_l3_hints(mgr, tokens, present * ps)
             self.counters["stale_hints_dropped"] += dropped

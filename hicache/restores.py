@@ -367,7 +367,7 @@ class Restores:
             try:
                 await self._wait_transfer(op, transfer, "h2d")
             except Exception as exc:
-                self._fail(op, str(exc), "transfer")
+                self._fail(op, str(exc), getattr(exc, "kind", "transfer"))  # ("closed": after close())
                 return
         if self._cancelled(op):
             return

@@ -97,6 +97,7 @@ class RedisStore(RedisHints):
         self._tasks: set[asyncio.Task] = set()
         self._deletes: set[asyncio.Task] = set()  # suspect pages' deletions in flight (a hint refresh waits)
         self._suspect: set[bytes] = set()  # suspect pages' keys not deleted yet (never hinted; `delete_suspect`)
+        self._rechecking: dict[int, set[bytes]] = {}  # per hint recheck in flight: the keys written since it asked
         self._closed = False
         self._down_until = 0.0
         self._consecutive_failures = 0
@@ -217,7 +218,11 @@ class RedisStore(RedisHints):
     async def _on_cpu(self, fn, *args):
         """Run fn on the helper thread when the work is large, inline when it is not."""
         if len(args[-1]) * self.bytes_per_page >= OFFLOAD_BYTES:
-            return await asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+            try:
+                future = asyncio.get_running_loop().run_in_executor(self._cpu, fn, *args)
+            except RuntimeError:  # close() shut the thread down under an operation in flight (not a bug, nor eio)
+                raise StorageError("closed", f"redis L3 {redact_url(self.url)} closed during the operation") from None
+            return await future
         return fn(*args)
 
     def _pack(self, pages: np.ndarray, keys: list[bytes], host: np.ndarray) -> list[bytes]:
@@ -266,6 +271,8 @@ class RedisStore(RedisHints):
                 raise self._error(StorageError("enospc", f"redis write: {self.refusals.writes}"), "write") from exc
             raise self._error(exc, "write") from exc
         self.refusals.write_succeeded()
+        for written in self._rechecking.values():
+            written.update(keys)
         if self._suspect:  # (clean pages now, recomputed: this engine's backups copy no dropped page)
             self._suspect.difference_update(keys)
         num_bytes = len(keys) * self.bytes_per_page
@@ -290,12 +297,16 @@ class RedisStore(RedisHints):
             try:
                 values = await client.mget(keys[lo:hi])
                 self.counters["round_trips"] += 1
+                if len(values) != hi - lo:  # (the server's fault: `_unpack` would raise)
+                    raise rexc.DataError(f"MGET of {hi - lo} keys answered {len(values)} values")
                 self._succeeded()  # (before a missing page fails the read; regression: it did not count)
-                bad = await self._on_cpu(self._unpack, pages, values, keys[lo:hi], host_arr[lo:hi])
             except Exception as exc:
                 if await self.refusals.read_failed(self._client, exc) is not None:  # (a limit lowered meanwhile)
                     raise self._reads_refused(slot_arr) from exc
                 raise self._error(exc, "read") from exc
+            # what unpacking raises is this process's bug, not the server's: it goes out as itself (regression:
+            # counted as the read's "eio", or taken for reads refused meanwhile, every slot named bad)
+            bad = await self._on_cpu(self._unpack, pages, values, keys[lo:hi], host_arr[lo:hi])
             if bad:
                 await self._fail_read(client, bad, lo, slot_arr, keys)
         num_bytes = len(keys) * self.bytes_per_page

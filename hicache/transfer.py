@@ -95,6 +95,7 @@ class TransferEngine(LayeredRestores):
                          for d in ("d2h", "h2d")}
         # each transfer's completion (wait): awaited again, never run again
         self._completions: weakref.WeakKeyDictionary[Transfer, asyncio.Future | object] = weakref.WeakKeyDictionary()
+        self._closed = False  # close() shut the waiters down: `wait` then fails a transfer that needs one, "closed"
         # layer-ordered restores (h2d_layerwise) have a copy stream of their own: a forward waits on
         # the device for them (kernels/layer_flags.py) and must not also wait for a parked restore's
         # classic H2D queued ahead of them. Behind each layer's DMAs the stream sets that layer's
@@ -409,6 +410,15 @@ class TransferEngine(LayeredRestores):
                     done.set_exception(exc)
                 finally:
                     self._settled(tr)
+            elif self._closed:  # no waiter thread is left to complete it (regression: the pool's "cannot schedule
+                # new futures after shutdown" escaped, counted as a `transfer` failure, its workspace kept for good)
+                done = COMPLETED
+                try:
+                    if tr.event is not None:  # (its buffers are given back only once its copy is done)
+                        tr.event.synchronize()
+                finally:
+                    self._settled(tr)
+                tr.fail, tr.error, tr.fail_kind = True, f"{tr.direction}: transfer engine closed", "closed"
             else:
                 done = asyncio.get_running_loop().run_in_executor(self._waiters[tr.direction], tr.complete)
                 done.add_done_callback(lambda _: self._settled(tr))
@@ -416,7 +426,7 @@ class TransferEngine(LayeredRestores):
         if done is not COMPLETED:
             await asyncio.shield(done)
         if tr.fail:
-            raise TransferError(tr.error or f"{tr.direction}: injected transfer failure")
+            raise TransferError(tr.error or f"{tr.direction}: injected transfer failure", tr.fail_kind)
         return tr
 
     def _settled(self, tr: Transfer) -> None:
@@ -436,7 +446,7 @@ class TransferEngine(LayeredRestores):
                 self._settled(tr)
             self._completions[tr] = COMPLETED
         if tr.fail:
-            raise TransferError(tr.error or f"{tr.direction}: injected transfer failure")
+            raise TransferError(tr.error or f"{tr.direction}: injected transfer failure", tr.fail_kind)
         return tr
 
     def close(self) -> None:
@@ -444,6 +454,7 @@ class TransferEngine(LayeredRestores):
             for stream in (*self.kernel_streams.values(), *self.copy_streams.values(), self.layer_stream,
                            self.layer_kernel_stream):
                 stream.synchronize()
+        self._closed = True
         for waiter in self._waiters.values():
             waiter.shutdown(wait=True)
         self.workspaces.clear()

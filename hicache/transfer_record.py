@@ -12,7 +12,11 @@ from hicache.workspaces import Workspace
 
 
 class TransferError(RuntimeError):
-    pass
+    """kind: the failure's reason as `metrics.failures` counts it ("closed": the engine was closed)."""
+
+    def __init__(self, message: str, kind: str = "transfer") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 @dataclass(eq=False)
@@ -42,6 +46,7 @@ class Transfer:
     service_ns: int = 0
     epoch: int = 0                      # h2d_layerwise on CUDA: the value its layer flags reach
     error: str | None = None            # why `fail` (default: an injected failure)
+    fail_kind: str = "transfer"         # TransferError.kind of that failure
     synchronous: bool = False           # the CPU: copied inside the enqueue (its enqueue_ns)
 
     @property
