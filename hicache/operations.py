@@ -275,11 +275,13 @@ class OpRunner(Backups, Restores):
     async def _wait_transfer(self, op: Op, tr, direction: str) -> None:
         mgr = self.mgr
         inner = op.payload["inflight"] = asyncio.ensure_future(mgr.transfer.wait(tr))
+        op.payload["waited"] = tr  # (its completion settles too: `_in_flight`)
         try:
             await asyncio.shield(inner)
         finally:
             if not asyncio.current_task().cancelling():  # cancelled: the task's callback settles it
                 op.payload.pop("inflight", None)
+                op.payload.pop("waited", None)
         stats = mgr.metrics.directions[direction]
         e2e_s = tr.end_to_end_ns / 1e9
         stats.add(tr.num_bytes, enqueue_s=tr.enqueue_ns / 1e9, setup_s=tr.setup_ns / 1e9,
@@ -346,6 +348,10 @@ class OpRunner(Backups, Restores):
         transfer = op.payload.pop("transfer", None)
         if transfer is not None:
             pending.append(asyncio.ensure_future(self.mgr.transfer.wait(transfer)))
+        # the copies' completions themselves: an asyncio.run() that ends cancels a task over `wait`, which was taken
+        # for the copy's end (regression: pages freed while a DMA, or a fragmented D2H's index copy, ran into them)
+        pending += [done for tr in (transfer, op.payload.pop("waited", None))
+                    if tr is not None and (done := self.mgr.transfer.completion(tr)) is not None]
         if not pending:
             return None
         return asyncio.gather(*(f if isinstance(f, asyncio.Future) else asyncio.wrap_future(f) for f in pending),

@@ -399,6 +399,18 @@ class TransferEngine(LayeredRestores):
         into them). A transfer completes once: a later or concurrent wait awaits that completion
         (regression: a second wait ran a fragmented D2H's CPU index copy again, from a workspace
         already given back and reused by another transfer)."""
+        done = self.completion(tr)
+        if done is not None:
+            await asyncio.shield(done)
+        if tr.fail:
+            raise TransferError(tr.error or f"{tr.direction}: injected transfer failure", tr.fail_kind)
+        return tr
+
+    def completion(self, tr: Transfer) -> asyncio.Future | None:
+        """The transfer's completion, started once (None: `wait_blocking` completed it). What an abandoned copy's
+        pages wait for before they are freed (OpRunner._in_flight): a future, which no asyncio.run() that ends
+        cancels, where a task over `wait` is (regression: a cancelled wait was taken for the copy's end, and its
+        pages freed while the copy still ran into them)."""
         done = self._completions.get(tr)
         if done is None:
             if tr.event is None and tr.finish is None:
@@ -423,11 +435,7 @@ class TransferEngine(LayeredRestores):
                 done = asyncio.get_running_loop().run_in_executor(self._waiters[tr.direction], tr.complete)
                 done.add_done_callback(lambda _: self._settled(tr))
             self._completions[tr] = done
-        if done is not COMPLETED:
-            await asyncio.shield(done)
-        if tr.fail:
-            raise TransferError(tr.error or f"{tr.direction}: injected transfer failure", tr.fail_kind)
-        return tr
+        return None if done is COMPLETED else done
 
     def _settled(self, tr: Transfer) -> None:
         self.workspaces.release(tr.workspace)

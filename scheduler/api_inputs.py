@@ -24,7 +24,7 @@ from scheduler.generation_defaults import GenerationDefaults, range_problem
 from scheduler.openai_fields import template_variables
 from scheduler.prompt_truncation import PARAM as TRUNCATION, kept_tokens
 from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams
-from scheduler.tokenizer import TEMPLATE_VARIABLES
+from scheduler.tokenizer import TEMPLATE_VARIABLES, TokenizerError
 
 
 def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], model_name: str, vocab_size: int,
@@ -156,6 +156,8 @@ def chat_ids(req: ChatTemplateFields, tokenizer, trust_templates: bool = False) 
     variables = template_variables(req, kwargs)
     try:
         return render(template_kwargs=variables)
+    except TokenizerError:  # the server's tokenizer, not the request: a 500, counted failed
+        raise
     except Exception as exc:  # a template may reject a conversation (raise_exception), or fail on a kwarg's value
         failed = exc
     if variables and _renders(render, {}):  # (regression: a kwarg the template failed on was blamed on 'messages')

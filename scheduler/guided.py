@@ -27,16 +27,18 @@ request: an engine without it serves everything else (and refuses guided request
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from scheduler.guide_compiler import MatcherCache, check_limits, on_compile_thread
 from scheduler.request import RequestError
 from scheduler.tokenizer import BYTE_OFFSET, ByteTokenizer, load_tokenizer
+
+log = structlog.get_logger("scheduler.guided")
 
 KINDS = ("json_schema", "regex", "choice", "grammar")
 JSON_OPTIONS = {"whitespace_flexible": False}  # compact JSON (a schema's "x-guidance" may say otherwise)
@@ -224,8 +226,13 @@ class Guides:
         """Build the tokenizer's llguidance form now, off the loop (a server does at start): ~1 s for a vocabulary
         of 150k tokens, which the first guided request would otherwise spend on the loop. Quiet where it cannot
         (no llguidance, no tokenizer): the first guided request says why."""
-        with contextlib.suppress(RequestError):
+        try:
             self._tokenizer  # noqa: B018 (a cached property, built)
+        except RequestError:
+            pass
+        except Exception as exc:  # (run in an executor no one awaits: left in its future, asyncio reported it as an
+            # error, "Future exception was never retrieved", as the future was collected)
+            log.warning("guided_warm_failed", error=f"{type(exc).__name__}: {exc}")
 
     @functools.cached_property
     def _tokenizer(self):

@@ -50,6 +50,10 @@ TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt",
                       "additional_special_tokens")
 
 
+class TokenizerError(RuntimeError):
+    """The tokenizer failed on text a chat template rendered: the server's failure, not the messages'."""
+
+
 class _Chat:
     """A tokenizer's chat: its template (ChatTemplate or None) rendered and encoded."""
 
@@ -98,7 +102,10 @@ class _Chat:
         if template is None:
             template = self._own_template(tools is not None)
         text = template.render(messages, add_generation_prompt, continue_final_message, template_kwargs, tools)
-        return self.encode(text, add_special_tokens=add_special_tokens)
+        try:
+            return self.encode(text, add_special_tokens=add_special_tokens)
+        except Exception as exc:  # (regression: a 400 'the chat template rejected the messages', counted rejected)
+            raise TokenizerError(f"the tokenizer failed on the rendered chat: {exc}") from exc
 
     def _own_template(self, with_tools: bool) -> ChatTemplate:
         if self.template is None:

@@ -48,8 +48,9 @@ def parse_args(argv=None):
     add_common_args(p, model=CPU_SMOKE, device=("cuda", "cpu"), seed=0)
     p.add_argument("--num-speculative-tokens", type=positive_int, default=5,
                    help="k of the engine's config (default 5)")
-    p.add_argument("--prompt-lookup-max", type=positive_int, default=4)
-    p.add_argument("--prompt-lookup-min", type=positive_int, default=4, help="(vLLM: as max when only max is given)")
+    # (a bound left out takes the other's value, as --speculative-config's: SpeculativeConfig; neither: 4..4)
+    p.add_argument("--prompt-lookup-max", type=positive_int, default=None, help="(default: min, or 4)")
+    p.add_argument("--prompt-lookup-min", type=positive_int, default=None, help="(default: max, or 4)")
     p.add_argument("--batches", type=int_list(1), default=[1, 4, 8], help="comma-separated batch sizes")
     p.add_argument("--drafts", type=int_list(1), default=[1, 3, 5, 10, 15],
                    help="comma-separated drafts a verify step, for the step cost (those above "
@@ -75,6 +76,8 @@ def parse_args(argv=None):
                    help="timed rounds (step cost: steps) per configuration")
     args = parse_common_args(p, argv)
     check_device(p, args.device)
+    if args.prompt_lookup_max is None and args.prompt_lookup_min is None:
+        args.prompt_lookup_max = args.prompt_lookup_min = 4
     # what the engine and its requests would refuse, refused here before anything loads (regression: requests that
     # all failed were timed as tokens produced: 1.7e9 tok/s, exit 0)
     args.spec = check_engine_config(p, lambda: SpeculativeConfig(

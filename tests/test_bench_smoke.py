@@ -317,7 +317,8 @@ def test_bench_speculative_times_both_steps_and_decodes_equal_tokens(capsys):
     gives every request the tokens it gives without (the repeat workload's drafts accepted)."""
     assert load("bench_speculative").main([*CPU, "--batches", "1,2", "--drafts", "1,3", "--max-tokens", "16",
                                            "--prompt-tokens", "48", "--context", "48", "--block-tokens", "12",
-                                           "--prompt-lookup-min", "1", "--oracle-drafts", "--repeats", "1",
+                                           "--prompt-lookup-min", "1", "--prompt-lookup-max", "4", "--oracle-drafts",
+                                           "--repeats", "1",
                                            "--draft-policy", "always", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["integrity"] == "passed"
@@ -342,7 +343,8 @@ def test_bench_speculative_sampled_steps_and_decode(capsys):
     oracle's drafts (the plain run's sampled tokens) are drafted and only some accepted."""
     assert load("bench_speculative").main([*CPU, "--batches", "2", "--drafts", "3", "--max-tokens", "12",
                                            "--prompt-tokens", "48", "--context", "48", "--block-tokens", "12",
-                                           "--prompt-lookup-min", "1", "--oracle-drafts", "--repeats", "1",
+                                           "--prompt-lookup-min", "1", "--prompt-lookup-max", "4", "--oracle-drafts",
+                                           "--repeats", "1",
                                            "--temperature", "0.8", "--top-p", "0.9", "--draft-policy", "always",
                                            "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
