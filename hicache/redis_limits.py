@@ -91,7 +91,9 @@ async def read_limits(client, value_bytes: int) -> ServerLimits:
     return limits_from_config(config, value_bytes)
 
 
-_SECRET_QUERY_KEYS = frozenset({"password", "username"})  # redis-py also takes them as query arguments
+# redis-py also takes them as query arguments; ssl_password: a rediss:// client key's passphrase (regression: shown
+# unmasked by /hicache/status, open without the API key)
+_SECRET_QUERY_KEYS = frozenset({"password", "username", "ssl_password"})
 
 
 def redact_url(url: str) -> str:

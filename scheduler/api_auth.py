@@ -41,6 +41,18 @@ def api_key_from(flag: str | None) -> str | None:
     return flag if flag is not None else os.environ.get("HICACHE_API_KEY") or None
 
 
+def key_problem(key: str) -> str | None:
+    """Why no client could send `key` in 'Authorization: Bearer KEY' (None: one can), in words that never show it: a
+    header's value loses the whitespace around it (the token too, _bearer_token) and holds no control character.
+    (Regression: HICACHE_API_KEY read from a secret file's trailing newline started a server that refused every
+    /v1/ request, "a wrong API key was given", to clients sending that very key.)"""
+    if key != key.strip(" \t"):
+        return "starts or ends with whitespace, which no request's header can carry"
+    if any(ch < " " and ch != "\t" or ch == "\x7f" for ch in key):
+        return "holds a control character (a newline?), which no request's header can carry"
+    return None
+
+
 def json_str_list(text: str) -> list[str]:
     """An argparse type: a JSON list of strings (vLLM's form of --allowed-origins and its companions)."""
     try:
@@ -56,6 +68,8 @@ def install_access(app, limits) -> None:
     """The key check and CORS on `app` (ServerLimits.api_key, .cors); neither when not asked (the
     app is then exactly as without this module). Added last, CORS is the outer middleware."""
     if limits.api_key:
+        if why := key_problem(limits.api_key):
+            raise ValueError(f"ServerLimits.api_key {why}")
         app.add_middleware(APIKeyMiddleware, key=_Key(limits.api_key))
     if limits.cors is not None:
         c = limits.cors

@@ -411,6 +411,10 @@ async def read_json_body(request, max_bytes: int, empty_ok: bool = False) -> dic
     (`Content-Type: application/json`, or a +json type: as FastAPI's bodies are, so that a browser's simple request,
     text/plain or a form, which no CORS preflight guards, cannot run generations or reset the cache from another
     site). empty_ok: an empty body is {}."""
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":  # (no body is decompressed: a gzip one was a 400 "not valid JSON", regression)
+        raise APIError(415, f"Content-Encoding {encoding!r} is not supported: send the body uncompressed",
+                       code="unsupported_content_encoding", type="invalid_request_error")
     length = request.headers.get("content-length")
     if length is not None:
         if not length.isdigit():

@@ -21,7 +21,7 @@ from pathlib import Path
 import uvicorn
 
 from scheduler import sigterm
-from scheduler.api_auth import CORSSettings, api_key_from, json_str_list
+from scheduler.api_auth import CORSSettings, api_key_from, json_str_list, key_problem
 from scheduler.chat_template import ChatTemplate, read_chat_template
 from scheduler.config import HICACHE_NEEDS_PREFIX_CACHE, add_engine_args, config_from_args
 from scheduler.engine import Engine
@@ -158,6 +158,8 @@ def _check_server_args(args: argparse.Namespace) -> str | None:
                f"got {args.generation_config!r}"
     if args.api_key == "":  # (no key at all, unlike an empty HICACHE_API_KEY, which reads as unset)
         return "--api-key must not be empty (leave it out for no key)"
+    if (key := api_key_from(args.api_key)) and (why := key_problem(key)):  # (before the model loads)
+        return f"{'--api-key' if args.api_key is not None else 'HICACHE_API_KEY'} {why}"
     if args.served_model_name is not None and not all(args.served_model_name):
         return f"--served-model-name: a name must not be empty, got {args.served_model_name}"
     if math.isnan(args.shutdown_grace_s):  # (NaN was a grace of 0)
