@@ -47,7 +47,7 @@ from __future__ import annotations
 import structlog
 from fastapi.responses import Response
 from prometheus_client import Counter
-from starlette.requests import ClientDisconnect
+from starlette.requests import ClientDisconnect, Request
 
 from hicache.radix import TIERS, Tier
 from scheduler.api_models import APIError, read_json_body
@@ -104,6 +104,15 @@ def _cross_site(origin: str | None, limits) -> bool:
         return False
     allowed = limits.cors.allowed_origins if limits.cors is not None else ()
     return "*" not in allowed and origin not in allowed
+
+
+def refuse_cross_site(request: Request) -> None:
+    """A route's dependency where it changes state on a POST with no body, which no CORS preflight guards: a 403 for
+    a browser page of an origin --allowed-origins does not list (regression: POST /v1/responses/{id}/cancel, a form
+    or a no-cors fetch of another site's page cancelled a background response, its id the client's request_id)."""
+    if _cross_site(request.headers.get("origin"), request.app.state.hc.limits):
+        raise APIError(403, f"a browser page of another origin may not POST {request.url.path} (its Origin is not in "
+                            "--allowed-origins)", code="cross_site_request", type="permission_error")
 
 
 def requested_tiers(query: list[tuple[str, str]], body: dict) -> tuple[Tier, ...]:

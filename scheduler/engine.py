@@ -37,7 +37,7 @@ from scheduler.config import EngineConfig, resolve_device
 from scheduler.cuda_graphs import TAIL_SIZES, capture_graphs
 from scheduler.engine_lifecycle import EngineLifecycle
 from scheduler.engine_loop import EngineLoop
-from scheduler.logs import OccupancyLog, configure_logging, info_enabled
+from scheduler.logs import OccupancyLog, configure_logging, info_enabled, logging_state, restore_logging
 from scheduler.memory_plan import plan_pools
 from scheduler.model import load_model
 from scheduler.guided import Guides
@@ -52,16 +52,18 @@ log = structlog.get_logger("scheduler.engine")
 class Engine(EngineLifecycle, EngineLoop, BatchAPI):
     def __init__(self, config: EngineConfig | None = None, faults: FaultInjector | None = None) -> None:
         self.config = config = config or EngineConfig()
-        # (--log-json: its file, whose lines are dropped, not raised, once the disk is full)
-        self.log_sink = configure_logging(config.log_json) if config.log_json or not structlog.is_configured() else None
-        self.device, self.dtype = resolve_device(config)
-        threads = torch.get_num_threads()
-        if self.device.type == "cpu" and config.cpu_threads > 0:
-            torch.set_num_threads(config.cpu_threads)
+        logging_before, threads = logging_state(), torch.get_num_threads()
         try:
+            # (--log-json: its file, whose lines are dropped, not raised, once the disk is full)
+            configures = config.log_json or not structlog.is_configured()
+            self.log_sink = configure_logging(config.log_json) if configures else None
+            self.device, self.dtype = resolve_device(config)
+            if self.device.type == "cpu" and config.cpu_threads > 0:
+                torch.set_num_threads(config.cpu_threads)
             self._load(config, faults)
         except BaseException:  # (an engine refused leaves torch's threads as it found them: regression, a mistyped
             torch.set_num_threads(threads)  # model path left the caller's CPU work on cpu_threads' one thread)
+            restore_logging(logging_before)  # (and the logging: its log's file let go)
             # nor holds its weights and pools until the cyclic gc finds them (its admission, speculator and cache's
             # wakeup refer back to it: regression, a retry in the same process found that much less GPU memory)
             vars(self).clear()
@@ -123,6 +125,7 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
         self._closing = False  # shutdown() began: no new requests ever; queued ones run within its grace
         self._stop_done: asyncio.Future | None = None  # a stop_loop() under way: done as it returns (start() waits)
         self._shut_down = False  # shutdown() ended: the tiers are closed
+        self._grace_cut = False  # end_grace(): a shutdown's grace ends now (hicache-serve's forced exit)
         self._pid = os.getpid()  # the process that built it (start() refuses to run in a forked child)
         # clients whose work is several requests in turn (a beam search's steps: scheduler/beam_search.py) under
         # way: shutdown's grace waits for them too, and takes their next requests (add_request(continuing=True))

@@ -193,15 +193,18 @@ class EngineLifecycle:
             await self.start()  # (not after a crash: that loop failed them all; a no-op once closing)
         self._closing = True
         deadline = time.monotonic() + grace_s
+
+        def grace_left_s() -> float:
+            return 0.0 if self._grace_cut else deadline - time.monotonic()
         try:
-            while ((self.running or self.waiting or self.parked or self.continuing) and time.monotonic() < deadline
+            while ((self.running or self.waiting or self.parked or self.continuing) and grace_left_s() > 0
                    and self._loop_task is not None and not self._loop_task.done()):
                 await asyncio.sleep(0.01)
             self._abort_all()
             if self._loop_task is not None:
                 await join_loop(self._loop_task, shield=False)  # re-raises a loop crash; we still clean up
             self._settle_aborts()
-            await self.cache.runner.save_for_others(deadline - time.monotonic())  # (a shared L3's pages)
+            await self.cache.runner.save_for_others(grace_left_s())  # (a shared L3's pages)
         finally:
             if self._loop_task is not None and not self._loop_task.done():  # (cancelled in the grace)
                 self._abort_all()
@@ -218,6 +221,12 @@ class EngineLifecycle:
                 finally:  # (and the model's runner whatever the tiers' closing raised: a device error)
                     self.runner.close()
                     self._shut_down = True
+
+    def end_grace(self) -> None:
+        """End the grace of a shutdown under way, or to come, now: its requests are aborted at once and the backups of
+        a kept or shared L3 not waited for; the tiers still close (hicache-serve's forced exit, a second Ctrl-C or
+        SIGTERM). Safe from a signal handler (a flag the shutdown's wait reads)."""
+        self._grace_cut = True
 
     def _abort_all(self) -> None:
         """Stop: the loop admits nothing more and ends once every live request was aborted."""

@@ -74,6 +74,24 @@ def _sink(path: str):
     return sink
 
 
+def logging_state() -> tuple:
+    """structlog's configuration and this process's open logs now: what `restore_logging` puts back."""
+    return structlog.is_configured(), structlog.get_config(), set(_SINKS)
+
+
+def restore_logging(state: tuple) -> None:
+    """Put structlog's configuration back as `logging_state` found it and close the logs opened since (their locks
+    let go): an engine refused after its log was set up (regression: its file stayed locked for the process's life,
+    another process's engine refused it, and a later engine of this one without a log wrote into it)."""
+    configured, config, sinks = state
+    for key in set(_SINKS) - sinks:
+        _forget(key)
+    if configured:
+        structlog.configure(**config)
+    else:
+        structlog.reset_defaults()
+
+
 class LogSink:
     """A JSON log's file as structlog writes to it. Once the run's first line is in, a line that cannot be written
     (the disk filled up; a pipe's reader went away; the file was closed) is dropped and counted, with one notice on

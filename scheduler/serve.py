@@ -8,6 +8,7 @@ SIGTERM starting the engine's shutdown grace at once.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import math
 import os
@@ -35,18 +36,46 @@ from scheduler.server import __doc__ as SERVER_DOC
 from scheduler.tokenizer import load_tokenizer
 
 
+INTERRUPTED_STATUS = 128 + signal.SIGINT  # (the shell's status of a process Ctrl-C killed, as the replay's)
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server, told at SIGINT/SIGTERM so admission stops and the engine's grace period
     starts at once (uvicorn waits for connections a little longer than the grace, so aborted streams
-    can end cleanly); exits 0 after a clean shutdown instead of re-raising the signal."""
+    can end cleanly); exits 0 after a clean shutdown instead of re-raising the signal. A second signal forces the
+    exit: the engine's grace ends (`on_force`), its requests aborted, and it still shuts down."""
 
-    def __init__(self, config: uvicorn.Config, on_exit) -> None:
+    def __init__(self, config: uvicorn.Config, on_exit, on_force) -> None:
         super().__init__(config)
-        self._on_exit = on_exit
+        self._on_exit, self._on_force = on_exit, on_force
 
     def handle_exit(self, sig, frame) -> None:
+        if self.should_exit:  # a second SIGTERM forces too (a supervisor's; regression: uvicorn forces at a second
+            # SIGINT only, and the server waited out its whole grace)
+            self.force_exit = True
+            self._on_force()
         self._on_exit()
         super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets)
+        if self.force_exit and not self.lifespan.shutdown_event.is_set():
+            # uvicorn skips the app's lifespan shutdown when forced (regression: asyncio.run then cancelled the
+            # engine's shutdown and every stream's handler, a traceback each): the engine shuts down, its grace
+            # ended, its tiers closed (a kept L3's index saved), and the handlers end
+            await self.lifespan.shutdown()
+            await self._end_handlers()
+
+    async def _end_handlers(self) -> None:
+        """Let the handlers write the last events of the requests the engine aborted, for up to a second; then close
+        the connections of those still going (a client that reads no more), which ends them, not cancelled."""
+        for attempt in range(60):
+            if not self.server_state.tasks:
+                return
+            if attempt == 10:
+                for connection in list(self.server_state.connections):
+                    connection.transport.close()
+            await asyncio.sleep(0.1)
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -283,7 +312,7 @@ def _server(parser: argparse.ArgumentParser, args: argparse.Namespace, engine: E
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", lifespan="on",
                                log_level=args.log_level, access_log=not args.disable_access_log,
                                timeout_graceful_shutdown=limits.shutdown_grace_s + 2.0)
-    return _Server(uv_config, on_exit=app.state.hc.begin_shutdown)
+    return _Server(uv_config, on_exit=app.state.hc.begin_shutdown, on_force=engine.end_grace)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     except sigterm.Terminated:
         print("hicache-serve: terminated (SIGTERM) while starting; the engine closed", file=sys.stderr)
         return sigterm.EXIT_STATUS
+    except KeyboardInterrupt:  # (as the replay's Ctrl-C; regression: a traceback, where SIGTERM's is one line)
+        print("hicache-serve: interrupted (Ctrl-C) while starting; the engine closed", file=sys.stderr)
+        return INTERRUPTED_STATUS
     if server is None:
         return 2
     server.run()

@@ -38,14 +38,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import structlog
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from scheduler.api_admin import PrefixCacheReset
+from scheduler.api_admin import PrefixCacheReset, refuse_cross_site
 from scheduler.api_auth import CORSSettings, install_access
 from scheduler.api_beam_search import BeamSearches
 from scheduler.api_inputs import choice_params, model_not_found, parse_prompts
@@ -107,13 +107,12 @@ class ServerLimits:
 class _ServerState:
     def __init__(self, engine: Engine, limits: ServerLimits, tokenizer) -> None:
         self.engine, self.limits, self.tokenizer = engine, limits, tokenizer
-        names = limits.served_model_names  # (given: those alone, as vLLM's --served-model-name)
-        self.model_name = names[0] if names else engine.config.model
+        names = limits.served_model_names or (  # (given: those alone, as vLLM's --served-model-name)
+            engine.config.model, os.path.basename(engine.config.model.rstrip("/")), engine.model_id)
+        self.model_name = names[0]
         self.metrics = ServerMetrics(engine, self.model_name)  # (vLLM's families labelled model_name)
-        self.served_names = set(names) or {engine.config.model, os.path.basename(engine.config.model.rstrip("/")),
-                                           engine.model_id}
-        self.in_flight = 0
-        self.draining = False
+        self.served_names = dict.fromkeys(names)  # (in order, /v1/models' first: /hicache/status lists them)
+        self.in_flight, self.draining = 0, False
         self.loop: asyncio.AbstractEventLoop | None = None
         self.shutdown_task: asyncio.Task | None = None
         self.engine_error: str | None = None
@@ -249,8 +248,8 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
 
     # a kept response (responses_store.py; GET's below), its id a path's rest: a request_id may hold "/", which the
     # SDK sends as it is (regression: such a response was kept, and followed, but never found by GET or DELETE)
-    @app.post("/v1/responses/{response_id:path}/cancel")  # (a background response's; before the routes below)
-    async def response_cancel(response_id: str):
+    @app.post("/v1/responses/{response_id:path}/cancel", dependencies=[Depends(refuse_cross_site)])  # (no body)
+    async def response_cancel(response_id: str):  # (a background response's; before the routes below)
         return JSONResponse(await st.background.cancel(response_id))
 
     @app.delete("/v1/responses/{response_id:path}")
@@ -325,7 +324,8 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         # (regression: hicache-serve reported a prompt limit of 0)
         effective = {**dataclasses.asdict(st.limits), "api_key": bool(st.limits.api_key),  # (never the key itself)
                      "chat_template": st.limits.chat_template is not None,  # (its text: the tokenizer's below)
-                     "max_prompt_tokens": st.prompt_limit, "max_tokens_limit": st.max_tokens_limit}
+                     "max_prompt_tokens": st.prompt_limit, "max_tokens_limit": st.max_tokens_limit,
+                     "served_model_names": list(st.served_names)}  # (regression: [] where none was given)
         s["server"] = {"in_flight": st.in_flight, "draining": st.draining, "limits": effective,
                        "tokenizer": getattr(st.tokenizer, "kind", None),
                        "chat_template": getattr(st.tokenizer, "chat_template", None) is not None}

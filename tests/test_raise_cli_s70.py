@@ -98,9 +98,13 @@ def test_a_server_start_up_failing_after_the_engine_was_built_closes_it(tmp_path
         raise fault
 
     monkeypatch.setattr(serve, "create_app", failing_create_app)
-    with pytest.raises(type(fault)):
-        serve.main(["--model", "tiny", "--device", "cpu", "--port", "0", "--page-size", "16", "--num-pages", "256",
-                    "--enable-hicache", "--hicache-storage-size-gb", "0.03125",
-                    *persisted(tmp_path)])
+    argv = ["--model", "tiny", "--device", "cpu", "--port", "0", "--page-size", "16", "--num-pages", "256",
+            "--enable-hicache", "--hicache-storage-size-gb", "0.03125", *persisted(tmp_path)]
+    if isinstance(fault, KeyboardInterrupt):  # (session 76: a Ctrl-C there is one line and 130, as the replay's and
+        # as SIGTERM's there: it went out as a traceback)
+        assert serve.main(argv) == 128 + signal.SIGINT
+    else:
+        with pytest.raises(type(fault)):
+            serve.main(argv)
     assert (tmp_path / "l3.index").exists(), "the engine was not closed: its adopted index is lost"
     assert adopted_pages(tmp_path) > 0
