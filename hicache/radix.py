@@ -39,7 +39,7 @@ TIERS = (Tier.L1, Tier.L2, Tier.L3)
 
 
 class Node:
-    __slots__ = ("key", "children", "parent", "pages", "locks", "stamp", "node_id", "hits")
+    __slots__ = ("key", "children", "parent", "pages", "locks", "stamp", "node_id", "hits", "resident_children")
     _ids = itertools.count()
 
     def __init__(self, key: tuple[int, ...], parent: "Node | None") -> None:
@@ -50,6 +50,10 @@ class Node:
         self.locks = [0, 0, 0]
         self.stamp = [0, 0, 0]
         self.hits = 0  # times a request matched through this node (write_through_selective)
+        # per tier, how many children are resident there: whether the node is a tier's leaf without a walk over
+        # its children (regression: evicting the branches of one prefix from L1 that L2 still held walked every
+        # sibling evicted before each one, quadratic in the branches)
+        self.resident_children = [0, 0, 0]
         self.node_id = next(Node._ids)
 
     def on_or_below(self, nodes: "set[Node] | frozenset[Node]") -> bool:
@@ -188,6 +192,7 @@ class RadixTree:
             if pages is not None:
                 upper.pages[tier] = pages[:at_pages]
                 node.pages[tier] = pages[at_pages:]
+                upper.resident_children[tier] = 1  # `node`, its only child (the parent's count is unchanged)
         parent = node.parent
         assert parent is not None
         parent.children[upper.key[:self.page_size]] = upper
@@ -240,6 +245,7 @@ class RadixTree:
                                          f"{tier.name} (residency must be contiguous from the root)")
                     alloc.give_to_tree(mine, claim)  # per node, so a later error leaves no half state
                     child.pages[tier] = mine
+                    node.resident_children[tier] += 1
                     self.num_resident_pages[tier] += len(mine)
                     child.stamp[tier] = use
                     self._offer(child, tier)
@@ -275,7 +281,7 @@ class RadixTree:
     # -- eviction -----------------------------------------------------------------------------
     def _is_tier_leaf(self, node: Node, tier: Tier) -> bool:
         return (node is not self.root and node.pages[tier] is not None and node.locks[tier] == 0
-                and not any(c.pages[tier] is not None for c in node.children.values()))
+                and not node.resident_children[tier])
 
     def iter_nodes(self):
         stack = [self.root]
@@ -339,6 +345,7 @@ class RadixTree:
                 pages = node.pages[tier]
                 assert pages is not None
                 node.pages[tier] = None
+                node.parent.resident_children[tier] -= 1
                 self.num_resident_pages[tier] -= len(pages)
                 self.allocators[tier].free_from_tree(pages)
                 freed += len(pages)
@@ -376,6 +383,7 @@ class RadixTree:
         for n in reversed(order):  # leaves first
             pages = n.pages[tier]
             n.pages[tier] = None
+            n.parent.resident_children[tier] -= 1
             self.num_resident_pages[tier] -= len(pages)
             self.allocators[tier].free_from_tree(pages)
             freed.extend(pages)
@@ -464,3 +472,7 @@ class RadixTree:
                 self.allocators[tier].check(self.tree_pages(tier))
             elif counts[tier]:
                 raise AssertionError(f"{tier.name}: pages resident in a tier that does not exist")
+        for n in self.iter_nodes():  # (what `_is_tier_leaf` reads)
+            resident = [sum(c.pages[tier] is not None for c in n.children.values()) for tier in TIERS]
+            if n.resident_children != resident:
+                raise AssertionError(f"{n}: counts {n.resident_children} resident children per tier, not {resident}")

@@ -140,7 +140,9 @@ class EngineLoop:
             nxt = None if self._end_chain or self.stopping else self.admission.chain_decode_batch(work.reqs)
             next_handle = None
             if nxt is not None:
-                rows = [work.reqs.index(r) for r in nxt.reqs]
+                # (by identity, in one pass: a search of the step's list per row was B * B / 2 comparisons a step)
+                row_of = {id(r): i for i, r in enumerate(work.reqs)}
+                rows = [row_of[id(r)] for r in nxt.reqs]
                 next_start_ns, next_restoring = time.monotonic_ns(), self.cache.pending_restores() > 0
                 next_handle = self._launch(nxt, chain=(handle, rows))
                 self.stats["chained_steps"] += 1

@@ -174,6 +174,7 @@ class HFTokenizer(_Chat):
         with _reading(os.path.join(model_dir, "tokenizer.json")) as path:
             self.tok = Tokenizer.from_file(path)
         self._added: dict[int, str] | None = None
+        self._special_ids: frozenset[int] | None = None
         self.no_chat_reason = f"{model_dir} has no chat template (tokenizer_config.json or chat_template.jinja)"
         with _reading(os.path.join(model_dir, "tokenizer_config.json")) as path:
             cfg = _read_json(path)
@@ -208,6 +209,12 @@ class HFTokenizer(_Chat):
         if self._added is None:
             self._added = {int(i): t.content for i, t in self.tok.get_added_tokens_decoder().items()}
         return self._added
+
+    def special_token_ids(self) -> frozenset[int]:
+        """The ids of the special tokens, those a decode with skip_special_tokens leaves out."""
+        if self._special_ids is None:
+            self._special_ids = frozenset(int(i) for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
+        return self._special_ids
 
     def token_strs(self, ids: Sequence[int]) -> list[str]:
         """Each id's token as the vocabulary spells it ("Ġthe"; transformers' convert_ids_to_tokens)."""
@@ -338,8 +345,14 @@ class IncrementalDecoder:
         if not (skip_special_tokens or spaces_between_special_tokens) and added is not None:
             self.joined = added() or None
         self.last_added = False
+        # the ids its decodes leave out: kept out of the window (regression: a run of them, a model repeating its EOS
+        # under ignore_eos, added no text, so the window grew by one id a token and was decoded whole each time)
+        specials = getattr(tokenizer, "special_token_ids", None)
+        self.skipped: frozenset[int] = specials() if skip_special_tokens and specials is not None else frozenset()
 
     def feed(self, token_id: int) -> str:
+        if int(token_id) in self.skipped:
+            return ""  # (as vLLM's detokenizer, which leaves them out of its tokens: the text is the same)
         self.ids.append(int(token_id))
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
