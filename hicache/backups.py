@@ -103,13 +103,17 @@ class Backups:
         # only these keys' backups (and those they defer) are waited for, so that a flush during
         # load ends although new backups keep starting
         keys = set(self._backing_up) | {w for waiting in self._deferred.values() for w in waiting}
+        # and, for a flush of L3, the L3 writes in flight now, whose keys left `_backing_up` as they started
+        # (regression: a backup caught in H2S_PENDING published its pages in L3 after the reset of L3, and held
+        # them in L2 through the reset of L2, where one caught in D2H_PENDING was waited for)
+        l3_writes = set(self._l3_writing) if through_l3 else set()
         while True:
             waits = []
             for op in self.live.values():
                 if op.kind is not OpKind.BACKUP:
                     continue
                 key = op.payload.get("backup_key", ())  # (gone: it is ending; () matches every key: waited for)
-                ours = any(k[:len(key)] == key for k in keys)
+                ours = any(k[:len(key)] == key for k in keys) or op.op_id in l3_writes
                 if ours and through_l3 and op.op_id in self._tasks:
                     waits.append(self._tasks[op.op_id])
                 elif ours and not op.payload["l1_free"].done():
