@@ -37,7 +37,10 @@ class BatchAPI:
                                                  output_ids=[], finish_reason="error", error=str(exc),
                                                  cached_tokens=dict.fromkeys(("l1", "l2", "l3"), 0),
                                                  ttft_s=None, latency_s=None,
-                                                 logprobs=None if getattr(p, "logprobs", None) is None else []))
+                                                 logprobs=None if getattr(p, "logprobs", None) is None else [],
+                                                 # (as a request that failed later: regression, None where asked)
+                                                 prompt_logprobs=None if getattr(p, "prompt_logprobs", None) is None
+                                                 else []))
             for r in reqs:
                 if isinstance(r, Request):
                     while not r.state.done:

@@ -11,7 +11,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from scheduler.loop_task import check_loop, crash_of, end_broken, join_loop
+from scheduler.loop_task import check_caller, check_loop, crash_of, end_broken, join_loop
 from scheduler.request import Request, RequestError, RequestState, SamplingParams, TokenEvent, enqueue
 from scheduler.sampling import seeded_generator
 
@@ -50,6 +50,7 @@ class EngineLifecycle:
         """Queue a request (raises RequestError on bad input; nothing else is affected). continuing: the next
         request of a client counted in `continuing` (a beam search's step), taken in a shutdown's grace too
         (regression: a search under way was cut short by a grace it would have finished within)."""
+        check_caller(self._loop_task)  # (only from the loop's own thread: nothing here is thread-safe)
         if not self.accepting and not (continuing and self._closing and not self.stopping):
             raise RequestError(("the engine has shut down" if self._shut_down else "the engine is shutting down")
                                if self._closing else
@@ -183,13 +184,16 @@ class EngineLifecycle:
         """Take no new requests; let the ones already queued or running finish within `grace_s`, abort
         the rest, drain every transfer and close the tiers (a temporary L3 file is removed); a shared L3's
         backups first finish within what is left of `grace_s` (`Backups.save_for_others`). The grace also
-        runs a loop that stop_loop() ended or that never started, for the requests queued. (Regressions:
+        runs a loop that stop_loop() ended, that never started or that an asyncio.run() ending cancelled, for the
+        requests left (regression: after that cancel, aborted at once, the running ones too). (Regressions:
         queued requests were not admitted in the grace, then aborted after it; or aborted at once; a
         shutdown cancelled in the grace left the loop running and the tiers open.) Clients under way with
         several requests in turn (`continuing`: a beam search) get the grace too: their next requests are
         taken until it ends."""
         check_loop(self._loop_task, asyncio.get_running_loop())  # (else: closed tiers under a loop that runs on)
-        if grace_s > 0 and self._loop_task is None and (self.waiting or self.parked):
+        task = self._loop_task
+        if (grace_s > 0 and (task is None or task.done() and crash_of(task) is None)
+                and (self.running or self.waiting or self.parked)):
             await self.start()  # (not after a crash: that loop failed them all; a no-op once closing)
         self._closing = True
         deadline = time.monotonic() + grace_s

@@ -24,6 +24,17 @@ def check_loop(task: asyncio.Task | None, loop: asyncio.AbstractEventLoop | None
                            "await engine.stop_loop() (or shutdown()) on that loop first (one thread at a time)")
 
 
+def check_caller(task: asyncio.Task | None) -> None:
+    """`check_loop` for add_request, which runs outside any event loop too: refused from another event loop, and
+    from a thread with none while the loop task's runs (in another thread: regression, the request was queued where
+    that loop, woken by a thread-unsafe Event.set, never saw it, and it waited forever); taken with none running
+    (between two run_until_complete() calls of the loop's own thread)."""
+    running = asyncio._get_running_loop()
+    if running is not None or (task is not None and not task.done()
+                               and (task.get_loop().is_running() or task.get_loop().is_closed())):
+        check_loop(task, running)
+
+
 async def join_loop(task: asyncio.Task, shield: bool) -> None:
     """Wait for the loop task to end; re-raise its crash. A task cancelled from elsewhere (an
     asyncio.run() that ended while it ran) has nothing to report (regression: shutdown() then raised
