@@ -359,10 +359,15 @@ class Backups:
             # during the write did)
             self._backing_up.discard(tokens)
             self._start_waiting(tokens, failed=False, stopped=False, l2_locked=True)
+            # bounded as a read is (regression: a write on a storage that hangs held its L2 pages locked, and a
+            # reset of L3 that waits for it unanswered, for good)
             try:
-                await self._wait_io(op, future, "h2s")
+                await self._wait_io(op, future, "h2s", self._io_deadline_s(op.num_bytes, "h2s"))
             except StorageError as exc:
-                self._storage_failed(op, exc)
+                # past its deadline its slots stay reserved until it settles; so do its L2 pages where it still packs
+                # them into values shared under its keys (a content-addressed store: a page L2 reused meanwhile was
+                # stored as this prefix's; regression), not where they land in its own slots, freed unreadable
+                self._storage_failed(op, exc, future, keep_locks=getattr(mgr.store, "content_addressed", False))
                 return
             if self._cancelled(op):
                 return

@@ -36,7 +36,7 @@ class HiCacheConfig:
     # same path (hicache/l3_index.py); needs storage_path and checksums
     storage_persist: bool = False
     io_workers: int = 4
-    io_timeout_s: float = 30.0  # an L3 read slower than this and than 4x its prediction (at most 4x this) fails
+    io_timeout_s: float = 30.0  # an L3 read or write slower than this and 4x its prediction (at most 4x this) fails
     policy: Policy = "cost"
     write_policy: WritePolicy = "write_through"
     transfer_backend: TransferBackend = "auto"

@@ -57,6 +57,8 @@ class OpRunner(Backups, Restores):
         self.live: dict[int, Op] = {}
         self._tasks: dict[int, asyncio.Task] = {}
         self._settling: set[asyncio.Task] = set()
+        # settling ops whose locks wait for their I/O too (`_settle_then_release`): op id -> op
+        self._settling_locked: dict[int, Op] = {}
         self._ids = itertools.count(1)
         # keys of the backups in flight, until their L3 write starts (`_l3_writing` then)
         self._backing_up: set[tuple[int, ...]] = set()
@@ -357,12 +359,15 @@ class OpRunner(Backups, Restores):
         return asyncio.gather(*(f if isinstance(f, asyncio.Future) else asyncio.wrap_future(f) for f in pending),
                               return_exceptions=True)
 
-    def _settle_then_release(self, op: Op, future) -> None:
+    def _settle_then_release(self, op: Op, future, keep_locks: bool = False) -> None:
         """Hold the op's private pages until its abandoned I/O or copy finished (a concurrent or an
-        asyncio future; None: nothing in flight), then free them."""
+        asyncio future; None: nothing in flight), then free them. keep_locks: its sources' locks too."""
         claims = dict(op.payload["claims"])
         op.payload["claims"].clear()
-        self._unlock_all(op)
+        if keep_locks:
+            self._settling_locked[op.op_id] = op
+        else:
+            self._unlock_all(op)
         self.start_checks(op)  # a read whose checksums wait for a launch settles only once they ran
 
         async def settle():
@@ -381,6 +386,8 @@ class OpRunner(Backups, Restores):
                     break
             for tier, claim in claims.items():  # (an abandoned L3 write that finished left its slots valid)
                 self._free_claim(claim, tier, op.payload.get("suspect", False))
+            if self._settling_locked.pop(op.op_id, None) is not None:
+                self._unlock_all(op)
             self._wake(op)
             if cancelled is not None:
                 raise cancelled
@@ -389,11 +396,12 @@ class OpRunner(Backups, Restores):
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
-    def _storage_failed(self, op: Op, exc: StorageError, future=None) -> None:
+    def _storage_failed(self, op: Op, exc: StorageError, future=None, keep_locks: bool = False) -> None:
+        """keep_locks: past its deadline, the I/O still reads the op's locked sources (`_settle_then_release`)."""
         late_io = future if exc.kind == "timeout" else None  # the I/O itself has not settled
         if late_io is not None or op.payload.get("transfer") is not None:  # (an H2D of a taken prefetch)
             apply(op, OpEvent.FAIL, error=str(exc))
-            self._settle_then_release(op, self._in_flight(op, late_io))
+            self._settle_then_release(op, self._in_flight(op, late_io), keep_locks and late_io is not None)
             self.mgr.metrics.count_failure(exc.kind)
         else:
             self._fail(op, str(exc), exc.kind)
@@ -420,11 +428,11 @@ class OpRunner(Backups, Restores):
         """What an L3 op reads: its pages [l2, l3) (`_start_s2h`), not its longest copy (num_pages)."""
         return op.payload.get("num_read_pages", op.num_pages) * self.mgr.geometry.bytes_per_page
 
-    def _io_deadline_s(self, num_bytes: int) -> float:
+    def _io_deadline_s(self, num_bytes: int, direction: str = "s2h") -> float:
         # at most 4x io_timeout_s: a read past its deadline is learned as taking it (`_await_io`), so on a storage
         # that hangs each one raised the next one's 1.6x, unbounded (30 s, 43 s, ... 20 min after 10 timeouts)
         timeout_s = self.mgr.config.io_timeout_s
-        return min(4 * timeout_s, max(timeout_s, 4 * self.mgr.cost.directions["s2h"].predict(num_bytes)))
+        return min(4 * timeout_s, max(timeout_s, 4 * self.mgr.cost.directions[direction].predict(num_bytes)))
 
     # -- lifecycle and integrity ---------------------------------------------------------------
     def pending_counts(self) -> dict:
@@ -460,7 +468,7 @@ class OpRunner(Backups, Restores):
         """(node, tier) -> how many locks the live ops, and `ops` (ended ones a request still refers to), hold
         there: their sources', and a restore's published L1 pages held for its request (`hold_published`)."""
         holds: Counter = Counter()
-        for op in {id(op): op for op in (*self.live.values(), *ops)}.values():
+        for op in {id(op): op for op in (*self.live.values(), *self._settling_locked.values(), *ops)}.values():
             holds.update(op.payload.get("locks", ()))
             if op.payload.get("held_l1") is not None:
                 holds[(op.payload["held_l1"], Tier.L1)] += 1

@@ -180,7 +180,7 @@ def test_reliability_numbers():
     assert (float(lo), float(hi)) == inspect.signature(FileStore).parameters["enospc_backoff_s"].default
     assert stated("docs/reliability.md", r"max\(`io_timeout_s`, (\d+) × the predicted read\)")[0] == "4"
     source = (REPO / "hicache/operations.py").read_text()
-    assert "min(4 * timeout_s, max(timeout_s, 4 * self.mgr.cost.directions[\"s2h\"].predict(num_bytes)))" in source
+    assert "min(4 * timeout_s, max(timeout_s, 4 * self.mgr.cost.directions[direction].predict(num_bytes)))" in source
 
 
 def test_small_forward_shapes_the_design_notes_state():
