@@ -93,12 +93,20 @@ class RedisHints:
             await self.settle_deletes()
         self.counters["hint_queries"] += 1
         hinted_tokens = mgr.tree.match(tokens, include_storage=True, touch=False, split=False).lengths[Tier.L3]
+        written: set[bytes] = set()  # keys this store wrote while the query was in flight (`_write`)
+        self._rechecking[id(written)] = written
         try:
             present = await asyncio.wait_for(self.count_present(keys), self.hint_timeout_s)
         except asyncio.TimeoutError:
             raise self._error(asyncio.TimeoutError(), f"existence query slower than {self.hint_timeout_s} s") \
                 from None
+        finally:
+            del self._rechecking[id(written)]
         self._succeeded()
+        # the reply may be older than a write of these pages that landed meanwhile (a sibling backup's, after its
+        # recheck dropped the hints the reply would have covered): they are there (regression: dropped as stale)
+        while present < len(keys) and keys[present] in written:
+            present += 1
         held = present  # what the tree may hint: the reply, or more
         if present * ps >= hinted_tokens:
             # L3 pages the tree gained while the query was in flight were written since (this engine's own

@@ -97,7 +97,7 @@ class RedisStore(RedisHints):
         self._tasks: set[asyncio.Task] = set()
         self._deletes: set[asyncio.Task] = set()  # suspect pages' deletions in flight (a hint refresh waits)
         self._suspect: set[bytes] = set()  # suspect pages' keys not deleted yet (never hinted; `delete_suspect`)
-        self._rechecking: dict[int, set[bytes]] = {}  # per hint recheck in flight: the keys written since it asked
+        self._rechecking: dict[int, set[bytes]] = {}  # per hint query in flight: the keys written since it asked
         self._closed = False
         self._down_until = 0.0
         self._consecutive_failures = 0
@@ -260,16 +260,19 @@ class RedisStore(RedisHints):
             raise self._error(injected, "write")
         client = self._client()
         first_ns, chunks = time.monotonic_ns(), self._chunks(len(keys))
-        try:
-            for lo, hi in chunks:
-                values = await self._on_cpu(self._pack, pages, keys[lo:hi], host_arr[lo:hi])
+        for lo, hi in chunks:
+            # what packing raises is this process's bug, not the server's: it goes out as itself (regression:
+            # counted as the write's "eio", as unpacking a read's reply was)
+            values = await self._on_cpu(self._pack, pages, keys[lo:hi], host_arr[lo:hi])
+            try:
                 await client.mset(dict(zip(keys[lo:hi], values)))
                 self.counters["round_trips"] += 1
                 self._succeeded()  # (before a later chunk's refusal fails the write, as a read's round trip)
-        except Exception as exc:
-            if await self.refusals.write_failed(self._client, exc) is not None:
-                raise self._error(StorageError("enospc", f"redis write: {self.refusals.writes}"), "write") from exc
-            raise self._error(exc, "write") from exc
+            except Exception as exc:
+                if await self.refusals.write_failed(self._client, exc) is not None:
+                    raise self._error(StorageError("enospc", f"redis write: {self.refusals.writes}"),
+                                      "write") from exc
+                raise self._error(exc, "write") from exc
         self.refusals.write_succeeded()
         for written in self._rechecking.values():
             written.update(keys)

@@ -235,8 +235,10 @@ async def _step(engine: "Engine", tokens: list[int], params: SamplingParams, rid
                 await engine.abort(req.rid)
     if ev.finish_reason not in ("length", "stop") or not req.output_logprobs:
         if ev.finish_reason == "abort":
-            raise BeamSearchError("a beam search step was aborted (the server is shutting down or the client went "
-                                  "away)", "abort")
+            # (a client gone or a caller's cancel cancels the search, not this: a shutdown, or an abort of the step's
+            # own request; regression: the latter said "the server is shutting down or the client went away")
+            why = "the engine is shutting down" if not engine.accepting else f"its request {req.rid} was aborted"
+            raise BeamSearchError(f"a beam search step was aborted ({why})", "abort")
         raise BeamSearchError(ev.error or f"a beam search step ended with {ev.finish_reason!r}", "error")
     return req
 

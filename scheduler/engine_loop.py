@@ -49,6 +49,15 @@ class EngineLoop:
             # (regression: an L3 write's settling was destroyed with the loop and kept for good: its pages never
             # came back, and every later drain raised ValueError, shutdown's before it closed the L3 file)
             await self.cache.drain(cancel=True)
+            # aborts that landed meanwhile (asyncio.run cancels its other tasks too: a stream's closing aborts its
+            # request) end now, as a tick would end them; one landing after this task ended is settled by abort()
+            # itself (regression: left running, in status() and holding its L1 pages, until some later loop ran)
+            if self.aborting:
+                try:
+                    self._settle_aborts()
+                except Exception:  # (each one ended, `end_broken`: the cancellation goes on, not what one raised)
+                    log_anyway(log.exception, "aborting_requests_after_loop_cancel_failed")
+                await self.cache.drain(cancel=True)  # (what ending them began: a backup of the chunks one published)
             raise
         except Exception as exc:
             # a bug must not leave clients waiting forever: fail every live request, then re-raise (the crash
