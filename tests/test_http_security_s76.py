@@ -8,6 +8,7 @@
   character. The server started, and then refused every /v1/ request with "a wrong API key was given"."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -34,7 +35,7 @@ def test_a_redis_urls_tls_key_passphrase_is_masked_where_the_url_is_shown():
         shown = json.dumps(mgr.status()["storage"])
         assert PASSPHRASE not in shown and "ssl_password=***" in shown
     finally:
-        mgr.close()
+        asyncio.run(mgr.close())
 
 
 # -- an API key no client can send ---------------------------------------------------------------------------
