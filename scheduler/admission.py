@@ -24,7 +24,7 @@ import torch
 
 from hicache.radix import Tier
 from hicache.suspect import drop_suspect_prefix
-from scheduler import load, step_extras
+from scheduler import load, logs, step_extras
 from scheduler.request import Request, RequestState, TokenEvent
 from scheduler.reservations import AutoReserveRatio, Reservations
 from scheduler.restoring import Restoring
@@ -161,9 +161,9 @@ class Admission(Reservations, Restoring):
         arrive together with one prefix compute it once: n choices of a prompt, prompts of one system prompt
         (regression: 4 identical prompts in one batch computed it 4 times). It cannot wait forever: the other
         request is in prefill, so it runs in the next prefill pass or ends."""
-        tokens = self._reusable(req)
-        if len(tokens) < PREFILL_SHARE_MIN_TOKENS:
+        if not self._reuses(req) or req.prefill_len - 1 < PREFILL_SHARE_MIN_TOKENS:  # (`_reusable`'s length)
             return None
+        tokens = req.cache_prefill  # `_reusable`'s and its last token, not copied (a preempted one's is a copy)
         for other in self.engine.running:
             if other.state is not RequestState.PREFILL:
                 continue
@@ -173,14 +173,15 @@ class Admission(Reservations, Restoring):
             need = other.cached_len + PREFILL_SHARE_MIN_TOKENS
             need += -need % self.page_size
             theirs = other.cache_prompt
-            if (need > min(len(tokens), len(theirs)) or tokens[need - 1] != theirs[need - 1]
-                    or tokens[:need] != theirs[:need]):
+            if (need > min(len(tokens) - 1, len(theirs)) or tokens[need - 1] != theirs[need - 1]
+                    or not _agree(req, other, tokens, theirs, need)):
                 continue
             if req.waits_for != other.rid:
                 req.waits_for = other.rid
-                shared = _common_prefix_tokens(tokens, theirs)
-                self.engine.log_event(req, "prefill_waits", behind=other.rid,
-                                      shared_tokens=shared - shared % self.page_size, published_tokens=other.cached_len)
+                if logs.info_enabled():  # (measuring what they share reads it whole: only for a line written)
+                    shared = min(_common_prefix_tokens(tokens, theirs), len(tokens) - 1)
+                    self.engine.log_event(req, "prefill_waits", behind=other.rid, published_tokens=other.cached_len,
+                                          shared_tokens=shared - shared % self.page_size)
             return other
         return None
 
@@ -473,6 +474,18 @@ class Admission(Reservations, Restoring):
         req.locked_node = None
         self.cache.release_claim(req.claim)
         req.claim = None
+
+
+def _agree(req: Request, other: Request, tokens: list[int], theirs: list[int], need: int) -> bool:
+    """Whether req's `tokens` and other's `theirs` agree on their first `need`, comparing only what its last check
+    of `other` left unknown (each pass checks again as other's chunks grow `need`: regression, whole prefixes)."""
+    known = req.prefix_checked  # (other, tokens known to agree, an end before which they differ or None)
+    agreed, differs = known[1:] if known is not None and known[0] is other else (0, None)
+    if need <= agreed or (differs is not None and need >= differs):
+        return need <= agreed
+    same = tokens[agreed:need] == theirs[agreed:need]
+    req.prefix_checked = (other, need, differs) if same else (other, agreed, need)
+    return same
 
 
 def _common_prefix_tokens(a: list[int], b: list[int]) -> int:

@@ -283,7 +283,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "its directory is created)")
     h = parser.add_argument_group("hicache")
     h.add_argument("--enable-hicache", action="store_true", help="back L1 with host memory (L2) and storage (L3)")
-    h.add_argument("--hicache-ratio", type=float, default=2.0, help="L2 pages = ratio x L1 pages")
+    h.add_argument("--hicache-ratio", type=float, default=2.0,
+                   help="L2 pages = ratio x L1 pages, held to half the memory this process may have "
+                        "(scheduler/memory_plan.py; --hicache-size-gb is not)")
     h.add_argument("--hicache-size-gb", type=float, default=None, help="L2 size in GiB (wins over the ratio)")
     h.add_argument("--hicache-storage-path", default=None,
                    help="the L3 file (default: a temporary file, removed at exit); truncated at start (unless "
@@ -292,7 +294,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="keep the L3 file's prefixes across restarts: its index is saved next to it "
                         "(PATH.index) at a clean shutdown and adopted by the next engine on the same path "
                         "and model; needs --hicache-storage-path")
-    h.add_argument("--hicache-storage-ratio", type=float, default=2.0, help="L3 pages = ratio x L2 pages (0: no L3)")
+    h.add_argument("--hicache-storage-ratio", type=float, default=2.0,
+                   help="L3 pages = ratio x L2 pages (0: no L3); an L3 file is held to half the free space of its "
+                        "file system (--hicache-storage-size-gb is not)")
     h.add_argument("--hicache-storage-size-gb", type=float, default=None,
                    help="L3 size in GiB (wins over the ratio; 0: no L3)")
     h.add_argument("--hicache-storage-backend", default="file", choices=["file", "redis"],

@@ -347,6 +347,8 @@ class Request:
                                   # waits for it: Restoring.drop_ops)
     waits_for: str | None = None  # the request in prefill computing its prefix that it last waited for
                                   # (Admission._computes_prefix_of: logged once per request it waits for)
+    prefix_checked: tuple | None = None  # what its last check against a request in prefill found (admission.py
+                                         # `_agree`; still true after a preemption, which only extends its prefix)
     landed_offered: bool = False  # its prefetch's read landed and the request was offered to take it on
     promoted_tokens: int = 0      # tokens an L3 read (its prefetch, its restore, or one it followed) promoted to L2
     promoted_end: int = 0         # where they end in its prefix (they are that read's tail: `promote`)

@@ -137,9 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default=None,
                    help="the format of the model's tool calls: hermes, <tool_call>{json}</tool_call> (Qwen2.5, Qwen3)")
     s.add_argument("--api-key", default=None, metavar="KEY",
-                   help="the /v1/ routes ask for 'Authorization: Bearer KEY' (401 otherwise; /health, /metrics, "
-                        "/version, /tokenize, /detokenize and /hicache/status stay open, as vLLM's); without the "
-                        "flag, the environment's HICACHE_API_KEY if set")
+                   help="the /v1/ routes and /reset_prefix_cache ask for 'Authorization: Bearer KEY' (401 otherwise; "
+                        "/health, /ping, /metrics, /version, /tokenize, /detokenize and /hicache/status stay open, "
+                        "as vLLM's); without the flag, the environment's HICACHE_API_KEY if set")
     s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the names a request's model may use (those alone), the first the one /v1/models and "
                         "responses report; without it, the model's path, its last part and its id")

@@ -2,6 +2,7 @@
 trace-event JSON (Perfetto, chrome://tracing) and a Gantt PNG (matplotlib)."""
 from __future__ import annotations
 
+import heapq
 import json
 import sys
 from pathlib import Path
@@ -154,17 +155,32 @@ def write_chrome(tl: Timeline, path: str | Path) -> None:
 # ---------------------------------------------------------------- png
 
 def _pack_lanes(spans: list[tuple[float, float]]) -> list[int]:
-    """Greedy interval packing: a lane index for each (start, end), spans given in start order."""
-    lane_ends: list[float] = []
+    """Greedy interval packing: a lane index for each (start, end), spans given in start order: the lowest lane
+    whose last span ended by its start, else a new one. The lanes sit in heaps, busy ones by their end and free
+    ones by index (regression: each span scanned every lane, O(spans x lanes): 6 s for 8,000 requests open at
+    once); a lane free at a start stays free for every later one."""
+    busy: list[tuple[float, int]] = []  # (end of its last span, lane)
+    free: list[int] = []
     lanes = []
+    num_lanes = 0
     for a, b in spans:
-        lane = next((i for i, end in enumerate(lane_ends) if end <= a), None)
-        if lane is None:
-            lane = len(lane_ends)
-            lane_ends.append(b)
-        lane_ends[lane] = b
+        while busy and busy[0][0] <= a:
+            heapq.heappush(free, heapq.heappop(busy)[1])
+        if free:
+            lane = heapq.heappop(free)
+        else:
+            lane, num_lanes = num_lanes, num_lanes + 1
+        heapq.heappush(busy, (b, lane))
         lanes.append(lane)
     return lanes
+
+
+def _by_lane(lanes: list[int], items: list) -> list[list]:
+    """`items` grouped by their lane, in their order: one pass (regression: a pass over all of them per lane)."""
+    grouped: list[list] = [[] for _ in range(max(lanes, default=-1) + 1)]
+    for lane, item in zip(lanes, items):
+        grouped[lane].append(item)
+    return grouped
 
 
 def png_ms(tl: Timeline):
@@ -205,16 +221,16 @@ def render_png(tl: Timeline, path: str | Path, *, max_request_rows: int = 40) ->
         reqs_at = sorted(range(len(reqs)), key=lambda i: ms(reqs[i].arrival_ns, reqs[i].run))  # (drawn order)
         lanes = _pack_lanes([(ms(reqs[i].arrival_ns, reqs[i].run),
                               ms(reqs[i].close_ns(tl.open_end_ns(reqs[i].run)), reqs[i].run)) for i in reqs_at])
-        for lane in range(max(lanes) + 1):
-            rows.append((f"requests {lane}", [s for l, i in zip(lanes, reqs_at) if l == lane for s in req_spans[i]]))
+        for lane, of_lane in enumerate(_by_lane(lanes, reqs_at)):
+            rows.append((f"requests {lane}", [s for i in of_lane for s in req_spans[i]]))
     for kind in sorted({b.kind for b in tl.batches}):
         rows.append((f"batch {kind}", [(ms(b.start_ns, b.run), (b.end_ns - b.start_ns) / 1e6, f"batch {kind}")
                                        for b in tl.batches if b.kind == kind]))
     ops = sorted(tl.ops.values(), key=lambda o: ms(o.start_ns, o.run))
     op_lanes = _pack_lanes([(ms(o.start_ns, o.run), ms(o.end_ns(tl.open_end_ns(o.run)), o.run)) for o in ops])
-    for lane in range(max(op_lanes, default=-1) + 1):
-        rows.append((f"transfers {lane}", [(ms(a, o.run), (b - a) / 1e6, s) for o, l in zip(ops, op_lanes)
-                                           if l == lane for s, a, b in o.state_spans(tl.open_end_ns(o.run))]))
+    for lane, of_lane in enumerate(_by_lane(op_lanes, ops)):
+        rows.append((f"transfers {lane}", [(ms(a, o.run), (b - a) / 1e6, s) for o in of_lane
+                                           for s, a, b in o.state_spans(tl.open_end_ns(o.run))]))
     run_starts_ms = [ms(first, run) for run, first in enumerate(tl.run_first_ns) if first is not None]
     end_ms = max([ms(last, run) for run, last in enumerate(tl.run_last_ns) if last is not None], default=0.0)
     keys = list(dict.fromkeys(k for _, spans in rows for *_, k in spans))
