@@ -28,6 +28,19 @@ from test_faults import OTHER, PROMPT, REUSABLE, make_engine, only_in_l3, refere
 from test_lifecycle_hunt import assert_nothing_queued
 
 
+def serves_on_whole(eng, want_other: list[int]) -> None:
+    """After the settling: the engine serves OTHER (each generate() on a loop of its own) with `want_other`, nothing
+    left queued, settling or running, the tiers whole; then it shuts down with no private L2 page."""
+    for _ in range(2):
+        [result] = eng.generate([OTHER], SamplingParams(max_tokens=4))
+        assert result.error is None and result.output_ids == want_other
+    assert_nothing_queued(eng)
+    assert not eng.cache.runner._settling and not eng.cache.runner._tasks
+    assert_whole(eng.cache)
+    asyncio.run(eng.shutdown())
+    assert eng.cache.allocator(Tier.L2).num_private() == 0
+
+
 def test_an_asyncio_run_ending_while_a_timed_out_read_settles_frees_its_pages_only_once_it_landed(monkeypatch):
     """A blocking L3 restore whose read is held (ReadGate) fails at its deadline; the request recomputes and the
     run ends while the read is still held. The read is let go a moment later from another thread: its L2 pages must
@@ -56,10 +69,10 @@ def test_an_asyncio_run_ending_while_a_timed_out_read_settles_frees_its_pages_on
     runner, held_claims = eng.cache.runner, set()
     settle_then_release = runner._settle_then_release
 
-    def recording_settle(op, future):
+    def recording_settle(op, future, *more):  # (keep_locks: a timed-out write's)
         if op.kind is OpKind.RESTORE_L3:  # (the timed-out read's op)
             held_claims.update((tier, claim) for tier, claim in op.payload["claims"].items())
-        settle_then_release(op, future)
+        settle_then_release(op, future, *more)
     monkeypatch.setattr(runner, "_settle_then_release", recording_settle)
     release_claim = eng.cache.release_claim
 
@@ -81,14 +94,7 @@ def test_an_asyncio_run_ending_while_a_timed_out_read_settles_frees_its_pages_on
     assert events.index("read settled") < events.index("L2 pages freed"), events
     monkeypatch.undo()
     want_other = asyncio.run(reference(OTHER))
-    for _ in range(2):  # (each generate() on a loop of its own)
-        [result] = eng.generate([OTHER], SamplingParams(max_tokens=4))
-        assert result.error is None and result.output_ids == want_other
-    assert_nothing_queued(eng)
-    assert not runner._settling and not runner._tasks
-    assert_whole(eng.cache)
-    asyncio.run(eng.shutdown())
-    assert eng.cache.allocator(Tier.L2).num_private() == 0
+    serves_on_whole(eng, want_other)
 
 
 @pytest.mark.parametrize("interrupt", [KeyboardInterrupt, SystemExit])

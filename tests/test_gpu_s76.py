@@ -76,10 +76,10 @@ def test_an_asyncio_run_ending_under_a_backups_copy_frees_its_l2_pages_once_it_s
     runner, held_claims = eng.cache.runner, set()
     settle_then_release = runner._settle_then_release
 
-    def recording_settle(op, future):
+    def recording_settle(op, future, *more):  # (keep_locks: a timed-out write's)
         if op.kind is OpKind.BACKUP:
             held_claims.update(c for tier, c in op.payload["claims"].items() if tier is Tier.L2)
-        settle_then_release(op, future)
+        settle_then_release(op, future, *more)
     monkeypatch.setattr(runner, "_settle_then_release", recording_settle)
     release_claim = eng.cache.release_claim
 

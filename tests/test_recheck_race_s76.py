@@ -20,20 +20,25 @@ PREFIX = tuple(range(100, 116))  # 4 pages of 4 tokens
 A, B = PREFIX + (1, 2, 3, 4), PREFIX + (5, 6, 7, 8)
 
 
-@needs_redis
-@pytest.mark.asyncio
-async def test_a_recheck_reply_older_than_a_siblings_write_drops_none_of_its_hints(server):
+async def hinted_but_lost(server):
+    """A write-through manager on `server` whose tree hints PREFIX in Redis (L1 and L2 serve it too) that Redis lost;
+    its hint queries' timeout long (a test holds a reply)."""
     mgr = make_manager(storage_backend="redis", storage_url=server.url(), model_id="m", write_policy="write_through")
-    store = mgr.store
-    store.hint_timeout_s = 30.0  # (the first reply is held below)
+    mgr.store.hint_timeout_s = 30.0
     write_prefix(mgr, PREFIX)
     await mgr.drain()
-    assert store.counters["pages_written"] == 4 and mgr.match(PREFIX).lengths == [16, 16, 16]
-    server.client().flushall()  # Redis lost the prefix; the tree still hints it (L1 and L2 serve it)
-    real_count, gate, answered = store.count_present, asyncio.Event(), asyncio.Event()
-    calls = []
+    assert mgr.store.counters["pages_written"] == 4 and mgr.match(PREFIX).lengths == [16, 16, 16]
+    server.client().flushall()
+    return mgr
 
-    async def count_present(keys):  # A's recheck: answered by the server now, its reply seen at `gate`
+
+def hold_first_reply(store):
+    """The store's first hint query is answered by the server at once, its reply seen only once `gate` is set
+    (`answered` set meanwhile); `calls`: each query's key count."""
+    real_count, gate, answered = store.count_present, asyncio.Event(), asyncio.Event()
+    calls: list[int] = []
+
+    async def count_present(keys):
         calls.append(len(keys))
         found = await real_count(keys)
         if len(calls) == 1:
@@ -41,6 +46,15 @@ async def test_a_recheck_reply_older_than_a_siblings_write_drops_none_of_its_hin
             await gate.wait()
         return found
     store.count_present = count_present
+    return gate, answered, calls
+
+
+@needs_redis
+@pytest.mark.asyncio
+async def test_a_recheck_reply_older_than_a_siblings_write_drops_none_of_its_hints(server):
+    mgr = await hinted_but_lost(server)
+    store = mgr.store
+    gate, answered, calls = hold_first_reply(store)  # (A's recheck's)
     write_prefix(mgr, A, start=16, seed=1)  # (write-through: A's backup starts, then B's)
     await asyncio.wait_for(answered.wait(), 10)  # A asked before B's write: none of the prefix
     write_prefix(mgr, B, start=16, seed=2)

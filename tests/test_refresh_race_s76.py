@@ -14,35 +14,20 @@ import asyncio
 import pytest
 
 from hicache.radix import Tier
-from hicache_helpers import assert_whole, make_manager, write_prefix
+from hicache_helpers import assert_whole, write_prefix
 from redis_server import needs_redis, private_server, redis_server, server  # noqa: F401
+from test_recheck_race_s76 import PREFIX, hinted_but_lost, hold_first_reply
 
 _FIXTURES = (redis_server, server, private_server)
-PREFIX = tuple(range(100, 116))  # 4 pages of 4 tokens
 A, C = PREFIX + (1, 2, 3, 4), PREFIX + (9, 10, 11, 12)
 
 
 @needs_redis
 @pytest.mark.asyncio
 async def test_a_refresh_reply_older_than_a_siblings_write_drops_none_of_its_hints(server):
-    mgr = make_manager(storage_backend="redis", storage_url=server.url(), model_id="m", write_policy="write_through")
+    mgr = await hinted_but_lost(server)
     store = mgr.store
-    store.hint_timeout_s = 30.0  # (the refresh's reply is held below)
-    write_prefix(mgr, PREFIX)
-    await mgr.drain()
-    assert store.counters["pages_written"] == 4 and mgr.match(PREFIX).lengths == [16, 16, 16]
-    server.client().flushall()  # Redis lost the prefix; the tree still hints it (L1 and L2 serve it)
-    real_count, gate, answered = store.count_present, asyncio.Event(), asyncio.Event()
-    calls = []
-
-    async def count_present(keys):  # C's refresh: answered by the server now, its reply seen at `gate`
-        calls.append(len(keys))
-        found = await real_count(keys)
-        if len(calls) == 1:
-            answered.set()
-            await gate.wait()
-        return found
-    store.count_present = count_present
+    gate, answered, calls = hold_first_reply(store)  # (C's refresh's)
     refresh = asyncio.ensure_future(store.refresh_hints(mgr, C))  # L1/L2 lack C's last page: it asks
     await asyncio.wait_for(answered.wait(), 10)  # none of C's pages yet
     write_prefix(mgr, A, start=16, seed=1)  # A's backup: its recheck drops the stale hints, it writes them again
