@@ -91,6 +91,10 @@ class RadixTree:
         self.root = Node((), None)
         self.root.locks = [1, 1, 1]  # the root is never evicted
         self._tick = 0
+        # per tier, bumped whenever what a walk finds of it may change (the tier gains or loses a node's pages; a
+        # split, all): a caller may keep a walk's result until then (scheduler/reservations.py, the queue's head
+        # checked at every decode step; admission.py, the queue's order under "lpm" at every prefill pass)
+        self.changes = [0, 0, 0]
         self.num_resident_pages = [0, 0, 0]
         # per tier, pages of nodes with a lock in that tier (a locked node is resident): what
         # eviction may not take, kept as locks go 0 -> 1 -> 0, so that asking how much could be
@@ -183,6 +187,7 @@ class RadixTree:
     def _split(self, node: Node, at_tokens: int) -> Node:
         """Split `node` so its first `at_tokens` tokens become a new parent; returns that parent."""
         at_pages = at_tokens // self.page_size
+        self.changes = [c + 1 for c in self.changes]
         upper = Node(node.key[:at_tokens], node.parent)
         upper.locks = list(node.locks)
         upper.stamp = list(node.stamp)
@@ -245,6 +250,7 @@ class RadixTree:
                                          f"{tier.name} (residency must be contiguous from the root)")
                     alloc.give_to_tree(mine, claim)  # per node, so a later error leaves no half state
                     child.pages[tier] = mine
+                    self.changes[tier] += 1
                     node.resident_children[tier] += 1
                     self.num_resident_pages[tier] += len(mine)
                     child.stamp[tier] = use
@@ -345,6 +351,7 @@ class RadixTree:
                 pages = node.pages[tier]
                 assert pages is not None
                 node.pages[tier] = None
+                self.changes[tier] += 1
                 node.parent.resident_children[tier] -= 1
                 self.num_resident_pages[tier] -= len(pages)
                 self.allocators[tier].free_from_tree(pages)
@@ -383,6 +390,7 @@ class RadixTree:
         for n in reversed(order):  # leaves first
             pages = n.pages[tier]
             n.pages[tier] = None
+            self.changes[tier] += 1
             n.parent.resident_children[tier] -= 1
             self.num_resident_pages[tier] -= len(pages)
             self.allocators[tier].free_from_tree(pages)

@@ -42,7 +42,7 @@ log = structlog.get_logger("scheduler.engine")
 # EngineConfig.share_prefill (--disable-shared-prefill) turns the waiting off: each then computes its own prefix
 PREFILL_SHARE_MIN_TOKENS = 32
 # scheduling_policy "lpm" orders a queue of at most this many requests by the prompt tokens L1 holds (one read-only
-# tree walk each, every prefill pass); a longer queue goes in arrival order (SGLang's threshold, 128)
+# tree walk each, at a prefill pass after L1 changed); a longer queue goes in arrival order (SGLang's threshold, 128)
 LPM_MAX_WAITING = 128
 
 
@@ -146,13 +146,7 @@ class Admission(Reservations, Restoring):
         if (eng.config.scheduling_policy != "lpm" or not 1 < len(waiting) <= LPM_MAX_WAITING
                 or len(eng.running) >= eng.config.max_running_requests):  # (none is admitted this pass: no walks)
             return waiting
-        tree = self.cache.tree
-
-        def held(req: Request) -> int:  # (of `_reusable`'s tokens, without copying them)
-            if not self._reuses(req):
-                return 0
-            return tree.resident_tokens(req.cache_prefill, Tier.L1, end=req.prefill_len - 1)
-        return sorted(waiting, key=lambda req: -held(req))  # (stable: as queued among equals)
+        return sorted(waiting, key=lambda req: -self._l1_held(req))  # (stable: as queued among equals)
 
     def _computes_prefix_of(self, req: Request) -> Request | None:
         """The request in prefill that is computing at least PREFILL_SHARE_MIN_TOKENS of `req`'s reusable prefix

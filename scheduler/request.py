@@ -349,6 +349,9 @@ class Request:
                                   # (Admission._computes_prefix_of: logged once per request it waits for)
     prefix_checked: tuple | None = None  # what its last check against a request in prefill found (admission.py
                                          # `_agree`; still true after a preemption, which only extends its prefix)
+    # ((its prefill's length, L1's change count), the tokens L1 held of it then): its last walk for the queue's order
+    # under "lpm" (scheduler/reservations.py `_l1_held`: each prefill pass, walked again only once L1 changed)
+    lpm_held: tuple | None = None
     landed_offered: bool = False  # its prefetch's read landed and the request was offered to take it on
     promoted_tokens: int = 0      # tokens an L3 read (its prefetch, its restore, or one it followed) promoted to L2
     promoted_end: int = 0         # where they end in its prefix (they are that read's tail: `promote`)

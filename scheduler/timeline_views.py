@@ -259,8 +259,10 @@ def render_png(tl: Timeline, path: str | Path, *, max_request_rows: int = 40) ->
     ax.set_title(summary_line(tl), fontsize=8)
     for tier, samples in sorted(tl.occupancy.items()):
         xs, ys = [], []  # each run's levels, the last held to the run's end; a gap (NaN) between runs
-        for run in sorted({s.run for s in samples}):
-            of_run = [s for s in samples if s.run == run]
+        by_run: dict[int, list] = {}  # (grouped once: a scan of every sample per run was runs x samples)
+        for s in samples:
+            by_run.setdefault(s.run, []).append(s)
+        for run, of_run in sorted(by_run.items()):
             fractions = [s.used_pages / max(1, s.capacity_pages) for s in of_run]
             xs += [ms(s.ts_ns, run) for s in of_run] + [ms(tl.open_end_ns(run), run), float("nan")]
             ys += fractions + fractions[-1:] + [float("nan")]
