@@ -154,7 +154,8 @@ class OpRunner(Backups, Restores):
         skipped, a restore's request recomputes). Regression: the error escaped with the op's locks and pages
         held by no op, for good, and out of admission it crashed the engine loop (every live request failed; a
         prefetch's, out of add_request)."""
-        refused = isinstance(exc, StorageError)  # (a closed FileStore refuses a read as it is submitted: no bug)
+        # (a closed FileStore refuses a read as it is submitted, a closed transfer engine a copy: no bug)
+        refused = isinstance(exc, StorageError) or getattr(exc, "kind", None) == "closed"
         if not refused:
             log_anyway(log.exception, "op_start_error", op_id=op.op_id, kind=op.kind.value)
         if not op.done:

@@ -173,6 +173,14 @@ class TransferEngine(LayeredRestores):
                 flags.signal(stream, layer, tr.epoch)
         tr.event.record(stream)
 
+    def refuse_if_closed(self, direction: str) -> None:
+        """A copy whose completion needs a waiter thread (every one on CUDA; a D2H into fragmented L2 pages on the
+        CPU), enqueued after close() shut them down, is refused as it is submitted, as a closed L3's read or write
+        is: nothing of it enqueued, no workspace taken (regression: the pool's "cannot schedule new futures after
+        shutdown" at its wait, counted `transfer`, its workspace kept for good)."""
+        if self._closed:
+            raise TransferError(f"{direction}: the transfer engine is closed", "closed")
+
     def _enqueue(self, direction: str, l1_pages: list[int], host_pages: list[int]) -> Transfer:
         if len(l1_pages) != len(host_pages) or not l1_pages:
             raise TransferError(f"{direction}: {len(l1_pages)} L1 pages vs {len(host_pages)} host pages")
@@ -184,6 +192,8 @@ class TransferEngine(LayeredRestores):
         host_consecutive = runs is not None and len(runs) == 1
         few_runs = runs is not None and len(runs) > 1  # one DMA per run, straight into/out of the L2 pool
         cpu_gather = runs is None
+        if self.cuda or (direction == "d2h" and cpu_gather):
+            self.refuse_if_closed(direction)
         if cpu_gather and self.host_reads:
             return self._kernel_transfer(direction, l1_pages, host_pages, t0)
         pipelined = self.cuda and n >= 8 and not few_runs

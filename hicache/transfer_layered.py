@@ -37,6 +37,8 @@ class LayeredRestores:
         by the copy kernel take none); every flag then also covers them."""
         if not self.layerwise or not l1_pages:
             return None
+        if self.cuda:
+            self.refuse_if_closed("h2d")
         if len(l1_pages) != len(host_pages):
             raise TransferError(f"h2d: {len(l1_pages)} L1 pages vs {len(host_pages)} host pages")
         t0 = time.monotonic_ns()

@@ -1,8 +1,8 @@
 """A cache used after close() (a library user's), session 76: close() shuts the transfer engine's waiter threads
 down, and a fragmented D2H completes on one of them (on the CPU its index copy into the L2 pages runs there). A backup
 started after close() whose L2 pages are fragmented then failed counted as a `transfer` failure (the pool's "cannot
-schedule new futures after shutdown") and its workspace stayed busy for good. It fails `closed`, as a closed L3's
-refusal does (test_lifecycle_s74.py), with its workspace given back and the tiers whole."""
+schedule new futures after shutdown") and its workspace stayed busy for good. It is refused as it is submitted,
+`closed`, as a closed L3's read or write is (test_lifecycle_s74.py): no workspace taken, the tiers whole."""
 from __future__ import annotations
 
 import pytest

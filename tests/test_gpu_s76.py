@@ -1,9 +1,11 @@
 """GPU-only (skipped without CUDA): session 76's transfer fixes on the device path, where every L1 <-> L2 copy's
-completion runs on a waiter thread (its CUDA event synchronized there). A backup started after `close()` fails
-`closed` and gives its workspace back once its DMA is done (the waiters are shut down: it counted a `transfer` failure
-and kept the workspace for good). An `asyncio.run()` that ends while a backup's copy is in flight frees the backup's
-L2 pages only once the copy settled (its completion future, not a task over `wait` that the run's end cancels).
-The CPU twins: `test_closed_transfer_s76.py`, `test_settle_copy_s76.py`."""
+completion runs on a waiter thread (its CUDA event synchronized there). A backup started after `close()` is refused
+`closed` as it is submitted (the waiters are shut down: it counted a `transfer` failure and kept the workspace for
+good). An `asyncio.run()` that ends while a backup's copy is in flight frees the backup's L2 pages only once the copy
+settled (its completion future, not a task over `wait` that the run's end cancels). Not yet run on a GPU in this
+form: session 76's one device run (the refusal then at the copy's wait) hung in the first test, so each has a 60 s
+bound (pytest-timeout: a hang fails with its stacks). The CPU twins: `test_closed_transfer_s76.py`,
+`test_settle_copy_s76.py`."""
 from __future__ import annotations
 
 import asyncio
@@ -41,6 +43,7 @@ def _manager(device: str = "cuda") -> CacheManager:
     return mgr
 
 
+@pytest.mark.timeout(60)
 def test_a_backup_after_close_fails_closed_and_gives_its_workspace_back(device: str = "cuda"):
     async def main() -> CacheManager:
         mgr = _manager(device)
@@ -58,6 +61,7 @@ def test_a_backup_after_close_fails_closed_and_gives_its_workspace_back(device: 
     assert_whole(mgr)
 
 
+@pytest.mark.timeout(60)
 def test_an_asyncio_run_ending_under_a_backups_copy_frees_its_l2_pages_once_it_settled(monkeypatch,
                                                                                        device: str = "cuda"):
     """test_settle_copy_s76's case on the device: the run ends while the backup's D2H completion is held on its waiter
