@@ -93,20 +93,12 @@ class RedisHints:
             await self.settle_deletes()
         self.counters["hint_queries"] += 1
         hinted_tokens = mgr.tree.match(tokens, include_storage=True, touch=False, split=False).lengths[Tier.L3]
-        written: set[bytes] = set()  # keys this store wrote while the query was in flight (`_write`)
-        self._rechecking[id(written)] = written
         try:
-            present = await asyncio.wait_for(self.count_present(keys), self.hint_timeout_s)
+            present = await asyncio.wait_for(self._present_now(keys), self.hint_timeout_s)
         except asyncio.TimeoutError:
             raise self._error(asyncio.TimeoutError(), f"existence query slower than {self.hint_timeout_s} s") \
                 from None
-        finally:
-            del self._rechecking[id(written)]
         self._succeeded()
-        # the reply may be older than a write of these pages that landed meanwhile (a sibling backup's, after its
-        # recheck dropped the hints the reply would have covered): they are there (regression: dropped as stale)
-        while present < len(keys) and keys[present] in written:
-            present += 1
         held = present  # what the tree may hint: the reply, or more
         if present * ps >= hinted_tokens:
             # L3 pages the tree gained while the query was in flight were written since (this engine's own
@@ -121,6 +113,21 @@ class RedisHints:
         published, dropped = publish_l3_hints(mgr, tokens, held * ps)
         self.counters["hint_pages_published"] += published
         self.counters["stale_hints_dropped"] += dropped
+
+    async def _present_now(self, keys: list[bytes]) -> int:
+        """How many of `keys`, from the first, Redis holds (`count_present`), counting those this store wrote while
+        the query was in flight: the reply may be older than such a write (a sibling backup's, after its recheck
+        dropped the same stale hints), which published them (regression, in the refresh and the recheck: the hints
+        that write had just published were dropped as stale, and the pages written to Redis again)."""
+        written: set[bytes] = set()  # (filled by `_write`)
+        self._rechecking[id(written)] = written
+        try:
+            present = await self.count_present(keys)
+        finally:
+            del self._rechecking[id(written)]
+        while present < len(keys) and keys[present] in written:
+            present += 1
+        return present
 
     async def recheck_hints(self, mgr: "CacheManager", tokens: Sequence[int], hinted_tokens: int) -> None:
         """A backup is about to write tokens' pages to L3 past tokens[:hinted_tokens] (page aligned),
@@ -145,23 +152,14 @@ class RedisHints:
         tokens = tuple(tokens[:hinted_tokens])
         self.counters["hint_rechecks"] += 1
         keys = self.page_keys(tokens, 0, hinted_tokens)
-        written: set[bytes] = set()  # keys this store wrote while the query was in flight (`_write`)
-        self._rechecking[id(written)] = written
         try:
-            present = await asyncio.wait_for(self.count_present(keys), self.hint_timeout_s)
+            present = await asyncio.wait_for(self._present_now(keys), self.hint_timeout_s)
         except asyncio.TimeoutError:
             self._error(asyncio.TimeoutError(), f"existence query slower than {self.hint_timeout_s} s")
             return
         except StorageError:  # (counted by count_present)
             return
-        finally:
-            del self._rechecking[id(written)]
         self._succeeded()
-        # the reply may be older than a write of these pages that landed meanwhile (a sibling backup's, after its
-        # own recheck dropped the same stale hints): they are there (regression: the hints that write had just
-        # published were dropped as stale, and this backup wrote the pages to Redis again)
-        while present < len(keys) and keys[present] in written:
-            present += 1
         if present * ps < hinted_tokens:
             _, dropped = publish_l3_hints(mgr, tokens, present * ps)
             self.counters["stale_hints_dropped"] += dropped

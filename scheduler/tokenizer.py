@@ -54,17 +54,11 @@ class TokenizerError(RuntimeError):
     """The tokenizer failed on text a chat template rendered, or panicked: the server's failure, not the request's."""
 
 
-@contextlib.contextmanager
-def _panics_as_errors():
+def _is_panic(exc: BaseException) -> bool:
     """A panic of the Rust tokenizers library (a tokenizer.json it loads but cannot run, e.g. a truncation whose stride
     is not below its max_length) comes out as pyo3's PanicException, a BaseException: it went past every `except
     Exception`, the app's error handler too, and uvicorn answered a text/plain 500 (regression). A TokenizerError."""
-    try:
-        yield
-    except BaseException as exc:
-        if (type(exc).__module__, type(exc).__name__) != ("pyo3_runtime", "PanicException"):
-            raise
-        raise TokenizerError(f"the tokenizer panicked: {exc}") from None
+    return (type(exc).__module__, type(exc).__name__) == ("pyo3_runtime", "PanicException")
 
 
 class _Chat:
@@ -212,12 +206,20 @@ class HFTokenizer(_Chat):
                 self.no_tool_template_reason = f"the checkpoint's tool_use chat template: {exc}"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        with _panics_as_errors():
+        try:  # (a plain try: decode runs at every token, a context manager's generator would cost each call)
             return list(self.tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        except BaseException as exc:
+            if not _is_panic(exc):
+                raise
+            raise TokenizerError(f"the tokenizer panicked: {exc}") from None
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        with _panics_as_errors():
+        try:
             return self.tok.decode([int(t) for t in ids], skip_special_tokens=skip_special_tokens)
+        except BaseException as exc:
+            if not _is_panic(exc):
+                raise
+            raise TokenizerError(f"the tokenizer panicked: {exc}") from None
 
     def added_token_texts(self) -> dict[int, str]:
         """Each added token's (special or not) id and text, as vLLM's detokenizer reads them."""
