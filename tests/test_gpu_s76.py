@@ -2,9 +2,10 @@
 completion runs on a waiter thread (its CUDA event synchronized there). A backup started after `close()` is refused
 `closed` as it is submitted (the waiters are shut down: it counted a `transfer` failure and kept the workspace for
 good). An `asyncio.run()` that ends while a backup's copy is in flight frees the backup's L2 pages only once the copy
-settled (its completion future, not a task over `wait` that the run's end cancels). Not yet run on a GPU in this
-form: session 76's one device run (the refusal then at the copy's wait) hung in the first test, so each has a 60 s
-bound (pytest-timeout: a hang fails with its stacks). The CPU twins: `test_closed_transfer_s76.py`,
+settled (its completion future, not a task over `wait` that the run's end cancels). Session 76's device run
+(the refusal then at the copy's wait) hung in the first test, so each has a 60 s bound (pytest-timeout: a hang fails
+with its stacks); session 77's, the second took the CUDA graphs' scratch page for a leak, and (in the suite) a failure
+before the held copies were let go left the run's end waiting 30 s per copy. The CPU twins: `test_closed_transfer_s76.py`,
 `test_settle_copy_s76.py`."""
 from __future__ import annotations
 
@@ -94,12 +95,14 @@ def test_an_asyncio_run_ending_under_a_backups_copy_frees_its_l2_pages_once_it_s
     monkeypatch.setattr(eng.cache, "release_claim", watched_release)
 
     async def main() -> None:
-        [result] = await eng.generate_async([LONG], SamplingParams(max_tokens=MAX_TOKENS))
-        assert result.error is None and result.output_ids == want.output_ids
-        while not held.entered.is_set():  # (the backup's copy is under way, its completion held)
-            await asyncio.sleep(0.005)
-        assert "copy settled" not in events
-        threading.Timer(0.2, held.gate.set).start()  # (released once the run has ended)
+        try:
+            [result] = await eng.generate_async([LONG], SamplingParams(max_tokens=MAX_TOKENS))
+            assert result.error is None and result.output_ids == want.output_ids, (result.error, want.output_ids)
+            while not held.entered.is_set():  # (the backup's copy is under way, its completion held)
+                await asyncio.sleep(0.005)
+            assert "copy settled" not in events
+        finally:  # (released once the run has ended; on a failure too, or the run's end waits 30 s per held copy)
+            threading.Timer(0.2, held.gate.set).start()
     asyncio.run(main())
     held.shutdown(wait=True)
     assert "L2 pages freed" in events and "copy settled" in events, events
@@ -110,5 +113,5 @@ def test_an_asyncio_run_ending_under_a_backups_copy_frees_its_l2_pages_once_it_s
         [result] = eng.generate([OTHER], SamplingParams(max_tokens=4))
         assert result.error is None and result.output_ids == want_other.output_ids
     assert not runner._settling and not runner._tasks
-    assert_whole(eng.cache)
+    assert_whole(eng.cache, held_l1_pages=eng.held_l1_pages)  # (the CUDA graphs' scratch page is the engine's)
     asyncio.run(eng.shutdown())
