@@ -106,12 +106,15 @@ class EngineLifecycle:
     async def abort(self, rid: str, stop: bool = False) -> bool:
         """End a live request (False for an unknown or ended one). A parked request, in no batch, ends
         now; others at the loop's next tick (regression: a request aborted while the loop waited for
-        its blocking restore was admitted after it, prefilled and sent a token before it ended).
+        its blocking restore was admitted after it, prefilled and sent a token before it ended). Refused from
+        another event loop than the loop task's (regression: taken from another thread, its wake-up, a thread-unsafe
+        Event.set, was missed, and a parked request was ended there under the running loop).
         stop: the caller's own stop condition ended it (an API stop string): a decoding request FINISHES ("stop") and
         publishes what it computed, as a stop token would (regression: counted as aborted, its answer's
         KV left out of the prefix cache). A parked request whose end raises still ends, failed (`end_broken`, as
         `_settle_aborts` ends one), before the error is raised (regression: left half-ended, out of the parked list
         but PARKED, with no last event: its read's landing unparked it and crashed the loop)."""
+        check_loop(self._loop_task, asyncio.get_running_loop())
         req = self.requests.get(rid)
         if req is None or req.state.done:
             return False
