@@ -11,6 +11,9 @@ import os
 import time
 from collections.abc import AsyncIterator, Sequence
 
+import structlog
+
+from scheduler.logs import restore_logging
 from scheduler.loop_task import check_caller, check_loop, crash_of, end_broken, join_loop
 from scheduler.request import Request, RequestError, RequestState, SamplingParams, TokenEvent, enqueue
 from scheduler.sampling import seeded_generator
@@ -228,6 +231,20 @@ class EngineLifecycle:
                 finally:  # (and the model's runner whatever the tiers' closing raised: a device error)
                     self.runner.close()
                     self._shut_down = True
+                    self._release_logging()
+
+    def _release_logging(self) -> None:
+        """structlog's configuration put back as this engine found it, and the log it opened let go, where the logging
+        is still this engine's (regression: its --log-json stayed open and locked for the process's life, one file a
+        restart with another log, another process refused it, and a later engine without a log wrote into it)."""
+        logging, self._logging = getattr(self, "_logging", None), None
+        if logging is None:
+            return
+        before, factory, processors = logging
+        now = structlog.get_config()
+        # (not where another's came since: a later engine's log, a test's capture_logs, which swaps the processors)
+        if now["logger_factory"] is factory and now["processors"] == processors:
+            restore_logging(before)
 
     def end_grace(self) -> None:
         """End the grace of a shutdown under way, or to come, now: its requests are aborted at once and the backups of
