@@ -247,7 +247,10 @@ class Choices:
                calls: list | None, counter: ReasoningTokens | None, fin, first: bool = False) -> str:
         """One SSE chunk of choice i (a completion's first: `first`, its prompt's ids where asked); `fin`: its
         engine request's end (None: not this chunk's)."""
-        usage = self.gens[i].usage() if self.continuous_usage else None if self.includes_usage else False
+        usage: Usage | None | bool = None if self.includes_usage else False
+        if self.continuous_usage:  # (its tokens as sent: its choice's reader may have read on, `merge`; regression)
+            so_far = self.gens[i].usage()
+            usage = Usage.of(so_far.prompt_tokens, self._sent_tokens[i], so_far.cached_tokens_per_tier.model_dump())
         chunk = stream_chunk(self.chat, self.rid, self.created, self.model, text, token_ids, finish, False, usage,
                              index=i, logprobs=self.gens[i].logprobs.render(entries) if entries else None,
                              reasoning=reasoning, tool_calls=calls,
@@ -301,6 +304,7 @@ class Choices:
         first, roles_sent = [True] * len(self.gens), False
         answers = [self._answer(g) for g in self.gens] if self.chat else None
         counters = self._counting = [self.reasoning_counter(g) for g in self.gens]
+        self._sent_tokens = [0] * len(self.gens)  # per choice, its tokens in the chunks rendered so far
         async with contextlib.aclosing(self._events()) as events:
             async for i, (text, token_ids, fin, entries) in events:
                 if (failed := self._failed(self.gens[i], fin)) is not None:
@@ -313,6 +317,7 @@ class Choices:
                     text, calls = delta.content, delta.calls
                     finish = finish and answers[i].finish_reason(finish)
                 counter = counters[i]
+                self._sent_tokens[i] += len(token_ids)
                 if counter is not None:
                     counter.feed(token_ids)
                 if fin is not None and answers is not None:
@@ -351,12 +356,10 @@ async def _echoed(gen, text: str) -> AsyncIterator[tuple]:
 
 
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
-    """(position, item) of several async iterators, in the order their items arrive; one iterator is
-    read as it is. Closing it cancels the readers."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
-        return
+    """(position, item) of several async iterators, in the order their items arrive, each read by a task of its own
+    as its items come, one alone too: a choice's stop string then ends its engine request whatever pace its client
+    reads the merge at (regression: one choice was read as its client took its chunks, and a stalled client's
+    request ran on to max_tokens). Closing it cancels the readers."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def read(i: int, stream: AsyncIterator) -> None:
