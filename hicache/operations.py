@@ -51,6 +51,12 @@ def learnable(tr) -> bool:
     return tr.synchronous or tr.enqueue_ns < JIT_ENQUEUE_NS
 
 
+def _l1_untrusted(op) -> bool:
+    """Whether `op`'s private L1 pages may hold NaN and go back zeroed: stopped as suspect (`stop_restores_of`: its H2D
+    may have copied NaN into them), or a taken prefetch whose read failed (its H2D copied the unverified bytes)."""
+    return op.payload.get("suspect", False) or op.payload.get("unverified_l1", False)
+
+
 class OpRunner(Backups, Restores):
     def __init__(self, mgr: "CacheManager") -> None:
         self.mgr = mgr
@@ -115,14 +121,13 @@ class OpRunner(Backups, Restores):
     def _close_claim(self, op: Op, tier: Tier) -> None:
         claim = op.payload["claims"].pop(tier, None)
         if claim is not None:
-            self._free_claim(claim, tier, op.payload.get("suspect", False))
+            self._free_claim(claim, tier, _l1_untrusted(op))
 
     def _free_claim(self, claim, tier: Tier, suspect: bool = False) -> None:
         """Give a claim's pages back. L3 slots freed here must hold nothing readable: a write
         invalidates its slots when submitted and validates them on success, so a backup cancelled
         after its write succeeded (or a duplicate) leaves valid slots behind: invalidated here.
-        suspect: the op was stopped as suspect (`stop_restores_of`): its L1 pages are zeroed, as a
-        dropped suspect prefix's are (its H2D may have copied NaN into them)."""
+        suspect: the op's L1 pages may hold NaN (`_l1_untrusted`): zeroed, as a dropped suspect prefix's are."""
         slots = self.mgr.allocator(tier).pages_of(claim) if tier is Tier.L3 else []
         if slots and self.mgr.store is not None:
             self.mgr.store.invalidate(slots)
@@ -386,7 +391,7 @@ class OpRunner(Backups, Restores):
                 except BaseException:  # (the copy's failure: it settled)
                     break
             for tier, claim in claims.items():  # (an abandoned L3 write that finished left its slots valid)
-                self._free_claim(claim, tier, op.payload.get("suspect", False))
+                self._free_claim(claim, tier, _l1_untrusted(op))
             if self._settling_locked.pop(op.op_id, None) is not None:
                 self._unlock_all(op)
             self._wake(op)
@@ -401,6 +406,9 @@ class OpRunner(Backups, Restores):
         """keep_locks: past its deadline, the I/O still reads the op's locked sources (`_settle_then_release`)."""
         late_io = future if exc.kind == "timeout" else None  # the I/O itself has not settled
         if late_io is not None or op.payload.get("transfer") is not None:  # (an H2D of a taken prefetch)
+            # a taken prefetch's H2D copied the bytes that failed into its L1 pages: garbage, NaN likely (regression:
+            # freed as they were, each later request given one as its last page read NaN in its masked tail, failed)
+            op.payload["unverified_l1"] = op.payload.get("transfer") is not None
             apply(op, OpEvent.FAIL, error=str(exc))
             self._settle_then_release(op, self._in_flight(op, late_io), keep_locks and late_io is not None)
             self.mgr.metrics.count_failure(exc.kind)

@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from hicache.radix import Tier
-from hicache.suspect import drop_suspect_prefix
+from hicache.suspect import drop_suspect_prefix, zero_l1_pages
 from scheduler import load, logs, step_extras
 from scheduler.request import Request, RequestState, TokenEvent
 from scheduler.reservations import AutoReserveRatio, Reservations
@@ -443,10 +443,10 @@ class Admission(Reservations, Restoring):
             req.pages[first:end] = m.pages[Tier.L1][first:end]  # the same tokens' K/V, in the tree's pages
             cache.free_pages(Tier.L1, duplicates, req.claim)
 
-    def release(self, req: Request, publish: bool) -> None:
+    def release(self, req: Request, publish: bool, zero: bool = False) -> None:
         """End of a request: publish its computed pages (when it finished; its prompt chunks' are
         already), free the rest, give back its reservation (a parked request's too: the room its
-        read's H2D was to take)."""
+        read's H2D was to take). zero: its private pages may hold NaN K/V: they go back zeroed."""
         self.fallback_end_tokens.pop(req.rid, None)
         self.reserved_pages -= req.reserved_pages
         req.reserved_pages = 0
@@ -454,7 +454,7 @@ class Admission(Reservations, Restoring):
             # past its L1 prefix are the op's, which publishes them (regression: a resumed request finished by its
             # stop string there published them from its own claim, AllocatorError, and the loop crashed)
             self.cache.runner.release_held(req.overlap_op)
-            publish = False
+            publish, zero = False, True  # (and its forward's K/V came of the copy's bytes, unverified: NaN if garbage)
         if req.claim is None:
             return
         if publish:
@@ -466,6 +466,8 @@ class Admission(Reservations, Restoring):
             self.cache.back_up_l1(req.cache_prefill[: req.locked_len])
         self.cache.unlock(req.locked_node)
         req.locked_node = None
+        if zero:
+            zero_l1_pages(self.cache, self.cache.l1.allocator.pages_of(req.claim))
         self.cache.release_claim(req.claim)
         req.claim = None
 

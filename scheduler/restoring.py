@@ -487,7 +487,7 @@ class Restoring:
         self._undo_draw(req)
         eng = self.engine
         eng.running.remove(req)
-        self.release(req, publish=False)
+        self.release(req, publish=False, zero=failed)  # (failed: its K/V came of what the copy landed: NaN)
         if failed:
             self._fell_back(req, end_tokens)
         req.pages, req.cached_len, req.locked_len, req.overlap_result = [], 0, 0, None
