@@ -4,9 +4,10 @@ completion runs on a waiter thread (its CUDA event synchronized there). A backup
 good). An `asyncio.run()` that ends while a backup's copy is in flight frees the backup's L2 pages only once the copy
 settled (its completion future, not a task over `wait` that the run's end cancels). Session 76's device run
 (the refusal then at the copy's wait) hung in the first test, so each has a 60 s bound (pytest-timeout: a hang fails
-with its stacks); session 77's, the second took the CUDA graphs' scratch page for a leak, and (in the suite) a failure
-before the held copies were let go left the run's end waiting 30 s per copy. The CPU twins: `test_closed_transfer_s76.py`,
-`test_settle_copy_s76.py`."""
+with its stacks). Session 77's: the second took the CUDA graphs' scratch page for a leak (now `held_l1_pages`), and in
+the suite twice hung at its run's end (the drain turning over something done; unexplained), then passed three times;
+its held copies are let go on a failure too, or the run's end waits 30 s per copy. The CPU twins:
+`test_closed_transfer_s76.py`, `test_settle_copy_s76.py`."""
 from __future__ import annotations
 
 import asyncio
