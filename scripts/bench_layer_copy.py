@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,8 +32,8 @@ from scheduler.presets import get_preset  # noqa: E402
 
 
 def median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
+    """The median: of an even count, the mean of the middle two (not the upper one)."""
+    return statistics.median(xs)
 
 
 def pages_for(tokens: int, page_size: int) -> int:

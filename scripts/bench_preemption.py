@@ -104,6 +104,20 @@ async def one_round(engine: Engine, prompts, params, device: str) -> dict:
             "peak_running": peak[0], "preempted": engine.stats["preempted"] - preempted}
 
 
+def ratio_row(ratio, rounds: list[dict], reference: list[list[int]]) -> dict:
+    """One ratio's row over its rounds (one_round's): the medians of its rounds; tokens/s each round's own tokens
+    over its own seconds (regression: the first round's tokens over the median round's seconds, where sampled
+    streams that parted made the rounds' token counts differ)."""
+    tokens = sum(len(o) for o in rounds[0]["outputs"])
+    return {"ratio": ratio, "seconds": median([r["seconds"] for r in rounds]), "output_tokens": tokens,
+            "tokens_per_s": median([sum(len(o) for o in r["outputs"]) / r["seconds"] for r in rounds]),
+            "latency_p50_s": median([percentile(r["latency_s"], 50) for r in rounds]),
+            "latency_p90_s": median([percentile(r["latency_s"], 90) for r in rounds]),
+            "peak_running": max(r["peak_running"] for r in rounds),
+            "preempted": median([r["preempted"] for r in rounds]),
+            "same_outputs": min(sum(a == b for a, b in zip(r["outputs"], reference)) for r in rounds)}
+
+
 async def main_async(args) -> dict:
     engine = Engine(engine_config(args))
     rng = random.Random(args.seed)
@@ -121,16 +135,7 @@ async def main_async(args) -> dict:
             engine.config = dataclasses.replace(engine.config, decode_reserve_ratio=ratio)  # (read at each admission)
             runs[ratio].append(await one_round(engine, prompts, params, args.device))
     reference = runs[args.ratios[0]][0]["outputs"]
-    rows = []
-    for ratio, rounds in runs.items():
-        tokens = sum(len(o) for o in rounds[0]["outputs"])
-        seconds = median([r["seconds"] for r in rounds])
-        rows.append({"ratio": ratio, "seconds": seconds, "output_tokens": tokens, "tokens_per_s": tokens / seconds,
-                     "latency_p50_s": median([percentile(r["latency_s"], 50) for r in rounds]),
-                     "latency_p90_s": median([percentile(r["latency_s"], 90) for r in rounds]),
-                     "peak_running": max(r["peak_running"] for r in rounds),
-                     "preempted": median([r["preempted"] for r in rounds]),
-                     "same_outputs": min(sum(a == b for a, b in zip(r["outputs"], reference)) for r in rounds)})
+    rows = [ratio_row(ratio, rounds, reference) for ratio, rounds in runs.items()]
     integrity = integrity_of(engine)
     await engine.shutdown()
     return {"model": args.model, "device": args.device, "l2": args.l2, "requests": args.requests,
