@@ -248,7 +248,7 @@ class Choices:
         """One SSE chunk of choice i (a completion's first: `first`, its prompt's ids where asked); `fin`: its
         engine request's end (None: not this chunk's)."""
         usage: Usage | None | bool = None if self.includes_usage else False
-        if self.continuous_usage:  # (its tokens as sent: its choice's reader may have read on, `merge`; regression)
+        if self.continuous_usage:  # (its tokens as sent: under n > 1 its choice's reader reads on, `merge`; regression)
             so_far = self.gens[i].usage()
             usage = Usage.of(so_far.prompt_tokens, self._sent_tokens[i], so_far.cached_tokens_per_tier.model_dump())
         chunk = stream_chunk(self.chat, self.rid, self.created, self.model, text, token_ids, finish, False, usage,
@@ -356,10 +356,12 @@ async def _echoed(gen, text: str) -> AsyncIterator[tuple]:
 
 
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
-    """(position, item) of several async iterators, in the order their items arrive, each read by a task of its own
-    as its items come, one alone too: a choice's stop string then ends its engine request whatever pace its client
-    reads the merge at (regression: one choice was read as its client took its chunks, and a stalled client's
-    request ran on to max_tokens). Closing it cancels the readers."""
+    """(position, item) of several async iterators, in the order their items arrive; one iterator is
+    read as it is. Closing it cancels the readers."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def read(i: int, stream: AsyncIterator) -> None:
