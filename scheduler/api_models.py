@@ -283,7 +283,9 @@ def validation_error(exc: ValidationError | Any) -> APIError:
     # drop union-branch tags such as 'str' / 'list[int]' / 'int' that pydantic inserts in the path
     path = [str(p) for p in loc if isinstance(p, int) or not _is_type_tag(str(p))]
     field = ".".join(path) or "body"
-    param = str(path[0]) if path else None
+    # (the whole path, as the server's other errors of nested fields name theirs: logit_bias.5, prompt.1; regression:
+    # a bad messages.1.content or stream_options.include_usage was named 'messages' / 'stream_options' alone)
+    param = field if path else None
     kind = err.get("type", "")
     if kind == "extra_forbidden":
         return APIError(400, f"unknown field '{field}' (extra fields are not permitted)", param=param,
@@ -294,6 +296,8 @@ def validation_error(exc: ValidationError | Any) -> APIError:
         return APIError(400, f"missing required field '{field}'", param=param, code="missing_field")
     if kind == "string_unicode":  # a key holding "\\ud800" (a value may; regression: "... field 'body' ...")
         where, key = f" in '{field}'" if path else "", err.get("input")
+        if err.get("loc", ())[-1:] == ("[key]",):  # (a dict's key, which pydantic's path mangles: the dict named)
+            param = ".".join(path[:-1]) or None
         return APIError(400, f"field name {key!r}{where} holds a lone surrogate, which UTF-8 cannot carry",
                         param=param, code="invalid_value")
     branches = [e.get("msg", "") for e in errors if e.get("loc", ())[:1] == err.get("loc", ())[:1]]

@@ -84,7 +84,7 @@ def test_a_non_text_content_part_is_a_400_that_says_so(srv, client, part):
     r = httpx.post(srv.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert (err["param"], err["code"]) == ("messages", "unsupported_value"), err
+    assert (err["param"], err["code"]) == ("messages.0", "unsupported_value"), err
     assert f"'{part['type']}' are not supported" in err["message"] and "messages.0" in err["message"], err
     with pytest.raises(openai.BadRequestError, match=part["type"]):
         client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)

@@ -56,7 +56,7 @@ def test_a_content_part_type_holding_a_lone_surrogate_is_a_400_naming_messages(s
     r = post_raw(srv, True, '{"messages": [{"role": "user", "content": [{"type": "\\ud800"}]}], "max_tokens": 2}')
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert (err["param"], err["code"]) == ("messages", "unsupported_value"), err
+    assert (err["param"], err["code"]) == ("messages.0", "unsupported_value"), err
     assert "content parts of type '\\ud800' are not supported" in err["message"], err
     srv.call(srv.engine.check_integrity)
 

@@ -110,7 +110,7 @@ def test_the_openai_sdk_parses_into_a_pydantic_model(srv):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
-    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {}}, "structured_outputs"),

@@ -82,7 +82,7 @@ def test_an_assistant_field_that_would_change_the_prompt_is_unsupported(chat_srv
     r = httpx.post(chat_srv.url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=60)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
-    assert (err["param"], err["code"]) == ("messages", "unsupported_value"), err
+    assert (err["param"], err["code"]) == ("messages.1", "unsupported_value"), err
     assert f"'{field}'" in err["message"] and "messages.1" in err["message"], err
 
 

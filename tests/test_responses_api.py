@@ -213,7 +213,7 @@ def test_a_thought_is_a_reasoning_item(client):
     ({"top_logprobs": 21}, "top_logprobs", "20"),
     ({"max_output_tokens": 0}, "max_output_tokens", "'max_output_tokens'"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "'nope'"),
-    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text", "'name'"),
+    ({"text": {"format": {"type": "json_schema", "schema": {}}}}, "text.format", "'name'"),
     ({"model": "other"}, "model", "not served"),
     ({"temperature": -1}, "temperature", "temperature"),
     ({"input": [{"role": "user", "content": None}]}, "input", "item 0 (message): 'content'"),

@@ -131,7 +131,7 @@ def check_events(events: list[dict]) -> dict:
 
 # -- regressions ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("body, param", [
-    ({"metadata": {"k": "\ud800"}}, "metadata"),
+    ({"metadata": {"k": "\ud800"}}, "metadata.k"),
     ({"metadata": {"\udfff": "v"}}, "metadata"),
     ({"user": "a\ud800b"}, "user"),
     ({"reasoning": {"effort": "\ud800"}}, "reasoning"),
@@ -190,8 +190,8 @@ def test_what_stateless_agents_send_is_served(srv, client):
         events = list(stream)
     assert events[-1].type == "response.incomplete" and events[-1].response.text.verbosity == "high"
     for body, param in (({"include": ["file_search_call.results"]}, "include"),
-                        ({"text": {"verbosity": "loud"}}, "text"), ({"max_tool_calls": -1}, "max_tool_calls"),
-                        ({"stream_options": {"include_usage": True}}, "stream_options")):
+                        ({"text": {"verbosity": "loud"}}, "text.verbosity"), ({"max_tool_calls": -1}, "max_tool_calls"),
+                        ({"stream_options": {"include_usage": True}}, "stream_options.include_usage")):
         bad = _post(srv, **body)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
 
@@ -375,4 +375,4 @@ def test_an_engine_failure_mid_stream_ends_it_with_error_and_response_failed(srv
 def test_parse_request_names_a_surrogate_without_a_server():
     with pytest.raises(APIError) as info:
         parse_request({"input": "hi", "metadata": {"k": "\ud800"}})
-    assert info.value.param == "metadata"
+    assert info.value.param == "metadata.k"
