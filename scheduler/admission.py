@@ -354,7 +354,9 @@ class Admission(Reservations, Restoring):
             else:
                 self.cache.metrics.recomputed_tokens += chunk
                 req.recomputed_tokens += chunk  # (the replay's per-request records)
-            if req.cached_len < req.prefill_len:
+            # (or aborted since its batch was made, e.g. as its pass waited for another's blocking restore: it ends
+            # at the next tick as between chunks; regression, its client got its first token after abort())
+            if req.cached_len < req.prefill_len or req.rid in eng.aborting:
                 # more chunks to go; the sampled token is meaningless. The full pages computed so far
                 # are published now (regression: only once the whole prompt was, so a request sharing
                 # the prefix admitted meanwhile computed all of it again); backed up with the prompt
