@@ -202,7 +202,12 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
             _dispatch(engine, items, time_scale, concurrency, rid_prefix, outcomes, on_done))
         loop_task = getattr(engine, "_loop_task", None)
         watch = {driver} | ({loop_task} if loop_task is not None else set())
-        done, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled (SIGTERM, a caller's timeout): the driver too (regression: it ran on,
+            driver.cancel()  # slept to each later arrival and submitted the rest of the trace to the shut-down engine)
+            await asyncio.gather(driver, return_exceptions=True)
+            raise
         if driver not in done:  # the engine's loop ended under the replay: nothing will finish now
             exc = loop_task.exception() if not loop_task.cancelled() else None
             crash = f"engine loop stopped: {exc!r}"
