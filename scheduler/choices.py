@@ -82,6 +82,7 @@ class Choices:
         self._opens_thinking: bool | None = None  # (a chat has one prompt: looked at once for its n choices)
         self._reasoning_tokens = [0] * len(gens)  # per choice, once it ended (--reasoning-parser's usage)
         self._counting: list[ReasoningTokens | None] = [None] * len(gens)  # per choice, its counter until it ended
+        self._sent_tokens: list[int] | None = None  # a stream's, per choice: its tokens in the chunks rendered (`_sse`)
         # a chat's tool calls (scheduler/api_tools.py): "none", or read out of each choice's text
         self.tool_mode = api_req.tool_mode() if chat else "none"
         self.named = api_req.tool_choice.function.name if self.tool_mode == "named" else None
@@ -142,12 +143,16 @@ class Choices:
 
     def usage(self) -> Usage:
         """Each prompt once, with the cached tokens of its choice that hit least (what every choice had from
-        the cache), and all its choices' completion tokens; then the prompts' summed."""
+        the cache), and all its choices' completion tokens; then the prompts' summed. A stream's are those its chunks
+        rendered, as its reasoning tokens are counted (regression: a stream cut short counted the tokens its choices'
+        readers had read ahead, never rendered, in completion_tokens, not in reasoning_tokens, `merge`)."""
         per_prompt = []
         for p in range(0, len(self.gens), self.n):
             usages = [g.usage() for g in self.gens[p:p + self.n]]
             least = min(usages, key=lambda u: u.prompt_tokens_details.cached_tokens)
-            per_prompt.append(Usage.of(least.prompt_tokens, sum(u.completion_tokens for u in usages),
+            sent = self._sent_tokens
+            made = [u.completion_tokens for u in usages] if sent is None else sent[p:p + self.n]
+            per_prompt.append(Usage.of(least.prompt_tokens, sum(made),
                                        least.cached_tokens_per_tier.model_dump()))
         return Usage.summed(per_prompt)
 
@@ -248,7 +253,7 @@ class Choices:
         """One SSE chunk of choice i (a completion's first: `first`, its prompt's ids where asked); `fin`: its
         engine request's end (None: not this chunk's)."""
         usage: Usage | None | bool = None if self.includes_usage else False
-        if self.continuous_usage:  # (its tokens as sent: under n > 1 its choice's reader reads on, `merge`; regression)
+        if self.continuous_usage:  # (its tokens as sent: its choice's reader may have read on, `merge`; regression)
             so_far = self.gens[i].usage()
             usage = Usage.of(so_far.prompt_tokens, self._sent_tokens[i], so_far.cached_tokens_per_tier.model_dump())
         chunk = stream_chunk(self.chat, self.rid, self.created, self.model, text, token_ids, finish, False, usage,
@@ -356,12 +361,10 @@ async def _echoed(gen, text: str) -> AsyncIterator[tuple]:
 
 
 async def merge(streams: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
-    """(position, item) of several async iterators, in the order their items arrive; one iterator is
-    read as it is. Closing it cancels the readers."""
-    if len(streams) == 1:
-        async for item in streams[0]:
-            yield 0, item
-        return
+    """(position, item) of several async iterators, in the order their items arrive, each read by a task of its own
+    as its items come, one alone too: a choice's stop string then ends its engine request whatever pace its client
+    reads the merge at (regression: one choice was read as its client took its chunks, and a stalled client's
+    request ran on to max_tokens). Closing it cancels the readers."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def read(i: int, stream: AsyncIterator) -> None:

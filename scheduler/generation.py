@@ -5,9 +5,9 @@ decoding after the prompt's context, stop strings matched, `tokenizer.Incrementa
 first token, each token's gap after the previous one, end to end and time per output token, its outcome,
 finish reason, tokens, parameters and phases; scheduler/prom.py); its usage; its error when it failed or
 was aborted; vLLM's `stop_reason` once it ended (`Generation.stop_reason`).
-Times are taken as the server reads the tokens: the engine's loop and the server share one event loop, so
-that is as they are emitted unless the reader fell behind (a stream's slow client): its backlog then shows
-as one long gap and near-zero ones, whose sum (the request's decode time) stays exact."""
+Times are taken as the server reads the tokens: the engine's loop and the server share one event loop, and each
+choice is read by a task of its own (choices.merge), so that is as they are emitted, however slowly a stream's
+client takes its chunks."""
 from __future__ import annotations
 
 import contextlib

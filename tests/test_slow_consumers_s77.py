@@ -4,10 +4,8 @@ blocks until the test lets it go). The tiny preset on the CPU behind the byte-le
 
 Found: a stream of n > 1 choices with continuous_usage_stats gave each chunk the tokens its choice had been read up to
 (each choice is read by a task of its own, ahead of its client), not its own: a client that fell behind was told
-completion_tokens of tokens it had not been sent yet. (Left: a stalled stream of one choice, read only as its client
-takes its chunks, sees its stop string only then, and its engine request runs on to max_tokens meanwhile; reading it
-ahead, as n > 1's are, made a background response cancelled while thinking count one token read but never rendered
-in its output_tokens and not in its reasoning_tokens.)
+completion_tokens of tokens it had not been sent yet. (A stalled stream of one choice, once read only as its client
+took its chunks, is read ahead too now: tests/test_read_ahead_s77.py.)
 """
 from __future__ import annotations
 
