@@ -254,8 +254,7 @@ class Choices:
         engine request's end (None: not this chunk's)."""
         usage: Usage | None | bool = None if self.includes_usage else False
         if self.continuous_usage:  # (its tokens as sent: its choice's reader may have read on, `merge`; regression)
-            so_far = self.gens[i].usage()
-            usage = Usage.of(so_far.prompt_tokens, self._sent_tokens[i], so_far.cached_tokens_per_tier.model_dump())
+            usage = self._usage_sent(i, self._sent_tokens[i])
         chunk = stream_chunk(self.chat, self.rid, self.created, self.model, text, token_ids, finish, False, usage,
                              index=i, logprobs=self.gens[i].logprobs.render(entries) if entries else None,
                              reasoning=reasoning, tool_calls=calls,
@@ -267,14 +266,18 @@ class Choices:
             chunk["usage"]["completion_tokens_details"] = {"reasoning_tokens": so_far}
         return f"data: {json.dumps(chunk)}\n\n"
 
+    def _usage_sent(self, i: int, completion_tokens: int) -> Usage:
+        """Choice i's continuous usage: its prompt and cached tokens, and the `completion_tokens` its chunks sent."""
+        so_far = self.gens[i].usage()
+        return Usage.of(so_far.prompt_tokens, completion_tokens, so_far.cached_tokens_per_tier.model_dump())
+
     def _role_chunk(self, i: int) -> str:
         """A chat choice's first chunk, as vLLM sends it: the role alone, content "" (no token, no logprobs; the
         prompt's ids where asked; with continuous usage, none generated). The role rode on the first token's chunk,
         and the openai SDK's stream helper counted that chunk's logprobs twice for each choice after the first."""
         usage: Usage | None | bool = None if self.includes_usage else False
         if self.continuous_usage:
-            so_far = self.gens[i].usage()
-            usage = Usage.of(so_far.prompt_tokens, 0, so_far.cached_tokens_per_tier.model_dump())
+            usage = self._usage_sent(i, 0)
         chunk = stream_chunk(True, self.rid, self.created, self.model, "", [], None, True, usage, index=i)
         if self.prompt_ids:
             self._put_prompt_ids(chunk, i)

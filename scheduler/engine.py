@@ -57,7 +57,7 @@ class Engine(EngineLifecycle, EngineLoop, BatchAPI):
             # (--log-json: its file, whose lines are dropped, not raised, once the disk is full)
             configures = config.log_json or not structlog.is_configured()
             self.log_sink = configure_logging(config.log_json) if configures else None
-            # what shutdown() puts back, its log let go, while the logging is still this engine's (`_release_logging`)
+            # what shutdown() puts back, its log let go, while the logging is still this engine's (`release_logging`)
             self._logging = (logging_before, structlog.get_config()["logger_factory"],
                              list(structlog.get_config()["processors"])) if config.log_json else None
             self.device, self.dtype = resolve_device(config)

@@ -231,9 +231,9 @@ class EngineLifecycle:
                 finally:  # (and the model's runner whatever the tiers' closing raised: a device error)
                     self.runner.close()
                     self._shut_down = True
-                    self._release_logging()
+                    self.release_logging()
 
-    def _release_logging(self) -> None:
+    def release_logging(self) -> None:
         """structlog's configuration put back as this engine found it, and the log it opened let go, where the logging
         is still this engine's (regression: its --log-json stayed open and locked for the process's life, one file a
         restart with another log, another process refused it, and a later engine without a log wrote into it)."""

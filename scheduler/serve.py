@@ -367,7 +367,7 @@ def _start(parser: argparse.ArgumentParser, args: argparse.Namespace, config, sa
     except BaseException:
         engine.cache.abandon()  # (an index adopted is saved again as it was read; the L3 file unlocked)
         engine.runner.close()
-        engine._release_logging()  # (its --log-json let go, as its shutdown does: main() may run in-process)
+        engine.release_logging()  # (its --log-json let go, as its shutdown does: main() may run in-process)
         raise
 
 
