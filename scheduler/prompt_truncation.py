@@ -41,8 +41,10 @@ def kept_tokens(req, chat: bool, *, prompt_limit: int, context_tokens: int | Non
     if k == -1:
         return longest
     if k > longest:
+        # the limit field the request used (regression: a chat of max_completion_tokens was told its max_tokens)
+        field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
         within = "" if context_tokens is None else f", and the {context_tokens} tokens a request can hold less " \
-                                                   f"its max_tokens - 1"
+                                                   f"its {field} - 1"
         raise ValueError(f"'{PARAM}' of {k} exceeds the longest prompt this request can have, {longest} tokens "
                          f"(--max-prompt-tokens{within})")
     return k

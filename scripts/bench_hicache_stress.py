@@ -51,7 +51,7 @@ from bench_cli import (STORAGE_PATH_HELP, check_device, check_engine_config, che
                        choice_list, non_negative_float, non_negative_int, positive_float, positive_int)
 from bench_common import (CPU_SMOKE, BenchDir, add_common_args, add_engine_mode_args, close_engine,  # noqa: E402
                           parse_common_args, hicache_override_args, engine_mode_args, device_read_gib_s, forward_read_bytes, directions_summary, emit, evict, fmt, fmt_bytes, free_memory,
-                          host_profile, integrity_of, median, metrics_delta, ms_summary, note, shared_model, table)
+                          host_profile, integrity_of, median, metrics_delta, ms_summary, note, percentile, shared_model, table)
 
 
 TIERS = ("none", "l2", "l2small", "l3")
@@ -241,7 +241,10 @@ def hit_bound(args, base: dict, loaded: dict) -> dict:
     recomputes in every tier (cold), and every later request still runs one forward over its
     uncached tail, which reads every weight once. The ceiling assumes zero host time and that
     forward at the weight-read floor (weight bytes / device read bandwidth, measured here);
-    `hit_ms_for_2x` is what each hit request may cost for 2x the baseline."""
+    `hit_ms_for_2x` is what each hit request may cost for 2x the baseline. None for `--batch-size` > 1: requests
+    in flight together share a forward's weight reads, and the wall time is no sum of the requests' times."""
+    if args.batch_size > 1:
+        return None
     cold = min(args.num_prefixes, args.requests)
     hits = args.requests - cold
     wall_ms = base["wall_s"] * 1e3
@@ -290,7 +293,7 @@ def decode_pass(recs: list[dict], wall: float) -> dict:
             "ttft_ms": {"p50": median(ttft_ms), "max": ttft_ms[-1]},
             "total_tok_s": sum(len(r["ids"]) for r in ok) / wall if wall > 0 else None,
             "pending_backups": last["pending_backups"], "decode_tokens": tokens, "completed": len(ok),
-            "step_ms": {"p50": step_p50, "p90": sorted(steps_ms)[int(0.9 * (len(steps_ms) - 1))] if steps_ms else None,
+            "step_ms": {"p50": step_p50, "p90": percentile(steps_ms, 90),
                         "max": max(steps_ms) if steps_ms else None,
                         "slow_excess_ms": sum(ms - step_p50 for _, ms in slow), "slow_steps": slow[:12]}}
 

@@ -252,6 +252,32 @@ def attention_ok(r: dict) -> bool:
     return "us" in r and r["max_err"] <= ATT_ERR_LIMIT
 
 
+def attention_table(rows: list[dict]) -> None:
+    """The default run's attention rows, the fastest config of each shape marked * among those within
+    ATT_ERR_LIMIT of the reference (regression: a wrong config, fastest, was marked; it is marked ! now)."""
+    print("seqs x rows  ctx  splits block warps prefetch      us   KV GiB/s  max err   (best per shape marked *,"
+          " a wrong one !; - = the default)")
+
+    def cfg_cells(r: dict) -> str:
+        return " ".join(f"{'-' if r[key] is None else r[key]!s:>{w}}"
+                        for key, w in (("splits", 6), ("block", 5), ("warps", 5), ("prefetch_pages", 8)))
+    best = {}
+    for r in rows:
+        if "error" in r:
+            print(f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {cfg_cells(r)}  failed: {r['error']}")
+            continue
+        if attention_ok(r):
+            key = (r["seqs"], r["rows_per_seq"], r["context"])
+            best[key] = min(best.get(key, 1e18), r["us"])
+    for r in rows:
+        if "error" in r:
+            continue
+        mark = "!" if not attention_ok(r) else "*" if r["us"] == best[(r["seqs"], r["rows_per_seq"], r["context"])] \
+            else " "
+        print(f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {cfg_cells(r)} "
+              f"{r['us']:8.1f} {r['kv_gib_s']:9.0f} {r['max_err']:9.2e} {mark}")
+
+
 def sweep_table(res: dict, top: int = 5) -> None:
     """Per shape: the default's us, the best config and the top ones; then per rows_per_seq, the
     fixed + per-key cost fitted over the contexts for the default, the best and the best per stages.
@@ -457,25 +483,7 @@ def run(args, json_out) -> int:
               f" {b.get('us', float('nan')):14.1f} ({b.get('gib_s', float('nan')):5.0f})  {cfg}  {b.get('rel_err', float('nan')):.1e}")
     if args.skinny or args.skinny_split:
         return 0
-    print("seqs x rows  ctx  splits block warps prefetch      us   KV GiB/s  max err   (best per shape marked *;"
-          " - = the default)")
-
-    def cfg_cells(r: dict) -> str:
-        return " ".join(f"{'-' if r[key] is None else r[key]!s:>{w}}"
-                        for key, w in (("splits", 6), ("block", 5), ("warps", 5), ("prefetch_pages", 8)))
-    best = {}
-    for r in res["attention"]:
-        if "error" in r:
-            print(f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {cfg_cells(r)}  failed: {r['error']}")
-            continue
-        key = (r["seqs"], r["rows_per_seq"], r["context"])
-        best[key] = min(best.get(key, 1e18), r["us"])
-    for r in res["attention"]:
-        if "error" in r:
-            continue
-        star = "*" if r["us"] == best[(r["seqs"], r["rows_per_seq"], r["context"])] else " "
-        print(f"{r['seqs']:4d} x {r['rows_per_seq']:<4d} {r['context']:5d} {cfg_cells(r)} "
-              f"{r['us']:8.1f} {r['kv_gib_s']:9.0f} {r['max_err']:9.2e} {star}")
+    attention_table(res["attention"])
     print("kernel            tokens  fused us  torch us  max err")
     for r in res["fused"]:
         print(f"{r['kernel']:17s} {r['tokens']:6d} {r['fused_us']:9.1f} {r['torch_us']:9.1f} {r['max_err']:8.1e}")
