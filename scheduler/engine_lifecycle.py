@@ -186,7 +186,7 @@ class EngineLifecycle:
         """Whether add_request takes new requests (False once shutdown() or stop_loop() began)."""
         return not (self._closing or self.stopping)
 
-    async def shutdown(self, grace_s: float = 0.0) -> None:
+    async def shutdown(self, grace_s: float = 0.0, release_log: bool = True) -> None:
         """Take no new requests; let the ones already queued or running finish within `grace_s`, abort
         the rest, drain every transfer and close the tiers (a temporary L3 file is removed); a shared L3's
         backups first finish within what is left of `grace_s` (`Backups.save_for_others`). The grace also
@@ -195,7 +195,8 @@ class EngineLifecycle:
         queued requests were not admitted in the grace, then aborted after it; or aborted at once; a
         shutdown cancelled in the grace left the loop running and the tiers open.) Clients under way with
         several requests in turn (`continuing`: a beam search) get the grace too: their next requests are
-        taken until it ends."""
+        taken until it ends. release_log False: the caller lets the --log-json go (`release_logging`) once it
+        logged what this raised (the server: its line went to stdout, not the JSON log)."""
         check_loop(self._loop_task, asyncio.get_running_loop())  # (else: closed tiers under a loop that runs on)
         task = self._loop_task
         if (grace_s > 0 and (task is None or task.done() and crash_of(task) is None)
@@ -231,7 +232,8 @@ class EngineLifecycle:
                 finally:  # (and the model's runner whatever the tiers' closing raised: a device error)
                     self.runner.close()
                     self._shut_down = True
-                    self.release_logging()
+                    if release_log:
+                        self.release_logging()
 
     def release_logging(self) -> None:
         """structlog's configuration put back as this engine found it, and the log it opened let go, where the logging

@@ -14,11 +14,10 @@
     --api-key guards /v1/ and the reset, --allowed-origins adds CORS (api_auth.py); --served-model-name: names served
     a body's request_id or X-Request-Id names the response and the engine's rids (request_ids.py)
 
-The engine runs on the server's event loop: the app lifespan starts it and, at shutdown, stops
-admitting (503), lets in-flight requests (queued or running) finish within --shutdown-grace-s,
-aborts the rest, drains transfers and removes a temporary L3 file (Engine.shutdown). A client that disconnects has its
-request aborted and its pages freed. Every refused request gets a JSON error body naming the field or
-limit (api_models.APIError); bad input is always a 4xx.
+The engine runs on the server's event loop: the app lifespan starts it and, at shutdown, stops admitting (503), lets
+in-flight requests (queued or running) finish within --shutdown-grace-s, aborts the rest, drains transfers and removes
+a temporary L3 file (Engine.shutdown). A client that disconnects has its request aborted and its pages freed. Every
+refused request gets a JSON error body naming the field or limit (api_models.APIError); bad input is always a 4xx.
 
     python -m scheduler.server --model tiny --enable-hicache --port 8000     (or: hicache-serve ...)
 """
@@ -129,13 +128,14 @@ class _ServerState:
 
     def _spawn_shutdown(self) -> asyncio.Task:
         self.draining = True
-        if self.shutdown_task is None:
+        if self.shutdown_task is None:  # (the engine's --log-json let go as it ends, after `_shutdown`'s lines)
             self.shutdown_task = asyncio.ensure_future(self._shutdown())
+            self.shutdown_task.add_done_callback(lambda _: self.engine.release_logging())
         return self.shutdown_task
 
     async def _shutdown(self) -> None:
-        try:
-            await self.engine.shutdown(self.limits.shutdown_grace_s)
+        try:  # (not letting its log go: regression, the lines below went to stdout, and the JSON log had no trace)
+            await self.engine.shutdown(self.limits.shutdown_grace_s, release_log=False)
         except Exception:  # a crashed loop re-raises here, or a tier's close (then no crash: regression, named one)
             log.exception("engine_shutdown_after_loop_crash" if self.engine_error else "engine_shutdown_failed")
             self.engine_error = self.engine_error or "the engine's shutdown failed"  # (hicache-serve exits 1)
