@@ -202,7 +202,7 @@ def _renders(render, variables: dict) -> bool:
 
 
 def check_unicode(req, param: str) -> None:
-    """Text a tokenizer can take: JSON allows lone surrogates ("\ud800"), which UTF-8 cannot encode
+    """Text a tokenizer can take: JSON allows lone surrogates ("\\ud800"), which UTF-8 cannot encode
     (a 500 from the tokenizer, or a misleading 'the chat template rejected the messages'). A chat's (a
     completion's, /tokenize's): its messages as the template gets them, and its tools."""
     if hasattr(req, "messages"):

@@ -38,7 +38,7 @@ Responses' server-sent events (scheduler/responses_output.py).
   none here), `stream_options.include_obfuscation` (no obfuscation is sent); echoed where a Response has them.
 
 Errors are the API's 400s naming the Responses field (`ResponsesShape.named_errors`: a chat field's name
-becomes the one it was translated from). A lone surrogate ("\ud800", which JSON carries and UTF-8 cannot) is a 400
+becomes the one it was translated from). A lone surrogate ("\\ud800", which JSON carries and UTF-8 cannot) is a 400
 naming its field, whichever it is (`_check_unicode`).
 """
 from __future__ import annotations

@@ -3,11 +3,11 @@ recomputed tokens, TTFT, throughput, bytes moved per direction and the cache's i
 
     python scripts/replay_trace.py                      # bundled sample, CPU, tiny model, 3 tiers
     python scripts/replay_trace.py --trace T.jsonl --device cuda --model qwen3-8b --num-pages 4096
-    python scripts/replay_trace.py --simulate --trace data/sample_trace.jsonl --model qwen3-8b --time-scale 0 \
+    python scripts/replay_trace.py --simulate --trace scheduler/sample_trace.jsonl --model qwen3-8b --time-scale 0 \
         --l1-tokens 200000 --l3-gib 2000
 
 Every engine flag (scheduler.config.add_engine_args) is accepted. Without --trace the bundled sample
-(data/sample_trace.jsonl) is replayed with small-run defaults: 16 tokens per hash id, the first 200
+(scheduler/sample_trace.jsonl) is replayed with small-run defaults: 16 tokens per hash id, the first 200
 requests, outputs clipped to 32 tokens, as fast as possible, one request at a time, and pools small
 enough (L1 4096 tokens, L2 24576, L3 65536) that the working set overflows L1 and L2.
 Capacity flags in tokens or GiB map onto --num-pages / --hicache-size-gb / --hicache-storage-size-gb.

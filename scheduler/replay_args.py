@@ -19,7 +19,9 @@ from scheduler.config import (HICACHE_NEEDS_PREFIX_CACHE, EngineConfig, add_engi
 from scheduler.presets import model_config_of
 from scheduler.replay_memory import flag_name as _flag
 
-SAMPLE_TRACE = Path(__file__).resolve().parents[1] / "data" / "sample_trace.jsonl"
+# beside this module, so that a wheel carries it (pyproject's package-data; regression: looked for in the
+# checkout's data/, an installed hicache-replay without --trace found nothing in site-packages)
+SAMPLE_TRACE = Path(__file__).resolve().with_name("sample_trace.jsonl")
 GIB = 1 << 30
 REPLAY_OPTIONS = ("trace", "block_tokens", "time_scale", "max_requests", "max_input_tokens", "max_output_tokens",
                   "concurrency", "strict", "simulate", "synth_seed", "l1_tokens", "l1_gib", "l2_tokens", "l2_gib",

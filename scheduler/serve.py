@@ -101,7 +101,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hicache-serve", description=SERVER_DOC.split("\n\n")[0],
+    # (no docstring under python -OO: no description rather than a crash at start)
+    parser = argparse.ArgumentParser(prog="hicache-serve", description=SERVER_DOC and SERVER_DOC.split("\n\n")[0],
                                      formatter_class=_HelpFormatter)
     add_engine_args(parser)  # includes --max-prompt-tokens
     s = parser.add_argument_group("server")

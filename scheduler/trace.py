@@ -4,7 +4,7 @@ Format (Mooncake, FAST'25): one JSON object per line with `timestamp` (ms since 
 `input_length` and `output_length` (tokens) and `hash_ids`, one id per 512-token prompt block; equal
 ids at equal positions mean an identical prefix block, so a cache keyed on them sees the trace's reuse.
 
-Shipped sample: data/sample_trace.jsonl is lines 376-675 (300 requests, unchanged, original timestamps
+Shipped sample: scheduler/sample_trace.jsonl is lines 376-675 (300 requests, unchanged, original timestamps
 131999-225000 ms) of /work/shared/traces/mooncake_conversation_trace.jsonl, the 300-line window with
 the most reuse inside itself (15.6% of its 7,703 blocks repeat a hash id seen earlier in the window).
 

@@ -2,7 +2,7 @@
 
     python scripts/replay_trace.py [--trace T.jsonl] [engine flags] [--simulate] [--json-out OUT.json]
 
-With no arguments: the bundled sample (data/sample_trace.jsonl) on the CPU with the tiny preset and
+With no arguments: the bundled sample (scheduler/sample_trace.jsonl) on the CPU with the tiny preset and
 all three cache tiers small enough that L2 and L3 hits happen. See scheduler/replay.py and --help.
 """
 from __future__ import annotations

@@ -112,7 +112,7 @@ def test_replay_and_timeline_commands_run(tmp_path, monkeypatch, capsys):
     (as fast as possible, logged by the Timeline bullet's `--log-json run.jsonl`), its records one per line; then
     `python scripts/timeline.py run.jsonl --chrome trace.json --png timeline.png` on that log."""
     monkeypatch.chdir(tmp_path)
-    lines = (REPO / "data/sample_trace.jsonl").read_text().splitlines()[:2]
+    lines = (REPO / "scheduler/sample_trace.jsonl").read_text().splitlines()[:2]
     argv = inline("python scripts/replay_trace.py").split()
     trace = argv[argv.index("--trace") + 1]
     Path(trace).write_text("\n".join(lines) + "\n")

@@ -25,7 +25,7 @@ from scheduler.trace import TokenSynth, TraceRecord, load_trace, scale_record
 from test_timeline import MS, T0_NS, batch, op, req
 from test_tools_edges import load_timeline_script
 
-SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample_trace.jsonl"
+SAMPLE = Path(__file__).resolve().parent.parent / "scheduler" / "sample_trace.jsonl"
 SIM = ["--simulate", "--no-progress", "--max-requests", "2"]  # bundled sample, no model: fast
 GOOD = '{"timestamp": %d, "input_length": 700, "output_length": 4, "hash_ids": [1, 2]}'
 HOUR_MS = 3_600_000

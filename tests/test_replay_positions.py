@@ -2,7 +2,7 @@ from pathlib import Path
 
 from scheduler import replay
 
-SAMPLE = str(Path(__file__).resolve().parents[1] / "data" / "sample_trace.jsonl")
+SAMPLE = str(Path(__file__).resolve().parents[1] / "scheduler" / "sample_trace.jsonl")
 
 
 def test_a_replay_says_up_front_how_many_requests_cannot_fit_the_models_positions(capsys):

@@ -27,7 +27,7 @@ from test_restore_overlap import _prefix_only_in_l2
 SIM = ["--simulate", "--no-progress", "--max-requests", "2"]  # bundled sample, no model: fast
 GOOD = '{"timestamp": 0, "input_length": 700, "output_length": 40, "hash_ids": [1, 2]}'
 VOCAB = model_config_of("tiny").vocab_size
-SAMPLE = Path(__file__).resolve().parent.parent / "data" / "sample_trace.jsonl"
+SAMPLE = Path(__file__).resolve().parent.parent / "scheduler" / "sample_trace.jsonl"
 
 
 @pytest.fixture

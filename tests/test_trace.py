@@ -16,7 +16,7 @@ from scheduler.trace import (
     scale_record,
 )
 
-SAMPLE = Path(__file__).resolve().parents[1] / "data" / "sample_trace.jsonl"
+SAMPLE = Path(__file__).resolve().parents[1] / "scheduler" / "sample_trace.jsonl"
 
 
 def _line(ts=0, n_in=1000, n_out=10, ids=(1, 2)) -> str:
