@@ -173,7 +173,9 @@ def configure_logging(log_json_path: str | None) -> LogSink | None:
     else:
         structlog.configure(
             processors=[drop_below_warning, structlog.processors.add_log_level, add_monotonic_ns,
-                        structlog.dev.ConsoleRenderer(colors=False)],
+                        # plain tracebacks: structlog's default with rich installed printed every frame's locals
+                        # (regression: a crash's lines carried prompts, a cache_salt, a request's API key)
+                        structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)],
             # (named: configure() keeps what it is not given, and warnings went on to an earlier JSON log's file)
             logger_factory=structlog.WriteLoggerFactory(file=_quiet_sink()),
             cache_logger_on_first_use=False,

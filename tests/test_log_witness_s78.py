@@ -58,3 +58,21 @@ async def test_a_servers_failed_shutdown_is_in_its_json_log(tmp_path, monkeypatc
     structlog_lines = len(log.read_text().splitlines())
     Engine(EngineConfig(model="tiny", device="cpu", page_size=4, num_pages=64))  # (no log of its own)
     assert len(log.read_text().splitlines()) == structlog_lines
+
+
+def test_the_quiet_logs_tracebacks_show_no_frames_locals(quiet_logging, capfd):
+    """Without --log-json, a logged exception's traceback goes to stdout as Python prints it, without each frame's
+    local variables (structlog's default formatter, rich's, printed them: a request's prompt, its cache_salt, an
+    API key compared in the frame that raised)."""
+    import structlog
+
+    def check(api_key: str) -> None:
+        prompt = " ".join(("the", "private", "prompt"))  # noqa: F841 (a local the traceback must not show)
+        raise ValueError("refused")
+    try:
+        check("-".join(("sk", "secret", "123")))  # (built: the source lines a traceback quotes hold neither)
+    except ValueError:
+        structlog.get_logger().exception("request_work_failed")
+    out = capfd.readouterr().out
+    assert "request_work_failed" in out and "Traceback" in out and "ValueError: refused" in out, out
+    assert "sk-secret-123" not in out and "the private prompt" not in out, out
