@@ -7,7 +7,8 @@ stack a chain of ~3,000 Lark rules or ~1,000 `$defs` overflowed it, a segfault t
 client's stream with it (session 52). So compiles run on threads of COMPILE_STACK_BYTES (their pages are taken only
 as used), and a grammar of more than MAX_GRAMMAR_RULES rules, or a schema of more than MAX_SCHEMA_DEFS definitions
 or `$ref`s, is refused first (a 400), far inside what that stack holds. An integer bound past 64 bits is refused too:
-llguidance clamps it (minimum 1e20 gave 9223372036854775807, below it).
+llguidance clamps it (minimum 1e20 gave 9223372036854775807, below it). So is a regex (a schema's "pattern" too)
+that ends in a lone backslash: llguidance dropped it and matched the rest, another regex.
 """
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def check_limits(kind: str, value: str) -> None:
     """ValueError where a spec's grammar is past what is compiled here (the module doc)."""
     if kind == "grammar" and (rules := len(_LARK_DEFINITION.findall(value))) > MAX_GRAMMAR_RULES:
         raise ValueError(f"a grammar of {rules} rules: at most {MAX_GRAMMAR_RULES} are compiled")
+    if kind == "regex":
+        _check_pattern(value)
     if kind == "json_schema":
         try:
             schema = json.loads(value)
@@ -58,6 +61,10 @@ def _check_schema(schema: Any) -> None:
             if isinstance(node.get(key), dict):
                 definitions += len(node[key])
         refs += isinstance(node.get("$ref"), str)
+        named = node.get("patternProperties")  # (a regex per key)
+        for pattern in [node.get("pattern"), *(named if isinstance(named, dict) else ())]:
+            if isinstance(pattern, str):
+                _check_pattern(pattern)
         kind = node.get("type")
         if kind == "integer" or isinstance(kind, list) and "integer" in kind:
             for key in _BOUNDS:
@@ -71,6 +78,14 @@ def _check_schema(schema: Any) -> None:
         raise ValueError(f"a schema of {definitions} definitions: at most {MAX_SCHEMA_DEFS} are compiled")
     if refs > MAX_SCHEMA_DEFS:
         raise ValueError(f"a schema of {refs} $refs: at most {MAX_SCHEMA_DEFS} are compiled")
+
+
+def _check_pattern(pattern: str) -> None:
+    """Refuses a regex that ends in a lone backslash, an escape of nothing (Python's re and Rust's regex refuse it):
+    llguidance dropped it and matched the rest (regression: guided_regex "ab$\\" answered "ab", and a schema's
+    "pattern" "^ab\\" let any string starting "ab" through)."""
+    if (len(pattern) - len(pattern.rstrip("\\"))) % 2:
+        raise ValueError(f"the regex {pattern!r} ends in a lone backslash (an escape of nothing)")
 
 
 _pool: ThreadPoolExecutor | None = None

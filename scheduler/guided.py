@@ -89,8 +89,8 @@ def check_spec(spec: object) -> None:
     if spec.kind == "choice":
         try:
             choices = json.loads(spec.value)
-        except ValueError:  # (regression: json's error, out of add_request)
-            choices = None
+        except (ValueError, RecursionError):  # (regression: json's error, out of add_request; RecursionError, nested
+            choices = None  # past the parser, out of Engine.generate, which lost the whole batch)
         if not (isinstance(choices, list) and choices and all(isinstance(c, str) and c for c in choices)):
             raise RequestError("a guided choice is a non-empty list of non-empty strings", "guided")
 
