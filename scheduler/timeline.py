@@ -235,8 +235,8 @@ def read_events(path: str | Path, *, bad_lines: list[int] | None = None) -> list
                 continue
             try:
                 obj = json.loads(raw)
-            except (ValueError, UnicodeDecodeError):  # (also valid JSON Python will not read: a huge int)
-                obj = None
+            except (ValueError, UnicodeDecodeError, RecursionError):  # (also valid JSON Python will not read: a
+                obj = None  # huge int, or nested past its decoder: regression, a traceback out of scripts/timeline.py)
             if isinstance(obj, dict):
                 events.append(obj)
             elif bad_lines is not None:

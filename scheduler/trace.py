@@ -57,6 +57,12 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and -2**63 <= x < 2**63
 
 
+def _is_hash_id(x: object) -> bool:
+    """An unsigned 64-bit integer: hash ids may be 64-bit hashes (TokenSynth's digit field holds any of them;
+    regression: those of 2**63 or more were refused as not "non-negative 64-bit integers")."""
+    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**64
+
+
 def _is_number(x: object) -> bool:
     return _is_int(x) or (isinstance(x, float) and math.isfinite(x))
 
@@ -69,6 +75,8 @@ def parse_line(line: str, line_no: int) -> TraceRecord | TraceProblem:
         return TraceProblem(line_no, f"bad JSON: {e.msg} at column {e.colno}")
     except ValueError as e:  # valid JSON Python will not read (an integer of over 4,300 digits)
         return TraceProblem(line_no, f"bad JSON: {e}")
+    except RecursionError:  # (regression: a traceback, and no line of the trace ran)
+        return TraceProblem(line_no, "bad JSON: nested too deeply for Python's JSON decoder")
     if not isinstance(obj, dict):
         return TraceProblem(line_no, f"expected a JSON object, got {type(obj).__name__}")
     missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in obj]
@@ -86,7 +94,7 @@ def parse_line(line: str, line_no: int) -> TraceRecord | TraceProblem:
             return TraceProblem(line_no, f"negative {name} {value}")
     if n_in == 0:
         return TraceProblem(line_no, "input_length 0: a request needs at least one prompt token")
-    if not isinstance(ids, list) or not all(_is_int(h) and h >= 0 for h in ids):
+    if not isinstance(ids, list) or not all(_is_hash_id(h) for h in ids):
         return TraceProblem(line_no, "hash_ids must be a list of non-negative 64-bit integers")
     num_blocks_expected = math.ceil(n_in / TRACE_BLOCK_TOKENS)
     if len(ids) != num_blocks_expected:

@@ -254,7 +254,7 @@ def test_a_whole_number_of_blocks_and_no_output_are_a_good_line():
     ('{"timestamp": NaN, "input_length": 1, "output_length": 1, "hash_ids": [1]}',
      "timestamp must be a finite number, got nan"),
     (_line(n_in=2**63, ids=(1,)), f"input_length must be a 64-bit integer, got {2**63}"),
-    (_line(n_in=1, ids=(2**63,)), "hash_ids must be a list of non-negative 64-bit integers"),
+    (_line(n_in=1, ids=(2**64,)), "hash_ids must be a list of non-negative 64-bit integers"),
     (_line(n_in=1024, ids=(1, 2, 3)), "3 hash_ids for input_length 1024: expected ceil(1024/512) = 2"),
 ])
 def test_a_bad_line_is_a_problem_saying_why(line, says):
