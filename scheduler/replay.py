@@ -466,8 +466,10 @@ def run_cli(argv: list[str] | None = None) -> dict:
                                        "failed": sum(o.error is not None for o in base["outcomes"]),
                                        "wall_s": base["wall_s"]}
     print_summary(summary)
-    for e in summary["errors"][:10]:
+    for e in summary["errors"][:MAX_PROBLEMS_SHOWN]:
         print(f"request {e['index']} (line {e['line']}) failed: {e['error']}", file=sys.stderr)
+    if len(summary["errors"]) > MAX_PROBLEMS_SHOWN:  # (regression: the rest went unsaid)
+        print(f"... and {len(summary['errors']) - MAX_PROBLEMS_SHOWN:,} more failed requests", file=sys.stderr)
     if args.json_out:
         try:
             Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

@@ -75,3 +75,19 @@ def test_the_timeline_reader_skips_a_log_line_nested_too_deeply(tmp_path):
     bad: list[int] = []
     assert [e["event"] for e in read_events(log, bad_lines=bad)] == ["a", "b"]
     assert bad == [2]
+
+
+def test_the_replay_counts_the_failed_requests_it_does_not_spell_out(tmp_path, capsys):
+    """Past the first MAX_PROBLEMS_SHOWN failed requests, stderr says how many more failed (as it does for malformed
+    lines; regression: 10 were listed and the rest went unsaid)."""
+    from scheduler.replay import run_cli
+    from scheduler.trace import MAX_PROBLEMS_SHOWN
+    huge = '{"timestamp": %d, "input_length": 40000, "output_length": 4, "hash_ids": [%s]}'
+    lines = [huge % (i, ", ".join(str(1000 * i + j) for j in range(79))) for i in range(MAX_PROBLEMS_SHOWN + 3)]
+    trace = tmp_path / "big.jsonl"
+    trace.write_text("\n".join(lines) + "\n")
+    s = run_cli(["--trace", str(trace), "--block-tokens", "16", "--time-scale", "0", "--no-progress",
+                 "--l1-tokens", "512"])
+    assert s["failed"] == MAX_PROBLEMS_SHOWN + 3
+    err = capsys.readouterr().err
+    assert err.count(") failed: ") == MAX_PROBLEMS_SHOWN and "... and 3 more failed requests" in err, err
