@@ -197,6 +197,10 @@ class ResponsesRequest(_Strict, RequestIdField):  # (request_id: vLLM's, the Res
         if value is not None and value.endswith(_INPUT_ITEMS_ROUTE):
             raise PydanticCustomError("invalid_request_id", "must not end in {route} (GET /v1/responses/<id>"
                                       "{route} reads a response's input items)", {"route": _INPUT_ITEMS_ROUTE})
+        if value in (".", ".."):  # (a dot-segment: HTTP clients normalize it away and the openai SDK refuses to
+            # send it, so its Response could never be read or deleted; regression: it was kept all the same)
+            raise PydanticCustomError("invalid_request_id", "must not be '{value}', a dot-segment of a URL path "
+                                      "(GET /v1/responses/<id> could not name it)", {"value": value})
         return value
 
     @field_validator("tools", mode="before")

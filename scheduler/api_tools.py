@@ -108,8 +108,10 @@ class ToolFields(BaseModel):
         if "" in names:
             raise ToolFieldError("a tool's function name may not be empty", "tools")
         mode = self.tool_mode()
-        if mode in ("required", "named") and not names:
-            raise ToolFieldError(f"tool_choice {_choice_text(self.tool_choice)} needs 'tools'", "tool_choice")
+        if mode in ("required", "named") and not names:  # (a named choice by its function: /v1/responses' client
+            # sent its own form, not the chat's this one was translated into; regression: that was quoted)
+            what = f"naming function {self.tool_choice.function.name!r}" if mode == "named" else '"required"'
+            raise ToolFieldError(f"tool_choice {what} needs 'tools'", "tool_choice")
         if mode == "named" and self.tool_choice.function.name not in names:
             raise ToolFieldError(f"tool_choice names function {self.tool_choice.function.name!r}, which is not "
                                  f"in 'tools'", "tool_choice")
@@ -206,7 +208,3 @@ def _lift_defs(tools: list[ToolDefinition]) -> dict:
                                      f"one definition", "tools")
             defs[name] = schema
     return {"$defs": defs} if defs else {}
-
-
-def _choice_text(choice) -> str:
-    return json.dumps(choice.model_dump() if isinstance(choice, BaseModel) else choice)
