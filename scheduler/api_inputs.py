@@ -23,7 +23,7 @@ from scheduler.api_models import (APIError, ChatCompletionRequest, ChatTemplateF
 from scheduler.generation_defaults import GenerationDefaults, range_problem
 from scheduler.openai_fields import template_variables
 from scheduler.prompt_truncation import PARAM as TRUNCATION, kept_tokens
-from scheduler.request import SEED_MAX, SEED_MIN, SamplingParams
+from scheduler.request import SEED_MAX, SEED_MIN, RequestError, SamplingParams
 from scheduler.tokenizer import TEMPLATE_VARIABLES, TokenizerError
 
 
@@ -293,3 +293,18 @@ def choice_params(params: SamplingParams, j: int) -> SamplingParams:
         return params
     seed = params.seed + j
     return dataclasses.replace(params, seed=seed - (1 << 64) if seed > SEED_MAX else seed)
+
+
+def named_refusal(exc: RequestError, api_req) -> RequestError:
+    """The engine's refusal of a request, by the field the client sent: a grammar by the field that asked for it (a
+    tool_choice's is its tools' parameters schema: regression, "guided json_schema does not compile" was blamed on
+    tool_choice), the max tokens by max_completion_tokens where a chat sent that (regression: told max_tokens)."""
+    if exc.param == "guided":
+        field = api_req.guided()[0]
+        if field != "tool_choice":
+            exc.param = field
+        else:  # (scheduler/api_tools.py ToolFields.tool_spec)
+            exc = RequestError(str(exc).replace("guided json_schema", "the tools' parameters schema", 1), "tools")
+    if exc.param == "max_tokens" and getattr(api_req, "max_completion_tokens", None) is not None:
+        exc = RequestError(str(exc).replace("max_tokens (", "max_completion_tokens ("), "max_completion_tokens")
+    return exc

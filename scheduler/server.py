@@ -47,7 +47,7 @@ from starlette.routing import Match
 from scheduler.api_admin import PrefixCacheReset, refuse_cross_site
 from scheduler.api_auth import CORSSettings, install_access
 from scheduler.api_beam_search import BeamSearches
-from scheduler.api_inputs import choice_params, model_not_found, parse_prompts
+from scheduler.api_inputs import choice_params, model_not_found, named_refusal, parse_prompts
 from scheduler.api_models import APIError, internal_error, jsonable, read_json_body, validation_error
 from scheduler.api_responses import ResponsesShape
 from scheduler.responses_background import BackgroundResponses
@@ -469,11 +469,7 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
 def _refused(st: _ServerState, exc: RequestError, index: int, batch_size: int, api_req) -> APIError:
     """The engine refused prompt `index` of a request: a 400 naming it (a 503 while shutting down, or
     once the engine loop failed); a grammar it refused, by the field that asked for it."""
-    if exc.param == "guided":
-        exc.param = api_req.guided()[0]
-    if exc.param == "max_tokens" and getattr(api_req, "max_completion_tokens", None) is not None:
-        # the field the chat used (regression: a body of max_completion_tokens was told about max_tokens)
-        exc = RequestError(str(exc).replace("max_tokens (", "max_completion_tokens ("), "max_completion_tokens")
+    exc = named_refusal(exc, api_req)
     try:
         st.check_admitting()
     except APIError as err:

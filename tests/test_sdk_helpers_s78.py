@@ -46,3 +46,20 @@ def test_a_named_tool_choice_without_tools_is_told_in_the_responses_form(client)
     assert err.param == "tool_choice" and "'get_weather'" in err.message and "needs 'tools'" in err.message
     assert '"function": {' not in err.message  # (the chat form: the Responses body has no such object)
 
+
+
+BAD_PARAMETERS = {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "tag"}}])
+def test_a_tools_parameters_schema_that_does_not_compile_is_a_400_naming_tools(client, tool_choice):
+    """A "required" or named tool_choice holds the answer to its tools' parameters schemas: one the engine cannot
+    compile is the fault of `tools`, told so (regression: param tool_choice, "guided json_schema does not compile",
+    a field the client never sent)."""
+    tools = [{"type": "function", "function": {"name": "tag", "parameters": BAD_PARAMETERS}}]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       tools=tools, tool_choice=tool_choice)
+    err = exc.value
+    assert err.param == "tools" and "the tools' parameters schema" in err.message, (err.param, err.message)
+    assert "guided" not in err.message

@@ -407,7 +407,7 @@ def test_stop_strings_and_max_tokens_around_a_call(srv, body, content, calls, fi
 
 def test_odd_tools_and_tool_choices(srv):
     """A named function without parameters, an odd name, parameters llguidance cannot compile (a 400
-    naming tool_choice, not a 500), lone surrogates (400s), echo (no field of a chat)."""
+    naming tools, whose parameters they are, not a 500), lone surrogates (400s), echo (no field of a chat)."""
     bare = {"type": "function", "function": {"name": "ping"}}
     odd = {"type": "function", "function": {"name": 'we ird/"name\\ é', "parameters": {"type": "object"}}}
     for tool in (bare, odd):
@@ -419,7 +419,7 @@ def test_odd_tools_and_tool_choices(srv):
         "a": {"$ref": "#/$defs/missing"}}, "required": ["a"]}}}
     for choice in ("required", {"type": "function", "function": {"name": "bad"}}):
         r = _post(srv, tools=[bad], tool_choice=choice)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     surrogate = {"type": "function", "function": {"name": "f", "description": "\ud800"}}
     call = {"role": "assistant", "content": None, "tool_calls": [_call("c1", "f", '{"a": "\\ud800"}')]}
     for body, param in (({"tools": [surrogate]}, "tools"), ({"messages": [*HI, call], "tool_choice": "none"}, "messages"),
