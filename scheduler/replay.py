@@ -179,6 +179,8 @@ async def replay_async(config: EngineConfig, items: list[ReplayItem], *, time_sc
                        announce: str | None = None) -> dict:
     """Replays `items` on a fresh engine; returns the run's figures (see `summarize`). announce: a
     prefix to print on stderr, once the engine is built, before what it runs (model, device, tiers)."""
+    if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:  # (as --concurrency:
+        raise ValueError(f"concurrency must be an integer >= 1, got {concurrency!r}")  # 0 hung its driver for good)
     from scheduler.engine import Engine
     from scheduler.memory_plan import pools_line
 
