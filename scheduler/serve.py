@@ -45,9 +45,12 @@ class _Server(uvicorn.Server):
     can end cleanly); exits 0 after a clean shutdown instead of re-raising the signal. A second signal forces the
     exit: the engine's grace ends (`on_force`), its requests aborted, and it still shuts down."""
 
-    def __init__(self, config: uvicorn.Config, on_exit, on_force) -> None:
+    def __init__(self, config: uvicorn.Config, on_exit, on_force, engine_shutdown=lambda: None,
+                 grace_s: float = 0.0) -> None:
         super().__init__(config)
         self._on_exit, self._on_force = on_exit, on_force
+        self._engine_shutdown = engine_shutdown  # -> the engine's shutdown task, once on_exit began it
+        self._grace_s = grace_s
 
     def handle_exit(self, sig, frame) -> None:
         if self.should_exit:  # a second SIGTERM forces too (a supervisor's; regression: uvicorn forces at a second
@@ -58,7 +61,13 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
     async def shutdown(self, sockets=None) -> None:
-        await super().shutdown(sockets)
+        # once the engine's grace ran out, a stream whose client reads no more cannot end (regression: uvicorn waited
+        # past the grace for it, then cancelled its handler, a traceback): its connection is ended as at a forced exit
+        ending = asyncio.ensure_future(self._end_handlers_after_engine(self._grace_s))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            ending.cancel()
         if self.force_exit and not self.lifespan.shutdown_event.is_set():
             # uvicorn skips the app's lifespan shutdown when forced (regression: asyncio.run then cancelled the
             # engine's shutdown and every stream's handler, a traceback each): the engine shuts down, its grace
@@ -66,15 +75,28 @@ class _Server(uvicorn.Server):
             await self.lifespan.shutdown()
             await self._end_handlers()
 
+    async def _end_handlers_after_engine(self, grace_s: float) -> None:
+        """`_end_handlers` once the engine shut down, not before the grace ran out (other responses get it too)."""
+        grace = asyncio.ensure_future(asyncio.sleep(grace_s))
+        try:
+            while (task := self._engine_shutdown()) is None:  # (on_exit spawns it on this loop: soon)
+                await asyncio.sleep(0.1)
+            await asyncio.wait([task, grace])
+        finally:
+            grace.cancel()
+        await self._end_handlers()
+
     async def _end_handlers(self) -> None:
-        """Let the handlers write the last events of the requests the engine aborted, for up to a second; then close
+        """Let the handlers write the last events of the requests the engine aborted, for up to a second; then drop
         the connections of those still going (a client that reads no more), which ends them, not cancelled."""
         for attempt in range(60):
             if not self.server_state.tasks:
                 return
             if attempt == 10:
                 for connection in list(self.server_state.connections):
-                    connection.transport.close()
+                    # abort, not close: close() waits for the write buffer to flush, which a client that reads no
+                    # more never lets happen (regression: its handler waited to write, and was cancelled, a traceback)
+                    connection.transport.abort()
             await asyncio.sleep(0.1)
 
     @contextlib.contextmanager
@@ -313,7 +335,8 @@ def _server(parser: argparse.ArgumentParser, args: argparse.Namespace, engine: E
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", lifespan="on",
                                log_level=args.log_level, access_log=not args.disable_access_log,
                                timeout_graceful_shutdown=limits.shutdown_grace_s + 2.0)
-    return _Server(uv_config, on_exit=app.state.hc.begin_shutdown, on_force=engine.end_grace)
+    return _Server(uv_config, on_exit=app.state.hc.begin_shutdown, on_force=engine.end_grace,
+                   engine_shutdown=lambda: app.state.hc.shutdown_task, grace_s=limits.shutdown_grace_s)
 
 
 def main(argv: list[str] | None = None) -> int:
