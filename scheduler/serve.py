@@ -334,7 +334,9 @@ def _server(parser: argparse.ArgumentParser, args: argparse.Namespace, engine: E
     app = create_app(engine, limits, tokenizer=tokenizer)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, loop="uvloop", lifespan="on",
                                log_level=args.log_level, access_log=not args.disable_access_log,
-                               timeout_graceful_shutdown=limits.shutdown_grace_s + 2.0)
+                               # (past the grace, the engine's shutdown then `_end_handlers` end what is left
+                               # first: with 2 s, a loaded machine let uvicorn cancel a stalled client's handler)
+                               timeout_graceful_shutdown=limits.shutdown_grace_s + 5.0)
     return _Server(uv_config, on_exit=app.state.hc.begin_shutdown, on_force=engine.end_grace,
                    engine_shutdown=lambda: app.state.hc.shutdown_task, grace_s=limits.shutdown_grace_s)
 

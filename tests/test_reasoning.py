@@ -143,7 +143,7 @@ def test_the_flag_reaches_the_server(monkeypatch, argv, parser):
     seen = []
 
     class NoListen:  # (the app is built as hicache-serve builds it; nothing listens)
-        def __init__(self, uv_config, on_exit, on_force) -> None:
+        def __init__(self, uv_config, on_exit, on_force, **more) -> None:
             self.config = uv_config  # (serve.main reads its app's state after the run)
             seen.append(uv_config.app.state.hc.limits.reasoning_parser)
 

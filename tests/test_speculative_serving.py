@@ -181,7 +181,7 @@ def test_inter_token_latency_is_observed_once_per_step_as_vllms(servers, looping
 
 def test_the_serve_cli_builds_a_speculating_engine(monkeypatch):
     built = []  # (serve.main stops where uvicorn would start)
-    monkeypatch.setattr(serve, "_Server", lambda config, on_exit, on_force: built.append(config.app) or SimpleNamespace(
+    monkeypatch.setattr(serve, "_Server", lambda config, on_exit, on_force, **more: built.append(config.app) or SimpleNamespace(
         run=lambda: None, config=config))
     flag = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2,
                        "draft_policy": "always"})
