@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
+
+from test_server_signals_s76 import _wait_for
 
 # the server, saying when a connection's transport paused writing (its client read no more: the buffers are full)
 _MARKED_SERVER = textwrap.dedent("""
@@ -38,16 +38,6 @@ SERVE = ["--model", "tiny", "--device", "cpu", "--port", "0", "--page-size", "16
 # every chunk is large (4 choices, 20 logprobs a token, the prompt's echoed in the first): the buffers fill at once
 BODY = {"prompt": [5 + i % 200 for i in range(1000)], "max_tokens": 3000, "ignore_eos": True, "stream": True,
         "echo": True, "logprobs": 20, "n": 4}
-
-
-def _wait_for(log_path, pattern: str, proc) -> re.Match:
-    deadline = time.monotonic() + 120
-    while True:
-        text = log_path.read_text()
-        if m := re.search(pattern, text):
-            return m
-        assert proc.poll() is None and time.monotonic() < deadline, text[-3000:]
-        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("forced", [True, False], ids=["second-sigterm", "grace-ran-out"])
