@@ -10,12 +10,15 @@ role. continue_final_message cuts the text where the last message's content ends
 """
 from __future__ import annotations
 
+import codecs
 import datetime
 import json
 import os
 
 
 MAX_RENDERED_CHARS = 16 << 20  # a rendered chat's text, far past any prompt a model takes
+# transformers' mark of where the final message's content ends, written after it before the render
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 class ChatTemplate:
@@ -40,6 +43,10 @@ class ChatTemplate:
                template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
         if self.developer_as_system:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+        content = (messages[-1].get("content") or "") if continue_final_message else ""
+        if continue_final_message:  # (regression: the cut came after the content's last occurrence in the text,
+            # so an empty content left the turn closed and a "<" was found inside the turn's closing "<|im_end|>")
+            messages = [*messages[:-1], {**messages[-1], "content": content + CONTINUE_TAG}]
         # what transformers passes: tools / documents None, not undefined (`tools is not none`), without any; and
         # the tokenizer's special tokens (bos / eos "" rather than undefined); one dict, not keyword arguments
         # (regression: a template_kwargs key "self" was render()'s own, a TypeError)
@@ -54,36 +61,57 @@ class ChatTemplate:
                 raise ValueError(f"the chat template rendered more than {MAX_RENDERED_CHARS:,} characters")
         text = "".join(pieces)
         if continue_final_message:
-            text = _cut_after_final_message(text, messages[-1].get("content") or "")
+            text = _cut_after_final_message(text, content)
         return text
 
 
 def read_chat_template(arg: str) -> str:
     """vLLM's --chat-template: a file's text, or the argument itself where it reads as a template (it has
-    "{" or a line break); ValueError for what looks like a path to no file."""
+    "{" or a line break), its backslash escapes decoded as vLLM decodes them (a shell's '...\\n...' is a line
+    break: regression, a backslash and an "n" were written into every prompt), its other text kept (where vLLM's
+    unicode_escape read UTF-8 as Latin-1); ValueError for what looks like a path to no file."""
     if os.path.isfile(arg):
         with open(arg, encoding="utf-8") as f:
             return f.read()
     if any(ch in arg for ch in "{}\n"):
-        return arg
+        try:
+            return codecs.decode(arg.encode("latin-1", "backslashreplace"), "unicode_escape")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"--chat-template: a backslash escape of the template does not decode: {exc}") from None
     raise ValueError(f"--chat-template {arg!r} is neither a file nor a template")
 
 
 def _cut_after_final_message(text: str, content: str) -> str:
-    """`text` up to the end of the final message's `content` (transformers' continue_final_message: its
-    content stripped where the template strips it)."""
-    if content.strip() not in text:
+    """`text`, rendered with CONTINUE_TAG after the final message's `content`, up to where the content ends
+    (transformers' continue_final_message: its trailing space stripped where the template strips it)."""
+    if content.strip() not in text or CONTINUE_TAG.strip() not in text:
         raise ValueError("continue_final_message is set but the final message does not appear in the chat "
                          "after applying the chat template")
-    at = text.rindex(content.strip())
-    if text[at:at + len(content.lstrip())] == content:  # the template kept the content's trailing space
-        return text[:at + len(content.lstrip())]
-    return text[:at + len(content.strip())]
+    at = text.rindex(CONTINUE_TAG.strip())
+    if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG:  # the template kept the content's trailing space
+        return text[:at]
+    return text[:at].rstrip()
 
 
 def _compile(template: str):
+    from jinja2 import nodes
     from jinja2.exceptions import TemplateError
+    from jinja2.ext import Extension
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """transformers' `{% generation %}...{% endgeneration %}` (it marks the assistant's tokens for TRL's
+        assistant-only loss), its body rendered as it is. (Regression: "unknown tag 'generation'", a checkpoint
+        whose template has it served no chat.)"""
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller) -> str:
+            return caller()
 
     def raise_exception(message: str):
         raise TemplateError(message)
@@ -96,7 +124,7 @@ def _compile(template: str):
         return datetime.datetime.now().strftime(fmt)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])  # as transformers renders
+                                        extensions=[Generation, "jinja2.ext.loopcontrols"])  # as transformers renders
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     env.filters["tojson"] = tojson

@@ -183,7 +183,8 @@ class EngineLifecycle:
 
     @property
     def accepting(self) -> bool:
-        """Whether add_request takes new requests (False once shutdown() or stop_loop() began)."""
+        """Whether add_request takes new requests: False from shutdown() on, and while stop_loop() runs (once it
+        returned, requests are queued again, for start() to run)."""
         return not (self._closing or self.stopping)
 
     async def shutdown(self, grace_s: float = 0.0, release_log: bool = True) -> None:

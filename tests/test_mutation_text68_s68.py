@@ -40,13 +40,13 @@ def test_a_tool_message_needs_content():
 # -- chat template --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("content, want", [
     ("hi ", "hi "),    # the template kept the trailing space: kept
-    (" hi ", " hi"),   # transformers' test compares the whole content: with a leading space it never matches
+    (" hi ", " hi "),  # (transformers marks the content's end: a leading space changes nothing; it was " hi")
     ("hi", "hi"),
 ])
 def test_continue_final_message_keeps_a_trailing_space_as_transformers_does(content, want):
-    """transformers' continue_final_message keeps the content's trailing whitespace only where the text from the
-    stripped content's last occurrence, as long as the left-stripped content, IS the content (mutant CT5: compared
-    with the left-stripped content, " hi " kept its trailing space, a prompt transformers and vLLM never make)."""
+    """transformers' continue_final_message keeps the content's trailing whitespace only where the template kept
+    it (session 79: transformers marks where the content ends, CONTINUE_FINAL_MESSAGE_TAG; mutant CT5 was of the
+    search for the content's text that this replaced)."""
     template = ChatTemplate("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
     text = template.render([{"role": "assistant", "content": content}], add_generation_prompt=False,
                            continue_final_message=True)
