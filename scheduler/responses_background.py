@@ -131,7 +131,8 @@ class BackgroundRun:
                 return ending
             error = {"code": "server_error", "message": f"internal error: keeping the response raised: "
                                                         f"{type(exc).__name__}: {exc}"}
-        failed = {**ending["response"], "status": "failed", "error": error, "incomplete_details": None}
+        failed = {**ending["response"], "status": "failed", "error": error, "incomplete_details": None,
+                  "completed_at": None}
         with contextlib.suppress(Exception):  # (logged above)
             self.keep(failed, self)
         return {**ending, "type": "response.failed", "response": failed}

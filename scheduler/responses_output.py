@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import time
 import uuid
 from typing import TYPE_CHECKING, Callable
 
@@ -329,6 +330,8 @@ class ResponseOutput:
         choice = req.tool_choice
         return {
             "id": self.id, "object": "response", "created_at": self.choices.created, "status": status,
+            # (OpenAI's: when it completed, only when it did; made as it ends, so kept and GET as it was sent)
+            "completed_at": int(time.time()) if status == "completed" else None,
             "error": error, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": self.choices.model,
             "output": output, "parallel_tool_calls": req.parallel_tool_calls is not False,
@@ -341,5 +344,6 @@ class ResponseOutput:
             "tools": [t.model_dump() for t in req.tools or ()], "truncation": "disabled", "usage": usage,
             "user": req.user, "metadata": req.metadata or {}, "background": self.background,
             # (accepted, changing nothing: scheduler/api_responses.py)
-            "top_logprobs": req.top_logprobs, "max_tool_calls": req.max_tool_calls, "prompt_cache_key": req.prompt_cache_key,
+            "top_logprobs": req.top_logprobs, "max_tool_calls": req.max_tool_calls,
+            "prompt_cache_key": req.prompt_cache_key,
             "prompt_cache_retention": req.prompt_cache_retention, "safety_identifier": req.safety_identifier}
