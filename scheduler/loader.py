@@ -121,7 +121,7 @@ def _with_generation_eos(cfg: ModelConfig, path: Path) -> ModelConfig:
         data = json.loads(gen.read_text())
         if not isinstance(data, dict):
             raise ValueError(f"must hold a JSON object, not {type(data).__name__}")
-        ids = config_token_ids(data.get("eos_token_id"), "eos_token_id", cfg.vocab_size)
+        ids = config_token_ids(data.get("eos_token_id"), "eos_token_id", cfg.vocab_size, gen.name)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{gen}: {e}") from e
     extra = tuple(i for i in ids if i not in cfg.eos_token_ids)

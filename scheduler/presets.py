@@ -17,6 +17,9 @@ import torch
 
 from hicache.geometry import KVGeometry
 
+# HF Qwen3Config's sliding_window where config.json has none (with use_sliding_window true, a window)
+QWEN3_SLIDING_WINDOW = 4096
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -91,9 +94,12 @@ class ModelConfig:
             raise ValueError(f"only hidden_act 'silu' is supported, config.json says {cfg['hidden_act']!r}")
         if _flag(cfg, "attention_bias", False):  # (refused here, not as "unexpected tensors" at the load)
             raise ValueError("attention biases are not supported, config.json has attention_bias=true")
-        if _flag(cfg, "use_sliding_window", False) and cfg.get("sliding_window") is not None:
+        # (absent, Qwen3Config's default window of 4096: regression, served as full attention; null is none)
+        window = cfg.get("sliding_window", QWEN3_SLIDING_WINDOW)
+        if _flag(cfg, "use_sliding_window", False) and window is not None:
+            absent = "" if "sliding_window" in cfg else " (absent: Qwen3Config's default)"
             raise ValueError(f"sliding-window attention is not supported, config.json has use_sliding_window=true "
-                             f"and sliding_window={cfg['sliding_window']!r}")
+                             f"and sliding_window={window!r}{absent}")
         rope_theta = _rope_theta(cfg)
 
         def need(key: str) -> Any:
@@ -145,11 +151,11 @@ class ModelConfig:
         }
 
 
-def _int(value: Any, key: str) -> int:
+def _int(value: Any, key: str, source: str = "config.json") -> int:
     """A config.json integer (an integral float such as 64.0 too); never a bool, string or fraction."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or value != int(value):
-        raise ValueError(f"config.json's {key} must be an integer, got {value!r}")
+        raise ValueError(f"{source}'s {key} must be an integer, got {value!r}")
     return int(value)
 
 
@@ -168,11 +174,12 @@ def _flag(cfg: dict[str, Any], key: str, default: bool) -> bool:
     return value
 
 
-def config_token_ids(value: Any, key: str, vocab_size: int) -> list[int]:
+def config_token_ids(value: Any, key: str, vocab_size: int, source: str = "config.json") -> list[int]:
     """An end-token id, a list of them, or null -> the ids, each within [0, vocab_size) (regression: an id past the
-    vocabulary loaded, then every structured-output request was a 400 naming the tokenizer)."""
+    vocabulary loaded, then every structured-output request was a 400 naming the tokenizer). source: the file the
+    value is from (generation_config.json's too: regression, its errors said config.json)."""
     values = value if isinstance(value, (list, tuple)) else ([] if value is None else [value])
-    ids = [_int(v, key) for v in values]
+    ids = [_int(v, key, source) for v in values]
     if outside := [i for i in ids if not 0 <= i < vocab_size]:
         raise ValueError(f"{key} {outside[0]} is outside the vocabulary [0, {vocab_size})")
     return ids
@@ -241,5 +248,8 @@ def model_config_of(name_or_path: str) -> ModelConfig:
     path = os.path.join(name_or_path, "config.json")
     if not os.path.isfile(path):
         raise ValueError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint dir")
-    with open(path) as f:
-        return ModelConfig.from_hf_config(json.load(f))
+    try:  # (UTF-8, as transformers reads it; regression: a malformed file's error named no file)
+        with open(path, encoding="utf-8") as f:
+            return ModelConfig.from_hf_config(json.load(f))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from e
