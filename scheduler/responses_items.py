@@ -49,7 +49,8 @@ class MessageItem(_Strict):
 
 class FunctionCallItem(_Strict):
     # `async` by its name in the SDK's type too (its model_dump() writes "async_": a 400 of an output sent back)
-    model_config = ConfigDict(**_Strict.model_config, validate_by_name=True, validate_by_alias=True)
+    # (populate_by_name: pydantic 2.11's validate_by_name is ignored by the declared floor, 2.5)
+    model_config = ConfigDict(**_Strict.model_config, populate_by_name=True)
     type: Literal["function_call"]
     call_id: StrictStr
     name: StrictStr

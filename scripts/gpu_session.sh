@@ -4,7 +4,10 @@
 # The device image lacks some of the project's packages: fill .whl/ first (and carry it), with every one of them
 # (session 58's first run had only the tool's default two: the beam and guided GPU tests failed on imports):
 #   ../shared/tools/device-wheels structlog pytest-asyncio pydantic pydantic-core annotated-types \
-#     typing-inspection typing-extensions llguidance pytest-timeout
+#     typing-inspection typing-extensions pytest-timeout
+# and llguidance (>=1.7, pyproject's floor: its wheels are manylinux_2_31, which that tool's platforms leave out):
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_31_x86_64 -d .whl "llguidance>=1.7"
 set -u
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=0 PYTHONPATH="/tmp/site:$PWD"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
