@@ -4,5 +4,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-. .venv/bin/activate
+# .venv's python first on PATH (not through bin/activate, which names the directory the venv was made in)
+export PATH="$PWD/.venv/bin:$PATH"
 exec python scripts/replay_trace.py "$@"

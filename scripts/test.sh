@@ -3,7 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-. .venv/bin/activate
+# .venv's python first on PATH (not through bin/activate, which names the directory the venv was made in)
+export PATH="$PWD/.venv/bin:$PATH"
 export TRITON_INTERPRET=1
 # a worker per core (CI's two), at most 4 (each holds its own torch); tests taken one by one by whichever worker is
 # free (worksteal), so the slowest files (the interpreted sampling kernels) spread over all; `-n 0` after it runs

@@ -8,8 +8,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from scheduler.timeline import build_timeline, read_events
-from scheduler.timeline_views import print_tables, render_png, write_chrome
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runnable without the editable install
+from scheduler.timeline import build_timeline, read_events  # noqa: E402
+from scheduler.timeline_views import print_tables, render_png, write_chrome  # noqa: E402
 
 
 def write_output(parser: argparse.ArgumentParser, path: str, write) -> None:
