@@ -30,7 +30,7 @@ from scheduler.tokenizer import TEMPLATE_VARIABLES, TokenizerError
 def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], model_name: str, vocab_size: int,
                   prompt_limit: int, max_tokens_limit: int, default_max_tokens: int = 16,
                   context_tokens: int | None = None, sampling_defaults: GenerationDefaults = GenerationDefaults(),
-                  auto_tools: bool = False, trust_templates: bool = False
+                  auto_tools: bool = False, trust_templates: bool = False, content_format: str = "auto"
                   ) -> tuple[CompletionRequest | ChatCompletionRequest, list[list[int]], SamplingParams]:
     """Validate a decoded JSON body: (the request model, each prompt's token ids in order: one, or a
     completion's batch, sampling parameters). Raises APIError (400 / 404) naming the field or limit (a
@@ -39,7 +39,8 @@ def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
     hold; OpenAI's chat has no default), each within max_tokens_limit. `sampling_defaults`: for the sampling
     fields the request leaves out or sets to null (scheduler/generation_defaults.py; none given: OpenAI's).
     auto_tools: the server reads tool calls out of answers (a chat's tool_choice "auto" is served);
-    trust_templates: a chat's own `chat_template` is rendered (--trust-request-chat-template), not refused."""
+    trust_templates: a chat's own `chat_template` is rendered (--trust-request-chat-template), not refused;
+    content_format: --chat-template-content-format's (`chat_ids`)."""
     try:
         request_model = ChatCompletionRequest if chat else CompletionRequest
         req = request_model.model_validate(body, context={"vocab_size": vocab_size})  # (logit_bias' token ids)
@@ -62,7 +63,7 @@ def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
                            default_max_tokens=default_max_tokens, max_tokens_limit=max_tokens_limit)
     except ValueError as exc:
         raise APIError(400, str(exc), param=TRUNCATION, code="invalid_value") from None
-    prompts = [chat_ids(req, tokenizer, trust_templates)] if chat else prompt_list(req)  # (a chat's: rendered)
+    prompts = [chat_ids(req, tokenizer, trust_templates, content_format)] if chat else prompt_list(req)  # (rendered)
     ids = []
     for i, prompt in enumerate(prompts):
         try:
@@ -130,13 +131,16 @@ def _prompt_ids(prompt: str | list[int], add_special_tokens: bool, param: str, t
     return ids
 
 
-def chat_ids(req: ChatTemplateFields, tokenizer, trust_templates: bool = False) -> list[int]:
+def chat_ids(req: ChatTemplateFields, tokenizer, trust_templates: bool = False, content_format: str = "auto"
+             ) -> list[int]:
     """A chat's messages (`req.messages`) rendered by the chat template with the request's options (vLLM's:
     both `continue_final_message` and `add_generation_prompt` is a 400; `chat_template_kwargs` may set no
     variable the server sets itself; a chat's `reasoning_effort` goes over them, with enable_thinking, as vLLM
     sets it: scheduler/openai_fields.py), encoded. A template's own refusal (raise_exception) is a 400, naming
     'chat_template_kwargs' or 'reasoning_effort' where the messages render without it. A request's own template
-    (`request_template`) renders in place of the server's where `trust_templates` (--trust-request-chat-template)."""
+    (`request_template`) renders in place of the server's where `trust_templates` (--trust-request-chat-template).
+    Each message's content reaches the template in `content_format` (vLLM's --chat-template-content-format: "auto",
+    the one the template reads, scheduler/chat_template.py); the request's `tools`, [] too, as they are (vLLM's)."""
     if req.continue_final_message and req.add_generation_prompt:  # (vLLM's 400)
         raise APIError(400, "'continue_final_message' and 'add_generation_prompt' cannot both be true (the "
                             "default of 'add_generation_prompt' is true)", param="continue_final_message",
@@ -148,8 +152,14 @@ def chat_ids(req: ChatTemplateFields, tokenizer, trust_templates: bool = False) 
         raise APIError(400, f"'chat_template_kwargs' may not set {taken[0]!r} (the server sets it{field})",
                        param="chat_template_kwargs", code="invalid_value")
     check_texts([json.dumps(kwargs, ensure_ascii=False)], "chat_template_kwargs")
-    tools = [t.model_dump(exclude_none=True) for t in getattr(req, "tools", None) or ()] or None
-    render = functools.partial(tokenizer.apply_chat_template, [m.as_template_dict() for m in req.messages],
+    # (regression: `tools: []` reached the template as None; vLLM and transformers pass [], and a template that
+    # asks `tools is not none`, Llama 3.1's, renders its tool-calling preamble for it)
+    tools = None if getattr(req, "tools", None) is None else [t.model_dump(exclude_none=True) for t in req.tools]
+    if content_format == "auto":  # (a tokenizer of a library user's own that cannot tell: "string", as before)
+        reader = getattr(tokenizer, "content_format", None)
+        content_format = reader(template, tools is not None) if reader is not None else "string"
+    messages = [m.as_template_dict(content_format) for m in req.messages]
+    render = functools.partial(tokenizer.apply_chat_template, messages,
                                tools=tools, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
                                add_special_tokens=req.add_special_tokens, template=template)

@@ -78,7 +78,7 @@ async def tokenize(request, st) -> dict | Response:
     check_model(req.model, st.served_names, st.model_name)
     tokenizer = st.tokenizer
     if chat:
-        ids = _chat_ids(req, tokenizer, st.model_name, st.limits.trust_request_chat_template)
+        ids = _chat_ids(req, tokenizer, st.model_name, st.limits)
     else:
         _no_tokenizer(tokenizer, "text cannot be tokenized", "prompt")
         check_texts([req.prompt], "prompt")
@@ -126,9 +126,10 @@ def _no_tokenizer(tokenizer, what: str, param: str) -> None:
                        code="tokenizer_unavailable")
 
 
-def _chat_ids(req: TokenizeChatRequest, tokenizer, model_name: str, trust_templates: bool) -> list[int]:
-    """The messages rendered by the chat template /v1/chat/completions uses, with the request's options."""
+def _chat_ids(req: TokenizeChatRequest, tokenizer, model_name: str, limits) -> list[int]:
+    """The messages rendered by the chat template /v1/chat/completions uses, with the request's options (and the
+    server's: `limits`, its ServerLimits)."""
     if err := chat_unavailable(tokenizer, model_name, req.model_dump()):
         raise err
     check_unicode(req, "messages")
-    return chat_ids(req, tokenizer, trust_templates)
+    return chat_ids(req, tokenizer, limits.trust_request_chat_template, limits.chat_template_content_format)

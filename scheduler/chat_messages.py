@@ -71,11 +71,16 @@ class ChatMessage(_Strict):
             raise ValueError("'reasoning' and 'reasoning_content' name one thing: give one, or both the same")
         return self
 
-    def as_template_dict(self) -> dict:
-        content = self.content
-        if isinstance(content, list):  # text parts, joined as vLLM's default ("string" content format) joins them
-            content = "\n".join(p.text for p in content)
-        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+    def as_template_dict(self, content_format: str = "string") -> dict:
+        """The message as vLLM hands it to a template of `content_format` (scheduler/chat_template.py's): "string",
+        its text parts joined by line breaks, an empty one left out; "openai", OpenAI's list of parts (a string: one
+        part), but a tool's joined (vLLM's: most templates take a tool result as a string)."""
+        texts = [self.content] if isinstance(self.content, str) else [p.text for p in self.content or ()]
+        if content_format == "openai" and self.role != "tool":
+            content: str | list[dict] = [{"type": "text", "text": text} for text in texts]
+        else:
+            content = "\n".join(text for text in texts if text or content_format == "openai")
+        out: dict[str, Any] = {"role": self.role, "content": content}
         for key in ("name", "tool_call_id"):  # (as transformers passes a message: a template may use them)
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)

@@ -16,6 +16,8 @@ import json
 import os
 
 
+# vLLM's --chat-template-content-format: how a message's content reaches the template (`ChatTemplate.content_format`)
+CONTENT_FORMATS = ("auto", "string", "openai")
 MAX_RENDERED_CHARS = 16 << 20  # a rendered chat's text, far past any prompt a model takes
 # transformers' mark of where the final message's content ends, written after it before the render
 CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
@@ -38,14 +40,25 @@ class ChatTemplate:
         # (Qwen's renders system / user / assistant / tool) dropped them silently, so they reach it as "system";
         # one that names it (gpt-oss's) gets them as they are
         self.developer_as_system = "developer" not in template
+        # how messages' content reaches it, as vLLM's --chat-template-content-format auto reads it off the template
+        # (regression: a template over the content's parts, Llama 4's or SmolVLM's, iterated a string's characters)
+        self.content_format = _content_format(self._compiled.environment.parse(template))
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True, continue_final_message: bool = False,
                template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
         if self.developer_as_system:
             messages = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
-        content = (messages[-1].get("content") or "") if continue_final_message else ""
-        if continue_final_message:  # (regression: the cut came after the content's last occurrence in the text,
+        content = messages[-1].get("content") if continue_final_message else ""
+        if isinstance(content, list):  # ("openai" content: its last text part goes on, as transformers' does)
+            at = next((i for i in reversed(range(len(content))) if "text" in content[i]), None)
+            if at is None:
+                raise ValueError("continue_final_message is set but the final message has no text to continue")
+            parts, content = list(content), content[at]["text"]
+            parts[at] = {**parts[at], "text": content + CONTINUE_TAG}
+            messages = [*messages[:-1], {**messages[-1], "content": parts}]
+        elif continue_final_message:  # (regression: the cut came after the content's last occurrence in the text,
             # so an empty content left the turn closed and a "<" was found inside the turn's closing "<|im_end|>")
+            content = content or ""
             messages = [*messages[:-1], {**messages[-1], "content": content + CONTINUE_TAG}]
         # what transformers passes: tools / documents None, not undefined (`tools is not none`), without any; and
         # the tokenizer's special tokens (bos / eos "" rather than undefined); one dict, not keyword arguments
@@ -91,6 +104,51 @@ def _cut_after_final_message(text: str, content: str) -> str:
     if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG:  # the template kept the content's trailing space
         return text[:at]
     return text[:at].rstrip()
+
+
+def _content_format(ast) -> str:
+    """vLLM's reading of a template's content format (vllm/renderers/hf.py, _detect_content_format): "openai" where
+    it loops over a message's content (`{% for item in message['content'] %}`, the message a loop's variable over
+    `messages` or over a name set from it, through filters and slices) or over a name `content` (a macro's
+    argument, Qwen3.5's); "string" otherwise, and where vLLM's search cannot tell (a loop or a set of two names)."""
+    from jinja2 import nodes
+
+    names, todo = {"messages"}, ["messages"]
+    while todo:  # the names set from `messages` (vLLM's search went round a cycle of them for good)
+        name = todo.pop()
+        for assign in ast.find_all(nodes.Assign):
+            if _reads(assign.node, name):
+                if not isinstance(assign.target, nodes.Name):
+                    return "string"
+                if assign.target.name not in names:
+                    names.add(assign.target.name)
+                    todo.append(assign.target.name)
+    message_names = set()
+    for loop in ast.find_all(nodes.For):
+        if any(_reads(loop.iter, name) for name in names):
+            if not isinstance(loop.target, nodes.Name):
+                return "string"
+            message_names.add(loop.target.name)
+    for loop in ast.find_all(nodes.For):
+        if any(_reads(loop.iter, name, "content") for name in message_names) or (
+                isinstance(loop.iter, nodes.Name) and loop.iter.name == "content"):
+            return "openai" if isinstance(loop.target, nodes.Name) else "string"
+    return "string"
+
+
+def _reads(node, name: str, key: str | None = None) -> bool:
+    """`node` is the variable `name` (with `key`: its item or attribute `key`), through filters, tests and slices."""
+    from jinja2 import nodes
+
+    sliced = isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice)
+    if sliced or isinstance(node, (nodes.Filter, nodes.Test)):
+        return node.node is not None and _reads(node.node, name, key)
+    if key is not None:
+        if not (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == key
+                or isinstance(node, nodes.Getattr) and node.attr == key):
+            return False
+        node = node.node
+    return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
 
 
 def _compile(template: str):

@@ -23,7 +23,7 @@ import uvicorn
 
 from scheduler import sigterm
 from scheduler.api_auth import CORSSettings, api_key_from, json_str_list, key_problem
-from scheduler.chat_template import ChatTemplate, read_chat_template
+from scheduler.chat_template import CONTENT_FORMATS, ChatTemplate, read_chat_template
 from scheduler.config import HICACHE_NEEDS_PREFIX_CACHE, add_engine_args, config_from_args
 from scheduler.engine import Engine
 from scheduler.generation_defaults import GENERATION_CONFIG_FILE, GenerationDefaults, read_generation_defaults
@@ -150,6 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                    help="the chat template (a Jinja file, or the template itself) that renders chats, in place of the "
                         "checkpoint's; also gives the presets' byte tokenizer a chat (vLLM's flag)")
+    s.add_argument("--chat-template-content-format", choices=CONTENT_FORMATS, default="auto",
+                   help="how a message's content reaches the chat template: string, its text parts joined; openai, "
+                        "OpenAI's list of parts, a string as one (for templates that loop over a message's content); "
+                        "auto: the one each template reads, from its Jinja source (vLLM's flag)")
     s.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat with the template its request sends (`chat_template`, or chat_template_kwargs' "
                         "key), in place of the server's; refused (400) without this flag, as a template is code the "
@@ -320,6 +324,7 @@ def _server(parser: argparse.ArgumentParser, args: argparse.Namespace, engine: E
                           shutdown_grace_s=max(0.0, args.shutdown_grace_s), sampling_defaults=sampling_defaults,
                           reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
                           chat_template=chat_template, trust_request_chat_template=args.trust_request_chat_template,
+                          chat_template_content_format=args.chat_template_content_format,
                           enable_request_id_headers=args.enable_request_id_headers,
                           responses_store_max=args.responses_store_max,
                           responses_store_max_mib=args.responses_store_max_mib,

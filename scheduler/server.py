@@ -81,6 +81,7 @@ class ServerLimits:
     tool_call_parser: str | None = None  # tool_choice "auto": calls read out of answers (scheduler/tool_calls.py)
     chat_template: str | None = None  # --chat-template's text: the tokenizer's chats rendered by it (its own replaced)
     trust_request_chat_template: bool = False  # a chat's own `chat_template` rendered, not refused (api_inputs)
+    chat_template_content_format: str = "auto"  # how messages' content reaches templates (chat_template.py)
     api_key: str | None = dataclasses.field(default=None, repr=False)  # /v1/ asks for it; status: true/false
     served_model_names: tuple[str, ...] = ()  # a request's `model`, the first reported; (): the model's names
     cors: CORSSettings | None = None  # --allowed-origins and companions (api_auth.py); None: no CORS headers
@@ -98,6 +99,8 @@ class ServerLimits:
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
                 raise ValueError(f"ServerLimits.{name} must be an integer >= {least}, got {value!r}")
             object.__setattr__(self, name, int(value))  # (numpy's integers as Python's)
+        if (fmt := self.chat_template_content_format) not in ("auto", "string", "openai"):  # (vLLM's flag's)
+            raise ValueError(f"ServerLimits.chat_template_content_format must be auto, string or openai, got {fmt!r}")
         grace_s = self.shutdown_grace_s
         if not isinstance(grace_s, numbers.Real) or isinstance(grace_s, bool) or math.isnan(grace_s):
             raise ValueError(f"ServerLimits.shutdown_grace_s must be a number of seconds, got {grace_s!r}")
@@ -396,7 +399,8 @@ async def _generate(request: Request, st: _ServerState, chat: bool, shape: Respo
             vocab_size=st.engine.vocab_size, prompt_limit=st.prompt_limit, max_tokens_limit=st.max_tokens_limit,
             default_max_tokens=st.limits.default_max_tokens, context_tokens=st.engine.max_kv_tokens,
             sampling_defaults=st.limits.sampling_defaults, auto_tools=st.limits.tool_call_parser is not None,
-            trust_templates=st.limits.trust_request_chat_template)
+            trust_templates=st.limits.trust_request_chat_template,
+            content_format=st.limits.chat_template_content_format)
         beams = BeamSearches.of(st, api_req, params, chat, arrival)  # use_beam_search (None: not asked)
         k, n = len(prompts), api_req.n or 1
         total = k * n  # engine requests: choice prompt_index * n + j, OpenAI's order

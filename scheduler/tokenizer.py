@@ -114,6 +114,14 @@ class _Chat:
         except Exception as exc:  # (regression: a 400 'the chat template rejected the messages', counted rejected)
             raise TokenizerError(f"the tokenizer failed on the rendered chat: {exc}") from exc
 
+    def content_format(self, template: ChatTemplate | None, with_tools: bool) -> str:
+        """How messages' content reaches the template that renders them (`template`, a request's own, else this
+        tokenizer's: `apply_chat_template`'s choice), as vLLM's --chat-template-content-format auto reads it."""
+        try:
+            return (template or self._own_template(with_tools)).content_format
+        except ValueError:  # (no template to render with: apply_chat_template says why)
+            return "string"
+
     def _own_template(self, with_tools: bool) -> ChatTemplate:
         if self.template is None:
             raise ValueError(self.no_chat_reason)
