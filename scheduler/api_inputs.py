@@ -52,6 +52,9 @@ def parse_prompts(body: dict, chat: bool, *, tokenizer, served_names: set[str], 
             req.check_tools(auto_tools)
         except GuidedFieldError as exc:  # (scheduler/api_tools.py's ToolFieldError)
             raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
+        if req.tool_mode() == "auto":  # (vLLM's hermes parser's adjust_request: some tokenizers mark <tool_call> and
+            # </tool_call> special, and a decode that skipped them hid every call from the parser; regression)
+            req.skip_special_tokens = False
     check_model(req.model, served_names, model_name)
     param = "messages" if chat else "prompt"
     check_unicode(req, param)

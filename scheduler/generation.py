@@ -118,7 +118,7 @@ class Generation:
             span_s = (req.scheduled_s, self.first_token_at, self.last_token_at)
         most = self.prompt_choices.ended(generation_tokens)  # (None but for its prompt's last choice)
         self.st.metrics.ended(finish_reason, len(req.prompt), generation_tokens, req.params.max_tokens,
-                              None if most is None else self.n, span_s, most)
+                              None if most is None else self.n, span_s, most, self.output_tokens)
 
     def usage(self) -> Usage:
         # the tokens read: after a stop string, those up to and including the one that completed its
@@ -171,6 +171,9 @@ class Generation:
                 entries.append(self.logprobs.entry(token, ev.logprobs))
             if token is not None:
                 self.output_tokens, last = self.output_tokens + 1, token
+                # (counted as it comes, as vLLM counts per iteration: regression, counted only at the request's
+                # end, so a dashboard's generation throughput read 0 through a long generation, then one spike)
+                self.st.metrics.generation_tokens.inc()
                 if self._shows_text(token, fin):
                     delta = text.feed(token)
             if fin is not None and fin.finish_reason in ("length", "stop"):

@@ -42,10 +42,13 @@ from scheduler.prom_vllm import VllmCollector
 
 OUTCOMES = ("success", "aborted", "failed", "rejected")
 FINISH_REASONS = ("stop", "length", "abort", "error")  # an engine request's end (vLLM's finished_reason)
-_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-# a decode step's time: from a small model's millisecond up to a starved batch's seconds
+# up to vLLM's largest (its e2e / queue / phase buckets'; its TTFT's end at 2560 s): a request of minutes lands in a
+# finite bucket (regression: they ended at 120 s, and histogram_quantile read 120 s for every longer request)
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 240.0,
+                      480.0, 960.0, 1920.0, 7680.0)
+# a decode step's time: from a small model's millisecond up to a starved batch's seconds, then vLLM's top (80 s)
 _TOKEN_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
-                            0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+                            0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 _TOKEN_COUNT_BUCKETS = tuple(m * 10 ** e for e in range(7) for m in (1, 2, 5))  # 1, 2, 5 ... 5e6 (vLLM's 1-2-5)
 _N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, of the n request parameter
 _STEP_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)  # vLLM V1's, tokens per step
@@ -237,7 +240,8 @@ class ServerMetrics:
                              "verify step's accepted drafts share their step's)",
                              buckets=_TOKEN_LATENCY_BUCKETS_S, registry=r)
         self.prompt_tokens = Counter("hicache_prompt_tokens", "prompt tokens of admitted requests", registry=r)
-        self.generation_tokens = Counter("hicache_generation_tokens", "generated tokens", registry=r)
+        self.generation_tokens = Counter("hicache_generation_tokens", "generated tokens, each counted as the "
+                                         "server reads it (an aborted request's unread ones as it ends)", registry=r)
         self.request_prompt_tokens = Histogram("hicache_request_prompt_tokens", "prompt tokens per engine request "
                                                "that ended", buckets=_TOKEN_COUNT_BUCKETS, registry=r)
         self.request_generation_tokens = Histogram("hicache_request_generation_tokens", "generated tokens per "
@@ -295,14 +299,15 @@ class ServerMetrics:
 
     def ended(self, finish_reason: str, prompt_tokens: int, generation_tokens: int, max_tokens: int = 0,
               n: int | None = None, span_s: tuple[float, float, float] | None = None,
-              max_generation_tokens: int | None = None) -> None:
+              max_generation_tokens: int | None = None, counted_tokens: int = 0) -> None:
         """An engine request ended (each choice once): its reason, its tokens and their per-request histograms,
         its max_tokens (0, a prefill alone: not observed, as vLLM observes none); n and max_generation_tokens: its
         prompt's n and the most tokens one of its choices generated, given by the choice that ends it last
         (`PromptChoices.ended`); span_s: (first prefill's start, first token, last token), perf_counter
-        seconds, where it got a first token."""
+        seconds, where it got a first token; counted_tokens: those of its generation_tokens the generation counter
+        has already (each as the server read it, scheduler/generation.py): the rest are counted now."""
         self.finished.labels(finish_reason if finish_reason in FINISH_REASONS else "error").inc()
-        self.generation_tokens.inc(generation_tokens)
+        self.generation_tokens.inc(max(0, generation_tokens - counted_tokens))
         self.request_prompt_tokens.observe(prompt_tokens)
         self.request_generation_tokens.observe(generation_tokens)
         if max_tokens:
