@@ -273,8 +273,8 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
     async def reset_prefix_cache_route(request: Request):  # (on the engine's loop, between its steps' awaits)
         return await reset_prefix_cache(request)
 
-    def model_card() -> dict:
-        return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "hicache",
+    def model_card(name: str) -> dict:  # (vLLM's: one per --served-model-name; regression: the first alone)
+        return {"id": name, "object": "model", "created": st.created, "owned_by": "hicache",
                 "root": st.engine.model_id, "max_model_len": st.engine.max_kv_tokens}
 
     # GET routes answer HEAD too (RFC 9110; `curl -I`, uptime checks): FastAPI's got a 405
@@ -291,7 +291,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
 
     @get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(name) for name in limits.served_model_names or [st.model_name]]}
 
     @get("/v1/models/{model:path}")
     async def model(model: str):  # the openai SDK's models.retrieve (it was a 404 for the served model)
@@ -300,7 +300,7 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         model = model if model in st.served_names else model.removesuffix("/")  # (a listed name may end in "/")
         if model not in st.served_names:
             raise model_not_found(model, st.served_names, st.model_name)
-        return model_card()
+        return model_card(model)
 
     @get("/health")
     async def health():
