@@ -45,8 +45,12 @@ def kept_tokens(req, chat: bool, *, prompt_limit: int, context_tokens: int | Non
         field = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
         within = "" if context_tokens is None else f", and the {context_tokens} tokens a request can hold less " \
                                                    f"its {field} - 1"
+        # (a beam search's limit is less its max_tokens - 1 too: regression, the 400 named limits that gave not the
+        # longest prompt it reported)
+        beam = f" less its {field} - 1 (a beam search sends each beam as a prompt)" \
+            if getattr(req, "use_beam_search", False) else ""
         raise ValueError(f"'{PARAM}' of {k} exceeds the longest prompt this request can have, {longest} tokens "
-                         f"(--max-prompt-tokens{within})")
+                         f"(--max-prompt-tokens{beam}{within})")
     return k
 
 
