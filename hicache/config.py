@@ -134,6 +134,10 @@ class HiCacheConfig:
         if self.storage_persist and (self.storage_backend != "file" or self.storage_path is None):
             raise ValueError("--hicache-storage-persist keeps a local L3 file: it needs --hicache-storage-path "
                              "(and the file backend; a Redis L3 outlives the engine anyway)")
+        no_l3 = self.storage_size_gb == 0 or self.storage_size_gb is None and self.storage_ratio == 0
+        if self.storage_persist and no_l3:  # (regression: the engine started with no L3, nothing kept, without a word)
+            raise ValueError("--hicache-storage-persist keeps the L3 file: it needs an L3, but "
+                             "--hicache-storage-ratio / --hicache-storage-size-gb of 0 asks for none")
         if self.storage_persist and not self.storage_checksum:
             raise ValueError("--hicache-storage-persist needs the L3 checksums (every page adopted from an "
                              "earlier run is verified as it is read): drop --hicache-disable-checksum")

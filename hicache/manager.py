@@ -320,12 +320,21 @@ class CacheManager:
         self.allocator(tier).free(pages, claim)
 
     def note_hit(self, tokens: Sequence[int], match: MatchResult) -> None:
-        """A request reused this prefix: count hits (write_through_selective backs up on the second)."""
+        """A request reused this prefix: count hits per node (write_through_selective backs up the L1 hit's nodes on
+        their second, as SGLang's per-node count; a node's count is never above its parent's). Regression: only the
+        deepest node's count was asked, and a conversation's history, matched each turn through the node its last
+        turn published, was never backed up."""
         for node in match.path:
             node.hits += 1
-        if (self.has_l2 and self.config.write_policy == "write_through_selective"
-                and match.lengths[Tier.L1] and match.handles[Tier.L1].hits >= 2):
-            self.runner.start_backup(tuple(tokens[: match.lengths[Tier.L1]]))
+        if not (self.has_l2 and self.config.write_policy == "write_through_selective"):
+            return
+        hot_tokens = 0  # the L1 hit's nodes hit twice, from the root
+        for node in match.path:
+            if node.hits < 2 or hot_tokens + len(node.key) > match.lengths[Tier.L1]:
+                break
+            hot_tokens += len(node.key)
+        if hot_tokens:
+            self.runner.start_backup(tuple(tokens[:hot_tokens]))
 
     # -- the cost policy's questions: CostPolicy answers them (hicache/cost_policy.py) ------------
     def whole_first_pages(self, num_pages: int, tail_tokens: int = 0) -> int:

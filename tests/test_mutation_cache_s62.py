@@ -273,19 +273,21 @@ async def test_check_integrity_fails_on_a_broken_tree_op_count_or_store():
 @pytest.mark.asyncio
 async def test_write_through_selective_backs_up_a_prefix_on_its_second_hit():
     """write_through_selective: a prefix is backed up once it was hit twice, not on its first hit; a hit
-    counts for every node of its path (a shared prefix, hit through two prompts, then alone); a hit
-    that L1 lacks (an L2 hit) backs up nothing."""
+    counts for every node of its path (a shared prefix, hit through two prompts: its second hit, session 80);
+    a hit that L1 lacks (an L2 hit) backs up nothing."""
     mgr = make_manager(l1_pages=8, host_pages=16, storage_pages=0, write_policy="write_through_selective")
     x, y, z = toks((0, 4), (10, 14)), toks((0, 4), (20, 24)), toks((0, 4), (30, 34))
     write_prefix(mgr, x)
     write_prefix(mgr, y, 4)
     mgr.note_hit(x, mgr.match(x))
-    mgr.note_hit(y, mgr.match(y))
     await mgr.drain()
     assert mgr.metrics.backups_started == 0, "backed up on a first hit"
-    mgr.note_hit(z, mgr.match(z))  # the shared page alone: its third hit
+    mgr.note_hit(y, mgr.match(y))  # the shared page's second hit
     await mgr.drain()
-    assert lengths(mgr, x, y) == [[8, 4, 0], [8, 4, 0]]
+    assert lengths(mgr, x, y) == [[8, 4, 0], [8, 4, 0]] and mgr.metrics.backups_started == 1
+    mgr.note_hit(z, mgr.match(z))  # the shared page alone: its third hit, L2 holds it
+    await mgr.drain()
+    assert mgr.metrics.backups_started == 1
     mgr.note_hit(x, mgr.match(x))  # x's second hit
     await mgr.drain()
     assert lengths(mgr, x) == [[8, 8, 0]] and mgr.metrics.backups_started == 2
