@@ -57,6 +57,7 @@ class Admission(Reservations, Restoring):
         self.fallback_end_tokens: dict[str, int] = {}
         # (rid, L1 room in pages) of the request the last prefill pass found no room for (`chain_decode_batch`)
         self.memory_blocked: tuple[str, int] | None = None
+        self.room_waiters: list[Request] = []  # in decode, waiting for L1 room at the last decode step (`_queue_waits`)
         self.auto_ratio = AutoReserveRatio()  # (decode_reserve_ratio "auto": scheduler/reservations.py)
 
     # -- prefixes ------------------------------------------------------------------------------
@@ -91,7 +92,7 @@ class Admission(Reservations, Restoring):
                 budget -= chunk
         if not eng.stopping:  # (else they stay queued, as they are, for the next start())
             self.start_deferred_hints()
-        for req in self._admission_order():
+        for req in [] if self._queue_waits() else self._admission_order():
             if budget <= 0 or len(eng.running) >= eng.config.max_running_requests:
                 break
             if eng.stopping and not req.resumed_tokens:
@@ -261,7 +262,7 @@ class Admission(Reservations, Restoring):
     # -- decode --------------------------------------------------------------------------------
     def decode_batch(self) -> Batch | None:
         eng = self.engine
-        reqs = [r for r in eng.running if r.state is RequestState.DECODE]
+        reqs, self.room_waiters = [r for r in eng.running if r.state is RequestState.DECODE], []
         if not reqs:
             return None
         self.auto_ratio.decode_step()

@@ -57,7 +57,8 @@ class AutoReserveRatio:
 
 class Reservations:
     """Admission's L1 reservations (mixed into it: uses engine, cache, page_size, reserved_pages, memory_blocked,
-    `_reusable`, `_reuses`, `_l1_room_pages`, `_room_beside`, `release` and `auto_ratio`, an AutoReserveRatio)."""
+    room_waiters, `_reusable`, `_reuses`, `_l1_room_pages`, `_room_beside`, `release` and `auto_ratio`, an
+    AutoReserveRatio)."""
     engine: "Engine"
     auto_ratio: AutoReserveRatio
 
@@ -114,6 +115,8 @@ class Reservations:
                 # (pages a backup copies are evictable once copied, a preempted request's K/V among them under
                 # write_through: the request waits a step for them. Regression: the first victim's pages were
                 # locked by its backup as the request allocated, and one page short preempted every request)
+                if self._beyond_reservation(req, num_tokens):  # room nobody reserved: the queue waits for it too
+                    self.room_waiters.append(req)  # (`_queue_waits`)
                 return False
             victim = max((r for r in self.engine.running if r.state is RequestState.DECODE),
                          key=lambda r: (r.params.priority, r.arrival_s))
@@ -121,6 +124,14 @@ class Reservations:
             if victim is req:
                 return False
         return True
+
+    def _queue_waits(self) -> bool:
+        """Whether a request in decode waits for L1 room nobody reserved (`room_waiters`, `_grow_or_preempt`: pages
+        past its reservation, which backups are copying): then no queued request is admitted, as vLLM admits none in a
+        step where a running request lacked memory. (Regression: each prefill pass admitted one on the room a backup's
+        copy had freed, and a stream of short requests, each backed up as it ended, held a long request in decode for
+        good.)"""
+        return any(r.state is RequestState.DECODE for r in self.room_waiters)
 
     def preempt(self, req: Request) -> None:
         """Take a request in decode off L1: publish its K/V (as `release` does at its end), give back its pages
