@@ -44,6 +44,8 @@ outside its --api-key; here it is always served and, with --api-key, asks for th
 """
 from __future__ import annotations
 
+import importlib.metadata
+
 import structlog
 from fastapi.responses import Response
 from prometheus_client import Counter
@@ -181,3 +183,12 @@ async def reset_tiers(cache, tiers: tuple[Tier, ...], resets: Counter | None = N
             resets.labels(tier.label).inc()
     log.info("prefix_cache_reset", pages_freed=freed_pages, pages_left=left_pages, skipped=sorted(skipped))
     return {"success": True, "pages_freed": freed_pages, "pages_left": left_pages, "skipped": skipped}
+
+
+def installed_version() -> str:
+    """The installed project's version, GET /version's ("unknown" when it runs from a checkout without being
+    installed; here, not in scheduler/server.py, which is at its 500 lines)."""
+    try:
+        return importlib.metadata.version("hicache")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -32,7 +32,7 @@ import time
 from scheduler.api_models import APIError
 from scheduler.beam_search import MAX_BEAM_WIDTH, BeamSearchError, BeamSearchParams, BeamSearchResult, beam_search
 from scheduler.generation import Generation
-from scheduler.request import MAX_LOGPROBS, Request, SamplingParams, TokenEvent
+from scheduler.request import MAX_LOGPROBS, Request, RequestError, SamplingParams, TokenEvent
 
 _RANKS = "beams are ranked by the model's raw logprobs"
 _ABORTED = "the beam search was aborted (the server is shutting down or the client went away)"
@@ -89,14 +89,21 @@ class BeamSearches:
         what its last step's prompt may hold (regression: under --max-prompt-tokens a chat without max_tokens was
         always a 400 naming max_tokens, which it never sent)."""
         given = self.api_req.max_tokens is not None or getattr(self.api_req, "max_completion_tokens", None) is not None
-        fits = self.st.engine.max_prompt_tokens + 1 - len(prompt)  # (prompt + max_tokens - 1 tokens at the last step)
+        fits = self.st.prompt_limit + 1 - len(prompt)  # (prompt + max_tokens - 1 tokens at the last step)
         if given or self.search_params.max_tokens <= fits:
             return self.search_params
         return dataclasses.replace(self.search_params, max_tokens=max(fits, 1))
 
     def validate(self, prompt: list[int], _params: SamplingParams) -> None:
-        """Engine.validate's part for a search of `prompt` (RequestError naming the field)."""
-        self._search_params(prompt).validate(self.st.engine, prompt)
+        """Engine.validate's part for a search of `prompt` (RequestError naming the field), its steps' prompts within
+        the server's prompt limit, which truncate_prompt_tokens reads (regression: a ServerLimits.max_prompt_tokens
+        below the engine's bounded only the truncation: -1 cut a prompt that fit to 1 token and searched it)."""
+        search_params = self._search_params(prompt)
+        search_params.validate(self.st.engine, prompt)
+        if (last := len(prompt) + search_params.max_tokens - 1) > self.st.prompt_limit:
+            raise RequestError(f"beam search re-sends each beam as a prompt: prompt ({len(prompt)}) + max_tokens "
+                               f"({search_params.max_tokens}) - 1 = {last} tokens exceeds the prompt limit of "
+                               f"{self.st.prompt_limit}", "max_tokens")
 
     def choices(self, prompt: list[int], rids, index: int, batch_size: int) -> list["BeamChoice"]:
         """Prompt `index`'s n choices: its search's beams, best first (the search starts as they are read)."""

@@ -89,7 +89,7 @@ class EngineConfig:
             raise ValueError("decode_reserve_ratio (--decode-reserve-ratio) must be in [0, 1] or 'auto', "
                              f"got {self.decode_reserve_ratio!r}")
         if not 0.0 < self.gpu_memory_fraction <= 1.0:  # (also NaN)
-            raise ValueError("gpu_memory_fraction (--gpu-memory-fraction) must be in (0, 1], "
+            raise ValueError("gpu_memory_fraction (--gpu-memory-fraction/--gpu-memory-utilization) must be in (0, 1], "
                              f"got {self.gpu_memory_fraction!r}")
         # (one page; the device's default page too: regression, 3 tokens took a default page of 4, and were refused
         # one given as --page-size 4)
@@ -188,10 +188,12 @@ def _engine_maximums() -> dict[str, int]:
 # Why hicache needs the prefix cache: without its lookups L2 and L3 take backups that nothing reads
 HICACHE_NEEDS_PREFIX_CACHE = "L2 and L3 only serve prefix-cache hits, so without the prefix cache they would sit idle"
 
-# The command-line flag of each field checked here that has one (add_engine_args).
+# The command-line flag of each field checked here that has one (add_engine_args), its aliases too, as argparse names
+# them (regression: --max-num-seqs 0 was refused naming only --max-running-requests, a flag the user never typed)
 FLAGS = {"seed": "--seed", "page_size": "--page-size", "num_pages": "--num-pages",
-         "max_total_tokens": "--max-total-tokens", "max_prefill_tokens": "--max-prefill-tokens",
-         "max_running_requests": "--max-running-requests", "max_prompt_tokens": "--max-prompt-tokens",
+         "max_total_tokens": "--max-total-tokens",
+         "max_prefill_tokens": "--max-prefill-tokens/--max-num-batched-tokens/--chunked-prefill-size",
+         "max_running_requests": "--max-running-requests/--max-num-seqs", "max_prompt_tokens": "--max-prompt-tokens",
          "cpu_threads": "--cpu-threads"}
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import importlib.metadata
 import math
 import numbers
 import os
@@ -44,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from scheduler.api_admin import PrefixCacheReset, refuse_cross_site
+from scheduler.api_admin import PrefixCacheReset, installed_version as _version, refuse_cross_site
 from scheduler.api_auth import CORSSettings, install_access
 from scheduler.api_beam_search import BeamSearches
 from scheduler.api_inputs import choice_params, model_not_found, named_refusal, parse_prompts
@@ -53,15 +52,18 @@ from scheduler.api_responses import ResponsesShape
 from scheduler.responses_background import BackgroundResponses
 from scheduler.responses_store import ResponsesStore
 from scheduler.sse_response import SSEResponse
+from scheduler.chat_template import CONTENT_FORMATS
 from scheduler.api_tokenize import chat_unavailable, detokenize, tokenize
 from scheduler.choices import Choices
 from scheduler.engine import Engine
 from scheduler.generation import Generation, abort_quietly, eos_id
 from scheduler.generation_defaults import GenerationDefaults
 from scheduler.prom import ServerMetrics
+from scheduler.reasoning import PARSERS as REASONING_PARSERS
 from scheduler.request import RequestError
 from scheduler.request_ids import RequestIdHeaders, resolve_ids
 from scheduler.tokenizer import load_tokenizer
+from scheduler.tool_calls import PARSERS as TOOL_PARSERS
 
 log = structlog.get_logger("scheduler.server")
 
@@ -99,8 +101,12 @@ class ServerLimits:
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
                 raise ValueError(f"ServerLimits.{name} must be an integer >= {least}, got {value!r}")
             object.__setattr__(self, name, int(value))  # (numpy's integers as Python's)
-        if (fmt := self.chat_template_content_format) not in ("auto", "string", "openai"):  # (vLLM's flag's)
-            raise ValueError(f"ServerLimits.chat_template_content_format must be auto, string or openai, got {fmt!r}")
+        # (vLLM's flags' choices; regression: a parser's typo, "" too, ran the one parser there is)
+        for name, allowed in (("chat_template_content_format", CONTENT_FORMATS),
+                              ("reasoning_parser", REASONING_PARSERS), ("tool_call_parser", TOOL_PARSERS)):
+            if (value := getattr(self, name)) not in allowed and (value is not None or name.endswith("format")):
+                none = "" if name.endswith("format") else " or None"
+                raise ValueError(f"ServerLimits.{name} must be one of {', '.join(allowed)}{none}, got {value!r}")
         grace_s = self.shutdown_grace_s
         if not isinstance(grace_s, numbers.Real) or isinstance(grace_s, bool) or math.isnan(grace_s):
             raise ValueError(f"ServerLimits.shutdown_grace_s must be a number of seconds, got {grace_s!r}")
@@ -335,14 +341,6 @@ def create_app(engine: Engine, limits: ServerLimits | None = None, tokenizer=Non
         return JSONResponse(jsonable(s))
 
     return app
-
-
-def _version() -> str:
-    """The installed project's version ("unknown" when it runs from a checkout without being installed)."""
-    try:
-        return importlib.metadata.version("hicache")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
 
 
 # -- generation --------------------------------------------------------------------------------------

@@ -83,8 +83,8 @@ def json_text(value: Any) -> str:
 
 def call_of(body: str) -> ToolCall | None:
     """A block's body as a call: a JSON object with a string "name" and object "arguments" (or JSON text of one;
-    "parameters" as some fine-tunes write it; none: {}); None when it is not one (regression: a string of no JSON,
-    "hello", was taken as the call's arguments: not the JSON text a client parses)."""
+    "parameters" as some fine-tunes write it; none or null: {}); None when it is not one (regression: a string of no
+    JSON, "hello", was taken as the call's arguments: not the JSON text a client parses)."""
     try:
         obj = loads_keeping_numbers(body)
     except (ValueError, RecursionError):
@@ -97,6 +97,8 @@ def call_of(body: str) -> ToolCall | None:
             args = loads_keeping_numbers(args)
         except (ValueError, RecursionError):
             return None
+    if args is None:  # null: none, as a request's null arguments read (regression: the call was content text)
+        args = {}
     try:
         return ToolCall(obj["name"], json_text(args)) if isinstance(args, dict) else None
     except RecursionError:  # (nested deeper than json_text writes back, ~330 levels: text, as JSON past the parser's)

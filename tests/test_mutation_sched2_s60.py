@@ -29,10 +29,10 @@ class _Observed:
 
 
 def _state() -> SimpleNamespace:
-    """What a BeamChoice reads of the server's state: the engine's limits and EOS ids, the metrics' TTFT."""
+    """What a BeamChoice reads of the server's state: its and the engine's limits, EOS ids, the metrics' TTFT."""
     engine = SimpleNamespace(max_prompt_tokens=64, model_config=SimpleNamespace(eos_token_ids=[0]))
     metrics = SimpleNamespace(ttft=_Observed(), prompt_choice=lambda *a: None)
-    return SimpleNamespace(engine=engine, tokenizer=None, metrics=metrics)
+    return SimpleNamespace(engine=engine, tokenizer=None, metrics=metrics, prompt_limit=64)
 
 
 def _searches(n: int):

@@ -180,7 +180,7 @@ def test_a_left_out_max_tokens_fits_the_last_step_s_prompt():
     """Without max_tokens a search's is what its last step's prompt may hold: prompt + max_tokens - 1 tokens within
     max_prompt_tokens (at least 1)."""
     bs = _beams()
-    bs.st = SimpleNamespace(engine=SimpleNamespace(max_prompt_tokens=10))
+    bs.st = SimpleNamespace(engine=SimpleNamespace(max_prompt_tokens=10), prompt_limit=10)  # (the server's limit)
     assert bs._search_params([1] * 4).max_tokens == 7 and bs._search_params([1] * 12).max_tokens == 1
     assert bs._search_params([1] * 2).max_tokens == 9
 
