@@ -75,7 +75,9 @@ def print_tables(tl: Timeline, file: TextIO = sys.stdout) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console(file=file)
+    # the cells as logged: a request id is a client's (any printable ASCII), an error any text (regression: read as
+    # rich markup, "[/x]" in one raised MarkupError, "[bold]" vanished, ":smile:" became an emoji)
+    console = Console(file=file, markup=False, emoji=False)
     console.print(summary_line(tl))
     tables = (("Requests", REQUEST_COLUMNS, request_rows(tl)), ("Operations", OP_COLUMNS, op_rows(tl)))
     for title, header, rows in tables:
@@ -251,7 +253,8 @@ def render_png(tl: Timeline, path: str | Path, *, max_request_rows: int = 40) ->
         for a in (ax, ax_occ):
             a.axvline(x, color="grey", linestyle="--", linewidth=0.8)
     ax.set_ylim(-0.6, len(rows) - 0.4)
-    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=7)
+    # (labels hold request ids, a client's text: not mathtext, regression: "$a^$" in one raised ValueError)
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows], fontsize=7, parse_math=False)
     ax.invert_yaxis()
     if keys:
         ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in keys], labels=keys,
