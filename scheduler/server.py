@@ -52,8 +52,8 @@ from scheduler.api_responses import ResponsesShape
 from scheduler.responses_background import BackgroundResponses
 from scheduler.responses_store import ResponsesStore
 from scheduler.sse_response import SSEResponse
-from scheduler.chat_template import CONTENT_FORMATS
 from scheduler.api_tokenize import chat_unavailable, detokenize, tokenize
+from scheduler.chat_template import CONTENT_FORMATS
 from scheduler.choices import Choices
 from scheduler.engine import Engine
 from scheduler.generation import Generation, abort_quietly, eos_id
