@@ -74,3 +74,15 @@ async def test_a_request_that_waited_for_l1_room_once_does_not_hold_the_queue_af
         eng.check_integrity()
     finally:
         await eng.shutdown()
+
+
+@pytest.mark.parametrize("field", ["chat_template_content_format", "tool_call_parser", "reasoning_parser"])
+def test_server_limits_take_none_only_for_the_parsers(field):
+    """Mutant M26: scheduler/server.py ServerLimits without the content format's None check (None, no format of
+    vLLM's flag, was taken). The parsers take None: off."""
+    from scheduler.server import ServerLimits
+    if field == "chat_template_content_format":
+        with pytest.raises(ValueError, match="chat_template_content_format must be one of auto, string, openai, got"):
+            ServerLimits(**{field: None})
+    else:
+        assert getattr(ServerLimits(**{field: None}), field) is None
