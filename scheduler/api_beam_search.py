@@ -32,7 +32,7 @@ import time
 from scheduler.api_models import APIError
 from scheduler.beam_search import MAX_BEAM_WIDTH, BeamSearchError, BeamSearchParams, BeamSearchResult, beam_search
 from scheduler.generation import Generation
-from scheduler.request import MAX_LOGPROBS, Request, RequestError, SamplingParams, TokenEvent
+from scheduler.request import MAX_LOGPROBS, Request, SamplingParams, TokenEvent
 
 _RANKS = "beams are ranked by the model's raw logprobs"
 _ABORTED = "the beam search was aborted (the server is shutting down or the client went away)"
@@ -98,12 +98,7 @@ class BeamSearches:
         """Engine.validate's part for a search of `prompt` (RequestError naming the field), its steps' prompts within
         the server's prompt limit, which truncate_prompt_tokens reads (regression: a ServerLimits.max_prompt_tokens
         below the engine's bounded only the truncation: -1 cut a prompt that fit to 1 token and searched it)."""
-        search_params = self._search_params(prompt)
-        search_params.validate(self.st.engine, prompt)
-        if (last := len(prompt) + search_params.max_tokens - 1) > self.st.prompt_limit:
-            raise RequestError(f"beam search re-sends each beam as a prompt: prompt ({len(prompt)}) + max_tokens "
-                               f"({search_params.max_tokens}) - 1 = {last} tokens exceeds the prompt limit of "
-                               f"{self.st.prompt_limit}", "max_tokens")
+        self._search_params(prompt).validate(self.st.engine, prompt, self.st.prompt_limit)
 
     def choices(self, prompt: list[int], rids, index: int, batch_size: int) -> list["BeamChoice"]:
         """Prompt `index`'s n choices: its search's beams, best first (the search starts as they are read)."""

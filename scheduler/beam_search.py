@@ -94,9 +94,10 @@ class BeamSearchParams:
                               priority=self.priority, cache_salt=self.cache_salt,
                               prompt_logprobs=self.prompt_logprobs if first else None, **masked)
 
-    def validate(self, engine: "Engine", prompt: list[int]) -> None:
+    def validate(self, engine: "Engine", prompt: list[int], prompt_limit: int | None = None) -> None:
         """RequestError naming the field: the engine's checks of the whole search (its fields' ranges, prompt +
-        max_tokens - 1 tokens of K/V), and every step's prompt within the engine's prompt limit."""
+        max_tokens - 1 tokens of K/V), and every step's prompt within the engine's prompt limit (or a lower one: a
+        server's --max-prompt-tokens)."""
         if not _is_integer(self.beam_width) or not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
             raise RequestError(f"beam_width must be an integer in [1, {MAX_BEAM_WIDTH}] (each step asks 2 * beam_width "
                                f"logprobs, at most {MAX_LOGPROBS}), got {self.beam_width!r}", "beam_width")
@@ -114,11 +115,12 @@ class BeamSearchParams:
                                prompt_logprobs=self.prompt_logprobs, priority=self.priority,
                                cache_salt=self.cache_salt)
         engine.validate(prompt, whole)
+        limit = engine.max_prompt_tokens if prompt_limit is None else min(prompt_limit, engine.max_prompt_tokens)
         last = len(prompt) + self.max_tokens - 1  # (the last step's prompt: the prompt and all but one new token)
-        if last > engine.max_prompt_tokens:
+        if last > limit:
             raise RequestError(f"beam search re-sends each beam as a prompt: prompt ({len(prompt)}) + max_tokens "
-                               f"({self.max_tokens}) - 1 = {last} tokens exceeds the prompt limit of "
-                               f"{engine.max_prompt_tokens}", "max_tokens")
+                               f"({self.max_tokens}) - 1 = {last} tokens exceeds the prompt limit of {limit}",
+                               "max_tokens")
 
 
 @dataclass

@@ -102,11 +102,12 @@ class ServerLimits:
                 raise ValueError(f"ServerLimits.{name} must be an integer >= {least}, got {value!r}")
             object.__setattr__(self, name, int(value))  # (numpy's integers as Python's)
         # (vLLM's flags' choices; regression: a parser's typo, "" too, ran the one parser there is)
-        for name, allowed in (("chat_template_content_format", CONTENT_FORMATS),
-                              ("reasoning_parser", REASONING_PARSERS), ("tool_call_parser", TOOL_PARSERS)):
-            if (value := getattr(self, name)) not in allowed and (value is not None or name.endswith("format")):
-                none = "" if name.endswith("format") else " or None"
-                raise ValueError(f"ServerLimits.{name} must be one of {', '.join(allowed)}{none}, got {value!r}")
+        for name, allowed, off in (("chat_template_content_format", CONTENT_FORMATS, ()),
+                                   ("reasoning_parser", REASONING_PARSERS, (None,)),
+                                   ("tool_call_parser", TOOL_PARSERS, (None,))):  # (None: no parser)
+            if (value := getattr(self, name)) not in (*allowed, *off):
+                or_none = " or None" if off else ""
+                raise ValueError(f"ServerLimits.{name} must be one of {', '.join(allowed)}{or_none}, got {value!r}")
         grace_s = self.shutdown_grace_s
         if not isinstance(grace_s, numbers.Real) or isinstance(grace_s, bool) or math.isnan(grace_s):
             raise ValueError(f"ServerLimits.shutdown_grace_s must be a number of seconds, got {grace_s!r}")
